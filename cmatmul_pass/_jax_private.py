@@ -1,0 +1,85 @@
+"""The one module that touches ``jax._src``.
+
+Everything cmatmul_pass needs from JAX's private API (the MLIR context factory, the
+dialect bindings, compile plumbing and sharding conversion) is imported here and only
+here, so a JAX upgrade that moves things breaks exactly one file.  Supported range:
+``jax>=0.10.2,<0.13``.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jax._src import compiler as _compiler
+from jax._src import xla_bridge as _xla_bridge
+from jax._src.interpreters import mlir as _jmlir
+from jax._src.lib import xla_client as _xla_client
+from jax._src.lib.mlir import ir  # noqa: F401  (re-exported)
+from jax._src.lib.mlir.dialects import func, hlo  # noqa: F401  (re-exported)
+
+try:  # moved between releases; keep the fallback here, nowhere else
+    from jax._src.sharding_impls import GSPMDSharding as _GSPMDSharding
+except ImportError:  # pragma: no cover - depends on the installed jax
+    from jax._src.sharding_impls import _op_sharding_to_pos_sharding as _to_pos
+
+    def _GSPMDSharding(devices, op_sharding):  # type: ignore[misc]
+        return _to_pos(op_sharding, tuple(devices))
+
+
+__all__ = [
+    "ir",
+    "hlo",
+    "func",
+    "make_context",
+    "deserialize_portable_artifact",
+    "module_to_bytecode",
+    "compile_module",
+    "sharding_for_devices",
+    "module_to_hlo_text",
+]
+
+
+def make_context() -> ir.Context:
+    """A context with every dialect JAX emits (stablehlo, sdy, func, chlo, ...) registered."""
+    return _jmlir.make_ir_context()
+
+
+def deserialize_portable_artifact(context: ir.Context, data: bytes) -> ir.Module:
+    """Parse a StableHLO portable artifact (VHLO bytecode, as ``jax.export`` serialises)."""
+    return hlo.deserialize_portable_artifact(context, data)
+
+
+def module_to_bytecode(module: ir.Module) -> bytes:
+    buf = io.BytesIO()
+    module.operation.write_bytecode(buf)
+    return buf.getvalue()
+
+
+def compile_module(module: ir.Module, num_partitions: int, devices: Sequence[Any]):
+    """Compile ``module`` for ``num_partitions`` SPMD partitions on ``devices`` (CPU).
+
+    ``devices[i]`` runs logical partition ``i``; a permuted list is a permuted
+    device assignment.  Returns a loaded executable.
+    """
+    backend = _xla_bridge.get_backend(devices[0].platform)
+    assignment = np.array(list(devices), dtype=object).reshape(1, num_partitions)
+    options = _compiler.get_compile_options(
+        num_replicas=1, num_partitions=num_partitions, device_assignment=assignment, backend=backend
+    )
+    device_list = _xla_client.DeviceList(tuple(devices))
+    return backend.compile_and_load(module, executable_devices=device_list, compile_options=options)
+
+
+def sharding_for_devices(devices: Sequence[Any], op_sharding: Any):
+    """A ``jax.sharding.Sharding`` for an XLA ``OpSharding`` over ``devices`` (partition order)."""
+    return _GSPMDSharding(tuple(devices), op_sharding)
+
+
+def module_to_hlo_text(module_text: str) -> str:
+    """Pre-optimisation HLO text of a StableHLO module (for inspection)."""
+    computation = _xla_client._xla.mlir.mlir_module_to_xla_computation(module_text)
+    return computation.as_hlo_text()

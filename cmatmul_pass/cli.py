@@ -1,0 +1,154 @@
+"""``python -m cmatmul_pass {rewrite,check,explain}``.
+
+Exit codes: 0 success; 1 numerics mismatch (``check``); 2 bad input or usage (one
+line on stderr naming the file and location, no traceback, no output file);
+3 internal error (a cmatmul_pass bug: the rewrite did not verify).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from .errors import CmatmulError, ExecutionError, InputError, InternalError
+
+DEFAULT_CPU_DEVICES = 8
+PROG = "cmatmul_pass"
+
+
+def ensure_cpu_devices(count: int = DEFAULT_CPU_DEVICES) -> None:
+    """Ask XLA for ``count`` virtual CPU devices unless the user already chose (must precede ``import jax``)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="Collective-matmul rewriting for StableHLO.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add_input(p: argparse.ArgumentParser) -> None:
+        p.add_argument("input", help="StableHLO text or bytecode; '-' reads stdin")
+        p.add_argument("--quiet", "-q", action="store_true", help="no per-site summary on stderr")
+
+    p = sub.add_parser("rewrite", help="rewrite a module")
+    add_input(p)
+    p.add_argument("-o", "--output", default="-", help="output path ('-': stdout, the default)")
+    p.add_argument("--report-json", metavar="PATH", help="write the per-site report as JSON")
+    p.add_argument("--debug-info", action="store_true", help="print locations in the output")
+    p.add_argument("--emit-bytecode", action="store_true", help="write MLIR bytecode instead of text")
+
+    p = sub.add_parser("check", help="rewrite, run original and rewritten on CPU devices, compare outputs")
+    add_input(p)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+
+    p = sub.add_parser("explain", help="show every candidate site, the decision and its reason")
+    add_input(p)
+    return parser
+
+
+def read_input(path: str) -> tuple[bytes, str]:
+    if path == "-":
+        return sys.stdin.buffer.read(), "<stdin>"
+    p = Path(path)
+    try:
+        return p.read_bytes(), path
+    except IsADirectoryError:
+        raise InputError(path, "is a directory, not a module file") from None
+    except FileNotFoundError:
+        raise InputError(path, "no such file") from None
+    except OSError as exc:
+        raise InputError(path, f"cannot read: {exc.strerror or exc}") from None
+
+
+def write_output(path: str, data: str | bytes) -> None:
+    """Write ``data`` to ``path`` atomically (temp file + rename); '-' is stdout."""
+    raw = data.encode() if isinstance(data, str) else data
+    if path == "-":
+        sys.stdout.buffer.write(raw)
+        sys.stdout.flush()
+        return
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent or Path("."))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _rewrite(args):
+    from .pipeline import Options, rewrite
+
+    data, source = read_input(args.input)
+    result = rewrite(data, Options(debug_info=getattr(args, "debug_info", False)), source=source)
+    if not args.quiet:
+        for site in result.report.sites:
+            print(site.summary_line(), file=sys.stderr)
+        print(f"{PROG}: {result.report.summary()}", file=sys.stderr)
+    return data, source, result
+
+
+def cmd_rewrite(args) -> int:
+    _, _, result = _rewrite(args)
+    out = result.bytecode if args.emit_bytecode else result.text
+    if args.report_json:
+        write_output(args.report_json, result.report.to_json())
+    write_output(args.output, out)
+    return 0
+
+
+def cmd_check(args) -> int:
+    from . import ir_utils
+    from .execute import check_numerics
+
+    data, source, result = _rewrite(args)
+    original = ir_utils.parse(data, source=source)
+    outcome = check_numerics(original, result.module, seed=args.seed)
+    print(outcome.format())
+    return 0 if outcome.ok else 1
+
+
+def cmd_explain(args) -> int:
+    args.quiet = True
+    _, _, result = _rewrite(args)
+    report = result.report
+    print(f"{report.source}: {report.num_partitions} partitions, {report.summary()}")
+    for site in report.sites:
+        print(f"\n{site.location}  [{site.kind}] in @{site.function}")
+        if site.ring_size:
+            print(f"  ring: {site.ring_size} devices, groups {site.replica_groups}")
+        if site.shard_shape is not None:
+            print(f"  shard: {site.dtype}{site.shard_shape}, {site.bytes_per_step} B per step, {site.bytes_moved} B moved per device")
+        if site.rewritten:
+            print(f"  decision: rewritten as a ring loop ({site.operand} operand, {site.dim_role} dim {site.collective_dim})")
+        else:
+            print(f"  decision: left unchanged: {site.reason} [{site.reason_code}]")
+    return 0
+
+
+COMMANDS = {"rewrite": cmd_rewrite, "check": cmd_check, "explain": cmd_explain}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ensure_cpu_devices()
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except InputError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except InternalError as exc:
+        print(f"{PROG}: internal error: {exc}", file=sys.stderr)
+        return 3
+    except ExecutionError as exc:
+        print(f"{PROG}: error: {args.input}: {exc}", file=sys.stderr)
+        return 2
+    except CmatmulError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,197 @@
+"""Compile and run original and rewritten modules on CPU devices; compare their outputs.
+
+Inputs are random arrays of the entry function's global shapes, distributed with the
+shardings the compiled program declares for its parameters (so a module whose
+arguments carry ``sdy.sharding`` / ``mhlo.sharding`` gets exactly those layouts;
+replicated where none).  Outputs are compared shard by shard on every device, so a
+rewrite that is right on one device and wrong on another cannot hide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from . import ir_utils
+from ._jax_private import compile_module, ir, sharding_for_devices
+from .errors import ExecutionError
+
+#: Normwise relative tolerance per float dtype: max|a-b| / max|a| must not exceed it.
+#: A rewritten dot computes each output element from the same products as the
+#: original, so only accumulation order (CPU tiling) differs: a few ulps of the
+#: accumulator for f32/f64, one rounding of the stored result for 16-bit types.
+FLOAT_TOLERANCES = {"f64": 1e-12, "f32": 1e-5, "f16": 2e-3, "bf16": 1e-2}
+
+_NUMPY_DTYPES = {
+    "f64": np.float64,
+    "f32": np.float32,
+    "f16": np.float16,
+    "bf16": ml_dtypes.bfloat16,
+    "i1": np.bool_,
+    "i8": np.int8,
+    "i16": np.int16,
+    "i32": np.int32,
+    "i64": np.int64,
+    "ui8": np.uint8,
+    "ui16": np.uint16,
+    "ui32": np.uint32,
+    "ui64": np.uint64,
+}
+
+
+@dataclass(frozen=True)
+class OutputComparison:
+    index: int
+    dtype: str
+    shape: tuple[int, ...]
+    max_abs_error: float
+    rel_error: float
+    tolerance: float  # 0.0 means exact
+
+    @property
+    def ok(self) -> bool:
+        return self.rel_error <= self.tolerance if self.tolerance else self.max_abs_error == 0
+
+    def line(self) -> str:
+        rule = f"rel tol {self.tolerance:g}" if self.tolerance else "exact"
+        verdict = "ok" if self.ok else "MISMATCH"
+        return (
+            f"output {self.index} {self.dtype}{list(self.shape)}: max abs err {self.max_abs_error:.3e}, "
+            f"rel err {self.rel_error:.3e} ({rule}) {verdict}"
+        )
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    outputs: tuple[OutputComparison, ...]
+    num_partitions: int
+
+    @property
+    def ok(self) -> bool:
+        return all(o.ok for o in self.outputs)
+
+    def format(self) -> str:
+        lines = [o.line() for o in self.outputs]
+        verdict = "numerics: OK" if self.ok else "numerics: MISMATCH"
+        lines.append(f"{verdict} ({len(self.outputs)} output(s), {self.num_partitions} partitions)")
+        return "\n".join(lines)
+
+
+def entry_function(module: ir.Module) -> ir.OpView:
+    """The public ``main`` (what jax.jit and jax.export produce), else the only public function."""
+    funcs = [op for op in module.body.operations if op.operation.name == "func.func"]
+    public = [f for f in funcs if "sym_visibility" not in f.attributes
+              or ir.StringAttr(f.attributes["sym_visibility"]).value == "public"]
+    for f in public:
+        if ir.StringAttr(f.attributes["sym_name"]).value == "main":
+            return f
+    if len(public) == 1:
+        return public[0]
+    raise ExecutionError("cannot find the entry function (a public func.func @main)")
+
+
+def numpy_dtype(element_type: ir.Type):
+    name = str(element_type)
+    if name not in _NUMPY_DTYPES:
+        raise ExecutionError(f"cannot make random inputs of element type {name}")
+    return np.dtype(_NUMPY_DTYPES[name])
+
+
+def random_inputs(module: ir.Module, seed: int = 0) -> list[np.ndarray]:
+    """One random array per entry-function argument (normal floats, small ints, coin-flip bools)."""
+    rng = np.random.default_rng(seed)
+    arrays = []
+    for arg in entry_function(module).regions[0].blocks[0].arguments:
+        t = ir_utils.ranked_tensor(arg)
+        if t is None or not ir_utils.is_static(t):
+            raise ExecutionError(f"cannot make inputs for an argument of type {arg.type}")
+        dtype = numpy_dtype(t.element_type)
+        shape = tuple(t.shape)
+        if dtype == np.bool_:
+            arrays.append(rng.integers(0, 2, shape).astype(np.bool_))
+        elif np.issubdtype(dtype, np.integer):
+            arrays.append(rng.integers(0, 8, shape).astype(dtype))
+        else:
+            arrays.append(rng.standard_normal(shape).astype(dtype))
+    return arrays
+
+
+def cpu_devices(count: int) -> list:
+    import jax
+
+    devices = jax.devices("cpu")
+    if len(devices) < count:
+        raise ExecutionError(
+            f"the module needs {count} partitions but only {len(devices)} CPU devices exist; set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={count} before jax is imported"
+        )
+    return devices[:count]
+
+
+def run(module: ir.Module, inputs: Sequence[np.ndarray], devices: Sequence) -> list[list[np.ndarray]]:
+    """Compile ``module`` for ``len(devices)`` partitions and run it: per output, per device, a shard."""
+    import jax
+
+    try:
+        executable = compile_module(module, len(devices), devices)
+    except Exception as exc:  # XLA raises its own runtime error types
+        raise ExecutionError(f"XLA could not compile the module: {' '.join(str(exc).split())[:500]}") from exc
+    shardings = executable.get_parameter_shardings()
+    if len(shardings) != len(inputs):
+        raise ExecutionError(f"the program takes {len(shardings)} parameters, got {len(inputs)} inputs")
+    args = [jax.device_put(x, sharding_for_devices(devices, s)) for x, s in zip(inputs, shardings)]
+    results = executable.execute_sharded(args)
+    return [[np.asarray(shard) for shard in per_output] for per_output in results.disassemble_into_single_device_arrays()]
+
+
+def compare(index: int, expected: list[np.ndarray], actual: list[np.ndarray]) -> OutputComparison:
+    a = np.stack(expected)
+    b = np.stack(actual)
+    name = _dtype_name(a.dtype)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return OutputComparison(index, f"{name} vs {_dtype_name(b.dtype)}", a.shape[1:], float("inf"), float("inf"), 0.0)
+    shape = tuple(a.shape[1:])
+    if name not in FLOAT_TOLERANCES:  # integers and bools: exact
+        diff = np.abs(a.astype(np.int64) - b.astype(np.int64)) if a.size else np.zeros(1)
+        err = float(diff.max()) if diff.size else 0.0
+        return OutputComparison(index, name, shape, err, err, 0.0)
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    same_nan = np.isnan(a64) & np.isnan(b64)
+    diff = np.where(same_nan, 0.0, np.abs(a64 - b64))
+    max_abs = float(np.nanmax(diff)) if diff.size else 0.0
+    if np.isnan(diff).any():
+        max_abs = float("inf")
+    scale = float(np.nanmax(np.abs(a64))) if a64.size else 0.0
+    rel = max_abs / scale if scale > 0 else max_abs
+    return OutputComparison(index, name, shape, max_abs, rel, FLOAT_TOLERANCES[name])
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    for name, np_type in _NUMPY_DTYPES.items():
+        if np.dtype(np_type) == dtype:
+            return name
+    return str(dtype)
+
+
+def check_numerics(
+    original: ir.Module,
+    rewritten: ir.Module,
+    *,
+    seed: int = 0,
+    devices: Sequence | None = None,
+) -> CheckResult:
+    """Run both modules on identical random inputs; compare every output shard."""
+    num_partitions = ir_utils.int_attr(original.operation, "mhlo.num_partitions") or 1
+    devices = list(devices) if devices is not None else cpu_devices(num_partitions)
+    if len(devices) != num_partitions:
+        raise ExecutionError(f"the module has {num_partitions} partitions but {len(devices)} devices were given")
+    inputs = random_inputs(original, seed)
+    expected = run(original, inputs, devices)
+    actual = run(rewritten, inputs, devices)
+    if len(expected) != len(actual):
+        raise ExecutionError(f"original has {len(expected)} outputs, rewritten {len(actual)}")
+    outputs = tuple(compare(i, e, a) for i, (e, a) in enumerate(zip(expected, actual)))
+    return CheckResult(outputs, num_partitions)

@@ -1,0 +1,161 @@
+"""Parsing, printing, walking and small type/attribute helpers over the MLIR bindings."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from ._jax_private import deserialize_portable_artifact, ir, make_context
+from .errors import InputError
+
+BYTECODE_MAGIC = b"ML\xefR"
+
+
+def parse(data: str | bytes, *, source: str = "<input>", context: ir.Context | None = None) -> ir.Module:
+    """Parse StableHLO text, MLIR bytecode or a portable (VHLO) artifact.
+
+    Raises :class:`InputError` naming ``source`` and the line:col MLIR reports.
+    """
+    context = context or make_context()
+    if isinstance(data, bytes) and not data.startswith(BYTECODE_MAGIC):
+        try:
+            data = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InputError(source, "input is neither UTF-8 text nor MLIR bytecode") from exc
+    if not data or (isinstance(data, str) and not data.strip()):
+        raise InputError(source, "empty input: expected a StableHLO module")
+    try:
+        module = ir.Module.parse(data, context=context)
+    except ir.MLIRError as exc:
+        if isinstance(data, bytes):
+            module = _parse_portable_artifact(data, context, source, exc)
+        else:
+            raise _input_error(source, exc) from None
+    if not any(True for _ in module.body.operations):
+        raise InputError(source, "module is empty: expected a StableHLO module with functions")
+    return module
+
+
+def _parse_portable_artifact(data: bytes, context: ir.Context, source: str, first: ir.MLIRError) -> ir.Module:
+    try:
+        return deserialize_portable_artifact(context, data)
+    except Exception:  # the plain-bytecode error is the more useful one to show
+        raise _input_error(source, first) from None
+
+
+def _input_error(source: str, exc: ir.MLIRError) -> InputError:
+    diagnostics = list(getattr(exc, "error_diagnostics", []) or [])
+    if not diagnostics:
+        return InputError(source, str(exc).splitlines()[-1] if str(exc) else "cannot parse input")
+    diag = diagnostics[0]
+    line, col = file_line_col(diag.location)
+    return InputError(source, diag.message or "cannot parse input", line, col)
+
+
+def print_module(module: ir.Module, *, debug_info: bool = False) -> str:
+    """Deterministic text of ``module`` (locations only with ``debug_info``)."""
+    return module.operation.get_asm(enable_debug_info=debug_info, assume_verified=True)
+
+
+def walk(op: ir.Operation | ir.OpView) -> Iterator[ir.OpView]:
+    """Every operation nested in ``op`` (pre-order, ``op`` excluded).
+
+    Callers collect the result into a list before mutating anything.
+    """
+    for region in op.regions:
+        for block in region.blocks:
+            for child in block.operations:
+                yield child
+                yield from walk(child)
+
+
+def ranked_tensor(value: ir.Value) -> ir.RankedTensorType | None:
+    try:
+        return ir.RankedTensorType(value.type)
+    except ValueError:
+        return None
+
+
+def is_static(t: ir.RankedTensorType) -> bool:
+    return all(not ir.ShapedType.is_dynamic_size(d) for d in t.shape)
+
+
+def with_dim(t: ir.RankedTensorType, dim: int, size: int) -> ir.RankedTensorType:
+    shape = list(t.shape)
+    shape[dim] = size
+    return ir.RankedTensorType.get(shape, t.element_type)
+
+
+def int_attr(op: ir.OpView | ir.Operation, name: str) -> int | None:
+    attrs = op.attributes
+    if name not in attrs:
+        return None
+    return ir.IntegerAttr(attrs[name]).value
+
+
+def dense_ints(attr: ir.Attribute) -> np.ndarray:
+    return np.array(ir.DenseIntElementsAttr(attr), dtype=np.int64)
+
+
+def users(value: ir.Value) -> list[ir.OpView]:
+    """Distinct ops using ``value``, in use order."""
+    seen: list[ir.OpView] = []
+    for use in value.uses:
+        owner = use.owner
+        if not any(owner == s for s in seen):
+            seen.append(owner)
+    return seen
+
+
+def enclosing_func_name(op: ir.OpView) -> str:
+    parent = op.operation.parent
+    while parent is not None:
+        if parent.name == "func.func":
+            return ir.StringAttr(parent.attributes["sym_name"]).value
+        parent = parent.parent
+    return "<module>"
+
+
+def file_line_col(loc: ir.Location) -> tuple[int | None, int | None]:
+    """The (line, col) of the first file location inside ``loc``."""
+    found = first_file_location(loc)
+    if found is None:
+        return None, None
+    return found.start_line, found.start_col
+
+
+def first_file_location(loc: ir.Location):
+    """Depth-first search for a FileLineColLoc (the user's frame comes first in JAX's locations)."""
+    if type(loc) is ir.Location:  # diagnostics hand out the base class: downcast to the concrete kind
+        with loc.context:
+            loc = ir.Location.from_attr(loc.attr)
+    if hasattr(loc, "start_line") and hasattr(loc, "filename"):
+        return loc
+    children: list = []
+    if hasattr(loc, "child_loc"):  # NameLoc
+        children = [loc.child_loc]
+    elif hasattr(loc, "callee"):  # CallSiteLoc: the callee is the innermost frame
+        children = [loc.callee, loc.caller]
+    elif hasattr(loc, "locations"):  # FusedLoc
+        children = list(loc.locations)
+    for child in children:
+        found = first_file_location(child)
+        if found is not None:
+            return found
+    return None
+
+
+def render_location(loc: ir.Location, source: str | None = None) -> str:
+    """``file:line:col`` of the op for a human.
+
+    Text parsed without debug info carries the parser's own ``"-":line:col``
+    locations; those are shown against ``source`` (the file that was read).
+    """
+    found = first_file_location(loc)
+    if found is None:
+        return str(loc)
+    filename = found.filename
+    if filename in ("-", "") and source:
+        filename = source
+    return f"{filename}:{found.start_line}:{found.start_col}"

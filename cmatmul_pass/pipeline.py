@@ -1,0 +1,127 @@
+"""The pass pipeline: parse, find, rewrite, verify after every site, report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import ir_utils
+from ._jax_private import hlo, ir, make_context, module_to_bytecode
+from .errors import InternalError
+from .matchers import AllGatherDotMatch, DeclinedSite, ModuleInfo, Site, find_all_gather_dot
+from .report import Report, SiteReport, describe_shard
+from .rewrite.all_gather_dot import rewrite_all_gather_dot
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the pass does.  (Later variants — bidirectional, unroll, streams — extend this.)
+
+    ``debug_info``: print locations in :attr:`RewriteResult.text` (off, like ``Lowered.as_text()``).
+    """
+
+    debug_info: bool = False
+
+
+@dataclass
+class RewriteResult:
+    module: ir.Module
+    report: Report
+    options: Options = field(default_factory=Options)
+
+    @property
+    def text(self) -> str:
+        return ir_utils.print_module(self.module, debug_info=self.options.debug_info)
+
+    @property
+    def bytecode(self) -> bytes:
+        return module_to_bytecode(self.module)
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.report.rewritten)
+
+
+class ChannelAllocator:
+    """Fresh channel handles, above every handle already in the module."""
+
+    def __init__(self, module: ir.Module):
+        handles = [
+            hlo.ChannelHandle(op.attributes["channel_handle"]).handle
+            for op in ir_utils.walk(module.operation)
+            if "channel_handle" in op.attributes
+        ]
+        self._next = max(handles, default=0) + 1
+
+    def take(self) -> int:
+        handle = self._next
+        self._next += 1
+        return handle
+
+
+def rewrite(
+    module: str | bytes | ir.Module,
+    options: Options | None = None,
+    *,
+    source: str = "<input>",
+    context: ir.Context | None = None,
+) -> RewriteResult:
+    """Apply the collective-matmul pass.
+
+    ``module`` is StableHLO text, MLIR bytecode / a portable artifact, or a parsed
+    ``ir.Module`` (rewritten in place, as MLIR passes do).  Raises
+    :class:`~cmatmul_pass.errors.InputError` for unreadable input.
+    """
+    options = options or Options()
+    if not isinstance(module, ir.Module):
+        module = ir_utils.parse(module, source=source, context=context or make_context())
+    # Unknown is only the default for type construction; every op gets an explicit loc.
+    with module.context, ir.Location.unknown():
+        report = Report(source, ModuleInfo.of(module).num_partitions)
+        channels = ChannelAllocator(module)
+        for site in find_all_gather_dot(module):
+            report.sites.append(_apply(site, module, channels, source))
+    return RewriteResult(module, report, options)
+
+
+def _apply(site: Site, module: ir.Module, channels: ChannelAllocator, source: str) -> SiteReport:
+    entry = _describe(site, source)
+    if isinstance(site, DeclinedSite):
+        return entry
+    handle = channels.take()
+    rewrite_all_gather_dot(site, handle)
+    _verify(module, entry)
+    entry.rewritten = True
+    entry.channel_handles = [handle]
+    return entry
+
+
+def _describe(site: Site, source: str) -> SiteReport:
+    anchor = site.anchor
+    entry = SiteReport(
+        kind=site.kind,
+        location=ir_utils.render_location(anchor.location, source),
+        function=ir_utils.enclosing_func_name(anchor),
+        rewritten=False,
+    )
+    if site.ring is not None:
+        entry.ring_size = site.ring.size
+        entry.replica_groups = [list(g) for g in site.ring.groups]
+    if anchor.operation.operands:
+        describe_shard(entry, anchor.operation.operands[0], entry.ring_size)
+    if isinstance(site, DeclinedSite):
+        entry.reason, entry.reason_code = site.message, site.code
+    elif isinstance(site, AllGatherDotMatch):
+        entry.operand = "lhs" if site.operand_index == 0 else "rhs"
+        entry.dim_role = "free"
+        entry.collective_dim = site.gather_dim
+    return entry
+
+
+def _verify(module: ir.Module, entry: SiteReport) -> None:
+    try:
+        module.operation.verify()
+    except ir.MLIRError as exc:
+        raise InternalError(
+            f"rewriting the {entry.kind} site at {entry.location} produced IR that does not verify "
+            f"(a cmatmul_pass bug): {' '.join(str(exc).split())}"
+        ) from exc

@@ -1,0 +1,89 @@
+"""The per-site report: what the pass found, what it did and why."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from . import ir_utils
+from ._jax_private import ir
+
+
+@dataclass
+class SiteReport:
+    kind: str
+    location: str
+    function: str
+    rewritten: bool
+    reason: str = ""
+    reason_code: str = ""
+    ring_size: int | None = None
+    replica_groups: list[list[int]] | None = None
+    operand: str | None = None  # "lhs" / "rhs": which dot operand the collective feeds
+    dim_role: str | None = None  # "free" / "contracting" / "batch"
+    collective_dim: int | None = None
+    shard_shape: list[int] | None = None
+    dtype: str | None = None
+    bytes_per_step: int | None = None  # one shard, as one permute moves it
+    bytes_moved: int | None = None  # per device, over the whole ring
+    channel_handles: list[int] = field(default_factory=list)
+
+    def summary_line(self) -> str:
+        ring = f" ring={self.ring_size}" if self.ring_size else ""
+        if self.rewritten:
+            return f"{self.location}: {self.kind}: rewritten{ring} ({self.operand} operand, {self.dim_role} dim {self.collective_dim})"
+        return f"{self.location}: {self.kind}: left unchanged{ring}: {self.reason} [{self.reason_code}]"
+
+
+@dataclass
+class Report:
+    source: str
+    num_partitions: int | None
+    sites: list[SiteReport] = field(default_factory=list)
+
+    @property
+    def rewritten(self) -> list[SiteReport]:
+        return [s for s in self.sites if s.rewritten]
+
+    @property
+    def declined(self) -> list[SiteReport]:
+        return [s for s in self.sites if not s.rewritten]
+
+    def to_dict(self) -> dict:
+        return {
+            "source": self.source,
+            "num_partitions": self.num_partitions,
+            "sites": [asdict(s) for s in self.sites],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    def summary(self) -> str:
+        return f"{len(self.rewritten)} of {len(self.sites)} candidate site(s) rewritten"
+
+
+def element_bytes(element_type: ir.Type) -> int:
+    width = getattr(element_type, "width", None)
+    if width is None:
+        return 0
+    return max(1, width // 8)
+
+
+def tensor_bytes(t: ir.RankedTensorType) -> int:
+    count = 1
+    for d in t.shape:
+        count *= d
+    return count * element_bytes(t.element_type)
+
+
+def describe_shard(site: SiteReport, shard: ir.Value, ring_size: int | None) -> None:
+    """Fill the shape/dtype/bytes fields from the value a ring passes around."""
+    t = ir_utils.ranked_tensor(shard)
+    if t is None or not ir_utils.is_static(t):
+        return
+    site.shard_shape = list(t.shape)
+    site.dtype = str(t.element_type)
+    site.bytes_per_step = tensor_bytes(t)
+    if ring_size:
+        site.bytes_moved = site.bytes_per_step * (ring_size - 1)

@@ -1,0 +1,1 @@
+"""Rewrites: one module per site kind, sharing the loop and op builders in ``builders``."""

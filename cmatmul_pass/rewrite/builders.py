@@ -1,0 +1,135 @@
+"""Op builders shared by the ring rewrites.
+
+Every helper builds at the current ``ir.InsertionPoint`` with an explicit location,
+so new ops carry the matched ops' source locations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from .. import ir_utils
+from .._jax_private import hlo, ir
+from ..ring import Ring
+
+
+def i32_scalar_type() -> ir.RankedTensorType:
+    return ir.RankedTensorType.get([], ir.IntegerType.get_signless(32))
+
+
+def zero_scalar_attr(element_type: ir.Type) -> ir.Attribute:
+    if isinstance(element_type, ir.IntegerType):
+        return ir.IntegerAttr.get(element_type, 0)
+    if isinstance(element_type, ir.FloatType):
+        return ir.FloatAttr.get(element_type, 0.0)
+    raise TypeError(f"no zero for element type {element_type}")
+
+
+def has_zero(element_type: ir.Type) -> bool:
+    return isinstance(element_type, (ir.IntegerType, ir.FloatType))
+
+
+class Builder:
+    """Builds stablehlo ops at the current insertion point with location ``loc``."""
+
+    def __init__(self, loc: ir.Location):
+        self.loc = loc
+
+    def constant(self, array: np.ndarray) -> ir.Value:
+        return hlo.ConstantOp(ir.DenseElementsAttr.get(np.ascontiguousarray(array)), loc=self.loc).result
+
+    def i32(self, value: int) -> ir.Value:
+        attr = ir.DenseElementsAttr.get_splat(
+            i32_scalar_type(), ir.IntegerAttr.get(ir.IntegerType.get_signless(32), int(value))
+        )
+        return hlo.ConstantOp(attr, loc=self.loc).result
+
+    def zeros(self, t: ir.RankedTensorType) -> ir.Value:
+        attr = ir.DenseElementsAttr.get_splat(t, zero_scalar_attr(t.element_type))
+        return hlo.ConstantOp(attr, loc=self.loc).result
+
+    def add(self, a: ir.Value, b: ir.Value) -> ir.Value:
+        return hlo.AddOp(a, b, loc=self.loc).result
+
+    def mul(self, a: ir.Value, b: ir.Value) -> ir.Value:
+        return hlo.MulOp(a, b, loc=self.loc).result
+
+    def rem(self, a: ir.Value, b: ir.Value) -> ir.Value:
+        return hlo.RemOp(a, b, loc=self.loc).result
+
+    def ring_index(self, position: ir.Value, step: ir.Value, ring_size: int, shift: int = 1) -> ir.Value:
+        """``(position + shift * step) mod ring_size`` for ``step >= 0`` (never negative)."""
+        stride = shift % ring_size
+        moved = step if stride == 1 else self.mul(step, self.i32(stride))
+        return self.rem(self.add(position, moved), self.i32(ring_size))
+
+    def position_in_ring(self, ring: Ring) -> ir.Value:
+        """This partition's position in its group: ``table[partition_id]`` (tensor<i32>)."""
+        table = self.constant(ring.position_table())
+        pid = hlo.PartitionIdOp(loc=self.loc).result
+        pid = hlo.ConvertOp(i32_scalar_type(), pid, loc=self.loc).result
+        entry = hlo.DynamicSliceOp(table, [pid], [1], loc=self.loc).result
+        return hlo.ReshapeOp(i32_scalar_type(), entry, loc=self.loc).result
+
+    def collective_permute(self, value: ir.Value, pairs: np.ndarray, channel: int) -> ir.Value:
+        op = hlo.CollectivePermuteOp(
+            value, pairs.astype(np.int64), channel_handle=hlo.ChannelHandle.get(channel, 1), loc=self.loc
+        )
+        return op.result
+
+    def dynamic_update_slice(self, into: ir.Value, update: ir.Value, dim: int, offset: ir.Value) -> ir.Value:
+        rank = ir.RankedTensorType(into.type).rank
+        zero = self.i32(0) if rank > 1 else None
+        starts = [offset if d == dim else zero for d in range(rank)]
+        return hlo.DynamicUpdateSliceOp(into, update, starts, loc=self.loc).result
+
+    def dynamic_slice(self, value: ir.Value, dim: int, offset: ir.Value, size: int) -> ir.Value:
+        t = ir.RankedTensorType(value.type)
+        zero = self.i32(0) if t.rank > 1 else None
+        starts = [offset if d == dim else zero for d in range(t.rank)]
+        sizes = [size if d == dim else s for d, s in enumerate(t.shape)]
+        return hlo.DynamicSliceOp(value, starts, sizes, loc=self.loc).result
+
+    def dot_like(self, template: ir.OpView, result_type: ir.Type, lhs: ir.Value, rhs: ir.Value) -> ir.Value:
+        """A dot_general with every attribute of ``template`` (dims, precision, algorithm, ...)."""
+        attrs = template.attributes
+        op = hlo.DotGeneralOp(result_type, lhs, rhs, attrs["dot_dimension_numbers"], loc=self.loc)
+        for name, value in attrs.items():
+            op.attributes[name] = value
+        return op.result
+
+
+def counted_loop(
+    b: Builder,
+    trip_count: int,
+    inits: Sequence[ir.Value],
+    body: Callable[[ir.Value, list[ir.Value]], list[ir.Value]],
+) -> list[ir.Value]:
+    """``for i in range(trip_count): carried = body(i, carried)`` as a ``stablehlo.while``.
+
+    The counter is the first loop-carried value; it is dropped from the results.
+    """
+    types = [i32_scalar_type()] + [v.type for v in inits]
+    loop = hlo.WhileOp(types, [b.i32(0), *inits], loc=b.loc)
+    cond = loop.cond.blocks.append(*types, arg_locs=[b.loc] * len(types))
+    with ir.InsertionPoint(cond):
+        lt = hlo.CompareOp(
+            cond.arguments[0],
+            b.i32(trip_count),
+            hlo.ComparisonDirectionAttr.get("LT"),
+            compare_type=hlo.ComparisonTypeAttr.get("SIGNED"),
+            loc=b.loc,
+        )
+        hlo.ReturnOp([lt.result], loc=b.loc)
+    block = loop.body.blocks.append(*types, arg_locs=[b.loc] * len(types))
+    with ir.InsertionPoint(block):
+        counter, *carried = block.arguments
+        new_carried = body(counter, list(carried))
+        hlo.ReturnOp([b.add(counter, b.i32(1)), *new_carried], loc=b.loc)
+    return list(loop.results)[1:]
+
+
+def shard_type(t: ir.RankedTensorType, dim: int, ring_size: int) -> ir.RankedTensorType:
+    return ir_utils.with_dim(t, dim, t.shape[dim] // ring_size)
