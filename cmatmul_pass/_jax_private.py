@@ -19,7 +19,7 @@ from jax._src import xla_bridge as _xla_bridge
 from jax._src.interpreters import mlir as _jmlir
 from jax._src.lib import xla_client as _xla_client
 from jax._src.lib.mlir import ir  # noqa: F401  (re-exported)
-from jax._src.lib.mlir.dialects import func, hlo  # noqa: F401  (re-exported)
+from jax._src.lib.mlir.dialects import func, hlo, sdy  # noqa: F401  (re-exported)
 
 try:  # moved between releases; keep the fallback here, nowhere else
     from jax._src.sharding_impls import GSPMDSharding as _GSPMDSharding
@@ -34,6 +34,7 @@ __all__ = [
     "ir",
     "hlo",
     "func",
+    "sdy",
     "make_context",
     "deserialize_portable_artifact",
     "module_to_bytecode",

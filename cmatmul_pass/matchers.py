@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import ir_utils
-from ._jax_private import hlo, ir
+from ._jax_private import hlo, ir, sdy
 from .errors import Decline
 from .ring import Ring, ring_from_replica_groups
 
@@ -19,16 +19,99 @@ ALL_GATHER_DOT = "all_gather_dot"
 
 @dataclass(frozen=True)
 class ModuleInfo:
-    """Module-level facts every matcher needs."""
+    """Module-level facts every matcher needs.
+
+    ``meshes``: Shardy mesh name -> {axis: size}.  ``partial_manual_funcs``: legacy
+    ``@shmap_body``-style functions entered through ``SPMDFullToShardShape`` with a
+    sharding other than ``{manual}`` (a partial-manual shard_map).
+    """
 
     num_partitions: int | None
     num_replicas: int
+    meshes: dict[str, dict[str, int]]
+    partial_manual_funcs: frozenset[str]
 
     @classmethod
     def of(cls, module: ir.Module) -> "ModuleInfo":
         op = module.operation
         replicas = ir_utils.int_attr(op, "mhlo.num_replicas")
-        return cls(ir_utils.int_attr(op, "mhlo.num_partitions"), 1 if replicas is None else replicas)
+        return cls(
+            ir_utils.int_attr(op, "mhlo.num_partitions"),
+            1 if replicas is None else replicas,
+            _meshes(module),
+            _partial_manual_funcs(module),
+        )
+
+
+def _meshes(module: ir.Module) -> dict[str, dict[str, int]]:
+    meshes = {}
+    for op in module.body.operations:
+        if op.operation.name == "sdy.mesh":
+            axes = [sdy.MeshAxisAttr(a) for a in sdy.MeshAttr(op.attributes["mesh"]).axes]
+            meshes[ir.StringAttr(op.attributes["sym_name"]).value] = {a.name: a.size for a in axes}
+    return meshes
+
+
+def _partial_manual_funcs(module: ir.Module) -> frozenset[str]:
+    names = set()
+    for op in ir_utils.walk(module.operation):
+        if op.operation.name != "func.call":
+            continue
+        for operand in op.operation.operands:
+            producer = operand.owner
+            if (
+                isinstance(producer, ir.Operation | ir.OpView)
+                and producer.name == "stablehlo.custom_call"
+                and ir.StringAttr(producer.attributes["call_target_name"]).value == "SPMDFullToShardShape"
+                and "mhlo.sharding" in producer.attributes
+                and ir.StringAttr(producer.attributes["mhlo.sharding"]).value != "{manual}"
+            ):
+                names.add(ir.FlatSymbolRefAttr(op.attributes["callee"]).value)
+    return frozenset(names)
+
+
+def check_fully_manual(op: ir.OpView, info: ModuleInfo) -> None:
+    """Decline sites in partial-manual shard_map regions.
+
+    There XLA partitions the remaining mesh axes itself and rejects a bare
+    ``partition_id`` ("ambiguous"), which the ring needs for its position.
+    """
+    manual: set[str] = set()
+    mesh_name = None
+    parent = op.operation.parent
+    while parent is not None:
+        if parent.name == "sdy.manual_computation":
+            axes = sdy.ManualAxesAttr(parent.attributes["manual_axes"])
+            manual.update(axes[i] for i in range(len(axes)))
+            mesh_name = mesh_name or _manual_computation_mesh(parent)
+        elif parent.name == "func.func":
+            func_name = ir.StringAttr(parent.attributes["sym_name"]).value
+            if func_name in info.partial_manual_funcs:
+                raise Decline("partial_manual", f"the site is in a partial-manual shard_map body (@{func_name}); not rewritten yet")
+        parent = parent.parent
+    if mesh_name is None and len(info.meshes) == 1:
+        mesh_name = next(iter(info.meshes))
+    if not manual or mesh_name not in info.meshes:
+        return
+    free = [axis for axis, size in info.meshes[mesh_name].items() if size > 1 and axis not in manual]
+    if free:
+        raise Decline(
+            "partial_manual",
+            f"the site is in a shard_map region manual over {sorted(manual)} only; mesh axes {free} stay automatic "
+            "and partition_id is ambiguous there; not rewritten yet",
+        )
+
+
+def _manual_computation_mesh(op: ir.Operation) -> str | None:
+    for key in ("in_shardings", "out_shardings"):
+        shardings = sdy.TensorShardingPerValueAttr(op.attributes[key]).shardings
+        if len(shardings):
+            ref = sdy.TensorShardingAttr(shardings[0]).mesh_or_ref
+            try:
+                return ir.FlatSymbolRefAttr(ref).value
+            except ValueError:  # an inline mesh: no name to look up
+                return None
+    return None
 
 
 @dataclass(frozen=True, eq=False)
@@ -85,6 +168,7 @@ def _all_gather_ring(ag: ir.OpView, info: ModuleInfo) -> Ring:
     if len(ag.operation.operands) != 1:
         raise Decline("variadic", f"all_gather has {len(ag.operation.operands)} operands; only single-operand gathers are rewritten")
     check_partition_mode(ag, info)
+    check_fully_manual(ag, info)
     return ring_from_replica_groups(ir_utils.dense_ints(ag.attributes["replica_groups"]), info.num_partitions)
 
 

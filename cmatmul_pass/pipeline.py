@@ -9,7 +9,7 @@ from ._jax_private import hlo, ir, make_context, module_to_bytecode
 from .errors import InternalError
 from .matchers import AllGatherDotMatch, DeclinedSite, ModuleInfo, Site, find_all_gather_dot
 from .report import Report, SiteReport, describe_shard
-from .rewrite.all_gather_dot import rewrite_all_gather_dot
+from .rewrites.all_gather_dot import rewrite_all_gather_dot
 
 
 @dataclass(frozen=True)
