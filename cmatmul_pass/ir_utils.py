@@ -25,23 +25,34 @@ def parse(data: str | bytes, *, source: str = "<input>", context: ir.Context | N
             raise InputError(source, "input is neither UTF-8 text nor MLIR bytecode") from exc
     if not data or (isinstance(data, str) and not data.strip()):
         raise InputError(source, "empty input: expected a StableHLO module")
-    try:
-        module = ir.Module.parse(data, context=context)
-    except ir.MLIRError as exc:
-        if isinstance(data, bytes):
-            module = _parse_portable_artifact(data, context, source, exc)
-        else:
+    if isinstance(data, bytes):
+        module = _parse_bytecode(data, context, source)
+    else:
+        try:
+            module = ir.Module.parse(data, context=context)
+        except ir.MLIRError as exc:
             raise _input_error(source, exc) from None
     if not any(True for _ in module.body.operations):
         raise InputError(source, "module is empty: expected a StableHLO module with functions")
     return module
 
 
-def _parse_portable_artifact(data: bytes, context: ir.Context, source: str, first: ir.MLIRError) -> ir.Module:
+def _parse_bytecode(data: bytes, context: ir.Context, source: str) -> ir.Module:
+    """MLIR bytecode, including StableHLO portable artifacts (VHLO, as jax.export serialises).
+
+    The portable-artifact reader also reads plain bytecode and upgrades VHLO to
+    StableHLO; a plain parse would leave ``vhlo.*`` ops behind.
+    """
     try:
         return deserialize_portable_artifact(context, data)
-    except Exception:  # the plain-bytecode error is the more useful one to show
-        raise _input_error(source, first) from None
+    except Exception:
+        pass
+    try:
+        ir.Module.parse(data, context=context)
+    except ir.MLIRError as exc:  # the reader's own diagnostic says what is wrong
+        message = exc.error_diagnostics[0].message if exc.error_diagnostics else str(exc)
+        raise InputError(source, f"invalid MLIR bytecode: {message}") from None
+    raise InputError(source, "MLIR bytecode that is not StableHLO (cannot be read as a portable artifact)")
 
 
 def _input_error(source: str, exc: ir.MLIRError) -> InputError:

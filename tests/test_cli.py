@@ -1,0 +1,163 @@
+"""The command line: exit codes, stdin/stdout, -o, report JSON, bytecode input, check, explain."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import cmatmul_pass
+from cmatmul_pass import cli, ir_utils
+from cmatmul_pass._jax_private import module_to_bytecode
+from cmatmul_pass.rewrites import all_gather_dot
+from conftest import ROOT, sample
+
+POS = sample("ag_dot_mesh2x4_model")
+NEG = sample("neg_contracting_dim")
+
+
+def run_cli(*argv):
+    return cli.main([str(a) for a in argv])
+
+
+def test_rewrite_to_file_with_report(tmp_path, capsys):
+    out, rep = tmp_path / "out.mlir", tmp_path / "report.json"
+    assert run_cli("rewrite", POS, "-o", out, "--report-json", rep) == 0
+    text = out.read_text()
+    assert "stablehlo.while" in text and "all_gather" not in text
+    ir_utils.parse(text).operation.verify()
+    report = json.loads(rep.read_text())
+    (site,) = report["sites"]
+    assert site["kind"] == "all_gather_dot" and site["rewritten"] and site["ring_size"] == 4
+    assert site["location"].startswith(f"{POS}:")
+    err = capsys.readouterr().err
+    assert "all_gather_dot: rewritten ring=4" in err and "1 of 1 candidate site(s) rewritten" in err
+
+
+def test_rewrite_to_stdout_and_quiet(capsys):
+    assert run_cli("rewrite", POS, "--quiet") == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("module @") and captured.err == ""
+
+
+def test_rewrite_reads_stdin(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(POS.read_bytes())))
+    assert run_cli("rewrite", "-", "-q") == 0
+    assert capsys.readouterr().out == cmatmul_pass.rewrite(POS.read_text()).text
+
+
+def test_negative_sample_reports_reason(tmp_path, capsys):
+    rep = tmp_path / "r.json"
+    assert run_cli("rewrite", NEG, "-o", tmp_path / "o.mlir", "--report-json", rep) == 0
+    (site,) = json.loads(rep.read_text())["sites"]
+    assert not site["rewritten"] and site["reason_code"] == "contracting_dim" and "contracted" in site["reason"]
+    assert "left unchanged" in capsys.readouterr().err
+
+
+def test_output_may_overwrite_the_input(tmp_path):
+    path = tmp_path / "m.mlir"
+    path.write_text(POS.read_text())
+    assert run_cli("rewrite", path, "-o", path, "-q") == 0
+    assert "stablehlo.while" in path.read_text()
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("", "empty input"),
+        ("this is not mlir\n", ":1:1: custom op 'this' is unknown"),
+        ("module {\n  func.func @f( }\n", ":2:"),
+        (POS.read_text()[: len(POS.read_text()) // 2], ":"),
+        (b"ML\xefR\x00garbage", "bytecode"),
+    ],
+    ids=["empty", "not-mlir", "syntax", "truncated", "corrupt-bytecode"],
+)
+def test_bad_input_exits_2_without_output(tmp_path, capsys, content, message):
+    src = tmp_path / "bad.mlir"
+    src.write_bytes(content.encode() if isinstance(content, str) else content)
+    out = tmp_path / "out.mlir"
+    out.write_text("precious")
+    assert run_cli("rewrite", src, "-o", out, "--report-json", tmp_path / "r.json") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"cmatmul_pass: error: {src}")
+    assert message.lower() in err.lower()
+    assert out.read_text() == "precious" and not (tmp_path / "r.json").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+@pytest.mark.parametrize("path, message", [("/nonexistent/m.mlir", "no such file"), (".", "is a directory")])
+def test_unreadable_paths(capsys, path, message):
+    assert run_cli("rewrite", path) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bytecode_input(tmp_path, capsys):
+    module = ir_utils.parse(POS.read_text())
+    path = tmp_path / "m.mlirbc"
+    path.write_bytes(module_to_bytecode(module))
+    assert run_cli("rewrite", path, "-q") == 0
+    assert capsys.readouterr().out == cmatmul_pass.rewrite(POS.read_text()).text
+
+
+def test_portable_artifact_from_jax_export(tmp_path, capsys):
+    mesh = jax.make_mesh((8,), ("model",))
+    body = lambda x, w: jax.lax.all_gather(x, "model", axis=0, tiled=True) @ w  # noqa: E731
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("model", None), P(None, "model")), out_specs=P(None, "model")))
+    exp = jax.export.export(f)(
+        jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=NamedSharding(mesh, P("model", None))),
+        jax.ShapeDtypeStruct((32, 64), jnp.float32, sharding=NamedSharding(mesh, P(None, "model"))),
+    )
+    path = tmp_path / "exported.bin"
+    path.write_bytes(exp.mlir_module_serialized)
+    assert run_cli("rewrite", path, "--report-json", tmp_path / "r.json", "-q") == 0
+    assert json.loads((tmp_path / "r.json").read_text())["sites"][0]["rewritten"]
+    assert "stablehlo.collective_permute" in capsys.readouterr().out
+
+
+def test_emit_bytecode_round_trips(tmp_path):
+    out = tmp_path / "o.mlirbc"
+    assert run_cli("rewrite", POS, "-o", out, "--emit-bytecode", "-q") == 0
+    assert out.read_bytes().startswith(b"ML\xefR")
+    assert ir_utils.print_module(ir_utils.parse(out.read_bytes())) == cmatmul_pass.rewrite(POS.read_text()).text
+
+
+def test_check_passes(capsys):
+    assert run_cli("check", POS) == 0
+    out = capsys.readouterr().out
+    assert "numerics: OK" in out and "max abs err" in out and "rel err" in out
+
+
+def test_check_exits_1_on_mismatch(monkeypatch, capsys):
+    monkeypatch.setattr(all_gather_dot, "RECEIVE_FROM_NEXT", +1)
+    assert run_cli("check", POS, "-q") == 1
+    assert "numerics: MISMATCH" in capsys.readouterr().out
+
+
+def test_explain_shows_decisions(capsys):
+    assert run_cli("explain", NEG) == 0
+    out = capsys.readouterr().out
+    assert "left unchanged" in out and "[contracting_dim]" in out and "ring: 4 devices" in out
+    assert run_cli("explain", POS) == 0
+    assert "rewritten as a ring loop" in capsys.readouterr().out
+
+
+def test_module_entry_point_end_to_end(tmp_path):
+    """`python -m cmatmul_pass` in a fresh process: stdin to stdout, exit codes."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "cmatmul_pass", "rewrite", "-", "-q"],
+        input=POS.read_bytes(), capture_output=True, cwd=ROOT, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert b"stablehlo.collective_permute" in proc.stdout
+    proc = subprocess.run(
+        [sys.executable, "-m", "cmatmul_pass", "check", str(POS)], capture_output=True, cwd=ROOT, env=env
+    )
+    assert proc.returncode == 0 and b"numerics: OK" in proc.stdout, proc.stderr.decode()[-2000:]
+    proc = subprocess.run([sys.executable, "-m", "cmatmul_pass", "rewrite", "-"], input=b"junk", capture_output=True, env=env, cwd=ROOT)
+    assert proc.returncode == 2 and b"Traceback" not in proc.stderr
