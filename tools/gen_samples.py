@@ -273,6 +273,62 @@ def both_operands() -> str:
     return lower(f, arg(mesh, (32, 16), P("model", None)))
 
 
+# ---------------------------------------------------------------- derived negative samples
+# Reasons JAX never produces on its own (it always emits partition-mode, single-operand gathers in a
+# module that names its partitions).  Each sample is a real lowered program changed in exactly one
+# place through the MLIR bindings, so the module is still generated, never hand-edited.
+def derived(base: Callable[[], str], mutate: Callable) -> Callable[[], str]:
+    def build() -> str:
+        from cmatmul_pass import ir_utils
+        from cmatmul_pass._jax_private import ir
+
+        module = ir_utils.parse(base())
+        with module.context, ir.Location.unknown():
+            mutate(module)
+            module.operation.verify()
+        return ir_utils.print_module(module)
+
+    return build
+
+
+def the_all_gather(module):
+    from cmatmul_pass import ir_utils
+
+    (ag,) = [op for op in ir_utils.walk(module.operation) if op.operation.name == "stablehlo.all_gather"]
+    return ag
+
+
+def drop_num_partitions(module) -> None:
+    del module.operation.attributes["mhlo.num_partitions"]
+
+
+def two_replicas(module) -> None:
+    from cmatmul_pass._jax_private import ir
+
+    module.operation.attributes["mhlo.num_replicas"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 2)
+
+
+def cross_replica_groups(module) -> None:
+    ag = the_all_gather(module)
+    del ag.attributes["use_global_device_ids"]
+    del ag.attributes["channel_handle"]
+
+
+def variadic_gather(module) -> None:
+    """Gather the shard twice in one op; the dot reads the first result."""
+    from cmatmul_pass._jax_private import hlo, ir
+
+    ag = the_all_gather(module)
+    x = ag.operation.operands[0]
+    with ir.InsertionPoint(ag):
+        pair = hlo.AllGatherOp(
+            [ag.result.type] * 2, [x, x], ag.attributes["all_gather_dim"], ag.attributes["replica_groups"],
+            channel_handle=ag.attributes["channel_handle"], use_global_device_ids=True, loc=ag.location,
+        )
+    ag.result.replace_all_uses_with(pair.results[0])
+    ag.operation.erase()
+
+
 SAMPLES_LIST = [
     Sample("ag_dot_1d", "1-D mesh of 8, column-parallel layer: all_gather rows of x, then x @ W[:, shard].",
            column_parallel_1d, "rewritten 1", ring_checks(PAIRS_1D_8, 7)),
@@ -317,6 +373,18 @@ SAMPLES_LIST = [
            multiple_users, "unchanged multiple_users", ["CHECK: stablehlo.all_gather", "CHECK-NOT: stablehlo.while"]),
     Sample("neg_user_not_dot", "the gathered value feeds a tanh, not a dot.",
            user_not_dot, "unchanged user_not_dot", ["CHECK: stablehlo.all_gather", "CHECK-NOT: stablehlo.while"]),
+    Sample("neg_no_num_partitions", "derived: the 2x4 'model' program without its mhlo.num_partitions attribute.",
+           derived(mesh2x4_model, drop_num_partitions), "unchanged no_num_partitions",
+           ["CHECK: stablehlo.all_gather", "CHECK-NOT: stablehlo.while"]),
+    Sample("neg_two_replicas", "derived: the 2x4 'model' program claiming mhlo.num_replicas = 2.",
+           derived(mesh2x4_model, two_replicas), "unchanged replicas",
+           ["CHECK: stablehlo.all_gather", "CHECK-NOT: stablehlo.while"]),
+    Sample("neg_cross_replica", "derived: the gather without channel_handle / use_global_device_ids (replica groups).",
+           derived(mesh2x4_model, cross_replica_groups), "unchanged cross_replica",
+           ["CHECK: stablehlo.all_gather", "CHECK-NOT: stablehlo.while"]),
+    Sample("neg_variadic", "derived: one all_gather with two operands feeding the dot.",
+           derived(mesh2x4_model, variadic_gather), "unchanged variadic",
+           ["CHECK: stablehlo.all_gather", "CHECK-NOT: stablehlo.while"]),
     Sample("neg_both_operands", "the gathered value is both operands of the dot (a Gram matrix).",
            both_operands, "unchanged both_operands", ["CHECK: stablehlo.all_gather", "CHECK-NOT: stablehlo.while"]),
 ]
