@@ -161,3 +161,13 @@ def test_module_entry_point_end_to_end(tmp_path):
     assert proc.returncode == 0 and b"numerics: OK" in proc.stdout, proc.stderr.decode()[-2000:]
     proc = subprocess.run([sys.executable, "-m", "cmatmul_pass", "rewrite", "-"], input=b"junk", capture_output=True, env=env, cwd=ROOT)
     assert proc.returncode == 2 and b"Traceback" not in proc.stderr
+
+
+def test_a_rewrite_that_does_not_verify_is_an_internal_error(monkeypatch, tmp_path, capsys):
+    """Verification runs after every site: a broken rewrite (partial dot typed as the full result) is caught."""
+    monkeypatch.setattr(all_gather_dot, "shard_type", lambda t, dim, n: t)
+    with pytest.raises(cmatmul_pass.InternalError, match="does not verify"):
+        cmatmul_pass.rewrite(POS.read_text())
+    out = tmp_path / "o.mlir"
+    assert run_cli("rewrite", POS, "-o", out) == 3
+    assert "internal error" in capsys.readouterr().err and not out.exists()
