@@ -13,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .errors import CmatmulError, ExecutionError, InputError, InternalError
+from .errors import CmatmulError, InputError, InternalError
 
 DEFAULT_CPU_DEVICES = 8
 PROG = "cmatmul_pass"
@@ -140,15 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except InputError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
     except InternalError as exc:
         print(f"{PROG}: internal error: {exc}", file=sys.stderr)
         return 3
-    except ExecutionError as exc:
-        print(f"{PROG}: error: {args.input}: {exc}", file=sys.stderr)
-        return 2
-    except CmatmulError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+    except CmatmulError as exc:  # InputError names its file and line:col itself
+        where = "" if isinstance(exc, InputError) else f"{args.input}: "
+        print(f"{PROG}: error: {where}{exc}", file=sys.stderr)
         return 2

@@ -158,12 +158,17 @@ def activations_bsh() -> str:
     return lower(f, arg(mesh, (4, 64, 32), P("data", "model", None)), arg(mesh, (32, 64), P(None, "model")))
 
 
-def legacy_partitioner() -> str:
-    jax.config.update("jax_use_shardy_partitioner", False)
-    try:
-        return mesh2x4_model()
-    finally:
-        jax.config.update("jax_use_shardy_partitioner", True)
+def under_legacy_partitioner(build: Callable[[], str]) -> Callable[[], str]:
+    """The same program lowered with Shardy off (the body becomes func.func private @shmap_body)."""
+
+    def lowered() -> str:
+        jax.config.update("jax_use_shardy_partitioner", False)
+        try:
+            return build()
+        finally:
+            jax.config.update("jax_use_shardy_partitioner", True)
+
+    return lowered
 
 
 def exported() -> str:
@@ -184,14 +189,6 @@ def partial_manual() -> str:
         body, mesh=mesh, in_specs=(P("model", None), P(None, "model")), out_specs=P(None, "model"), axis_names={"model"}
     )
     return lower(f, arg(mesh, (64, 32), P("model", None)), arg(mesh, (32, 64), P(None, "model")))
-
-
-def partial_manual_legacy() -> str:
-    jax.config.update("jax_use_shardy_partitioner", False)
-    try:
-        return partial_manual()
-    finally:
-        jax.config.update("jax_use_shardy_partitioner", True)
 
 
 def inside_scan() -> str:
@@ -349,14 +346,14 @@ SAMPLES_LIST = [
     Sample("ag_dot_bsh", "3-D activations [B, S, H] gathered on S, einsum bsh,hf->bsf.",
            activations_bsh, "rewritten 1", ring_checks(PAIRS_2X4_MODEL, 3)),
     Sample("ag_dot_legacy", "the legacy (non-Shardy) partitioner: the body is func.func private @shmap_body.",
-           legacy_partitioner, "rewritten 1",
+           under_legacy_partitioner(mesh2x4_model), "rewritten 1",
            ["CHECK-LABEL: func.func private @shmap_body"] + ring_checks(PAIRS_2X4_MODEL, 3)),
     Sample("ag_dot_export", "jax.export's module (main wraps the jitted function).",
            exported, "rewritten 1", ring_checks(PAIRS_1D_8, 7)),
     Sample("neg_partial_manual", "partial-manual shard_map (axis_names={'model'}) on a 2x4 mesh: declined for now.",
            partial_manual, "unchanged partial_manual", ["CHECK: stablehlo.all_gather", "CHECK-NOT: stablehlo.while"]),
     Sample("neg_partial_manual_legacy", "partial-manual shard_map under the legacy partitioner: declined for now.",
-           partial_manual_legacy, "unchanged partial_manual",
+           under_legacy_partitioner(partial_manual), "unchanged partial_manual",
            ["CHECK-LABEL: func.func private @shmap_body", "CHECK: stablehlo.all_gather", "CHECK-NOT: stablehlo.while"]),
     Sample("ag_dot_in_scan", "a layer loop: the site sits inside lax.scan's while body.",
            inside_scan, "rewritten 1", ["CHECK: stablehlo.while"] + ring_checks(PAIRS_2X4_MODEL, 3)),
