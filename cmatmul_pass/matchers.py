@@ -148,9 +148,12 @@ class DeclinedSite:
 Site = AllGatherDotMatch | DeclinedSite
 
 
-def find_all_gather_dot(module: ir.Module) -> list[Site]:
-    """Every ``stablehlo.all_gather`` in ``module`` (all functions, all nested regions)."""
-    info = ModuleInfo.of(module)
+def find_all_gather_dot(module: ir.Module, info: ModuleInfo | None = None) -> list[Site]:
+    """Every ``stablehlo.all_gather`` in ``module`` (all functions, all nested regions).
+
+    ``info`` is the module's :class:`ModuleInfo` when the caller already has it.
+    """
+    info = info or ModuleInfo.of(module)
     sites: list[Site] = []
     for op in ir_utils.walk(module.operation):
         if op.operation.name != "stablehlo.all_gather":

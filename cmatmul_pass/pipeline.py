@@ -76,9 +76,10 @@ def rewrite(
         module = ir_utils.parse(module, source=source, context=context or make_context())
     # Unknown is only the default for type construction; every op gets an explicit loc.
     with module.context, ir.Location.unknown():
-        report = Report(source, ModuleInfo.of(module).num_partitions)
+        info = ModuleInfo.of(module)
+        report = Report(source, info.num_partitions)
         channels = ChannelAllocator(module)
-        for site in find_all_gather_dot(module):
+        for site in find_all_gather_dot(module, info):
             report.sites.append(_apply(site, module, channels, source))
     return RewriteResult(module, report, options)
 

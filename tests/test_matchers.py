@@ -143,9 +143,8 @@ def permute_pairs(module) -> list[np.ndarray]:
 @pytest.mark.parametrize("path", POSITIVE, ids=lambda p: p.stem)
 def test_every_permute_forms_the_groups_rings(path):
     """Deadlock freedom: each permute's pairs are exactly one directed cycle per replica group."""
-    text = path.read_text()
-    groups = [tuple(g) for s in cmatmul_pass.rewrite(text).report.rewritten for g in s.replica_groups]
-    result = cmatmul_pass.rewrite(text)
+    result = cmatmul_pass.rewrite(path.read_text())
+    groups = [tuple(g) for s in result.report.rewritten for g in s.replica_groups]
     all_pairs = permute_pairs(result.module)
     assert len(all_pairs) == len(result.report.rewritten)
     for pairs in all_pairs:
