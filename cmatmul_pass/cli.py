@@ -8,6 +8,7 @@ line on stderr naming the file and location, no traceback, no output file);
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -30,19 +31,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Collective-matmul rewriting for StableHLO.")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    def add_report(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--report-json", metavar="PATH", help="write the per-site report as JSON")
+
     def add_input(p: argparse.ArgumentParser) -> None:
         p.add_argument("input", help="StableHLO text or bytecode; '-' reads stdin")
         p.add_argument("--quiet", "-q", action="store_true", help="no per-site summary on stderr")
+        p.add_argument(
+            "--no-assemble",
+            dest="assemble",
+            action="store_false",
+            help="decline an all_gather whose value other ops also read, instead of assembling it in the loop",
+        )
 
     p = sub.add_parser("rewrite", help="rewrite a module")
     add_input(p)
     p.add_argument("-o", "--output", default="-", help="output path ('-': stdout, the default)")
-    p.add_argument("--report-json", metavar="PATH", help="write the per-site report as JSON")
+    add_report(p)
     p.add_argument("--debug-info", action="store_true", help="print locations in the output")
     p.add_argument("--emit-bytecode", action="store_true", help="write MLIR bytecode instead of text")
 
     p = sub.add_parser("check", help="rewrite, run original and rewritten on CPU devices, compare outputs")
     add_input(p)
+    add_report(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
 
     p = sub.add_parser("explain", help="show every candidate site, the decision and its reason")
@@ -86,7 +97,7 @@ def _rewrite(args):
     from .pipeline import Options, rewrite
 
     data, source = read_input(args.input)
-    result = rewrite(data, Options(debug_info=getattr(args, "debug_info", False)), source=source)
+    result = rewrite(data, Options(debug_info=getattr(args, "debug_info", False), assemble=args.assemble), source=source)
     if not args.quiet:
         for site in result.report.sites:
             print(site.summary_line(), file=sys.stderr)
@@ -111,6 +122,10 @@ def cmd_check(args) -> int:
     original = ir_utils.parse(data, source=source)
     outcome = check_numerics(original, result.module, seed=args.seed)
     print(outcome.format())
+    if args.report_json:
+        report = result.report.to_dict()
+        report["numerics"] = outcome.to_dict()
+        write_output(args.report_json, json.dumps(report, indent=2) + "\n")
     return 0 if outcome.ok else 1
 
 
@@ -127,6 +142,11 @@ def cmd_explain(args) -> int:
             print(f"  shard: {site.dtype}{site.shard_shape}, {site.bytes_per_step} B per step, {site.bytes_moved} B moved per device")
         if site.rewritten:
             print(f"  decision: rewritten as a ring loop ({site.operand} operand, {site.dim_role} dim {site.collective_dim})")
+            for dot in site.consumers:
+                through = f", through {' -> '.join(dot['look_through'])}" if dot["look_through"] else ""
+                print(f"  dot: {dot['location']} ({dot['operand']} operand, {dot['dim_role']} dim{through})")
+            for reader in site.assembled_for:
+                print(f"  assembles the gathered value for: {reader}")
         else:
             print(f"  decision: left unchanged: {site.reason} [{site.reason_code}]")
     return 0

@@ -10,7 +10,7 @@ rewrite that is right on one device and wrong on another cannot hide.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import ml_dtypes
 import numpy as np
@@ -72,6 +72,13 @@ class CheckResult:
     @property
     def ok(self) -> bool:
         return all(o.ok for o in self.outputs)
+
+    def to_dict(self) -> dict:
+        return {
+            "ok": self.ok,
+            "num_partitions": self.num_partitions,
+            "outputs": [dict(asdict(o), shape=list(o.shape), ok=o.ok) for o in self.outputs],
+        }
 
     def format(self) -> str:
         lines = [o.line() for o in self.outputs]

@@ -7,9 +7,20 @@ from dataclasses import dataclass, field
 from . import ir_utils
 from ._jax_private import hlo, ir, make_context, module_to_bytecode
 from .errors import InternalError
-from .matchers import AllGatherDotMatch, DeclinedSite, ModuleInfo, Site, find_all_gather_dot
+from .matchers import (
+    AllGatherSite,
+    DeclinedSite,
+    ModuleInfo,
+    ReduceScatterSite,
+    Site,
+    all_gathers,
+    match_all_gather,
+    match_reduce_scatter,
+    reduce_scatters,
+)
 from .report import Report, SiteReport, describe_shard
 from .rewrites.all_gather_dot import rewrite_all_gather_dot
+from .rewrites.dot_reduce_scatter import rewrite_dot_reduce_scatter
 
 
 @dataclass(frozen=True)
@@ -17,9 +28,13 @@ class Options:
     """What the pass does.  (Later variants — bidirectional, unroll, streams — extend this.)
 
     ``debug_info``: print locations in :attr:`RewriteResult.text` (off, like ``Lowered.as_text()``).
+    ``assemble``: when an all_gather's value is also read by ops the ring does not
+    compute (a non-dot op, a dot needing later values), let the loop assemble the
+    gathered value for them; with ``False`` such sites are declined (``multiple_users``).
     """
 
     debug_info: bool = False
+    assemble: bool = True
 
 
 @dataclass
@@ -79,7 +94,14 @@ def rewrite(
         info = ModuleInfo.of(module)
         report = Report(source, info.num_partitions)
         channels = ChannelAllocator(module)
-        for site in find_all_gather_dot(module, info):
+        # Scatters first: a dot between an all_gather and a reduce_scatter becomes the
+        # scatter ring's peeled dot, which the gather's ring then computes (and the
+        # loop reads the gathered value the gather's ring assembles).  Each collective
+        # is matched against the IR as the earlier rewrites left it.
+        for op in reduce_scatters(module):
+            report.sites.append(_apply(match_reduce_scatter(op, info), module, channels, source))
+        for op in all_gathers(module):
+            site = match_all_gather(op, info, assemble=options.assemble)
             report.sites.append(_apply(site, module, channels, source))
     return RewriteResult(module, report, options)
 
@@ -89,7 +111,10 @@ def _apply(site: Site, module: ir.Module, channels: ChannelAllocator, source: st
     if isinstance(site, DeclinedSite):
         return entry
     handle = channels.take()
-    rewrite_all_gather_dot(site, handle)
+    if isinstance(site, ReduceScatterSite):
+        rewrite_dot_reduce_scatter(site, handle)
+    else:
+        rewrite_all_gather_dot(site, handle)
     _verify(module, entry)
     entry.rewritten = True
     entry.channel_handles = [handle]
@@ -107,15 +132,46 @@ def _describe(site: Site, source: str) -> SiteReport:
     if site.ring is not None:
         entry.ring_size = site.ring.size
         entry.replica_groups = [list(g) for g in site.ring.groups]
-    if anchor.operation.operands:
-        describe_shard(entry, anchor.operation.operands[0], entry.ring_size)
+    # The value one permute moves: the gather's shard, the scatter's result block.
+    travelling = anchor.result if site.kind == "dot_reduce_scatter" else (list(anchor.operation.operands) or [None])[0]
+    if travelling is not None:
+        describe_shard(entry, travelling, entry.ring_size)
     if isinstance(site, DeclinedSite):
         entry.reason, entry.reason_code = site.message, site.code
-    elif isinstance(site, AllGatherDotMatch):
-        entry.operand = "lhs" if site.operand_index == 0 else "rhs"
-        entry.dim_role = "free"
+    elif isinstance(site, AllGatherSite):
+        first = site.consumers[0]
+        entry.operand = _side(first.operand_index)
+        entry.dim_role = "+".join(dict.fromkeys(c.role for c in site.consumers))
         entry.collective_dim = site.gather_dim
+        entry.consumers = [
+            {
+                "location": ir_utils.render_location(c.dot.location, source),
+                "operand": _side(c.operand_index),
+                "dim_role": c.role,
+                "look_through": [step.name for step in c.path],
+            }
+            for c in site.consumers
+        ]
+        entry.assembled_for = [
+            f"{op.operation.name} at {ir_utils.render_location(op.location, source)}" for op in site.kept_users
+        ]
+    elif isinstance(site, ReduceScatterSite):
+        entry.operand = _side(site.operand_index)
+        entry.dim_role = "free"
+        entry.collective_dim = site.scatter_dim
+        entry.consumers = [
+            {
+                "location": ir_utils.render_location(site.dot.location, source),
+                "operand": _side(site.operand_index),
+                "dim_role": "free",
+                "look_through": [step.name for step in site.path],
+            }
+        ]
     return entry
+
+
+def _side(operand_index: int) -> str:
+    return "lhs" if operand_index == 0 else "rhs"
 
 
 def _verify(module: ir.Module, entry: SiteReport) -> None:

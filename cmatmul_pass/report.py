@@ -27,11 +27,20 @@ class SiteReport:
     bytes_per_step: int | None = None  # one shard, as one permute moves it
     bytes_moved: int | None = None  # per device, over the whole ring
     channel_handles: list[int] = field(default_factory=list)
+    # the dots the ring computes: {location, operand, dim_role, look_through: [layout op names]}
+    consumers: list[dict] = field(default_factory=list)
+    # readers of the gathered value outside the ring, fed by the copy the loop assembles
+    assembled_for: list[str] = field(default_factory=list)
 
     def summary_line(self) -> str:
         ring = f" ring={self.ring_size}" if self.ring_size else ""
         if self.rewritten:
-            return f"{self.location}: {self.kind}: rewritten{ring} ({self.operand} operand, {self.dim_role} dim {self.collective_dim})"
+            dots = f", {len(self.consumers)} dots" if len(self.consumers) > 1 else ""
+            kept = f", assembles the gathered value for {len(self.assembled_for)} other reader(s)" if self.assembled_for else ""
+            return (
+                f"{self.location}: {self.kind}: rewritten{ring} "
+                f"({self.operand} operand, {self.dim_role} dim {self.collective_dim}{dots}{kept})"
+            )
         return f"{self.location}: {self.kind}: left unchanged{ring}: {self.reason} [{self.reason_code}]"
 
 

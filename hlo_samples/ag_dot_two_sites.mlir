@@ -27,27 +27,27 @@
 // GOLDEN-NEXT: stablehlo.return %22 : tensor<i1>
 // GOLDEN-NEXT: } do {
 // GOLDEN-NEXT: %22 = "stablehlo.collective_permute"(%iterArg_12) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %23 = stablehlo.dot_general %iterArg_12, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %24 = stablehlo.add %4, %iterArg : tensor<i32>
+// GOLDEN-NEXT: %23 = stablehlo.add %4, %iterArg : tensor<i32>
 // GOLDEN-NEXT: %c_14 = stablehlo.constant dense<4> : tensor<i32>
-// GOLDEN-NEXT: %25 = stablehlo.remainder %24, %c_14 : tensor<i32>
+// GOLDEN-NEXT: %24 = stablehlo.remainder %23, %c_14 : tensor<i32>
+// GOLDEN-NEXT: %25 = stablehlo.dot_general %iterArg_12, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: %c_15 = stablehlo.constant dense<16> : tensor<i32>
-// GOLDEN-NEXT: %26 = stablehlo.multiply %25, %c_15 : tensor<i32>
+// GOLDEN-NEXT: %26 = stablehlo.multiply %24, %c_15 : tensor<i32>
 // GOLDEN-NEXT: %c_16 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %27 = stablehlo.dynamic_update_slice %iterArg_13, %23, %26, %c_16 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %27 = stablehlo.dynamic_update_slice %iterArg_13, %25, %26, %c_16 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
 // GOLDEN-NEXT: %c_17 = stablehlo.constant dense<1> : tensor<i32>
 // GOLDEN-NEXT: %28 = stablehlo.add %iterArg, %c_17 : tensor<i32>
 // GOLDEN-NEXT: stablehlo.return %28, %22, %27 : tensor<i32>, tensor<16x32xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %6 = stablehlo.dot_general %5#1, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: %c_1 = stablehlo.constant dense<3> : tensor<i32>
-// GOLDEN-NEXT: %7 = stablehlo.add %4, %c_1 : tensor<i32>
+// GOLDEN-NEXT: %6 = stablehlo.add %4, %c_1 : tensor<i32>
 // GOLDEN-NEXT: %c_2 = stablehlo.constant dense<4> : tensor<i32>
-// GOLDEN-NEXT: %8 = stablehlo.remainder %7, %c_2 : tensor<i32>
+// GOLDEN-NEXT: %7 = stablehlo.remainder %6, %c_2 : tensor<i32>
+// GOLDEN-NEXT: %8 = stablehlo.dot_general %5#1, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: %c_3 = stablehlo.constant dense<16> : tensor<i32>
-// GOLDEN-NEXT: %9 = stablehlo.multiply %8, %c_3 : tensor<i32>
+// GOLDEN-NEXT: %9 = stablehlo.multiply %7, %c_3 : tensor<i32>
 // GOLDEN-NEXT: %c_4 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %5#2, %6, %9, %c_4 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %5#2, %8, %9, %c_4 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
 // GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xi32>
 // GOLDEN-NEXT: %11 = stablehlo.partition_id : tensor<ui32>
 // GOLDEN-NEXT: %12 = stablehlo.convert %11 : (tensor<ui32>) -> tensor<i32>
@@ -62,27 +62,27 @@
 // GOLDEN-NEXT: stablehlo.return %22 : tensor<i1>
 // GOLDEN-NEXT: } do {
 // GOLDEN-NEXT: %22 = "stablehlo.collective_permute"(%iterArg_12) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %23 = stablehlo.dot_general %iterArg_12, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %24 = stablehlo.add %14, %iterArg : tensor<i32>
+// GOLDEN-NEXT: %23 = stablehlo.add %14, %iterArg : tensor<i32>
 // GOLDEN-NEXT: %c_14 = stablehlo.constant dense<4> : tensor<i32>
-// GOLDEN-NEXT: %25 = stablehlo.remainder %24, %c_14 : tensor<i32>
+// GOLDEN-NEXT: %24 = stablehlo.remainder %23, %c_14 : tensor<i32>
+// GOLDEN-NEXT: %25 = stablehlo.dot_general %iterArg_12, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: %c_15 = stablehlo.constant dense<16> : tensor<i32>
-// GOLDEN-NEXT: %26 = stablehlo.multiply %25, %c_15 : tensor<i32>
+// GOLDEN-NEXT: %26 = stablehlo.multiply %24, %c_15 : tensor<i32>
 // GOLDEN-NEXT: %c_16 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %27 = stablehlo.dynamic_update_slice %iterArg_13, %23, %26, %c_16 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %27 = stablehlo.dynamic_update_slice %iterArg_13, %25, %26, %c_16 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
 // GOLDEN-NEXT: %c_17 = stablehlo.constant dense<1> : tensor<i32>
 // GOLDEN-NEXT: %28 = stablehlo.add %iterArg, %c_17 : tensor<i32>
 // GOLDEN-NEXT: stablehlo.return %28, %22, %27 : tensor<i32>, tensor<16x16xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %16 = stablehlo.dot_general %15#1, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: %c_8 = stablehlo.constant dense<3> : tensor<i32>
-// GOLDEN-NEXT: %17 = stablehlo.add %14, %c_8 : tensor<i32>
+// GOLDEN-NEXT: %16 = stablehlo.add %14, %c_8 : tensor<i32>
 // GOLDEN-NEXT: %c_9 = stablehlo.constant dense<4> : tensor<i32>
-// GOLDEN-NEXT: %18 = stablehlo.remainder %17, %c_9 : tensor<i32>
+// GOLDEN-NEXT: %17 = stablehlo.remainder %16, %c_9 : tensor<i32>
+// GOLDEN-NEXT: %18 = stablehlo.dot_general %15#1, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: %c_10 = stablehlo.constant dense<16> : tensor<i32>
-// GOLDEN-NEXT: %19 = stablehlo.multiply %18, %c_10 : tensor<i32>
+// GOLDEN-NEXT: %19 = stablehlo.multiply %17, %c_10 : tensor<i32>
 // GOLDEN-NEXT: %c_11 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %20 = stablehlo.dynamic_update_slice %15#2, %16, %19, %c_11 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %20 = stablehlo.dynamic_update_slice %15#2, %18, %19, %c_11 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
 // GOLDEN-NEXT: %21 = stablehlo.add %10, %20 : tensor<64x16xf32>
 // GOLDEN-NEXT: sdy.return %21 : tensor<64x16xf32>
 // GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<64x16xf32>, tensor<32x64xf32>, tensor<16x64xf32>) -> tensor<64x64xf32>

@@ -18,7 +18,7 @@ from cmatmul_pass.rewrites import all_gather_dot
 from conftest import ROOT, sample
 
 POS = sample("ag_dot_mesh2x4_model")
-NEG = sample("neg_contracting_dim")
+NEG = sample("neg_batch_dim")
 
 
 def run_cli(*argv):
@@ -55,7 +55,7 @@ def test_negative_sample_reports_reason(tmp_path, capsys):
     rep = tmp_path / "r.json"
     assert run_cli("rewrite", NEG, "-o", tmp_path / "o.mlir", "--report-json", rep) == 0
     (site,) = json.loads(rep.read_text())["sites"]
-    assert not site["rewritten"] and site["reason_code"] == "contracting_dim" and "contracted" in site["reason"]
+    assert not site["rewritten"] and site["reason_code"] == "batch_dim" and "batch dim" in site["reason"]
     assert "left unchanged" in capsys.readouterr().err
 
 
@@ -141,7 +141,7 @@ def test_check_exits_1_on_mismatch(monkeypatch, capsys):
 def test_explain_shows_decisions(capsys):
     assert run_cli("explain", NEG) == 0
     out = capsys.readouterr().out
-    assert "left unchanged" in out and "[contracting_dim]" in out and "ring: 4 devices" in out
+    assert "left unchanged" in out and "[batch_dim]" in out and "ring: 4 devices" in out
     assert run_cli("explain", POS) == 0
     assert "rewritten as a ring loop" in capsys.readouterr().out
 
@@ -171,3 +171,21 @@ def test_a_rewrite_that_does_not_verify_is_an_internal_error(monkeypatch, tmp_pa
     out = tmp_path / "o.mlir"
     assert run_cli("rewrite", POS, "-o", out) == 3
     assert "internal error" in capsys.readouterr().err and not out.exists()
+
+
+def test_check_writes_the_report_with_numerics(tmp_path, capsys):
+    rep = tmp_path / "r.json"
+    assert run_cli("check", sample("sp_mlp"), "--report-json", rep) == 0
+    report = json.loads(rep.read_text())
+    assert report["numerics"]["ok"] is True and len(report["numerics"]["outputs"]) == 1
+    assert sorted(s["kind"] for s in report["sites"]) == ["all_gather_dot", "dot_reduce_scatter"]
+    assert all(s["rewritten"] and s["consumers"] for s in report["sites"])
+
+
+def test_no_assemble_flag_declines_shared_gathers(tmp_path, capsys):
+    rep = tmp_path / "r.json"
+    assert run_cli("rewrite", sample("ag_dot_assembled"), "--no-assemble", "-o", tmp_path / "o.mlir", "--report-json", rep) == 0
+    (site,) = json.loads(rep.read_text())["sites"]
+    assert site["reason_code"] == "multiple_users"
+    assert run_cli("explain", sample("ag_dot_assembled")) == 0
+    assert "assembles the gathered value for: stablehlo.tanh" in capsys.readouterr().out

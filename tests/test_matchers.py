@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import cmatmul_pass
 from cmatmul_pass import ir_utils, matchers
-from cmatmul_pass.matchers import AllGatherDotMatch, DeclinedSite, find_all_gather_dot
+from cmatmul_pass.matchers import AllGatherSite, DeclinedSite, find_all_gather_dot
 from cmatmul_pass.ring import Ring, ring_from_replica_groups
 from cmatmul_pass.errors import Decline
 from conftest import POSITIVE, sample
@@ -55,8 +55,9 @@ def only_decline(text) -> DeclinedSite:
 
 def test_small_module_matches():
     (site,) = sites_of(small_module())
-    assert isinstance(site, AllGatherDotMatch)
-    assert (site.operand_index, site.gather_dim, site.result_dim, site.ring.size) == (0, 0, 0, 4)
+    assert isinstance(site, AllGatherSite)
+    (c,) = site.consumers
+    assert (c.operand_index, site.gather_dim, c.result_dim, c.role, site.ring.size) == (0, 0, 0, "free", 4)
 
 
 @pytest.mark.parametrize(
@@ -94,7 +95,8 @@ def test_declined_module_is_left_unchanged():
 )
 def test_dimension_roles(name, operand, gather_dim, result_dim):
     (site,) = sites_of(sample(name).read_text())
-    assert (site.operand_index, site.gather_dim, site.result_dim) == (operand, gather_dim, result_dim)
+    (c,) = site.consumers
+    assert (c.operand_index, site.gather_dim, c.result_dim) == (operand, gather_dim, result_dim)
 
 
 @pytest.mark.parametrize(

@@ -27,12 +27,17 @@ def test_rewritten_sample_matches_original(path):
     assert outcome.outputs
 
 
-def test_samples_cover_ring_sizes_2_4_8():
-    sizes = {s.ring_size for p in POSITIVE for s in cmatmul_pass.rewrite(p.read_text()).report.rewritten}
-    assert {2, 4, 8} <= sizes
+def test_samples_cover_ring_sizes_2_4_8_and_both_kinds():
+    sites = [s for p in POSITIVE for s in cmatmul_pass.rewrite(p.read_text()).report.rewritten]
+    assert {2, 4, 8} <= {s.ring_size for s in sites}
+    assert {"all_gather_dot", "dot_reduce_scatter"} <= {s.kind for s in sites}
+    assert {"free", "contracting"} <= {role for s in sites for role in s.dim_role.split("+")}
 
 
-@pytest.mark.parametrize("name", ["ag_dot_mesh2x4_model", "ag_dot_permuted_groups", "ag_dot_mesh2x4_data_strided"])
+@pytest.mark.parametrize(
+    "name",
+    ["ag_dot_mesh2x4_model", "ag_dot_permuted_groups", "ag_dot_mesh2x4_data_strided", "rs_dot_rhs", "sp_mlp_grad"],
+)
 def test_permuted_device_assignment(name):
     devices = jax.devices("cpu")[:8]
     permuted = [devices[i] for i in (3, 7, 0, 5, 2, 6, 1, 4)]
@@ -46,8 +51,9 @@ def test_other_seeds(seed):
     assert outcome.ok, outcome.format()
 
 
-def test_integer_outputs_are_compared_exactly():
-    _, outcome = check(sample("ag_dot_int32"))
+@pytest.mark.parametrize("name", ["ag_dot_int32", "rs_dot_int32", "ag_dot_contracting_int32"])
+def test_integer_outputs_are_compared_exactly(name):
+    _, outcome = check(sample(name))
     assert [o.dtype for o in outcome.outputs] == ["i32"] and outcome.outputs[0].tolerance == 0.0
     assert outcome.ok
 

@@ -69,7 +69,7 @@ def gather(x, axis_name, axis):
 
 def ring_checks(pairs: str, trip_count: int, partial_dot_type: str = "") -> list[str]:
     """Intent checks of one all_gather→dot ring: no gather left, a loop of n-1 trips, the peeled step."""
-    in_loop_dot = ["CHECK-NEXT: stablehlo.dot_general"]
+    in_loop_dot = ["CHECK: stablehlo.dot_general"]
     if partial_dot_type:
         in_loop_dot.append(f"CHECK-SAME: {partial_dot_type}")
     return [
@@ -89,6 +89,57 @@ def ring_checks(pairs: str, trip_count: int, partial_dot_type: str = "") -> list
         "CHECK: stablehlo.dynamic_update_slice",
         "CHECK-NOT: stablehlo.all_gather",
     ]
+
+
+def contracting_checks(pairs: str, trip_count: int) -> list[str]:
+    """Intent checks of an all_gather ring whose dot contracts the gathered dim: slices of the other
+    operand, partial dots summed."""
+    return [
+        "CHECK-NOT: stablehlo.all_gather",
+        "CHECK: stablehlo.while",
+        f"CHECK: stablehlo.constant dense<{trip_count}> : tensor<i32>",
+        "CHECK: } do {",
+        'CHECK-NEXT: "stablehlo.collective_permute"',
+        f"CHECK-SAME: source_target_pairs = dense<{escape(pairs)}>",
+        "CHECK: stablehlo.dynamic_slice",
+        "CHECK-NEXT: stablehlo.dot_general",
+        "CHECK-NEXT: stablehlo.add",
+        "CHECK: stablehlo.return",
+        "CHECK: stablehlo.dynamic_slice",
+        "CHECK-NEXT: stablehlo.dot_general",
+        "CHECK-NEXT: stablehlo.add",
+        "CHECK-NOT: stablehlo.all_gather",
+    ]
+
+
+def rs_checks(pairs: str, trip_count: int, block_type: str = "") -> list[str]:
+    """Intent checks of one dot→reduce_scatter ring: the peeled first block, then n-1 trips that each
+    receive the partial sum and add this device's block to it."""
+    dot = ["CHECK-NEXT: stablehlo.dot_general"] + ([f"CHECK-SAME: {block_type}"] if block_type else [])
+    return [
+        "CHECK-NOT: stablehlo.reduce_scatter",
+        "CHECK: stablehlo.partition_id",
+        "CHECK: stablehlo.dynamic_slice {{.*}} -> tensor<1xi32>",
+        "CHECK: stablehlo.dynamic_slice",
+        *dot,
+        "CHECK: stablehlo.while",
+        "CHECK: cond {",
+        f"CHECK-NEXT: stablehlo.constant dense<{trip_count}> : tensor<i32>",
+        "CHECK-NEXT: stablehlo.compare LT",
+        "CHECK: } do {",
+        'CHECK-NEXT: "stablehlo.collective_permute"',
+        f"CHECK-SAME: source_target_pairs = dense<{escape(pairs)}>",
+        "CHECK: stablehlo.dynamic_slice",
+        *dot,
+        "CHECK: stablehlo.add",
+        "CHECK: stablehlo.return",
+        "CHECK-NOT: stablehlo.reduce_scatter",
+    ]
+
+
+def gone(*ops: str) -> list[str]:
+    """Checks that none of ``ops`` is left anywhere in the output."""
+    return [f"CHECK-NOT: stablehlo.{op}" for op in ops]
 
 
 PAIRS_2X4_MODEL = "[[0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]"
@@ -229,22 +280,143 @@ def int32_matmul() -> str:
     return lower(f, arg(mesh, (32, 16), P("model", None), jnp.int32), arg(mesh, (16, 32), P(None, "model"), jnp.int32))
 
 
-# ---------------------------------------------------------------- negative samples
-def contracting_dim() -> str:
+
+def scatter(y, axis_name, dim, tiled=True):
+    return jax.lax.psum_scatter(y, axis_name, scatter_dimension=dim, tiled=tiled)
+
+
+def rs_1d() -> str:
+    """Row-parallel layer on 8 devices: local partial product, summed and scattered over rows."""
+    mesh = mesh_1d()
+    body = lambda x, w: scatter(x @ w, "model", 0)  # noqa: E731
+    f = smap(body, mesh=mesh, in_specs=(P(None, "model"), P("model", None)), out_specs=P("model", None))
+    return lower(f, arg(mesh, (64, 128), P(None, "model")), arg(mesh, (128, 32), P("model", None)))
+
+
+def rs_on(dim, dtype=jnp.float32, **dot_kwargs):
+    """2x4 mesh, dot then psum_scatter over 'model' on result dim ``dim`` (0: lhs rows, 1: rhs columns)."""
+
+    def build() -> str:
+        mesh = mesh_2x4()
+
+        def body(x, w):
+            return scatter(jnp.dot(x, w, **dot_kwargs), "model", dim)
+
+        out = P(("data", "model"), None) if dim == 0 else P("data", "model")
+        f = smap(body, mesh=mesh, in_specs=(P("data", "model"), P("model", None)), out_specs=out)
+        return lower(f, arg(mesh, (64, 64), P("data", "model"), dtype), arg(mesh, (64, 32), P("model", None), dtype))
+
+    return build
+
+
+def rs_untiled() -> str:
+    """psum_scatter(tiled=False): the product is reshaped to [4, rows/4, cols], scattered on the new
+    size-4 dim, and the size-1 dim is dropped after (reshape look-through, both sides)."""
     mesh = mesh_2x4()
-    body = lambda x, w: gather(x, "model", 1) @ w  # noqa: E731
-    f = smap(body, mesh=mesh, in_specs=(P(None, "model"), P()), out_specs=P())
-    return lower(f, arg(mesh, (64, 32), P(None, "model")), arg(mesh, (32, 16), P()))
+
+    def body(x, w):
+        y = (x @ w).reshape(4, x.shape[0] // 4, w.shape[1])
+        return scatter(y, "model", 0, tiled=False)
+
+    f = smap(body, mesh=mesh, in_specs=(P("data", "model"), P("model", None)), out_specs=P(("data", "model"), None))
+    return lower(f, arg(mesh, (64, 64), P("data", "model")), arg(mesh, (64, 32), P("model", None)))
 
 
-def batch_dim() -> str:
+def rs_transposed() -> str:
+    """The product is transposed before the scatter (look-through of stablehlo.transpose)."""
     mesh = mesh_2x4()
-    body = lambda x, w: jnp.einsum("bij,bjk->bik", gather(x, "model", 0), w)  # noqa: E731
-    f = smap(body, mesh=mesh, in_specs=(P("model", None, None), P()), out_specs=P())
-    return lower(f, arg(mesh, (8, 16, 32), P("model", None, None)), arg(mesh, (8, 32, 16), P()))
+    body = lambda x, w: scatter((x @ w).T, "model", 0)  # noqa: E731
+    f = smap(body, mesh=mesh, in_specs=(P("data", "model"), P("model", None)), out_specs=P(("model",), "data"))
+    return lower(f, arg(mesh, (64, 64), P("data", "model")), arg(mesh, (64, 32), P("model", None)))
 
 
-def multiple_users() -> str:
+def rs_converted() -> str:
+    """bf16 operands, f32 product converted back to bf16 before the scatter (convert look-through)."""
+    mesh = mesh_2x4()
+
+    def body(x, w):
+        return scatter(jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16), "model", 0)
+
+    f = smap(body, mesh=mesh, in_specs=(P("data", "model"), P("model", None)), out_specs=P(("data", "model"), None))
+    return lower(f, arg(mesh, (64, 64), P("data", "model"), jnp.bfloat16), arg(mesh, (64, 32), P("model", None), jnp.bfloat16))
+
+
+def rs_partial_manual() -> str:
+    """Partial-manual shard_map (manual over 'model' only): sharding constraints sit between the dot and
+    the scatter and inside the scatter's sum region."""
+    mesh = mesh_2x4()
+    body = lambda x, w: scatter(x @ w, "model", 0)  # noqa: E731
+    f = smap(body, mesh=mesh, in_specs=(P(None, "model"), P("model", None)), out_specs=P("model", None), axis_names={"model"})
+    return lower(f, arg(mesh, (64, 64), P(None, "model")), arg(mesh, (64, 32), P("model", None)))
+
+
+def ag_contracting(dtype=jnp.float32) -> Callable[[], str]:
+    """The "async gather" of feature-sharded activations: x [B, H/4] gathered on its features, which
+    the dot contracts: the ring sums x_j @ W[rows of block j]."""
+
+    def build() -> str:
+        mesh = mesh_2x4()
+        body = lambda x, w: gather(x, "model", 1) @ w  # noqa: E731
+        f = smap(body, mesh=mesh, in_specs=(P("data", "model"), P(None, "model")), out_specs=P("data", "model"))
+        return lower(f, arg(mesh, (32, 64), P("data", "model"), dtype), arg(mesh, (64, 64), P(None, "model"), dtype))
+
+    return build
+
+
+def ag_partial_manual_convert() -> str:
+    """Partial-manual region, bf16 shards cast to f32: convert and sdy.sharding_constraint sit between the
+    gather and the dot."""
+    mesh = mesh_2x4()
+    body = lambda x, w: gather(x, "model", 0).astype(jnp.float32) @ w  # noqa: E731
+    f = smap(body, mesh=mesh, in_specs=(P("model", None), P(None, "model")), out_specs=P(None, "model"), axis_names={"model"})
+    return lower(f, arg(mesh, (64, 32), P("model", None), jnp.bfloat16), arg(mesh, (32, 64), P(None, "model")))
+
+
+def ag_untiled() -> str:
+    """all_gather(tiled=False): [4, rows/4, H] reshaped to [rows, H] before the dot."""
+    mesh = mesh_2x4()
+
+    def body(x, w):
+        g = jax.lax.all_gather(x, "model", axis=0, tiled=False)
+        return g.reshape(-1, x.shape[1]) @ w
+
+    f = smap(body, mesh=mesh, in_specs=(P("model", None), P(None, "model")), out_specs=P(None, "model"))
+    return lower(f, arg(mesh, (64, 32), P("model", None)), arg(mesh, (32, 64), P(None, "model")))
+
+
+def ag_converted() -> str:
+    """bf16 activations gathered, then cast to f32 for the dot: the ring moves bf16 and casts each shard."""
+    mesh = mesh_2x4()
+    body = lambda x, w: gather(x, "model", 0).astype(jnp.float32) @ w  # noqa: E731
+    f = smap(body, mesh=mesh, in_specs=(P("model", None), P(None, "model")), out_specs=P(None, "model"))
+    return lower(f, arg(mesh, (64, 32), P("model", None), jnp.bfloat16), arg(mesh, (32, 64), P(None, "model")))
+
+
+def ag_transposed() -> str:
+    """The gathered [S, H] is transposed before it meets the dot as its rhs: w [F, H] @ g.T."""
+    mesh = mesh_2x4()
+    body = lambda x, w: w @ gather(x, "model", 0).T  # noqa: E731
+    f = smap(body, mesh=mesh, in_specs=(P("model", None), P("model", None)), out_specs=P("model", None))
+    return lower(f, arg(mesh, (64, 32), P("model", None)), arg(mesh, (64, 32), P("model", None)))
+
+
+def ag_qkv() -> str:
+    """One gather feeding the q, k and v projections: one ring computes all three dots."""
+    mesh = mesh_2x4()
+
+    def body(x, wq, wk, wv):
+        g = gather(x, "model", 0)
+        return g @ wq, g @ wk, g @ wv
+
+    w = P(None, "model")
+    f = smap(body, mesh=mesh, in_specs=(P("model", None), w, w, w), out_specs=(w, w, w))
+    weights = [arg(mesh, (32, 64), w) for _ in range(3)]
+    return lower(f, arg(mesh, (64, 32), P("model", None)), *weights)
+
+
+def ag_assembled() -> str:
+    """The gathered value feeds a dot and a tanh: the loop computes the dot and assembles the gathered
+    value for the tanh (no second all_gather)."""
     mesh = mesh_2x4()
 
     def body(x, w):
@@ -253,6 +425,69 @@ def multiple_users() -> str:
 
     f = smap(body, mesh=mesh, in_specs=(P("model", None), P(None, "model")), out_specs=(P(None, "model"), P()))
     return lower(f, arg(mesh, (64, 32), P("model", None)), arg(mesh, (32, 64), P(None, "model")))
+
+
+def chain_one_dot() -> str:
+    """Both collectives around one matmul: features gathered (contracted), output columns scattered."""
+    mesh = mesh_2x4()
+    body = lambda x, w: scatter(gather(x, "model", 1) @ w, "model", 1)  # noqa: E731
+    f = smap(body, mesh=mesh, in_specs=(P("data", "model"), P()), out_specs=P("data", "model"))
+    return lower(f, arg(mesh, (32, 64), P("data", "model")), arg(mesh, (64, 64), P()))
+
+
+def chain_same_dim() -> str:
+    """Rows gathered, and the product scattered on the same rows: the scatter's block of the dot is the
+    gathered shard itself.  The gather's ring takes the dot; the scatter is declined."""
+    mesh = mesh_2x4()
+    body = lambda x, w: scatter(gather(x, "model", 0) @ w, "model", 0)  # noqa: E731
+    f = smap(body, mesh=mesh, in_specs=(P("model", None), P()), out_specs=P("model", None))
+    return lower(f, arg(mesh, (64, 32), P("model", None)), arg(mesh, (32, 32), P()))
+
+
+def sp_mlp_body(x, w1, w2):
+    """A sequence-parallel MLP block: x [B, S/4, H] gathered over the sequence, column-parallel w1,
+    row-parallel w2, the product summed and scattered back over the sequence."""
+    h = jax.nn.gelu(jnp.einsum("bsh,hf->bsf", gather(x, "model", 1), w1))
+    return scatter(jnp.einsum("bsf,fh->bsh", h, w2), "model", 1)
+
+
+def sp_mlp_args(mesh):
+    return (
+        arg(mesh, (4, 32, 16), P("data", "model", None)),
+        arg(mesh, (16, 64), P(None, "model")),
+        arg(mesh, (64, 16), P("model", None)),
+    )
+
+
+def sp_mlp_fn(mesh):
+    specs = (P("data", "model", None), P(None, "model"), P("model", None))
+    return jax.shard_map(sp_mlp_body, mesh=mesh, in_specs=specs, out_specs=P("data", "model", None))
+
+
+def sp_mlp() -> str:
+    mesh = mesh_2x4()
+    return lower(sp_mlp_fn(mesh), *sp_mlp_args(mesh))
+
+
+def sp_mlp_grad() -> str:
+    """jax.value_and_grad of a loss over the SP MLP: the backward gathers the incoming gradient (the
+    transpose of the scatter) for the input-gradient and weight-gradient dots and scatters the input
+    gradient (the transpose of the gather); the forward's gathered input is a residual."""
+    mesh = mesh_2x4()
+    f = sp_mlp_fn(mesh)
+
+    def loss(x, w1, w2):
+        return jnp.mean(f(x, w1, w2) ** 2)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*sp_mlp_args(mesh)).as_text()
+
+
+# ---------------------------------------------------------------- negative samples
+def batch_dim() -> str:
+    mesh = mesh_2x4()
+    body = lambda x, w: jnp.einsum("bij,bjk->bik", gather(x, "model", 0), w)  # noqa: E731
+    f = smap(body, mesh=mesh, in_specs=(P("model", None, None), P()), out_specs=P())
+    return lower(f, arg(mesh, (8, 16, 32), P("model", None, None)), arg(mesh, (8, 32, 16), P()))
 
 
 def user_not_dot() -> str:
@@ -271,6 +506,40 @@ def both_operands() -> str:
 
     f = smap(body, mesh=mesh, in_specs=(P("model", None),), out_specs=P())
     return lower(f, arg(mesh, (32, 16), P("model", None)))
+
+
+def rs_producer_not_dot() -> str:
+    mesh = mesh_2x4()
+    body = lambda x, w: scatter(jnp.tanh(x @ w), "model", 0)  # noqa: E731
+    f = smap(body, mesh=mesh, in_specs=(P(None, "model"), P("model", None)), out_specs=P("model", None))
+    return lower(f, arg(mesh, (64, 64), P(None, "model")), arg(mesh, (64, 32), P("model", None)))
+
+
+def rs_multiple_users() -> str:
+    mesh = mesh_2x4()
+
+    def body(x, w):
+        y = x @ w
+        return scatter(y, "model", 0), jnp.sum(y, axis=0)
+
+    f = smap(body, mesh=mesh, in_specs=(P(None, "model"), P("model", None)), out_specs=(P("model", None), P("model")))
+    return lower(f, arg(mesh, (64, 64), P(None, "model")), arg(mesh, (64, 32), P("model", None)))
+
+
+def rs_batch_dim() -> str:
+    mesh = mesh_2x4()
+    body = lambda x, w: scatter(jnp.einsum("bij,bjk->bik", x, w), "model", 0)  # noqa: E731
+    specs = (P(None, None, "model"), P(None, "model", None))
+    f = smap(body, mesh=mesh, in_specs=specs, out_specs=P("model", None, None))
+    return lower(f, arg(mesh, (8, 16, 64), specs[0]), arg(mesh, (8, 64, 16), specs[1]))
+
+
+def reshape_splits_ring_dim() -> str:
+    """Gathered on the minor dim, then flattened into rows of another width: shards are not row blocks."""
+    mesh = mesh_2x4()
+    body = lambda x, w: gather(x, "model", 1).reshape(4, 64) @ w  # noqa: E731
+    f = smap(body, mesh=mesh, in_specs=(P(None, "model"), P()), out_specs=P())
+    return lower(f, arg(mesh, (8, 32), P(None, "model")), arg(mesh, (64, 16), P()))
 
 
 # ---------------------------------------------------------------- derived negative samples
@@ -314,6 +583,20 @@ def cross_replica_groups(module) -> None:
     del ag.attributes["channel_handle"]
 
 
+def max_scatter(module) -> None:
+    """The reduce_scatter's region computes a max instead of a sum."""
+    from cmatmul_pass import ir_utils
+    from cmatmul_pass._jax_private import hlo, ir
+
+    (rs,) = [op for op in ir_utils.walk(module.operation) if op.operation.name == "stablehlo.reduce_scatter"]
+    block = list(rs.operation.regions[0].blocks)[0]
+    add = list(block.operations)[0]
+    with ir.InsertionPoint(add):
+        new = hlo.MaxOp(*add.operation.operands, loc=add.location)
+    add.result.replace_all_uses_with(new.result)
+    add.operation.erase()
+
+
 def variadic_gather(module) -> None:
     """Gather the shard twice in one op; the dot reads the first result."""
     from cmatmul_pass._jax_private import hlo, ir
@@ -328,6 +611,9 @@ def variadic_gather(module) -> None:
     ag.result.replace_all_uses_with(pair.results[0])
     ag.operation.erase()
 
+
+NEG = ["CHECK: stablehlo.all_gather", "CHECK-NOT: stablehlo.while"]
+NEG_RS = ["CHECK: stablehlo.reduce_scatter", "CHECK-NOT: stablehlo.while"]
 
 SAMPLES_LIST = [
     Sample("ag_dot_1d", "1-D mesh of 8, column-parallel layer: all_gather rows of x, then x @ W[:, shard].",
@@ -350,9 +636,13 @@ SAMPLES_LIST = [
            ["CHECK-LABEL: func.func private @shmap_body"] + ring_checks(PAIRS_2X4_MODEL, 3)),
     Sample("ag_dot_export", "jax.export's module (main wraps the jitted function).",
            exported, "rewritten 1", ring_checks(PAIRS_1D_8, 7)),
-    Sample("neg_partial_manual", "partial-manual shard_map (axis_names={'model'}) on a 2x4 mesh: declined for now.",
-           partial_manual, "unchanged partial_manual", ["CHECK: stablehlo.all_gather", "CHECK-NOT: stablehlo.while"]),
-    Sample("neg_partial_manual_legacy", "partial-manual shard_map under the legacy partitioner: declined for now.",
+    Sample("ag_dot_partial_manual",
+           "partial-manual shard_map (axis_names={'model'}) on a 2x4 mesh: the ring reads its position in a nested "
+           "sdy.manual_computation over the free axis 'data', as lax.axis_index does.",
+           partial_manual, "rewritten 1",
+           ["CHECK: sdy.manual_computation() in_shardings=[] out_shardings=[<@mesh, []>] manual_axes={\"data\"}"]
+           + ring_checks(PAIRS_2X4_MODEL, 3)),
+    Sample("neg_partial_manual_legacy", "partial-manual shard_map under the legacy partitioner: declined.",
            under_legacy_partitioner(partial_manual), "unchanged partial_manual",
            ["CHECK-LABEL: func.func private @shmap_body", "CHECK: stablehlo.all_gather", "CHECK-NOT: stablehlo.while"]),
     Sample("ag_dot_in_scan", "a layer loop: the site sits inside lax.scan's while body.",
@@ -365,28 +655,102 @@ SAMPLES_LIST = [
             "CHECK-NOT: stablehlo.all_gather"]),
     Sample("ag_dot_int32", "an integer matmul (compared exactly).",
            int32_matmul, "rewritten 1", ring_checks(PAIRS_2X4_MODEL, 3)),
-    Sample("neg_contracting_dim", "the gathered dim is contracted by the dot (declined until contracting-dim rings land).",
-           contracting_dim, "unchanged contracting_dim", ["CHECK: stablehlo.all_gather", "CHECK-NOT: stablehlo.while"]),
     Sample("neg_batch_dim", "the gathered dim is a batch dim of the dot.",
-           batch_dim, "unchanged batch_dim", ["CHECK: stablehlo.all_gather", "CHECK-NOT: stablehlo.while"]),
-    Sample("neg_multiple_users", "the gathered value feeds a dot and a tanh.",
-           multiple_users, "unchanged multiple_users", ["CHECK: stablehlo.all_gather", "CHECK-NOT: stablehlo.while"]),
+           batch_dim, "unchanged batch_dim", NEG),
     Sample("neg_user_not_dot", "the gathered value feeds a tanh, not a dot.",
-           user_not_dot, "unchanged user_not_dot", ["CHECK: stablehlo.all_gather", "CHECK-NOT: stablehlo.while"]),
+           user_not_dot, "unchanged user_not_dot", NEG),
     Sample("neg_no_num_partitions", "derived: the 2x4 'model' program without its mhlo.num_partitions attribute.",
            derived(mesh2x4_model, drop_num_partitions), "unchanged no_num_partitions",
-           ["CHECK: stablehlo.all_gather", "CHECK-NOT: stablehlo.while"]),
+           NEG),
     Sample("neg_two_replicas", "derived: the 2x4 'model' program claiming mhlo.num_replicas = 2.",
            derived(mesh2x4_model, two_replicas), "unchanged replicas",
-           ["CHECK: stablehlo.all_gather", "CHECK-NOT: stablehlo.while"]),
+           NEG),
     Sample("neg_cross_replica", "derived: the gather without channel_handle / use_global_device_ids (replica groups).",
            derived(mesh2x4_model, cross_replica_groups), "unchanged cross_replica",
-           ["CHECK: stablehlo.all_gather", "CHECK-NOT: stablehlo.while"]),
+           NEG),
     Sample("neg_variadic", "derived: one all_gather with two operands feeding the dot.",
            derived(mesh2x4_model, variadic_gather), "unchanged variadic",
-           ["CHECK: stablehlo.all_gather", "CHECK-NOT: stablehlo.while"]),
+           NEG),
     Sample("neg_both_operands", "the gathered value is both operands of the dot (a Gram matrix).",
-           both_operands, "unchanged both_operands", ["CHECK: stablehlo.all_gather", "CHECK-NOT: stablehlo.while"]),
+           both_operands, "unchanged both_operands", NEG),
+    # ---- dot -> reduce_scatter
+    Sample("rs_dot_1d", "1-D mesh of 8, row-parallel layer: partial x @ W summed and scattered over rows.",
+           rs_1d, "rewritten 1", rs_checks(PAIRS_1D_8, 7, "(tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>")),
+    Sample("rs_dot_rows", "2x4 mesh, the product's rows (a free dim of the lhs) scattered over 'model'.",
+           rs_on(0), "rewritten 1", rs_checks(PAIRS_2X4_MODEL, 3, "(tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>")),
+    Sample("rs_dot_rhs", "2x4 mesh, the product's columns (a free dim of the rhs) scattered over 'model'.",
+           rs_on(1), "rewritten 1", rs_checks(PAIRS_2X4_MODEL, 3, "(tensor<32x16xf32>, tensor<16x8xf32>) -> tensor<32x8xf32>")),
+    Sample("rs_dot_bf16", "bf16 product summed and scattered in bf16 (the partial sum travels as bf16).",
+           rs_on(0, jnp.bfloat16), "rewritten 1", rs_checks(PAIRS_2X4_MODEL, 3, "-> tensor<8x32xbf16>")),
+    Sample("rs_dot_int32", "an integer product scattered (compared exactly).",
+           rs_on(0, jnp.int32), "rewritten 1", rs_checks(PAIRS_2X4_MODEL, 3, "-> tensor<8x32xi32>")),
+    Sample("rs_dot_untiled", "psum_scatter(tiled=False): reshape to [4, rows/4, cols] before the scatter, reshape after.",
+           rs_untiled, "rewritten 1",
+           rs_checks(PAIRS_2X4_MODEL, 3)[:-3] + ["CHECK-NEXT: stablehlo.reshape {{.*}} -> tensor<1x8x32xf32>",
+                                                  "CHECK-NEXT: stablehlo.add"] + gone("reduce_scatter")),
+    Sample("rs_dot_transpose", "the product is transposed before the scatter.",
+           rs_transposed, "rewritten 1",
+           rs_checks(PAIRS_2X4_MODEL, 3)[:-3] + ["CHECK-NEXT: stablehlo.transpose", "CHECK-NEXT: stablehlo.add"]
+           + gone("reduce_scatter")),
+    Sample("rs_dot_convert", "bf16 x bf16 -> f32 product cast to bf16 before the scatter.",
+           rs_converted, "rewritten 1",
+           rs_checks(PAIRS_2X4_MODEL, 3, "(tensor<8x16xbf16>, tensor<16x32xbf16>) -> tensor<8x32xf32>")),
+    Sample("rs_dot_partial_manual", "partial-manual region: sharding constraints between dot and scatter and in its region.",
+           rs_partial_manual, "rewritten 1",
+           ["CHECK: manual_axes={\"data\"}"] + rs_checks(PAIRS_2X4_MODEL, 3)),
+    # ---- all_gather on the contracting dim, look-through, several consumers
+    Sample("ag_dot_contracting", "features gathered and contracted (ViT-22b's async gather): partials summed.",
+           ag_contracting(), "rewritten 1", contracting_checks(PAIRS_2X4_MODEL, 3)),
+    Sample("ag_dot_contracting_bf16", "bf16 contracting gather: partial contractions summed in f32, cast once.",
+           ag_contracting(jnp.bfloat16), "rewritten 1",
+           contracting_checks(PAIRS_2X4_MODEL, 3) + ["CHECK: stablehlo.convert {{.*}} -> tensor<16x16xbf16>"]),
+    Sample("ag_dot_contracting_int32", "integer contracting gather (compared exactly).",
+           ag_contracting(jnp.int32), "rewritten 1", contracting_checks(PAIRS_2X4_MODEL, 3)),
+    Sample("ag_dot_untiled", "all_gather(tiled=False): [4, rows/4, H] reshaped to [rows, H] for the dot.",
+           ag_untiled, "rewritten 1", ring_checks(PAIRS_2X4_MODEL, 3)),
+    Sample("ag_dot_convert", "bf16 shards gathered and cast to f32: the ring moves bf16 and casts each shard.",
+           ag_converted, "rewritten 1",
+           ['CHECK: "stablehlo.collective_permute"', "CHECK-SAME: (tensor<16x32xbf16>) -> tensor<16x32xbf16>",
+            "CHECK-NEXT: stablehlo.add", "CHECK-NEXT: stablehlo.constant", "CHECK-NEXT: stablehlo.remainder",
+            "CHECK-NEXT: stablehlo.convert"] + ring_checks(PAIRS_2X4_MODEL, 3)[-4:]),
+    Sample("ag_dot_partial_manual_convert", "partial-manual region: convert + sharding_constraint between gather and dot.",
+           ag_partial_manual_convert, "rewritten 1",
+           ["CHECK: manual_axes={\"data\"}", 'CHECK: "stablehlo.collective_permute"',
+            "CHECK-SAME: (tensor<16x32xbf16>) -> tensor<16x32xbf16>"] + gone("all_gather")),
+    Sample("ag_dot_transpose", "the gathered [S, H] is transposed and used as the dot's rhs.",
+           ag_transposed, "rewritten 1",
+           ["CHECK: stablehlo.while", "CHECK: stablehlo.transpose", "CHECK-NEXT: stablehlo.dot_general"] + gone("all_gather")),
+    Sample("ag_dot_qkv", "one gather feeding q, k and v projections: one ring, three dots per step.",
+           ag_qkv, "rewritten 1",
+           ["CHECK: } do {", 'CHECK-NEXT: "stablehlo.collective_permute"', "CHECK: stablehlo.dot_general",
+            "CHECK: stablehlo.dot_general", "CHECK: stablehlo.dot_general", "CHECK: stablehlo.return"]
+           + gone("all_gather")),
+    Sample("ag_dot_assembled", "the gathered value feeds a dot and a tanh: the loop also assembles it for the tanh.",
+           ag_assembled, "rewritten 1",
+           ["CHECK: } do {", 'CHECK-NEXT: "stablehlo.collective_permute"', "CHECK: stablehlo.dot_general",
+            "CHECK: stablehlo.dynamic_update_slice", "CHECK: stablehlo.dynamic_update_slice",
+            "CHECK: stablehlo.tanh"] + gone("all_gather")),
+    # ---- chains and a whole layer
+    Sample("chain_one_dot", "all_gather -> dot -> reduce_scatter around one matmul: both rings.",
+           chain_one_dot, "rewritten 2", gone("all_gather", "reduce_scatter")),
+    Sample("chain_same_dim", "rows gathered and the product scattered on the same rows: the scatter is declined "
+           "(gathered_operand), the gather's ring takes the dot.",
+           chain_same_dim, "rewritten 1", ["CHECK: stablehlo.while", "CHECK: stablehlo.reduce_scatter"]),
+    Sample("sp_mlp", "sequence-parallel MLP block: all_gather -> dot -> gelu -> dot -> reduce_scatter.",
+           sp_mlp, "rewritten 2", gone("all_gather", "reduce_scatter")),
+    Sample("sp_mlp_grad", "value_and_grad of the SP MLP: forward and backward gathers and scatters, all rewritten.",
+           sp_mlp_grad, "rewritten 4", gone("all_gather", "reduce_scatter") + ["CHECK: stablehlo.all_reduce"]),
+    # ---- declined
+    Sample("neg_rs_not_sum", "derived: the reduce_scatter's region is a max.",
+           derived(rs_on(0), max_scatter), "unchanged not_sum", NEG_RS),
+    Sample("neg_rs_producer_not_dot", "the scattered value is tanh of the product.",
+           rs_producer_not_dot, "unchanged producer_not_dot", NEG_RS),
+    Sample("neg_rs_multiple_users", "the full product is also reduced locally.",
+           rs_multiple_users, "unchanged multiple_users", NEG_RS),
+    Sample("neg_rs_batch_dim", "the scattered dim is a batch dim of the dot.",
+           rs_batch_dim, "unchanged batch_dim", NEG_RS),
+    Sample("neg_reshape_splits_ring_dim", "gathered on the minor dim, then flattened: shards are not blocks of the dot operand.",
+           reshape_splits_ring_dim, "unchanged layout", NEG),
 ]
 
 

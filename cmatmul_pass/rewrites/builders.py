@@ -11,7 +11,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from .. import ir_utils
-from .._jax_private import hlo, ir
+from .._jax_private import hlo, ir, sdy
+from ..matchers import FULLY_MANUAL, ManualRegion
 from ..ring import Ring
 
 
@@ -59,19 +60,50 @@ class Builder:
     def rem(self, a: ir.Value, b: ir.Value) -> ir.Value:
         return hlo.RemOp(a, b, loc=self.loc).result
 
-    def ring_index(self, position: ir.Value, step: ir.Value, ring_size: int, shift: int = 1) -> ir.Value:
-        """``(position + shift * step) mod ring_size`` for ``step >= 0`` (never negative)."""
+    def ring_index(self, position: ir.Value, step: ir.Value, ring_size: int, shift: int = 1, offset: int = 0) -> ir.Value:
+        """``(position + shift * step + offset) mod ring_size`` for ``step >= 0`` (never negative)."""
         stride = shift % ring_size
         moved = step if stride == 1 else self.mul(step, self.i32(stride))
+        if offset % ring_size:
+            moved = self.add(moved, self.i32(offset % ring_size))
         return self.rem(self.add(position, moved), self.i32(ring_size))
 
-    def position_in_ring(self, ring: Ring) -> ir.Value:
-        """This partition's position in its group: ``table[partition_id]`` (tensor<i32>)."""
+    def position_in_ring(self, ring: Ring, region: ManualRegion = FULLY_MANUAL) -> ir.Value:
+        """This partition's position in its group: ``table[partition_id]`` (tensor<i32>).
+
+        In a partial-manual region ``partition_id`` is read inside a nested
+        ``sdy.manual_computation`` over the free axes, the form ``lax.axis_index``
+        lowers to; the position is the same along those axes (checked by the matcher),
+        so the nested computation returns it replicated.
+        """
+        if not region.free_axes:
+            return self._table_lookup(ring)
+        i32 = i32_scalar_type()
+        nested = sdy.ManualComputationOp(
+            [i32],
+            [],
+            sdy.TensorShardingPerValueAttr.get([]),
+            sdy.TensorShardingPerValueAttr.get([sdy.TensorShardingAttr.get(region.mesh, [])]),
+            sdy.ManualAxesAttr.get([ir.StringAttr.get(a) for a in region.free_axes]),
+            loc=self.loc,
+        )
+        block = nested.operation.regions[0].blocks.append()
+        with ir.InsertionPoint(block):
+            sdy.ReturnOp([self._table_lookup(ring)], loc=self.loc)
+        return nested.results[0]
+
+    def _table_lookup(self, ring: Ring) -> ir.Value:
         table = self.constant(ring.position_table())
         pid = hlo.PartitionIdOp(loc=self.loc).result
         pid = hlo.ConvertOp(i32_scalar_type(), pid, loc=self.loc).result
         entry = hlo.DynamicSliceOp(table, [pid], [1], loc=self.loc).result
         return hlo.ReshapeOp(i32_scalar_type(), entry, loc=self.loc).result
+
+    def convert(self, value: ir.Value, element_type: ir.Type) -> ir.Value:
+        t = ir.RankedTensorType(value.type)
+        if t.element_type == element_type:
+            return value
+        return hlo.ConvertOp(ir.RankedTensorType.get(t.shape, element_type), value, loc=self.loc).result
 
     def collective_permute(self, value: ir.Value, pairs: np.ndarray, channel: int) -> ir.Value:
         op = hlo.CollectivePermuteOp(
@@ -133,3 +165,10 @@ def counted_loop(
 
 def shard_type(t: ir.RankedTensorType, dim: int, ring_size: int) -> ir.RankedTensorType:
     return ir_utils.with_dim(t, dim, t.shape[dim] // ring_size)
+
+
+def erase_dead(ops: Sequence[ir.OpView]) -> None:
+    """Erase each op whose results are all unused (pass users before producers)."""
+    for op in ops:
+        if all(not list(r.uses) for r in op.operation.results):
+            op.operation.erase()

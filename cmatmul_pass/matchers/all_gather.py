@@ -1,0 +1,276 @@
+"""``all_gather`` feeding dots: one ring per gather, computing every dot it can.
+
+The gathered value (or layout ops of it, see :mod:`cmatmul_pass.layout`) may feed
+several ``dot_general`` ops — q/k/v projections, gate and up, a forward dot and a
+weight-gradient dot.  Each dot that can run at the point of the first one is a
+:class:`Consumer` of the ring, in one of two roles:
+
+* ``free``: the ring dim is a free dim of the dot operand; each step's partial dot is
+  written at its block of the result (``dynamic_update_slice``);
+* ``contracting``: the ring dim is contracted; each step's partial dot is the
+  contraction over one block and the partials are summed (the "async gather" of
+  feature-sharded activations).
+
+Every other reader of the gathered value (a non-dot op, a dot that needs values
+computed later, a dot in another region) is *kept*: the loop also assembles the
+gathered value from the shards it sees, as XLA's windowed einsum caches it, and those
+readers get the assembled copy — never a second all_gather.  With
+``assemble=False`` such sites are declined instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .. import ir_utils
+from .._jax_private import ir
+from ..errors import Decline
+from ..layout import LayoutStep, forward_dim, is_layout_op
+from ..ring import Ring
+from .common import (
+    DeclinedSite,
+    ManualRegion,
+    ModuleInfo,
+    collective_ring,
+    describe_op,
+    dot_dims,
+    free_dims,
+    free_result_offset,
+    static_tensor,
+)
+
+ALL_GATHER_DOT = "all_gather_dot"
+DOT = "stablehlo.dot_general"
+
+
+@dataclass(frozen=True, eq=False)
+class Consumer:
+    """One dot computed by the ring.
+
+    ``path``: layout ops from the gathered value to the dot operand; ``dim``: the ring
+    dim as the dot operand sees it; ``result_dim`` (free role): the dot result dim it
+    becomes; ``other_dim`` (contracting role): the other operand's paired dim.
+    """
+
+    dot: ir.OpView
+    path: tuple[LayoutStep, ...]
+    operand_index: int
+    dim: int
+    role: str
+    result_dim: int | None = None
+    other_dim: int | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class AllGatherSite:
+    all_gather: ir.OpView
+    ring: Ring
+    region: ManualRegion
+    gather_dim: int
+    consumers: tuple[Consumer, ...]
+    #: every layout op reachable from the gathered value, parents before children
+    nodes: tuple[LayoutStep, ...] = ()
+    #: ops that still read the gathered value (or a layout of it) after the rewrite
+    kept_users: tuple[ir.OpView, ...] = field(default_factory=tuple)
+
+    kind = ALL_GATHER_DOT
+
+    @property
+    def anchor(self) -> ir.OpView:
+        return self.all_gather
+
+    @property
+    def assembles(self) -> bool:
+        return bool(self.kept_users)
+
+
+def find_all_gather_dot(
+    module: ir.Module, info: ModuleInfo | None = None, *, assemble: bool = True
+) -> list[AllGatherSite | DeclinedSite]:
+    """Every ``stablehlo.all_gather`` in ``module`` (all functions, all nested regions), matched."""
+    info = info or ModuleInfo.of(module)
+    return [match_all_gather(op, info, assemble=assemble) for op in all_gathers(module)]
+
+
+def all_gathers(module: ir.Module) -> list[ir.OpView]:
+    return [op for op in ir_utils.walk(module.operation) if op.operation.name == "stablehlo.all_gather"]
+
+
+def match_all_gather(op: ir.OpView, info: ModuleInfo, *, assemble: bool = True) -> AllGatherSite | DeclinedSite:
+    ring = None
+    try:
+        ring, region = collective_ring(op, info)
+        return _match(op, ring, region, assemble)
+    except Decline as d:
+        return DeclinedSite(ALL_GATHER_DOT, op, d.code, d.message, ring)
+
+
+@dataclass(eq=False)
+class _Use:
+    """One reader in the tree of the gathered value: a dot candidate, a layout node, or another op."""
+
+    op: ir.OpView
+    consumer: Consumer | None = None
+    step: LayoutStep | None = None
+    children: list["_Use"] = field(default_factory=list)
+
+    def alive(self, included: set[Consumer]) -> bool:
+        """Does this reader still read the gathered value once ``included`` dots are in the loop?"""
+        if self.consumer is not None:
+            return self.consumer not in included
+        if self.step is not None:
+            return any(child.alive(included) for child in self.children)
+        return True
+
+    def leaves(self):
+        if self.step is None:
+            yield self
+        for child in self.children:
+            yield from child.leaves()
+
+
+@dataclass
+class _Tree:
+    roots: list[_Use] = field(default_factory=list)
+    candidates: list[Consumer] = field(default_factory=list)
+    rejected: list[Decline] = field(default_factory=list)
+    nodes: list[LayoutStep] = field(default_factory=list)
+
+
+def _match(ag: ir.OpView, ring: Ring, region: ManualRegion, assemble: bool) -> AllGatherSite:
+    shard_t = static_tensor(ag.operation.operands[0], "the all_gather operand")
+    result_t = static_tensor(ag.result, "the all_gather result")
+    gather_dim = ir_utils.int_attr(ag, "all_gather_dim")
+    if result_t.shape[gather_dim] != shard_t.shape[gather_dim] * ring.size:
+        raise Decline("shape", f"gathered dim {gather_dim} is not {ring.size}x the shard's")
+    if not list(ag.result.uses):
+        raise Decline("no_users", "the gathered value is unused")
+
+    tree = _Tree()
+    block = ag.operation.block
+    tree.roots = _visit(tree, ag.result, gather_dim, (), block, ring.size)
+    if not tree.candidates:
+        if tree.rejected:
+            raise tree.rejected[0]
+        names = ", ".join(sorted({u.op.operation.name for r in tree.roots for u in r.leaves()}))
+        raise Decline("user_not_dot", f"the gathered value feeds {names}, no stablehlo.dot_general")
+
+    consumers = _schedulable(tree, block)
+    if not consumers:
+        raise Decline(
+            "schedule",
+            "every dot reading the gathered value needs a value computed after another reader of it; "
+            "no single place for the ring",
+        )
+    included = set(consumers)
+    kept = [leaf.op for r in tree.roots for leaf in r.leaves() if leaf.alive(included)]
+    if kept and not assemble:
+        names = ", ".join(describe_op(u) for u in kept)
+        raise Decline(
+            "multiple_users",
+            f"the gathered value is also read by {names}; assembling it in the loop is switched off",
+        )
+    return AllGatherSite(ag, ring, region, gather_dim, tuple(consumers), tuple(tree.nodes), tuple(kept))
+
+
+def _visit(tree: _Tree, value: ir.Value, dim: int, path: tuple[LayoutStep, ...], block: ir.Block, n: int) -> list[_Use]:
+    uses = []
+    for user in ir_utils.users(value):
+        name = user.operation.name
+        use = _Use(user)
+        uses.append(use)
+        if user.operation.block != block:
+            if name == DOT:
+                tree.rejected.append(Decline("other_block", "the dot reading the gathered value is in another region"))
+        elif name == DOT:
+            try:
+                use.consumer = _consumer(user, value, dim, path)
+                tree.candidates.append(use.consumer)
+            except Decline as d:
+                tree.rejected.append(d)
+        elif is_layout_op(user):
+            try:
+                step = LayoutStep(user, dim, forward_dim(user, dim, n))
+            except Decline as d:
+                tree.rejected.append(d)
+                continue
+            use.step = step
+            tree.nodes.append(step)
+            use.children = _visit(tree, user.result, step.out_dim, path + (step,), block, n)
+    return uses
+
+
+def _consumer(dot: ir.OpView, value: ir.Value, dim: int, path: tuple[LayoutStep, ...]) -> Consumer:
+    operands = list(dot.operation.operands)
+    sides = [i for i, v in enumerate(operands) if v == value]
+    if len(sides) != 1:
+        raise Decline("both_operands", "the gathered value is both operands of the dot")
+    index = sides[0]
+    for v in operands:
+        static_tensor(v, "a dot operand")
+    batch, contracting = dot_dims(dot, index)
+    side = "lhs" if index == 0 else "rhs"
+    if dim in batch:
+        raise Decline("batch_dim", f"the gathered dim {dim} is a batch dim of the dot's {side}")
+    if dim in contracting:
+        _, other_contracting = dot_dims(dot, 1 - index)
+        return Consumer(dot, path, index, dim, "contracting", other_dim=other_contracting[contracting.index(dim)])
+    result_dim = free_result_offset(dot, index) + free_dims(dot, index).index(dim)
+    return Consumer(dot, path, index, dim, "free", result_dim=result_dim)
+
+
+def _schedulable(tree: _Tree, block: ir.Block) -> list[Consumer]:
+    """The dots the loop computes, in block order; the loop goes before the first of them.
+
+    The loop must also precede every op that will read the assembled gathered value,
+    and a dot joins only if its other operand exists at that point (a weight gradient
+    needs the backward's incoming gradient, computed later: it reads the assembled
+    value instead).  Dropping a dot can only move the loop earlier, so iterate to a
+    fixed point.
+    """
+    included = sorted(tree.candidates, key=_BlockOrder)
+    while included:
+        chosen = set(included)
+        readers = [_in_block(u.op, block) for u in tree.roots if u.alive(chosen)]
+        first = min([c.dot.operation for c in included] + readers, key=_OpOrder)
+        kept = [
+            c
+            for c in included
+            if c.dot.operation == first or _defined_before(c.dot.operation.operands[1 - c.operand_index], first)
+        ]
+        if len(kept) == len(included):
+            return included
+        included = kept
+    return []
+
+
+class _OpOrder:
+    """Sort key: position of an op in its block."""
+
+    def __init__(self, op: ir.Operation):
+        self.op = op
+
+    def __lt__(self, other: "_OpOrder") -> bool:
+        return self.op.is_before_in_block(other.op)
+
+
+def _BlockOrder(consumer: Consumer) -> _OpOrder:
+    return _OpOrder(consumer.dot.operation)
+
+
+def _in_block(op: ir.OpView, block: ir.Block) -> ir.Operation:
+    """``op`` itself, or its ancestor that sits in ``block``."""
+    op = op.operation
+    while op.block != block:
+        op = op.parent.operation
+    return op
+
+
+def _defined_before(value: ir.Value, anchor: ir.Operation) -> bool:
+    owner = value.owner
+    if isinstance(owner, ir.Block):
+        return True  # a block argument of this block or of an enclosing one
+    owner = owner.operation
+    if owner.block == anchor.block:
+        return owner.is_before_in_block(anchor)
+    return True  # defined in an enclosing block: it dominates the whole region

@@ -1,0 +1,236 @@
+"""What every matcher shares: module facts, partition-mode and manual-region checks, declines."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import ir_utils
+from .._jax_private import hlo, ir, sdy
+from ..errors import Decline
+from ..ring import Ring, ring_from_replica_groups
+
+
+@dataclass(frozen=True)
+class ModuleInfo:
+    """Module-level facts every matcher needs.
+
+    ``meshes``: Shardy mesh name -> {axis: size} (axes in mesh order); ``mesh_device_ids``:
+    mesh name -> explicit device ids (empty for the default iota order).
+    ``partial_manual_funcs``: legacy ``@shmap_body``-style functions entered through
+    ``SPMDFullToShardShape`` with a sharding other than ``{manual}`` (a partial-manual
+    shard_map).
+    """
+
+    num_partitions: int | None
+    num_replicas: int
+    meshes: dict[str, dict[str, int]]
+    mesh_device_ids: dict[str, list[int]]
+    partial_manual_funcs: frozenset[str]
+
+    @classmethod
+    def of(cls, module: ir.Module) -> "ModuleInfo":
+        op = module.operation
+        replicas = ir_utils.int_attr(op, "mhlo.num_replicas")
+        meshes, device_ids = _meshes(module)
+        return cls(
+            ir_utils.int_attr(op, "mhlo.num_partitions"),
+            1 if replicas is None else replicas,
+            meshes,
+            device_ids,
+            _partial_manual_funcs(module),
+        )
+
+
+def _meshes(module: ir.Module) -> tuple[dict[str, dict[str, int]], dict[str, list[int]]]:
+    meshes, device_ids = {}, {}
+    for op in module.body.operations:
+        if op.operation.name == "sdy.mesh":
+            mesh = sdy.MeshAttr(op.attributes["mesh"])
+            name = ir.StringAttr(op.attributes["sym_name"]).value
+            meshes[name] = {a.name: a.size for a in (sdy.MeshAxisAttr(x) for x in mesh.axes)}
+            device_ids[name] = list(mesh.device_ids)
+    return meshes, device_ids
+
+
+def _partial_manual_funcs(module: ir.Module) -> frozenset[str]:
+    names = set()
+    for op in ir_utils.walk(module.operation):
+        if op.operation.name != "func.call":
+            continue
+        for operand in op.operation.operands:
+            producer = operand.owner
+            if (
+                isinstance(producer, ir.Operation | ir.OpView)
+                and producer.name == "stablehlo.custom_call"
+                and ir.StringAttr(producer.attributes["call_target_name"]).value == "SPMDFullToShardShape"
+                and "mhlo.sharding" in producer.attributes
+                and ir.StringAttr(producer.attributes["mhlo.sharding"]).value != "{manual}"
+            ):
+                names.add(ir.FlatSymbolRefAttr(op.attributes["callee"]).value)
+    return frozenset(names)
+
+
+@dataclass(frozen=True)
+class ManualRegion:
+    """Where a site sits.  ``free_axes`` are mesh axes the enclosing shard_map leaves automatic
+    (a partial-manual region): there ``partition_id`` is only legal inside a nested
+    ``sdy.manual_computation`` over those axes, which is where the ring reads its position."""
+
+    mesh: str | None = None
+    free_axes: tuple[str, ...] = ()
+
+
+FULLY_MANUAL = ManualRegion()
+
+
+@dataclass(frozen=True, eq=False)
+class DeclinedSite:
+    kind: str
+    anchor: ir.OpView
+    code: str
+    message: str
+    ring: Ring | None = None
+
+
+def collective_ring(op: ir.OpView, info: ModuleInfo) -> tuple[Ring, ManualRegion]:
+    """The ring of a single-operand collective in partition mode, and its manual region; or Decline."""
+    if len(op.operation.operands) != 1:
+        raise Decline(
+            "variadic",
+            f"{op.operation.name} has {len(op.operation.operands)} operands; only single-operand collectives are rewritten",
+        )
+    check_partition_mode(op, info)
+    ring = ring_from_replica_groups(ir_utils.dense_ints(op.attributes["replica_groups"]), info.num_partitions)
+    return ring, manual_region(op, info, ring)
+
+
+def check_partition_mode(op: ir.OpView, info: ModuleInfo) -> None:
+    """Accept only collectives whose groups are global partition ids of a 1-replica program."""
+    if info.num_partitions is None:
+        raise Decline("no_num_partitions", "the module has no mhlo.num_partitions attribute; the ring cannot be sized")
+    if info.num_replicas != 1:
+        raise Decline("replicas", f"the module has mhlo.num_replicas = {info.num_replicas}; only 1 replica is supported")
+    attrs = op.attributes
+    if "channel_handle" not in attrs or "use_global_device_ids" not in attrs:
+        raise Decline(
+            "cross_replica",
+            "collective without channel_handle + use_global_device_ids groups replicas, not partitions",
+        )
+
+
+def manual_region(op: ir.OpView, info: ModuleInfo, ring: Ring) -> ManualRegion:
+    """The site's region; Decline where the ring position cannot be read legally.
+
+    In a Shardy partial-manual region the position is read inside a nested
+    ``sdy.manual_computation`` over the free axes (as ``lax.axis_index`` does) and
+    declared replicated over them, so it must not vary along a free axis: checked
+    against the mesh.  Legacy partial-manual bodies are declined (XLA's SPMD
+    partitioner has no such escape there).
+    """
+    manual: set[str] = set()
+    mesh_name = None
+    parent = op.operation.parent
+    while parent is not None:
+        if parent.name == "sdy.manual_computation":
+            axes = sdy.ManualAxesAttr(parent.attributes["manual_axes"])
+            manual.update(axes[i] for i in range(len(axes)))
+            mesh_name = mesh_name or _manual_computation_mesh(parent)
+        elif parent.name == "func.func":
+            func_name = ir.StringAttr(parent.attributes["sym_name"]).value
+            if func_name in info.partial_manual_funcs:
+                raise Decline(
+                    "partial_manual",
+                    f"the site is in a partial-manual shard_map body (@{func_name}) of the legacy partitioner, "
+                    "where partition_id is ambiguous; lower with Shardy (the default) to have it rewritten",
+                )
+        parent = parent.parent
+    if not manual:
+        return FULLY_MANUAL
+    if mesh_name is None and len(info.meshes) == 1:
+        mesh_name = next(iter(info.meshes))
+    if mesh_name not in info.meshes:
+        raise Decline("partial_manual", "the shard_map region's mesh is not a named sdy.mesh of the module")
+    axes = info.meshes[mesh_name]
+    free = tuple(axis for axis, size in axes.items() if size > 1 and axis not in manual)
+    if not free:
+        return FULLY_MANUAL
+    ids = info.mesh_device_ids.get(mesh_name) or []
+    sizes = list(axes.values())
+    if (ids and ids != list(range(len(ids)))) or int(np.prod(sizes)) != ring.num_partitions:
+        raise Decline(
+            "partial_manual",
+            f"partial-manual region over mesh @{mesh_name} with explicit device ids: the ring position cannot "
+            "be proven replicated over the free axes",
+        )
+    table = ring.position_table().reshape(sizes)
+    names = list(axes)
+    for axis in free:
+        along = names.index(axis)
+        if not (table == np.take(table, [0], axis=along)).all():
+            raise Decline(
+                "partial_manual",
+                f"the collective's groups mix positions along the automatic mesh axis {axis!r}",
+            )
+    return ManualRegion(mesh_name, free)
+
+
+def _manual_computation_mesh(op: ir.Operation) -> str | None:
+    for key in ("in_shardings", "out_shardings"):
+        shardings = sdy.TensorShardingPerValueAttr(op.attributes[key]).shardings
+        if len(shardings):
+            ref = sdy.TensorShardingAttr(shardings[0]).mesh_or_ref
+            try:
+                return ir.FlatSymbolRefAttr(ref).value
+            except ValueError:  # an inline mesh: no name to look up
+                return None
+    return None
+
+
+def static_tensor(value: ir.Value, what: str) -> ir.RankedTensorType:
+    t = ir_utils.ranked_tensor(value)
+    if t is None or not ir_utils.is_static(t):
+        raise Decline("dynamic_shape", f"{what} is a dynamically shaped or unranked tensor")
+    return t
+
+
+def dot_dims(dot: ir.OpView, operand_index: int) -> tuple[list[int], list[int]]:
+    """(batch, contracting) dims of one dot operand."""
+    dnums = hlo.DotDimensionNumbers(dot.attributes["dot_dimension_numbers"])
+    side = "lhs" if operand_index == 0 else "rhs"
+    return list(getattr(dnums, f"{side}_batching_dimensions")), list(getattr(dnums, f"{side}_contracting_dimensions"))
+
+
+def free_dims(dot: ir.OpView, operand_index: int) -> list[int]:
+    batch, contracting = dot_dims(dot, operand_index)
+    rank = ir_utils.ranked_tensor(dot.operation.operands[operand_index]).rank
+    return [d for d in range(rank) if d not in batch and d not in contracting]
+
+
+def free_result_offset(dot: ir.OpView, operand_index: int) -> int:
+    """Where an operand's free dims start in the dot result ([batch..., lhs free..., rhs free...])."""
+    batch, _ = dot_dims(dot, 0)
+    offset = len(batch)
+    if operand_index == 1:
+        offset += len(free_dims(dot, 0))
+    return offset
+
+
+def result_dim_source(dot: ir.OpView, result_dim: int) -> tuple[str, int, int]:
+    """Which operand dim a dot result dim comes from: ``(role, operand_index, operand_dim)``.
+
+    ``role`` is ``"batch"`` (then ``operand_index`` is 0, the lhs) or ``"free"``.
+    """
+    batch, _ = dot_dims(dot, 0)
+    if result_dim < len(batch):
+        return "batch", 0, batch[result_dim]
+    lhs_free = free_dims(dot, 0)
+    k = result_dim - len(batch)
+    if k < len(lhs_free):
+        return "free", 0, lhs_free[k]
+    return "free", 1, free_dims(dot, 1)[k - len(lhs_free)]
+
+
+def describe_op(op: ir.OpView, source: str | None = None) -> str:
+    return f"{op.operation.name} at {ir_utils.render_location(op.location, source)}"

@@ -1,0 +1,151 @@
+"""``dot_general`` feeding a sum ``reduce_scatter``.
+
+``%d = dot_general(a, b)`` (optionally through layout ops, see
+:mod:`cmatmul_pass.layout`) ``-> reduce_scatter(sum, scatter_dimension = r)``:
+the scattered dim must trace back to a free dim of ``a`` or ``b``, so one block of
+the result is the dot of one block of that operand.  The ring then computes, step by
+step, the block some other device owns and adds it to the partial sum travelling
+past.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import ir_utils
+from .._jax_private import ir
+from ..errors import Decline
+from ..layout import LayoutStep, backward_dim, is_layout_op
+from ..ring import Ring
+from .common import DeclinedSite, ManualRegion, ModuleInfo, collective_ring, result_dim_source, static_tensor
+
+DOT_REDUCE_SCATTER = "dot_reduce_scatter"
+SHARDING_CONSTRAINT = "sdy.sharding_constraint"
+
+
+@dataclass(frozen=True, eq=False)
+class ReduceScatterSite:
+    """``path`` runs from the dot's result to the reduce_scatter's operand.
+
+    ``result_dim``: the dot result dim the scattered dim comes from; it is free dim
+    ``operand_dim`` of operand ``operand_index``.
+    """
+
+    reduce_scatter: ir.OpView
+    dot: ir.OpView
+    path: tuple[LayoutStep, ...]
+    ring: Ring
+    region: ManualRegion
+    scatter_dim: int
+    result_dim: int
+    operand_index: int
+    operand_dim: int
+
+    kind = DOT_REDUCE_SCATTER
+
+    @property
+    def anchor(self) -> ir.OpView:
+        return self.reduce_scatter
+
+
+def find_dot_reduce_scatter(module: ir.Module, info: ModuleInfo | None = None) -> list[ReduceScatterSite | DeclinedSite]:
+    info = info or ModuleInfo.of(module)
+    return [match_reduce_scatter(op, info) for op in reduce_scatters(module)]
+
+
+def reduce_scatters(module: ir.Module) -> list[ir.OpView]:
+    return [op for op in ir_utils.walk(module.operation) if op.operation.name == "stablehlo.reduce_scatter"]
+
+
+def match_reduce_scatter(op: ir.OpView, info: ModuleInfo) -> ReduceScatterSite | DeclinedSite:
+    ring = None
+    try:
+        ring, region = collective_ring(op, info)
+        return _match(op, ring, region)
+    except Decline as d:
+        return DeclinedSite(DOT_REDUCE_SCATTER, op, d.code, d.message, ring)
+
+
+def _match(rs: ir.OpView, ring: Ring, region: ManualRegion) -> ReduceScatterSite:
+    n = ring.size
+    if not region_is_sum(rs):
+        raise Decline("not_sum", "the reduce_scatter's reduction is not a sum (stablehlo.add of its two arguments)")
+    operand = rs.operation.operands[0]
+    operand_t = static_tensor(operand, "the reduce_scatter operand")
+    result_t = static_tensor(rs.result, "the reduce_scatter result")
+    scatter_dim = ir_utils.int_attr(rs, "scatter_dimension")
+    if operand_t.shape[scatter_dim] != result_t.shape[scatter_dim] * n:
+        raise Decline("shape", f"scattered dim {scatter_dim} is not {n}x the result's")
+
+    path: list[LayoutStep] = []
+    value, dim = operand, scatter_dim
+    while True:
+        _single_use(value)
+        owner = value.owner
+        if isinstance(owner, ir.Block):
+            raise Decline("producer_not_dot", "the scattered value is a block argument, not a dot_general result")
+        if owner.operation.name == "stablehlo.dot_general":
+            break
+        if not is_layout_op(owner):
+            raise Decline("producer_not_dot", f"the scattered value comes from {owner.operation.name}, not stablehlo.dot_general")
+        in_dim = backward_dim(owner, dim, n)
+        path.insert(0, LayoutStep(owner, in_dim, dim))
+        value, dim = owner.operation.operands[0], in_dim
+    dot = owner
+    if dot.operation.block != rs.operation.block:
+        raise Decline("other_block", "the dot is in a different block from the reduce_scatter")
+    for v in dot.operation.operands:
+        static_tensor(v, "a dot operand")
+    role, index, operand_dim = result_dim_source(dot, dim)
+    if role == "batch":
+        raise Decline("batch_dim", f"the scattered dim comes from batch dim {operand_dim} of the dot")
+    sliced = dot.operation.operands[index]
+    producer = sliced.owner
+    if (
+        not isinstance(producer, ir.Block)
+        and producer.operation.name == "stablehlo.all_gather"
+        and ir_utils.int_attr(producer, "all_gather_dim") == operand_dim
+    ):
+        raise Decline(
+            "gathered_operand",
+            "the scattered dim is the dim the dot's operand was all_gathered on (an all-reduce in disguise); "
+            "the all_gather's ring takes this dot instead",
+        )
+    return ReduceScatterSite(rs, dot, tuple(path), ring, region, scatter_dim, dim, index, operand_dim)
+
+
+def _single_use(value: ir.Value) -> None:
+    uses = len(list(value.uses))
+    if uses != 1:
+        owner = value.owner
+        what = "the dot result" if not isinstance(owner, ir.Block) and owner.operation.name == "stablehlo.dot_general" else "the scattered value"
+        raise Decline(
+            "multiple_users",
+            f"{what} has {uses} uses; the full unscattered product is needed elsewhere",
+        )
+
+
+def _strip_constraints(value: ir.Value) -> ir.Value:
+    while not isinstance(value.owner, ir.Block) and value.owner.operation.name == SHARDING_CONSTRAINT:
+        value = value.owner.operation.operands[0]
+    return value
+
+
+def region_is_sum(op: ir.OpView) -> bool:
+    """The reduction region is ``return add(arg0, arg1)`` (sharding constraints allowed anywhere)."""
+    blocks = list(op.operation.regions[0].blocks)
+    if len(blocks) != 1:
+        return False
+    block = blocks[0]
+    args = list(block.arguments)
+    ops = list(block.operations)
+    if len(args) != 2 or not ops or ops[-1].operation.name != "stablehlo.return":
+        return False
+    returned = list(ops[-1].operation.operands)
+    if len(returned) != 1:
+        return False
+    total = _strip_constraints(returned[0])
+    if isinstance(total.owner, ir.Block) or total.owner.operation.name != "stablehlo.add":
+        return False
+    a, b = (_strip_constraints(v) for v in total.owner.operation.operands)
+    return (a == args[0] and b == args[1]) or (a == args[1] and b == args[0])
