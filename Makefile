@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
-DEMO_SAMPLE := hlo_samples/ag_dot_mesh2x4_model.mlir
+DEMO_SAMPLE := hlo_samples/sp_mlp.mlir
 
 .PHONY: venv demo test samples goldens clean
 
