@@ -30,24 +30,24 @@
 // GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<16x16xf32>
 // GOLDEN-NEXT: %c_0 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %5:3 = stablehlo.while(%iterArg = %c_0, %iterArg_5 = %arg2, %iterArg_6 = %cst) : tensor<i32>, tensor<16x16xf32>, tensor<16x16xf32>
+// GOLDEN-NEXT: %5:3 = stablehlo.while(%iterArg = %c_0, %iterArg_4 = %arg2, %iterArg_5 = %cst) : tensor<i32>, tensor<16x16xf32>, tensor<16x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<3> : tensor<i32>
-// GOLDEN-NEXT: %12 = stablehlo.compare LT, %iterArg, %c_7, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<3> : tensor<i32>
+// GOLDEN-NEXT: %12 = stablehlo.compare LT, %iterArg, %c_6, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %12 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %12 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %12 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: %13 = stablehlo.add %4, %iterArg : tensor<i32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<4> : tensor<i32>
-// GOLDEN-NEXT: %14 = stablehlo.remainder %13, %c_7 : tensor<i32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<16> : tensor<i32>
-// GOLDEN-NEXT: %15 = stablehlo.multiply %14, %c_8 : tensor<i32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %16 = stablehlo.dynamic_slice %arg3, %15, %c_9, sizes = [16, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %17 = stablehlo.dot_general %iterArg_5, %16, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %18 = stablehlo.add %iterArg_6, %17 : tensor<16x16xf32>
-// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<1> : tensor<i32>
-// GOLDEN-NEXT: %19 = stablehlo.add %iterArg, %c_10 : tensor<i32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<4> : tensor<i32>
+// GOLDEN-NEXT: %14 = stablehlo.remainder %13, %c_6 : tensor<i32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<16> : tensor<i32>
+// GOLDEN-NEXT: %15 = stablehlo.multiply %14, %c_7 : tensor<i32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<i32>
+// GOLDEN-NEXT: %16 = stablehlo.dynamic_slice %arg3, %15, %c_8, sizes = [16, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %17 = stablehlo.dot_general %iterArg_4, %16, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %18 = stablehlo.add %iterArg_5, %17 : tensor<16x16xf32>
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<i32>
+// GOLDEN-NEXT: %19 = stablehlo.add %iterArg, %c_9 : tensor<i32>
 // GOLDEN-NEXT: stablehlo.return %19, %12, %18 : tensor<i32>, tensor<16x16xf32>, tensor<16x16xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: %c_1 = stablehlo.constant dense<3> : tensor<i32>
@@ -56,8 +56,7 @@
 // GOLDEN-NEXT: %7 = stablehlo.remainder %6, %c_2 : tensor<i32>
 // GOLDEN-NEXT: %c_3 = stablehlo.constant dense<16> : tensor<i32>
 // GOLDEN-NEXT: %8 = stablehlo.multiply %7, %c_3 : tensor<i32>
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %9 = stablehlo.dynamic_slice %arg3, %8, %c_4, sizes = [16, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %9 = stablehlo.dynamic_slice %arg3, %8, %c_0, sizes = [16, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: %10 = stablehlo.dot_general %5#1, %9, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: %11 = stablehlo.add %5#2, %10 : tensor<16x16xf32>
 // GOLDEN-NEXT: sdy.return %11 : tensor<16x16xf32>

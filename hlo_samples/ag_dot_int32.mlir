@@ -31,23 +31,23 @@
 // GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
 // GOLDEN-NEXT: %c_0 = stablehlo.constant dense<0> : tensor<32x8xi32>
 // GOLDEN-NEXT: %c_1 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %5:3 = stablehlo.while(%iterArg = %c_1, %iterArg_6 = %arg2, %iterArg_7 = %c_0) : tensor<i32>, tensor<8x16xi32>, tensor<32x8xi32>
+// GOLDEN-NEXT: %5:3 = stablehlo.while(%iterArg = %c_1, %iterArg_5 = %arg2, %iterArg_6 = %c_0) : tensor<i32>, tensor<8x16xi32>, tensor<32x8xi32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<3> : tensor<i32>
-// GOLDEN-NEXT: %11 = stablehlo.compare LT, %iterArg, %c_8, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<3> : tensor<i32>
+// GOLDEN-NEXT: %11 = stablehlo.compare LT, %iterArg, %c_7, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %11 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %11 = "stablehlo.collective_permute"(%iterArg_6) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x16xi32>) -> tensor<8x16xi32>
+// GOLDEN-NEXT: %11 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x16xi32>) -> tensor<8x16xi32>
 // GOLDEN-NEXT: %12 = stablehlo.add %4, %iterArg : tensor<i32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<4> : tensor<i32>
-// GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_8 : tensor<i32>
-// GOLDEN-NEXT: %14 = stablehlo.dot_general %iterArg_6, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xi32>, tensor<16x8xi32>) -> tensor<8x8xi32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<8> : tensor<i32>
-// GOLDEN-NEXT: %15 = stablehlo.multiply %13, %c_9 : tensor<i32>
-// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %iterArg_7, %14, %15, %c_10 : (tensor<32x8xi32>, tensor<8x8xi32>, tensor<i32>, tensor<i32>) -> tensor<32x8xi32>
-// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<i32>
-// GOLDEN-NEXT: %17 = stablehlo.add %iterArg, %c_11 : tensor<i32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<4> : tensor<i32>
+// GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_7 : tensor<i32>
+// GOLDEN-NEXT: %14 = stablehlo.dot_general %iterArg_5, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xi32>, tensor<16x8xi32>) -> tensor<8x8xi32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<8> : tensor<i32>
+// GOLDEN-NEXT: %15 = stablehlo.multiply %13, %c_8 : tensor<i32>
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<0> : tensor<i32>
+// GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %iterArg_6, %14, %15, %c_9 : (tensor<32x8xi32>, tensor<8x8xi32>, tensor<i32>, tensor<i32>) -> tensor<32x8xi32>
+// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<1> : tensor<i32>
+// GOLDEN-NEXT: %17 = stablehlo.add %iterArg, %c_10 : tensor<i32>
 // GOLDEN-NEXT: stablehlo.return %17, %11, %16 : tensor<i32>, tensor<8x16xi32>, tensor<32x8xi32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: %c_2 = stablehlo.constant dense<3> : tensor<i32>
@@ -57,8 +57,7 @@
 // GOLDEN-NEXT: %8 = stablehlo.dot_general %5#1, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xi32>, tensor<16x8xi32>) -> tensor<8x8xi32>
 // GOLDEN-NEXT: %c_4 = stablehlo.constant dense<8> : tensor<i32>
 // GOLDEN-NEXT: %9 = stablehlo.multiply %7, %c_4 : tensor<i32>
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %5#2, %8, %9, %c_5 : (tensor<32x8xi32>, tensor<8x8xi32>, tensor<i32>, tensor<i32>) -> tensor<32x8xi32>
+// GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %5#2, %8, %9, %c_1 : (tensor<32x8xi32>, tensor<8x8xi32>, tensor<i32>, tensor<i32>) -> tensor<32x8xi32>
 // GOLDEN-NEXT: sdy.return %10 : tensor<32x8xi32>
 // GOLDEN-NEXT: } : (tensor<32x16xi32>, tensor<16x32xi32>) -> tensor<32x32xi32>
 // GOLDEN-NEXT: return %0 : tensor<32x32xi32>

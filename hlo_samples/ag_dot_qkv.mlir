@@ -22,57 +22,46 @@
 // GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
 // GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<64x16xf32>
-// GOLDEN-NEXT: %cst_0 = stablehlo.constant dense<0.000000e+00> : tensor<64x16xf32>
-// GOLDEN-NEXT: %cst_1 = stablehlo.constant dense<0.000000e+00> : tensor<64x16xf32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %5:5 = stablehlo.while(%iterArg = %c_2, %iterArg_11 = %arg4, %iterArg_12 = %cst, %iterArg_13 = %cst_0, %iterArg_14 = %cst_1) : tensor<i32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<0> : tensor<i32>
+// GOLDEN-NEXT: %5:5 = stablehlo.while(%iterArg = %c_0, %iterArg_4 = %arg4, %iterArg_5 = %cst, %iterArg_6 = %cst, %iterArg_7 = %cst) : tensor<i32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<3> : tensor<i32>
-// GOLDEN-NEXT: %17 = stablehlo.compare LT, %iterArg, %c_15, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<3> : tensor<i32>
+// GOLDEN-NEXT: %17 = stablehlo.compare LT, %iterArg, %c_8, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %17 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %17 = "stablehlo.collective_permute"(%iterArg_11) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %17 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
 // GOLDEN-NEXT: %18 = stablehlo.add %4, %iterArg : tensor<i32>
-// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<4> : tensor<i32>
-// GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_15 : tensor<i32>
-// GOLDEN-NEXT: %20 = stablehlo.dot_general %iterArg_11, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %c_16 = stablehlo.constant dense<16> : tensor<i32>
-// GOLDEN-NEXT: %21 = stablehlo.multiply %19, %c_16 : tensor<i32>
-// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %22 = stablehlo.dynamic_update_slice %iterArg_12, %20, %21, %c_17 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %23 = stablehlo.dot_general %iterArg_11, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %c_18 = stablehlo.constant dense<16> : tensor<i32>
-// GOLDEN-NEXT: %24 = stablehlo.multiply %19, %c_18 : tensor<i32>
-// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %25 = stablehlo.dynamic_update_slice %iterArg_13, %23, %24, %c_19 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %26 = stablehlo.dot_general %iterArg_11, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<16> : tensor<i32>
-// GOLDEN-NEXT: %27 = stablehlo.multiply %19, %c_20 : tensor<i32>
-// GOLDEN-NEXT: %c_21 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %28 = stablehlo.dynamic_update_slice %iterArg_14, %26, %27, %c_21 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %c_22 = stablehlo.constant dense<1> : tensor<i32>
-// GOLDEN-NEXT: %29 = stablehlo.add %iterArg, %c_22 : tensor<i32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<4> : tensor<i32>
+// GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_8 : tensor<i32>
+// GOLDEN-NEXT: %20 = stablehlo.dot_general %iterArg_4, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<i32>
+// GOLDEN-NEXT: %21 = stablehlo.multiply %19, %c_9 : tensor<i32>
+// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<i32>
+// GOLDEN-NEXT: %22 = stablehlo.dynamic_update_slice %iterArg_5, %20, %21, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %23 = stablehlo.dot_general %iterArg_4, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %24 = stablehlo.multiply %19, %c_9 : tensor<i32>
+// GOLDEN-NEXT: %25 = stablehlo.dynamic_update_slice %iterArg_6, %23, %24, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %26 = stablehlo.dot_general %iterArg_4, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %27 = stablehlo.multiply %19, %c_9 : tensor<i32>
+// GOLDEN-NEXT: %28 = stablehlo.dynamic_update_slice %iterArg_7, %26, %27, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<i32>
+// GOLDEN-NEXT: %29 = stablehlo.add %iterArg, %c_11 : tensor<i32>
 // GOLDEN-NEXT: stablehlo.return %29, %17, %22, %25, %28 : tensor<i32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<3> : tensor<i32>
-// GOLDEN-NEXT: %6 = stablehlo.add %4, %c_3 : tensor<i32>
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<4> : tensor<i32>
-// GOLDEN-NEXT: %7 = stablehlo.remainder %6, %c_4 : tensor<i32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<3> : tensor<i32>
+// GOLDEN-NEXT: %6 = stablehlo.add %4, %c_1 : tensor<i32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<4> : tensor<i32>
+// GOLDEN-NEXT: %7 = stablehlo.remainder %6, %c_2 : tensor<i32>
 // GOLDEN-NEXT: %8 = stablehlo.dot_general %5#1, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<16> : tensor<i32>
-// GOLDEN-NEXT: %9 = stablehlo.multiply %7, %c_5 : tensor<i32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %5#2, %8, %9, %c_6 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<16> : tensor<i32>
+// GOLDEN-NEXT: %9 = stablehlo.multiply %7, %c_3 : tensor<i32>
+// GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %5#2, %8, %9, %c_0 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
 // GOLDEN-NEXT: %11 = stablehlo.dot_general %5#1, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<16> : tensor<i32>
-// GOLDEN-NEXT: %12 = stablehlo.multiply %7, %c_7 : tensor<i32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %13 = stablehlo.dynamic_update_slice %5#3, %11, %12, %c_8 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %12 = stablehlo.multiply %7, %c_3 : tensor<i32>
+// GOLDEN-NEXT: %13 = stablehlo.dynamic_update_slice %5#3, %11, %12, %c_0 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
 // GOLDEN-NEXT: %14 = stablehlo.dot_general %5#1, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<i32>
-// GOLDEN-NEXT: %15 = stablehlo.multiply %7, %c_9 : tensor<i32>
-// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %5#4, %14, %15, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %15 = stablehlo.multiply %7, %c_3 : tensor<i32>
+// GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %5#4, %14, %15, %c_0 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
 // GOLDEN-NEXT: sdy.return %10, %13, %16 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<32x64xf32>, tensor<32x64xf32>, tensor<32x64xf32>) -> (tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>)
 // GOLDEN-NEXT: return %0#0, %0#1, %0#2 : tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>

@@ -32,28 +32,26 @@
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<16x16xf32>
 // GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<0.000000e+00> : tensor<16x64xf32>
 // GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %13:4 = stablehlo.while(%iterArg = %c_6, %iterArg_14 = %arg2, %iterArg_15 = %cst, %iterArg_16 = %cst_5) : tensor<i32>, tensor<16x16xf32>, tensor<16x16xf32>, tensor<16x64xf32>
+// GOLDEN-NEXT: %13:4 = stablehlo.while(%iterArg = %c_6, %iterArg_10 = %arg2, %iterArg_11 = %cst, %iterArg_12 = %cst_5) : tensor<i32>, tensor<16x16xf32>, tensor<16x16xf32>, tensor<16x64xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<3> : tensor<i32>
-// GOLDEN-NEXT: %23 = stablehlo.compare LT, %iterArg, %c_17, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
+// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<3> : tensor<i32>
+// GOLDEN-NEXT: %23 = stablehlo.compare LT, %iterArg, %c_13, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %23 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %23 = "stablehlo.collective_permute"(%iterArg_14) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %23 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: %24 = stablehlo.add %12, %iterArg : tensor<i32>
-// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<4> : tensor<i32>
-// GOLDEN-NEXT: %25 = stablehlo.remainder %24, %c_17 : tensor<i32>
-// GOLDEN-NEXT: %c_18 = stablehlo.constant dense<16> : tensor<i32>
-// GOLDEN-NEXT: %26 = stablehlo.multiply %25, %c_18 : tensor<i32>
-// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %27 = stablehlo.dynamic_slice %8, %26, %c_19, sizes = [16, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %28 = stablehlo.dot_general %iterArg_14, %27, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %29 = stablehlo.add %iterArg_15, %28 : tensor<16x16xf32>
-// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<16> : tensor<i32>
-// GOLDEN-NEXT: %30 = stablehlo.multiply %25, %c_20 : tensor<i32>
-// GOLDEN-NEXT: %c_21 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %31 = stablehlo.dynamic_update_slice %iterArg_16, %iterArg_14, %c_21, %30 : (tensor<16x64xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x64xf32>
-// GOLDEN-NEXT: %c_22 = stablehlo.constant dense<1> : tensor<i32>
-// GOLDEN-NEXT: %32 = stablehlo.add %iterArg, %c_22 : tensor<i32>
+// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<4> : tensor<i32>
+// GOLDEN-NEXT: %25 = stablehlo.remainder %24, %c_13 : tensor<i32>
+// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<16> : tensor<i32>
+// GOLDEN-NEXT: %26 = stablehlo.multiply %25, %c_14 : tensor<i32>
+// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<0> : tensor<i32>
+// GOLDEN-NEXT: %27 = stablehlo.dynamic_slice %8, %26, %c_15, sizes = [16, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %28 = stablehlo.dot_general %iterArg_10, %27, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %29 = stablehlo.add %iterArg_11, %28 : tensor<16x16xf32>
+// GOLDEN-NEXT: %30 = stablehlo.multiply %25, %c_14 : tensor<i32>
+// GOLDEN-NEXT: %31 = stablehlo.dynamic_update_slice %iterArg_12, %iterArg_10, %c_15, %30 : (tensor<16x64xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x64xf32>
+// GOLDEN-NEXT: %c_16 = stablehlo.constant dense<1> : tensor<i32>
+// GOLDEN-NEXT: %32 = stablehlo.add %iterArg, %c_16 : tensor<i32>
 // GOLDEN-NEXT: stablehlo.return %32, %23, %29, %31 : tensor<i32>, tensor<16x16xf32>, tensor<16x16xf32>, tensor<16x64xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: %c_7 = stablehlo.constant dense<3> : tensor<i32>
@@ -62,35 +60,31 @@
 // GOLDEN-NEXT: %15 = stablehlo.remainder %14, %c_8 : tensor<i32>
 // GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<i32>
 // GOLDEN-NEXT: %16 = stablehlo.multiply %15, %c_9 : tensor<i32>
-// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %17 = stablehlo.dynamic_slice %8, %16, %c_10, sizes = [16, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %17 = stablehlo.dynamic_slice %8, %16, %c_6, sizes = [16, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: %18 = stablehlo.dot_general %13#1, %17, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: %19 = stablehlo.add %13#2, %18 : tensor<16x16xf32>
-// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<16> : tensor<i32>
-// GOLDEN-NEXT: %20 = stablehlo.multiply %15, %c_11 : tensor<i32>
-// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %21 = stablehlo.dynamic_update_slice %13#3, %13#1, %c_12, %20 : (tensor<16x64xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x64xf32>
-// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %22:2 = stablehlo.while(%iterArg = %c_13, %iterArg_14 = %19) : tensor<i32>, tensor<16x16xf32>
+// GOLDEN-NEXT: %20 = stablehlo.multiply %15, %c_9 : tensor<i32>
+// GOLDEN-NEXT: %21 = stablehlo.dynamic_update_slice %13#3, %13#1, %c_6, %20 : (tensor<16x64xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x64xf32>
+// GOLDEN-NEXT: %22:2 = stablehlo.while(%iterArg = %c_3, %iterArg_10 = %19) : tensor<i32>, tensor<16x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<3> : tensor<i32>
-// GOLDEN-NEXT: %23 = stablehlo.compare LT, %iterArg, %c_15, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
+// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<3> : tensor<i32>
+// GOLDEN-NEXT: %23 = stablehlo.compare LT, %iterArg, %c_11, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %23 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %23 = "stablehlo.collective_permute"(%iterArg_14) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<2> : tensor<i32>
-// GOLDEN-NEXT: %24 = stablehlo.add %iterArg, %c_15 : tensor<i32>
+// GOLDEN-NEXT: %23 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<2> : tensor<i32>
+// GOLDEN-NEXT: %24 = stablehlo.add %iterArg, %c_11 : tensor<i32>
 // GOLDEN-NEXT: %25 = stablehlo.add %4, %24 : tensor<i32>
-// GOLDEN-NEXT: %c_16 = stablehlo.constant dense<4> : tensor<i32>
-// GOLDEN-NEXT: %26 = stablehlo.remainder %25, %c_16 : tensor<i32>
-// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<16> : tensor<i32>
-// GOLDEN-NEXT: %27 = stablehlo.multiply %26, %c_17 : tensor<i32>
-// GOLDEN-NEXT: %c_18 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %28 = stablehlo.dynamic_slice %arg3, %c_18, %27, sizes = [64, 16] : (tensor<64x64xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<4> : tensor<i32>
+// GOLDEN-NEXT: %26 = stablehlo.remainder %25, %c_12 : tensor<i32>
+// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<16> : tensor<i32>
+// GOLDEN-NEXT: %27 = stablehlo.multiply %26, %c_13 : tensor<i32>
+// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<0> : tensor<i32>
+// GOLDEN-NEXT: %28 = stablehlo.dynamic_slice %arg3, %c_14, %27, sizes = [64, 16] : (tensor<64x64xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
 // GOLDEN-NEXT: %29 = stablehlo.dot_general %21, %28, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: %30 = stablehlo.add %23, %29 : tensor<16x16xf32>
-// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<1> : tensor<i32>
-// GOLDEN-NEXT: %31 = stablehlo.add %iterArg, %c_19 : tensor<i32>
+// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<1> : tensor<i32>
+// GOLDEN-NEXT: %31 = stablehlo.add %iterArg, %c_15 : tensor<i32>
 // GOLDEN-NEXT: stablehlo.return %31, %30 : tensor<i32>, tensor<16x16xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: sdy.return %22#1 : tensor<16x16xf32>

@@ -42,27 +42,26 @@
 // GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<i32>
 // GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %arg2, %7, %c_3, sizes = [8, 16] : (tensor<32x16xbf16>, tensor<i32>, tensor<i32>) -> tensor<8x16xbf16>
 // GOLDEN-NEXT: %9 = stablehlo.dot_general %8, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xbf16>, tensor<16x32xbf16>) -> tensor<8x32xbf16>
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %10:2 = stablehlo.while(%iterArg = %c_4, %iterArg_5 = %9) : tensor<i32>, tensor<8x32xbf16>
+// GOLDEN-NEXT: %10:2 = stablehlo.while(%iterArg = %c_3, %iterArg_4 = %9) : tensor<i32>, tensor<8x32xbf16>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<3> : tensor<i32>
-// GOLDEN-NEXT: %11 = stablehlo.compare LT, %iterArg, %c_6, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<i32>
+// GOLDEN-NEXT: %11 = stablehlo.compare LT, %iterArg, %c_5, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %11 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %11 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xbf16>) -> tensor<8x32xbf16>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<2> : tensor<i32>
-// GOLDEN-NEXT: %12 = stablehlo.add %iterArg, %c_6 : tensor<i32>
+// GOLDEN-NEXT: %11 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xbf16>) -> tensor<8x32xbf16>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<2> : tensor<i32>
+// GOLDEN-NEXT: %12 = stablehlo.add %iterArg, %c_5 : tensor<i32>
 // GOLDEN-NEXT: %13 = stablehlo.add %4, %12 : tensor<i32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<4> : tensor<i32>
-// GOLDEN-NEXT: %14 = stablehlo.remainder %13, %c_7 : tensor<i32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<8> : tensor<i32>
-// GOLDEN-NEXT: %15 = stablehlo.multiply %14, %c_8 : tensor<i32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %16 = stablehlo.dynamic_slice %arg2, %15, %c_9, sizes = [8, 16] : (tensor<32x16xbf16>, tensor<i32>, tensor<i32>) -> tensor<8x16xbf16>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<4> : tensor<i32>
+// GOLDEN-NEXT: %14 = stablehlo.remainder %13, %c_6 : tensor<i32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<8> : tensor<i32>
+// GOLDEN-NEXT: %15 = stablehlo.multiply %14, %c_7 : tensor<i32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<i32>
+// GOLDEN-NEXT: %16 = stablehlo.dynamic_slice %arg2, %15, %c_8, sizes = [8, 16] : (tensor<32x16xbf16>, tensor<i32>, tensor<i32>) -> tensor<8x16xbf16>
 // GOLDEN-NEXT: %17 = stablehlo.dot_general %16, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xbf16>, tensor<16x32xbf16>) -> tensor<8x32xbf16>
 // GOLDEN-NEXT: %18 = stablehlo.add %11, %17 : tensor<8x32xbf16>
-// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<1> : tensor<i32>
-// GOLDEN-NEXT: %19 = stablehlo.add %iterArg, %c_10 : tensor<i32>
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<i32>
+// GOLDEN-NEXT: %19 = stablehlo.add %iterArg, %c_9 : tensor<i32>
 // GOLDEN-NEXT: stablehlo.return %19, %18 : tensor<i32>, tensor<8x32xbf16>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: sdy.return %10#1 : tensor<8x32xbf16>

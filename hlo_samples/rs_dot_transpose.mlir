@@ -41,28 +41,27 @@
 // GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %arg3, %c_3, %7, sizes = [16, 8] : (tensor<16x32xf32>, tensor<i32>, tensor<i32>) -> tensor<16x8xf32>
 // GOLDEN-NEXT: %9 = stablehlo.dot_general %arg2, %8, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<32x16xf32>, tensor<16x8xf32>) -> tensor<32x8xf32>
 // GOLDEN-NEXT: %10 = stablehlo.transpose %9, dims = [1, 0] : (tensor<32x8xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %11:2 = stablehlo.while(%iterArg = %c_4, %iterArg_5 = %10) : tensor<i32>, tensor<8x32xf32>
+// GOLDEN-NEXT: %11:2 = stablehlo.while(%iterArg = %c_3, %iterArg_4 = %10) : tensor<i32>, tensor<8x32xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<3> : tensor<i32>
-// GOLDEN-NEXT: %12 = stablehlo.compare LT, %iterArg, %c_6, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<i32>
+// GOLDEN-NEXT: %12 = stablehlo.compare LT, %iterArg, %c_5, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %12 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %12 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<2> : tensor<i32>
-// GOLDEN-NEXT: %13 = stablehlo.add %iterArg, %c_6 : tensor<i32>
+// GOLDEN-NEXT: %12 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<2> : tensor<i32>
+// GOLDEN-NEXT: %13 = stablehlo.add %iterArg, %c_5 : tensor<i32>
 // GOLDEN-NEXT: %14 = stablehlo.add %4, %13 : tensor<i32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<4> : tensor<i32>
-// GOLDEN-NEXT: %15 = stablehlo.remainder %14, %c_7 : tensor<i32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<8> : tensor<i32>
-// GOLDEN-NEXT: %16 = stablehlo.multiply %15, %c_8 : tensor<i32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %17 = stablehlo.dynamic_slice %arg3, %c_9, %16, sizes = [16, 8] : (tensor<16x32xf32>, tensor<i32>, tensor<i32>) -> tensor<16x8xf32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<4> : tensor<i32>
+// GOLDEN-NEXT: %15 = stablehlo.remainder %14, %c_6 : tensor<i32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<8> : tensor<i32>
+// GOLDEN-NEXT: %16 = stablehlo.multiply %15, %c_7 : tensor<i32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<i32>
+// GOLDEN-NEXT: %17 = stablehlo.dynamic_slice %arg3, %c_8, %16, sizes = [16, 8] : (tensor<16x32xf32>, tensor<i32>, tensor<i32>) -> tensor<16x8xf32>
 // GOLDEN-NEXT: %18 = stablehlo.dot_general %arg2, %17, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<32x16xf32>, tensor<16x8xf32>) -> tensor<32x8xf32>
 // GOLDEN-NEXT: %19 = stablehlo.transpose %18, dims = [1, 0] : (tensor<32x8xf32>) -> tensor<8x32xf32>
 // GOLDEN-NEXT: %20 = stablehlo.add %12, %19 : tensor<8x32xf32>
-// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<1> : tensor<i32>
-// GOLDEN-NEXT: %21 = stablehlo.add %iterArg, %c_10 : tensor<i32>
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<i32>
+// GOLDEN-NEXT: %21 = stablehlo.add %iterArg, %c_9 : tensor<i32>
 // GOLDEN-NEXT: stablehlo.return %21, %20 : tensor<i32>, tensor<8x32xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: sdy.return %11#1 : tensor<8x32xf32>

@@ -44,10 +44,10 @@ _NARROW_FLOATS = (ir.BF16Type, ir.F16Type)
 class _Plan:
     """How one consumer dot accumulates over the ring."""
 
-    def __init__(self, consumer: Consumer, n: int):
+    def __init__(self, consumer: Consumer, n: int, b: Builder):
         self.c = consumer
         self.n = n
-        self.compute = Builder(consumer.dot.location)
+        self.compute = b.at(consumer.dot.location)
         self.result_t = ir.RankedTensorType(consumer.dot.result.type)
         dot_attrs = consumer.dot.attributes
         if consumer.role == "free":
@@ -86,10 +86,9 @@ def rewrite_all_gather_dot(site: AllGatherSite, channel: int) -> None:
     shard = ag.operation.operands[0]
     shard_rows = ir.RankedTensorType(shard.type).shape[dim]
     pairs = site.ring.shift_pairs(RECEIVE_FROM_NEXT)
-    plans = [_Plan(c, n) for c in site.consumers]
-
     loop_b = Builder(ir.Location.fused([ag.location] + [c.dot.location for c in site.consumers]))
-    comm = Builder(ag.location)
+    comm = loop_b.at(ag.location)
+    plans = [_Plan(c, n, loop_b) for c in site.consumers]
 
     def step(held: ir.Value, k: ir.Value, state: list[ir.Value]) -> list[ir.Value]:
         blocks: dict[LayoutStep, ir.Value] = {}

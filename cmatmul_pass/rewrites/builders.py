@@ -33,23 +33,46 @@ def has_zero(element_type: ir.Type) -> bool:
 
 
 class Builder:
-    """Builds stablehlo ops at the current insertion point with location ``loc``."""
+    """Builds stablehlo ops at the current insertion point with location ``loc``.
 
-    def __init__(self, loc: ir.Location):
+    Scalar i32 constants and zero tensors are made once per block and reused: the
+    builders only ever insert forwards (before one fixed op, or at a block's end), so
+    a constant made earlier in the same block dominates every later use there.
+    Builders made with :meth:`at` share that cache.
+    """
+
+    def __init__(self, loc: ir.Location, _constants: dict | None = None):
         self.loc = loc
+        self._constants = {} if _constants is None else _constants
+
+    def at(self, loc: ir.Location) -> "Builder":
+        """A builder for another location, sharing this one's constants."""
+        return Builder(loc, self._constants)
+
+    def _cached(self, key: tuple, make: Callable[[], ir.Value]) -> ir.Value:
+        key = (ir.InsertionPoint.current.block, *key)
+        if key not in self._constants:
+            self._constants[key] = make()
+        return self._constants[key]
 
     def constant(self, array: np.ndarray) -> ir.Value:
         return hlo.ConstantOp(ir.DenseElementsAttr.get(np.ascontiguousarray(array)), loc=self.loc).result
 
     def i32(self, value: int) -> ir.Value:
-        attr = ir.DenseElementsAttr.get_splat(
-            i32_scalar_type(), ir.IntegerAttr.get(ir.IntegerType.get_signless(32), int(value))
-        )
-        return hlo.ConstantOp(attr, loc=self.loc).result
+        def make() -> ir.Value:
+            attr = ir.DenseElementsAttr.get_splat(
+                i32_scalar_type(), ir.IntegerAttr.get(ir.IntegerType.get_signless(32), int(value))
+            )
+            return hlo.ConstantOp(attr, loc=self.loc).result
+
+        return self._cached(("i32", int(value)), make)
 
     def zeros(self, t: ir.RankedTensorType) -> ir.Value:
-        attr = ir.DenseElementsAttr.get_splat(t, zero_scalar_attr(t.element_type))
-        return hlo.ConstantOp(attr, loc=self.loc).result
+        def make() -> ir.Value:
+            attr = ir.DenseElementsAttr.get_splat(t, zero_scalar_attr(t.element_type))
+            return hlo.ConstantOp(attr, loc=self.loc).result
+
+        return self._cached(("zeros", str(t)), make)
 
     def add(self, a: ir.Value, b: ir.Value) -> ir.Value:
         return hlo.AddOp(a, b, loc=self.loc).result

@@ -44,8 +44,8 @@ def rewrite_dot_reduce_scatter(site: ReduceScatterSite, channel: int) -> None:
     pairs = site.ring.shift_pairs(SEND_TO_PREVIOUS)
 
     loop_b = Builder(ir.Location.fused([dot.location, rs.location]))
-    compute = Builder(dot.location)
-    comm = Builder(rs.location)
+    compute = loop_b.at(dot.location)
+    comm = loop_b.at(rs.location)
 
     def block(index: ir.Value) -> ir.Value:
         args = list(operands)
