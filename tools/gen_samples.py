@@ -508,6 +508,19 @@ def both_operands() -> str:
     return lower(f, arg(mesh, (32, 16), P("model", None)))
 
 
+def both_operands_transposed() -> str:
+    """g @ g.T: the gathered value reaches both dot operands, once through a transpose (found when two
+    paths led to one dot; it must be declined, never rewritten twice)."""
+    mesh = mesh_2x4()
+
+    def body(x):
+        g = gather(x, "model", 0)
+        return g @ jnp.transpose(g)
+
+    f = smap(body, mesh=mesh, in_specs=(P("model", None),), out_specs=P())
+    return lower(f, arg(mesh, (32, 16), P("model", None)))
+
+
 def rs_producer_not_dot() -> str:
     mesh = mesh_2x4()
     body = lambda x, w: scatter(jnp.tanh(x @ w), "model", 0)  # noqa: E731
@@ -741,6 +754,8 @@ SAMPLES_LIST = [
     Sample("sp_mlp_grad", "value_and_grad of the SP MLP: forward and backward gathers and scatters, all rewritten.",
            sp_mlp_grad, "rewritten 4", gone("all_gather", "reduce_scatter") + ["CHECK: stablehlo.all_reduce"]),
     # ---- declined
+    Sample("neg_both_operands_transposed", "g @ transpose(g): the gathered value reaches both dot operands.",
+           both_operands_transposed, "unchanged both_operands", NEG),
     Sample("neg_rs_not_sum", "derived: the reduce_scatter's region is a max.",
            derived(rs_on(0), max_scatter), "unchanged not_sum", NEG_RS),
     Sample("neg_rs_producer_not_dot", "the scattered value is tanh of the product.",

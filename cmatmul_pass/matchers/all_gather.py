@@ -149,6 +149,7 @@ def _match(ag: ir.OpView, ring: Ring, region: ManualRegion, assemble: bool) -> A
     tree = _Tree()
     block = ag.operation.block
     tree.roots = _visit(tree, ag.result, gather_dim, (), block, ring.size)
+    _drop_dots_reading_twice(tree)
     if not tree.candidates:
         if tree.rejected:
             raise tree.rejected[0]
@@ -198,6 +199,27 @@ def _visit(tree: _Tree, value: ir.Value, dim: int, path: tuple[LayoutStep, ...],
             tree.nodes.append(step)
             use.children = _visit(tree, user.result, step.out_dim, path + (step,), block, n)
     return uses
+
+
+def _drop_dots_reading_twice(tree: _Tree) -> None:
+    """A dot reading the gathered value through two paths (``g @ transpose(g)``) is no consumer."""
+    seen: dict = {}
+    for c in tree.candidates:
+        seen.setdefault(c.dot.operation, []).append(c)
+    twice = {c for group in seen.values() if len(group) > 1 for c in group}
+    if not twice:
+        return
+    tree.candidates = [c for c in tree.candidates if c not in twice]
+    tree.rejected.append(Decline("both_operands", "the gathered value reaches both operands of the dot"))
+
+    def demote(use: _Use) -> None:
+        if use.consumer in twice:
+            use.consumer = None  # a plain reader: it keeps reading the (assembled) gathered value
+        for child in use.children:
+            demote(child)
+
+    for root in tree.roots:
+        demote(root)
 
 
 def _consumer(dot: ir.OpView, value: ir.Value, dim: int, path: tuple[LayoutStep, ...]) -> Consumer:
