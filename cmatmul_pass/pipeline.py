@@ -133,7 +133,8 @@ def _describe(site: Site, source: str) -> SiteReport:
         entry.ring_size = site.ring.size
         entry.replica_groups = [list(g) for g in site.ring.groups]
     # The value one permute moves: the gather's shard, the scatter's result block.
-    travelling = anchor.result if site.kind == "dot_reduce_scatter" else (list(anchor.operation.operands) or [None])[0]
+    values = anchor.operation.results if site.kind == "dot_reduce_scatter" else anchor.operation.operands
+    travelling = values[0] if len(values) else None
     if travelling is not None:
         describe_shard(entry, travelling, entry.ring_size)
     if isinstance(site, DeclinedSite):
