@@ -61,35 +61,28 @@ def _reshape_dim(src: list[int], dim: int, dst: list[int], parts: int) -> int | 
 
 def forward_dim(op: ir.OpView, dim: int, parts: int) -> int:
     """The result dim whose ``parts`` blocks are the op applied to the operand's blocks along ``dim``."""
-    name = op.operation.name
-    if name == "stablehlo.transpose":
-        return _permutation(op).index(dim)
-    if name == "stablehlo.reshape":
-        src, dst = _shapes(op)
-        found = _reshape_dim(src, dim, dst, parts)
-        if found is None:
-            raise Decline(
-                "layout",
-                f"reshape {src} -> {dst} splits the ring dimension {dim} across result dimensions; "
-                "its blocks are not blocks of the result",
-            )
-        return found
-    return dim
+    return _map_dim(op, dim, parts, forward=True)
 
 
 def backward_dim(op: ir.OpView, dim: int, parts: int) -> int:
     """The operand dim whose ``parts`` blocks the op maps onto the result's blocks along ``dim``."""
+    return _map_dim(op, dim, parts, forward=False)
+
+
+def _map_dim(op: ir.OpView, dim: int, parts: int, forward: bool) -> int:
     name = op.operation.name
     if name == "stablehlo.transpose":
-        return _permutation(op)[dim]
+        perm = _permutation(op)
+        return perm.index(dim) if forward else perm[dim]
     if name == "stablehlo.reshape":
         src, dst = _shapes(op)
-        found = _reshape_dim(dst, dim, src, parts)
+        found = _reshape_dim(src, dim, dst, parts) if forward else _reshape_dim(dst, dim, src, parts)
         if found is None:
+            side = "operand" if forward else "result"
             raise Decline(
                 "layout",
-                f"reshape {src} -> {dst}: the scattered dimension {dim} is not a whole dimension block of the "
-                "reshape's operand",
+                f"reshape {src} -> {dst}: blocks of the ring dimension {dim} of its {side} are not blocks of "
+                "one dimension on the other side",
             )
         return found
     return dim

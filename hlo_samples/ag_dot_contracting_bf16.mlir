@@ -5,7 +5,9 @@
 
 // CHECK-NOT: stablehlo.all_gather
 // CHECK: stablehlo.while
-// CHECK: stablehlo.constant dense<3> : tensor<i32>
+// CHECK: cond {
+// CHECK-NEXT: stablehlo.constant dense<3> : tensor<i32>
+// CHECK-NEXT: stablehlo.compare LT
 // CHECK: } do {
 // CHECK-NEXT: "stablehlo.collective_permute"
 // CHECK-SAME: source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]>

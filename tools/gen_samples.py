@@ -67,6 +67,19 @@ def gather(x, axis_name, axis):
     return jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)
 
 
+def loop_checks(pairs: str, trip_count: int) -> list[str]:
+    """A while of ``trip_count`` trips whose body starts with the ring's permute."""
+    return [
+        "CHECK: stablehlo.while",
+        "CHECK: cond {",
+        f"CHECK-NEXT: stablehlo.constant dense<{trip_count}> : tensor<i32>",
+        "CHECK-NEXT: stablehlo.compare LT",
+        "CHECK: } do {",
+        'CHECK-NEXT: "stablehlo.collective_permute"',
+        f"CHECK-SAME: source_target_pairs = dense<{escape(pairs)}>",
+    ]
+
+
 def ring_checks(pairs: str, trip_count: int, partial_dot_type: str = "") -> list[str]:
     """Intent checks of one all_gather→dot ring: no gather left, a loop of n-1 trips, the peeled step."""
     in_loop_dot = ["CHECK: stablehlo.dot_general"]
@@ -75,13 +88,7 @@ def ring_checks(pairs: str, trip_count: int, partial_dot_type: str = "") -> list
     return [
         "CHECK-NOT: stablehlo.all_gather",
         "CHECK: stablehlo.partition_id",
-        "CHECK: stablehlo.while",
-        "CHECK: cond {",
-        f"CHECK-NEXT: stablehlo.constant dense<{trip_count}> : tensor<i32>",
-        "CHECK-NEXT: stablehlo.compare LT",
-        "CHECK: } do {",
-        'CHECK-NEXT: "stablehlo.collective_permute"',
-        f"CHECK-SAME: source_target_pairs = dense<{escape(pairs)}>",
+        *loop_checks(pairs, trip_count),
         *in_loop_dot,
         "CHECK: stablehlo.dynamic_update_slice",
         "CHECK: stablehlo.return",
@@ -96,11 +103,7 @@ def contracting_checks(pairs: str, trip_count: int) -> list[str]:
     operand, partial dots summed."""
     return [
         "CHECK-NOT: stablehlo.all_gather",
-        "CHECK: stablehlo.while",
-        f"CHECK: stablehlo.constant dense<{trip_count}> : tensor<i32>",
-        "CHECK: } do {",
-        'CHECK-NEXT: "stablehlo.collective_permute"',
-        f"CHECK-SAME: source_target_pairs = dense<{escape(pairs)}>",
+        *loop_checks(pairs, trip_count),
         "CHECK: stablehlo.dynamic_slice",
         "CHECK-NEXT: stablehlo.dot_general",
         "CHECK-NEXT: stablehlo.add",
@@ -122,13 +125,7 @@ def rs_checks(pairs: str, trip_count: int, block_type: str = "") -> list[str]:
         "CHECK: stablehlo.dynamic_slice {{.*}} -> tensor<1xi32>",
         "CHECK: stablehlo.dynamic_slice",
         *dot,
-        "CHECK: stablehlo.while",
-        "CHECK: cond {",
-        f"CHECK-NEXT: stablehlo.constant dense<{trip_count}> : tensor<i32>",
-        "CHECK-NEXT: stablehlo.compare LT",
-        "CHECK: } do {",
-        'CHECK-NEXT: "stablehlo.collective_permute"',
-        f"CHECK-SAME: source_target_pairs = dense<{escape(pairs)}>",
+        *loop_checks(pairs, trip_count),
         "CHECK: stablehlo.dynamic_slice",
         *dot,
         "CHECK: stablehlo.add",
