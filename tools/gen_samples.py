@@ -518,6 +518,30 @@ def both_operands_transposed() -> str:
     return lower(f, arg(mesh, (32, 16), P("model", None)))
 
 
+def dot_in_cond_branch() -> str:
+    """The gathered value is read by a dot inside a lax.cond branch (another region)."""
+    mesh = mesh_2x4()
+
+    def body(x, w, p):
+        g = gather(x, "model", 0)
+        return jax.lax.cond(p[0] > 0, lambda: g @ w, lambda: jnp.zeros((64, 16)))
+
+    f = smap(body, mesh=mesh, in_specs=(P("model", None), P(None, "model"), P()), out_specs=P(None, "model"))
+    return lower(f, arg(mesh, (64, 32), P("model", None)), arg(mesh, (32, 64), P(None, "model")), arg(mesh, (1,), P()))
+
+
+def no_place_for_the_ring() -> str:
+    """g @ tanh(g).T: the dot's other operand needs the whole gathered value first."""
+    mesh = mesh_2x4()
+
+    def body(x):
+        g = gather(x, "model", 0)
+        return g @ jnp.tanh(g).T
+
+    f = smap(body, mesh=mesh, in_specs=(P("model", None),), out_specs=P())
+    return lower(f, arg(mesh, (32, 16), P("model", None)))
+
+
 def rs_producer_not_dot() -> str:
     mesh = mesh_2x4()
     body = lambda x, w: scatter(jnp.tanh(x @ w), "model", 0)  # noqa: E731
@@ -753,6 +777,10 @@ SAMPLES_LIST = [
     # ---- declined
     Sample("neg_both_operands_transposed", "g @ transpose(g): the gathered value reaches both dot operands.",
            both_operands_transposed, "unchanged both_operands", NEG),
+    Sample("neg_other_block", "the only dot reading the gathered value sits in a lax.cond branch.",
+           dot_in_cond_branch, "unchanged other_block", NEG),
+    Sample("neg_schedule", "g @ tanh(g).T: no point where the ring could compute the dot.",
+           no_place_for_the_ring, "unchanged schedule", NEG),
     Sample("neg_rs_not_sum", "derived: the reduce_scatter's region is a max.",
            derived(rs_on(0), max_scatter), "unchanged not_sum", NEG_RS),
     Sample("neg_rs_producer_not_dot", "the scattered value is tanh of the product.",
