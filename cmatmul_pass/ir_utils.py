@@ -170,3 +170,11 @@ def render_location(loc: ir.Location, source: str | None = None) -> str:
     if filename in ("-", "") and source:
         filename = source
     return f"{filename}:{found.start_line}:{found.start_col}"
+
+
+def symbol_name(op: ir.OpView | ir.Operation) -> str | None:
+    """The ``sym_name`` of a symbol op (a function, a mesh), else None."""
+    attrs = op.operation.attributes
+    if "sym_name" not in attrs:
+        return None
+    return ir.StringAttr(attrs["sym_name"]).value

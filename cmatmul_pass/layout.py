@@ -52,6 +52,8 @@ def _permutation(op: ir.OpView) -> list[int]:
 
 
 def _reshape_dim(src: list[int], dim: int, dst: list[int], parts: int) -> int | None:
+    if src[dim] % parts:
+        return None
     outer = math.prod(src[:dim])
     for t in range(len(dst)):
         if math.prod(dst[:t]) == outer and dst[t] % parts == 0 and dst[t] >= parts:
@@ -99,6 +101,13 @@ class LayoutStep:
     @property
     def name(self) -> str:
         return short_name(self.op)
+
+    def valid_for(self, parts: int) -> bool:
+        """Do the same dims still map ``parts`` blocks (finer blocks, for split rings)?"""
+        try:
+            return forward_dim(self.op, self.in_dim, parts) == self.out_dim
+        except Decline:
+            return False
 
     def block_type(self, parts: int) -> ir.RankedTensorType:
         t = ir.RankedTensorType(self.op.result.type)

@@ -21,6 +21,7 @@ from .matchers import (
 from .report import Report, SiteReport, describe_shard
 from .rewrites.all_gather_dot import rewrite_all_gather_dot
 from .rewrites.dot_reduce_scatter import rewrite_dot_reduce_scatter
+from .rewrites.schedule import Annotator, RewriteContext
 
 
 @dataclass(frozen=True)
@@ -31,10 +32,29 @@ class Options:
     ``assemble``: when an all_gather's value is also read by ops the ring does not
     compute (a non-dot op, a dot needing later values), let the loop assemble the
     gathered value for them; with ``False`` such sites are declined (``multiple_users``).
+    ``bidirectional``: use both ring directions (gathers: shards travel both ways,
+    half the permute rounds; scatters: each block's halves travel opposite ways).
+    ``unroll``: rounds per loop trip, 1 or 2 (remainder peeled), or ``"full"``: no
+    loop, the whole ring straight-line.
+    ``annotate_streams``: outline each round's dots onto compute streams
+    (``_xla_stream_annotation``) and group each permute with the dots it overlaps
+    (``_scheduling_group_id``); XLA GPU honours them, CPU ignores them.
     """
 
     debug_info: bool = False
     assemble: bool = True
+    bidirectional: bool = False
+    unroll: int | str = 1
+    annotate_streams: bool = False
+
+    def __post_init__(self) -> None:
+        if self.unroll not in (1, 2, "full"):
+            raise ValueError(f"unroll must be 1, 2 or 'full', not {self.unroll!r}")
+
+    @property
+    def rounds_per_trip(self) -> int | None:
+        """Rounds per loop trip; None: no loop (the whole ring straight-line)."""
+        return None if self.unroll == "full" else int(self.unroll)
 
 
 @dataclass
@@ -94,30 +114,45 @@ def rewrite(
         info = ModuleInfo.of(module)
         report = Report(source, info.num_partitions)
         channels = ChannelAllocator(module)
+        ctx = RewriteContext(
+            channels.take,
+            Annotator(module, enabled=options.annotate_streams),
+            bidirectional=options.bidirectional,
+            unroll=options.rounds_per_trip,
+        )
         # Scatters first: a dot between an all_gather and a reduce_scatter becomes the
         # scatter ring's peeled dot, which the gather's ring then computes (and the
         # loop reads the gathered value the gather's ring assembles).  Each collective
         # is matched against the IR as the earlier rewrites left it.
         for op in reduce_scatters(module):
-            report.sites.append(_apply(match_reduce_scatter(op, info), module, channels, source))
+            report.sites.append(_apply(match_reduce_scatter(op, info), module, ctx, source))
         for op in all_gathers(module):
             site = match_all_gather(op, info, assemble=options.assemble)
-            report.sites.append(_apply(site, module, channels, source))
+            report.sites.append(_apply(site, module, ctx, source))
     return RewriteResult(module, report, options)
 
 
-def _apply(site: Site, module: ir.Module, channels: ChannelAllocator, source: str) -> SiteReport:
+def _apply(site: Site, module: ir.Module, ctx: RewriteContext, source: str) -> SiteReport:
     entry = _describe(site, source)
     if isinstance(site, DeclinedSite):
         return entry
-    handle = channels.take()
     if isinstance(site, ReduceScatterSite):
-        rewrite_dot_reduce_scatter(site, handle)
+        applied = rewrite_dot_reduce_scatter(site, ctx)
     else:
-        rewrite_all_gather_dot(site, handle)
+        applied = rewrite_all_gather_dot(site, ctx)
     _verify(module, entry)
     entry.rewritten = True
-    entry.channel_handles = [handle]
+    entry.channel_handles = applied.channel_handles
+    entry.schedule = {
+        "directions": applied.directions,
+        "rounds": applied.stats.rounds,
+        "loop_trips": applied.stats.loop_trips,
+        "rounds_per_trip": applied.stats.rounds_per_trip,
+        "peeled_rounds": applied.stats.peeled,
+        "permutes": applied.permutes,
+        "streams_annotated": ctx.annotator.enabled,
+    }
+    entry.notes = applied.notes
     return entry
 
 

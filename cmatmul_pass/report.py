@@ -31,6 +31,10 @@ class SiteReport:
     consumers: list[dict] = field(default_factory=list)
     # readers of the gathered value outside the ring, fed by the copy the loop assembles
     assembled_for: list[str] = field(default_factory=list)
+    # how the ring was emitted: directions, rounds, loop trips, rounds per trip, peeled rounds,
+    # permutes executed per device, whether streams are annotated
+    schedule: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # variant options that could not apply, and why
 
     def summary_line(self) -> str:
         ring = f" ring={self.ring_size}" if self.ring_size else ""

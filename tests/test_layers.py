@@ -94,7 +94,11 @@ def test_max_region_is_declined():
 
 @pytest.mark.parametrize("name", ["rs_dot_rows", "rs_dot_int32", "rs_dot_transpose"])
 def test_a_wrong_scatter_direction_is_caught(name, monkeypatch):
-    monkeypatch.setattr(dot_reduce_scatter, "SEND_TO_PREVIOUS", +1)
+    """Blocks computed for the wrong ring neighbour: the partial sums reach the wrong owners."""
+    right = dot_reduce_scatter.ring_position
+    monkeypatch.setattr(
+        dot_reduce_scatter, "ring_position", lambda b, pos, rnd, n, shift, offset: right(b, pos, rnd, n, -shift, -offset)
+    )
     text, result = rewrite_sample(name)
     outcome = execute.check_numerics(ir_utils.parse(text), result.module)
     assert not outcome.ok and "MISMATCH" in outcome.format()

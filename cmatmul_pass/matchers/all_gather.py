@@ -72,6 +72,8 @@ class AllGatherSite:
     nodes: tuple[LayoutStep, ...] = ()
     #: ops that still read the gathered value (or a layout of it) after the rewrite
     kept_users: tuple[ir.OpView, ...] = field(default_factory=tuple)
+    #: where the ring goes: the first of its dots and of the readers of the assembled value
+    insert_before: ir.Operation | None = None
 
     kind = ALL_GATHER_DOT
 
@@ -156,7 +158,7 @@ def _match(ag: ir.OpView, ring: Ring, region: ManualRegion, assemble: bool) -> A
         names = ", ".join(sorted({u.op.operation.name for r in tree.roots for u in r.leaves()}))
         raise Decline("user_not_dot", f"the gathered value feeds {names}, no stablehlo.dot_general")
 
-    consumers = _schedulable(tree, block)
+    consumers, first = _schedulable(tree, block)
     if not consumers:
         raise Decline(
             "schedule",
@@ -171,7 +173,7 @@ def _match(ag: ir.OpView, ring: Ring, region: ManualRegion, assemble: bool) -> A
             "multiple_users",
             f"the gathered value is also read by {names}; assembling it in the loop is switched off",
         )
-    return AllGatherSite(ag, ring, region, gather_dim, tuple(consumers), tuple(tree.nodes), tuple(kept))
+    return AllGatherSite(ag, ring, region, gather_dim, tuple(consumers), tuple(tree.nodes), tuple(kept), first)
 
 
 def _visit(tree: _Tree, value: ir.Value, dim: int, path: tuple[LayoutStep, ...], block: ir.Block, n: int) -> list[_Use]:
@@ -241,8 +243,8 @@ def _consumer(dot: ir.OpView, value: ir.Value, dim: int, path: tuple[LayoutStep,
     return Consumer(dot, path, index, dim, "free", result_dim=result_dim)
 
 
-def _schedulable(tree: _Tree, block: ir.Block) -> list[Consumer]:
-    """The dots the loop computes, in block order; the loop goes before the first of them.
+def _schedulable(tree: _Tree, block: ir.Block) -> tuple[list[Consumer], ir.Operation | None]:
+    """The dots the loop computes, in block order, and the op the loop goes before.
 
     The loop must also precede every op that will read the assembled gathered value,
     and a dot joins only if its other operand exists at that point (a weight gradient
@@ -261,9 +263,9 @@ def _schedulable(tree: _Tree, block: ir.Block) -> list[Consumer]:
             if c.dot.operation == first or _defined_before(c.dot.operation.operands[1 - c.operand_index], first)
         ]
         if len(kept) == len(included):
-            return included
+            return included, first
         included = kept
-    return []
+    return [], None
 
 
 class _OpOrder:

@@ -86,6 +86,8 @@ class Builder:
     def ring_index(self, position: ir.Value, step: ir.Value, ring_size: int, shift: int = 1, offset: int = 0) -> ir.Value:
         """``(position + shift * step + offset) mod ring_size`` for ``step >= 0`` (never negative)."""
         stride = shift % ring_size
+        if stride == 0:
+            return self.rem(self.add(position, self.i32(offset % ring_size)), self.i32(ring_size))
         moved = step if stride == 1 else self.mul(step, self.i32(stride))
         if offset % ring_size:
             moved = self.add(moved, self.i32(offset % ring_size))

@@ -1,4 +1,4 @@
-"""dot_general → reduce_scatter(sum), as a windowed ring loop.
+"""dot_general → reduce_scatter(sum), as a windowed ring.
 
 Before (ring of n; the scattered dim of the product is free dim ``e`` of operand
 ``a``; layout ops may sit between the dot and the reduce_scatter)::
@@ -6,62 +6,111 @@ Before (ring of n; the scattered dim of the product is free dim ``e`` of operand
     %d = dot_general(%a, %b)                                        // [.., n*s, ..]
     %r = stablehlo.reduce_scatter(%d) {scatter_dimension = r, sum}  // [.., s, ..]
 
-After::
+After (unidirectional, one round per trip)::
 
     %pos = table[partition_id]
-    %acc = block((pos + 1) mod n)               // peeled first step: nothing to receive yet
+    %acc = block((pos + 1) mod n)               // round 0, peeled: nothing to receive yet
     %acc = while (%i = 0; %i < n-1; %i++) carry (%acc) {
         %recv = collective_permute(%acc)        // position k sends to k-1
         yield %recv + block((pos + i + 2) mod n)
     }
     // block(c) = layout ops of dot_general(dynamic_slice(%a, e, c*s, s), %b): block c of the product
 
-At step ``i`` position ``p`` adds its share of block ``p+i+1`` to the partial sum
-that position ``p+1`` started for it, so after ``n-1`` permutes every position
-holds the full sum of its own block.  The permute of a step and its dot are
-independent; the first step is the one peeled, so no zeros are ever sent.  The
-partial sum travels in the reduce_scatter's own element type (the bytes the
-reduce_scatter would move).
+In round ``r`` position ``p`` adds its share of block ``p+r+1`` to the partial sum
+that position ``p+1`` started for it, so after ``n-1`` permutes every position holds
+the full sum of its own block.  The permute of a round and its dot are independent;
+the first round is the one peeled, so no zeros are ever sent.  The partial sum
+travels in the reduce_scatter's own element type (the bytes the reduce_scatter would
+move).
+
+Bidirectional: each block is split in two halves along the scattered dim; the first
+half's partial sums travel to the previous position as above, the second half's to
+the next one (block ``p-r-1`` in round ``r``), and the halves are concatenated at the
+end: the same rounds, half the bytes per permute in each direction.  It needs an even
+block and layout ops that keep half-blocks whole; otherwise the ring stays
+unidirectional and the report says why.
 """
 
 from __future__ import annotations
 
-from .._jax_private import ir
-from ..layout import apply_path
+from .._jax_private import hlo, ir
 from ..matchers import ReduceScatterSite
-from .builders import Builder, counted_loop, erase_dead, shard_type
+from .builders import Builder, erase_dead, shard_type
+from .schedule import Applied, RewriteContext, Round, ScheduleStats, emit_rounds, ring_position
 
 #: The partial sum travels to the previous position (position k sends to k-1).
 SEND_TO_PREVIOUS = -1
 
 
-def rewrite_dot_reduce_scatter(site: ReduceScatterSite, channel: int) -> None:
+def _halves_blocker(site: ReduceScatterSite) -> str | None:
+    n = site.ring.size
+    width = ir.RankedTensorType(site.dot.operation.operands[site.operand_index].type).shape[site.operand_dim] // n
+    if width % 2:
+        return f"bidirectional: the block of {width} along the scattered dim cannot be halved; kept one direction"
+    for step in site.path:
+        if not step.valid_for(2 * n):
+            return f"bidirectional: {step.name} does not keep half-blocks whole; kept one direction"
+    return None
+
+
+def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> Applied:
     rs, dot, n = site.reduce_scatter, site.dot, site.ring.size
+    notes = []
+    split = ctx.bidirectional
+    if split:
+        blocker = _halves_blocker(site)
+        if blocker:
+            notes.append(blocker)
+            split = False
+    parts = 2 * n if split else n
     operands = list(dot.operation.operands)
     sliced = operands[site.operand_index]
-    width = ir.RankedTensorType(sliced.type).shape[site.operand_dim] // n
-    block_t = shard_type(ir.RankedTensorType(dot.result.type), site.result_dim, n)
-    pairs = site.ring.shift_pairs(SEND_TO_PREVIOUS)
+    width = ir.RankedTensorType(sliced.type).shape[site.operand_dim] // parts
+    piece_t = shard_type(ir.RankedTensorType(dot.result.type), site.result_dim, parts)
+    # direction of each stream's partial sums, and which half of the block it carries
+    shifts = [SEND_TO_PREVIOUS, -SEND_TO_PREVIOUS] if split else [SEND_TO_PREVIOUS]
+    channels = [ctx.take_channel() for _ in shifts]
 
     loop_b = Builder(ir.Location.fused([dot.location, rs.location]))
     compute = loop_b.at(dot.location)
     comm = loop_b.at(rs.location)
 
-    def block(index: ir.Value) -> ir.Value:
+    def piece(block: ir.Value, half: int, stream: int, dots: list) -> ir.Value:
         args = list(operands)
-        args[site.operand_index] = compute.dynamic_slice(sliced, site.operand_dim, compute.mul(index, compute.i32(width)), width)
-        return apply_path(site.path, compute.dot_like(dot, block_t, *args), n)
+        offset = compute.mul(block, compute.i32(width * (parts // n)))
+        if half:
+            offset = compute.add(offset, compute.i32(width))
+        args[site.operand_index] = compute.dynamic_slice(sliced, site.operand_dim, offset, width)
+        product = ctx.annotator.dot(compute, dot, piece_t, args[0], args[1], stream)
+        dots.append(product.owner)
+        for step in site.path:
+            product = step.apply(product, parts)
+        return product
 
-    def body(i: ir.Value, carried: list[ir.Value]) -> list[ir.Value]:
-        (acc,) = carried
-        received = comm.collective_permute(acc, pairs, channel)
-        return [comm.add(received, block(loop_b.ring_index(position, i, n, offset=2)))]
+    def round_fn(rnd: Round, accs: list[ir.Value]) -> list[ir.Value]:
+        new = []
+        for i, (shift, channel) in enumerate(zip(shifts, channels)):
+            group: list = []
+            if rnd.signature:  # the partial sum of this round's block arrives while we compute our share
+                received = comm.collective_permute(accs[i], site.ring.shift_pairs(shift), channel)
+                group.append(received.owner)
+            # sums travel from position p to p+shift, so position p works on block p - shift*(r+1)
+            block = ring_position(loop_b, position, rnd, n, shift=-shift, offset=-shift)
+            mine = piece(block, i, 1 + rnd.slot * len(shifts) + i, group)
+            ctx.annotator.group(group)
+            new.append(comm.add(received, mine) if rnd.signature else mine)
+        return new
 
+    stats = ScheduleStats()
     with ir.InsertionPoint(rs.operation):
         position = loop_b.position_in_ring(site.ring, site.region)
-        first = block(loop_b.ring_index(position, loop_b.i32(1), n))
-        (result,) = counted_loop(loop_b, n - 1, [first], body)
+        # round 0 creates the partial sums (it receives nothing), so it is never in the loop
+        signatures = [r > 0 for r in range(n)]
+        final = emit_rounds(loop_b, signatures, [None] * len(shifts), round_fn, ctx.unroll, stats)
+        result = final[0] if len(final) == 1 else hlo.ConcatenateOp(final, site.scatter_dim, loc=rs.location).result
 
     rs.result.replace_all_uses_with(result)
     rs.operation.erase()
     erase_dead([step.op for step in reversed(site.path)] + [dot])
+    return Applied(channels, len(shifts), stats, len(shifts) * (n - 1), notes)
+
