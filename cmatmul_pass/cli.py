@@ -37,6 +37,18 @@ def build_parser() -> argparse.ArgumentParser:
     def add_input(p: argparse.ArgumentParser) -> None:
         p.add_argument("input", help="StableHLO text or bytecode; '-' reads stdin")
         p.add_argument("--quiet", "-q", action="store_true", help="no per-site summary on stderr")
+        p.add_argument("--bidirectional", action="store_true", help="use both ring directions")
+        p.add_argument(
+            "--unroll",
+            default="1",
+            choices=["1", "2", "full"],
+            help="ring rounds per loop trip; 'full': no loop, the whole ring straight-line",
+        )
+        p.add_argument(
+            "--annotate-streams",
+            action="store_true",
+            help="outline each round's dots onto GPU compute streams and group each permute with them",
+        )
         p.add_argument(
             "--no-assemble",
             dest="assemble",
@@ -50,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_report(p)
     p.add_argument("--debug-info", action="store_true", help="print locations in the output")
     p.add_argument("--emit-bytecode", action="store_true", help="write MLIR bytecode instead of text")
+    p.add_argument(
+        "--emit",
+        default="stablehlo",
+        choices=["stablehlo", "hlo"],
+        help="output dialect: StableHLO (default) or pre-optimisation HLO text",
+    )
 
     p = sub.add_parser("check", help="rewrite, run original and rewritten on CPU devices, compare outputs")
     add_input(p)
@@ -93,11 +111,23 @@ def write_output(path: str, data: str | bytes) -> None:
         raise
 
 
+def _options(args):
+    from .pipeline import Options
+
+    return Options(
+        debug_info=getattr(args, "debug_info", False),
+        assemble=args.assemble,
+        bidirectional=args.bidirectional,
+        unroll="full" if args.unroll == "full" else int(args.unroll),
+        annotate_streams=args.annotate_streams,
+    )
+
+
 def _rewrite(args):
     from .pipeline import Options, rewrite
 
     data, source = read_input(args.input)
-    result = rewrite(data, Options(debug_info=getattr(args, "debug_info", False), assemble=args.assemble), source=source)
+    result = rewrite(data, _options(args), source=source)
     if not args.quiet:
         for site in result.report.sites:
             print(site.summary_line(), file=sys.stderr)
@@ -106,8 +136,13 @@ def _rewrite(args):
 
 
 def cmd_rewrite(args) -> int:
+    if args.emit_bytecode and args.emit == "hlo":
+        raise CmatmulError("--emit-bytecode writes StableHLO; it cannot be combined with --emit hlo")
     _, _, result = _rewrite(args)
-    out = result.bytecode if args.emit_bytecode else result.text
+    if args.emit == "hlo":
+        out = result.hlo_text
+    else:
+        out = result.bytecode if args.emit_bytecode else result.text
     if args.report_json:
         write_output(args.report_json, result.report.to_json())
     write_output(args.output, out)
@@ -142,6 +177,14 @@ def cmd_explain(args) -> int:
             print(f"  shard: {site.dtype}{site.shard_shape}, {site.bytes_per_step} B per step, {site.bytes_moved} B moved per device")
         if site.rewritten:
             print(f"  decision: rewritten as a ring loop ({site.operand} operand, {site.dim_role} dim {site.collective_dim})")
+            sched = site.schedule
+            print(
+                f"  schedule: {sched['directions']} direction(s), {sched['rounds']} rounds "
+                f"({sched['loop_trips']} loop trips x {sched['rounds_per_trip']} + {sched['peeled_rounds']} peeled), "
+                f"{sched['permutes']} permutes per device{', streams annotated' if sched['streams_annotated'] else ''}"
+            )
+            for note in site.notes:
+                print(f"  note: {note}")
             for dot in site.consumers:
                 through = f", through {' -> '.join(dot['look_through'])}" if dot["look_through"] else ""
                 print(f"  dot: {dot['location']} ({dot['operand']} operand, {dot['dim_role']} dim{through})")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from . import ir_utils
-from ._jax_private import hlo, ir, make_context, module_to_bytecode
+from ._jax_private import hlo, ir, make_context, module_to_bytecode, module_to_hlo_text
 from .errors import InternalError
 from .matchers import (
     AllGatherSite,
@@ -70,6 +70,12 @@ class RewriteResult:
     @property
     def bytecode(self) -> bytes:
         return module_to_bytecode(self.module)
+
+    @property
+    def hlo_text(self) -> str:
+        """The rewritten module as (pre-optimisation) HLO text: loops, permutes and frontend
+        attributes as XLA sees them."""
+        return module_to_hlo_text(ir_utils.print_module(self.module))
 
     @property
     def changed(self) -> bool:

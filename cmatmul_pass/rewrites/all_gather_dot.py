@@ -98,7 +98,6 @@ class _Stream:
 
     shift: int
     pairs: object
-    channel: int
     first: int
     last: int
 
@@ -112,10 +111,10 @@ class _Stream:
 def _streams(site: AllGatherSite, ctx: RewriteContext) -> list[_Stream]:
     n = site.ring.size
     if not ctx.bidirectional or n < 3:
-        return [_Stream(1, site.ring.shift_pairs(RECEIVE_FROM_NEXT), ctx.take_channel(), 0, n - 1)]
+        return [_Stream(1, site.ring.shift_pairs(RECEIVE_FROM_NEXT), 0, n - 1)]
     return [
-        _Stream(1, site.ring.shift_pairs(RECEIVE_FROM_NEXT), ctx.take_channel(), 0, n // 2),
-        _Stream(-1, site.ring.shift_pairs(-RECEIVE_FROM_NEXT), ctx.take_channel(), 1, (n - 1) // 2),
+        _Stream(1, site.ring.shift_pairs(RECEIVE_FROM_NEXT), 0, n // 2),
+        _Stream(-1, site.ring.shift_pairs(-RECEIVE_FROM_NEXT), 1, (n - 1) // 2),
     ]
 
 
@@ -154,7 +153,8 @@ def rewrite_all_gather_dot(site: AllGatherSite, ctx: RewriteContext) -> Applied:
         groups: list[list] = [[] for _ in streams]
         for i, (stream, (_, sends)) in enumerate(zip(streams, rnd.signature)):
             if sends:
-                received[i] = comm.collective_permute(held[i], stream.pairs, stream.channel)
+                channels.append(ctx.take_channel())
+                received[i] = comm.collective_permute(held[i], stream.pairs, channels[-1])
                 groups[i].append(received[i].owner)
         for i, (stream, (computes, _)) in enumerate(zip(streams, rnd.signature)):
             if computes:
@@ -165,6 +165,7 @@ def rewrite_all_gather_dot(site: AllGatherSite, ctx: RewriteContext) -> Applied:
         return received + state
 
     stats = ScheduleStats()
+    channels: list[int] = []  # a fresh handle for every permute op emitted
     with ir.InsertionPoint(site.insert_before):
         position = loop_b.position_in_ring(site.ring, site.region)
         inits = [plan.init() for plan in plans]
@@ -183,7 +184,7 @@ def rewrite_all_gather_dot(site: AllGatherSite, ctx: RewriteContext) -> Applied:
     ag.operation.erase()
     notes = ["bidirectional: a ring of 2 needs one direction"] if ctx.bidirectional and n == 2 else []
     return Applied(
-        [s.channel for s in streams],
+        channels,
         len(streams),
         stats,
         sum(s.sends(r) for s in streams for r in range(rounds)),

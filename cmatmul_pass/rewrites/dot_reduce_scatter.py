@@ -69,7 +69,7 @@ def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> 
     piece_t = shard_type(ir.RankedTensorType(dot.result.type), site.result_dim, parts)
     # direction of each stream's partial sums, and which half of the block it carries
     shifts = [SEND_TO_PREVIOUS, -SEND_TO_PREVIOUS] if split else [SEND_TO_PREVIOUS]
-    channels = [ctx.take_channel() for _ in shifts]
+    channels: list[int] = []  # a fresh handle for every permute op emitted
 
     loop_b = Builder(ir.Location.fused([dot.location, rs.location]))
     compute = loop_b.at(dot.location)
@@ -89,10 +89,11 @@ def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> 
 
     def round_fn(rnd: Round, accs: list[ir.Value]) -> list[ir.Value]:
         new = []
-        for i, (shift, channel) in enumerate(zip(shifts, channels)):
+        for i, shift in enumerate(shifts):
             group: list = []
             if rnd.signature:  # the partial sum of this round's block arrives while we compute our share
-                received = comm.collective_permute(accs[i], site.ring.shift_pairs(shift), channel)
+                channels.append(ctx.take_channel())
+                received = comm.collective_permute(accs[i], site.ring.shift_pairs(shift), channels[-1])
                 group.append(received.owner)
             # sums travel from position p to p+shift, so position p works on block p - shift*(r+1)
             block = ring_position(loop_b, position, rnd, n, shift=-shift, offset=-shift)
