@@ -123,6 +123,15 @@ def _options(args):
     )
 
 
+def render_with_args(text: str, argv: list[str], source: str = "<input>") -> str:
+    """The output ``cmatmul_pass rewrite <argv> FILE`` prints for ``text`` (used by the goldens)."""
+    from .pipeline import rewrite
+
+    args = build_parser().parse_args(["rewrite", *argv, "-"])
+    result = rewrite(text, _options(args), source=source)
+    return result.hlo_text if args.emit == "hlo" else result.text
+
+
 def _rewrite(args):
     from .pipeline import Options, rewrite
 

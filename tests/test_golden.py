@@ -10,7 +10,18 @@ import pytest
 import cmatmul_pass
 from cmatmul_pass import ir_utils
 from conftest import NEGATIVE, POSITIVE, SAMPLES
-from tools.golden import dead_directives, expectation, golden_lines, replace_golden_block, GOLDEN_BEGIN, GOLDEN_END
+from cmatmul_pass.cli import render_with_args
+from tools.golden import (
+    GOLDEN_BEGIN,
+    GOLDEN_END,
+    begin_marker,
+    dead_directives,
+    expectation,
+    golden_blocks,
+    golden_lines,
+    intent_prefix,
+    replace_golden_block,
+)
 
 FILECHECK = shutil.which("filecheck", path=str(Path(sys.executable).parent)) or shutil.which("filecheck")
 
@@ -27,14 +38,42 @@ def test_there_are_positive_and_negative_samples():
     assert len(POSITIVE) >= 10 and len(NEGATIVE) >= 5
 
 
-@pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.stem)
-@pytest.mark.parametrize("prefix", ["CHECK", "GOLDEN"])
-def test_sample_filecheck(path, prefix):
+BLOCKS = [(path, prefix, args) for path in SAMPLES for prefix, args in golden_blocks(path.read_text())]
+
+
+@pytest.mark.parametrize(
+    "path, golden, args", BLOCKS, ids=[f"{p.stem}-{g}" for p, g, _ in BLOCKS]
+)
+@pytest.mark.parametrize("kind", ["intent", "golden"])
+def test_sample_filecheck(path, golden, args, kind):
+    """Every golden block: the pass run with the block's options, FileCheck'd against the block
+    (``golden``) and against the variant's hand-stated intent lines (``intent``)."""
     text = path.read_text()
-    assert f"// {prefix}" in text, f"{path.name} has no {prefix} lines"
-    output = cmatmul_pass.rewrite(text, source=str(path)).text
+    prefix = golden if kind == "golden" else intent_prefix(golden)
+    assert f"// {prefix}:" in text or f"// {prefix}-" in text, f"{path.name} has no {prefix} lines"
+    output = render_with_args(text, args, source=str(path))
     proc = filecheck(path, output, prefix)
-    assert proc.returncode == 0, f"{path.name} ({prefix}):\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"{path.name} ({prefix}, {' '.join(args)}):\n{proc.stderr[-3000:]}"
+
+
+def test_variant_blocks_exist_for_every_site_kind_and_option():
+    variants = {}
+    for path, golden, args in BLOCKS:
+        if golden != "GOLDEN":
+            variants.setdefault(" ".join(args), set()).add(path.stem)
+    assert {"--bidirectional", "--unroll 2", "--unroll full"} <= set(variants)
+    assert any("--annotate-streams" in a for a in variants) and any("--emit hlo" in a for a in variants)
+    for args in ("--bidirectional", "--unroll 2", "--unroll full"):
+        assert {"ag_dot_1d", "ag_dot_contracting", "rs_dot_1d", "ag_dot_qkv"} <= variants[args]
+
+
+def test_variant_block_markers_round_trip():
+    marker = begin_marker("BIDI_GOLDEN", ["--bidirectional", "--unroll", "2"])
+    text = f"{marker}\n// BIDI_GOLDEN: stale_line\n{GOLDEN_END}\n"
+    assert golden_blocks(text) == [("BIDI_GOLDEN", ["--bidirectional", "--unroll", "2"])]
+    assert intent_prefix("BIDI_GOLDEN") == "BIDI" and intent_prefix("GOLDEN") == "CHECK"
+    new = replace_golden_block(text, "x\ny\n", "BIDI_GOLDEN", ["--bidirectional", "--unroll", "2"])
+    assert "// BIDI_GOLDEN: x\n// BIDI_GOLDEN-NEXT: y\n" in new and "stale_line" not in new
 
 
 @pytest.mark.parametrize("path", POSITIVE, ids=lambda p: p.stem)

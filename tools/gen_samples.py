@@ -29,7 +29,20 @@ ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "hlo_samples"
 sys.path.insert(0, str(ROOT))
 
-from tools.golden import GOLDEN_BEGIN, GOLDEN_END, escape  # noqa: E402
+from tools.golden import GOLDEN_END, begin_marker, escape  # noqa: E402
+
+
+@dataclass
+class Variant:
+    """The pass run with other options: intent ``checks`` (written with the CHECK prefix) and a golden
+    block, both under ``prefix``."""
+
+    prefix: str
+    args: list[str]
+    checks: list[str]
+
+    def intent_lines(self) -> list[str]:
+        return [self.prefix + c[len("CHECK"):] for c in self.checks]
 
 
 @dataclass
@@ -39,6 +52,7 @@ class Sample:
     build: Callable[[], str]
     expect: str  # "rewritten N" or "unchanged <code>"
     checks: list[str] = field(default_factory=list)
+    variants: list[Variant] = field(default_factory=list)
 
 
 def smap(body, **kwargs):
@@ -137,6 +151,110 @@ def rs_checks(pairs: str, trip_count: int, block_type: str = "") -> list[str]:
 def gone(*ops: str) -> list[str]:
     """Checks that none of ``ops`` is left anywhere in the output."""
     return [f"CHECK-NOT: stablehlo.{op}" for op in ops]
+
+
+# ---------------------------------------------------------------- variant checks
+BIDI = ["--bidirectional"]
+UNROLL2 = ["--unroll", "2"]
+FULL = ["--unroll", "full"]
+STREAMS = ["--annotate-streams", "--unroll", "2"]
+HLO = ["--emit", "hlo", "--annotate-streams", "--unroll", "2"]
+PERMUTE = 'CHECK: "stablehlo.collective_permute"'
+
+
+def pairs_same(pairs: str) -> str:
+    return f"CHECK-SAME: source_target_pairs = dense<{escape(pairs)}>"
+
+
+def unroll2_checks(collective: str, pairs: str, trips: int) -> list[str]:
+    """Two rounds per trip: each with its permute and its dot."""
+    return [
+        f"CHECK-NOT: stablehlo.{collective}",
+        *loop_checks(pairs, trips),
+        "CHECK: stablehlo.dot_general",
+        PERMUTE,
+        pairs_same(pairs),
+        "CHECK: stablehlo.dot_general",
+        "CHECK: stablehlo.return",
+        f"CHECK-NOT: stablehlo.{collective}",
+    ]
+
+
+def full_checks(collective: str, permutes: int, dots: int) -> list[str]:
+    """The whole ring straight-line: no loop, n-1 permutes (per direction), every dot."""
+    return [
+        "CHECK-NOT: stablehlo.while",
+        *[PERMUTE] * permutes,
+        *["CHECK: stablehlo.dot_general"] * 1,
+        "CHECK-NOT: stablehlo.while",
+    ] + ([f"CHECK-NOT: stablehlo.{collective}"] if dots else [])
+
+
+def bidi_gather_loop_checks(down: str, up: str, trips: int) -> list[str]:
+    """Round 0 starts both streams and computes the own shard; each trip receives from both sides."""
+    return [
+        "CHECK-NOT: stablehlo.all_gather",
+        PERMUTE, pairs_same(down),
+        'CHECK-NEXT: "stablehlo.collective_permute"', pairs_same(up),
+        "CHECK: stablehlo.dot_general",
+        *loop_checks(down, trips),
+        'CHECK-NEXT: "stablehlo.collective_permute"', pairs_same(up),
+        "CHECK: stablehlo.dot_general",
+        "CHECK: stablehlo.dot_general",
+        "CHECK: stablehlo.return",
+        "CHECK-NOT: stablehlo.all_gather",
+    ]
+
+
+def bidi_gather_4_checks(down: str, up: str) -> list[str]:
+    """A ring of 4 both ways: round 0 sends both ways, round 1 only down, round 2 none; no loop."""
+    return [
+        "CHECK-NOT: stablehlo.while",
+        PERMUTE, pairs_same(down),
+        'CHECK-NEXT: "stablehlo.collective_permute"', pairs_same(up),
+        "CHECK: stablehlo.dot_general",
+        PERMUTE, pairs_same(down),
+        "CHECK: stablehlo.dot_general",
+        "CHECK: stablehlo.dot_general",
+        "CHECK: stablehlo.dot_general",
+        "CHECK-NOT: stablehlo.collective_permute",
+        "CHECK-NOT: stablehlo.all_gather",
+    ]
+
+
+def streams_checks(collective: str) -> list[str]:
+    """Each round's dot is an outlined call on its own stream, grouped with the round's permute."""
+    return [
+        f"CHECK-NOT: stablehlo.{collective}",
+        "CHECK: } do {",
+        PERMUTE,
+        'CHECK-SAME: mhlo.frontend_attributes = {_scheduling_group_id = "0"}',
+        "CHECK: func.call @cmatmul_dot_0",
+        'CHECK-SAME: {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}',
+        PERMUTE,
+        'CHECK-SAME: mhlo.frontend_attributes = {_scheduling_group_id = "1"}',
+        "CHECK: func.call @cmatmul_dot_0",
+        'CHECK-SAME: {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}',
+        "CHECK: func.func private @cmatmul_dot_0",
+        "CHECK-NEXT: stablehlo.dot_general",
+    ]
+
+
+def hlo_checks() -> list[str]:
+    """The same in HLO: the loop, the permutes and calls with their frontend attributes (HLO orders
+    computations its own way, hence DAG)."""
+    return [
+        "CHECK: HloModule",
+        'CHECK-DAG: collective-permute({{.*}}frontend_attributes={_scheduling_group_id="0"}',
+        'CHECK-DAG: call({{.*}}frontend_attributes={_scheduling_group_id="0",_xla_stream_annotation="1",inlineable="false"}',
+        'CHECK-DAG: collective-permute({{.*}}frontend_attributes={_scheduling_group_id="1"}',
+        'CHECK-DAG: call({{.*}}frontend_attributes={_scheduling_group_id="1",_xla_stream_annotation="2",inlineable="false"}',
+        "CHECK-DAG: while(",
+    ]
+
+
+PAIRS_1D_8_UP = "[[0, 1], [1, 2], [2, 3], [3, 4], [4, 5], [5, 6], [6, 7], [7, 0]]"
+PAIRS_2X4_MODEL_UP = "[[0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]"
 
 
 PAIRS_2X4_MODEL = "[[0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]"
@@ -651,7 +769,12 @@ NEG_RS = ["CHECK: stablehlo.reduce_scatter", "CHECK-NOT: stablehlo.while"]
 
 SAMPLES_LIST = [
     Sample("ag_dot_1d", "1-D mesh of 8, column-parallel layer: all_gather rows of x, then x @ W[:, shard].",
-           column_parallel_1d, "rewritten 1", ring_checks(PAIRS_1D_8, 7)),
+           column_parallel_1d, "rewritten 1", ring_checks(PAIRS_1D_8, 7),
+           [Variant("BIDI", BIDI, bidi_gather_loop_checks(PAIRS_1D_8, PAIRS_1D_8_UP, 2)),
+            Variant("UNROLL2", UNROLL2, unroll2_checks("all_gather", PAIRS_1D_8, 3)),
+            Variant("FULL", FULL, full_checks("all_gather", 7, 8)),
+            Variant("STREAMS", STREAMS, streams_checks("all_gather")),
+            Variant("HLO", HLO, hlo_checks())]),
     Sample("ag_dot_mesh2x4_model", "2x4 (data, model) mesh, sequence-parallel rows gathered over 'model'.",
            mesh2x4_model, "rewritten 1", ring_checks(PAIRS_2X4_MODEL, 3)),
     Sample("ag_dot_mesh2x4_data_strided", "2x4 mesh gathering over the non-minor axis 'data': strided groups [[0,4],...].",
@@ -714,7 +837,20 @@ SAMPLES_LIST = [
            both_operands, "unchanged both_operands", NEG),
     # ---- dot -> reduce_scatter
     Sample("rs_dot_1d", "1-D mesh of 8, row-parallel layer: partial x @ W summed and scattered over rows.",
-           rs_1d, "rewritten 1", rs_checks(PAIRS_1D_8, 7, "(tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>")),
+           rs_1d, "rewritten 1", rs_checks(PAIRS_1D_8, 7, "(tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>"),
+           [Variant("BIDI", BIDI,
+                    # half-blocks: [4, 16] slices, [4, 32] partial sums both ways, concatenated at the end
+                    ["CHECK-NOT: stablehlo.reduce_scatter", *loop_checks(PAIRS_1D_8, 7),
+                     "CHECK-SAME: (tensor<4x32xf32>) -> tensor<4x32xf32>",
+                     "CHECK: stablehlo.dot_general", "CHECK-SAME: (tensor<4x16xf32>, tensor<16x32xf32>) -> tensor<4x32xf32>",
+                     PERMUTE, pairs_same(PAIRS_1D_8_UP), "CHECK: stablehlo.dot_general", "CHECK: stablehlo.return",
+                     "CHECK: stablehlo.concatenate", "CHECK-SAME: dim = 0",
+                     "CHECK-SAME: (tensor<4x32xf32>, tensor<4x32xf32>) -> tensor<8x32xf32>",
+                     "CHECK-NOT: stablehlo.reduce_scatter"]),
+            Variant("UNROLL2", UNROLL2, unroll2_checks("reduce_scatter", PAIRS_1D_8, 3)),
+            Variant("FULL", FULL, full_checks("reduce_scatter", 7, 8)),
+            Variant("STREAMS", STREAMS, streams_checks("reduce_scatter")),
+            Variant("HLO", HLO, hlo_checks())]),
     Sample("rs_dot_rows", "2x4 mesh, the product's rows (a free dim of the lhs) scattered over 'model'.",
            rs_on(0), "rewritten 1", rs_checks(PAIRS_2X4_MODEL, 3, "(tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>")),
     Sample("rs_dot_rhs", "2x4 mesh, the product's columns (a free dim of the rhs) scattered over 'model'.",
@@ -739,7 +875,11 @@ SAMPLES_LIST = [
            ["CHECK: manual_axes={\"data\"}"] + rs_checks(PAIRS_2X4_MODEL, 3)),
     # ---- all_gather on the contracting dim, look-through, several consumers
     Sample("ag_dot_contracting", "features gathered and contracted (ViT-22b's async gather): partials summed.",
-           ag_contracting(), "rewritten 1", contracting_checks(PAIRS_2X4_MODEL, 3)),
+           ag_contracting(), "rewritten 1", contracting_checks(PAIRS_2X4_MODEL, 3),
+           [Variant("BIDI", BIDI, bidi_gather_4_checks(PAIRS_2X4_MODEL, PAIRS_2X4_MODEL_UP)),
+            Variant("UNROLL2", UNROLL2, unroll2_checks("all_gather", PAIRS_2X4_MODEL, 1)),
+            Variant("FULL", FULL, full_checks("all_gather", 3, 4)),
+            Variant("STREAMS", STREAMS, streams_checks("all_gather"))]),
     Sample("ag_dot_contracting_bf16", "bf16 contracting gather: partial contractions summed in f32, cast once.",
            ag_contracting(jnp.bfloat16), "rewritten 1",
            contracting_checks(PAIRS_2X4_MODEL, 3) + ["CHECK: stablehlo.convert {{.*}} -> tensor<16x16xbf16>"]),
@@ -763,7 +903,11 @@ SAMPLES_LIST = [
            ag_qkv, "rewritten 1",
            ["CHECK: } do {", 'CHECK-NEXT: "stablehlo.collective_permute"', "CHECK: stablehlo.dot_general",
             "CHECK: stablehlo.dot_general", "CHECK: stablehlo.dot_general", "CHECK: stablehlo.return"]
-           + gone("all_gather")),
+           + gone("all_gather"),
+           [Variant("BIDI", BIDI, bidi_gather_4_checks(PAIRS_2X4_MODEL, PAIRS_2X4_MODEL_UP)),
+            Variant("UNROLL2", UNROLL2, unroll2_checks("all_gather", PAIRS_2X4_MODEL, 1)),
+            Variant("FULL", FULL, full_checks("all_gather", 3, 12)),
+            Variant("STREAMS", STREAMS, streams_checks("all_gather"))]),
     Sample("ag_dot_assembled", "the gathered value feeds a dot and a tanh: the loop also assembles it for the tanh.",
            ag_assembled, "rewritten 1",
            ["CHECK: } do {", 'CHECK-NEXT: "stablehlo.collective_permute"', "CHECK: stablehlo.dot_general",
@@ -803,15 +947,22 @@ def render(sample: Sample, module_text: str) -> str:
     header = [
         f"// {sample.doc}",
         "// Generated by tools/gen_samples.py from a JAX program; do not edit (`make samples` regenerates).",
-        "// RUN: python -m cmatmul_pass rewrite %s | filecheck %s",
+        "// RUN: python -m cmatmul_pass rewrite %s | filecheck %s --check-prefixes CHECK,GOLDEN",
+        *(
+            f"// RUN: python -m cmatmul_pass rewrite {' '.join(v.args)} %s | filecheck %s "
+            f"--check-prefixes {v.prefix},{v.prefix}_GOLDEN"
+            for v in sample.variants
+        ),
         f"// EXPECT: {sample.expect}",
         "",
         *(f"// {c}" for c in sample.checks),
         "",
-        GOLDEN_BEGIN,
+        begin_marker(),
         GOLDEN_END,
         "",
     ]
+    for v in sample.variants:
+        header += [*(f"// {c}" for c in v.intent_lines()), "", begin_marker(f"{v.prefix}_GOLDEN", v.args), GOLDEN_END, ""]
     return "\n".join(header) + module_text.rstrip() + "\n"
 
 
