@@ -419,13 +419,13 @@
 // STREAMS_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<3> : tensor<i32>
 // STREAMS_GOLDEN-NEXT: %18 = stablehlo.add %4, %c_4 : tensor<i32>
 // STREAMS_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_2 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %20 = func.call @cmatmul_dot_0(%6, %arg5) {mhlo.frontend_attributes = {_scheduling_group_id = "3", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %20 = func.call @cmatmul_dot_0(%6, %arg5) {mhlo.frontend_attributes = {_xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: %21 = stablehlo.multiply %19, %c_3 : tensor<i32>
 // STREAMS_GOLDEN-NEXT: %22 = stablehlo.dynamic_update_slice %11, %20, %21, %c_0 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %23 = func.call @cmatmul_dot_1(%6, %arg6) {mhlo.frontend_attributes = {_scheduling_group_id = "3", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %23 = func.call @cmatmul_dot_1(%6, %arg6) {mhlo.frontend_attributes = {_xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: %24 = stablehlo.multiply %19, %c_3 : tensor<i32>
 // STREAMS_GOLDEN-NEXT: %25 = stablehlo.dynamic_update_slice %14, %23, %24, %c_0 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %26 = func.call @cmatmul_dot_2(%6, %arg7) {mhlo.frontend_attributes = {_scheduling_group_id = "3", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %26 = func.call @cmatmul_dot_2(%6, %arg7) {mhlo.frontend_attributes = {_xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: %27 = stablehlo.multiply %19, %c_3 : tensor<i32>
 // STREAMS_GOLDEN-NEXT: %28 = stablehlo.dynamic_update_slice %17, %26, %27, %c_0 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
 // STREAMS_GOLDEN-NEXT: sdy.return %22, %25, %28 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>

@@ -20,6 +20,13 @@ POSITIVE = [p for p in SAMPLES if expectation(p.read_text())[0] == "rewritten"]
 NEGATIVE = [p for p in SAMPLES if expectation(p.read_text())[0] == "unchanged"]
 
 
+def run_cli(*argv) -> int:
+    """``python -m cmatmul_pass ARGV`` in-process; returns the exit code."""
+    from cmatmul_pass import cli
+
+    return cli.main([str(a) for a in argv])
+
+
 def sample(name: str) -> Path:
     return ROOT / "hlo_samples" / f"{name}.mlir"
 

@@ -15,14 +15,10 @@ import cmatmul_pass
 from cmatmul_pass import cli, ir_utils
 from cmatmul_pass._jax_private import module_to_bytecode
 from cmatmul_pass.rewrites import all_gather_dot
-from conftest import ROOT, sample
+from conftest import ROOT, run_cli, sample
 
 POS = sample("ag_dot_mesh2x4_model")
 NEG = sample("neg_batch_dim")
-
-
-def run_cli(*argv):
-    return cli.main([str(a) for a in argv])
 
 
 def test_rewrite_to_file_with_report(tmp_path, capsys):

@@ -150,18 +150,19 @@ def rewrite_all_gather_dot(site: AllGatherSite, ctx: RewriteContext) -> Applied:
     def round_fn(rnd: Round, carried: list[ir.Value]) -> list[ir.Value]:
         held, state = carried[: len(streams)], carried[len(streams) :]
         received = list(held)
-        groups: list[list] = [[] for _ in streams]
+        permutes: list = [None] * len(streams)
+        dots: list[list] = [[] for _ in streams]
         for i, (stream, (_, sends)) in enumerate(zip(streams, rnd.signature)):
             if sends:
                 channels.append(ctx.take_channel())
                 received[i] = comm.collective_permute(held[i], stream.pairs, channels[-1])
-                groups[i].append(received[i].owner)
+                permutes[i] = received[i].owner
         for i, (stream, (computes, _)) in enumerate(zip(streams, rnd.signature)):
             if computes:
                 k = ring_position(loop_b, position, rnd, n, shift=stream.shift)
-                state = compute(held[i], k, state, 1 + rnd.slot * len(streams) + i, groups[i])
-        for group in groups:
-            ctx.annotator.group(group)
+                state = compute(held[i], k, state, 1 + rnd.slot * len(streams) + i, dots[i])
+        for permute, group in zip(permutes, dots):
+            ctx.annotator.group(permute, group)
         return received + state
 
     stats = ScheduleStats()

@@ -90,15 +90,15 @@ def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> 
     def round_fn(rnd: Round, accs: list[ir.Value]) -> list[ir.Value]:
         new = []
         for i, shift in enumerate(shifts):
-            group: list = []
+            dots: list = []
+            received = None
             if rnd.signature:  # the partial sum of this round's block arrives while we compute our share
                 channels.append(ctx.take_channel())
                 received = comm.collective_permute(accs[i], site.ring.shift_pairs(shift), channels[-1])
-                group.append(received.owner)
             # sums travel from position p to p+shift, so position p works on block p - shift*(r+1)
             block = ring_position(loop_b, position, rnd, n, shift=-shift, offset=-shift)
-            mine = piece(block, i, 1 + rnd.slot * len(shifts) + i, group)
-            ctx.annotator.group(group)
+            mine = piece(block, i, 1 + rnd.slot * len(shifts) + i, dots)
+            ctx.annotator.group(received.owner if received is not None else None, dots)
             new.append(comm.add(received, mine) if rnd.signature else mine)
         return new
 

@@ -145,13 +145,17 @@ class Annotator:
         set_frontend_attributes(call, {STREAM_ANNOTATION: str(stream), "inlineable": "false"})
         return call.result
 
-    def group(self, ops: Sequence[ir.OpView | ir.Operation]) -> None:
-        """Put ``ops`` (a permute and the dots it overlaps) in one fresh scheduling group."""
-        if not self.enabled or len(ops) < 2:
+    def group(self, permute: ir.OpView | ir.Operation | None, dots: Sequence[ir.OpView | ir.Operation]) -> None:
+        """Put a permute and the dots it overlaps in one fresh scheduling group.
+
+        XLA drops groups of one and allows one async collective per group, so a round
+        without a permute (or without dots) gets no group.
+        """
+        if not self.enabled or permute is None or not dots:
             return
         gid = str(self._next_group)
         self._next_group += 1
-        for op in ops:
+        for op in [permute, *dots]:
             set_frontend_attributes(op, {SCHEDULING_GROUP: gid})
 
     def _outlined(self, b: Builder, template: ir.OpView, result_type, lhs_type, rhs_type) -> str:
