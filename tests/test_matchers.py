@@ -142,13 +142,19 @@ def permute_pairs(module) -> list[np.ndarray]:
     ]
 
 
+@pytest.mark.parametrize(
+    "options",
+    [cmatmul_pass.Options(), cmatmul_pass.Options(bidirectional=True, unroll=2, annotate_streams=True),
+     cmatmul_pass.Options(bidirectional=True, unroll="full")],
+    ids=["uni", "bidi-unroll2-streams", "bidi-full"],
+)
 @pytest.mark.parametrize("path", POSITIVE, ids=lambda p: p.stem)
-def test_every_permute_forms_the_groups_rings(path):
+def test_every_permute_forms_the_groups_rings(path, options):
     """Deadlock freedom: each permute's pairs are exactly one directed cycle per replica group."""
-    result = cmatmul_pass.rewrite(path.read_text())
+    result = cmatmul_pass.rewrite(path.read_text(), options)
     groups = [tuple(g) for s in result.report.rewritten for g in s.replica_groups]
     all_pairs = permute_pairs(result.module)
-    assert len(all_pairs) == len(result.report.rewritten)
+    assert len(all_pairs) == sum(len(s.channel_handles) for s in result.report.rewritten)
     for pairs in all_pairs:
         graph = nx.DiGraph([tuple(p) for p in pairs.tolist()])
         cycles = [sorted(c) for c in nx.simple_cycles(graph)]

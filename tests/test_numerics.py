@@ -71,3 +71,20 @@ def test_a_wrong_ring_direction_is_caught(name, monkeypatch):
     _, outcome = check(sample(name))
     assert not outcome.ok
     assert "MISMATCH" in outcome.format()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [cmatmul_pass.Options(bidirectional=True, unroll=2, annotate_streams=True),
+     cmatmul_pass.Options(bidirectional=True, unroll="full")],
+    ids=["bidi-unroll2-streams", "bidi-full"],
+)
+@pytest.mark.parametrize("path", POSITIVE, ids=lambda p: p.stem)
+def test_every_sample_under_combined_variants(path, options):
+    """2-D meshes, partial-manual regions, the legacy partitioner, scans, chains and gradients with
+    both directions, unrolling and outlined stream-annotated dots."""
+    text = path.read_text()
+    result = cmatmul_pass.rewrite(text, options, source=str(path))
+    assert result.changed
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()
