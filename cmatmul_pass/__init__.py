@@ -10,7 +10,7 @@ can configure XLA's CPU device count before jax starts.
 
 from importlib import import_module
 
-from .errors import CmatmulError, Decline, ExecutionError, InputError, InternalError
+from .errors import CmatmulError, Decline, ExecutionError, InputError, InternalError, NumericsMismatch
 
 _LAZY = {
     "rewrite": "pipeline",
@@ -20,9 +20,11 @@ _LAZY = {
     "SiteReport": "report",
     "check_numerics": "execute",
     "CheckResult": "execute",
+    "jit": "decorator",
+    "JittedFunction": "decorator",
 }
 
-__all__ = ["CmatmulError", "Decline", "ExecutionError", "InputError", "InternalError", *_LAZY]
+__all__ = ["CmatmulError", "Decline", "ExecutionError", "InputError", "InternalError", "NumericsMismatch", *_LAZY]
 __version__ = "0.1.0"
 
 

@@ -8,6 +8,7 @@ here, so a JAX upgrade that moves things breaks exactly one file.  Supported ran
 
 from __future__ import annotations
 
+import copy
 import io
 from collections.abc import Sequence
 from typing import Any
@@ -41,6 +42,8 @@ __all__ = [
     "compile_module",
     "sharding_for_devices",
     "module_to_hlo_text",
+    "lowered_module",
+    "lowered_with_module",
 ]
 
 
@@ -84,3 +87,36 @@ def module_to_hlo_text(module_text: str) -> str:
     """Pre-optimisation HLO text of a StableHLO module (for inspection)."""
     computation = _xla_client._xla.mlir.mlir_module_to_xla_computation(module_text)
     return computation.as_hlo_text()
+
+
+def lowered_module(lowered: Any) -> ir.Module:
+    """The StableHLO module inside a ``jax.stages.Lowered`` (jax's own, cached object: read only)."""
+    return lowered.compiler_ir("stablehlo")
+
+
+def lowered_with_module(lowered: Any, module: ir.Module) -> Any:
+    """A copy of ``lowered`` (a ``jax.stages.Lowered``) whose program is ``module``.
+
+    Only the copy's lowering is touched: its ``_hlo`` is replaced and its cached
+    executable dropped, so ``.compile()`` compiles ``module`` with everything else jax
+    worked out (shardings, donation, kept arguments, pytrees).  jax's own Lowered and
+    its cached module stay as they were.
+    """
+    lowering = getattr(lowered, "_lowering", None)
+    if lowering is None or not hasattr(lowering, "_hlo") or not hasattr(lowering, "_executable"):
+        raise RuntimeError(
+            f"this jax ({_jax_version()}) keeps its lowered program differently from jax 0.10/0.11; "
+            "cmatmul_pass.jit cannot swap in the rewritten module (use cmatmul_pass.rewrite on the text)"
+        )
+    new_lowering = copy.copy(lowering)
+    new_lowering._hlo = module
+    new_lowering._executable = None
+    new = copy.copy(lowered)
+    new._lowering = new_lowering
+    return new
+
+
+def _jax_version() -> str:
+    import jax
+
+    return jax.__version__

@@ -38,6 +38,10 @@ class ExecutionError(CmatmulError):
     """A module could not be compiled or run for the numerics check."""
 
 
+class NumericsMismatch(CmatmulError):
+    """``cmatmul_pass.jit(check=True)``: the rewritten program's outputs differ from the original's."""
+
+
 class Decline(Exception):
     """A candidate site the pass leaves unchanged.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterator
 
 import numpy as np
@@ -178,3 +179,11 @@ def symbol_name(op: ir.OpView | ir.Operation) -> str | None:
     if "sym_name" not in attrs:
         return None
     return ir.StringAttr(attrs["sym_name"]).value
+
+
+def copy_module(module: ir.Module, context: ir.Context) -> ir.Module:
+    """An independent copy of ``module`` in ``context`` (through bytecode: locations kept,
+    no printing or parsing of text; ``module`` itself is only read)."""
+    buf = io.BytesIO()
+    module.operation.write_bytecode(buf)
+    return ir.Module.parse(buf.getvalue(), context=context)
