@@ -184,3 +184,14 @@ def test_the_readme_example_runs():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "1 of 1 candidate site(s) rewritten" in proc.stdout and "stablehlo.collective_permute" in proc.stdout
+
+
+def test_grad_and_out_shardings_pass_through():
+    x, w = inputs()
+    replicated = NamedSharding(MESH, P())
+    g = cmatmul_pass.jit(jax.grad(lambda w, x: jnp.sum(F(x, w) ** 2)), out_shardings=replicated)
+    got = g(w, x)
+    want = jax.jit(jax.grad(lambda w, x: jnp.sum(F(x, w) ** 2)))(w, x)
+    assert got.sharding.is_equivalent_to(replicated, got.ndim)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+    assert g.report.rewritten
