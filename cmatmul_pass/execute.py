@@ -183,6 +183,32 @@ def _dtype_name(dtype: np.dtype) -> str:
     return str(dtype)
 
 
+@dataclass(frozen=True)
+class Reference:
+    """The original program's outputs on fixed random inputs, to compare several rewrites against."""
+
+    inputs: list
+    expected: list
+    devices: list
+    num_partitions: int
+
+    @classmethod
+    def of(cls, original: ir.Module, *, seed: int = 0, devices: Sequence | None = None) -> "Reference":
+        num_partitions = ir_utils.int_attr(original.operation, "mhlo.num_partitions") or 1
+        devices = list(devices) if devices is not None else cpu_devices(num_partitions)
+        if len(devices) != num_partitions:
+            raise ExecutionError(f"the module has {num_partitions} partitions but {len(devices)} devices were given")
+        inputs = random_inputs(original, seed)
+        return cls(inputs, run(original, inputs, devices), devices, num_partitions)
+
+    def check(self, rewritten: ir.Module) -> CheckResult:
+        actual = run(rewritten, self.inputs, self.devices)
+        if len(self.expected) != len(actual):
+            raise ExecutionError(f"original has {len(self.expected)} outputs, rewritten {len(actual)}")
+        outputs = tuple(compare(i, e, a) for i, (e, a) in enumerate(zip(self.expected, actual)))
+        return CheckResult(outputs, self.num_partitions)
+
+
 def check_numerics(
     original: ir.Module,
     rewritten: ir.Module,
@@ -191,14 +217,4 @@ def check_numerics(
     devices: Sequence | None = None,
 ) -> CheckResult:
     """Run both modules on identical random inputs; compare every output shard."""
-    num_partitions = ir_utils.int_attr(original.operation, "mhlo.num_partitions") or 1
-    devices = list(devices) if devices is not None else cpu_devices(num_partitions)
-    if len(devices) != num_partitions:
-        raise ExecutionError(f"the module has {num_partitions} partitions but {len(devices)} devices were given")
-    inputs = random_inputs(original, seed)
-    expected = run(original, inputs, devices)
-    actual = run(rewritten, inputs, devices)
-    if len(expected) != len(actual):
-        raise ExecutionError(f"original has {len(expected)} outputs, rewritten {len(actual)}")
-    outputs = tuple(compare(i, e, a) for i, (e, a) in enumerate(zip(expected, actual)))
-    return CheckResult(outputs, num_partitions)
+    return Reference.of(original, seed=seed, devices=devices).check(rewritten)

@@ -135,6 +135,9 @@ def rewrite(
         for op in all_gathers(module):
             site = match_all_gather(op, info, assemble=options.assemble)
             report.sites.append(_apply(site, module, ctx, source))
+        if report.rewritten:
+            ctx.annotator.finish()
+            _verify(module, None)
     return RewriteResult(module, report, options)
 
 
@@ -216,11 +219,11 @@ def _side(operand_index: int) -> str:
     return "lhs" if operand_index == 0 else "rhs"
 
 
-def _verify(module: ir.Module, entry: SiteReport) -> None:
+def _verify(module: ir.Module, entry: SiteReport | None) -> None:
     try:
         module.operation.verify()
     except ir.MLIRError as exc:
+        what = f"rewriting the {entry.kind} site at {entry.location}" if entry else "annotating the rings"
         raise InternalError(
-            f"rewriting the {entry.kind} site at {entry.location} produced IR that does not verify "
-            f"(a cmatmul_pass bug): {' '.join(str(exc).split())}"
+            f"{what} produced IR that does not verify (a cmatmul_pass bug): {' '.join(str(exc).split())}"
         ) from exc

@@ -377,10 +377,10 @@
 // STREAMS_GOLDEN-NEXT: %34 = stablehlo.multiply %32, %c_11 : tensor<i32>
 // STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<i32>
 // STREAMS_GOLDEN-NEXT: %35 = stablehlo.dynamic_update_slice %iterArg_6, %33, %34, %c_12 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %36 = func.call @cmatmul_dot_1(%iterArg_5, %arg6) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %36 = func.call @cmatmul_dot_0(%iterArg_5, %arg6) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: %37 = stablehlo.multiply %32, %c_11 : tensor<i32>
 // STREAMS_GOLDEN-NEXT: %38 = stablehlo.dynamic_update_slice %iterArg_7, %36, %37, %c_12 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %39 = func.call @cmatmul_dot_2(%iterArg_5, %arg7) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %39 = func.call @cmatmul_dot_0(%iterArg_5, %arg7) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: %40 = stablehlo.multiply %32, %c_11 : tensor<i32>
 // STREAMS_GOLDEN-NEXT: %41 = stablehlo.dynamic_update_slice %iterArg_8, %39, %40, %c_12 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
 // STREAMS_GOLDEN-NEXT: %42 = "stablehlo.collective_permute"(%29) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<16x32xf32>) -> tensor<16x32xf32>
@@ -392,10 +392,10 @@
 // STREAMS_GOLDEN-NEXT: %47 = func.call @cmatmul_dot_0(%29, %arg5) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: %48 = stablehlo.multiply %46, %c_11 : tensor<i32>
 // STREAMS_GOLDEN-NEXT: %49 = stablehlo.dynamic_update_slice %35, %47, %48, %c_12 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %50 = func.call @cmatmul_dot_1(%29, %arg6) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %50 = func.call @cmatmul_dot_0(%29, %arg6) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: %51 = stablehlo.multiply %46, %c_11 : tensor<i32>
 // STREAMS_GOLDEN-NEXT: %52 = stablehlo.dynamic_update_slice %38, %50, %51, %c_12 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %53 = func.call @cmatmul_dot_2(%29, %arg7) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %53 = func.call @cmatmul_dot_0(%29, %arg7) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: %54 = stablehlo.multiply %46, %c_11 : tensor<i32>
 // STREAMS_GOLDEN-NEXT: %55 = stablehlo.dynamic_update_slice %41, %53, %54, %c_12 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
 // STREAMS_GOLDEN-NEXT: %56 = stablehlo.add %iterArg, %c_13 : tensor<i32>
@@ -410,10 +410,10 @@
 // STREAMS_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<16> : tensor<i32>
 // STREAMS_GOLDEN-NEXT: %10 = stablehlo.multiply %8, %c_3 : tensor<i32>
 // STREAMS_GOLDEN-NEXT: %11 = stablehlo.dynamic_update_slice %5#2, %9, %10, %c_0 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %12 = func.call @cmatmul_dot_1(%5#1, %arg6) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %12 = func.call @cmatmul_dot_0(%5#1, %arg6) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: %13 = stablehlo.multiply %8, %c_3 : tensor<i32>
 // STREAMS_GOLDEN-NEXT: %14 = stablehlo.dynamic_update_slice %5#3, %12, %13, %c_0 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %15 = func.call @cmatmul_dot_2(%5#1, %arg7) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %15 = func.call @cmatmul_dot_0(%5#1, %arg7) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: %16 = stablehlo.multiply %8, %c_3 : tensor<i32>
 // STREAMS_GOLDEN-NEXT: %17 = stablehlo.dynamic_update_slice %5#4, %15, %16, %c_0 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
 // STREAMS_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<3> : tensor<i32>
@@ -422,10 +422,10 @@
 // STREAMS_GOLDEN-NEXT: %20 = func.call @cmatmul_dot_0(%6, %arg5) {mhlo.frontend_attributes = {_xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: %21 = stablehlo.multiply %19, %c_3 : tensor<i32>
 // STREAMS_GOLDEN-NEXT: %22 = stablehlo.dynamic_update_slice %11, %20, %21, %c_0 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %23 = func.call @cmatmul_dot_1(%6, %arg6) {mhlo.frontend_attributes = {_xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %23 = func.call @cmatmul_dot_0(%6, %arg6) {mhlo.frontend_attributes = {_xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: %24 = stablehlo.multiply %19, %c_3 : tensor<i32>
 // STREAMS_GOLDEN-NEXT: %25 = stablehlo.dynamic_update_slice %14, %23, %24, %c_0 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %26 = func.call @cmatmul_dot_2(%6, %arg7) {mhlo.frontend_attributes = {_xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %26 = func.call @cmatmul_dot_0(%6, %arg7) {mhlo.frontend_attributes = {_xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: %27 = stablehlo.multiply %19, %c_3 : tensor<i32>
 // STREAMS_GOLDEN-NEXT: %28 = stablehlo.dynamic_update_slice %17, %26, %27, %c_0 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
 // STREAMS_GOLDEN-NEXT: sdy.return %22, %25, %28 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
@@ -433,14 +433,6 @@
 // STREAMS_GOLDEN-NEXT: return %0#0, %0#1, %0#2 : tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>
 // STREAMS_GOLDEN-NEXT: }
 // STREAMS_GOLDEN-NEXT: func.func private @cmatmul_dot_0(%arg0: tensor<16x32xf32>, %arg1: tensor<32x16xf32>) -> tensor<16x16xf32> {
-// STREAMS_GOLDEN-NEXT: %0 = stablehlo.dot_general %arg0, %arg1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: return %0 : tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: func.func private @cmatmul_dot_1(%arg0: tensor<16x32xf32>, %arg1: tensor<32x16xf32>) -> tensor<16x16xf32> {
-// STREAMS_GOLDEN-NEXT: %0 = stablehlo.dot_general %arg0, %arg1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: return %0 : tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: func.func private @cmatmul_dot_2(%arg0: tensor<16x32xf32>, %arg1: tensor<32x16xf32>) -> tensor<16x16xf32> {
 // STREAMS_GOLDEN-NEXT: %0 = stablehlo.dot_general %arg0, %arg1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: return %0 : tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: }

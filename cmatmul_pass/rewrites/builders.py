@@ -16,6 +16,10 @@ from ..matchers import FULLY_MANUAL, ManualRegion
 from ..ring import Ring
 
 
+#: Attributes the pass puts on its ops while it runs and removes before it returns.
+TRANSIENT_MARK_PREFIX = "_cmatmul_"
+
+
 def i32_scalar_type() -> ir.RankedTensorType:
     return ir.RankedTensorType.get([], ir.IntegerType.get_signless(32))
 
@@ -150,11 +154,13 @@ class Builder:
         return hlo.DynamicSliceOp(value, starts, sizes, loc=self.loc).result
 
     def dot_like(self, template: ir.OpView, result_type: ir.Type, lhs: ir.Value, rhs: ir.Value) -> ir.Value:
-        """A dot_general with every attribute of ``template`` (dims, precision, algorithm, ...)."""
+        """A dot_general with every attribute of ``template`` (dims, precision, algorithm, ...),
+        except the pass's own transient marks (``_cmatmul_*``)."""
         attrs = template.attributes
         op = hlo.DotGeneralOp(result_type, lhs, rhs, attrs["dot_dimension_numbers"], loc=self.loc)
         for name, value in attrs.items():
-            op.attributes[name] = value
+            if not name.startswith(TRANSIENT_MARK_PREFIX):
+                op.attributes[name] = value
         return op.result
 
 

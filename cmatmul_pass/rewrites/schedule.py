@@ -107,73 +107,117 @@ def emit_rounds(
     return state
 
 
+#: Marks the rewrites leave on their ops while the pass runs; :meth:`Annotator.finish` turns them
+#: into frontend attributes.  A later site may still consume a marked dot (a gather's ring computing
+#: a scatter ring's peeled dot), so nothing is outlined before every site is done.
+_STREAM_MARK = "_cmatmul_stream"
+_GROUP_MARK = "_cmatmul_group"
+
+
 @dataclass
 class Annotator:
-    """Outlines dots onto compute streams and groups permutes with the dots they overlap.
+    """Puts dots on compute streams and groups permutes with the dots they overlap.
 
-    One per pass run: function names and group ids are unique in the module.
+    During the pass, :meth:`dot` and :meth:`group` only mark ops; :meth:`finish`, run
+    once after every site, outlines each marked dot into a private function called with
+    ``_xla_stream_annotation`` and gives every group that still has its permute and at
+    least one dot a ``_scheduling_group_id`` (numbered consecutively after any the
+    module already uses: XLA rejects gaps).
     """
 
     module: ir.Module
     enabled: bool = False
-    _next_group: int = 0
-    _functions: dict = field(default_factory=dict)
-    _names: set = field(default_factory=set)
-
-    def __post_init__(self) -> None:
-        groups = [-1]
-        for op in ir_utils.walk(self.module.operation):
-            name = ir_utils.symbol_name(op)
-            if name:
-                self._names.add(name)
-            attrs = op.attributes
-            if FRONTEND_ATTRIBUTES in attrs:
-                entries = ir.DictAttr(attrs[FRONTEND_ATTRIBUTES])
-                if SCHEDULING_GROUP in entries:
-                    try:
-                        groups.append(int(ir.StringAttr(entries[SCHEDULING_GROUP]).value))
-                    except ValueError:
-                        pass
-        self._next_group = max(groups) + 1
+    _next_mark: int = 0
 
     def dot(self, b: Builder, template: ir.OpView, result_type: ir.Type, lhs: ir.Value, rhs: ir.Value, stream: int) -> ir.Value:
-        """A partial dot: plain, or (annotating) a call to an outlined copy on compute stream ``stream``."""
-        if not self.enabled:
-            return b.dot_like(template, result_type, lhs, rhs)
-        callee = self._outlined(b, template, result_type, lhs.type, rhs.type)
-        call = func.CallOp([result_type], ir.FlatSymbolRefAttr.get(callee), [lhs, rhs], loc=b.loc)
-        set_frontend_attributes(call, {STREAM_ANNOTATION: str(stream), "inlineable": "false"})
-        return call.result
+        """A partial dot, marked for compute stream ``stream`` when annotating."""
+        value = b.dot_like(template, result_type, lhs, rhs)
+        if self.enabled:
+            value.owner.attributes[_STREAM_MARK] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), stream)
+        return value
 
     def group(self, permute: ir.OpView | ir.Operation | None, dots: Sequence[ir.OpView | ir.Operation]) -> None:
-        """Put a permute and the dots it overlaps in one fresh scheduling group.
+        """Mark a permute and the dots it overlaps as one scheduling group.
 
         XLA drops groups of one and allows one async collective per group, so a round
         without a permute (or without dots) gets no group.
         """
         if not self.enabled or permute is None or not dots:
             return
-        gid = str(self._next_group)
-        self._next_group += 1
+        mark = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), self._next_mark)
+        self._next_mark += 1
         for op in [permute, *dots]:
-            set_frontend_attributes(op, {SCHEDULING_GROUP: gid})
+            op.operation.attributes[_GROUP_MARK] = mark
 
-    def _outlined(self, b: Builder, template: ir.OpView, result_type, lhs_type, rhs_type) -> str:
-        key = (template.operation, str(result_type), str(lhs_type), str(rhs_type))
-        if key in self._functions:
-            return self._functions[key]
-        index = len(self._functions)
-        while f"cmatmul_dot_{index}" in self._names:
-            index += 1
-        name = f"cmatmul_dot_{index}"
-        self._names.add(name)
-        with ir.InsertionPoint(self.module.body):
-            f = func.FuncOp(name, ir.FunctionType.get([lhs_type, rhs_type], [result_type]), visibility="private", loc=b.loc)
-            entry = f.add_entry_block()
-            with ir.InsertionPoint(entry):
-                func.ReturnOp([b.dot_like(template, result_type, *entry.arguments)], loc=b.loc)
-        self._functions[key] = name
-        return name
+    def finish(self) -> None:
+        if not self.enabled:
+            return
+        names, used_groups, marked = set(), [-1], []
+        for op in ir_utils.walk(self.module.operation):
+            name = ir_utils.symbol_name(op)
+            if name:
+                names.add(name)
+            attrs = op.operation.attributes
+            if FRONTEND_ATTRIBUTES in attrs:
+                entries = ir.DictAttr(attrs[FRONTEND_ATTRIBUTES])
+                if SCHEDULING_GROUP in entries:
+                    try:
+                        used_groups.append(int(ir.StringAttr(entries[SCHEDULING_GROUP]).value))
+                    except ValueError:
+                        pass
+            if _STREAM_MARK in attrs or _GROUP_MARK in attrs:
+                marked.append(op)
+        members: dict[int, list] = {}
+        for op in marked:
+            if _GROUP_MARK in op.operation.attributes:
+                members.setdefault(ir.IntegerAttr(op.operation.attributes[_GROUP_MARK]).value, []).append(op)
+        group_ids, next_id = {}, max(used_groups) + 1
+        for mark, ops in members.items():
+            kinds = [op.operation.name for op in ops]
+            if "stablehlo.collective_permute" in kinds and "stablehlo.dot_general" in kinds:
+                group_ids[mark] = str(next_id)
+                next_id += 1
+        functions: dict = {}
+        for op in marked:
+            attrs = op.operation.attributes
+            entries = {}
+            if _GROUP_MARK in attrs:
+                gid = group_ids.get(ir.IntegerAttr(attrs[_GROUP_MARK]).value)
+                del attrs[_GROUP_MARK]
+                if gid is not None:
+                    entries[SCHEDULING_GROUP] = gid
+            if _STREAM_MARK in attrs:
+                stream = ir.IntegerAttr(attrs[_STREAM_MARK]).value
+                del attrs[_STREAM_MARK]
+                self._outline(op, stream, entries, functions, names)
+            elif entries:
+                set_frontend_attributes(op, entries)
+
+    def _outline(self, dot: ir.OpView, stream: int, entries: dict, functions: dict, names: set) -> None:
+        """Replace ``dot`` by a call of a private function computing it, on compute stream ``stream``."""
+        operands = list(dot.operation.operands)
+        result_type = dot.result.type
+        signature = tuple(str(v.type) for v in operands) + (str(result_type),)
+        key = (signature, tuple(sorted((name, str(value)) for name, value in dot.operation.attributes.items())))
+        if key not in functions:
+            index = len(functions)
+            while f"cmatmul_dot_{index}" in names:
+                index += 1
+            name = f"cmatmul_dot_{index}"
+            names.add(name)
+            b = Builder(dot.location)
+            with ir.InsertionPoint(self.module.body):
+                f = func.FuncOp(name, ir.FunctionType.get([v.type for v in operands], [result_type]),
+                                visibility="private", loc=dot.location)
+                entry = f.add_entry_block()
+                with ir.InsertionPoint(entry):
+                    func.ReturnOp([b.dot_like(dot, result_type, *entry.arguments)], loc=dot.location)
+            functions[key] = name
+        with ir.InsertionPoint(dot.operation):
+            call = func.CallOp([result_type], ir.FlatSymbolRefAttr.get(functions[key]), operands, loc=dot.location)
+        set_frontend_attributes(call, {**entries, STREAM_ANNOTATION: str(stream), "inlineable": "false"})
+        dot.result.replace_all_uses_with(call.result)
+        dot.operation.erase()
 
 
 def ring_position(b: Builder, position: ir.Value, rnd: Round, n: int, shift: int = 1, offset: int = 0) -> ir.Value:

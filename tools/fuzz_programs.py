@@ -1,0 +1,278 @@
+"""Random tensor-parallel shard_map programs for differential fuzzing (hypothesis strategies).
+
+A :class:`Spec` describes one program: a mesh (1-D, 2-D or 3-D, possibly over a
+permuted subset of the 8 CPU devices, so rings of 2..8 including odd sizes), the mesh
+axes its collectives run over (one axis, or two at once), a site kind (all_gather →
+dots, dot → reduce_scatter, both around one dot, a sequence-parallel MLP), which
+dimension is gathered or scattered (free, contracting or batch), which operand side,
+tiled or untiled collectives, a dtype, several consumers and a non-dot reader,
+fully or partially manual regions.  :func:`lower` turns it into StableHLO;
+:func:`check` rewrites it under every pass variant and checks each result
+(verification, the permute-ring property, numerics against the original).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import networkx as nx
+import numpy as np
+from hypothesis import strategies as st
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import cmatmul_pass
+from cmatmul_pass import execute, ir_utils
+
+VARIANTS = {
+    "uni": cmatmul_pass.Options(),
+    "bidi": cmatmul_pass.Options(bidirectional=True),
+    "unroll2": cmatmul_pass.Options(unroll=2),
+    "full": cmatmul_pass.Options(unroll="full"),
+    "bidi-unroll2": cmatmul_pass.Options(bidirectional=True, unroll=2),
+    "bidi-full": cmatmul_pass.Options(bidirectional=True, unroll="full"),
+    "streams-unroll2": cmatmul_pass.Options(annotate_streams=True, unroll=2),
+    "streams-bidi-noassemble": cmatmul_pass.Options(annotate_streams=True, bidirectional=True, assemble=False),
+}
+MESHES = [(8,), (2, 4), (4, 2), (2, 2, 2), (3,), (5,), (7,), (2, 3), (3, 2), (6,), (4,), (2,)]
+DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "i32": jnp.int32}
+
+
+@dataclass(frozen=True)
+class Spec:
+    mesh_shape: tuple[int, ...]
+    devices: tuple[int, ...]  # device ids in mesh order: a permutation of a subset of the CPU devices
+    axes: tuple[str, ...]  # the collectives' mesh axes
+    kind: str  # "ag" | "rs" | "chain" | "mlp"
+    dim: str  # gathered / scattered label: "m" (free, lhs-side), "n" (free, rhs-side), "k" (contracting), "b" (batch)
+    side: int  # the collective's operand is the dot's lhs (0) or rhs (1)
+    batch: bool
+    tiled: bool
+    dtype: str
+    consumers: int
+    reader: bool
+    partial_manual: bool
+    sizes: tuple[int, int, int, int]  # local m, k, n, b
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return ("x", "y", "z")[: len(self.mesh_shape)]
+
+    @property
+    def ring(self) -> int:
+        return math.prod(self.mesh_shape[self.names.index(a)] for a in self.axes)
+
+    def expect_rewrite(self) -> bool:
+        """Sites the pass must rewrite (anything else may be declined, never miscompiled)."""
+        if self.dim == "b":
+            return False
+        if self.kind == "ag":
+            return self.dim in ("m", "k")
+        if self.kind == "rs":
+            return self.dim in ("m", "n")
+        return self.kind in ("chain", "mlp")
+
+
+@st.composite
+def specs(draw) -> Spec:
+    mesh_shape = draw(st.sampled_from(MESHES))
+    size = math.prod(mesh_shape)
+    devices = tuple(draw(st.permutations(range(8)))[:size])
+    names = ("x", "y", "z")[: len(mesh_shape)]
+    if len(names) > 1 and draw(st.booleans()):
+        axes = tuple(draw(st.permutations(names))[:2])
+    else:
+        axes = (draw(st.sampled_from(names)),)
+    kind = draw(st.sampled_from(["ag", "ag", "rs", "rs", "chain", "mlp"]))
+    dtype = draw(st.sampled_from(["f32", "f32", "bf16", "i32"]))
+    if kind == "mlp":
+        dtype = "f32" if dtype == "i32" else dtype
+    dims = {"ag": ["m", "k", "b"], "rs": ["m", "n", "b"], "chain": ["m", "k"], "mlp": ["m"]}[kind]
+    dim = draw(st.sampled_from(dims))
+    batch = dim == "b" or draw(st.booleans())
+    return Spec(
+        mesh_shape=mesh_shape,
+        devices=devices,
+        axes=axes,
+        kind=kind,
+        dim=dim,
+        side=draw(st.integers(0, 1)),
+        batch=batch,
+        tiled=draw(st.booleans()),
+        dtype=dtype,
+        consumers=draw(st.integers(1, 3)) if kind == "ag" else 1,
+        reader=kind == "ag" and draw(st.booleans()),
+        partial_manual=len(mesh_shape) > len(axes) and draw(st.booleans()),
+        sizes=tuple(draw(st.sampled_from([1, 2, 3, 4])) for _ in range(4)),
+    )
+
+
+# ---------------------------------------------------------------------------- programs
+def _spec_at(rank: int, dim: int, axes: tuple[str, ...]) -> P:
+    parts: list = [None] * rank
+    parts[dim] = axes if len(axes) > 1 else axes[0]
+    return P(*parts)
+
+
+def _einsum(x_labels: str, w_labels: str, side: int, out_free_order: str) -> str:
+    a, b = (x_labels, w_labels) if side == 0 else (w_labels, x_labels)
+    return f"{a},{b}->{out_free_order}"
+
+
+def _dot(spec: Spec, a, b, expr):
+    kwargs = {"preferred_element_type": jnp.float32} if spec.dtype == "bf16" else {}
+    return jnp.einsum(expr, a, b, **kwargs)
+
+
+def build(spec: Spec):
+    """(shard_map body, [(global shape, PartitionSpec)], out_specs) of ``spec``."""
+    n = spec.ring
+    m, k, nn, b = spec.sizes
+    axes = spec.axes
+    bl = "b" if spec.batch else ""
+    sizes = {"m": m, "k": k, "n": nn, "b": b}
+
+    if spec.kind == "ag":
+        x_labels, w_labels = bl + "mk", bl + "kn"
+        out = bl + ("mn" if spec.side == 0 else "nm")
+        expr = _einsum(x_labels, w_labels, spec.side, out)
+        g = x_labels.index(spec.dim)
+        glob = dict(sizes)
+        glob[spec.dim] = sizes[spec.dim] * n
+        x_shape = [glob[c] for c in x_labels]
+        w_shape = [glob[c] for c in w_labels]
+        untiled = not spec.tiled and g == 0
+
+        def body(x, *ws):
+            if untiled:
+                gathered = jax.lax.all_gather(x, axes, axis=0, tiled=False)
+                gathered = gathered.reshape((-1,) + x.shape[1:])
+            else:
+                gathered = jax.lax.all_gather(x, axes, axis=g, tiled=True)
+            outs = [_dot(spec, gathered, w, expr) if spec.side == 0 else _dot(spec, w, gathered, expr) for w in ws]
+            if spec.reader:
+                outs.append(jnp.tanh(gathered) if spec.dtype != "i32" else gathered * 2)
+            return tuple(outs)
+
+        args = [(x_shape, _spec_at(len(x_shape), g, axes))] + [(w_shape, P())] * spec.consumers
+        return body, args, tuple(P() for _ in range(spec.consumers + spec.reader))
+
+    if spec.kind == "rs":
+        # row-parallel: the contraction k is split over the axes; the product is sum-scattered on dim
+        a_labels, b_labels = bl + "mk", bl + "kn"
+        out = bl + ("mn" if spec.side == 0 else "nm")
+        expr = _einsum(a_labels, b_labels, spec.side, out)
+        glob = dict(sizes, k=k * n)
+        glob[spec.dim] = sizes[spec.dim] * n
+        a_shape = [glob[c] for c in a_labels]
+        b_shape = [glob[c] for c in b_labels]
+        d = out.index(spec.dim)
+
+        def body(a, bb):
+            prod = _dot(spec, a, bb, expr) if spec.side == 0 else _dot(spec, bb, a, expr)
+            if spec.tiled:
+                return jax.lax.psum_scatter(prod, axes, scatter_dimension=d, tiled=True)
+            split = prod.shape[:d] + (n, prod.shape[d] // n) + prod.shape[d + 1 :]
+            return jax.lax.psum_scatter(prod.reshape(split), axes, scatter_dimension=d, tiled=False)
+
+        args = [(a_shape, _spec_at(len(a_shape), a_labels.index("k"), axes)),
+                (b_shape, _spec_at(len(b_shape), b_labels.index("k"), axes))]
+        return body, args, _spec_at(len(out), d, axes)
+
+    if spec.kind == "chain":
+        # gather x on m (free) or k (contracting); the product's n (the weight's free dim) is scattered
+        x_labels, w_labels = "mk", "kn"
+        glob = dict(sizes, n=nn * n)
+        glob[spec.dim] = sizes[spec.dim] * n
+        g = x_labels.index(spec.dim)
+
+        def body(x, w):
+            gathered = jax.lax.all_gather(x, axes, axis=g, tiled=True)
+            return jax.lax.psum_scatter(_dot(spec, gathered, w, "mk,kn->mn"), axes, scatter_dimension=1, tiled=True)
+
+        args = [([glob[c] for c in x_labels], _spec_at(2, g, axes)), ([glob[c] for c in w_labels], P())]
+        return body, args, _spec_at(2, 1, axes)
+
+    # a sequence-parallel MLP block: rows gathered, gelu, rows sum-scattered
+    def body(x, w1, w2):
+        h = jax.nn.gelu(_dot(spec, jax.lax.all_gather(x, axes, axis=0, tiled=True), w1, "mk,kn->mn"))
+        h = h.astype(x.dtype)
+        return jax.lax.psum_scatter(_dot(spec, h, w2, "mn,nk->mk"), axes, scatter_dimension=0, tiled=True)
+
+    args = [([m * n, k], _spec_at(2, 0, axes)), ([k, nn * n], _spec_at(2, 1, axes)), ([nn * n, k], _spec_at(2, 0, axes))]
+    return body, args, _spec_at(2, 0, axes)
+
+
+def lower(spec: Spec) -> str:
+    devices = [jax.devices("cpu")[i] for i in spec.devices]
+    mesh = Mesh(np.array(devices).reshape(spec.mesh_shape), spec.names)
+    body, args, out_specs = build(spec)
+    kwargs = {"axis_names": set(spec.axes)} if spec.partial_manual else {}
+    f = jax.shard_map(body, mesh=mesh, in_specs=tuple(s for _, s in args), out_specs=out_specs, check_vma=False, **kwargs)
+    dtype = DTYPES[spec.dtype]
+    structs = [jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=NamedSharding(mesh, s)) for shape, s in args]
+    return jax.jit(f).lower(*structs).as_text()
+
+
+# ---------------------------------------------------------------------------- the oracle
+@dataclass
+class Tally:
+    programs: int = 0
+    runs: int = 0
+    sites_rewritten: int = 0
+    declined: Counter = field(default_factory=Counter)
+    mismatches: list = field(default_factory=list)
+    crashes: list = field(default_factory=list)
+
+    def summary(self) -> str:
+        reasons = ", ".join(f"{code} {count}" for code, count in sorted(self.declined.items())) or "none"
+        return (
+            f"programs {self.programs}, variant runs {self.runs}, sites rewritten {self.sites_rewritten}, "
+            f"sites declined by reason: {reasons}; mismatches {len(self.mismatches)}, crashes {len(self.crashes)}"
+        )
+
+
+def ring_property_holds(module, n_groups_of) -> bool:
+    """Every collective_permute's pairs form exactly one directed cycle per replica group."""
+    for op in ir_utils.walk(module.operation):
+        if op.operation.name != "stablehlo.collective_permute":
+            continue
+        pairs = ir_utils.dense_ints(op.attributes["source_target_pairs"]).tolist()
+        graph = nx.DiGraph([tuple(p) for p in pairs])
+        if not all(graph.out_degree(v) == 1 and graph.in_degree(v) == 1 for v in graph):
+            return False
+        cycles = {tuple(sorted(c)) for c in nx.simple_cycles(graph)}
+        if cycles != n_groups_of:
+            return False
+    return True
+
+
+def check(spec: Spec, tally: Tally | None = None, variants=VARIANTS) -> Tally:
+    """Rewrite ``spec``'s program under every variant; record and assert the oracle's verdicts."""
+    tally = tally or Tally()
+    tally.programs += 1
+    text = lower(spec)
+    original = ir_utils.parse(text)
+    devices = [jax.devices("cpu")[i] for i in range(math.prod(spec.mesh_shape))]
+    reference = execute.Reference.of(original, devices=devices)
+    for name, options in variants.items():
+        tally.runs += 1
+        try:
+            result = cmatmul_pass.rewrite(text, options)
+            result.module.operation.verify()
+            groups = {tuple(sorted(g)) for s in result.report.rewritten for g in s.replica_groups}
+            assert ring_property_holds(result.module, groups), "a permute is not one cycle per group"
+            if spec.expect_rewrite() and options.assemble:
+                assert result.report.rewritten, f"nothing rewritten: {[s.summary_line() for s in result.report.sites]}"
+            outcome = reference.check(result.module)
+        except Exception as exc:  # noqa: BLE001 - every failure is recorded with its program
+            tally.crashes.append((spec, name, f"{type(exc).__name__}: {exc}"))
+            continue
+        tally.sites_rewritten += len(result.report.rewritten)
+        tally.declined.update(s.reason_code for s in result.report.declined)
+        if not outcome.ok:
+            tally.mismatches.append((spec, name, outcome.format()))
+    return tally
