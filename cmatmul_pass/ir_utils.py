@@ -26,6 +26,10 @@ def parse(data: str | bytes, *, source: str = "<input>", context: ir.Context | N
             raise InputError(source, "input is neither UTF-8 text nor MLIR bytecode") from exc
     if not data or (isinstance(data, str) and not data.strip()):
         raise InputError(source, "empty input: expected a StableHLO module")
+    if isinstance(data, str) and "\x00" in data:
+        head = data[: data.index("\x00")]
+        line, col = head.count("\n") + 1, len(head) - (head.rfind("\n") + 1) + 1
+        raise InputError(source, "NUL byte in text input", line, col)
     if isinstance(data, bytes):
         module = _parse_bytecode(data, context, source)
     else:
@@ -41,19 +45,41 @@ def parse(data: str | bytes, *, source: str = "<input>", context: ir.Context | N
 def _parse_bytecode(data: bytes, context: ir.Context, source: str) -> ir.Module:
     """MLIR bytecode, including StableHLO portable artifacts (VHLO, as jax.export serialises).
 
-    The portable-artifact reader also reads plain bytecode and upgrades VHLO to
-    StableHLO; a plain parse would leave ``vhlo.*`` ops behind.
+    The portable-artifact reader also reads plain StableHLO bytecode and upgrades VHLO
+    to StableHLO (a plain parse would leave ``vhlo.*`` ops behind).  Untrusted bytecode
+    never goes through ``ir.Module.parse``: on corrupt input its error path aborts the
+    process (a diagnostic that is not UTF-8 cannot become a Python string).  The
+    reader's diagnostics are collected here instead of printed.
     """
-    try:
-        return deserialize_portable_artifact(context, data)
-    except Exception:
-        pass
-    try:
-        ir.Module.parse(data, context=context)
-    except ir.MLIRError as exc:  # the reader's own diagnostic says what is wrong
-        message = exc.error_diagnostics[0].message if exc.error_diagnostics else str(exc)
-        raise InputError(source, f"invalid MLIR bytecode: {message}") from None
-    raise InputError(source, "MLIR bytecode that is not StableHLO (cannot be read as a portable artifact)")
+    with _Diagnostics(context) as diagnostics:
+        try:
+            return deserialize_portable_artifact(context, data)
+        except Exception:  # noqa: BLE001 - the reader raises ValueError, whatever went wrong
+            pass
+    reason = diagnostics.messages[0] if diagnostics.messages else "cannot be read"
+    raise InputError(source, f"invalid MLIR bytecode (or not a StableHLO module): {reason}")
+
+
+class _Diagnostics:
+    """Collect (and keep from stderr) the diagnostics MLIR emits while the block runs."""
+
+    def __init__(self, context: ir.Context):
+        self.context = context
+        self.messages: list[str] = []
+
+    def _handle(self, diagnostic) -> bool:
+        try:
+            self.messages.append(" ".join(str(diagnostic.message).split()))
+        except Exception:  # noqa: BLE001 - a message that is not UTF-8
+            self.messages.append("(a diagnostic that is not valid text)")
+        return True
+
+    def __enter__(self) -> "_Diagnostics":
+        self.handler = self.context.attach_diagnostic_handler(self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handler.detach()
 
 
 def _input_error(source: str, exc: ir.MLIRError) -> InputError:

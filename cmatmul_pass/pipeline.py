@@ -113,8 +113,33 @@ def rewrite(
     :class:`~cmatmul_pass.errors.InputError` for unreadable input.
     """
     options = options or Options()
-    if not isinstance(module, ir.Module):
+    given = module
+    snapshot = None
+    if isinstance(module, ir.Module):
+        snapshot = module_to_bytecode(module)  # to give the caller's module back as it was on a bug
+    else:
         module = ir_utils.parse(module, source=source, context=context or make_context())
+    try:
+        return _run(module, options, source, verify_each=False)
+    except InternalError as failure:
+        # The fast path verifies once, at the end.  On a failure, run again from the input,
+        # verifying after every site, to name the site that broke the module.
+        if snapshot is not None:
+            _restore(module, snapshot)
+            again = module
+        else:
+            again = ir_utils.parse(given, source=source, context=context or make_context())
+        try:
+            _run(again, options, source, verify_each=True)
+        except InternalError as pinpointed:
+            failure = pinpointed
+        finally:
+            if snapshot is not None:
+                _restore(module, snapshot)
+        raise failure from failure.__cause__
+
+
+def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool) -> RewriteResult:
     # Unknown is only the default for type construction; every op gets an explicit loc.
     with module.context, ir.Location.unknown():
         info = ModuleInfo.of(module)
@@ -126,30 +151,39 @@ def rewrite(
             bidirectional=options.bidirectional,
             unroll=options.rounds_per_trip,
         )
+        verify = module if verify_each else None
         # Scatters first: a dot between an all_gather and a reduce_scatter becomes the
         # scatter ring's peeled dot, which the gather's ring then computes (and the
         # loop reads the gathered value the gather's ring assembles).  Each collective
         # is matched against the IR as the earlier rewrites left it.
         for op in reduce_scatters(module):
-            report.sites.append(_apply(match_reduce_scatter(op, info), module, ctx, source))
+            report.sites.append(_apply(match_reduce_scatter(op, info), verify, ctx, source))
         for op in all_gathers(module):
             site = match_all_gather(op, info, assemble=options.assemble)
-            report.sites.append(_apply(site, module, ctx, source))
+            report.sites.append(_apply(site, verify, ctx, source))
         if report.rewritten:
             ctx.annotator.finish()
             _verify(module, None)
     return RewriteResult(module, report, options)
 
 
-def _apply(site: Site, module: ir.Module, ctx: RewriteContext, source: str) -> SiteReport:
+def _apply(site: Site, module: ir.Module | None, ctx: RewriteContext, source: str) -> SiteReport:
+    """Rewrite one site (``module``: verify it afterwards; None: the caller verifies at the end)."""
     entry = _describe(site, source)
     if isinstance(site, DeclinedSite):
         return entry
-    if isinstance(site, ReduceScatterSite):
-        applied = rewrite_dot_reduce_scatter(site, ctx)
-    else:
-        applied = rewrite_all_gather_dot(site, ctx)
-    _verify(module, entry)
+    try:
+        if isinstance(site, ReduceScatterSite):
+            applied = rewrite_dot_reduce_scatter(site, ctx)
+        else:
+            applied = rewrite_all_gather_dot(site, ctx)
+    except Exception as exc:  # noqa: BLE001 - any failure while building is a bug of the pass
+        raise InternalError(
+            f"rewriting the {entry.kind} site at {entry.location} failed (a cmatmul_pass bug): "
+            f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+        ) from exc
+    if module is not None:
+        _verify(module, entry)
     entry.rewritten = True
     entry.channel_handles = applied.channel_handles
     entry.schedule = {
@@ -223,7 +257,19 @@ def _verify(module: ir.Module, entry: SiteReport | None) -> None:
     try:
         module.operation.verify()
     except ir.MLIRError as exc:
-        what = f"rewriting the {entry.kind} site at {entry.location}" if entry else "annotating the rings"
+        what = f"rewriting the {entry.kind} site at {entry.location}" if entry else "the rewrite"
         raise InternalError(
             f"{what} produced IR that does not verify (a cmatmul_pass bug): {' '.join(str(exc).split())}"
         ) from exc
+
+
+def _restore(module: ir.Module, snapshot: bytes) -> None:
+    """Put ``module``'s body back as it was (from its bytecode), in place."""
+    original = ir.Module.parse(snapshot, context=module.context)
+    body = module.body
+    for op in reversed(list(body.operations)):
+        op.operation.erase()
+    end = ir.InsertionPoint(body)
+    for op in list(original.body.operations):
+        op.operation.detach_from_parent()
+        end.insert(op.operation)

@@ -1,0 +1,6 @@
+module {
+  func.func @main() {
+    foo.bar
+    return
+  }
+}
