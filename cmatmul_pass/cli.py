@@ -49,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
             action="store_true",
             help="outline each round's dots onto GPU compute streams and group each permute with them",
         )
+        p.add_argument("--policy", default="all", choices=["all", "auto"],
+                       help="all: every legal site; auto: only where the cost model predicts a gain")
+        p.add_argument("--hardware", default="h100",
+                       help="cost-model profile: h100, h200, a100, tpu-v5e, optionally with overrides "
+                            "(h100:bandwidth=400e9,bf16=700e12,step=8e-6)")
+        p.add_argument("--min-bytes", type=int, default=0, help="leave sites moving fewer bytes per device")
         p.add_argument(
             "--no-assemble",
             dest="assemble",
@@ -76,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("explain", help="show every candidate site, the decision and its reason")
     add_input(p)
+    p.add_argument("--plot", metavar="PNG", help="draw each site's predicted schedule (Gantt chart) into PNG")
     return parser
 
 
@@ -120,6 +127,9 @@ def _options(args):
         bidirectional=args.bidirectional,
         unroll="full" if args.unroll == "full" else int(args.unroll),
         annotate_streams=args.annotate_streams,
+        policy=args.policy,
+        hardware=args.hardware,
+        min_bytes=args.min_bytes,
     )
 
 
@@ -201,6 +211,21 @@ def cmd_explain(args) -> int:
                 print(f"  assembles the gathered value for: {reader}")
         else:
             print(f"  decision: left unchanged: {site.reason} [{site.reason_code}]")
+        if site.cost:
+            c = site.cost
+            us = lambda t: f"{t * 1e6:.3g} µs"  # noqa: E731
+            best = max(c["speedup"], key=c["speedup"].get)
+            print(
+                f"  predicted on {c['hardware']}: compute {us(c['compute_s'])}, transfer {us(c['transfer_s'])}, "
+                f"serial {us(c['serial_s'])}; {c['variant']} {us(c['overlapped_s'][c['variant']])} "
+                f"({c['speedup'][c['variant']]:.2f}x); best: {best} ({c['speedup'][best]:.2f}x)"
+            )
+    if args.plot:
+        from . import cost, timeline
+
+        path = timeline.plot(report, cost.hardware(args.hardware), args.plot, bidirectional=args.bidirectional)
+        write_note = f"timeline: {path}"
+        print(write_note)
     return 0
 
 

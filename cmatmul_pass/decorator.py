@@ -38,6 +38,9 @@ def jit(
     unroll: int | str = 1,
     annotate_streams: bool = False,
     assemble: bool = True,
+    policy: str = "all",
+    hardware: str = "h100",
+    min_bytes: int = 0,
     check: bool = False,
     **jit_kwargs: Any,
 ):
@@ -48,7 +51,10 @@ def jit(
     signature and raises :class:`~cmatmul_pass.errors.NumericsMismatch` (naming the
     rewritten sites and the outputs that differ) beyond the dtype's tolerance.
     """
-    options = Options(bidirectional=bidirectional, unroll=unroll, annotate_streams=annotate_streams, assemble=assemble)
+    options = Options(
+        bidirectional=bidirectional, unroll=unroll, annotate_streams=annotate_streams, assemble=assemble,
+        policy=policy, hardware=hardware, min_bytes=min_bytes,
+    )
     if fun is None:
         return functools.partial(_make, options=options, check=check, jit_kwargs=jit_kwargs)
     return _make(fun, options=options, check=check, jit_kwargs=jit_kwargs)

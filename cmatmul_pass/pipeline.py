@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-from . import ir_utils
+from . import cost, ir_utils
 from ._jax_private import hlo, ir, make_context, module_to_bytecode, module_to_hlo_text
 from .errors import InternalError
 from .matchers import (
@@ -18,7 +19,7 @@ from .matchers import (
     match_reduce_scatter,
     reduce_scatters,
 )
-from .report import Report, SiteReport, describe_shard
+from .report import Report, SiteReport, describe_shard, tensor_bytes
 from .rewrites.all_gather_dot import rewrite_all_gather_dot
 from .rewrites.dot_reduce_scatter import rewrite_dot_reduce_scatter
 from .rewrites.schedule import Annotator, RewriteContext
@@ -39,6 +40,11 @@ class Options:
     ``annotate_streams``: outline each round's dots onto compute streams
     (``_xla_stream_annotation``) and group each permute with the dots it overlaps
     (``_scheduling_group_id``); XLA GPU honours them, CPU ignores them.
+    ``policy``: ``"all"`` rewrites every legal site; ``"auto"`` only those whose
+    predicted speed-up on ``hardware`` (a :mod:`cmatmul_pass.cost` profile, e.g.
+    ``"h100"`` or ``"h100:bandwidth=400e9"``) exceeds ``1 + margin``.  ``min_bytes``:
+    leave sites moving fewer bytes per device than this (XLA's windowed-einsum
+    threshold, in bytes).  Every site's prediction goes into the report either way.
     """
 
     debug_info: bool = False
@@ -46,10 +52,16 @@ class Options:
     bidirectional: bool = False
     unroll: int | str = 1
     annotate_streams: bool = False
+    policy: str = "all"
+    hardware: str = "h100"
+    min_bytes: int = 0
+    margin: float = 0.02
 
     def __post_init__(self) -> None:
         if self.unroll not in (1, 2, "full"):
             raise ValueError(f"unroll must be 1, 2 or 'full', not {self.unroll!r}")
+        if self.policy not in ("all", "auto"):
+            raise ValueError(f"policy must be 'all' or 'auto', not {self.policy!r}")
 
     @property
     def rounds_per_trip(self) -> int | None:
@@ -145,6 +157,7 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
         info = ModuleInfo.of(module)
         report = Report(source, info.num_partitions)
         channels = ChannelAllocator(module)
+        hw = cost.hardware(options.hardware)
         ctx = RewriteContext(
             channels.take,
             Annotator(module, enabled=options.annotate_streams),
@@ -157,20 +170,29 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
         # loop reads the gathered value the gather's ring assembles).  Each collective
         # is matched against the IR as the earlier rewrites left it.
         for op in reduce_scatters(module):
-            report.sites.append(_apply(match_reduce_scatter(op, info), verify, ctx, source))
+            report.sites.append(_apply(match_reduce_scatter(op, info), verify, ctx, source, options, hw))
         for op in all_gathers(module):
             site = match_all_gather(op, info, assemble=options.assemble)
-            report.sites.append(_apply(site, verify, ctx, source))
+            report.sites.append(_apply(site, verify, ctx, source, options, hw))
         if report.rewritten:
             ctx.annotator.finish()
             _verify(module, None)
     return RewriteResult(module, report, options)
 
 
-def _apply(site: Site, module: ir.Module | None, ctx: RewriteContext, source: str) -> SiteReport:
+def _apply(
+    site: Site, module: ir.Module | None, ctx: RewriteContext, source: str, options: Options, hw: cost.Hardware
+) -> SiteReport:
     """Rewrite one site (``module``: verify it afterwards; None: the caller verifies at the end)."""
     entry = _describe(site, source)
     if isinstance(site, DeclinedSite):
+        return entry
+    shape = site_shape(site)
+    prediction = cost.predict(shape, hw, options.bidirectional, options.rounds_per_trip)
+    entry.cost = {**prediction.to_dict(), "site": shape.to_dict()}
+    declined = _policy(options, shape, prediction)
+    if declined:
+        entry.reason_code, entry.reason = declined
         return entry
     try:
         if isinstance(site, ReduceScatterSite):
@@ -273,3 +295,36 @@ def _restore(module: ir.Module, snapshot: bytes) -> None:
     for op in list(original.body.operations):
         op.operation.detach_from_parent()
         end.insert(op.operation)
+
+
+def _policy(options: Options, shape: cost.SiteShape, prediction: cost.Prediction) -> tuple[str, str] | None:
+    """(code, reason) when the options leave a legal site as it is."""
+    if shape.transfer_bytes < options.min_bytes:
+        return "min_bytes", f"moves {shape.transfer_bytes} B per device, under --min-bytes {options.min_bytes}"
+    if options.policy == "auto" and prediction.chosen_speedup < 1 + options.margin:
+        return (
+            "policy",
+            f"predicted speed-up {prediction.chosen_speedup:.3f}x on {prediction.hardware} "
+            f"({prediction.variant}) is under 1 + {options.margin:g}",
+        )
+    return None
+
+
+def site_shape(site: AllGatherSite | ReduceScatterSite) -> cost.SiteShape:
+    """The cost model's view of a matched site (per device)."""
+    if isinstance(site, AllGatherSite):
+        dots = [c.dot for c in site.consumers]
+        step = ir_utils.ranked_tensor(site.all_gather.operation.operands[0])
+    else:
+        dots = [site.dot]
+        step = ir_utils.ranked_tensor(site.reduce_scatter.result)
+    flops = sum(_dot_flops(d) for d in dots)
+    dtype = str(ir_utils.ranked_tensor(dots[0].operation.operands[0]).element_type)
+    return cost.SiteShape(site.kind, site.ring.size, flops, tensor_bytes(step), dtype)
+
+
+def _dot_flops(dot) -> float:
+    lhs = ir_utils.ranked_tensor(dot.operation.operands[0])
+    out = ir_utils.ranked_tensor(dot.result)
+    contracting = hlo.DotDimensionNumbers(dot.attributes["dot_dimension_numbers"]).lhs_contracting_dimensions
+    return 2.0 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in contracting)

@@ -35,6 +35,9 @@ class SiteReport:
     # permutes executed per device, whether streams are annotated
     schedule: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # variant options that could not apply, and why
+    # the cost model's prediction (cmatmul_pass.cost): compute/transfer/serial seconds, overlapped
+    # seconds and speed-up per variant, the variant emitted, the hardware profile
+    cost: dict = field(default_factory=dict)
 
     def summary_line(self) -> str:
         ring = f" ring={self.ring_size}" if self.ring_size else ""

@@ -1,0 +1,204 @@
+"""Per-site cost model: what a ring rewrite should save on a given machine.
+
+For a site the model knows, per device: the dots' FLOPs (``2 · M · N · K`` summed over the
+ring's dots), the bytes one permute moves, the ring size ``n`` and the element type.  A
+:class:`Hardware` profile turns them into times:
+
+* compute ``t_c = flops / throughput(dtype)``, one ``n``-th per ring step;
+* transfer ``t_m = bytes / bandwidth`` per permute (full-duplex links: the two directions
+  of a bidirectional ring run at once);
+* ``step`` seconds of synchronisation per permute round and ``loop_trip`` seconds per
+  trip of a ``stablehlo.while`` (a loop condition on a GPU costs a few µs).
+
+*Serial* (the original program) is ``t_c + (n-1)·t_m + step``: the whole collective, then
+the dots.  *Overlapped* follows the rounds the rewrite emits — the same round structure
+the rewrites build: each round costs ``max(its compute, its transfer) + step`` (just its
+compute when it sends nothing), plus ``loop_trip`` per loop trip.  The ratio is the
+predicted speed-up of the site.  Nothing here is measured on a GPU yet: the profiles hold
+published peak numbers scaled by achievable fractions (see each profile).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+
+from .errors import CmatmulError
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A machine: dense throughput per dtype (FLOP/s), ring-link bandwidth per direction
+    (bytes/s), per-round synchronisation and per-loop-trip overhead (s)."""
+
+    name: str
+    flops: dict[str, float]
+    bandwidth: float
+    step: float = 6e-6
+    loop_trip: float = 4e-6
+
+    def throughput(self, dtype: str) -> float:
+        return self.flops.get(dtype) or self.flops.get("default") or min(self.flops.values())
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+PROFILES: dict[str, Hardware] = {
+    # ~800 TFLOP/s bf16 measured dense (989 peak); NVLink 4: 450 GB/s per direction.
+    "h100": Hardware("H100 SXM (NVLink 4)", {"bf16": 800e12, "f16": 800e12, "f32": 400e12, "i8": 1600e12,
+                                            "i32": 60e12, "default": 800e12}, 450e9),
+    # same compute as H100, faster HBM; NVLink 4 as H100.
+    "h200": Hardware("H200 (NVLink 4)", {"bf16": 820e12, "f16": 820e12, "f32": 410e12, "i8": 1640e12,
+                                        "i32": 60e12, "default": 820e12}, 450e9),
+    # 312 TFLOP/s bf16 peak (~250 achieved); NVLink 3: 300 GB/s per direction.
+    "a100": Hardware("A100 SXM (NVLink 3)", {"bf16": 250e12, "f16": 250e12, "f32": 125e12, "i8": 500e12,
+                                            "i32": 20e12, "default": 250e12}, 300e9),
+    # 197 TFLOP/s bf16 peak (~160 achieved); ICI ~50 GB/s per direction per link (assumed; override it).
+    "tpu-v5e": Hardware("TPU v5e (ICI)", {"bf16": 160e12, "f32": 40e12, "i8": 320e12, "default": 160e12},
+                        50e9, step=3e-6, loop_trip=1e-6),
+}
+
+
+def hardware(spec: str) -> Hardware:
+    """A profile by name, optionally overridden: ``"h100"``, ``"h100:bandwidth=400e9,bf16=700e12,step=8e-6"``."""
+    name, _, overrides = spec.partition(":")
+    if name not in PROFILES:
+        raise CmatmulError(f"unknown hardware profile {name!r}; known: {', '.join(sorted(PROFILES))}")
+    hw = PROFILES[name]
+    if overrides:
+        hw = replace(hw, name=f"{hw.name}, {overrides}")
+    for item in filter(None, overrides.split(",")):
+        key, _, value = item.partition("=")
+        try:
+            number = float(value)
+        except ValueError:
+            raise CmatmulError(f"hardware override {item!r}: {value!r} is not a number") from None
+        if key in ("bandwidth", "step", "loop_trip"):
+            hw = replace(hw, **{key: number})
+        else:  # a dtype's throughput
+            hw = replace(hw, flops={**hw.flops, key: number})
+    return hw
+
+
+@dataclass(frozen=True)
+class SiteShape:
+    """What the model needs to know of a site (per device)."""
+
+    kind: str  # "all_gather_dot" | "dot_reduce_scatter"
+    ring: int
+    flops: float  # all the ring's dots together, over the whole ring
+    step_bytes: int  # what one permute moves in a one-directional ring
+    dtype: str  # the dots' operand element type
+
+    @property
+    def transfer_bytes(self) -> int:
+        return self.step_bytes * (self.ring - 1)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SiteShape":
+        return cls(d["kind"], d["ring"], d["flops"], d["step_bytes"], d["dtype"])
+
+
+@dataclass(frozen=True)
+class Round:
+    compute: float  # the round's dots' fraction of the whole ring's compute
+    transfers: tuple[float, ...]  # bytes of each permute in the round (they run in parallel, on different links)
+
+
+def rounds(shape: SiteShape, bidirectional: bool) -> list[Round]:
+    """The rounds the rewrite emits (same structure as rewrites/all_gather_dot and dot_reduce_scatter)."""
+    n, b = shape.ring, shape.step_bytes
+    block = 1.0 / n
+    if shape.kind == "all_gather_dot":
+        if not bidirectional or n < 3:
+            return [Round(block, (b,) if r < n - 1 else ()) for r in range(n)]
+        down, up = n // 2, (n - 1) // 2  # the last round each direction computes
+        out = []
+        for r in range(down + 1):
+            computes = (1 if r <= down else 0) + (1 if 1 <= r <= up else 0)
+            sends = tuple(b for last in (down, up) if r < last)
+            out.append(Round(computes * block, sends))
+        return out
+    halves = bidirectional  # a split scatter: each half-block's partial sums travel one way
+    sends = (b / 2, b / 2) if halves else (b,)
+    return [Round(block, () if r == 0 else sends) for r in range(n)]
+
+
+@dataclass
+class Prediction:
+    hardware: str
+    compute_s: float
+    transfer_s: float
+    serial_s: float
+    overlapped_s: dict[str, float] = field(default_factory=dict)  # per variant
+    speedup: dict[str, float] = field(default_factory=dict)
+    variant: str = "uni"  # the variant the pass is emitting
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def chosen_speedup(self) -> float:
+        return self.speedup[self.variant]
+
+
+VARIANTS = {
+    "uni": (False, 1),
+    "unroll2": (False, 2),
+    "full": (False, None),
+    "bidi": (True, 1),
+    "bidi-unroll2": (True, 2),
+    "bidi-full": (True, None),
+}
+
+
+def variant_name(bidirectional: bool, unroll: int | None) -> str:
+    for name, value in VARIANTS.items():
+        if value == (bidirectional, unroll):
+            return name
+    raise ValueError((bidirectional, unroll))
+
+
+def overlapped_time(shape: SiteShape, hw: Hardware, bidirectional: bool, unroll: int | None) -> float:
+    t_c = shape.flops / hw.throughput(shape.dtype)
+    total = 0.0
+    plan = rounds(shape, bidirectional)
+    for rnd in plan:
+        transfer = max((bytes_ / hw.bandwidth for bytes_ in rnd.transfers), default=0.0)
+        compute = rnd.compute * t_c
+        total += max(compute, transfer) + (hw.step if rnd.transfers else 0.0)
+    looped = sum(1 for rnd in plan if rnd.transfers)  # rounds a loop can hold (the uniform ones, roughly)
+    trips = 0 if unroll is None else math.ceil(max(0, looped - 1) / unroll)
+    return total + trips * hw.loop_trip
+
+
+def predict(shape: SiteShape, hw: Hardware, bidirectional: bool = False, unroll: int | None = 1) -> Prediction:
+    t_c = shape.flops / hw.throughput(shape.dtype)
+    t_m = shape.transfer_bytes / hw.bandwidth
+    serial = t_c + t_m + hw.step
+    prediction = Prediction(hw.name, t_c, t_m, serial, variant=variant_name(bidirectional, unroll))
+    for name, (bidi, unr) in VARIANTS.items():
+        prediction.overlapped_s[name] = overlapped_time(shape, hw, bidi, unr)
+        prediction.speedup[name] = serial / prediction.overlapped_s[name]
+    return prediction
+
+
+# ---------------------------------------------------------------------------- sanity numbers
+def mlp_block(hw: Hardware, hidden: int, ffn: int, tokens: int, n: int = 8, dtype: str = "bf16",
+              bidirectional: bool = False, unroll: int | None = 1, element_bytes: int = 2) -> dict:
+    """A sequence-parallel SwiGLU MLP block's two sites on ``n`` devices: the gathered
+    activations feed the gate and up projections (one ring, two dots), the down projection
+    is sum-scattered.  Returns serial and overlapped times and the block's speed-up."""
+    gather = SiteShape("all_gather_dot", n, 2 * (2 * tokens * hidden * (ffn // n)), (tokens // n) * hidden * element_bytes, dtype)
+    scatter = SiteShape("dot_reduce_scatter", n, 2 * tokens * (ffn // n) * hidden, (tokens // n) * hidden * element_bytes, dtype)
+    serial = overlapped = 0.0
+    for shape in (gather, scatter):
+        p = predict(shape, hw, bidirectional, unroll)
+        serial += p.serial_s
+        overlapped += p.overlapped_s[p.variant]
+    return {"serial_s": serial, "overlapped_s": overlapped, "speedup": serial / overlapped,
+            "compute_to_transfer": predict(gather, hw).compute_s / predict(gather, hw).transfer_s}

@@ -1,0 +1,73 @@
+"""The predicted schedule of each site as a Gantt chart (``explain --plot timeline.png``).
+
+Per site, two lanes pairs: the original program (the whole collective on the collective
+stream, then the dots on the compute stream — or the dots first for a scatter) above, and
+the rewritten ring below (each round's dots on the compute stream while its permutes run
+on the collective stream), on the cost model's time axis (:mod:`cmatmul_pass.cost`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import cost
+from .errors import CmatmulError
+from .report import Report
+
+COMPUTE, COLLECTIVE = "#4C72B0", "#DD8452"
+
+
+def _ring_bars(shape: cost.SiteShape, hw: cost.Hardware, bidirectional: bool):
+    """(compute bars, transfer bars) of the ring as (start, length) in seconds."""
+    t_c = shape.flops / hw.throughput(shape.dtype)
+    compute, transfer, now = [], [], 0.0
+    for rnd in cost.rounds(shape, bidirectional):
+        c = rnd.compute * t_c
+        m = max((b / hw.bandwidth for b in rnd.transfers), default=0.0)
+        compute.append((now, c))
+        if m:
+            transfer.append((now, m))
+        now += max(c, m) + (hw.step if rnd.transfers else 0.0)
+    return compute, transfer
+
+
+def plot(report: Report, hw: cost.Hardware, path: str | Path, *, bidirectional: bool = False) -> Path:
+    """Draw every site the cost model sized (``SiteReport.cost``) into a PNG at ``path``."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise CmatmulError("drawing the timeline needs matplotlib: pip install 'cmatmul_pass[plot]'") from None
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sites = [(s, cost.SiteShape.from_dict(s.cost["site"])) for s in report.sites if s.cost]
+    if not sites:
+        raise ValueError("no site to draw: the module has no candidate site the cost model can size")
+    fig, axes = plt.subplots(len(sites), 1, figsize=(10, 1.9 * len(sites) + 0.6), squeeze=False)
+    for ax, (site, shape) in zip(axes[:, 0], sites):
+        t_c = shape.flops / hw.throughput(shape.dtype)
+        t_m = shape.transfer_bytes / hw.bandwidth
+        scale = 1e6  # µs
+        if shape.kind == "all_gather_dot":
+            base_comm, base_comp = [(0.0, t_m)], [(t_m + hw.step, t_c)]
+        else:
+            base_comp, base_comm = [(0.0, t_c)], [(t_c, t_m)]
+        ring_comp, ring_comm = _ring_bars(shape, hw, bidirectional)
+        lanes = [
+            ("original: compute", base_comp, COMPUTE), ("original: collective", base_comm, COLLECTIVE),
+            ("ring: compute", ring_comp, COMPUTE), ("ring: permutes", ring_comm, COLLECTIVE),
+        ]
+        for y, (label, bars, color) in enumerate(reversed(lanes)):
+            ax.broken_barh([(a * scale, b * scale) for a, b in bars], (y - 0.35, 0.7), facecolors=color, edgecolor="white")
+        ax.set_yticks(range(len(lanes)))
+        ax.set_yticklabels([label for label, _, _ in reversed(lanes)], fontsize=8)
+        ax.set_xlabel("µs (predicted)", fontsize=8)
+        decision = "rewritten" if site.rewritten else f"left unchanged [{site.reason_code}]"
+        ax.set_title(f"{site.location}  {site.kind}, ring {shape.ring}: {decision}", fontsize=9, loc="left")
+    fig.suptitle(f"predicted schedule on {hw.name}", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

@@ -1,0 +1,121 @@
+"""The cost model against hand-computed cases, the auto policy and byte threshold, the timeline plot."""
+
+import json
+
+import pytest
+
+import cmatmul_pass
+from cmatmul_pass import cost
+from conftest import run_cli, sample
+
+# 1 TFLOP/s, 1 GB/s links, no synchronisation or loop cost: times are easy to compute by hand
+TOY = cost.Hardware("toy", {"f32": 1e12}, 1e9, step=0.0, loop_trip=0.0)
+
+
+def gather(ring=4, flops=4e9, step_bytes=1_000_000):
+    return cost.SiteShape("all_gather_dot", ring, flops, step_bytes, "f32")
+
+
+def test_compute_bound_gather():
+    # t_c = 4 ms (1 ms per shard), 1 ms per permute: serial 4 + 3; ring: 3 rounds of max(1, 1) + the last dot
+    p = cost.predict(gather(), TOY)
+    assert p.compute_s == pytest.approx(4e-3) and p.transfer_s == pytest.approx(3e-3)
+    assert p.serial_s == pytest.approx(7e-3)
+    assert p.overlapped_s["uni"] == pytest.approx(4e-3)
+    assert p.speedup["uni"] == pytest.approx(7 / 4)
+
+
+def test_comm_bound_gather_and_both_directions():
+    shape = gather(step_bytes=4_000_000)  # 4 ms per permute
+    p = cost.predict(shape, TOY)
+    assert p.serial_s == pytest.approx(16e-3)
+    assert p.overlapped_s["uni"] == pytest.approx(3 * 4e-3 + 1e-3)  # 13 ms
+    # both ways, ring of 4: round 0 (own shard, sends both ways) 4 ms, round 1 (two shards, sends down) 4 ms,
+    # round 2 (one shard) 1 ms
+    assert p.overlapped_s["bidi"] == pytest.approx(9e-3)
+    assert p.speedup["bidi"] > p.speedup["uni"] > 1
+
+
+def test_split_scatter_sends_halves():
+    shape = cost.SiteShape("dot_reduce_scatter", 4, 4e9, 4_000_000, "f32")
+    p = cost.predict(shape, TOY)
+    assert p.overlapped_s["uni"] == pytest.approx(1e-3 + 3 * 4e-3)  # first block, then 3 x max(1, 4)
+    assert p.overlapped_s["bidi"] == pytest.approx(1e-3 + 3 * 2e-3)  # half the bytes each way
+
+
+def test_step_and_loop_costs_penalise_tiny_sites():
+    hw = cost.Hardware("toy", {"f32": 1e12}, 1e9, step=5e-6, loop_trip=4e-6)
+    tiny = gather(flops=4e3, step_bytes=8)
+    p = cost.predict(tiny, hw, False, 1)
+    assert p.speedup["uni"] < 1  # seven rounds of synchronisation cost more than they hide
+    assert p.overlapped_s["full"] < p.overlapped_s["unroll2"] < p.overlapped_s["uni"]  # fewer loop trips
+
+
+def test_hardware_profiles_and_overrides():
+    assert {"h100", "h200", "a100", "tpu-v5e"} <= set(cost.PROFILES)
+    hw = cost.hardware("h100:bandwidth=400e9,bf16=700e12,step=8e-6")
+    assert (hw.bandwidth, hw.flops["bf16"], hw.step) == (400e9, 700e12, 8e-6)
+    with pytest.raises(cmatmul_pass.CmatmulError, match="unknown hardware"):
+        cost.hardware("h300")
+    with pytest.raises(cmatmul_pass.CmatmulError, match="not a number"):
+        cost.hardware("h100:bandwidth=fast")
+
+
+def test_mlp_block_sanity():
+    """Llama-3-70B-like and 8B-like SwiGLU MLP blocks on 8xH100: a gain, bounded by the overlap."""
+    for hidden, ffn in ((8192, 28672), (4096, 14336)):
+        block = cost.mlp_block(cost.PROFILES["h100"], hidden, ffn, 8192)
+        assert 1.05 < block["speedup"] < 2.0
+    # the 70B block is more compute-bound than the 8B one
+    big = cost.mlp_block(cost.PROFILES["h100"], 8192, 28672, 8192)
+    small = cost.mlp_block(cost.PROFILES["h100"], 4096, 14336, 8192)
+    assert big["compute_to_transfer"] > small["compute_to_transfer"]
+
+
+def test_report_carries_the_prediction_and_the_site_size():
+    result = cmatmul_pass.rewrite(sample("sp_mlp").read_text())
+    gather_site = next(s for s in result.report.sites if s.kind == "all_gather_dot")
+    # one dot: per device [2, 32, 16] = [2, 32(gathered), 16] x [16, 16]: 2 * 2*32*16 * 16 FLOPs
+    assert gather_site.cost["site"]["flops"] == 2 * 2 * 32 * 16 * 16
+    assert gather_site.cost["site"]["step_bytes"] == 2 * 8 * 16 * 4
+    assert gather_site.cost["hardware"].startswith("H100") and gather_site.cost["variant"] == "uni"
+
+
+def test_auto_policy_and_byte_threshold(tmp_path, capsys):
+    text = sample("sp_mlp").read_text()
+    auto = cmatmul_pass.rewrite(text, cmatmul_pass.Options(policy="auto"))
+    assert [s.reason_code for s in auto.report.sites] == ["policy", "policy"] and not auto.changed
+    slow = cmatmul_pass.Options(policy="auto", hardware="h100:f32=1e9,bandwidth=1e8")
+    assert len(cmatmul_pass.rewrite(text, slow).report.rewritten) == 2  # now the ring pays off
+    threshold = cmatmul_pass.rewrite(text, cmatmul_pass.Options(min_bytes=4096))
+    assert {s.reason_code for s in threshold.report.sites} == {"min_bytes"}
+    assert len(cmatmul_pass.rewrite(text, cmatmul_pass.Options(min_bytes=3072)).report.rewritten) == 2
+    rep = tmp_path / "r.json"
+    assert run_cli("rewrite", sample("sp_mlp"), "--policy", "auto", "-o", tmp_path / "o.mlir", "--report-json", rep, "-q") == 0
+    assert {s["reason_code"] for s in json.loads(rep.read_text())["sites"]} == {"policy"}
+    assert run_cli("rewrite", sample("sp_mlp"), "--hardware", "h999", "-o", tmp_path / "x.mlir") == 2
+    assert "unknown hardware profile" in capsys.readouterr().err
+
+
+def test_decorator_takes_the_policy():
+    import jax
+
+    from test_jit import F, inputs
+
+    g = cmatmul_pass.jit(F, policy="auto")
+    x, w = inputs()
+    import numpy as np
+
+    np.testing.assert_allclose(np.asarray(g(x, w)), np.asarray(jax.jit(F)(x, w)), rtol=1e-5)
+    assert [s.reason_code for s in g.report.sites] == ["policy"]
+
+
+def test_explain_prints_predictions_and_draws_the_timeline(tmp_path, capsys):
+    png = tmp_path / "timeline.png"
+    assert run_cli("explain", sample("sp_mlp"), "--plot", png, "--bidirectional") == 0
+    out = capsys.readouterr().out
+    assert "predicted on H100" in out and "best:" in out and f"timeline: {png}" in out
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5_000
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert 600 <= width <= 2000 and 200 <= height <= 2000
