@@ -15,7 +15,7 @@
 // CHECK-NEXT: stablehlo.constant dense<7> : tensor<i32>
 // CHECK-NEXT: stablehlo.compare LT
 // CHECK: } do {
-// CHECK-NEXT: "stablehlo.collective_permute"
+// CHECK: "stablehlo.collective_permute"
 // CHECK-SAME: source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]>
 // CHECK: stablehlo.dot_general
 // CHECK: stablehlo.dynamic_update_slice
@@ -29,40 +29,40 @@
 // GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<128x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<128x128xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>] manual_axes={"model"} (%arg2: tensor<16x64xf32>, %arg3: tensor<64x16xf32>) {
-// GOLDEN-NEXT: %c = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xi32>
+// GOLDEN-NEXT: %c = stablehlo.constant dense<16> : tensor<i32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<i32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<7> : tensor<i32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<0> : tensor<i32>
+// GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<128x16xf32>
+// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xi32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
 // GOLDEN-NEXT: %2 = stablehlo.convert %1 : (tensor<ui32>) -> tensor<i32>
-// GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
+// GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c_3, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
 // GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
-// GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<128x16xf32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %5:3 = stablehlo.while(%iterArg = %c_0, %iterArg_4 = %arg2, %iterArg_5 = %cst) : tensor<i32>, tensor<16x64xf32>, tensor<128x16xf32>
+// GOLDEN-NEXT: %5:3 = stablehlo.while(%iterArg = %c_2, %iterArg_4 = %arg2, %iterArg_5 = %cst) : tensor<i32>, tensor<16x64xf32>, tensor<128x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_6 = stablehlo.constant dense<7> : tensor<i32>
 // GOLDEN-NEXT: %11 = stablehlo.compare LT, %iterArg, %c_6, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %11 : tensor<i1>
 // GOLDEN-NEXT: } do {
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<i32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<0> : tensor<i32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<16> : tensor<i32>
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<8> : tensor<i32>
 // GOLDEN-NEXT: %11 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
 // GOLDEN-NEXT: %12 = stablehlo.add %4, %iterArg : tensor<i32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<8> : tensor<i32>
-// GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_6 : tensor<i32>
+// GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_9 : tensor<i32>
 // GOLDEN-NEXT: %14 = stablehlo.dot_general %iterArg_4, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<16> : tensor<i32>
-// GOLDEN-NEXT: %15 = stablehlo.multiply %13, %c_7 : tensor<i32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %iterArg_5, %14, %15, %c_8 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<i32>
-// GOLDEN-NEXT: %17 = stablehlo.add %iterArg, %c_9 : tensor<i32>
+// GOLDEN-NEXT: %15 = stablehlo.multiply %13, %c_8 : tensor<i32>
+// GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %iterArg_5, %14, %15, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
+// GOLDEN-NEXT: %17 = stablehlo.add %iterArg, %c_6 : tensor<i32>
 // GOLDEN-NEXT: stablehlo.return %17, %11, %16 : tensor<i32>, tensor<16x64xf32>, tensor<128x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<7> : tensor<i32>
 // GOLDEN-NEXT: %6 = stablehlo.add %4, %c_1 : tensor<i32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<8> : tensor<i32>
-// GOLDEN-NEXT: %7 = stablehlo.remainder %6, %c_2 : tensor<i32>
+// GOLDEN-NEXT: %7 = stablehlo.remainder %6, %c_0 : tensor<i32>
 // GOLDEN-NEXT: %8 = stablehlo.dot_general %5#1, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<16> : tensor<i32>
-// GOLDEN-NEXT: %9 = stablehlo.multiply %7, %c_3 : tensor<i32>
-// GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %5#2, %8, %9, %c_0 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
+// GOLDEN-NEXT: %9 = stablehlo.multiply %7, %c : tensor<i32>
+// GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %5#2, %8, %9, %c_2 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
 // GOLDEN-NEXT: sdy.return %10 : tensor<128x16xf32>
 // GOLDEN-NEXT: } : (tensor<128x64xf32>, tensor<64x128xf32>) -> tensor<128x128xf32>
 // GOLDEN-NEXT: return %0 : tensor<128x128xf32>
@@ -81,7 +81,7 @@
 // BIDI-NEXT: stablehlo.constant dense<2> : tensor<i32>
 // BIDI-NEXT: stablehlo.compare LT
 // BIDI: } do {
-// BIDI-NEXT: "stablehlo.collective_permute"
+// BIDI: "stablehlo.collective_permute"
 // BIDI-SAME: source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]>
 // BIDI-NEXT: "stablehlo.collective_permute"
 // BIDI-SAME: source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 4], [4, 5], [5, 6], [6, 7], [7, 0]]>
@@ -95,68 +95,68 @@
 // BIDI_GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // BIDI_GOLDEN-NEXT: func.func public @main(%arg0: tensor<128x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<128x128xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // BIDI_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>] manual_axes={"model"} (%arg2: tensor<16x64xf32>, %arg3: tensor<64x16xf32>) {
-// BIDI_GOLDEN-NEXT: %c = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xi32>
+// BIDI_GOLDEN-NEXT: %c = stablehlo.constant dense<4> : tensor<i32>
+// BIDI_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<5> : tensor<i32>
+// BIDI_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<i32>
+// BIDI_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<3> : tensor<i32>
+// BIDI_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<i32>
+// BIDI_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<16> : tensor<i32>
+// BIDI_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xi32>
 // BIDI_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %2 = stablehlo.convert %1 : (tensor<ui32>) -> tensor<i32>
-// BIDI_GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
+// BIDI_GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c_5, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
 // BIDI_GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
-// BIDI_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<128x16xf32>
 // BIDI_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
 // BIDI_GOLDEN-NEXT: %6 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 4], [4, 5], [5, 6], [6, 7], [7, 0]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
 // BIDI_GOLDEN-NEXT: %7 = stablehlo.dot_general %arg2, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %8 = stablehlo.multiply %4, %c_0 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<0> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %cst, %7, %8, %c_1 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// BIDI_GOLDEN-NEXT: %10:4 = stablehlo.while(%iterArg = %c_1, %iterArg_6 = %5, %iterArg_7 = %6, %iterArg_8 = %9) : tensor<i32>, tensor<16x64xf32>, tensor<16x64xf32>, tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %8 = stablehlo.multiply %4, %c_4 : tensor<i32>
+// BIDI_GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %cst, %7, %8, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %10:4 = stablehlo.while(%iterArg = %c_3, %iterArg_6 = %5, %iterArg_7 = %6, %iterArg_8 = %9) : tensor<i32>, tensor<16x64xf32>, tensor<16x64xf32>, tensor<128x16xf32>
 // BIDI_GOLDEN-NEXT: cond {
 // BIDI_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<2> : tensor<i32>
 // BIDI_GOLDEN-NEXT: %27 = stablehlo.compare LT, %iterArg, %c_9, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
 // BIDI_GOLDEN-NEXT: stablehlo.return %27 : tensor<i1>
 // BIDI_GOLDEN-NEXT: } do {
+// BIDI_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<7> : tensor<i32>
+// BIDI_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<i32>
+// BIDI_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<16> : tensor<i32>
+// BIDI_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<8> : tensor<i32>
+// BIDI_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<1> : tensor<i32>
 // BIDI_GOLDEN-NEXT: %27 = "stablehlo.collective_permute"(%iterArg_6) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
 // BIDI_GOLDEN-NEXT: %28 = "stablehlo.collective_permute"(%iterArg_7) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 4], [4, 5], [5, 6], [6, 7], [7, 0]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// BIDI_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %29 = stablehlo.add %iterArg, %c_9 : tensor<i32>
+// BIDI_GOLDEN-NEXT: %29 = stablehlo.add %iterArg, %c_13 : tensor<i32>
 // BIDI_GOLDEN-NEXT: %30 = stablehlo.add %4, %29 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<8> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %31 = stablehlo.remainder %30, %c_10 : tensor<i32>
+// BIDI_GOLDEN-NEXT: %31 = stablehlo.remainder %30, %c_12 : tensor<i32>
 // BIDI_GOLDEN-NEXT: %32 = stablehlo.dot_general %iterArg_6, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<16> : tensor<i32>
 // BIDI_GOLDEN-NEXT: %33 = stablehlo.multiply %31, %c_11 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %34 = stablehlo.dynamic_update_slice %iterArg_8, %32, %33, %c_12 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// BIDI_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<7> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %35 = stablehlo.multiply %iterArg, %c_13 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %36 = stablehlo.add %35, %c_13 : tensor<i32>
+// BIDI_GOLDEN-NEXT: %34 = stablehlo.dynamic_update_slice %iterArg_8, %32, %33, %c_10 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %35 = stablehlo.multiply %iterArg, %c_9 : tensor<i32>
+// BIDI_GOLDEN-NEXT: %36 = stablehlo.add %35, %c_9 : tensor<i32>
 // BIDI_GOLDEN-NEXT: %37 = stablehlo.add %4, %36 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %38 = stablehlo.remainder %37, %c_10 : tensor<i32>
+// BIDI_GOLDEN-NEXT: %38 = stablehlo.remainder %37, %c_12 : tensor<i32>
 // BIDI_GOLDEN-NEXT: %39 = stablehlo.dot_general %iterArg_7, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
 // BIDI_GOLDEN-NEXT: %40 = stablehlo.multiply %38, %c_11 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %41 = stablehlo.dynamic_update_slice %34, %39, %40, %c_12 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// BIDI_GOLDEN-NEXT: %42 = stablehlo.add %iterArg, %c_9 : tensor<i32>
+// BIDI_GOLDEN-NEXT: %41 = stablehlo.dynamic_update_slice %34, %39, %40, %c_10 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %42 = stablehlo.add %iterArg, %c_13 : tensor<i32>
 // BIDI_GOLDEN-NEXT: stablehlo.return %42, %27, %28, %41 : tensor<i32>, tensor<16x64xf32>, tensor<16x64xf32>, tensor<128x16xf32>
 // BIDI_GOLDEN-NEXT: }
 // BIDI_GOLDEN-NEXT: %11 = "stablehlo.collective_permute"(%10#1) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// BIDI_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<3> : tensor<i32>
 // BIDI_GOLDEN-NEXT: %12 = stablehlo.add %4, %c_2 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<8> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_3 : tensor<i32>
+// BIDI_GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_1 : tensor<i32>
 // BIDI_GOLDEN-NEXT: %14 = stablehlo.dot_general %10#1, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %15 = stablehlo.multiply %13, %c_0 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %10#3, %14, %15, %c_1 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// BIDI_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<5> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %17 = stablehlo.add %4, %c_4 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %18 = stablehlo.remainder %17, %c_3 : tensor<i32>
+// BIDI_GOLDEN-NEXT: %15 = stablehlo.multiply %13, %c_4 : tensor<i32>
+// BIDI_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %10#3, %14, %15, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %17 = stablehlo.add %4, %c_0 : tensor<i32>
+// BIDI_GOLDEN-NEXT: %18 = stablehlo.remainder %17, %c_1 : tensor<i32>
 // BIDI_GOLDEN-NEXT: %19 = stablehlo.dot_general %10#2, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %20 = stablehlo.multiply %18, %c_0 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %21 = stablehlo.dynamic_update_slice %16, %19, %20, %c_1 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// BIDI_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<4> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %22 = stablehlo.add %4, %c_5 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %23 = stablehlo.remainder %22, %c_3 : tensor<i32>
+// BIDI_GOLDEN-NEXT: %20 = stablehlo.multiply %18, %c_4 : tensor<i32>
+// BIDI_GOLDEN-NEXT: %21 = stablehlo.dynamic_update_slice %16, %19, %20, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %22 = stablehlo.add %4, %c : tensor<i32>
+// BIDI_GOLDEN-NEXT: %23 = stablehlo.remainder %22, %c_1 : tensor<i32>
 // BIDI_GOLDEN-NEXT: %24 = stablehlo.dot_general %11, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %25 = stablehlo.multiply %23, %c_0 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %26 = stablehlo.dynamic_update_slice %21, %24, %25, %c_1 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %25 = stablehlo.multiply %23, %c_4 : tensor<i32>
+// BIDI_GOLDEN-NEXT: %26 = stablehlo.dynamic_update_slice %21, %24, %25, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
 // BIDI_GOLDEN-NEXT: sdy.return %26 : tensor<128x16xf32>
 // BIDI_GOLDEN-NEXT: } : (tensor<128x64xf32>, tensor<64x128xf32>) -> tensor<128x128xf32>
 // BIDI_GOLDEN-NEXT: return %0 : tensor<128x128xf32>
@@ -170,7 +170,7 @@
 // UNROLL2-NEXT: stablehlo.constant dense<3> : tensor<i32>
 // UNROLL2-NEXT: stablehlo.compare LT
 // UNROLL2: } do {
-// UNROLL2-NEXT: "stablehlo.collective_permute"
+// UNROLL2: "stablehlo.collective_permute"
 // UNROLL2-SAME: source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]>
 // UNROLL2: stablehlo.dot_general
 // UNROLL2: "stablehlo.collective_permute"
@@ -184,57 +184,57 @@
 // UNROLL2_GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // UNROLL2_GOLDEN-NEXT: func.func public @main(%arg0: tensor<128x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<128x128xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // UNROLL2_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>] manual_axes={"model"} (%arg2: tensor<16x64xf32>, %arg3: tensor<64x16xf32>) {
-// UNROLL2_GOLDEN-NEXT: %c = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xi32>
+// UNROLL2_GOLDEN-NEXT: %c = stablehlo.constant dense<7> : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<6> : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xi32>
 // UNROLL2_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %2 = stablehlo.convert %1 : (tensor<ui32>) -> tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
+// UNROLL2_GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c_4, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
 // UNROLL2_GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<128x16xf32>
-// UNROLL2_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<0> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %5:3 = stablehlo.while(%iterArg = %c_0, %iterArg_5 = %arg2, %iterArg_6 = %cst) : tensor<i32>, tensor<16x64xf32>, tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %5:3 = stablehlo.while(%iterArg = %c_3, %iterArg_5 = %arg2, %iterArg_6 = %cst) : tensor<i32>, tensor<16x64xf32>, tensor<128x16xf32>
 // UNROLL2_GOLDEN-NEXT: cond {
 // UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<3> : tensor<i32>
 // UNROLL2_GOLDEN-NEXT: %17 = stablehlo.compare LT, %iterArg, %c_7, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
 // UNROLL2_GOLDEN-NEXT: stablehlo.return %17 : tensor<i1>
 // UNROLL2_GOLDEN-NEXT: } do {
-// UNROLL2_GOLDEN-NEXT: %17 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<2> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %18 = stablehlo.multiply %iterArg, %c_7 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.add %4, %18 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<8> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_8 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %21 = stablehlo.dot_general %iterArg_5, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<i32>
 // UNROLL2_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<8> : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<2> : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %17 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// UNROLL2_GOLDEN-NEXT: %18 = stablehlo.multiply %iterArg, %c_11 : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.add %4, %18 : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_10 : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %21 = stablehlo.dot_general %iterArg_5, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
 // UNROLL2_GOLDEN-NEXT: %22 = stablehlo.multiply %20, %c_9 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %iterArg_6, %21, %22, %c_10 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %iterArg_6, %21, %22, %c_8 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
 // UNROLL2_GOLDEN-NEXT: %24 = "stablehlo.collective_permute"(%17) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// UNROLL2_GOLDEN-NEXT: %25 = stablehlo.multiply %iterArg, %c_7 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %26 = stablehlo.add %25, %c_11 : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %25 = stablehlo.multiply %iterArg, %c_11 : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %26 = stablehlo.add %25, %c_7 : tensor<i32>
 // UNROLL2_GOLDEN-NEXT: %27 = stablehlo.add %4, %26 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %28 = stablehlo.remainder %27, %c_8 : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %28 = stablehlo.remainder %27, %c_10 : tensor<i32>
 // UNROLL2_GOLDEN-NEXT: %29 = stablehlo.dot_general %17, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
 // UNROLL2_GOLDEN-NEXT: %30 = stablehlo.multiply %28, %c_9 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %31 = stablehlo.dynamic_update_slice %23, %29, %30, %c_10 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.add %iterArg, %c_11 : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %31 = stablehlo.dynamic_update_slice %23, %29, %30, %c_8 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.add %iterArg, %c_7 : tensor<i32>
 // UNROLL2_GOLDEN-NEXT: stablehlo.return %32, %24, %31 : tensor<i32>, tensor<16x64xf32>, tensor<128x16xf32>
 // UNROLL2_GOLDEN-NEXT: }
 // UNROLL2_GOLDEN-NEXT: %6 = "stablehlo.collective_permute"(%5#1) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// UNROLL2_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<6> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %7 = stablehlo.add %4, %c_1 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<8> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %8 = stablehlo.remainder %7, %c_2 : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %7 = stablehlo.add %4, %c_2 : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %8 = stablehlo.remainder %7, %c_1 : tensor<i32>
 // UNROLL2_GOLDEN-NEXT: %9 = stablehlo.dot_general %5#1, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<16> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %10 = stablehlo.multiply %8, %c_3 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %11 = stablehlo.dynamic_update_slice %5#2, %9, %10, %c_0 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// UNROLL2_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<7> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %12 = stablehlo.add %4, %c_4 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_2 : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %10 = stablehlo.multiply %8, %c_0 : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %11 = stablehlo.dynamic_update_slice %5#2, %9, %10, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %12 = stablehlo.add %4, %c : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_1 : tensor<i32>
 // UNROLL2_GOLDEN-NEXT: %14 = stablehlo.dot_general %6, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %15 = stablehlo.multiply %13, %c_3 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %11, %14, %15, %c_0 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %15 = stablehlo.multiply %13, %c_0 : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %11, %14, %15, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
 // UNROLL2_GOLDEN-NEXT: sdy.return %16 : tensor<128x16xf32>
 // UNROLL2_GOLDEN-NEXT: } : (tensor<128x64xf32>, tensor<64x128xf32>) -> tensor<128x128xf32>
 // UNROLL2_GOLDEN-NEXT: return %0 : tensor<128x128xf32>
@@ -259,67 +259,67 @@
 // FULL_GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // FULL_GOLDEN-NEXT: func.func public @main(%arg0: tensor<128x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<128x128xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // FULL_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>] manual_axes={"model"} (%arg2: tensor<16x64xf32>, %arg3: tensor<64x16xf32>) {
-// FULL_GOLDEN-NEXT: %c = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xi32>
+// FULL_GOLDEN-NEXT: %c = stablehlo.constant dense<7> : tensor<i32>
+// FULL_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<6> : tensor<i32>
+// FULL_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<5> : tensor<i32>
+// FULL_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<4> : tensor<i32>
+// FULL_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<3> : tensor<i32>
+// FULL_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<2> : tensor<i32>
+// FULL_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<8> : tensor<i32>
+// FULL_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<i32>
+// FULL_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<0> : tensor<i32>
+// FULL_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<16> : tensor<i32>
+// FULL_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xi32>
 // FULL_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
 // FULL_GOLDEN-NEXT: %2 = stablehlo.convert %1 : (tensor<ui32>) -> tensor<i32>
-// FULL_GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
+// FULL_GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c_9, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
 // FULL_GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
-// FULL_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<128x16xf32>
 // FULL_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
 // FULL_GOLDEN-NEXT: %6 = stablehlo.dot_general %arg2, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<i32>
-// FULL_GOLDEN-NEXT: %7 = stablehlo.multiply %4, %c_0 : tensor<i32>
-// FULL_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<0> : tensor<i32>
-// FULL_GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %cst, %6, %7, %c_1 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %7 = stablehlo.multiply %4, %c_8 : tensor<i32>
+// FULL_GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %cst, %6, %7, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
 // FULL_GOLDEN-NEXT: %9 = "stablehlo.collective_permute"(%5) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<1> : tensor<i32>
-// FULL_GOLDEN-NEXT: %10 = stablehlo.add %4, %c_2 : tensor<i32>
-// FULL_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<8> : tensor<i32>
-// FULL_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c_3 : tensor<i32>
+// FULL_GOLDEN-NEXT: %10 = stablehlo.add %4, %c_6 : tensor<i32>
+// FULL_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c_5 : tensor<i32>
 // FULL_GOLDEN-NEXT: %12 = stablehlo.dot_general %5, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %13 = stablehlo.multiply %11, %c_0 : tensor<i32>
-// FULL_GOLDEN-NEXT: %14 = stablehlo.dynamic_update_slice %8, %12, %13, %c_1 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %13 = stablehlo.multiply %11, %c_8 : tensor<i32>
+// FULL_GOLDEN-NEXT: %14 = stablehlo.dynamic_update_slice %8, %12, %13, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
 // FULL_GOLDEN-NEXT: %15 = "stablehlo.collective_permute"(%9) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<2> : tensor<i32>
 // FULL_GOLDEN-NEXT: %16 = stablehlo.add %4, %c_4 : tensor<i32>
-// FULL_GOLDEN-NEXT: %17 = stablehlo.remainder %16, %c_3 : tensor<i32>
+// FULL_GOLDEN-NEXT: %17 = stablehlo.remainder %16, %c_5 : tensor<i32>
 // FULL_GOLDEN-NEXT: %18 = stablehlo.dot_general %9, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %19 = stablehlo.multiply %17, %c_0 : tensor<i32>
-// FULL_GOLDEN-NEXT: %20 = stablehlo.dynamic_update_slice %14, %18, %19, %c_1 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %19 = stablehlo.multiply %17, %c_8 : tensor<i32>
+// FULL_GOLDEN-NEXT: %20 = stablehlo.dynamic_update_slice %14, %18, %19, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
 // FULL_GOLDEN-NEXT: %21 = "stablehlo.collective_permute"(%15) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<i32>
-// FULL_GOLDEN-NEXT: %22 = stablehlo.add %4, %c_5 : tensor<i32>
-// FULL_GOLDEN-NEXT: %23 = stablehlo.remainder %22, %c_3 : tensor<i32>
+// FULL_GOLDEN-NEXT: %22 = stablehlo.add %4, %c_3 : tensor<i32>
+// FULL_GOLDEN-NEXT: %23 = stablehlo.remainder %22, %c_5 : tensor<i32>
 // FULL_GOLDEN-NEXT: %24 = stablehlo.dot_general %15, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %25 = stablehlo.multiply %23, %c_0 : tensor<i32>
-// FULL_GOLDEN-NEXT: %26 = stablehlo.dynamic_update_slice %20, %24, %25, %c_1 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %25 = stablehlo.multiply %23, %c_8 : tensor<i32>
+// FULL_GOLDEN-NEXT: %26 = stablehlo.dynamic_update_slice %20, %24, %25, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
 // FULL_GOLDEN-NEXT: %27 = "stablehlo.collective_permute"(%21) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<4> : tensor<i32>
-// FULL_GOLDEN-NEXT: %28 = stablehlo.add %4, %c_6 : tensor<i32>
-// FULL_GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_3 : tensor<i32>
+// FULL_GOLDEN-NEXT: %28 = stablehlo.add %4, %c_2 : tensor<i32>
+// FULL_GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_5 : tensor<i32>
 // FULL_GOLDEN-NEXT: %30 = stablehlo.dot_general %21, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %31 = stablehlo.multiply %29, %c_0 : tensor<i32>
-// FULL_GOLDEN-NEXT: %32 = stablehlo.dynamic_update_slice %26, %30, %31, %c_1 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %31 = stablehlo.multiply %29, %c_8 : tensor<i32>
+// FULL_GOLDEN-NEXT: %32 = stablehlo.dynamic_update_slice %26, %30, %31, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
 // FULL_GOLDEN-NEXT: %33 = "stablehlo.collective_permute"(%27) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<5> : tensor<i32>
-// FULL_GOLDEN-NEXT: %34 = stablehlo.add %4, %c_7 : tensor<i32>
-// FULL_GOLDEN-NEXT: %35 = stablehlo.remainder %34, %c_3 : tensor<i32>
+// FULL_GOLDEN-NEXT: %34 = stablehlo.add %4, %c_1 : tensor<i32>
+// FULL_GOLDEN-NEXT: %35 = stablehlo.remainder %34, %c_5 : tensor<i32>
 // FULL_GOLDEN-NEXT: %36 = stablehlo.dot_general %27, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %37 = stablehlo.multiply %35, %c_0 : tensor<i32>
-// FULL_GOLDEN-NEXT: %38 = stablehlo.dynamic_update_slice %32, %36, %37, %c_1 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %37 = stablehlo.multiply %35, %c_8 : tensor<i32>
+// FULL_GOLDEN-NEXT: %38 = stablehlo.dynamic_update_slice %32, %36, %37, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
 // FULL_GOLDEN-NEXT: %39 = "stablehlo.collective_permute"(%33) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<6> : tensor<i32>
-// FULL_GOLDEN-NEXT: %40 = stablehlo.add %4, %c_8 : tensor<i32>
-// FULL_GOLDEN-NEXT: %41 = stablehlo.remainder %40, %c_3 : tensor<i32>
+// FULL_GOLDEN-NEXT: %40 = stablehlo.add %4, %c_0 : tensor<i32>
+// FULL_GOLDEN-NEXT: %41 = stablehlo.remainder %40, %c_5 : tensor<i32>
 // FULL_GOLDEN-NEXT: %42 = stablehlo.dot_general %33, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %43 = stablehlo.multiply %41, %c_0 : tensor<i32>
-// FULL_GOLDEN-NEXT: %44 = stablehlo.dynamic_update_slice %38, %42, %43, %c_1 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<7> : tensor<i32>
-// FULL_GOLDEN-NEXT: %45 = stablehlo.add %4, %c_9 : tensor<i32>
-// FULL_GOLDEN-NEXT: %46 = stablehlo.remainder %45, %c_3 : tensor<i32>
+// FULL_GOLDEN-NEXT: %43 = stablehlo.multiply %41, %c_8 : tensor<i32>
+// FULL_GOLDEN-NEXT: %44 = stablehlo.dynamic_update_slice %38, %42, %43, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %45 = stablehlo.add %4, %c : tensor<i32>
+// FULL_GOLDEN-NEXT: %46 = stablehlo.remainder %45, %c_5 : tensor<i32>
 // FULL_GOLDEN-NEXT: %47 = stablehlo.dot_general %39, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %48 = stablehlo.multiply %46, %c_0 : tensor<i32>
-// FULL_GOLDEN-NEXT: %49 = stablehlo.dynamic_update_slice %44, %47, %48, %c_1 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %48 = stablehlo.multiply %46, %c_8 : tensor<i32>
+// FULL_GOLDEN-NEXT: %49 = stablehlo.dynamic_update_slice %44, %47, %48, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
 // FULL_GOLDEN-NEXT: sdy.return %49 : tensor<128x16xf32>
 // FULL_GOLDEN-NEXT: } : (tensor<128x64xf32>, tensor<64x128xf32>) -> tensor<128x128xf32>
 // FULL_GOLDEN-NEXT: return %0 : tensor<128x128xf32>
@@ -345,57 +345,57 @@
 // STREAMS_GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // STREAMS_GOLDEN-NEXT: func.func public @main(%arg0: tensor<128x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<128x128xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // STREAMS_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>] manual_axes={"model"} (%arg2: tensor<16x64xf32>, %arg3: tensor<64x16xf32>) {
-// STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xi32>
+// STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<7> : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<6> : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xi32>
 // STREAMS_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %2 = stablehlo.convert %1 : (tensor<ui32>) -> tensor<i32>
-// STREAMS_GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
+// STREAMS_GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c_4, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
 // STREAMS_GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
-// STREAMS_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<128x16xf32>
-// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<0> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %5:3 = stablehlo.while(%iterArg = %c_0, %iterArg_5 = %arg2, %iterArg_6 = %cst) : tensor<i32>, tensor<16x64xf32>, tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %5:3 = stablehlo.while(%iterArg = %c_3, %iterArg_5 = %arg2, %iterArg_6 = %cst) : tensor<i32>, tensor<16x64xf32>, tensor<128x16xf32>
 // STREAMS_GOLDEN-NEXT: cond {
 // STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<3> : tensor<i32>
 // STREAMS_GOLDEN-NEXT: %17 = stablehlo.compare LT, %iterArg, %c_7, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
 // STREAMS_GOLDEN-NEXT: stablehlo.return %17 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
-// STREAMS_GOLDEN-NEXT: %17 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<2> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %18 = stablehlo.multiply %iterArg, %c_7 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %19 = stablehlo.add %4, %18 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<8> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_8 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %21 = func.call @cmatmul_dot_0(%iterArg_5, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<i32>
 // STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<8> : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<2> : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %17 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// STREAMS_GOLDEN-NEXT: %18 = stablehlo.multiply %iterArg, %c_11 : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %19 = stablehlo.add %4, %18 : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_10 : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %21 = func.call @cmatmul_dot_0(%iterArg_5, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: %22 = stablehlo.multiply %20, %c_9 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %iterArg_6, %21, %22, %c_10 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %iterArg_6, %21, %22, %c_8 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
 // STREAMS_GOLDEN-NEXT: %24 = "stablehlo.collective_permute"(%17) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// STREAMS_GOLDEN-NEXT: %25 = stablehlo.multiply %iterArg, %c_7 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %26 = stablehlo.add %25, %c_11 : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %25 = stablehlo.multiply %iterArg, %c_11 : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %26 = stablehlo.add %25, %c_7 : tensor<i32>
 // STREAMS_GOLDEN-NEXT: %27 = stablehlo.add %4, %26 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %28 = stablehlo.remainder %27, %c_8 : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %28 = stablehlo.remainder %27, %c_10 : tensor<i32>
 // STREAMS_GOLDEN-NEXT: %29 = func.call @cmatmul_dot_0(%17, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: %30 = stablehlo.multiply %28, %c_9 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %31 = stablehlo.dynamic_update_slice %23, %29, %30, %c_10 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// STREAMS_GOLDEN-NEXT: %32 = stablehlo.add %iterArg, %c_11 : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %31 = stablehlo.dynamic_update_slice %23, %29, %30, %c_8 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %32 = stablehlo.add %iterArg, %c_7 : tensor<i32>
 // STREAMS_GOLDEN-NEXT: stablehlo.return %32, %24, %31 : tensor<i32>, tensor<16x64xf32>, tensor<128x16xf32>
 // STREAMS_GOLDEN-NEXT: }
 // STREAMS_GOLDEN-NEXT: %6 = "stablehlo.collective_permute"(%5#1) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<6> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %7 = stablehlo.add %4, %c_1 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<8> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %8 = stablehlo.remainder %7, %c_2 : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %7 = stablehlo.add %4, %c_2 : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %8 = stablehlo.remainder %7, %c_1 : tensor<i32>
 // STREAMS_GOLDEN-NEXT: %9 = func.call @cmatmul_dot_0(%5#1, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<16> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %10 = stablehlo.multiply %8, %c_3 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %11 = stablehlo.dynamic_update_slice %5#2, %9, %10, %c_0 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// STREAMS_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<7> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %12 = stablehlo.add %4, %c_4 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_2 : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %10 = stablehlo.multiply %8, %c_0 : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %11 = stablehlo.dynamic_update_slice %5#2, %9, %10, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %12 = stablehlo.add %4, %c : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_1 : tensor<i32>
 // STREAMS_GOLDEN-NEXT: %14 = func.call @cmatmul_dot_0(%6, %arg3) {mhlo.frontend_attributes = {_xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %15 = stablehlo.multiply %13, %c_3 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %11, %14, %15, %c_0 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %15 = stablehlo.multiply %13, %c_0 : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %11, %14, %15, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
 // STREAMS_GOLDEN-NEXT: sdy.return %16 : tensor<128x16xf32>
 // STREAMS_GOLDEN-NEXT: } : (tensor<128x64xf32>, tensor<64x128xf32>) -> tensor<128x128xf32>
 // STREAMS_GOLDEN-NEXT: return %0 : tensor<128x128xf32>
@@ -478,19 +478,19 @@
 // HLO_GOLDEN-NEXT: get-tuple-element.27 = f32[128,16]{1,0} get-tuple-element(while.1), index=2
 // HLO_GOLDEN-NEXT: get-tuple-element.26 = f32[16,64]{1,0} get-tuple-element(while.1), index=1
 // HLO_GOLDEN-NEXT: call.6 = f32[16,16]{1,0} call(get-tuple-element.26, Arg_1.4), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="2",_xla_stream_annotation="1",inlineable="false"}
-// HLO_GOLDEN-NEXT: constant.20 = s32[] constant(6)
-// HLO_GOLDEN-NEXT: add.10 = s32[] add(reshape.1, constant.20)
-// HLO_GOLDEN-NEXT: constant.22 = s32[] constant(8)
-// HLO_GOLDEN-NEXT: remainder.6 = s32[] remainder(add.10, constant.22)
-// HLO_GOLDEN-NEXT: constant.21 = s32[] constant(16)
-// HLO_GOLDEN-NEXT: multiply.10 = s32[] multiply(remainder.6, constant.21)
+// HLO_GOLDEN-NEXT: constant.22 = s32[] constant(6)
+// HLO_GOLDEN-NEXT: add.10 = s32[] add(reshape.1, constant.22)
+// HLO_GOLDEN-NEXT: constant.21 = s32[] constant(8)
+// HLO_GOLDEN-NEXT: remainder.6 = s32[] remainder(add.10, constant.21)
+// HLO_GOLDEN-NEXT: constant.20 = s32[] constant(16)
+// HLO_GOLDEN-NEXT: multiply.10 = s32[] multiply(remainder.6, constant.20)
 // HLO_GOLDEN-NEXT: dynamic-update-slice.6 = f32[128,16]{1,0} dynamic-update-slice(get-tuple-element.27, call.6, multiply.10, constant.23)
 // HLO_GOLDEN-NEXT: collective-permute.5 = f32[16,64]{1,0} collective-permute(get-tuple-element.26), channel_id=4, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="2"}
 // HLO_GOLDEN-NEXT: call.7 = f32[16,16]{1,0} call(collective-permute.5, Arg_1.4), to_apply=cmatmul_dot_0.1, frontend_attributes={_xla_stream_annotation="2",inlineable="false"}
 // HLO_GOLDEN-NEXT: constant.19 = s32[] constant(7)
 // HLO_GOLDEN-NEXT: add.11 = s32[] add(reshape.1, constant.19)
-// HLO_GOLDEN-NEXT: remainder.7 = s32[] remainder(add.11, constant.22)
-// HLO_GOLDEN-NEXT: multiply.11 = s32[] multiply(remainder.7, constant.21)
+// HLO_GOLDEN-NEXT: remainder.7 = s32[] remainder(add.11, constant.21)
+// HLO_GOLDEN-NEXT: multiply.11 = s32[] multiply(remainder.7, constant.20)
 // HLO_GOLDEN-NEXT: ROOT dynamic-update-slice.7 = f32[128,16]{1,0} dynamic-update-slice(dynamic-update-slice.6, call.7, multiply.11, constant.23)
 // HLO_GOLDEN-NEXT: }
 // HLO_GOLDEN: ENTRY main.5 {

@@ -19,7 +19,7 @@
 // CHECK-NEXT: stablehlo.constant dense<7> : tensor<i32>
 // CHECK-NEXT: stablehlo.compare LT
 // CHECK: } do {
-// CHECK-NEXT: "stablehlo.collective_permute"
+// CHECK: "stablehlo.collective_permute"
 // CHECK-SAME: source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]>
 // CHECK: stablehlo.dynamic_slice
 // CHECK-NEXT: stablehlo.dot_general
@@ -33,38 +33,38 @@
 // GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg1: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<64x32xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"model"}, {}]>] manual_axes={"model"} (%arg2: tensor<64x16xf32>, %arg3: tensor<16x32xf32>) {
-// GOLDEN-NEXT: %c = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xi32>
+// GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<i32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<i32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<1> : tensor<i32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xi32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
 // GOLDEN-NEXT: %2 = stablehlo.convert %1 : (tensor<ui32>) -> tensor<i32>
-// GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
+// GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c_2, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
 // GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<i32>
-// GOLDEN-NEXT: %5 = stablehlo.add %4, %c_0 : tensor<i32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<i32>
-// GOLDEN-NEXT: %6 = stablehlo.remainder %5, %c_1 : tensor<i32>
-// GOLDEN-NEXT: %7 = stablehlo.multiply %6, %c_1 : tensor<i32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %arg2, %7, %c_2, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %5 = stablehlo.add %4, %c_1 : tensor<i32>
+// GOLDEN-NEXT: %6 = stablehlo.remainder %5, %c_0 : tensor<i32>
+// GOLDEN-NEXT: %7 = stablehlo.multiply %6, %c_0 : tensor<i32>
+// GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %arg2, %7, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
 // GOLDEN-NEXT: %9 = stablehlo.dot_general %8, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %10:2 = stablehlo.while(%iterArg = %c_2, %iterArg_3 = %9) : tensor<i32>, tensor<8x32xf32>
+// GOLDEN-NEXT: %10:2 = stablehlo.while(%iterArg = %c, %iterArg_3 = %9) : tensor<i32>, tensor<8x32xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_4 = stablehlo.constant dense<7> : tensor<i32>
 // GOLDEN-NEXT: %11 = stablehlo.compare LT, %iterArg, %c_4, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %11 : tensor<i1>
 // GOLDEN-NEXT: } do {
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<i32>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<i32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<8> : tensor<i32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<2> : tensor<i32>
 // GOLDEN-NEXT: %11 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<2> : tensor<i32>
-// GOLDEN-NEXT: %12 = stablehlo.add %iterArg, %c_4 : tensor<i32>
+// GOLDEN-NEXT: %12 = stablehlo.add %iterArg, %c_7 : tensor<i32>
 // GOLDEN-NEXT: %13 = stablehlo.add %4, %12 : tensor<i32>
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<8> : tensor<i32>
-// GOLDEN-NEXT: %14 = stablehlo.remainder %13, %c_5 : tensor<i32>
-// GOLDEN-NEXT: %15 = stablehlo.multiply %14, %c_5 : tensor<i32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %16 = stablehlo.dynamic_slice %arg2, %15, %c_6, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %14 = stablehlo.remainder %13, %c_6 : tensor<i32>
+// GOLDEN-NEXT: %15 = stablehlo.multiply %14, %c_6 : tensor<i32>
+// GOLDEN-NEXT: %16 = stablehlo.dynamic_slice %arg2, %15, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
 // GOLDEN-NEXT: %17 = stablehlo.dot_general %16, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // GOLDEN-NEXT: %18 = stablehlo.add %11, %17 : tensor<8x32xf32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<i32>
-// GOLDEN-NEXT: %19 = stablehlo.add %iterArg, %c_7 : tensor<i32>
+// GOLDEN-NEXT: %19 = stablehlo.add %iterArg, %c_4 : tensor<i32>
 // GOLDEN-NEXT: stablehlo.return %19, %18 : tensor<i32>, tensor<8x32xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: sdy.return %10#1 : tensor<8x32xf32>
@@ -80,7 +80,7 @@
 // BIDI-NEXT: stablehlo.constant dense<7> : tensor<i32>
 // BIDI-NEXT: stablehlo.compare LT
 // BIDI: } do {
-// BIDI-NEXT: "stablehlo.collective_permute"
+// BIDI: "stablehlo.collective_permute"
 // BIDI-SAME: source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]>
 // BIDI-SAME: (tensor<4x32xf32>) -> tensor<4x32xf32>
 // BIDI: stablehlo.dot_general
@@ -99,59 +99,59 @@
 // BIDI_GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // BIDI_GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg1: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<64x32xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) {
 // BIDI_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"model"}, {}]>] manual_axes={"model"} (%arg2: tensor<64x16xf32>, %arg3: tensor<16x32xf32>) {
-// BIDI_GOLDEN-NEXT: %c = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xi32>
+// BIDI_GOLDEN-NEXT: %c = stablehlo.constant dense<4> : tensor<i32>
+// BIDI_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<7> : tensor<i32>
+// BIDI_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<0> : tensor<i32>
+// BIDI_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<8> : tensor<i32>
+// BIDI_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<1> : tensor<i32>
+// BIDI_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xi32>
 // BIDI_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %2 = stablehlo.convert %1 : (tensor<ui32>) -> tensor<i32>
-// BIDI_GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
+// BIDI_GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c_4, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
 // BIDI_GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %5 = stablehlo.add %4, %c_0 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %6 = stablehlo.remainder %5, %c_1 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %7 = stablehlo.multiply %6, %c_1 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<0> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %arg2, %7, %c_2, sizes = [4, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<4x16xf32>
+// BIDI_GOLDEN-NEXT: %5 = stablehlo.add %4, %c_3 : tensor<i32>
+// BIDI_GOLDEN-NEXT: %6 = stablehlo.remainder %5, %c_2 : tensor<i32>
+// BIDI_GOLDEN-NEXT: %7 = stablehlo.multiply %6, %c_2 : tensor<i32>
+// BIDI_GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %arg2, %7, %c_1, sizes = [4, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<4x16xf32>
 // BIDI_GOLDEN-NEXT: %9 = stablehlo.dot_general %8, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<4x16xf32>, tensor<16x32xf32>) -> tensor<4x32xf32>
-// BIDI_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<7> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %10 = stablehlo.add %4, %c_3 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c_1 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %12 = stablehlo.multiply %11, %c_1 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<4> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %13 = stablehlo.add %12, %c_4 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %14 = stablehlo.dynamic_slice %arg2, %13, %c_2, sizes = [4, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<4x16xf32>
+// BIDI_GOLDEN-NEXT: %10 = stablehlo.add %4, %c_0 : tensor<i32>
+// BIDI_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c_2 : tensor<i32>
+// BIDI_GOLDEN-NEXT: %12 = stablehlo.multiply %11, %c_2 : tensor<i32>
+// BIDI_GOLDEN-NEXT: %13 = stablehlo.add %12, %c : tensor<i32>
+// BIDI_GOLDEN-NEXT: %14 = stablehlo.dynamic_slice %arg2, %13, %c_1, sizes = [4, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<4x16xf32>
 // BIDI_GOLDEN-NEXT: %15 = stablehlo.dot_general %14, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<4x16xf32>, tensor<16x32xf32>) -> tensor<4x32xf32>
-// BIDI_GOLDEN-NEXT: %16:3 = stablehlo.while(%iterArg = %c_2, %iterArg_5 = %9, %iterArg_6 = %15) : tensor<i32>, tensor<4x32xf32>, tensor<4x32xf32>
+// BIDI_GOLDEN-NEXT: %16:3 = stablehlo.while(%iterArg = %c_1, %iterArg_5 = %9, %iterArg_6 = %15) : tensor<i32>, tensor<4x32xf32>, tensor<4x32xf32>
 // BIDI_GOLDEN-NEXT: cond {
 // BIDI_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<7> : tensor<i32>
 // BIDI_GOLDEN-NEXT: %18 = stablehlo.compare LT, %iterArg, %c_7, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
 // BIDI_GOLDEN-NEXT: stablehlo.return %18 : tensor<i1>
 // BIDI_GOLDEN-NEXT: } do {
+// BIDI_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<i32>
+// BIDI_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<4> : tensor<i32>
+// BIDI_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<6> : tensor<i32>
+// BIDI_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<7> : tensor<i32>
+// BIDI_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<0> : tensor<i32>
+// BIDI_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<8> : tensor<i32>
+// BIDI_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<2> : tensor<i32>
 // BIDI_GOLDEN-NEXT: %18 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<4x32xf32>) -> tensor<4x32xf32>
-// BIDI_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<2> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %19 = stablehlo.add %iterArg, %c_7 : tensor<i32>
+// BIDI_GOLDEN-NEXT: %19 = stablehlo.add %iterArg, %c_13 : tensor<i32>
 // BIDI_GOLDEN-NEXT: %20 = stablehlo.add %4, %19 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<8> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %21 = stablehlo.remainder %20, %c_8 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %22 = stablehlo.multiply %21, %c_8 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<0> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %23 = stablehlo.dynamic_slice %arg2, %22, %c_9, sizes = [4, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<4x16xf32>
+// BIDI_GOLDEN-NEXT: %21 = stablehlo.remainder %20, %c_12 : tensor<i32>
+// BIDI_GOLDEN-NEXT: %22 = stablehlo.multiply %21, %c_12 : tensor<i32>
+// BIDI_GOLDEN-NEXT: %23 = stablehlo.dynamic_slice %arg2, %22, %c_11, sizes = [4, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<4x16xf32>
 // BIDI_GOLDEN-NEXT: %24 = stablehlo.dot_general %23, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<4x16xf32>, tensor<16x32xf32>) -> tensor<4x32xf32>
 // BIDI_GOLDEN-NEXT: %25 = stablehlo.add %18, %24 : tensor<4x32xf32>
 // BIDI_GOLDEN-NEXT: %26 = "stablehlo.collective_permute"(%iterArg_6) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 4], [4, 5], [5, 6], [6, 7], [7, 0]]> : tensor<8x2xi64>}> : (tensor<4x32xf32>) -> tensor<4x32xf32>
-// BIDI_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<7> : tensor<i32>
 // BIDI_GOLDEN-NEXT: %27 = stablehlo.multiply %iterArg, %c_10 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<6> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %28 = stablehlo.add %27, %c_11 : tensor<i32>
+// BIDI_GOLDEN-NEXT: %28 = stablehlo.add %27, %c_9 : tensor<i32>
 // BIDI_GOLDEN-NEXT: %29 = stablehlo.add %4, %28 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %30 = stablehlo.remainder %29, %c_8 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %31 = stablehlo.multiply %30, %c_8 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<4> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %32 = stablehlo.add %31, %c_12 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %33 = stablehlo.dynamic_slice %arg2, %32, %c_9, sizes = [4, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<4x16xf32>
+// BIDI_GOLDEN-NEXT: %30 = stablehlo.remainder %29, %c_12 : tensor<i32>
+// BIDI_GOLDEN-NEXT: %31 = stablehlo.multiply %30, %c_12 : tensor<i32>
+// BIDI_GOLDEN-NEXT: %32 = stablehlo.add %31, %c_8 : tensor<i32>
+// BIDI_GOLDEN-NEXT: %33 = stablehlo.dynamic_slice %arg2, %32, %c_11, sizes = [4, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<4x16xf32>
 // BIDI_GOLDEN-NEXT: %34 = stablehlo.dot_general %33, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<4x16xf32>, tensor<16x32xf32>) -> tensor<4x32xf32>
 // BIDI_GOLDEN-NEXT: %35 = stablehlo.add %26, %34 : tensor<4x32xf32>
-// BIDI_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<1> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %36 = stablehlo.add %iterArg, %c_13 : tensor<i32>
+// BIDI_GOLDEN-NEXT: %36 = stablehlo.add %iterArg, %c_7 : tensor<i32>
 // BIDI_GOLDEN-NEXT: stablehlo.return %36, %25, %35 : tensor<i32>, tensor<4x32xf32>, tensor<4x32xf32>
 // BIDI_GOLDEN-NEXT: }
 // BIDI_GOLDEN-NEXT: %17 = stablehlo.concatenate %16#1, %16#2, dim = 0 : (tensor<4x32xf32>, tensor<4x32xf32>) -> tensor<8x32xf32>
@@ -168,7 +168,7 @@
 // UNROLL2-NEXT: stablehlo.constant dense<3> : tensor<i32>
 // UNROLL2-NEXT: stablehlo.compare LT
 // UNROLL2: } do {
-// UNROLL2-NEXT: "stablehlo.collective_permute"
+// UNROLL2: "stablehlo.collective_permute"
 // UNROLL2-SAME: source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]>
 // UNROLL2: stablehlo.dot_general
 // UNROLL2: "stablehlo.collective_permute"
@@ -182,54 +182,54 @@
 // UNROLL2_GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // UNROLL2_GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg1: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<64x32xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) {
 // UNROLL2_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"model"}, {}]>] manual_axes={"model"} (%arg2: tensor<64x16xf32>, %arg3: tensor<16x32xf32>) {
-// UNROLL2_GOLDEN-NEXT: %c = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xi32>
+// UNROLL2_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<1> : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xi32>
 // UNROLL2_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %2 = stablehlo.convert %1 : (tensor<ui32>) -> tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
+// UNROLL2_GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c_2, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
 // UNROLL2_GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %5 = stablehlo.add %4, %c_0 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %6 = stablehlo.remainder %5, %c_1 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %7 = stablehlo.multiply %6, %c_1 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<0> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %arg2, %7, %c_2, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
+// UNROLL2_GOLDEN-NEXT: %5 = stablehlo.add %4, %c_1 : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %6 = stablehlo.remainder %5, %c_0 : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %7 = stablehlo.multiply %6, %c_0 : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %arg2, %7, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
 // UNROLL2_GOLDEN-NEXT: %9 = stablehlo.dot_general %8, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %10:2 = stablehlo.while(%iterArg = %c_2, %iterArg_3 = %9) : tensor<i32>, tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %10:2 = stablehlo.while(%iterArg = %c, %iterArg_3 = %9) : tensor<i32>, tensor<8x32xf32>
 // UNROLL2_GOLDEN-NEXT: cond {
 // UNROLL2_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<3> : tensor<i32>
 // UNROLL2_GOLDEN-NEXT: %16 = stablehlo.compare LT, %iterArg, %c_4, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
 // UNROLL2_GOLDEN-NEXT: stablehlo.return %16 : tensor<i1>
 // UNROLL2_GOLDEN-NEXT: } do {
-// UNROLL2_GOLDEN-NEXT: %16 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<2> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %17 = stablehlo.multiply %iterArg, %c_4 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %18 = stablehlo.add %17, %c_4 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.add %4, %18 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<8> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_5 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %21 = stablehlo.multiply %20, %c_5 : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<i32>
 // UNROLL2_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<8> : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<2> : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %16 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %17 = stablehlo.multiply %iterArg, %c_8 : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %18 = stablehlo.add %17, %c_8 : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.add %4, %18 : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_7 : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %21 = stablehlo.multiply %20, %c_7 : tensor<i32>
 // UNROLL2_GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %arg2, %21, %c_6, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
 // UNROLL2_GOLDEN-NEXT: %23 = stablehlo.dot_general %22, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // UNROLL2_GOLDEN-NEXT: %24 = stablehlo.add %16, %23 : tensor<8x32xf32>
 // UNROLL2_GOLDEN-NEXT: %25 = "stablehlo.collective_permute"(%24) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %26 = stablehlo.multiply %iterArg, %c_4 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<3> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %27 = stablehlo.add %26, %c_7 : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %26 = stablehlo.multiply %iterArg, %c_8 : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %27 = stablehlo.add %26, %c_5 : tensor<i32>
 // UNROLL2_GOLDEN-NEXT: %28 = stablehlo.add %4, %27 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_5 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %30 = stablehlo.multiply %29, %c_5 : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_7 : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %30 = stablehlo.multiply %29, %c_7 : tensor<i32>
 // UNROLL2_GOLDEN-NEXT: %31 = stablehlo.dynamic_slice %arg2, %30, %c_6, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
 // UNROLL2_GOLDEN-NEXT: %32 = stablehlo.dot_general %31, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // UNROLL2_GOLDEN-NEXT: %33 = stablehlo.add %25, %32 : tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<1> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %34 = stablehlo.add %iterArg, %c_8 : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %34 = stablehlo.add %iterArg, %c_4 : tensor<i32>
 // UNROLL2_GOLDEN-NEXT: stablehlo.return %34, %33 : tensor<i32>, tensor<8x32xf32>
 // UNROLL2_GOLDEN-NEXT: }
 // UNROLL2_GOLDEN-NEXT: %11 = "stablehlo.collective_permute"(%10#1) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %12 = stablehlo.multiply %4, %c_1 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %arg2, %12, %c_2, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
+// UNROLL2_GOLDEN-NEXT: %12 = stablehlo.multiply %4, %c_0 : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %arg2, %12, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
 // UNROLL2_GOLDEN-NEXT: %14 = stablehlo.dot_general %13, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // UNROLL2_GOLDEN-NEXT: %15 = stablehlo.add %11, %14 : tensor<8x32xf32>
 // UNROLL2_GOLDEN-NEXT: sdy.return %15 : tensor<8x32xf32>
@@ -256,70 +256,70 @@
 // FULL_GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // FULL_GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg1: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<64x32xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) {
 // FULL_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"model"}, {}]>] manual_axes={"model"} (%arg2: tensor<64x16xf32>, %arg3: tensor<16x32xf32>) {
-// FULL_GOLDEN-NEXT: %c = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xi32>
+// FULL_GOLDEN-NEXT: %c = stablehlo.constant dense<7> : tensor<i32>
+// FULL_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<6> : tensor<i32>
+// FULL_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<5> : tensor<i32>
+// FULL_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<4> : tensor<i32>
+// FULL_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<3> : tensor<i32>
+// FULL_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<2> : tensor<i32>
+// FULL_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<i32>
+// FULL_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<8> : tensor<i32>
+// FULL_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<i32>
+// FULL_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xi32>
 // FULL_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
 // FULL_GOLDEN-NEXT: %2 = stablehlo.convert %1 : (tensor<ui32>) -> tensor<i32>
-// FULL_GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
+// FULL_GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c_8, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
 // FULL_GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
-// FULL_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<i32>
-// FULL_GOLDEN-NEXT: %5 = stablehlo.add %4, %c_0 : tensor<i32>
-// FULL_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<i32>
-// FULL_GOLDEN-NEXT: %6 = stablehlo.remainder %5, %c_1 : tensor<i32>
-// FULL_GOLDEN-NEXT: %7 = stablehlo.multiply %6, %c_1 : tensor<i32>
-// FULL_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<0> : tensor<i32>
-// FULL_GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %arg2, %7, %c_2, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
+// FULL_GOLDEN-NEXT: %5 = stablehlo.add %4, %c_7 : tensor<i32>
+// FULL_GOLDEN-NEXT: %6 = stablehlo.remainder %5, %c_6 : tensor<i32>
+// FULL_GOLDEN-NEXT: %7 = stablehlo.multiply %6, %c_6 : tensor<i32>
+// FULL_GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %arg2, %7, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
 // FULL_GOLDEN-NEXT: %9 = stablehlo.dot_general %8, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // FULL_GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%9) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<2> : tensor<i32>
-// FULL_GOLDEN-NEXT: %11 = stablehlo.add %4, %c_3 : tensor<i32>
-// FULL_GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_1 : tensor<i32>
-// FULL_GOLDEN-NEXT: %13 = stablehlo.multiply %12, %c_1 : tensor<i32>
-// FULL_GOLDEN-NEXT: %14 = stablehlo.dynamic_slice %arg2, %13, %c_2, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
+// FULL_GOLDEN-NEXT: %11 = stablehlo.add %4, %c_4 : tensor<i32>
+// FULL_GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_6 : tensor<i32>
+// FULL_GOLDEN-NEXT: %13 = stablehlo.multiply %12, %c_6 : tensor<i32>
+// FULL_GOLDEN-NEXT: %14 = stablehlo.dynamic_slice %arg2, %13, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
 // FULL_GOLDEN-NEXT: %15 = stablehlo.dot_general %14, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // FULL_GOLDEN-NEXT: %16 = stablehlo.add %10, %15 : tensor<8x32xf32>
 // FULL_GOLDEN-NEXT: %17 = "stablehlo.collective_permute"(%16) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<3> : tensor<i32>
-// FULL_GOLDEN-NEXT: %18 = stablehlo.add %4, %c_4 : tensor<i32>
-// FULL_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_1 : tensor<i32>
-// FULL_GOLDEN-NEXT: %20 = stablehlo.multiply %19, %c_1 : tensor<i32>
-// FULL_GOLDEN-NEXT: %21 = stablehlo.dynamic_slice %arg2, %20, %c_2, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
+// FULL_GOLDEN-NEXT: %18 = stablehlo.add %4, %c_3 : tensor<i32>
+// FULL_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_6 : tensor<i32>
+// FULL_GOLDEN-NEXT: %20 = stablehlo.multiply %19, %c_6 : tensor<i32>
+// FULL_GOLDEN-NEXT: %21 = stablehlo.dynamic_slice %arg2, %20, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
 // FULL_GOLDEN-NEXT: %22 = stablehlo.dot_general %21, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // FULL_GOLDEN-NEXT: %23 = stablehlo.add %17, %22 : tensor<8x32xf32>
 // FULL_GOLDEN-NEXT: %24 = "stablehlo.collective_permute"(%23) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<4> : tensor<i32>
-// FULL_GOLDEN-NEXT: %25 = stablehlo.add %4, %c_5 : tensor<i32>
-// FULL_GOLDEN-NEXT: %26 = stablehlo.remainder %25, %c_1 : tensor<i32>
-// FULL_GOLDEN-NEXT: %27 = stablehlo.multiply %26, %c_1 : tensor<i32>
-// FULL_GOLDEN-NEXT: %28 = stablehlo.dynamic_slice %arg2, %27, %c_2, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
+// FULL_GOLDEN-NEXT: %25 = stablehlo.add %4, %c_2 : tensor<i32>
+// FULL_GOLDEN-NEXT: %26 = stablehlo.remainder %25, %c_6 : tensor<i32>
+// FULL_GOLDEN-NEXT: %27 = stablehlo.multiply %26, %c_6 : tensor<i32>
+// FULL_GOLDEN-NEXT: %28 = stablehlo.dynamic_slice %arg2, %27, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
 // FULL_GOLDEN-NEXT: %29 = stablehlo.dot_general %28, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // FULL_GOLDEN-NEXT: %30 = stablehlo.add %24, %29 : tensor<8x32xf32>
 // FULL_GOLDEN-NEXT: %31 = "stablehlo.collective_permute"(%30) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<5> : tensor<i32>
-// FULL_GOLDEN-NEXT: %32 = stablehlo.add %4, %c_6 : tensor<i32>
-// FULL_GOLDEN-NEXT: %33 = stablehlo.remainder %32, %c_1 : tensor<i32>
-// FULL_GOLDEN-NEXT: %34 = stablehlo.multiply %33, %c_1 : tensor<i32>
-// FULL_GOLDEN-NEXT: %35 = stablehlo.dynamic_slice %arg2, %34, %c_2, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
+// FULL_GOLDEN-NEXT: %32 = stablehlo.add %4, %c_1 : tensor<i32>
+// FULL_GOLDEN-NEXT: %33 = stablehlo.remainder %32, %c_6 : tensor<i32>
+// FULL_GOLDEN-NEXT: %34 = stablehlo.multiply %33, %c_6 : tensor<i32>
+// FULL_GOLDEN-NEXT: %35 = stablehlo.dynamic_slice %arg2, %34, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
 // FULL_GOLDEN-NEXT: %36 = stablehlo.dot_general %35, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // FULL_GOLDEN-NEXT: %37 = stablehlo.add %31, %36 : tensor<8x32xf32>
 // FULL_GOLDEN-NEXT: %38 = "stablehlo.collective_permute"(%37) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<6> : tensor<i32>
-// FULL_GOLDEN-NEXT: %39 = stablehlo.add %4, %c_7 : tensor<i32>
-// FULL_GOLDEN-NEXT: %40 = stablehlo.remainder %39, %c_1 : tensor<i32>
-// FULL_GOLDEN-NEXT: %41 = stablehlo.multiply %40, %c_1 : tensor<i32>
-// FULL_GOLDEN-NEXT: %42 = stablehlo.dynamic_slice %arg2, %41, %c_2, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
+// FULL_GOLDEN-NEXT: %39 = stablehlo.add %4, %c_0 : tensor<i32>
+// FULL_GOLDEN-NEXT: %40 = stablehlo.remainder %39, %c_6 : tensor<i32>
+// FULL_GOLDEN-NEXT: %41 = stablehlo.multiply %40, %c_6 : tensor<i32>
+// FULL_GOLDEN-NEXT: %42 = stablehlo.dynamic_slice %arg2, %41, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
 // FULL_GOLDEN-NEXT: %43 = stablehlo.dot_general %42, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // FULL_GOLDEN-NEXT: %44 = stablehlo.add %38, %43 : tensor<8x32xf32>
 // FULL_GOLDEN-NEXT: %45 = "stablehlo.collective_permute"(%44) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<7> : tensor<i32>
-// FULL_GOLDEN-NEXT: %46 = stablehlo.add %4, %c_8 : tensor<i32>
-// FULL_GOLDEN-NEXT: %47 = stablehlo.remainder %46, %c_1 : tensor<i32>
-// FULL_GOLDEN-NEXT: %48 = stablehlo.multiply %47, %c_1 : tensor<i32>
-// FULL_GOLDEN-NEXT: %49 = stablehlo.dynamic_slice %arg2, %48, %c_2, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
+// FULL_GOLDEN-NEXT: %46 = stablehlo.add %4, %c : tensor<i32>
+// FULL_GOLDEN-NEXT: %47 = stablehlo.remainder %46, %c_6 : tensor<i32>
+// FULL_GOLDEN-NEXT: %48 = stablehlo.multiply %47, %c_6 : tensor<i32>
+// FULL_GOLDEN-NEXT: %49 = stablehlo.dynamic_slice %arg2, %48, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
 // FULL_GOLDEN-NEXT: %50 = stablehlo.dot_general %49, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // FULL_GOLDEN-NEXT: %51 = stablehlo.add %45, %50 : tensor<8x32xf32>
 // FULL_GOLDEN-NEXT: %52 = "stablehlo.collective_permute"(%51) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %53 = stablehlo.multiply %4, %c_1 : tensor<i32>
-// FULL_GOLDEN-NEXT: %54 = stablehlo.dynamic_slice %arg2, %53, %c_2, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
+// FULL_GOLDEN-NEXT: %53 = stablehlo.multiply %4, %c_6 : tensor<i32>
+// FULL_GOLDEN-NEXT: %54 = stablehlo.dynamic_slice %arg2, %53, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
 // FULL_GOLDEN-NEXT: %55 = stablehlo.dot_general %54, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // FULL_GOLDEN-NEXT: %56 = stablehlo.add %52, %55 : tensor<8x32xf32>
 // FULL_GOLDEN-NEXT: sdy.return %56 : tensor<8x32xf32>
@@ -347,54 +347,54 @@
 // STREAMS_GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // STREAMS_GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg1: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<64x32xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) {
 // STREAMS_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"model"}, {}]>] manual_axes={"model"} (%arg2: tensor<64x16xf32>, %arg3: tensor<16x32xf32>) {
-// STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xi32>
+// STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<1> : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xi32>
 // STREAMS_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %2 = stablehlo.convert %1 : (tensor<ui32>) -> tensor<i32>
-// STREAMS_GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
+// STREAMS_GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c_2, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
 // STREAMS_GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %5 = stablehlo.add %4, %c_0 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %6 = stablehlo.remainder %5, %c_1 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %7 = stablehlo.multiply %6, %c_1 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<0> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %arg2, %7, %c_2, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
+// STREAMS_GOLDEN-NEXT: %5 = stablehlo.add %4, %c_1 : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %6 = stablehlo.remainder %5, %c_0 : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %7 = stablehlo.multiply %6, %c_0 : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %arg2, %7, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
 // STREAMS_GOLDEN-NEXT: %9 = func.call @cmatmul_dot_0(%8, %arg3) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %10:2 = stablehlo.while(%iterArg = %c_2, %iterArg_3 = %9) : tensor<i32>, tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %10:2 = stablehlo.while(%iterArg = %c, %iterArg_3 = %9) : tensor<i32>, tensor<8x32xf32>
 // STREAMS_GOLDEN-NEXT: cond {
 // STREAMS_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<3> : tensor<i32>
 // STREAMS_GOLDEN-NEXT: %16 = stablehlo.compare LT, %iterArg, %c_4, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
 // STREAMS_GOLDEN-NEXT: stablehlo.return %16 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
-// STREAMS_GOLDEN-NEXT: %16 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<2> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %17 = stablehlo.multiply %iterArg, %c_4 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %18 = stablehlo.add %17, %c_4 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %19 = stablehlo.add %4, %18 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<8> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_5 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %21 = stablehlo.multiply %20, %c_5 : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<i32>
 // STREAMS_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<8> : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<2> : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %16 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %17 = stablehlo.multiply %iterArg, %c_8 : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %18 = stablehlo.add %17, %c_8 : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %19 = stablehlo.add %4, %18 : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_7 : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %21 = stablehlo.multiply %20, %c_7 : tensor<i32>
 // STREAMS_GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %arg2, %21, %c_6, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
 // STREAMS_GOLDEN-NEXT: %23 = func.call @cmatmul_dot_0(%22, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // STREAMS_GOLDEN-NEXT: %24 = stablehlo.add %16, %23 : tensor<8x32xf32>
 // STREAMS_GOLDEN-NEXT: %25 = "stablehlo.collective_permute"(%24) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %26 = stablehlo.multiply %iterArg, %c_4 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<3> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %27 = stablehlo.add %26, %c_7 : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %26 = stablehlo.multiply %iterArg, %c_8 : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %27 = stablehlo.add %26, %c_5 : tensor<i32>
 // STREAMS_GOLDEN-NEXT: %28 = stablehlo.add %4, %27 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_5 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %30 = stablehlo.multiply %29, %c_5 : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_7 : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %30 = stablehlo.multiply %29, %c_7 : tensor<i32>
 // STREAMS_GOLDEN-NEXT: %31 = stablehlo.dynamic_slice %arg2, %30, %c_6, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
 // STREAMS_GOLDEN-NEXT: %32 = func.call @cmatmul_dot_0(%31, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // STREAMS_GOLDEN-NEXT: %33 = stablehlo.add %25, %32 : tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<1> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %34 = stablehlo.add %iterArg, %c_8 : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %34 = stablehlo.add %iterArg, %c_4 : tensor<i32>
 // STREAMS_GOLDEN-NEXT: stablehlo.return %34, %33 : tensor<i32>, tensor<8x32xf32>
 // STREAMS_GOLDEN-NEXT: }
 // STREAMS_GOLDEN-NEXT: %11 = "stablehlo.collective_permute"(%10#1) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %12 = stablehlo.multiply %4, %c_1 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %arg2, %12, %c_2, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
+// STREAMS_GOLDEN-NEXT: %12 = stablehlo.multiply %4, %c_0 : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %arg2, %12, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
 // STREAMS_GOLDEN-NEXT: %14 = func.call @cmatmul_dot_0(%13, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // STREAMS_GOLDEN-NEXT: %15 = stablehlo.add %11, %14 : tensor<8x32xf32>
 // STREAMS_GOLDEN-NEXT: sdy.return %15 : tensor<8x32xf32>

@@ -11,94 +11,86 @@
 // GOLDEN-NEXT: sdy.mesh @mesh = <["data"=2, "model"=4]> {stablehlo.mesh = {axes = [{name = "data", size = 2 : i64}, {name = "model", size = 4 : i64}]}}
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<4x32x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}, {}]>}, %arg1: tensor<16x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<64x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<4x32x16xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}, {}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1, %arg2) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"data"}, {"model"}, {}]>] manual_axes={"data", "model"} (%arg3: tensor<2x8x16xf32>, %arg4: tensor<16x16xf32>, %arg5: tensor<16x16xf32>) {
-// GOLDEN-NEXT: %c = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xi32>
-// GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %2 = stablehlo.convert %1 : (tensor<ui32>) -> tensor<i32>
-// GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
-// GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
+// GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<i32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %c_0 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %5:3 = stablehlo.while(%iterArg = %c_0, %iterArg_13 = %arg3, %iterArg_14 = %cst) : tensor<i32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
-// GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<3> : tensor<i32>
-// GOLDEN-NEXT: %34 = stablehlo.compare LT, %iterArg, %c_15, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %34 : tensor<i1>
-// GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %34 = "stablehlo.collective_permute"(%iterArg_13) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %35 = stablehlo.add %4, %iterArg : tensor<i32>
-// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<4> : tensor<i32>
-// GOLDEN-NEXT: %36 = stablehlo.remainder %35, %c_15 : tensor<i32>
-// GOLDEN-NEXT: %37 = stablehlo.dot_general %iterArg_13, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %c_16 = stablehlo.constant dense<8> : tensor<i32>
-// GOLDEN-NEXT: %38 = stablehlo.multiply %36, %c_16 : tensor<i32>
-// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %39 = stablehlo.dynamic_update_slice %iterArg_14, %37, %c_17, %38, %c_17 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %c_18 = stablehlo.constant dense<1> : tensor<i32>
-// GOLDEN-NEXT: %40 = stablehlo.add %iterArg, %c_18 : tensor<i32>
-// GOLDEN-NEXT: stablehlo.return %40, %34, %39 : tensor<i32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
-// GOLDEN-NEXT: }
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<3> : tensor<i32>
-// GOLDEN-NEXT: %6 = stablehlo.add %4, %c_1 : tensor<i32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<i32>
 // GOLDEN-NEXT: %c_2 = stablehlo.constant dense<4> : tensor<i32>
+// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<1> : tensor<i32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xi32>
+// GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %2 = stablehlo.convert %1 : (tensor<ui32>) -> tensor<i32>
+// GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c_4, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
+// GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
+// GOLDEN-NEXT: %5:3 = stablehlo.while(%iterArg = %c_0, %iterArg_9 = %arg3, %iterArg_10 = %cst) : tensor<i32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
+// GOLDEN-NEXT: cond {
+// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<3> : tensor<i32>
+// GOLDEN-NEXT: %30 = stablehlo.compare LT, %iterArg, %c_11, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %30 : tensor<i1>
+// GOLDEN-NEXT: } do {
+// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<i32>
+// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<i32>
+// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<8> : tensor<i32>
+// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<4> : tensor<i32>
+// GOLDEN-NEXT: %30 = "stablehlo.collective_permute"(%iterArg_9) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %31 = stablehlo.add %4, %iterArg : tensor<i32>
+// GOLDEN-NEXT: %32 = stablehlo.remainder %31, %c_14 : tensor<i32>
+// GOLDEN-NEXT: %33 = stablehlo.dot_general %iterArg_9, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %34 = stablehlo.multiply %32, %c_13 : tensor<i32>
+// GOLDEN-NEXT: %35 = stablehlo.dynamic_update_slice %iterArg_10, %33, %c_12, %34, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %36 = stablehlo.add %iterArg, %c_11 : tensor<i32>
+// GOLDEN-NEXT: stablehlo.return %36, %30, %35 : tensor<i32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
+// GOLDEN-NEXT: }
+// GOLDEN-NEXT: %6 = stablehlo.add %4, %c : tensor<i32>
 // GOLDEN-NEXT: %7 = stablehlo.remainder %6, %c_2 : tensor<i32>
 // GOLDEN-NEXT: %8 = stablehlo.dot_general %5#1, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<8> : tensor<i32>
-// GOLDEN-NEXT: %9 = stablehlo.multiply %7, %c_3 : tensor<i32>
+// GOLDEN-NEXT: %9 = stablehlo.multiply %7, %c_1 : tensor<i32>
 // GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %5#2, %8, %c_0, %9, %c_0 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<2x32x16xf32>
 // GOLDEN-NEXT: %11 = stablehlo.multiply %10, %10 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %12 = stablehlo.multiply %11, %10 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_4 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// GOLDEN-NEXT: %13 = stablehlo.broadcast_in_dim %cst_4, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
+// GOLDEN-NEXT: %13 = stablehlo.broadcast_in_dim %cst_5, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
 // GOLDEN-NEXT: %14 = stablehlo.multiply %13, %12 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %15 = stablehlo.add %10, %14 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// GOLDEN-NEXT: %16 = stablehlo.broadcast_in_dim %cst_5, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<0.797884583> : tensor<f32>
+// GOLDEN-NEXT: %16 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
 // GOLDEN-NEXT: %17 = stablehlo.multiply %16, %15 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %18 = stablehlo.tanh %17 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %19 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %19 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
 // GOLDEN-NEXT: %20 = stablehlo.add %19, %18 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// GOLDEN-NEXT: %21 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
+// GOLDEN-NEXT: %21 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
 // GOLDEN-NEXT: %22 = stablehlo.multiply %21, %20 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %23 = stablehlo.multiply %10, %22 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xi32>
-// GOLDEN-NEXT: %24 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %25 = stablehlo.convert %24 : (tensor<ui32>) -> tensor<i32>
-// GOLDEN-NEXT: %26 = stablehlo.dynamic_slice %c_8, %25, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
-// GOLDEN-NEXT: %27 = stablehlo.reshape %26 : (tensor<1xi32>) -> tensor<i32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<i32>
-// GOLDEN-NEXT: %28 = stablehlo.add %27, %c_9 : tensor<i32>
-// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<4> : tensor<i32>
-// GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_10 : tensor<i32>
-// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<8> : tensor<i32>
-// GOLDEN-NEXT: %30 = stablehlo.multiply %29, %c_11 : tensor<i32>
-// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %31 = stablehlo.dynamic_slice %23, %c_12, %30, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %32 = stablehlo.dot_general %31, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %33:2 = stablehlo.while(%iterArg = %c_12, %iterArg_13 = %32) : tensor<i32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %24 = stablehlo.add %4, %c_3 : tensor<i32>
+// GOLDEN-NEXT: %25 = stablehlo.remainder %24, %c_2 : tensor<i32>
+// GOLDEN-NEXT: %26 = stablehlo.multiply %25, %c_1 : tensor<i32>
+// GOLDEN-NEXT: %27 = stablehlo.dynamic_slice %23, %c_0, %26, %c_0, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %28 = stablehlo.dot_general %27, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %29:2 = stablehlo.while(%iterArg = %c_0, %iterArg_9 = %28) : tensor<i32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<3> : tensor<i32>
-// GOLDEN-NEXT: %34 = stablehlo.compare LT, %iterArg, %c_14, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %34 : tensor<i1>
+// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<3> : tensor<i32>
+// GOLDEN-NEXT: %30 = stablehlo.compare LT, %iterArg, %c_10, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %30 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %34 = "stablehlo.collective_permute"(%iterArg_13) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<1> : tensor<i32>
+// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<0> : tensor<i32>
+// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<8> : tensor<i32>
+// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<4> : tensor<i32>
 // GOLDEN-NEXT: %c_14 = stablehlo.constant dense<2> : tensor<i32>
-// GOLDEN-NEXT: %35 = stablehlo.add %iterArg, %c_14 : tensor<i32>
-// GOLDEN-NEXT: %36 = stablehlo.add %27, %35 : tensor<i32>
-// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<4> : tensor<i32>
-// GOLDEN-NEXT: %37 = stablehlo.remainder %36, %c_15 : tensor<i32>
-// GOLDEN-NEXT: %c_16 = stablehlo.constant dense<8> : tensor<i32>
-// GOLDEN-NEXT: %38 = stablehlo.multiply %37, %c_16 : tensor<i32>
-// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %39 = stablehlo.dynamic_slice %23, %c_17, %38, %c_17, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %40 = stablehlo.dot_general %39, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %41 = stablehlo.add %34, %40 : tensor<2x8x16xf32>
-// GOLDEN-NEXT: %c_18 = stablehlo.constant dense<1> : tensor<i32>
-// GOLDEN-NEXT: %42 = stablehlo.add %iterArg, %c_18 : tensor<i32>
-// GOLDEN-NEXT: stablehlo.return %42, %41 : tensor<i32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %30 = "stablehlo.collective_permute"(%iterArg_9) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %31 = stablehlo.add %iterArg, %c_14 : tensor<i32>
+// GOLDEN-NEXT: %32 = stablehlo.add %4, %31 : tensor<i32>
+// GOLDEN-NEXT: %33 = stablehlo.remainder %32, %c_13 : tensor<i32>
+// GOLDEN-NEXT: %34 = stablehlo.multiply %33, %c_12 : tensor<i32>
+// GOLDEN-NEXT: %35 = stablehlo.dynamic_slice %23, %c_11, %34, %c_11, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %36 = stablehlo.dot_general %35, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %37 = stablehlo.add %30, %36 : tensor<2x8x16xf32>
+// GOLDEN-NEXT: %38 = stablehlo.add %iterArg, %c_10 : tensor<i32>
+// GOLDEN-NEXT: stablehlo.return %38, %37 : tensor<i32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: sdy.return %33#1 : tensor<2x8x16xf32>
+// GOLDEN-NEXT: sdy.return %29#1 : tensor<2x8x16xf32>
 // GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<4x32x16xf32>
 // GOLDEN-NEXT: return %0 : tensor<4x32x16xf32>
 // GOLDEN-NEXT: }

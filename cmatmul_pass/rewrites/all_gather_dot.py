@@ -127,7 +127,7 @@ def rewrite_all_gather_dot(site: AllGatherSite, ctx: RewriteContext) -> Applied:
     rounds = streams[0].last + 1
     signatures = [tuple((s.computes(r), s.sends(r)) for s in streams) for r in range(rounds)]
 
-    loop_b = Builder(ir.Location.fused([ag.location] + [c.dot.location for c in site.consumers]))
+    loop_b = Builder(ir.Location.fused([ag.location] + [c.dot.location for c in site.consumers]), ctx.constants)
     comm = loop_b.at(ag.location)
     plans = [_Plan(c, n, loop_b, ctx) for c in site.consumers]
 

@@ -39,10 +39,12 @@ def has_zero(element_type: ir.Type) -> bool:
 class Builder:
     """Builds stablehlo ops at the current insertion point with location ``loc``.
 
-    Scalar i32 constants and zero tensors are made once per block and reused: the
-    builders only ever insert forwards (before one fixed op, or at a block's end), so
-    a constant made earlier in the same block dominates every later use there.
-    Builders made with :meth:`at` share that cache.
+    Scalar i32 constants, zero tensors and a ring's position (none of which reads a
+    value) are made once per block, at the start of the block, so they dominate every
+    use in it whichever site asks first; builders made with :meth:`at`, and all the
+    builders of one pass run when they are given the same ``constants`` dict, share
+    them.  The pass only caches values in blocks it inserts into, and never erases
+    those (it erases reduce_scatter regions, which it never inserts into).
     """
 
     def __init__(self, loc: ir.Location, _constants: dict | None = None):
@@ -54,9 +56,11 @@ class Builder:
         return Builder(loc, self._constants)
 
     def _cached(self, key: tuple, make: Callable[[], ir.Value]) -> ir.Value:
-        key = (ir.InsertionPoint.current.block, *key)
+        block = ir.InsertionPoint.current.block
+        key = (block, *key)
         if key not in self._constants:
-            self._constants[key] = make()
+            with ir.InsertionPoint.at_block_begin(block):
+                self._constants[key] = make()
         return self._constants[key]
 
     def constant(self, array: np.ndarray) -> ir.Value:
@@ -105,6 +109,9 @@ class Builder:
         lowers to; the position is the same along those axes (checked by the matcher),
         so the nested computation returns it replicated.
         """
+        return self._cached(("position", ring.position_table().tobytes(), region), lambda: self._position(ring, region))
+
+    def _position(self, ring: Ring, region: ManualRegion) -> ir.Value:
         if not region.free_axes:
             return self._table_lookup(ring)
         i32 = i32_scalar_type()

@@ -71,7 +71,7 @@ def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> 
     shifts = [SEND_TO_PREVIOUS, -SEND_TO_PREVIOUS] if split else [SEND_TO_PREVIOUS]
     channels: list[int] = []  # a fresh handle for every permute op emitted
 
-    loop_b = Builder(ir.Location.fused([dot.location, rs.location]))
+    loop_b = Builder(ir.Location.fused([dot.location, rs.location]), ctx.constants)
     compute = loop_b.at(dot.location)
     comm = loop_b.at(rs.location)
 

@@ -238,6 +238,8 @@ class RewriteContext:
     annotator: Annotator
     bidirectional: bool = False
     unroll: int | None = 1
+    #: values every site may share, per block (constants, ring positions): see Builder
+    constants: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -1,0 +1,253 @@
+#!/usr/bin/env python
+"""Benchmarks (``make bench``): the pass's own cost and the rewritten programs' CPU run time.
+
+Everything is measured in one process and reported as ratios (results in bench/results.json):
+
+1. **Pass cost.**  Tensor-parallel transformer training steps (per layer: q/k/v projections from
+   one gathered input, an output projection, a SwiGLU MLP, sequence parallel, forward and
+   backward: 8 sites per layer) with L = 1, 4, 16, 32 layers.  For each: ``jax.jit`` lower and
+   compile time, ``cmatmul_pass.rewrite`` time on the lowered text (parse, rewrite, verify,
+   print), their ratio, the scaling time(32)/time(8), and the compile time of the rewritten module
+   per variant relative to the original's.
+2. **CPU run time.**  Every positive sample under every variant: rewritten / original wall time
+   (median of ``--runs`` runs after a warm-up, on the 8 CPU devices).  And one larger
+   column-parallel layer three ways: the plain all_gather + dot, the pass's output per variant,
+   and a ring hand-written with ``ppermute`` in the style of the JAX shard_map docs'
+   collective-matmul section.  CPU permutes are synchronous: this measures overheads, not overlap.
+
+    python tools/bench.py [--layers 1 4 16 32] [--runs 7] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import cmatmul_pass  # noqa: E402
+from cmatmul_pass import execute, ir_utils  # noqa: E402
+from cmatmul_pass._jax_private import compile_module, sharding_for_devices  # noqa: E402
+from tools.golden import expectation, sample_paths  # noqa: E402
+
+VARIANTS = {
+    "uni": cmatmul_pass.Options(),
+    "unroll2": cmatmul_pass.Options(unroll=2),
+    "full": cmatmul_pass.Options(unroll="full"),
+    "bidi": cmatmul_pass.Options(bidirectional=True),
+    "bidi-unroll2": cmatmul_pass.Options(bidirectional=True, unroll=2),
+    "bidi-full": cmatmul_pass.Options(bidirectional=True, unroll="full"),
+}
+
+
+# ---------------------------------------------------------------------------- 1. pass cost
+def transformer_step(layers: int, hidden=64, ffn=128, tokens=64):
+    """(function, args): value_and_grad of a loss over ``layers`` sequence-parallel TP blocks."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    rows = P(("data", "model"), None)
+
+    def block(h, wq, wk, wv, wo, w1, w3, w2):
+        g = jax.lax.all_gather(h, "model", axis=0, tiled=True)
+        q, k, v = g @ wq, g @ wk, g @ wv
+        a = jax.nn.softmax(q * k, axis=-1) * v  # a cheap stand-in for attention, per head slice
+        h = h + jax.lax.psum_scatter(a @ wo, "model", scatter_dimension=0, tiled=True)
+        g = jax.lax.all_gather(h, "model", axis=0, tiled=True)
+        u = jax.nn.silu(g @ w1) * (g @ w3)
+        return h + jax.lax.psum_scatter(u @ w2, "model", scatter_dimension=0, tiled=True)
+
+    col, row = P(None, "model"), P("model", None)
+    smap = jax.shard_map(block, mesh=mesh, in_specs=(rows, col, col, col, row, col, col, row), out_specs=rows)
+
+    def loss(params, x):
+        h = x
+        for p in params:
+            h = smap(h, *p)
+        return jnp.mean(h**2)
+
+    shapes = [(hidden, hidden), (hidden, hidden), (hidden, hidden), (hidden, hidden), (hidden, ffn), (hidden, ffn), (ffn, hidden)]
+    specs = [col, col, col, row, col, col, row]
+    params = [[jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(mesh, sp)) for s, sp in zip(shapes, specs)]
+              for _ in range(layers)]
+    x = jax.ShapeDtypeStruct((tokens, hidden), jnp.float32, sharding=NamedSharding(mesh, rows))
+    return jax.jit(jax.value_and_grad(loss)), (params, x)
+
+
+def compile_seconds(module) -> float:
+    devices = jax.devices("cpu")[:8]
+    start = time.perf_counter()
+    compile_module(module, 8, devices)
+    return time.perf_counter() - start
+
+
+def pass_cost(layers_list: list[int], variant_layers: int) -> dict:
+    out = {"per_layers": [], "compile_ratio": {}}
+    for layers in layers_list:
+        fn, args = transformer_step(layers)
+        t0 = time.perf_counter()
+        lowered = fn.lower(*args)
+        t1 = time.perf_counter()
+        lowered.compile()
+        t2 = time.perf_counter()
+        text = lowered.as_text()
+        t3 = time.perf_counter()
+        result = cmatmul_pass.rewrite(text)
+        _ = result.text
+        t4 = time.perf_counter()
+        row = {
+            "layers": layers,
+            "sites": len(result.report.sites),
+            "rewritten": len(result.report.rewritten),
+            "lower_s": t1 - t0,
+            "compile_s": t2 - t1,
+            "pass_s": t4 - t3,
+        }
+        row["pass_over_lower_compile"] = row["pass_s"] / (row["lower_s"] + row["compile_s"])
+        out["per_layers"].append(row)
+        print(f"  L={layers:>2}: {row['sites']} sites, lower {row['lower_s']:.2f} s, compile {row['compile_s']:.2f} s, "
+              f"pass {row['pass_s']:.3f} s ({100 * row['pass_over_lower_compile']:.2f} %)", flush=True)
+        if layers == variant_layers:
+            original = compile_seconds(ir_utils.parse(text))
+            for name, options in VARIANTS.items():
+                rewritten = cmatmul_pass.rewrite(text, options).module
+                out["compile_ratio"][name] = compile_seconds(rewritten) / original
+            print("  compile time, rewritten / original at L="
+                  f"{layers}: " + ", ".join(f"{k} {v:.2f}" for k, v in out["compile_ratio"].items()), flush=True)
+    times = {r["layers"]: r["pass_s"] for r in out["per_layers"]}
+    if 32 in times and 8 in times:
+        out["scaling_32_over_8"] = times[32] / times[8]
+    elif 16 in times and 4 in times:
+        out["scaling_16_over_4"] = times[16] / times[4]
+    return out
+
+
+# ---------------------------------------------------------------------------- 2. CPU run time
+def median_seconds(run, runs: int) -> float:
+    run()  # warm-up
+    samples = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def module_runner(module, inputs, devices):
+    executable = compile_module(module, len(devices), devices)
+    shardings = executable.get_parameter_shardings()
+    args = [jax.device_put(x, sharding_for_devices(devices, s)) for x, s in zip(inputs, shardings)]
+
+    def run():
+        for out in executable.execute_sharded(args).disassemble_into_single_device_arrays():
+            for shard in out:
+                shard.block_until_ready()
+
+    return run
+
+
+def samples_runtime(runs: int) -> dict:
+    results = {}
+    for path in sample_paths(ROOT):
+        text = path.read_text()
+        if expectation(text)[0] != "rewritten" or "legacy" in path.stem:
+            continue
+        original = ir_utils.parse(text)
+        n = ir_utils.int_attr(original.operation, "mhlo.num_partitions")
+        devices = jax.devices("cpu")[:n]
+        inputs = execute.random_inputs(original, 0)
+        base = median_seconds(module_runner(original, inputs, devices), runs)
+        results[path.stem] = {
+            name: median_seconds(module_runner(cmatmul_pass.rewrite(text, options).module, inputs, devices), runs) / base
+            for name, options in VARIANTS.items()
+        }
+        row = results[path.stem]
+        print(f"  {path.stem:<32} " + " ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
+    return results
+
+
+def hand_written_ring(mesh, axis: str):
+    """A column-parallel layer as a ppermute ring written by hand (the shard_map docs' technique):
+    each step multiplies the shard it holds and passes it on, n-1 permutes, unrolled in Python."""
+    n = mesh.shape[axis]
+
+    def body(x, w):
+        index = jax.lax.axis_index(axis)
+        rows = x.shape[0]
+        out = jnp.zeros((rows * n, w.shape[1]), x.dtype)
+        held = x
+        for step in range(n):
+            block = (index + step) % n
+            out = jax.lax.dynamic_update_slice_in_dim(out, held @ w, block * rows, 0)
+            if step < n - 1:
+                held = jax.lax.ppermute(held, axis, [(j, (j - 1) % n) for j in range(n)])
+        return out
+
+    return body
+
+
+def layer_runtime(runs: int, rows=1024, hidden=512, out=1024) -> dict:
+    mesh = jax.make_mesh((8,), ("model",))
+    specs = dict(in_specs=(P("model", None), P(None, "model")), out_specs=P(None, "model"), check_vma=False)
+    plain = jax.shard_map(lambda x, w: jax.lax.all_gather(x, "model", axis=0, tiled=True) @ w, mesh=mesh, **specs)
+    ring = jax.shard_map(hand_written_ring(mesh, "model"), mesh=mesh, **specs)
+    rng = np.random.default_rng(0)
+    x = jax.device_put(rng.normal(size=(rows, hidden)).astype(np.float32), NamedSharding(mesh, P("model", None)))
+    w = jax.device_put(rng.normal(size=(hidden, out)).astype(np.float32), NamedSharding(mesh, P(None, "model")))
+
+    def timer(fn):
+        return median_seconds(lambda: fn(x, w).block_until_ready(), runs)
+
+    base = timer(jax.jit(plain))
+    hand = timer(jax.jit(ring))
+    result = {"shape": [rows, hidden, out], "plain_s": base, "hand_written_ring_over_plain": hand / base, "variants": {}}
+    for name, options in VARIANTS.items():
+        fn = cmatmul_pass.jit(plain, bidirectional=options.bidirectional, unroll=options.unroll)
+        t = timer(fn)
+        result["variants"][name] = {"over_plain": t / base, "over_hand_written": t / hand}
+    print(f"  layer {rows}x{hidden}x{out}: hand-written ring / plain {hand / base:.2f}; "
+          + ", ".join(f"{k} {v['over_plain']:.2f} (vs ring {v['over_hand_written']:.2f})" for k, v in result["variants"].items()),
+          flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[1, 4, 8, 16, 32])
+    parser.add_argument("--variant-layers", type=int, default=4, help="L at which to compare compile times per variant")
+    parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--quick", action="store_true", help="L = 1, 4 only and 5 runs (a smoke test)")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results.json"))
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.layers, args.runs = [1, 4], 5
+    results = {"jax": jax.__version__, "devices": "8 virtual CPU devices", "runs": args.runs}
+    print("1. pass cost", flush=True)
+    results["pass_cost"] = pass_cost(args.layers, args.variant_layers)
+    print("2. CPU run time, rewritten / original (median of runs)", flush=True)
+    results["samples"] = samples_runtime(args.runs)
+    results["layer"] = layer_runtime(args.runs)
+    ratios = {name: statistics.median(row[name] for row in results["samples"].values()) for name in VARIANTS}
+    results["samples_median_ratio"] = ratios
+    results["fastest_variant"] = min(ratios, key=ratios.get)
+    print(f"median over samples: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items())
+          + f"; fastest: {results['fastest_variant']}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
