@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 DEMO_SAMPLE := hlo_samples/sp_mlp.mlir
 
-.PHONY: venv demo test fuzz samples goldens clean
+.PHONY: venv demo test fuzz bench samples goldens clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ test: $(STAMP)
 # Differential fuzzing: >= 1000 random programs under every pass variant (minutes; not part of `make test`).
 fuzz: $(STAMP)
 	$(PY) tools/fuzz.py --examples $(or $(EXAMPLES),1000)
+
+# Benchmarks: the pass's own cost and CPU run-time ratios, written to bench/results.json (minutes).
+bench: $(STAMP)
+	$(PY) tools/bench.py
 
 # Regenerate hlo_samples/ from the JAX programs in tools/gen_samples.py (then refresh goldens).
 samples: $(STAMP)

@@ -96,7 +96,7 @@ class SiteShape:
         return self.step_bytes * (self.ring - 1)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {"kind": self.kind, "ring": self.ring, "flops": self.flops, "step_bytes": self.step_bytes, "dtype": self.dtype}
 
     @classmethod
     def from_dict(cls, d: dict) -> "SiteShape":
@@ -139,7 +139,11 @@ class Prediction:
     variant: str = "uni"  # the variant the pass is emitting
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {
+            "hardware": self.hardware, "compute_s": self.compute_s, "transfer_s": self.transfer_s,
+            "serial_s": self.serial_s, "overlapped_s": dict(self.overlapped_s), "speedup": dict(self.speedup),
+            "variant": self.variant,
+        }
 
     @property
     def chosen_speedup(self) -> float:

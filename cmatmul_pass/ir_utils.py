@@ -116,7 +116,7 @@ def ranked_tensor(value: ir.Value) -> ir.RankedTensorType | None:
 
 
 def is_static(t: ir.RankedTensorType) -> bool:
-    return all(not ir.ShapedType.is_dynamic_size(d) for d in t.shape)
+    return t.has_static_shape
 
 
 def with_dim(t: ir.RankedTensorType, dim: int, size: int) -> ir.RankedTensorType:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 from dataclasses import dataclass, field
 
@@ -132,7 +133,8 @@ def rewrite(
     else:
         module = ir_utils.parse(module, source=source, context=context or make_context())
     try:
-        return _run(module, options, source, verify_each=False)
+        with _no_cyclic_gc():
+            return _run(module, options, source, verify_each=False)
     except InternalError as failure:
         # The fast path verifies once, at the end.  On a failure, run again from the input,
         # verifying after every site, to name the site that broke the module.
@@ -257,16 +259,17 @@ def _describe(site: Site, source: str) -> SiteReport:
             f"{op.operation.name} at {ir_utils.render_location(op.location, source)}" for op in site.kept_users
         ]
     elif isinstance(site, ReduceScatterSite):
-        entry.operand = _side(site.operand_index)
+        entry.operand = _side(site.terms[0].operand_index)
         entry.dim_role = "free"
         entry.collective_dim = site.scatter_dim
         entry.consumers = [
             {
-                "location": ir_utils.render_location(site.dot.location, source),
-                "operand": _side(site.operand_index),
+                "location": ir_utils.render_location(term.dot.location, source),
+                "operand": _side(term.operand_index),
                 "dim_role": "free",
                 "look_through": [step.name for step in site.path],
             }
+            for term in site.terms
         ]
     return entry
 
@@ -316,7 +319,7 @@ def site_shape(site: AllGatherSite | ReduceScatterSite) -> cost.SiteShape:
         dots = [c.dot for c in site.consumers]
         step = ir_utils.ranked_tensor(site.all_gather.operation.operands[0])
     else:
-        dots = [site.dot]
+        dots = [term.dot for term in site.terms]
         step = ir_utils.ranked_tensor(site.reduce_scatter.result)
     flops = sum(_dot_flops(d) for d in dots)
     dtype = str(ir_utils.ranked_tensor(dots[0].operation.operands[0]).element_type)
@@ -328,3 +331,21 @@ def _dot_flops(dot) -> float:
     out = ir_utils.ranked_tensor(dot.result)
     contracting = hlo.DotDimensionNumbers(dot.attributes["dot_dimension_numbers"]).lhs_contracting_dimensions
     return 2.0 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in contracting)
+
+
+class _no_cyclic_gc:
+    """Pause Python's cyclic garbage collector while the pass builds IR.
+
+    The bindings allocate many short-lived Python objects per op; the collector's
+    generation-0 sweeps then cost more than the rewriting (measured: a quarter of the
+    pass at 255 sites).  Nothing the pass creates forms reference cycles that must be
+    reclaimed before it returns; the previous state is restored afterwards.
+    """
+
+    def __enter__(self) -> None:
+        self.was_enabled = gc.isenabled()
+        gc.disable()
+
+    def __exit__(self, *exc) -> None:
+        if self.was_enabled:
+            gc.enable()

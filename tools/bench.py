@@ -156,11 +156,11 @@ def module_runner(module, inputs, devices):
     return run
 
 
-def samples_runtime(runs: int) -> dict:
+def samples_runtime(runs: int, only: list[str] | None = None) -> dict:
     results = {}
     for path in sample_paths(ROOT):
         text = path.read_text()
-        if expectation(text)[0] != "rewritten" or "legacy" in path.stem:
+        if expectation(text)[0] != "rewritten" or "legacy" in path.stem or (only and path.stem not in only):
             continue
         original = ir_utils.parse(text)
         n = ir_utils.int_attr(original.operation, "mhlo.num_partitions")
@@ -196,7 +196,7 @@ def hand_written_ring(mesh, axis: str):
     return body
 
 
-def layer_runtime(runs: int, rows=1024, hidden=512, out=1024) -> dict:
+def layer_runtime(runs: int, rows: int = 1024, hidden: int = 512, out: int = 1024) -> dict:
     mesh = jax.make_mesh((8,), ("model",))
     specs = dict(in_specs=(P("model", None), P(None, "model")), out_specs=P(None, "model"), check_vma=False)
     plain = jax.shard_map(lambda x, w: jax.lax.all_gather(x, "model", axis=0, tiled=True) @ w, mesh=mesh, **specs)
@@ -227,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant-layers", type=int, default=4, help="L at which to compare compile times per variant")
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="L = 1, 4 only and 5 runs (a smoke test)")
+    parser.add_argument("--samples", nargs="*", help="only these samples (default: every positive one)")
+    parser.add_argument("--layer", type=int, nargs=3, default=[1024, 512, 1024], metavar=("ROWS", "HIDDEN", "OUT"))
     parser.add_argument("--out", default=str(ROOT / "bench" / "results.json"))
     args = parser.parse_args(argv)
     if args.quick:
@@ -235,8 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     print("1. pass cost", flush=True)
     results["pass_cost"] = pass_cost(args.layers, args.variant_layers)
     print("2. CPU run time, rewritten / original (median of runs)", flush=True)
-    results["samples"] = samples_runtime(args.runs)
-    results["layer"] = layer_runtime(args.runs)
+    results["samples"] = samples_runtime(args.runs, args.samples)
+    results["layer"] = layer_runtime(args.runs, *args.layer)
     ratios = {name: statistics.median(row[name] for row in results["samples"].values()) for name in VARIANTS}
     results["samples_median_ratio"] = ratios
     results["fastest_variant"] = min(ratios, key=ratios.get)

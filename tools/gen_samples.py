@@ -424,6 +424,19 @@ def rs_on(dim, dtype=jnp.float32, **dot_kwargs):
     return build
 
 
+def rs_sum_of_dots() -> str:
+    """The scattered value is a sum of three row-parallel products (how the backward of a gather read
+    by q, k and v projections adds their input gradients): one ring, three dots per block."""
+    mesh = mesh_2x4()
+
+    def body(a, b, c, wa, wb, wc):
+        return scatter(a @ wa + b @ wb + c @ wc, "model", 0)
+
+    x, w = P(None, "model"), P("model", None)
+    f = smap(body, mesh=mesh, in_specs=(x, x, x, w, w, w), out_specs=P("model", None))
+    return lower(f, *[arg(mesh, (64, 64), x)] * 3, *[arg(mesh, (64, 32), w)] * 3)
+
+
 def rs_untiled() -> str:
     """psum_scatter(tiled=False): the product is reshaped to [4, rows/4, cols], scattered on the new
     size-4 dim, and the size-1 dim is dropped after (reshape look-through, both sides)."""
@@ -859,6 +872,12 @@ SAMPLES_LIST = [
            rs_on(0, jnp.bfloat16), "rewritten 1", rs_checks(PAIRS_2X4_MODEL, 3, "-> tensor<8x32xbf16>")),
     Sample("rs_dot_int32", "an integer product scattered (compared exactly).",
            rs_on(0, jnp.int32), "rewritten 1", rs_checks(PAIRS_2X4_MODEL, 3, "-> tensor<8x32xi32>")),
+    Sample("rs_dot_sum", "psum_scatter(a @ wa + b @ wb + c @ wc): one ring over the sum, three dots per block.",
+           rs_sum_of_dots, "rewritten 1",
+           ["CHECK-NOT: stablehlo.reduce_scatter", "CHECK: } do {", 'CHECK: "stablehlo.collective_permute"',
+            "CHECK: stablehlo.dot_general", "CHECK: stablehlo.dot_general", "CHECK: stablehlo.add",
+            "CHECK: stablehlo.dot_general", "CHECK: stablehlo.add", "CHECK: stablehlo.add", "CHECK: stablehlo.return"]
+           + gone("reduce_scatter")),
     Sample("rs_dot_untiled", "psum_scatter(tiled=False): reshape to [4, rows/4, cols] before the scatter, reshape after.",
            rs_untiled, "rewritten 1",
            rs_checks(PAIRS_2X4_MODEL, 3)[:-3] + ["CHECK-NEXT: stablehlo.reshape {{.*}} -> tensor<1x8x32xf32>",

@@ -19,6 +19,7 @@ from .common import FULLY_MANUAL, DeclinedSite, ManualRegion, ModuleInfo, manual
 from .reduce_scatter import (
     DOT_REDUCE_SCATTER,
     ReduceScatterSite,
+    Term,
     find_dot_reduce_scatter,
     match_reduce_scatter,
     reduce_scatters,
@@ -38,6 +39,7 @@ __all__ = [
     "ModuleInfo",
     "ReduceScatterSite",
     "Site",
+    "Term",
     "all_gathers",
     "find_all_gather_dot",
     "find_dot_reduce_scatter",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -28,6 +28,8 @@ class ModuleInfo:
     meshes: dict[str, dict[str, int]]
     mesh_device_ids: dict[str, list[int]]
     partial_manual_funcs: frozenset[str]
+    #: manual_computation op -> (its manual axes, its mesh name): read once per region, not per site
+    regions: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, module: ir.Module) -> "ModuleInfo":
@@ -134,9 +136,12 @@ def manual_region(op: ir.OpView, info: ModuleInfo, ring: Ring) -> ManualRegion:
     parent = op.operation.parent
     while parent is not None:
         if parent.name == "sdy.manual_computation":
-            axes = sdy.ManualAxesAttr(parent.attributes["manual_axes"])
-            manual.update(axes[i] for i in range(len(axes)))
-            mesh_name = mesh_name or _manual_computation_mesh(parent)
+            if parent not in info.regions:
+                axes = sdy.ManualAxesAttr(parent.attributes["manual_axes"])
+                info.regions[parent] = ({axes[i] for i in range(len(axes))}, _manual_computation_mesh(parent))
+            region_axes, region_mesh = info.regions[parent]
+            manual.update(region_axes)
+            mesh_name = mesh_name or region_mesh
         elif parent.name == "func.func":
             func_name = ir.StringAttr(parent.attributes["sym_name"]).value
             if func_name in info.partial_manual_funcs:

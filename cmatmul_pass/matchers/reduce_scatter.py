@@ -1,9 +1,10 @@
-"""``dot_general`` feeding a sum ``reduce_scatter``.
+"""``dot_general`` (or a sum of them) feeding a sum ``reduce_scatter``.
 
-``%d = dot_general(a, b)`` (optionally through layout ops, see
-:mod:`cmatmul_pass.layout`) ``-> reduce_scatter(sum, scatter_dimension = r)``:
-the scattered dim must trace back to a free dim of ``a`` or ``b``, so one block of
-the result is the dot of one block of that operand.  The ring then computes, step by
+``%d = dot_general(a, b)`` — or ``d1 + d2 + ...``, as the backward of a gathered
+value read by several projections sums their input gradients — (optionally through
+layout ops, see :mod:`cmatmul_pass.layout`) ``-> reduce_scatter(sum, scatter_dimension
+= r)``: for every dot the scattered dim must trace back to a free dim of ``a`` or ``b``,
+so one block of the result is the dot of one block of that operand.  The ring then computes, step by
 step, the block some other device owns and adds it to the partial sum travelling
 past.
 """
@@ -24,28 +25,41 @@ SHARDING_CONSTRAINT = "sdy.sharding_constraint"
 
 
 @dataclass(frozen=True, eq=False)
-class ReduceScatterSite:
-    """``path`` runs from the dot's result to the reduce_scatter's operand.
+class Term:
+    """One dot of the scattered sum: its ``result_dim`` (the scattered dim) is free dim
+    ``operand_dim`` of operand ``operand_index``."""
 
-    ``result_dim``: the dot result dim the scattered dim comes from; it is free dim
-    ``operand_dim`` of operand ``operand_index``.
+    dot: ir.OpView
+    result_dim: int
+    operand_index: int
+    operand_dim: int
+
+
+@dataclass(frozen=True, eq=False)
+class ReduceScatterSite:
+    """``reduce_scatter(path(d1 + d2 + ...))``: ``terms`` are the dots (one, or the leaves of
+    an ``stablehlo.add`` tree, as a backward pass sums the input gradients of several
+    projections), ``adds`` the add ops, root first; ``path`` runs from the sum to the
+    reduce_scatter's operand.
     """
 
     reduce_scatter: ir.OpView
-    dot: ir.OpView
+    terms: tuple[Term, ...]
+    adds: tuple[ir.OpView, ...]
     path: tuple[LayoutStep, ...]
     ring: Ring
     region: ManualRegion
     scatter_dim: int
-    result_dim: int
-    operand_index: int
-    operand_dim: int
 
     kind = DOT_REDUCE_SCATTER
 
     @property
     def anchor(self) -> ir.OpView:
         return self.reduce_scatter
+
+    @property
+    def dot(self) -> ir.OpView:
+        return self.terms[0].dot
 
 
 def find_dot_reduce_scatter(module: ir.Module, info: ModuleInfo | None = None) -> list[ReduceScatterSite | DeclinedSite]:
@@ -84,14 +98,36 @@ def _match(rs: ir.OpView, ring: Ring, region: ManualRegion) -> ReduceScatterSite
         owner = value.owner
         if isinstance(owner, ir.Block):
             raise Decline("producer_not_dot", "the scattered value is a block argument, not a dot_general result")
-        if owner.operation.name == "stablehlo.dot_general":
+        if owner.operation.name in ("stablehlo.dot_general", "stablehlo.add"):
             break
         if not is_layout_op(owner):
             raise Decline("producer_not_dot", f"the scattered value comes from {owner.operation.name}, not stablehlo.dot_general")
         in_dim = backward_dim(owner, dim, n)
         path.insert(0, LayoutStep(owner, in_dim, dim))
         value, dim = owner.operation.operands[0], in_dim
-    dot = owner
+    adds: list[ir.OpView] = []
+    dots = _sum_leaves(owner, adds)
+    terms = tuple(_term(dot, dim, rs) for dot in dots)
+    return ReduceScatterSite(rs, terms, tuple(adds), tuple(path), ring, region, scatter_dim)
+
+
+def _sum_leaves(op: ir.OpView, adds: list[ir.OpView]) -> list[ir.OpView]:
+    """The dots of a tree of single-use adds (or the dot itself)."""
+    if op.operation.name == "stablehlo.dot_general":
+        return [op]
+    if op.operation.name not in ("stablehlo.add", SHARDING_CONSTRAINT):
+        raise Decline("producer_not_dot", f"the scattered value comes from {op.operation.name}, not stablehlo.dot_general")
+    adds.append(op)  # an add of the tree, or a sharding constraint inside it: both go with the dots
+    dots = []
+    for value in op.operation.operands:
+        _single_use(value)
+        if isinstance(value.owner, ir.Block):
+            raise Decline("producer_not_dot", "the scattered sum adds a block argument, not only dot_general results")
+        dots += _sum_leaves(value.owner, adds)
+    return dots
+
+
+def _term(dot: ir.OpView, dim: int, rs: ir.OpView) -> Term:
     if dot.operation.block != rs.operation.block:
         raise Decline("other_block", "the dot is in a different block from the reduce_scatter")
     for v in dot.operation.operands:
@@ -99,8 +135,7 @@ def _match(rs: ir.OpView, ring: Ring, region: ManualRegion) -> ReduceScatterSite
     role, index, operand_dim = result_dim_source(dot, dim)
     if role == "batch":
         raise Decline("batch_dim", f"the scattered dim comes from batch dim {operand_dim} of the dot")
-    sliced = dot.operation.operands[index]
-    producer = sliced.owner
+    producer = dot.operation.operands[index].owner
     if (
         not isinstance(producer, ir.Block)
         and producer.operation.name == "stablehlo.all_gather"
@@ -111,7 +146,7 @@ def _match(rs: ir.OpView, ring: Ring, region: ManualRegion) -> ReduceScatterSite
             "the scattered dim is the dim the dot's operand was all_gathered on (an all-reduce in disguise); "
             "the all_gather's ring takes this dot instead",
         )
-    return ReduceScatterSite(rs, dot, tuple(path), ring, region, scatter_dim, dim, index, operand_dim)
+    return Term(dot, dim, index, operand_dim)
 
 
 def _single_use(value: ir.Value) -> None:

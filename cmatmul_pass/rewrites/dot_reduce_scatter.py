@@ -44,9 +44,10 @@ SEND_TO_PREVIOUS = -1
 
 def _halves_blocker(site: ReduceScatterSite) -> str | None:
     n = site.ring.size
-    width = ir.RankedTensorType(site.dot.operation.operands[site.operand_index].type).shape[site.operand_dim] // n
-    if width % 2:
-        return f"bidirectional: the block of {width} along the scattered dim cannot be halved; kept one direction"
+    for term in site.terms:
+        width = ir.RankedTensorType(term.dot.operation.operands[term.operand_index].type).shape[term.operand_dim] // n
+        if width % 2:
+            return f"bidirectional: the block of {width} along the scattered dim cannot be halved; kept one direction"
     for step in site.path:
         if not step.valid_for(2 * n):
             return f"bidirectional: {step.name} does not keep half-blocks whole; kept one direction"
@@ -54,7 +55,7 @@ def _halves_blocker(site: ReduceScatterSite) -> str | None:
 
 
 def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> Applied:
-    rs, dot, n = site.reduce_scatter, site.dot, site.ring.size
+    rs, n = site.reduce_scatter, site.ring.size
     notes = []
     split = ctx.bidirectional
     if split:
@@ -63,29 +64,35 @@ def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> 
             notes.append(blocker)
             split = False
     parts = 2 * n if split else n
-    operands = list(dot.operation.operands)
-    sliced = operands[site.operand_index]
-    width = ir.RankedTensorType(sliced.type).shape[site.operand_dim] // parts
-    piece_t = shard_type(ir.RankedTensorType(dot.result.type), site.result_dim, parts)
     # direction of each stream's partial sums, and which half of the block it carries
     shifts = [SEND_TO_PREVIOUS, -SEND_TO_PREVIOUS] if split else [SEND_TO_PREVIOUS]
     channels: list[int] = []  # a fresh handle for every permute op emitted
 
-    loop_b = Builder(ir.Location.fused([dot.location, rs.location]), ctx.constants)
-    compute = loop_b.at(dot.location)
+    loop_b = Builder(ir.Location.fused([t.dot.location for t in site.terms] + [rs.location]), ctx.constants)
     comm = loop_b.at(rs.location)
 
-    def piece(block: ir.Value, half: int, stream: int, dots: list) -> ir.Value:
-        args = list(operands)
+    def term_piece(term, block: ir.Value, half: int, stream: int, dots: list) -> ir.Value:
+        compute = loop_b.at(term.dot.location)
+        args = list(term.dot.operation.operands)
+        sliced = args[term.operand_index]
+        width = ir.RankedTensorType(sliced.type).shape[term.operand_dim] // parts
         offset = compute.mul(block, compute.i32(width * (parts // n)))
         if half:
             offset = compute.add(offset, compute.i32(width))
-        args[site.operand_index] = compute.dynamic_slice(sliced, site.operand_dim, offset, width)
-        product = ctx.annotator.dot(compute, dot, piece_t, args[0], args[1], stream)
+        args[term.operand_index] = compute.dynamic_slice(sliced, term.operand_dim, offset, width)
+        piece_t = shard_type(ir.RankedTensorType(term.dot.result.type), term.result_dim, parts)
+        product = ctx.annotator.dot(compute, term.dot, piece_t, args[0], args[1], stream)
         dots.append(product.owner)
-        for step in site.path:
-            product = step.apply(product, parts)
         return product
+
+    def piece(block: ir.Value, half: int, stream: int, dots: list) -> ir.Value:
+        total = None
+        for term in site.terms:  # the dots of the sum, block by block, added in the same order
+            product = term_piece(term, block, half, stream, dots)
+            total = product if total is None else loop_b.at(rs.location).add(total, product)
+        for step in site.path:
+            total = step.apply(total, parts)
+        return total
 
     def round_fn(rnd: Round, accs: list[ir.Value]) -> list[ir.Value]:
         new = []
@@ -112,6 +119,5 @@ def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> 
 
     rs.result.replace_all_uses_with(result)
     rs.operation.erase()
-    erase_dead([step.op for step in reversed(site.path)] + [dot])
+    erase_dead([step.op for step in reversed(site.path)] + list(site.adds) + [t.dot for t in site.terms])
     return Applied(channels, len(shifts), stats, len(shifts) * (n - 1), notes)
-
