@@ -70,6 +70,13 @@ class Options:
         return None if self.unroll == "full" else int(self.unroll)
 
 
+def variant_options(name: str, **extra) -> Options:
+    """The Options of a named ring variant (``cost.VARIANTS``: uni, unroll2, full, bidi,
+    bidi-unroll2, bidi-full), plus any other option."""
+    bidirectional, unroll = cost.VARIANTS[name]
+    return Options(bidirectional=bidirectional, unroll="full" if unroll is None else unroll, **extra)
+
+
 @dataclass
 class RewriteResult:
     module: ir.Module

@@ -20,19 +20,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import cmatmul_pass
 from cmatmul_pass import execute, ir_utils
+from cmatmul_pass.pipeline import variant_options
 from cmatmul_pass.rewrites.schedule import FRONTEND_ATTRIBUTES, SCHEDULING_GROUP, STREAM_ANNOTATION
 from conftest import run_cli
 
-VARIANTS = {
-    "uni": cmatmul_pass.Options(),
-    "bidi": cmatmul_pass.Options(bidirectional=True),
-    "unroll2": cmatmul_pass.Options(unroll=2),
-    "full": cmatmul_pass.Options(unroll="full"),
-    "bidi-unroll2": cmatmul_pass.Options(bidirectional=True, unroll=2),
-    "bidi-full": cmatmul_pass.Options(bidirectional=True, unroll="full"),
-    "streams-unroll2": cmatmul_pass.Options(annotate_streams=True, unroll=2),
-    "streams-bidi": cmatmul_pass.Options(annotate_streams=True, bidirectional=True),
-}
+VARIANTS = {name: variant_options(name) for name in ("uni", "bidi", "unroll2", "full", "bidi-unroll2", "bidi-full")}
+VARIANTS["streams-unroll2"] = variant_options("unroll2", annotate_streams=True)
+VARIANTS["streams-bidi"] = variant_options("bidi", annotate_streams=True)
 KINDS = ["ag_free", "ag_contracting", "rs", "shared"]
 SIZES = [2, 3, 4, 8]
 

@@ -38,18 +38,12 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import cmatmul_pass  # noqa: E402
-from cmatmul_pass import execute, ir_utils  # noqa: E402
+from cmatmul_pass import cost, execute, ir_utils  # noqa: E402
+from cmatmul_pass.pipeline import variant_options  # noqa: E402
 from cmatmul_pass._jax_private import compile_module, sharding_for_devices  # noqa: E402
 from tools.golden import expectation, sample_paths  # noqa: E402
 
-VARIANTS = {
-    "uni": cmatmul_pass.Options(),
-    "unroll2": cmatmul_pass.Options(unroll=2),
-    "full": cmatmul_pass.Options(unroll="full"),
-    "bidi": cmatmul_pass.Options(bidirectional=True),
-    "bidi-unroll2": cmatmul_pass.Options(bidirectional=True, unroll=2),
-    "bidi-full": cmatmul_pass.Options(bidirectional=True, unroll="full"),
-}
+VARIANTS = {name: variant_options(name) for name in cost.VARIANTS}
 
 
 # ---------------------------------------------------------------------------- 1. pass cost

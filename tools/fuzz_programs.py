@@ -25,18 +25,12 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import cmatmul_pass
-from cmatmul_pass import execute, ir_utils
+from cmatmul_pass import cost, execute, ir_utils
+from cmatmul_pass.pipeline import variant_options
 
-VARIANTS = {
-    "uni": cmatmul_pass.Options(),
-    "bidi": cmatmul_pass.Options(bidirectional=True),
-    "unroll2": cmatmul_pass.Options(unroll=2),
-    "full": cmatmul_pass.Options(unroll="full"),
-    "bidi-unroll2": cmatmul_pass.Options(bidirectional=True, unroll=2),
-    "bidi-full": cmatmul_pass.Options(bidirectional=True, unroll="full"),
-    "streams-unroll2": cmatmul_pass.Options(annotate_streams=True, unroll=2),
-    "streams-bidi-noassemble": cmatmul_pass.Options(annotate_streams=True, bidirectional=True, assemble=False),
-}
+VARIANTS = {name: variant_options(name) for name in cost.VARIANTS}
+VARIANTS["streams-unroll2"] = variant_options("unroll2", annotate_streams=True)
+VARIANTS["streams-bidi-noassemble"] = variant_options("bidi", annotate_streams=True, assemble=False)
 MESHES = [(8,), (2, 4), (4, 2), (2, 2, 2), (3,), (5,), (7,), (2, 3), (3, 2), (6,), (4,), (2,)]
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "i32": jnp.int32}
 
