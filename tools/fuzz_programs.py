@@ -46,7 +46,7 @@ class Spec:
     batch: bool
     tiled: bool
     dtype: str
-    consumers: int
+    consumers: int  # ag: dots reading the gathered value; rs: products summed before the scatter
     reader: bool
     partial_manual: bool
     sizes: tuple[int, int, int, int]  # local m, k, n, b
@@ -97,7 +97,7 @@ def specs(draw) -> Spec:
         batch=batch,
         tiled=draw(st.booleans()),
         dtype=dtype,
-        consumers=draw(st.integers(1, 3)) if kind == "ag" else 1,
+        consumers=draw(st.integers(1, 3)) if kind in ("ag", "rs") else 1,  # rs: a sum of that many products
         reader=kind == "ag" and draw(st.booleans()),
         partial_manual=len(mesh_shape) > len(axes) and draw(st.booleans()),
         sizes=tuple(draw(st.sampled_from([1, 2, 3, 4])) for _ in range(4)),
@@ -165,15 +165,18 @@ def build(spec: Spec):
         b_shape = [glob[c] for c in b_labels]
         d = out.index(spec.dim)
 
-        def body(a, bb):
-            prod = _dot(spec, a, bb, expr) if spec.side == 0 else _dot(spec, bb, a, expr)
+        def body(*operands):
+            prod = None
+            for a, bb in zip(operands[0::2], operands[1::2]):  # a sum of products, as a backward adds gradients
+                term = _dot(spec, a, bb, expr) if spec.side == 0 else _dot(spec, bb, a, expr)
+                prod = term if prod is None else prod + term
             if spec.tiled:
                 return jax.lax.psum_scatter(prod, axes, scatter_dimension=d, tiled=True)
             split = prod.shape[:d] + (n, prod.shape[d] // n) + prod.shape[d + 1 :]
             return jax.lax.psum_scatter(prod.reshape(split), axes, scatter_dimension=d, tiled=False)
 
         args = [(a_shape, _spec_at(len(a_shape), a_labels.index("k"), axes)),
-                (b_shape, _spec_at(len(b_shape), b_labels.index("k"), axes))]
+                (b_shape, _spec_at(len(b_shape), b_labels.index("k"), axes))] * spec.consumers
         return body, args, _spec_at(len(out), d, axes)
 
     if spec.kind == "chain":
