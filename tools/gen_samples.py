@@ -265,34 +265,38 @@ PAIRS_MODEL_DATA = "[[0, 7], [4, 0], [1, 4], [5, 1], [2, 5], [6, 2], [3, 6], [7,
 
 
 # ---------------------------------------------------------------- positive samples
+ROWS_MODEL, COLS_MODEL = P("model", None), P(None, "model")
+
+
+def gathered_matmul(mesh, axes, x, w, out_specs, *, dim=0, dtype=jnp.float32, w_dtype=None, cast=None, **smap_kwargs):
+    """``gather(x, axes, dim) @ w`` in a shard_map over ``mesh`` (``cast``: the gathered value's dtype
+    for the dot); ``x``, ``w``: (global shape, PartitionSpec)."""
+
+    def body(a, b):
+        g = gather(a, axes, dim)
+        return (g if cast is None else g.astype(cast)) @ b
+
+    body.__name__ = "<lambda>"  # the module name (jit__lambda) the samples have always had
+    f = smap(body, mesh=mesh, in_specs=(x[1], w[1]), out_specs=out_specs, **smap_kwargs)
+    return lower(f, arg(mesh, *x, dtype), arg(mesh, *w, w_dtype or dtype))
+
+
 def column_parallel_1d() -> str:
-    mesh = mesh_1d()
-    body = lambda x, w: gather(x, "model", 0) @ w  # noqa: E731
-    f = smap(body, mesh=mesh, in_specs=(P("model", None), P(None, "model")), out_specs=P(None, "model"))
-    return lower(f, arg(mesh, (128, 64), P("model", None)), arg(mesh, (64, 128), P(None, "model")))
+    return gathered_matmul(mesh_1d(), "model", ((128, 64), ROWS_MODEL), ((64, 128), COLS_MODEL), COLS_MODEL)
 
 
 def mesh2x4_model() -> str:
-    mesh = mesh_2x4()
-    body = lambda x, w: gather(x, "model", 0) @ w  # noqa: E731
-    f = smap(
-        body, mesh=mesh, in_specs=(P(("data", "model"), None), P(None, "model")), out_specs=P("data", "model")
-    )
-    return lower(f, arg(mesh, (64, 32), P(("data", "model"), None)), arg(mesh, (32, 64), P(None, "model")))
+    rows = P(("data", "model"), None)
+    return gathered_matmul(mesh_2x4(), "model", ((64, 32), rows), ((32, 64), COLS_MODEL), P("data", "model"))
 
 
 def mesh2x4_data_strided() -> str:
-    mesh = mesh_2x4()
-    body = lambda x, w: gather(x, "data", 0) @ w  # noqa: E731
-    f = smap(body, mesh=mesh, in_specs=(P("data", None), P(None, "model")), out_specs=P(None, "model"))
-    return lower(f, arg(mesh, (64, 32), P("data", None)), arg(mesh, (32, 64), P(None, "model")))
+    return gathered_matmul(mesh_2x4(), "data", ((64, 32), P("data", None)), ((32, 64), COLS_MODEL), COLS_MODEL)
 
 
 def permuted_groups() -> str:
-    mesh = mesh_2x4()
-    body = lambda x, w: gather(x, ("model", "data"), 0) @ w  # noqa: E731
-    f = smap(body, mesh=mesh, in_specs=(P(("model", "data"), None), P()), out_specs=P())
-    return lower(f, arg(mesh, (64, 32), P(("model", "data"), None)), arg(mesh, (32, 16), P()))
+    rows = P(("model", "data"), None)
+    return gathered_matmul(mesh_2x4(), ("model", "data"), ((64, 32), rows), ((32, 16), P()), P())
 
 
 def gathered_rhs() -> str:
@@ -349,12 +353,8 @@ def exported() -> str:
 
 
 def partial_manual() -> str:
-    mesh = mesh_2x4()
-    body = lambda x, w: gather(x, "model", 0) @ w  # noqa: E731
-    f = smap(
-        body, mesh=mesh, in_specs=(P("model", None), P(None, "model")), out_specs=P(None, "model"), axis_names={"model"}
-    )
-    return lower(f, arg(mesh, (64, 32), P("model", None)), arg(mesh, (32, 64), P(None, "model")))
+    return gathered_matmul(mesh_2x4(), "model", ((64, 32), ROWS_MODEL), ((32, 64), COLS_MODEL), COLS_MODEL,
+                           axis_names={"model"})
 
 
 def inside_scan() -> str:
@@ -389,10 +389,7 @@ def two_sites() -> str:
 
 
 def int32_matmul() -> str:
-    mesh = mesh_2x4()
-    body = lambda x, w: gather(x, "model", 0) @ w  # noqa: E731
-    f = smap(body, mesh=mesh, in_specs=(P("model", None), P(None, "model")), out_specs=P(None, "model"))
-    return lower(f, arg(mesh, (32, 16), P("model", None), jnp.int32), arg(mesh, (16, 32), P(None, "model"), jnp.int32))
+    return gathered_matmul(mesh_2x4(), "model", ((32, 16), ROWS_MODEL), ((16, 32), COLS_MODEL), COLS_MODEL, dtype=jnp.int32)
 
 
 
@@ -483,10 +480,8 @@ def ag_contracting(dtype=jnp.float32) -> Callable[[], str]:
     the dot contracts: the ring sums x_j @ W[rows of block j]."""
 
     def build() -> str:
-        mesh = mesh_2x4()
-        body = lambda x, w: gather(x, "model", 1) @ w  # noqa: E731
-        f = smap(body, mesh=mesh, in_specs=(P("data", "model"), P(None, "model")), out_specs=P("data", "model"))
-        return lower(f, arg(mesh, (32, 64), P("data", "model"), dtype), arg(mesh, (64, 64), P(None, "model"), dtype))
+        x, w = ((32, 64), P("data", "model")), ((64, 64), COLS_MODEL)
+        return gathered_matmul(mesh_2x4(), "model", x, w, P("data", "model"), dim=1, dtype=dtype)
 
     return build
 
@@ -494,10 +489,8 @@ def ag_contracting(dtype=jnp.float32) -> Callable[[], str]:
 def ag_partial_manual_convert() -> str:
     """Partial-manual region, bf16 shards cast to f32: convert and sdy.sharding_constraint sit between the
     gather and the dot."""
-    mesh = mesh_2x4()
-    body = lambda x, w: gather(x, "model", 0).astype(jnp.float32) @ w  # noqa: E731
-    f = smap(body, mesh=mesh, in_specs=(P("model", None), P(None, "model")), out_specs=P(None, "model"), axis_names={"model"})
-    return lower(f, arg(mesh, (64, 32), P("model", None), jnp.bfloat16), arg(mesh, (32, 64), P(None, "model")))
+    return gathered_matmul(mesh_2x4(), "model", ((64, 32), ROWS_MODEL), ((32, 64), COLS_MODEL), COLS_MODEL,
+                           dtype=jnp.bfloat16, w_dtype=jnp.float32, cast=jnp.float32, axis_names={"model"})
 
 
 def ag_untiled() -> str:
@@ -514,10 +507,8 @@ def ag_untiled() -> str:
 
 def ag_converted() -> str:
     """bf16 activations gathered, then cast to f32 for the dot: the ring moves bf16 and casts each shard."""
-    mesh = mesh_2x4()
-    body = lambda x, w: gather(x, "model", 0).astype(jnp.float32) @ w  # noqa: E731
-    f = smap(body, mesh=mesh, in_specs=(P("model", None), P(None, "model")), out_specs=P(None, "model"))
-    return lower(f, arg(mesh, (64, 32), P("model", None), jnp.bfloat16), arg(mesh, (32, 64), P(None, "model")))
+    return gathered_matmul(mesh_2x4(), "model", ((64, 32), ROWS_MODEL), ((32, 64), COLS_MODEL), COLS_MODEL,
+                           dtype=jnp.bfloat16, w_dtype=jnp.float32, cast=jnp.float32)
 
 
 def ag_transposed() -> str:
