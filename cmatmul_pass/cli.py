@@ -143,7 +143,7 @@ def render_with_args(text: str, argv: list[str], source: str = "<input>") -> str
 
 
 def _rewrite(args):
-    from .pipeline import Options, rewrite
+    from .pipeline import rewrite
 
     data, source = read_input(args.input)
     result = rewrite(data, _options(args), source=source)

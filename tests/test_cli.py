@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import cmatmul_pass
-from cmatmul_pass import cli, ir_utils
+from cmatmul_pass import ir_utils
 from cmatmul_pass._jax_private import module_to_bytecode
 from cmatmul_pass.rewrites import all_gather_dot
 from conftest import ROOT, run_cli, sample

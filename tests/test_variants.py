@@ -9,7 +9,6 @@ direction: no variant wastes or skips one.
 """
 
 import functools
-import itertools
 
 import jax
 import jax.numpy as jnp

@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     ratios = {name: statistics.median(row[name] for row in results["samples"].values()) for name in VARIANTS}
     results["samples_median_ratio"] = ratios
     results["fastest_variant"] = min(ratios, key=ratios.get)
-    print(f"median over samples: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items())
+    print("median over samples: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items())
           + f"; fastest: {results['fastest_variant']}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
