@@ -1,4 +1,4 @@
-"""The pass pipeline: parse, find, rewrite, verify after every site, report."""
+"""The pass pipeline: parse, match and rewrite each site, verify, report."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from .rewrites.schedule import Annotator, RewriteContext
 
 @dataclass(frozen=True)
 class Options:
-    """What the pass does.  (Later variants — bidirectional, unroll, streams — extend this.)
+    """What the pass does.
 
     ``debug_info``: print locations in :attr:`RewriteResult.text` (off, like ``Lowered.as_text()``).
     ``assemble``: when an all_gather's value is also read by ops the ring does not
@@ -253,15 +253,7 @@ def _describe(site: Site, source: str) -> SiteReport:
         entry.operand = _side(first.operand_index)
         entry.dim_role = "+".join(dict.fromkeys(c.role for c in site.consumers))
         entry.collective_dim = site.gather_dim
-        entry.consumers = [
-            {
-                "location": ir_utils.render_location(c.dot.location, source),
-                "operand": _side(c.operand_index),
-                "dim_role": c.role,
-                "look_through": [step.name for step in c.path],
-            }
-            for c in site.consumers
-        ]
+        entry.consumers = [_consumer(c.dot, c.operand_index, c.role, c.path, source) for c in site.consumers]
         entry.assembled_for = [
             f"{op.operation.name} at {ir_utils.render_location(op.location, source)}" for op in site.kept_users
         ]
@@ -269,16 +261,18 @@ def _describe(site: Site, source: str) -> SiteReport:
         entry.operand = _side(site.terms[0].operand_index)
         entry.dim_role = "free"
         entry.collective_dim = site.scatter_dim
-        entry.consumers = [
-            {
-                "location": ir_utils.render_location(term.dot.location, source),
-                "operand": _side(term.operand_index),
-                "dim_role": "free",
-                "look_through": [step.name for step in site.path],
-            }
-            for term in site.terms
-        ]
+        entry.consumers = [_consumer(t.dot, t.operand_index, "free", site.path, source) for t in site.terms]
     return entry
+
+
+def _consumer(dot, operand_index: int, role: str, path, source: str) -> dict:
+    """One dot of a ring, as the report lists it."""
+    return {
+        "location": ir_utils.render_location(dot.location, source),
+        "operand": _side(operand_index),
+        "dim_role": role,
+        "look_through": [step.name for step in path],
+    }
 
 
 def _side(operand_index: int) -> str:
