@@ -109,20 +109,42 @@ class Round:
     transfers: tuple[float, ...]  # bytes of each permute in the round (they run in parallel, on different links)
 
 
+@dataclass(frozen=True)
+class GatherStream:
+    """Shards travelling one way round a gather ring: in round ``r`` the stream holds the
+    shard of position ``pos + shift * r``; it computes in rounds ``first..last`` and sends
+    while a later round still needs a shard.  The one description of a gather ring's
+    rounds: the rewrite emits it, the model times it."""
+
+    shift: int
+    first: int
+    last: int
+
+    def computes(self, r: int) -> bool:
+        return self.first <= r <= self.last
+
+    def sends(self, r: int) -> bool:
+        return r < self.last
+
+
+def gather_streams(n: int, bidirectional: bool) -> list[GatherStream]:
+    """One stream round the whole ring, or (both ways, n >= 3) one each way: the own shard in
+    round 0, then a shard from each side per round until they meet."""
+    if not bidirectional or n < 3:
+        return [GatherStream(1, 0, n - 1)]
+    return [GatherStream(1, 0, n // 2), GatherStream(-1, 1, (n - 1) // 2)]
+
+
 def rounds(shape: SiteShape, bidirectional: bool) -> list[Round]:
-    """The rounds the rewrite emits (same structure as rewrites/all_gather_dot and dot_reduce_scatter)."""
+    """The rounds the rewrite emits (rewrites/all_gather_dot and dot_reduce_scatter)."""
     n, b = shape.ring, shape.step_bytes
     block = 1.0 / n
     if shape.kind == "all_gather_dot":
-        if not bidirectional or n < 3:
-            return [Round(block, (b,) if r < n - 1 else ()) for r in range(n)]
-        down, up = n // 2, (n - 1) // 2  # the last round each direction computes
-        out = []
-        for r in range(down + 1):
-            computes = (1 if r <= down else 0) + (1 if 1 <= r <= up else 0)
-            sends = tuple(b for last in (down, up) if r < last)
-            out.append(Round(computes * block, sends))
-        return out
+        streams = gather_streams(n, bidirectional)
+        return [
+            Round(block * sum(s.computes(r) for s in streams), tuple(b for s in streams if s.sends(r)))
+            for r in range(streams[0].last + 1)
+        ]
     halves = bidirectional  # a split scatter: each half-block's partial sums travel one way
     sends = (b / 2, b / 2) if halves else (b,)
     return [Round(block, () if r == 0 else sends) for r in range(n)]

@@ -36,9 +36,9 @@ the permutes the all_gather's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 from .._jax_private import ir
+from ..cost import gather_streams
 from ..layout import LayoutStep
 from ..matchers import AllGatherSite, Consumer
 from .builders import Builder, erase_dead, shard_type
@@ -91,39 +91,14 @@ class _Plan:
         return self.compute.convert(acc, self.result_t.element_type)
 
 
-@dataclass(frozen=True)
-class _Stream:
-    """Shards travelling one way: in round r the stream holds shard ``pos + shift * r``;
-    it computes in rounds ``first..last`` and sends while a later round still needs a shard."""
-
-    shift: int
-    pairs: object
-    first: int
-    last: int
-
-    def computes(self, r: int) -> bool:
-        return self.first <= r <= self.last
-
-    def sends(self, r: int) -> bool:
-        return r < self.last
-
-
-def _streams(site: AllGatherSite, ctx: RewriteContext) -> list[_Stream]:
-    n = site.ring.size
-    if not ctx.bidirectional or n < 3:
-        return [_Stream(1, site.ring.shift_pairs(RECEIVE_FROM_NEXT), 0, n - 1)]
-    return [
-        _Stream(1, site.ring.shift_pairs(RECEIVE_FROM_NEXT), 0, n // 2),
-        _Stream(-1, site.ring.shift_pairs(-RECEIVE_FROM_NEXT), 1, (n - 1) // 2),
-    ]
-
-
 def rewrite_all_gather_dot(site: AllGatherSite, ctx: RewriteContext) -> Applied:
     """Replace ``site``'s all_gather and its consumer dots by one ring."""
     ag, n, dim = site.all_gather, site.ring.size, site.gather_dim
     shard = ag.operation.operands[0]
     shard_rows = ir.RankedTensorType(shard.type).shape[dim]
-    streams = _streams(site, ctx)
+    streams = gather_streams(n, ctx.bidirectional)
+    # stream i's permutes: shift +1 holds pos + r (receives from the next position), -1 the other way
+    pairs = [site.ring.shift_pairs(RECEIVE_FROM_NEXT * s.shift) for s in streams]
     rounds = streams[0].last + 1
     signatures = [tuple((s.computes(r), s.sends(r)) for s in streams) for r in range(rounds)]
 
@@ -155,7 +130,7 @@ def rewrite_all_gather_dot(site: AllGatherSite, ctx: RewriteContext) -> Applied:
         for i, (stream, (_, sends)) in enumerate(zip(streams, rnd.signature)):
             if sends:
                 channels.append(ctx.take_channel())
-                received[i] = comm.collective_permute(held[i], stream.pairs, channels[-1])
+                received[i] = comm.collective_permute(held[i], pairs[i], channels[-1])
                 permutes[i] = received[i].owner
         for i, (stream, (computes, _)) in enumerate(zip(streams, rnd.signature)):
             if computes:
