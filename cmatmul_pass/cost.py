@@ -90,17 +90,21 @@ class SiteShape:
     flops: float  # all the ring's dots together, over the whole ring
     step_bytes: int  # what one permute moves in a one-directional ring
     dtype: str  # the dots' operand element type
+    #: a scatter whose blocks can be halved (a bidirectional scatter ring splits them; when they
+    #: cannot be, the rewrite keeps one direction and so does the model)
+    halvable: bool = True
 
     @property
     def transfer_bytes(self) -> int:
         return self.step_bytes * (self.ring - 1)
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "ring": self.ring, "flops": self.flops, "step_bytes": self.step_bytes, "dtype": self.dtype}
+        return {"kind": self.kind, "ring": self.ring, "flops": self.flops, "step_bytes": self.step_bytes,
+                "dtype": self.dtype, "halvable": self.halvable}
 
     @classmethod
     def from_dict(cls, d: dict) -> "SiteShape":
-        return cls(d["kind"], d["ring"], d["flops"], d["step_bytes"], d["dtype"])
+        return cls(d["kind"], d["ring"], d["flops"], d["step_bytes"], d["dtype"], d.get("halvable", True))
 
 
 @dataclass(frozen=True)
@@ -145,7 +149,7 @@ def rounds(shape: SiteShape, bidirectional: bool) -> list[Round]:
             Round(block * sum(s.computes(r) for s in streams), tuple(b for s in streams if s.sends(r)))
             for r in range(streams[0].last + 1)
         ]
-    halves = bidirectional  # a split scatter: each half-block's partial sums travel one way
+    halves = bidirectional and shape.halvable  # a split scatter: each half-block's partial sums travel one way
     sends = (b / 2, b / 2) if halves else (b,)
     return [Round(block, () if r == 0 else sends) for r in range(n)]
 

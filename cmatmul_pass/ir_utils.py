@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
 
 import numpy as np
 
@@ -96,16 +95,33 @@ def print_module(module: ir.Module, *, debug_info: bool = False) -> str:
     return module.operation.get_asm(enable_debug_info=debug_info, assume_verified=True)
 
 
-def walk(op: ir.Operation | ir.OpView) -> Iterator[ir.OpView]:
-    """Every operation nested in ``op`` (pre-order, ``op`` excluded).
+def walk(op: ir.Operation | ir.OpView) -> list[ir.OpView]:
+    """Every operation nested in ``op`` (pre-order, ``op`` excluded), as a list.
 
-    Callers collect the result into a list before mutating anything.
+    The tree is walked by MLIR itself (one C++ walk, no Python recursion).
     """
-    for region in op.regions:
-        for block in region.blocks:
-            for child in block.operations:
-                yield child
-                yield from walk(child)
+    found: list[ir.OpView] = []
+
+    def visit(child: ir.Operation) -> ir.WalkResult:
+        found.append(child.opview)
+        return ir.WalkResult.ADVANCE
+
+    op.operation.walk(visit)
+    return found[1:]
+
+
+def ops_named(op: ir.Operation | ir.OpView, *names: str) -> dict[str, list[ir.OpView]]:
+    """The operations nested in ``op`` with each of ``names``, in pre-order: one walk for all."""
+    found: dict[str, list[ir.OpView]] = {name: [] for name in names}
+
+    def visit(child: ir.Operation) -> ir.WalkResult:
+        bucket = found.get(child.name)
+        if bucket is not None:
+            bucket.append(child.opview)
+        return ir.WalkResult.ADVANCE
+
+    op.operation.walk(visit)
+    return found
 
 
 def ranked_tensor(value: ir.Value) -> ir.RankedTensorType | None:

@@ -15,14 +15,12 @@ from .matchers import (
     ModuleInfo,
     ReduceScatterSite,
     Site,
-    all_gathers,
     match_all_gather,
     match_reduce_scatter,
-    reduce_scatters,
 )
 from .report import Report, SiteReport, describe_shard, tensor_bytes
 from .rewrites.all_gather_dot import rewrite_all_gather_dot
-from .rewrites.dot_reduce_scatter import rewrite_dot_reduce_scatter
+from .rewrites.dot_reduce_scatter import halves_blocker, rewrite_dot_reduce_scatter
 from .rewrites.schedule import Annotator, RewriteContext
 
 
@@ -106,12 +104,15 @@ class ChannelAllocator:
     """Fresh channel handles, above every handle already in the module."""
 
     def __init__(self, module: ir.Module):
-        handles = [
-            hlo.ChannelHandle(op.attributes["channel_handle"]).handle
-            for op in ir_utils.walk(module.operation)
-            if "channel_handle" in op.attributes
-        ]
-        self._next = max(handles, default=0) + 1
+        highest = [0]
+
+        def visit(op: ir.Operation) -> ir.WalkResult:
+            if "channel_handle" in op.attributes:
+                highest[0] = max(highest[0], hlo.ChannelHandle(op.attributes["channel_handle"]).handle)
+            return ir.WalkResult.ADVANCE
+
+        module.operation.walk(visit)
+        self._next = highest[0] + 1
 
     def take(self) -> int:
         handle = self._next
@@ -163,7 +164,8 @@ def rewrite(
 def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool) -> RewriteResult:
     # Unknown is only the default for type construction; every op gets an explicit loc.
     with module.context, ir.Location.unknown():
-        info = ModuleInfo.of(module)
+        found = ir_utils.ops_named(module, "stablehlo.reduce_scatter", "stablehlo.all_gather", "func.call")
+        info = ModuleInfo.of(module, found["func.call"])
         report = Report(source, info.num_partitions)
         channels = ChannelAllocator(module)
         hw = cost.hardware(options.hardware)
@@ -174,15 +176,17 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
             unroll=options.rounds_per_trip,
         )
         verify = module if verify_each else None
+        predictions: dict = {}  # SiteShape -> (Prediction, its report entry)
         # Scatters first: a dot between an all_gather and a reduce_scatter becomes the
         # scatter ring's peeled dot, which the gather's ring then computes (and the
         # loop reads the gathered value the gather's ring assembles).  Each collective
         # is matched against the IR as the earlier rewrites left it.
-        for op in reduce_scatters(module):
-            report.sites.append(_apply(match_reduce_scatter(op, info), verify, ctx, source, options, hw))
-        for op in all_gathers(module):
+        # (the scatter rewrites erase reduce_scatters and dots, never an all_gather)
+        for op in found["stablehlo.reduce_scatter"]:
+            report.sites.append(_apply(match_reduce_scatter(op, info), verify, ctx, source, options, hw, predictions))
+        for op in found["stablehlo.all_gather"]:
             site = match_all_gather(op, info, assemble=options.assemble)
-            report.sites.append(_apply(site, verify, ctx, source, options, hw))
+            report.sites.append(_apply(site, verify, ctx, source, options, hw, predictions))
         if report.rewritten:
             ctx.annotator.finish()
             _verify(module, None)
@@ -190,15 +194,19 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
 
 
 def _apply(
-    site: Site, module: ir.Module | None, ctx: RewriteContext, source: str, options: Options, hw: cost.Hardware
+    site: Site, module: ir.Module | None, ctx: RewriteContext, source: str, options: Options, hw: cost.Hardware,
+    predictions: dict,
 ) -> SiteReport:
     """Rewrite one site (``module``: verify it afterwards; None: the caller verifies at the end)."""
     entry = _describe(site, source)
     if isinstance(site, DeclinedSite):
         return entry
     shape = site_shape(site)
-    prediction = cost.predict(shape, hw, options.bidirectional, options.rounds_per_trip)
-    entry.cost = {**prediction.to_dict(), "site": shape.to_dict()}
+    if shape not in predictions:  # the layers of a model repeat their sites' shapes
+        prediction = cost.predict(shape, hw, options.bidirectional, options.rounds_per_trip)
+        predictions[shape] = prediction, {**prediction.to_dict(), "site": shape.to_dict()}
+    prediction, described = predictions[shape]
+    entry.cost = {k: dict(v) if isinstance(v, dict) else v for k, v in described.items()}  # each entry its own
     declined = _policy(options, shape, prediction)
     if declined:
         entry.reason_code, entry.reason = declined
@@ -324,7 +332,8 @@ def site_shape(site: AllGatherSite | ReduceScatterSite) -> cost.SiteShape:
         step = ir_utils.ranked_tensor(site.reduce_scatter.result)
     flops = sum(_dot_flops(d) for d in dots)
     dtype = str(ir_utils.ranked_tensor(dots[0].operation.operands[0]).element_type)
-    return cost.SiteShape(site.kind, site.ring.size, flops, tensor_bytes(step), dtype)
+    halvable = isinstance(site, AllGatherSite) or halves_blocker(site) is None
+    return cost.SiteShape(site.kind, site.ring.size, flops, tensor_bytes(step), dtype, halvable)
 
 
 def _dot_flops(dot) -> float:

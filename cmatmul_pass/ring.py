@@ -25,8 +25,8 @@ class Ring:
         return len(self.groups[0])
 
     def position_table(self) -> np.ndarray:
-        """``table[partition_id]`` = the partition's position in its group (int32)."""
-        table = np.zeros(self.num_partitions, dtype=np.int32)
+        """``table[partition_id]`` = the partition's position in its group (uint32, the index type of the rings)."""
+        table = np.zeros(self.num_partitions, dtype=np.uint32)
         for group in self.groups:
             for position, partition in enumerate(group):
                 table[partition] = position

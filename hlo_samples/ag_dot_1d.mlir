@@ -12,7 +12,7 @@
 // CHECK: stablehlo.partition_id
 // CHECK: stablehlo.while
 // CHECK: cond {
-// CHECK-NEXT: stablehlo.constant dense<7> : tensor<i32>
+// CHECK-NEXT: stablehlo.constant dense<7> : tensor<ui32>
 // CHECK-NEXT: stablehlo.compare LT
 // CHECK: } do {
 // CHECK: "stablehlo.collective_permute"
@@ -29,41 +29,40 @@
 // GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<128x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<128x128xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>] manual_axes={"model"} (%arg2: tensor<16x64xf32>, %arg3: tensor<64x16xf32>) {
-// GOLDEN-NEXT: %c = stablehlo.constant dense<16> : tensor<i32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<i32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<7> : tensor<i32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<0> : tensor<i32>
+// GOLDEN-NEXT: %c = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<7> : tensor<ui32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<128x16xf32>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xi32>
+// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %2 = stablehlo.convert %1 : (tensor<ui32>) -> tensor<i32>
-// GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c_3, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
-// GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
-// GOLDEN-NEXT: %5:3 = stablehlo.while(%iterArg = %c_2, %iterArg_4 = %arg2, %iterArg_5 = %cst) : tensor<i32>, tensor<16x64xf32>, tensor<128x16xf32>
+// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %4:3 = stablehlo.while(%iterArg = %c_2, %iterArg_4 = %arg2, %iterArg_5 = %cst) : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<7> : tensor<i32>
-// GOLDEN-NEXT: %11 = stablehlo.compare LT, %iterArg, %c_6, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %11 : tensor<i1>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<7> : tensor<ui32>
+// GOLDEN-NEXT: %10 = stablehlo.compare LT, %iterArg, %c_6, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %10 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<i32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<16> : tensor<i32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<8> : tensor<i32>
-// GOLDEN-NEXT: %11 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// GOLDEN-NEXT: %12 = stablehlo.add %4, %iterArg : tensor<i32>
-// GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_9 : tensor<i32>
-// GOLDEN-NEXT: %14 = stablehlo.dot_general %iterArg_4, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %15 = stablehlo.multiply %13, %c_8 : tensor<i32>
-// GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %iterArg_5, %14, %15, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// GOLDEN-NEXT: %17 = stablehlo.add %iterArg, %c_6 : tensor<i32>
-// GOLDEN-NEXT: stablehlo.return %17, %11, %16 : tensor<i32>, tensor<16x64xf32>, tensor<128x16xf32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// GOLDEN-NEXT: %11 = stablehlo.add %3, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_9 : tensor<ui32>
+// GOLDEN-NEXT: %13 = stablehlo.dot_general %iterArg_4, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %14 = stablehlo.multiply %12, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %iterArg_5, %13, %14, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// GOLDEN-NEXT: %16 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %16, %10, %15 : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %6 = stablehlo.add %4, %c_1 : tensor<i32>
-// GOLDEN-NEXT: %7 = stablehlo.remainder %6, %c_0 : tensor<i32>
-// GOLDEN-NEXT: %8 = stablehlo.dot_general %5#1, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %9 = stablehlo.multiply %7, %c : tensor<i32>
-// GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %5#2, %8, %9, %c_2 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// GOLDEN-NEXT: sdy.return %10 : tensor<128x16xf32>
+// GOLDEN-NEXT: %5 = stablehlo.add %3, %c_1 : tensor<ui32>
+// GOLDEN-NEXT: %6 = stablehlo.remainder %5, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %7 = stablehlo.dot_general %4#1, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %8 = stablehlo.multiply %6, %c : tensor<ui32>
+// GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %4#2, %7, %8, %c_2 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// GOLDEN-NEXT: sdy.return %9 : tensor<128x16xf32>
 // GOLDEN-NEXT: } : (tensor<128x64xf32>, tensor<64x128xf32>) -> tensor<128x128xf32>
 // GOLDEN-NEXT: return %0 : tensor<128x128xf32>
 // GOLDEN-NEXT: }
@@ -78,7 +77,7 @@
 // BIDI: stablehlo.dot_general
 // BIDI: stablehlo.while
 // BIDI: cond {
-// BIDI-NEXT: stablehlo.constant dense<2> : tensor<i32>
+// BIDI-NEXT: stablehlo.constant dense<2> : tensor<ui32>
 // BIDI-NEXT: stablehlo.compare LT
 // BIDI: } do {
 // BIDI: "stablehlo.collective_permute"
@@ -95,69 +94,68 @@
 // BIDI_GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // BIDI_GOLDEN-NEXT: func.func public @main(%arg0: tensor<128x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<128x128xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // BIDI_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>] manual_axes={"model"} (%arg2: tensor<16x64xf32>, %arg3: tensor<64x16xf32>) {
-// BIDI_GOLDEN-NEXT: %c = stablehlo.constant dense<4> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<5> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<3> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<16> : tensor<i32>
+// BIDI_GOLDEN-NEXT: %c = stablehlo.constant dense<4> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<5> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<3> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<16> : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<128x16xf32>
-// BIDI_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xi32>
+// BIDI_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // BIDI_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %2 = stablehlo.convert %1 : (tensor<ui32>) -> tensor<i32>
-// BIDI_GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c_5, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
-// BIDI_GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
-// BIDI_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// BIDI_GOLDEN-NEXT: %6 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 4], [4, 5], [5, 6], [6, 7], [7, 0]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// BIDI_GOLDEN-NEXT: %7 = stablehlo.dot_general %arg2, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %8 = stablehlo.multiply %4, %c_4 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %cst, %7, %8, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// BIDI_GOLDEN-NEXT: %10:4 = stablehlo.while(%iterArg = %c_3, %iterArg_6 = %5, %iterArg_7 = %6, %iterArg_8 = %9) : tensor<i32>, tensor<16x64xf32>, tensor<16x64xf32>, tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_5, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// BIDI_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
+// BIDI_GOLDEN-NEXT: %4 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// BIDI_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 4], [4, 5], [5, 6], [6, 7], [7, 0]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// BIDI_GOLDEN-NEXT: %6 = stablehlo.dot_general %arg2, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %7 = stablehlo.multiply %3, %c_4 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %cst, %6, %7, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %9:4 = stablehlo.while(%iterArg = %c_3, %iterArg_6 = %4, %iterArg_7 = %5, %iterArg_8 = %8) : tensor<ui32>, tensor<16x64xf32>, tensor<16x64xf32>, tensor<128x16xf32>
 // BIDI_GOLDEN-NEXT: cond {
-// BIDI_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<2> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %27 = stablehlo.compare LT, %iterArg, %c_9, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
-// BIDI_GOLDEN-NEXT: stablehlo.return %27 : tensor<i1>
+// BIDI_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<2> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %26 = stablehlo.compare LT, %iterArg, %c_9, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// BIDI_GOLDEN-NEXT: stablehlo.return %26 : tensor<i1>
 // BIDI_GOLDEN-NEXT: } do {
-// BIDI_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<7> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<16> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<8> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<1> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %27 = "stablehlo.collective_permute"(%iterArg_6) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// BIDI_GOLDEN-NEXT: %28 = "stablehlo.collective_permute"(%iterArg_7) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 4], [4, 5], [5, 6], [6, 7], [7, 0]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// BIDI_GOLDEN-NEXT: %29 = stablehlo.add %iterArg, %c_13 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %30 = stablehlo.add %4, %29 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %31 = stablehlo.remainder %30, %c_12 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %32 = stablehlo.dot_general %iterArg_6, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %33 = stablehlo.multiply %31, %c_11 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %34 = stablehlo.dynamic_update_slice %iterArg_8, %32, %33, %c_10 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// BIDI_GOLDEN-NEXT: %35 = stablehlo.multiply %iterArg, %c_9 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %36 = stablehlo.add %35, %c_9 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %37 = stablehlo.add %4, %36 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %38 = stablehlo.remainder %37, %c_12 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %39 = stablehlo.dot_general %iterArg_7, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %40 = stablehlo.multiply %38, %c_11 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %41 = stablehlo.dynamic_update_slice %34, %39, %40, %c_10 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// BIDI_GOLDEN-NEXT: %42 = stablehlo.add %iterArg, %c_13 : tensor<i32>
-// BIDI_GOLDEN-NEXT: stablehlo.return %42, %27, %28, %41 : tensor<i32>, tensor<16x64xf32>, tensor<16x64xf32>, tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<7> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<16> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<8> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<1> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %26 = "stablehlo.collective_permute"(%iterArg_6) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// BIDI_GOLDEN-NEXT: %27 = "stablehlo.collective_permute"(%iterArg_7) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 4], [4, 5], [5, 6], [6, 7], [7, 0]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// BIDI_GOLDEN-NEXT: %28 = stablehlo.add %iterArg, %c_13 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %29 = stablehlo.add %3, %28 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %30 = stablehlo.remainder %29, %c_12 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %31 = stablehlo.dot_general %iterArg_6, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %32 = stablehlo.multiply %30, %c_11 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %33 = stablehlo.dynamic_update_slice %iterArg_8, %31, %32, %c_10 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %34 = stablehlo.multiply %iterArg, %c_9 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %35 = stablehlo.add %34, %c_9 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %36 = stablehlo.add %3, %35 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %37 = stablehlo.remainder %36, %c_12 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %38 = stablehlo.dot_general %iterArg_7, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %39 = stablehlo.multiply %37, %c_11 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %40 = stablehlo.dynamic_update_slice %33, %38, %39, %c_10 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %41 = stablehlo.add %iterArg, %c_13 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: stablehlo.return %41, %26, %27, %40 : tensor<ui32>, tensor<16x64xf32>, tensor<16x64xf32>, tensor<128x16xf32>
 // BIDI_GOLDEN-NEXT: }
-// BIDI_GOLDEN-NEXT: %11 = "stablehlo.collective_permute"(%10#1) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// BIDI_GOLDEN-NEXT: %12 = stablehlo.add %4, %c_2 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_1 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %14 = stablehlo.dot_general %10#1, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %15 = stablehlo.multiply %13, %c_4 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %10#3, %14, %15, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// BIDI_GOLDEN-NEXT: %17 = stablehlo.add %4, %c_0 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %18 = stablehlo.remainder %17, %c_1 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %19 = stablehlo.dot_general %10#2, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %20 = stablehlo.multiply %18, %c_4 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %21 = stablehlo.dynamic_update_slice %16, %19, %20, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// BIDI_GOLDEN-NEXT: %22 = stablehlo.add %4, %c : tensor<i32>
-// BIDI_GOLDEN-NEXT: %23 = stablehlo.remainder %22, %c_1 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %24 = stablehlo.dot_general %11, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %25 = stablehlo.multiply %23, %c_4 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %26 = stablehlo.dynamic_update_slice %21, %24, %25, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// BIDI_GOLDEN-NEXT: sdy.return %26 : tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%9#1) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// BIDI_GOLDEN-NEXT: %11 = stablehlo.add %3, %c_2 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_1 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %13 = stablehlo.dot_general %9#1, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %14 = stablehlo.multiply %12, %c_4 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %9#3, %13, %14, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %16 = stablehlo.add %3, %c_0 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %17 = stablehlo.remainder %16, %c_1 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %18 = stablehlo.dot_general %9#2, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %19 = stablehlo.multiply %17, %c_4 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %20 = stablehlo.dynamic_update_slice %15, %18, %19, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %21 = stablehlo.add %3, %c : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %22 = stablehlo.remainder %21, %c_1 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %23 = stablehlo.dot_general %10, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %24 = stablehlo.multiply %22, %c_4 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %25 = stablehlo.dynamic_update_slice %20, %23, %24, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: sdy.return %25 : tensor<128x16xf32>
 // BIDI_GOLDEN-NEXT: } : (tensor<128x64xf32>, tensor<64x128xf32>) -> tensor<128x128xf32>
 // BIDI_GOLDEN-NEXT: return %0 : tensor<128x128xf32>
 // BIDI_GOLDEN-NEXT: }
@@ -167,7 +165,7 @@
 // UNROLL2-NOT: stablehlo.all_gather
 // UNROLL2: stablehlo.while
 // UNROLL2: cond {
-// UNROLL2-NEXT: stablehlo.constant dense<3> : tensor<i32>
+// UNROLL2-NEXT: stablehlo.constant dense<3> : tensor<ui32>
 // UNROLL2-NEXT: stablehlo.compare LT
 // UNROLL2: } do {
 // UNROLL2: "stablehlo.collective_permute"
@@ -184,58 +182,57 @@
 // UNROLL2_GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // UNROLL2_GOLDEN-NEXT: func.func public @main(%arg0: tensor<128x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<128x128xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // UNROLL2_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>] manual_axes={"model"} (%arg2: tensor<16x64xf32>, %arg3: tensor<64x16xf32>) {
-// UNROLL2_GOLDEN-NEXT: %c = stablehlo.constant dense<7> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<6> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %c = stablehlo.constant dense<7> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<6> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<128x16xf32>
-// UNROLL2_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xi32>
+// UNROLL2_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // UNROLL2_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %2 = stablehlo.convert %1 : (tensor<ui32>) -> tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c_4, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
-// UNROLL2_GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %5:3 = stablehlo.while(%iterArg = %c_3, %iterArg_5 = %arg2, %iterArg_6 = %cst) : tensor<i32>, tensor<16x64xf32>, tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_4, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// UNROLL2_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %4:3 = stablehlo.while(%iterArg = %c_3, %iterArg_5 = %arg2, %iterArg_6 = %cst) : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
 // UNROLL2_GOLDEN-NEXT: cond {
-// UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<3> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %17 = stablehlo.compare LT, %iterArg, %c_7, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
-// UNROLL2_GOLDEN-NEXT: stablehlo.return %17 : tensor<i1>
+// UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<3> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %16 = stablehlo.compare LT, %iterArg, %c_7, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// UNROLL2_GOLDEN-NEXT: stablehlo.return %16 : tensor<i1>
 // UNROLL2_GOLDEN-NEXT: } do {
-// UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<8> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<2> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %17 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// UNROLL2_GOLDEN-NEXT: %18 = stablehlo.multiply %iterArg, %c_11 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.add %4, %18 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_10 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %21 = stablehlo.dot_general %iterArg_5, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %22 = stablehlo.multiply %20, %c_9 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %iterArg_6, %21, %22, %c_8 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// UNROLL2_GOLDEN-NEXT: %24 = "stablehlo.collective_permute"(%17) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// UNROLL2_GOLDEN-NEXT: %25 = stablehlo.multiply %iterArg, %c_11 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %26 = stablehlo.add %25, %c_7 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %27 = stablehlo.add %4, %26 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %28 = stablehlo.remainder %27, %c_10 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.dot_general %17, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %30 = stablehlo.multiply %28, %c_9 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %31 = stablehlo.dynamic_update_slice %23, %29, %30, %c_8 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.add %iterArg, %c_7 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: stablehlo.return %32, %24, %31 : tensor<i32>, tensor<16x64xf32>, tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<8> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<2> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %16 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// UNROLL2_GOLDEN-NEXT: %17 = stablehlo.multiply %iterArg, %c_11 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %18 = stablehlo.add %3, %17 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_10 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %20 = stablehlo.dot_general %iterArg_5, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %21 = stablehlo.multiply %19, %c_9 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %22 = stablehlo.dynamic_update_slice %iterArg_6, %20, %21, %c_8 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %23 = "stablehlo.collective_permute"(%16) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// UNROLL2_GOLDEN-NEXT: %24 = stablehlo.multiply %iterArg, %c_11 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %25 = stablehlo.add %24, %c_7 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %26 = stablehlo.add %3, %25 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %27 = stablehlo.remainder %26, %c_10 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %28 = stablehlo.dot_general %16, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.multiply %27, %c_9 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %30 = stablehlo.dynamic_update_slice %22, %28, %29, %c_8 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %31 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: stablehlo.return %31, %23, %30 : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
 // UNROLL2_GOLDEN-NEXT: }
-// UNROLL2_GOLDEN-NEXT: %6 = "stablehlo.collective_permute"(%5#1) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// UNROLL2_GOLDEN-NEXT: %7 = stablehlo.add %4, %c_2 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %8 = stablehlo.remainder %7, %c_1 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %9 = stablehlo.dot_general %5#1, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %10 = stablehlo.multiply %8, %c_0 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %11 = stablehlo.dynamic_update_slice %5#2, %9, %10, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// UNROLL2_GOLDEN-NEXT: %12 = stablehlo.add %4, %c : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_1 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %14 = stablehlo.dot_general %6, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %15 = stablehlo.multiply %13, %c_0 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %11, %14, %15, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// UNROLL2_GOLDEN-NEXT: sdy.return %16 : tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%4#1) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// UNROLL2_GOLDEN-NEXT: %6 = stablehlo.add %3, %c_2 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %7 = stablehlo.remainder %6, %c_1 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %8 = stablehlo.dot_general %4#1, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %9 = stablehlo.multiply %7, %c_0 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %4#2, %8, %9, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %11 = stablehlo.add %3, %c : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_1 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %13 = stablehlo.dot_general %5, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %14 = stablehlo.multiply %12, %c_0 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %10, %13, %14, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: sdy.return %15 : tensor<128x16xf32>
 // UNROLL2_GOLDEN-NEXT: } : (tensor<128x64xf32>, tensor<64x128xf32>) -> tensor<128x128xf32>
 // UNROLL2_GOLDEN-NEXT: return %0 : tensor<128x128xf32>
 // UNROLL2_GOLDEN-NEXT: }
@@ -259,68 +256,67 @@
 // FULL_GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // FULL_GOLDEN-NEXT: func.func public @main(%arg0: tensor<128x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<128x128xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // FULL_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>] manual_axes={"model"} (%arg2: tensor<16x64xf32>, %arg3: tensor<64x16xf32>) {
-// FULL_GOLDEN-NEXT: %c = stablehlo.constant dense<7> : tensor<i32>
-// FULL_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<6> : tensor<i32>
-// FULL_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<5> : tensor<i32>
-// FULL_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<4> : tensor<i32>
-// FULL_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<3> : tensor<i32>
-// FULL_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<2> : tensor<i32>
-// FULL_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<8> : tensor<i32>
-// FULL_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<i32>
-// FULL_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<0> : tensor<i32>
-// FULL_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<16> : tensor<i32>
+// FULL_GOLDEN-NEXT: %c = stablehlo.constant dense<7> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<6> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<5> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<4> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<3> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<2> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<8> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<0> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<16> : tensor<ui32>
 // FULL_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xi32>
+// FULL_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // FULL_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// FULL_GOLDEN-NEXT: %2 = stablehlo.convert %1 : (tensor<ui32>) -> tensor<i32>
-// FULL_GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c_9, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
-// FULL_GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
-// FULL_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %6 = stablehlo.dot_general %arg2, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %7 = stablehlo.multiply %4, %c_8 : tensor<i32>
-// FULL_GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %cst, %6, %7, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: %9 = "stablehlo.collective_permute"(%5) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %10 = stablehlo.add %4, %c_6 : tensor<i32>
-// FULL_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c_5 : tensor<i32>
-// FULL_GOLDEN-NEXT: %12 = stablehlo.dot_general %5, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %13 = stablehlo.multiply %11, %c_8 : tensor<i32>
-// FULL_GOLDEN-NEXT: %14 = stablehlo.dynamic_update_slice %8, %12, %13, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: %15 = "stablehlo.collective_permute"(%9) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %16 = stablehlo.add %4, %c_4 : tensor<i32>
-// FULL_GOLDEN-NEXT: %17 = stablehlo.remainder %16, %c_5 : tensor<i32>
-// FULL_GOLDEN-NEXT: %18 = stablehlo.dot_general %9, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %19 = stablehlo.multiply %17, %c_8 : tensor<i32>
-// FULL_GOLDEN-NEXT: %20 = stablehlo.dynamic_update_slice %14, %18, %19, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: %21 = "stablehlo.collective_permute"(%15) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %22 = stablehlo.add %4, %c_3 : tensor<i32>
-// FULL_GOLDEN-NEXT: %23 = stablehlo.remainder %22, %c_5 : tensor<i32>
-// FULL_GOLDEN-NEXT: %24 = stablehlo.dot_general %15, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %25 = stablehlo.multiply %23, %c_8 : tensor<i32>
-// FULL_GOLDEN-NEXT: %26 = stablehlo.dynamic_update_slice %20, %24, %25, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: %27 = "stablehlo.collective_permute"(%21) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %28 = stablehlo.add %4, %c_2 : tensor<i32>
-// FULL_GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_5 : tensor<i32>
-// FULL_GOLDEN-NEXT: %30 = stablehlo.dot_general %21, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %31 = stablehlo.multiply %29, %c_8 : tensor<i32>
-// FULL_GOLDEN-NEXT: %32 = stablehlo.dynamic_update_slice %26, %30, %31, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: %33 = "stablehlo.collective_permute"(%27) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %34 = stablehlo.add %4, %c_1 : tensor<i32>
-// FULL_GOLDEN-NEXT: %35 = stablehlo.remainder %34, %c_5 : tensor<i32>
-// FULL_GOLDEN-NEXT: %36 = stablehlo.dot_general %27, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %37 = stablehlo.multiply %35, %c_8 : tensor<i32>
-// FULL_GOLDEN-NEXT: %38 = stablehlo.dynamic_update_slice %32, %36, %37, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: %39 = "stablehlo.collective_permute"(%33) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %40 = stablehlo.add %4, %c_0 : tensor<i32>
-// FULL_GOLDEN-NEXT: %41 = stablehlo.remainder %40, %c_5 : tensor<i32>
-// FULL_GOLDEN-NEXT: %42 = stablehlo.dot_general %33, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %43 = stablehlo.multiply %41, %c_8 : tensor<i32>
-// FULL_GOLDEN-NEXT: %44 = stablehlo.dynamic_update_slice %38, %42, %43, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: %45 = stablehlo.add %4, %c : tensor<i32>
-// FULL_GOLDEN-NEXT: %46 = stablehlo.remainder %45, %c_5 : tensor<i32>
-// FULL_GOLDEN-NEXT: %47 = stablehlo.dot_general %39, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %48 = stablehlo.multiply %46, %c_8 : tensor<i32>
-// FULL_GOLDEN-NEXT: %49 = stablehlo.dynamic_update_slice %44, %47, %48, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: sdy.return %49 : tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_9, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// FULL_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
+// FULL_GOLDEN-NEXT: %4 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// FULL_GOLDEN-NEXT: %5 = stablehlo.dot_general %arg2, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %6 = stablehlo.multiply %3, %c_8 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %7 = stablehlo.dynamic_update_slice %cst, %5, %6, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %8 = "stablehlo.collective_permute"(%4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// FULL_GOLDEN-NEXT: %9 = stablehlo.add %3, %c_6 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %10 = stablehlo.remainder %9, %c_5 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %11 = stablehlo.dot_general %4, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %12 = stablehlo.multiply %10, %c_8 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %13 = stablehlo.dynamic_update_slice %7, %11, %12, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %14 = "stablehlo.collective_permute"(%8) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// FULL_GOLDEN-NEXT: %15 = stablehlo.add %3, %c_4 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %16 = stablehlo.remainder %15, %c_5 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %17 = stablehlo.dot_general %8, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %18 = stablehlo.multiply %16, %c_8 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %19 = stablehlo.dynamic_update_slice %13, %17, %18, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %20 = "stablehlo.collective_permute"(%14) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// FULL_GOLDEN-NEXT: %21 = stablehlo.add %3, %c_3 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %22 = stablehlo.remainder %21, %c_5 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %23 = stablehlo.dot_general %14, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %24 = stablehlo.multiply %22, %c_8 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %25 = stablehlo.dynamic_update_slice %19, %23, %24, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %26 = "stablehlo.collective_permute"(%20) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// FULL_GOLDEN-NEXT: %27 = stablehlo.add %3, %c_2 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %28 = stablehlo.remainder %27, %c_5 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %29 = stablehlo.dot_general %20, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %30 = stablehlo.multiply %28, %c_8 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %31 = stablehlo.dynamic_update_slice %25, %29, %30, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %32 = "stablehlo.collective_permute"(%26) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// FULL_GOLDEN-NEXT: %33 = stablehlo.add %3, %c_1 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %34 = stablehlo.remainder %33, %c_5 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %35 = stablehlo.dot_general %26, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %36 = stablehlo.multiply %34, %c_8 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %37 = stablehlo.dynamic_update_slice %31, %35, %36, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %38 = "stablehlo.collective_permute"(%32) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// FULL_GOLDEN-NEXT: %39 = stablehlo.add %3, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %40 = stablehlo.remainder %39, %c_5 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %41 = stablehlo.dot_general %32, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %42 = stablehlo.multiply %40, %c_8 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %43 = stablehlo.dynamic_update_slice %37, %41, %42, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %44 = stablehlo.add %3, %c : tensor<ui32>
+// FULL_GOLDEN-NEXT: %45 = stablehlo.remainder %44, %c_5 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %46 = stablehlo.dot_general %38, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %47 = stablehlo.multiply %45, %c_8 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %48 = stablehlo.dynamic_update_slice %43, %46, %47, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: sdy.return %48 : tensor<128x16xf32>
 // FULL_GOLDEN-NEXT: } : (tensor<128x64xf32>, tensor<64x128xf32>) -> tensor<128x128xf32>
 // FULL_GOLDEN-NEXT: return %0 : tensor<128x128xf32>
 // FULL_GOLDEN-NEXT: }
@@ -345,58 +341,57 @@
 // STREAMS_GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // STREAMS_GOLDEN-NEXT: func.func public @main(%arg0: tensor<128x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<128x128xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // STREAMS_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>] manual_axes={"model"} (%arg2: tensor<16x64xf32>, %arg3: tensor<64x16xf32>) {
-// STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<7> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<6> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<7> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<6> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<128x16xf32>
-// STREAMS_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xi32>
+// STREAMS_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // STREAMS_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %2 = stablehlo.convert %1 : (tensor<ui32>) -> tensor<i32>
-// STREAMS_GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c_4, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
-// STREAMS_GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
-// STREAMS_GOLDEN-NEXT: %5:3 = stablehlo.while(%iterArg = %c_3, %iterArg_5 = %arg2, %iterArg_6 = %cst) : tensor<i32>, tensor<16x64xf32>, tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_4, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// STREAMS_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %4:3 = stablehlo.while(%iterArg = %c_3, %iterArg_5 = %arg2, %iterArg_6 = %cst) : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
 // STREAMS_GOLDEN-NEXT: cond {
-// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<3> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %17 = stablehlo.compare LT, %iterArg, %c_7, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %17 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<3> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %16 = stablehlo.compare LT, %iterArg, %c_7, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %16 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
-// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<8> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<2> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %17 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// STREAMS_GOLDEN-NEXT: %18 = stablehlo.multiply %iterArg, %c_11 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %19 = stablehlo.add %4, %18 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_10 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %21 = func.call @cmatmul_dot_0(%iterArg_5, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %22 = stablehlo.multiply %20, %c_9 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %iterArg_6, %21, %22, %c_8 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// STREAMS_GOLDEN-NEXT: %24 = "stablehlo.collective_permute"(%17) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// STREAMS_GOLDEN-NEXT: %25 = stablehlo.multiply %iterArg, %c_11 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %26 = stablehlo.add %25, %c_7 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %27 = stablehlo.add %4, %26 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %28 = stablehlo.remainder %27, %c_10 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %29 = func.call @cmatmul_dot_0(%17, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %30 = stablehlo.multiply %28, %c_9 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %31 = stablehlo.dynamic_update_slice %23, %29, %30, %c_8 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// STREAMS_GOLDEN-NEXT: %32 = stablehlo.add %iterArg, %c_7 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %32, %24, %31 : tensor<i32>, tensor<16x64xf32>, tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<8> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<2> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %16 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// STREAMS_GOLDEN-NEXT: %17 = stablehlo.multiply %iterArg, %c_11 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %18 = stablehlo.add %3, %17 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %20 = func.call @cmatmul_dot_0(%iterArg_5, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %21 = stablehlo.multiply %19, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %22 = stablehlo.dynamic_update_slice %iterArg_6, %20, %21, %c_8 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %23 = "stablehlo.collective_permute"(%16) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// STREAMS_GOLDEN-NEXT: %24 = stablehlo.multiply %iterArg, %c_11 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %25 = stablehlo.add %24, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %26 = stablehlo.add %3, %25 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %27 = stablehlo.remainder %26, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %28 = func.call @cmatmul_dot_0(%16, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %29 = stablehlo.multiply %27, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %30 = stablehlo.dynamic_update_slice %22, %28, %29, %c_8 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %31 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %31, %23, %30 : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
 // STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: %6 = "stablehlo.collective_permute"(%5#1) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// STREAMS_GOLDEN-NEXT: %7 = stablehlo.add %4, %c_2 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %8 = stablehlo.remainder %7, %c_1 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %9 = func.call @cmatmul_dot_0(%5#1, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %10 = stablehlo.multiply %8, %c_0 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %11 = stablehlo.dynamic_update_slice %5#2, %9, %10, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// STREAMS_GOLDEN-NEXT: %12 = stablehlo.add %4, %c : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_1 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %14 = func.call @cmatmul_dot_0(%6, %arg3) {mhlo.frontend_attributes = {_xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %15 = stablehlo.multiply %13, %c_0 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %11, %14, %15, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<128x16xf32>
-// STREAMS_GOLDEN-NEXT: sdy.return %16 : tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%4#1) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// STREAMS_GOLDEN-NEXT: %6 = stablehlo.add %3, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %7 = stablehlo.remainder %6, %c_1 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %8 = func.call @cmatmul_dot_0(%4#1, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %9 = stablehlo.multiply %7, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %4#2, %8, %9, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %11 = stablehlo.add %3, %c : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_1 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %13 = func.call @cmatmul_dot_0(%5, %arg3) {mhlo.frontend_attributes = {_xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %14 = stablehlo.multiply %12, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %10, %13, %14, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: sdy.return %15 : tensor<128x16xf32>
 // STREAMS_GOLDEN-NEXT: } : (tensor<128x64xf32>, tensor<64x128xf32>) -> tensor<128x128xf32>
 // STREAMS_GOLDEN-NEXT: return %0 : tensor<128x128xf32>
 // STREAMS_GOLDEN-NEXT: }
@@ -422,75 +417,74 @@
 // HLO_GOLDEN-NEXT: ROOT dot.1 = f32[16,16]{1,0} dot(Arg_0.3, Arg_1.3), lhs_contracting_dims={1}, rhs_contracting_dims={0}
 // HLO_GOLDEN-NEXT: }
 // HLO_GOLDEN: region_0.2 {
-// HLO_GOLDEN-NEXT: arg_tuple.1 = (s32[], f32[16,64]{1,0}, f32[128,16]{1,0}, s32[], f32[64,16]{1,0}) parameter(0)
-// HLO_GOLDEN-NEXT: get-tuple-element.7 = s32[] get-tuple-element(arg_tuple.1), index=0
-// HLO_GOLDEN-NEXT: constant.12 = s32[] constant(1)
-// HLO_GOLDEN-NEXT: add.7 = s32[] add(get-tuple-element.7, constant.12)
+// HLO_GOLDEN-NEXT: arg_tuple.1 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) parameter(0)
+// HLO_GOLDEN-NEXT: get-tuple-element.7 = u32[] get-tuple-element(arg_tuple.1), index=0
+// HLO_GOLDEN-NEXT: constant.12 = u32[] constant(1)
+// HLO_GOLDEN-NEXT: add.7 = u32[] add(get-tuple-element.7, constant.12)
 // HLO_GOLDEN-NEXT: get-tuple-element.8 = f32[16,64]{1,0} get-tuple-element(arg_tuple.1), index=1
 // HLO_GOLDEN-NEXT: collective-permute.2 = f32[16,64]{1,0} collective-permute(get-tuple-element.8), channel_id=2, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="0"}
 // HLO_GOLDEN-NEXT: collective-permute.3 = f32[16,64]{1,0} collective-permute(collective-permute.2), channel_id=3, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="1"}
 // HLO_GOLDEN-NEXT: get-tuple-element.9 = f32[128,16]{1,0} get-tuple-element(arg_tuple.1), index=2
 // HLO_GOLDEN-NEXT: get-tuple-element.11 = f32[64,16]{1,0} get-tuple-element(arg_tuple.1), index=4
 // HLO_GOLDEN-NEXT: call.2 = f32[16,16]{1,0} call(get-tuple-element.8, get-tuple-element.11), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="0",_xla_stream_annotation="1",inlineable="false"}
-// HLO_GOLDEN-NEXT: get-tuple-element.10 = s32[] get-tuple-element(arg_tuple.1), index=3
-// HLO_GOLDEN-NEXT: constant.16 = s32[] constant(2)
-// HLO_GOLDEN-NEXT: multiply.4 = s32[] multiply(get-tuple-element.7, constant.16)
-// HLO_GOLDEN-NEXT: add.4 = s32[] add(get-tuple-element.10, multiply.4)
-// HLO_GOLDEN-NEXT: constant.15 = s32[] constant(8)
-// HLO_GOLDEN-NEXT: remainder.2 = s32[] remainder(add.4, constant.15)
-// HLO_GOLDEN-NEXT: constant.14 = s32[] constant(16)
-// HLO_GOLDEN-NEXT: multiply.5 = s32[] multiply(remainder.2, constant.14)
-// HLO_GOLDEN-NEXT: constant.13 = s32[] constant(0)
+// HLO_GOLDEN-NEXT: get-tuple-element.10 = u32[] get-tuple-element(arg_tuple.1), index=3
+// HLO_GOLDEN-NEXT: constant.16 = u32[] constant(2)
+// HLO_GOLDEN-NEXT: multiply.4 = u32[] multiply(get-tuple-element.7, constant.16)
+// HLO_GOLDEN-NEXT: add.4 = u32[] add(get-tuple-element.10, multiply.4)
+// HLO_GOLDEN-NEXT: constant.15 = u32[] constant(8)
+// HLO_GOLDEN-NEXT: remainder.2 = u32[] remainder(add.4, constant.15)
+// HLO_GOLDEN-NEXT: constant.14 = u32[] constant(16)
+// HLO_GOLDEN-NEXT: multiply.5 = u32[] multiply(remainder.2, constant.14)
+// HLO_GOLDEN-NEXT: constant.13 = u32[] constant(0)
 // HLO_GOLDEN-NEXT: dynamic-update-slice.2 = f32[128,16]{1,0} dynamic-update-slice(get-tuple-element.9, call.2, multiply.5, constant.13)
 // HLO_GOLDEN-NEXT: call.3 = f32[16,16]{1,0} call(collective-permute.2, get-tuple-element.11), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="1",_xla_stream_annotation="2",inlineable="false"}
-// HLO_GOLDEN-NEXT: multiply.6 = s32[] multiply(get-tuple-element.7, constant.16)
-// HLO_GOLDEN-NEXT: add.5 = s32[] add(multiply.6, constant.12)
-// HLO_GOLDEN-NEXT: add.6 = s32[] add(get-tuple-element.10, add.5)
-// HLO_GOLDEN-NEXT: remainder.3 = s32[] remainder(add.6, constant.15)
-// HLO_GOLDEN-NEXT: multiply.7 = s32[] multiply(remainder.3, constant.14)
+// HLO_GOLDEN-NEXT: multiply.6 = u32[] multiply(get-tuple-element.7, constant.16)
+// HLO_GOLDEN-NEXT: add.5 = u32[] add(multiply.6, constant.12)
+// HLO_GOLDEN-NEXT: add.6 = u32[] add(get-tuple-element.10, add.5)
+// HLO_GOLDEN-NEXT: remainder.3 = u32[] remainder(add.6, constant.15)
+// HLO_GOLDEN-NEXT: multiply.7 = u32[] multiply(remainder.3, constant.14)
 // HLO_GOLDEN-NEXT: dynamic-update-slice.3 = f32[128,16]{1,0} dynamic-update-slice(dynamic-update-slice.2, call.3, multiply.7, constant.13)
-// HLO_GOLDEN-NEXT: ROOT tuple.1 = (s32[], f32[16,64]{1,0}, f32[128,16]{1,0}, s32[], f32[64,16]{1,0}) tuple(add.7, collective-permute.3, dynamic-update-slice.3, get-tuple-element.10, get-tuple-element.11)
+// HLO_GOLDEN-NEXT: ROOT tuple.1 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) tuple(add.7, collective-permute.3, dynamic-update-slice.3, get-tuple-element.10, get-tuple-element.11)
 // HLO_GOLDEN-NEXT: }
 // HLO_GOLDEN: region_1.3 {
-// HLO_GOLDEN-NEXT: arg_tuple.3 = (s32[], f32[16,64]{1,0}, f32[128,16]{1,0}, s32[], f32[64,16]{1,0}) parameter(0)
+// HLO_GOLDEN-NEXT: arg_tuple.3 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) parameter(0)
 // HLO_GOLDEN-NEXT: get-tuple-element.18 = f32[16,64]{1,0} get-tuple-element(arg_tuple.3), index=1
 // HLO_GOLDEN-NEXT: get-tuple-element.19 = f32[128,16]{1,0} get-tuple-element(arg_tuple.3), index=2
-// HLO_GOLDEN-NEXT: get-tuple-element.20 = s32[] get-tuple-element(arg_tuple.3), index=3
+// HLO_GOLDEN-NEXT: get-tuple-element.20 = u32[] get-tuple-element(arg_tuple.3), index=3
 // HLO_GOLDEN-NEXT: get-tuple-element.21 = f32[64,16]{1,0} get-tuple-element(arg_tuple.3), index=4
-// HLO_GOLDEN-NEXT: get-tuple-element.17 = s32[] get-tuple-element(arg_tuple.3), index=0
-// HLO_GOLDEN-NEXT: constant.18 = s32[] constant(3)
+// HLO_GOLDEN-NEXT: get-tuple-element.17 = u32[] get-tuple-element(arg_tuple.3), index=0
+// HLO_GOLDEN-NEXT: constant.18 = u32[] constant(3)
 // HLO_GOLDEN-NEXT: ROOT compare.1 = pred[] compare(get-tuple-element.17, constant.18), direction=LT
 // HLO_GOLDEN-NEXT: }
 // HLO_GOLDEN: xla.sdy.manual_computation_body.4 {
-// HLO_GOLDEN-NEXT: constant.23 = s32[] constant(0)
+// HLO_GOLDEN-NEXT: constant.23 = u32[] constant(0)
 // HLO_GOLDEN-NEXT: Arg_0.4 = f32[16,64]{1,0} parameter(0)
 // HLO_GOLDEN-NEXT: constant.24 = f32[] constant(0)
 // HLO_GOLDEN-NEXT: broadcast.1 = f32[128,16]{1,0} broadcast(constant.24), dimensions={}
-// HLO_GOLDEN-NEXT: constant.25 = s32[8]{0} constant({0, 1, 2, 3, 4, 5, 6, 7})
+// HLO_GOLDEN-NEXT: constant.25 = u32[8]{0} constant({0, 1, 2, 3, 4, 5, 6, 7})
 // HLO_GOLDEN-NEXT: partition-id.1 = u32[] partition-id()
-// HLO_GOLDEN-NEXT: convert.1 = s32[] convert(partition-id.1)
-// HLO_GOLDEN-NEXT: dynamic-slice.1 = s32[1]{0} dynamic-slice(constant.25, convert.1), dynamic_slice_sizes={1}
-// HLO_GOLDEN-NEXT: reshape.1 = s32[] reshape(dynamic-slice.1)
+// HLO_GOLDEN-NEXT: dynamic-slice.1 = u32[1]{0} dynamic-slice(constant.25, partition-id.1), dynamic_slice_sizes={1}
+// HLO_GOLDEN-NEXT: reshape.1 = u32[] reshape(dynamic-slice.1)
 // HLO_GOLDEN-NEXT: Arg_1.4 = f32[64,16]{1,0} parameter(1)
-// HLO_GOLDEN-NEXT: tuple.3 = (s32[], f32[16,64]{1,0}, f32[128,16]{1,0}, s32[], f32[64,16]{1,0}) tuple(constant.23, Arg_0.4, broadcast.1, reshape.1, Arg_1.4)
-// HLO_GOLDEN-NEXT: while.1 = (s32[], f32[16,64]{1,0}, f32[128,16]{1,0}, s32[], f32[64,16]{1,0}) while(tuple.3), condition=region_1.3, body=region_0.2
-// HLO_GOLDEN-NEXT: get-tuple-element.25 = s32[] get-tuple-element(while.1), index=0
+// HLO_GOLDEN-NEXT: tuple.3 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) tuple(constant.23, Arg_0.4, broadcast.1, reshape.1, Arg_1.4)
+// HLO_GOLDEN-NEXT: while.1 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) while(tuple.3), condition=region_1.3, body=region_0.2
+// HLO_GOLDEN-NEXT: get-tuple-element.25 = u32[] get-tuple-element(while.1), index=0
 // HLO_GOLDEN-NEXT: get-tuple-element.27 = f32[128,16]{1,0} get-tuple-element(while.1), index=2
 // HLO_GOLDEN-NEXT: get-tuple-element.26 = f32[16,64]{1,0} get-tuple-element(while.1), index=1
 // HLO_GOLDEN-NEXT: call.6 = f32[16,16]{1,0} call(get-tuple-element.26, Arg_1.4), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="2",_xla_stream_annotation="1",inlineable="false"}
-// HLO_GOLDEN-NEXT: constant.22 = s32[] constant(6)
-// HLO_GOLDEN-NEXT: add.10 = s32[] add(reshape.1, constant.22)
-// HLO_GOLDEN-NEXT: constant.21 = s32[] constant(8)
-// HLO_GOLDEN-NEXT: remainder.6 = s32[] remainder(add.10, constant.21)
-// HLO_GOLDEN-NEXT: constant.20 = s32[] constant(16)
-// HLO_GOLDEN-NEXT: multiply.10 = s32[] multiply(remainder.6, constant.20)
+// HLO_GOLDEN-NEXT: constant.22 = u32[] constant(6)
+// HLO_GOLDEN-NEXT: add.10 = u32[] add(reshape.1, constant.22)
+// HLO_GOLDEN-NEXT: constant.21 = u32[] constant(8)
+// HLO_GOLDEN-NEXT: remainder.6 = u32[] remainder(add.10, constant.21)
+// HLO_GOLDEN-NEXT: constant.20 = u32[] constant(16)
+// HLO_GOLDEN-NEXT: multiply.10 = u32[] multiply(remainder.6, constant.20)
 // HLO_GOLDEN-NEXT: dynamic-update-slice.6 = f32[128,16]{1,0} dynamic-update-slice(get-tuple-element.27, call.6, multiply.10, constant.23)
 // HLO_GOLDEN-NEXT: collective-permute.5 = f32[16,64]{1,0} collective-permute(get-tuple-element.26), channel_id=4, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="2"}
 // HLO_GOLDEN-NEXT: call.7 = f32[16,16]{1,0} call(collective-permute.5, Arg_1.4), to_apply=cmatmul_dot_0.1, frontend_attributes={_xla_stream_annotation="2",inlineable="false"}
-// HLO_GOLDEN-NEXT: constant.19 = s32[] constant(7)
-// HLO_GOLDEN-NEXT: add.11 = s32[] add(reshape.1, constant.19)
-// HLO_GOLDEN-NEXT: remainder.7 = s32[] remainder(add.11, constant.21)
-// HLO_GOLDEN-NEXT: multiply.11 = s32[] multiply(remainder.7, constant.20)
+// HLO_GOLDEN-NEXT: constant.19 = u32[] constant(7)
+// HLO_GOLDEN-NEXT: add.11 = u32[] add(reshape.1, constant.19)
+// HLO_GOLDEN-NEXT: remainder.7 = u32[] remainder(add.11, constant.21)
+// HLO_GOLDEN-NEXT: multiply.11 = u32[] multiply(remainder.7, constant.20)
 // HLO_GOLDEN-NEXT: ROOT dynamic-update-slice.7 = f32[128,16]{1,0} dynamic-update-slice(dynamic-update-slice.6, call.7, multiply.11, constant.23)
 // HLO_GOLDEN-NEXT: }
 // HLO_GOLDEN: ENTRY main.5 {

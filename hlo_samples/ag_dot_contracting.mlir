@@ -10,7 +10,7 @@
 // CHECK-NOT: stablehlo.all_gather
 // CHECK: stablehlo.while
 // CHECK: cond {
-// CHECK-NEXT: stablehlo.constant dense<3> : tensor<i32>
+// CHECK-NEXT: stablehlo.constant dense<3> : tensor<ui32>
 // CHECK-NEXT: stablehlo.compare LT
 // CHECK: } do {
 // CHECK: "stablehlo.collective_permute"
@@ -29,43 +29,42 @@
 // GOLDEN-NEXT: sdy.mesh @mesh = <["data"=2, "model"=4]> {stablehlo.mesh = {axes = [{name = "data", size = 2 : i64}, {name = "model", size = 4 : i64}]}}
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}, %arg1: tensor<64x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<32x64xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"data"}, {"model"}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{"data"}, {"model"}]>] manual_axes={"data", "model"} (%arg2: tensor<16x16xf32>, %arg3: tensor<64x16xf32>) {
-// GOLDEN-NEXT: %c = stablehlo.constant dense<16> : tensor<i32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<4> : tensor<i32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<3> : tensor<i32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<0> : tensor<i32>
+// GOLDEN-NEXT: %c = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<16x16xf32>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xi32>
+// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %2 = stablehlo.convert %1 : (tensor<ui32>) -> tensor<i32>
-// GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c_3, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
-// GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
-// GOLDEN-NEXT: %5:3 = stablehlo.while(%iterArg = %c_2, %iterArg_4 = %arg2, %iterArg_5 = %cst) : tensor<i32>, tensor<16x16xf32>, tensor<16x16xf32>
+// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %4:3 = stablehlo.while(%iterArg = %c_2, %iterArg_4 = %arg2, %iterArg_5 = %cst) : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<3> : tensor<i32>
-// GOLDEN-NEXT: %12 = stablehlo.compare LT, %iterArg, %c_6, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %12 : tensor<i1>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %11 = stablehlo.compare LT, %iterArg, %c_6, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %11 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<i32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<16> : tensor<i32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<4> : tensor<i32>
-// GOLDEN-NEXT: %12 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %13 = stablehlo.add %4, %iterArg : tensor<i32>
-// GOLDEN-NEXT: %14 = stablehlo.remainder %13, %c_9 : tensor<i32>
-// GOLDEN-NEXT: %15 = stablehlo.multiply %14, %c_8 : tensor<i32>
-// GOLDEN-NEXT: %16 = stablehlo.dynamic_slice %arg3, %15, %c_7, sizes = [16, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %17 = stablehlo.dot_general %iterArg_4, %16, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %18 = stablehlo.add %iterArg_5, %17 : tensor<16x16xf32>
-// GOLDEN-NEXT: %19 = stablehlo.add %iterArg, %c_6 : tensor<i32>
-// GOLDEN-NEXT: stablehlo.return %19, %12, %18 : tensor<i32>, tensor<16x16xf32>, tensor<16x16xf32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %11 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %12 = stablehlo.add %3, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_9 : tensor<ui32>
+// GOLDEN-NEXT: %14 = stablehlo.multiply %13, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: %15 = stablehlo.dynamic_slice %arg3, %14, %c_7, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %16 = stablehlo.dot_general %iterArg_4, %15, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %17 = stablehlo.add %iterArg_5, %16 : tensor<16x16xf32>
+// GOLDEN-NEXT: %18 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %18, %11, %17 : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %6 = stablehlo.add %4, %c_1 : tensor<i32>
-// GOLDEN-NEXT: %7 = stablehlo.remainder %6, %c_0 : tensor<i32>
-// GOLDEN-NEXT: %8 = stablehlo.multiply %7, %c : tensor<i32>
-// GOLDEN-NEXT: %9 = stablehlo.dynamic_slice %arg3, %8, %c_2, sizes = [16, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %10 = stablehlo.dot_general %5#1, %9, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %11 = stablehlo.add %5#2, %10 : tensor<16x16xf32>
-// GOLDEN-NEXT: sdy.return %11 : tensor<16x16xf32>
+// GOLDEN-NEXT: %5 = stablehlo.add %3, %c_1 : tensor<ui32>
+// GOLDEN-NEXT: %6 = stablehlo.remainder %5, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %7 = stablehlo.multiply %6, %c : tensor<ui32>
+// GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %arg3, %7, %c_2, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %9 = stablehlo.dot_general %4#1, %8, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %10 = stablehlo.add %4#2, %9 : tensor<16x16xf32>
+// GOLDEN-NEXT: sdy.return %10 : tensor<16x16xf32>
 // GOLDEN-NEXT: } : (tensor<32x64xf32>, tensor<64x64xf32>) -> tensor<32x64xf32>
 // GOLDEN-NEXT: return %0 : tensor<32x64xf32>
 // GOLDEN-NEXT: }
@@ -91,44 +90,43 @@
 // BIDI_GOLDEN-NEXT: sdy.mesh @mesh = <["data"=2, "model"=4]> {stablehlo.mesh = {axes = [{name = "data", size = 2 : i64}, {name = "model", size = 4 : i64}]}}
 // BIDI_GOLDEN-NEXT: func.func public @main(%arg0: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}, %arg1: tensor<64x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<32x64xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}) {
 // BIDI_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"data"}, {"model"}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{"data"}, {"model"}]>] manual_axes={"data", "model"} (%arg2: tensor<16x16xf32>, %arg3: tensor<64x16xf32>) {
-// BIDI_GOLDEN-NEXT: %c = stablehlo.constant dense<2> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<3> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<1> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<16> : tensor<i32>
+// BIDI_GOLDEN-NEXT: %c = stablehlo.constant dense<2> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<3> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<1> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<16> : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xi32>
+// BIDI_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // BIDI_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %2 = stablehlo.convert %1 : (tensor<ui32>) -> tensor<i32>
-// BIDI_GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c_5, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
-// BIDI_GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
-// BIDI_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %6 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %7 = stablehlo.multiply %4, %c_4 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %arg3, %7, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %9 = stablehlo.dot_general %arg2, %8, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %10 = stablehlo.add %cst, %9 : tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %11 = "stablehlo.collective_permute"(%5) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %12 = stablehlo.add %4, %c_2 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_1 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %14 = stablehlo.multiply %13, %c_4 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %15 = stablehlo.dynamic_slice %arg3, %14, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %16 = stablehlo.dot_general %5, %15, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %17 = stablehlo.add %10, %16 : tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %18 = stablehlo.add %4, %c_0 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_1 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %20 = stablehlo.multiply %19, %c_4 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %21 = stablehlo.dynamic_slice %arg3, %20, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %22 = stablehlo.dot_general %6, %21, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %23 = stablehlo.add %17, %22 : tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %24 = stablehlo.add %4, %c : tensor<i32>
-// BIDI_GOLDEN-NEXT: %25 = stablehlo.remainder %24, %c_1 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %26 = stablehlo.multiply %25, %c_4 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %27 = stablehlo.dynamic_slice %arg3, %26, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %28 = stablehlo.dot_general %11, %27, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %29 = stablehlo.add %23, %28 : tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: sdy.return %29 : tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_5, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// BIDI_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
+// BIDI_GOLDEN-NEXT: %4 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %6 = stablehlo.multiply %3, %c_4 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg3, %6, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %8 = stablehlo.dot_general %arg2, %7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %9 = stablehlo.add %cst, %8 : tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%4) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %11 = stablehlo.add %3, %c_2 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_1 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %13 = stablehlo.multiply %12, %c_4 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %14 = stablehlo.dynamic_slice %arg3, %13, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %15 = stablehlo.dot_general %4, %14, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %16 = stablehlo.add %9, %15 : tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %17 = stablehlo.add %3, %c_0 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %18 = stablehlo.remainder %17, %c_1 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %19 = stablehlo.multiply %18, %c_4 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %20 = stablehlo.dynamic_slice %arg3, %19, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %21 = stablehlo.dot_general %5, %20, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %22 = stablehlo.add %16, %21 : tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %23 = stablehlo.add %3, %c : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %24 = stablehlo.remainder %23, %c_1 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %25 = stablehlo.multiply %24, %c_4 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %26 = stablehlo.dynamic_slice %arg3, %25, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %27 = stablehlo.dot_general %10, %26, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %28 = stablehlo.add %22, %27 : tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: sdy.return %28 : tensor<16x16xf32>
 // BIDI_GOLDEN-NEXT: } : (tensor<32x64xf32>, tensor<64x64xf32>) -> tensor<32x64xf32>
 // BIDI_GOLDEN-NEXT: return %0 : tensor<32x64xf32>
 // BIDI_GOLDEN-NEXT: }
@@ -138,7 +136,7 @@
 // UNROLL2-NOT: stablehlo.all_gather
 // UNROLL2: stablehlo.while
 // UNROLL2: cond {
-// UNROLL2-NEXT: stablehlo.constant dense<1> : tensor<i32>
+// UNROLL2-NEXT: stablehlo.constant dense<1> : tensor<ui32>
 // UNROLL2-NEXT: stablehlo.compare LT
 // UNROLL2: } do {
 // UNROLL2: "stablehlo.collective_permute"
@@ -155,62 +153,61 @@
 // UNROLL2_GOLDEN-NEXT: sdy.mesh @mesh = <["data"=2, "model"=4]> {stablehlo.mesh = {axes = [{name = "data", size = 2 : i64}, {name = "model", size = 4 : i64}]}}
 // UNROLL2_GOLDEN-NEXT: func.func public @main(%arg0: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}, %arg1: tensor<64x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<32x64xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}) {
 // UNROLL2_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"data"}, {"model"}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{"data"}, {"model"}]>] manual_axes={"data", "model"} (%arg2: tensor<16x16xf32>, %arg3: tensor<64x16xf32>) {
-// UNROLL2_GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<2> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<2> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xi32>
+// UNROLL2_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // UNROLL2_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %2 = stablehlo.convert %1 : (tensor<ui32>) -> tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c_4, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
-// UNROLL2_GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %5:3 = stablehlo.while(%iterArg = %c_3, %iterArg_5 = %arg2, %iterArg_6 = %cst) : tensor<i32>, tensor<16x16xf32>, tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_4, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// UNROLL2_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %4:3 = stablehlo.while(%iterArg = %c_3, %iterArg_5 = %arg2, %iterArg_6 = %cst) : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>
 // UNROLL2_GOLDEN-NEXT: cond {
-// UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.compare LT, %iterArg, %c_7, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
-// UNROLL2_GOLDEN-NEXT: stablehlo.return %19 : tensor<i1>
+// UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %18 = stablehlo.compare LT, %iterArg, %c_7, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// UNROLL2_GOLDEN-NEXT: stablehlo.return %18 : tensor<i1>
 // UNROLL2_GOLDEN-NEXT: } do {
-// UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<4> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<2> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %19 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %20 = stablehlo.multiply %iterArg, %c_11 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %21 = stablehlo.add %4, %20 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %22 = stablehlo.remainder %21, %c_10 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %23 = stablehlo.multiply %22, %c_9 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %24 = stablehlo.dynamic_slice %arg3, %23, %c_8, sizes = [16, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %25 = stablehlo.dot_general %iterArg_5, %24, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %26 = stablehlo.add %iterArg_6, %25 : tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %27 = "stablehlo.collective_permute"(%19) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %28 = stablehlo.multiply %iterArg, %c_11 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.add %28, %c_7 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %30 = stablehlo.add %4, %29 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %31 = stablehlo.remainder %30, %c_10 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.multiply %31, %c_9 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %33 = stablehlo.dynamic_slice %arg3, %32, %c_8, sizes = [16, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %34 = stablehlo.dot_general %19, %33, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %35 = stablehlo.add %26, %34 : tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %36 = stablehlo.add %iterArg, %c_7 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: stablehlo.return %36, %27, %35 : tensor<i32>, tensor<16x16xf32>, tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<4> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<2> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %18 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.multiply %iterArg, %c_11 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %20 = stablehlo.add %3, %19 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %21 = stablehlo.remainder %20, %c_10 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %22 = stablehlo.multiply %21, %c_9 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %23 = stablehlo.dynamic_slice %arg3, %22, %c_8, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %24 = stablehlo.dot_general %iterArg_5, %23, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %25 = stablehlo.add %iterArg_6, %24 : tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %26 = "stablehlo.collective_permute"(%18) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %27 = stablehlo.multiply %iterArg, %c_11 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %28 = stablehlo.add %27, %c_7 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.add %3, %28 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %30 = stablehlo.remainder %29, %c_10 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %31 = stablehlo.multiply %30, %c_9 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.dynamic_slice %arg3, %31, %c_8, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %33 = stablehlo.dot_general %18, %32, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %34 = stablehlo.add %25, %33 : tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %35 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: stablehlo.return %35, %26, %34 : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>
 // UNROLL2_GOLDEN-NEXT: }
-// UNROLL2_GOLDEN-NEXT: %6 = "stablehlo.collective_permute"(%5#1) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %7 = stablehlo.add %4, %c_2 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %8 = stablehlo.remainder %7, %c_1 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %9 = stablehlo.multiply %8, %c_0 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %10 = stablehlo.dynamic_slice %arg3, %9, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %11 = stablehlo.dot_general %5#1, %10, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %12 = stablehlo.add %5#2, %11 : tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %13 = stablehlo.add %4, %c : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %14 = stablehlo.remainder %13, %c_1 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %15 = stablehlo.multiply %14, %c_0 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %16 = stablehlo.dynamic_slice %arg3, %15, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %17 = stablehlo.dot_general %6, %16, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %18 = stablehlo.add %12, %17 : tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: sdy.return %18 : tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%4#1) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %6 = stablehlo.add %3, %c_2 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %7 = stablehlo.remainder %6, %c_1 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %8 = stablehlo.multiply %7, %c_0 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %9 = stablehlo.dynamic_slice %arg3, %8, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %10 = stablehlo.dot_general %4#1, %9, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %11 = stablehlo.add %4#2, %10 : tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %12 = stablehlo.add %3, %c : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_1 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %14 = stablehlo.multiply %13, %c_0 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %15 = stablehlo.dynamic_slice %arg3, %14, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %16 = stablehlo.dot_general %5, %15, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %17 = stablehlo.add %11, %16 : tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: sdy.return %17 : tensor<16x16xf32>
 // UNROLL2_GOLDEN-NEXT: } : (tensor<32x64xf32>, tensor<64x64xf32>) -> tensor<32x64xf32>
 // UNROLL2_GOLDEN-NEXT: return %0 : tensor<32x64xf32>
 // UNROLL2_GOLDEN-NEXT: }
@@ -230,44 +227,43 @@
 // FULL_GOLDEN-NEXT: sdy.mesh @mesh = <["data"=2, "model"=4]> {stablehlo.mesh = {axes = [{name = "data", size = 2 : i64}, {name = "model", size = 4 : i64}]}}
 // FULL_GOLDEN-NEXT: func.func public @main(%arg0: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}, %arg1: tensor<64x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<32x64xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}) {
 // FULL_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"data"}, {"model"}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{"data"}, {"model"}]>] manual_axes={"data", "model"} (%arg2: tensor<16x16xf32>, %arg3: tensor<64x16xf32>) {
-// FULL_GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<i32>
-// FULL_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<2> : tensor<i32>
-// FULL_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<i32>
-// FULL_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<1> : tensor<i32>
-// FULL_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<i32>
-// FULL_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<16> : tensor<i32>
+// FULL_GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<2> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<1> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<16> : tensor<ui32>
 // FULL_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xi32>
+// FULL_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // FULL_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// FULL_GOLDEN-NEXT: %2 = stablehlo.convert %1 : (tensor<ui32>) -> tensor<i32>
-// FULL_GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c_5, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
-// FULL_GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
-// FULL_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %6 = stablehlo.multiply %4, %c_4 : tensor<i32>
-// FULL_GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg3, %6, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %8 = stablehlo.dot_general %arg2, %7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %9 = stablehlo.add %cst, %8 : tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%5) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %11 = stablehlo.add %4, %c_2 : tensor<i32>
-// FULL_GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_1 : tensor<i32>
-// FULL_GOLDEN-NEXT: %13 = stablehlo.multiply %12, %c_4 : tensor<i32>
-// FULL_GOLDEN-NEXT: %14 = stablehlo.dynamic_slice %arg3, %13, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %15 = stablehlo.dot_general %5, %14, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %16 = stablehlo.add %9, %15 : tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %17 = "stablehlo.collective_permute"(%10) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %18 = stablehlo.add %4, %c_0 : tensor<i32>
-// FULL_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_1 : tensor<i32>
-// FULL_GOLDEN-NEXT: %20 = stablehlo.multiply %19, %c_4 : tensor<i32>
-// FULL_GOLDEN-NEXT: %21 = stablehlo.dynamic_slice %arg3, %20, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %22 = stablehlo.dot_general %10, %21, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %23 = stablehlo.add %16, %22 : tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %24 = stablehlo.add %4, %c : tensor<i32>
-// FULL_GOLDEN-NEXT: %25 = stablehlo.remainder %24, %c_1 : tensor<i32>
-// FULL_GOLDEN-NEXT: %26 = stablehlo.multiply %25, %c_4 : tensor<i32>
-// FULL_GOLDEN-NEXT: %27 = stablehlo.dynamic_slice %arg3, %26, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %28 = stablehlo.dot_general %17, %27, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %29 = stablehlo.add %23, %28 : tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: sdy.return %29 : tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_5, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// FULL_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
+// FULL_GOLDEN-NEXT: %4 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %5 = stablehlo.multiply %3, %c_4 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %6 = stablehlo.dynamic_slice %arg3, %5, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %7 = stablehlo.dot_general %arg2, %6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %8 = stablehlo.add %cst, %7 : tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %9 = "stablehlo.collective_permute"(%4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %10 = stablehlo.add %3, %c_2 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c_1 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %12 = stablehlo.multiply %11, %c_4 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %arg3, %12, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %14 = stablehlo.dot_general %4, %13, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %15 = stablehlo.add %8, %14 : tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %16 = "stablehlo.collective_permute"(%9) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %17 = stablehlo.add %3, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %18 = stablehlo.remainder %17, %c_1 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %19 = stablehlo.multiply %18, %c_4 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %20 = stablehlo.dynamic_slice %arg3, %19, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %21 = stablehlo.dot_general %9, %20, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %22 = stablehlo.add %15, %21 : tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %23 = stablehlo.add %3, %c : tensor<ui32>
+// FULL_GOLDEN-NEXT: %24 = stablehlo.remainder %23, %c_1 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %25 = stablehlo.multiply %24, %c_4 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %26 = stablehlo.dynamic_slice %arg3, %25, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %27 = stablehlo.dot_general %16, %26, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %28 = stablehlo.add %22, %27 : tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: sdy.return %28 : tensor<16x16xf32>
 // FULL_GOLDEN-NEXT: } : (tensor<32x64xf32>, tensor<64x64xf32>) -> tensor<32x64xf32>
 // FULL_GOLDEN-NEXT: return %0 : tensor<32x64xf32>
 // FULL_GOLDEN-NEXT: }
@@ -292,62 +288,61 @@
 // STREAMS_GOLDEN-NEXT: sdy.mesh @mesh = <["data"=2, "model"=4]> {stablehlo.mesh = {axes = [{name = "data", size = 2 : i64}, {name = "model", size = 4 : i64}]}}
 // STREAMS_GOLDEN-NEXT: func.func public @main(%arg0: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}, %arg1: tensor<64x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<32x64xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}) {
 // STREAMS_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"data"}, {"model"}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{"data"}, {"model"}]>] manual_axes={"data", "model"} (%arg2: tensor<16x16xf32>, %arg3: tensor<64x16xf32>) {
-// STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<2> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<2> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xi32>
+// STREAMS_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // STREAMS_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %2 = stablehlo.convert %1 : (tensor<ui32>) -> tensor<i32>
-// STREAMS_GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c_4, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
-// STREAMS_GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
-// STREAMS_GOLDEN-NEXT: %5:3 = stablehlo.while(%iterArg = %c_3, %iterArg_5 = %arg2, %iterArg_6 = %cst) : tensor<i32>, tensor<16x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_4, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// STREAMS_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %4:3 = stablehlo.while(%iterArg = %c_3, %iterArg_5 = %arg2, %iterArg_6 = %cst) : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: cond {
-// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %19 = stablehlo.compare LT, %iterArg, %c_7, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %19 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %18 = stablehlo.compare LT, %iterArg, %c_7, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %18 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
-// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<4> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<2> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %19 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %20 = stablehlo.multiply %iterArg, %c_11 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %21 = stablehlo.add %4, %20 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %22 = stablehlo.remainder %21, %c_10 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %23 = stablehlo.multiply %22, %c_9 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %24 = stablehlo.dynamic_slice %arg3, %23, %c_8, sizes = [16, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %25 = func.call @cmatmul_dot_0(%iterArg_5, %24) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %26 = stablehlo.add %iterArg_6, %25 : tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %27 = "stablehlo.collective_permute"(%19) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %28 = stablehlo.multiply %iterArg, %c_11 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %29 = stablehlo.add %28, %c_7 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %30 = stablehlo.add %4, %29 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %31 = stablehlo.remainder %30, %c_10 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %32 = stablehlo.multiply %31, %c_9 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %33 = stablehlo.dynamic_slice %arg3, %32, %c_8, sizes = [16, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %34 = func.call @cmatmul_dot_0(%19, %33) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %35 = stablehlo.add %26, %34 : tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %36 = stablehlo.add %iterArg, %c_7 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %36, %27, %35 : tensor<i32>, tensor<16x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<4> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<2> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %18 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %19 = stablehlo.multiply %iterArg, %c_11 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %20 = stablehlo.add %3, %19 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %21 = stablehlo.remainder %20, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %22 = stablehlo.multiply %21, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %23 = stablehlo.dynamic_slice %arg3, %22, %c_8, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %24 = func.call @cmatmul_dot_0(%iterArg_5, %23) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %25 = stablehlo.add %iterArg_6, %24 : tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %26 = "stablehlo.collective_permute"(%18) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %27 = stablehlo.multiply %iterArg, %c_11 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %28 = stablehlo.add %27, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %29 = stablehlo.add %3, %28 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %30 = stablehlo.remainder %29, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %31 = stablehlo.multiply %30, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %32 = stablehlo.dynamic_slice %arg3, %31, %c_8, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %33 = func.call @cmatmul_dot_0(%18, %32) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %34 = stablehlo.add %25, %33 : tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %35 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %35, %26, %34 : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: %6 = "stablehlo.collective_permute"(%5#1) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %7 = stablehlo.add %4, %c_2 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %8 = stablehlo.remainder %7, %c_1 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %9 = stablehlo.multiply %8, %c_0 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %10 = stablehlo.dynamic_slice %arg3, %9, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %11 = func.call @cmatmul_dot_0(%5#1, %10) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %12 = stablehlo.add %5#2, %11 : tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %13 = stablehlo.add %4, %c : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %14 = stablehlo.remainder %13, %c_1 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %15 = stablehlo.multiply %14, %c_0 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %16 = stablehlo.dynamic_slice %arg3, %15, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %17 = func.call @cmatmul_dot_0(%6, %16) {mhlo.frontend_attributes = {_xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %18 = stablehlo.add %12, %17 : tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: sdy.return %18 : tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%4#1) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %6 = stablehlo.add %3, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %7 = stablehlo.remainder %6, %c_1 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %8 = stablehlo.multiply %7, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %9 = stablehlo.dynamic_slice %arg3, %8, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %10 = func.call @cmatmul_dot_0(%4#1, %9) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %11 = stablehlo.add %4#2, %10 : tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %12 = stablehlo.add %3, %c : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_1 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %14 = stablehlo.multiply %13, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %15 = stablehlo.dynamic_slice %arg3, %14, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %16 = func.call @cmatmul_dot_0(%5, %15) {mhlo.frontend_attributes = {_xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %17 = stablehlo.add %11, %16 : tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: sdy.return %17 : tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: } : (tensor<32x64xf32>, tensor<64x64xf32>) -> tensor<32x64xf32>
 // STREAMS_GOLDEN-NEXT: return %0 : tensor<32x64xf32>
 // STREAMS_GOLDEN-NEXT: }

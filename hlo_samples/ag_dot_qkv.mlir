@@ -20,53 +20,52 @@
 // GOLDEN-NEXT: sdy.mesh @mesh = <["data"=2, "model"=4]> {stablehlo.mesh = {axes = [{name = "data", size = 2 : i64}, {name = "model", size = 4 : i64}]}}
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg3: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<64x64xf32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x64xf32> {jax.result_info = "result[1]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x64xf32> {jax.result_info = "result[2]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // GOLDEN-NEXT: %0:3 = sdy.manual_computation(%arg0, %arg1, %arg2, %arg3) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] manual_axes={"data", "model"} (%arg4: tensor<16x32xf32>, %arg5: tensor<32x16xf32>, %arg6: tensor<32x16xf32>, %arg7: tensor<32x16xf32>) {
-// GOLDEN-NEXT: %c = stablehlo.constant dense<16> : tensor<i32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<4> : tensor<i32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<3> : tensor<i32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<0> : tensor<i32>
+// GOLDEN-NEXT: %c = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<64x16xf32>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xi32>
+// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %2 = stablehlo.convert %1 : (tensor<ui32>) -> tensor<i32>
-// GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c_3, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
-// GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
-// GOLDEN-NEXT: %5:5 = stablehlo.while(%iterArg = %c_2, %iterArg_4 = %arg4, %iterArg_5 = %cst, %iterArg_6 = %cst, %iterArg_7 = %cst) : tensor<i32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %4:5 = stablehlo.while(%iterArg = %c_2, %iterArg_4 = %arg4, %iterArg_5 = %cst, %iterArg_6 = %cst, %iterArg_7 = %cst) : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<3> : tensor<i32>
-// GOLDEN-NEXT: %17 = stablehlo.compare LT, %iterArg, %c_8, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %17 : tensor<i1>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %16 = stablehlo.compare LT, %iterArg, %c_8, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %16 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<1> : tensor<i32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<16> : tensor<i32>
-// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<4> : tensor<i32>
-// GOLDEN-NEXT: %17 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %18 = stablehlo.add %4, %iterArg : tensor<i32>
-// GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_11 : tensor<i32>
-// GOLDEN-NEXT: %20 = stablehlo.dot_general %iterArg_4, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %21 = stablehlo.multiply %19, %c_10 : tensor<i32>
-// GOLDEN-NEXT: %22 = stablehlo.dynamic_update_slice %iterArg_5, %20, %21, %c_9 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %23 = stablehlo.dot_general %iterArg_4, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %24 = stablehlo.multiply %19, %c_10 : tensor<i32>
-// GOLDEN-NEXT: %25 = stablehlo.dynamic_update_slice %iterArg_6, %23, %24, %c_9 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %26 = stablehlo.dot_general %iterArg_4, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %27 = stablehlo.multiply %19, %c_10 : tensor<i32>
-// GOLDEN-NEXT: %28 = stablehlo.dynamic_update_slice %iterArg_7, %26, %27, %c_9 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %29 = stablehlo.add %iterArg, %c_8 : tensor<i32>
-// GOLDEN-NEXT: stablehlo.return %29, %17, %22, %25, %28 : tensor<i32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %16 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %17 = stablehlo.add %3, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %18 = stablehlo.remainder %17, %c_11 : tensor<ui32>
+// GOLDEN-NEXT: %19 = stablehlo.dot_general %iterArg_4, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %20 = stablehlo.multiply %18, %c_10 : tensor<ui32>
+// GOLDEN-NEXT: %21 = stablehlo.dynamic_update_slice %iterArg_5, %19, %20, %c_9 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %22 = stablehlo.dot_general %iterArg_4, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %23 = stablehlo.multiply %18, %c_10 : tensor<ui32>
+// GOLDEN-NEXT: %24 = stablehlo.dynamic_update_slice %iterArg_6, %22, %23, %c_9 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %25 = stablehlo.dot_general %iterArg_4, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %26 = stablehlo.multiply %18, %c_10 : tensor<ui32>
+// GOLDEN-NEXT: %27 = stablehlo.dynamic_update_slice %iterArg_7, %25, %26, %c_9 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %28 = stablehlo.add %iterArg, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %28, %16, %21, %24, %27 : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %6 = stablehlo.add %4, %c_1 : tensor<i32>
-// GOLDEN-NEXT: %7 = stablehlo.remainder %6, %c_0 : tensor<i32>
-// GOLDEN-NEXT: %8 = stablehlo.dot_general %5#1, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %9 = stablehlo.multiply %7, %c : tensor<i32>
-// GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %5#2, %8, %9, %c_2 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %11 = stablehlo.dot_general %5#1, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %12 = stablehlo.multiply %7, %c : tensor<i32>
-// GOLDEN-NEXT: %13 = stablehlo.dynamic_update_slice %5#3, %11, %12, %c_2 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %14 = stablehlo.dot_general %5#1, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %15 = stablehlo.multiply %7, %c : tensor<i32>
-// GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %5#4, %14, %15, %c_2 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: sdy.return %10, %13, %16 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// GOLDEN-NEXT: %5 = stablehlo.add %3, %c_1 : tensor<ui32>
+// GOLDEN-NEXT: %6 = stablehlo.remainder %5, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %7 = stablehlo.dot_general %4#1, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %8 = stablehlo.multiply %6, %c : tensor<ui32>
+// GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %4#2, %7, %8, %c_2 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %10 = stablehlo.dot_general %4#1, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %11 = stablehlo.multiply %6, %c : tensor<ui32>
+// GOLDEN-NEXT: %12 = stablehlo.dynamic_update_slice %4#3, %10, %11, %c_2 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %13 = stablehlo.dot_general %4#1, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %14 = stablehlo.multiply %6, %c : tensor<ui32>
+// GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %4#4, %13, %14, %c_2 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: sdy.return %9, %12, %15 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<32x64xf32>, tensor<32x64xf32>, tensor<32x64xf32>) -> (tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>)
 // GOLDEN-NEXT: return %0#0, %0#1, %0#2 : tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>
 // GOLDEN-NEXT: }
@@ -92,64 +91,63 @@
 // BIDI_GOLDEN-NEXT: sdy.mesh @mesh = <["data"=2, "model"=4]> {stablehlo.mesh = {axes = [{name = "data", size = 2 : i64}, {name = "model", size = 4 : i64}]}}
 // BIDI_GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg3: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<64x64xf32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x64xf32> {jax.result_info = "result[1]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x64xf32> {jax.result_info = "result[2]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // BIDI_GOLDEN-NEXT: %0:3 = sdy.manual_computation(%arg0, %arg1, %arg2, %arg3) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] manual_axes={"data", "model"} (%arg4: tensor<16x32xf32>, %arg5: tensor<32x16xf32>, %arg6: tensor<32x16xf32>, %arg7: tensor<32x16xf32>) {
-// BIDI_GOLDEN-NEXT: %c = stablehlo.constant dense<2> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<3> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<1> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<16> : tensor<i32>
+// BIDI_GOLDEN-NEXT: %c = stablehlo.constant dense<2> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<3> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<1> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<16> : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xi32>
+// BIDI_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // BIDI_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %2 = stablehlo.convert %1 : (tensor<ui32>) -> tensor<i32>
-// BIDI_GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c_5, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
-// BIDI_GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
-// BIDI_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%arg4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// BIDI_GOLDEN-NEXT: %6 = "stablehlo.collective_permute"(%arg4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// BIDI_GOLDEN-NEXT: %7 = stablehlo.dot_general %arg4, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %8 = stablehlo.multiply %4, %c_4 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %cst, %7, %8, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %10 = stablehlo.dot_general %arg4, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %11 = stablehlo.multiply %4, %c_4 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %12 = stablehlo.dynamic_update_slice %cst, %10, %11, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %13 = stablehlo.dot_general %arg4, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %14 = stablehlo.multiply %4, %c_4 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %cst, %13, %14, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %16 = "stablehlo.collective_permute"(%5) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// BIDI_GOLDEN-NEXT: %17 = stablehlo.add %4, %c_2 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %18 = stablehlo.remainder %17, %c_1 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %19 = stablehlo.dot_general %5, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %20 = stablehlo.multiply %18, %c_4 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %21 = stablehlo.dynamic_update_slice %9, %19, %20, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %22 = stablehlo.dot_general %5, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %23 = stablehlo.multiply %18, %c_4 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %24 = stablehlo.dynamic_update_slice %12, %22, %23, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %25 = stablehlo.dot_general %5, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %26 = stablehlo.multiply %18, %c_4 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %27 = stablehlo.dynamic_update_slice %15, %25, %26, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %28 = stablehlo.add %4, %c_0 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_1 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %30 = stablehlo.dot_general %6, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %31 = stablehlo.multiply %29, %c_4 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %32 = stablehlo.dynamic_update_slice %21, %30, %31, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %33 = stablehlo.dot_general %6, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %34 = stablehlo.multiply %29, %c_4 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %35 = stablehlo.dynamic_update_slice %24, %33, %34, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %36 = stablehlo.dot_general %6, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %37 = stablehlo.multiply %29, %c_4 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %38 = stablehlo.dynamic_update_slice %27, %36, %37, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %39 = stablehlo.add %4, %c : tensor<i32>
-// BIDI_GOLDEN-NEXT: %40 = stablehlo.remainder %39, %c_1 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %41 = stablehlo.dot_general %16, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %42 = stablehlo.multiply %40, %c_4 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %43 = stablehlo.dynamic_update_slice %32, %41, %42, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %44 = stablehlo.dot_general %16, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %45 = stablehlo.multiply %40, %c_4 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %46 = stablehlo.dynamic_update_slice %35, %44, %45, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %47 = stablehlo.dot_general %16, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %48 = stablehlo.multiply %40, %c_4 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %49 = stablehlo.dynamic_update_slice %38, %47, %48, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: sdy.return %43, %46, %49 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_5, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// BIDI_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
+// BIDI_GOLDEN-NEXT: %4 = "stablehlo.collective_permute"(%arg4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// BIDI_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%arg4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// BIDI_GOLDEN-NEXT: %6 = stablehlo.dot_general %arg4, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %7 = stablehlo.multiply %3, %c_4 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %cst, %6, %7, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %9 = stablehlo.dot_general %arg4, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %10 = stablehlo.multiply %3, %c_4 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %11 = stablehlo.dynamic_update_slice %cst, %9, %10, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %12 = stablehlo.dot_general %arg4, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %13 = stablehlo.multiply %3, %c_4 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %14 = stablehlo.dynamic_update_slice %cst, %12, %13, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %15 = "stablehlo.collective_permute"(%4) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// BIDI_GOLDEN-NEXT: %16 = stablehlo.add %3, %c_2 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %17 = stablehlo.remainder %16, %c_1 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %18 = stablehlo.dot_general %4, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %19 = stablehlo.multiply %17, %c_4 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %20 = stablehlo.dynamic_update_slice %8, %18, %19, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %21 = stablehlo.dot_general %4, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %22 = stablehlo.multiply %17, %c_4 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %11, %21, %22, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %24 = stablehlo.dot_general %4, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %25 = stablehlo.multiply %17, %c_4 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %26 = stablehlo.dynamic_update_slice %14, %24, %25, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %27 = stablehlo.add %3, %c_0 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %28 = stablehlo.remainder %27, %c_1 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %29 = stablehlo.dot_general %5, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %30 = stablehlo.multiply %28, %c_4 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %31 = stablehlo.dynamic_update_slice %20, %29, %30, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %32 = stablehlo.dot_general %5, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %33 = stablehlo.multiply %28, %c_4 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %34 = stablehlo.dynamic_update_slice %23, %32, %33, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %35 = stablehlo.dot_general %5, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %36 = stablehlo.multiply %28, %c_4 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %37 = stablehlo.dynamic_update_slice %26, %35, %36, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %38 = stablehlo.add %3, %c : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %39 = stablehlo.remainder %38, %c_1 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %40 = stablehlo.dot_general %15, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %41 = stablehlo.multiply %39, %c_4 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %42 = stablehlo.dynamic_update_slice %31, %40, %41, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %43 = stablehlo.dot_general %15, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %44 = stablehlo.multiply %39, %c_4 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %45 = stablehlo.dynamic_update_slice %34, %43, %44, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %46 = stablehlo.dot_general %15, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %47 = stablehlo.multiply %39, %c_4 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %48 = stablehlo.dynamic_update_slice %37, %46, %47, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: sdy.return %42, %45, %48 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // BIDI_GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<32x64xf32>, tensor<32x64xf32>, tensor<32x64xf32>) -> (tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>)
 // BIDI_GOLDEN-NEXT: return %0#0, %0#1, %0#2 : tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>
 // BIDI_GOLDEN-NEXT: }
@@ -159,7 +157,7 @@
 // UNROLL2-NOT: stablehlo.all_gather
 // UNROLL2: stablehlo.while
 // UNROLL2: cond {
-// UNROLL2-NEXT: stablehlo.constant dense<1> : tensor<i32>
+// UNROLL2-NEXT: stablehlo.constant dense<1> : tensor<ui32>
 // UNROLL2-NEXT: stablehlo.compare LT
 // UNROLL2: } do {
 // UNROLL2: "stablehlo.collective_permute"
@@ -176,82 +174,81 @@
 // UNROLL2_GOLDEN-NEXT: sdy.mesh @mesh = <["data"=2, "model"=4]> {stablehlo.mesh = {axes = [{name = "data", size = 2 : i64}, {name = "model", size = 4 : i64}]}}
 // UNROLL2_GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg3: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<64x64xf32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x64xf32> {jax.result_info = "result[1]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x64xf32> {jax.result_info = "result[2]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // UNROLL2_GOLDEN-NEXT: %0:3 = sdy.manual_computation(%arg0, %arg1, %arg2, %arg3) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] manual_axes={"data", "model"} (%arg4: tensor<16x32xf32>, %arg5: tensor<32x16xf32>, %arg6: tensor<32x16xf32>, %arg7: tensor<32x16xf32>) {
-// UNROLL2_GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<2> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<i32>
+// UNROLL2_GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<2> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xi32>
+// UNROLL2_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // UNROLL2_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %2 = stablehlo.convert %1 : (tensor<ui32>) -> tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c_4, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
-// UNROLL2_GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %5:5 = stablehlo.while(%iterArg = %c_3, %iterArg_5 = %arg4, %iterArg_6 = %cst, %iterArg_7 = %cst, %iterArg_8 = %cst) : tensor<i32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_4, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// UNROLL2_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %4:5 = stablehlo.while(%iterArg = %c_3, %iterArg_5 = %arg4, %iterArg_6 = %cst, %iterArg_7 = %cst, %iterArg_8 = %cst) : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // UNROLL2_GOLDEN-NEXT: cond {
-// UNROLL2_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.compare LT, %iterArg, %c_9, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
-// UNROLL2_GOLDEN-NEXT: stablehlo.return %29 : tensor<i1>
+// UNROLL2_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %28 = stablehlo.compare LT, %iterArg, %c_9, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// UNROLL2_GOLDEN-NEXT: stablehlo.return %28 : tensor<i1>
 // UNROLL2_GOLDEN-NEXT: } do {
-// UNROLL2_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<16> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<4> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<2> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %29 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// UNROLL2_GOLDEN-NEXT: %30 = stablehlo.multiply %iterArg, %c_13 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %31 = stablehlo.add %4, %30 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.remainder %31, %c_12 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %33 = stablehlo.dot_general %iterArg_5, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %34 = stablehlo.multiply %32, %c_11 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %35 = stablehlo.dynamic_update_slice %iterArg_6, %33, %34, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %36 = stablehlo.dot_general %iterArg_5, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %37 = stablehlo.multiply %32, %c_11 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %38 = stablehlo.dynamic_update_slice %iterArg_7, %36, %37, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %39 = stablehlo.dot_general %iterArg_5, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %40 = stablehlo.multiply %32, %c_11 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %41 = stablehlo.dynamic_update_slice %iterArg_8, %39, %40, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %42 = "stablehlo.collective_permute"(%29) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// UNROLL2_GOLDEN-NEXT: %43 = stablehlo.multiply %iterArg, %c_13 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %44 = stablehlo.add %43, %c_9 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %45 = stablehlo.add %4, %44 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %46 = stablehlo.remainder %45, %c_12 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %47 = stablehlo.dot_general %29, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %48 = stablehlo.multiply %46, %c_11 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %49 = stablehlo.dynamic_update_slice %35, %47, %48, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %50 = stablehlo.dot_general %29, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %51 = stablehlo.multiply %46, %c_11 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %52 = stablehlo.dynamic_update_slice %38, %50, %51, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %53 = stablehlo.dot_general %29, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %54 = stablehlo.multiply %46, %c_11 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %55 = stablehlo.dynamic_update_slice %41, %53, %54, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %56 = stablehlo.add %iterArg, %c_9 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: stablehlo.return %56, %42, %49, %52, %55 : tensor<i32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<16> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<4> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<2> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %28 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.multiply %iterArg, %c_13 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %30 = stablehlo.add %3, %29 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %31 = stablehlo.remainder %30, %c_12 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.dot_general %iterArg_5, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %33 = stablehlo.multiply %31, %c_11 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %34 = stablehlo.dynamic_update_slice %iterArg_6, %32, %33, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %35 = stablehlo.dot_general %iterArg_5, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %36 = stablehlo.multiply %31, %c_11 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %37 = stablehlo.dynamic_update_slice %iterArg_7, %35, %36, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %38 = stablehlo.dot_general %iterArg_5, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %39 = stablehlo.multiply %31, %c_11 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %40 = stablehlo.dynamic_update_slice %iterArg_8, %38, %39, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %41 = "stablehlo.collective_permute"(%28) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// UNROLL2_GOLDEN-NEXT: %42 = stablehlo.multiply %iterArg, %c_13 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %43 = stablehlo.add %42, %c_9 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %44 = stablehlo.add %3, %43 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %45 = stablehlo.remainder %44, %c_12 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %46 = stablehlo.dot_general %28, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %47 = stablehlo.multiply %45, %c_11 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %48 = stablehlo.dynamic_update_slice %34, %46, %47, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %49 = stablehlo.dot_general %28, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %50 = stablehlo.multiply %45, %c_11 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %51 = stablehlo.dynamic_update_slice %37, %49, %50, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %52 = stablehlo.dot_general %28, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %53 = stablehlo.multiply %45, %c_11 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %54 = stablehlo.dynamic_update_slice %40, %52, %53, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %55 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: stablehlo.return %55, %41, %48, %51, %54 : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // UNROLL2_GOLDEN-NEXT: }
-// UNROLL2_GOLDEN-NEXT: %6 = "stablehlo.collective_permute"(%5#1) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// UNROLL2_GOLDEN-NEXT: %7 = stablehlo.add %4, %c_2 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %8 = stablehlo.remainder %7, %c_1 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %9 = stablehlo.dot_general %5#1, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %10 = stablehlo.multiply %8, %c_0 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %11 = stablehlo.dynamic_update_slice %5#2, %9, %10, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %12 = stablehlo.dot_general %5#1, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %13 = stablehlo.multiply %8, %c_0 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %14 = stablehlo.dynamic_update_slice %5#3, %12, %13, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %15 = stablehlo.dot_general %5#1, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %16 = stablehlo.multiply %8, %c_0 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %17 = stablehlo.dynamic_update_slice %5#4, %15, %16, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %18 = stablehlo.add %4, %c : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_1 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %20 = stablehlo.dot_general %6, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %21 = stablehlo.multiply %19, %c_0 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %22 = stablehlo.dynamic_update_slice %11, %20, %21, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %23 = stablehlo.dot_general %6, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %24 = stablehlo.multiply %19, %c_0 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %25 = stablehlo.dynamic_update_slice %14, %23, %24, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %26 = stablehlo.dot_general %6, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %27 = stablehlo.multiply %19, %c_0 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %28 = stablehlo.dynamic_update_slice %17, %26, %27, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: sdy.return %22, %25, %28 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%4#1) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// UNROLL2_GOLDEN-NEXT: %6 = stablehlo.add %3, %c_2 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %7 = stablehlo.remainder %6, %c_1 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %8 = stablehlo.dot_general %4#1, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %9 = stablehlo.multiply %7, %c_0 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %4#2, %8, %9, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %11 = stablehlo.dot_general %4#1, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %12 = stablehlo.multiply %7, %c_0 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %13 = stablehlo.dynamic_update_slice %4#3, %11, %12, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %14 = stablehlo.dot_general %4#1, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %15 = stablehlo.multiply %7, %c_0 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %4#4, %14, %15, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %17 = stablehlo.add %3, %c : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %18 = stablehlo.remainder %17, %c_1 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.dot_general %5, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %20 = stablehlo.multiply %18, %c_0 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %21 = stablehlo.dynamic_update_slice %10, %19, %20, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %22 = stablehlo.dot_general %5, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %23 = stablehlo.multiply %18, %c_0 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %24 = stablehlo.dynamic_update_slice %13, %22, %23, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %25 = stablehlo.dot_general %5, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %26 = stablehlo.multiply %18, %c_0 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %27 = stablehlo.dynamic_update_slice %16, %25, %26, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: sdy.return %21, %24, %27 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // UNROLL2_GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<32x64xf32>, tensor<32x64xf32>, tensor<32x64xf32>) -> (tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>)
 // UNROLL2_GOLDEN-NEXT: return %0#0, %0#1, %0#2 : tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>
 // UNROLL2_GOLDEN-NEXT: }
@@ -271,64 +268,63 @@
 // FULL_GOLDEN-NEXT: sdy.mesh @mesh = <["data"=2, "model"=4]> {stablehlo.mesh = {axes = [{name = "data", size = 2 : i64}, {name = "model", size = 4 : i64}]}}
 // FULL_GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg3: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<64x64xf32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x64xf32> {jax.result_info = "result[1]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x64xf32> {jax.result_info = "result[2]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // FULL_GOLDEN-NEXT: %0:3 = sdy.manual_computation(%arg0, %arg1, %arg2, %arg3) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] manual_axes={"data", "model"} (%arg4: tensor<16x32xf32>, %arg5: tensor<32x16xf32>, %arg6: tensor<32x16xf32>, %arg7: tensor<32x16xf32>) {
-// FULL_GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<i32>
-// FULL_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<2> : tensor<i32>
-// FULL_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<i32>
-// FULL_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<1> : tensor<i32>
-// FULL_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<i32>
-// FULL_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<16> : tensor<i32>
+// FULL_GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<2> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<1> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<16> : tensor<ui32>
 // FULL_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xi32>
+// FULL_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // FULL_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// FULL_GOLDEN-NEXT: %2 = stablehlo.convert %1 : (tensor<ui32>) -> tensor<i32>
-// FULL_GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c_5, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
-// FULL_GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
-// FULL_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%arg4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// FULL_GOLDEN-NEXT: %6 = stablehlo.dot_general %arg4, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %7 = stablehlo.multiply %4, %c_4 : tensor<i32>
-// FULL_GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %cst, %6, %7, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %9 = stablehlo.dot_general %arg4, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %10 = stablehlo.multiply %4, %c_4 : tensor<i32>
-// FULL_GOLDEN-NEXT: %11 = stablehlo.dynamic_update_slice %cst, %9, %10, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %12 = stablehlo.dot_general %arg4, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %13 = stablehlo.multiply %4, %c_4 : tensor<i32>
-// FULL_GOLDEN-NEXT: %14 = stablehlo.dynamic_update_slice %cst, %12, %13, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %15 = "stablehlo.collective_permute"(%5) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// FULL_GOLDEN-NEXT: %16 = stablehlo.add %4, %c_2 : tensor<i32>
-// FULL_GOLDEN-NEXT: %17 = stablehlo.remainder %16, %c_1 : tensor<i32>
-// FULL_GOLDEN-NEXT: %18 = stablehlo.dot_general %5, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %19 = stablehlo.multiply %17, %c_4 : tensor<i32>
-// FULL_GOLDEN-NEXT: %20 = stablehlo.dynamic_update_slice %8, %18, %19, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %21 = stablehlo.dot_general %5, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %22 = stablehlo.multiply %17, %c_4 : tensor<i32>
-// FULL_GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %11, %21, %22, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %24 = stablehlo.dot_general %5, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %25 = stablehlo.multiply %17, %c_4 : tensor<i32>
-// FULL_GOLDEN-NEXT: %26 = stablehlo.dynamic_update_slice %14, %24, %25, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %27 = "stablehlo.collective_permute"(%15) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// FULL_GOLDEN-NEXT: %28 = stablehlo.add %4, %c_0 : tensor<i32>
-// FULL_GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_1 : tensor<i32>
-// FULL_GOLDEN-NEXT: %30 = stablehlo.dot_general %15, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %31 = stablehlo.multiply %29, %c_4 : tensor<i32>
-// FULL_GOLDEN-NEXT: %32 = stablehlo.dynamic_update_slice %20, %30, %31, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %33 = stablehlo.dot_general %15, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %34 = stablehlo.multiply %29, %c_4 : tensor<i32>
-// FULL_GOLDEN-NEXT: %35 = stablehlo.dynamic_update_slice %23, %33, %34, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %36 = stablehlo.dot_general %15, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %37 = stablehlo.multiply %29, %c_4 : tensor<i32>
-// FULL_GOLDEN-NEXT: %38 = stablehlo.dynamic_update_slice %26, %36, %37, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %39 = stablehlo.add %4, %c : tensor<i32>
-// FULL_GOLDEN-NEXT: %40 = stablehlo.remainder %39, %c_1 : tensor<i32>
-// FULL_GOLDEN-NEXT: %41 = stablehlo.dot_general %27, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %42 = stablehlo.multiply %40, %c_4 : tensor<i32>
-// FULL_GOLDEN-NEXT: %43 = stablehlo.dynamic_update_slice %32, %41, %42, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %44 = stablehlo.dot_general %27, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %45 = stablehlo.multiply %40, %c_4 : tensor<i32>
-// FULL_GOLDEN-NEXT: %46 = stablehlo.dynamic_update_slice %35, %44, %45, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %47 = stablehlo.dot_general %27, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %48 = stablehlo.multiply %40, %c_4 : tensor<i32>
-// FULL_GOLDEN-NEXT: %49 = stablehlo.dynamic_update_slice %38, %47, %48, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: sdy.return %43, %46, %49 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_5, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// FULL_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
+// FULL_GOLDEN-NEXT: %4 = "stablehlo.collective_permute"(%arg4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// FULL_GOLDEN-NEXT: %5 = stablehlo.dot_general %arg4, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %6 = stablehlo.multiply %3, %c_4 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %7 = stablehlo.dynamic_update_slice %cst, %5, %6, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %8 = stablehlo.dot_general %arg4, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %9 = stablehlo.multiply %3, %c_4 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %cst, %8, %9, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %11 = stablehlo.dot_general %arg4, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %12 = stablehlo.multiply %3, %c_4 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %13 = stablehlo.dynamic_update_slice %cst, %11, %12, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %14 = "stablehlo.collective_permute"(%4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// FULL_GOLDEN-NEXT: %15 = stablehlo.add %3, %c_2 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %16 = stablehlo.remainder %15, %c_1 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %17 = stablehlo.dot_general %4, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %18 = stablehlo.multiply %16, %c_4 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %19 = stablehlo.dynamic_update_slice %7, %17, %18, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %20 = stablehlo.dot_general %4, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %21 = stablehlo.multiply %16, %c_4 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %22 = stablehlo.dynamic_update_slice %10, %20, %21, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %23 = stablehlo.dot_general %4, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %24 = stablehlo.multiply %16, %c_4 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %25 = stablehlo.dynamic_update_slice %13, %23, %24, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %26 = "stablehlo.collective_permute"(%14) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// FULL_GOLDEN-NEXT: %27 = stablehlo.add %3, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %28 = stablehlo.remainder %27, %c_1 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %29 = stablehlo.dot_general %14, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %30 = stablehlo.multiply %28, %c_4 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %31 = stablehlo.dynamic_update_slice %19, %29, %30, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %32 = stablehlo.dot_general %14, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %33 = stablehlo.multiply %28, %c_4 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %34 = stablehlo.dynamic_update_slice %22, %32, %33, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %35 = stablehlo.dot_general %14, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %36 = stablehlo.multiply %28, %c_4 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %37 = stablehlo.dynamic_update_slice %25, %35, %36, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %38 = stablehlo.add %3, %c : tensor<ui32>
+// FULL_GOLDEN-NEXT: %39 = stablehlo.remainder %38, %c_1 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %40 = stablehlo.dot_general %26, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %41 = stablehlo.multiply %39, %c_4 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %42 = stablehlo.dynamic_update_slice %31, %40, %41, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %43 = stablehlo.dot_general %26, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %44 = stablehlo.multiply %39, %c_4 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %45 = stablehlo.dynamic_update_slice %34, %43, %44, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %46 = stablehlo.dot_general %26, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %47 = stablehlo.multiply %39, %c_4 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %48 = stablehlo.dynamic_update_slice %37, %46, %47, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: sdy.return %42, %45, %48 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // FULL_GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<32x64xf32>, tensor<32x64xf32>, tensor<32x64xf32>) -> (tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>)
 // FULL_GOLDEN-NEXT: return %0#0, %0#1, %0#2 : tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>
 // FULL_GOLDEN-NEXT: }
@@ -353,82 +349,81 @@
 // STREAMS_GOLDEN-NEXT: sdy.mesh @mesh = <["data"=2, "model"=4]> {stablehlo.mesh = {axes = [{name = "data", size = 2 : i64}, {name = "model", size = 4 : i64}]}}
 // STREAMS_GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg3: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<64x64xf32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x64xf32> {jax.result_info = "result[1]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x64xf32> {jax.result_info = "result[2]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // STREAMS_GOLDEN-NEXT: %0:3 = sdy.manual_computation(%arg0, %arg1, %arg2, %arg3) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] manual_axes={"data", "model"} (%arg4: tensor<16x32xf32>, %arg5: tensor<32x16xf32>, %arg6: tensor<32x16xf32>, %arg7: tensor<32x16xf32>) {
-// STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<2> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<i32>
+// STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<2> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xi32>
+// STREAMS_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // STREAMS_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %2 = stablehlo.convert %1 : (tensor<ui32>) -> tensor<i32>
-// STREAMS_GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c_4, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
-// STREAMS_GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
-// STREAMS_GOLDEN-NEXT: %5:5 = stablehlo.while(%iterArg = %c_3, %iterArg_5 = %arg4, %iterArg_6 = %cst, %iterArg_7 = %cst, %iterArg_8 = %cst) : tensor<i32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_4, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// STREAMS_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %4:5 = stablehlo.while(%iterArg = %c_3, %iterArg_5 = %arg4, %iterArg_6 = %cst, %iterArg_7 = %cst, %iterArg_8 = %cst) : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // STREAMS_GOLDEN-NEXT: cond {
-// STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %29 = stablehlo.compare LT, %iterArg, %c_9, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %29 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %28 = stablehlo.compare LT, %iterArg, %c_9, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %28 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
-// STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<16> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<4> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<2> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %29 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// STREAMS_GOLDEN-NEXT: %30 = stablehlo.multiply %iterArg, %c_13 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %31 = stablehlo.add %4, %30 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %32 = stablehlo.remainder %31, %c_12 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %33 = func.call @cmatmul_dot_0(%iterArg_5, %arg5) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %34 = stablehlo.multiply %32, %c_11 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %35 = stablehlo.dynamic_update_slice %iterArg_6, %33, %34, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %36 = func.call @cmatmul_dot_0(%iterArg_5, %arg6) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %37 = stablehlo.multiply %32, %c_11 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %38 = stablehlo.dynamic_update_slice %iterArg_7, %36, %37, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %39 = func.call @cmatmul_dot_0(%iterArg_5, %arg7) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %40 = stablehlo.multiply %32, %c_11 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %41 = stablehlo.dynamic_update_slice %iterArg_8, %39, %40, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %42 = "stablehlo.collective_permute"(%29) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// STREAMS_GOLDEN-NEXT: %43 = stablehlo.multiply %iterArg, %c_13 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %44 = stablehlo.add %43, %c_9 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %45 = stablehlo.add %4, %44 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %46 = stablehlo.remainder %45, %c_12 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %47 = func.call @cmatmul_dot_0(%29, %arg5) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %48 = stablehlo.multiply %46, %c_11 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %49 = stablehlo.dynamic_update_slice %35, %47, %48, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %50 = func.call @cmatmul_dot_0(%29, %arg6) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %51 = stablehlo.multiply %46, %c_11 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %52 = stablehlo.dynamic_update_slice %38, %50, %51, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %53 = func.call @cmatmul_dot_0(%29, %arg7) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %54 = stablehlo.multiply %46, %c_11 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %55 = stablehlo.dynamic_update_slice %41, %53, %54, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %56 = stablehlo.add %iterArg, %c_9 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %56, %42, %49, %52, %55 : tensor<i32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<16> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<4> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<2> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %28 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// STREAMS_GOLDEN-NEXT: %29 = stablehlo.multiply %iterArg, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %30 = stablehlo.add %3, %29 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %31 = stablehlo.remainder %30, %c_12 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %32 = func.call @cmatmul_dot_0(%iterArg_5, %arg5) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %33 = stablehlo.multiply %31, %c_11 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %34 = stablehlo.dynamic_update_slice %iterArg_6, %32, %33, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %35 = func.call @cmatmul_dot_0(%iterArg_5, %arg6) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %36 = stablehlo.multiply %31, %c_11 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %37 = stablehlo.dynamic_update_slice %iterArg_7, %35, %36, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %38 = func.call @cmatmul_dot_0(%iterArg_5, %arg7) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %39 = stablehlo.multiply %31, %c_11 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %40 = stablehlo.dynamic_update_slice %iterArg_8, %38, %39, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %41 = "stablehlo.collective_permute"(%28) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// STREAMS_GOLDEN-NEXT: %42 = stablehlo.multiply %iterArg, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %43 = stablehlo.add %42, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %44 = stablehlo.add %3, %43 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %45 = stablehlo.remainder %44, %c_12 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %46 = func.call @cmatmul_dot_0(%28, %arg5) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %47 = stablehlo.multiply %45, %c_11 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %48 = stablehlo.dynamic_update_slice %34, %46, %47, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %49 = func.call @cmatmul_dot_0(%28, %arg6) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %50 = stablehlo.multiply %45, %c_11 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %51 = stablehlo.dynamic_update_slice %37, %49, %50, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %52 = func.call @cmatmul_dot_0(%28, %arg7) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %53 = stablehlo.multiply %45, %c_11 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %54 = stablehlo.dynamic_update_slice %40, %52, %53, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %55 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %55, %41, %48, %51, %54 : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: %6 = "stablehlo.collective_permute"(%5#1) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// STREAMS_GOLDEN-NEXT: %7 = stablehlo.add %4, %c_2 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %8 = stablehlo.remainder %7, %c_1 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %9 = func.call @cmatmul_dot_0(%5#1, %arg5) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %10 = stablehlo.multiply %8, %c_0 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %11 = stablehlo.dynamic_update_slice %5#2, %9, %10, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %12 = func.call @cmatmul_dot_0(%5#1, %arg6) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %13 = stablehlo.multiply %8, %c_0 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %14 = stablehlo.dynamic_update_slice %5#3, %12, %13, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %15 = func.call @cmatmul_dot_0(%5#1, %arg7) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %16 = stablehlo.multiply %8, %c_0 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %17 = stablehlo.dynamic_update_slice %5#4, %15, %16, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %18 = stablehlo.add %4, %c : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_1 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %20 = func.call @cmatmul_dot_0(%6, %arg5) {mhlo.frontend_attributes = {_xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %21 = stablehlo.multiply %19, %c_0 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %22 = stablehlo.dynamic_update_slice %11, %20, %21, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %23 = func.call @cmatmul_dot_0(%6, %arg6) {mhlo.frontend_attributes = {_xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %24 = stablehlo.multiply %19, %c_0 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %25 = stablehlo.dynamic_update_slice %14, %23, %24, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %26 = func.call @cmatmul_dot_0(%6, %arg7) {mhlo.frontend_attributes = {_xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %27 = stablehlo.multiply %19, %c_0 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %28 = stablehlo.dynamic_update_slice %17, %26, %27, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<i32>, tensor<i32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: sdy.return %22, %25, %28 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%4#1) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// STREAMS_GOLDEN-NEXT: %6 = stablehlo.add %3, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %7 = stablehlo.remainder %6, %c_1 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %8 = func.call @cmatmul_dot_0(%4#1, %arg5) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %9 = stablehlo.multiply %7, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %4#2, %8, %9, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %11 = func.call @cmatmul_dot_0(%4#1, %arg6) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %12 = stablehlo.multiply %7, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %13 = stablehlo.dynamic_update_slice %4#3, %11, %12, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %14 = func.call @cmatmul_dot_0(%4#1, %arg7) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %15 = stablehlo.multiply %7, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %4#4, %14, %15, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %17 = stablehlo.add %3, %c : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %18 = stablehlo.remainder %17, %c_1 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %19 = func.call @cmatmul_dot_0(%5, %arg5) {mhlo.frontend_attributes = {_xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %20 = stablehlo.multiply %18, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %21 = stablehlo.dynamic_update_slice %10, %19, %20, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %22 = func.call @cmatmul_dot_0(%5, %arg6) {mhlo.frontend_attributes = {_xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %23 = stablehlo.multiply %18, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %24 = stablehlo.dynamic_update_slice %13, %22, %23, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %25 = func.call @cmatmul_dot_0(%5, %arg7) {mhlo.frontend_attributes = {_xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %26 = stablehlo.multiply %18, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %27 = stablehlo.dynamic_update_slice %16, %25, %26, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: sdy.return %21, %24, %27 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // STREAMS_GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<32x64xf32>, tensor<32x64xf32>, tensor<32x64xf32>) -> (tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>)
 // STREAMS_GOLDEN-NEXT: return %0#0, %0#1, %0#2 : tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>
 // STREAMS_GOLDEN-NEXT: }

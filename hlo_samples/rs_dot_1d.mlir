@@ -10,13 +10,13 @@
 
 // CHECK-NOT: stablehlo.reduce_scatter
 // CHECK: stablehlo.partition_id
-// CHECK: stablehlo.dynamic_slice {{.*}} -> tensor<1xi32>
+// CHECK: stablehlo.dynamic_slice {{.*}} -> tensor<1xui32>
 // CHECK: stablehlo.dynamic_slice
 // CHECK-NEXT: stablehlo.dot_general
 // CHECK-SAME: (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // CHECK: stablehlo.while
 // CHECK: cond {
-// CHECK-NEXT: stablehlo.constant dense<7> : tensor<i32>
+// CHECK-NEXT: stablehlo.constant dense<7> : tensor<ui32>
 // CHECK-NEXT: stablehlo.compare LT
 // CHECK: } do {
 // CHECK: "stablehlo.collective_permute"
@@ -33,41 +33,40 @@
 // GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg1: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<64x32xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"model"}, {}]>] manual_axes={"model"} (%arg2: tensor<64x16xf32>, %arg3: tensor<16x32xf32>) {
-// GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<i32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<1> : tensor<i32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xi32>
+// GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %2 = stablehlo.convert %1 : (tensor<ui32>) -> tensor<i32>
-// GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c_2, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
-// GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
-// GOLDEN-NEXT: %5 = stablehlo.add %4, %c_1 : tensor<i32>
-// GOLDEN-NEXT: %6 = stablehlo.remainder %5, %c_0 : tensor<i32>
-// GOLDEN-NEXT: %7 = stablehlo.multiply %6, %c_0 : tensor<i32>
-// GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %arg2, %7, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %9 = stablehlo.dot_general %8, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %10:2 = stablehlo.while(%iterArg = %c, %iterArg_3 = %9) : tensor<i32>, tensor<8x32xf32>
+// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_2, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %4 = stablehlo.add %3, %c_1 : tensor<ui32>
+// GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg2, %6, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %8 = stablehlo.dot_general %7, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %9:2 = stablehlo.while(%iterArg = %c, %iterArg_3 = %8) : tensor<ui32>, tensor<8x32xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<7> : tensor<i32>
-// GOLDEN-NEXT: %11 = stablehlo.compare LT, %iterArg, %c_4, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %11 : tensor<i1>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<7> : tensor<ui32>
+// GOLDEN-NEXT: %10 = stablehlo.compare LT, %iterArg, %c_4, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %10 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<i32>
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<8> : tensor<i32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<2> : tensor<i32>
-// GOLDEN-NEXT: %11 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %12 = stablehlo.add %iterArg, %c_7 : tensor<i32>
-// GOLDEN-NEXT: %13 = stablehlo.add %4, %12 : tensor<i32>
-// GOLDEN-NEXT: %14 = stablehlo.remainder %13, %c_6 : tensor<i32>
-// GOLDEN-NEXT: %15 = stablehlo.multiply %14, %c_6 : tensor<i32>
-// GOLDEN-NEXT: %16 = stablehlo.dynamic_slice %arg2, %15, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %17 = stablehlo.dot_general %16, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %18 = stablehlo.add %11, %17 : tensor<8x32xf32>
-// GOLDEN-NEXT: %19 = stablehlo.add %iterArg, %c_4 : tensor<i32>
-// GOLDEN-NEXT: stablehlo.return %19, %18 : tensor<i32>, tensor<8x32xf32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %11 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %12 = stablehlo.add %3, %11 : tensor<ui32>
+// GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_6 : tensor<ui32>
+// GOLDEN-NEXT: %14 = stablehlo.multiply %13, %c_6 : tensor<ui32>
+// GOLDEN-NEXT: %15 = stablehlo.dynamic_slice %arg2, %14, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %16 = stablehlo.dot_general %15, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %17 = stablehlo.add %10, %16 : tensor<8x32xf32>
+// GOLDEN-NEXT: %18 = stablehlo.add %iterArg, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %18, %17 : tensor<ui32>, tensor<8x32xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: sdy.return %10#1 : tensor<8x32xf32>
+// GOLDEN-NEXT: sdy.return %9#1 : tensor<8x32xf32>
 // GOLDEN-NEXT: } : (tensor<64x128xf32>, tensor<128x32xf32>) -> tensor<64x32xf32>
 // GOLDEN-NEXT: return %0 : tensor<64x32xf32>
 // GOLDEN-NEXT: }
@@ -77,7 +76,7 @@
 // BIDI-NOT: stablehlo.reduce_scatter
 // BIDI: stablehlo.while
 // BIDI: cond {
-// BIDI-NEXT: stablehlo.constant dense<7> : tensor<i32>
+// BIDI-NEXT: stablehlo.constant dense<7> : tensor<ui32>
 // BIDI-NEXT: stablehlo.compare LT
 // BIDI: } do {
 // BIDI: "stablehlo.collective_permute"
@@ -99,63 +98,62 @@
 // BIDI_GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // BIDI_GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg1: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<64x32xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) {
 // BIDI_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"model"}, {}]>] manual_axes={"model"} (%arg2: tensor<64x16xf32>, %arg3: tensor<16x32xf32>) {
-// BIDI_GOLDEN-NEXT: %c = stablehlo.constant dense<4> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<7> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<0> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<8> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<1> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xi32>
+// BIDI_GOLDEN-NEXT: %c = stablehlo.constant dense<4> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<7> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<0> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<8> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<1> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // BIDI_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %2 = stablehlo.convert %1 : (tensor<ui32>) -> tensor<i32>
-// BIDI_GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c_4, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
-// BIDI_GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
-// BIDI_GOLDEN-NEXT: %5 = stablehlo.add %4, %c_3 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %6 = stablehlo.remainder %5, %c_2 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %7 = stablehlo.multiply %6, %c_2 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %arg2, %7, %c_1, sizes = [4, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<4x16xf32>
-// BIDI_GOLDEN-NEXT: %9 = stablehlo.dot_general %8, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<4x16xf32>, tensor<16x32xf32>) -> tensor<4x32xf32>
-// BIDI_GOLDEN-NEXT: %10 = stablehlo.add %4, %c_0 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c_2 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %12 = stablehlo.multiply %11, %c_2 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %13 = stablehlo.add %12, %c : tensor<i32>
-// BIDI_GOLDEN-NEXT: %14 = stablehlo.dynamic_slice %arg2, %13, %c_1, sizes = [4, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<4x16xf32>
-// BIDI_GOLDEN-NEXT: %15 = stablehlo.dot_general %14, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<4x16xf32>, tensor<16x32xf32>) -> tensor<4x32xf32>
-// BIDI_GOLDEN-NEXT: %16:3 = stablehlo.while(%iterArg = %c_1, %iterArg_5 = %9, %iterArg_6 = %15) : tensor<i32>, tensor<4x32xf32>, tensor<4x32xf32>
+// BIDI_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_4, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// BIDI_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
+// BIDI_GOLDEN-NEXT: %4 = stablehlo.add %3, %c_3 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_2 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_2 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg2, %6, %c_1, sizes = [4, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<4x16xf32>
+// BIDI_GOLDEN-NEXT: %8 = stablehlo.dot_general %7, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<4x16xf32>, tensor<16x32xf32>) -> tensor<4x32xf32>
+// BIDI_GOLDEN-NEXT: %9 = stablehlo.add %3, %c_0 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %10 = stablehlo.remainder %9, %c_2 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %11 = stablehlo.multiply %10, %c_2 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %12 = stablehlo.add %11, %c : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %arg2, %12, %c_1, sizes = [4, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<4x16xf32>
+// BIDI_GOLDEN-NEXT: %14 = stablehlo.dot_general %13, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<4x16xf32>, tensor<16x32xf32>) -> tensor<4x32xf32>
+// BIDI_GOLDEN-NEXT: %15:3 = stablehlo.while(%iterArg = %c_1, %iterArg_5 = %8, %iterArg_6 = %14) : tensor<ui32>, tensor<4x32xf32>, tensor<4x32xf32>
 // BIDI_GOLDEN-NEXT: cond {
-// BIDI_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<7> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %18 = stablehlo.compare LT, %iterArg, %c_7, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
-// BIDI_GOLDEN-NEXT: stablehlo.return %18 : tensor<i1>
+// BIDI_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<7> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %17 = stablehlo.compare LT, %iterArg, %c_7, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// BIDI_GOLDEN-NEXT: stablehlo.return %17 : tensor<i1>
 // BIDI_GOLDEN-NEXT: } do {
-// BIDI_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<4> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<6> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<7> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<0> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<8> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<2> : tensor<i32>
-// BIDI_GOLDEN-NEXT: %18 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<4x32xf32>) -> tensor<4x32xf32>
-// BIDI_GOLDEN-NEXT: %19 = stablehlo.add %iterArg, %c_13 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %20 = stablehlo.add %4, %19 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %21 = stablehlo.remainder %20, %c_12 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %22 = stablehlo.multiply %21, %c_12 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %23 = stablehlo.dynamic_slice %arg2, %22, %c_11, sizes = [4, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<4x16xf32>
-// BIDI_GOLDEN-NEXT: %24 = stablehlo.dot_general %23, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<4x16xf32>, tensor<16x32xf32>) -> tensor<4x32xf32>
-// BIDI_GOLDEN-NEXT: %25 = stablehlo.add %18, %24 : tensor<4x32xf32>
-// BIDI_GOLDEN-NEXT: %26 = "stablehlo.collective_permute"(%iterArg_6) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 4], [4, 5], [5, 6], [6, 7], [7, 0]]> : tensor<8x2xi64>}> : (tensor<4x32xf32>) -> tensor<4x32xf32>
-// BIDI_GOLDEN-NEXT: %27 = stablehlo.multiply %iterArg, %c_10 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %28 = stablehlo.add %27, %c_9 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %29 = stablehlo.add %4, %28 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %30 = stablehlo.remainder %29, %c_12 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %31 = stablehlo.multiply %30, %c_12 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %32 = stablehlo.add %31, %c_8 : tensor<i32>
-// BIDI_GOLDEN-NEXT: %33 = stablehlo.dynamic_slice %arg2, %32, %c_11, sizes = [4, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<4x16xf32>
-// BIDI_GOLDEN-NEXT: %34 = stablehlo.dot_general %33, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<4x16xf32>, tensor<16x32xf32>) -> tensor<4x32xf32>
-// BIDI_GOLDEN-NEXT: %35 = stablehlo.add %26, %34 : tensor<4x32xf32>
-// BIDI_GOLDEN-NEXT: %36 = stablehlo.add %iterArg, %c_7 : tensor<i32>
-// BIDI_GOLDEN-NEXT: stablehlo.return %36, %25, %35 : tensor<i32>, tensor<4x32xf32>, tensor<4x32xf32>
+// BIDI_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<4> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<6> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<7> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<0> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<8> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<2> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %17 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<4x32xf32>) -> tensor<4x32xf32>
+// BIDI_GOLDEN-NEXT: %18 = stablehlo.add %iterArg, %c_13 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %19 = stablehlo.add %3, %18 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_12 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %21 = stablehlo.multiply %20, %c_12 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %arg2, %21, %c_11, sizes = [4, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<4x16xf32>
+// BIDI_GOLDEN-NEXT: %23 = stablehlo.dot_general %22, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<4x16xf32>, tensor<16x32xf32>) -> tensor<4x32xf32>
+// BIDI_GOLDEN-NEXT: %24 = stablehlo.add %17, %23 : tensor<4x32xf32>
+// BIDI_GOLDEN-NEXT: %25 = "stablehlo.collective_permute"(%iterArg_6) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 4], [4, 5], [5, 6], [6, 7], [7, 0]]> : tensor<8x2xi64>}> : (tensor<4x32xf32>) -> tensor<4x32xf32>
+// BIDI_GOLDEN-NEXT: %26 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %27 = stablehlo.add %26, %c_9 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %28 = stablehlo.add %3, %27 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_12 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %30 = stablehlo.multiply %29, %c_12 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %31 = stablehlo.add %30, %c_8 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %32 = stablehlo.dynamic_slice %arg2, %31, %c_11, sizes = [4, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<4x16xf32>
+// BIDI_GOLDEN-NEXT: %33 = stablehlo.dot_general %32, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<4x16xf32>, tensor<16x32xf32>) -> tensor<4x32xf32>
+// BIDI_GOLDEN-NEXT: %34 = stablehlo.add %25, %33 : tensor<4x32xf32>
+// BIDI_GOLDEN-NEXT: %35 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: stablehlo.return %35, %24, %34 : tensor<ui32>, tensor<4x32xf32>, tensor<4x32xf32>
 // BIDI_GOLDEN-NEXT: }
-// BIDI_GOLDEN-NEXT: %17 = stablehlo.concatenate %16#1, %16#2, dim = 0 : (tensor<4x32xf32>, tensor<4x32xf32>) -> tensor<8x32xf32>
-// BIDI_GOLDEN-NEXT: sdy.return %17 : tensor<8x32xf32>
+// BIDI_GOLDEN-NEXT: %16 = stablehlo.concatenate %15#1, %15#2, dim = 0 : (tensor<4x32xf32>, tensor<4x32xf32>) -> tensor<8x32xf32>
+// BIDI_GOLDEN-NEXT: sdy.return %16 : tensor<8x32xf32>
 // BIDI_GOLDEN-NEXT: } : (tensor<64x128xf32>, tensor<128x32xf32>) -> tensor<64x32xf32>
 // BIDI_GOLDEN-NEXT: return %0 : tensor<64x32xf32>
 // BIDI_GOLDEN-NEXT: }
@@ -165,7 +163,7 @@
 // UNROLL2-NOT: stablehlo.reduce_scatter
 // UNROLL2: stablehlo.while
 // UNROLL2: cond {
-// UNROLL2-NEXT: stablehlo.constant dense<3> : tensor<i32>
+// UNROLL2-NEXT: stablehlo.constant dense<3> : tensor<ui32>
 // UNROLL2-NEXT: stablehlo.compare LT
 // UNROLL2: } do {
 // UNROLL2: "stablehlo.collective_permute"
@@ -182,57 +180,56 @@
 // UNROLL2_GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // UNROLL2_GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg1: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<64x32xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) {
 // UNROLL2_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"model"}, {}]>] manual_axes={"model"} (%arg2: tensor<64x16xf32>, %arg3: tensor<16x32xf32>) {
-// UNROLL2_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<1> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xi32>
+// UNROLL2_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<1> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // UNROLL2_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %2 = stablehlo.convert %1 : (tensor<ui32>) -> tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c_2, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
-// UNROLL2_GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %5 = stablehlo.add %4, %c_1 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %6 = stablehlo.remainder %5, %c_0 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %7 = stablehlo.multiply %6, %c_0 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %arg2, %7, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
-// UNROLL2_GOLDEN-NEXT: %9 = stablehlo.dot_general %8, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %10:2 = stablehlo.while(%iterArg = %c, %iterArg_3 = %9) : tensor<i32>, tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_2, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// UNROLL2_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %4 = stablehlo.add %3, %c_1 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_0 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_0 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg2, %6, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// UNROLL2_GOLDEN-NEXT: %8 = stablehlo.dot_general %7, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %9:2 = stablehlo.while(%iterArg = %c, %iterArg_3 = %8) : tensor<ui32>, tensor<8x32xf32>
 // UNROLL2_GOLDEN-NEXT: cond {
-// UNROLL2_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<3> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %16 = stablehlo.compare LT, %iterArg, %c_4, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
-// UNROLL2_GOLDEN-NEXT: stablehlo.return %16 : tensor<i1>
+// UNROLL2_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<3> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %15 = stablehlo.compare LT, %iterArg, %c_4, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// UNROLL2_GOLDEN-NEXT: stablehlo.return %15 : tensor<i1>
 // UNROLL2_GOLDEN-NEXT: } do {
-// UNROLL2_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<8> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<2> : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %16 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %17 = stablehlo.multiply %iterArg, %c_8 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %18 = stablehlo.add %17, %c_8 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.add %4, %18 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_7 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %21 = stablehlo.multiply %20, %c_7 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %arg2, %21, %c_6, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
-// UNROLL2_GOLDEN-NEXT: %23 = stablehlo.dot_general %22, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %24 = stablehlo.add %16, %23 : tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %25 = "stablehlo.collective_permute"(%24) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %26 = stablehlo.multiply %iterArg, %c_8 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %27 = stablehlo.add %26, %c_5 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %28 = stablehlo.add %4, %27 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_7 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %30 = stablehlo.multiply %29, %c_7 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %31 = stablehlo.dynamic_slice %arg2, %30, %c_6, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
-// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.dot_general %31, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %33 = stablehlo.add %25, %32 : tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %34 = stablehlo.add %iterArg, %c_4 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: stablehlo.return %34, %33 : tensor<i32>, tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<8> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<2> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %15 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %16 = stablehlo.multiply %iterArg, %c_8 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %17 = stablehlo.add %16, %c_8 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %18 = stablehlo.add %3, %17 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_7 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %20 = stablehlo.multiply %19, %c_7 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %21 = stablehlo.dynamic_slice %arg2, %20, %c_6, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// UNROLL2_GOLDEN-NEXT: %22 = stablehlo.dot_general %21, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %23 = stablehlo.add %15, %22 : tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %24 = "stablehlo.collective_permute"(%23) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %25 = stablehlo.multiply %iterArg, %c_8 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %26 = stablehlo.add %25, %c_5 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %27 = stablehlo.add %3, %26 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %28 = stablehlo.remainder %27, %c_7 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.multiply %28, %c_7 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %30 = stablehlo.dynamic_slice %arg2, %29, %c_6, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// UNROLL2_GOLDEN-NEXT: %31 = stablehlo.dot_general %30, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.add %24, %31 : tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %33 = stablehlo.add %iterArg, %c_4 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: stablehlo.return %33, %32 : tensor<ui32>, tensor<8x32xf32>
 // UNROLL2_GOLDEN-NEXT: }
-// UNROLL2_GOLDEN-NEXT: %11 = "stablehlo.collective_permute"(%10#1) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %12 = stablehlo.multiply %4, %c_0 : tensor<i32>
-// UNROLL2_GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %arg2, %12, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
-// UNROLL2_GOLDEN-NEXT: %14 = stablehlo.dot_general %13, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %15 = stablehlo.add %11, %14 : tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: sdy.return %15 : tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%9#1) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %11 = stablehlo.multiply %3, %c_0 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %12 = stablehlo.dynamic_slice %arg2, %11, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// UNROLL2_GOLDEN-NEXT: %13 = stablehlo.dot_general %12, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %14 = stablehlo.add %10, %13 : tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: sdy.return %14 : tensor<8x32xf32>
 // UNROLL2_GOLDEN-NEXT: } : (tensor<64x128xf32>, tensor<128x32xf32>) -> tensor<64x32xf32>
 // UNROLL2_GOLDEN-NEXT: return %0 : tensor<64x32xf32>
 // UNROLL2_GOLDEN-NEXT: }
@@ -256,73 +253,72 @@
 // FULL_GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // FULL_GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg1: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<64x32xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) {
 // FULL_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"model"}, {}]>] manual_axes={"model"} (%arg2: tensor<64x16xf32>, %arg3: tensor<16x32xf32>) {
-// FULL_GOLDEN-NEXT: %c = stablehlo.constant dense<7> : tensor<i32>
-// FULL_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<6> : tensor<i32>
-// FULL_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<5> : tensor<i32>
-// FULL_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<4> : tensor<i32>
-// FULL_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<3> : tensor<i32>
-// FULL_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<2> : tensor<i32>
-// FULL_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<i32>
-// FULL_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<8> : tensor<i32>
-// FULL_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<i32>
-// FULL_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xi32>
+// FULL_GOLDEN-NEXT: %c = stablehlo.constant dense<7> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<6> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<5> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<4> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<3> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<2> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<8> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // FULL_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// FULL_GOLDEN-NEXT: %2 = stablehlo.convert %1 : (tensor<ui32>) -> tensor<i32>
-// FULL_GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c_8, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
-// FULL_GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
-// FULL_GOLDEN-NEXT: %5 = stablehlo.add %4, %c_7 : tensor<i32>
-// FULL_GOLDEN-NEXT: %6 = stablehlo.remainder %5, %c_6 : tensor<i32>
-// FULL_GOLDEN-NEXT: %7 = stablehlo.multiply %6, %c_6 : tensor<i32>
-// FULL_GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %arg2, %7, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
-// FULL_GOLDEN-NEXT: %9 = stablehlo.dot_general %8, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%9) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %11 = stablehlo.add %4, %c_4 : tensor<i32>
-// FULL_GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_6 : tensor<i32>
-// FULL_GOLDEN-NEXT: %13 = stablehlo.multiply %12, %c_6 : tensor<i32>
-// FULL_GOLDEN-NEXT: %14 = stablehlo.dynamic_slice %arg2, %13, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
-// FULL_GOLDEN-NEXT: %15 = stablehlo.dot_general %14, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %16 = stablehlo.add %10, %15 : tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %17 = "stablehlo.collective_permute"(%16) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %18 = stablehlo.add %4, %c_3 : tensor<i32>
-// FULL_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_6 : tensor<i32>
-// FULL_GOLDEN-NEXT: %20 = stablehlo.multiply %19, %c_6 : tensor<i32>
-// FULL_GOLDEN-NEXT: %21 = stablehlo.dynamic_slice %arg2, %20, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
-// FULL_GOLDEN-NEXT: %22 = stablehlo.dot_general %21, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %23 = stablehlo.add %17, %22 : tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %24 = "stablehlo.collective_permute"(%23) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %25 = stablehlo.add %4, %c_2 : tensor<i32>
-// FULL_GOLDEN-NEXT: %26 = stablehlo.remainder %25, %c_6 : tensor<i32>
-// FULL_GOLDEN-NEXT: %27 = stablehlo.multiply %26, %c_6 : tensor<i32>
-// FULL_GOLDEN-NEXT: %28 = stablehlo.dynamic_slice %arg2, %27, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
-// FULL_GOLDEN-NEXT: %29 = stablehlo.dot_general %28, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %30 = stablehlo.add %24, %29 : tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %31 = "stablehlo.collective_permute"(%30) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %32 = stablehlo.add %4, %c_1 : tensor<i32>
-// FULL_GOLDEN-NEXT: %33 = stablehlo.remainder %32, %c_6 : tensor<i32>
-// FULL_GOLDEN-NEXT: %34 = stablehlo.multiply %33, %c_6 : tensor<i32>
-// FULL_GOLDEN-NEXT: %35 = stablehlo.dynamic_slice %arg2, %34, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
-// FULL_GOLDEN-NEXT: %36 = stablehlo.dot_general %35, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %37 = stablehlo.add %31, %36 : tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %38 = "stablehlo.collective_permute"(%37) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %39 = stablehlo.add %4, %c_0 : tensor<i32>
-// FULL_GOLDEN-NEXT: %40 = stablehlo.remainder %39, %c_6 : tensor<i32>
-// FULL_GOLDEN-NEXT: %41 = stablehlo.multiply %40, %c_6 : tensor<i32>
-// FULL_GOLDEN-NEXT: %42 = stablehlo.dynamic_slice %arg2, %41, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
-// FULL_GOLDEN-NEXT: %43 = stablehlo.dot_general %42, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %44 = stablehlo.add %38, %43 : tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %45 = "stablehlo.collective_permute"(%44) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %46 = stablehlo.add %4, %c : tensor<i32>
-// FULL_GOLDEN-NEXT: %47 = stablehlo.remainder %46, %c_6 : tensor<i32>
-// FULL_GOLDEN-NEXT: %48 = stablehlo.multiply %47, %c_6 : tensor<i32>
-// FULL_GOLDEN-NEXT: %49 = stablehlo.dynamic_slice %arg2, %48, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
-// FULL_GOLDEN-NEXT: %50 = stablehlo.dot_general %49, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %51 = stablehlo.add %45, %50 : tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %52 = "stablehlo.collective_permute"(%51) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %53 = stablehlo.multiply %4, %c_6 : tensor<i32>
-// FULL_GOLDEN-NEXT: %54 = stablehlo.dynamic_slice %arg2, %53, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
-// FULL_GOLDEN-NEXT: %55 = stablehlo.dot_general %54, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %56 = stablehlo.add %52, %55 : tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: sdy.return %56 : tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_8, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// FULL_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
+// FULL_GOLDEN-NEXT: %4 = stablehlo.add %3, %c_7 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_6 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_6 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg2, %6, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// FULL_GOLDEN-NEXT: %8 = stablehlo.dot_general %7, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %9 = "stablehlo.collective_permute"(%8) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %10 = stablehlo.add %3, %c_4 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c_6 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %12 = stablehlo.multiply %11, %c_6 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %arg2, %12, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// FULL_GOLDEN-NEXT: %14 = stablehlo.dot_general %13, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %15 = stablehlo.add %9, %14 : tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %16 = "stablehlo.collective_permute"(%15) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %17 = stablehlo.add %3, %c_3 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %18 = stablehlo.remainder %17, %c_6 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %19 = stablehlo.multiply %18, %c_6 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %20 = stablehlo.dynamic_slice %arg2, %19, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// FULL_GOLDEN-NEXT: %21 = stablehlo.dot_general %20, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %22 = stablehlo.add %16, %21 : tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %23 = "stablehlo.collective_permute"(%22) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %24 = stablehlo.add %3, %c_2 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %25 = stablehlo.remainder %24, %c_6 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %26 = stablehlo.multiply %25, %c_6 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %27 = stablehlo.dynamic_slice %arg2, %26, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// FULL_GOLDEN-NEXT: %28 = stablehlo.dot_general %27, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %29 = stablehlo.add %23, %28 : tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %30 = "stablehlo.collective_permute"(%29) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %31 = stablehlo.add %3, %c_1 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %32 = stablehlo.remainder %31, %c_6 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %33 = stablehlo.multiply %32, %c_6 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %34 = stablehlo.dynamic_slice %arg2, %33, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// FULL_GOLDEN-NEXT: %35 = stablehlo.dot_general %34, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %36 = stablehlo.add %30, %35 : tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %37 = "stablehlo.collective_permute"(%36) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %38 = stablehlo.add %3, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %39 = stablehlo.remainder %38, %c_6 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %40 = stablehlo.multiply %39, %c_6 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %41 = stablehlo.dynamic_slice %arg2, %40, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// FULL_GOLDEN-NEXT: %42 = stablehlo.dot_general %41, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %43 = stablehlo.add %37, %42 : tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %44 = "stablehlo.collective_permute"(%43) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %45 = stablehlo.add %3, %c : tensor<ui32>
+// FULL_GOLDEN-NEXT: %46 = stablehlo.remainder %45, %c_6 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %47 = stablehlo.multiply %46, %c_6 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %48 = stablehlo.dynamic_slice %arg2, %47, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// FULL_GOLDEN-NEXT: %49 = stablehlo.dot_general %48, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %50 = stablehlo.add %44, %49 : tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %51 = "stablehlo.collective_permute"(%50) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %52 = stablehlo.multiply %3, %c_6 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %53 = stablehlo.dynamic_slice %arg2, %52, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// FULL_GOLDEN-NEXT: %54 = stablehlo.dot_general %53, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %55 = stablehlo.add %51, %54 : tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: sdy.return %55 : tensor<8x32xf32>
 // FULL_GOLDEN-NEXT: } : (tensor<64x128xf32>, tensor<128x32xf32>) -> tensor<64x32xf32>
 // FULL_GOLDEN-NEXT: return %0 : tensor<64x32xf32>
 // FULL_GOLDEN-NEXT: }
@@ -347,57 +343,56 @@
 // STREAMS_GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // STREAMS_GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg1: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<64x32xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) {
 // STREAMS_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"model"}, {}]>] manual_axes={"model"} (%arg2: tensor<64x16xf32>, %arg3: tensor<16x32xf32>) {
-// STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<1> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xi32>
+// STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<1> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // STREAMS_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %2 = stablehlo.convert %1 : (tensor<ui32>) -> tensor<i32>
-// STREAMS_GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c_2, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
-// STREAMS_GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
-// STREAMS_GOLDEN-NEXT: %5 = stablehlo.add %4, %c_1 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %6 = stablehlo.remainder %5, %c_0 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %7 = stablehlo.multiply %6, %c_0 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %arg2, %7, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
-// STREAMS_GOLDEN-NEXT: %9 = func.call @cmatmul_dot_0(%8, %arg3) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %10:2 = stablehlo.while(%iterArg = %c, %iterArg_3 = %9) : tensor<i32>, tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_2, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// STREAMS_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %4 = stablehlo.add %3, %c_1 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg2, %6, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// STREAMS_GOLDEN-NEXT: %8 = func.call @cmatmul_dot_0(%7, %arg3) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %9:2 = stablehlo.while(%iterArg = %c, %iterArg_3 = %8) : tensor<ui32>, tensor<8x32xf32>
 // STREAMS_GOLDEN-NEXT: cond {
-// STREAMS_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<3> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %16 = stablehlo.compare LT, %iterArg, %c_4, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %16 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<3> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %15 = stablehlo.compare LT, %iterArg, %c_4, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %15 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
-// STREAMS_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<8> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<2> : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %16 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %17 = stablehlo.multiply %iterArg, %c_8 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %18 = stablehlo.add %17, %c_8 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %19 = stablehlo.add %4, %18 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_7 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %21 = stablehlo.multiply %20, %c_7 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %arg2, %21, %c_6, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
-// STREAMS_GOLDEN-NEXT: %23 = func.call @cmatmul_dot_0(%22, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %24 = stablehlo.add %16, %23 : tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %25 = "stablehlo.collective_permute"(%24) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %26 = stablehlo.multiply %iterArg, %c_8 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %27 = stablehlo.add %26, %c_5 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %28 = stablehlo.add %4, %27 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_7 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %30 = stablehlo.multiply %29, %c_7 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %31 = stablehlo.dynamic_slice %arg2, %30, %c_6, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
-// STREAMS_GOLDEN-NEXT: %32 = func.call @cmatmul_dot_0(%31, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %33 = stablehlo.add %25, %32 : tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %34 = stablehlo.add %iterArg, %c_4 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %34, %33 : tensor<i32>, tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<8> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<2> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %15 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %16 = stablehlo.multiply %iterArg, %c_8 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %17 = stablehlo.add %16, %c_8 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %18 = stablehlo.add %3, %17 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %20 = stablehlo.multiply %19, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %21 = stablehlo.dynamic_slice %arg2, %20, %c_6, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// STREAMS_GOLDEN-NEXT: %22 = func.call @cmatmul_dot_0(%21, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %23 = stablehlo.add %15, %22 : tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %24 = "stablehlo.collective_permute"(%23) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %25 = stablehlo.multiply %iterArg, %c_8 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %26 = stablehlo.add %25, %c_5 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %27 = stablehlo.add %3, %26 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %28 = stablehlo.remainder %27, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %29 = stablehlo.multiply %28, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %30 = stablehlo.dynamic_slice %arg2, %29, %c_6, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// STREAMS_GOLDEN-NEXT: %31 = func.call @cmatmul_dot_0(%30, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %32 = stablehlo.add %24, %31 : tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %33 = stablehlo.add %iterArg, %c_4 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %33, %32 : tensor<ui32>, tensor<8x32xf32>
 // STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: %11 = "stablehlo.collective_permute"(%10#1) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %12 = stablehlo.multiply %4, %c_0 : tensor<i32>
-// STREAMS_GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %arg2, %12, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
-// STREAMS_GOLDEN-NEXT: %14 = func.call @cmatmul_dot_0(%13, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %15 = stablehlo.add %11, %14 : tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: sdy.return %15 : tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%9#1) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %11 = stablehlo.multiply %3, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %12 = stablehlo.dynamic_slice %arg2, %11, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// STREAMS_GOLDEN-NEXT: %13 = func.call @cmatmul_dot_0(%12, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %14 = stablehlo.add %10, %13 : tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: sdy.return %14 : tensor<8x32xf32>
 // STREAMS_GOLDEN-NEXT: } : (tensor<64x128xf32>, tensor<128x32xf32>) -> tensor<64x32xf32>
 // STREAMS_GOLDEN-NEXT: return %0 : tensor<64x32xf32>
 // STREAMS_GOLDEN-NEXT: }
@@ -423,70 +418,69 @@
 // HLO_GOLDEN-NEXT: ROOT dot.1 = f32[8,32]{1,0} dot(Arg_0.3, Arg_1.3), lhs_contracting_dims={1}, rhs_contracting_dims={0}
 // HLO_GOLDEN-NEXT: }
 // HLO_GOLDEN: region_0.2 {
-// HLO_GOLDEN-NEXT: arg_tuple.1 = (s32[], f32[8,32]{1,0}, s32[], f32[64,16]{1,0}, f32[16,32]{1,0}) parameter(0)
-// HLO_GOLDEN-NEXT: get-tuple-element.7 = s32[] get-tuple-element(arg_tuple.1), index=0
-// HLO_GOLDEN-NEXT: constant.9 = s32[] constant(1)
-// HLO_GOLDEN-NEXT: add.14 = s32[] add(get-tuple-element.7, constant.9)
+// HLO_GOLDEN-NEXT: arg_tuple.1 = (u32[], f32[8,32]{1,0}, u32[], f32[64,16]{1,0}, f32[16,32]{1,0}) parameter(0)
+// HLO_GOLDEN-NEXT: get-tuple-element.7 = u32[] get-tuple-element(arg_tuple.1), index=0
+// HLO_GOLDEN-NEXT: constant.9 = u32[] constant(1)
+// HLO_GOLDEN-NEXT: add.14 = u32[] add(get-tuple-element.7, constant.9)
 // HLO_GOLDEN-NEXT: get-tuple-element.8 = f32[8,32]{1,0} get-tuple-element(arg_tuple.1), index=1
 // HLO_GOLDEN-NEXT: collective-permute.2 = f32[8,32]{1,0} collective-permute(get-tuple-element.8), channel_id=2, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="0"}
 // HLO_GOLDEN-NEXT: get-tuple-element.10 = f32[64,16]{1,0} get-tuple-element(arg_tuple.1), index=3
-// HLO_GOLDEN-NEXT: get-tuple-element.9 = s32[] get-tuple-element(arg_tuple.1), index=2
-// HLO_GOLDEN-NEXT: constant.13 = s32[] constant(2)
-// HLO_GOLDEN-NEXT: multiply.5 = s32[] multiply(get-tuple-element.7, constant.13)
-// HLO_GOLDEN-NEXT: add.8 = s32[] add(multiply.5, constant.13)
-// HLO_GOLDEN-NEXT: add.9 = s32[] add(get-tuple-element.9, add.8)
-// HLO_GOLDEN-NEXT: constant.12 = s32[] constant(8)
-// HLO_GOLDEN-NEXT: remainder.3 = s32[] remainder(add.9, constant.12)
-// HLO_GOLDEN-NEXT: multiply.6 = s32[] multiply(remainder.3, constant.12)
-// HLO_GOLDEN-NEXT: constant.11 = s32[] constant(0)
+// HLO_GOLDEN-NEXT: get-tuple-element.9 = u32[] get-tuple-element(arg_tuple.1), index=2
+// HLO_GOLDEN-NEXT: constant.13 = u32[] constant(2)
+// HLO_GOLDEN-NEXT: multiply.5 = u32[] multiply(get-tuple-element.7, constant.13)
+// HLO_GOLDEN-NEXT: add.8 = u32[] add(multiply.5, constant.13)
+// HLO_GOLDEN-NEXT: add.9 = u32[] add(get-tuple-element.9, add.8)
+// HLO_GOLDEN-NEXT: constant.12 = u32[] constant(8)
+// HLO_GOLDEN-NEXT: remainder.3 = u32[] remainder(add.9, constant.12)
+// HLO_GOLDEN-NEXT: multiply.6 = u32[] multiply(remainder.3, constant.12)
+// HLO_GOLDEN-NEXT: constant.11 = u32[] constant(0)
 // HLO_GOLDEN-NEXT: dynamic-slice.4 = f32[8,16]{1,0} dynamic-slice(get-tuple-element.10, multiply.6, constant.11), dynamic_slice_sizes={8,16}
 // HLO_GOLDEN-NEXT: get-tuple-element.11 = f32[16,32]{1,0} get-tuple-element(arg_tuple.1), index=4
 // HLO_GOLDEN-NEXT: call.3 = f32[8,32]{1,0} call(dynamic-slice.4, get-tuple-element.11), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="0",_xla_stream_annotation="1",inlineable="false"}
 // HLO_GOLDEN-NEXT: add.10 = f32[8,32]{1,0} add(collective-permute.2, call.3)
 // HLO_GOLDEN-NEXT: collective-permute.3 = f32[8,32]{1,0} collective-permute(add.10), channel_id=3, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="1"}
-// HLO_GOLDEN-NEXT: multiply.7 = s32[] multiply(get-tuple-element.7, constant.13)
-// HLO_GOLDEN-NEXT: constant.10 = s32[] constant(3)
-// HLO_GOLDEN-NEXT: add.11 = s32[] add(multiply.7, constant.10)
-// HLO_GOLDEN-NEXT: add.12 = s32[] add(get-tuple-element.9, add.11)
-// HLO_GOLDEN-NEXT: remainder.4 = s32[] remainder(add.12, constant.12)
-// HLO_GOLDEN-NEXT: multiply.8 = s32[] multiply(remainder.4, constant.12)
+// HLO_GOLDEN-NEXT: multiply.7 = u32[] multiply(get-tuple-element.7, constant.13)
+// HLO_GOLDEN-NEXT: constant.10 = u32[] constant(3)
+// HLO_GOLDEN-NEXT: add.11 = u32[] add(multiply.7, constant.10)
+// HLO_GOLDEN-NEXT: add.12 = u32[] add(get-tuple-element.9, add.11)
+// HLO_GOLDEN-NEXT: remainder.4 = u32[] remainder(add.12, constant.12)
+// HLO_GOLDEN-NEXT: multiply.8 = u32[] multiply(remainder.4, constant.12)
 // HLO_GOLDEN-NEXT: dynamic-slice.5 = f32[8,16]{1,0} dynamic-slice(get-tuple-element.10, multiply.8, constant.11), dynamic_slice_sizes={8,16}
 // HLO_GOLDEN-NEXT: call.4 = f32[8,32]{1,0} call(dynamic-slice.5, get-tuple-element.11), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="1",_xla_stream_annotation="2",inlineable="false"}
 // HLO_GOLDEN-NEXT: add.13 = f32[8,32]{1,0} add(collective-permute.3, call.4)
-// HLO_GOLDEN-NEXT: ROOT tuple.1 = (s32[], f32[8,32]{1,0}, s32[], f32[64,16]{1,0}, f32[16,32]{1,0}) tuple(add.14, add.13, get-tuple-element.9, get-tuple-element.10, get-tuple-element.11)
+// HLO_GOLDEN-NEXT: ROOT tuple.1 = (u32[], f32[8,32]{1,0}, u32[], f32[64,16]{1,0}, f32[16,32]{1,0}) tuple(add.14, add.13, get-tuple-element.9, get-tuple-element.10, get-tuple-element.11)
 // HLO_GOLDEN-NEXT: }
 // HLO_GOLDEN: region_1.3 {
-// HLO_GOLDEN-NEXT: arg_tuple.3 = (s32[], f32[8,32]{1,0}, s32[], f32[64,16]{1,0}, f32[16,32]{1,0}) parameter(0)
+// HLO_GOLDEN-NEXT: arg_tuple.3 = (u32[], f32[8,32]{1,0}, u32[], f32[64,16]{1,0}, f32[16,32]{1,0}) parameter(0)
 // HLO_GOLDEN-NEXT: get-tuple-element.18 = f32[8,32]{1,0} get-tuple-element(arg_tuple.3), index=1
-// HLO_GOLDEN-NEXT: get-tuple-element.19 = s32[] get-tuple-element(arg_tuple.3), index=2
+// HLO_GOLDEN-NEXT: get-tuple-element.19 = u32[] get-tuple-element(arg_tuple.3), index=2
 // HLO_GOLDEN-NEXT: get-tuple-element.20 = f32[64,16]{1,0} get-tuple-element(arg_tuple.3), index=3
 // HLO_GOLDEN-NEXT: get-tuple-element.21 = f32[16,32]{1,0} get-tuple-element(arg_tuple.3), index=4
-// HLO_GOLDEN-NEXT: get-tuple-element.17 = s32[] get-tuple-element(arg_tuple.3), index=0
-// HLO_GOLDEN-NEXT: constant.15 = s32[] constant(3)
+// HLO_GOLDEN-NEXT: get-tuple-element.17 = u32[] get-tuple-element(arg_tuple.3), index=0
+// HLO_GOLDEN-NEXT: constant.15 = u32[] constant(3)
 // HLO_GOLDEN-NEXT: ROOT compare.1 = pred[] compare(get-tuple-element.17, constant.15), direction=LT
 // HLO_GOLDEN-NEXT: }
 // HLO_GOLDEN: xla.sdy.manual_computation_body.4 {
-// HLO_GOLDEN-NEXT: constant.16 = s32[] constant(0)
+// HLO_GOLDEN-NEXT: constant.16 = u32[] constant(0)
 // HLO_GOLDEN-NEXT: Arg_0.4 = f32[64,16]{1,0} parameter(0)
-// HLO_GOLDEN-NEXT: constant.19 = s32[8]{0} constant({0, 1, 2, 3, 4, 5, 6, 7})
+// HLO_GOLDEN-NEXT: constant.19 = u32[8]{0} constant({0, 1, 2, 3, 4, 5, 6, 7})
 // HLO_GOLDEN-NEXT: partition-id.1 = u32[] partition-id()
-// HLO_GOLDEN-NEXT: convert.1 = s32[] convert(partition-id.1)
-// HLO_GOLDEN-NEXT: dynamic-slice.7 = s32[1]{0} dynamic-slice(constant.19, convert.1), dynamic_slice_sizes={1}
-// HLO_GOLDEN-NEXT: reshape.1 = s32[] reshape(dynamic-slice.7)
-// HLO_GOLDEN-NEXT: constant.18 = s32[] constant(1)
-// HLO_GOLDEN-NEXT: add.16 = s32[] add(reshape.1, constant.18)
-// HLO_GOLDEN-NEXT: constant.17 = s32[] constant(8)
-// HLO_GOLDEN-NEXT: remainder.5 = s32[] remainder(add.16, constant.17)
-// HLO_GOLDEN-NEXT: multiply.10 = s32[] multiply(remainder.5, constant.17)
+// HLO_GOLDEN-NEXT: dynamic-slice.7 = u32[1]{0} dynamic-slice(constant.19, partition-id.1), dynamic_slice_sizes={1}
+// HLO_GOLDEN-NEXT: reshape.1 = u32[] reshape(dynamic-slice.7)
+// HLO_GOLDEN-NEXT: constant.18 = u32[] constant(1)
+// HLO_GOLDEN-NEXT: add.16 = u32[] add(reshape.1, constant.18)
+// HLO_GOLDEN-NEXT: constant.17 = u32[] constant(8)
+// HLO_GOLDEN-NEXT: remainder.5 = u32[] remainder(add.16, constant.17)
+// HLO_GOLDEN-NEXT: multiply.10 = u32[] multiply(remainder.5, constant.17)
 // HLO_GOLDEN-NEXT: dynamic-slice.8 = f32[8,16]{1,0} dynamic-slice(Arg_0.4, multiply.10, constant.16), dynamic_slice_sizes={8,16}
 // HLO_GOLDEN-NEXT: Arg_1.4 = f32[16,32]{1,0} parameter(1)
 // HLO_GOLDEN-NEXT: call.6 = f32[8,32]{1,0} call(dynamic-slice.8, Arg_1.4), to_apply=cmatmul_dot_0.1, frontend_attributes={_xla_stream_annotation="1",inlineable="false"}
-// HLO_GOLDEN-NEXT: tuple.3 = (s32[], f32[8,32]{1,0}, s32[], f32[64,16]{1,0}, f32[16,32]{1,0}) tuple(constant.16, call.6, reshape.1, Arg_0.4, Arg_1.4)
-// HLO_GOLDEN-NEXT: while.1 = (s32[], f32[8,32]{1,0}, s32[], f32[64,16]{1,0}, f32[16,32]{1,0}) while(tuple.3), condition=region_1.3, body=region_0.2
-// HLO_GOLDEN-NEXT: get-tuple-element.24 = s32[] get-tuple-element(while.1), index=0
+// HLO_GOLDEN-NEXT: tuple.3 = (u32[], f32[8,32]{1,0}, u32[], f32[64,16]{1,0}, f32[16,32]{1,0}) tuple(constant.16, call.6, reshape.1, Arg_0.4, Arg_1.4)
+// HLO_GOLDEN-NEXT: while.1 = (u32[], f32[8,32]{1,0}, u32[], f32[64,16]{1,0}, f32[16,32]{1,0}) while(tuple.3), condition=region_1.3, body=region_0.2
+// HLO_GOLDEN-NEXT: get-tuple-element.24 = u32[] get-tuple-element(while.1), index=0
 // HLO_GOLDEN-NEXT: get-tuple-element.25 = f32[8,32]{1,0} get-tuple-element(while.1), index=1
 // HLO_GOLDEN-NEXT: collective-permute.5 = f32[8,32]{1,0} collective-permute(get-tuple-element.25), channel_id=4, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="2"}
-// HLO_GOLDEN-NEXT: multiply.11 = s32[] multiply(reshape.1, constant.17)
+// HLO_GOLDEN-NEXT: multiply.11 = u32[] multiply(reshape.1, constant.17)
 // HLO_GOLDEN-NEXT: dynamic-slice.9 = f32[8,16]{1,0} dynamic-slice(Arg_0.4, multiply.11, constant.16), dynamic_slice_sizes={8,16}
 // HLO_GOLDEN-NEXT: call.7 = f32[8,32]{1,0} call(dynamic-slice.9, Arg_1.4), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="2",_xla_stream_annotation="1",inlineable="false"}
 // HLO_GOLDEN-NEXT: ROOT add.17 = f32[8,32]{1,0} add(collective-permute.5, call.7)

@@ -20,59 +20,58 @@
 // GOLDEN-NEXT: sdy.mesh @mesh = <["data"=2, "model"=4]> {stablehlo.mesh = {axes = [{name = "data", size = 2 : i64}, {name = "model", size = 4 : i64}]}}
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg1: tensor<64x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<64x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg3: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg4: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg5: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<64x32xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1, %arg2, %arg3, %arg4, %arg5) in_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"model"}, {}]>] manual_axes={"data", "model"} (%arg6: tensor<64x16xf32>, %arg7: tensor<64x16xf32>, %arg8: tensor<64x16xf32>, %arg9: tensor<16x32xf32>, %arg10: tensor<16x32xf32>, %arg11: tensor<16x32xf32>) {
-// GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<i32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<i32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<1> : tensor<i32>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xi32>
+// GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %2 = stablehlo.convert %1 : (tensor<ui32>) -> tensor<i32>
-// GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c_3, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
-// GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
-// GOLDEN-NEXT: %5 = stablehlo.add %4, %c_2 : tensor<i32>
-// GOLDEN-NEXT: %6 = stablehlo.remainder %5, %c_1 : tensor<i32>
-// GOLDEN-NEXT: %7 = stablehlo.multiply %6, %c_0 : tensor<i32>
-// GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %arg6, %7, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %9 = stablehlo.dot_general %8, %arg9, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %10 = stablehlo.multiply %6, %c_0 : tensor<i32>
-// GOLDEN-NEXT: %11 = stablehlo.dynamic_slice %arg7, %10, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %12 = stablehlo.dot_general %11, %arg10, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %13 = stablehlo.add %9, %12 : tensor<16x32xf32>
-// GOLDEN-NEXT: %14 = stablehlo.multiply %6, %c_0 : tensor<i32>
-// GOLDEN-NEXT: %15 = stablehlo.dynamic_slice %arg8, %14, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %16 = stablehlo.dot_general %15, %arg11, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %17 = stablehlo.add %13, %16 : tensor<16x32xf32>
-// GOLDEN-NEXT: %18:2 = stablehlo.while(%iterArg = %c, %iterArg_4 = %17) : tensor<i32>, tensor<16x32xf32>
+// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %4 = stablehlo.add %3, %c_2 : tensor<ui32>
+// GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_1 : tensor<ui32>
+// GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg6, %6, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %8 = stablehlo.dot_general %7, %arg9, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %9 = stablehlo.multiply %5, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %10 = stablehlo.dynamic_slice %arg7, %9, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %11 = stablehlo.dot_general %10, %arg10, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %12 = stablehlo.add %8, %11 : tensor<16x32xf32>
+// GOLDEN-NEXT: %13 = stablehlo.multiply %5, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %14 = stablehlo.dynamic_slice %arg8, %13, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %15 = stablehlo.dot_general %14, %arg11, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %16 = stablehlo.add %12, %15 : tensor<16x32xf32>
+// GOLDEN-NEXT: %17:2 = stablehlo.while(%iterArg = %c, %iterArg_4 = %16) : tensor<ui32>, tensor<16x32xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<i32>
-// GOLDEN-NEXT: %19 = stablehlo.compare LT, %iterArg, %c_5, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %19 : tensor<i1>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %18 = stablehlo.compare LT, %iterArg, %c_5, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %18 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<1> : tensor<i32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<16> : tensor<i32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<4> : tensor<i32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<2> : tensor<i32>
-// GOLDEN-NEXT: %19 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %20 = stablehlo.add %iterArg, %c_9 : tensor<i32>
-// GOLDEN-NEXT: %21 = stablehlo.add %4, %20 : tensor<i32>
-// GOLDEN-NEXT: %22 = stablehlo.remainder %21, %c_8 : tensor<i32>
-// GOLDEN-NEXT: %23 = stablehlo.multiply %22, %c_7 : tensor<i32>
-// GOLDEN-NEXT: %24 = stablehlo.dynamic_slice %arg6, %23, %c_6, sizes = [16, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %25 = stablehlo.dot_general %24, %arg9, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %26 = stablehlo.multiply %22, %c_7 : tensor<i32>
-// GOLDEN-NEXT: %27 = stablehlo.dynamic_slice %arg7, %26, %c_6, sizes = [16, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %28 = stablehlo.dot_general %27, %arg10, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %29 = stablehlo.add %25, %28 : tensor<16x32xf32>
-// GOLDEN-NEXT: %30 = stablehlo.multiply %22, %c_7 : tensor<i32>
-// GOLDEN-NEXT: %31 = stablehlo.dynamic_slice %arg8, %30, %c_6, sizes = [16, 16] : (tensor<64x16xf32>, tensor<i32>, tensor<i32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %32 = stablehlo.dot_general %31, %arg11, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %33 = stablehlo.add %29, %32 : tensor<16x32xf32>
-// GOLDEN-NEXT: %34 = stablehlo.add %19, %33 : tensor<16x32xf32>
-// GOLDEN-NEXT: %35 = stablehlo.add %iterArg, %c_5 : tensor<i32>
-// GOLDEN-NEXT: stablehlo.return %35, %34 : tensor<i32>, tensor<16x32xf32>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %18 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %19 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
+// GOLDEN-NEXT: %20 = stablehlo.add %3, %19 : tensor<ui32>
+// GOLDEN-NEXT: %21 = stablehlo.remainder %20, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: %22 = stablehlo.multiply %21, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %23 = stablehlo.dynamic_slice %arg6, %22, %c_6, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %24 = stablehlo.dot_general %23, %arg9, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %25 = stablehlo.multiply %21, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %26 = stablehlo.dynamic_slice %arg7, %25, %c_6, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %27 = stablehlo.dot_general %26, %arg10, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %28 = stablehlo.add %24, %27 : tensor<16x32xf32>
+// GOLDEN-NEXT: %29 = stablehlo.multiply %21, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %30 = stablehlo.dynamic_slice %arg8, %29, %c_6, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %31 = stablehlo.dot_general %30, %arg11, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %32 = stablehlo.add %28, %31 : tensor<16x32xf32>
+// GOLDEN-NEXT: %33 = stablehlo.add %18, %32 : tensor<16x32xf32>
+// GOLDEN-NEXT: %34 = stablehlo.add %iterArg, %c_5 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %34, %33 : tensor<ui32>, tensor<16x32xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: sdy.return %18#1 : tensor<16x32xf32>
+// GOLDEN-NEXT: sdy.return %17#1 : tensor<16x32xf32>
 // GOLDEN-NEXT: } : (tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x32xf32>, tensor<64x32xf32>, tensor<64x32xf32>) -> tensor<64x32xf32>
 // GOLDEN-NEXT: return %0 : tensor<64x32xf32>
 // GOLDEN-NEXT: }

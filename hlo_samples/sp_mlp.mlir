@@ -11,86 +11,85 @@
 // GOLDEN-NEXT: sdy.mesh @mesh = <["data"=2, "model"=4]> {stablehlo.mesh = {axes = [{name = "data", size = 2 : i64}, {name = "model", size = 4 : i64}]}}
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<4x32x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}, {}]>}, %arg1: tensor<16x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<64x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<4x32x16xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}, {}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1, %arg2) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"data"}, {"model"}, {}]>] manual_axes={"data", "model"} (%arg3: tensor<2x8x16xf32>, %arg4: tensor<16x16xf32>, %arg5: tensor<16x16xf32>) {
-// GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<i32>
+// GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<i32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<4> : tensor<i32>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<1> : tensor<i32>
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xi32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %2 = stablehlo.convert %1 : (tensor<ui32>) -> tensor<i32>
-// GOLDEN-NEXT: %3 = stablehlo.dynamic_slice %c_4, %2, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
-// GOLDEN-NEXT: %4 = stablehlo.reshape %3 : (tensor<1xi32>) -> tensor<i32>
-// GOLDEN-NEXT: %5:3 = stablehlo.while(%iterArg = %c_0, %iterArg_9 = %arg3, %iterArg_10 = %cst) : tensor<i32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
+// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_4, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %4:3 = stablehlo.while(%iterArg = %c_0, %iterArg_9 = %arg3, %iterArg_10 = %cst) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<3> : tensor<i32>
-// GOLDEN-NEXT: %30 = stablehlo.compare LT, %iterArg, %c_11, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %30 : tensor<i1>
+// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %29 = stablehlo.compare LT, %iterArg, %c_11, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %29 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<i32>
-// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<8> : tensor<i32>
-// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<4> : tensor<i32>
-// GOLDEN-NEXT: %30 = "stablehlo.collective_permute"(%iterArg_9) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %31 = stablehlo.add %4, %iterArg : tensor<i32>
-// GOLDEN-NEXT: %32 = stablehlo.remainder %31, %c_14 : tensor<i32>
-// GOLDEN-NEXT: %33 = stablehlo.dot_general %iterArg_9, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %34 = stablehlo.multiply %32, %c_13 : tensor<i32>
-// GOLDEN-NEXT: %35 = stablehlo.dynamic_update_slice %iterArg_10, %33, %c_12, %34, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %36 = stablehlo.add %iterArg, %c_11 : tensor<i32>
-// GOLDEN-NEXT: stablehlo.return %36, %30, %35 : tensor<i32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
+// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %29 = "stablehlo.collective_permute"(%iterArg_9) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %30 = stablehlo.add %3, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %31 = stablehlo.remainder %30, %c_14 : tensor<ui32>
+// GOLDEN-NEXT: %32 = stablehlo.dot_general %iterArg_9, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %33 = stablehlo.multiply %31, %c_13 : tensor<ui32>
+// GOLDEN-NEXT: %34 = stablehlo.dynamic_update_slice %iterArg_10, %32, %c_12, %33, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %35 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %35, %29, %34 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %6 = stablehlo.add %4, %c : tensor<i32>
-// GOLDEN-NEXT: %7 = stablehlo.remainder %6, %c_2 : tensor<i32>
-// GOLDEN-NEXT: %8 = stablehlo.dot_general %5#1, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %9 = stablehlo.multiply %7, %c_1 : tensor<i32>
-// GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %5#2, %8, %c_0, %9, %c_0 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %11 = stablehlo.multiply %10, %10 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %12 = stablehlo.multiply %11, %10 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %5 = stablehlo.add %3, %c : tensor<ui32>
+// GOLDEN-NEXT: %6 = stablehlo.remainder %5, %c_2 : tensor<ui32>
+// GOLDEN-NEXT: %7 = stablehlo.dot_general %4#1, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %8 = stablehlo.multiply %6, %c_1 : tensor<ui32>
+// GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %4#2, %7, %c_0, %8, %c_0 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %10 = stablehlo.multiply %9, %9 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %11 = stablehlo.multiply %10, %9 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// GOLDEN-NEXT: %13 = stablehlo.broadcast_in_dim %cst_5, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %14 = stablehlo.multiply %13, %12 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %15 = stablehlo.add %10, %14 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %12 = stablehlo.broadcast_in_dim %cst_5, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %13 = stablehlo.multiply %12, %11 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %14 = stablehlo.add %9, %13 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// GOLDEN-NEXT: %16 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %17 = stablehlo.multiply %16, %15 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %18 = stablehlo.tanh %17 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %15 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %16 = stablehlo.multiply %15, %14 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %17 = stablehlo.tanh %16 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %19 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %20 = stablehlo.add %19, %18 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %18 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %19 = stablehlo.add %18, %17 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// GOLDEN-NEXT: %21 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %22 = stablehlo.multiply %21, %20 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %23 = stablehlo.multiply %10, %22 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %24 = stablehlo.add %4, %c_3 : tensor<i32>
-// GOLDEN-NEXT: %25 = stablehlo.remainder %24, %c_2 : tensor<i32>
-// GOLDEN-NEXT: %26 = stablehlo.multiply %25, %c_1 : tensor<i32>
-// GOLDEN-NEXT: %27 = stablehlo.dynamic_slice %23, %c_0, %26, %c_0, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %28 = stablehlo.dot_general %27, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %29:2 = stablehlo.while(%iterArg = %c_0, %iterArg_9 = %28) : tensor<i32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %20 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %21 = stablehlo.multiply %20, %19 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %22 = stablehlo.multiply %9, %21 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %23 = stablehlo.add %3, %c_3 : tensor<ui32>
+// GOLDEN-NEXT: %24 = stablehlo.remainder %23, %c_2 : tensor<ui32>
+// GOLDEN-NEXT: %25 = stablehlo.multiply %24, %c_1 : tensor<ui32>
+// GOLDEN-NEXT: %26 = stablehlo.dynamic_slice %22, %c_0, %25, %c_0, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %27 = stablehlo.dot_general %26, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %28:2 = stablehlo.while(%iterArg = %c_0, %iterArg_9 = %27) : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<3> : tensor<i32>
-// GOLDEN-NEXT: %30 = stablehlo.compare LT, %iterArg, %c_10, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %30 : tensor<i1>
+// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %29 = stablehlo.compare LT, %iterArg, %c_10, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %29 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<1> : tensor<i32>
-// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<8> : tensor<i32>
-// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<4> : tensor<i32>
-// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<2> : tensor<i32>
-// GOLDEN-NEXT: %30 = "stablehlo.collective_permute"(%iterArg_9) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %31 = stablehlo.add %iterArg, %c_14 : tensor<i32>
-// GOLDEN-NEXT: %32 = stablehlo.add %4, %31 : tensor<i32>
-// GOLDEN-NEXT: %33 = stablehlo.remainder %32, %c_13 : tensor<i32>
-// GOLDEN-NEXT: %34 = stablehlo.multiply %33, %c_12 : tensor<i32>
-// GOLDEN-NEXT: %35 = stablehlo.dynamic_slice %23, %c_11, %34, %c_11, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %36 = stablehlo.dot_general %35, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %37 = stablehlo.add %30, %36 : tensor<2x8x16xf32>
-// GOLDEN-NEXT: %38 = stablehlo.add %iterArg, %c_10 : tensor<i32>
-// GOLDEN-NEXT: stablehlo.return %38, %37 : tensor<i32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %29 = "stablehlo.collective_permute"(%iterArg_9) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %30 = stablehlo.add %iterArg, %c_14 : tensor<ui32>
+// GOLDEN-NEXT: %31 = stablehlo.add %3, %30 : tensor<ui32>
+// GOLDEN-NEXT: %32 = stablehlo.remainder %31, %c_13 : tensor<ui32>
+// GOLDEN-NEXT: %33 = stablehlo.multiply %32, %c_12 : tensor<ui32>
+// GOLDEN-NEXT: %34 = stablehlo.dynamic_slice %22, %c_11, %33, %c_11, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %35 = stablehlo.dot_general %34, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %36 = stablehlo.add %29, %35 : tensor<2x8x16xf32>
+// GOLDEN-NEXT: %37 = stablehlo.add %iterArg, %c_10 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %37, %36 : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: sdy.return %29#1 : tensor<2x8x16xf32>
+// GOLDEN-NEXT: sdy.return %28#1 : tensor<2x8x16xf32>
 // GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<4x32x16xf32>
 // GOLDEN-NEXT: return %0 : tensor<4x32x16xf32>
 // GOLDEN-NEXT: }

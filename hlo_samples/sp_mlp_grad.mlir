@@ -12,100 +12,99 @@
 // GOLDEN-NEXT: sdy.mesh @mesh = <["data"=2, "model"=4]> {stablehlo.mesh = {axes = [{name = "data", size = 2 : i64}, {name = "model", size = 4 : i64}]}}
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<4x32x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}, {}]>}, %arg1: tensor<16x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<64x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<f32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, []>}, tensor<4x32x16xf32> {jax.result_info = "result[1][0]", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}, {}]>}, tensor<16x64xf32> {jax.result_info = "result[1][1]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x16xf32> {jax.result_info = "result[1][2]", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) {
 // GOLDEN-NEXT: %0:13 = sdy.manual_computation(%arg0, %arg1, %arg2) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data"}, {"model"}, {}]>] manual_axes={"data", "model"} (%arg3: tensor<2x8x16xf32>, %arg4: tensor<16x16xf32>, %arg5: tensor<16x16xf32>) {
-// GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<i32>
+// GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<ui32>
 // GOLDEN-NEXT: %cst_4 = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<8> : tensor<i32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<4> : tensor<i32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<1> : tensor<i32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xi32>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %21 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %22 = stablehlo.convert %21 : (tensor<ui32>) -> tensor<i32>
-// GOLDEN-NEXT: %23 = stablehlo.dynamic_slice %c_9, %22, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
-// GOLDEN-NEXT: %24 = stablehlo.reshape %23 : (tensor<1xi32>) -> tensor<i32>
-// GOLDEN-NEXT: %25:4 = stablehlo.while(%iterArg = %c_5, %iterArg_16 = %arg3, %iterArg_17 = %cst_4, %iterArg_18 = %cst_4) : tensor<i32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
+// GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %c_9, %21, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %23 = stablehlo.reshape %22 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %24:4 = stablehlo.while(%iterArg = %c_5, %iterArg_16 = %arg3, %iterArg_17 = %cst_4, %iterArg_18 = %cst_4) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<3> : tensor<i32>
-// GOLDEN-NEXT: %60 = stablehlo.compare LT, %iterArg, %c_19, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %60 : tensor<i1>
+// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %59 = stablehlo.compare LT, %iterArg, %c_19, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %59 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<1> : tensor<i32>
-// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %c_21 = stablehlo.constant dense<8> : tensor<i32>
-// GOLDEN-NEXT: %c_22 = stablehlo.constant dense<4> : tensor<i32>
-// GOLDEN-NEXT: %60 = "stablehlo.collective_permute"(%iterArg_16) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %61 = stablehlo.add %24, %iterArg : tensor<i32>
-// GOLDEN-NEXT: %62 = stablehlo.remainder %61, %c_22 : tensor<i32>
-// GOLDEN-NEXT: %63 = stablehlo.dot_general %iterArg_16, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %64 = stablehlo.multiply %62, %c_21 : tensor<i32>
-// GOLDEN-NEXT: %65 = stablehlo.dynamic_update_slice %iterArg_17, %63, %c_20, %64, %c_20 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %66 = stablehlo.multiply %62, %c_21 : tensor<i32>
-// GOLDEN-NEXT: %67 = stablehlo.dynamic_update_slice %iterArg_18, %iterArg_16, %c_20, %66, %c_20 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %68 = stablehlo.add %iterArg, %c_19 : tensor<i32>
-// GOLDEN-NEXT: stablehlo.return %68, %60, %65, %67 : tensor<i32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
+// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_21 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_22 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %59 = "stablehlo.collective_permute"(%iterArg_16) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %60 = stablehlo.add %23, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %61 = stablehlo.remainder %60, %c_22 : tensor<ui32>
+// GOLDEN-NEXT: %62 = stablehlo.dot_general %iterArg_16, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %63 = stablehlo.multiply %61, %c_21 : tensor<ui32>
+// GOLDEN-NEXT: %64 = stablehlo.dynamic_update_slice %iterArg_17, %62, %c_20, %63, %c_20 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %65 = stablehlo.multiply %61, %c_21 : tensor<ui32>
+// GOLDEN-NEXT: %66 = stablehlo.dynamic_update_slice %iterArg_18, %iterArg_16, %c_20, %65, %c_20 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %67 = stablehlo.add %iterArg, %c_19 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %67, %59, %64, %66 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %26 = stablehlo.add %24, %c : tensor<i32>
-// GOLDEN-NEXT: %27 = stablehlo.remainder %26, %c_7 : tensor<i32>
-// GOLDEN-NEXT: %28 = stablehlo.dot_general %25#1, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %29 = stablehlo.multiply %27, %c_6 : tensor<i32>
-// GOLDEN-NEXT: %30 = stablehlo.dynamic_update_slice %25#2, %28, %c_5, %29, %c_5 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %31 = stablehlo.multiply %27, %c_6 : tensor<i32>
-// GOLDEN-NEXT: %32 = stablehlo.dynamic_update_slice %25#3, %25#1, %c_5, %31, %c_5 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %33 = stablehlo.multiply %30, %30 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %34 = stablehlo.multiply %33, %30 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %35 = stablehlo.multiply %30, %30 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %25 = stablehlo.add %23, %c : tensor<ui32>
+// GOLDEN-NEXT: %26 = stablehlo.remainder %25, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %27 = stablehlo.dot_general %24#1, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %28 = stablehlo.multiply %26, %c_6 : tensor<ui32>
+// GOLDEN-NEXT: %29 = stablehlo.dynamic_update_slice %24#2, %27, %c_5, %28, %c_5 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %30 = stablehlo.multiply %26, %c_6 : tensor<ui32>
+// GOLDEN-NEXT: %31 = stablehlo.dynamic_update_slice %24#3, %24#1, %c_5, %30, %c_5 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %32 = stablehlo.multiply %29, %29 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %33 = stablehlo.multiply %32, %29 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %34 = stablehlo.multiply %29, %29 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %cst_10 = stablehlo.constant dense<3.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %36 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %37 = stablehlo.multiply %36, %35 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %35 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %36 = stablehlo.multiply %35, %34 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %cst_11 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// GOLDEN-NEXT: %38 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %39 = stablehlo.multiply %38, %34 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %40 = stablehlo.add %30, %39 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %37 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %38 = stablehlo.multiply %37, %33 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %39 = stablehlo.add %29, %38 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %cst_12 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// GOLDEN-NEXT: %41 = stablehlo.broadcast_in_dim %cst_12, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %42 = stablehlo.multiply %41, %40 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %43 = stablehlo.tanh %42 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %40 = stablehlo.broadcast_in_dim %cst_12, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %41 = stablehlo.multiply %40, %39 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %42 = stablehlo.tanh %41 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %cst_13 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %44 = stablehlo.broadcast_in_dim %cst_13, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %45 = stablehlo.subtract %44, %43 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %43 = stablehlo.broadcast_in_dim %cst_13, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %44 = stablehlo.subtract %43, %42 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %cst_14 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %46 = stablehlo.broadcast_in_dim %cst_14, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %47 = stablehlo.add %46, %43 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %45 = stablehlo.broadcast_in_dim %cst_14, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %46 = stablehlo.add %45, %42 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %cst_15 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// GOLDEN-NEXT: %48 = stablehlo.broadcast_in_dim %cst_15, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %49 = stablehlo.multiply %48, %47 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %50 = stablehlo.multiply %30, %49 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %51 = stablehlo.add %24, %c_8 : tensor<i32>
-// GOLDEN-NEXT: %52 = stablehlo.remainder %51, %c_7 : tensor<i32>
-// GOLDEN-NEXT: %53 = stablehlo.multiply %52, %c_6 : tensor<i32>
-// GOLDEN-NEXT: %54 = stablehlo.dynamic_slice %50, %c_5, %53, %c_5, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %55 = stablehlo.dot_general %54, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %56:2 = stablehlo.while(%iterArg = %c_5, %iterArg_16 = %55) : tensor<i32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %47 = stablehlo.broadcast_in_dim %cst_15, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %48 = stablehlo.multiply %47, %46 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %49 = stablehlo.multiply %29, %48 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %50 = stablehlo.add %23, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: %51 = stablehlo.remainder %50, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %52 = stablehlo.multiply %51, %c_6 : tensor<ui32>
+// GOLDEN-NEXT: %53 = stablehlo.dynamic_slice %49, %c_5, %52, %c_5, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %54 = stablehlo.dot_general %53, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %55:2 = stablehlo.while(%iterArg = %c_5, %iterArg_16 = %54) : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<3> : tensor<i32>
-// GOLDEN-NEXT: %60 = stablehlo.compare LT, %iterArg, %c_17, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %60 : tensor<i1>
+// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %59 = stablehlo.compare LT, %iterArg, %c_17, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %59 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<1> : tensor<i32>
-// GOLDEN-NEXT: %c_18 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<8> : tensor<i32>
-// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<4> : tensor<i32>
-// GOLDEN-NEXT: %c_21 = stablehlo.constant dense<2> : tensor<i32>
-// GOLDEN-NEXT: %60 = "stablehlo.collective_permute"(%iterArg_16) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %61 = stablehlo.add %iterArg, %c_21 : tensor<i32>
-// GOLDEN-NEXT: %62 = stablehlo.add %24, %61 : tensor<i32>
-// GOLDEN-NEXT: %63 = stablehlo.remainder %62, %c_20 : tensor<i32>
-// GOLDEN-NEXT: %64 = stablehlo.multiply %63, %c_19 : tensor<i32>
-// GOLDEN-NEXT: %65 = stablehlo.dynamic_slice %50, %c_18, %64, %c_18, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %66 = stablehlo.dot_general %65, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %67 = stablehlo.add %60, %66 : tensor<2x8x16xf32>
-// GOLDEN-NEXT: %68 = stablehlo.add %iterArg, %c_17 : tensor<i32>
-// GOLDEN-NEXT: stablehlo.return %68, %67 : tensor<i32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_18 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_21 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %59 = "stablehlo.collective_permute"(%iterArg_16) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %60 = stablehlo.add %iterArg, %c_21 : tensor<ui32>
+// GOLDEN-NEXT: %61 = stablehlo.add %23, %60 : tensor<ui32>
+// GOLDEN-NEXT: %62 = stablehlo.remainder %61, %c_20 : tensor<ui32>
+// GOLDEN-NEXT: %63 = stablehlo.multiply %62, %c_19 : tensor<ui32>
+// GOLDEN-NEXT: %64 = stablehlo.dynamic_slice %49, %c_18, %63, %c_18, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %65 = stablehlo.dot_general %64, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %66 = stablehlo.add %59, %65 : tensor<2x8x16xf32>
+// GOLDEN-NEXT: %67 = stablehlo.add %iterArg, %c_17 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %67, %66 : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %57 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<1xf32>
-// GOLDEN-NEXT: %58 = stablehlo.broadcast_in_dim %cst_12, dims = [] : (tensor<f32>) -> tensor<1xf32>
-// GOLDEN-NEXT: %59 = stablehlo.broadcast_in_dim %cst_15, dims = [] : (tensor<f32>) -> tensor<1xf32>
-// GOLDEN-NEXT: sdy.return %arg4, %32, %37, %57, %58, %43, %45, %59, %49, %30, %arg5, %50, %56#1 : tensor<16x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<1xf32>, tensor<1xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<1xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<16x16xf32>, tensor<2x32x16xf32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %56 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<1xf32>
+// GOLDEN-NEXT: %57 = stablehlo.broadcast_in_dim %cst_12, dims = [] : (tensor<f32>) -> tensor<1xf32>
+// GOLDEN-NEXT: %58 = stablehlo.broadcast_in_dim %cst_15, dims = [] : (tensor<f32>) -> tensor<1xf32>
+// GOLDEN-NEXT: sdy.return %arg4, %31, %36, %56, %57, %42, %44, %58, %48, %29, %arg5, %49, %55#1 : tensor<16x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<1xf32>, tensor<1xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<1xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<16x16xf32>, tensor<2x32x16xf32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>) -> (tensor<128x16xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<8xf32>, tensor<8xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<8xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<128x16xf32>, tensor<16x32x16xf32>, tensor<4x32x16xf32>)
 // GOLDEN-NEXT: %1 = stablehlo.multiply %0#12, %0#12 : tensor<4x32x16xf32>
 // GOLDEN-NEXT: %2 = sdy.sharding_constraint %1 <@mesh, [{"data"}, {"model"}, {}]> : tensor<4x32x16xf32>
@@ -132,108 +131,107 @@
 // GOLDEN-NEXT: %18 = stablehlo.multiply %17, %6 : tensor<4x32x16xf32>
 // GOLDEN-NEXT: %19 = sdy.sharding_constraint %18 <@mesh, [{"data"}, {"model"}, {}]> : tensor<4x32x16xf32>
 // GOLDEN-NEXT: %20:3 = sdy.manual_computation(%19, %0#0, %0#1, %0#2, %0#3, %0#4, %0#5, %0#6, %0#7, %0#8, %0#9, %0#10, %0#11) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>] out_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] manual_axes={"data", "model"} (%arg3: tensor<2x8x16xf32>, %arg4: tensor<16x16xf32>, %arg5: tensor<2x32x16xf32>, %arg6: tensor<2x32x16xf32>, %arg7: tensor<1xf32>, %arg8: tensor<1xf32>, %arg9: tensor<2x32x16xf32>, %arg10: tensor<2x32x16xf32>, %arg11: tensor<1xf32>, %arg12: tensor<2x32x16xf32>, %arg13: tensor<2x32x16xf32>, %arg14: tensor<16x16xf32>, %arg15: tensor<2x32x16xf32>) {
-// GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<i32>
+// GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<ui32>
 // GOLDEN-NEXT: %cst_4 = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<0.000000e+00> : tensor<16x16xf32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<8> : tensor<i32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<4> : tensor<i32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<i32>
-// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xi32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %21 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %22 = stablehlo.convert %21 : (tensor<ui32>) -> tensor<i32>
-// GOLDEN-NEXT: %23 = stablehlo.dynamic_slice %c_10, %22, sizes = [1] : (tensor<8xi32>, tensor<i32>) -> tensor<1xi32>
-// GOLDEN-NEXT: %24 = stablehlo.reshape %23 : (tensor<1xi32>) -> tensor<i32>
-// GOLDEN-NEXT: %25 = stablehlo.reshape %arg7 : (tensor<1xf32>) -> tensor<f32>
-// GOLDEN-NEXT: %26 = stablehlo.reshape %arg8 : (tensor<1xf32>) -> tensor<f32>
-// GOLDEN-NEXT: %27 = stablehlo.reshape %arg11 : (tensor<1xf32>) -> tensor<f32>
-// GOLDEN-NEXT: %28:4 = stablehlo.while(%iterArg = %c_6, %iterArg_11 = %arg3, %iterArg_12 = %cst_5, %iterArg_13 = %cst_4) : tensor<i32>, tensor<2x8x16xf32>, tensor<16x16xf32>, tensor<2x32x16xf32>
+// GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %c_10, %21, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %23 = stablehlo.reshape %22 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %24 = stablehlo.reshape %arg7 : (tensor<1xf32>) -> tensor<f32>
+// GOLDEN-NEXT: %25 = stablehlo.reshape %arg8 : (tensor<1xf32>) -> tensor<f32>
+// GOLDEN-NEXT: %26 = stablehlo.reshape %arg11 : (tensor<1xf32>) -> tensor<f32>
+// GOLDEN-NEXT: %27:4 = stablehlo.while(%iterArg = %c_6, %iterArg_11 = %arg3, %iterArg_12 = %cst_5, %iterArg_13 = %cst_4) : tensor<ui32>, tensor<2x8x16xf32>, tensor<16x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<3> : tensor<i32>
-// GOLDEN-NEXT: %63 = stablehlo.compare LT, %iterArg, %c_14, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %63 : tensor<i1>
+// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %62 = stablehlo.compare LT, %iterArg, %c_14, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %62 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<1> : tensor<i32>
-// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %c_16 = stablehlo.constant dense<8> : tensor<i32>
-// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<4> : tensor<i32>
-// GOLDEN-NEXT: %63 = "stablehlo.collective_permute"(%iterArg_11) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %64 = stablehlo.add %24, %iterArg : tensor<i32>
-// GOLDEN-NEXT: %65 = stablehlo.remainder %64, %c_17 : tensor<i32>
-// GOLDEN-NEXT: %66 = stablehlo.multiply %65, %c_16 : tensor<i32>
-// GOLDEN-NEXT: %67 = stablehlo.dynamic_slice %arg15, %c_15, %66, %c_15, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %68 = stablehlo.dot_general %iterArg_11, %67, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<2x8x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %69 = stablehlo.add %iterArg_12, %68 : tensor<16x16xf32>
-// GOLDEN-NEXT: %70 = stablehlo.dot_general %iterArg_11, %arg14, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %71 = stablehlo.multiply %65, %c_16 : tensor<i32>
-// GOLDEN-NEXT: %72 = stablehlo.dynamic_update_slice %iterArg_13, %70, %c_15, %71, %c_15 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %73 = stablehlo.add %iterArg, %c_14 : tensor<i32>
-// GOLDEN-NEXT: stablehlo.return %73, %63, %69, %72 : tensor<i32>, tensor<2x8x16xf32>, tensor<16x16xf32>, tensor<2x32x16xf32>
+// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_16 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %62 = "stablehlo.collective_permute"(%iterArg_11) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %63 = stablehlo.add %23, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %64 = stablehlo.remainder %63, %c_17 : tensor<ui32>
+// GOLDEN-NEXT: %65 = stablehlo.multiply %64, %c_16 : tensor<ui32>
+// GOLDEN-NEXT: %66 = stablehlo.dynamic_slice %arg15, %c_15, %65, %c_15, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %67 = stablehlo.dot_general %iterArg_11, %66, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<2x8x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %68 = stablehlo.add %iterArg_12, %67 : tensor<16x16xf32>
+// GOLDEN-NEXT: %69 = stablehlo.dot_general %iterArg_11, %arg14, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %70 = stablehlo.multiply %64, %c_16 : tensor<ui32>
+// GOLDEN-NEXT: %71 = stablehlo.dynamic_update_slice %iterArg_13, %69, %c_15, %70, %c_15 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %72 = stablehlo.add %iterArg, %c_14 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %72, %62, %68, %71 : tensor<ui32>, tensor<2x8x16xf32>, tensor<16x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %29 = stablehlo.add %24, %c : tensor<i32>
-// GOLDEN-NEXT: %30 = stablehlo.remainder %29, %c_8 : tensor<i32>
-// GOLDEN-NEXT: %31 = stablehlo.multiply %30, %c_7 : tensor<i32>
-// GOLDEN-NEXT: %32 = stablehlo.dynamic_slice %arg15, %c_6, %31, %c_6, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %33 = stablehlo.dot_general %28#1, %32, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<2x8x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %34 = stablehlo.add %28#2, %33 : tensor<16x16xf32>
-// GOLDEN-NEXT: %35 = stablehlo.dot_general %28#1, %arg14, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %36 = stablehlo.multiply %30, %c_7 : tensor<i32>
-// GOLDEN-NEXT: %37 = stablehlo.dynamic_update_slice %28#3, %35, %c_6, %36, %c_6 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %38 = stablehlo.transpose %34, dims = [1, 0] : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %39 = "stablehlo.all_reduce"(%38) <{channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 4], [1, 5], [2, 6], [3, 7]]> : tensor<4x2xi64>, use_global_device_ids}> ({
+// GOLDEN-NEXT: %28 = stablehlo.add %23, %c : tensor<ui32>
+// GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: %30 = stablehlo.multiply %29, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %31 = stablehlo.dynamic_slice %arg15, %c_6, %30, %c_6, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %32 = stablehlo.dot_general %27#1, %31, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<2x8x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %33 = stablehlo.add %27#2, %32 : tensor<16x16xf32>
+// GOLDEN-NEXT: %34 = stablehlo.dot_general %27#1, %arg14, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %35 = stablehlo.multiply %29, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %36 = stablehlo.dynamic_update_slice %27#3, %34, %c_6, %35, %c_6 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %37 = stablehlo.transpose %33, dims = [1, 0] : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %38 = "stablehlo.all_reduce"(%37) <{channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 4], [1, 5], [2, 6], [3, 7]]> : tensor<4x2xi64>, use_global_device_ids}> ({
 // GOLDEN-NEXT: ^bb0(%arg16: tensor<f32>, %arg17: tensor<f32>):
-// GOLDEN-NEXT: %63 = stablehlo.add %arg16, %arg17 : tensor<f32>
-// GOLDEN-NEXT: stablehlo.return %63 : tensor<f32>
+// GOLDEN-NEXT: %62 = stablehlo.add %arg16, %arg17 : tensor<f32>
+// GOLDEN-NEXT: stablehlo.return %62 : tensor<f32>
 // GOLDEN-NEXT: }) : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %40 = stablehlo.multiply %arg13, %37 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %41 = stablehlo.multiply %37, %arg12 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %42 = stablehlo.broadcast_in_dim %27, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %43 = stablehlo.multiply %42, %40 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %44 = stablehlo.multiply %43, %arg10 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %45 = stablehlo.multiply %44, %arg9 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %46 = stablehlo.add %44, %45 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %47 = stablehlo.broadcast_in_dim %26, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %48 = stablehlo.multiply %47, %46 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %49 = stablehlo.add %41, %48 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %50 = stablehlo.broadcast_in_dim %25, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %51 = stablehlo.multiply %50, %48 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %52 = stablehlo.multiply %51, %arg6 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %53 = stablehlo.add %49, %52 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %54 = stablehlo.dot_general %53, %arg5, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x16xf32>, tensor<2x32x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %55 = stablehlo.transpose %54, dims = [1, 0] : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %56 = "stablehlo.all_reduce"(%55) <{channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 4], [1, 5], [2, 6], [3, 7]]> : tensor<4x2xi64>, use_global_device_ids}> ({
+// GOLDEN-NEXT: %39 = stablehlo.multiply %arg13, %36 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %40 = stablehlo.multiply %36, %arg12 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %41 = stablehlo.broadcast_in_dim %26, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %42 = stablehlo.multiply %41, %39 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %43 = stablehlo.multiply %42, %arg10 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %44 = stablehlo.multiply %43, %arg9 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %45 = stablehlo.add %43, %44 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %46 = stablehlo.broadcast_in_dim %25, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %47 = stablehlo.multiply %46, %45 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %48 = stablehlo.add %40, %47 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %49 = stablehlo.broadcast_in_dim %24, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %50 = stablehlo.multiply %49, %47 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %51 = stablehlo.multiply %50, %arg6 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %52 = stablehlo.add %48, %51 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %53 = stablehlo.dot_general %52, %arg5, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x16xf32>, tensor<2x32x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %54 = stablehlo.transpose %53, dims = [1, 0] : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %55 = "stablehlo.all_reduce"(%54) <{channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 4], [1, 5], [2, 6], [3, 7]]> : tensor<4x2xi64>, use_global_device_ids}> ({
 // GOLDEN-NEXT: ^bb0(%arg16: tensor<f32>, %arg17: tensor<f32>):
-// GOLDEN-NEXT: %63 = stablehlo.add %arg16, %arg17 : tensor<f32>
-// GOLDEN-NEXT: stablehlo.return %63 : tensor<f32>
+// GOLDEN-NEXT: %62 = stablehlo.add %arg16, %arg17 : tensor<f32>
+// GOLDEN-NEXT: stablehlo.return %62 : tensor<f32>
 // GOLDEN-NEXT: }) : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %57 = stablehlo.add %24, %c_9 : tensor<i32>
-// GOLDEN-NEXT: %58 = stablehlo.remainder %57, %c_8 : tensor<i32>
-// GOLDEN-NEXT: %59 = stablehlo.multiply %58, %c_7 : tensor<i32>
-// GOLDEN-NEXT: %60 = stablehlo.dynamic_slice %53, %c_6, %59, %c_6, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %61 = stablehlo.dot_general %60, %arg4, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %62:2 = stablehlo.while(%iterArg = %c_6, %iterArg_11 = %61) : tensor<i32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %56 = stablehlo.add %23, %c_9 : tensor<ui32>
+// GOLDEN-NEXT: %57 = stablehlo.remainder %56, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: %58 = stablehlo.multiply %57, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %59 = stablehlo.dynamic_slice %52, %c_6, %58, %c_6, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %60 = stablehlo.dot_general %59, %arg4, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %61:2 = stablehlo.while(%iterArg = %c_6, %iterArg_11 = %60) : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<3> : tensor<i32>
-// GOLDEN-NEXT: %63 = stablehlo.compare LT, %iterArg, %c_12, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %63 : tensor<i1>
+// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %62 = stablehlo.compare LT, %iterArg, %c_12, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %62 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<1> : tensor<i32>
-// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<8> : tensor<i32>
-// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<4> : tensor<i32>
-// GOLDEN-NEXT: %c_16 = stablehlo.constant dense<2> : tensor<i32>
-// GOLDEN-NEXT: %63 = "stablehlo.collective_permute"(%iterArg_11) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %64 = stablehlo.add %iterArg, %c_16 : tensor<i32>
-// GOLDEN-NEXT: %65 = stablehlo.add %24, %64 : tensor<i32>
-// GOLDEN-NEXT: %66 = stablehlo.remainder %65, %c_15 : tensor<i32>
-// GOLDEN-NEXT: %67 = stablehlo.multiply %66, %c_14 : tensor<i32>
-// GOLDEN-NEXT: %68 = stablehlo.dynamic_slice %53, %c_13, %67, %c_13, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %69 = stablehlo.dot_general %68, %arg4, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %70 = stablehlo.add %63, %69 : tensor<2x8x16xf32>
-// GOLDEN-NEXT: %71 = stablehlo.add %iterArg, %c_12 : tensor<i32>
-// GOLDEN-NEXT: stablehlo.return %71, %70 : tensor<i32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_16 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %62 = "stablehlo.collective_permute"(%iterArg_11) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %63 = stablehlo.add %iterArg, %c_16 : tensor<ui32>
+// GOLDEN-NEXT: %64 = stablehlo.add %23, %63 : tensor<ui32>
+// GOLDEN-NEXT: %65 = stablehlo.remainder %64, %c_15 : tensor<ui32>
+// GOLDEN-NEXT: %66 = stablehlo.multiply %65, %c_14 : tensor<ui32>
+// GOLDEN-NEXT: %67 = stablehlo.dynamic_slice %52, %c_13, %66, %c_13, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %68 = stablehlo.dot_general %67, %arg4, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %69 = stablehlo.add %62, %68 : tensor<2x8x16xf32>
+// GOLDEN-NEXT: %70 = stablehlo.add %iterArg, %c_12 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %70, %69 : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: sdy.return %62#1, %56, %39 : tensor<2x8x16xf32>, tensor<16x16xf32>, tensor<16x16xf32>
+// GOLDEN-NEXT: sdy.return %61#1, %55, %38 : tensor<2x8x16xf32>, tensor<16x16xf32>, tensor<16x16xf32>
 // GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<128x16xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<8xf32>, tensor<8xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<8xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<128x16xf32>, tensor<16x32x16xf32>) -> (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>)
 // GOLDEN-NEXT: return %11, %20#0, %20#1, %20#2 : tensor<f32>, tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: }

@@ -91,7 +91,7 @@ def test_an_internal_error_leaves_a_parsed_module_unchanged(monkeypatch):
     module = ir_utils.parse(text)
     before = ir_utils.print_module(module)
     # a ring index of the wrong type: the loop no longer verifies
-    monkeypatch.setattr(builders.Builder, "i32", lambda self, v: builders.Builder.zeros(
+    monkeypatch.setattr(builders.Builder, "index", lambda self, v: builders.Builder.zeros(
         self, builders.ir.RankedTensorType.get([], builders.ir.IntegerType.get_signless(64))))
     with pytest.raises(cmatmul_pass.InternalError, match=r"dot_reduce_scatter site at .*sp_mlp"):
         cmatmul_pass.rewrite(module, source="sp_mlp.mlir")

@@ -86,7 +86,7 @@ def loop_checks(pairs: str, trip_count: int) -> list[str]:
     return [
         "CHECK: stablehlo.while",
         "CHECK: cond {",
-        f"CHECK-NEXT: stablehlo.constant dense<{trip_count}> : tensor<i32>",
+        f"CHECK-NEXT: stablehlo.constant dense<{trip_count}> : tensor<ui32>",
         "CHECK-NEXT: stablehlo.compare LT",
         "CHECK: } do {",
         'CHECK: "stablehlo.collective_permute"',  # after the body's constants (hoisted to its start)
@@ -136,7 +136,7 @@ def rs_checks(pairs: str, trip_count: int, block_type: str = "") -> list[str]:
     return [
         "CHECK-NOT: stablehlo.reduce_scatter",
         "CHECK: stablehlo.partition_id",
-        "CHECK: stablehlo.dynamic_slice {{.*}} -> tensor<1xi32>",
+        "CHECK: stablehlo.dynamic_slice {{.*}} -> tensor<1xui32>",
         "CHECK: stablehlo.dynamic_slice",
         *dot,
         *loop_checks(pairs, trip_count),

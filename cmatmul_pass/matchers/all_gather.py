@@ -95,7 +95,7 @@ def find_all_gather_dot(
 
 
 def all_gathers(module: ir.Module) -> list[ir.OpView]:
-    return [op for op in ir_utils.walk(module.operation) if op.operation.name == "stablehlo.all_gather"]
+    return ir_utils.ops_named(module, "stablehlo.all_gather")["stablehlo.all_gather"]
 
 
 def match_all_gather(op: ir.OpView, info: ModuleInfo, *, assemble: bool = True) -> AllGatherSite | DeclinedSite:

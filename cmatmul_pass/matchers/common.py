@@ -32,7 +32,8 @@ class ModuleInfo:
     regions: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def of(cls, module: ir.Module) -> "ModuleInfo":
+    def of(cls, module: ir.Module, calls: list[ir.OpView] | None = None) -> "ModuleInfo":
+        """``calls``: the module's ``func.call`` ops, when the caller has walked it already."""
         op = module.operation
         replicas = ir_utils.int_attr(op, "mhlo.num_replicas")
         meshes, device_ids = _meshes(module)
@@ -41,7 +42,7 @@ class ModuleInfo:
             1 if replicas is None else replicas,
             meshes,
             device_ids,
-            _partial_manual_funcs(module),
+            _partial_manual_funcs(ir_utils.ops_named(module, "func.call")["func.call"] if calls is None else calls),
         )
 
 
@@ -56,11 +57,9 @@ def _meshes(module: ir.Module) -> tuple[dict[str, dict[str, int]], dict[str, lis
     return meshes, device_ids
 
 
-def _partial_manual_funcs(module: ir.Module) -> frozenset[str]:
+def _partial_manual_funcs(calls: list[ir.OpView]) -> frozenset[str]:
     names = set()
-    for op in ir_utils.walk(module.operation):
-        if op.operation.name != "func.call":
-            continue
+    for op in calls:
         for operand in op.operation.operands:
             producer = operand.owner
             if (

@@ -68,7 +68,7 @@ def find_dot_reduce_scatter(module: ir.Module, info: ModuleInfo | None = None) -
 
 
 def reduce_scatters(module: ir.Module) -> list[ir.OpView]:
-    return [op for op in ir_utils.walk(module.operation) if op.operation.name == "stablehlo.reduce_scatter"]
+    return ir_utils.ops_named(module, "stablehlo.reduce_scatter")["stablehlo.reduce_scatter"]
 
 
 def match_reduce_scatter(op: ir.OpView, info: ModuleInfo) -> ReduceScatterSite | DeclinedSite:

@@ -20,8 +20,12 @@ from ..ring import Ring
 TRANSIENT_MARK_PREFIX = "_cmatmul_"
 
 
-def i32_scalar_type() -> ir.RankedTensorType:
-    return ir.RankedTensorType.get([], ir.IntegerType.get_signless(32))
+def index_element_type() -> ir.IntegerType:
+    return ir.IntegerType.get_unsigned(32)
+
+
+def index_scalar_type() -> ir.RankedTensorType:
+    return ir.RankedTensorType.get([], index_element_type())
 
 
 def zero_scalar_attr(element_type: ir.Type) -> ir.Attribute:
@@ -39,7 +43,7 @@ def has_zero(element_type: ir.Type) -> bool:
 class Builder:
     """Builds stablehlo ops at the current insertion point with location ``loc``.
 
-    Scalar i32 constants, zero tensors and a ring's position (none of which reads a
+    Scalar index (ui32) constants, zero tensors and a ring's position (none of which reads a
     value) are made once per block, at the start of the block, so they dominate every
     use in it whichever site asks first; builders made with :meth:`at`, and all the
     builders of one pass run when they are given the same ``constants`` dict, share
@@ -66,14 +70,15 @@ class Builder:
     def constant(self, array: np.ndarray) -> ir.Value:
         return hlo.ConstantOp(ir.DenseElementsAttr.get(np.ascontiguousarray(array)), loc=self.loc).result
 
-    def i32(self, value: int) -> ir.Value:
+    def index(self, value: int) -> ir.Value:
+        """A ui32 index scalar (ring positions, offsets, loop counters: never negative)."""
         def make() -> ir.Value:
             attr = ir.DenseElementsAttr.get_splat(
-                i32_scalar_type(), ir.IntegerAttr.get(ir.IntegerType.get_signless(32), int(value))
+                index_scalar_type(), ir.IntegerAttr.get(index_element_type(), int(value))
             )
             return hlo.ConstantOp(attr, loc=self.loc).result
 
-        return self._cached(("i32", int(value)), make)
+        return self._cached(("index", int(value)), make)
 
     def zeros(self, t: ir.RankedTensorType) -> ir.Value:
         def make() -> ir.Value:
@@ -95,14 +100,14 @@ class Builder:
         """``(position + shift * step + offset) mod ring_size`` for ``step >= 0`` (never negative)."""
         stride = shift % ring_size
         if stride == 0:
-            return self.rem(self.add(position, self.i32(offset % ring_size)), self.i32(ring_size))
-        moved = step if stride == 1 else self.mul(step, self.i32(stride))
+            return self.rem(self.add(position, self.index(offset % ring_size)), self.index(ring_size))
+        moved = step if stride == 1 else self.mul(step, self.index(stride))
         if offset % ring_size:
-            moved = self.add(moved, self.i32(offset % ring_size))
-        return self.rem(self.add(position, moved), self.i32(ring_size))
+            moved = self.add(moved, self.index(offset % ring_size))
+        return self.rem(self.add(position, moved), self.index(ring_size))
 
     def position_in_ring(self, ring: Ring, region: ManualRegion = FULLY_MANUAL) -> ir.Value:
-        """This partition's position in its group: ``table[partition_id]`` (tensor<i32>).
+        """This partition's position in its group: ``table[partition_id]`` (tensor<ui32>).
 
         In a partial-manual region ``partition_id`` is read inside a nested
         ``sdy.manual_computation`` over the free axes, the form ``lax.axis_index``
@@ -114,9 +119,9 @@ class Builder:
     def _position(self, ring: Ring, region: ManualRegion) -> ir.Value:
         if not region.free_axes:
             return self._table_lookup(ring)
-        i32 = i32_scalar_type()
+        index_t = index_scalar_type()
         nested = sdy.ManualComputationOp(
-            [i32],
+            [index_t],
             [],
             sdy.TensorShardingPerValueAttr.get([]),
             sdy.TensorShardingPerValueAttr.get([sdy.TensorShardingAttr.get(region.mesh, [])]),
@@ -129,11 +134,11 @@ class Builder:
         return nested.results[0]
 
     def _table_lookup(self, ring: Ring) -> ir.Value:
-        table = self.constant(ring.position_table())
+        table_type = ir.RankedTensorType.get([ring.num_partitions], index_element_type())
+        table = hlo.ConstantOp(ir.DenseElementsAttr.get(ring.position_table(), type=table_type), loc=self.loc).result
         pid = hlo.PartitionIdOp(loc=self.loc).result
-        pid = hlo.ConvertOp(i32_scalar_type(), pid, loc=self.loc).result
         entry = hlo.DynamicSliceOp(table, [pid], [1], loc=self.loc).result
-        return hlo.ReshapeOp(i32_scalar_type(), entry, loc=self.loc).result
+        return hlo.ReshapeOp(index_scalar_type(), entry, loc=self.loc).result
 
     def convert(self, value: ir.Value, element_type: ir.Type) -> ir.Value:
         t = ir.RankedTensorType(value.type)
@@ -149,13 +154,13 @@ class Builder:
 
     def dynamic_update_slice(self, into: ir.Value, update: ir.Value, dim: int, offset: ir.Value) -> ir.Value:
         rank = ir.RankedTensorType(into.type).rank
-        zero = self.i32(0) if rank > 1 else None
+        zero = self.index(0) if rank > 1 else None
         starts = [offset if d == dim else zero for d in range(rank)]
         return hlo.DynamicUpdateSliceOp(into, update, starts, loc=self.loc).result
 
     def dynamic_slice(self, value: ir.Value, dim: int, offset: ir.Value, size: int) -> ir.Value:
         t = ir.RankedTensorType(value.type)
-        zero = self.i32(0) if t.rank > 1 else None
+        zero = self.index(0) if t.rank > 1 else None
         starts = [offset if d == dim else zero for d in range(t.rank)]
         sizes = [size if d == dim else s for d, s in enumerate(t.shape)]
         return hlo.DynamicSliceOp(value, starts, sizes, loc=self.loc).result
@@ -181,15 +186,15 @@ def counted_loop(
 
     The counter is the first loop-carried value; it is dropped from the results.
     """
-    types = [i32_scalar_type()] + [v.type for v in inits]
-    loop = hlo.WhileOp(types, [b.i32(0), *inits], loc=b.loc)
+    types = [index_scalar_type()] + [v.type for v in inits]
+    loop = hlo.WhileOp(types, [b.index(0), *inits], loc=b.loc)
     cond = loop.cond.blocks.append(*types, arg_locs=[b.loc] * len(types))
     with ir.InsertionPoint(cond):
         lt = hlo.CompareOp(
             cond.arguments[0],
-            b.i32(trip_count),
+            b.index(trip_count),
             hlo.ComparisonDirectionAttr.get("LT"),
-            compare_type=hlo.ComparisonTypeAttr.get("SIGNED"),
+            compare_type=hlo.ComparisonTypeAttr.get("UNSIGNED"),
             loc=b.loc,
         )
         hlo.ReturnOp([lt.result], loc=b.loc)
@@ -197,7 +202,7 @@ def counted_loop(
     with ir.InsertionPoint(block):
         counter, *carried = block.arguments
         new_carried = body(counter, list(carried))
-        hlo.ReturnOp([b.add(counter, b.i32(1)), *new_carried], loc=b.loc)
+        hlo.ReturnOp([b.add(counter, b.index(1)), *new_carried], loc=b.loc)
     return list(loop.results)[1:]
 
 

@@ -42,7 +42,8 @@ from .schedule import Applied, RewriteContext, Round, ScheduleStats, emit_rounds
 SEND_TO_PREVIOUS = -1
 
 
-def _halves_blocker(site: ReduceScatterSite) -> str | None:
+def halves_blocker(site: ReduceScatterSite) -> str | None:
+    """Why a bidirectional ring cannot split ``site``'s blocks in halves (None: it can)."""
     n = site.ring.size
     for term in site.terms:
         width = ir.RankedTensorType(term.dot.operation.operands[term.operand_index].type).shape[term.operand_dim] // n
@@ -59,7 +60,7 @@ def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> 
     notes = []
     split = ctx.bidirectional
     if split:
-        blocker = _halves_blocker(site)
+        blocker = halves_blocker(site)
         if blocker:
             notes.append(blocker)
             split = False
@@ -76,9 +77,9 @@ def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> 
         args = list(term.dot.operation.operands)
         sliced = args[term.operand_index]
         width = ir.RankedTensorType(sliced.type).shape[term.operand_dim] // parts
-        offset = compute.mul(block, compute.i32(width * (parts // n)))
+        offset = compute.mul(block, compute.index(width * (parts // n)))
         if half:
-            offset = compute.add(offset, compute.i32(width))
+            offset = compute.add(offset, compute.index(width))
         args[term.operand_index] = compute.dynamic_slice(sliced, term.operand_dim, offset, width)
         piece_t = shard_type(ir.RankedTensorType(term.dot.result.type), term.result_dim, parts)
         product = ctx.annotator.dot(compute, term.dot, piece_t, args[0], args[1], stream)

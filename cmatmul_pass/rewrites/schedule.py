@@ -226,7 +226,7 @@ def ring_position(b: Builder, position: ir.Value, rnd: Round, n: int, shift: int
     if rnd.trip is None:
         if moved == 0:
             return position
-        return b.rem(b.add(position, b.i32(moved)), b.i32(n))
+        return b.rem(b.add(position, b.index(moved)), b.index(n))
     return b.ring_index(position, rnd.trip, n, shift=shift * rnd.per_trip, offset=moved)
 
 
