@@ -43,6 +43,14 @@ def test_split_scatter_sends_halves():
     assert p.overlapped_s["bidi"] == pytest.approx(1e-3 + 3 * 2e-3)  # half the bytes each way
 
 
+def test_a_scatter_that_cannot_be_halved_is_timed_one_way():
+    # the rewrite keeps such a scatter one-directional under --bidirectional; so does the model
+    shape = cost.SiteShape("dot_reduce_scatter", 4, 4e9, 4_000_000, "f32", halvable=False)
+    p = cost.predict(shape, TOY)
+    assert p.overlapped_s["bidi"] == pytest.approx(p.overlapped_s["uni"]) == pytest.approx(13e-3)
+    assert cost.SiteShape.from_dict(shape.to_dict()) == shape
+
+
 def test_step_and_loop_costs_penalise_tiny_sites():
     hw = cost.Hardware("toy", {"f32": 1e12}, 1e9, step=5e-6, loop_trip=4e-6)
     tiny = gather(flops=4e3, step_bytes=8)

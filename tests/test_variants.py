@@ -168,6 +168,8 @@ def test_odd_scatter_blocks_stay_one_directional_with_a_note():
     result = cmatmul_pass.rewrite(text, VARIANTS["bidi"])
     (site,) = result.report.rewritten
     assert site.schedule["directions"] == 1 and "cannot be halved" in site.notes[0]
+    assert site.cost["site"]["halvable"] is False  # the prediction is for the ring actually emitted
+    assert site.cost["overlapped_s"]["bidi"] == site.cost["overlapped_s"]["uni"]
     assert execute.check_numerics(ir_utils.parse(text), result.module).ok
 
 
