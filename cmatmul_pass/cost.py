@@ -8,7 +8,9 @@ ring's dots), the bytes one permute moves, the ring size ``n`` and the element t
 * transfer ``t_m = bytes / bandwidth`` per permute (full-duplex links: the two directions
   of a bidirectional ring run at once);
 * ``step`` seconds of synchronisation per permute round and ``loop_trip`` seconds per
-  trip of a ``stablehlo.while`` (a loop condition on a GPU costs a few µs).
+  trip of a ``stablehlo.while`` (a loop condition on a GPU costs a few µs);
+* ``split_efficiency``: how much of the full dot's throughput the ``1/n``-sized dots of
+  the ring keep (1.0: none lost; ``tools/gpu_calibrate.py`` measures it on a GPU).
 
 *Serial* (the original program) is ``t_c + (n-1)·t_m + step``: the whole collective, then
 the dots.  *Overlapped* follows the rounds the rewrite emits — the same round structure
@@ -36,6 +38,9 @@ class Hardware:
     bandwidth: float
     step: float = 6e-6
     loop_trip: float = 4e-6
+    #: throughput of the ring's 1/n-sized dots relative to the whole dot's (measured by
+    #: tools/gpu_calibrate.py; 1.0 until a profile is calibrated)
+    split_efficiency: float = 1.0
 
     def throughput(self, dtype: str) -> float:
         return self.flops.get(dtype) or self.flops.get("default") or min(self.flops.values())
@@ -61,7 +66,8 @@ PROFILES: dict[str, Hardware] = {
 
 
 def hardware(spec: str) -> Hardware:
-    """A profile by name, optionally overridden: ``"h100"``, ``"h100:bandwidth=400e9,bf16=700e12,step=8e-6"``."""
+    """A profile by name, optionally overridden: ``"h100"``,
+    ``"h100:bandwidth=400e9,bf16=700e12,step=8e-6,split_efficiency=0.97"``."""
     name, _, overrides = spec.partition(":")
     if name not in PROFILES:
         raise CmatmulError(f"unknown hardware profile {name!r}; known: {', '.join(sorted(PROFILES))}")
@@ -74,7 +80,10 @@ def hardware(spec: str) -> Hardware:
             number = float(value)
         except ValueError:
             raise CmatmulError(f"hardware override {item!r}: {value!r} is not a number") from None
-        if key in ("bandwidth", "step", "loop_trip"):
+        may_be_zero = key in ("step", "loop_trip")
+        if not math.isfinite(number) or number < 0 or (number == 0 and not may_be_zero):
+            raise CmatmulError(f"hardware override {item!r}: {key} must be a {'non-negative' if may_be_zero else 'positive'} number")
+        if key in ("bandwidth", "step", "loop_trip", "split_efficiency"):
             hw = replace(hw, **{key: number})
         else:  # a dtype's throughput
             hw = replace(hw, flops={**hw.flops, key: number})
@@ -194,7 +203,7 @@ def variant_name(bidirectional: bool, unroll: int | None) -> str:
 
 
 def overlapped_time(shape: SiteShape, hw: Hardware, bidirectional: bool, unroll: int | None) -> float:
-    t_c = shape.flops / hw.throughput(shape.dtype)
+    t_c = shape.flops / hw.throughput(shape.dtype) / hw.split_efficiency  # the ring's dots are smaller
     total = 0.0
     plan = rounds(shape, bidirectional)
     for rnd in plan:

@@ -3,6 +3,8 @@ performance numbers come from `make bench`)."""
 
 import json
 
+import pytest
+
 from tools import bench
 
 
@@ -17,3 +19,38 @@ def test_bench_smoke(tmp_path):
     assert set(results["samples"]) == {"ag_dot_1d", "rs_dot_1d"}
     assert set(results["layer"]["variants"]) == set(bench.VARIANTS)
     assert results["fastest_variant"] in bench.VARIANTS
+
+
+def test_gpu_calibration_runs_on_any_backend(tmp_path):
+    """tools/gpu_calibrate.py at tiny shapes on CPU: the decompositions are checked against the
+    full dot before timing, and the override it prints is a valid --hardware profile."""
+    from cmatmul_pass import cost
+    from tools import gpu_calibrate
+
+    out = tmp_path / "calibration.json"
+    assert gpu_calibrate.main(["--dims", "64", "32", "128", "--ring", "4", "--dtype", "bf16", "--runs", "1",
+                               "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [s["kind"] for s in result["sites"]] == ["all_gather_dot", "dot_reduce_scatter"]
+    gather, scatter = result["sites"]
+    assert gather["shapes"] == [[64, 32], [32, 32]] and scatter["shapes"] == [[64, 32], [32, 32]]
+    for site in result["sites"]:
+        assert site["efficiency_loop"] == site["full_s"] / site["loop_s"] > 0
+        assert max(site["max_relative_error"].values()) <= gpu_calibrate.TOLERANCE["bf16"]
+    hw = cost.hardware(result["hardware_override"])
+    assert hw.split_efficiency == round(result["split_efficiency"], 3)
+
+
+def test_gpu_calibration_refuses_a_wrong_decomposition(tmp_path, monkeypatch):
+    from tools import gpu_calibrate
+
+    real = gpu_calibrate.gather_programs
+
+    def broken(n):
+        full, loop, unrolled, reference = real(n)
+        return full, (lambda x, w: loop(x, w) * 1.5), unrolled, reference
+
+    monkeypatch.setattr(gpu_calibrate, "gather_programs", broken)
+    with pytest.raises(SystemExit, match="loop decomposition is off"):
+        gpu_calibrate.main(["--dims", "32", "16", "32", "--ring", "4", "--dtype", "f32", "--runs", "1",
+                            "--out", str(tmp_path / "c.json")])

@@ -59,6 +59,20 @@ def test_step_and_loop_costs_penalise_tiny_sites():
     assert p.overlapped_s["full"] < p.overlapped_s["unroll2"] < p.overlapped_s["uni"]  # fewer loop trips
 
 
+def test_split_efficiency_slows_only_the_ring():
+    shape = gather()
+    calibrated = cost.Hardware("toy", {"f32": 1e12}, 1e9, step=0.0, loop_trip=0.0, split_efficiency=0.8)
+    base, slower = cost.predict(shape, TOY), cost.predict(shape, calibrated)
+    assert slower.serial_s == base.serial_s  # the original's one big dot keeps its throughput
+    # each of the 4 rounds computes 1 ms / 0.8 = 1.25 ms against a 1 ms permute
+    assert slower.overlapped_s["uni"] == pytest.approx(4 * 1.25e-3)
+    assert cost.hardware("h100:split_efficiency=0.9").split_efficiency == 0.9
+    for bad in ("h100:split_efficiency=0", "h100:bandwidth=-1", "h100:bf16=inf"):
+        with pytest.raises(cmatmul_pass.CmatmulError, match="must be a positive"):
+            cost.hardware(bad)
+    assert cost.hardware("h100:step=0").step == 0
+
+
 def test_hardware_profiles_and_overrides():
     assert {"h100", "h200", "a100", "tpu-v5e"} <= set(cost.PROFILES)
     hw = cost.hardware("h100:bandwidth=400e9,bf16=700e12,step=8e-6")

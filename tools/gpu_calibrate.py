@@ -1,0 +1,190 @@
+#!/usr/bin/env python
+"""Calibrate the cost model on one accelerator: how much dot throughput the ring's split keeps.
+
+A ring rewrite replaces one dot by ``n`` dots ``n`` times smaller.  On one device, at the
+shapes one device of an ``n``-way tensor-parallel MLP block runs, this script times
+
+* **full**: the one dot the original program runs after its all_gather (before its
+  reduce_scatter);
+* **loop**: the windowed loop's ``n`` per-step dots in a ``fori_loop``, with the permutes
+  elided (the next shard is read from local memory instead of received), each step's result
+  placed with a dynamic_update_slice (gather) or added to the running partial sum (scatter)
+  as the rewrite does;
+* **unrolled**: the same ``n`` steps straight-line (the ``--unroll full`` form),
+
+checks that both decompositions compute the full dot's numbers, and reports the efficiency
+``t_full / t_loop`` (target >= 0.95 at 70B-like shapes), the full dot's achieved throughput,
+and a ``--hardware`` override that puts both into the cost model's profile::
+
+    python tools/gpu_calibrate.py --model 70b --profile h100      # on the GPU
+    python -m cmatmul_pass explain module.mlir --hardware "h100:bf16=7.1e+14,split_efficiency=0.962"
+
+Runs on any backend (on CPU with ``--dims`` small enough, for the tests); results go to
+``--out`` (default ``bench/gpu_calibration.json``).  Never part of ``make test``'s timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from cmatmul_pass import cost  # noqa: E402
+
+#: (tokens = sequence x batch, hidden, ffn) of the MLP blocks the README's sanity table uses
+MODELS = {"70b": (8192, 8192, 28672), "8b": (8192, 4096, 14336), "tiny": (256, 128, 512)}
+DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
+#: relative tolerance of the decompositions against the full dot, per dtype (sums in another order)
+TOLERANCE = {"bf16": 2e-2, "f16": 5e-3, "f32": 1e-4}
+
+
+def gather_programs(n: int):
+    """The gathered activations [T, H] times a column block of the weight [H, F/n]."""
+
+    def full(x, w):
+        return x @ w
+
+    def loop(x, w):
+        rows = x.shape[0] // n
+        out = jnp.zeros((x.shape[0], w.shape[1]), x.dtype)
+
+        def step(i, out):
+            held = jax.lax.dynamic_slice_in_dim(x, i * rows, rows)  # stands in for the received shard
+            return jax.lax.dynamic_update_slice_in_dim(out, held @ w, i * rows, 0)
+
+        return jax.lax.fori_loop(0, n, step, out)
+
+    def unrolled(x, w):
+        rows = x.shape[0] // n
+        out = jnp.zeros((x.shape[0], w.shape[1]), x.dtype)
+        for i in range(n):
+            out = jax.lax.dynamic_update_slice_in_dim(out, x[i * rows:(i + 1) * rows] @ w, i * rows, 0)
+        return out
+
+    return full, loop, unrolled, lambda product: product.astype(jnp.float32)
+
+
+def scatter_programs(n: int):
+    """The local product rows [T, F/n] times a row block of the weight [F/n, H]: the original
+    runs the whole [T, H] product, then reduce-scatters its rows.  The ring computes one row
+    block of the product per step and adds it to the partial sum it received; with the
+    permute elided the partial sum is the running one (so the loop returns the sum of the
+    row blocks, which the check compares with the full product's)."""
+
+    def full(y, w):
+        return y @ w
+
+    def loop(y, w):
+        rows = y.shape[0] // n
+        acc = jnp.zeros((rows, w.shape[1]), y.dtype)
+
+        def step(i, acc):
+            return acc + jax.lax.dynamic_slice_in_dim(y, i * rows, rows) @ w
+
+        return jax.lax.fori_loop(0, n, step, acc)
+
+    def unrolled(y, w):
+        rows = y.shape[0] // n
+        acc = y[:rows] @ w
+        for i in range(1, n):
+            acc = acc + y[i * rows:(i + 1) * rows] @ w
+        return acc
+
+    def reference(product):
+        return product.reshape(n, -1, product.shape[-1]).astype(jnp.float32).sum(0)
+
+    return full, loop, unrolled, reference
+
+
+def median_seconds(fn, args, runs: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    samples = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def measure(kind: str, n: int, shapes, dtype: str, runs: int, device) -> dict:
+    full, loop, unrolled, reference = (gather_programs if kind == "all_gather_dot" else scatter_programs)(n)
+    rng = np.random.default_rng(0)
+    args = [jax.device_put(jnp.asarray(rng.standard_normal(s, dtype=np.float32), DTYPES[dtype]), device) for s in shapes]
+    full_j, loop_j, unrolled_j = jax.jit(full), jax.jit(loop), jax.jit(unrolled)
+    expected = np.asarray(reference(full_j(*args)), np.float32)
+    scale = float(np.abs(expected).max()) or 1.0
+    errors = {}
+    for name, fn in (("loop", loop_j), ("unrolled", unrolled_j)):
+        got = np.asarray(fn(*args).astype(jnp.float32))
+        errors[name] = float(np.abs(got - expected).max()) / scale
+        if errors[name] > TOLERANCE[dtype]:
+            raise SystemExit(f"{kind}: the {name} decomposition is off by {errors[name]:.2e} (relative): not timing it")
+    t_full = median_seconds(full_j, args, runs)
+    t_loop = median_seconds(loop_j, args, runs)
+    t_unrolled = median_seconds(unrolled_j, args, runs)
+    (t, k), (_, m) = shapes  # [T, K] @ [K, M]
+    flops = 2.0 * t * k * m
+    return {
+        "kind": kind, "shapes": [list(s) for s in shapes], "flops": flops,
+        "full_s": t_full, "loop_s": t_loop, "unrolled_s": t_unrolled,
+        "efficiency_loop": t_full / t_loop, "efficiency_unrolled": t_full / t_unrolled,
+        "full_throughput": flops / t_full, "max_relative_error": errors,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="70b")
+    parser.add_argument("--dims", type=int, nargs=3, metavar=("TOKENS", "HIDDEN", "FFN"), help="instead of --model")
+    parser.add_argument("--ring", type=int, default=8, help="tensor-parallel degree n")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--profile", default="h100", help="the cost-model profile the override is for")
+    parser.add_argument("--target", type=float, default=0.95, help="efficiency to report against")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "gpu_calibration.json"))
+    args = parser.parse_args(argv)
+    tokens, hidden, ffn = args.dims or MODELS[args.model]
+    n = args.ring
+    if tokens % n or ffn % n:
+        parser.error(f"tokens ({tokens}) and ffn ({ffn}) must divide by the ring size {n}")
+    cost.hardware(args.profile)  # an unknown profile fails here, before any timing
+    device = jax.devices()[0]
+    sites = [
+        measure("all_gather_dot", n, [(tokens, hidden), (hidden, ffn // n)], args.dtype, args.runs, device),
+        measure("dot_reduce_scatter", n, [(tokens, ffn // n), (ffn // n, hidden)], args.dtype, args.runs, device),
+    ]
+    efficiency = min(s["efficiency_loop"] for s in sites)
+    throughput = statistics.median(s["full_throughput"] for s in sites)
+    result = {
+        "device": f"{device.platform}: {device.device_kind}", "jax": jax.__version__,
+        "model": None if args.dims else args.model, "dims": [tokens, hidden, ffn], "ring": n, "dtype": args.dtype,
+        "runs": args.runs, "sites": sites, "split_efficiency": efficiency, "target": args.target,
+        "meets_target": efficiency >= args.target,
+        "hardware_override": f"{args.profile}:{args.dtype}={throughput:.3g},split_efficiency={efficiency:.3f}",
+    }
+    cost.hardware(result["hardware_override"])  # what it prints must be a valid --hardware
+    for s in sites:
+        print(f"{s['kind']:<20} full {1e3 * s['full_s']:.3f} ms ({s['full_throughput'] / 1e12:.3g} TFLOP/s), "
+              f"loop {1e3 * s['loop_s']:.3f} ms (efficiency {s['efficiency_loop']:.3f}), "
+              f"unrolled {1e3 * s['unrolled_s']:.3f} ms (efficiency {s['efficiency_unrolled']:.3f})")
+    print(f"split efficiency {efficiency:.3f} ({'meets' if result['meets_target'] else 'below'} the {args.target} target) "
+          f"on {result['device']}; cost model: --hardware \"{result['hardware_override']}\"")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
