@@ -5,9 +5,9 @@ Everything is measured in one process and reported as ratios (results in bench/r
 
 1. **Pass cost.**  Tensor-parallel transformer training steps (per layer: q/k/v projections from
    one gathered input, an output projection, a SwiGLU MLP, sequence parallel, forward and
-   backward: 8 sites per layer) with L = 1, 4, 16, 32 layers.  For each: ``jax.jit`` lower and
-   compile time, ``cmatmul_pass.rewrite`` time on the lowered text (parse, rewrite, verify,
-   print), their ratio, the scaling time(32)/time(8), and the compile time of the rewritten module
+   backward: 8 sites per layer) with L = 1, 4, 16, 32 layers.  For each (the median of
+   ``--repeats`` cold starts): ``jax.jit`` lower and compile time, ``cmatmul_pass.rewrite`` time
+   on the lowered text (parse, rewrite, verify, print), their ratio, the scaling time(32)/time(8), and the compile time of the rewritten module
    per variant relative to the original's.
 2. **CPU run time.**  Every positive sample under every variant: rewritten / original wall time
    (median of ``--runs`` runs after a warm-up, on the 8 CPU devices).  And one larger
@@ -85,37 +85,45 @@ def compile_seconds(module) -> float:
     return time.perf_counter() - start
 
 
-def pass_cost(layers_list: list[int], variant_layers: int) -> dict:
-    out = {"per_layers": [], "compile_ratio": {}}
+def pass_cost(layers_list: list[int], variant_layers: int, repeats: int = 3) -> dict:
+    out = {"per_layers": [], "compile_ratio": {}, "repeats": repeats}
     for layers in layers_list:
-        fn, args = transformer_step(layers)
-        t0 = time.perf_counter()
-        lowered = fn.lower(*args)
-        t1 = time.perf_counter()
-        lowered.compile()
-        t2 = time.perf_counter()
-        text = lowered.as_text()
-        t3 = time.perf_counter()
-        result = cmatmul_pass.rewrite(text)
-        _ = result.text
-        t4 = time.perf_counter()
+        samples = []
+        for _ in range(repeats):  # each a cold start: fresh functions, jax's caches cleared
+            jax.clear_caches()
+            fn, args = transformer_step(layers)
+            t0 = time.perf_counter()
+            lowered = fn.lower(*args)
+            t1 = time.perf_counter()
+            lowered.compile()
+            t2 = time.perf_counter()
+            text = lowered.as_text()
+            t3 = time.perf_counter()
+            result = cmatmul_pass.rewrite(text)
+            _ = result.text
+            t4 = time.perf_counter()
+            samples.append((t1 - t0, t2 - t1, t4 - t3))
+        lower_s, compile_s, pass_s = (statistics.median(s[i] for s in samples) for i in range(3))
         row = {
             "layers": layers,
             "sites": len(result.report.sites),
             "rewritten": len(result.report.rewritten),
-            "lower_s": t1 - t0,
-            "compile_s": t2 - t1,
-            "pass_s": t4 - t3,
+            "lower_s": lower_s,
+            "compile_s": compile_s,
+            "pass_s": pass_s,
         }
         row["pass_over_lower_compile"] = row["pass_s"] / (row["lower_s"] + row["compile_s"])
         out["per_layers"].append(row)
         print(f"  L={layers:>2}: {row['sites']} sites, lower {row['lower_s']:.2f} s, compile {row['compile_s']:.2f} s, "
               f"pass {row['pass_s']:.3f} s ({100 * row['pass_over_lower_compile']:.2f} %)", flush=True)
         if layers == variant_layers:
-            original = compile_seconds(ir_utils.parse(text))
+            def compile_median(make) -> float:
+                return statistics.median(compile_seconds(make()) for _ in range(repeats))
+
+            original = compile_median(lambda: ir_utils.parse(text))
             for name, options in VARIANTS.items():
-                rewritten = cmatmul_pass.rewrite(text, options).module
-                out["compile_ratio"][name] = compile_seconds(rewritten) / original
+                rewritten = compile_median(lambda: cmatmul_pass.rewrite(text, options).module)
+                out["compile_ratio"][name] = rewritten / original
             print("  compile time, rewritten / original at L="
                   f"{layers}: " + ", ".join(f"{k} {v:.2f}" for k, v in out["compile_ratio"].items()), flush=True)
     times = {r["layers"]: r["pass_s"] for r in out["per_layers"]}
@@ -220,16 +228,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     parser.add_argument("--variant-layers", type=int, default=4, help="L at which to compare compile times per variant")
     parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=3, help="cold starts per L for the pass-cost medians")
     parser.add_argument("--quick", action="store_true", help="L = 1, 4 only and 5 runs (a smoke test)")
     parser.add_argument("--samples", nargs="*", help="only these samples (default: every positive one)")
     parser.add_argument("--layer", type=int, nargs=3, default=[1024, 512, 1024], metavar=("ROWS", "HIDDEN", "OUT"))
     parser.add_argument("--out", default=str(ROOT / "bench" / "results.json"))
     args = parser.parse_args(argv)
     if args.quick:
-        args.layers, args.runs = [1, 4], 5
+        args.layers, args.runs, args.repeats = [1, 4], 5, 1
     results = {"jax": jax.__version__, "devices": "8 virtual CPU devices", "runs": args.runs}
     print("1. pass cost", flush=True)
-    results["pass_cost"] = pass_cost(args.layers, args.variant_layers)
+    results["pass_cost"] = pass_cost(args.layers, args.variant_layers, args.repeats)
     print("2. CPU run time, rewritten / original (median of runs)", flush=True)
     results["samples"] = samples_runtime(args.runs, args.samples)
     results["layer"] = layer_runtime(args.runs, *args.layer)
