@@ -247,11 +247,15 @@ def main(argv: list[str] | None = None) -> int:
     results["fastest_variant"] = min(ratios, key=ratios.get)
     print("median over samples: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items())
           + f"; fastest: {results['fastest_variant']}")
-    out = Path(args.out)
+    write_results(args.out, results)
+    return 0
+
+
+def write_results(path: str | Path, results: dict) -> None:
+    out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {out}")
-    return 0
 
 
 if __name__ == "__main__":

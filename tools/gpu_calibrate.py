@@ -20,16 +20,14 @@ and a ``--hardware`` override that puts both into the cost model's profile::
     python -m cmatmul_pass explain module.mlir --hardware "h100:bf16=7.1e+14,split_efficiency=0.962"
 
 Runs on any backend (on CPU with ``--dims`` small enough, for the tests); results go to
-``--out`` (default ``bench/gpu_calibration.json``).  Never part of ``make test``'s timing.
+``--out`` (default ``bench/gpu_calibration.json``).  Tests run it, but never assert its timings.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,6 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from cmatmul_pass import cost  # noqa: E402
+from tools.bench import median_seconds, write_results  # noqa: E402
 
 #: (tokens = sequence x batch, hidden, ffn) of the MLP blocks the README's sanity table uses
 MODELS = {"70b": (8192, 8192, 28672), "8b": (8192, 4096, 14336), "tiny": (256, 128, 512)}
@@ -106,16 +105,6 @@ def scatter_programs(n: int):
     return full, loop, unrolled, reference
 
 
-def median_seconds(fn, args, runs: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    samples = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
 def measure(kind: str, n: int, shapes, dtype: str, runs: int, device) -> dict:
     full, loop, unrolled, reference = (gather_programs if kind == "all_gather_dot" else scatter_programs)(n)
     rng = np.random.default_rng(0)
@@ -129,9 +118,8 @@ def measure(kind: str, n: int, shapes, dtype: str, runs: int, device) -> dict:
         errors[name] = float(np.abs(got - expected).max()) / scale
         if errors[name] > TOLERANCE[dtype]:
             raise SystemExit(f"{kind}: the {name} decomposition is off by {errors[name]:.2e} (relative): not timing it")
-    t_full = median_seconds(full_j, args, runs)
-    t_loop = median_seconds(loop_j, args, runs)
-    t_unrolled = median_seconds(unrolled_j, args, runs)
+    t_full, t_loop, t_unrolled = (median_seconds(lambda fn=fn: jax.block_until_ready(fn(*args)), runs)
+                                  for fn in (full_j, loop_j, unrolled_j))
     (t, k), (_, m) = shapes  # [T, K] @ [K, M]
     flops = 2.0 * t * k * m
     return {
@@ -179,10 +167,7 @@ def main(argv: list[str] | None = None) -> int:
               f"unrolled {1e3 * s['unrolled_s']:.3f} ms (efficiency {s['efficiency_unrolled']:.3f})")
     print(f"split efficiency {efficiency:.3f} ({'meets' if result['meets_target'] else 'below'} the {args.target} target) "
           f"on {result['device']}; cost model: --hardware \"{result['hardware_override']}\"")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_results(args.out, result)
     return 0
 
 
