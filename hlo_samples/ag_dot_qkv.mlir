@@ -32,27 +32,25 @@
 // GOLDEN-NEXT: %4:5 = stablehlo.while(%iterArg = %c_2, %iterArg_4 = %arg4, %iterArg_5 = %cst, %iterArg_6 = %cst, %iterArg_7 = %cst) : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_8 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %16 = stablehlo.compare LT, %iterArg, %c_8, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %16 : tensor<i1>
+// GOLDEN-NEXT: %14 = stablehlo.compare LT, %iterArg, %c_8, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %14 : tensor<i1>
 // GOLDEN-NEXT: } do {
 // GOLDEN-NEXT: %c_8 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_9 = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %c_10 = stablehlo.constant dense<16> : tensor<ui32>
 // GOLDEN-NEXT: %c_11 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %16 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %17 = stablehlo.add %3, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %18 = stablehlo.remainder %17, %c_11 : tensor<ui32>
-// GOLDEN-NEXT: %19 = stablehlo.dot_general %iterArg_4, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %20 = stablehlo.multiply %18, %c_10 : tensor<ui32>
-// GOLDEN-NEXT: %21 = stablehlo.dynamic_update_slice %iterArg_5, %19, %20, %c_9 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %22 = stablehlo.dot_general %iterArg_4, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %23 = stablehlo.multiply %18, %c_10 : tensor<ui32>
-// GOLDEN-NEXT: %24 = stablehlo.dynamic_update_slice %iterArg_6, %22, %23, %c_9 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %25 = stablehlo.dot_general %iterArg_4, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %26 = stablehlo.multiply %18, %c_10 : tensor<ui32>
-// GOLDEN-NEXT: %27 = stablehlo.dynamic_update_slice %iterArg_7, %25, %26, %c_9 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %28 = stablehlo.add %iterArg, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %28, %16, %21, %24, %27 : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// GOLDEN-NEXT: %14 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %15 = stablehlo.add %3, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %16 = stablehlo.remainder %15, %c_11 : tensor<ui32>
+// GOLDEN-NEXT: %17 = stablehlo.dot_general %iterArg_4, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %18 = stablehlo.multiply %16, %c_10 : tensor<ui32>
+// GOLDEN-NEXT: %19 = stablehlo.dynamic_update_slice %iterArg_5, %17, %18, %c_9 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %20 = stablehlo.dot_general %iterArg_4, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %21 = stablehlo.dynamic_update_slice %iterArg_6, %20, %18, %c_9 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %22 = stablehlo.dot_general %iterArg_4, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %iterArg_7, %22, %18, %c_9 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %24 = stablehlo.add %iterArg, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %24, %14, %19, %21, %23 : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: %5 = stablehlo.add %3, %c_1 : tensor<ui32>
 // GOLDEN-NEXT: %6 = stablehlo.remainder %5, %c_0 : tensor<ui32>
@@ -60,12 +58,10 @@
 // GOLDEN-NEXT: %8 = stablehlo.multiply %6, %c : tensor<ui32>
 // GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %4#2, %7, %8, %c_2 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
 // GOLDEN-NEXT: %10 = stablehlo.dot_general %4#1, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %11 = stablehlo.multiply %6, %c : tensor<ui32>
-// GOLDEN-NEXT: %12 = stablehlo.dynamic_update_slice %4#3, %10, %11, %c_2 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %13 = stablehlo.dot_general %4#1, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %14 = stablehlo.multiply %6, %c : tensor<ui32>
-// GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %4#4, %13, %14, %c_2 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: sdy.return %9, %12, %15 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// GOLDEN-NEXT: %11 = stablehlo.dynamic_update_slice %4#3, %10, %8, %c_2 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %12 = stablehlo.dot_general %4#1, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %13 = stablehlo.dynamic_update_slice %4#4, %12, %8, %c_2 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: sdy.return %9, %11, %13 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<32x64xf32>, tensor<32x64xf32>, tensor<32x64xf32>) -> (tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>)
 // GOLDEN-NEXT: return %0#0, %0#1, %0#2 : tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>
 // GOLDEN-NEXT: }
@@ -108,46 +104,38 @@
 // BIDI_GOLDEN-NEXT: %7 = stablehlo.multiply %3, %c_4 : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %cst, %6, %7, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
 // BIDI_GOLDEN-NEXT: %9 = stablehlo.dot_general %arg4, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %10 = stablehlo.multiply %3, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %11 = stablehlo.dynamic_update_slice %cst, %9, %10, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %12 = stablehlo.dot_general %arg4, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %13 = stablehlo.multiply %3, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %14 = stablehlo.dynamic_update_slice %cst, %12, %13, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %15 = "stablehlo.collective_permute"(%4) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// BIDI_GOLDEN-NEXT: %16 = stablehlo.add %3, %c_2 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %17 = stablehlo.remainder %16, %c_1 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %18 = stablehlo.dot_general %4, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %19 = stablehlo.multiply %17, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %20 = stablehlo.dynamic_update_slice %8, %18, %19, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %21 = stablehlo.dot_general %4, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %22 = stablehlo.multiply %17, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %11, %21, %22, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %24 = stablehlo.dot_general %4, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %25 = stablehlo.multiply %17, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %26 = stablehlo.dynamic_update_slice %14, %24, %25, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %27 = stablehlo.add %3, %c_0 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %28 = stablehlo.remainder %27, %c_1 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %29 = stablehlo.dot_general %5, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %30 = stablehlo.multiply %28, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %31 = stablehlo.dynamic_update_slice %20, %29, %30, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %32 = stablehlo.dot_general %5, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %33 = stablehlo.multiply %28, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %34 = stablehlo.dynamic_update_slice %23, %32, %33, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %35 = stablehlo.dot_general %5, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %36 = stablehlo.multiply %28, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %37 = stablehlo.dynamic_update_slice %26, %35, %36, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %38 = stablehlo.add %3, %c : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %39 = stablehlo.remainder %38, %c_1 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %40 = stablehlo.dot_general %15, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %41 = stablehlo.multiply %39, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %42 = stablehlo.dynamic_update_slice %31, %40, %41, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %43 = stablehlo.dot_general %15, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %44 = stablehlo.multiply %39, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %45 = stablehlo.dynamic_update_slice %34, %43, %44, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %46 = stablehlo.dot_general %15, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %47 = stablehlo.multiply %39, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %48 = stablehlo.dynamic_update_slice %37, %46, %47, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: sdy.return %42, %45, %48 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %cst, %9, %7, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %11 = stablehlo.dot_general %arg4, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %12 = stablehlo.dynamic_update_slice %cst, %11, %7, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %13 = "stablehlo.collective_permute"(%4) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// BIDI_GOLDEN-NEXT: %14 = stablehlo.add %3, %c_2 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %15 = stablehlo.remainder %14, %c_1 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %16 = stablehlo.dot_general %4, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %17 = stablehlo.multiply %15, %c_4 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %18 = stablehlo.dynamic_update_slice %8, %16, %17, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %19 = stablehlo.dot_general %4, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %20 = stablehlo.dynamic_update_slice %10, %19, %17, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %21 = stablehlo.dot_general %4, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %22 = stablehlo.dynamic_update_slice %12, %21, %17, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %23 = stablehlo.add %3, %c_0 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %24 = stablehlo.remainder %23, %c_1 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %25 = stablehlo.dot_general %5, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %26 = stablehlo.multiply %24, %c_4 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %27 = stablehlo.dynamic_update_slice %18, %25, %26, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %28 = stablehlo.dot_general %5, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %29 = stablehlo.dynamic_update_slice %20, %28, %26, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %30 = stablehlo.dot_general %5, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %31 = stablehlo.dynamic_update_slice %22, %30, %26, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %32 = stablehlo.add %3, %c : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %33 = stablehlo.remainder %32, %c_1 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %34 = stablehlo.dot_general %13, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %35 = stablehlo.multiply %33, %c_4 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %36 = stablehlo.dynamic_update_slice %27, %34, %35, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %37 = stablehlo.dot_general %13, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %38 = stablehlo.dynamic_update_slice %29, %37, %35, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %39 = stablehlo.dot_general %13, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %40 = stablehlo.dynamic_update_slice %31, %39, %35, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: sdy.return %36, %38, %40 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // BIDI_GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<32x64xf32>, tensor<32x64xf32>, tensor<32x64xf32>) -> (tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>)
 // BIDI_GOLDEN-NEXT: return %0#0, %0#1, %0#2 : tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>
 // BIDI_GOLDEN-NEXT: }
@@ -187,43 +175,39 @@
 // UNROLL2_GOLDEN-NEXT: %4:5 = stablehlo.while(%iterArg = %c_3, %iterArg_5 = %arg4, %iterArg_6 = %cst, %iterArg_7 = %cst, %iterArg_8 = %cst) : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // UNROLL2_GOLDEN-NEXT: cond {
 // UNROLL2_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %28 = stablehlo.compare LT, %iterArg, %c_9, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// UNROLL2_GOLDEN-NEXT: stablehlo.return %28 : tensor<i1>
+// UNROLL2_GOLDEN-NEXT: %24 = stablehlo.compare LT, %iterArg, %c_9, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// UNROLL2_GOLDEN-NEXT: stablehlo.return %24 : tensor<i1>
 // UNROLL2_GOLDEN-NEXT: } do {
 // UNROLL2_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<16> : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<4> : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<2> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %28 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.multiply %iterArg, %c_13 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %30 = stablehlo.add %3, %29 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %31 = stablehlo.remainder %30, %c_12 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.dot_general %iterArg_5, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %33 = stablehlo.multiply %31, %c_11 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %34 = stablehlo.dynamic_update_slice %iterArg_6, %32, %33, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %35 = stablehlo.dot_general %iterArg_5, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %36 = stablehlo.multiply %31, %c_11 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %37 = stablehlo.dynamic_update_slice %iterArg_7, %35, %36, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %38 = stablehlo.dot_general %iterArg_5, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %39 = stablehlo.multiply %31, %c_11 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %40 = stablehlo.dynamic_update_slice %iterArg_8, %38, %39, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %41 = "stablehlo.collective_permute"(%28) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// UNROLL2_GOLDEN-NEXT: %42 = stablehlo.multiply %iterArg, %c_13 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %43 = stablehlo.add %42, %c_9 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %44 = stablehlo.add %3, %43 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %45 = stablehlo.remainder %44, %c_12 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %46 = stablehlo.dot_general %28, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %47 = stablehlo.multiply %45, %c_11 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %48 = stablehlo.dynamic_update_slice %34, %46, %47, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %49 = stablehlo.dot_general %28, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %50 = stablehlo.multiply %45, %c_11 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %51 = stablehlo.dynamic_update_slice %37, %49, %50, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %52 = stablehlo.dot_general %28, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %53 = stablehlo.multiply %45, %c_11 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %54 = stablehlo.dynamic_update_slice %40, %52, %53, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %55 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: stablehlo.return %55, %41, %48, %51, %54 : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %24 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// UNROLL2_GOLDEN-NEXT: %25 = stablehlo.multiply %iterArg, %c_13 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %26 = stablehlo.add %3, %25 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %27 = stablehlo.remainder %26, %c_12 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %28 = stablehlo.dot_general %iterArg_5, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.multiply %27, %c_11 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %30 = stablehlo.dynamic_update_slice %iterArg_6, %28, %29, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %31 = stablehlo.dot_general %iterArg_5, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.dynamic_update_slice %iterArg_7, %31, %29, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %33 = stablehlo.dot_general %iterArg_5, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %34 = stablehlo.dynamic_update_slice %iterArg_8, %33, %29, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %35 = "stablehlo.collective_permute"(%24) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// UNROLL2_GOLDEN-NEXT: %36 = stablehlo.multiply %iterArg, %c_13 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %37 = stablehlo.add %36, %c_9 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %38 = stablehlo.add %3, %37 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %39 = stablehlo.remainder %38, %c_12 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %40 = stablehlo.dot_general %24, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %41 = stablehlo.multiply %39, %c_11 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %42 = stablehlo.dynamic_update_slice %30, %40, %41, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %43 = stablehlo.dot_general %24, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %44 = stablehlo.dynamic_update_slice %32, %43, %41, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %45 = stablehlo.dot_general %24, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %46 = stablehlo.dynamic_update_slice %34, %45, %41, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %47 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: stablehlo.return %47, %35, %42, %44, %46 : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // UNROLL2_GOLDEN-NEXT: }
 // UNROLL2_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%4#1) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
 // UNROLL2_GOLDEN-NEXT: %6 = stablehlo.add %3, %c_2 : tensor<ui32>
@@ -232,23 +216,19 @@
 // UNROLL2_GOLDEN-NEXT: %9 = stablehlo.multiply %7, %c_0 : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %4#2, %8, %9, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
 // UNROLL2_GOLDEN-NEXT: %11 = stablehlo.dot_general %4#1, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %12 = stablehlo.multiply %7, %c_0 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %13 = stablehlo.dynamic_update_slice %4#3, %11, %12, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %14 = stablehlo.dot_general %4#1, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %15 = stablehlo.multiply %7, %c_0 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %4#4, %14, %15, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %17 = stablehlo.add %3, %c : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %18 = stablehlo.remainder %17, %c_1 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.dot_general %5, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %20 = stablehlo.multiply %18, %c_0 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %21 = stablehlo.dynamic_update_slice %10, %19, %20, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %22 = stablehlo.dot_general %5, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %23 = stablehlo.multiply %18, %c_0 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %24 = stablehlo.dynamic_update_slice %13, %22, %23, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %25 = stablehlo.dot_general %5, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %26 = stablehlo.multiply %18, %c_0 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %27 = stablehlo.dynamic_update_slice %16, %25, %26, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: sdy.return %21, %24, %27 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %12 = stablehlo.dynamic_update_slice %4#3, %11, %9, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %13 = stablehlo.dot_general %4#1, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %14 = stablehlo.dynamic_update_slice %4#4, %13, %9, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %15 = stablehlo.add %3, %c : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %16 = stablehlo.remainder %15, %c_1 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %17 = stablehlo.dot_general %5, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %18 = stablehlo.multiply %16, %c_0 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.dynamic_update_slice %10, %17, %18, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %20 = stablehlo.dot_general %5, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %21 = stablehlo.dynamic_update_slice %12, %20, %18, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %22 = stablehlo.dot_general %5, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %14, %22, %18, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: sdy.return %19, %21, %23 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // UNROLL2_GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<32x64xf32>, tensor<32x64xf32>, tensor<32x64xf32>) -> (tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>)
 // UNROLL2_GOLDEN-NEXT: return %0#0, %0#1, %0#2 : tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>
 // UNROLL2_GOLDEN-NEXT: }
@@ -284,47 +264,39 @@
 // FULL_GOLDEN-NEXT: %6 = stablehlo.multiply %3, %c_4 : tensor<ui32>
 // FULL_GOLDEN-NEXT: %7 = stablehlo.dynamic_update_slice %cst, %5, %6, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
 // FULL_GOLDEN-NEXT: %8 = stablehlo.dot_general %arg4, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %9 = stablehlo.multiply %3, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %cst, %8, %9, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %11 = stablehlo.dot_general %arg4, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %12 = stablehlo.multiply %3, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %13 = stablehlo.dynamic_update_slice %cst, %11, %12, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %14 = "stablehlo.collective_permute"(%4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// FULL_GOLDEN-NEXT: %15 = stablehlo.add %3, %c_2 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %16 = stablehlo.remainder %15, %c_1 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %17 = stablehlo.dot_general %4, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %18 = stablehlo.multiply %16, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %19 = stablehlo.dynamic_update_slice %7, %17, %18, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %20 = stablehlo.dot_general %4, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %21 = stablehlo.multiply %16, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %22 = stablehlo.dynamic_update_slice %10, %20, %21, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %23 = stablehlo.dot_general %4, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %24 = stablehlo.multiply %16, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %25 = stablehlo.dynamic_update_slice %13, %23, %24, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %26 = "stablehlo.collective_permute"(%14) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// FULL_GOLDEN-NEXT: %27 = stablehlo.add %3, %c_0 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %28 = stablehlo.remainder %27, %c_1 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %29 = stablehlo.dot_general %14, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %30 = stablehlo.multiply %28, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %31 = stablehlo.dynamic_update_slice %19, %29, %30, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %32 = stablehlo.dot_general %14, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %33 = stablehlo.multiply %28, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %34 = stablehlo.dynamic_update_slice %22, %32, %33, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %35 = stablehlo.dot_general %14, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %36 = stablehlo.multiply %28, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %37 = stablehlo.dynamic_update_slice %25, %35, %36, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %38 = stablehlo.add %3, %c : tensor<ui32>
-// FULL_GOLDEN-NEXT: %39 = stablehlo.remainder %38, %c_1 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %40 = stablehlo.dot_general %26, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %41 = stablehlo.multiply %39, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %42 = stablehlo.dynamic_update_slice %31, %40, %41, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %43 = stablehlo.dot_general %26, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %44 = stablehlo.multiply %39, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %45 = stablehlo.dynamic_update_slice %34, %43, %44, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %46 = stablehlo.dot_general %26, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %47 = stablehlo.multiply %39, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %48 = stablehlo.dynamic_update_slice %37, %46, %47, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: sdy.return %42, %45, %48 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %cst, %8, %6, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %10 = stablehlo.dot_general %arg4, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %11 = stablehlo.dynamic_update_slice %cst, %10, %6, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %12 = "stablehlo.collective_permute"(%4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// FULL_GOLDEN-NEXT: %13 = stablehlo.add %3, %c_2 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %14 = stablehlo.remainder %13, %c_1 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %15 = stablehlo.dot_general %4, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %16 = stablehlo.multiply %14, %c_4 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %17 = stablehlo.dynamic_update_slice %7, %15, %16, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %18 = stablehlo.dot_general %4, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %19 = stablehlo.dynamic_update_slice %9, %18, %16, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %20 = stablehlo.dot_general %4, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %21 = stablehlo.dynamic_update_slice %11, %20, %16, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %22 = "stablehlo.collective_permute"(%12) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// FULL_GOLDEN-NEXT: %23 = stablehlo.add %3, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %24 = stablehlo.remainder %23, %c_1 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %25 = stablehlo.dot_general %12, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %26 = stablehlo.multiply %24, %c_4 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %27 = stablehlo.dynamic_update_slice %17, %25, %26, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %28 = stablehlo.dot_general %12, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %29 = stablehlo.dynamic_update_slice %19, %28, %26, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %30 = stablehlo.dot_general %12, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %31 = stablehlo.dynamic_update_slice %21, %30, %26, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %32 = stablehlo.add %3, %c : tensor<ui32>
+// FULL_GOLDEN-NEXT: %33 = stablehlo.remainder %32, %c_1 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %34 = stablehlo.dot_general %22, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %35 = stablehlo.multiply %33, %c_4 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %36 = stablehlo.dynamic_update_slice %27, %34, %35, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %37 = stablehlo.dot_general %22, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %38 = stablehlo.dynamic_update_slice %29, %37, %35, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %39 = stablehlo.dot_general %22, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %40 = stablehlo.dynamic_update_slice %31, %39, %35, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: sdy.return %36, %38, %40 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // FULL_GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<32x64xf32>, tensor<32x64xf32>, tensor<32x64xf32>) -> (tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>)
 // FULL_GOLDEN-NEXT: return %0#0, %0#1, %0#2 : tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>
 // FULL_GOLDEN-NEXT: }
@@ -362,43 +334,39 @@
 // STREAMS_GOLDEN-NEXT: %4:5 = stablehlo.while(%iterArg = %c_3, %iterArg_5 = %arg4, %iterArg_6 = %cst, %iterArg_7 = %cst, %iterArg_8 = %cst) : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // STREAMS_GOLDEN-NEXT: cond {
 // STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %28 = stablehlo.compare LT, %iterArg, %c_9, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %28 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %24 = stablehlo.compare LT, %iterArg, %c_9, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %24 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
 // STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<16> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<4> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %28 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// STREAMS_GOLDEN-NEXT: %29 = stablehlo.multiply %iterArg, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %30 = stablehlo.add %3, %29 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %31 = stablehlo.remainder %30, %c_12 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %32 = func.call @cmatmul_dot_0(%iterArg_5, %arg5) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %33 = stablehlo.multiply %31, %c_11 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %34 = stablehlo.dynamic_update_slice %iterArg_6, %32, %33, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %35 = func.call @cmatmul_dot_0(%iterArg_5, %arg6) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %36 = stablehlo.multiply %31, %c_11 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %37 = stablehlo.dynamic_update_slice %iterArg_7, %35, %36, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %38 = func.call @cmatmul_dot_0(%iterArg_5, %arg7) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %39 = stablehlo.multiply %31, %c_11 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %40 = stablehlo.dynamic_update_slice %iterArg_8, %38, %39, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %41 = "stablehlo.collective_permute"(%28) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// STREAMS_GOLDEN-NEXT: %42 = stablehlo.multiply %iterArg, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %43 = stablehlo.add %42, %c_9 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %44 = stablehlo.add %3, %43 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %45 = stablehlo.remainder %44, %c_12 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %46 = func.call @cmatmul_dot_0(%28, %arg5) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %47 = stablehlo.multiply %45, %c_11 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %48 = stablehlo.dynamic_update_slice %34, %46, %47, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %49 = func.call @cmatmul_dot_0(%28, %arg6) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %50 = stablehlo.multiply %45, %c_11 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %51 = stablehlo.dynamic_update_slice %37, %49, %50, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %52 = func.call @cmatmul_dot_0(%28, %arg7) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %53 = stablehlo.multiply %45, %c_11 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %54 = stablehlo.dynamic_update_slice %40, %52, %53, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %55 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %55, %41, %48, %51, %54 : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %24 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// STREAMS_GOLDEN-NEXT: %25 = stablehlo.multiply %iterArg, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %26 = stablehlo.add %3, %25 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %27 = stablehlo.remainder %26, %c_12 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %28 = func.call @cmatmul_dot_0(%iterArg_5, %arg5) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %29 = stablehlo.multiply %27, %c_11 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %30 = stablehlo.dynamic_update_slice %iterArg_6, %28, %29, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %31 = func.call @cmatmul_dot_0(%iterArg_5, %arg6) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %32 = stablehlo.dynamic_update_slice %iterArg_7, %31, %29, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %33 = func.call @cmatmul_dot_0(%iterArg_5, %arg7) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %34 = stablehlo.dynamic_update_slice %iterArg_8, %33, %29, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %35 = "stablehlo.collective_permute"(%24) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// STREAMS_GOLDEN-NEXT: %36 = stablehlo.multiply %iterArg, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %37 = stablehlo.add %36, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %38 = stablehlo.add %3, %37 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %39 = stablehlo.remainder %38, %c_12 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %40 = func.call @cmatmul_dot_0(%24, %arg5) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %41 = stablehlo.multiply %39, %c_11 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %42 = stablehlo.dynamic_update_slice %30, %40, %41, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %43 = func.call @cmatmul_dot_0(%24, %arg6) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %44 = stablehlo.dynamic_update_slice %32, %43, %41, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %45 = func.call @cmatmul_dot_0(%24, %arg7) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %46 = stablehlo.dynamic_update_slice %34, %45, %41, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %47 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %47, %35, %42, %44, %46 : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // STREAMS_GOLDEN-NEXT: }
 // STREAMS_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%4#1) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<16x32xf32>) -> tensor<16x32xf32>
 // STREAMS_GOLDEN-NEXT: %6 = stablehlo.add %3, %c_2 : tensor<ui32>
@@ -407,23 +375,19 @@
 // STREAMS_GOLDEN-NEXT: %9 = stablehlo.multiply %7, %c_0 : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %4#2, %8, %9, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
 // STREAMS_GOLDEN-NEXT: %11 = func.call @cmatmul_dot_0(%4#1, %arg6) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %12 = stablehlo.multiply %7, %c_0 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %13 = stablehlo.dynamic_update_slice %4#3, %11, %12, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %14 = func.call @cmatmul_dot_0(%4#1, %arg7) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %15 = stablehlo.multiply %7, %c_0 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %4#4, %14, %15, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %17 = stablehlo.add %3, %c : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %18 = stablehlo.remainder %17, %c_1 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %19 = func.call @cmatmul_dot_0(%5, %arg5) {mhlo.frontend_attributes = {_xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %20 = stablehlo.multiply %18, %c_0 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %21 = stablehlo.dynamic_update_slice %10, %19, %20, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %22 = func.call @cmatmul_dot_0(%5, %arg6) {mhlo.frontend_attributes = {_xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %23 = stablehlo.multiply %18, %c_0 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %24 = stablehlo.dynamic_update_slice %13, %22, %23, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %25 = func.call @cmatmul_dot_0(%5, %arg7) {mhlo.frontend_attributes = {_xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %26 = stablehlo.multiply %18, %c_0 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %27 = stablehlo.dynamic_update_slice %16, %25, %26, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: sdy.return %21, %24, %27 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %12 = stablehlo.dynamic_update_slice %4#3, %11, %9, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %13 = func.call @cmatmul_dot_0(%4#1, %arg7) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %14 = stablehlo.dynamic_update_slice %4#4, %13, %9, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %15 = stablehlo.add %3, %c : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %16 = stablehlo.remainder %15, %c_1 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %17 = func.call @cmatmul_dot_0(%5, %arg5) {mhlo.frontend_attributes = {_xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %18 = stablehlo.multiply %16, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %19 = stablehlo.dynamic_update_slice %10, %17, %18, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %20 = func.call @cmatmul_dot_0(%5, %arg6) {mhlo.frontend_attributes = {_xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %21 = stablehlo.dynamic_update_slice %12, %20, %18, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %22 = func.call @cmatmul_dot_0(%5, %arg7) {mhlo.frontend_attributes = {_xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %14, %22, %18, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: sdy.return %19, %21, %23 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // STREAMS_GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<32x64xf32>, tensor<32x64xf32>, tensor<32x64xf32>) -> (tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>)
 // STREAMS_GOLDEN-NEXT: return %0#0, %0#1, %0#2 : tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>
 // STREAMS_GOLDEN-NEXT: }

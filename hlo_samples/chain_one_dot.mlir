@@ -30,24 +30,23 @@
 // GOLDEN-NEXT: %8:4 = stablehlo.while(%iterArg = %c_1, %iterArg_6 = %arg2, %iterArg_7 = %cst_0, %iterArg_8 = %cst) : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>, tensor<16x64xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_9 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %18 = stablehlo.compare LT, %iterArg, %c_9, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %18 : tensor<i1>
+// GOLDEN-NEXT: %17 = stablehlo.compare LT, %iterArg, %c_9, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %17 : tensor<i1>
 // GOLDEN-NEXT: } do {
 // GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %c_11 = stablehlo.constant dense<16> : tensor<ui32>
 // GOLDEN-NEXT: %c_12 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %18 = "stablehlo.collective_permute"(%iterArg_6) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %19 = stablehlo.add %3, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_12 : tensor<ui32>
-// GOLDEN-NEXT: %21 = stablehlo.multiply %20, %c_11 : tensor<ui32>
-// GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %7, %21, %c_10, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %23 = stablehlo.dot_general %iterArg_6, %22, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %24 = stablehlo.add %iterArg_7, %23 : tensor<16x16xf32>
-// GOLDEN-NEXT: %25 = stablehlo.multiply %20, %c_11 : tensor<ui32>
-// GOLDEN-NEXT: %26 = stablehlo.dynamic_update_slice %iterArg_8, %iterArg_6, %c_10, %25 : (tensor<16x64xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x64xf32>
-// GOLDEN-NEXT: %27 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %27, %18, %24, %26 : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>, tensor<16x64xf32>
+// GOLDEN-NEXT: %17 = "stablehlo.collective_permute"(%iterArg_6) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %18 = stablehlo.add %3, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_12 : tensor<ui32>
+// GOLDEN-NEXT: %20 = stablehlo.multiply %19, %c_11 : tensor<ui32>
+// GOLDEN-NEXT: %21 = stablehlo.dynamic_slice %7, %20, %c_10, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %22 = stablehlo.dot_general %iterArg_6, %21, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %23 = stablehlo.add %iterArg_7, %22 : tensor<16x16xf32>
+// GOLDEN-NEXT: %24 = stablehlo.dynamic_update_slice %iterArg_8, %iterArg_6, %c_10, %20 : (tensor<16x64xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x64xf32>
+// GOLDEN-NEXT: %25 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %25, %17, %23, %24 : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>, tensor<16x64xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: %9 = stablehlo.add %3, %c : tensor<ui32>
 // GOLDEN-NEXT: %10 = stablehlo.remainder %9, %c_3 : tensor<ui32>
@@ -55,31 +54,30 @@
 // GOLDEN-NEXT: %12 = stablehlo.dynamic_slice %7, %11, %c_1, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: %13 = stablehlo.dot_general %8#1, %12, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: %14 = stablehlo.add %8#2, %13 : tensor<16x16xf32>
-// GOLDEN-NEXT: %15 = stablehlo.multiply %10, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %8#3, %8#1, %c_1, %15 : (tensor<16x64xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x64xf32>
-// GOLDEN-NEXT: %17:2 = stablehlo.while(%iterArg = %c_1, %iterArg_6 = %14) : tensor<ui32>, tensor<16x16xf32>
+// GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %8#3, %8#1, %c_1, %11 : (tensor<16x64xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x64xf32>
+// GOLDEN-NEXT: %16:2 = stablehlo.while(%iterArg = %c_1, %iterArg_6 = %14) : tensor<ui32>, tensor<16x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_7 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %18 = stablehlo.compare LT, %iterArg, %c_7, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %18 : tensor<i1>
+// GOLDEN-NEXT: %17 = stablehlo.compare LT, %iterArg, %c_7, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %17 : tensor<i1>
 // GOLDEN-NEXT: } do {
 // GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<ui32>
 // GOLDEN-NEXT: %c_10 = stablehlo.constant dense<4> : tensor<ui32>
 // GOLDEN-NEXT: %c_11 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %18 = "stablehlo.collective_permute"(%iterArg_6) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %19 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
-// GOLDEN-NEXT: %20 = stablehlo.add %3, %19 : tensor<ui32>
-// GOLDEN-NEXT: %21 = stablehlo.remainder %20, %c_10 : tensor<ui32>
-// GOLDEN-NEXT: %22 = stablehlo.multiply %21, %c_9 : tensor<ui32>
-// GOLDEN-NEXT: %23 = stablehlo.dynamic_slice %arg3, %c_8, %22, sizes = [64, 16] : (tensor<64x64xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %24 = stablehlo.dot_general %16, %23, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %25 = stablehlo.add %18, %24 : tensor<16x16xf32>
-// GOLDEN-NEXT: %26 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %26, %25 : tensor<ui32>, tensor<16x16xf32>
+// GOLDEN-NEXT: %17 = "stablehlo.collective_permute"(%iterArg_6) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %18 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
+// GOLDEN-NEXT: %19 = stablehlo.add %3, %18 : tensor<ui32>
+// GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_10 : tensor<ui32>
+// GOLDEN-NEXT: %21 = stablehlo.multiply %20, %c_9 : tensor<ui32>
+// GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %arg3, %c_8, %21, sizes = [64, 16] : (tensor<64x64xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %23 = stablehlo.dot_general %15, %22, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %24 = stablehlo.add %17, %23 : tensor<16x16xf32>
+// GOLDEN-NEXT: %25 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %25, %24 : tensor<ui32>, tensor<16x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: sdy.return %17#1 : tensor<16x16xf32>
+// GOLDEN-NEXT: sdy.return %16#1 : tensor<16x16xf32>
 // GOLDEN-NEXT: } : (tensor<32x64xf32>, tensor<64x64xf32>) -> tensor<32x64xf32>
 // GOLDEN-NEXT: return %0 : tensor<32x64xf32>
 // GOLDEN-NEXT: }
@@ -114,24 +112,23 @@
 // STREAMS_GOLDEN-NEXT: %8:4 = stablehlo.while(%iterArg = %c_1, %iterArg_6 = %arg2, %iterArg_7 = %cst_0, %iterArg_8 = %cst) : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>, tensor<16x64xf32>
 // STREAMS_GOLDEN-NEXT: cond {
 // STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<3> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %18 = stablehlo.compare LT, %iterArg, %c_9, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %18 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %17 = stablehlo.compare LT, %iterArg, %c_9, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %17 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
 // STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<16> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<4> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %18 = "stablehlo.collective_permute"(%iterArg_6) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %19 = stablehlo.add %3, %iterArg : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_12 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %21 = stablehlo.multiply %20, %c_11 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %7, %21, %c_10, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %23 = func.call @cmatmul_dot_0(%iterArg_6, %22) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %24 = stablehlo.add %iterArg_7, %23 : tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %25 = stablehlo.multiply %20, %c_11 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %26 = stablehlo.dynamic_update_slice %iterArg_8, %iterArg_6, %c_10, %25 : (tensor<16x64xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x64xf32>
-// STREAMS_GOLDEN-NEXT: %27 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %27, %18, %24, %26 : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>, tensor<16x64xf32>
+// STREAMS_GOLDEN-NEXT: %17 = "stablehlo.collective_permute"(%iterArg_6) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %18 = stablehlo.add %3, %iterArg : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_12 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %20 = stablehlo.multiply %19, %c_11 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %21 = stablehlo.dynamic_slice %7, %20, %c_10, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %22 = func.call @cmatmul_dot_0(%iterArg_6, %21) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %23 = stablehlo.add %iterArg_7, %22 : tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %24 = stablehlo.dynamic_update_slice %iterArg_8, %iterArg_6, %c_10, %20 : (tensor<16x64xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x64xf32>
+// STREAMS_GOLDEN-NEXT: %25 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %25, %17, %23, %24 : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>, tensor<16x64xf32>
 // STREAMS_GOLDEN-NEXT: }
 // STREAMS_GOLDEN-NEXT: %9 = stablehlo.add %3, %c : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %10 = stablehlo.remainder %9, %c_3 : tensor<ui32>
@@ -139,31 +136,30 @@
 // STREAMS_GOLDEN-NEXT: %12 = stablehlo.dynamic_slice %7, %11, %c_1, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: %13 = func.call @cmatmul_dot_0(%8#1, %12) {mhlo.frontend_attributes = {_xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: %14 = stablehlo.add %8#2, %13 : tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %15 = stablehlo.multiply %10, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %8#3, %8#1, %c_1, %15 : (tensor<16x64xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x64xf32>
-// STREAMS_GOLDEN-NEXT: %17:2 = stablehlo.while(%iterArg = %c_1, %iterArg_6 = %14) : tensor<ui32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %8#3, %8#1, %c_1, %11 : (tensor<16x64xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x64xf32>
+// STREAMS_GOLDEN-NEXT: %16:2 = stablehlo.while(%iterArg = %c_1, %iterArg_6 = %14) : tensor<ui32>, tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: cond {
 // STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<3> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %18 = stablehlo.compare LT, %iterArg, %c_7, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %18 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %17 = stablehlo.compare LT, %iterArg, %c_7, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %17 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
 // STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<4> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %18 = "stablehlo.collective_permute"(%iterArg_6) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %19 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %20 = stablehlo.add %3, %19 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %21 = stablehlo.remainder %20, %c_10 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %22 = stablehlo.multiply %21, %c_9 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %23 = stablehlo.dynamic_slice %arg3, %c_8, %22, sizes = [64, 16] : (tensor<64x64xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %24 = func.call @cmatmul_dot_1(%16, %23) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %25 = stablehlo.add %18, %24 : tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %26 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %26, %25 : tensor<ui32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %17 = "stablehlo.collective_permute"(%iterArg_6) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %18 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %19 = stablehlo.add %3, %18 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %21 = stablehlo.multiply %20, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %arg3, %c_8, %21, sizes = [64, 16] : (tensor<64x64xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %23 = func.call @cmatmul_dot_1(%15, %22) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %24 = stablehlo.add %17, %23 : tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %25 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %25, %24 : tensor<ui32>, tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: sdy.return %17#1 : tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: sdy.return %16#1 : tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: } : (tensor<32x64xf32>, tensor<64x64xf32>) -> tensor<32x64xf32>
 // STREAMS_GOLDEN-NEXT: return %0 : tensor<32x64xf32>
 // STREAMS_GOLDEN-NEXT: }

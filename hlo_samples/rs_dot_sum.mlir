@@ -33,45 +33,41 @@
 // GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_0 : tensor<ui32>
 // GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg6, %6, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: %8 = stablehlo.dot_general %7, %arg9, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %9 = stablehlo.multiply %5, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %10 = stablehlo.dynamic_slice %arg7, %9, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %11 = stablehlo.dot_general %10, %arg10, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %12 = stablehlo.add %8, %11 : tensor<16x32xf32>
-// GOLDEN-NEXT: %13 = stablehlo.multiply %5, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %14 = stablehlo.dynamic_slice %arg8, %13, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %15 = stablehlo.dot_general %14, %arg11, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %16 = stablehlo.add %12, %15 : tensor<16x32xf32>
-// GOLDEN-NEXT: %17:2 = stablehlo.while(%iterArg = %c, %iterArg_4 = %16) : tensor<ui32>, tensor<16x32xf32>
+// GOLDEN-NEXT: %9 = stablehlo.dynamic_slice %arg7, %6, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %10 = stablehlo.dot_general %9, %arg10, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %11 = stablehlo.add %8, %10 : tensor<16x32xf32>
+// GOLDEN-NEXT: %12 = stablehlo.dynamic_slice %arg8, %6, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %13 = stablehlo.dot_general %12, %arg11, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %14 = stablehlo.add %11, %13 : tensor<16x32xf32>
+// GOLDEN-NEXT: %15:2 = stablehlo.while(%iterArg = %c, %iterArg_4 = %14) : tensor<ui32>, tensor<16x32xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %18 = stablehlo.compare LT, %iterArg, %c_5, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %18 : tensor<i1>
+// GOLDEN-NEXT: %16 = stablehlo.compare LT, %iterArg, %c_5, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %16 : tensor<i1>
 // GOLDEN-NEXT: } do {
 // GOLDEN-NEXT: %c_5 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %c_7 = stablehlo.constant dense<16> : tensor<ui32>
 // GOLDEN-NEXT: %c_8 = stablehlo.constant dense<4> : tensor<ui32>
 // GOLDEN-NEXT: %c_9 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %18 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %19 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
-// GOLDEN-NEXT: %20 = stablehlo.add %3, %19 : tensor<ui32>
-// GOLDEN-NEXT: %21 = stablehlo.remainder %20, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %22 = stablehlo.multiply %21, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %23 = stablehlo.dynamic_slice %arg6, %22, %c_6, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %24 = stablehlo.dot_general %23, %arg9, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %25 = stablehlo.multiply %21, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %26 = stablehlo.dynamic_slice %arg7, %25, %c_6, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %27 = stablehlo.dot_general %26, %arg10, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %28 = stablehlo.add %24, %27 : tensor<16x32xf32>
-// GOLDEN-NEXT: %29 = stablehlo.multiply %21, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %30 = stablehlo.dynamic_slice %arg8, %29, %c_6, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %31 = stablehlo.dot_general %30, %arg11, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %32 = stablehlo.add %28, %31 : tensor<16x32xf32>
-// GOLDEN-NEXT: %33 = stablehlo.add %18, %32 : tensor<16x32xf32>
-// GOLDEN-NEXT: %34 = stablehlo.add %iterArg, %c_5 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %34, %33 : tensor<ui32>, tensor<16x32xf32>
+// GOLDEN-NEXT: %16 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %17 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
+// GOLDEN-NEXT: %18 = stablehlo.add %3, %17 : tensor<ui32>
+// GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: %20 = stablehlo.multiply %19, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %21 = stablehlo.dynamic_slice %arg6, %20, %c_6, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %22 = stablehlo.dot_general %21, %arg9, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %23 = stablehlo.dynamic_slice %arg7, %20, %c_6, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %24 = stablehlo.dot_general %23, %arg10, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %25 = stablehlo.add %22, %24 : tensor<16x32xf32>
+// GOLDEN-NEXT: %26 = stablehlo.dynamic_slice %arg8, %20, %c_6, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %27 = stablehlo.dot_general %26, %arg11, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %28 = stablehlo.add %25, %27 : tensor<16x32xf32>
+// GOLDEN-NEXT: %29 = stablehlo.add %16, %28 : tensor<16x32xf32>
+// GOLDEN-NEXT: %30 = stablehlo.add %iterArg, %c_5 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %30, %29 : tensor<ui32>, tensor<16x32xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: sdy.return %17#1 : tensor<16x32xf32>
+// GOLDEN-NEXT: sdy.return %15#1 : tensor<16x32xf32>
 // GOLDEN-NEXT: } : (tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x32xf32>, tensor<64x32xf32>, tensor<64x32xf32>) -> tensor<64x32xf32>
 // GOLDEN-NEXT: return %0 : tensor<64x32xf32>
 // GOLDEN-NEXT: }

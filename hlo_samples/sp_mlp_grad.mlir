@@ -25,86 +25,84 @@
 // GOLDEN-NEXT: %24:4 = stablehlo.while(%iterArg = %c_5, %iterArg_16 = %arg3, %iterArg_17 = %cst_4, %iterArg_18 = %cst_4) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_19 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %59 = stablehlo.compare LT, %iterArg, %c_19, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %59 : tensor<i1>
+// GOLDEN-NEXT: %58 = stablehlo.compare LT, %iterArg, %c_19, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %58 : tensor<i1>
 // GOLDEN-NEXT: } do {
 // GOLDEN-NEXT: %c_19 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_20 = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %c_21 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %c_22 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %59 = "stablehlo.collective_permute"(%iterArg_16) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %60 = stablehlo.add %23, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %61 = stablehlo.remainder %60, %c_22 : tensor<ui32>
-// GOLDEN-NEXT: %62 = stablehlo.dot_general %iterArg_16, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %63 = stablehlo.multiply %61, %c_21 : tensor<ui32>
-// GOLDEN-NEXT: %64 = stablehlo.dynamic_update_slice %iterArg_17, %62, %c_20, %63, %c_20 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %65 = stablehlo.multiply %61, %c_21 : tensor<ui32>
-// GOLDEN-NEXT: %66 = stablehlo.dynamic_update_slice %iterArg_18, %iterArg_16, %c_20, %65, %c_20 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %67 = stablehlo.add %iterArg, %c_19 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %67, %59, %64, %66 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
+// GOLDEN-NEXT: %58 = "stablehlo.collective_permute"(%iterArg_16) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %59 = stablehlo.add %23, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %60 = stablehlo.remainder %59, %c_22 : tensor<ui32>
+// GOLDEN-NEXT: %61 = stablehlo.dot_general %iterArg_16, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %62 = stablehlo.multiply %60, %c_21 : tensor<ui32>
+// GOLDEN-NEXT: %63 = stablehlo.dynamic_update_slice %iterArg_17, %61, %c_20, %62, %c_20 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %64 = stablehlo.dynamic_update_slice %iterArg_18, %iterArg_16, %c_20, %62, %c_20 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %65 = stablehlo.add %iterArg, %c_19 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %65, %58, %63, %64 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: %25 = stablehlo.add %23, %c : tensor<ui32>
 // GOLDEN-NEXT: %26 = stablehlo.remainder %25, %c_7 : tensor<ui32>
 // GOLDEN-NEXT: %27 = stablehlo.dot_general %24#1, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %28 = stablehlo.multiply %26, %c_6 : tensor<ui32>
 // GOLDEN-NEXT: %29 = stablehlo.dynamic_update_slice %24#2, %27, %c_5, %28, %c_5 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %30 = stablehlo.multiply %26, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %31 = stablehlo.dynamic_update_slice %24#3, %24#1, %c_5, %30, %c_5 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %32 = stablehlo.multiply %29, %29 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %33 = stablehlo.multiply %32, %29 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %34 = stablehlo.multiply %29, %29 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %30 = stablehlo.dynamic_update_slice %24#3, %24#1, %c_5, %28, %c_5 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %31 = stablehlo.multiply %29, %29 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %32 = stablehlo.multiply %31, %29 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %33 = stablehlo.multiply %29, %29 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %cst_10 = stablehlo.constant dense<3.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %35 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %36 = stablehlo.multiply %35, %34 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %34 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %35 = stablehlo.multiply %34, %33 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %cst_11 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// GOLDEN-NEXT: %37 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %38 = stablehlo.multiply %37, %33 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %39 = stablehlo.add %29, %38 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %36 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %37 = stablehlo.multiply %36, %32 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %38 = stablehlo.add %29, %37 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %cst_12 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// GOLDEN-NEXT: %40 = stablehlo.broadcast_in_dim %cst_12, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %41 = stablehlo.multiply %40, %39 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %42 = stablehlo.tanh %41 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %39 = stablehlo.broadcast_in_dim %cst_12, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %40 = stablehlo.multiply %39, %38 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %41 = stablehlo.tanh %40 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %cst_13 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %43 = stablehlo.broadcast_in_dim %cst_13, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %44 = stablehlo.subtract %43, %42 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %42 = stablehlo.broadcast_in_dim %cst_13, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %43 = stablehlo.subtract %42, %41 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %cst_14 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %45 = stablehlo.broadcast_in_dim %cst_14, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %46 = stablehlo.add %45, %42 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %44 = stablehlo.broadcast_in_dim %cst_14, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %45 = stablehlo.add %44, %41 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %cst_15 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// GOLDEN-NEXT: %47 = stablehlo.broadcast_in_dim %cst_15, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %48 = stablehlo.multiply %47, %46 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %49 = stablehlo.multiply %29, %48 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %50 = stablehlo.add %23, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %51 = stablehlo.remainder %50, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %52 = stablehlo.multiply %51, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %53 = stablehlo.dynamic_slice %49, %c_5, %52, %c_5, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %54 = stablehlo.dot_general %53, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %55:2 = stablehlo.while(%iterArg = %c_5, %iterArg_16 = %54) : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %46 = stablehlo.broadcast_in_dim %cst_15, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %47 = stablehlo.multiply %46, %45 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %48 = stablehlo.multiply %29, %47 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %49 = stablehlo.add %23, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: %50 = stablehlo.remainder %49, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %51 = stablehlo.multiply %50, %c_6 : tensor<ui32>
+// GOLDEN-NEXT: %52 = stablehlo.dynamic_slice %48, %c_5, %51, %c_5, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %53 = stablehlo.dot_general %52, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %54:2 = stablehlo.while(%iterArg = %c_5, %iterArg_16 = %53) : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_17 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %59 = stablehlo.compare LT, %iterArg, %c_17, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %59 : tensor<i1>
+// GOLDEN-NEXT: %58 = stablehlo.compare LT, %iterArg, %c_17, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %58 : tensor<i1>
 // GOLDEN-NEXT: } do {
 // GOLDEN-NEXT: %c_17 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_18 = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %c_19 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %c_20 = stablehlo.constant dense<4> : tensor<ui32>
 // GOLDEN-NEXT: %c_21 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %59 = "stablehlo.collective_permute"(%iterArg_16) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %60 = stablehlo.add %iterArg, %c_21 : tensor<ui32>
-// GOLDEN-NEXT: %61 = stablehlo.add %23, %60 : tensor<ui32>
-// GOLDEN-NEXT: %62 = stablehlo.remainder %61, %c_20 : tensor<ui32>
-// GOLDEN-NEXT: %63 = stablehlo.multiply %62, %c_19 : tensor<ui32>
-// GOLDEN-NEXT: %64 = stablehlo.dynamic_slice %49, %c_18, %63, %c_18, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %65 = stablehlo.dot_general %64, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %66 = stablehlo.add %59, %65 : tensor<2x8x16xf32>
-// GOLDEN-NEXT: %67 = stablehlo.add %iterArg, %c_17 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %67, %66 : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %58 = "stablehlo.collective_permute"(%iterArg_16) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %59 = stablehlo.add %iterArg, %c_21 : tensor<ui32>
+// GOLDEN-NEXT: %60 = stablehlo.add %23, %59 : tensor<ui32>
+// GOLDEN-NEXT: %61 = stablehlo.remainder %60, %c_20 : tensor<ui32>
+// GOLDEN-NEXT: %62 = stablehlo.multiply %61, %c_19 : tensor<ui32>
+// GOLDEN-NEXT: %63 = stablehlo.dynamic_slice %48, %c_18, %62, %c_18, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %64 = stablehlo.dot_general %63, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %65 = stablehlo.add %58, %64 : tensor<2x8x16xf32>
+// GOLDEN-NEXT: %66 = stablehlo.add %iterArg, %c_17 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %66, %65 : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %56 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<1xf32>
-// GOLDEN-NEXT: %57 = stablehlo.broadcast_in_dim %cst_12, dims = [] : (tensor<f32>) -> tensor<1xf32>
-// GOLDEN-NEXT: %58 = stablehlo.broadcast_in_dim %cst_15, dims = [] : (tensor<f32>) -> tensor<1xf32>
-// GOLDEN-NEXT: sdy.return %arg4, %31, %36, %56, %57, %42, %44, %58, %48, %29, %arg5, %49, %55#1 : tensor<16x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<1xf32>, tensor<1xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<1xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<16x16xf32>, tensor<2x32x16xf32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %55 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<1xf32>
+// GOLDEN-NEXT: %56 = stablehlo.broadcast_in_dim %cst_12, dims = [] : (tensor<f32>) -> tensor<1xf32>
+// GOLDEN-NEXT: %57 = stablehlo.broadcast_in_dim %cst_15, dims = [] : (tensor<f32>) -> tensor<1xf32>
+// GOLDEN-NEXT: sdy.return %arg4, %30, %35, %55, %56, %41, %43, %57, %47, %29, %arg5, %48, %54#1 : tensor<16x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<1xf32>, tensor<1xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<1xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<16x16xf32>, tensor<2x32x16xf32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>) -> (tensor<128x16xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<8xf32>, tensor<8xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<8xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<128x16xf32>, tensor<16x32x16xf32>, tensor<4x32x16xf32>)
 // GOLDEN-NEXT: %1 = stablehlo.multiply %0#12, %0#12 : tensor<4x32x16xf32>
 // GOLDEN-NEXT: %2 = sdy.sharding_constraint %1 <@mesh, [{"data"}, {"model"}, {}]> : tensor<4x32x16xf32>
@@ -148,25 +146,24 @@
 // GOLDEN-NEXT: %27:4 = stablehlo.while(%iterArg = %c_6, %iterArg_11 = %arg3, %iterArg_12 = %cst_5, %iterArg_13 = %cst_4) : tensor<ui32>, tensor<2x8x16xf32>, tensor<16x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_14 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %62 = stablehlo.compare LT, %iterArg, %c_14, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %62 : tensor<i1>
+// GOLDEN-NEXT: %61 = stablehlo.compare LT, %iterArg, %c_14, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %61 : tensor<i1>
 // GOLDEN-NEXT: } do {
 // GOLDEN-NEXT: %c_14 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_15 = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %c_16 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %c_17 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %62 = "stablehlo.collective_permute"(%iterArg_11) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %63 = stablehlo.add %23, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %64 = stablehlo.remainder %63, %c_17 : tensor<ui32>
-// GOLDEN-NEXT: %65 = stablehlo.multiply %64, %c_16 : tensor<ui32>
-// GOLDEN-NEXT: %66 = stablehlo.dynamic_slice %arg15, %c_15, %65, %c_15, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %67 = stablehlo.dot_general %iterArg_11, %66, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<2x8x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %68 = stablehlo.add %iterArg_12, %67 : tensor<16x16xf32>
-// GOLDEN-NEXT: %69 = stablehlo.dot_general %iterArg_11, %arg14, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %70 = stablehlo.multiply %64, %c_16 : tensor<ui32>
-// GOLDEN-NEXT: %71 = stablehlo.dynamic_update_slice %iterArg_13, %69, %c_15, %70, %c_15 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %72 = stablehlo.add %iterArg, %c_14 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %72, %62, %68, %71 : tensor<ui32>, tensor<2x8x16xf32>, tensor<16x16xf32>, tensor<2x32x16xf32>
+// GOLDEN-NEXT: %61 = "stablehlo.collective_permute"(%iterArg_11) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %62 = stablehlo.add %23, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %63 = stablehlo.remainder %62, %c_17 : tensor<ui32>
+// GOLDEN-NEXT: %64 = stablehlo.multiply %63, %c_16 : tensor<ui32>
+// GOLDEN-NEXT: %65 = stablehlo.dynamic_slice %arg15, %c_15, %64, %c_15, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %66 = stablehlo.dot_general %iterArg_11, %65, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<2x8x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %67 = stablehlo.add %iterArg_12, %66 : tensor<16x16xf32>
+// GOLDEN-NEXT: %68 = stablehlo.dot_general %iterArg_11, %arg14, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %69 = stablehlo.dynamic_update_slice %iterArg_13, %68, %c_15, %64, %c_15 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %70 = stablehlo.add %iterArg, %c_14 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %70, %61, %67, %69 : tensor<ui32>, tensor<2x8x16xf32>, tensor<16x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: %28 = stablehlo.add %23, %c : tensor<ui32>
 // GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_8 : tensor<ui32>
@@ -175,63 +172,62 @@
 // GOLDEN-NEXT: %32 = stablehlo.dot_general %27#1, %31, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<2x8x16xf32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: %33 = stablehlo.add %27#2, %32 : tensor<16x16xf32>
 // GOLDEN-NEXT: %34 = stablehlo.dot_general %27#1, %arg14, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %35 = stablehlo.multiply %29, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %36 = stablehlo.dynamic_update_slice %27#3, %34, %c_6, %35, %c_6 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %37 = stablehlo.transpose %33, dims = [1, 0] : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %38 = "stablehlo.all_reduce"(%37) <{channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 4], [1, 5], [2, 6], [3, 7]]> : tensor<4x2xi64>, use_global_device_ids}> ({
+// GOLDEN-NEXT: %35 = stablehlo.dynamic_update_slice %27#3, %34, %c_6, %30, %c_6 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %36 = stablehlo.transpose %33, dims = [1, 0] : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %37 = "stablehlo.all_reduce"(%36) <{channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 4], [1, 5], [2, 6], [3, 7]]> : tensor<4x2xi64>, use_global_device_ids}> ({
 // GOLDEN-NEXT: ^bb0(%arg16: tensor<f32>, %arg17: tensor<f32>):
-// GOLDEN-NEXT: %62 = stablehlo.add %arg16, %arg17 : tensor<f32>
-// GOLDEN-NEXT: stablehlo.return %62 : tensor<f32>
+// GOLDEN-NEXT: %61 = stablehlo.add %arg16, %arg17 : tensor<f32>
+// GOLDEN-NEXT: stablehlo.return %61 : tensor<f32>
 // GOLDEN-NEXT: }) : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %39 = stablehlo.multiply %arg13, %36 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %40 = stablehlo.multiply %36, %arg12 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %41 = stablehlo.broadcast_in_dim %26, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %42 = stablehlo.multiply %41, %39 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %43 = stablehlo.multiply %42, %arg10 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %44 = stablehlo.multiply %43, %arg9 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %45 = stablehlo.add %43, %44 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %46 = stablehlo.broadcast_in_dim %25, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %47 = stablehlo.multiply %46, %45 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %48 = stablehlo.add %40, %47 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %49 = stablehlo.broadcast_in_dim %24, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %50 = stablehlo.multiply %49, %47 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %51 = stablehlo.multiply %50, %arg6 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %52 = stablehlo.add %48, %51 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %53 = stablehlo.dot_general %52, %arg5, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x16xf32>, tensor<2x32x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %54 = stablehlo.transpose %53, dims = [1, 0] : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %55 = "stablehlo.all_reduce"(%54) <{channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 4], [1, 5], [2, 6], [3, 7]]> : tensor<4x2xi64>, use_global_device_ids}> ({
+// GOLDEN-NEXT: %38 = stablehlo.multiply %arg13, %35 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %39 = stablehlo.multiply %35, %arg12 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %40 = stablehlo.broadcast_in_dim %26, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %41 = stablehlo.multiply %40, %38 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %42 = stablehlo.multiply %41, %arg10 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %43 = stablehlo.multiply %42, %arg9 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %44 = stablehlo.add %42, %43 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %45 = stablehlo.broadcast_in_dim %25, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %46 = stablehlo.multiply %45, %44 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %47 = stablehlo.add %39, %46 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %48 = stablehlo.broadcast_in_dim %24, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %49 = stablehlo.multiply %48, %46 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %50 = stablehlo.multiply %49, %arg6 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %51 = stablehlo.add %47, %50 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %52 = stablehlo.dot_general %51, %arg5, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x16xf32>, tensor<2x32x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %53 = stablehlo.transpose %52, dims = [1, 0] : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %54 = "stablehlo.all_reduce"(%53) <{channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 4], [1, 5], [2, 6], [3, 7]]> : tensor<4x2xi64>, use_global_device_ids}> ({
 // GOLDEN-NEXT: ^bb0(%arg16: tensor<f32>, %arg17: tensor<f32>):
-// GOLDEN-NEXT: %62 = stablehlo.add %arg16, %arg17 : tensor<f32>
-// GOLDEN-NEXT: stablehlo.return %62 : tensor<f32>
+// GOLDEN-NEXT: %61 = stablehlo.add %arg16, %arg17 : tensor<f32>
+// GOLDEN-NEXT: stablehlo.return %61 : tensor<f32>
 // GOLDEN-NEXT: }) : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %56 = stablehlo.add %23, %c_9 : tensor<ui32>
-// GOLDEN-NEXT: %57 = stablehlo.remainder %56, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %58 = stablehlo.multiply %57, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %59 = stablehlo.dynamic_slice %52, %c_6, %58, %c_6, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %60 = stablehlo.dot_general %59, %arg4, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %61:2 = stablehlo.while(%iterArg = %c_6, %iterArg_11 = %60) : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %55 = stablehlo.add %23, %c_9 : tensor<ui32>
+// GOLDEN-NEXT: %56 = stablehlo.remainder %55, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: %57 = stablehlo.multiply %56, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %58 = stablehlo.dynamic_slice %51, %c_6, %57, %c_6, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %59 = stablehlo.dot_general %58, %arg4, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %60:2 = stablehlo.while(%iterArg = %c_6, %iterArg_11 = %59) : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_12 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %62 = stablehlo.compare LT, %iterArg, %c_12, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %62 : tensor<i1>
+// GOLDEN-NEXT: %61 = stablehlo.compare LT, %iterArg, %c_12, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %61 : tensor<i1>
 // GOLDEN-NEXT: } do {
 // GOLDEN-NEXT: %c_12 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_13 = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %c_14 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %c_15 = stablehlo.constant dense<4> : tensor<ui32>
 // GOLDEN-NEXT: %c_16 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %62 = "stablehlo.collective_permute"(%iterArg_11) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %63 = stablehlo.add %iterArg, %c_16 : tensor<ui32>
-// GOLDEN-NEXT: %64 = stablehlo.add %23, %63 : tensor<ui32>
-// GOLDEN-NEXT: %65 = stablehlo.remainder %64, %c_15 : tensor<ui32>
-// GOLDEN-NEXT: %66 = stablehlo.multiply %65, %c_14 : tensor<ui32>
-// GOLDEN-NEXT: %67 = stablehlo.dynamic_slice %52, %c_13, %66, %c_13, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %68 = stablehlo.dot_general %67, %arg4, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %69 = stablehlo.add %62, %68 : tensor<2x8x16xf32>
-// GOLDEN-NEXT: %70 = stablehlo.add %iterArg, %c_12 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %70, %69 : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %61 = "stablehlo.collective_permute"(%iterArg_11) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %62 = stablehlo.add %iterArg, %c_16 : tensor<ui32>
+// GOLDEN-NEXT: %63 = stablehlo.add %23, %62 : tensor<ui32>
+// GOLDEN-NEXT: %64 = stablehlo.remainder %63, %c_15 : tensor<ui32>
+// GOLDEN-NEXT: %65 = stablehlo.multiply %64, %c_14 : tensor<ui32>
+// GOLDEN-NEXT: %66 = stablehlo.dynamic_slice %51, %c_13, %65, %c_13, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %67 = stablehlo.dot_general %66, %arg4, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %68 = stablehlo.add %61, %67 : tensor<2x8x16xf32>
+// GOLDEN-NEXT: %69 = stablehlo.add %iterArg, %c_12 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %69, %68 : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: sdy.return %61#1, %55, %38 : tensor<2x8x16xf32>, tensor<16x16xf32>, tensor<16x16xf32>
+// GOLDEN-NEXT: sdy.return %60#1, %54, %37 : tensor<2x8x16xf32>, tensor<16x16xf32>, tensor<16x16xf32>
 // GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<128x16xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<8xf32>, tensor<8xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<8xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<128x16xf32>, tensor<16x32x16xf32>) -> (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>)
 // GOLDEN-NEXT: return %11, %20#0, %20#1, %20#2 : tensor<f32>, tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: }

@@ -79,13 +79,13 @@ class _Plan:
         if c.role == "contracting":
             width = ir.RankedTensorType(block.type).shape[c.dim]
             other = operands[1 - c.operand_index]
-            operands[1 - c.operand_index] = b.dynamic_slice(other, c.other_dim, b.mul(k, b.index(width)), width)
+            operands[1 - c.operand_index] = b.dynamic_slice(other, c.other_dim, b.scaled(k, width), width)
         partial = self.ctx.annotator.dot(b, c.dot, self.partial_t, operands[0], operands[1], stream)
         dots.append(partial.owner)
         if c.role == "contracting":
             return b.add(acc, partial)
         rows = self.partial_t.shape[c.result_dim]
-        return b.dynamic_update_slice(acc, partial, c.result_dim, b.mul(k, b.index(rows)))
+        return b.dynamic_update_slice(acc, partial, c.result_dim, b.scaled(k, rows))
 
     def finish(self, acc: ir.Value) -> ir.Value:
         return self.compute.convert(acc, self.result_t.element_type)
@@ -119,7 +119,7 @@ def rewrite_all_gather_dot(site: AllGatherSite, ctx: RewriteContext) -> Applied:
 
         new = [plan.update(acc, through(plan.c.path), k, stream, dots) for plan, acc in zip(plans, state)]
         if site.assembles:
-            new.append(comm.dynamic_update_slice(state[-1], held, dim, comm.mul(k, comm.index(shard_rows))))
+            new.append(comm.dynamic_update_slice(state[-1], held, dim, comm.scaled(k, shard_rows)))
         return new
 
     def round_fn(rnd: Round, carried: list[ir.Value]) -> list[ir.Value]:

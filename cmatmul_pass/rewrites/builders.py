@@ -51,13 +51,16 @@ class Builder:
     those (it erases reduce_scatter regions, which it never inserts into).
     """
 
-    def __init__(self, loc: ir.Location, _constants: dict | None = None):
+    def __init__(self, loc: ir.Location, _constants: dict | None = None, _site: dict | None = None):
         self.loc = loc
         self._constants = {} if _constants is None else _constants
+        #: values one site's rounds share (see scaled); never shared across sites, whose
+        #: insertion points need not follow each other in block order
+        self._site = {} if _site is None else _site
 
     def at(self, loc: ir.Location) -> "Builder":
-        """A builder for another location, sharing this one's constants."""
-        return Builder(loc, self._constants)
+        """A builder for another location, sharing this one's constants and site values."""
+        return Builder(loc, self._constants, self._site)
 
     def _cached(self, key: tuple, make: Callable[[], ir.Value]) -> ir.Value:
         block = ir.InsertionPoint.current.block
@@ -92,6 +95,15 @@ class Builder:
 
     def mul(self, a: ir.Value, b: ir.Value) -> ir.Value:
         return hlo.MulOp(a, b, loc=self.loc).result
+
+    def scaled(self, index: ir.Value, factor: int) -> ir.Value:
+        """``index * factor``, built once per (block, index, factor) within one site: the dots
+        of a ring round place their blocks at the same offset.  A site emits its ops in
+        order at one insertion point, so the first one built dominates the later uses."""
+        key = (ir.InsertionPoint.current.block, index, int(factor))
+        if key not in self._site:
+            self._site[key] = self.mul(index, self.index(factor))
+        return self._site[key]
 
     def rem(self, a: ir.Value, b: ir.Value) -> ir.Value:
         return hlo.RemOp(a, b, loc=self.loc).result

@@ -77,7 +77,7 @@ def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> 
         args = list(term.dot.operation.operands)
         sliced = args[term.operand_index]
         width = ir.RankedTensorType(sliced.type).shape[term.operand_dim] // parts
-        offset = compute.mul(block, compute.index(width * (parts // n)))
+        offset = compute.scaled(block, width * (parts // n))
         if half:
             offset = compute.add(offset, compute.index(width))
         args[term.operand_index] = compute.dynamic_slice(sliced, term.operand_dim, offset, width)
