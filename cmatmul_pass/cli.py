@@ -1,6 +1,6 @@
-"""``python -m cmatmul_pass {rewrite,check,explain}``.
+"""``python -m cmatmul_pass {rewrite,check,explain,bench}``.
 
-Exit codes: 0 success; 1 numerics mismatch (``check``); 2 bad input or usage (one
+Exit codes: 0 success; 1 numerics mismatch (``check``, ``bench``); 2 bad input or usage (one
 line on stderr naming the file and location, no traceback, no output file);
 3 internal error (a cmatmul_pass bug: the rewrite did not verify).
 """
@@ -18,6 +18,16 @@ from .errors import CmatmulError, InputError, InternalError
 
 DEFAULT_CPU_DEVICES = 8
 PROG = "cmatmul_pass"
+#: ring variants as ``cost.VARIANTS`` names them, and the ``rewrite`` flags that select each
+VARIANT_FLAGS = {
+    "uni": "",
+    "unroll2": "--unroll 2",
+    "full": "--unroll full",
+    "bidi": "--bidirectional",
+    "bidi-unroll2": "--bidirectional --unroll 2",
+    "bidi-full": "--bidirectional --unroll full",
+}
+VARIANT_NAMES = tuple(VARIANT_FLAGS)
 
 
 def ensure_cpu_devices(count: int = DEFAULT_CPU_DEVICES) -> None:
@@ -34,16 +44,17 @@ def build_parser() -> argparse.ArgumentParser:
     def add_report(p: argparse.ArgumentParser) -> None:
         p.add_argument("--report-json", metavar="PATH", help="write the per-site report as JSON")
 
-    def add_input(p: argparse.ArgumentParser) -> None:
+    def add_input(p: argparse.ArgumentParser, variant_flags: bool = True) -> None:
         p.add_argument("input", help="StableHLO text or bytecode; '-' reads stdin")
         p.add_argument("--quiet", "-q", action="store_true", help="no per-site summary on stderr")
-        p.add_argument("--bidirectional", action="store_true", help="use both ring directions")
-        p.add_argument(
-            "--unroll",
-            default="1",
-            choices=["1", "2", "full"],
-            help="ring rounds per loop trip; 'full': no loop, the whole ring straight-line",
-        )
+        if variant_flags:
+            p.add_argument("--bidirectional", action="store_true", help="use both ring directions")
+            p.add_argument(
+                "--unroll",
+                default="1",
+                choices=["1", "2", "full"],
+                help="ring rounds per loop trip; 'full': no loop, the whole ring straight-line",
+            )
         p.add_argument(
             "--annotate-streams",
             action="store_true",
@@ -83,6 +94,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("explain", help="show every candidate site, the decision and its reason")
     add_input(p)
     p.add_argument("--plot", metavar="PNG", help="draw each site's predicted schedule (Gantt chart) into PNG")
+
+    p = sub.add_parser(
+        "bench", help="time the original and each ring variant on this machine's devices; name the fastest"
+    )
+    add_input(p, variant_flags=False)
+    add_report(p)
+    p.add_argument("--variants", default="all",
+                   help=f"comma-separated variants to time ({', '.join(VARIANT_NAMES)}) or 'all'")
+    p.add_argument("--runs", type=int, default=7, help="timed runs per program (the median is reported)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs before timing")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--platform", default="auto",
+                   help="where to run: a jax platform (cpu, gpu, ...) or 'auto': the default backend when it "
+                        "has a device per partition, else the CPU devices")
     return parser
 
 
@@ -118,19 +143,21 @@ def write_output(path: str, data: str | bytes) -> None:
         raise
 
 
-def _options(args):
-    from .pipeline import Options
+def _options(args, variant: str | None = None):
+    from .pipeline import Options, variant_options
 
-    return Options(
+    common = dict(
         debug_info=getattr(args, "debug_info", False),
         assemble=args.assemble,
-        bidirectional=args.bidirectional,
-        unroll="full" if args.unroll == "full" else int(args.unroll),
         annotate_streams=args.annotate_streams,
         policy=args.policy,
         hardware=args.hardware,
         min_bytes=args.min_bytes,
     )
+    if variant is not None:
+        return variant_options(variant, **common)
+    return Options(bidirectional=args.bidirectional, unroll="full" if args.unroll == "full" else int(args.unroll),
+                   **common)
 
 
 def render_with_args(text: str, argv: list[str], source: str = "<input>") -> str:
@@ -229,7 +256,79 @@ def cmd_explain(args) -> int:
     return 0
 
 
-COMMANDS = {"rewrite": cmd_rewrite, "check": cmd_check, "explain": cmd_explain}
+def _bench_devices(platform: str, count: int) -> list:
+    import jax
+
+    from .execute import cpu_devices
+
+    if platform == "auto":
+        devices = jax.devices()
+        return devices[:count] if len(devices) >= count else cpu_devices(count)
+    try:
+        devices = jax.devices(platform)
+    except RuntimeError as exc:
+        raise CmatmulError(f"--platform {platform}: {' '.join(str(exc).split())[:200]}") from None
+    if len(devices) < count:
+        raise CmatmulError(f"the module has {count} partitions but {platform} has {len(devices)} device(s)")
+    return devices[:count]
+
+
+def cmd_bench(args) -> int:
+    """Time the original and each variant's rewrite on the same inputs; a variant is timed only
+    after its outputs matched the original's (a mismatch: exit 1, nothing timed after it)."""
+    from . import ir_utils
+    from .execute import Program, Reference, median_seconds
+    from .pipeline import rewrite
+
+    if args.runs < 1 or args.warmup < 0:
+        raise CmatmulError("--runs must be at least 1 and --warmup at least 0")
+    names = VARIANT_NAMES if args.variants == "all" else tuple(v.strip() for v in args.variants.split(","))
+    unknown = [v for v in names if v not in VARIANT_FLAGS]
+    if unknown:
+        raise CmatmulError(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANT_NAMES)}")
+    data, source = read_input(args.input)
+    original = ir_utils.parse(data, source=source)
+    n = ir_utils.int_attr(original.operation, "mhlo.num_partitions") or 1
+    devices = _bench_devices(args.platform, n)
+    reference = Reference.of(original, seed=args.seed, devices=devices)
+    base = median_seconds(Program(original, reference.inputs, devices), args.runs, args.warmup)
+    where = f"{n} partition(s) on {len(devices)} {devices[0].platform} device(s)"
+    print(f"{source}: {where}; median of {args.runs} run(s) after {args.warmup} warm-up(s)")
+    print(f"  {'variant':<13} {'sites':>7} {'time (ms)':>11} {'/ original':>11}")
+    print(f"  {'original':<13} {'-':>7} {1e3 * base:>11.3f} {1.0:>11.2f}")
+    rows = {}
+    for name in names:
+        result = rewrite(data, _options(args, name), source=source)
+        sites = f"{len(result.report.rewritten)}/{len(result.report.sites)}"
+        numerics = reference.check(result.module)
+        row = {"flags": VARIANT_FLAGS[name], "rewritten": len(result.report.rewritten),
+               "sites": len(result.report.sites), "numerics": numerics.to_dict()}
+        rows[name] = row
+        if not numerics.ok:
+            print(f"  {name:<13} {sites:>7}  numerics MISMATCH: not timed")
+            print(numerics.format())
+            break
+        row["seconds"] = median_seconds(Program(result.module, reference.inputs, devices), args.runs, args.warmup)
+        row["over_original"] = row["seconds"] / base
+        print(f"  {name:<13} {sites:>7} {1e3 * row['seconds']:>11.3f} {row['over_original']:>11.2f}")
+    timed = {name: row for name, row in rows.items() if "seconds" in row}
+    fastest = min(timed, key=lambda name: timed[name]["seconds"]) if len(timed) == len(names) else None
+    if fastest is not None:
+        flags = f" {VARIANT_FLAGS[fastest]}" if VARIANT_FLAGS[fastest] else ""
+        ratio = timed[fastest]["over_original"]
+        if ratio < 1:
+            print(f"fastest: {fastest}, {ratio:.2f}x the original's time: {PROG} rewrite {args.input}{flags}")
+        else:
+            print(f"fastest variant: {fastest}, {ratio:.2f}x the original's time; the original is faster on these devices")
+    if args.report_json:
+        report = {"source": source, "devices": where, "runs": args.runs, "warmup": args.warmup,
+                  "original_s": base, "variants": rows, "fastest": fastest,
+                  "original_is_fastest": fastest is not None and timed[fastest]["over_original"] >= 1}
+        write_output(args.report_json, json.dumps(report, indent=2) + "\n")
+    return 0 if fastest is not None else 1
+
+
+COMMANDS = {"rewrite": cmd_rewrite, "check": cmd_check, "explain": cmd_explain, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,9 @@ rewrite that is right on one device and wrong on another cannot hide.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import statistics
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import ml_dtypes
@@ -138,20 +140,50 @@ def cpu_devices(count: int) -> list:
     return devices[:count]
 
 
+class Program:
+    """``module`` compiled for ``len(devices)`` partitions, with ``inputs`` placed on the devices
+    as the program's parameter shardings say: ready to run any number of times."""
+
+    def __init__(self, module: ir.Module, inputs: Sequence[np.ndarray], devices: Sequence):
+        import jax
+
+        try:
+            self.executable = compile_module(module, len(devices), devices)
+        except Exception as exc:  # XLA raises its own runtime error types
+            raise ExecutionError(f"XLA could not compile the module: {' '.join(str(exc).split())[:500]}") from exc
+        shardings = self.executable.get_parameter_shardings()
+        if len(shardings) != len(inputs):
+            raise ExecutionError(f"the program takes {len(shardings)} parameters, got {len(inputs)} inputs")
+        self.args = [jax.device_put(x, sharding_for_devices(devices, s)) for x, s in zip(inputs, shardings)]
+
+    def __call__(self) -> list[list]:
+        """Run once and wait for it: per output, per device, a shard (device arrays)."""
+        outputs = self.executable.execute_sharded(self.args).disassemble_into_single_device_arrays()
+        for shards in outputs:
+            for shard in shards:
+                shard.block_until_ready()
+        return outputs
+
+    def outputs(self) -> list[list[np.ndarray]]:
+        return [[np.asarray(shard) for shard in per_output] for per_output in self()]
+
+
 def run(module: ir.Module, inputs: Sequence[np.ndarray], devices: Sequence) -> list[list[np.ndarray]]:
     """Compile ``module`` for ``len(devices)`` partitions and run it: per output, per device, a shard."""
-    import jax
+    return Program(module, inputs, devices).outputs()
 
-    try:
-        executable = compile_module(module, len(devices), devices)
-    except Exception as exc:  # XLA raises its own runtime error types
-        raise ExecutionError(f"XLA could not compile the module: {' '.join(str(exc).split())[:500]}") from exc
-    shardings = executable.get_parameter_shardings()
-    if len(shardings) != len(inputs):
-        raise ExecutionError(f"the program takes {len(shardings)} parameters, got {len(inputs)} inputs")
-    args = [jax.device_put(x, sharding_for_devices(devices, s)) for x, s in zip(inputs, shardings)]
-    results = executable.execute_sharded(args)
-    return [[np.asarray(shard) for shard in per_output] for per_output in results.disassemble_into_single_device_arrays()]
+
+def median_seconds(run_once: Callable[[], object], runs: int, warmup: int = 1) -> float:
+    """Median wall time of ``runs`` calls of ``run_once`` (which must wait for its results),
+    after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        run_once()
+    samples = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        run_once()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
 
 
 def compare(index: int, expected: list[np.ndarray], actual: list[np.ndarray]) -> OutputComparison:

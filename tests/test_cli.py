@@ -185,3 +185,48 @@ def test_no_assemble_flag_declines_shared_gathers(tmp_path, capsys):
     assert site["reason_code"] == "multiple_users"
     assert run_cli("explain", sample("ag_dot_assembled")) == 0
     assert "assembles the gathered value for: stablehlo.tanh" in capsys.readouterr().out
+
+
+def test_bench_times_every_variant_and_names_the_fastest(tmp_path, capsys):
+    from cmatmul_pass import cost
+    from cmatmul_pass.cli import VARIANT_FLAGS, _options, build_parser
+    from cmatmul_pass.pipeline import variant_options
+
+    # the flags bench prints for a variant select exactly that variant in `rewrite`
+    assert set(VARIANT_FLAGS) == set(cost.VARIANTS)
+    for name, flags in VARIANT_FLAGS.items():
+        args = build_parser().parse_args(["rewrite", *flags.split(), "-"])
+        assert _options(args) == variant_options(name)
+    report = tmp_path / "bench.json"
+    assert run_cli("bench", POS, "--runs", "2", "--variants", "uni,bidi-full", "--report-json", report) == 0
+    out = capsys.readouterr().out
+    assert "8 partition(s) on 8 cpu device(s)" in out and "original" in out
+    data = json.loads(report.read_text())
+    assert list(data["variants"]) == ["uni", "bidi-full"]
+    for row in data["variants"].values():
+        assert row["rewritten"] == row["sites"] == 1 and row["numerics"]["ok"]
+        assert row["over_original"] == row["seconds"] / data["original_s"]
+    fastest = min(data["variants"], key=lambda v: data["variants"][v]["seconds"])
+    assert data["fastest"] == fastest and f"{fastest}, " in out
+    assert data["original_is_fastest"] == (data["variants"][fastest]["over_original"] >= 1)
+
+
+def test_bench_never_times_a_wrong_rewrite(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(all_gather_dot, "RECEIVE_FROM_NEXT", +1)
+    report = tmp_path / "bench.json"
+    assert run_cli("bench", POS, "--runs", "1", "--variants", "uni,full", "-q", "--report-json", report) == 1
+    out = capsys.readouterr().out
+    assert "numerics MISMATCH: not timed" in out and "fastest" not in out
+    data = json.loads(report.read_text())
+    assert list(data["variants"]) == ["uni"] and "seconds" not in data["variants"]["uni"]
+    assert data["fastest"] is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--variants", "uni,sideways"], "unknown variant(s) sideways"),
+    (["--runs", "0"], "--runs must be at least 1"),
+    (["--platform", "tpu"], "--platform tpu"),
+])
+def test_bench_usage_errors_exit_2(argv, message, capsys):
+    assert run_cli("bench", POS, *argv) == 2
+    assert message in capsys.readouterr().err

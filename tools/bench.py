@@ -39,8 +39,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import cmatmul_pass  # noqa: E402
 from cmatmul_pass import cost, execute, ir_utils  # noqa: E402
+from cmatmul_pass.execute import median_seconds  # noqa: E402
 from cmatmul_pass.pipeline import variant_options  # noqa: E402
-from cmatmul_pass._jax_private import compile_module, sharding_for_devices  # noqa: E402
+from cmatmul_pass._jax_private import compile_module  # noqa: E402
 from tools.golden import expectation, sample_paths  # noqa: E402
 
 VARIANTS = {name: variant_options(name) for name in cost.VARIANTS}
@@ -190,29 +191,6 @@ def pass_cost(layers_list: list[int], variant_layers: int, repeats: int = 3) -> 
 
 
 # ---------------------------------------------------------------------------- 2. CPU run time
-def median_seconds(run, runs: int) -> float:
-    run()  # warm-up
-    samples = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
-def module_runner(module, inputs, devices):
-    executable = compile_module(module, len(devices), devices)
-    shardings = executable.get_parameter_shardings()
-    args = [jax.device_put(x, sharding_for_devices(devices, s)) for x, s in zip(inputs, shardings)]
-
-    def run():
-        for out in executable.execute_sharded(args).disassemble_into_single_device_arrays():
-            for shard in out:
-                shard.block_until_ready()
-
-    return run
-
-
 def samples_runtime(runs: int, only: list[str] | None = None) -> dict:
     results = {}
     for path in sample_paths(ROOT):
@@ -223,9 +201,9 @@ def samples_runtime(runs: int, only: list[str] | None = None) -> dict:
         n = ir_utils.int_attr(original.operation, "mhlo.num_partitions")
         devices = jax.devices("cpu")[:n]
         inputs = execute.random_inputs(original, 0)
-        base = median_seconds(module_runner(original, inputs, devices), runs)
+        base = median_seconds(execute.Program(original, inputs, devices), runs)
         results[path.stem] = {
-            name: median_seconds(module_runner(cmatmul_pass.rewrite(text, options).module, inputs, devices), runs) / base
+            name: median_seconds(execute.Program(cmatmul_pass.rewrite(text, options).module, inputs, devices), runs) / base
             for name, options in VARIANTS.items()
         }
         row = results[path.stem]
