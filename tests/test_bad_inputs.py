@@ -39,11 +39,13 @@ def assert_one_line_error(err: str, name: str, case: dict) -> None:
 
 
 @pytest.mark.parametrize("name", ERRORS)
-@pytest.mark.parametrize("command", ["rewrite", "explain"])
+@pytest.mark.parametrize("command", ["rewrite", "explain", "check", "bench"])
 def test_bad_input_exits_2_with_one_line(name, command, tmp_path, capsys):
     out = tmp_path / "out.mlir"
     out.write_text("an existing output\n")
-    args = [command, CORPUS / name] + (["-o", out, "--report-json", tmp_path / "r.json"] if command == "rewrite" else [])
+    args = [command, CORPUS / name] + (["-o", out] if command == "rewrite" else [])
+    if command != "explain":
+        args += ["--report-json", tmp_path / "r.json"]
     assert run_cli(*args) == 2
     captured = capsys.readouterr()
     assert_one_line_error(captured.err, name, MANIFEST[name])
