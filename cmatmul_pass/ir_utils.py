@@ -111,7 +111,8 @@ def walk(op: ir.Operation | ir.OpView) -> list[ir.OpView]:
 
 
 def ops_named(op: ir.Operation | ir.OpView, *names: str) -> dict[str, list[ir.OpView]]:
-    """The operations nested in ``op`` with each of ``names``, in pre-order: one walk for all."""
+    """The operations of ``op``'s tree (``op`` included) with each of ``names``, in pre-order:
+    one walk for all."""
     found: dict[str, list[ir.OpView]] = {name: [] for name in names}
 
     def visit(child: ir.Operation) -> ir.WalkResult:
