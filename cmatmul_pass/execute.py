@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import ml_dtypes
 import numpy as np
@@ -223,6 +223,8 @@ class Reference:
     expected: list
     devices: list
     num_partitions: int
+    #: the compiled original, with its inputs placed (to run it again, e.g. to time it)
+    program: Program | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, original: ir.Module, *, seed: int = 0, devices: Sequence | None = None) -> "Reference":
@@ -231,10 +233,13 @@ class Reference:
         if len(devices) != num_partitions:
             raise ExecutionError(f"the module has {num_partitions} partitions but {len(devices)} devices were given")
         inputs = random_inputs(original, seed)
-        return cls(inputs, run(original, inputs, devices), devices, num_partitions)
+        program = Program(original, inputs, devices)
+        return cls(inputs, program.outputs(), devices, num_partitions, program)
 
-    def check(self, rewritten: ir.Module) -> CheckResult:
-        actual = run(rewritten, self.inputs, self.devices)
+    def check(self, rewritten: ir.Module | Program) -> CheckResult:
+        """Compare ``rewritten`` (a module, or one already compiled on these inputs) with the original."""
+        program = rewritten if isinstance(rewritten, Program) else Program(rewritten, self.inputs, self.devices)
+        actual = program.outputs()
         if len(self.expected) != len(actual):
             raise ExecutionError(f"original has {len(self.expected)} outputs, rewritten {len(actual)}")
         outputs = tuple(compare(i, e, a) for i, (e, a) in enumerate(zip(self.expected, actual)))
