@@ -72,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
             action="store_false",
             help="decline an all_gather whose value other ops also read, instead of assembling it in the loop",
         )
+        p.add_argument(
+            "--no-share-rings",
+            dest="share_rings",
+            action="store_false",
+            help="give every site its own ring, even where it repeats an earlier site's pattern "
+                 "(by default such sites call one shared ring function)",
+        )
 
     p = sub.add_parser("rewrite", help="rewrite a module")
     add_input(p)
@@ -150,6 +157,7 @@ def _options(args, variant: str | None = None):
         debug_info=getattr(args, "debug_info", False),
         assemble=args.assemble,
         annotate_streams=args.annotate_streams,
+        share_rings=args.share_rings,
         policy=args.policy,
         hardware=args.hardware,
         min_bytes=args.min_bytes,
@@ -229,6 +237,8 @@ def cmd_explain(args) -> int:
                 f"({sched['loop_trips']} loop trips x {sched['rounds_per_trip']} + {sched['peeled_rounds']} peeled), "
                 f"{sched['permutes']} permutes per device{', streams annotated' if sched['streams_annotated'] else ''}"
             )
+            if site.shared_ring:
+                print(f"  shared: repeats an earlier site's pattern; calls the ring function {site.shared_ring}")
             for note in site.notes:
                 print(f"  note: {note}")
             for dot in site.consumers:

@@ -37,6 +37,7 @@ def jit(
     bidirectional: bool = False,
     unroll: int | str = 1,
     annotate_streams: bool = False,
+    share_rings: bool = True,
     assemble: bool = True,
     policy: str = "all",
     hardware: str = "h100",
@@ -52,7 +53,8 @@ def jit(
     rewritten sites and the outputs that differ) beyond the dtype's tolerance.
     """
     options = Options(
-        bidirectional=bidirectional, unroll=unroll, annotate_streams=annotate_streams, assemble=assemble,
+        bidirectional=bidirectional, unroll=unroll, annotate_streams=annotate_streams, share_rings=share_rings,
+        assemble=assemble,
         policy=policy, hardware=hardware, min_bytes=min_bytes,
     )
     if fun is None:

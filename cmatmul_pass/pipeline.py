@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 from dataclasses import dataclass, field
@@ -21,7 +22,8 @@ from .matchers import (
 from .report import Report, SiteReport, describe_shard, tensor_bytes
 from .rewrites.all_gather_dot import rewrite_all_gather_dot
 from .rewrites.dot_reduce_scatter import halves_blocker, rewrite_dot_reduce_scatter
-from .rewrites.schedule import Annotator, RewriteContext
+from .rewrites.schedule import Annotator, Applied, RewriteContext
+from .sharing import RingLibrary
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,9 @@ class Options:
     ``annotate_streams``: outline each round's dots onto compute streams
     (``_xla_stream_annotation``) and group each permute with the dots it overlaps
     (``_scheduling_group_id``); XLA GPU honours them, CPU ignores them.
+    ``share_rings``: a site repeating an earlier site's pattern calls one shared ring
+    function instead of getting its own ring (:mod:`cmatmul_pass.sharing`); off while
+    annotating streams.
     ``policy``: ``"all"`` rewrites every legal site; ``"auto"`` only those whose
     predicted speed-up on ``hardware`` (a :mod:`cmatmul_pass.cost` profile, e.g.
     ``"h100"`` or ``"h100:bandwidth=400e9"``) exceeds ``1 + margin``.  ``min_bytes``:
@@ -51,6 +56,7 @@ class Options:
     bidirectional: bool = False
     unroll: int | str = 1
     annotate_streams: bool = False
+    share_rings: bool = True
     policy: str = "all"
     hardware: str = "h100"
     min_bytes: int = 0
@@ -101,18 +107,14 @@ class RewriteResult:
 
 
 class ChannelAllocator:
-    """Fresh channel handles, above every handle already in the module."""
+    """Fresh channel handles, above every handle already in the module (``users``: its ops
+    carrying a ``channel_handle``, when the caller has walked it already)."""
 
-    def __init__(self, module: ir.Module):
-        highest = [0]
-
-        def visit(op: ir.Operation) -> ir.WalkResult:
-            if "channel_handle" in op.attributes:
-                highest[0] = max(highest[0], hlo.ChannelHandle(op.attributes["channel_handle"]).handle)
-            return ir.WalkResult.ADVANCE
-
-        module.operation.walk(visit)
-        self._next = highest[0] + 1
+    def __init__(self, module: ir.Module, users: list[ir.OpView] | None = None):
+        if users is None:
+            users = ir_utils.ops_named(module, having=("channel_handle",))["channel_handle"]
+        handles = [hlo.ChannelHandle(op.operation.attributes["channel_handle"]).handle for op in users]
+        self._next = max(handles, default=0) + 1
 
     def take(self) -> int:
         handle = self._next
@@ -164,10 +166,12 @@ def rewrite(
 def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool) -> RewriteResult:
     # Unknown is only the default for type construction; every op gets an explicit loc.
     with module.context, ir.Location.unknown():
-        found = ir_utils.ops_named(module, "stablehlo.reduce_scatter", "stablehlo.all_gather", "func.call")
+        found = ir_utils.ops_named(
+            module, "stablehlo.reduce_scatter", "stablehlo.all_gather", "func.call", having=("channel_handle",)
+        )
         info = ModuleInfo.of(module, found["func.call"])
         report = Report(source, info.num_partitions)
-        channels = ChannelAllocator(module)
+        channels = ChannelAllocator(module, found["channel_handle"])
         hw = cost.hardware(options.hardware)
         ctx = RewriteContext(
             channels.take,
@@ -177,16 +181,25 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
         )
         verify = module if verify_each else None
         predictions: dict = {}  # SiteShape -> (Prediction, its report entry)
+        rings = RingLibrary(module) if options.share_rings and not options.annotate_streams else None
+
+        def rematch(op: ir.OpView) -> Site:  # a site's copy, in its ring function
+            if op.operation.name == "stablehlo.reduce_scatter":
+                return match_reduce_scatter(op, info)
+            return match_all_gather(op, info, assemble=options.assemble)
+
+        def apply(site: Site) -> SiteReport:
+            return _apply(site, verify, ctx, source, options, hw, predictions, rings and (rings, rematch))
+
         # Scatters first: a dot between an all_gather and a reduce_scatter becomes the
         # scatter ring's peeled dot, which the gather's ring then computes (and the
         # loop reads the gathered value the gather's ring assembles).  Each collective
         # is matched against the IR as the earlier rewrites left it.
         # (the scatter rewrites erase reduce_scatters and dots, never an all_gather)
         for op in found["stablehlo.reduce_scatter"]:
-            report.sites.append(_apply(match_reduce_scatter(op, info), verify, ctx, source, options, hw, predictions))
+            report.sites.append(apply(match_reduce_scatter(op, info)))
         for op in found["stablehlo.all_gather"]:
-            site = match_all_gather(op, info, assemble=options.assemble)
-            report.sites.append(_apply(site, verify, ctx, source, options, hw, predictions))
+            report.sites.append(apply(match_all_gather(op, info, assemble=options.assemble)))
         if report.rewritten:
             ctx.annotator.finish()
             _verify(module, None)
@@ -195,36 +208,48 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
 
 def _apply(
     site: Site, module: ir.Module | None, ctx: RewriteContext, source: str, options: Options, hw: cost.Hardware,
-    predictions: dict,
+    predictions: dict, sharing: tuple | None = None,
 ) -> SiteReport:
-    """Rewrite one site (``module``: verify it afterwards; None: the caller verifies at the end)."""
+    """Rewrite one site (``module``: verify it afterwards; None: the caller verifies at the end).
+
+    ``sharing``: (RingLibrary, re-matcher) when sites of one pattern may share a ring function.
+    """
     entry = _describe(site, source)
     if isinstance(site, DeclinedSite):
         return entry
-    shape = site_shape(site)
-    if shape not in predictions:  # the layers of a model repeat their sites' shapes
-        prediction = cost.predict(shape, hw, options.bidirectional, options.rounds_per_trip)
-        predictions[shape] = prediction, {**prediction.to_dict(), "site": shape.to_dict()}
-    prediction, described = predictions[shape]
+    rings, rematch = sharing or (None, None)
+    with _bug_of(entry):
+        pattern = rings.pattern(site) if rings else None
+    # the layers of a model repeat their sites: predict once per pattern, or per site shape
+    cached = predictions.get(pattern.key) if pattern else None
+    if cached is None:
+        shape = site_shape(site)
+        cached = predictions.get(shape)
+        if cached is None:
+            prediction = cost.predict(shape, hw, options.bidirectional, options.rounds_per_trip)
+            cached = predictions[shape] = shape, prediction, {**prediction.to_dict(), "site": shape.to_dict()}
+        if pattern:
+            predictions[pattern.key] = cached
+    shape, prediction, described = cached
     entry.cost = {k: dict(v) if isinstance(v, dict) else v for k, v in described.items()}  # each entry its own
     declined = _policy(options, shape, prediction)
     if declined:
         entry.reason_code, entry.reason = declined
         return entry
-    try:
+
+    def build(site: Site) -> Applied:
         if isinstance(site, ReduceScatterSite):
-            applied = rewrite_dot_reduce_scatter(site, ctx)
-        else:
-            applied = rewrite_all_gather_dot(site, ctx)
-    except Exception as exc:  # noqa: BLE001 - any failure while building is a bug of the pass
-        raise InternalError(
-            f"rewriting the {entry.kind} site at {entry.location} failed (a cmatmul_pass bug): "
-            f"{type(exc).__name__}: {' '.join(str(exc).split())}"
-        ) from exc
+            return rewrite_dot_reduce_scatter(site, ctx)
+        return rewrite_all_gather_dot(site, ctx)
+
+    with _bug_of(entry):
+        shared = rings.share(site, pattern, rematch, build) if pattern else None
+        applied = shared.applied if shared else build(site)
     if module is not None:
         _verify(module, entry)
     entry.rewritten = True
-    entry.channel_handles = applied.channel_handles
+    entry.shared_ring = f"@{shared.name}" if shared else None
+    entry.channel_handles = list(applied.channel_handles)
     entry.schedule = {
         "directions": applied.directions,
         "rounds": applied.stats.rounds,
@@ -236,6 +261,18 @@ def _apply(
     }
     entry.notes = applied.notes
     return entry
+
+
+@contextlib.contextmanager
+def _bug_of(entry: SiteReport):
+    """Any failure while rewriting a site is a bug of the pass: say which site."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001
+        raise InternalError(
+            f"rewriting the {entry.kind} site at {entry.location} failed (a cmatmul_pass bug): "
+            f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+        ) from exc
 
 
 def _describe(site: Site, source: str) -> SiteReport:

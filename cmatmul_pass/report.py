@@ -27,6 +27,9 @@ class SiteReport:
     bytes_per_step: int | None = None  # one shard, as one permute moves it
     bytes_moved: int | None = None  # per device, over the whole ring
     channel_handles: list[int] = field(default_factory=list)
+    # the private function holding this site's ring when it repeats an earlier site's
+    # pattern (the site became a func.call of it; see cmatmul_pass.sharing)
+    shared_ring: str | None = None
     # the dots the ring computes: {location, operand, dim_role, look_through: [layout op names]}
     consumers: list[dict] = field(default_factory=list)
     # readers of the gathered value outside the ring, fed by the copy the loop assembles
@@ -44,9 +47,10 @@ class SiteReport:
         if self.rewritten:
             dots = f", {len(self.consumers)} dots" if len(self.consumers) > 1 else ""
             kept = f", assembles the gathered value for {len(self.assembled_for)} other reader(s)" if self.assembled_for else ""
+            shared = f", calls the shared ring {self.shared_ring}" if self.shared_ring else ""
             return (
                 f"{self.location}: {self.kind}: rewritten{ring} "
-                f"({self.operand} operand, {self.dim_role} dim {self.collective_dim}{dots}{kept})"
+                f"({self.operand} operand, {self.dim_role} dim {self.collective_dim}{dots}{kept}{shared})"
             )
         return f"{self.location}: {self.kind}: left unchanged{ring}: {self.reason} [{self.reason_code}]"
 

@@ -50,6 +50,7 @@ class Spec:
     reader: bool
     partial_manual: bool
     sizes: tuple[int, int, int, int]  # local m, k, n, b
+    repeat: int = 1  # the shard_map called this many times (later calls repeat the sites' patterns)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -101,6 +102,7 @@ def specs(draw) -> Spec:
         reader=kind == "ag" and draw(st.booleans()),
         partial_manual=len(mesh_shape) > len(axes) and draw(st.booleans()),
         sizes=tuple(draw(st.sampled_from([1, 2, 3, 4])) for _ in range(4)),
+        repeat=draw(st.sampled_from([1, 1, 2, 3])),
     )
 
 
@@ -211,6 +213,12 @@ def lower(spec: Spec) -> str:
     f = jax.shard_map(body, mesh=mesh, in_specs=tuple(s for _, s in args), out_specs=out_specs, check_vma=False, **kwargs)
     dtype = DTYPES[spec.dtype]
     structs = [jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=NamedSharding(mesh, s)) for shape, s in args]
+    if spec.repeat > 1:
+        single = f
+
+        def f(*operands):
+            return [single(*operands) for _ in range(spec.repeat)]
+
     return jax.jit(f).lower(*structs).as_text()
 
 
@@ -220,6 +228,7 @@ class Tally:
     programs: int = 0
     runs: int = 0
     sites_rewritten: int = 0
+    sites_shared: int = 0  # rewritten sites that call a shared ring function
     declined: Counter = field(default_factory=Counter)
     mismatches: list = field(default_factory=list)
     crashes: list = field(default_factory=list)
@@ -227,7 +236,8 @@ class Tally:
     def summary(self) -> str:
         reasons = ", ".join(f"{code} {count}" for code, count in sorted(self.declined.items())) or "none"
         return (
-            f"programs {self.programs}, variant runs {self.runs}, sites rewritten {self.sites_rewritten}, "
+            f"programs {self.programs}, variant runs {self.runs}, sites rewritten {self.sites_rewritten} "
+            f"({self.sites_shared} calling a shared ring), "
             f"sites declined by reason: {reasons}; mismatches {len(self.mismatches)}, crashes {len(self.crashes)}"
         )
 
@@ -269,6 +279,7 @@ def check(spec: Spec, tally: Tally | None = None, variants=VARIANTS) -> Tally:
             tally.crashes.append((spec, name, f"{type(exc).__name__}: {exc}"))
             continue
         tally.sites_rewritten += len(result.report.rewritten)
+        tally.sites_shared += sum(1 for s in result.report.rewritten if s.shared_ring)
         tally.declined.update(s.reason_code for s in result.report.declined)
         if not outcome.ok:
             tally.mismatches.append((spec, name, outcome.format()))

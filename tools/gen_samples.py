@@ -601,6 +601,20 @@ def sp_mlp_grad() -> str:
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*sp_mlp_args(mesh)).as_text()
 
 
+def sp_mlp_layers() -> str:
+    """Three SP MLP blocks with the same shapes, one after another: the repeated layers of a model."""
+    mesh = mesh_2x4()
+    f = sp_mlp_fn(mesh)
+    x, w1, w2 = sp_mlp_args(mesh)
+
+    def layers(x, *weights):
+        for i in range(0, len(weights), 2):
+            x = f(x, weights[i], weights[i + 1])
+        return x
+
+    return lower(layers, x, w1, w2, w1, w2, w1, w2)
+
+
 # ---------------------------------------------------------------- negative samples
 def batch_dim() -> str:
     mesh = mesh_2x4()
@@ -938,6 +952,18 @@ SAMPLES_LIST = [
            sp_mlp, "rewritten 2", gone("all_gather", "reduce_scatter")),
     Sample("sp_mlp_grad", "value_and_grad of the SP MLP: forward and backward gathers and scatters, all rewritten.",
            sp_mlp_grad, "rewritten 4", gone("all_gather", "reduce_scatter") + ["CHECK: stablehlo.all_reduce"]),
+    Sample("sp_mlp_layers", "three SP MLP blocks of one shape: the first block's rings inline, the later blocks "
+           "call one shared ring function per pattern.",
+           sp_mlp_layers, "rewritten 6",
+           gone("all_gather", "reduce_scatter")
+           + ["CHECK: stablehlo.while", "CHECK: stablehlo.while",
+              "CHECK: call @cmatmul_ring_1(", "CHECK: call @cmatmul_ring_0(",
+              "CHECK: call @cmatmul_ring_1(", "CHECK: call @cmatmul_ring_0(",
+              "CHECK: func.func private @cmatmul_ring_0(", "CHECK: stablehlo.while",
+              "CHECK: stablehlo.collective_permute", "CHECK: func.func private @cmatmul_ring_1(",
+              "CHECK: stablehlo.while", "CHECK: stablehlo.collective_permute"],
+           [Variant("OWN", ["--no-share-rings"], ["CHECK-NOT: call @cmatmul_ring"]),
+            Variant("STREAMS", STREAMS, ["CHECK-NOT: call @cmatmul_ring"])]),
     # ---- declined
     Sample("neg_both_operands_transposed", "g @ transpose(g): the gathered value reaches both dot operands.",
            both_operands_transposed, "unchanged both_operands", NEG),

@@ -30,6 +30,8 @@ class ModuleInfo:
     partial_manual_funcs: frozenset[str]
     #: manual_computation op -> (its manual axes, its mesh name): read once per region, not per site
     regions: dict = field(default_factory=dict, compare=False, repr=False)
+    #: replica_groups attribute -> its Ring, or the Decline it raised: built once per distinct groups
+    rings: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, module: ir.Module, calls: list[ir.OpView] | None = None) -> "ModuleInfo":
@@ -103,7 +105,16 @@ def collective_ring(op: ir.OpView, info: ModuleInfo) -> tuple[Ring, ManualRegion
             f"{op.operation.name} has {len(op.operation.operands)} operands; only single-operand collectives are rewritten",
         )
     check_partition_mode(op, info)
-    ring = ring_from_replica_groups(ir_utils.dense_ints(op.attributes["replica_groups"]), info.num_partitions)
+    groups = op.attributes["replica_groups"]
+    ring = info.rings.get(groups)
+    if ring is None:
+        try:
+            ring = ring_from_replica_groups(ir_utils.dense_ints(groups), info.num_partitions)
+        except Decline as declined:
+            ring = declined
+        info.rings[groups] = ring
+    if isinstance(ring, Decline):
+        raise Decline(ring.code, ring.message)
     return ring, manual_region(op, info, ring)
 
 

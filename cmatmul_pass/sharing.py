@@ -1,0 +1,293 @@
+"""Sites that repeat one pattern share one ring function.
+
+A model's layers repeat the same projections: at 32 transformer layers the pass meets
+about 250 sites but only a handful of distinct ones.  The first site of each pattern
+gets its ring inline, as ever.  A later site whose pattern is the same (the same ops
+with the same attributes and types, wired to each other and to outside values the same
+way, with the same results read outside) is replaced by a ``func.call`` of a private
+function ``@cmatmul_ring_<k>`` that holds the pattern's ring: built once, from the
+second site, and called by every later one.  That is the form JAX gives a nested
+``jax.jit`` called from several places; XLA inlines calls before optimising, so the
+compiled program is the one the inline rings give, and the pass builds (and prints) a
+few rings instead of hundreds.
+
+The function is made the plain way: the site's ops are cloned into it (their operands
+become its arguments, the results read outside its results), and the ordinary matcher
+and rewrite run there.  Sharing is therefore exactly as safe as the pattern's key is
+complete: ops, attributes, operand and result types (Attribute and Type objects are
+uniqued by MLIR, so equal means identical), the wiring, nested regions, and which
+results leave the pattern.
+
+A site keeps its own ring (no call) when the call could not stand where the ring
+would: outside a Shardy fully-manual region (a partial-manual ring reads its position
+through a nested ``sdy.manual_computation``; the legacy partitioner sees only what
+``@shmap_body`` holds), a scatter whose dot reads an all_gather (that gather's ring
+takes the scatter's peeled dot), an operand defined after the insertion point, or a
+result read before it.  Stream annotation turns sharing off: every site's permutes
+need their own scheduling groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ._jax_private import func, ir
+from .layout import is_layout_op
+from .matchers import FULLY_MANUAL, AllGatherSite, ReduceScatterSite, Site
+from .rewrites.schedule import Applied
+
+FUNCTION_PREFIX = "cmatmul_ring_"
+
+
+@dataclass(eq=False)
+class Pattern:
+    """One site's ops as a unit a call can replace."""
+
+    ops: list[ir.Operation]  # block order
+    inputs: list[ir.Value]  # outside values the ops read, in first-use order
+    outputs: list[ir.Value]  # results of the ops read outside them
+    key: tuple
+    insert_before: ir.Operation
+    anchor: ir.OpView
+
+
+@dataclass(frozen=True)
+class SharedRing:
+    """A ring function and what building its ring reported."""
+
+    name: str
+    applied: Applied
+
+
+_FIRST = "first"  # seen once: that site's ring stays inline
+_UNSHAREABLE = "unshareable"  # the function's re-match differed from the site's: keep rings inline
+
+
+class RingLibrary:
+    """The ring functions of one pass run, by pattern key."""
+
+    def __init__(self, module: ir.Module):
+        self.module = module
+        self._by_key: dict[tuple, object] = {}
+        self._names: set[str] | None = None
+
+    @staticmethod
+    def pattern(site: AllGatherSite | ReduceScatterSite) -> Pattern | None:
+        return pattern_of(site)
+
+    def share(
+        self,
+        site: AllGatherSite | ReduceScatterSite,
+        pattern: Pattern,
+        match: Callable[[ir.OpView], Site],
+        rewrite: Callable[[Site], Applied],
+    ) -> SharedRing | None:
+        """Replace ``site`` (its ``pattern``) by a call of the pattern's ring function and return
+        that function; None: ``site`` gets its own ring (the first of its pattern, or not
+        shareable).  ``match`` re-matches the anchor op inside a new function, ``rewrite``
+        builds a ring.
+        """
+        entry = self._by_key.get(pattern.key)
+        if entry is None:
+            self._by_key[pattern.key] = _FIRST
+            return None
+        if entry is _FIRST:
+            entry = self._by_key[pattern.key] = self._outline(site, pattern, match, rewrite)
+        if not isinstance(entry, SharedRing):
+            return None
+        _replace_by_call(pattern, entry.name)
+        return entry
+
+    def _outline(self, site, pattern: Pattern, match, rewrite) -> SharedRing | str:
+        name = self._fresh_name()
+        loc = pattern.anchor.location
+        with ir.InsertionPoint(self.module.body):
+            f = func.FuncOp(
+                name,
+                ir.FunctionType.get([v.type for v in pattern.inputs], [v.type for v in pattern.outputs]),
+                visibility="private",
+                loc=loc,
+            )
+            entry = f.add_entry_block()
+        mapping = dict(zip(pattern.inputs, entry.arguments))
+        with ir.InsertionPoint(entry):
+            clones = {}
+            for op in pattern.ops:
+                clone = op.clone().operation  # its operands are still the site's values: remap them
+                for old in {v: None for v in op.operands}:
+                    clone.replace_uses_of_with(old, mapping[old])
+                mapping.update(zip(op.results, clone.results))
+                clones[op] = clone
+            func.ReturnOp([mapping[v] for v in pattern.outputs], loc=loc)
+        inner = match(clones[pattern.anchor.operation].opview)
+        if _shape(inner) != _shape(site):  # defensive: the function must hold the same site
+            f.operation.erase()
+            return _UNSHAREABLE
+        return SharedRing(name, rewrite(inner))
+
+    def _fresh_name(self) -> str:
+        if self._names is None:
+            self._names = {
+                ir.StringAttr(op.operation.attributes["sym_name"]).value
+                for op in self.module.body.operations
+                if "sym_name" in op.operation.attributes
+            }
+        index = len([n for n in self._names if n.startswith(FUNCTION_PREFIX)])
+        while f"{FUNCTION_PREFIX}{index}" in self._names:
+            index += 1
+        name = f"{FUNCTION_PREFIX}{index}"
+        self._names.add(name)
+        return name
+
+
+def _shape(site: Site) -> tuple:
+    """What must agree between a site and its copy in a ring function."""
+    if isinstance(site, AllGatherSite):
+        return ("gather", tuple((c.role, c.operand_index, c.dim) for c in site.consumers), site.assembles,
+                len(site.nodes))
+    if isinstance(site, ReduceScatterSite):
+        return ("scatter", tuple((t.operand_index, t.operand_dim) for t in site.terms), len(site.adds),
+                len(site.path))
+    return ("declined", site.code)
+
+
+def _replace_by_call(pattern: Pattern, name: str) -> None:
+    with ir.InsertionPoint(pattern.insert_before):
+        call = func.CallOp(
+            [v.type for v in pattern.outputs], ir.FlatSymbolRefAttr.get(name), pattern.inputs,
+            loc=pattern.anchor.location,
+        )
+    for old, new in zip(pattern.outputs, call.results):
+        old.replace_all_uses_with(new)
+    for op in reversed(pattern.ops):
+        op.erase()
+
+
+def pattern_of(site: AllGatherSite | ReduceScatterSite) -> Pattern | None:
+    """``site`` as a pattern a call can replace, or None where a call could not stand in for it."""
+    if site.region != FULLY_MANUAL:
+        return None
+    # the ops in an order where producers come first (the key and the clones follow it)
+    if isinstance(site, AllGatherSite):
+        anchor, at = site.all_gather, site.insert_before
+        ops = [anchor.operation, *(s.op.operation for s in site.nodes), *(c.dot.operation for c in site.consumers)]
+    else:
+        anchor = site.reduce_scatter
+        at = anchor.operation
+        ops = [*(t.dot.operation for t in site.terms), *(a.operation for a in reversed(site.adds)),
+               *(s.op.operation for s in site.path), anchor.operation]
+    if at is None or not _in_shardy_manual_region(anchor):
+        return None
+    index = {op: None for op in ops}  # one dot may be reached along two layout paths
+    ops = list(index)
+    block = at.block
+    for i, op in enumerate(ops):
+        if op.block != block:
+            return None
+        index[op] = i
+
+    signature = _Signature()
+    key = tuple(signature.op(op) for op in ops)
+    if signature.captures:
+        return None
+    for value in signature.inputs:
+        owner = value.owner
+        if not isinstance(owner, ir.Block):
+            owner = owner.operation
+            if owner in index:
+                return None  # a producer after its user in ``ops``: not a pattern this module clones
+            if owner.block == block and not owner.is_before_in_block(at):
+                return None  # not defined yet where the call would go
+    if isinstance(site, ReduceScatterSite) and any(_from_all_gather(v) for v in signature.inputs):
+        return None
+    outputs, leaving = [], []
+    for i, op in enumerate(ops):
+        for result in op.results:
+            outside = [use.owner.operation for use in result.uses if use.owner.operation not in index]
+            if outside:
+                if any(_before(user, at, block) for user in outside):
+                    return None  # read before the ring's place
+                outputs.append(result)
+                leaving.append((i, result.result_number))
+    return Pattern(ops, signature.inputs, outputs, (site.kind, key, tuple(leaving)), at, anchor)
+
+
+class _Signature:
+    """Structural key of a list of ops: outside values become numbered inputs, values
+    defined inside become (op number, result number) / (op number, block, argument)."""
+
+    def __init__(self):
+        self.inputs: list[ir.Value] = []
+        self._tokens: dict[ir.Value, tuple] = {}
+        self._count = 0
+        self.captures = False  # an op nested in a region reads an outside value
+
+    def op(self, op: ir.Operation, nested: bool = False) -> tuple:
+        operands = op.operands
+        key = (
+            op.name,
+            tuple(op.attributes.items()),
+            tuple(v.type for v in operands),
+            tuple(self._token(v, nested) for v in operands),
+            tuple(self._region(r) for r in op.regions),
+        )
+        number = self._count
+        self._count += 1
+        results = []
+        for r in op.results:
+            self._tokens[r] = (number, r.result_number)
+            results.append(r.type)
+        return (*key, tuple(results))
+
+    def _token(self, value: ir.Value, nested: bool) -> tuple:
+        token = self._tokens.get(value)
+        if token is None:
+            self.captures |= nested
+            token = self._tokens[value] = (len(self.inputs),)
+            self.inputs.append(value)
+        return token
+
+    def _region(self, region: ir.Region) -> tuple:
+        blocks = []
+        for b, block in enumerate(region.blocks):
+            types = []
+            for a, arg in enumerate(block.arguments):
+                self._tokens[arg] = (self._count, b, a)
+                types.append(arg.type)
+            blocks.append((tuple(types), tuple(self.op(op.operation, nested=True) for op in block.operations)))
+        return tuple(blocks)
+
+
+def _in_shardy_manual_region(op: ir.OpView) -> bool:
+    parent = op.operation.parent
+    while parent is not None and parent.name != "func.func":
+        if parent.name == "sdy.manual_computation":
+            return True
+        parent = parent.parent
+    return False
+
+
+def _ancestor_in(op: ir.Operation, block: ir.Block) -> ir.Operation | None:
+    while op is not None and op.block != block:
+        parent = op.parent
+        op = parent.operation if parent is not None else None
+    return op
+
+
+def _before(user: ir.Operation, at: ir.Operation, block: ir.Block) -> bool:
+    """Does ``user`` (or its ancestor in ``block``) come before ``at``?"""
+    mine = _ancestor_in(user, block)
+    return mine is None or mine.is_before_in_block(at)
+
+
+def _from_all_gather(value: ir.Value) -> bool:
+    """Is ``value`` an all_gather's result, possibly through layout ops?"""
+    while not isinstance(value.owner, ir.Block):
+        owner = value.owner
+        if owner.operation.name == "stablehlo.all_gather":
+            return True
+        if not is_layout_op(owner):
+            return False
+        value = owner.operation.operands[0]
+    return False

@@ -1,0 +1,150 @@
+"""Ring sharing: sites repeating one pattern call one ring function (cmatmul_pass.sharing).
+
+Numerics as in test_numerics (f32: normwise relative 1e-5), against the original program.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import cmatmul_pass
+from cmatmul_pass import cost, execute, ir_utils
+from cmatmul_pass._jax_private import ir
+from cmatmul_pass.pipeline import Options, variant_options
+from cmatmul_pass.sharing import FUNCTION_PREFIX
+from conftest import sample
+from tools import bench
+from tools.gen_samples import arg, gather, lower, mesh_2x4, scatter, smap
+
+
+def ring_functions(module) -> dict[str, int]:
+    """Each @cmatmul_ring_* function of ``module`` -> how many calls it has."""
+    found = ir_utils.ops_named(module, "func.func", "func.call")
+    names = [ir.StringAttr(f.attributes["sym_name"]).value for f in found["func.func"]]
+    calls = [ir.FlatSymbolRefAttr(c.attributes["callee"]).value for c in found["func.call"]]
+    return {n: calls.count(n) for n in names if n.startswith(FUNCTION_PREFIX)}
+
+
+def collectives_left(module) -> int:
+    found = ir_utils.ops_named(module, "stablehlo.all_gather", "stablehlo.reduce_scatter")
+    return sum(len(v) for v in found.values())
+
+
+def test_repeated_layers_call_one_ring_per_pattern():
+    result = cmatmul_pass.rewrite(sample("sp_mlp_layers").read_text())
+    sites = result.report.rewritten
+    assert len(sites) == 6
+    # the first block's two rings stay inline; blocks 2 and 3 call one function per pattern
+    assert [s.shared_ring is not None for s in sites] == [False, True, True, False, True, True]
+    assert ring_functions(result.module) == {"cmatmul_ring_0": 2, "cmatmul_ring_1": 2}
+    assert {s.shared_ring for s in sites if s.kind == "dot_reduce_scatter"} - {None} == {"@cmatmul_ring_0"}
+    assert {s.shared_ring for s in sites if s.kind == "all_gather_dot"} - {None} == {"@cmatmul_ring_1"}
+    assert collectives_left(result.module) == 0
+    # a sharing site reports the schedule and channels of the ring it calls
+    first, shared = sites[0], sites[1]
+    assert shared.schedule == first.schedule and shared.channel_handles
+    assert shared.channel_handles == sites[2].channel_handles != first.channel_handles
+
+
+@pytest.fixture(scope="module")
+def layers_reference():
+    text = sample("sp_mlp_layers").read_text()
+    return text, execute.Reference.of(ir_utils.parse(text))
+
+
+@pytest.mark.parametrize("variant", list(cost.VARIANTS))
+def test_shared_rings_match_the_original(variant, layers_reference):
+    text, reference = layers_reference
+    result = cmatmul_pass.rewrite(text, variant_options(variant))
+    assert len(ring_functions(result.module)) == 2
+    outcome = reference.check(result.module)
+    assert outcome.ok, outcome.format()
+
+
+def test_transformer_forward_and_backward_share_and_match():
+    """Two layers of the bench's transformer step (value_and_grad): backward sums, assembled
+    gathers, weight-gradient dots; the second layer's sites call ring functions."""
+    fn, args = bench.transformer_step(2)
+    text = fn.lower(*args).as_text()
+    shared = cmatmul_pass.rewrite(text)
+    own = cmatmul_pass.rewrite(text, Options(share_rings=False))
+    assert len(shared.report.rewritten) == len(own.report.rewritten) == len(shared.report.sites)
+    calls = ring_functions(shared.module)
+    assert calls and sum(calls.values()) == sum(1 for s in shared.report.rewritten if s.shared_ring)
+    assert not ring_functions(own.module)
+    reference = execute.Reference.of(ir_utils.parse(text))
+    for result in (shared, own):
+        outcome = reference.check(result.module)
+        assert outcome.ok, outcome.format()
+
+
+def test_sharing_shrinks_a_deep_model():
+    """From three repeats of a pattern on, the output is smaller than with a ring per site (the
+    first site keeps its ring inline, the second builds the function)."""
+    fn, args = bench.transformer_step(4)
+    text = fn.lower(*args).as_text()
+    shared = cmatmul_pass.rewrite(text)
+    own = cmatmul_pass.rewrite(text, Options(share_rings=False))
+    assert len(ir_utils.print_module(shared.module)) < 0.9 * len(ir_utils.print_module(own.module))
+    assert collectives_left(shared.module) == 0
+
+
+@pytest.mark.parametrize("options", [Options(annotate_streams=True), Options(share_rings=False)],
+                         ids=["annotate_streams", "no_share_rings"])
+def test_every_site_keeps_its_own_ring(options):
+    result = cmatmul_pass.rewrite(sample("sp_mlp_layers").read_text(), options)
+    assert len(result.report.rewritten) == 6
+    assert not any(s.shared_ring for s in result.report.sites)
+    assert not ring_functions(result.module)
+
+
+def _two_gathers(second):
+    """Two all_gather -> dot sites with equal types; ``second(g, w)`` is the second site's dot."""
+    mesh = mesh_2x4()
+
+    def body(x, y, w):
+        return gather(x, "model", 0) @ w + second(gather(y, "model", 0), w)
+
+    rows = P("model", None)
+    f = smap(body, mesh=mesh, in_specs=(rows, rows, P()), out_specs=P())
+    return lower(f, arg(mesh, (64, 16), rows), arg(mesh, (64, 16), rows), arg(mesh, (16, 16), P()))
+
+
+@pytest.mark.parametrize(
+    "second, shares",
+    [
+        (lambda g, w: g @ w, True),
+        (lambda g, w: g @ w.T, True),  # the transpose is an input of the dot: the same pattern
+        (lambda g, w: jax.lax.dot_general(g, w, (((1,), (1,)), ((), ()))), False),  # other dimension numbers
+        (lambda g, w: jnp.dot(g, w, precision=jax.lax.Precision.HIGHEST), False),  # other precision_config
+        (lambda g, w: jnp.dot(g, w, preferred_element_type=jnp.float32) * 2, True),
+    ],
+    ids=["same", "transposed_input", "contract_rhs_dim_1", "precision", "same_then_scaled"],
+)
+def test_only_identical_patterns_share(second, shares):
+    text = _two_gathers(second)
+    result = cmatmul_pass.rewrite(text)
+    assert len(result.report.rewritten) == 2
+    assert [s.shared_ring is not None for s in result.report.rewritten] == [False, shares]
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()
+
+
+def test_scatter_reading_a_gather_keeps_its_ring_inline():
+    """gather -> dot -> scatter, twice: the gather's ring takes each scatter's peeled dot, which a
+    call would hide, so the scatters keep their rings inline (the gathers may share)."""
+    mesh = mesh_2x4()
+
+    def body(x, w1, w2):
+        for w in (w1, w2):
+            x = scatter(gather(x, "model", 1) @ w, "model", 1)
+        return x
+
+    f = smap(body, mesh=mesh, in_specs=(P(None, "model"), P(), P()), out_specs=P(None, "model"))
+    text = lower(f, arg(mesh, (16, 64), P(None, "model")), arg(mesh, (64, 64), P()), arg(mesh, (64, 64), P()))
+    result = cmatmul_pass.rewrite(text)
+    assert len(result.report.rewritten) == 4
+    assert not any(s.shared_ring for s in result.report.rewritten if s.kind == "dot_reduce_scatter")
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()
