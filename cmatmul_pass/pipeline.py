@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import math
 from dataclasses import dataclass, field
@@ -218,8 +217,7 @@ def _apply(
     if isinstance(site, DeclinedSite):
         return entry
     rings, rematch = sharing or (None, None)
-    with _bug_of(entry):
-        pattern = rings.pattern(site) if rings else None
+    pattern = _guarded(entry, rings.pattern, site) if rings else None
     # the layers of a model repeat their sites: predict once per pattern, or per site shape
     cached = predictions.get(pattern.key) if pattern else None
     if cached is None:
@@ -242,9 +240,8 @@ def _apply(
             return rewrite_dot_reduce_scatter(site, ctx)
         return rewrite_all_gather_dot(site, ctx)
 
-    with _bug_of(entry):
-        shared = rings.share(site, pattern, rematch, build) if pattern else None
-        applied = shared.applied if shared else build(site)
+    shared = _guarded(entry, rings.share, site, pattern, rematch, build) if pattern else None
+    applied = shared.applied if shared else _guarded(entry, build, site)
     if module is not None:
         _verify(module, entry)
     entry.rewritten = True
@@ -263,11 +260,10 @@ def _apply(
     return entry
 
 
-@contextlib.contextmanager
-def _bug_of(entry: SiteReport):
-    """Any failure while rewriting a site is a bug of the pass: say which site."""
+def _guarded(entry: SiteReport, step, *args):
+    """``step(*args)``; any failure while rewriting a site is a bug of the pass: say which site."""
     try:
-        yield
+        return step(*args)
     except Exception as exc:  # noqa: BLE001
         raise InternalError(
             f"rewriting the {entry.kind} site at {entry.location} failed (a cmatmul_pass bug): "

@@ -47,7 +47,7 @@ class Pattern:
     ops: list[ir.Operation]  # block order
     inputs: list[ir.Value]  # outside values the ops read, in first-use order
     outputs: list[ir.Value]  # results of the ops read outside them
-    key: tuple
+    key: "Key"
     insert_before: ir.Operation
     anchor: ir.OpView
 
@@ -210,7 +210,24 @@ def pattern_of(site: AllGatherSite | ReduceScatterSite) -> Pattern | None:
                     return None  # read before the ring's place
                 outputs.append(result)
                 leaving.append((i, result.result_number))
-    return Pattern(ops, signature.inputs, outputs, (site.kind, key, tuple(leaving)), at, anchor)
+    return Pattern(ops, signature.inputs, outputs, Key((site.kind, key, tuple(leaving))), at, anchor)
+
+
+class Key:
+    """A pattern's structural key, hashed once: it holds hundreds of MLIR attributes and types,
+    whose hashes are C++ calls, and is looked up more than once per site."""
+
+    __slots__ = ("parts", "_hash")
+
+    def __init__(self, parts: tuple):
+        self.parts = parts
+        self._hash = hash(parts)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Key) and self._hash == other._hash and self.parts == other.parts
 
 
 class _Signature:
@@ -224,36 +241,35 @@ class _Signature:
         self.captures = False  # an op nested in a region reads an outside value
 
     def op(self, op: ir.Operation, nested: bool = False) -> tuple:
-        operands = op.operands
-        key = (
-            op.name,
-            tuple(op.attributes.items()),
-            tuple(v.type for v in operands),
-            tuple(self._token(v, nested) for v in operands),
-            tuple(self._region(r) for r in op.regions),
-        )
+        # an operand's type is its producer's result type, or recorded with the input's token
+        tokens = self._tokens
+        wiring = []
+        for value in op.operands:
+            token = tokens.get(value)
+            if token is None:
+                self.captures |= nested
+                token = tokens[value] = (len(self.inputs), value.type)
+                self.inputs.append(value)
+            wiring.append(token)
         number = self._count
         self._count += 1
+        regions = op.regions
+        key = (op.name, tuple(op.attributes.items()), tuple(wiring),
+               tuple(self._region(r) for r in regions) if len(regions) else ())
         results = []
-        for r in op.results:
-            self._tokens[r] = (number, r.result_number)
+        for i, r in enumerate(op.results):
+            tokens[r] = (number, i)
             results.append(r.type)
         return (*key, tuple(results))
 
-    def _token(self, value: ir.Value, nested: bool) -> tuple:
-        token = self._tokens.get(value)
-        if token is None:
-            self.captures |= nested
-            token = self._tokens[value] = (len(self.inputs),)
-            self.inputs.append(value)
-        return token
-
     def _region(self, region: ir.Region) -> tuple:
         blocks = []
+        number = self._count  # a region takes a number of its own, so its arguments' tokens are unique
+        self._count += 1
         for b, block in enumerate(region.blocks):
             types = []
             for a, arg in enumerate(block.arguments):
-                self._tokens[arg] = (self._count, b, a)
+                self._tokens[arg] = (number, b, a)
                 types.append(arg.type)
             blocks.append((tuple(types), tuple(self.op(op.operation, nested=True) for op in block.operations)))
         return tuple(blocks)

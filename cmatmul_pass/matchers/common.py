@@ -28,7 +28,8 @@ class ModuleInfo:
     meshes: dict[str, dict[str, int]]
     mesh_device_ids: dict[str, list[int]]
     partial_manual_funcs: frozenset[str]
-    #: manual_computation op -> (its manual axes, its mesh name): read once per region, not per site
+    #: an op's parent op -> (manual axes, mesh name, legacy partial-manual func) of the regions
+    #: around it: walked once per parent, not per site
     regions: dict = field(default_factory=dict, compare=False, repr=False)
     #: replica_groups attribute -> its Ring, or the Decline it raised: built once per distinct groups
     rings: dict = field(default_factory=dict, compare=False, repr=False)
@@ -141,26 +142,13 @@ def manual_region(op: ir.OpView, info: ModuleInfo, ring: Ring) -> ManualRegion:
     against the mesh.  Legacy partial-manual bodies are declined (XLA's SPMD
     partitioner has no such escape there).
     """
-    manual: set[str] = set()
-    mesh_name = None
-    parent = op.operation.parent
-    while parent is not None:
-        if parent.name == "sdy.manual_computation":
-            if parent not in info.regions:
-                axes = sdy.ManualAxesAttr(parent.attributes["manual_axes"])
-                info.regions[parent] = ({axes[i] for i in range(len(axes))}, _manual_computation_mesh(parent))
-            region_axes, region_mesh = info.regions[parent]
-            manual.update(region_axes)
-            mesh_name = mesh_name or region_mesh
-        elif parent.name == "func.func":
-            func_name = ir.StringAttr(parent.attributes["sym_name"]).value
-            if func_name in info.partial_manual_funcs:
-                raise Decline(
-                    "partial_manual",
-                    f"the site is in a partial-manual shard_map body (@{func_name}) of the legacy partitioner, "
-                    "where partition_id is ambiguous; lower with Shardy (the default) to have it rewritten",
-                )
-        parent = parent.parent
+    manual, mesh_name, legacy = _enclosing(op.operation.parent, info)
+    if legacy:
+        raise Decline(
+            "partial_manual",
+            f"the site is in a partial-manual shard_map body (@{legacy}) of the legacy partitioner, "
+            "where partition_id is ambiguous; lower with Shardy (the default) to have it rewritten",
+        )
     if not manual:
         return FULLY_MANUAL
     if mesh_name is None and len(info.meshes) == 1:
@@ -189,6 +177,28 @@ def manual_region(op: ir.OpView, info: ModuleInfo, ring: Ring) -> ManualRegion:
                 f"the collective's groups mix positions along the automatic mesh axis {axis!r}",
             )
     return ManualRegion(mesh_name, free)
+
+
+def _enclosing(parent: ir.Operation | None, info: ModuleInfo) -> tuple[frozenset[str], str | None, str | None]:
+    """(manual axes, mesh name, legacy partial-manual function name or None) of the regions
+    around an op whose parent is ``parent``; walked once per parent op."""
+    if parent in info.regions:
+        return info.regions[parent]
+    manual: set[str] = set()
+    mesh_name = legacy = None
+    walk = parent
+    while walk is not None:
+        if walk.name == "sdy.manual_computation":
+            axes = sdy.ManualAxesAttr(walk.attributes["manual_axes"])
+            manual.update(axes[i] for i in range(len(axes)))
+            mesh_name = mesh_name or _manual_computation_mesh(walk)
+        elif walk.name == "func.func" and legacy is None:
+            func_name = ir.StringAttr(walk.attributes["sym_name"]).value
+            if func_name in info.partial_manual_funcs:
+                legacy = func_name
+        walk = walk.parent
+    found = info.regions[parent] = (frozenset(manual), mesh_name, legacy)
+    return found
 
 
 def _manual_computation_mesh(op: ir.Operation) -> str | None:
