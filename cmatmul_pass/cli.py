@@ -284,10 +284,11 @@ def _bench_devices(platform: str, count: int) -> list:
 
 
 def cmd_bench(args) -> int:
-    """Time the original and each variant's rewrite on the same inputs; a variant is timed only
-    after its outputs matched the original's (a mismatch: exit 1, nothing timed after it)."""
+    """Time the original and each variant's rewrite on the same inputs, in turn (see
+    execute.interleaved_medians).  Every variant's outputs are checked against the original's
+    before anything is timed: a mismatch exits 1 and nothing is timed."""
     from . import ir_utils
-    from .execute import Program, Reference, median_seconds
+    from .execute import Program, Reference, interleaved_medians
     from .pipeline import rewrite
 
     if args.runs < 1 or args.warmup < 0:
@@ -301,27 +302,35 @@ def cmd_bench(args) -> int:
     n = ir_utils.int_attr(original.operation, "mhlo.num_partitions") or 1
     devices = _bench_devices(args.platform, n)
     reference = Reference.of(original, seed=args.seed, devices=devices)
-    base = median_seconds(reference.program, args.runs, args.warmup)
     where = f"{n} partition(s) on {len(devices)} {devices[0].platform} device(s)"
-    print(f"{source}: {where}; median of {args.runs} run(s) after {args.warmup} warm-up(s)")
-    print(f"  {'variant':<13} {'sites':>7} {'time (ms)':>11} {'/ original':>11}")
-    print(f"  {'original':<13} {'-':>7} {1e3 * base:>11.3f} {1.0:>11.2f}")
-    rows = {}
-    for name in names:
+    rows, programs, mismatch = {}, {"original": reference.program}, None
+    for name in names:  # check every variant before timing any
         result = rewrite(data, _options(args, name), source=source)
-        sites = f"{len(result.report.rewritten)}/{len(result.report.sites)}"
         program = Program(result.module, reference.inputs, devices)  # compiled once: checked, then timed
         numerics = reference.check(program)
-        row = {"flags": VARIANT_FLAGS[name], "rewritten": len(result.report.rewritten),
-               "sites": len(result.report.sites), "numerics": numerics.to_dict()}
-        rows[name] = row
+        rows[name] = {"flags": VARIANT_FLAGS[name], "rewritten": len(result.report.rewritten),
+                      "sites": len(result.report.sites), "numerics": numerics.to_dict()}
         if not numerics.ok:
-            print(f"  {name:<13} {sites:>7}  numerics MISMATCH: not timed")
-            print(numerics.format())
+            mismatch = name, numerics
             break
-        row["seconds"] = median_seconds(program, args.runs, args.warmup)
-        row["over_original"] = row["seconds"] / base
-        print(f"  {name:<13} {sites:>7} {1e3 * row['seconds']:>11.3f} {row['over_original']:>11.2f}")
+        programs[name] = program
+    seconds = interleaved_medians(programs, args.runs, args.warmup) if mismatch is None else {}
+    base = seconds.get("original")
+    print(f"{source}: {where}; median of {args.runs} run(s) after {args.warmup} warm-up(s), "
+          "all programs timed in turn")
+    print(f"  {'variant':<13} {'sites':>7} {'time (ms)':>11} {'/ original':>11}")
+    if base is not None:
+        print(f"  {'original':<13} {'-':>7} {1e3 * base:>11.3f} {1.0:>11.2f}")
+    for name, row in rows.items():
+        sites = f"{row['rewritten']}/{row['sites']}"
+        if mismatch is not None and mismatch[0] == name:
+            print(f"  {name:<13} {sites:>7}  numerics MISMATCH: not timed (nor is anything else)")
+            print(mismatch[1].format())
+            continue
+        if name in seconds:
+            row["seconds"] = seconds[name]
+            row["over_original"] = row["seconds"] / base
+            print(f"  {name:<13} {sites:>7} {1e3 * row['seconds']:>11.3f} {row['over_original']:>11.2f}")
     timed = {name: row for name, row in rows.items() if "seconds" in row}
     fastest = min(timed, key=lambda name: timed[name]["seconds"]) if len(timed) == len(names) else None
     if fastest is not None:
@@ -333,7 +342,7 @@ def cmd_bench(args) -> int:
             print(f"fastest variant: {fastest}, {ratio:.2f}x the original's time; the original is faster on these devices")
     if args.report_json:
         report = {"source": source, "devices": where, "runs": args.runs, "warmup": args.warmup,
-                  "original_s": base, "variants": rows, "fastest": fastest,
+                  "original_s": base, "variants": rows, "fastest": fastest, "timing": "interleaved",
                   "original_is_fastest": fastest is not None and timed[fastest]["over_original"] >= 1}
         write_output(args.report_json, json.dumps(report, indent=2) + "\n")
     return 0 if fastest is not None else 1

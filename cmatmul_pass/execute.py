@@ -186,6 +186,25 @@ def median_seconds(run_once: Callable[[], object], runs: int, warmup: int = 1) -
     return statistics.median(samples)
 
 
+def interleaved_medians(programs: dict[str, Callable[[], object]], runs: int, warmup: int = 1) -> dict[str, float]:
+    """Median wall time of each program (each call must wait for its results), timed round
+    by round: every round runs each program once, starting one place further each round.
+    A drift of the machine's speed (other load, frequency) then falls on all programs alike,
+    which separate blocks of runs would charge to whichever ran at the time."""
+    names = list(programs)
+    for name in names:
+        for _ in range(warmup):
+            programs[name]()
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(runs):
+        for i in range(len(names)):
+            name = names[(r + i) % len(names)]
+            start = time.perf_counter()
+            programs[name]()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(samples[name]) for name in names}
+
+
 def compare(index: int, expected: list[np.ndarray], actual: list[np.ndarray]) -> OutputComparison:
     a = np.stack(expected)
     b = np.stack(actual)

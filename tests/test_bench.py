@@ -76,3 +76,15 @@ def test_hand_written_rings_compute_the_same_training_step():
     for a, b in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b)):
         a, b = np.asarray(a), np.asarray(b)
         assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max()
+
+
+def test_interleaved_medians_time_every_program_in_turn():
+    """Each round runs every program once, starting one place later each round (no timing asserted)."""
+    from cmatmul_pass.execute import interleaved_medians
+
+    calls = []
+    programs = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    medians = interleaved_medians(programs, runs=3, warmup=2)
+    assert set(medians) == set("abc") and all(t >= 0 for t in medians.values())
+    assert calls[:6] == list("aabbcc")  # the warm-ups, untimed
+    assert calls[6:] == list("abc" "bca" "cab")

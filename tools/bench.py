@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import cmatmul_pass  # noqa: E402
 from cmatmul_pass import cost, execute, ir_utils  # noqa: E402
-from cmatmul_pass.execute import median_seconds  # noqa: E402
+from cmatmul_pass.execute import interleaved_medians  # noqa: E402
 from cmatmul_pass.pipeline import variant_options  # noqa: E402
 from cmatmul_pass._jax_private import compile_module  # noqa: E402
 from tools.golden import expectation, sample_paths  # noqa: E402
@@ -201,11 +201,11 @@ def samples_runtime(runs: int, only: list[str] | None = None) -> dict:
         n = ir_utils.int_attr(original.operation, "mhlo.num_partitions")
         devices = jax.devices("cpu")[:n]
         inputs = execute.random_inputs(original, 0)
-        base = median_seconds(execute.Program(original, inputs, devices), runs)
-        results[path.stem] = {
-            name: median_seconds(execute.Program(cmatmul_pass.rewrite(text, options).module, inputs, devices), runs) / base
-            for name, options in VARIANTS.items()
-        }
+        programs = {"original": execute.Program(original, inputs, devices)}
+        for name, options in VARIANTS.items():
+            programs[name] = execute.Program(cmatmul_pass.rewrite(text, options).module, inputs, devices)
+        seconds = interleaved_medians(programs, runs)
+        results[path.stem] = {name: seconds[name] / seconds["original"] for name in VARIANTS}
         row = results[path.stem]
         print(f"  {path.stem:<32} " + " ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
     return results
@@ -240,15 +240,18 @@ def layer_runtime(runs: int, rows: int = 1024, hidden: int = 512, out: int = 102
     x = jax.device_put(rng.normal(size=(rows, hidden)).astype(np.float32), NamedSharding(mesh, P("model", None)))
     w = jax.device_put(rng.normal(size=(hidden, out)).astype(np.float32), NamedSharding(mesh, P(None, "model")))
 
-    def timer(fn):
-        return median_seconds(lambda: fn(x, w).block_until_ready(), runs)
+    def timed(fn):
+        return lambda: fn(x, w).block_until_ready()
 
-    base = timer(jax.jit(plain))
-    hand = timer(jax.jit(ring))
-    result = {"shape": [rows, hidden, out], "plain_s": base, "hand_written_ring_over_plain": hand / base, "variants": {}}
+    programs = {"plain": timed(jax.jit(plain)), "hand_written": timed(jax.jit(ring))}
     for name, options in VARIANTS.items():
-        fn = cmatmul_pass.jit(plain, bidirectional=options.bidirectional, unroll=options.unroll)
-        t = timer(fn)
+        programs[name] = timed(cmatmul_pass.jit(plain, bidirectional=options.bidirectional, unroll=options.unroll))
+    seconds = interleaved_medians(programs, runs)
+    base, hand = seconds["plain"], seconds["hand_written"]
+    result = {"shape": [rows, hidden, out], "plain_s": base, "hand_written_ring_over_plain": hand / base,
+              "timing": "interleaved", "variants": {}}
+    for name in VARIANTS:
+        t = seconds[name]
         result["variants"][name] = {"over_plain": t / base, "over_hand_written": t / hand}
     print(f"  layer {rows}x{hidden}x{out}: hand-written ring / plain {hand / base:.2f}; "
           + ", ".join(f"{k} {v['over_plain']:.2f} (vs ring {v['over_hand_written']:.2f})" for k, v in result["variants"].items()),
