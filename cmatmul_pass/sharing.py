@@ -230,6 +230,11 @@ class Key:
         return isinstance(other, Key) and self._hash == other._hash and self.parts == other.parts
 
 
+#: A collective's channel handle is its identity, not part of what it computes: the ring replaces
+#: the collective and its permutes take fresh handles, so sites differing only there share.
+_ANY_CHANNEL = "<channel>"
+
+
 class _Signature:
     """Structural key of a list of ops: outside values become numbered inputs, values
     defined inside become (op number, result number) / (op number, block, argument)."""
@@ -254,7 +259,10 @@ class _Signature:
         number = self._count
         self._count += 1
         regions = op.regions
-        key = (op.name, tuple(op.attributes.items()), tuple(wiring),
+        attributes = tuple(
+            (name, _ANY_CHANNEL if name == "channel_handle" else value) for name, value in op.attributes.items()
+        )
+        key = (op.name, attributes, tuple(wiring),
                tuple(self._region(r) for r in regions) if len(regions) else ())
         results = []
         for i, r in enumerate(op.results):

@@ -148,3 +148,22 @@ def test_scatter_reading_a_gather_keeps_its_ring_inline():
     assert not any(s.shared_ring for s in result.report.rewritten if s.kind == "dot_reduce_scatter")
     outcome = execute.check_numerics(ir_utils.parse(text), result.module)
     assert outcome.ok, outcome.format()
+
+
+def test_collectives_differing_only_in_channel_handle_share():
+    """Exporters other than jax 0.10 number every collective's channel; the ring replaces the
+    collective (its permutes take fresh handles), so the handle is no part of the pattern."""
+    from cmatmul_pass._jax_private import hlo
+
+    text = sample("sp_mlp_layers").read_text()
+    module = ir_utils.parse(text)
+    with module.context:
+        found = ir_utils.ops_named(module, "stablehlo.all_gather", "stablehlo.reduce_scatter")
+        for handle, op in enumerate(found["stablehlo.all_gather"] + found["stablehlo.reduce_scatter"], start=1):
+            op.attributes["channel_handle"] = hlo.ChannelHandle.get(handle, 1)
+    renumbered = ir_utils.print_module(module)
+    assert renumbered != ir_utils.print_module(ir_utils.parse(text))
+    result = cmatmul_pass.rewrite(renumbered)
+    assert ring_functions(result.module) == {"cmatmul_ring_0": 2, "cmatmul_ring_1": 2}
+    outcome = execute.check_numerics(ir_utils.parse(renumbered), result.module)
+    assert outcome.ok, outcome.format()
