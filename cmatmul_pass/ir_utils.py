@@ -113,21 +113,15 @@ def walk(op: ir.Operation | ir.OpView) -> list[ir.OpView]:
     return found[1:]
 
 
-def ops_named(op: ir.Operation | ir.OpView, *names: str, having: tuple[str, ...] = ()) -> dict[str, list[ir.OpView]]:
+def ops_named(op: ir.Operation | ir.OpView, *names: str) -> dict[str, list[ir.OpView]]:
     """The operations of ``op``'s tree (``op`` included) with each of ``names``, in pre-order:
-    one walk for all.  For each attribute name in ``having``, ``found[attribute]`` lists the
-    operations carrying it."""
-    found: dict[str, list[ir.OpView]] = {name: [] for name in (*names, *having)}
+    one walk for all."""
+    found: dict[str, list[ir.OpView]] = {name: [] for name in names}
 
     def visit(child: ir.Operation) -> ir.WalkResult:
         bucket = found.get(child.name)
         if bucket is not None:
             bucket.append(child.opview)
-        if having:
-            attributes = child.attributes
-            for attribute in having:
-                if attribute in attributes:
-                    found[attribute].append(child.opview)
         return ir.WalkResult.ADVANCE
 
     op.operation.walk(visit)

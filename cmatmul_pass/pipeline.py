@@ -105,14 +105,25 @@ class RewriteResult:
         return bool(self.report.rewritten)
 
 
-class ChannelAllocator:
-    """Fresh channel handles, above every handle already in the module (``users``: its ops
-    carrying a ``channel_handle``, when the caller has walked it already)."""
+#: The StableHLO ops that carry a ``channel_handle`` (the spec's collectives and send/recv).
+CHANNEL_OPS = (
+    "stablehlo.all_gather", "stablehlo.all_reduce", "stablehlo.reduce_scatter", "stablehlo.all_to_all",
+    "stablehlo.collective_permute", "stablehlo.collective_broadcast", "stablehlo.send", "stablehlo.recv",
+)
 
-    def __init__(self, module: ir.Module, users: list[ir.OpView] | None = None):
-        if users is None:
-            users = ir_utils.ops_named(module, having=("channel_handle",))["channel_handle"]
-        handles = [hlo.ChannelHandle(op.operation.attributes["channel_handle"]).handle for op in users]
+
+class ChannelAllocator:
+    """Fresh channel handles, above every handle already in the module (``found``: its
+    CHANNEL_OPS by name, when the caller has walked it already)."""
+
+    def __init__(self, module: ir.Module, found: dict[str, list[ir.OpView]] | None = None):
+        found = found if found is not None else ir_utils.ops_named(module, *CHANNEL_OPS)
+        handles = [
+            hlo.ChannelHandle(op.operation.attributes["channel_handle"]).handle
+            for name in CHANNEL_OPS
+            for op in found[name]
+            if "channel_handle" in op.operation.attributes
+        ]
         self._next = max(handles, default=0) + 1
 
     def take(self) -> int:
@@ -165,12 +176,10 @@ def rewrite(
 def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool) -> RewriteResult:
     # Unknown is only the default for type construction; every op gets an explicit loc.
     with module.context, ir.Location.unknown():
-        found = ir_utils.ops_named(
-            module, "stablehlo.reduce_scatter", "stablehlo.all_gather", "func.call", having=("channel_handle",)
-        )
+        found = ir_utils.ops_named(module, "func.call", *CHANNEL_OPS)
         info = ModuleInfo.of(module, found["func.call"])
         report = Report(source, info.num_partitions)
-        channels = ChannelAllocator(module, found["channel_handle"])
+        channels = ChannelAllocator(module, found)
         hw = cost.hardware(options.hardware)
         ctx = RewriteContext(
             channels.take,
