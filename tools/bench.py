@@ -159,13 +159,16 @@ def pass_cost(layers_list: list[int], variant_layers: int, repeats: int = 3) -> 
             "layers": layers,
             "sites": len(result.report.sites),
             "rewritten": len(result.report.rewritten),
+            # sites calling a shared ring function, and how many such functions (cmatmul_pass.sharing)
+            "shared": sum(1 for s in result.report.rewritten if s.shared_ring),
+            "ring_functions": len({s.shared_ring for s in result.report.rewritten if s.shared_ring}),
             "lower_s": lower_s,
             "compile_s": compile_s,
             "pass_s": pass_s,
         }
         row["pass_over_lower_compile"] = row["pass_s"] / (row["lower_s"] + row["compile_s"])
         out["per_layers"].append(row)
-        print(f"  L={layers:>2}: {row['sites']} sites, lower {row['lower_s']:.2f} s, compile {row['compile_s']:.2f} s, "
+        print(f"  L={layers:>2}: {row['sites']} sites ({row['shared']} calling {row['ring_functions']} shared rings), lower {row['lower_s']:.2f} s, compile {row['compile_s']:.2f} s, "
               f"pass {row['pass_s']:.3f} s ({100 * row['pass_over_lower_compile']:.2f} %)", flush=True)
         if layers == variant_layers:
             def compile_median(make) -> float:
