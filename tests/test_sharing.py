@@ -6,6 +6,8 @@ Numerics as in test_numerics (f32: normwise relative 1e-5), against the original
 import jax
 import jax.numpy as jnp
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import cmatmul_pass
@@ -166,4 +168,45 @@ def test_collectives_differing_only_in_channel_handle_share():
     result = cmatmul_pass.rewrite(renumbered)
     assert ring_functions(result.module) == {"cmatmul_ring_0": 2, "cmatmul_ring_1": 2}
     outcome = execute.check_numerics(ir_utils.parse(renumbered), result.module)
+    assert outcome.ok, outcome.format()
+
+
+# ---------------------------------------------------------------- property: layer stacks
+_LAYER = st.tuples(st.sampled_from([32, 64]), st.sampled_from(["default", "highest"]), st.booleans())
+
+
+def _stack(layers) -> str:
+    """SP MLP blocks, one per (ffn width, precision, relu instead of gelu), applied in turn."""
+    mesh = mesh_2x4()
+    rows = P("model", None)
+
+    def body(x, *weights):
+        for (ffn, precision, relu), w1, w2 in zip(layers, weights[0::2], weights[1::2]):
+            prec = jax.lax.Precision.HIGHEST if precision == "highest" else None
+            h = jnp.dot(gather(x, "model", 0), w1, precision=prec)
+            h = jax.nn.relu(h) if relu else jax.nn.gelu(h)
+            x = scatter(jnp.dot(h, w2, precision=prec), "model", 0)
+        return x
+
+    specs = [P(None, "model"), P("model", None)] * len(layers)
+    f = smap(body, mesh=mesh, in_specs=(rows, *specs), out_specs=rows)
+    weights = [arg(mesh, shape, spec) for ffn, _, _ in layers
+               for shape, spec in (((16, ffn), P(None, "model")), ((ffn, 16), P("model", None)))]
+    return lower(f, arg(mesh, (64, 16), rows), *weights)
+
+
+@settings(max_examples=8, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(_LAYER, min_size=2, max_size=4))
+def test_a_stack_shares_one_ring_per_repeated_pattern(layers):
+    """Each (ffn width, precision) seen twice or more gets one gather and one scatter ring
+    function; the activation lies outside the patterns, so it does not split them."""
+    text = _stack(layers)
+    result = cmatmul_pass.rewrite(text)
+    assert len(result.report.rewritten) == 2 * len(layers) and collectives_left(result.module) == 0
+    patterns = [(ffn, precision) for ffn, precision, _ in layers]
+    repeated = {p for p in patterns if patterns.count(p) > 1}
+    calls = ring_functions(result.module)
+    assert len(calls) == 2 * len(repeated)
+    assert sum(calls.values()) == 2 * sum(patterns.count(p) - 1 for p in repeated)
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
     assert outcome.ok, outcome.format()
