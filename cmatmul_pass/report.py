@@ -80,7 +80,11 @@ class Report:
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
     def summary(self) -> str:
-        return f"{len(self.rewritten)} of {len(self.sites)} candidate site(s) rewritten"
+        line = f"{len(self.rewritten)} of {len(self.sites)} candidate site(s) rewritten"
+        shared = [s.shared_ring for s in self.rewritten if s.shared_ring]
+        if shared:
+            line += f" ({len(shared)} calling {len(set(shared))} shared ring function(s))"
+        return line
 
 
 def element_bytes(element_type: ir.Type) -> int:

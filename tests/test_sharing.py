@@ -43,6 +43,7 @@ def test_repeated_layers_call_one_ring_per_pattern():
     assert {s.shared_ring for s in sites if s.kind == "dot_reduce_scatter"} - {None} == {"@cmatmul_ring_0"}
     assert {s.shared_ring for s in sites if s.kind == "all_gather_dot"} - {None} == {"@cmatmul_ring_1"}
     assert collectives_left(result.module) == 0
+    assert result.report.summary() == "6 of 6 candidate site(s) rewritten (4 calling 2 shared ring function(s))"
     # a sharing site reports the schedule and channels of the ring it calls
     first, shared = sites[0], sites[1]
     assert shared.schedule == first.schedule and shared.channel_handles
