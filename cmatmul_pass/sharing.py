@@ -44,7 +44,7 @@ FUNCTION_PREFIX = "cmatmul_ring_"
 class Pattern:
     """One site's ops as a unit a call can replace."""
 
-    ops: list[ir.Operation]  # block order
+    ops: list[ir.Operation]  # producers before their users (the order of the key and the clones)
     inputs: list[ir.Value]  # outside values the ops read, in first-use order
     outputs: list[ir.Value]  # results of the ops read outside them
     key: "Key"
@@ -69,7 +69,7 @@ class RingLibrary:
 
     def __init__(self, module: ir.Module):
         self.module = module
-        self._by_key: dict[tuple, object] = {}
+        self._by_key: dict[Key, SharedRing | str] = {}
         self._names: set[str] | None = None
 
     @staticmethod
