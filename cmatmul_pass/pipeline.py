@@ -188,7 +188,7 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
             unroll=options.rounds_per_trip,
         )
         verify = module if verify_each else None
-        predictions: dict = {}  # SiteShape -> (Prediction, its report entry)
+        predictions: dict = {}  # SiteShape or pattern key -> (SiteShape, Prediction, its report entry)
         rings = RingLibrary(module) if options.share_rings and not options.annotate_streams else None
 
         def rematch(op: ir.OpView) -> Site:  # a site's copy, in its ring function
@@ -197,7 +197,7 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
             return match_all_gather(op, info, assemble=options.assemble)
 
         def apply(site: Site) -> SiteReport:
-            return _apply(site, verify, ctx, source, options, hw, predictions, rings and (rings, rematch))
+            return _apply(site, verify, ctx, source, options, hw, predictions, (rings, rematch) if rings else None)
 
         # Scatters first: a dot between an all_gather and a reduce_scatter becomes the
         # scatter ring's peeled dot, which the gather's ring then computes (and the
