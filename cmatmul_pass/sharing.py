@@ -19,8 +19,8 @@ uniqued by MLIR, so equal means identical), the wiring, nested regions, and whic
 results leave the pattern.
 
 A site keeps its own ring (no call) when the call could not stand where the ring
-would: outside a Shardy fully-manual region (a partial-manual ring reads its position
-through a nested ``sdy.manual_computation``; the legacy partitioner sees only what
+would: in a partial-manual region (its ring reads its position through a nested
+``sdy.manual_computation``), in a module of the legacy partitioner (which sees only what
 ``@shmap_body`` holds), a scatter whose dot reads an all_gather (that gather's ring
 takes the scatter's peeled dot), an operand defined after the insertion point, or a
 result read before it.  Stream annotation turns sharing off: every site's permutes
@@ -67,14 +67,16 @@ _UNSHAREABLE = "unshareable"  # the function's re-match differed from the site's
 class RingLibrary:
     """The ring functions of one pass run, by pattern key."""
 
-    def __init__(self, module: ir.Module):
+    def __init__(self, module: ir.Module, shardy: bool):
+        """``shardy``: the module was lowered with Shardy (it declares an ``sdy.mesh``); the
+        legacy partitioner's modules keep every ring inline."""
         self.module = module
+        self.shardy = shardy
         self._by_key: dict[Key, SharedRing | str] = {}
         self._names: set[str] | None = None
 
-    @staticmethod
-    def pattern(site: AllGatherSite | ReduceScatterSite) -> Pattern | None:
-        return pattern_of(site)
+    def pattern(self, site: AllGatherSite | ReduceScatterSite) -> Pattern | None:
+        return pattern_of(site) if self.shardy else None
 
     def share(
         self,
@@ -177,7 +179,7 @@ def pattern_of(site: AllGatherSite | ReduceScatterSite) -> Pattern | None:
         at = anchor.operation
         ops = [*(t.dot.operation for t in site.terms), *(a.operation for a in reversed(site.adds)),
                *(s.op.operation for s in site.path), anchor.operation]
-    if at is None or not _in_shardy_manual_region(anchor):
+    if at is None:
         return None
     index = {op: None for op in ops}  # one dot may be reached along two layout paths
     ops = list(index)
@@ -281,15 +283,6 @@ class _Signature:
                 types.append(arg.type)
             blocks.append((tuple(types), tuple(self.op(op.operation, nested=True) for op in block.operations)))
         return tuple(blocks)
-
-
-def _in_shardy_manual_region(op: ir.OpView) -> bool:
-    parent = op.operation.parent
-    while parent is not None and parent.name != "func.func":
-        if parent.name == "sdy.manual_computation":
-            return True
-        parent = parent.parent
-    return False
 
 
 def _ancestor_in(op: ir.Operation, block: ir.Block) -> ir.Operation | None:

@@ -211,3 +211,42 @@ def test_a_stack_shares_one_ring_per_repeated_pattern(layers):
     assert sum(calls.values()) == 2 * sum(patterns.count(p) - 1 for p in repeated)
     outcome = execute.check_numerics(ir_utils.parse(text), result.module)
     assert outcome.ok, outcome.format()
+
+
+def test_sites_in_a_scan_body_share():
+    """One pattern before a lax.scan and twice in its body, which jax lowers to a private
+    function called from the loop: the first site keeps its ring, the two in the body call
+    the function."""
+    mesh = mesh_2x4()
+
+    def layer(h, w):
+        y = jnp.tanh(gather(h, "model", 0) @ w)
+        return jax.lax.dynamic_slice_in_dim(y, jax.lax.axis_index("model") * h.shape[0], h.shape[0], 0)
+
+    def body(x, w0, ws):
+        x = layer(x, w0)
+        return jax.lax.scan(lambda h, w: (layer(layer(h, w), w), None), x, ws)[0]
+
+    f = smap(body, mesh=mesh, in_specs=(P("model", None), P(), P()), out_specs=P("model", None))
+    text = lower(f, arg(mesh, (32, 16), P("model", None)), arg(mesh, (16, 16), P()), arg(mesh, (3, 16, 16), P()))
+    result = cmatmul_pass.rewrite(text)
+    assert len(result.report.rewritten) == 3
+    assert ring_functions(result.module) == {"cmatmul_ring_0": 2}
+    calls = [c for c in ir_utils.ops_named(result.module, "func.call")["func.call"]
+             if ir.FlatSymbolRefAttr(c.attributes["callee"]).value == "cmatmul_ring_0"]
+    assert len({ir_utils.enclosing_func_name(c) for c in calls} - {"main"}) == 1  # the scan body's function
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()
+
+
+def test_legacy_partitioner_modules_keep_every_ring_inline():
+    """Lowered without Shardy (``@shmap_body`` functions, no sdy.mesh): no ring functions."""
+    from tools.gen_samples import sp_mlp_layers, under_legacy_partitioner
+
+    text = under_legacy_partitioner(sp_mlp_layers)()
+    assert "sdy.mesh" not in text and "shmap_body" in text
+    result = cmatmul_pass.rewrite(text)
+    assert len(result.report.rewritten) == 6
+    assert not any(s.shared_ring for s in result.report.sites) and not ring_functions(result.module)
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()
