@@ -176,14 +176,7 @@ def run(module: ir.Module, inputs: Sequence[np.ndarray], devices: Sequence) -> l
 def median_seconds(run_once: Callable[[], object], runs: int, warmup: int = 1) -> float:
     """Median wall time of ``runs`` calls of ``run_once`` (which must wait for its results),
     after ``warmup`` untimed calls."""
-    for _ in range(warmup):
-        run_once()
-    samples = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        run_once()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return interleaved_medians({"run": run_once}, runs, warmup)["run"]
 
 
 def interleaved_medians(programs: dict[str, Callable[[], object]], runs: int, warmup: int = 1) -> dict[str, float]:

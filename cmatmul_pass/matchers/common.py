@@ -197,8 +197,8 @@ def _enclosing(parent: ir.Operation | None, info: ModuleInfo) -> tuple[frozenset
             if func_name in info.partial_manual_funcs:
                 legacy = func_name
         walk = walk.parent
-    found = info.regions[parent] = (frozenset(manual), mesh_name, legacy)
-    return found
+    info.regions[parent] = frozenset(manual), mesh_name, legacy
+    return info.regions[parent]
 
 
 def _manual_computation_mesh(op: ir.Operation) -> str | None:
