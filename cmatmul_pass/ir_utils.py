@@ -156,6 +156,28 @@ def dense_ints(attr: ir.Attribute) -> np.ndarray:
     return np.array(ir.DenseIntElementsAttr(attr), dtype=np.int64)
 
 
+def ancestor_in(op: ir.Operation | ir.OpView, block: ir.Block) -> ir.Operation | None:
+    """``op`` itself, or its ancestor that sits in ``block``; None when ``op`` is not nested in it."""
+    op = op.operation
+    while op.block != block:
+        parent = op.parent
+        if parent is None:
+            return None
+        op = parent.operation
+    return op
+
+
+def defined_before(value: ir.Value, anchor: ir.Operation) -> bool:
+    """Is ``value`` available just before ``anchor`` (a value ``anchor``'s block can read)?"""
+    owner = value.owner
+    if isinstance(owner, ir.Block):
+        return True  # a block argument of this block or of an enclosing one
+    owner = owner.operation
+    if owner.block == anchor.block:
+        return owner.is_before_in_block(anchor)
+    return True  # defined in an enclosing block: it dominates the whole region
+
+
 def users(value: ir.Value) -> list[ir.OpView]:
     """Distinct ops using ``value``, in use order."""
     seen: list[ir.OpView] = []

@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from . import ir_utils
 from ._jax_private import func, ir
 from .layout import is_layout_op
 from .matchers import FULLY_MANUAL, AllGatherSite, ReduceScatterSite, Site
@@ -194,13 +195,10 @@ def pattern_of(site: AllGatherSite | ReduceScatterSite) -> Pattern | None:
     if signature.captures:
         return None
     for value in signature.inputs:
-        owner = value.owner
-        if not isinstance(owner, ir.Block):
-            owner = owner.operation
-            if owner in index:
-                return None  # a producer after its user in ``ops``: not a pattern this module clones
-            if owner.block == block and not owner.is_before_in_block(at):
-                return None  # not defined yet where the call would go
+        if not isinstance(value.owner, ir.Block) and value.owner.operation in index:
+            return None  # a producer after its user in ``ops``: not a pattern this module clones
+        if not ir_utils.defined_before(value, at):
+            return None  # not defined yet where the call would go
     if isinstance(site, ReduceScatterSite) and any(_from_all_gather(v) for v in signature.inputs):
         return None
     outputs, leaving = [], []
@@ -285,16 +283,9 @@ class _Signature:
         return tuple(blocks)
 
 
-def _ancestor_in(op: ir.Operation, block: ir.Block) -> ir.Operation | None:
-    while op is not None and op.block != block:
-        parent = op.parent
-        op = parent.operation if parent is not None else None
-    return op
-
-
 def _before(user: ir.Operation, at: ir.Operation, block: ir.Block) -> bool:
     """Does ``user`` (or its ancestor in ``block``) come before ``at``?"""
-    mine = _ancestor_in(user, block)
+    mine = ir_utils.ancestor_in(user, block)
     return mine is None or mine.is_before_in_block(at)
 
 

@@ -155,13 +155,14 @@ def pass_cost(layers_list: list[int], variant_layers: int, repeats: int = 3) -> 
             t4 = time.perf_counter()
             samples.append((t1 - t0, t2 - t1, t4 - t3))
         lower_s, compile_s, pass_s = (statistics.median(s[i] for s in samples) for i in range(3))
+        shared = [s.shared_ring for s in result.report.rewritten if s.shared_ring]
         row = {
             "layers": layers,
             "sites": len(result.report.sites),
             "rewritten": len(result.report.rewritten),
             # sites calling a shared ring function, and how many such functions (cmatmul_pass.sharing)
-            "shared": sum(1 for s in result.report.rewritten if s.shared_ring),
-            "ring_functions": len({s.shared_ring for s in result.report.rewritten if s.shared_ring}),
+            "shared": len(shared),
+            "ring_functions": len(set(shared)),
             "lower_s": lower_s,
             "compile_s": compile_s,
             "pass_s": pass_s,

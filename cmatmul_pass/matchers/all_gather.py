@@ -255,12 +255,12 @@ def _schedulable(tree: _Tree, block: ir.Block) -> tuple[list[Consumer], ir.Opera
     included = sorted(tree.candidates, key=_BlockOrder)
     while included:
         chosen = set(included)
-        readers = [_in_block(u.op, block) for u in tree.roots if u.alive(chosen)]
+        readers = [ir_utils.ancestor_in(u.op, block) for u in tree.roots if u.alive(chosen)]
         first = min([c.dot.operation for c in included] + readers, key=_OpOrder)
         kept = [
             c
             for c in included
-            if c.dot.operation == first or _defined_before(c.dot.operation.operands[1 - c.operand_index], first)
+            if c.dot.operation == first or ir_utils.defined_before(c.dot.operation.operands[1 - c.operand_index], first)
         ]
         if len(kept) == len(included):
             return included, first
@@ -280,21 +280,3 @@ class _OpOrder:
 
 def _BlockOrder(consumer: Consumer) -> _OpOrder:
     return _OpOrder(consumer.dot.operation)
-
-
-def _in_block(op: ir.OpView, block: ir.Block) -> ir.Operation:
-    """``op`` itself, or its ancestor that sits in ``block``."""
-    op = op.operation
-    while op.block != block:
-        op = op.parent.operation
-    return op
-
-
-def _defined_before(value: ir.Value, anchor: ir.Operation) -> bool:
-    owner = value.owner
-    if isinstance(owner, ir.Block):
-        return True  # a block argument of this block or of an enclosing one
-    owner = owner.operation
-    if owner.block == anchor.block:
-        return owner.is_before_in_block(anchor)
-    return True  # defined in an enclosing block: it dominates the whole region
