@@ -11,6 +11,12 @@ from .errors import InputError
 
 BYTECODE_MAGIC = b"ML\xefR"
 
+#: The StableHLO ops that carry a ``channel_handle`` (the spec's collectives and send/recv).
+CHANNEL_OPS = (
+    "stablehlo.all_gather", "stablehlo.all_reduce", "stablehlo.reduce_scatter", "stablehlo.all_to_all",
+    "stablehlo.collective_permute", "stablehlo.collective_broadcast", "stablehlo.send", "stablehlo.recv",
+)
+
 
 def parse(data: str | bytes, *, source: str = "<input>", context: ir.Context | None = None) -> ir.Module:
     """Parse StableHLO text, MLIR bytecode or a portable (VHLO) artifact.

@@ -105,22 +105,15 @@ class RewriteResult:
         return bool(self.report.rewritten)
 
 
-#: The StableHLO ops that carry a ``channel_handle`` (the spec's collectives and send/recv).
-CHANNEL_OPS = (
-    "stablehlo.all_gather", "stablehlo.all_reduce", "stablehlo.reduce_scatter", "stablehlo.all_to_all",
-    "stablehlo.collective_permute", "stablehlo.collective_broadcast", "stablehlo.send", "stablehlo.recv",
-)
-
-
 class ChannelAllocator:
     """Fresh channel handles, above every handle already in the module (``found``: its
-    CHANNEL_OPS by name, when the caller has walked it already)."""
+    ir_utils.CHANNEL_OPS by name, when the caller has walked it already)."""
 
     def __init__(self, module: ir.Module, found: dict[str, list[ir.OpView]] | None = None):
-        found = found if found is not None else ir_utils.ops_named(module, *CHANNEL_OPS)
+        found = found if found is not None else ir_utils.ops_named(module, *ir_utils.CHANNEL_OPS)
         handles = [
             hlo.ChannelHandle(op.operation.attributes["channel_handle"]).handle
-            for name in CHANNEL_OPS
+            for name in ir_utils.CHANNEL_OPS
             for op in found[name]
             if "channel_handle" in op.operation.attributes
         ]
@@ -176,7 +169,7 @@ def rewrite(
 def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool) -> RewriteResult:
     # Unknown is only the default for type construction; every op gets an explicit loc.
     with module.context, ir.Location.unknown():
-        found = ir_utils.ops_named(module, "func.call", *CHANNEL_OPS)
+        found = ir_utils.ops_named(module, "func.call", *ir_utils.CHANNEL_OPS)
         info = ModuleInfo.of(module, found["func.call"])
         report = Report(source, info.num_partitions)
         channels = ChannelAllocator(module, found)

@@ -74,10 +74,16 @@ class RingLibrary:
         self.module = module
         self.shardy = shardy
         self._by_key: dict[Key, SharedRing | str] = {}
+        self._keys: dict[Key, Key] = {}
         self._names: set[str] | None = None
 
     def pattern(self, site: AllGatherSite | ReduceScatterSite) -> Pattern | None:
-        return pattern_of(site) if self.shardy else None
+        pattern = pattern_of(site) if self.shardy else None
+        if pattern is not None:
+            # one key object per pattern: later dict lookups with it compare by identity,
+            # not element by element
+            pattern.key = self._keys.setdefault(pattern.key, pattern.key)
+        return pattern
 
     def share(
         self,
@@ -182,32 +188,40 @@ def pattern_of(site: AllGatherSite | ReduceScatterSite) -> Pattern | None:
                *(s.op.operation for s in site.path), anchor.operation]
     if at is None:
         return None
-    index = {op: None for op in ops}  # one dot may be reached along two layout paths
-    ops = list(index)
+    ops = list(dict.fromkeys(ops))  # one dot may be reached along two layout paths
     block = at.block
+    index = {}
     for i, op in enumerate(ops):
         if op.block != block:
             return None
         index[op] = i
 
     signature = _Signature()
-    key = tuple(signature.op(op) for op in ops)
+    key = tuple([signature.op(op) for op in ops])
     if signature.captures:
         return None
     for value in signature.inputs:
-        if not isinstance(value.owner, ir.Block) and value.owner.operation in index:
+        owner = value.owner
+        if isinstance(owner, ir.Block):
+            continue  # an argument of this block or an enclosing one: available everywhere in it
+        owner = owner.operation
+        if owner in index:
             return None  # a producer after its user in ``ops``: not a pattern this module clones
-        if not ir_utils.defined_before(value, at):
-            return None  # not defined yet where the call would go
+        if owner.block == block and not owner.is_before_in_block(at):
+            return None  # not defined yet where the call would go (outer blocks' values dominate)
     if isinstance(site, ReduceScatterSite) and any(_from_all_gather(v) for v in signature.inputs):
         return None
     outputs, leaving = [], []
     for i, op in enumerate(ops):
         for result in op.results:
-            outside = [use.owner.operation for use in result.uses if use.owner.operation not in index]
-            if outside:
-                if any(_before(user, at, block) for user in outside):
-                    return None  # read before the ring's place
+            read_outside = False
+            for use in result.uses:
+                user = use.owner.operation
+                if user not in index:
+                    if _before(user, at, block):
+                        return None  # read before the ring's place
+                    read_outside = True
+            if read_outside:
                 outputs.append(result)
                 leaving.append((i, result.result_number))
     return Pattern(ops, signature.inputs, outputs, Key((site.kind, key, tuple(leaving))), at, anchor)
@@ -233,6 +247,7 @@ class Key:
 #: A collective's channel handle is its identity, not part of what it computes: the ring replaces
 #: the collective and its permutes take fresh handles, so sites differing only there share.
 _ANY_CHANNEL = "<channel>"
+_CHANNEL_OPS = frozenset(ir_utils.CHANNEL_OPS)
 
 
 class _Signature:
@@ -257,18 +272,17 @@ class _Signature:
                 self.inputs.append(value)
             wiring.append(token)
         number = self._count
-        self._count += 1
+        self._count = number + 1
+        name = op.name
+        attributes = tuple(op.attributes.items())
+        if name in _CHANNEL_OPS:
+            attributes = tuple((n, _ANY_CHANNEL if n == "channel_handle" else a) for n, a in attributes)
         regions = op.regions
-        attributes = tuple(
-            (name, _ANY_CHANNEL if name == "channel_handle" else value) for name, value in op.attributes.items()
-        )
-        key = (op.name, attributes, tuple(wiring),
-               tuple(self._region(r) for r in regions) if len(regions) else ())
-        results = []
-        for i, r in enumerate(op.results):
+        inner = tuple([self._region(r) for r in regions]) if len(regions) else ()
+        results = op.results
+        for i, r in enumerate(results):
             tokens[r] = (number, i)
-            results.append(r.type)
-        return (*key, tuple(results))
+        return (name, attributes, tuple(wiring), inner, tuple([r.type for r in results]))
 
     def _region(self, region: ir.Region) -> tuple:
         blocks = []

@@ -29,13 +29,11 @@ from ..layout import LayoutStep, forward_dim, is_layout_op
 from ..ring import Ring
 from .common import (
     DeclinedSite,
+    DotDims,
     ManualRegion,
     ModuleInfo,
     collective_ring,
     describe_op,
-    dot_dims,
-    free_dims,
-    free_result_offset,
     static_tensor,
 )
 
@@ -102,7 +100,7 @@ def match_all_gather(op: ir.OpView, info: ModuleInfo, *, assemble: bool = True) 
     ring = None
     try:
         ring, region = collective_ring(op, info)
-        return _match(op, ring, region, assemble)
+        return _match(op, ring, region, assemble, info)
     except Decline as d:
         return DeclinedSite(ALL_GATHER_DOT, op, d.code, d.message, ring)
 
@@ -133,13 +131,14 @@ class _Use:
 
 @dataclass
 class _Tree:
+    info: ModuleInfo
     roots: list[_Use] = field(default_factory=list)
     candidates: list[Consumer] = field(default_factory=list)
     rejected: list[Decline] = field(default_factory=list)
     nodes: list[LayoutStep] = field(default_factory=list)
 
 
-def _match(ag: ir.OpView, ring: Ring, region: ManualRegion, assemble: bool) -> AllGatherSite:
+def _match(ag: ir.OpView, ring: Ring, region: ManualRegion, assemble: bool, info: ModuleInfo) -> AllGatherSite:
     shard_t = static_tensor(ag.operation.operands[0], "the all_gather operand")
     result_t = static_tensor(ag.result, "the all_gather result")
     gather_dim = ir_utils.int_attr(ag, "all_gather_dim")
@@ -148,7 +147,7 @@ def _match(ag: ir.OpView, ring: Ring, region: ManualRegion, assemble: bool) -> A
     if not list(ag.result.uses):
         raise Decline("no_users", "the gathered value is unused")
 
-    tree = _Tree()
+    tree = _Tree(info)
     block = ag.operation.block
     tree.roots = _visit(tree, ag.result, gather_dim, (), block, ring.size)
     _drop_dots_reading_twice(tree)
@@ -187,7 +186,7 @@ def _visit(tree: _Tree, value: ir.Value, dim: int, path: tuple[LayoutStep, ...],
                 tree.rejected.append(Decline("other_block", "the dot reading the gathered value is in another region"))
         elif name == DOT:
             try:
-                use.consumer = _consumer(user, value, dim, path)
+                use.consumer = _consumer(user, value, dim, path, tree.info)
                 tree.candidates.append(use.consumer)
             except Decline as d:
                 tree.rejected.append(d)
@@ -224,22 +223,21 @@ def _drop_dots_reading_twice(tree: _Tree) -> None:
         demote(root)
 
 
-def _consumer(dot: ir.OpView, value: ir.Value, dim: int, path: tuple[LayoutStep, ...]) -> Consumer:
+def _consumer(dot: ir.OpView, value: ir.Value, dim: int, path: tuple[LayoutStep, ...], info: ModuleInfo) -> Consumer:
     operands = list(dot.operation.operands)
     sides = [i for i, v in enumerate(operands) if v == value]
     if len(sides) != 1:
         raise Decline("both_operands", "the gathered value is both operands of the dot")
     index = sides[0]
-    for v in operands:
-        static_tensor(v, "a dot operand")
-    batch, contracting = dot_dims(dot, index)
+    dims = DotDims.of(dot, info)
+    batch, contracting = dims.batch[index], dims.contracting[index]
     side = "lhs" if index == 0 else "rhs"
     if dim in batch:
         raise Decline("batch_dim", f"the gathered dim {dim} is a batch dim of the dot's {side}")
     if dim in contracting:
-        _, other_contracting = dot_dims(dot, 1 - index)
-        return Consumer(dot, path, index, dim, "contracting", other_dim=other_contracting[contracting.index(dim)])
-    result_dim = free_result_offset(dot, index) + free_dims(dot, index).index(dim)
+        other_dim = dims.contracting[1 - index][contracting.index(dim)]
+        return Consumer(dot, path, index, dim, "contracting", other_dim=other_dim)
+    result_dim = dims.free_result_offset(index) + dims.free(index).index(dim)
     return Consumer(dot, path, index, dim, "free", result_dim=result_dim)
 
 

@@ -33,6 +33,8 @@ class ModuleInfo:
     regions: dict = field(default_factory=dict, compare=False, repr=False)
     #: replica_groups attribute -> its Ring, or the Decline it raised: built once per distinct groups
     rings: dict = field(default_factory=dict, compare=False, repr=False)
+    #: dot_dimension_numbers attribute -> its (batch, contracting) dims per operand: read once
+    dot_numbers: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, module: ir.Module, calls: list[ir.OpView] | None = None) -> "ModuleInfo":
@@ -220,41 +222,52 @@ def static_tensor(value: ir.Value, what: str) -> ir.RankedTensorType:
     return t
 
 
-def dot_dims(dot: ir.OpView, operand_index: int) -> tuple[list[int], list[int]]:
-    """(batch, contracting) dims of one dot operand."""
-    dnums = hlo.DotDimensionNumbers(dot.attributes["dot_dimension_numbers"])
-    side = "lhs" if operand_index == 0 else "rhs"
-    return list(getattr(dnums, f"{side}_batching_dimensions")), list(getattr(dnums, f"{side}_contracting_dimensions"))
+@dataclass(frozen=True)
+class DotDims:
+    """A dot_general's dimension numbers, read once: (batch, contracting) per operand and the ranks."""
 
+    batch: tuple[tuple[int, ...], tuple[int, ...]]
+    contracting: tuple[tuple[int, ...], tuple[int, ...]]
+    ranks: tuple[int, int]
 
-def free_dims(dot: ir.OpView, operand_index: int) -> list[int]:
-    batch, contracting = dot_dims(dot, operand_index)
-    rank = ir_utils.ranked_tensor(dot.operation.operands[operand_index]).rank
-    return [d for d in range(rank) if d not in batch and d not in contracting]
+    @classmethod
+    def of(cls, dot: ir.OpView, info: ModuleInfo) -> "DotDims":
+        """Declines a dot whose operands are not statically shaped tensors."""
+        attr = dot.attributes["dot_dimension_numbers"]
+        numbers = info.dot_numbers.get(attr)
+        if numbers is None:
+            d = hlo.DotDimensionNumbers(attr)
+            numbers = info.dot_numbers[attr] = (
+                (tuple(d.lhs_batching_dimensions), tuple(d.rhs_batching_dimensions)),
+                (tuple(d.lhs_contracting_dimensions), tuple(d.rhs_contracting_dimensions)),
+            )
+        lhs, rhs = (static_tensor(v, "a dot operand") for v in dot.operation.operands)
+        return cls(*numbers, (lhs.rank, rhs.rank))
 
+    def free(self, operand_index: int) -> list[int]:
+        batch, contracting = self.batch[operand_index], self.contracting[operand_index]
+        return [d for d in range(self.ranks[operand_index]) if d not in batch and d not in contracting]
 
-def free_result_offset(dot: ir.OpView, operand_index: int) -> int:
-    """Where an operand's free dims start in the dot result ([batch..., lhs free..., rhs free...])."""
-    batch, _ = dot_dims(dot, 0)
-    offset = len(batch)
-    if operand_index == 1:
-        offset += len(free_dims(dot, 0))
-    return offset
+    def free_result_offset(self, operand_index: int) -> int:
+        """Where an operand's free dims start in the dot result ([batch..., lhs free..., rhs free...])."""
+        offset = len(self.batch[0])
+        if operand_index == 1:
+            offset += len(self.free(0))
+        return offset
 
+    def result_dim_source(self, result_dim: int) -> tuple[str, int, int]:
+        """Which operand dim a dot result dim comes from: ``(role, operand_index, operand_dim)``.
 
-def result_dim_source(dot: ir.OpView, result_dim: int) -> tuple[str, int, int]:
-    """Which operand dim a dot result dim comes from: ``(role, operand_index, operand_dim)``.
-
-    ``role`` is ``"batch"`` (then ``operand_index`` is 0, the lhs) or ``"free"``.
-    """
-    batch, _ = dot_dims(dot, 0)
-    if result_dim < len(batch):
-        return "batch", 0, batch[result_dim]
-    lhs_free = free_dims(dot, 0)
-    k = result_dim - len(batch)
-    if k < len(lhs_free):
-        return "free", 0, lhs_free[k]
-    return "free", 1, free_dims(dot, 1)[k - len(lhs_free)]
+        ``role`` is ``"batch"`` (then ``operand_index`` is 0, the lhs) or ``"free"``.
+        """
+        batch = self.batch[0]
+        if result_dim < len(batch):
+            return "batch", 0, batch[result_dim]
+        lhs_free = self.free(0)
+        k = result_dim - len(batch)
+        if k < len(lhs_free):
+            return "free", 0, lhs_free[k]
+        return "free", 1, self.free(1)[k - len(lhs_free)]
 
 
 def describe_op(op: ir.OpView, source: str | None = None) -> str:

@@ -18,7 +18,7 @@ from .._jax_private import ir
 from ..errors import Decline
 from ..layout import LayoutStep, backward_dim, is_layout_op
 from ..ring import Ring
-from .common import DeclinedSite, ManualRegion, ModuleInfo, collective_ring, result_dim_source, static_tensor
+from .common import DeclinedSite, DotDims, ManualRegion, ModuleInfo, collective_ring, static_tensor
 
 DOT_REDUCE_SCATTER = "dot_reduce_scatter"
 SHARDING_CONSTRAINT = "sdy.sharding_constraint"
@@ -75,12 +75,12 @@ def match_reduce_scatter(op: ir.OpView, info: ModuleInfo) -> ReduceScatterSite |
     ring = None
     try:
         ring, region = collective_ring(op, info)
-        return _match(op, ring, region)
+        return _match(op, ring, region, info)
     except Decline as d:
         return DeclinedSite(DOT_REDUCE_SCATTER, op, d.code, d.message, ring)
 
 
-def _match(rs: ir.OpView, ring: Ring, region: ManualRegion) -> ReduceScatterSite:
+def _match(rs: ir.OpView, ring: Ring, region: ManualRegion, info: ModuleInfo) -> ReduceScatterSite:
     n = ring.size
     if not region_is_sum(rs):
         raise Decline("not_sum", "the reduce_scatter's reduction is not a sum (stablehlo.add of its two arguments)")
@@ -107,7 +107,7 @@ def _match(rs: ir.OpView, ring: Ring, region: ManualRegion) -> ReduceScatterSite
         value, dim = owner.operation.operands[0], in_dim
     adds: list[ir.OpView] = []
     dots = _sum_leaves(owner, adds)
-    terms = tuple(_term(dot, dim, rs) for dot in dots)
+    terms = tuple(_term(dot, dim, rs, info) for dot in dots)
     return ReduceScatterSite(rs, terms, tuple(adds), tuple(path), ring, region, scatter_dim)
 
 
@@ -127,12 +127,10 @@ def _sum_leaves(op: ir.OpView, adds: list[ir.OpView]) -> list[ir.OpView]:
     return dots
 
 
-def _term(dot: ir.OpView, dim: int, rs: ir.OpView) -> Term:
+def _term(dot: ir.OpView, dim: int, rs: ir.OpView, info: ModuleInfo) -> Term:
     if dot.operation.block != rs.operation.block:
         raise Decline("other_block", "the dot is in a different block from the reduce_scatter")
-    for v in dot.operation.operands:
-        static_tensor(v, "a dot operand")
-    role, index, operand_dim = result_dim_source(dot, dim)
+    role, index, operand_dim = DotDims.of(dot, info).result_dim_source(dim)
     if role == "batch":
         raise Decline("batch_dim", f"the scattered dim comes from batch dim {operand_dim} of the dot")
     producer = dot.operation.operands[index].owner
