@@ -16,6 +16,7 @@ def test_bench_smoke(tmp_path):
     (row,) = results["pass_cost"]["per_layers"]
     assert row["layers"] == 1 and row["rewritten"] == row["sites"] > 0
     assert 0 <= row["ring_functions"] <= row["shared"] < row["sites"]
+    assert row["parse_print_s"] > 0 and row["parse_print_over_lower_compile"] > 0
     assert set(results["pass_cost"]["compile_ratio"]) == set(bench.VARIANTS)
     assert results["pass_cost"]["compile_ratio_hand_written_rings"] > 0
     assert set(results["samples"]) == {"ag_dot_1d", "rs_dot_1d"}

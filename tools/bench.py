@@ -7,8 +7,9 @@ Everything is measured in one process and reported as ratios (results in bench/r
    one gathered input, an output projection, a SwiGLU MLP, sequence parallel, forward and
    backward: 8 sites per layer) with L = 1, 4, 16, 32 layers.  For each (the median of
    ``--repeats`` cold starts): ``jax.jit`` lower and compile time, ``cmatmul_pass.rewrite`` time
-   on the lowered text (parse, rewrite, verify, print), their ratio, the scaling time(32)/time(8), and the compile time of the rewritten module
-   per variant relative to the original's.
+   on the lowered text (parse, rewrite, verify, print; and how much of it parsing and printing
+   alone take), their ratio, the scaling time(32)/time(8), and the compile time of the rewritten
+   module per variant relative to the original's.
 2. **CPU run time.**  Every positive sample under every variant: rewritten / original wall time
    (median of ``--runs`` runs after a warm-up, on the 8 CPU devices).  And one larger
    column-parallel layer three ways: the plain all_gather + dot, the pass's output per variant,
@@ -151,10 +152,13 @@ def pass_cost(layers_list: list[int], variant_layers: int, repeats: int = 3) -> 
             text = lowered.as_text()
             t3 = time.perf_counter()
             result = cmatmul_pass.rewrite(text)
-            _ = result.text
             t4 = time.perf_counter()
-            samples.append((t1 - t0, t2 - t1, t4 - t3))
-        lower_s, compile_s, pass_s = (statistics.median(s[i] for s in samples) for i in range(3))
+            _ = result.text
+            t5 = time.perf_counter()
+            ir_utils.parse(text)  # what parsing alone costs (context included), for the split below
+            t6 = time.perf_counter()
+            samples.append((t1 - t0, t2 - t1, t5 - t3, (t6 - t5) + (t5 - t4)))
+        lower_s, compile_s, pass_s, parse_print_s = (statistics.median(s[i] for s in samples) for i in range(4))
         shared = [s.shared_ring for s in result.report.rewritten if s.shared_ring]
         row = {
             "layers": layers,
@@ -166,11 +170,15 @@ def pass_cost(layers_list: list[int], variant_layers: int, repeats: int = 3) -> 
             "lower_s": lower_s,
             "compile_s": compile_s,
             "pass_s": pass_s,
+            # of which parsing the text and printing the result (the rest: matching, rewriting, verifying)
+            "parse_print_s": parse_print_s,
         }
         row["pass_over_lower_compile"] = row["pass_s"] / (row["lower_s"] + row["compile_s"])
+        row["parse_print_over_lower_compile"] = parse_print_s / (row["lower_s"] + row["compile_s"])
         out["per_layers"].append(row)
         print(f"  L={layers:>2}: {row['sites']} sites ({row['shared']} calling {row['ring_functions']} shared rings), lower {row['lower_s']:.2f} s, compile {row['compile_s']:.2f} s, "
-              f"pass {row['pass_s']:.3f} s ({100 * row['pass_over_lower_compile']:.2f} %)", flush=True)
+              f"pass {row['pass_s']:.3f} s ({100 * row['pass_over_lower_compile']:.2f} %; parse + print "
+              f"{100 * row['parse_print_over_lower_compile']:.2f} %)", flush=True)
         if layers == variant_layers:
             def compile_median(make) -> float:
                 return statistics.median(compile_seconds(make()) for _ in range(repeats))
@@ -268,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     parser.add_argument("--variant-layers", type=int, default=4, help="L at which to compare compile times per variant")
     parser.add_argument("--runs", type=int, default=7)
-    parser.add_argument("--repeats", type=int, default=3, help="cold starts per L for the pass-cost medians")
+    parser.add_argument("--repeats", type=int, default=5, help="cold starts per L for the pass-cost medians")
     parser.add_argument("--quick", action="store_true", help="L = 1, 4 only and 5 runs (a smoke test)")
     parser.add_argument("--samples", nargs="*", help="only these samples (default: every positive one)")
     parser.add_argument("--layer", type=int, nargs=3, default=[1024, 512, 1024], metavar=("ROWS", "HIDDEN", "OUT"))
