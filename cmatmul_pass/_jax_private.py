@@ -48,8 +48,15 @@ __all__ = [
 
 
 def make_context() -> ir.Context:
-    """A context with every dialect JAX emits (stablehlo, sdy, func, chlo, ...) registered."""
-    return _jmlir.make_ir_context()
+    """A context with every dialect JAX emits (stablehlo, sdy, func, chlo, ...) registered.
+
+    Single-threaded: the pass parses, verifies and prints one module, whose bulk is one
+    function, so MLIR's thread pool only adds its synchronisation (measured at 32 layers:
+    parsing and verifying take 2 ms less without it).
+    """
+    context = _jmlir.make_ir_context()
+    context.enable_multithreading(False)
+    return context
 
 
 def deserialize_portable_artifact(context: ir.Context, data: bytes) -> ir.Module:
