@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 import cmatmul_pass
@@ -14,6 +15,7 @@ from cmatmul_pass.cli import render_with_args
 from tools.golden import (
     GOLDEN_BEGIN,
     GOLDEN_END,
+    HLO_GOLDENS_JAX,
     begin_marker,
     dead_directives,
     expectation,
@@ -48,6 +50,9 @@ BLOCKS = [(path, prefix, args) for path in SAMPLES for prefix, args in golden_bl
 def test_sample_filecheck(path, golden, args, kind):
     """Every golden block: the pass run with the block's options, FileCheck'd against the block
     (``golden``) and against the variant's hand-stated intent lines (``intent``)."""
+    if kind == "golden" and "--emit hlo" in " ".join(args) and jax.__version__ != HLO_GOLDENS_JAX:
+        pytest.skip(f"the HLO golden is XLA's converter text under jax {HLO_GOLDENS_JAX} (its output differs by "
+                    "release); the block's intent checks still run")
     text = path.read_text()
     prefix = golden if kind == "golden" else intent_prefix(golden)
     assert f"// {prefix}:" in text or f"// {prefix}-" in text, f"{path.name} has no {prefix} lines"

@@ -53,6 +53,17 @@ class Sample:
     expect: str  # "rewritten N" or "unchanged <code>"
     checks: list[str] = field(default_factory=list)
     variants: list[Variant] = field(default_factory=list)
+    #: the jax release series whose lowering the sample records ("0.11": collectives name their groups
+    #: by mesh axes); "" for samples any supported jax lowers alike enough
+    jax: str = ""
+
+    def lowerable(self) -> bool:
+        """Does the installed jax lower this sample the way it records?"""
+        return not self.jax or _release(jax.__version__) >= _release(self.jax)
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split(".")[:2])
 
 
 def smap(body, **kwargs):
@@ -952,6 +963,20 @@ SAMPLES_LIST = [
            sp_mlp, "rewritten 2", gone("all_gather", "reduce_scatter")),
     Sample("sp_mlp_grad", "value_and_grad of the SP MLP: forward and backward gathers and scatters, all rewritten.",
            sp_mlp_grad, "rewritten 4", gone("all_gather", "reduce_scatter") + ["CHECK: stablehlo.all_reduce"]),
+    # jax >= 0.11 names a collective's groups by mesh axes (#stablehlo.replica_group_mesh_axes)
+    Sample("sp_mlp_grad_jax011", "value_and_grad of the SP MLP as jax 0.11 lowers it: every collective's groups "
+           "name the mesh axis 'model' instead of listing devices.",
+           sp_mlp_grad, "rewritten 4", gone("all_gather", "reduce_scatter") + ["CHECK: stablehlo.all_reduce"],
+           jax="0.11"),
+    Sample("ag_dot_mesh2x4_data_strided_jax011", "jax 0.11: gather over the non-minor mesh axis 'data', groups "
+           "by mesh axes; the ring is the strided one [[0,4],...].",
+           mesh2x4_data_strided, "rewritten 1",
+           ["CHECK-NOT: stablehlo.while", 'CHECK: "stablehlo.collective_permute"',
+            f"CHECK-SAME: source_target_pairs = dense<{escape(PAIRS_2X4_DATA)}>"] + gone("all_gather", "while"),
+           jax="0.11"),
+    Sample("ag_dot_permuted_groups_jax011", "jax 0.11: gather over ('model', 'data'), groups by mesh axes in that "
+           "order; the ring is [0,4,1,5,2,6,3,7].",
+           permuted_groups, "rewritten 1", ring_checks(PAIRS_MODEL_DATA, 7), jax="0.11"),
     Sample("sp_mlp_layers", "three SP MLP blocks of one shape: the first block's rings inline, the later blocks "
            "call one shared ring function per pattern.",
            sp_mlp_layers, "rewritten 6",
@@ -994,6 +1019,7 @@ def render(sample: Sample, module_text: str) -> str:
             f"--check-prefixes {v.prefix},{v.prefix}_GOLDEN"
             for v in sample.variants
         ),
+        *([f"// Lowered by jax {jax.__version__}: regenerate with jax >= {sample.jax} installed."] if sample.jax else []),
         f"// EXPECT: {sample.expect}",
         "",
         *(f"// {c}" for c in sample.checks),
@@ -1013,6 +1039,9 @@ def main(names: list[str]) -> None:
         if names and sample.name not in names:
             continue
         path = SAMPLES / f"{sample.name}.mlir"
+        if not sample.lowerable():
+            print(f"kept {path.relative_to(ROOT)}: it records jax >= {sample.jax}'s lowering (this is jax {jax.__version__})")
+            continue
         path.write_text(render(sample, sample.build()))
         print(f"wrote {path.relative_to(ROOT)}")
 

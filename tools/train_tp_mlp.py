@@ -81,7 +81,9 @@ def init(mesh, seed):
 def make_step(apply, optimizer):
     def loss_fn(params, x, y):
         logits = apply(params, x)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        # one-hot rather than optax's integer-label gather: with jax >= 0.11's sharding in types, the
+        # gather's gradient (a scatter into the batch-sharded logits) has no unambiguous sharding
+        return optax.softmax_cross_entropy(logits, jax.nn.one_hot(y, CLASSES)).mean()
 
     def train_step(params, opt_state, x, y):
         loss, grads = jax.value_and_grad(loss_fn)(params, x, y)

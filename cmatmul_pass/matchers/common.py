@@ -9,7 +9,7 @@ import numpy as np
 from .. import ir_utils
 from .._jax_private import hlo, ir, sdy
 from ..errors import Decline
-from ..ring import Ring, ring_from_replica_groups
+from ..ring import Ring, groups_from_mesh_axes, ring_from_replica_groups
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,9 @@ class ModuleInfo:
 
     ``meshes``: Shardy mesh name -> {axis: size} (axes in mesh order); ``mesh_device_ids``:
     mesh name -> explicit device ids (empty for the default iota order).
-    ``partial_manual_funcs``: legacy ``@shmap_body``-style functions entered through
+    ``stablehlo_meshes``: the same meshes as their ``stablehlo.mesh`` attribute states them (what
+    XLA reads for groups named by mesh axes), None where the attribute is missing or says more
+    than the axes.  ``partial_manual_funcs``: legacy ``@shmap_body``-style functions entered through
     ``SPMDFullToShardShape`` with a sharding other than ``{manual}`` (a partial-manual
     shard_map).
     """
@@ -28,6 +30,7 @@ class ModuleInfo:
     meshes: dict[str, dict[str, int]]
     mesh_device_ids: dict[str, list[int]]
     partial_manual_funcs: frozenset[str]
+    stablehlo_meshes: dict[str, dict[str, int] | None] = field(default_factory=dict)
     #: an op's parent op -> (manual axes, mesh name, legacy partial-manual func) of the regions
     #: around it: walked once per parent, not per site
     regions: dict = field(default_factory=dict, compare=False, repr=False)
@@ -41,25 +44,41 @@ class ModuleInfo:
         """``calls``: the module's ``func.call`` ops, when the caller has walked it already."""
         op = module.operation
         replicas = ir_utils.int_attr(op, "mhlo.num_replicas")
-        meshes, device_ids = _meshes(module)
+        meshes, device_ids, stablehlo_meshes = _meshes(module)
         return cls(
             ir_utils.int_attr(op, "mhlo.num_partitions"),
             1 if replicas is None else replicas,
             meshes,
             device_ids,
             _partial_manual_funcs(ir_utils.ops_named(module, "func.call")["func.call"] if calls is None else calls),
+            stablehlo_meshes,
         )
 
 
-def _meshes(module: ir.Module) -> tuple[dict[str, dict[str, int]], dict[str, list[int]]]:
-    meshes, device_ids = {}, {}
+def _meshes(module: ir.Module) -> tuple[dict, dict, dict]:
+    meshes, device_ids, stablehlo_meshes = {}, {}, {}
     for op in module.body.operations:
         if op.operation.name == "sdy.mesh":
             mesh = sdy.MeshAttr(op.attributes["mesh"])
             name = ir.StringAttr(op.attributes["sym_name"]).value
             meshes[name] = {a.name: a.size for a in (sdy.MeshAxisAttr(x) for x in mesh.axes)}
             device_ids[name] = list(mesh.device_ids)
-    return meshes, device_ids
+            stablehlo_meshes[name] = _stablehlo_mesh(op)
+    return meshes, device_ids, stablehlo_meshes
+
+
+def _stablehlo_mesh(op: ir.OpView) -> dict[str, int] | None:
+    """``{stablehlo.mesh = {axes = [{name, size}, ...]}}`` of an sdy.mesh op, as {axis: size}."""
+    if "stablehlo.mesh" not in op.attributes:
+        return None
+    try:
+        stated = ir.DictAttr(op.attributes["stablehlo.mesh"])
+        if len(stated) != 1 or "axes" not in stated:
+            return None  # device ids or anything else: not read here
+        axes = [ir.DictAttr(a) for a in ir.ArrayAttr(stated["axes"])]
+        return {ir.StringAttr(a["name"]).value: ir.IntegerAttr(a["size"]).value for a in axes}
+    except (ValueError, KeyError):
+        return None
 
 
 def _partial_manual_funcs(calls: list[ir.OpView]) -> frozenset[str]:
@@ -112,13 +131,45 @@ def collective_ring(op: ir.OpView, info: ModuleInfo) -> tuple[Ring, ManualRegion
     ring = info.rings.get(groups)
     if ring is None:
         try:
-            ring = ring_from_replica_groups(ir_utils.dense_ints(groups), info.num_partitions)
+            ring = ring_from_replica_groups(replica_groups(groups, info), info.num_partitions)
         except Decline as declined:
             ring = declined
         info.rings[groups] = ring
     if isinstance(ring, Decline):
         raise Decline(ring.code, ring.message)
     return ring, manual_region(op, info, ring)
+
+
+def replica_groups(attr: ir.Attribute, info: ModuleInfo) -> np.ndarray:
+    """A collective's groups as an int array: from a dense list (jax <= 0.10), or from
+    ``#stablehlo.replica_group_mesh_axes`` (mesh axes of an ``sdy.mesh``; jax >= 0.11)."""
+    if hlo.ReplicaGroupMeshAxesAttr.isinstance(attr):
+        by_axes = hlo.ReplicaGroupMeshAxesAttr(attr)
+        name = ir.FlatSymbolRefAttr(by_axes.mesh).value
+        if name not in info.meshes:
+            raise Decline("replica_groups", f"the replica groups name mesh @{name}, which is not an sdy.mesh of the module")
+        if info.stablehlo_meshes.get(name) != info.meshes[name] or info.mesh_device_ids.get(name):
+            raise Decline(
+                "replica_groups",
+                f"the replica groups name mesh @{name}, whose stablehlo.mesh attribute is missing, lists device ids "
+                "or differs from the sdy.mesh: not the mesh XLA would read",
+            )
+        names = list(info.meshes[name])
+        refs = []
+        for ref in (hlo.AxisRefAttr(a) for a in by_axes.axes):
+            if ref.name not in names:
+                raise Decline("replica_groups", f"the replica groups name axis {ref.name!r}, which mesh @{name} lacks")
+            axis = names.index(ref.name)
+            if ref.sub_axis_info is None:
+                refs.append((axis, 1, info.meshes[name][ref.name]))
+            else:
+                sub = hlo.SubAxisInfoAttr(ref.sub_axis_info)
+                refs.append((axis, sub.pre_size, sub.size))
+        return groups_from_mesh_axes(list(info.meshes[name].values()), [], refs)
+    try:
+        return ir_utils.dense_ints(attr)
+    except ValueError:
+        raise Decline("replica_groups", f"replica_groups {attr} are in a form the pass does not read") from None
 
 
 def check_partition_mode(op: ir.OpView, info: ModuleInfo) -> None:
