@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 DEMO_SAMPLE := hlo_samples/sp_mlp.mlir
 
-.PHONY: venv demo test fuzz bench samples goldens clean
+.PHONY: venv demo test test-jax011 fuzz bench samples goldens clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# The whole suite under jax 0.11.2, the GPU machine's release (pip has it only for Python >= 3.12).
+# Not part of `make test`: it needs python3.12 and downloads a second jax.
+VENV_JAX011 := .venv-jax011
+test-jax011:
+	python3.12 -m venv $(VENV_JAX011)
+	$(VENV_JAX011)/bin/python -m pip install -q 'jax==0.11.2' 'jaxlib==0.11.2' -e '.[test]'
+	$(VENV_JAX011)/bin/python -m pytest -q -p no:cacheprovider
+
 # Differential fuzzing: >= 1000 random programs under every pass variant (minutes; not part of `make test`).
 fuzz: $(STAMP)
 	$(PY) tools/fuzz.py --examples $(or $(EXAMPLES),1000)
@@ -44,4 +52,4 @@ goldens: $(STAMP)
 	$(PY) tools/update_goldens.py
 
 clean:
-	rm -rf $(VENV) demo_out .pytest_cache
+	rm -rf $(VENV) $(VENV_JAX011) demo_out .pytest_cache
