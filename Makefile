@@ -29,8 +29,9 @@ test: $(STAMP)
 # The whole suite under jax 0.11.2, the GPU machine's release (pip has it only for Python >= 3.12).
 # Not part of `make test`: it needs python3.12 and downloads a second jax.
 VENV_JAX011 := .venv-jax011
+PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
 test-jax011:
-	python3.12 -m venv $(VENV_JAX011)
+	$(PYTHON312) -m venv $(VENV_JAX011)
 	$(VENV_JAX011)/bin/python -m pip install -q 'jax==0.11.2' 'jaxlib==0.11.2' -e '.[test]'
 	$(VENV_JAX011)/bin/python -m pytest -q -p no:cacheprovider
 
