@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 DEMO_SAMPLE := hlo_samples/sp_mlp.mlir
 
-.PHONY: venv demo test test-jax011 fuzz bench samples goldens clean
+.PHONY: venv demo test test-jax fuzz bench samples goldens clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,14 +26,15 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-# The whole suite under jax 0.11.2, the GPU machine's release (pip has it only for Python >= 3.12).
-# Not part of `make test`: it needs python3.12 and downloads a second jax.
-VENV_JAX011 := .venv-jax011
+# The whole suite under another jax release (default 0.11.2, the GPU machine's; pip has jax >= 0.11
+# only for Python >= 3.12): `make test-jax JAX=0.12.0.1`. Not part of `make test`: it needs python3.12
+# and downloads a second jax into .venv-jax-$(JAX).
+JAX ?= 0.11.2
 PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
-test-jax011:
-	$(PYTHON312) -m venv $(VENV_JAX011)
-	$(VENV_JAX011)/bin/python -m pip install -q 'jax==0.11.2' 'jaxlib==0.11.2' -e '.[test]'
-	$(VENV_JAX011)/bin/python -m pytest -q -p no:cacheprovider
+test-jax:
+	$(PYTHON312) -m venv .venv-jax-$(JAX)
+	.venv-jax-$(JAX)/bin/python -m pip install -q 'jax==$(JAX)' 'jaxlib==$(JAX)' -e '.[test]'
+	.venv-jax-$(JAX)/bin/python -m pytest -q -p no:cacheprovider
 
 # Differential fuzzing: >= 1000 random programs under every pass variant (minutes; not part of `make test`).
 fuzz: $(STAMP)
@@ -53,4 +54,4 @@ goldens: $(STAMP)
 	$(PY) tools/update_goldens.py
 
 clean:
-	rm -rf $(VENV) $(VENV_JAX011) demo_out .pytest_cache
+	rm -rf $(VENV) .venv-jax-* demo_out .pytest_cache

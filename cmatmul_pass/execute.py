@@ -239,12 +239,16 @@ class Reference:
     program: Program | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def of(cls, original: ir.Module, *, seed: int = 0, devices: Sequence | None = None) -> "Reference":
+    def of(
+        cls, original: ir.Module, *, seed: int = 0, devices: Sequence | None = None,
+        inputs: Sequence[np.ndarray] | None = None,
+    ) -> "Reference":
+        """``inputs``: the arguments to run on (default: :func:`random_inputs` of ``seed``)."""
         num_partitions = ir_utils.int_attr(original.operation, "mhlo.num_partitions") or 1
         devices = list(devices) if devices is not None else cpu_devices(num_partitions)
         if len(devices) != num_partitions:
             raise ExecutionError(f"the module has {num_partitions} partitions but {len(devices)} devices were given")
-        inputs = random_inputs(original, seed)
+        inputs = list(inputs) if inputs is not None else random_inputs(original, seed)
         program = Program(original, inputs, devices)
         return cls(inputs, program.outputs(), devices, num_partitions, program)
 

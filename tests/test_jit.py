@@ -133,7 +133,7 @@ def test_value_and_grad_pytrees_statics_and_donation():
 def test_static_argnames():
     g = cmatmul_pass.jit(lambda x, w, *, power: F(x, w) ** power, static_argnames="power")
     x, w = inputs()
-    np.testing.assert_allclose(np.asarray(g(x, w, power=2)), np.asarray(jax.jit(F)(x, w)) ** 2, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(g(x, w, power=2)), np.asarray(jax.jit(F)(x, w)) ** 2, rtol=1e-4, atol=1e-5)
     g(x, w, power=2)
     assert g.stats["compiles"] == 1
 
