@@ -44,6 +44,7 @@ __all__ = [
     "module_to_hlo_text",
     "lowered_module",
     "lowered_with_module",
+    "hlo_module_from_text",
 ]
 
 
@@ -127,3 +128,12 @@ def _jax_version() -> str:
     import jax
 
     return jax.__version__
+
+
+def hlo_module_from_text(text: str):
+    """jaxlib's ``HloModule`` (computations, instructions, schedule) parsed from HLO text."""
+    try:
+        from jaxlib import _hlo as hlo_bindings
+    except ImportError:  # pragma: no cover - older jaxlib kept it in the extension
+        hlo_bindings = _xla_client._xla
+    return hlo_bindings.hlo_module_from_text(text)

@@ -84,13 +84,15 @@ def matmul_scatter(a, w, axis: str, n: int):
     return jax.lax.fori_loop(0, n - 1, body, block((index + 1) % n))
 
 
-def transformer_step(layers: int, hidden=64, ffn=128, tokens=64, hand_written: bool = False):
-    """(function, args): value_and_grad of a loss over ``layers`` sequence-parallel TP blocks.
+def transformer_step(layers: int, hidden=64, ffn=128, tokens=64, hand_written: bool = False,
+                     mesh_shape: tuple[int, int] = (2, 4), dtype=jnp.float32):
+    """(function, args): value_and_grad of a loss over ``layers`` sequence-parallel TP blocks,
+    on a ``("data", "model")`` mesh of ``mesh_shape`` (the rings run over "model").
 
     ``hand_written``: the same model with every all_gather → dots and dot → psum_scatter
     written as the ppermute rings users write by hand today (the reference for the compile
     time of the pass's output)."""
-    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    mesh = jax.make_mesh(mesh_shape, ("data", "model"))
     rows = P(("data", "model"), None)
     n = mesh.shape["model"]
 
@@ -120,13 +122,13 @@ def transformer_step(layers: int, hidden=64, ffn=128, tokens=64, hand_written: b
         h = x
         for p in params:
             h = smap(h, *p)
-        return jnp.mean(h**2)
+        return jnp.mean(h.astype(jnp.float32) ** 2)
 
     shapes = [(hidden, hidden), (hidden, hidden), (hidden, hidden), (hidden, hidden), (hidden, ffn), (hidden, ffn), (ffn, hidden)]
     specs = [col, col, col, row, col, col, row]
-    params = [[jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(mesh, sp)) for s, sp in zip(shapes, specs)]
+    params = [[jax.ShapeDtypeStruct(s, dtype, sharding=NamedSharding(mesh, sp)) for s, sp in zip(shapes, specs)]
               for _ in range(layers)]
-    x = jax.ShapeDtypeStruct((tokens, hidden), jnp.float32, sharding=NamedSharding(mesh, rows))
+    x = jax.ShapeDtypeStruct((tokens, hidden), dtype, sharding=NamedSharding(mesh, rows))
     return jax.jit(jax.value_and_grad(loss)), (params, x)
 
 

@@ -1,0 +1,421 @@
+#!/usr/bin/env python
+"""Compile the pass's output for an 8-GPU topology on one GPU and read, in the schedule XLA's
+GPU compiler produces, whether each ring's transfers overlap its dots.
+
+One GPU is enough to *compile* for eight: JAX's CUDA client can mock a multi-node topology
+(the config option ``jax_mock_gpu_topology="1x8x1"``: 1 slice, 8 hosts, 1 GPU each; NCCL
+is mocked), and
+``jax.jit(...).lower(...).compile()`` then runs XLA's whole GPU pipeline (SPMD partitioner,
+async collective conversion, the latency-hiding scheduler, stream assignment, autotuning on
+the real GPU) for the 8-device program.  Nothing is executed.
+
+For the training step of a sequence-parallel transformer (``tools/bench.transformer_step``:
+q/k/v/o projections and a SwiGLU MLP per layer, forward and backward, 8 collective matmuls
+per layer) it compiles the original and each pass variant and reports, per program:
+
+* the collectives left in the optimised module (the original's all-gathers and
+  reduce-scatters; the rewrites' collective-permutes), and the while loops;
+* **overlap**: for every asynchronous ``collective-permute-start`` the instructions the
+  scheduler placed before its ``collective-permute-done``, and whether a matmul is among them
+  (a permute with none is exposed: nothing hides its transfer);
+* with ``--annotate-streams``: the async computations (``async-start`` wrapping the
+  outlined dots) by stream, and the ``_scheduling_group_id`` values that survived to the
+  optimised module;
+* the compile time relative to the original's: the first of ``--repeats`` compiles, each
+  from a fresh lowering, also autotunes the GEMM shapes it is the first to meet; the fastest
+  of the others is the compile with every in-process cache warm.  And the pass's own time
+  on the lowered text against what ``jax.jit`` spends before a first call (lower + cold compile);
+* shared against unshared rings (``--no-share-rings``): the optimised modules' opcode counts.
+
+The optimised module (``compiled.as_text()``, parsed back into jaxlib's ``HloModule``) is read
+through its ``HloComputation`` / ``HloInstruction`` objects and its ``HloSchedule``; only attributes those objects do not expose
+(``backend_config``, ``frontend_attributes``, called computations, custom-call targets) are
+read from one instruction's printed form.  Results go to ``--out`` (JSON);
+``--dump-hlo DIR`` also writes the optimised HLO of some programs.  On CPU (``--platform
+cpu``, the tests) the same code runs on the 8 virtual CPU devices, whose permutes are
+synchronous: structure only, no overlap.
+
+    python tools/gpu_topology.py --model 8b --out $OUT/topology.json          # on the GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+#: XLA flags the README's "On a GPU" section names: annotated calls become async computations
+#: on their own streams; the latency-hiding scheduler places work between a start and its done.
+GPU_XLA_FLAGS = "--xla_gpu_experimental_stream_annotation=true --xla_gpu_enable_latency_hiding_scheduler=true"
+#: Sharded autotuning splits the GEMM autotuning among the processes and waits for the others'
+#: results: with mocked processes nobody answers and the compile hangs (seen here, jax 0.11.2).
+MOCK_XLA_FLAGS = "--xla_gpu_shard_autotuning=false"
+
+#: (tokens = sequence x batch, hidden, ffn) per layer; tokens are the global rows
+MODELS = {"70b": (8192, 8192, 28672), "8b": (8192, 4096, 14336), "tiny": (64, 64, 128)}
+
+#: program name -> (cmatmul_pass.jit options); "original" is jax.jit's own program
+PROGRAMS = {
+    "uni": dict(),
+    "unroll2": dict(unroll=2),
+    "full": dict(unroll="full"),
+    "bidi": dict(bidirectional=True),
+    "bidi-unroll2": dict(bidirectional=True, unroll=2),
+    "uni-no-share": dict(share_rings=False),
+    "uni-streams": dict(annotate_streams=True),
+    "bidi-streams": dict(bidirectional=True, annotate_streams=True),
+}
+
+
+def configure_environment(platform: str, devices: int, extra_flags: str = "") -> None:
+    """Before jax starts a backend: mock a ``devices``-GPU topology (gpu: one slice of
+    ``devices`` hosts with one GPU each; ``jax_mock_gpu_topology`` is a config option jax does
+    not read from the environment), or ask for that many virtual CPU devices (cpu); add the GPU
+    scheduling flags."""
+    flags = f'{os.environ.get("XLA_FLAGS", "")} {extra_flags}'.strip()
+    if platform == "gpu":
+        os.environ["XLA_FLAGS"] = f"{flags} {GPU_XLA_FLAGS} {MOCK_XLA_FLAGS}".strip()
+        import jax
+
+        jax.config.update("jax_mock_gpu_topology", f"1x{devices}x1")
+    else:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        if "xla_force_host_platform_device_count" not in flags:
+            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+
+
+# ------------------------------------------------------------------------ reading the module
+def opcode_name(instruction) -> str:
+    """``HloOpcode.kCollectivePermuteStart`` -> ``collective-permute-start`` (HLO text's name)."""
+    name = str(instruction.opcode).rpartition(".")[2].removeprefix("k")
+    return "".join("-" + c.lower() if c.isupper() and i else c.lower() for i, c in enumerate(name))
+
+
+def _attribute_span(printed: str, key: str, start: int = 0) -> tuple[int, int, int] | None:
+    """Where ``, key=value`` is in printed HLO from ``start`` on: (its start, the value's start,
+    its end); the value runs to the next comma outside brackets, or to the end of the line."""
+    begin = printed.find(f", {key}=", start)
+    if begin < 0:
+        return None
+    value = begin + len(key) + 3
+    depth = 0
+    for end in range(value, len(printed)):
+        c = printed[end]
+        if c in "{[(":
+            depth += 1
+        elif c in "}])":
+            depth -= 1
+        elif (c == "," and depth == 0) or c == "\n" or depth < 0:
+            return begin, value, end
+    return begin, value, len(printed)
+
+
+def _attribute(printed: str, key: str) -> str | None:
+    """The value after ``key=`` in one instruction's printed form."""
+    span = _attribute_span(printed, key)
+    return printed[span[1]:span[2]] if span else None
+
+
+def optimized_module(compiled):
+    """``compiled.as_text()`` (what XLA runs) as jaxlib's ``HloModule``.
+
+    Not ``compiled.runtime_executable().hlo_modules()``: through jax 0.11.2's CUDA plugin
+    that module lacks the asynchronous collective pairs the text shows.  XLA's parser rejects
+    some attributes its own printer writes (0.11.2: ``output_to_operand_aliasing`` on
+    ``all-reduce-start``); each one it names is dropped (none matters here) and the text parsed
+    again."""
+    from cmatmul_pass._jax_private import hlo_module_from_text
+
+    text = compiled.as_text()
+    for _ in range(8):
+        try:
+            return hlo_module_from_text(text)
+        except Exception as exc:  # XLA's own error type
+            message = str(exc)
+            marker = 'unexpected attribute "'
+            if marker not in message:
+                raise
+            key = message.split(marker, 1)[1].split('"', 1)[0]
+            kept, position = [], 0
+            while (span := _attribute_span(text, key, position)) is not None:
+                kept.append(text[position:span[0]])
+                position = span[2]
+            text = "".join(kept) + text[position:]
+    return hlo_module_from_text(text)
+
+
+def called_computations(printed: str) -> list[str]:
+    names = []
+    for key in ("calls", "to_apply", "body", "condition", "called_computations"):
+        value = _attribute(printed, key)
+        if value:
+            names += [n.strip().lstrip("%") for n in value.strip("{}").split(",") if n.strip()]
+    return names
+
+
+def queue_id(printed: str) -> str | None:
+    config = _attribute(printed, "backend_config")
+    if not config:
+        return None
+    try:
+        return str(json.loads(config).get("operation_queue_id", "")) or None
+    except ValueError:
+        return None
+
+
+def frontend_attribute(printed: str, key: str) -> str | None:
+    attrs = _attribute(printed, "frontend_attributes")
+    if not attrs:
+        return None
+    for item in attrs.strip("{}").split(","):
+        name, _, value = item.partition("=")
+        if name.strip() == key:
+            return value.strip().strip('"')
+    return None
+
+
+class ModuleReader:
+    """One optimised ``HloModule``: which computations hold matmuls, and the scheduled order."""
+
+    MATMUL_TARGETS = ("gemm", "matmul")  # __cublas$gemm, __cublas$lt$matmul, __triton_gemm, __onednn$matmul
+
+    def __init__(self, module):
+        self.module = module
+        self.computations = {c.name: c for c in module.computations()}
+        self._matmul: dict[str, bool] = {}
+
+    def is_matmul(self, instruction) -> bool:
+        """A dot, a gemm custom call or fusion, or an op calling a computation that holds one."""
+        op = opcode_name(instruction)
+        if op in ("dot", "convolution"):
+            return True
+        printed = instruction.to_string()
+        if op in ("custom-call", "fusion") and any(t in printed for t in self.MATMUL_TARGETS):
+            return True
+        return any(self.holds_matmul(name) for name in called_computations(printed))
+
+    def holds_matmul(self, name: str) -> bool:
+        if name not in self._matmul:
+            self._matmul[name] = False  # recursion guard
+            comp = self.computations.get(name)
+            self._matmul[name] = comp is not None and any(self.is_matmul(i) for i in comp.instructions())
+        return self._matmul[name]
+
+    def scheduled(self):
+        """(computation, instructions in schedule order) for every scheduled computation, less
+        the ops ``async-start``s wrap (each is its async pair's op, counted there)."""
+        schedule = self.module.schedule()
+        wrapped = {i.async_wrapped_root().name for comp in self.computations.values() for i in comp.instructions()
+                   if opcode_name(i) == "async-start"}
+        for comp in self.computations.values():
+            try:
+                sequence = schedule.sequence(comp)
+            except Exception:  # not scheduled (fusion bodies, reducers)
+                continue
+            yield comp, [i for i in sequence if i.name not in wrapped]
+
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
+
+
+def async_kind(instruction) -> str:
+    """What an asynchronous start runs: ``collective-permute`` for ``collective-permute-start``,
+    the wrapped op (``reduce-scatter``, ``call``, ...) for a generic ``async-start``."""
+    op = opcode_name(instruction)
+    if op == "async-start":
+        return opcode_name(instruction.async_wrapped_root())
+    return op.removesuffix("-start")
+
+
+def analyse(module) -> dict:
+    """What the optimised module does with its collectives: see the module docstring.
+
+    Per collective kind: ``async``, the start/done pairs in the schedule; ``sync``, the same
+    collectives left synchronous (XLA turns a pair with nothing between start and done back
+    into one op); ``overlapped``, those of either form that run while a matmul does: one
+    scheduled between start and done, or one on another stream (an async computation, as
+    ``--annotate-streams`` makes the ring's dots) started before and finished after."""
+    reader = ModuleReader(module)
+    opcodes: Counter = Counter()
+    for comp in reader.computations.values():
+        opcodes.update(opcode_name(i) for i in comp.instructions())
+    collectives = []  # one entry per collective in a schedule
+    async_compute: Counter = Counter()  # async computations (stream-annotated calls), by stream
+    groups: set[str] = set()
+    for comp, sequence in reader.scheduled():
+        open_starts: dict[str, dict] = {}
+        in_flight: set[str] = set()  # async computations holding a matmul, started and not done
+        for instruction in sequence:
+            op = opcode_name(instruction)
+            printed = instruction.to_string()
+            group = frontend_attribute(printed, "_scheduling_group_id")
+            if group is not None:
+                groups.add(group)
+            if op.endswith("-done"):
+                for operand in instruction.operands():
+                    entry = open_starts.pop(operand.name, None)
+                    if entry is not None:
+                        entry["overlapped"] |= bool(entry["in_flight"] & in_flight)
+                        collectives.append(entry)
+                    in_flight.discard(operand.name)
+                continue
+            matmul = reader.is_matmul(instruction)
+            for entry in open_starts.values():
+                entry["between"] += 1
+                entry["overlapped"] |= matmul
+            kind = async_kind(instruction) if op.endswith("-start") else op
+            if kind not in COLLECTIVES:
+                if op == "async-start":  # the stream an annotated call runs on, else its queue
+                    stream = frontend_attribute(printed, "_xla_stream_annotation")
+                    async_compute[f"stream {stream}" if stream else f"queue {queue_id(printed) or 0}"] += 1
+                    if matmul:
+                        in_flight.add(instruction.name)
+                continue
+            entry = {"kind": kind, "async": op.endswith("-start"), "between": 0, "in_flight": set(in_flight),
+                     "overlapped": False}
+            if entry["async"]:
+                open_starts[instruction.name] = entry
+            else:
+                entry["overlapped"] = bool(in_flight)
+                collectives.append(entry)
+        collectives.extend(open_starts.values())  # never done in this computation
+    by_kind: dict[str, dict] = {}
+    for kind in COLLECTIVES:
+        mine = [c for c in collectives if c["kind"] == kind]
+        if mine:
+            pairs = [c["between"] for c in mine if c["async"]]
+            by_kind[kind] = {
+                "async": len(pairs), "sync": len(mine) - len(pairs),
+                "overlapped": sum(1 for c in mine if c["overlapped"]),
+                "median_ops_between": statistics.median(pairs) if pairs else None,
+            }
+    return {
+        "collectives": by_kind,
+        "while_loops": opcodes.get("while", 0),
+        "async_computations": dict(async_compute),
+        "scheduling_groups": len(groups),
+        "instructions": sum(opcodes.values()),
+        "opcodes": dict(sorted(opcodes.items())),
+    }
+
+
+# ------------------------------------------------------------------------------ the programs
+def compile_programs(model: str, layers: int, dtype: str, names: list[str], dump_dir: str | None,
+                     dump: list[str], repeats: int = 3) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    import cmatmul_pass
+    from tools.bench import transformer_step
+
+    tokens, hidden, ffn = MODELS[model]
+    devices = jax.devices()
+    n = len(devices)
+    results: dict = {}
+    fn, args = transformer_step(layers, hidden=hidden, ffn=ffn, tokens=tokens, mesh_shape=(1, n),
+                                dtype=getattr(jnp, dtype))
+
+    def record(name: str, lower) -> None:
+        """Compile ``lower()`` ``repeats`` times, each from a fresh lowering (a compiled Lowered
+        keeps its executable, and jax caches compilations of the same module).  The first compile autotunes the GEMM shapes no earlier program
+        had; later ones find them in the process's autotuning cache."""
+        seconds, lower_s = [], []
+        for _ in range(repeats):
+            jax.clear_caches()  # else jax hands back the executable of the same lowered module
+            start = time.perf_counter()
+            lowered = lower()
+            lower_s.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            compiled = lowered.compile()
+            seconds.append(time.perf_counter() - start)
+        module = optimized_module(compiled)
+        row = {"compile_s": min(seconds[1:] or seconds), "first_compile_s": seconds[0], "lower_s": min(lower_s),
+               **analyse(module)}
+        report = getattr(lowered, "report", None)
+        if report is not None:
+            row["sites"] = len(report.sites)
+            row["rewritten"] = len(report.rewritten)
+            row["shared"] = sum(1 for s in report.rewritten if s.shared_ring)
+        results[name] = row
+        if dump_dir and name in dump:
+            Path(dump_dir).mkdir(parents=True, exist_ok=True)
+            (Path(dump_dir) / f"{model}_{name}.hlo.txt").write_text(compiled.as_text())
+        print(f"  {name:<14} compile {seconds[0]:6.2f} s then {seconds[-1]:6.2f} s; while {row['while_loops']}; "
+              + ", ".join(f"{k} {v['async']} async ({v['overlapped']} overlapped) {v['sync']} sync"
+                          for k, v in row["collectives"].items())
+              + f"; async computations {row['async_computations']}, groups {row['scheduling_groups']}",
+              flush=True)
+
+    record("original", lambda: fn.lower(*args))
+    text = fn.lower(*args).as_text()
+    for name in names:  # the pass alone, on the lowered text (parse, rewrite, verify, print)
+        start = time.perf_counter()
+        _ = cmatmul_pass.rewrite(text, cmatmul_pass.Options(**PROGRAMS[name])).text
+        results.setdefault("pass_s", {})[name] = time.perf_counter() - start
+    step = getattr(fn, "__wrapped__", fn)  # the training step jax.jit wraps
+    for name in names:
+        try:
+            record(name, lambda: cmatmul_pass.jit(step, **PROGRAMS[name]).lower(*args))
+        except Exception as exc:  # report it and go on with the other programs
+            results[name] = {"error": " ".join(str(exc).split())[:800]}
+            print(f"  {name:<14} FAILED: {results[name]['error']}", flush=True)
+    original = results["original"]
+    # what jax.jit spends before the first call (lower + a cold compile), and the pass's share
+    results["pass_over_lower_compile"] = {
+        name: seconds / (original["lower_s"] + original["first_compile_s"]) for name, seconds in results["pass_s"].items()}
+    base = original["compile_s"]
+    for name, row in results.items():
+        if "compile_s" in row:
+            row["compile_ratio"] = row["compile_s"] / base
+            row["first_compile_ratio"] = row["first_compile_s"] / results["original"]["first_compile_s"]
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--platform", choices=("gpu", "cpu"), default="gpu")
+    parser.add_argument("--devices", type=int, default=8, help="the (mocked) topology's GPU count")
+    parser.add_argument("--model", choices=sorted(MODELS), default="8b")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--programs", nargs="*", default=list(PROGRAMS), choices=list(PROGRAMS))
+    parser.add_argument("--dump-hlo", metavar="DIR", help="write the optimised HLO of the --dump programs here")
+    parser.add_argument("--dump", nargs="*", default=["original", "uni", "uni-streams"])
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="compiles per program: the first (cold) and the fastest of the others are reported")
+    parser.add_argument("--xla-flags", default="", help="more XLA flags for every compile")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "gpu_topology.json"))
+    args = parser.parse_args(argv)
+    configure_environment(args.platform, args.devices, args.xla_flags)
+
+    import jax
+
+    from tools.bench import write_results
+
+    devices = jax.devices()
+    if len(devices) != args.devices:
+        raise SystemExit(f"expected {args.devices} {args.platform} devices, jax sees {len(devices)}: {devices[:2]}...")
+    print(f"{len(devices)} devices ({devices[0].platform}: {devices[0].device_kind}; "
+          f"{jax.local_device_count()} local), jax {jax.__version__}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
+          flush=True)
+    programs = compile_programs(args.model, args.layers, args.dtype, args.programs, args.dump_hlo, args.dump, args.repeats)
+    result = {
+        "device": f"{devices[0].platform}: {devices[0].device_kind}", "devices": len(devices),
+        "local_devices": jax.local_device_count(), "mock_topology": jax.config.read("jax_mock_gpu_topology") or None,
+        "xla_flags": os.environ.get("XLA_FLAGS"), "jax": jax.__version__, "model": args.model,
+        "dims": list(MODELS[args.model]), "layers": args.layers, "dtype": args.dtype, "programs": programs,
+    }
+    write_results(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
