@@ -16,8 +16,9 @@ ring's dots), the bytes one permute moves, the ring size ``n`` and the element t
 the dots.  *Overlapped* follows the rounds the rewrite emits — the same round structure
 the rewrites build: each round costs ``max(its compute, its transfer) + step`` (just its
 compute when it sends nothing), plus ``loop_trip`` per loop trip.  The ratio is the
-predicted speed-up of the site.  Nothing here is measured on a GPU yet: the profiles hold
-published peak numbers scaled by achievable fractions (see each profile).
+predicted speed-up of the site.  The H100 profile's throughput, split efficiency and loop-trip
+cost were measured on one H100 (``tools/gpu_calibrate.py``); bandwidths, ``step`` and the other
+profiles are published numbers scaled by achievable fractions (see each profile).
 """
 
 from __future__ import annotations
@@ -50,12 +51,19 @@ class Hardware:
 
 
 PROFILES: dict[str, Hardware] = {
-    # ~800 TFLOP/s bf16 measured dense (989 peak); NVLink 4: 450 GB/s per direction.
-    "h100": Hardware("H100 SXM (NVLink 4)", {"bf16": 800e12, "f16": 800e12, "f32": 400e12, "i8": 1600e12,
-                                            "i32": 60e12, "default": 800e12}, 450e9),
-    # same compute as H100, faster HBM; NVLink 4 as H100.
+    # Calibrated on an H100 SXM (tools/gpu_calibrate.py, jax 0.11.2, bench/gpu/h100_calibrate_*.json):
+    # XLA's bf16 dot at MLP-block shapes 676-679 TFLOP/s (989 peak); the ring's 1/8-sized
+    # straight-line dots keep 0.851 of it at 70B-like shapes (0.741 at 8B-like: smaller dots
+    # fill fewer of the 132 SMs); a while-loop trip costs 11 µs.  f32/i8/i32 are not measured.
+    # NVLink 4: 450 GB/s per direction.
+    "h100": Hardware("H100 SXM (NVLink 4)", {"bf16": 676e12, "f16": 676e12, "f32": 400e12, "i8": 1600e12,
+                                            "i32": 60e12, "default": 676e12}, 450e9,
+                     loop_trip=11e-6, split_efficiency=0.851),
+    # Same GH100 die and SM count as the H100, faster HBM; NVLink 4 as H100.  Not measured on an
+    # H200: throughput is the published-peak estimate, the split and the loop trip the H100's.
     "h200": Hardware("H200 (NVLink 4)", {"bf16": 820e12, "f16": 820e12, "f32": 410e12, "i8": 1640e12,
-                                        "i32": 60e12, "default": 820e12}, 450e9),
+                                        "i32": 60e12, "default": 820e12}, 450e9,
+                     loop_trip=11e-6, split_efficiency=0.851),
     # 312 TFLOP/s bf16 peak (~250 achieved); NVLink 3: 300 GB/s per direction.
     "a100": Hardware("A100 SXM (NVLink 3)", {"bf16": 250e12, "f16": 250e12, "f32": 125e12, "i8": 500e12,
                                             "i32": 20e12, "default": 250e12}, 300e9),

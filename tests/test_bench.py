@@ -42,6 +42,11 @@ def test_gpu_calibration_runs_on_any_backend(tmp_path):
         assert max(site["max_relative_error"].values()) <= gpu_calibrate.TOLERANCE["bf16"]
     hw = cost.hardware(result["hardware_override"])
     assert hw.split_efficiency == round(result["split_efficiency"], 3)
+    # the profile's split comes from the straight-line dots; the loop's extra cost is its trips
+    assert result["split_efficiency"] == min(s["efficiency_unrolled"] for s in result["sites"])
+    assert result["loop_efficiency"] == min(s["efficiency_loop"] for s in result["sites"])
+    assert result["loop_trip_s"] == max(max(0.0, (s["loop_s"] - s["unrolled_s"]) / 4) for s in result["sites"])
+    assert hw.loop_trip == float(f"{result['loop_trip_s']:.2g}")
 
 
 def test_gpu_calibration_refuses_a_wrong_decomposition(tmp_path, monkeypatch):

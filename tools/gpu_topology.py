@@ -344,6 +344,8 @@ def compile_programs(model: str, layers: int, dtype: str, names: list[str], dump
             row["sites"] = len(report.sites)
             row["rewritten"] = len(report.rewritten)
             row["shared"] = sum(1 for s in report.rewritten if s.shared_ring)
+            # what the pass says each device executes: straight-line rings hold every one
+            row["permutes_executed"] = sum(s.schedule["permutes"] for s in report.rewritten)
         results[name] = row
         if dump_dir and name in dump:
             Path(dump_dir).mkdir(parents=True, exist_ok=True)
