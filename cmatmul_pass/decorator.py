@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ def jit(
     hardware: str = "h100",
     min_bytes: int = 0,
     check: bool = False,
+    gpu_options: bool = True,
     **jit_kwargs: Any,
 ):
     """Like ``jax.jit(fun, **jit_kwargs)``, running the rewritten program.
@@ -51,6 +53,9 @@ def jit(
     ``check=True`` also runs the unrewritten program on the first call of each input
     signature and raises :class:`~cmatmul_pass.errors.NumericsMismatch` (naming the
     rewritten sites and the outputs that differ) beyond the dtype's tolerance.
+    ``gpu_options``: on a GPU, compile a program with rewritten sites with the XLA options
+    its rings need to overlap (:func:`ring_compiler_options`), except those you set yourself
+    in ``compiler_options`` or ``XLA_FLAGS``.
     """
     options = Options(
         bidirectional=bidirectional, unroll=unroll, annotate_streams=annotate_streams, share_rings=share_rings,
@@ -58,12 +63,34 @@ def jit(
         policy=policy, hardware=hardware, min_bytes=min_bytes,
     )
     if fun is None:
-        return functools.partial(_make, options=options, check=check, jit_kwargs=jit_kwargs)
-    return _make(fun, options=options, check=check, jit_kwargs=jit_kwargs)
+        return functools.partial(_make, options=options, check=check, gpu_options=gpu_options, jit_kwargs=jit_kwargs)
+    return _make(fun, options=options, check=check, gpu_options=gpu_options, jit_kwargs=jit_kwargs)
 
 
-def _make(fun: Callable, *, options: Options, check: bool, jit_kwargs: dict) -> "JittedFunction":
-    return JittedFunction(fun, options, check, jit_kwargs)
+def _make(fun: Callable, *, options: Options, check: bool, gpu_options: bool, jit_kwargs: dict) -> "JittedFunction":
+    return JittedFunction(fun, options, check, jit_kwargs, gpu_options)
+
+
+def ring_compiler_options(options: Options, report: Report, platform: str, user_options: dict | None = None,
+                          xla_flags: str = "") -> dict:
+    """The XLA options a program with rings needs on ``platform`` to overlap them, less those
+    the user set (``user_options``: jax.jit's ``compiler_options``; ``xla_flags``: the
+    ``XLA_FLAGS`` text).  Measured on an H100 compile (docs/gpu.md, check 2):
+
+    * ``xla_gpu_enable_latency_hiding_scheduler``: the scheduler that places a ring's dot
+      between its permute's start and done;
+    * ``xla_gpu_experimental_parallel_collective_overlap_limit=2`` for bidirectional rings,
+      whose rounds have two permutes in flight: with the default of one, one direction's
+      permute per round is left exposed (36 of 54 permutes hidden; 49 with the option).
+
+    Nothing on other platforms, or when no site was rewritten."""
+    if platform != "gpu" or not report.rewritten:
+        return {}
+    wanted: dict[str, Any] = {"xla_gpu_enable_latency_hiding_scheduler": True}
+    if options.bidirectional:
+        wanted["xla_gpu_experimental_parallel_collective_overlap_limit"] = 2
+    in_flags = {flag.split("=", 1)[0].lstrip("-") for flag in xla_flags.split()}
+    return {k: v for k, v in wanted.items() if k not in (user_options or {}) and k not in in_flags}
 
 
 class Lowered:
@@ -71,16 +98,19 @@ class Lowered:
     rewritten executable (its ``.as_text()`` is the optimised HLO), ``.report`` the pass's
     per-site report, ``.original`` jax's own (unrewritten) ``Lowered``."""
 
-    def __init__(self, lowered: Any, report: Report, original: Any):
+    def __init__(self, lowered: Any, report: Report, original: Any, compiler_options: dict | None = None):
         self._lowered = lowered
         self.report = report
         self.original = original
+        #: what .compile() adds to the compiler options it is given (ring_compiler_options)
+        self.compiler_options = dict(compiler_options or {})
 
     def as_text(self, dialect: str | None = None, **kwargs: Any) -> str:
         return self._lowered.as_text(dialect, **kwargs)
 
-    def compile(self, *args: Any, **kwargs: Any):
-        return self._lowered.compile(*args, **kwargs)
+    def compile(self, compiler_options: dict | None = None, **kwargs: Any):
+        merged = {**self.compiler_options, **(compiler_options or {})}
+        return self._lowered.compile(merged or None, **kwargs)
 
     def compiler_ir(self, dialect: str | None = None):
         return self._lowered.compiler_ir(dialect)
@@ -96,8 +126,10 @@ class JittedFunction:
     """The wrapped function.  ``.report``: the report of the latest signature lowered or
     called; ``.stats``: how often it traced+lowered, rewrote, compiled and checked."""
 
-    def __init__(self, fun: Callable, options: Options, check: bool, jit_kwargs: dict):
+    def __init__(self, fun: Callable, options: Options, check: bool, jit_kwargs: dict, gpu_options: bool = True):
         self._fun = fun
+        self._gpu_options = gpu_options
+        self._user_compiler_options = dict(jit_kwargs.get("compiler_options") or {})
         self._jitted = jax.jit(fun, **jit_kwargs)
         self.options = options
         self.check = check
@@ -115,7 +147,11 @@ class JittedFunction:
         result = rewrite(module, self.options, source=getattr(self._fun, "__qualname__", "<jit>"))
         self.stats["rewrites"] += 1
         self.report = result.report
-        return Lowered(lowered_with_module(original, result.module), result.report, original)
+        extra = {}
+        if self._gpu_options:
+            extra = ring_compiler_options(self.options, result.report, jax.default_backend(),
+                                          self._user_compiler_options, os.environ.get("XLA_FLAGS", ""))
+        return Lowered(lowered_with_module(original, result.module), result.report, original, extra)
 
     def __call__(self, *args: Any, **kwargs: Any):
         dynamic_args, dynamic_kwargs, statics = self._static.split(args, kwargs)

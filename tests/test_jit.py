@@ -195,3 +195,53 @@ def test_grad_and_out_shardings_pass_through():
     assert got.sharding.is_equivalent_to(replicated, got.ndim)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
     assert g.report.rewritten
+
+
+# ------------------------------------------------------------------ XLA options for the rings on a GPU
+LHS = "xla_gpu_enable_latency_hiding_scheduler"
+OVERLAP = "xla_gpu_experimental_parallel_collective_overlap_limit"
+
+
+def test_ring_compiler_options_follow_the_platform_the_variant_and_the_user():
+    from cmatmul_pass.decorator import ring_compiler_options
+
+    x, w = inputs()
+    report = cmatmul_pass.jit(F).lower(x, w).report
+    declined = cmatmul_pass.jit(F, min_bytes=1 << 40).lower(x, w).report
+    uni, bidi = cmatmul_pass.Options(), cmatmul_pass.Options(bidirectional=True)
+    assert ring_compiler_options(uni, report, "gpu") == {LHS: True}
+    assert ring_compiler_options(bidi, report, "gpu") == {LHS: True, OVERLAP: 2}
+    assert ring_compiler_options(bidi, report, "cpu") == {} and ring_compiler_options(bidi, report, "tpu") == {}
+    assert ring_compiler_options(bidi, declined, "gpu") == {}  # no ring, nothing to overlap
+    # what the user set, in jax.jit's compiler_options or in XLA_FLAGS, stays theirs
+    assert ring_compiler_options(bidi, report, "gpu", {LHS: False}) == {OVERLAP: 2}
+    assert ring_compiler_options(bidi, report, "gpu", None, f"--xla_dump_to=/tmp --{OVERLAP}=4") == {LHS: True}
+
+
+def test_lowered_compile_adds_the_ring_options_to_the_callers():
+    from cmatmul_pass.decorator import Lowered
+
+    class Recorder:
+        def compile(self, compiler_options=None, **kwargs):
+            return compiler_options, kwargs
+
+    lowered = Lowered(Recorder(), report=None, original=None, compiler_options={LHS: True, OVERLAP: 2})
+    assert lowered.compile() == ({LHS: True, OVERLAP: 2}, {})
+    assert lowered.compile({OVERLAP: 3, "xla_dump_to": "x"}, device_assignment=None) == (
+        {LHS: True, OVERLAP: 3, "xla_dump_to": "x"}, {"device_assignment": None})
+    assert Lowered(Recorder(), None, None).compile() == (None, {})
+
+
+def test_on_a_gpu_backend_the_decorator_compiles_with_the_ring_options(monkeypatch):
+    """With jax reporting a GPU backend (here the programs still run on the CPU devices, whose
+    compiler ignores xla_gpu_* options): the options reach the compile, the user's win, the
+    results are the plain program's, and gpu_options=False turns it off."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.delenv("XLA_FLAGS", raising=False)  # conftest's device count is read already
+    x, w = inputs()
+    expected = np.asarray(jax.jit(F)(x, w))
+    bidi = cmatmul_pass.jit(F, bidirectional=True, compiler_options={LHS: False})
+    assert bidi.lower(x, w).compiler_options == {OVERLAP: 2}
+    np.testing.assert_allclose(np.asarray(bidi(x, w)), expected, rtol=1e-5, atol=1e-5)
+    assert cmatmul_pass.jit(F).lower(x, w).compiler_options == {LHS: True}
+    assert cmatmul_pass.jit(F, gpu_options=False).lower(x, w).compiler_options == {}
