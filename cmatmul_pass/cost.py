@@ -16,8 +16,8 @@ ring's dots), the bytes one permute moves, the ring size ``n`` and the element t
 the dots.  *Overlapped* follows the rounds the rewrite emits — the same round structure
 the rewrites build: each round costs ``max(its compute, its transfer) + step`` (just its
 compute when it sends nothing), plus ``loop_trip`` per loop trip.  The ratio is the
-predicted speed-up of the site.  The H100 profile's throughput, split efficiency and loop-trip
-cost were measured on one H100 (``tools/gpu_calibrate.py``); bandwidths, ``step`` and the other
+predicted speed-up of the site.  The H100 and H200 profiles' throughput, split efficiency and
+loop-trip cost were measured on one GPU of each (``tools/gpu_calibrate.py``); bandwidths, ``step`` and the other
 profiles are published numbers scaled by achievable fractions (see each profile).
 """
 
@@ -59,11 +59,12 @@ PROFILES: dict[str, Hardware] = {
     "h100": Hardware("H100 SXM (NVLink 4)", {"bf16": 676e12, "f16": 676e12, "f32": 400e12, "i8": 1600e12,
                                             "i32": 60e12, "default": 676e12}, 450e9,
                      loop_trip=11e-6, split_efficiency=0.851),
-    # Same GH100 die and SM count as the H100, faster HBM; NVLink 4 as H100.  Not measured on an
-    # H200: throughput is the published-peak estimate, the split and the loop trip the H100's.
-    "h200": Hardware("H200 (NVLink 4)", {"bf16": 820e12, "f16": 820e12, "f32": 410e12, "i8": 1640e12,
-                                        "i32": 60e12, "default": 820e12}, 450e9,
-                     loop_trip=11e-6, split_efficiency=0.851),
+    # Calibrated on an H200 the same way (bench/gpu/h200_calibrate_*.json): 686-687 TFLOP/s,
+    # split 0.840 at 70B-like shapes (0.725 at 8B-like), 10.3 µs per loop trip: the H100's
+    # GH100 die and SM count, so nearly the H100's numbers.  Faster HBM; NVLink 4 as H100.
+    "h200": Hardware("H200 (NVLink 4)", {"bf16": 686e12, "f16": 686e12, "f32": 410e12, "i8": 1640e12,
+                                        "i32": 60e12, "default": 686e12}, 450e9,
+                     loop_trip=10.3e-6, split_efficiency=0.840),
     # 312 TFLOP/s bf16 peak (~250 achieved); NVLink 3: 300 GB/s per direction.
     "a100": Hardware("A100 SXM (NVLink 3)", {"bf16": 250e12, "f16": 250e12, "f32": 125e12, "i8": 500e12,
                                             "i32": 20e12, "default": 250e12}, 300e9),
