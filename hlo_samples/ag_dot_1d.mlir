@@ -182,57 +182,55 @@
 // UNROLL2_GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // UNROLL2_GOLDEN-NEXT: func.func public @main(%arg0: tensor<128x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<128x128xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // UNROLL2_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>] manual_axes={"model"} (%arg2: tensor<16x64xf32>, %arg3: tensor<64x16xf32>) {
-// UNROLL2_GOLDEN-NEXT: %c = stablehlo.constant dense<7> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<6> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c = stablehlo.constant dense<8> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<7> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<0> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<16> : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<128x16xf32>
-// UNROLL2_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
+// UNROLL2_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // UNROLL2_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_4, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// UNROLL2_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // UNROLL2_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %4:3 = stablehlo.while(%iterArg = %c_3, %iterArg_5 = %arg2, %iterArg_6 = %cst) : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %4 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// UNROLL2_GOLDEN-NEXT: %5 = stablehlo.dot_general %arg2, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %6 = stablehlo.multiply %3, %c_2 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %7 = stablehlo.dynamic_update_slice %cst, %5, %6, %c_1 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %8:3 = stablehlo.while(%iterArg = %c_1, %iterArg_4 = %4, %iterArg_5 = %7) : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
 // UNROLL2_GOLDEN-NEXT: cond {
-// UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<3> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %16 = stablehlo.compare LT, %iterArg, %c_7, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// UNROLL2_GOLDEN-NEXT: stablehlo.return %16 : tensor<i1>
+// UNROLL2_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<3> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %14 = stablehlo.compare LT, %iterArg, %c_6, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// UNROLL2_GOLDEN-NEXT: stablehlo.return %14 : tensor<i1>
 // UNROLL2_GOLDEN-NEXT: } do {
-// UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<8> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<2> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %16 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// UNROLL2_GOLDEN-NEXT: %17 = stablehlo.multiply %iterArg, %c_11 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %18 = stablehlo.add %3, %17 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_10 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %20 = stablehlo.dot_general %iterArg_5, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %21 = stablehlo.multiply %19, %c_9 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %22 = stablehlo.dynamic_update_slice %iterArg_6, %20, %21, %c_8 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// UNROLL2_GOLDEN-NEXT: %23 = "stablehlo.collective_permute"(%16) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// UNROLL2_GOLDEN-NEXT: %24 = stablehlo.multiply %iterArg, %c_11 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %25 = stablehlo.add %24, %c_7 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %26 = stablehlo.add %3, %25 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %27 = stablehlo.remainder %26, %c_10 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %28 = stablehlo.dot_general %16, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.multiply %27, %c_9 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %30 = stablehlo.dynamic_update_slice %22, %28, %29, %c_8 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// UNROLL2_GOLDEN-NEXT: %31 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: stablehlo.return %31, %23, %30 : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<16> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<8> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<2> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %14 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// UNROLL2_GOLDEN-NEXT: %15 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %16 = stablehlo.add %15, %c_9 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %17 = stablehlo.add %3, %16 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %18 = stablehlo.remainder %17, %c_8 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.dot_general %iterArg_4, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %20 = stablehlo.multiply %18, %c_7 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %21 = stablehlo.dynamic_update_slice %iterArg_5, %19, %20, %c_6 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %22 = "stablehlo.collective_permute"(%14) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// UNROLL2_GOLDEN-NEXT: %23 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %24 = stablehlo.add %23, %c_10 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %25 = stablehlo.add %3, %24 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %26 = stablehlo.remainder %25, %c_8 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %27 = stablehlo.dot_general %14, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %28 = stablehlo.multiply %26, %c_7 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.dynamic_update_slice %21, %27, %28, %c_6 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %30 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: stablehlo.return %30, %22, %29 : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
 // UNROLL2_GOLDEN-NEXT: }
-// UNROLL2_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%4#1) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// UNROLL2_GOLDEN-NEXT: %6 = stablehlo.add %3, %c_2 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %7 = stablehlo.remainder %6, %c_1 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %8 = stablehlo.dot_general %4#1, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %9 = stablehlo.multiply %7, %c_0 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %4#2, %8, %9, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// UNROLL2_GOLDEN-NEXT: %11 = stablehlo.add %3, %c : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_1 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %13 = stablehlo.dot_general %5, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %14 = stablehlo.multiply %12, %c_0 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %10, %13, %14, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// UNROLL2_GOLDEN-NEXT: sdy.return %15 : tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %9 = stablehlo.add %3, %c_0 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %10 = stablehlo.remainder %9, %c : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %11 = stablehlo.dot_general %8#1, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %12 = stablehlo.multiply %10, %c_2 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %13 = stablehlo.dynamic_update_slice %8#2, %11, %12, %c_1 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: sdy.return %13 : tensor<128x16xf32>
 // UNROLL2_GOLDEN-NEXT: } : (tensor<128x64xf32>, tensor<64x128xf32>) -> tensor<128x128xf32>
 // UNROLL2_GOLDEN-NEXT: return %0 : tensor<128x128xf32>
 // UNROLL2_GOLDEN-NEXT: }
@@ -326,13 +324,13 @@
 // STREAMS-NOT: stablehlo.all_gather
 // STREAMS: } do {
 // STREAMS: "stablehlo.collective_permute"
-// STREAMS-SAME: mhlo.frontend_attributes = {_scheduling_group_id = "0"}
+// STREAMS-SAME: mhlo.frontend_attributes = {_scheduling_group_id = "[[G1:[0-9]+]]"}
 // STREAMS: func.call @cmatmul_dot_0
-// STREAMS-SAME: {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}
+// STREAMS-SAME: {_scheduling_group_id = "[[G1]]", _xla_stream_annotation = "1", inlineable = "false"}
 // STREAMS: "stablehlo.collective_permute"
-// STREAMS-SAME: mhlo.frontend_attributes = {_scheduling_group_id = "1"}
+// STREAMS-SAME: mhlo.frontend_attributes = {_scheduling_group_id = "[[G2:[0-9]+]]"}
 // STREAMS: func.call @cmatmul_dot_0
-// STREAMS-SAME: {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}
+// STREAMS-SAME: {_scheduling_group_id = "[[G2]]", _xla_stream_annotation = "2", inlineable = "false"}
 // STREAMS: func.func private @cmatmul_dot_0
 // STREAMS-NEXT: stablehlo.dot_general
 
@@ -341,57 +339,55 @@
 // STREAMS_GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // STREAMS_GOLDEN-NEXT: func.func public @main(%arg0: tensor<128x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<128x128xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // STREAMS_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>] manual_axes={"model"} (%arg2: tensor<16x64xf32>, %arg3: tensor<64x16xf32>) {
-// STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<7> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<6> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<8> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<7> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<0> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<16> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<128x16xf32>
-// STREAMS_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
+// STREAMS_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // STREAMS_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_4, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// STREAMS_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // STREAMS_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %4:3 = stablehlo.while(%iterArg = %c_3, %iterArg_5 = %arg2, %iterArg_6 = %cst) : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %4 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// STREAMS_GOLDEN-NEXT: %5 = func.call @cmatmul_dot_0(%arg2, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %6 = stablehlo.multiply %3, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %7 = stablehlo.dynamic_update_slice %cst, %5, %6, %c_1 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %8:3 = stablehlo.while(%iterArg = %c_1, %iterArg_4 = %4, %iterArg_5 = %7) : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
 // STREAMS_GOLDEN-NEXT: cond {
-// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<3> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %16 = stablehlo.compare LT, %iterArg, %c_7, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %16 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<3> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %14 = stablehlo.compare LT, %iterArg, %c_6, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %14 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
-// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<8> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %16 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// STREAMS_GOLDEN-NEXT: %17 = stablehlo.multiply %iterArg, %c_11 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %18 = stablehlo.add %3, %17 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_10 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %20 = func.call @cmatmul_dot_0(%iterArg_5, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %21 = stablehlo.multiply %19, %c_9 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %22 = stablehlo.dynamic_update_slice %iterArg_6, %20, %21, %c_8 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// STREAMS_GOLDEN-NEXT: %23 = "stablehlo.collective_permute"(%16) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// STREAMS_GOLDEN-NEXT: %24 = stablehlo.multiply %iterArg, %c_11 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %25 = stablehlo.add %24, %c_7 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %26 = stablehlo.add %3, %25 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %27 = stablehlo.remainder %26, %c_10 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %28 = func.call @cmatmul_dot_0(%16, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %29 = stablehlo.multiply %27, %c_9 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %30 = stablehlo.dynamic_update_slice %22, %28, %29, %c_8 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// STREAMS_GOLDEN-NEXT: %31 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %31, %23, %30 : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<16> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<8> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<2> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %14 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// STREAMS_GOLDEN-NEXT: %15 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %16 = stablehlo.add %15, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %17 = stablehlo.add %3, %16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %18 = stablehlo.remainder %17, %c_8 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %19 = func.call @cmatmul_dot_0(%iterArg_4, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %20 = stablehlo.multiply %18, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %21 = stablehlo.dynamic_update_slice %iterArg_5, %19, %20, %c_6 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %22 = "stablehlo.collective_permute"(%14) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// STREAMS_GOLDEN-NEXT: %23 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %24 = stablehlo.add %23, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %25 = stablehlo.add %3, %24 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %26 = stablehlo.remainder %25, %c_8 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %27 = func.call @cmatmul_dot_0(%14, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %28 = stablehlo.multiply %26, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %29 = stablehlo.dynamic_update_slice %21, %27, %28, %c_6 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %30 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %30, %22, %29 : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
 // STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%4#1) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// STREAMS_GOLDEN-NEXT: %6 = stablehlo.add %3, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %7 = stablehlo.remainder %6, %c_1 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %8 = func.call @cmatmul_dot_0(%4#1, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %9 = stablehlo.multiply %7, %c_0 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %4#2, %8, %9, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// STREAMS_GOLDEN-NEXT: %11 = stablehlo.add %3, %c : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_1 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %13 = func.call @cmatmul_dot_0(%5, %arg3) {mhlo.frontend_attributes = {_xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %14 = stablehlo.multiply %12, %c_0 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %10, %13, %14, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// STREAMS_GOLDEN-NEXT: sdy.return %15 : tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %9 = stablehlo.add %3, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %10 = stablehlo.remainder %9, %c : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %11 = func.call @cmatmul_dot_0(%8#1, %arg3) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %12 = stablehlo.multiply %10, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %13 = stablehlo.dynamic_update_slice %8#2, %11, %12, %c_1 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: sdy.return %13 : tensor<128x16xf32>
 // STREAMS_GOLDEN-NEXT: } : (tensor<128x64xf32>, tensor<64x128xf32>) -> tensor<128x128xf32>
 // STREAMS_GOLDEN-NEXT: return %0 : tensor<128x128xf32>
 // STREAMS_GOLDEN-NEXT: }
@@ -403,10 +399,10 @@
 // END-AUTOGENERATED golden block
 
 // HLO: HloModule
-// HLO-DAG: collective-permute({{.*}}frontend_attributes={_scheduling_group_id="0"}
-// HLO-DAG: call({{.*}}frontend_attributes={_scheduling_group_id="0",_xla_stream_annotation="1",inlineable="false"}
 // HLO-DAG: collective-permute({{.*}}frontend_attributes={_scheduling_group_id="1"}
-// HLO-DAG: call({{.*}}frontend_attributes={_scheduling_group_id="1",_xla_stream_annotation="2",inlineable="false"}
+// HLO-DAG: call({{.*}}frontend_attributes={_scheduling_group_id="1",_xla_stream_annotation="1",inlineable="false"}
+// HLO-DAG: collective-permute({{.*}}frontend_attributes={_scheduling_group_id="2"}
+// HLO-DAG: call({{.*}}frontend_attributes={_scheduling_group_id="2",_xla_stream_annotation="2",inlineable="false"}
 // HLO-DAG: while(
 
 // BEGIN-AUTOGENERATED golden block (tools/update_goldens.py; `make goldens` refreshes it) prefix=HLO_GOLDEN options=--emit hlo --annotate-streams --unroll 2
@@ -419,32 +415,33 @@
 // HLO_GOLDEN: region_0.2 {
 // HLO_GOLDEN-NEXT: arg_tuple.1 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) parameter(0)
 // HLO_GOLDEN-NEXT: get-tuple-element.7 = u32[] get-tuple-element(arg_tuple.1), index=0
-// HLO_GOLDEN-NEXT: constant.12 = u32[] constant(1)
-// HLO_GOLDEN-NEXT: add.7 = u32[] add(get-tuple-element.7, constant.12)
+// HLO_GOLDEN-NEXT: constant.14 = u32[] constant(1)
+// HLO_GOLDEN-NEXT: add.9 = u32[] add(get-tuple-element.7, constant.14)
 // HLO_GOLDEN-NEXT: get-tuple-element.8 = f32[16,64]{1,0} get-tuple-element(arg_tuple.1), index=1
-// HLO_GOLDEN-NEXT: collective-permute.2 = f32[16,64]{1,0} collective-permute(get-tuple-element.8), channel_id=2, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="0"}
-// HLO_GOLDEN-NEXT: collective-permute.3 = f32[16,64]{1,0} collective-permute(collective-permute.2), channel_id=3, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="1"}
+// HLO_GOLDEN-NEXT: collective-permute.3 = f32[16,64]{1,0} collective-permute(get-tuple-element.8), channel_id=3, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="1"}
+// HLO_GOLDEN-NEXT: collective-permute.4 = f32[16,64]{1,0} collective-permute(collective-permute.3), channel_id=4, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="2"}
 // HLO_GOLDEN-NEXT: get-tuple-element.9 = f32[128,16]{1,0} get-tuple-element(arg_tuple.1), index=2
 // HLO_GOLDEN-NEXT: get-tuple-element.11 = f32[64,16]{1,0} get-tuple-element(arg_tuple.1), index=4
-// HLO_GOLDEN-NEXT: call.2 = f32[16,16]{1,0} call(get-tuple-element.8, get-tuple-element.11), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="0",_xla_stream_annotation="1",inlineable="false"}
+// HLO_GOLDEN-NEXT: call.3 = f32[16,16]{1,0} call(get-tuple-element.8, get-tuple-element.11), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="1",_xla_stream_annotation="1",inlineable="false"}
 // HLO_GOLDEN-NEXT: get-tuple-element.10 = u32[] get-tuple-element(arg_tuple.1), index=3
-// HLO_GOLDEN-NEXT: constant.16 = u32[] constant(2)
-// HLO_GOLDEN-NEXT: multiply.4 = u32[] multiply(get-tuple-element.7, constant.16)
-// HLO_GOLDEN-NEXT: add.4 = u32[] add(get-tuple-element.10, multiply.4)
-// HLO_GOLDEN-NEXT: constant.15 = u32[] constant(8)
-// HLO_GOLDEN-NEXT: remainder.2 = u32[] remainder(add.4, constant.15)
-// HLO_GOLDEN-NEXT: constant.14 = u32[] constant(16)
-// HLO_GOLDEN-NEXT: multiply.5 = u32[] multiply(remainder.2, constant.14)
-// HLO_GOLDEN-NEXT: constant.13 = u32[] constant(0)
-// HLO_GOLDEN-NEXT: dynamic-update-slice.2 = f32[128,16]{1,0} dynamic-update-slice(get-tuple-element.9, call.2, multiply.5, constant.13)
-// HLO_GOLDEN-NEXT: call.3 = f32[16,16]{1,0} call(collective-permute.2, get-tuple-element.11), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="1",_xla_stream_annotation="2",inlineable="false"}
-// HLO_GOLDEN-NEXT: multiply.6 = u32[] multiply(get-tuple-element.7, constant.16)
-// HLO_GOLDEN-NEXT: add.5 = u32[] add(multiply.6, constant.12)
+// HLO_GOLDEN-NEXT: constant.15 = u32[] constant(2)
+// HLO_GOLDEN-NEXT: multiply.5 = u32[] multiply(get-tuple-element.7, constant.15)
+// HLO_GOLDEN-NEXT: add.5 = u32[] add(multiply.5, constant.14)
 // HLO_GOLDEN-NEXT: add.6 = u32[] add(get-tuple-element.10, add.5)
-// HLO_GOLDEN-NEXT: remainder.3 = u32[] remainder(add.6, constant.15)
-// HLO_GOLDEN-NEXT: multiply.7 = u32[] multiply(remainder.3, constant.14)
-// HLO_GOLDEN-NEXT: dynamic-update-slice.3 = f32[128,16]{1,0} dynamic-update-slice(dynamic-update-slice.2, call.3, multiply.7, constant.13)
-// HLO_GOLDEN-NEXT: ROOT tuple.1 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) tuple(add.7, collective-permute.3, dynamic-update-slice.3, get-tuple-element.10, get-tuple-element.11)
+// HLO_GOLDEN-NEXT: constant.13 = u32[] constant(8)
+// HLO_GOLDEN-NEXT: remainder.2 = u32[] remainder(add.6, constant.13)
+// HLO_GOLDEN-NEXT: constant.12 = u32[] constant(16)
+// HLO_GOLDEN-NEXT: multiply.6 = u32[] multiply(remainder.2, constant.12)
+// HLO_GOLDEN-NEXT: constant.11 = u32[] constant(0)
+// HLO_GOLDEN-NEXT: dynamic-update-slice.3 = f32[128,16]{1,0} dynamic-update-slice(get-tuple-element.9, call.3, multiply.6, constant.11)
+// HLO_GOLDEN-NEXT: call.4 = f32[16,16]{1,0} call(collective-permute.3, get-tuple-element.11), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="2",_xla_stream_annotation="2",inlineable="false"}
+// HLO_GOLDEN-NEXT: multiply.7 = u32[] multiply(get-tuple-element.7, constant.15)
+// HLO_GOLDEN-NEXT: add.7 = u32[] add(multiply.7, constant.15)
+// HLO_GOLDEN-NEXT: add.8 = u32[] add(get-tuple-element.10, add.7)
+// HLO_GOLDEN-NEXT: remainder.3 = u32[] remainder(add.8, constant.13)
+// HLO_GOLDEN-NEXT: multiply.8 = u32[] multiply(remainder.3, constant.12)
+// HLO_GOLDEN-NEXT: dynamic-update-slice.4 = f32[128,16]{1,0} dynamic-update-slice(dynamic-update-slice.3, call.4, multiply.8, constant.11)
+// HLO_GOLDEN-NEXT: ROOT tuple.1 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) tuple(add.9, collective-permute.4, dynamic-update-slice.4, get-tuple-element.10, get-tuple-element.11)
 // HLO_GOLDEN-NEXT: }
 // HLO_GOLDEN: region_1.3 {
 // HLO_GOLDEN-NEXT: arg_tuple.3 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) parameter(0)
@@ -453,39 +450,36 @@
 // HLO_GOLDEN-NEXT: get-tuple-element.20 = u32[] get-tuple-element(arg_tuple.3), index=3
 // HLO_GOLDEN-NEXT: get-tuple-element.21 = f32[64,16]{1,0} get-tuple-element(arg_tuple.3), index=4
 // HLO_GOLDEN-NEXT: get-tuple-element.17 = u32[] get-tuple-element(arg_tuple.3), index=0
-// HLO_GOLDEN-NEXT: constant.18 = u32[] constant(3)
-// HLO_GOLDEN-NEXT: ROOT compare.1 = pred[] compare(get-tuple-element.17, constant.18), direction=LT
+// HLO_GOLDEN-NEXT: constant.17 = u32[] constant(3)
+// HLO_GOLDEN-NEXT: ROOT compare.1 = pred[] compare(get-tuple-element.17, constant.17), direction=LT
 // HLO_GOLDEN-NEXT: }
 // HLO_GOLDEN: xla.sdy.manual_computation_body.4 {
-// HLO_GOLDEN-NEXT: constant.23 = u32[] constant(0)
+// HLO_GOLDEN-NEXT: constant.20 = u32[] constant(0)
 // HLO_GOLDEN-NEXT: Arg_0.4 = f32[16,64]{1,0} parameter(0)
-// HLO_GOLDEN-NEXT: constant.24 = f32[] constant(0)
-// HLO_GOLDEN-NEXT: broadcast.1 = f32[128,16]{1,0} broadcast(constant.24), dimensions={}
-// HLO_GOLDEN-NEXT: constant.25 = u32[8]{0} constant({0, 1, 2, 3, 4, 5, 6, 7})
-// HLO_GOLDEN-NEXT: partition-id.1 = u32[] partition-id()
-// HLO_GOLDEN-NEXT: dynamic-slice.1 = u32[1]{0} dynamic-slice(constant.25, partition-id.1), dynamic_slice_sizes={1}
-// HLO_GOLDEN-NEXT: reshape.1 = u32[] reshape(dynamic-slice.1)
+// HLO_GOLDEN-NEXT: collective-permute.5 = f32[16,64]{1,0} collective-permute(Arg_0.4), channel_id=2, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="0"}
+// HLO_GOLDEN-NEXT: constant.22 = f32[] constant(0)
+// HLO_GOLDEN-NEXT: broadcast.1 = f32[128,16]{1,0} broadcast(constant.22), dimensions={}
 // HLO_GOLDEN-NEXT: Arg_1.4 = f32[64,16]{1,0} parameter(1)
-// HLO_GOLDEN-NEXT: tuple.3 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) tuple(constant.23, Arg_0.4, broadcast.1, reshape.1, Arg_1.4)
+// HLO_GOLDEN-NEXT: call.6 = f32[16,16]{1,0} call(Arg_0.4, Arg_1.4), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="0",_xla_stream_annotation="1",inlineable="false"}
+// HLO_GOLDEN-NEXT: constant.23 = u32[8]{0} constant({0, 1, 2, 3, 4, 5, 6, 7})
+// HLO_GOLDEN-NEXT: partition-id.1 = u32[] partition-id()
+// HLO_GOLDEN-NEXT: dynamic-slice.1 = u32[1]{0} dynamic-slice(constant.23, partition-id.1), dynamic_slice_sizes={1}
+// HLO_GOLDEN-NEXT: reshape.1 = u32[] reshape(dynamic-slice.1)
+// HLO_GOLDEN-NEXT: constant.21 = u32[] constant(16)
+// HLO_GOLDEN-NEXT: multiply.10 = u32[] multiply(reshape.1, constant.21)
+// HLO_GOLDEN-NEXT: dynamic-update-slice.6 = f32[128,16]{1,0} dynamic-update-slice(broadcast.1, call.6, multiply.10, constant.20)
+// HLO_GOLDEN-NEXT: tuple.3 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) tuple(constant.20, collective-permute.5, dynamic-update-slice.6, reshape.1, Arg_1.4)
 // HLO_GOLDEN-NEXT: while.1 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) while(tuple.3), condition=region_1.3, body=region_0.2
 // HLO_GOLDEN-NEXT: get-tuple-element.25 = u32[] get-tuple-element(while.1), index=0
 // HLO_GOLDEN-NEXT: get-tuple-element.27 = f32[128,16]{1,0} get-tuple-element(while.1), index=2
 // HLO_GOLDEN-NEXT: get-tuple-element.26 = f32[16,64]{1,0} get-tuple-element(while.1), index=1
-// HLO_GOLDEN-NEXT: call.6 = f32[16,16]{1,0} call(get-tuple-element.26, Arg_1.4), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="2",_xla_stream_annotation="1",inlineable="false"}
-// HLO_GOLDEN-NEXT: constant.22 = u32[] constant(6)
-// HLO_GOLDEN-NEXT: add.10 = u32[] add(reshape.1, constant.22)
-// HLO_GOLDEN-NEXT: constant.21 = u32[] constant(8)
-// HLO_GOLDEN-NEXT: remainder.6 = u32[] remainder(add.10, constant.21)
-// HLO_GOLDEN-NEXT: constant.20 = u32[] constant(16)
-// HLO_GOLDEN-NEXT: multiply.10 = u32[] multiply(remainder.6, constant.20)
-// HLO_GOLDEN-NEXT: dynamic-update-slice.6 = f32[128,16]{1,0} dynamic-update-slice(get-tuple-element.27, call.6, multiply.10, constant.23)
-// HLO_GOLDEN-NEXT: collective-permute.5 = f32[16,64]{1,0} collective-permute(get-tuple-element.26), channel_id=4, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="2"}
-// HLO_GOLDEN-NEXT: call.7 = f32[16,16]{1,0} call(collective-permute.5, Arg_1.4), to_apply=cmatmul_dot_0.1, frontend_attributes={_xla_stream_annotation="2",inlineable="false"}
+// HLO_GOLDEN-NEXT: call.7 = f32[16,16]{1,0} call(get-tuple-element.26, Arg_1.4), to_apply=cmatmul_dot_0.1, frontend_attributes={_xla_stream_annotation="1",inlineable="false"}
 // HLO_GOLDEN-NEXT: constant.19 = u32[] constant(7)
 // HLO_GOLDEN-NEXT: add.11 = u32[] add(reshape.1, constant.19)
-// HLO_GOLDEN-NEXT: remainder.7 = u32[] remainder(add.11, constant.21)
-// HLO_GOLDEN-NEXT: multiply.11 = u32[] multiply(remainder.7, constant.20)
-// HLO_GOLDEN-NEXT: ROOT dynamic-update-slice.7 = f32[128,16]{1,0} dynamic-update-slice(dynamic-update-slice.6, call.7, multiply.11, constant.23)
+// HLO_GOLDEN-NEXT: constant.18 = u32[] constant(8)
+// HLO_GOLDEN-NEXT: remainder.5 = u32[] remainder(add.11, constant.18)
+// HLO_GOLDEN-NEXT: multiply.11 = u32[] multiply(remainder.5, constant.21)
+// HLO_GOLDEN-NEXT: ROOT dynamic-update-slice.7 = f32[128,16]{1,0} dynamic-update-slice(get-tuple-element.27, call.7, multiply.11, constant.20)
 // HLO_GOLDEN-NEXT: }
 // HLO_GOLDEN: ENTRY main.5 {
 // HLO_GOLDEN-NEXT: Arg_0.5 = f32[128,64]{1,0} parameter(0), sharding={devices=[8,1]<=[8]}, frontend_attributes={xla.sdy.sharding="#sdy.sharding<@mesh, [{\"model\"}, {}]>"}

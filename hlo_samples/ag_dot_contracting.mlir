@@ -153,61 +153,59 @@
 // UNROLL2_GOLDEN-NEXT: sdy.mesh @mesh = <["data"=2, "model"=4]> {stablehlo.mesh = {axes = [{name = "data", size = 2 : i64}, {name = "model", size = 4 : i64}]}}
 // UNROLL2_GOLDEN-NEXT: func.func public @main(%arg0: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}, %arg1: tensor<64x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<32x64xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}) {
 // UNROLL2_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"data"}, {"model"}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{"data"}, {"model"}]>] manual_axes={"data", "model"} (%arg2: tensor<16x16xf32>, %arg3: tensor<64x16xf32>) {
-// UNROLL2_GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<2> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c = stablehlo.constant dense<4> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<3> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<0> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<16> : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// UNROLL2_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // UNROLL2_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_4, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// UNROLL2_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // UNROLL2_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %4:3 = stablehlo.while(%iterArg = %c_3, %iterArg_5 = %arg2, %iterArg_6 = %cst) : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %4 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %5 = stablehlo.multiply %3, %c_2 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %6 = stablehlo.dynamic_slice %arg3, %5, %c_1, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %7 = stablehlo.dot_general %arg2, %6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %8 = stablehlo.add %cst, %7 : tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %9:3 = stablehlo.while(%iterArg = %c_1, %iterArg_4 = %4, %iterArg_5 = %8) : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>
 // UNROLL2_GOLDEN-NEXT: cond {
-// UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %18 = stablehlo.compare LT, %iterArg, %c_7, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// UNROLL2_GOLDEN-NEXT: stablehlo.return %18 : tensor<i1>
+// UNROLL2_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %16 = stablehlo.compare LT, %iterArg, %c_6, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// UNROLL2_GOLDEN-NEXT: stablehlo.return %16 : tensor<i1>
 // UNROLL2_GOLDEN-NEXT: } do {
-// UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<4> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<2> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %18 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.multiply %iterArg, %c_11 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %20 = stablehlo.add %3, %19 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %21 = stablehlo.remainder %20, %c_10 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %22 = stablehlo.multiply %21, %c_9 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %23 = stablehlo.dynamic_slice %arg3, %22, %c_8, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %24 = stablehlo.dot_general %iterArg_5, %23, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %25 = stablehlo.add %iterArg_6, %24 : tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %26 = "stablehlo.collective_permute"(%18) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %27 = stablehlo.multiply %iterArg, %c_11 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %28 = stablehlo.add %27, %c_7 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.add %3, %28 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %30 = stablehlo.remainder %29, %c_10 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %31 = stablehlo.multiply %30, %c_9 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.dynamic_slice %arg3, %31, %c_8, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %33 = stablehlo.dot_general %18, %32, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %34 = stablehlo.add %25, %33 : tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %35 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: stablehlo.return %35, %26, %34 : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<16> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<4> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<2> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %16 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %17 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %18 = stablehlo.add %17, %c_9 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.add %3, %18 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_8 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %21 = stablehlo.multiply %20, %c_7 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %arg3, %21, %c_6, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %23 = stablehlo.dot_general %iterArg_4, %22, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %24 = stablehlo.add %iterArg_5, %23 : tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %25 = "stablehlo.collective_permute"(%16) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %26 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %27 = stablehlo.add %26, %c_10 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %28 = stablehlo.add %3, %27 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_8 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %30 = stablehlo.multiply %29, %c_7 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %31 = stablehlo.dynamic_slice %arg3, %30, %c_6, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.dot_general %16, %31, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %33 = stablehlo.add %24, %32 : tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %34 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: stablehlo.return %34, %25, %33 : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>
 // UNROLL2_GOLDEN-NEXT: }
-// UNROLL2_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%4#1) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %6 = stablehlo.add %3, %c_2 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %7 = stablehlo.remainder %6, %c_1 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %8 = stablehlo.multiply %7, %c_0 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %9 = stablehlo.dynamic_slice %arg3, %8, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %10 = stablehlo.dot_general %4#1, %9, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %11 = stablehlo.add %4#2, %10 : tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %12 = stablehlo.add %3, %c : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_1 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %14 = stablehlo.multiply %13, %c_0 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %15 = stablehlo.dynamic_slice %arg3, %14, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %16 = stablehlo.dot_general %5, %15, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %17 = stablehlo.add %11, %16 : tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: sdy.return %17 : tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %10 = stablehlo.add %3, %c_0 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %12 = stablehlo.multiply %11, %c_2 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %arg3, %12, %c_1, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %14 = stablehlo.dot_general %9#1, %13, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %15 = stablehlo.add %9#2, %14 : tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: sdy.return %15 : tensor<16x16xf32>
 // UNROLL2_GOLDEN-NEXT: } : (tensor<32x64xf32>, tensor<64x64xf32>) -> tensor<32x64xf32>
 // UNROLL2_GOLDEN-NEXT: return %0 : tensor<32x64xf32>
 // UNROLL2_GOLDEN-NEXT: }
@@ -273,13 +271,13 @@
 // STREAMS-NOT: stablehlo.all_gather
 // STREAMS: } do {
 // STREAMS: "stablehlo.collective_permute"
-// STREAMS-SAME: mhlo.frontend_attributes = {_scheduling_group_id = "0"}
+// STREAMS-SAME: mhlo.frontend_attributes = {_scheduling_group_id = "[[G1:[0-9]+]]"}
 // STREAMS: func.call @cmatmul_dot_0
-// STREAMS-SAME: {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}
+// STREAMS-SAME: {_scheduling_group_id = "[[G1]]", _xla_stream_annotation = "1", inlineable = "false"}
 // STREAMS: "stablehlo.collective_permute"
-// STREAMS-SAME: mhlo.frontend_attributes = {_scheduling_group_id = "1"}
+// STREAMS-SAME: mhlo.frontend_attributes = {_scheduling_group_id = "[[G2:[0-9]+]]"}
 // STREAMS: func.call @cmatmul_dot_0
-// STREAMS-SAME: {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}
+// STREAMS-SAME: {_scheduling_group_id = "[[G2]]", _xla_stream_annotation = "2", inlineable = "false"}
 // STREAMS: func.func private @cmatmul_dot_0
 // STREAMS-NEXT: stablehlo.dot_general
 
@@ -288,61 +286,59 @@
 // STREAMS_GOLDEN-NEXT: sdy.mesh @mesh = <["data"=2, "model"=4]> {stablehlo.mesh = {axes = [{name = "data", size = 2 : i64}, {name = "model", size = 4 : i64}]}}
 // STREAMS_GOLDEN-NEXT: func.func public @main(%arg0: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}, %arg1: tensor<64x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<32x64xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}) {
 // STREAMS_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"data"}, {"model"}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{"data"}, {"model"}]>] manual_axes={"data", "model"} (%arg2: tensor<16x16xf32>, %arg3: tensor<64x16xf32>) {
-// STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<4> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<3> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<0> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<16> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// STREAMS_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // STREAMS_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_4, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// STREAMS_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // STREAMS_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %4:3 = stablehlo.while(%iterArg = %c_3, %iterArg_5 = %arg2, %iterArg_6 = %cst) : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %4 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %5 = stablehlo.multiply %3, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %6 = stablehlo.dynamic_slice %arg3, %5, %c_1, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %7 = func.call @cmatmul_dot_0(%arg2, %6) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %8 = stablehlo.add %cst, %7 : tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %9:3 = stablehlo.while(%iterArg = %c_1, %iterArg_4 = %4, %iterArg_5 = %8) : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: cond {
-// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %18 = stablehlo.compare LT, %iterArg, %c_7, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %18 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %16 = stablehlo.compare LT, %iterArg, %c_6, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %16 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
-// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<4> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %18 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %19 = stablehlo.multiply %iterArg, %c_11 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %20 = stablehlo.add %3, %19 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %21 = stablehlo.remainder %20, %c_10 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %22 = stablehlo.multiply %21, %c_9 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %23 = stablehlo.dynamic_slice %arg3, %22, %c_8, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %24 = func.call @cmatmul_dot_0(%iterArg_5, %23) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %25 = stablehlo.add %iterArg_6, %24 : tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %26 = "stablehlo.collective_permute"(%18) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %27 = stablehlo.multiply %iterArg, %c_11 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %28 = stablehlo.add %27, %c_7 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %29 = stablehlo.add %3, %28 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %30 = stablehlo.remainder %29, %c_10 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %31 = stablehlo.multiply %30, %c_9 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %32 = stablehlo.dynamic_slice %arg3, %31, %c_8, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %33 = func.call @cmatmul_dot_0(%18, %32) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %34 = stablehlo.add %25, %33 : tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %35 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %35, %26, %34 : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<16> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<4> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<2> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %16 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %17 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %18 = stablehlo.add %17, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %19 = stablehlo.add %3, %18 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_8 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %21 = stablehlo.multiply %20, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %arg3, %21, %c_6, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %23 = func.call @cmatmul_dot_0(%iterArg_4, %22) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %24 = stablehlo.add %iterArg_5, %23 : tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %25 = "stablehlo.collective_permute"(%16) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %26 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %27 = stablehlo.add %26, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %28 = stablehlo.add %3, %27 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_8 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %30 = stablehlo.multiply %29, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %31 = stablehlo.dynamic_slice %arg3, %30, %c_6, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %32 = func.call @cmatmul_dot_0(%16, %31) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %33 = stablehlo.add %24, %32 : tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %34 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %34, %25, %33 : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%4#1) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %6 = stablehlo.add %3, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %7 = stablehlo.remainder %6, %c_1 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %8 = stablehlo.multiply %7, %c_0 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %9 = stablehlo.dynamic_slice %arg3, %8, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %10 = func.call @cmatmul_dot_0(%4#1, %9) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %11 = stablehlo.add %4#2, %10 : tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %12 = stablehlo.add %3, %c : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_1 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %14 = stablehlo.multiply %13, %c_0 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %15 = stablehlo.dynamic_slice %arg3, %14, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %16 = func.call @cmatmul_dot_0(%5, %15) {mhlo.frontend_attributes = {_xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %17 = stablehlo.add %11, %16 : tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: sdy.return %17 : tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %10 = stablehlo.add %3, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %12 = stablehlo.multiply %11, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %arg3, %12, %c_1, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %14 = func.call @cmatmul_dot_0(%9#1, %13) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %15 = stablehlo.add %9#2, %14 : tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: sdy.return %15 : tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: } : (tensor<32x64xf32>, tensor<64x64xf32>) -> tensor<32x64xf32>
 // STREAMS_GOLDEN-NEXT: return %0 : tensor<32x64xf32>
 // STREAMS_GOLDEN-NEXT: }

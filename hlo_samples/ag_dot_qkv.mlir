@@ -162,73 +162,71 @@
 // UNROLL2_GOLDEN-NEXT: sdy.mesh @mesh = <["data"=2, "model"=4]> {stablehlo.mesh = {axes = [{name = "data", size = 2 : i64}, {name = "model", size = 4 : i64}]}}
 // UNROLL2_GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg3: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<64x64xf32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x64xf32> {jax.result_info = "result[1]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x64xf32> {jax.result_info = "result[2]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // UNROLL2_GOLDEN-NEXT: %0:3 = sdy.manual_computation(%arg0, %arg1, %arg2, %arg3) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] manual_axes={"data", "model"} (%arg4: tensor<16x32xf32>, %arg5: tensor<32x16xf32>, %arg6: tensor<32x16xf32>, %arg7: tensor<32x16xf32>) {
-// UNROLL2_GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<2> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c = stablehlo.constant dense<4> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<3> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<0> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<16> : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// UNROLL2_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // UNROLL2_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_4, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// UNROLL2_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // UNROLL2_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %4:5 = stablehlo.while(%iterArg = %c_3, %iterArg_5 = %arg4, %iterArg_6 = %cst, %iterArg_7 = %cst, %iterArg_8 = %cst) : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %4 = "stablehlo.collective_permute"(%arg4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// UNROLL2_GOLDEN-NEXT: %5 = stablehlo.dot_general %arg4, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %6 = stablehlo.multiply %3, %c_2 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %7 = stablehlo.dynamic_update_slice %cst, %5, %6, %c_1 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %8 = stablehlo.dot_general %arg4, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %cst, %8, %6, %c_1 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %10 = stablehlo.dot_general %arg4, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %11 = stablehlo.dynamic_update_slice %cst, %10, %6, %c_1 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %12:5 = stablehlo.while(%iterArg = %c_1, %iterArg_4 = %4, %iterArg_5 = %7, %iterArg_6 = %9, %iterArg_7 = %11) : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // UNROLL2_GOLDEN-NEXT: cond {
-// UNROLL2_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %24 = stablehlo.compare LT, %iterArg, %c_9, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// UNROLL2_GOLDEN-NEXT: stablehlo.return %24 : tensor<i1>
+// UNROLL2_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<1> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %22 = stablehlo.compare LT, %iterArg, %c_8, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// UNROLL2_GOLDEN-NEXT: stablehlo.return %22 : tensor<i1>
 // UNROLL2_GOLDEN-NEXT: } do {
-// UNROLL2_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<16> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<4> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<2> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %24 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// UNROLL2_GOLDEN-NEXT: %25 = stablehlo.multiply %iterArg, %c_13 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %26 = stablehlo.add %3, %25 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %27 = stablehlo.remainder %26, %c_12 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %28 = stablehlo.dot_general %iterArg_5, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.multiply %27, %c_11 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %30 = stablehlo.dynamic_update_slice %iterArg_6, %28, %29, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %31 = stablehlo.dot_general %iterArg_5, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.dynamic_update_slice %iterArg_7, %31, %29, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %33 = stablehlo.dot_general %iterArg_5, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %34 = stablehlo.dynamic_update_slice %iterArg_8, %33, %29, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %35 = "stablehlo.collective_permute"(%24) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// UNROLL2_GOLDEN-NEXT: %36 = stablehlo.multiply %iterArg, %c_13 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %37 = stablehlo.add %36, %c_9 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %38 = stablehlo.add %3, %37 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %39 = stablehlo.remainder %38, %c_12 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %40 = stablehlo.dot_general %24, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %41 = stablehlo.multiply %39, %c_11 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %42 = stablehlo.dynamic_update_slice %30, %40, %41, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %43 = stablehlo.dot_general %24, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %44 = stablehlo.dynamic_update_slice %32, %43, %41, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %45 = stablehlo.dot_general %24, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %46 = stablehlo.dynamic_update_slice %34, %45, %41, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %47 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: stablehlo.return %47, %35, %42, %44, %46 : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<4> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<2> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %22 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// UNROLL2_GOLDEN-NEXT: %23 = stablehlo.multiply %iterArg, %c_12 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %24 = stablehlo.add %23, %c_11 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %25 = stablehlo.add %3, %24 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %26 = stablehlo.remainder %25, %c_10 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %27 = stablehlo.dot_general %iterArg_4, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %28 = stablehlo.multiply %26, %c_9 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.dynamic_update_slice %iterArg_5, %27, %28, %c_8 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %30 = stablehlo.dot_general %iterArg_4, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %31 = stablehlo.dynamic_update_slice %iterArg_6, %30, %28, %c_8 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.dot_general %iterArg_4, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %33 = stablehlo.dynamic_update_slice %iterArg_7, %32, %28, %c_8 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %34 = "stablehlo.collective_permute"(%22) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// UNROLL2_GOLDEN-NEXT: %35 = stablehlo.multiply %iterArg, %c_12 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %36 = stablehlo.add %35, %c_12 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %37 = stablehlo.add %3, %36 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %38 = stablehlo.remainder %37, %c_10 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %39 = stablehlo.dot_general %22, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %40 = stablehlo.multiply %38, %c_9 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %41 = stablehlo.dynamic_update_slice %29, %39, %40, %c_8 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %42 = stablehlo.dot_general %22, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %43 = stablehlo.dynamic_update_slice %31, %42, %40, %c_8 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %44 = stablehlo.dot_general %22, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %45 = stablehlo.dynamic_update_slice %33, %44, %40, %c_8 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %46 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: stablehlo.return %46, %34, %41, %43, %45 : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // UNROLL2_GOLDEN-NEXT: }
-// UNROLL2_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%4#1) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// UNROLL2_GOLDEN-NEXT: %6 = stablehlo.add %3, %c_2 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %7 = stablehlo.remainder %6, %c_1 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %8 = stablehlo.dot_general %4#1, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %9 = stablehlo.multiply %7, %c_0 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %4#2, %8, %9, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %11 = stablehlo.dot_general %4#1, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %12 = stablehlo.dynamic_update_slice %4#3, %11, %9, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %13 = stablehlo.dot_general %4#1, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %14 = stablehlo.dynamic_update_slice %4#4, %13, %9, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %15 = stablehlo.add %3, %c : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %16 = stablehlo.remainder %15, %c_1 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %17 = stablehlo.dot_general %5, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %18 = stablehlo.multiply %16, %c_0 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.dynamic_update_slice %10, %17, %18, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %20 = stablehlo.dot_general %5, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %21 = stablehlo.dynamic_update_slice %12, %20, %18, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %22 = stablehlo.dot_general %5, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %14, %22, %18, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: sdy.return %19, %21, %23 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %13 = stablehlo.add %3, %c_0 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %14 = stablehlo.remainder %13, %c : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %15 = stablehlo.dot_general %12#1, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %16 = stablehlo.multiply %14, %c_2 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %17 = stablehlo.dynamic_update_slice %12#2, %15, %16, %c_1 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %18 = stablehlo.dot_general %12#1, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.dynamic_update_slice %12#3, %18, %16, %c_1 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %20 = stablehlo.dot_general %12#1, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %21 = stablehlo.dynamic_update_slice %12#4, %20, %16, %c_1 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: sdy.return %17, %19, %21 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // UNROLL2_GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<32x64xf32>, tensor<32x64xf32>, tensor<32x64xf32>) -> (tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>)
 // UNROLL2_GOLDEN-NEXT: return %0#0, %0#1, %0#2 : tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>
 // UNROLL2_GOLDEN-NEXT: }
@@ -306,13 +304,13 @@
 // STREAMS-NOT: stablehlo.all_gather
 // STREAMS: } do {
 // STREAMS: "stablehlo.collective_permute"
-// STREAMS-SAME: mhlo.frontend_attributes = {_scheduling_group_id = "0"}
+// STREAMS-SAME: mhlo.frontend_attributes = {_scheduling_group_id = "[[G1:[0-9]+]]"}
 // STREAMS: func.call @cmatmul_dot_0
-// STREAMS-SAME: {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}
+// STREAMS-SAME: {_scheduling_group_id = "[[G1]]", _xla_stream_annotation = "1", inlineable = "false"}
 // STREAMS: "stablehlo.collective_permute"
-// STREAMS-SAME: mhlo.frontend_attributes = {_scheduling_group_id = "1"}
+// STREAMS-SAME: mhlo.frontend_attributes = {_scheduling_group_id = "[[G2:[0-9]+]]"}
 // STREAMS: func.call @cmatmul_dot_0
-// STREAMS-SAME: {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}
+// STREAMS-SAME: {_scheduling_group_id = "[[G2]]", _xla_stream_annotation = "2", inlineable = "false"}
 // STREAMS: func.func private @cmatmul_dot_0
 // STREAMS-NEXT: stablehlo.dot_general
 
@@ -321,73 +319,71 @@
 // STREAMS_GOLDEN-NEXT: sdy.mesh @mesh = <["data"=2, "model"=4]> {stablehlo.mesh = {axes = [{name = "data", size = 2 : i64}, {name = "model", size = 4 : i64}]}}
 // STREAMS_GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg3: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<64x64xf32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x64xf32> {jax.result_info = "result[1]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x64xf32> {jax.result_info = "result[2]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // STREAMS_GOLDEN-NEXT: %0:3 = sdy.manual_computation(%arg0, %arg1, %arg2, %arg3) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] manual_axes={"data", "model"} (%arg4: tensor<16x32xf32>, %arg5: tensor<32x16xf32>, %arg6: tensor<32x16xf32>, %arg7: tensor<32x16xf32>) {
-// STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<4> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<3> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<0> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<16> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// STREAMS_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // STREAMS_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_4, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// STREAMS_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // STREAMS_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %4:5 = stablehlo.while(%iterArg = %c_3, %iterArg_5 = %arg4, %iterArg_6 = %cst, %iterArg_7 = %cst, %iterArg_8 = %cst) : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %4 = "stablehlo.collective_permute"(%arg4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// STREAMS_GOLDEN-NEXT: %5 = func.call @cmatmul_dot_0(%arg4, %arg5) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %6 = stablehlo.multiply %3, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %7 = stablehlo.dynamic_update_slice %cst, %5, %6, %c_1 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %8 = func.call @cmatmul_dot_0(%arg4, %arg6) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %cst, %8, %6, %c_1 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %10 = func.call @cmatmul_dot_0(%arg4, %arg7) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %11 = stablehlo.dynamic_update_slice %cst, %10, %6, %c_1 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %12:5 = stablehlo.while(%iterArg = %c_1, %iterArg_4 = %4, %iterArg_5 = %7, %iterArg_6 = %9, %iterArg_7 = %11) : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // STREAMS_GOLDEN-NEXT: cond {
-// STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %24 = stablehlo.compare LT, %iterArg, %c_9, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %24 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<1> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %22 = stablehlo.compare LT, %iterArg, %c_8, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %22 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
-// STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<16> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<4> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %24 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// STREAMS_GOLDEN-NEXT: %25 = stablehlo.multiply %iterArg, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %26 = stablehlo.add %3, %25 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %27 = stablehlo.remainder %26, %c_12 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %28 = func.call @cmatmul_dot_0(%iterArg_5, %arg5) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %29 = stablehlo.multiply %27, %c_11 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %30 = stablehlo.dynamic_update_slice %iterArg_6, %28, %29, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %31 = func.call @cmatmul_dot_0(%iterArg_5, %arg6) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %32 = stablehlo.dynamic_update_slice %iterArg_7, %31, %29, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %33 = func.call @cmatmul_dot_0(%iterArg_5, %arg7) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %34 = stablehlo.dynamic_update_slice %iterArg_8, %33, %29, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %35 = "stablehlo.collective_permute"(%24) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// STREAMS_GOLDEN-NEXT: %36 = stablehlo.multiply %iterArg, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %37 = stablehlo.add %36, %c_9 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %38 = stablehlo.add %3, %37 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %39 = stablehlo.remainder %38, %c_12 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %40 = func.call @cmatmul_dot_0(%24, %arg5) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %41 = stablehlo.multiply %39, %c_11 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %42 = stablehlo.dynamic_update_slice %30, %40, %41, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %43 = func.call @cmatmul_dot_0(%24, %arg6) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %44 = stablehlo.dynamic_update_slice %32, %43, %41, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %45 = func.call @cmatmul_dot_0(%24, %arg7) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %46 = stablehlo.dynamic_update_slice %34, %45, %41, %c_10 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %47 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %47, %35, %42, %44, %46 : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<4> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<2> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %22 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// STREAMS_GOLDEN-NEXT: %23 = stablehlo.multiply %iterArg, %c_12 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %24 = stablehlo.add %23, %c_11 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %25 = stablehlo.add %3, %24 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %26 = stablehlo.remainder %25, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %27 = func.call @cmatmul_dot_0(%iterArg_4, %arg5) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %28 = stablehlo.multiply %26, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %29 = stablehlo.dynamic_update_slice %iterArg_5, %27, %28, %c_8 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %30 = func.call @cmatmul_dot_0(%iterArg_4, %arg6) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %31 = stablehlo.dynamic_update_slice %iterArg_6, %30, %28, %c_8 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %32 = func.call @cmatmul_dot_0(%iterArg_4, %arg7) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %33 = stablehlo.dynamic_update_slice %iterArg_7, %32, %28, %c_8 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %34 = "stablehlo.collective_permute"(%22) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// STREAMS_GOLDEN-NEXT: %35 = stablehlo.multiply %iterArg, %c_12 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %36 = stablehlo.add %35, %c_12 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %37 = stablehlo.add %3, %36 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %38 = stablehlo.remainder %37, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %39 = func.call @cmatmul_dot_0(%22, %arg5) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %40 = stablehlo.multiply %38, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %41 = stablehlo.dynamic_update_slice %29, %39, %40, %c_8 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %42 = func.call @cmatmul_dot_0(%22, %arg6) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %43 = stablehlo.dynamic_update_slice %31, %42, %40, %c_8 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %44 = func.call @cmatmul_dot_0(%22, %arg7) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %45 = stablehlo.dynamic_update_slice %33, %44, %40, %c_8 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %46 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %46, %34, %41, %43, %45 : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%4#1) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// STREAMS_GOLDEN-NEXT: %6 = stablehlo.add %3, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %7 = stablehlo.remainder %6, %c_1 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %8 = func.call @cmatmul_dot_0(%4#1, %arg5) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %9 = stablehlo.multiply %7, %c_0 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %4#2, %8, %9, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %11 = func.call @cmatmul_dot_0(%4#1, %arg6) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %12 = stablehlo.dynamic_update_slice %4#3, %11, %9, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %13 = func.call @cmatmul_dot_0(%4#1, %arg7) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %14 = stablehlo.dynamic_update_slice %4#4, %13, %9, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %15 = stablehlo.add %3, %c : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %16 = stablehlo.remainder %15, %c_1 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %17 = func.call @cmatmul_dot_0(%5, %arg5) {mhlo.frontend_attributes = {_xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %18 = stablehlo.multiply %16, %c_0 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %19 = stablehlo.dynamic_update_slice %10, %17, %18, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %20 = func.call @cmatmul_dot_0(%5, %arg6) {mhlo.frontend_attributes = {_xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %21 = stablehlo.dynamic_update_slice %12, %20, %18, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %22 = func.call @cmatmul_dot_0(%5, %arg7) {mhlo.frontend_attributes = {_xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %14, %22, %18, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: sdy.return %19, %21, %23 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %13 = stablehlo.add %3, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %14 = stablehlo.remainder %13, %c : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %15 = func.call @cmatmul_dot_0(%12#1, %arg5) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %16 = stablehlo.multiply %14, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %17 = stablehlo.dynamic_update_slice %12#2, %15, %16, %c_1 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %18 = func.call @cmatmul_dot_0(%12#1, %arg6) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %19 = stablehlo.dynamic_update_slice %12#3, %18, %16, %c_1 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %20 = func.call @cmatmul_dot_0(%12#1, %arg7) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %21 = stablehlo.dynamic_update_slice %12#4, %20, %16, %c_1 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: sdy.return %17, %19, %21 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // STREAMS_GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<32x64xf32>, tensor<32x64xf32>, tensor<32x64xf32>) -> (tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>)
 // STREAMS_GOLDEN-NEXT: return %0#0, %0#1, %0#2 : tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>
 // STREAMS_GOLDEN-NEXT: }

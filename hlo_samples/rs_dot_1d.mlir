@@ -180,56 +180,60 @@
 // UNROLL2_GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // UNROLL2_GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg1: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<64x32xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) {
 // UNROLL2_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"model"}, {}]>] manual_axes={"model"} (%arg2: tensor<64x16xf32>, %arg3: tensor<16x32xf32>) {
-// UNROLL2_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<1> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
+// UNROLL2_GOLDEN-NEXT: %c = stablehlo.constant dense<2> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<0> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<1> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // UNROLL2_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_2, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// UNROLL2_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // UNROLL2_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %4 = stablehlo.add %3, %c_1 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_0 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_0 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg2, %6, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// UNROLL2_GOLDEN-NEXT: %4 = stablehlo.add %3, %c_2 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_1 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_1 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg2, %6, %c_0, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
 // UNROLL2_GOLDEN-NEXT: %8 = stablehlo.dot_general %7, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %9:2 = stablehlo.while(%iterArg = %c, %iterArg_3 = %8) : tensor<ui32>, tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %9 = "stablehlo.collective_permute"(%8) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %10 = stablehlo.add %3, %c : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c_1 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %12 = stablehlo.multiply %11, %c_1 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %arg2, %12, %c_0, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// UNROLL2_GOLDEN-NEXT: %14 = stablehlo.dot_general %13, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %15 = stablehlo.add %9, %14 : tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %16:2 = stablehlo.while(%iterArg = %c_0, %iterArg_4 = %15) : tensor<ui32>, tensor<8x32xf32>
 // UNROLL2_GOLDEN-NEXT: cond {
-// UNROLL2_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<3> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %15 = stablehlo.compare LT, %iterArg, %c_4, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// UNROLL2_GOLDEN-NEXT: stablehlo.return %15 : tensor<i1>
-// UNROLL2_GOLDEN-NEXT: } do {
-// UNROLL2_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<8> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<2> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %15 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %16 = stablehlo.multiply %iterArg, %c_8 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %17 = stablehlo.add %16, %c_8 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %18 = stablehlo.add %3, %17 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_7 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %20 = stablehlo.multiply %19, %c_7 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %21 = stablehlo.dynamic_slice %arg2, %20, %c_6, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// UNROLL2_GOLDEN-NEXT: %22 = stablehlo.dot_general %21, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %23 = stablehlo.add %15, %22 : tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %24 = "stablehlo.collective_permute"(%23) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %25 = stablehlo.multiply %iterArg, %c_8 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %26 = stablehlo.add %25, %c_5 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %27 = stablehlo.add %3, %26 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %28 = stablehlo.remainder %27, %c_7 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.multiply %28, %c_7 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %30 = stablehlo.dynamic_slice %arg2, %29, %c_6, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// UNROLL2_GOLDEN-NEXT: %31 = stablehlo.dot_general %30, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.add %24, %31 : tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %33 = stablehlo.add %iterArg, %c_4 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: stablehlo.return %33, %32 : tensor<ui32>, tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %17 = stablehlo.compare LT, %iterArg, %c_5, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// UNROLL2_GOLDEN-NEXT: stablehlo.return %17 : tensor<i1>
+// UNROLL2_GOLDEN-NEXT: } do {
+// UNROLL2_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<1> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<4> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<0> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<8> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<3> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<2> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %17 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %18 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.add %18, %c_9 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %20 = stablehlo.add %3, %19 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %21 = stablehlo.remainder %20, %c_8 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %22 = stablehlo.multiply %21, %c_8 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %23 = stablehlo.dynamic_slice %arg2, %22, %c_7, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// UNROLL2_GOLDEN-NEXT: %24 = stablehlo.dot_general %23, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %25 = stablehlo.add %17, %24 : tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %26 = "stablehlo.collective_permute"(%25) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %27 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %28 = stablehlo.add %27, %c_6 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.add %3, %28 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %30 = stablehlo.remainder %29, %c_8 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %31 = stablehlo.multiply %30, %c_8 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.dynamic_slice %arg2, %31, %c_7, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// UNROLL2_GOLDEN-NEXT: %33 = stablehlo.dot_general %32, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %34 = stablehlo.add %26, %33 : tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %35 = stablehlo.add %iterArg, %c_5 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: stablehlo.return %35, %34 : tensor<ui32>, tensor<8x32xf32>
 // UNROLL2_GOLDEN-NEXT: }
-// UNROLL2_GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%9#1) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %11 = stablehlo.multiply %3, %c_0 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %12 = stablehlo.dynamic_slice %arg2, %11, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// UNROLL2_GOLDEN-NEXT: %13 = stablehlo.dot_general %12, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %14 = stablehlo.add %10, %13 : tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: sdy.return %14 : tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: sdy.return %16#1 : tensor<8x32xf32>
 // UNROLL2_GOLDEN-NEXT: } : (tensor<64x128xf32>, tensor<128x32xf32>) -> tensor<64x32xf32>
 // UNROLL2_GOLDEN-NEXT: return %0 : tensor<64x32xf32>
 // UNROLL2_GOLDEN-NEXT: }
@@ -328,13 +332,13 @@
 // STREAMS-NOT: stablehlo.reduce_scatter
 // STREAMS: } do {
 // STREAMS: "stablehlo.collective_permute"
-// STREAMS-SAME: mhlo.frontend_attributes = {_scheduling_group_id = "0"}
+// STREAMS-SAME: mhlo.frontend_attributes = {_scheduling_group_id = "[[G1:[0-9]+]]"}
 // STREAMS: func.call @cmatmul_dot_0
-// STREAMS-SAME: {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}
+// STREAMS-SAME: {_scheduling_group_id = "[[G1]]", _xla_stream_annotation = "1", inlineable = "false"}
 // STREAMS: "stablehlo.collective_permute"
-// STREAMS-SAME: mhlo.frontend_attributes = {_scheduling_group_id = "1"}
+// STREAMS-SAME: mhlo.frontend_attributes = {_scheduling_group_id = "[[G2:[0-9]+]]"}
 // STREAMS: func.call @cmatmul_dot_0
-// STREAMS-SAME: {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}
+// STREAMS-SAME: {_scheduling_group_id = "[[G2]]", _xla_stream_annotation = "2", inlineable = "false"}
 // STREAMS: func.func private @cmatmul_dot_0
 // STREAMS-NEXT: stablehlo.dot_general
 
@@ -343,56 +347,60 @@
 // STREAMS_GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // STREAMS_GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg1: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<64x32xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) {
 // STREAMS_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"model"}, {}]>] manual_axes={"model"} (%arg2: tensor<64x16xf32>, %arg3: tensor<16x32xf32>) {
-// STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
+// STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<2> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<0> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<1> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // STREAMS_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_2, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// STREAMS_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // STREAMS_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %4 = stablehlo.add %3, %c_1 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_0 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_0 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg2, %6, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// STREAMS_GOLDEN-NEXT: %4 = stablehlo.add %3, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_1 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_1 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg2, %6, %c_0, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
 // STREAMS_GOLDEN-NEXT: %8 = func.call @cmatmul_dot_0(%7, %arg3) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %9:2 = stablehlo.while(%iterArg = %c, %iterArg_3 = %8) : tensor<ui32>, tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %9 = "stablehlo.collective_permute"(%8) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %10 = stablehlo.add %3, %c : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c_1 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %12 = stablehlo.multiply %11, %c_1 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %arg2, %12, %c_0, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// STREAMS_GOLDEN-NEXT: %14 = func.call @cmatmul_dot_0(%13, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %15 = stablehlo.add %9, %14 : tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %16:2 = stablehlo.while(%iterArg = %c_0, %iterArg_4 = %15) : tensor<ui32>, tensor<8x32xf32>
 // STREAMS_GOLDEN-NEXT: cond {
-// STREAMS_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<3> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %15 = stablehlo.compare LT, %iterArg, %c_4, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %15 : tensor<i1>
-// STREAMS_GOLDEN-NEXT: } do {
-// STREAMS_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<8> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %15 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %16 = stablehlo.multiply %iterArg, %c_8 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %17 = stablehlo.add %16, %c_8 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %18 = stablehlo.add %3, %17 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_7 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %20 = stablehlo.multiply %19, %c_7 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %21 = stablehlo.dynamic_slice %arg2, %20, %c_6, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// STREAMS_GOLDEN-NEXT: %22 = func.call @cmatmul_dot_0(%21, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %23 = stablehlo.add %15, %22 : tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %24 = "stablehlo.collective_permute"(%23) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %25 = stablehlo.multiply %iterArg, %c_8 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %26 = stablehlo.add %25, %c_5 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %27 = stablehlo.add %3, %26 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %28 = stablehlo.remainder %27, %c_7 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %29 = stablehlo.multiply %28, %c_7 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %30 = stablehlo.dynamic_slice %arg2, %29, %c_6, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// STREAMS_GOLDEN-NEXT: %31 = func.call @cmatmul_dot_0(%30, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %32 = stablehlo.add %24, %31 : tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %33 = stablehlo.add %iterArg, %c_4 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %33, %32 : tensor<ui32>, tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %17 = stablehlo.compare LT, %iterArg, %c_5, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %17 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: } do {
+// STREAMS_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<1> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<4> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<0> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<8> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<3> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<2> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %17 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %18 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %19 = stablehlo.add %18, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %20 = stablehlo.add %3, %19 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %21 = stablehlo.remainder %20, %c_8 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %22 = stablehlo.multiply %21, %c_8 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %23 = stablehlo.dynamic_slice %arg2, %22, %c_7, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// STREAMS_GOLDEN-NEXT: %24 = func.call @cmatmul_dot_0(%23, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %25 = stablehlo.add %17, %24 : tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %26 = "stablehlo.collective_permute"(%25) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %27 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %28 = stablehlo.add %27, %c_6 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %29 = stablehlo.add %3, %28 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %30 = stablehlo.remainder %29, %c_8 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %31 = stablehlo.multiply %30, %c_8 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %32 = stablehlo.dynamic_slice %arg2, %31, %c_7, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// STREAMS_GOLDEN-NEXT: %33 = func.call @cmatmul_dot_0(%32, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %34 = stablehlo.add %26, %33 : tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %35 = stablehlo.add %iterArg, %c_5 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %35, %34 : tensor<ui32>, tensor<8x32xf32>
 // STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%9#1) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %11 = stablehlo.multiply %3, %c_0 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %12 = stablehlo.dynamic_slice %arg2, %11, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// STREAMS_GOLDEN-NEXT: %13 = func.call @cmatmul_dot_0(%12, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %14 = stablehlo.add %10, %13 : tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: sdy.return %14 : tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: sdy.return %16#1 : tensor<8x32xf32>
 // STREAMS_GOLDEN-NEXT: } : (tensor<64x128xf32>, tensor<128x32xf32>) -> tensor<64x32xf32>
 // STREAMS_GOLDEN-NEXT: return %0 : tensor<64x32xf32>
 // STREAMS_GOLDEN-NEXT: }
@@ -404,10 +412,10 @@
 // END-AUTOGENERATED golden block
 
 // HLO: HloModule
-// HLO-DAG: collective-permute({{.*}}frontend_attributes={_scheduling_group_id="0"}
-// HLO-DAG: call({{.*}}frontend_attributes={_scheduling_group_id="0",_xla_stream_annotation="1",inlineable="false"}
 // HLO-DAG: collective-permute({{.*}}frontend_attributes={_scheduling_group_id="1"}
-// HLO-DAG: call({{.*}}frontend_attributes={_scheduling_group_id="1",_xla_stream_annotation="2",inlineable="false"}
+// HLO-DAG: call({{.*}}frontend_attributes={_scheduling_group_id="1",_xla_stream_annotation="1",inlineable="false"}
+// HLO-DAG: collective-permute({{.*}}frontend_attributes={_scheduling_group_id="2"}
+// HLO-DAG: call({{.*}}frontend_attributes={_scheduling_group_id="2",_xla_stream_annotation="2",inlineable="false"}
 // HLO-DAG: while(
 
 // BEGIN-AUTOGENERATED golden block (tools/update_goldens.py; `make goldens` refreshes it) prefix=HLO_GOLDEN options=--emit hlo --annotate-streams --unroll 2
@@ -420,35 +428,36 @@
 // HLO_GOLDEN: region_0.2 {
 // HLO_GOLDEN-NEXT: arg_tuple.1 = (u32[], f32[8,32]{1,0}, u32[], f32[64,16]{1,0}, f32[16,32]{1,0}) parameter(0)
 // HLO_GOLDEN-NEXT: get-tuple-element.7 = u32[] get-tuple-element(arg_tuple.1), index=0
-// HLO_GOLDEN-NEXT: constant.9 = u32[] constant(1)
-// HLO_GOLDEN-NEXT: add.14 = u32[] add(get-tuple-element.7, constant.9)
+// HLO_GOLDEN-NEXT: constant.11 = u32[] constant(1)
+// HLO_GOLDEN-NEXT: add.16 = u32[] add(get-tuple-element.7, constant.11)
 // HLO_GOLDEN-NEXT: get-tuple-element.8 = f32[8,32]{1,0} get-tuple-element(arg_tuple.1), index=1
-// HLO_GOLDEN-NEXT: collective-permute.2 = f32[8,32]{1,0} collective-permute(get-tuple-element.8), channel_id=2, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="0"}
+// HLO_GOLDEN-NEXT: collective-permute.3 = f32[8,32]{1,0} collective-permute(get-tuple-element.8), channel_id=3, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="1"}
 // HLO_GOLDEN-NEXT: get-tuple-element.10 = f32[64,16]{1,0} get-tuple-element(arg_tuple.1), index=3
 // HLO_GOLDEN-NEXT: get-tuple-element.9 = u32[] get-tuple-element(arg_tuple.1), index=2
-// HLO_GOLDEN-NEXT: constant.13 = u32[] constant(2)
-// HLO_GOLDEN-NEXT: multiply.5 = u32[] multiply(get-tuple-element.7, constant.13)
-// HLO_GOLDEN-NEXT: add.8 = u32[] add(multiply.5, constant.13)
-// HLO_GOLDEN-NEXT: add.9 = u32[] add(get-tuple-element.9, add.8)
-// HLO_GOLDEN-NEXT: constant.12 = u32[] constant(8)
-// HLO_GOLDEN-NEXT: remainder.3 = u32[] remainder(add.9, constant.12)
-// HLO_GOLDEN-NEXT: multiply.6 = u32[] multiply(remainder.3, constant.12)
-// HLO_GOLDEN-NEXT: constant.11 = u32[] constant(0)
-// HLO_GOLDEN-NEXT: dynamic-slice.4 = f32[8,16]{1,0} dynamic-slice(get-tuple-element.10, multiply.6, constant.11), dynamic_slice_sizes={8,16}
+// HLO_GOLDEN-NEXT: constant.16 = u32[] constant(2)
+// HLO_GOLDEN-NEXT: multiply.6 = u32[] multiply(get-tuple-element.7, constant.16)
+// HLO_GOLDEN-NEXT: constant.15 = u32[] constant(3)
+// HLO_GOLDEN-NEXT: add.10 = u32[] add(multiply.6, constant.15)
+// HLO_GOLDEN-NEXT: add.11 = u32[] add(get-tuple-element.9, add.10)
+// HLO_GOLDEN-NEXT: constant.14 = u32[] constant(8)
+// HLO_GOLDEN-NEXT: remainder.4 = u32[] remainder(add.11, constant.14)
+// HLO_GOLDEN-NEXT: multiply.7 = u32[] multiply(remainder.4, constant.14)
+// HLO_GOLDEN-NEXT: constant.13 = u32[] constant(0)
+// HLO_GOLDEN-NEXT: dynamic-slice.5 = f32[8,16]{1,0} dynamic-slice(get-tuple-element.10, multiply.7, constant.13), dynamic_slice_sizes={8,16}
 // HLO_GOLDEN-NEXT: get-tuple-element.11 = f32[16,32]{1,0} get-tuple-element(arg_tuple.1), index=4
-// HLO_GOLDEN-NEXT: call.3 = f32[8,32]{1,0} call(dynamic-slice.4, get-tuple-element.11), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="0",_xla_stream_annotation="1",inlineable="false"}
-// HLO_GOLDEN-NEXT: add.10 = f32[8,32]{1,0} add(collective-permute.2, call.3)
-// HLO_GOLDEN-NEXT: collective-permute.3 = f32[8,32]{1,0} collective-permute(add.10), channel_id=3, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="1"}
-// HLO_GOLDEN-NEXT: multiply.7 = u32[] multiply(get-tuple-element.7, constant.13)
-// HLO_GOLDEN-NEXT: constant.10 = u32[] constant(3)
-// HLO_GOLDEN-NEXT: add.11 = u32[] add(multiply.7, constant.10)
-// HLO_GOLDEN-NEXT: add.12 = u32[] add(get-tuple-element.9, add.11)
-// HLO_GOLDEN-NEXT: remainder.4 = u32[] remainder(add.12, constant.12)
-// HLO_GOLDEN-NEXT: multiply.8 = u32[] multiply(remainder.4, constant.12)
-// HLO_GOLDEN-NEXT: dynamic-slice.5 = f32[8,16]{1,0} dynamic-slice(get-tuple-element.10, multiply.8, constant.11), dynamic_slice_sizes={8,16}
-// HLO_GOLDEN-NEXT: call.4 = f32[8,32]{1,0} call(dynamic-slice.5, get-tuple-element.11), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="1",_xla_stream_annotation="2",inlineable="false"}
-// HLO_GOLDEN-NEXT: add.13 = f32[8,32]{1,0} add(collective-permute.3, call.4)
-// HLO_GOLDEN-NEXT: ROOT tuple.1 = (u32[], f32[8,32]{1,0}, u32[], f32[64,16]{1,0}, f32[16,32]{1,0}) tuple(add.14, add.13, get-tuple-element.9, get-tuple-element.10, get-tuple-element.11)
+// HLO_GOLDEN-NEXT: call.4 = f32[8,32]{1,0} call(dynamic-slice.5, get-tuple-element.11), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="1",_xla_stream_annotation="1",inlineable="false"}
+// HLO_GOLDEN-NEXT: add.12 = f32[8,32]{1,0} add(collective-permute.3, call.4)
+// HLO_GOLDEN-NEXT: collective-permute.4 = f32[8,32]{1,0} collective-permute(add.12), channel_id=4, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="2"}
+// HLO_GOLDEN-NEXT: multiply.8 = u32[] multiply(get-tuple-element.7, constant.16)
+// HLO_GOLDEN-NEXT: constant.12 = u32[] constant(4)
+// HLO_GOLDEN-NEXT: add.13 = u32[] add(multiply.8, constant.12)
+// HLO_GOLDEN-NEXT: add.14 = u32[] add(get-tuple-element.9, add.13)
+// HLO_GOLDEN-NEXT: remainder.5 = u32[] remainder(add.14, constant.14)
+// HLO_GOLDEN-NEXT: multiply.9 = u32[] multiply(remainder.5, constant.14)
+// HLO_GOLDEN-NEXT: dynamic-slice.6 = f32[8,16]{1,0} dynamic-slice(get-tuple-element.10, multiply.9, constant.13), dynamic_slice_sizes={8,16}
+// HLO_GOLDEN-NEXT: call.5 = f32[8,32]{1,0} call(dynamic-slice.6, get-tuple-element.11), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="2",_xla_stream_annotation="2",inlineable="false"}
+// HLO_GOLDEN-NEXT: add.15 = f32[8,32]{1,0} add(collective-permute.4, call.5)
+// HLO_GOLDEN-NEXT: ROOT tuple.1 = (u32[], f32[8,32]{1,0}, u32[], f32[64,16]{1,0}, f32[16,32]{1,0}) tuple(add.16, add.15, get-tuple-element.9, get-tuple-element.10, get-tuple-element.11)
 // HLO_GOLDEN-NEXT: }
 // HLO_GOLDEN: region_1.3 {
 // HLO_GOLDEN-NEXT: arg_tuple.3 = (u32[], f32[8,32]{1,0}, u32[], f32[64,16]{1,0}, f32[16,32]{1,0}) parameter(0)
@@ -457,33 +466,36 @@
 // HLO_GOLDEN-NEXT: get-tuple-element.20 = f32[64,16]{1,0} get-tuple-element(arg_tuple.3), index=3
 // HLO_GOLDEN-NEXT: get-tuple-element.21 = f32[16,32]{1,0} get-tuple-element(arg_tuple.3), index=4
 // HLO_GOLDEN-NEXT: get-tuple-element.17 = u32[] get-tuple-element(arg_tuple.3), index=0
-// HLO_GOLDEN-NEXT: constant.15 = u32[] constant(3)
-// HLO_GOLDEN-NEXT: ROOT compare.1 = pred[] compare(get-tuple-element.17, constant.15), direction=LT
+// HLO_GOLDEN-NEXT: constant.18 = u32[] constant(3)
+// HLO_GOLDEN-NEXT: ROOT compare.1 = pred[] compare(get-tuple-element.17, constant.18), direction=LT
 // HLO_GOLDEN-NEXT: }
 // HLO_GOLDEN: xla.sdy.manual_computation_body.4 {
-// HLO_GOLDEN-NEXT: constant.16 = u32[] constant(0)
+// HLO_GOLDEN-NEXT: constant.20 = u32[] constant(0)
 // HLO_GOLDEN-NEXT: Arg_0.4 = f32[64,16]{1,0} parameter(0)
-// HLO_GOLDEN-NEXT: constant.19 = u32[8]{0} constant({0, 1, 2, 3, 4, 5, 6, 7})
+// HLO_GOLDEN-NEXT: constant.23 = u32[8]{0} constant({0, 1, 2, 3, 4, 5, 6, 7})
 // HLO_GOLDEN-NEXT: partition-id.1 = u32[] partition-id()
-// HLO_GOLDEN-NEXT: dynamic-slice.7 = u32[1]{0} dynamic-slice(constant.19, partition-id.1), dynamic_slice_sizes={1}
+// HLO_GOLDEN-NEXT: dynamic-slice.7 = u32[1]{0} dynamic-slice(constant.23, partition-id.1), dynamic_slice_sizes={1}
 // HLO_GOLDEN-NEXT: reshape.1 = u32[] reshape(dynamic-slice.7)
-// HLO_GOLDEN-NEXT: constant.18 = u32[] constant(1)
-// HLO_GOLDEN-NEXT: add.16 = u32[] add(reshape.1, constant.18)
-// HLO_GOLDEN-NEXT: constant.17 = u32[] constant(8)
-// HLO_GOLDEN-NEXT: remainder.5 = u32[] remainder(add.16, constant.17)
-// HLO_GOLDEN-NEXT: multiply.10 = u32[] multiply(remainder.5, constant.17)
-// HLO_GOLDEN-NEXT: dynamic-slice.8 = f32[8,16]{1,0} dynamic-slice(Arg_0.4, multiply.10, constant.16), dynamic_slice_sizes={8,16}
+// HLO_GOLDEN-NEXT: constant.22 = u32[] constant(1)
+// HLO_GOLDEN-NEXT: add.17 = u32[] add(reshape.1, constant.22)
+// HLO_GOLDEN-NEXT: constant.21 = u32[] constant(8)
+// HLO_GOLDEN-NEXT: remainder.6 = u32[] remainder(add.17, constant.21)
+// HLO_GOLDEN-NEXT: multiply.10 = u32[] multiply(remainder.6, constant.21)
+// HLO_GOLDEN-NEXT: dynamic-slice.8 = f32[8,16]{1,0} dynamic-slice(Arg_0.4, multiply.10, constant.20), dynamic_slice_sizes={8,16}
 // HLO_GOLDEN-NEXT: Arg_1.4 = f32[16,32]{1,0} parameter(1)
 // HLO_GOLDEN-NEXT: call.6 = f32[8,32]{1,0} call(dynamic-slice.8, Arg_1.4), to_apply=cmatmul_dot_0.1, frontend_attributes={_xla_stream_annotation="1",inlineable="false"}
-// HLO_GOLDEN-NEXT: tuple.3 = (u32[], f32[8,32]{1,0}, u32[], f32[64,16]{1,0}, f32[16,32]{1,0}) tuple(constant.16, call.6, reshape.1, Arg_0.4, Arg_1.4)
+// HLO_GOLDEN-NEXT: collective-permute.5 = f32[8,32]{1,0} collective-permute(call.6), channel_id=2, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="0"}
+// HLO_GOLDEN-NEXT: constant.19 = u32[] constant(2)
+// HLO_GOLDEN-NEXT: add.18 = u32[] add(reshape.1, constant.19)
+// HLO_GOLDEN-NEXT: remainder.7 = u32[] remainder(add.18, constant.21)
+// HLO_GOLDEN-NEXT: multiply.11 = u32[] multiply(remainder.7, constant.21)
+// HLO_GOLDEN-NEXT: dynamic-slice.9 = f32[8,16]{1,0} dynamic-slice(Arg_0.4, multiply.11, constant.20), dynamic_slice_sizes={8,16}
+// HLO_GOLDEN-NEXT: call.7 = f32[8,32]{1,0} call(dynamic-slice.9, Arg_1.4), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="0",_xla_stream_annotation="2",inlineable="false"}
+// HLO_GOLDEN-NEXT: add.19 = f32[8,32]{1,0} add(collective-permute.5, call.7)
+// HLO_GOLDEN-NEXT: tuple.3 = (u32[], f32[8,32]{1,0}, u32[], f32[64,16]{1,0}, f32[16,32]{1,0}) tuple(constant.20, add.19, reshape.1, Arg_0.4, Arg_1.4)
 // HLO_GOLDEN-NEXT: while.1 = (u32[], f32[8,32]{1,0}, u32[], f32[64,16]{1,0}, f32[16,32]{1,0}) while(tuple.3), condition=region_1.3, body=region_0.2
 // HLO_GOLDEN-NEXT: get-tuple-element.24 = u32[] get-tuple-element(while.1), index=0
-// HLO_GOLDEN-NEXT: get-tuple-element.25 = f32[8,32]{1,0} get-tuple-element(while.1), index=1
-// HLO_GOLDEN-NEXT: collective-permute.5 = f32[8,32]{1,0} collective-permute(get-tuple-element.25), channel_id=4, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="2"}
-// HLO_GOLDEN-NEXT: multiply.11 = u32[] multiply(reshape.1, constant.17)
-// HLO_GOLDEN-NEXT: dynamic-slice.9 = f32[8,16]{1,0} dynamic-slice(Arg_0.4, multiply.11, constant.16), dynamic_slice_sizes={8,16}
-// HLO_GOLDEN-NEXT: call.7 = f32[8,32]{1,0} call(dynamic-slice.9, Arg_1.4), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="2",_xla_stream_annotation="1",inlineable="false"}
-// HLO_GOLDEN-NEXT: ROOT add.17 = f32[8,32]{1,0} add(collective-permute.5, call.7)
+// HLO_GOLDEN-NEXT: ROOT get-tuple-element.25 = f32[8,32]{1,0} get-tuple-element(while.1), index=1
 // HLO_GOLDEN-NEXT: }
 // HLO_GOLDEN: ENTRY main.5 {
 // HLO_GOLDEN-NEXT: Arg_0.5 = f32[64,128]{1,0} parameter(0), sharding={devices=[1,8]<=[8]}, frontend_attributes={xla.sdy.sharding="#sdy.sharding<@mesh, [{}, {\"model\"}]>"}

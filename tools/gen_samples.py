@@ -234,18 +234,19 @@ def bidi_gather_4_checks(down: str, up: str) -> list[str]:
 
 
 def streams_checks(collective: str) -> list[str]:
-    """Each round's dot is an outlined call on its own stream, grouped with the round's permute."""
+    """Each round's dot is an outlined call on its own stream (one per slot of the loop trip),
+    grouped with the round's permute (the ids themselves are the golden block's to pin)."""
     return [
         f"CHECK-NOT: stablehlo.{collective}",
         "CHECK: } do {",
         PERMUTE,
-        'CHECK-SAME: mhlo.frontend_attributes = {_scheduling_group_id = "0"}',
+        'CHECK-SAME: mhlo.frontend_attributes = {_scheduling_group_id = "[[G1:[0-9]+]]"}',
         "CHECK: func.call @cmatmul_dot_0",
-        'CHECK-SAME: {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}',
+        'CHECK-SAME: {_scheduling_group_id = "[[G1]]", _xla_stream_annotation = "1", inlineable = "false"}',
         PERMUTE,
-        'CHECK-SAME: mhlo.frontend_attributes = {_scheduling_group_id = "1"}',
+        'CHECK-SAME: mhlo.frontend_attributes = {_scheduling_group_id = "[[G2:[0-9]+]]"}',
         "CHECK: func.call @cmatmul_dot_0",
-        'CHECK-SAME: {_scheduling_group_id = "1", _xla_stream_annotation = "2", inlineable = "false"}',
+        'CHECK-SAME: {_scheduling_group_id = "[[G2]]", _xla_stream_annotation = "2", inlineable = "false"}',
         "CHECK: func.func private @cmatmul_dot_0",
         "CHECK-NEXT: stablehlo.dot_general",
     ]
@@ -253,13 +254,13 @@ def streams_checks(collective: str) -> list[str]:
 
 def hlo_checks() -> list[str]:
     """The same in HLO: the loop, the permutes and calls with their frontend attributes (HLO orders
-    computations its own way, hence DAG)."""
+    computations its own way, hence DAG; which group id each round got is the MLIR checks' job)."""
     return [
         "CHECK: HloModule",
-        'CHECK-DAG: collective-permute({{.*}}frontend_attributes={_scheduling_group_id="0"}',
-        'CHECK-DAG: call({{.*}}frontend_attributes={_scheduling_group_id="0",_xla_stream_annotation="1",inlineable="false"}',
         'CHECK-DAG: collective-permute({{.*}}frontend_attributes={_scheduling_group_id="1"}',
-        'CHECK-DAG: call({{.*}}frontend_attributes={_scheduling_group_id="1",_xla_stream_annotation="2",inlineable="false"}',
+        'CHECK-DAG: call({{.*}}frontend_attributes={_scheduling_group_id="1",_xla_stream_annotation="1",inlineable="false"}',
+        'CHECK-DAG: collective-permute({{.*}}frontend_attributes={_scheduling_group_id="2"}',
+        'CHECK-DAG: call({{.*}}frontend_attributes={_scheduling_group_id="2",_xla_stream_annotation="2",inlineable="false"}',
         "CHECK-DAG: while(",
     ]
 
