@@ -1,22 +1,33 @@
 #!/usr/bin/env bash
-# The GPU checks of docs/gpu.md in one go, on a machine with one NVIDIA GPU and jax with CUDA:
-#   bash tools/gpu_checks.sh OUTDIR [h100|h200]
-# 1. split efficiency and loop-trip cost at 70B and 8B MLP shapes (tools/gpu_calibrate.py);
-# 2. the training step compiled for a mocked 8-GPU topology, original and every variant, read
-#    for overlap, async streams and compile time (tools/gpu_topology.py; a tiny model first, as
-#    a quick check that the mocked topology works, then 8B shapes).
-# Each step has its own time limit, so one that hangs leaves the others' results.
+# The GPU checks of docs/gpu.md, on a machine with one NVIDIA GPU and jax with CUDA:
+#   bash tools/gpu_checks.sh OUTDIR [h100|h200] [all|calibrate|topology]
+# calibrate: split efficiency and loop-trip cost at 70B and 8B MLP shapes (tools/gpu_calibrate.py);
+# topology:  the training step compiled for a mocked 8-GPU topology, original and every variant,
+#            read for overlap, async streams and compile time (tools/gpu_topology.py): a tiny
+#            model first (a quick check that the mocked topology works), then 8B and 70B
+#            shapes, then 8B with no XLA flags at all.
+# Each step has its own time limit, so one that hangs leaves the others' results. On an H100,
+# calibrate takes about 1 minute and topology about 7; "all" can exceed a 10-minute call limit.
 set -uo pipefail
-out=${1:?usage: gpu_checks.sh OUTDIR [profile]}
+out=${1:?usage: gpu_checks.sh OUTDIR [profile] [all|calibrate|topology]}
 profile=${2:-h100}
+part=${3:-all}
 py=${PYTHON:-python3}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used --format=csv
 $py -c 'import jax; print("jax", jax.__version__, jax.devices())'
-for model in 70b 8b; do
-  timeout 150 $py tools/gpu_calibrate.py --model "$model" --profile "$profile" --out "$out/calibrate_$model.json"
-done
-timeout 90 $py tools/gpu_topology.py --model tiny --out /tmp/topology_tiny.json
-timeout 330 $py tools/gpu_topology.py --model 8b --out "$out/topology_8b.json" --dump-hlo "$out/hlo"
+if [ "$part" = all ] || [ "$part" = calibrate ]; then
+  for model in 70b 8b; do
+    timeout 150 $py tools/gpu_calibrate.py --model "$model" --profile "$profile" --out "$out/calibrate_$model.json"
+  done
+fi
+if [ "$part" = all ] || [ "$part" = topology ]; then
+  timeout 90 $py tools/gpu_topology.py --model tiny --out /tmp/topology_tiny.json
+  timeout 200 $py tools/gpu_topology.py --model 8b --out "$out/topology_8b.json" --dump-hlo "$out/hlo"
+  timeout 200 $py tools/gpu_topology.py --model 70b --out "$out/topology_70b.json"
+  # what XLA does by default, and what cmatmul_pass.jit's own compiler options add
+  timeout 120 $py tools/gpu_topology.py --model 8b --no-flags --repeats 1 \
+    --programs uni uni-no-gpu-options bidi bidi-no-gpu-options uni-streams --out "$out/topology_8b_no_flags.json"
+fi
