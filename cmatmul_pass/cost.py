@@ -53,8 +53,8 @@ class Hardware:
 PROFILES: dict[str, Hardware] = {
     # Calibrated on an H100 SXM (tools/gpu_calibrate.py, jax 0.11.2, bench/gpu/h100_calibrate_*.json):
     # XLA's bf16 dot at MLP-block shapes 676-679 TFLOP/s (989 peak); the ring's 1/8-sized
-    # straight-line dots keep 0.851 of it at 70B-like shapes (0.741 at 8B-like: smaller dots
-    # fill fewer of the 132 SMs); a while-loop trip costs 11 µs.  f32/i8/i32 are not measured.
+    # straight-line dots keep 0.851 of it at 70B-like shapes (0.741 at 8B-like; docs/gpu.md
+    # discusses why); a while-loop trip costs 11 µs.  f32/i8/i32 are not measured.
     # NVLink 4: 450 GB/s per direction.
     "h100": Hardware("H100 SXM (NVLink 4)", {"bf16": 676e12, "f16": 676e12, "f32": 400e12, "i8": 1600e12,
                                             "i32": 60e12, "default": 676e12}, 450e9,
