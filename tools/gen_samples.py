@@ -253,8 +253,9 @@ def streams_checks(collective: str) -> list[str]:
 
 
 def hlo_checks() -> list[str]:
-    """The same in HLO: the loop, the permutes and calls with their frontend attributes (HLO orders
-    computations its own way, hence DAG; which group id each round got is the MLIR checks' job)."""
+    """The same in HLO: the loop's two rounds are groups 1 and 2 (group 0 is the round peeled
+    before the loop), each a permute and a call on its stream (HLO orders computations its own
+    way, hence DAG)."""
     return [
         "CHECK: HloModule",
         'CHECK-DAG: collective-permute({{.*}}frontend_attributes={_scheduling_group_id="1"}',

@@ -196,12 +196,13 @@ class ModuleReader:
         self.computations = {c.name: c for c in module.computations()}
         self._matmul: dict[str, bool] = {}
 
-    def is_matmul(self, instruction) -> bool:
-        """A dot, a gemm custom call or fusion, or an op calling a computation that holds one."""
+    def is_matmul(self, instruction, printed: str | None = None) -> bool:
+        """A dot, a gemm custom call or fusion, or an op calling a computation that holds one
+        (``printed``: the instruction's printed form, when the caller has it already)."""
         op = opcode_name(instruction)
         if op in ("dot", "convolution"):
             return True
-        printed = instruction.to_string()
+        printed = printed if printed is not None else instruction.to_string()
         if op in ("custom-call", "fusion") and any(t in printed for t in self.MATMUL_TARGETS):
             return True
         return any(self.holds_matmul(name) for name in called_computations(printed))
@@ -271,7 +272,7 @@ def analyse(module) -> dict:
                         collectives.append(entry)
                     in_flight.discard(operand.name)
                 continue
-            matmul = reader.is_matmul(instruction)
+            matmul = reader.is_matmul(instruction, printed)
             for entry in open_starts.values():
                 entry["between"] += 1
                 entry["overlapped"] |= matmul
@@ -329,8 +330,9 @@ def compile_programs(model: str, layers: int, dtype: str, names: list[str], dump
 
     def record(name: str, lower) -> None:
         """Compile ``lower()`` ``repeats`` times, each from a fresh lowering (a compiled Lowered
-        keeps its executable, and jax caches compilations of the same module).  The first compile autotunes the GEMM shapes no earlier program
-        had; later ones find them in the process's autotuning cache."""
+        keeps its executable, and jax caches compilations of the same module).  The first
+        compile autotunes the GEMM shapes no earlier program had; later ones find them in the
+        process's autotuning cache."""
         seconds, lower_s = [], []
         for _ in range(repeats):
             jax.clear_caches()  # else jax hands back the executable of the same lowered module
@@ -382,7 +384,7 @@ def compile_programs(model: str, layers: int, dtype: str, names: list[str], dump
     for name, row in results.items():
         if "compile_s" in row:
             row["compile_ratio"] = row["compile_s"] / base
-            row["first_compile_ratio"] = row["first_compile_s"] / results["original"]["first_compile_s"]
+            row["first_compile_ratio"] = row["first_compile_s"] / original["first_compile_s"]
     return results
 
 
