@@ -73,6 +73,20 @@ def build_parser() -> argparse.ArgumentParser:
             help="decline an all_gather whose value other ops also read, instead of assembling it in the loop",
         )
         p.add_argument(
+            "--no-merge-dots",
+            dest="merge_dots",
+            action="store_false",
+            help="compute a gather's dots that share the gathered value separately in each round "
+                 "(by default dots differing only in one free dim of their other operand are one dot)",
+        )
+        p.add_argument(
+            "--no-tie-rounds",
+            dest="tie_rounds",
+            action="store_false",
+            help="no optimization barrier between the rounds of unrolled, straight-line and "
+                 "bidirectional rings (XLA may then merge their dots)",
+        )
+        p.add_argument(
             "--no-share-rings",
             dest="share_rings",
             action="store_false",
@@ -158,6 +172,8 @@ def _options(args, variant: str | None = None):
         assemble=args.assemble,
         annotate_streams=args.annotate_streams,
         share_rings=args.share_rings,
+        merge_dots=args.merge_dots,
+        tie_rounds=args.tie_rounds,
         policy=args.policy,
         hardware=args.hardware,
         min_bytes=args.min_bytes,

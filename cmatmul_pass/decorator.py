@@ -39,6 +39,8 @@ def jit(
     unroll: int | str = 1,
     annotate_streams: bool = False,
     share_rings: bool = True,
+    merge_dots: bool = True,
+    tie_rounds: bool = True,
     assemble: bool = True,
     policy: str = "all",
     hardware: str = "h100",
@@ -59,7 +61,7 @@ def jit(
     """
     options = Options(
         bidirectional=bidirectional, unroll=unroll, annotate_streams=annotate_streams, share_rings=share_rings,
-        assemble=assemble,
+        assemble=assemble, merge_dots=merge_dots, tie_rounds=tie_rounds,
         policy=policy, hardware=hardware, min_bytes=min_bytes,
     )
     if fun is None:

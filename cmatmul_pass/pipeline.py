@@ -43,6 +43,13 @@ class Options:
     ``share_rings``: a site repeating an earlier site's pattern calls one shared ring
     function instead of getting its own ring (:mod:`cmatmul_pass.sharing`); off while
     annotating streams.
+    ``merge_dots``: a gather's dots that differ only in their other operand, along its one
+    free dim (q/k/v, gate and up), become one dot per round on those operands concatenated
+    once before the ring (XLA's dot merger would concatenate them in every round).
+    ``tie_rounds``: where several rounds or directions compute in one block (unrolled,
+    straight-line and bidirectional rings), pass each round's dot operands through an
+    ``optimization_barrier``, so that XLA does not merge dots of different rounds (which
+    share an operand) into one that waits for every round's transfer.
     ``policy``: ``"all"`` rewrites every legal site; ``"auto"`` only those whose
     predicted speed-up on ``hardware`` (a :mod:`cmatmul_pass.cost` profile, e.g.
     ``"h100"`` or ``"h100:bandwidth=400e9"``) exceeds ``1 + margin``.  ``min_bytes``:
@@ -56,6 +63,8 @@ class Options:
     unroll: int | str = 1
     annotate_streams: bool = False
     share_rings: bool = True
+    merge_dots: bool = True
+    tie_rounds: bool = True
     policy: str = "all"
     hardware: str = "h100"
     min_bytes: int = 0
@@ -179,6 +188,8 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
             Annotator(module, enabled=options.annotate_streams),
             bidirectional=options.bidirectional,
             unroll=options.rounds_per_trip,
+            merge_dots=options.merge_dots,
+            tie_rounds=options.tie_rounds,
         )
         verify = module if verify_each else None
         predictions: dict = {}  # SiteShape or pattern key -> (SiteShape, Prediction, its report entry)

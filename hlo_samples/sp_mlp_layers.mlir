@@ -501,78 +501,84 @@
 // STREAMS_GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_5, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // STREAMS_GOLDEN-NEXT: %5 = stablehlo.reshape %4 : (tensor<1xui32>) -> tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %6 = "stablehlo.collective_permute"(%arg7) <{channel_handle = #stablehlo.channel_handle<handle = 11, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %7 = func.call @cmatmul_dot_0(%arg7, %arg8) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %8 = stablehlo.multiply %5, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %cst, %7, %c_1, %8, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %10:3 = stablehlo.while(%iterArg = %c_1, %iterArg_10 = %6, %iterArg_11 = %9) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %7:2 = stablehlo.optimization_barrier %arg7, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %8 = func.call @cmatmul_dot_0(%7#0, %7#1) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %9 = stablehlo.multiply %5, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %cst, %8, %c_1, %9, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %11:3 = stablehlo.while(%iterArg = %c_1, %iterArg_10 = %6, %iterArg_11 = %10) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: cond {
 // STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %42 = stablehlo.compare LT, %iterArg, %c_12, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %42 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %46 = stablehlo.compare LT, %iterArg, %c_12, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %46 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
 // STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<8> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<4> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_15 = stablehlo.constant dense<1> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_16 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %42 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 12, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %43 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %44 = stablehlo.add %43, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %45 = stablehlo.add %5, %44 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %46 = stablehlo.remainder %45, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %47 = func.call @cmatmul_dot_0(%iterArg_10, %arg8) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %48 = stablehlo.multiply %46, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %49 = stablehlo.dynamic_update_slice %iterArg_11, %47, %c_12, %48, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %50 = "stablehlo.collective_permute"(%42) <{channel_handle = #stablehlo.channel_handle<handle = 13, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %51 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %52 = stablehlo.add %51, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %53 = stablehlo.add %5, %52 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %54 = stablehlo.remainder %53, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %55 = func.call @cmatmul_dot_0(%42, %arg8) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %56 = stablehlo.multiply %54, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %57 = stablehlo.dynamic_update_slice %49, %55, %c_12, %56, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %58 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %58, %50, %57 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %46 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 12, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %47 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %48 = stablehlo.add %47, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %49 = stablehlo.add %5, %48 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %50 = stablehlo.remainder %49, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %51:2 = stablehlo.optimization_barrier %iterArg_10, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %52 = func.call @cmatmul_dot_0(%51#0, %51#1) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %53 = stablehlo.multiply %50, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %54 = stablehlo.dynamic_update_slice %iterArg_11, %52, %c_12, %53, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %55 = "stablehlo.collective_permute"(%46) <{channel_handle = #stablehlo.channel_handle<handle = 13, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %56 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %57 = stablehlo.add %56, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %58 = stablehlo.add %5, %57 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %59 = stablehlo.remainder %58, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %60:2 = stablehlo.optimization_barrier %46, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %61 = func.call @cmatmul_dot_0(%60#0, %60#1) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %62 = stablehlo.multiply %59, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %63 = stablehlo.dynamic_update_slice %54, %61, %c_12, %62, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %64 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %64, %55, %63 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: %11 = stablehlo.add %5, %c : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_3 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %13 = func.call @cmatmul_dot_0(%10#1, %arg8) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %14 = stablehlo.multiply %12, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %10#2, %13, %c_1, %14, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %16 = stablehlo.multiply %15, %15 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %17 = stablehlo.multiply %16, %15 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %18 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %12 = stablehlo.add %5, %c : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_3 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %14:2 = stablehlo.optimization_barrier %11#1, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %15 = func.call @cmatmul_dot_0(%14#0, %14#1) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %16 = stablehlo.multiply %13, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %17 = stablehlo.dynamic_update_slice %11#2, %15, %c_1, %16, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %18 = stablehlo.multiply %17, %17 : tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: %19 = stablehlo.multiply %18, %17 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %20 = stablehlo.add %15, %19 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
+// STREAMS_GOLDEN-NEXT: %20 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %21 = stablehlo.multiply %20, %19 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %22 = stablehlo.add %17, %21 : tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %21 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %22 = stablehlo.multiply %21, %20 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %23 = stablehlo.tanh %22 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %23 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %24 = stablehlo.multiply %23, %22 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %25 = stablehlo.tanh %24 : tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %24 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %25 = stablehlo.add %24, %23 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %26 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %27 = stablehlo.add %26, %25 : tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: %cst_9 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %26 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %27 = stablehlo.multiply %26, %25 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %28 = stablehlo.multiply %15, %27 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %29 = stablehlo.add %5, %c_4 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %30 = stablehlo.remainder %29, %c_3 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %31 = stablehlo.multiply %30, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %32 = stablehlo.dynamic_slice %28, %c_1, %31, %c_1, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %33 = func.call @cmatmul_dot_0(%32, %arg9) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %34 = "stablehlo.collective_permute"(%33) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "3"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %35 = stablehlo.add %5, %c_0 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %36 = stablehlo.remainder %35, %c_3 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %37 = stablehlo.multiply %36, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %38 = stablehlo.dynamic_slice %28, %c_1, %37, %c_1, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %39 = func.call @cmatmul_dot_0(%38, %arg9) {mhlo.frontend_attributes = {_scheduling_group_id = "3", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %40 = stablehlo.add %34, %39 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %41:2 = stablehlo.while(%iterArg = %c_1, %iterArg_10 = %40) : tensor<ui32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %28 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %29 = stablehlo.multiply %28, %27 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %30 = stablehlo.multiply %17, %29 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %31 = stablehlo.add %5, %c_4 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %32 = stablehlo.remainder %31, %c_3 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %33 = stablehlo.multiply %32, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %34 = stablehlo.dynamic_slice %30, %c_1, %33, %c_1, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %35:2 = stablehlo.optimization_barrier %34, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %36 = func.call @cmatmul_dot_0(%35#0, %35#1) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %37 = "stablehlo.collective_permute"(%36) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "3"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %38 = stablehlo.add %5, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %39 = stablehlo.remainder %38, %c_3 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %40 = stablehlo.multiply %39, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %41 = stablehlo.dynamic_slice %30, %c_1, %40, %c_1, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %42:2 = stablehlo.optimization_barrier %41, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %43 = func.call @cmatmul_dot_0(%42#0, %42#1) {mhlo.frontend_attributes = {_scheduling_group_id = "3", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %44 = stablehlo.add %37, %43 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %45:2 = stablehlo.while(%iterArg = %c_1, %iterArg_10 = %44) : tensor<ui32>, tensor<2x8x16xf32>
 // STREAMS_GOLDEN-NEXT: cond {
 // STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %42 = stablehlo.compare LT, %iterArg, %c_11, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %42 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %46 = stablehlo.compare LT, %iterArg, %c_11, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %46 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
 // STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<ui32>
@@ -580,27 +586,29 @@
 // STREAMS_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<4> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_15 = stablehlo.constant dense<3> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_16 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %42 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "4"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %43 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %44 = stablehlo.add %43, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %45 = stablehlo.add %5, %44 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %46 = stablehlo.remainder %45, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %47 = stablehlo.multiply %46, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %48 = stablehlo.dynamic_slice %28, %c_12, %47, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %49 = func.call @cmatmul_dot_0(%48, %arg9) {mhlo.frontend_attributes = {_scheduling_group_id = "4", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %50 = stablehlo.add %42, %49 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %51 = "stablehlo.collective_permute"(%50) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "5"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %52 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %53 = stablehlo.add %5, %52 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %54 = stablehlo.remainder %53, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %55 = stablehlo.multiply %54, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %56 = stablehlo.dynamic_slice %28, %c_12, %55, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %57 = func.call @cmatmul_dot_0(%56, %arg9) {mhlo.frontend_attributes = {_scheduling_group_id = "5", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %58 = stablehlo.add %51, %57 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %59 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %59, %58 : tensor<ui32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %46 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "4"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %47 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %48 = stablehlo.add %47, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %49 = stablehlo.add %5, %48 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %50 = stablehlo.remainder %49, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %51 = stablehlo.multiply %50, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %52 = stablehlo.dynamic_slice %30, %c_12, %51, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %53:2 = stablehlo.optimization_barrier %52, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %54 = func.call @cmatmul_dot_0(%53#0, %53#1) {mhlo.frontend_attributes = {_scheduling_group_id = "4", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %55 = stablehlo.add %46, %54 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %56 = "stablehlo.collective_permute"(%55) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "5"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %57 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %58 = stablehlo.add %5, %57 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %59 = stablehlo.remainder %58, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %60 = stablehlo.multiply %59, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %61 = stablehlo.dynamic_slice %30, %c_12, %60, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %62:2 = stablehlo.optimization_barrier %61, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %63 = func.call @cmatmul_dot_0(%62#0, %62#1) {mhlo.frontend_attributes = {_scheduling_group_id = "5", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %64 = stablehlo.add %56, %63 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %65 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %65, %64 : tensor<ui32>, tensor<2x8x16xf32>
 // STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: sdy.return %41#1 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: sdy.return %45#1 : tensor<2x8x16xf32>
 // STREAMS_GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<4x32x16xf32>
 // STREAMS_GOLDEN-NEXT: %1 = sdy.manual_computation(%0, %arg3, %arg4) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"data"}, {"model"}, {}]>] manual_axes={"data", "model"} (%arg7: tensor<2x8x16xf32>, %arg8: tensor<16x16xf32>, %arg9: tensor<16x16xf32>) {
 // STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<ui32>
@@ -615,78 +623,84 @@
 // STREAMS_GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_5, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // STREAMS_GOLDEN-NEXT: %5 = stablehlo.reshape %4 : (tensor<1xui32>) -> tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %6 = "stablehlo.collective_permute"(%arg7) <{channel_handle = #stablehlo.channel_handle<handle = 14, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "6"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %7 = func.call @cmatmul_dot_0(%arg7, %arg8) {mhlo.frontend_attributes = {_scheduling_group_id = "6", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %8 = stablehlo.multiply %5, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %cst, %7, %c_1, %8, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %10:3 = stablehlo.while(%iterArg = %c_1, %iterArg_10 = %6, %iterArg_11 = %9) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %7:2 = stablehlo.optimization_barrier %arg7, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %8 = func.call @cmatmul_dot_0(%7#0, %7#1) {mhlo.frontend_attributes = {_scheduling_group_id = "6", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %9 = stablehlo.multiply %5, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %cst, %8, %c_1, %9, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %11:3 = stablehlo.while(%iterArg = %c_1, %iterArg_10 = %6, %iterArg_11 = %10) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: cond {
 // STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %42 = stablehlo.compare LT, %iterArg, %c_12, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %42 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %46 = stablehlo.compare LT, %iterArg, %c_12, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %46 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
 // STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<8> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<4> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_15 = stablehlo.constant dense<1> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_16 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %42 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 15, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "7"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %43 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %44 = stablehlo.add %43, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %45 = stablehlo.add %5, %44 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %46 = stablehlo.remainder %45, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %47 = func.call @cmatmul_dot_0(%iterArg_10, %arg8) {mhlo.frontend_attributes = {_scheduling_group_id = "7", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %48 = stablehlo.multiply %46, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %49 = stablehlo.dynamic_update_slice %iterArg_11, %47, %c_12, %48, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %50 = "stablehlo.collective_permute"(%42) <{channel_handle = #stablehlo.channel_handle<handle = 16, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "8"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %51 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %52 = stablehlo.add %51, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %53 = stablehlo.add %5, %52 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %54 = stablehlo.remainder %53, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %55 = func.call @cmatmul_dot_0(%42, %arg8) {mhlo.frontend_attributes = {_scheduling_group_id = "8", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %56 = stablehlo.multiply %54, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %57 = stablehlo.dynamic_update_slice %49, %55, %c_12, %56, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %58 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %58, %50, %57 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %46 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 15, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "7"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %47 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %48 = stablehlo.add %47, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %49 = stablehlo.add %5, %48 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %50 = stablehlo.remainder %49, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %51:2 = stablehlo.optimization_barrier %iterArg_10, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %52 = func.call @cmatmul_dot_0(%51#0, %51#1) {mhlo.frontend_attributes = {_scheduling_group_id = "7", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %53 = stablehlo.multiply %50, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %54 = stablehlo.dynamic_update_slice %iterArg_11, %52, %c_12, %53, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %55 = "stablehlo.collective_permute"(%46) <{channel_handle = #stablehlo.channel_handle<handle = 16, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "8"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %56 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %57 = stablehlo.add %56, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %58 = stablehlo.add %5, %57 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %59 = stablehlo.remainder %58, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %60:2 = stablehlo.optimization_barrier %46, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %61 = func.call @cmatmul_dot_0(%60#0, %60#1) {mhlo.frontend_attributes = {_scheduling_group_id = "8", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %62 = stablehlo.multiply %59, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %63 = stablehlo.dynamic_update_slice %54, %61, %c_12, %62, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %64 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %64, %55, %63 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: %11 = stablehlo.add %5, %c : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_3 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %13 = func.call @cmatmul_dot_0(%10#1, %arg8) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %14 = stablehlo.multiply %12, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %10#2, %13, %c_1, %14, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %16 = stablehlo.multiply %15, %15 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %17 = stablehlo.multiply %16, %15 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %18 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %12 = stablehlo.add %5, %c : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_3 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %14:2 = stablehlo.optimization_barrier %11#1, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %15 = func.call @cmatmul_dot_0(%14#0, %14#1) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %16 = stablehlo.multiply %13, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %17 = stablehlo.dynamic_update_slice %11#2, %15, %c_1, %16, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %18 = stablehlo.multiply %17, %17 : tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: %19 = stablehlo.multiply %18, %17 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %20 = stablehlo.add %15, %19 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
+// STREAMS_GOLDEN-NEXT: %20 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %21 = stablehlo.multiply %20, %19 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %22 = stablehlo.add %17, %21 : tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %21 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %22 = stablehlo.multiply %21, %20 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %23 = stablehlo.tanh %22 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %23 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %24 = stablehlo.multiply %23, %22 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %25 = stablehlo.tanh %24 : tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %24 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %25 = stablehlo.add %24, %23 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %26 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %27 = stablehlo.add %26, %25 : tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: %cst_9 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %26 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %27 = stablehlo.multiply %26, %25 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %28 = stablehlo.multiply %15, %27 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %29 = stablehlo.add %5, %c_4 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %30 = stablehlo.remainder %29, %c_3 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %31 = stablehlo.multiply %30, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %32 = stablehlo.dynamic_slice %28, %c_1, %31, %c_1, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %33 = func.call @cmatmul_dot_0(%32, %arg9) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %34 = "stablehlo.collective_permute"(%33) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "9"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %35 = stablehlo.add %5, %c_0 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %36 = stablehlo.remainder %35, %c_3 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %37 = stablehlo.multiply %36, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %38 = stablehlo.dynamic_slice %28, %c_1, %37, %c_1, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %39 = func.call @cmatmul_dot_0(%38, %arg9) {mhlo.frontend_attributes = {_scheduling_group_id = "9", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %40 = stablehlo.add %34, %39 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %41:2 = stablehlo.while(%iterArg = %c_1, %iterArg_10 = %40) : tensor<ui32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %28 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %29 = stablehlo.multiply %28, %27 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %30 = stablehlo.multiply %17, %29 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %31 = stablehlo.add %5, %c_4 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %32 = stablehlo.remainder %31, %c_3 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %33 = stablehlo.multiply %32, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %34 = stablehlo.dynamic_slice %30, %c_1, %33, %c_1, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %35:2 = stablehlo.optimization_barrier %34, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %36 = func.call @cmatmul_dot_0(%35#0, %35#1) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %37 = "stablehlo.collective_permute"(%36) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "9"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %38 = stablehlo.add %5, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %39 = stablehlo.remainder %38, %c_3 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %40 = stablehlo.multiply %39, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %41 = stablehlo.dynamic_slice %30, %c_1, %40, %c_1, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %42:2 = stablehlo.optimization_barrier %41, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %43 = func.call @cmatmul_dot_0(%42#0, %42#1) {mhlo.frontend_attributes = {_scheduling_group_id = "9", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %44 = stablehlo.add %37, %43 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %45:2 = stablehlo.while(%iterArg = %c_1, %iterArg_10 = %44) : tensor<ui32>, tensor<2x8x16xf32>
 // STREAMS_GOLDEN-NEXT: cond {
 // STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %42 = stablehlo.compare LT, %iterArg, %c_11, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %42 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %46 = stablehlo.compare LT, %iterArg, %c_11, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %46 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
 // STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<ui32>
@@ -694,27 +708,29 @@
 // STREAMS_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<4> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_15 = stablehlo.constant dense<3> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_16 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %42 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "10"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %43 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %44 = stablehlo.add %43, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %45 = stablehlo.add %5, %44 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %46 = stablehlo.remainder %45, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %47 = stablehlo.multiply %46, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %48 = stablehlo.dynamic_slice %28, %c_12, %47, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %49 = func.call @cmatmul_dot_0(%48, %arg9) {mhlo.frontend_attributes = {_scheduling_group_id = "10", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %50 = stablehlo.add %42, %49 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %51 = "stablehlo.collective_permute"(%50) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "11"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %52 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %53 = stablehlo.add %5, %52 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %54 = stablehlo.remainder %53, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %55 = stablehlo.multiply %54, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %56 = stablehlo.dynamic_slice %28, %c_12, %55, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %57 = func.call @cmatmul_dot_0(%56, %arg9) {mhlo.frontend_attributes = {_scheduling_group_id = "11", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %58 = stablehlo.add %51, %57 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %59 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %59, %58 : tensor<ui32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %46 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "10"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %47 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %48 = stablehlo.add %47, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %49 = stablehlo.add %5, %48 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %50 = stablehlo.remainder %49, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %51 = stablehlo.multiply %50, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %52 = stablehlo.dynamic_slice %30, %c_12, %51, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %53:2 = stablehlo.optimization_barrier %52, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %54 = func.call @cmatmul_dot_0(%53#0, %53#1) {mhlo.frontend_attributes = {_scheduling_group_id = "10", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %55 = stablehlo.add %46, %54 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %56 = "stablehlo.collective_permute"(%55) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "11"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %57 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %58 = stablehlo.add %5, %57 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %59 = stablehlo.remainder %58, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %60 = stablehlo.multiply %59, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %61 = stablehlo.dynamic_slice %30, %c_12, %60, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %62:2 = stablehlo.optimization_barrier %61, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %63 = func.call @cmatmul_dot_0(%62#0, %62#1) {mhlo.frontend_attributes = {_scheduling_group_id = "11", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %64 = stablehlo.add %56, %63 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %65 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %65, %64 : tensor<ui32>, tensor<2x8x16xf32>
 // STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: sdy.return %41#1 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: sdy.return %45#1 : tensor<2x8x16xf32>
 // STREAMS_GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<4x32x16xf32>
 // STREAMS_GOLDEN-NEXT: %2 = sdy.manual_computation(%1, %arg5, %arg6) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"data"}, {"model"}, {}]>] manual_axes={"data", "model"} (%arg7: tensor<2x8x16xf32>, %arg8: tensor<16x16xf32>, %arg9: tensor<16x16xf32>) {
 // STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<ui32>
@@ -729,78 +745,84 @@
 // STREAMS_GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_5, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // STREAMS_GOLDEN-NEXT: %5 = stablehlo.reshape %4 : (tensor<1xui32>) -> tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %6 = "stablehlo.collective_permute"(%arg7) <{channel_handle = #stablehlo.channel_handle<handle = 17, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "12"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %7 = func.call @cmatmul_dot_0(%arg7, %arg8) {mhlo.frontend_attributes = {_scheduling_group_id = "12", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %8 = stablehlo.multiply %5, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %cst, %7, %c_1, %8, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %10:3 = stablehlo.while(%iterArg = %c_1, %iterArg_10 = %6, %iterArg_11 = %9) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %7:2 = stablehlo.optimization_barrier %arg7, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %8 = func.call @cmatmul_dot_0(%7#0, %7#1) {mhlo.frontend_attributes = {_scheduling_group_id = "12", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %9 = stablehlo.multiply %5, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %cst, %8, %c_1, %9, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %11:3 = stablehlo.while(%iterArg = %c_1, %iterArg_10 = %6, %iterArg_11 = %10) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: cond {
 // STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %42 = stablehlo.compare LT, %iterArg, %c_12, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %42 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %46 = stablehlo.compare LT, %iterArg, %c_12, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %46 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
 // STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<8> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<4> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_15 = stablehlo.constant dense<1> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_16 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %42 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 18, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "13"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %43 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %44 = stablehlo.add %43, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %45 = stablehlo.add %5, %44 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %46 = stablehlo.remainder %45, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %47 = func.call @cmatmul_dot_0(%iterArg_10, %arg8) {mhlo.frontend_attributes = {_scheduling_group_id = "13", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %48 = stablehlo.multiply %46, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %49 = stablehlo.dynamic_update_slice %iterArg_11, %47, %c_12, %48, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %50 = "stablehlo.collective_permute"(%42) <{channel_handle = #stablehlo.channel_handle<handle = 19, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "14"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %51 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %52 = stablehlo.add %51, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %53 = stablehlo.add %5, %52 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %54 = stablehlo.remainder %53, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %55 = func.call @cmatmul_dot_0(%42, %arg8) {mhlo.frontend_attributes = {_scheduling_group_id = "14", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %56 = stablehlo.multiply %54, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %57 = stablehlo.dynamic_update_slice %49, %55, %c_12, %56, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %58 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %58, %50, %57 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %46 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 18, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "13"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %47 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %48 = stablehlo.add %47, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %49 = stablehlo.add %5, %48 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %50 = stablehlo.remainder %49, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %51:2 = stablehlo.optimization_barrier %iterArg_10, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %52 = func.call @cmatmul_dot_0(%51#0, %51#1) {mhlo.frontend_attributes = {_scheduling_group_id = "13", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %53 = stablehlo.multiply %50, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %54 = stablehlo.dynamic_update_slice %iterArg_11, %52, %c_12, %53, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %55 = "stablehlo.collective_permute"(%46) <{channel_handle = #stablehlo.channel_handle<handle = 19, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "14"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %56 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %57 = stablehlo.add %56, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %58 = stablehlo.add %5, %57 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %59 = stablehlo.remainder %58, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %60:2 = stablehlo.optimization_barrier %46, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %61 = func.call @cmatmul_dot_0(%60#0, %60#1) {mhlo.frontend_attributes = {_scheduling_group_id = "14", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %62 = stablehlo.multiply %59, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %63 = stablehlo.dynamic_update_slice %54, %61, %c_12, %62, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %64 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %64, %55, %63 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: %11 = stablehlo.add %5, %c : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_3 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %13 = func.call @cmatmul_dot_0(%10#1, %arg8) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %14 = stablehlo.multiply %12, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %10#2, %13, %c_1, %14, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %16 = stablehlo.multiply %15, %15 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %17 = stablehlo.multiply %16, %15 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %18 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %12 = stablehlo.add %5, %c : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_3 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %14:2 = stablehlo.optimization_barrier %11#1, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %15 = func.call @cmatmul_dot_0(%14#0, %14#1) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %16 = stablehlo.multiply %13, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %17 = stablehlo.dynamic_update_slice %11#2, %15, %c_1, %16, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %18 = stablehlo.multiply %17, %17 : tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: %19 = stablehlo.multiply %18, %17 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %20 = stablehlo.add %15, %19 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
+// STREAMS_GOLDEN-NEXT: %20 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %21 = stablehlo.multiply %20, %19 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %22 = stablehlo.add %17, %21 : tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %21 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %22 = stablehlo.multiply %21, %20 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %23 = stablehlo.tanh %22 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %23 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %24 = stablehlo.multiply %23, %22 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %25 = stablehlo.tanh %24 : tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %24 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %25 = stablehlo.add %24, %23 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %26 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %27 = stablehlo.add %26, %25 : tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: %cst_9 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %26 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %27 = stablehlo.multiply %26, %25 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %28 = stablehlo.multiply %15, %27 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %29 = stablehlo.add %5, %c_4 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %30 = stablehlo.remainder %29, %c_3 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %31 = stablehlo.multiply %30, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %32 = stablehlo.dynamic_slice %28, %c_1, %31, %c_1, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %33 = func.call @cmatmul_dot_0(%32, %arg9) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %34 = "stablehlo.collective_permute"(%33) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "15"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %35 = stablehlo.add %5, %c_0 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %36 = stablehlo.remainder %35, %c_3 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %37 = stablehlo.multiply %36, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %38 = stablehlo.dynamic_slice %28, %c_1, %37, %c_1, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %39 = func.call @cmatmul_dot_0(%38, %arg9) {mhlo.frontend_attributes = {_scheduling_group_id = "15", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %40 = stablehlo.add %34, %39 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %41:2 = stablehlo.while(%iterArg = %c_1, %iterArg_10 = %40) : tensor<ui32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %28 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %29 = stablehlo.multiply %28, %27 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %30 = stablehlo.multiply %17, %29 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %31 = stablehlo.add %5, %c_4 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %32 = stablehlo.remainder %31, %c_3 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %33 = stablehlo.multiply %32, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %34 = stablehlo.dynamic_slice %30, %c_1, %33, %c_1, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %35:2 = stablehlo.optimization_barrier %34, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %36 = func.call @cmatmul_dot_0(%35#0, %35#1) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %37 = "stablehlo.collective_permute"(%36) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "15"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %38 = stablehlo.add %5, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %39 = stablehlo.remainder %38, %c_3 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %40 = stablehlo.multiply %39, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %41 = stablehlo.dynamic_slice %30, %c_1, %40, %c_1, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %42:2 = stablehlo.optimization_barrier %41, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %43 = func.call @cmatmul_dot_0(%42#0, %42#1) {mhlo.frontend_attributes = {_scheduling_group_id = "15", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %44 = stablehlo.add %37, %43 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %45:2 = stablehlo.while(%iterArg = %c_1, %iterArg_10 = %44) : tensor<ui32>, tensor<2x8x16xf32>
 // STREAMS_GOLDEN-NEXT: cond {
 // STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %42 = stablehlo.compare LT, %iterArg, %c_11, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %42 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %46 = stablehlo.compare LT, %iterArg, %c_11, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %46 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
 // STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<ui32>
@@ -808,27 +830,29 @@
 // STREAMS_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<4> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_15 = stablehlo.constant dense<3> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_16 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %42 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 9, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "16"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %43 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %44 = stablehlo.add %43, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %45 = stablehlo.add %5, %44 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %46 = stablehlo.remainder %45, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %47 = stablehlo.multiply %46, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %48 = stablehlo.dynamic_slice %28, %c_12, %47, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %49 = func.call @cmatmul_dot_0(%48, %arg9) {mhlo.frontend_attributes = {_scheduling_group_id = "16", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %50 = stablehlo.add %42, %49 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %51 = "stablehlo.collective_permute"(%50) <{channel_handle = #stablehlo.channel_handle<handle = 10, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "17"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %52 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %53 = stablehlo.add %5, %52 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %54 = stablehlo.remainder %53, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %55 = stablehlo.multiply %54, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %56 = stablehlo.dynamic_slice %28, %c_12, %55, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %57 = func.call @cmatmul_dot_0(%56, %arg9) {mhlo.frontend_attributes = {_scheduling_group_id = "17", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %58 = stablehlo.add %51, %57 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %59 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %59, %58 : tensor<ui32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %46 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 9, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "16"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %47 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %48 = stablehlo.add %47, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %49 = stablehlo.add %5, %48 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %50 = stablehlo.remainder %49, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %51 = stablehlo.multiply %50, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %52 = stablehlo.dynamic_slice %30, %c_12, %51, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %53:2 = stablehlo.optimization_barrier %52, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %54 = func.call @cmatmul_dot_0(%53#0, %53#1) {mhlo.frontend_attributes = {_scheduling_group_id = "16", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %55 = stablehlo.add %46, %54 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %56 = "stablehlo.collective_permute"(%55) <{channel_handle = #stablehlo.channel_handle<handle = 10, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "17"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %57 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %58 = stablehlo.add %5, %57 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %59 = stablehlo.remainder %58, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %60 = stablehlo.multiply %59, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %61 = stablehlo.dynamic_slice %30, %c_12, %60, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %62:2 = stablehlo.optimization_barrier %61, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %63 = func.call @cmatmul_dot_0(%62#0, %62#1) {mhlo.frontend_attributes = {_scheduling_group_id = "17", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %64 = stablehlo.add %56, %63 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %65 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %65, %64 : tensor<ui32>, tensor<2x8x16xf32>
 // STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: sdy.return %41#1 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: sdy.return %45#1 : tensor<2x8x16xf32>
 // STREAMS_GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<4x32x16xf32>
 // STREAMS_GOLDEN-NEXT: return %2 : tensor<4x32x16xf32>
 // STREAMS_GOLDEN-NEXT: }

@@ -196,9 +196,15 @@ def test_qkv_share_one_ring():
     assert site.rewritten and len(site.consumers) == 3 and not site.assembled_for
     counts = op_counts(result.module)
     assert counts["stablehlo.collective_permute"] == 1 and counts.get("stablehlo.all_gather", 0) == 0
-    # three dots in the loop body and three in the peeled step
-    assert counts["stablehlo.dot_general"] == 6
+    # q, k and v share one dot per round, on their weights concatenated once before the ring: one
+    # in the loop body and one in the peeled step, each sliced three ways
+    assert counts["stablehlo.dot_general"] == 2 and counts["stablehlo.concatenate"] == 1
+    assert counts["stablehlo.slice"] == 6
     numerics(text, result.module)
+    _, separate = rewrite_sample("ag_dot_qkv", merge_dots=False)
+    counts = op_counts(separate.module)
+    assert counts["stablehlo.dot_general"] == 6 and "stablehlo.concatenate" not in counts
+    numerics(text, separate.module)
 
 
 def test_a_non_dot_reader_gets_the_assembled_value():

@@ -177,14 +177,18 @@ def pairs_same(pairs: str) -> str:
     return f"CHECK-SAME: source_target_pairs = dense<{escape(pairs)}>"
 
 
-def unroll2_checks(collective: str, pairs: str, trips: int) -> list[str]:
-    """Two rounds per trip: each with its permute and its dot."""
+def unroll2_checks(collective: str, pairs: str, trips: int, tied: bool = True) -> list[str]:
+    """Two rounds per trip: each with its permute and its dot; ``tied``: the dot reads its operands
+    through an optimization barrier (the rounds share the other operand)."""
+    barrier = ["CHECK: stablehlo.optimization_barrier"] if tied else []
     return [
         f"CHECK-NOT: stablehlo.{collective}",
         *loop_checks(pairs, trips),
+        *barrier,
         "CHECK: stablehlo.dot_general",
         PERMUTE,
         pairs_same(pairs),
+        *barrier,
         "CHECK: stablehlo.dot_general",
         "CHECK: stablehlo.return",
         f"CHECK-NOT: stablehlo.{collective}",
@@ -914,7 +918,7 @@ SAMPLES_LIST = [
     Sample("ag_dot_contracting", "features gathered and contracted (ViT-22b's async gather): partials summed.",
            ag_contracting(), "rewritten 1", contracting_checks(PAIRS_2X4_MODEL, 3),
            [Variant("BIDI", BIDI, bidi_gather_4_checks(PAIRS_2X4_MODEL, PAIRS_2X4_MODEL_UP)),
-            Variant("UNROLL2", UNROLL2, unroll2_checks("all_gather", PAIRS_2X4_MODEL, 1)),
+            Variant("UNROLL2", UNROLL2, unroll2_checks("all_gather", PAIRS_2X4_MODEL, 1, tied=False)),
             Variant("FULL", FULL, full_checks("all_gather", 3, 4)),
             Variant("STREAMS", STREAMS, streams_checks("all_gather"))]),
     Sample("ag_dot_contracting_bf16", "bf16 contracting gather: partial contractions summed in f32, cast once.",
@@ -937,10 +941,13 @@ SAMPLES_LIST = [
     Sample("ag_dot_transpose", "the gathered [S, H] is transposed and used as the dot's rhs.",
            ag_transposed, "rewritten 1",
            ["CHECK: stablehlo.while", "CHECK: stablehlo.transpose", "CHECK-NEXT: stablehlo.dot_general"] + gone("all_gather")),
-    Sample("ag_dot_qkv", "one gather feeding q, k and v projections: one ring, three dots per step.",
+    Sample("ag_dot_qkv", "one gather feeding q, k and v projections: one ring, one dot per step on the "
+           "weights concatenated before it, sliced into q, k and v.",
            ag_qkv, "rewritten 1",
-           ["CHECK: } do {", 'CHECK: "stablehlo.collective_permute"', "CHECK: stablehlo.dot_general",
-            "CHECK: stablehlo.dot_general", "CHECK: stablehlo.dot_general", "CHECK: stablehlo.return"]
+           ["CHECK: stablehlo.concatenate", "CHECK: } do {", 'CHECK: "stablehlo.collective_permute"',
+            "CHECK: stablehlo.dot_general", "CHECK-NOT: stablehlo.dot_general", "CHECK: stablehlo.slice",
+            "CHECK: stablehlo.slice", "CHECK: stablehlo.slice", "CHECK-NOT: stablehlo.dot_general",
+            "CHECK: stablehlo.return"]
            + gone("all_gather"),
            [Variant("BIDI", BIDI, bidi_gather_4_checks(PAIRS_2X4_MODEL, PAIRS_2X4_MODEL_UP)),
             Variant("UNROLL2", UNROLL2, unroll2_checks("all_gather", PAIRS_2X4_MODEL, 1)),

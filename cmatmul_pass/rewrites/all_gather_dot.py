@@ -37,11 +37,12 @@ the permutes the all_gather's.
 from __future__ import annotations
 
 
-from .._jax_private import ir
+from .. import ir_utils
+from .._jax_private import hlo, ir
 from ..cost import gather_streams
 from ..layout import LayoutStep
 from ..matchers import AllGatherSite, Consumer
-from .builders import Builder, erase_dead, shard_type
+from .builders import TRANSIENT_MARK_PREFIX, Builder, erase_dead, shard_type
 from .schedule import Applied, RewriteContext, Round, ScheduleStats, emit_rounds, ring_position
 
 #: Each step receives the shard of the next position: position k sends to k-1.
@@ -69,19 +70,17 @@ class _Plan:
             self.acc_t = ir.RankedTensorType.get(self.result_t.shape, element)
             self.partial_t = self.acc_t
 
+    @property
+    def other(self) -> ir.Value:
+        """The dot's operand that is not the gathered value (the same in every round)."""
+        return self.c.dot.operation.operands[1 - self.c.operand_index]
+
     def init(self) -> ir.Value:
         return self.compute.zeros(self.acc_t)
 
-    def update(self, acc: ir.Value, block: ir.Value, k: ir.Value, stream: int, dots: list) -> ir.Value:
+    def accumulate(self, acc: ir.Value, partial: ir.Value, k: ir.Value) -> ir.Value:
+        """Add this round's partial dot (of shard ``k``) to the accumulator."""
         c, b = self.c, self.compute
-        operands = list(c.dot.operation.operands)
-        operands[c.operand_index] = block
-        if c.role == "contracting":
-            width = ir.RankedTensorType(block.type).shape[c.dim]
-            other = operands[1 - c.operand_index]
-            operands[1 - c.operand_index] = b.dynamic_slice(other, c.other_dim, b.scaled(k, width), width)
-        partial = self.ctx.annotator.dot(b, c.dot, self.partial_t, operands[0], operands[1], stream)
-        dots.append(partial.owner)
         if c.role == "contracting":
             return b.add(acc, partial)
         rows = self.partial_t.shape[c.result_dim]
@@ -89,6 +88,100 @@ class _Plan:
 
     def finish(self, acc: ir.Value) -> ir.Value:
         return self.compute.convert(acc, self.result_t.element_type)
+
+
+class _DotGroup:
+    """Consumers the ring computes with one dot per round: one consumer, or several whose dots
+    differ only in their other operand, and there only along its one free dim (q/k/v, gate and
+    up).  Those other operands are concatenated once, before the loop, and each round's dot
+    is sliced per consumer.  XLA's dot merger would merge the dots anyway, but inside the loop,
+    concatenating the same operands again in every round (measured, docs/gpu.md)."""
+
+    def __init__(self, plans: list[_Plan], merge_dim: int | None = None, result_dim: int | None = None):
+        self.plans = plans
+        self.lead = plans[0]
+        self.merge_dim = merge_dim  # the other operands' dim that is concatenated (None: one plan)
+        self.result_dim = result_dim  # where that dim is in the dot result
+        self.partial_t = self.lead.partial_t
+        if merge_dim is not None:
+            self.sizes = [ir.RankedTensorType(p.other.type).shape[merge_dim] for p in plans]
+            self.partial_t = ir_utils.with_dim(self.partial_t, result_dim, sum(self.sizes))
+        self.other: ir.Value | None = None
+
+    def prepare(self) -> None:
+        """Build the (concatenated) other operand, before the ring."""
+        others = [p.other for p in self.plans]
+        self.other = others[0] if self.merge_dim is None else self.lead.compute.concatenate(others, self.merge_dim)
+
+    def partials(self, block: ir.Value, k: ir.Value, stream: int, dots: list, tie: bool) -> list[ir.Value]:
+        """Each plan's partial dot of this round's ``block`` (shard ``k``).  ``tie``: pass a free
+        dot's operands through one optimization barrier per round, so that XLA does not merge
+        the dots of different rounds or directions (they share the other operand), which would
+        make one dot wait for every round's transfer."""
+        c, b = self.lead.c, self.lead.compute
+        other = self.other
+        if c.role == "contracting":
+            width = ir.RankedTensorType(block.type).shape[c.dim]
+            other = b.dynamic_slice(other, c.other_dim, b.scaled(k, width), width)
+        elif tie:
+            block, other = b.tied([block, other])
+        operands = [other, other]
+        operands[c.operand_index] = block
+        partial = self.lead.ctx.annotator.dot(b, c.dot, self.partial_t, operands[0], operands[1], stream)
+        dots.append(partial.owner)
+        if self.merge_dim is None:
+            return [partial]
+        starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        return [b.slice(partial, self.result_dim, start, size) for start, size in zip(starts, self.sizes)]
+
+
+def _merge_key(plan: _Plan) -> tuple | None:
+    """What must be equal for consumers to share one dot (None: this one cannot), and the other
+    operand's free dim that differs."""
+    c, dot = plan.c, plan.c.dot
+    other_t = ir.RankedTensorType(plan.other.type)
+    numbers = hlo.DotDimensionNumbers(dot.attributes["dot_dimension_numbers"])
+    side = 1 - c.operand_index
+    fixed = set((numbers.lhs_batching_dimensions, numbers.rhs_batching_dimensions)[side])
+    fixed |= set((numbers.lhs_contracting_dimensions, numbers.rhs_contracting_dimensions)[side])
+    free = [d for d in range(other_t.rank) if d not in fixed]
+    if len(free) != 1:
+        return None
+    masked = tuple(-1 if d == free[0] else size for d, size in enumerate(other_t.shape))
+    attributes = tuple(sorted((name, str(value)) for name, value in dot.attributes.items()
+                              if not name.startswith(TRANSIENT_MARK_PREFIX)))
+    return (c.path, c.operand_index, c.role, c.dim, c.result_dim, c.other_dim, attributes,
+            str(plan.partial_t.element_type), str(other_t.element_type), masked, free[0])
+
+
+def _dot_groups(plans: list[_Plan], merge: bool) -> list[_DotGroup]:
+    """The plans grouped by :func:`_merge_key` (in the order of their first consumer)."""
+    groups: dict[tuple, list[_Plan]] = {}
+    order: list[list[_Plan]] = []
+    for plan in plans:
+        key = _merge_key(plan) if merge else None
+        if key is None:
+            order.append([plan])
+        elif key in groups:
+            groups[key].append(plan)
+        else:
+            groups[key] = [plan]
+            order.append(groups[key])
+    result = []
+    for members in order:
+        if len(members) == 1:
+            result.append(_DotGroup(members))
+            continue
+        lead = members[0]
+        merge_dim = _merge_key(lead)[-1]
+        numbers = hlo.DotDimensionNumbers(lead.c.dot.attributes["dot_dimension_numbers"])
+        # the dot result is [batch..., lhs free..., rhs free...]; the other operand has one free dim
+        result_dim = len(numbers.lhs_batching_dimensions)
+        if lead.c.operand_index == 0:  # the other operand is the rhs: after the lhs's free dims
+            lhs_rank = ir.RankedTensorType(lead.c.dot.operation.operands[0].type).rank
+            result_dim = lhs_rank - len(numbers.lhs_contracting_dimensions)
+        result.append(_DotGroup(members, merge_dim, result_dim))
+    return result
 
 
 def rewrite_all_gather_dot(site: AllGatherSite, ctx: RewriteContext) -> Applied:
@@ -105,6 +198,10 @@ def rewrite_all_gather_dot(site: AllGatherSite, ctx: RewriteContext) -> Applied:
     loop_b = Builder(ir.Location.fused([ag.location] + [c.dot.location for c in site.consumers]), ctx.constants)
     comm = loop_b.at(ag.location)
     plans = [_Plan(c, n, loop_b, ctx) for c in site.consumers]
+    groups = _dot_groups(plans, ctx.merge_dots)
+    index = {id(plan): i for i, plan in enumerate(plans)}
+    # more than one round or direction computing in one block: keep their dots apart
+    tie = ctx.tie_rounds and (len(streams) > 1 or ctx.unroll != 1)
 
     def compute(held: ir.Value, k: ir.Value, state: list[ir.Value], stream: int, dots: list) -> list[ir.Value]:
         blocks: dict[LayoutStep, ir.Value] = {}
@@ -117,7 +214,12 @@ def rewrite_all_gather_dot(site: AllGatherSite, ctx: RewriteContext) -> Applied:
                 value = blocks[node]
             return value
 
-        new = [plan.update(acc, through(plan.c.path), k, stream, dots) for plan, acc in zip(plans, state)]
+        new = list(state[: len(plans)])
+        for group in groups:
+            partials = group.partials(through(group.lead.c.path), k, stream, dots, tie)
+            for plan, partial in zip(group.plans, partials):
+                i = index[id(plan)]
+                new[i] = plan.accumulate(state[i], partial, k)
         if site.assembles:
             new.append(comm.dynamic_update_slice(state[-1], held, dim, comm.scaled(k, shard_rows)))
         return new
@@ -144,6 +246,8 @@ def rewrite_all_gather_dot(site: AllGatherSite, ctx: RewriteContext) -> Applied:
     channels: list[int] = []  # a fresh handle for every permute op emitted
     with ir.InsertionPoint(site.insert_before):
         position = loop_b.position_in_ring(site.ring, site.region)
+        for group in groups:
+            group.prepare()
         inits = [plan.init() for plan in plans]
         if site.assembles:
             inits.append(comm.zeros(ir.RankedTensorType(ag.result.type)))

@@ -177,6 +177,22 @@ class Builder:
         sizes = [size if d == dim else s for d, s in enumerate(t.shape)]
         return hlo.DynamicSliceOp(value, starts, sizes, loc=self.loc).result
 
+    def slice(self, value: ir.Value, dim: int, start: int, size: int) -> ir.Value:
+        """Elements ``[start, start + size)`` of ``value`` along ``dim`` (static)."""
+        shape = ir.RankedTensorType(value.type).shape
+        starts = [start if d == dim else 0 for d in range(len(shape))]
+        limits = [start + size if d == dim else s for d, s in enumerate(shape)]
+        return hlo.SliceOp(value, starts, limits, [1] * len(shape), loc=self.loc).result
+
+    def concatenate(self, values: Sequence[ir.Value], dim: int) -> ir.Value:
+        return values[0] if len(values) == 1 else hlo.ConcatenateOp(list(values), dim, loc=self.loc).result
+
+    def tied(self, values: Sequence[ir.Value]) -> list[ir.Value]:
+        """``values`` through one ``stablehlo.optimization_barrier``: the same values, but each a
+        result of this op, so ops reading them here read none of the values other rounds read
+        (XLA's dot merger merges only dots that share an operand) and wait for all of them."""
+        return list(hlo.OptimizationBarrierOp(list(values), loc=self.loc).results)
+
     def dot_like(self, template: ir.OpView, result_type: ir.Type, lhs: ir.Value, rhs: ir.Value) -> ir.Value:
         """A dot_general with every attribute of ``template`` (dims, precision, algorithm, ...),
         except the pass's own transient marks (``_cmatmul_*``)."""

@@ -69,6 +69,8 @@ def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> 
     shifts = [SEND_TO_PREVIOUS, -SEND_TO_PREVIOUS] if split else [SEND_TO_PREVIOUS]
     channels: list[int] = []  # a fresh handle for every permute op emitted
 
+    # more than one round or direction computing in one block: keep their dots apart
+    tie = ctx.tie_rounds and (split or ctx.unroll != 1)
     loop_b = Builder(ir.Location.fused([t.dot.location for t in site.terms] + [rs.location]), ctx.constants)
     comm = loop_b.at(rs.location)
 
@@ -81,6 +83,8 @@ def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> 
         if half:
             offset = compute.add(offset, compute.index(width))
         args[term.operand_index] = compute.dynamic_slice(sliced, term.operand_dim, offset, width)
+        if tie:  # the other operand is every round's: keep XLA from merging the rounds' dots
+            args = compute.tied(args)
         piece_t = shard_type(ir.RankedTensorType(term.dot.result.type), term.result_dim, parts)
         product = ctx.annotator.dot(compute, term.dot, piece_t, args[0], args[1], stream)
         dots.append(product.owner)

@@ -241,6 +241,10 @@ class RewriteContext:
     annotator: Annotator
     bidirectional: bool = False
     unroll: int | None = 1
+    #: one dot per round for consumers that differ only in their other operand (concatenated once)
+    merge_dots: bool = True
+    #: an optimization barrier per round ties a dot's operands where rounds share a block
+    tie_rounds: bool = True
     #: values every site may share, per block (constants, ring positions): see Builder
     constants: dict = field(default_factory=dict)
 
