@@ -25,7 +25,8 @@ if [ "$part" = all ] || [ "$part" = calibrate ]; then
 fi
 if [ "$part" = all ] || [ "$part" = topology ]; then
   timeout 90 $py tools/gpu_topology.py --model tiny --out /tmp/topology_tiny.json
-  timeout 200 $py tools/gpu_topology.py --model 8b --out "$out/topology_8b.json" --dump-hlo "$out/hlo"
+  timeout 200 $py tools/gpu_topology.py --model 8b --out "$out/topology_8b.json" --dump-hlo "$out/hlo" \
+    --dump original uni unroll2 bidi bidi-unroll2
   timeout 200 $py tools/gpu_topology.py --model 70b --out "$out/topology_70b.json"
   # what XLA does by default, and what cmatmul_pass.jit's own compiler options add
   timeout 120 $py tools/gpu_topology.py --model 8b --no-flags --repeats 1 \

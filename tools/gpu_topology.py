@@ -75,8 +75,13 @@ PROGRAMS = {
     # without the XLA options cmatmul_pass.jit adds on a GPU (decorator.ring_compiler_options)
     "uni-no-gpu-options": dict(gpu_options=False),
     "bidi-no-gpu-options": dict(bidirectional=True, gpu_options=False),
+    # without merged dots (each consumer its own dot per round) or without the rounds' barriers
+    "uni-no-merge": dict(merge_dots=False),
+    "unroll2-no-tie": dict(unroll=2, tie_rounds=False),
+    "full-no-tie": dict(unroll="full", tie_rounds=False),
+    "bidi-no-tie": dict(bidirectional=True, tie_rounds=False),
 }
-DEFAULT_PROGRAMS = [name for name in PROGRAMS if "no-gpu-options" not in name]
+DEFAULT_PROGRAMS = [name for name in PROGRAMS if not any(x in name for x in ("no-gpu-options", "no-merge", "no-tie"))]
 
 
 def configure_environment(platform: str, devices: int, extra_flags: str = "", readme_flags: bool = True) -> None:
@@ -207,6 +212,16 @@ class ModuleReader:
             return True
         return any(self.holds_matmul(name) for name in called_computations(printed))
 
+    def concatenates(self, instruction) -> bool:
+        """A concatenate, or a fusion of one (XLA's dot merger concatenates the operands of the
+        dots it merges: in a loop body, once per trip)."""
+        if opcode_name(instruction) == "concatenate":
+            return True
+        if opcode_name(instruction) != "fusion":
+            return False
+        return any(opcode_name(i) == "concatenate" for name in called_computations(instruction.to_string())
+                   for i in (self.computations[name].instructions() if name in self.computations else ()))
+
     def holds_matmul(self, name: str) -> bool:
         if name not in self._matmul:
             self._matmul[name] = False  # recursion guard
@@ -238,6 +253,57 @@ def async_kind(instruction) -> str:
     if op == "async-start":
         return opcode_name(instruction.async_wrapped_root())
     return op.removesuffix("-start")
+
+
+#: bytes per element of the HLO element types a copy may move
+ELEMENT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+                 "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+
+
+def result_bytes(printed: str) -> int:
+    """The size of an instruction's (array) result, from its printed form
+    ``%name = f32[128,512]{1,0} op(...)``; 0 for a tuple or a type not listed."""
+    declared = printed.partition(" = ")[2].split(" ", 1)[0]
+    element, _, dims = declared.partition("[")
+    if element not in ELEMENT_BYTES:
+        return 0
+    size = ELEMENT_BYTES[element]
+    for dim in dims.partition("]")[0].split(","):
+        size *= int(dim) if dim.strip() else 1
+    return size
+
+
+def loop_copies(reader: ModuleReader) -> dict:
+    """The copies XLA's copy insertion left in while-loop bodies: each runs once per trip.  A
+    ring loop copies the shard it sends when the permute's result must take the loop slot that
+    the trip's dot still reads.  ``bytes_per_trip`` sums the loops' bodies (copies of 16 bytes or
+    less, the trip counters', are left out of every count); ``bytes_executed`` multiplies each loop's by the
+    trip count XLA annotated (``known_trip_count``), where it did."""
+    loops = copying = copies = per_trip = executed = concatenates = 0
+    for comp in reader.computations.values():
+        for instruction in comp.instructions():
+            if opcode_name(instruction) != "while":
+                continue
+            printed = instruction.to_string()
+            body = reader.computations.get((_attribute(printed, "body") or "").lstrip("%"))
+            if body is None:
+                continue
+            loops += 1
+            sizes = [result_bytes(i.to_string()) for i in body.instructions() if opcode_name(i) in ("copy", "copy-done")]
+            concatenates += sum(1 for i in body.instructions() if reader.concatenates(i))
+            sizes = [b for b in sizes if b > 16]
+            trips = None
+            config = _attribute(printed, "backend_config")
+            try:
+                trips = int(json.loads(config)["known_trip_count"]["n"]) if config else None
+            except (ValueError, KeyError, TypeError):
+                trips = None
+            copying += bool(sizes)
+            copies += len(sizes)
+            per_trip += sum(sizes)
+            executed += sum(sizes) * (trips or 0)
+    return {"loops": loops, "loops_copying": copying, "copies": copies, "bytes_per_trip": per_trip,
+            "bytes_executed": executed, "concatenates": concatenates}
 
 
 def analyse(module) -> dict:
@@ -305,6 +371,7 @@ def analyse(module) -> dict:
     return {
         "collectives": by_kind,
         "while_loops": opcodes.get("while", 0),
+        "loop_copies": loop_copies(reader),
         "async_computations": dict(async_compute),
         "scheduling_groups": len(groups),
         "instructions": sum(opcodes.values()),
@@ -359,16 +426,19 @@ def compile_programs(model: str, layers: int, dtype: str, names: list[str], dump
         print(f"  {name:<14} compile {seconds[0]:6.2f} s then {seconds[-1]:6.2f} s; while {row['while_loops']}; "
               + ", ".join(f"{k} {v['async']} async ({v['overlapped']} overlapped) {v['sync']} sync"
                           for k, v in row["collectives"].items())
-              + f"; async computations {row['async_computations']}, groups {row['scheduling_groups']}",
+              + f"; async computations {row['async_computations']}, groups {row['scheduling_groups']}"
+              + f"; loop copies {row['loop_copies']['copies']} ({row['loop_copies']['bytes_per_trip']} B per trip)"
+              + f", loop concatenates {row['loop_copies']['concatenates']}",
               flush=True)
 
     record("original", lambda: fn.lower(*args))
     text = fn.lower(*args).as_text()
+    pass_s = {}
     for name in names:  # the pass alone, on the lowered text (parse, rewrite, verify, print)
         start = time.perf_counter()
         options = {k: v for k, v in PROGRAMS[name].items() if k != "gpu_options"}  # the decorator's, not the pass's
         _ = cmatmul_pass.rewrite(text, cmatmul_pass.Options(**options)).text
-        results.setdefault("pass_s", {})[name] = time.perf_counter() - start
+        pass_s[name] = time.perf_counter() - start
     step = getattr(fn, "__wrapped__", fn)  # the training step jax.jit wraps
     for name in names:
         try:
@@ -377,11 +447,11 @@ def compile_programs(model: str, layers: int, dtype: str, names: list[str], dump
             results[name] = {"error": " ".join(str(exc).split())[:800]}
             print(f"  {name:<14} FAILED: {results[name]['error']}", flush=True)
     original = results["original"]
-    # what jax.jit spends before the first call (lower + a cold compile), and the pass's share
-    results["pass_over_lower_compile"] = {
-        name: seconds / (original["lower_s"] + original["first_compile_s"]) for name, seconds in results["pass_s"].items()}
     base = original["compile_s"]
     for name, row in results.items():
+        if name in pass_s:  # and its share of what jax.jit spends before the first call (lower + a cold compile)
+            row["pass_s"] = pass_s[name]
+            row["pass_over_lower_compile"] = pass_s[name] / (original["lower_s"] + original["first_compile_s"])
         if "compile_s" in row:
             row["compile_ratio"] = row["compile_s"] / base
             row["first_compile_ratio"] = row["first_compile_s"] / original["first_compile_s"]
