@@ -71,16 +71,19 @@ def module_to_bytecode(module: ir.Module) -> bytes:
     return buf.getvalue()
 
 
-def compile_module(module: ir.Module, num_partitions: int, devices: Sequence[Any]):
-    """Compile ``module`` for ``num_partitions`` SPMD partitions on ``devices`` (CPU).
+def compile_module(module: ir.Module, num_partitions: int, devices: Sequence[Any],
+                   compiler_options: dict[str, Any] | None = None):
+    """Compile ``module`` for ``num_partitions`` SPMD partitions on ``devices``.
 
     ``devices[i]`` runs logical partition ``i``; a permuted list is a permuted
-    device assignment.  Returns a loaded executable.
+    device assignment.  ``compiler_options``: XLA debug options for this compile (as
+    ``jax.jit``'s ``compiler_options``).  Returns a loaded executable.
     """
     backend = _xla_bridge.get_backend(devices[0].platform)
     assignment = np.array(list(devices), dtype=object).reshape(1, num_partitions)
     options = _compiler.get_compile_options(
-        num_replicas=1, num_partitions=num_partitions, device_assignment=assignment, backend=backend
+        num_replicas=1, num_partitions=num_partitions, device_assignment=assignment, backend=backend,
+        env_options_overrides=dict(compiler_options) if compiler_options else None,
     )
     device_list = _xla_client.DeviceList(tuple(devices))
     return backend.compile_and_load(module, executable_devices=device_list, compile_options=options)

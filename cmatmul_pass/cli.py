@@ -304,6 +304,7 @@ def cmd_bench(args) -> int:
     execute.interleaved_medians).  Every variant's outputs are checked against the original's
     before anything is timed: a mismatch exits 1 and nothing is timed."""
     from . import ir_utils
+    from .decorator import ring_compiler_options
     from .execute import Program, Reference, interleaved_medians
     from .pipeline import rewrite
 
@@ -321,11 +322,17 @@ def cmd_bench(args) -> int:
     where = f"{n} partition(s) on {len(devices)} {devices[0].platform} device(s)"
     rows, programs, mismatch = {}, {"original": reference.program}, None
     for name in names:  # check every variant before timing any
-        result = rewrite(data, _options(args, name), source=source)
-        program = Program(result.module, reference.inputs, devices)  # compiled once: checked, then timed
+        options = _options(args, name)
+        result = rewrite(data, options, source=source)
+        # on a GPU, the XLA options the rings need to overlap (as cmatmul_pass.jit passes them)
+        xla_options = ring_compiler_options(options, result.report, devices[0].platform, {},
+                                            os.environ.get("XLA_FLAGS", ""))
+        # compiled once: checked, then timed
+        program = Program(result.module, reference.inputs, devices, xla_options)
         numerics = reference.check(program)
         rows[name] = {"flags": VARIANT_FLAGS[name], "rewritten": len(result.report.rewritten),
-                      "sites": len(result.report.sites), "numerics": numerics.to_dict()}
+                      "sites": len(result.report.sites), "compiler_options": xla_options,
+                      "numerics": numerics.to_dict()}
         if not numerics.ok:
             mismatch = name, numerics
             break
@@ -334,6 +341,9 @@ def cmd_bench(args) -> int:
     base = seconds.get("original")
     print(f"{source}: {where}; median of {args.runs} run(s) after {args.warmup} warm-up(s), "
           "all programs timed in turn")
+    for name, row in rows.items():
+        if row["compiler_options"]:
+            print(f"  {name}: compiled with " + ", ".join(f"{k}={v}" for k, v in row["compiler_options"].items()))
     print(f"  {'variant':<13} {'sites':>7} {'time (ms)':>11} {'/ original':>11}")
     if base is not None:
         print(f"  {'original':<13} {'-':>7} {1e3 * base:>11.3f} {1.0:>11.2f}")

@@ -142,13 +142,15 @@ def cpu_devices(count: int) -> list:
 
 class Program:
     """``module`` compiled for ``len(devices)`` partitions, with ``inputs`` placed on the devices
-    as the program's parameter shardings say: ready to run any number of times."""
+    as the program's parameter shardings say: ready to run any number of times.
+    ``compiler_options``: XLA options for the compile (``decorator.ring_compiler_options``)."""
 
-    def __init__(self, module: ir.Module, inputs: Sequence[np.ndarray], devices: Sequence):
+    def __init__(self, module: ir.Module, inputs: Sequence[np.ndarray], devices: Sequence,
+                 compiler_options: dict | None = None):
         import jax
 
         try:
-            self.executable = compile_module(module, len(devices), devices)
+            self.executable = compile_module(module, len(devices), devices, compiler_options)
         except Exception as exc:  # XLA raises its own runtime error types
             raise ExecutionError(f"XLA could not compile the module: {' '.join(str(exc).split())[:500]}") from exc
         shardings = self.executable.get_parameter_shardings()

@@ -206,6 +206,7 @@ def test_bench_times_every_variant_and_names_the_fastest(tmp_path, capsys):
     for row in data["variants"].values():
         assert row["rewritten"] == row["sites"] == 1 and row["numerics"]["ok"]
         assert row["over_original"] == row["seconds"] / data["original_s"]
+        assert row["compiler_options"] == {}  # GPU ring options only (decorator.ring_compiler_options)
     fastest = min(data["variants"], key=lambda v: data["variants"][v]["seconds"])
     assert data["fastest"] == fastest and f"{fastest}, " in out
     assert data["original_is_fastest"] == (data["variants"][fastest]["over_original"] >= 1)
@@ -220,6 +221,26 @@ def test_bench_never_times_a_wrong_rewrite(monkeypatch, tmp_path, capsys):
     data = json.loads(report.read_text())
     assert list(data["variants"]) == ["uni"] and "seconds" not in data["variants"]["uni"]
     assert data["fastest"] is None
+
+
+def test_bench_compiles_each_variant_with_its_ring_options(monkeypatch, tmp_path, capsys):
+    """The options ring_compiler_options names for a variant reach XLA's compile: a real one is
+    reported and printed; one XLA does not know fails that compile (so it was passed)."""
+    from cmatmul_pass import decorator
+
+    def ring_options(options, report, platform, user_options, xla_flags):
+        assert platform == "cpu" and report.rewritten
+        return {"xla_cpu_enable_fast_math": False} if options.bidirectional else {}
+
+    monkeypatch.setattr(decorator, "ring_compiler_options", ring_options)
+    report = tmp_path / "bench.json"
+    assert run_cli("bench", POS, "--runs", "1", "--variants", "uni,bidi", "--report-json", report) == 0
+    assert "bidi: compiled with xla_cpu_enable_fast_math=False" in capsys.readouterr().out
+    rows = json.loads(report.read_text())["variants"]
+    assert rows["uni"]["compiler_options"] == {} and rows["bidi"]["compiler_options"] == {"xla_cpu_enable_fast_math": False}
+    monkeypatch.setattr(decorator, "ring_compiler_options", lambda *a: {"xla_no_such_option": True})
+    assert run_cli("bench", POS, "--runs", "1", "--variants", "uni") != 0
+    assert "xla_no_such_option" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [
