@@ -47,6 +47,32 @@ def test_gpu_calibration_runs_on_any_backend(tmp_path):
     assert result["loop_efficiency"] == min(s["efficiency_loop"] for s in result["sites"])
     assert result["loop_trip_s"] == max(max(0.0, (s["loop_s"] - s["unrolled_s"]) / 4) for s in result["sites"])
     assert hw.loop_trip == float(f"{result['loop_trip_s']:.2g}")
+    # the gather ring's own loops (permutes to the device itself), checked before being timed
+    rings = result["gather_rings"]
+    for name in ("ring_uni", "ring_unroll2"):
+        assert rings[name]["max_relative_error"] <= gpu_calibrate.TOLERANCE["bf16"]
+        assert rings[name]["efficiency"] == rings["full_s"] / rings[name]["seconds"] > 0
+
+
+@pytest.mark.parametrize("n", [4, 5, 8])
+def test_calibration_rings_send_and_compute_like_the_pass(n):
+    """The one-device rings of gpu_calibrate: n - 1 permutes executed, n dots, each block of the
+    result the shard's product; unroll2 ties each round's operands (an optimization barrier)."""
+    import jax
+    import jax.numpy as jnp
+
+    from tools import gpu_calibrate
+
+    programs, reference = gpu_calibrate.ring_programs(n, jax.devices("cpu")[0])
+    x, w = jnp.arange(12.0).reshape(3, 4), jnp.ones((4, 2))
+    for name, fn in programs.items():
+        text = jax.jit(fn).lower(x, w).as_text()
+        loops = text.count("stablehlo.while")
+        per_trip = 2 if name == "ring_unroll2" else 1
+        permutes = text.count("stablehlo.collective_permute")
+        assert loops == 1 and permutes == (n - 1) % per_trip + per_trip, (name, loops, permutes)
+        assert ("optimization_barrier" in text) == (name == "ring_unroll2")
+        assert jnp.array_equal(fn(x, w).astype(jnp.float32), reference(x, w))
 
 
 def test_gpu_calibration_refuses_a_wrong_decomposition(tmp_path, monkeypatch):

@@ -10,9 +10,12 @@ shapes one device of an ``n``-way tensor-parallel MLP block runs, this script ti
   elided (the next shard is read from local memory instead of received), each step's result
   placed with a dynamic_update_slice (gather) or added to the running partial sum (scatter)
   as the rewrite does;
-* **unrolled**: the same ``n`` steps straight-line (the ``--unroll full`` form),
+* **unrolled**: the same ``n`` steps straight-line (the ``--unroll full`` form);
+* **ring_uni**, **ring_unroll2** (the gather site): the ring loop as the pass emits it, one or two
+  rounds per trip, each permute a ``collective_permute`` from the device to itself
+  (:func:`ring_programs`),
 
-checks that both decompositions compute the full dot's numbers, and reports the efficiency
+checks that the decompositions compute what they should, and reports the efficiency
 ``t_full / t_loop`` (target >= 0.95 at 70B-like shapes).  For the cost model it splits that
 loss in two (:func:`summarise`): the straight-line dots' efficiency ``t_full / t_unrolled``
 and what one loop trip costs beyond them, ``(t_loop - t_unrolled) / n``; with the full dot's
@@ -108,6 +111,78 @@ def scatter_programs(n: int):
     return full, loop, unrolled, reference
 
 
+def ring_programs(n: int, device):
+    """The gather ring as the pass emits it, on one device: the permute is a
+    ``collective_permute`` from the device to itself (a 1-device mesh), so the loop keeps the
+    ring's data flow (the received shard is a fresh buffer the next round reads, which decides
+    XLA's copies), and a real asynchronous transfer of a shard runs each round, here a local one.
+    ``uni``: one round per trip, ``unroll2``: two, each round's operands tied through an
+    optimization barrier as the pass ties them.  The shard never changes (it is sent to
+    itself), so every block of the result is ``x_shard @ w``; that is what they are checked
+    against.  Returns {name: fn(x_shard, w)} and the reference."""
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    mesh = Mesh(np.array([device]), ("ring",))
+
+    def send(held):  # one permute of the shard, to the device itself
+        return jax.lax.ppermute(held, "ring", [(0, 0)])
+
+    def place(out, held, w, i, rows, tie):
+        if tie:
+            held, w = jax.lax.optimization_barrier((held, w))
+        return jax.lax.dynamic_update_slice_in_dim(out, held @ w, i * rows, 0)
+
+    def ring(per_trip: int):
+        def body(held, w):
+            rows = held.shape[0]
+            out = jnp.zeros((rows * n, w.shape[1]), held.dtype)
+            first = n - 1 - (n - 1) // per_trip * per_trip  # rounds peeled before the loop
+
+            for r in range(first):  # the remainder of the loop's rounds, before it
+                held, out = send(held), place(out, held, w, r, rows, per_trip > 1)
+
+            def trip(t, carry):
+                held, out = carry
+                for j in range(per_trip):
+                    nxt = send(held)
+                    out = place(out, held, w, first + t * per_trip + j, rows, per_trip > 1)
+                    held = nxt
+                return held, out
+
+            held, out = jax.lax.fori_loop(0, (n - 1) // per_trip, trip, (held, out))
+            return place(out, held, w, n - 1, rows, per_trip > 1)  # the last round sends nothing
+
+        return jax.shard_map(body, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)
+
+    def reference(x_shard, w):
+        return jnp.tile(x_shard @ w, (n, 1)).astype(jnp.float32)
+
+    return {"ring_uni": ring(1), "ring_unroll2": ring(2)}, reference
+
+
+def measure_rings(n: int, shapes, dtype: str, runs: int, device, reps: int = 1) -> dict:
+    """The gather site's ring loops (:func:`ring_programs`) against its full dot: the shard
+    [T/n, H] times [H, F/n] in every round, n rounds, the full dot [T, H] @ [H, F/n]."""
+    (t, k), (_, m) = shapes
+    programs, reference = ring_programs(n, device)
+    rng = np.random.default_rng(1)
+    x, w = (jax.device_put(jnp.asarray(rng.standard_normal(s, dtype=np.float32), DTYPES[dtype]), device)
+            for s in [(t, k), (k, m)])
+    shard = x[: t // n]
+    full = jax.jit(lambda x, w: x @ w)
+    expected = np.asarray(reference(shard, w))
+    scale = float(np.abs(expected).max()) or 1.0
+    result = {"full_s": median_seconds(batched(full, (x, w), reps), runs) / reps}
+    for name, fn in programs.items():
+        fn = jax.jit(fn)
+        error = float(np.abs(np.asarray(fn(shard, w).astype(jnp.float32)) - expected).max()) / scale
+        if error > TOLERANCE[dtype]:
+            raise SystemExit(f"{name}: off by {error:.2e} (relative): not timing it")
+        seconds = median_seconds(batched(fn, (shard, w), reps), runs) / reps
+        result[name] = {"seconds": seconds, "efficiency": result["full_s"] / seconds, "max_relative_error": error}
+    return result
+
+
 def measure(kind: str, n: int, shapes, dtype: str, runs: int, device, reps: int = 1) -> dict:
     full, loop, unrolled, reference = (gather_programs if kind == "all_gather_dot" else scatter_programs)(n)
     rng = np.random.default_rng(0)
@@ -192,16 +267,20 @@ def main(argv: list[str] | None = None) -> int:
         measure("dot_reduce_scatter", n, [(tokens, ffn // n), (ffn // n, hidden)], args.dtype, args.runs, device,
                 args.reps),
     ]
+    rings = measure_rings(n, [(tokens, hidden), (hidden, ffn // n)], args.dtype, args.runs, device, args.reps)
     result = {
         "device": f"{device.platform}: {device.device_kind}", "jax": jax.__version__,
         "model": None if args.dims else args.model, "dims": [tokens, hidden, ffn], "ring": n, "dtype": args.dtype,
-        "runs": args.runs, "reps": args.reps, "sites": sites,
+        "runs": args.runs, "reps": args.reps, "sites": sites, "gather_rings": rings,
         **summarise(sites, args.profile, args.dtype, args.target),
     }
     for s in sites:
         print(f"{s['kind']:<20} full {1e3 * s['full_s']:.3f} ms ({s['full_throughput'] / 1e12:.3g} TFLOP/s), "
               f"loop {1e3 * s['loop_s']:.3f} ms (efficiency {s['efficiency_loop']:.3f}), "
               f"unrolled {1e3 * s['unrolled_s']:.3f} ms (efficiency {s['efficiency_unrolled']:.3f})")
+    print("gather ring, permutes to the device itself: "
+          + ", ".join(f"{name} {1e3 * r['seconds']:.3f} ms (efficiency {r['efficiency']:.3f})"
+                      for name, r in rings.items() if name != "full_s"))
     print(f"loop efficiency {result['loop_efficiency']:.3f} ({'meets' if result['meets_target'] else 'below'} the "
           f"{args.target} target), straight-line {result['split_efficiency']:.3f}, "
           f"{1e6 * result['loop_trip_s']:.1f} µs per loop trip on {result['device']}; "
