@@ -83,8 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
             "--no-tie-rounds",
             dest="tie_rounds",
             action="store_false",
-            help="no optimization barrier between the rounds of unrolled, straight-line and "
-                 "bidirectional rings (XLA may then merge their dots)",
+            help="no optimization barriers between the rounds of unrolled, straight-line and "
+                 "bidirectional rings (XLA may then merge their dots, or start a round's transfer "
+                 "during the previous round's dot)",
         )
         p.add_argument(
             "--no-share-rings",

@@ -49,7 +49,9 @@ class Options:
     ``tie_rounds``: where several rounds or directions compute in one block (unrolled,
     straight-line and bidirectional rings), pass each round's dot operands through an
     ``optimization_barrier``, so that XLA does not merge dots of different rounds (which
-    share an operand) into one that waits for every round's transfer.
+    share an operand) into one that waits for every round's transfer; and send a gather
+    round's shard through a barrier with the previous round's dot, so that its transfer
+    starts after that dot (the scheduler otherwise may start it during that dot).
     ``policy``: ``"all"`` rewrites every legal site; ``"auto"`` only those whose
     predicted speed-up on ``hardware`` (a :mod:`cmatmul_pass.cost` profile, e.g.
     ``"h100"`` or ``"h100:bandwidth=400e9"``) exceeds ``1 + margin``.  ``min_bytes``:

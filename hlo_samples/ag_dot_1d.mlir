@@ -224,17 +224,18 @@
 // UNROLL2_GOLDEN-NEXT: %22 = stablehlo.dot_general %21#0, %21#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
 // UNROLL2_GOLDEN-NEXT: %23 = stablehlo.multiply %20, %c_7 : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %24 = stablehlo.dynamic_update_slice %iterArg_5, %22, %23, %c_6 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// UNROLL2_GOLDEN-NEXT: %25 = "stablehlo.collective_permute"(%16) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// UNROLL2_GOLDEN-NEXT: %26 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %27 = stablehlo.add %26, %c_10 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %28 = stablehlo.add %3, %27 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_8 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %30:2 = stablehlo.optimization_barrier %16, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %31 = stablehlo.dot_general %30#0, %30#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.multiply %29, %c_7 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %33 = stablehlo.dynamic_update_slice %24, %31, %32, %c_6 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// UNROLL2_GOLDEN-NEXT: %34 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: stablehlo.return %34, %25, %33 : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %25:2 = stablehlo.optimization_barrier %16, %22 : tensor<16x64xf32>, tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %26 = "stablehlo.collective_permute"(%25#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// UNROLL2_GOLDEN-NEXT: %27 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %28 = stablehlo.add %27, %c_10 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.add %3, %28 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %30 = stablehlo.remainder %29, %c_8 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %31:2 = stablehlo.optimization_barrier %16, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.dot_general %31#0, %31#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %33 = stablehlo.multiply %30, %c_7 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %34 = stablehlo.dynamic_update_slice %24, %32, %33, %c_6 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %35 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: stablehlo.return %35, %26, %34 : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
 // UNROLL2_GOLDEN-NEXT: }
 // UNROLL2_GOLDEN-NEXT: %10 = stablehlo.add %3, %c_0 : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c : tensor<ui32>
@@ -286,55 +287,61 @@
 // FULL_GOLDEN-NEXT: %6 = stablehlo.dot_general %5#0, %5#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
 // FULL_GOLDEN-NEXT: %7 = stablehlo.multiply %3, %c_8 : tensor<ui32>
 // FULL_GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %cst, %6, %7, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: %9 = "stablehlo.collective_permute"(%4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %10 = stablehlo.add %3, %c_6 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c_5 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %12:2 = stablehlo.optimization_barrier %4, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %13 = stablehlo.dot_general %12#0, %12#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %14 = stablehlo.multiply %11, %c_8 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %8, %13, %14, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: %16 = "stablehlo.collective_permute"(%9) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %17 = stablehlo.add %3, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %18 = stablehlo.remainder %17, %c_5 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %19:2 = stablehlo.optimization_barrier %9, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %20 = stablehlo.dot_general %19#0, %19#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %21 = stablehlo.multiply %18, %c_8 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %22 = stablehlo.dynamic_update_slice %15, %20, %21, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: %23 = "stablehlo.collective_permute"(%16) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %24 = stablehlo.add %3, %c_3 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %25 = stablehlo.remainder %24, %c_5 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %26:2 = stablehlo.optimization_barrier %16, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %27 = stablehlo.dot_general %26#0, %26#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %28 = stablehlo.multiply %25, %c_8 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %29 = stablehlo.dynamic_update_slice %22, %27, %28, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: %30 = "stablehlo.collective_permute"(%23) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %31 = stablehlo.add %3, %c_2 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %32 = stablehlo.remainder %31, %c_5 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %33:2 = stablehlo.optimization_barrier %23, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %34 = stablehlo.dot_general %33#0, %33#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %35 = stablehlo.multiply %32, %c_8 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %36 = stablehlo.dynamic_update_slice %29, %34, %35, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: %37 = "stablehlo.collective_permute"(%30) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %38 = stablehlo.add %3, %c_1 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %39 = stablehlo.remainder %38, %c_5 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %40:2 = stablehlo.optimization_barrier %30, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %41 = stablehlo.dot_general %40#0, %40#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %42 = stablehlo.multiply %39, %c_8 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %43 = stablehlo.dynamic_update_slice %36, %41, %42, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: %44 = "stablehlo.collective_permute"(%37) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %45 = stablehlo.add %3, %c_0 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %46 = stablehlo.remainder %45, %c_5 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %47:2 = stablehlo.optimization_barrier %37, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %48 = stablehlo.dot_general %47#0, %47#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %49 = stablehlo.multiply %46, %c_8 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %50 = stablehlo.dynamic_update_slice %43, %48, %49, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: %51 = stablehlo.add %3, %c : tensor<ui32>
+// FULL_GOLDEN-NEXT: %9:2 = stablehlo.optimization_barrier %4, %6 : tensor<16x64xf32>, tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%9#0) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// FULL_GOLDEN-NEXT: %11 = stablehlo.add %3, %c_6 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_5 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %13:2 = stablehlo.optimization_barrier %4, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %14 = stablehlo.dot_general %13#0, %13#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %15 = stablehlo.multiply %12, %c_8 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %8, %14, %15, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %17:2 = stablehlo.optimization_barrier %10, %14 : tensor<16x64xf32>, tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %18 = "stablehlo.collective_permute"(%17#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// FULL_GOLDEN-NEXT: %19 = stablehlo.add %3, %c_4 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_5 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %21:2 = stablehlo.optimization_barrier %10, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %22 = stablehlo.dot_general %21#0, %21#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %23 = stablehlo.multiply %20, %c_8 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %24 = stablehlo.dynamic_update_slice %16, %22, %23, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %25:2 = stablehlo.optimization_barrier %18, %22 : tensor<16x64xf32>, tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %26 = "stablehlo.collective_permute"(%25#0) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// FULL_GOLDEN-NEXT: %27 = stablehlo.add %3, %c_3 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %28 = stablehlo.remainder %27, %c_5 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %29:2 = stablehlo.optimization_barrier %18, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %30 = stablehlo.dot_general %29#0, %29#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %31 = stablehlo.multiply %28, %c_8 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %32 = stablehlo.dynamic_update_slice %24, %30, %31, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %33:2 = stablehlo.optimization_barrier %26, %30 : tensor<16x64xf32>, tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %34 = "stablehlo.collective_permute"(%33#0) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// FULL_GOLDEN-NEXT: %35 = stablehlo.add %3, %c_2 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %36 = stablehlo.remainder %35, %c_5 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %37:2 = stablehlo.optimization_barrier %26, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %38 = stablehlo.dot_general %37#0, %37#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %39 = stablehlo.multiply %36, %c_8 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %40 = stablehlo.dynamic_update_slice %32, %38, %39, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %41:2 = stablehlo.optimization_barrier %34, %38 : tensor<16x64xf32>, tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %42 = "stablehlo.collective_permute"(%41#0) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// FULL_GOLDEN-NEXT: %43 = stablehlo.add %3, %c_1 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %44 = stablehlo.remainder %43, %c_5 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %45:2 = stablehlo.optimization_barrier %34, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %46 = stablehlo.dot_general %45#0, %45#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %47 = stablehlo.multiply %44, %c_8 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %48 = stablehlo.dynamic_update_slice %40, %46, %47, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %49:2 = stablehlo.optimization_barrier %42, %46 : tensor<16x64xf32>, tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %50 = "stablehlo.collective_permute"(%49#0) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// FULL_GOLDEN-NEXT: %51 = stablehlo.add %3, %c_0 : tensor<ui32>
 // FULL_GOLDEN-NEXT: %52 = stablehlo.remainder %51, %c_5 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %53:2 = stablehlo.optimization_barrier %44, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %53:2 = stablehlo.optimization_barrier %42, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
 // FULL_GOLDEN-NEXT: %54 = stablehlo.dot_general %53#0, %53#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
 // FULL_GOLDEN-NEXT: %55 = stablehlo.multiply %52, %c_8 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %56 = stablehlo.dynamic_update_slice %50, %54, %55, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: sdy.return %56 : tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %56 = stablehlo.dynamic_update_slice %48, %54, %55, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %57 = stablehlo.add %3, %c : tensor<ui32>
+// FULL_GOLDEN-NEXT: %58 = stablehlo.remainder %57, %c_5 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %59:2 = stablehlo.optimization_barrier %50, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %60 = stablehlo.dot_general %59#0, %59#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %61 = stablehlo.multiply %58, %c_8 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %62 = stablehlo.dynamic_update_slice %56, %60, %61, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: sdy.return %62 : tensor<128x16xf32>
 // FULL_GOLDEN-NEXT: } : (tensor<128x64xf32>, tensor<64x128xf32>) -> tensor<128x128xf32>
 // FULL_GOLDEN-NEXT: return %0 : tensor<128x128xf32>
 // FULL_GOLDEN-NEXT: }
@@ -393,17 +400,18 @@
 // STREAMS_GOLDEN-NEXT: %22 = func.call @cmatmul_dot_0(%21#0, %21#1) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: %23 = stablehlo.multiply %20, %c_7 : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %24 = stablehlo.dynamic_update_slice %iterArg_5, %22, %23, %c_6 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// STREAMS_GOLDEN-NEXT: %25 = "stablehlo.collective_permute"(%16) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// STREAMS_GOLDEN-NEXT: %26 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %27 = stablehlo.add %26, %c_10 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %28 = stablehlo.add %3, %27 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_8 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %30:2 = stablehlo.optimization_barrier %16, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %31 = func.call @cmatmul_dot_0(%30#0, %30#1) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %32 = stablehlo.multiply %29, %c_7 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %33 = stablehlo.dynamic_update_slice %24, %31, %32, %c_6 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// STREAMS_GOLDEN-NEXT: %34 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %34, %25, %33 : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %25:2 = stablehlo.optimization_barrier %16, %22 : tensor<16x64xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %26 = "stablehlo.collective_permute"(%25#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// STREAMS_GOLDEN-NEXT: %27 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %28 = stablehlo.add %27, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %29 = stablehlo.add %3, %28 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %30 = stablehlo.remainder %29, %c_8 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %31:2 = stablehlo.optimization_barrier %16, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %32 = func.call @cmatmul_dot_0(%31#0, %31#1) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %33 = stablehlo.multiply %30, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %34 = stablehlo.dynamic_update_slice %24, %32, %33, %c_6 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %35 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %35, %26, %34 : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
 // STREAMS_GOLDEN-NEXT: }
 // STREAMS_GOLDEN-NEXT: %10 = stablehlo.add %3, %c_0 : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c : tensor<ui32>
@@ -438,52 +446,56 @@
 // HLO_GOLDEN-NEXT: }
 // HLO_GOLDEN: region_0.2 {
 // HLO_GOLDEN-NEXT: arg_tuple.1 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) parameter(0)
-// HLO_GOLDEN-NEXT: get-tuple-element.13 = u32[] get-tuple-element(arg_tuple.1), index=0
+// HLO_GOLDEN-NEXT: get-tuple-element.16 = f32[16,64]{1,0} get-tuple-element(arg_tuple.1), index=1
+// HLO_GOLDEN-NEXT: collective-permute.3 = f32[16,64]{1,0} collective-permute(get-tuple-element.16), channel_id=3, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="1"}
+// HLO_GOLDEN-NEXT: get-tuple-element.19 = f32[64,16]{1,0} get-tuple-element(arg_tuple.1), index=4
+// HLO_GOLDEN-NEXT: tuple.5 = (f32[16,64]{1,0}, f32[64,16]{1,0}) tuple(get-tuple-element.16, get-tuple-element.19)
+// HLO_GOLDEN-NEXT: opt-barrier.4 = (f32[16,64]{1,0}, f32[64,16]{1,0}) opt-barrier(tuple.5)
+// HLO_GOLDEN-NEXT: get-tuple-element.20 = f32[16,64]{1,0} get-tuple-element(opt-barrier.4), index=0
+// HLO_GOLDEN-NEXT: get-tuple-element.21 = f32[64,16]{1,0} get-tuple-element(opt-barrier.4), index=1
+// HLO_GOLDEN-NEXT: call.3 = f32[16,16]{1,0} call(get-tuple-element.20, get-tuple-element.21), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="1",_xla_stream_annotation="1",inlineable="false"}
+// HLO_GOLDEN-NEXT: tuple.6 = (f32[16,64]{1,0}, f32[16,16]{1,0}) tuple(collective-permute.3, call.3)
+// HLO_GOLDEN-NEXT: opt-barrier.5 = (f32[16,64]{1,0}, f32[16,16]{1,0}) opt-barrier(tuple.6)
+// HLO_GOLDEN-NEXT: get-tuple-element.23 = f32[16,16]{1,0} get-tuple-element(opt-barrier.5), index=1
+// HLO_GOLDEN-NEXT: get-tuple-element.15 = u32[] get-tuple-element(arg_tuple.1), index=0
 // HLO_GOLDEN-NEXT: constant.14 = u32[] constant(1)
-// HLO_GOLDEN-NEXT: add.9 = u32[] add(get-tuple-element.13, constant.14)
-// HLO_GOLDEN-NEXT: get-tuple-element.14 = f32[16,64]{1,0} get-tuple-element(arg_tuple.1), index=1
-// HLO_GOLDEN-NEXT: collective-permute.3 = f32[16,64]{1,0} collective-permute(get-tuple-element.14), channel_id=3, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="1"}
-// HLO_GOLDEN-NEXT: collective-permute.4 = f32[16,64]{1,0} collective-permute(collective-permute.3), channel_id=4, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="2"}
-// HLO_GOLDEN-NEXT: get-tuple-element.15 = f32[128,16]{1,0} get-tuple-element(arg_tuple.1), index=2
-// HLO_GOLDEN-NEXT: get-tuple-element.17 = f32[64,16]{1,0} get-tuple-element(arg_tuple.1), index=4
-// HLO_GOLDEN-NEXT: tuple.4 = (f32[16,64]{1,0}, f32[64,16]{1,0}) tuple(get-tuple-element.14, get-tuple-element.17)
-// HLO_GOLDEN-NEXT: opt-barrier.3 = (f32[16,64]{1,0}, f32[64,16]{1,0}) opt-barrier(tuple.4)
-// HLO_GOLDEN-NEXT: get-tuple-element.18 = f32[16,64]{1,0} get-tuple-element(opt-barrier.3), index=0
-// HLO_GOLDEN-NEXT: get-tuple-element.19 = f32[64,16]{1,0} get-tuple-element(opt-barrier.3), index=1
-// HLO_GOLDEN-NEXT: call.3 = f32[16,16]{1,0} call(get-tuple-element.18, get-tuple-element.19), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="1",_xla_stream_annotation="1",inlineable="false"}
-// HLO_GOLDEN-NEXT: get-tuple-element.16 = u32[] get-tuple-element(arg_tuple.1), index=3
+// HLO_GOLDEN-NEXT: add.9 = u32[] add(get-tuple-element.15, constant.14)
+// HLO_GOLDEN-NEXT: get-tuple-element.22 = f32[16,64]{1,0} get-tuple-element(opt-barrier.5), index=0
+// HLO_GOLDEN-NEXT: collective-permute.4 = f32[16,64]{1,0} collective-permute(get-tuple-element.22), channel_id=4, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="2"}
+// HLO_GOLDEN-NEXT: get-tuple-element.17 = f32[128,16]{1,0} get-tuple-element(arg_tuple.1), index=2
+// HLO_GOLDEN-NEXT: get-tuple-element.18 = u32[] get-tuple-element(arg_tuple.1), index=3
 // HLO_GOLDEN-NEXT: constant.15 = u32[] constant(2)
-// HLO_GOLDEN-NEXT: multiply.5 = u32[] multiply(get-tuple-element.13, constant.15)
+// HLO_GOLDEN-NEXT: multiply.5 = u32[] multiply(get-tuple-element.15, constant.15)
 // HLO_GOLDEN-NEXT: add.5 = u32[] add(multiply.5, constant.14)
-// HLO_GOLDEN-NEXT: add.6 = u32[] add(get-tuple-element.16, add.5)
+// HLO_GOLDEN-NEXT: add.6 = u32[] add(get-tuple-element.18, add.5)
 // HLO_GOLDEN-NEXT: constant.13 = u32[] constant(8)
 // HLO_GOLDEN-NEXT: remainder.2 = u32[] remainder(add.6, constant.13)
 // HLO_GOLDEN-NEXT: constant.12 = u32[] constant(16)
 // HLO_GOLDEN-NEXT: multiply.6 = u32[] multiply(remainder.2, constant.12)
 // HLO_GOLDEN-NEXT: constant.11 = u32[] constant(0)
-// HLO_GOLDEN-NEXT: dynamic-update-slice.3 = f32[128,16]{1,0} dynamic-update-slice(get-tuple-element.15, call.3, multiply.6, constant.11)
-// HLO_GOLDEN-NEXT: tuple.5 = (f32[16,64]{1,0}, f32[64,16]{1,0}) tuple(collective-permute.3, get-tuple-element.17)
-// HLO_GOLDEN-NEXT: opt-barrier.4 = (f32[16,64]{1,0}, f32[64,16]{1,0}) opt-barrier(tuple.5)
-// HLO_GOLDEN-NEXT: get-tuple-element.20 = f32[16,64]{1,0} get-tuple-element(opt-barrier.4), index=0
-// HLO_GOLDEN-NEXT: get-tuple-element.21 = f32[64,16]{1,0} get-tuple-element(opt-barrier.4), index=1
-// HLO_GOLDEN-NEXT: call.4 = f32[16,16]{1,0} call(get-tuple-element.20, get-tuple-element.21), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="2",_xla_stream_annotation="2",inlineable="false"}
-// HLO_GOLDEN-NEXT: multiply.7 = u32[] multiply(get-tuple-element.13, constant.15)
+// HLO_GOLDEN-NEXT: dynamic-update-slice.3 = f32[128,16]{1,0} dynamic-update-slice(get-tuple-element.17, call.3, multiply.6, constant.11)
+// HLO_GOLDEN-NEXT: tuple.7 = (f32[16,64]{1,0}, f32[64,16]{1,0}) tuple(collective-permute.3, get-tuple-element.19)
+// HLO_GOLDEN-NEXT: opt-barrier.6 = (f32[16,64]{1,0}, f32[64,16]{1,0}) opt-barrier(tuple.7)
+// HLO_GOLDEN-NEXT: get-tuple-element.24 = f32[16,64]{1,0} get-tuple-element(opt-barrier.6), index=0
+// HLO_GOLDEN-NEXT: get-tuple-element.25 = f32[64,16]{1,0} get-tuple-element(opt-barrier.6), index=1
+// HLO_GOLDEN-NEXT: call.4 = f32[16,16]{1,0} call(get-tuple-element.24, get-tuple-element.25), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="2",_xla_stream_annotation="2",inlineable="false"}
+// HLO_GOLDEN-NEXT: multiply.7 = u32[] multiply(get-tuple-element.15, constant.15)
 // HLO_GOLDEN-NEXT: add.7 = u32[] add(multiply.7, constant.15)
-// HLO_GOLDEN-NEXT: add.8 = u32[] add(get-tuple-element.16, add.7)
+// HLO_GOLDEN-NEXT: add.8 = u32[] add(get-tuple-element.18, add.7)
 // HLO_GOLDEN-NEXT: remainder.3 = u32[] remainder(add.8, constant.13)
 // HLO_GOLDEN-NEXT: multiply.8 = u32[] multiply(remainder.3, constant.12)
 // HLO_GOLDEN-NEXT: dynamic-update-slice.4 = f32[128,16]{1,0} dynamic-update-slice(dynamic-update-slice.3, call.4, multiply.8, constant.11)
-// HLO_GOLDEN-NEXT: ROOT tuple.6 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) tuple(add.9, collective-permute.4, dynamic-update-slice.4, get-tuple-element.16, get-tuple-element.17)
+// HLO_GOLDEN-NEXT: ROOT tuple.8 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) tuple(add.9, collective-permute.4, dynamic-update-slice.4, get-tuple-element.18, get-tuple-element.19)
 // HLO_GOLDEN-NEXT: }
 // HLO_GOLDEN: region_1.3 {
 // HLO_GOLDEN-NEXT: arg_tuple.3 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) parameter(0)
-// HLO_GOLDEN-NEXT: get-tuple-element.28 = f32[16,64]{1,0} get-tuple-element(arg_tuple.3), index=1
-// HLO_GOLDEN-NEXT: get-tuple-element.29 = f32[128,16]{1,0} get-tuple-element(arg_tuple.3), index=2
-// HLO_GOLDEN-NEXT: get-tuple-element.30 = u32[] get-tuple-element(arg_tuple.3), index=3
-// HLO_GOLDEN-NEXT: get-tuple-element.31 = f32[64,16]{1,0} get-tuple-element(arg_tuple.3), index=4
-// HLO_GOLDEN-NEXT: get-tuple-element.27 = u32[] get-tuple-element(arg_tuple.3), index=0
+// HLO_GOLDEN-NEXT: get-tuple-element.32 = f32[16,64]{1,0} get-tuple-element(arg_tuple.3), index=1
+// HLO_GOLDEN-NEXT: get-tuple-element.33 = f32[128,16]{1,0} get-tuple-element(arg_tuple.3), index=2
+// HLO_GOLDEN-NEXT: get-tuple-element.34 = u32[] get-tuple-element(arg_tuple.3), index=3
+// HLO_GOLDEN-NEXT: get-tuple-element.35 = f32[64,16]{1,0} get-tuple-element(arg_tuple.3), index=4
+// HLO_GOLDEN-NEXT: get-tuple-element.31 = u32[] get-tuple-element(arg_tuple.3), index=0
 // HLO_GOLDEN-NEXT: constant.17 = u32[] constant(3)
-// HLO_GOLDEN-NEXT: ROOT compare.1 = pred[] compare(get-tuple-element.27, constant.17), direction=LT
+// HLO_GOLDEN-NEXT: ROOT compare.1 = pred[] compare(get-tuple-element.31, constant.17), direction=LT
 // HLO_GOLDEN-NEXT: }
 // HLO_GOLDEN: xla.sdy.manual_computation_body.4 {
 // HLO_GOLDEN-NEXT: constant.20 = u32[] constant(0)
@@ -492,11 +504,11 @@
 // HLO_GOLDEN-NEXT: constant.22 = f32[] constant(0)
 // HLO_GOLDEN-NEXT: broadcast.1 = f32[128,16]{1,0} broadcast(constant.22), dimensions={}
 // HLO_GOLDEN-NEXT: Arg_1.4 = f32[64,16]{1,0} parameter(1)
-// HLO_GOLDEN-NEXT: tuple.9 = (f32[16,64]{1,0}, f32[64,16]{1,0}) tuple(Arg_0.4, Arg_1.4)
-// HLO_GOLDEN-NEXT: opt-barrier.6 = (f32[16,64]{1,0}, f32[64,16]{1,0}) opt-barrier(tuple.9)
-// HLO_GOLDEN-NEXT: get-tuple-element.37 = f32[16,64]{1,0} get-tuple-element(opt-barrier.6), index=0
-// HLO_GOLDEN-NEXT: get-tuple-element.38 = f32[64,16]{1,0} get-tuple-element(opt-barrier.6), index=1
-// HLO_GOLDEN-NEXT: call.6 = f32[16,16]{1,0} call(get-tuple-element.37, get-tuple-element.38), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="0",_xla_stream_annotation="1",inlineable="false"}
+// HLO_GOLDEN-NEXT: tuple.11 = (f32[16,64]{1,0}, f32[64,16]{1,0}) tuple(Arg_0.4, Arg_1.4)
+// HLO_GOLDEN-NEXT: opt-barrier.8 = (f32[16,64]{1,0}, f32[64,16]{1,0}) opt-barrier(tuple.11)
+// HLO_GOLDEN-NEXT: get-tuple-element.41 = f32[16,64]{1,0} get-tuple-element(opt-barrier.8), index=0
+// HLO_GOLDEN-NEXT: get-tuple-element.42 = f32[64,16]{1,0} get-tuple-element(opt-barrier.8), index=1
+// HLO_GOLDEN-NEXT: call.6 = f32[16,16]{1,0} call(get-tuple-element.41, get-tuple-element.42), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="0",_xla_stream_annotation="1",inlineable="false"}
 // HLO_GOLDEN-NEXT: constant.23 = u32[8]{0} constant({0, 1, 2, 3, 4, 5, 6, 7})
 // HLO_GOLDEN-NEXT: partition-id.1 = u32[] partition-id()
 // HLO_GOLDEN-NEXT: dynamic-slice.1 = u32[1]{0} dynamic-slice(constant.23, partition-id.1), dynamic_slice_sizes={1}
@@ -504,34 +516,34 @@
 // HLO_GOLDEN-NEXT: constant.21 = u32[] constant(16)
 // HLO_GOLDEN-NEXT: multiply.10 = u32[] multiply(reshape.1, constant.21)
 // HLO_GOLDEN-NEXT: dynamic-update-slice.6 = f32[128,16]{1,0} dynamic-update-slice(broadcast.1, call.6, multiply.10, constant.20)
-// HLO_GOLDEN-NEXT: tuple.10 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) tuple(constant.20, collective-permute.5, dynamic-update-slice.6, reshape.1, Arg_1.4)
-// HLO_GOLDEN-NEXT: while.1 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) while(tuple.10), condition=region_1.3, body=region_0.2
-// HLO_GOLDEN-NEXT: get-tuple-element.39 = u32[] get-tuple-element(while.1), index=0
-// HLO_GOLDEN-NEXT: get-tuple-element.41 = f32[128,16]{1,0} get-tuple-element(while.1), index=2
-// HLO_GOLDEN-NEXT: get-tuple-element.40 = f32[16,64]{1,0} get-tuple-element(while.1), index=1
-// HLO_GOLDEN-NEXT: tuple.11 = (f32[16,64]{1,0}, f32[64,16]{1,0}) tuple(get-tuple-element.40, Arg_1.4)
-// HLO_GOLDEN-NEXT: opt-barrier.7 = (f32[16,64]{1,0}, f32[64,16]{1,0}) opt-barrier(tuple.11)
-// HLO_GOLDEN-NEXT: get-tuple-element.42 = f32[16,64]{1,0} get-tuple-element(opt-barrier.7), index=0
-// HLO_GOLDEN-NEXT: get-tuple-element.43 = f32[64,16]{1,0} get-tuple-element(opt-barrier.7), index=1
-// HLO_GOLDEN-NEXT: call.7 = f32[16,16]{1,0} call(get-tuple-element.42, get-tuple-element.43), to_apply=cmatmul_dot_0.1, frontend_attributes={_xla_stream_annotation="1",inlineable="false"}
+// HLO_GOLDEN-NEXT: tuple.12 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) tuple(constant.20, collective-permute.5, dynamic-update-slice.6, reshape.1, Arg_1.4)
+// HLO_GOLDEN-NEXT: while.1 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) while(tuple.12), condition=region_1.3, body=region_0.2
+// HLO_GOLDEN-NEXT: get-tuple-element.43 = u32[] get-tuple-element(while.1), index=0
+// HLO_GOLDEN-NEXT: get-tuple-element.45 = f32[128,16]{1,0} get-tuple-element(while.1), index=2
+// HLO_GOLDEN-NEXT: get-tuple-element.44 = f32[16,64]{1,0} get-tuple-element(while.1), index=1
+// HLO_GOLDEN-NEXT: tuple.13 = (f32[16,64]{1,0}, f32[64,16]{1,0}) tuple(get-tuple-element.44, Arg_1.4)
+// HLO_GOLDEN-NEXT: opt-barrier.9 = (f32[16,64]{1,0}, f32[64,16]{1,0}) opt-barrier(tuple.13)
+// HLO_GOLDEN-NEXT: get-tuple-element.46 = f32[16,64]{1,0} get-tuple-element(opt-barrier.9), index=0
+// HLO_GOLDEN-NEXT: get-tuple-element.47 = f32[64,16]{1,0} get-tuple-element(opt-barrier.9), index=1
+// HLO_GOLDEN-NEXT: call.7 = f32[16,16]{1,0} call(get-tuple-element.46, get-tuple-element.47), to_apply=cmatmul_dot_0.1, frontend_attributes={_xla_stream_annotation="1",inlineable="false"}
 // HLO_GOLDEN-NEXT: constant.19 = u32[] constant(7)
 // HLO_GOLDEN-NEXT: add.11 = u32[] add(reshape.1, constant.19)
 // HLO_GOLDEN-NEXT: constant.18 = u32[] constant(8)
 // HLO_GOLDEN-NEXT: remainder.5 = u32[] remainder(add.11, constant.18)
 // HLO_GOLDEN-NEXT: multiply.11 = u32[] multiply(remainder.5, constant.21)
-// HLO_GOLDEN-NEXT: ROOT dynamic-update-slice.7 = f32[128,16]{1,0} dynamic-update-slice(get-tuple-element.41, call.7, multiply.11, constant.20)
+// HLO_GOLDEN-NEXT: ROOT dynamic-update-slice.7 = f32[128,16]{1,0} dynamic-update-slice(get-tuple-element.45, call.7, multiply.11, constant.20)
 // HLO_GOLDEN-NEXT: }
 // HLO_GOLDEN: ENTRY main.5 {
 // HLO_GOLDEN-NEXT: Arg_0.5 = f32[128,64]{1,0} parameter(0), sharding={devices=[8,1]<=[8]}, frontend_attributes={xla.sdy.sharding="#sdy.sharding<@mesh, [{\"model\"}, {}]>"}
 // HLO_GOLDEN-NEXT: Arg_1.5 = f32[64,128]{1,0} parameter(1), sharding={devices=[1,8]<=[8]}, frontend_attributes={xla.sdy.sharding="#sdy.sharding<@mesh, [{}, {\"model\"}]>"}
 // HLO_GOLDEN-NEXT: custom-call.3 = (f32[16,64]{1,0}, f32[64,16]{1,0}) custom-call(Arg_0.5, Arg_1.5), custom_call_target="xla.sdy.GlobalToLocalShape", custom_call_has_side_effect=true, frontend_attributes={xla.sdy.in_shardings="#sdy.sharding_per_value<[<@mesh, [{\"model\"}, {}]>, <@mesh, [{}, {\"model\"}]>]>",xla.sdy.manual_axes="#sdy<manual_axes{\"model\"}>"}
-// HLO_GOLDEN-NEXT: get-tuple-element.45 = f32[16,64]{1,0} get-tuple-element(custom-call.3), index=0
-// HLO_GOLDEN-NEXT: get-tuple-element.46 = f32[64,16]{1,0} get-tuple-element(custom-call.3), index=1
-// HLO_GOLDEN-NEXT: call.9 = f32[128,16]{1,0} call(get-tuple-element.45, get-tuple-element.46), to_apply=xla.sdy.manual_computation_body.4, frontend_attributes={inlineable="false"}
+// HLO_GOLDEN-NEXT: get-tuple-element.49 = f32[16,64]{1,0} get-tuple-element(custom-call.3), index=0
+// HLO_GOLDEN-NEXT: get-tuple-element.50 = f32[64,16]{1,0} get-tuple-element(custom-call.3), index=1
+// HLO_GOLDEN-NEXT: call.9 = f32[128,16]{1,0} call(get-tuple-element.49, get-tuple-element.50), to_apply=xla.sdy.manual_computation_body.4, frontend_attributes={inlineable="false"}
 // HLO_GOLDEN-NEXT: custom-call.4 = f32[128,128]{1,0} custom-call(call.9), custom_call_target="xla.sdy.LocalToGlobalShape", custom_call_has_side_effect=true, frontend_attributes={xla.sdy.manual_axes="#sdy<manual_axes{\"model\"}>",xla.sdy.out_shardings="#sdy.sharding_per_value<[<@mesh, [{}, {\"model\"}]>]>"}
 // HLO_GOLDEN-NEXT: custom-call.5 = f32[128,128]{1,0} custom-call(custom-call.4), custom_call_target="xla.sdy.FuncResultSharding", custom_call_has_side_effect=true, frontend_attributes={xla.sdy.sharding="#sdy.sharding_per_value<[<@mesh, [{}, {\"model\"}]>]>"}
-// HLO_GOLDEN-NEXT: tuple.13 = (f32[128,128]{1,0}) tuple(custom-call.5)
-// HLO_GOLDEN-NEXT: ROOT get-tuple-element.47 = f32[128,128]{1,0} get-tuple-element(tuple.13), index=0, sharding={devices=[1,8]<=[8]}
+// HLO_GOLDEN-NEXT: tuple.15 = (f32[128,128]{1,0}) tuple(custom-call.5)
+// HLO_GOLDEN-NEXT: ROOT get-tuple-element.51 = f32[128,128]{1,0} get-tuple-element(tuple.15), index=0, sharding={devices=[1,8]<=[8]}
 // HLO_GOLDEN-NEXT: }
 // END-AUTOGENERATED golden block
 module @jit__lambda attributes {mhlo.num_partitions = 8 : i32, mhlo.num_replicas = 1 : i32} {

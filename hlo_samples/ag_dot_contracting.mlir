@@ -107,26 +107,27 @@
 // BIDI_GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg3, %6, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
 // BIDI_GOLDEN-NEXT: %8 = stablehlo.dot_general %arg2, %7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
 // BIDI_GOLDEN-NEXT: %9 = stablehlo.add %cst, %8 : tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%4) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %11 = stablehlo.add %3, %c_2 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_1 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %13 = stablehlo.multiply %12, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %14 = stablehlo.dynamic_slice %arg3, %13, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %15 = stablehlo.dot_general %4, %14, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %16 = stablehlo.add %9, %15 : tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %17 = stablehlo.add %3, %c_0 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %18 = stablehlo.remainder %17, %c_1 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %19 = stablehlo.multiply %18, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %20 = stablehlo.dynamic_slice %arg3, %19, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %21 = stablehlo.dot_general %5, %20, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %22 = stablehlo.add %16, %21 : tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %23 = stablehlo.add %3, %c : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %24 = stablehlo.remainder %23, %c_1 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %25 = stablehlo.multiply %24, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %26 = stablehlo.dynamic_slice %arg3, %25, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %27 = stablehlo.dot_general %10, %26, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %28 = stablehlo.add %22, %27 : tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: sdy.return %28 : tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %10:2 = stablehlo.optimization_barrier %4, %8 : tensor<16x16xf32>, tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %11 = "stablehlo.collective_permute"(%10#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %12 = stablehlo.add %3, %c_2 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_1 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %14 = stablehlo.multiply %13, %c_4 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %15 = stablehlo.dynamic_slice %arg3, %14, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %16 = stablehlo.dot_general %4, %15, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %17 = stablehlo.add %9, %16 : tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %18 = stablehlo.add %3, %c_0 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_1 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %20 = stablehlo.multiply %19, %c_4 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %21 = stablehlo.dynamic_slice %arg3, %20, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %22 = stablehlo.dot_general %5, %21, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %23 = stablehlo.add %17, %22 : tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %24 = stablehlo.add %3, %c : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %25 = stablehlo.remainder %24, %c_1 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %26 = stablehlo.multiply %25, %c_4 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %27 = stablehlo.dynamic_slice %arg3, %26, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %28 = stablehlo.dot_general %11, %27, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %29 = stablehlo.add %23, %28 : tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: sdy.return %29 : tensor<16x16xf32>
 // BIDI_GOLDEN-NEXT: } : (tensor<32x64xf32>, tensor<64x64xf32>) -> tensor<32x64xf32>
 // BIDI_GOLDEN-NEXT: return %0 : tensor<32x64xf32>
 // BIDI_GOLDEN-NEXT: }
@@ -187,17 +188,18 @@
 // UNROLL2_GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %arg3, %21, %c_6, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
 // UNROLL2_GOLDEN-NEXT: %23 = stablehlo.dot_general %iterArg_4, %22, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
 // UNROLL2_GOLDEN-NEXT: %24 = stablehlo.add %iterArg_5, %23 : tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %25 = "stablehlo.collective_permute"(%16) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %26 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %27 = stablehlo.add %26, %c_10 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %28 = stablehlo.add %3, %27 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_8 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %30 = stablehlo.multiply %29, %c_7 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %31 = stablehlo.dynamic_slice %arg3, %30, %c_6, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.dot_general %16, %31, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %33 = stablehlo.add %24, %32 : tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %34 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: stablehlo.return %34, %25, %33 : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %25:2 = stablehlo.optimization_barrier %16, %23 : tensor<16x16xf32>, tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %26 = "stablehlo.collective_permute"(%25#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %27 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %28 = stablehlo.add %27, %c_10 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.add %3, %28 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %30 = stablehlo.remainder %29, %c_8 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %31 = stablehlo.multiply %30, %c_7 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.dynamic_slice %arg3, %31, %c_6, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %33 = stablehlo.dot_general %16, %32, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %34 = stablehlo.add %24, %33 : tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %35 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: stablehlo.return %35, %26, %34 : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>
 // UNROLL2_GOLDEN-NEXT: }
 // UNROLL2_GOLDEN-NEXT: %10 = stablehlo.add %3, %c_0 : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c : tensor<ui32>
@@ -241,27 +243,29 @@
 // FULL_GOLDEN-NEXT: %6 = stablehlo.dynamic_slice %arg3, %5, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
 // FULL_GOLDEN-NEXT: %7 = stablehlo.dot_general %arg2, %6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
 // FULL_GOLDEN-NEXT: %8 = stablehlo.add %cst, %7 : tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %9 = "stablehlo.collective_permute"(%4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %10 = stablehlo.add %3, %c_2 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c_1 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %12 = stablehlo.multiply %11, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %arg3, %12, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %14 = stablehlo.dot_general %4, %13, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %15 = stablehlo.add %8, %14 : tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %16 = "stablehlo.collective_permute"(%9) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %17 = stablehlo.add %3, %c_0 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %18 = stablehlo.remainder %17, %c_1 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %19 = stablehlo.multiply %18, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %20 = stablehlo.dynamic_slice %arg3, %19, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %21 = stablehlo.dot_general %9, %20, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %22 = stablehlo.add %15, %21 : tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %23 = stablehlo.add %3, %c : tensor<ui32>
-// FULL_GOLDEN-NEXT: %24 = stablehlo.remainder %23, %c_1 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %25 = stablehlo.multiply %24, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %26 = stablehlo.dynamic_slice %arg3, %25, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %27 = stablehlo.dot_general %16, %26, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %28 = stablehlo.add %22, %27 : tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: sdy.return %28 : tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %9:2 = stablehlo.optimization_barrier %4, %7 : tensor<16x16xf32>, tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%9#0) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %11 = stablehlo.add %3, %c_2 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_1 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %13 = stablehlo.multiply %12, %c_4 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %14 = stablehlo.dynamic_slice %arg3, %13, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %15 = stablehlo.dot_general %4, %14, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %16 = stablehlo.add %8, %15 : tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %17:2 = stablehlo.optimization_barrier %10, %15 : tensor<16x16xf32>, tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %18 = "stablehlo.collective_permute"(%17#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %19 = stablehlo.add %3, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_1 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %21 = stablehlo.multiply %20, %c_4 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %arg3, %21, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %23 = stablehlo.dot_general %10, %22, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %24 = stablehlo.add %16, %23 : tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %25 = stablehlo.add %3, %c : tensor<ui32>
+// FULL_GOLDEN-NEXT: %26 = stablehlo.remainder %25, %c_1 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %27 = stablehlo.multiply %26, %c_4 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %28 = stablehlo.dynamic_slice %arg3, %27, %c_3, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %29 = stablehlo.dot_general %18, %28, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %30 = stablehlo.add %24, %29 : tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: sdy.return %30 : tensor<16x16xf32>
 // FULL_GOLDEN-NEXT: } : (tensor<32x64xf32>, tensor<64x64xf32>) -> tensor<32x64xf32>
 // FULL_GOLDEN-NEXT: return %0 : tensor<32x64xf32>
 // FULL_GOLDEN-NEXT: }
@@ -320,17 +324,18 @@
 // STREAMS_GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %arg3, %21, %c_6, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: %23 = func.call @cmatmul_dot_0(%iterArg_4, %22) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: %24 = stablehlo.add %iterArg_5, %23 : tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %25 = "stablehlo.collective_permute"(%16) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %26 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %27 = stablehlo.add %26, %c_10 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %28 = stablehlo.add %3, %27 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_8 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %30 = stablehlo.multiply %29, %c_7 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %31 = stablehlo.dynamic_slice %arg3, %30, %c_6, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %32 = func.call @cmatmul_dot_0(%16, %31) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %33 = stablehlo.add %24, %32 : tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %34 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %34, %25, %33 : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %25:2 = stablehlo.optimization_barrier %16, %23 : tensor<16x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %26 = "stablehlo.collective_permute"(%25#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %27 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %28 = stablehlo.add %27, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %29 = stablehlo.add %3, %28 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %30 = stablehlo.remainder %29, %c_8 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %31 = stablehlo.multiply %30, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %32 = stablehlo.dynamic_slice %arg3, %31, %c_6, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %33 = func.call @cmatmul_dot_0(%16, %32) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %34 = stablehlo.add %24, %33 : tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %35 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %35, %26, %34 : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: }
 // STREAMS_GOLDEN-NEXT: %10 = stablehlo.add %3, %c_0 : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c : tensor<ui32>

@@ -117,41 +117,42 @@
 // BIDI_GOLDEN-NEXT: %13 = stablehlo.dynamic_update_slice %cst, %9, %12, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
 // BIDI_GOLDEN-NEXT: %14 = stablehlo.dynamic_update_slice %cst, %10, %12, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
 // BIDI_GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %cst, %11, %12, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %16 = "stablehlo.collective_permute"(%5) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// BIDI_GOLDEN-NEXT: %17 = stablehlo.add %3, %c_2 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %18 = stablehlo.remainder %17, %c_1 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %19:2 = stablehlo.optimization_barrier %5, %4 : tensor<16x32xf32>, tensor<32x48xf32>
-// BIDI_GOLDEN-NEXT: %20 = stablehlo.dot_general %19#0, %19#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
-// BIDI_GOLDEN-NEXT: %21 = stablehlo.slice %20 [0:16, 0:16] : (tensor<16x48xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %22 = stablehlo.slice %20 [0:16, 16:32] : (tensor<16x48xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %23 = stablehlo.slice %20 [0:16, 32:48] : (tensor<16x48xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %24 = stablehlo.multiply %18, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %25 = stablehlo.dynamic_update_slice %13, %21, %24, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %26 = stablehlo.dynamic_update_slice %14, %22, %24, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %27 = stablehlo.dynamic_update_slice %15, %23, %24, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %28 = stablehlo.add %3, %c_0 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_1 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %30:2 = stablehlo.optimization_barrier %6, %4 : tensor<16x32xf32>, tensor<32x48xf32>
-// BIDI_GOLDEN-NEXT: %31 = stablehlo.dot_general %30#0, %30#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
-// BIDI_GOLDEN-NEXT: %32 = stablehlo.slice %31 [0:16, 0:16] : (tensor<16x48xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %33 = stablehlo.slice %31 [0:16, 16:32] : (tensor<16x48xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %34 = stablehlo.slice %31 [0:16, 32:48] : (tensor<16x48xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %35 = stablehlo.multiply %29, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %36 = stablehlo.dynamic_update_slice %25, %32, %35, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %37 = stablehlo.dynamic_update_slice %26, %33, %35, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %38 = stablehlo.dynamic_update_slice %27, %34, %35, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %39 = stablehlo.add %3, %c : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %40 = stablehlo.remainder %39, %c_1 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %41:2 = stablehlo.optimization_barrier %16, %4 : tensor<16x32xf32>, tensor<32x48xf32>
-// BIDI_GOLDEN-NEXT: %42 = stablehlo.dot_general %41#0, %41#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
-// BIDI_GOLDEN-NEXT: %43 = stablehlo.slice %42 [0:16, 0:16] : (tensor<16x48xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %44 = stablehlo.slice %42 [0:16, 16:32] : (tensor<16x48xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %45 = stablehlo.slice %42 [0:16, 32:48] : (tensor<16x48xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %46 = stablehlo.multiply %40, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %47 = stablehlo.dynamic_update_slice %36, %43, %46, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %48 = stablehlo.dynamic_update_slice %37, %44, %46, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %49 = stablehlo.dynamic_update_slice %38, %45, %46, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: sdy.return %47, %48, %49 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %16:2 = stablehlo.optimization_barrier %5, %8 : tensor<16x32xf32>, tensor<16x48xf32>
+// BIDI_GOLDEN-NEXT: %17 = "stablehlo.collective_permute"(%16#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// BIDI_GOLDEN-NEXT: %18 = stablehlo.add %3, %c_2 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_1 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %20:2 = stablehlo.optimization_barrier %5, %4 : tensor<16x32xf32>, tensor<32x48xf32>
+// BIDI_GOLDEN-NEXT: %21 = stablehlo.dot_general %20#0, %20#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
+// BIDI_GOLDEN-NEXT: %22 = stablehlo.slice %21 [0:16, 0:16] : (tensor<16x48xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %23 = stablehlo.slice %21 [0:16, 16:32] : (tensor<16x48xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %24 = stablehlo.slice %21 [0:16, 32:48] : (tensor<16x48xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %25 = stablehlo.multiply %19, %c_4 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %26 = stablehlo.dynamic_update_slice %13, %22, %25, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %27 = stablehlo.dynamic_update_slice %14, %23, %25, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %28 = stablehlo.dynamic_update_slice %15, %24, %25, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %29 = stablehlo.add %3, %c_0 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %30 = stablehlo.remainder %29, %c_1 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %31:2 = stablehlo.optimization_barrier %6, %4 : tensor<16x32xf32>, tensor<32x48xf32>
+// BIDI_GOLDEN-NEXT: %32 = stablehlo.dot_general %31#0, %31#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
+// BIDI_GOLDEN-NEXT: %33 = stablehlo.slice %32 [0:16, 0:16] : (tensor<16x48xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %34 = stablehlo.slice %32 [0:16, 16:32] : (tensor<16x48xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %35 = stablehlo.slice %32 [0:16, 32:48] : (tensor<16x48xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %36 = stablehlo.multiply %30, %c_4 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %37 = stablehlo.dynamic_update_slice %26, %33, %36, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %38 = stablehlo.dynamic_update_slice %27, %34, %36, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %39 = stablehlo.dynamic_update_slice %28, %35, %36, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %40 = stablehlo.add %3, %c : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %41 = stablehlo.remainder %40, %c_1 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %42:2 = stablehlo.optimization_barrier %17, %4 : tensor<16x32xf32>, tensor<32x48xf32>
+// BIDI_GOLDEN-NEXT: %43 = stablehlo.dot_general %42#0, %42#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
+// BIDI_GOLDEN-NEXT: %44 = stablehlo.slice %43 [0:16, 0:16] : (tensor<16x48xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %45 = stablehlo.slice %43 [0:16, 16:32] : (tensor<16x48xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %46 = stablehlo.slice %43 [0:16, 32:48] : (tensor<16x48xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %47 = stablehlo.multiply %41, %c_4 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %48 = stablehlo.dynamic_update_slice %37, %44, %47, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %49 = stablehlo.dynamic_update_slice %38, %45, %47, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %50 = stablehlo.dynamic_update_slice %39, %46, %47, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: sdy.return %48, %49, %50 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // BIDI_GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<32x64xf32>, tensor<32x64xf32>, tensor<32x64xf32>) -> (tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>)
 // BIDI_GOLDEN-NEXT: return %0#0, %0#1, %0#2 : tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>
 // BIDI_GOLDEN-NEXT: }
@@ -225,22 +226,23 @@
 // UNROLL2_GOLDEN-NEXT: %38 = stablehlo.dynamic_update_slice %iterArg_5, %34, %37, %c_8 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
 // UNROLL2_GOLDEN-NEXT: %39 = stablehlo.dynamic_update_slice %iterArg_6, %35, %37, %c_8 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
 // UNROLL2_GOLDEN-NEXT: %40 = stablehlo.dynamic_update_slice %iterArg_7, %36, %37, %c_8 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %41 = "stablehlo.collective_permute"(%27) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// UNROLL2_GOLDEN-NEXT: %42 = stablehlo.multiply %iterArg, %c_12 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %43 = stablehlo.add %42, %c_12 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %44 = stablehlo.add %3, %43 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %45 = stablehlo.remainder %44, %c_10 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %46:2 = stablehlo.optimization_barrier %27, %4 : tensor<16x32xf32>, tensor<32x48xf32>
-// UNROLL2_GOLDEN-NEXT: %47 = stablehlo.dot_general %46#0, %46#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
-// UNROLL2_GOLDEN-NEXT: %48 = stablehlo.slice %47 [0:16, 0:16] : (tensor<16x48xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %49 = stablehlo.slice %47 [0:16, 16:32] : (tensor<16x48xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %50 = stablehlo.slice %47 [0:16, 32:48] : (tensor<16x48xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %51 = stablehlo.multiply %45, %c_9 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %52 = stablehlo.dynamic_update_slice %38, %48, %51, %c_8 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %53 = stablehlo.dynamic_update_slice %39, %49, %51, %c_8 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %54 = stablehlo.dynamic_update_slice %40, %50, %51, %c_8 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %55 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: stablehlo.return %55, %41, %52, %53, %54 : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %41:2 = stablehlo.optimization_barrier %27, %33 : tensor<16x32xf32>, tensor<16x48xf32>
+// UNROLL2_GOLDEN-NEXT: %42 = "stablehlo.collective_permute"(%41#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// UNROLL2_GOLDEN-NEXT: %43 = stablehlo.multiply %iterArg, %c_12 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %44 = stablehlo.add %43, %c_12 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %45 = stablehlo.add %3, %44 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %46 = stablehlo.remainder %45, %c_10 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %47:2 = stablehlo.optimization_barrier %27, %4 : tensor<16x32xf32>, tensor<32x48xf32>
+// UNROLL2_GOLDEN-NEXT: %48 = stablehlo.dot_general %47#0, %47#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
+// UNROLL2_GOLDEN-NEXT: %49 = stablehlo.slice %48 [0:16, 0:16] : (tensor<16x48xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %50 = stablehlo.slice %48 [0:16, 16:32] : (tensor<16x48xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %51 = stablehlo.slice %48 [0:16, 32:48] : (tensor<16x48xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %52 = stablehlo.multiply %46, %c_9 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %53 = stablehlo.dynamic_update_slice %38, %49, %52, %c_8 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %54 = stablehlo.dynamic_update_slice %39, %50, %52, %c_8 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %55 = stablehlo.dynamic_update_slice %40, %51, %52, %c_8 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %56 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: stablehlo.return %56, %42, %53, %54, %55 : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // UNROLL2_GOLDEN-NEXT: }
 // UNROLL2_GOLDEN-NEXT: %16 = stablehlo.add %3, %c_0 : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %17 = stablehlo.remainder %16, %c : tensor<ui32>
@@ -295,42 +297,44 @@
 // FULL_GOLDEN-NEXT: %12 = stablehlo.dynamic_update_slice %cst, %8, %11, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
 // FULL_GOLDEN-NEXT: %13 = stablehlo.dynamic_update_slice %cst, %9, %11, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
 // FULL_GOLDEN-NEXT: %14 = stablehlo.dynamic_update_slice %cst, %10, %11, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %15 = "stablehlo.collective_permute"(%5) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// FULL_GOLDEN-NEXT: %16 = stablehlo.add %3, %c_2 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %17 = stablehlo.remainder %16, %c_1 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %18:2 = stablehlo.optimization_barrier %5, %4 : tensor<16x32xf32>, tensor<32x48xf32>
-// FULL_GOLDEN-NEXT: %19 = stablehlo.dot_general %18#0, %18#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
-// FULL_GOLDEN-NEXT: %20 = stablehlo.slice %19 [0:16, 0:16] : (tensor<16x48xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %21 = stablehlo.slice %19 [0:16, 16:32] : (tensor<16x48xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %22 = stablehlo.slice %19 [0:16, 32:48] : (tensor<16x48xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %23 = stablehlo.multiply %17, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %24 = stablehlo.dynamic_update_slice %12, %20, %23, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %25 = stablehlo.dynamic_update_slice %13, %21, %23, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %26 = stablehlo.dynamic_update_slice %14, %22, %23, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %27 = "stablehlo.collective_permute"(%15) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// FULL_GOLDEN-NEXT: %28 = stablehlo.add %3, %c_0 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_1 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %30:2 = stablehlo.optimization_barrier %15, %4 : tensor<16x32xf32>, tensor<32x48xf32>
-// FULL_GOLDEN-NEXT: %31 = stablehlo.dot_general %30#0, %30#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
-// FULL_GOLDEN-NEXT: %32 = stablehlo.slice %31 [0:16, 0:16] : (tensor<16x48xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %33 = stablehlo.slice %31 [0:16, 16:32] : (tensor<16x48xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %34 = stablehlo.slice %31 [0:16, 32:48] : (tensor<16x48xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %35 = stablehlo.multiply %29, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %36 = stablehlo.dynamic_update_slice %24, %32, %35, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %37 = stablehlo.dynamic_update_slice %25, %33, %35, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %38 = stablehlo.dynamic_update_slice %26, %34, %35, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %39 = stablehlo.add %3, %c : tensor<ui32>
-// FULL_GOLDEN-NEXT: %40 = stablehlo.remainder %39, %c_1 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %41:2 = stablehlo.optimization_barrier %27, %4 : tensor<16x32xf32>, tensor<32x48xf32>
-// FULL_GOLDEN-NEXT: %42 = stablehlo.dot_general %41#0, %41#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
-// FULL_GOLDEN-NEXT: %43 = stablehlo.slice %42 [0:16, 0:16] : (tensor<16x48xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %44 = stablehlo.slice %42 [0:16, 16:32] : (tensor<16x48xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %45 = stablehlo.slice %42 [0:16, 32:48] : (tensor<16x48xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %46 = stablehlo.multiply %40, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %47 = stablehlo.dynamic_update_slice %36, %43, %46, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %48 = stablehlo.dynamic_update_slice %37, %44, %46, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %49 = stablehlo.dynamic_update_slice %38, %45, %46, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: sdy.return %47, %48, %49 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %15:2 = stablehlo.optimization_barrier %5, %7 : tensor<16x32xf32>, tensor<16x48xf32>
+// FULL_GOLDEN-NEXT: %16 = "stablehlo.collective_permute"(%15#0) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// FULL_GOLDEN-NEXT: %17 = stablehlo.add %3, %c_2 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %18 = stablehlo.remainder %17, %c_1 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %19:2 = stablehlo.optimization_barrier %5, %4 : tensor<16x32xf32>, tensor<32x48xf32>
+// FULL_GOLDEN-NEXT: %20 = stablehlo.dot_general %19#0, %19#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
+// FULL_GOLDEN-NEXT: %21 = stablehlo.slice %20 [0:16, 0:16] : (tensor<16x48xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %22 = stablehlo.slice %20 [0:16, 16:32] : (tensor<16x48xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %23 = stablehlo.slice %20 [0:16, 32:48] : (tensor<16x48xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %24 = stablehlo.multiply %18, %c_4 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %25 = stablehlo.dynamic_update_slice %12, %21, %24, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %26 = stablehlo.dynamic_update_slice %13, %22, %24, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %27 = stablehlo.dynamic_update_slice %14, %23, %24, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %28:2 = stablehlo.optimization_barrier %16, %20 : tensor<16x32xf32>, tensor<16x48xf32>
+// FULL_GOLDEN-NEXT: %29 = "stablehlo.collective_permute"(%28#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// FULL_GOLDEN-NEXT: %30 = stablehlo.add %3, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %31 = stablehlo.remainder %30, %c_1 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %32:2 = stablehlo.optimization_barrier %16, %4 : tensor<16x32xf32>, tensor<32x48xf32>
+// FULL_GOLDEN-NEXT: %33 = stablehlo.dot_general %32#0, %32#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
+// FULL_GOLDEN-NEXT: %34 = stablehlo.slice %33 [0:16, 0:16] : (tensor<16x48xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %35 = stablehlo.slice %33 [0:16, 16:32] : (tensor<16x48xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %36 = stablehlo.slice %33 [0:16, 32:48] : (tensor<16x48xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %37 = stablehlo.multiply %31, %c_4 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %38 = stablehlo.dynamic_update_slice %25, %34, %37, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %39 = stablehlo.dynamic_update_slice %26, %35, %37, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %40 = stablehlo.dynamic_update_slice %27, %36, %37, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %41 = stablehlo.add %3, %c : tensor<ui32>
+// FULL_GOLDEN-NEXT: %42 = stablehlo.remainder %41, %c_1 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %43:2 = stablehlo.optimization_barrier %29, %4 : tensor<16x32xf32>, tensor<32x48xf32>
+// FULL_GOLDEN-NEXT: %44 = stablehlo.dot_general %43#0, %43#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
+// FULL_GOLDEN-NEXT: %45 = stablehlo.slice %44 [0:16, 0:16] : (tensor<16x48xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %46 = stablehlo.slice %44 [0:16, 16:32] : (tensor<16x48xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %47 = stablehlo.slice %44 [0:16, 32:48] : (tensor<16x48xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %48 = stablehlo.multiply %42, %c_4 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %49 = stablehlo.dynamic_update_slice %38, %45, %48, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %50 = stablehlo.dynamic_update_slice %39, %46, %48, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %51 = stablehlo.dynamic_update_slice %40, %47, %48, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: sdy.return %49, %50, %51 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // FULL_GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<32x64xf32>, tensor<32x64xf32>, tensor<32x64xf32>) -> (tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>)
 // FULL_GOLDEN-NEXT: return %0#0, %0#1, %0#2 : tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>
 // FULL_GOLDEN-NEXT: }
@@ -400,22 +404,23 @@
 // STREAMS_GOLDEN-NEXT: %38 = stablehlo.dynamic_update_slice %iterArg_5, %34, %37, %c_8 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
 // STREAMS_GOLDEN-NEXT: %39 = stablehlo.dynamic_update_slice %iterArg_6, %35, %37, %c_8 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
 // STREAMS_GOLDEN-NEXT: %40 = stablehlo.dynamic_update_slice %iterArg_7, %36, %37, %c_8 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %41 = "stablehlo.collective_permute"(%27) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// STREAMS_GOLDEN-NEXT: %42 = stablehlo.multiply %iterArg, %c_12 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %43 = stablehlo.add %42, %c_12 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %44 = stablehlo.add %3, %43 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %45 = stablehlo.remainder %44, %c_10 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %46:2 = stablehlo.optimization_barrier %27, %4 : tensor<16x32xf32>, tensor<32x48xf32>
-// STREAMS_GOLDEN-NEXT: %47 = func.call @cmatmul_dot_0(%46#0, %46#1) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
-// STREAMS_GOLDEN-NEXT: %48 = stablehlo.slice %47 [0:16, 0:16] : (tensor<16x48xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %49 = stablehlo.slice %47 [0:16, 16:32] : (tensor<16x48xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %50 = stablehlo.slice %47 [0:16, 32:48] : (tensor<16x48xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %51 = stablehlo.multiply %45, %c_9 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %52 = stablehlo.dynamic_update_slice %38, %48, %51, %c_8 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %53 = stablehlo.dynamic_update_slice %39, %49, %51, %c_8 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %54 = stablehlo.dynamic_update_slice %40, %50, %51, %c_8 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %55 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %55, %41, %52, %53, %54 : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %41:2 = stablehlo.optimization_barrier %27, %33 : tensor<16x32xf32>, tensor<16x48xf32>
+// STREAMS_GOLDEN-NEXT: %42 = "stablehlo.collective_permute"(%41#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// STREAMS_GOLDEN-NEXT: %43 = stablehlo.multiply %iterArg, %c_12 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %44 = stablehlo.add %43, %c_12 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %45 = stablehlo.add %3, %44 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %46 = stablehlo.remainder %45, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %47:2 = stablehlo.optimization_barrier %27, %4 : tensor<16x32xf32>, tensor<32x48xf32>
+// STREAMS_GOLDEN-NEXT: %48 = func.call @cmatmul_dot_0(%47#0, %47#1) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
+// STREAMS_GOLDEN-NEXT: %49 = stablehlo.slice %48 [0:16, 0:16] : (tensor<16x48xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %50 = stablehlo.slice %48 [0:16, 16:32] : (tensor<16x48xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %51 = stablehlo.slice %48 [0:16, 32:48] : (tensor<16x48xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %52 = stablehlo.multiply %46, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %53 = stablehlo.dynamic_update_slice %38, %49, %52, %c_8 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %54 = stablehlo.dynamic_update_slice %39, %50, %52, %c_8 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %55 = stablehlo.dynamic_update_slice %40, %51, %52, %c_8 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %56 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %56, %42, %53, %54, %55 : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // STREAMS_GOLDEN-NEXT: }
 // STREAMS_GOLDEN-NEXT: %16 = stablehlo.add %3, %c_0 : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %17 = stablehlo.remainder %16, %c : tensor<ui32>

@@ -525,17 +525,18 @@
 // STREAMS_GOLDEN-NEXT: %52 = func.call @cmatmul_dot_0(%51#0, %51#1) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
 // STREAMS_GOLDEN-NEXT: %53 = stablehlo.multiply %50, %c_13 : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %54 = stablehlo.dynamic_update_slice %iterArg_11, %52, %c_12, %53, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %55 = "stablehlo.collective_permute"(%46) <{channel_handle = #stablehlo.channel_handle<handle = 13, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %56 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %57 = stablehlo.add %56, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %58 = stablehlo.add %5, %57 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %59 = stablehlo.remainder %58, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %60:2 = stablehlo.optimization_barrier %46, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %61 = func.call @cmatmul_dot_0(%60#0, %60#1) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %62 = stablehlo.multiply %59, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %63 = stablehlo.dynamic_update_slice %54, %61, %c_12, %62, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %64 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %64, %55, %63 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %55:2 = stablehlo.optimization_barrier %46, %52 : tensor<2x8x16xf32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %56 = "stablehlo.collective_permute"(%55#0) <{channel_handle = #stablehlo.channel_handle<handle = 13, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %57 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %58 = stablehlo.add %57, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %59 = stablehlo.add %5, %58 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %60 = stablehlo.remainder %59, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %61:2 = stablehlo.optimization_barrier %46, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %62 = func.call @cmatmul_dot_0(%61#0, %61#1) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %63 = stablehlo.multiply %60, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %64 = stablehlo.dynamic_update_slice %54, %62, %c_12, %63, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %65 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %65, %56, %64 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: }
 // STREAMS_GOLDEN-NEXT: %12 = stablehlo.add %5, %c : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_3 : tensor<ui32>
@@ -647,17 +648,18 @@
 // STREAMS_GOLDEN-NEXT: %52 = func.call @cmatmul_dot_0(%51#0, %51#1) {mhlo.frontend_attributes = {_scheduling_group_id = "7", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
 // STREAMS_GOLDEN-NEXT: %53 = stablehlo.multiply %50, %c_13 : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %54 = stablehlo.dynamic_update_slice %iterArg_11, %52, %c_12, %53, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %55 = "stablehlo.collective_permute"(%46) <{channel_handle = #stablehlo.channel_handle<handle = 16, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "8"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %56 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %57 = stablehlo.add %56, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %58 = stablehlo.add %5, %57 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %59 = stablehlo.remainder %58, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %60:2 = stablehlo.optimization_barrier %46, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %61 = func.call @cmatmul_dot_0(%60#0, %60#1) {mhlo.frontend_attributes = {_scheduling_group_id = "8", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %62 = stablehlo.multiply %59, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %63 = stablehlo.dynamic_update_slice %54, %61, %c_12, %62, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %64 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %64, %55, %63 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %55:2 = stablehlo.optimization_barrier %46, %52 : tensor<2x8x16xf32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %56 = "stablehlo.collective_permute"(%55#0) <{channel_handle = #stablehlo.channel_handle<handle = 16, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "8"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %57 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %58 = stablehlo.add %57, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %59 = stablehlo.add %5, %58 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %60 = stablehlo.remainder %59, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %61:2 = stablehlo.optimization_barrier %46, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %62 = func.call @cmatmul_dot_0(%61#0, %61#1) {mhlo.frontend_attributes = {_scheduling_group_id = "8", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %63 = stablehlo.multiply %60, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %64 = stablehlo.dynamic_update_slice %54, %62, %c_12, %63, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %65 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %65, %56, %64 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: }
 // STREAMS_GOLDEN-NEXT: %12 = stablehlo.add %5, %c : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_3 : tensor<ui32>
@@ -769,17 +771,18 @@
 // STREAMS_GOLDEN-NEXT: %52 = func.call @cmatmul_dot_0(%51#0, %51#1) {mhlo.frontend_attributes = {_scheduling_group_id = "13", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
 // STREAMS_GOLDEN-NEXT: %53 = stablehlo.multiply %50, %c_13 : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %54 = stablehlo.dynamic_update_slice %iterArg_11, %52, %c_12, %53, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %55 = "stablehlo.collective_permute"(%46) <{channel_handle = #stablehlo.channel_handle<handle = 19, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "14"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %56 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %57 = stablehlo.add %56, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %58 = stablehlo.add %5, %57 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %59 = stablehlo.remainder %58, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %60:2 = stablehlo.optimization_barrier %46, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %61 = func.call @cmatmul_dot_0(%60#0, %60#1) {mhlo.frontend_attributes = {_scheduling_group_id = "14", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %62 = stablehlo.multiply %59, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %63 = stablehlo.dynamic_update_slice %54, %61, %c_12, %62, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %64 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %64, %55, %63 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %55:2 = stablehlo.optimization_barrier %46, %52 : tensor<2x8x16xf32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %56 = "stablehlo.collective_permute"(%55#0) <{channel_handle = #stablehlo.channel_handle<handle = 19, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "14"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %57 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %58 = stablehlo.add %57, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %59 = stablehlo.add %5, %58 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %60 = stablehlo.remainder %59, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %61:2 = stablehlo.optimization_barrier %46, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %62 = func.call @cmatmul_dot_0(%61#0, %61#1) {mhlo.frontend_attributes = {_scheduling_group_id = "14", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %63 = stablehlo.multiply %60, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %64 = stablehlo.dynamic_update_slice %54, %62, %c_12, %63, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %65 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %65, %56, %64 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: }
 // STREAMS_GOLDEN-NEXT: %12 = stablehlo.add %5, %c : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_3 : tensor<ui32>

@@ -293,6 +293,23 @@ def test_rounds_sharing_a_block_read_their_operands_through_a_barrier(kind, vari
     assert not ops_named(rewrite(kind, 4, "uni").module, "stablehlo.optimization_barrier")
 
 
+@pytest.mark.parametrize("variant, tied", [("uni", 0), ("unroll2", 1), ("full", 2)])
+@pytest.mark.parametrize("kind", ["ag_free", "ag_contracting", "merged"])
+def test_a_gather_round_sends_after_the_previous_rounds_dot(kind, variant, tied):
+    """In a block of several rounds, each round's permute reads the shard through a barrier with
+    a dot of the round before (ring of 4: rounds 0-2 send; unroll2 has round 0 before the loop
+    and rounds 1-2 in it; full has all of them in one block), so XLA cannot start a transfer
+    during the previous round's dot (an H100 compile did, leaving the previous transfer exposed)."""
+    module = rewrite(kind, 4, variant).module
+    after_dot = 0
+    for permute in ops_named(module, "stablehlo.collective_permute"):
+        source = permute.operation.operands[0].owner
+        if getattr(source, "name", None) == "stablehlo.optimization_barrier":  # not a block argument
+            assert source.operands[1].owner.name == "stablehlo.dot_general"
+            after_dot += 1
+    assert after_dot == tied
+
+
 def test_options_reject_other_unroll_factors():
     with pytest.raises(ValueError, match="unroll"):
         cmatmul_pass.Options(unroll=3)

@@ -28,6 +28,13 @@ stops sending as soon as its last shard has arrived: ⌈(n-1)/2⌉ permute round
 n-1 permutes in all.  Unrolling and straight-line emission come from
 :mod:`.schedule`.
 
+Dots that differ only in their other operand, along its one free dim (q/k/v, gate and
+up), are one dot per round on those operands concatenated before the ring
+(:class:`_DotGroup`).  Where a block holds several rounds (unrolled, straight-line,
+bidirectional), each round's dot reads its operands through an optimization barrier and
+each round sends its shard through one with the previous round's dot (``tie_rounds``):
+XLA neither merges the rounds' dots nor starts a transfer during the previous round's dot.
+
 ``%full`` is built only when some op other than the loop's dots still reads the
 gathered value (it then reads ``%full``).  Contracting partials of bf16/f16 dots are
 summed in f32 and converted once at the end.  Compute ops carry their dot's location,
@@ -224,15 +231,23 @@ def rewrite_all_gather_dot(site: AllGatherSite, ctx: RewriteContext) -> Applied:
             new.append(comm.dynamic_update_slice(state[-1], held, dim, comm.scaled(k, shard_rows)))
         return new
 
+    previous: dict = {}  # the block of the round emitted last, and one of its dots
+
     def round_fn(rnd: Round, carried: list[ir.Value]) -> list[ir.Value]:
         held, state = carried[: len(streams)], carried[len(streams) :]
         received = list(held)
         permutes: list = [None] * len(streams)
         dots: list[list] = [[] for _ in streams]
+        block = ir.InsertionPoint.current.block
+        # in a block of several rounds, a round's transfer starts after the previous round's dot:
+        # else XLA's scheduler may start it during that dot, leaving the previous transfer with
+        # no dot of its own (an H100 compile left the first permute of each gate/up trip exposed)
+        after = previous["dot"] if tie and previous and previous["block"] == block else None
         for i, (stream, (_, sends)) in enumerate(zip(streams, rnd.signature)):
             if sends:
                 channels.append(ctx.take_channel())
-                received[i] = comm.collective_permute(held[i], pairs[i], channels[-1])
+                sent = comm.tied([held[i], after])[0] if after is not None else held[i]
+                received[i] = comm.collective_permute(sent, pairs[i], channels[-1])
                 permutes[i] = received[i].owner
         for i, (stream, (computes, _)) in enumerate(zip(streams, rnd.signature)):
             if computes:
@@ -240,6 +255,8 @@ def rewrite_all_gather_dot(site: AllGatherSite, ctx: RewriteContext) -> Applied:
                 state = compute(held[i], k, state, 1 + rnd.slot * len(streams) + i, dots[i])
         for permute, group in zip(permutes, dots):
             ctx.annotator.group(permute, group)
+        emitted = [op for group in dots for op in group]
+        previous.update(block=block, dot=emitted[0].result if emitted else None)
         return received + state
 
     stats = ScheduleStats()
