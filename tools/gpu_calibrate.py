@@ -43,7 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from cmatmul_pass import cost  # noqa: E402
-from cmatmul_pass.execute import median_seconds  # noqa: E402
+from cmatmul_pass.execute import interleaved_medians, median_seconds  # noqa: E402
 from tools.bench import write_results  # noqa: E402
 
 #: (tokens = sequence x batch, hidden, ffn) of the MLP blocks the README's sanity table uses
@@ -117,7 +117,8 @@ def ring_programs(n: int, device):
     ring's data flow (the received shard is a fresh buffer the next round reads, which decides
     XLA's copies), and a real asynchronous transfer of a shard runs each round, here a local one.
     ``uni``: one round per trip, ``unroll2``: two, each round's operands tied through an
-    optimization barrier as the pass ties them.  The shard never changes (it is sent to
+    optimization barrier and the second round's send tied to the first round's dot, as the
+    pass ties them.  The shard never changes (it is sent to
     itself), so every block of the result is ``x_shard @ w``; that is what they are checked
     against.  Returns {name: fn(x_shard, w)} and the reference."""
     from jax.sharding import Mesh, PartitionSpec as P
@@ -127,10 +128,13 @@ def ring_programs(n: int, device):
     def send(held):  # one permute of the shard, to the device itself
         return jax.lax.ppermute(held, "ring", [(0, 0)])
 
-    def place(out, held, w, i, rows, tie):
+    def product(held, w, tie):
         if tie:
             held, w = jax.lax.optimization_barrier((held, w))
-        return jax.lax.dynamic_update_slice_in_dim(out, held @ w, i * rows, 0)
+        return held @ w
+
+    def place(out, held, w, i, rows, tie):
+        return jax.lax.dynamic_update_slice_in_dim(out, product(held, w, tie), i * rows, 0)
 
     def ring(per_trip: int):
         def body(held, w):
@@ -143,9 +147,13 @@ def ring_programs(n: int, device):
 
             def trip(t, carry):
                 held, out = carry
+                previous = None
                 for j in range(per_trip):
-                    nxt = send(held)
-                    out = place(out, held, w, first + t * per_trip + j, rows, per_trip > 1)
+                    # as the pass ties them: a round sends after the previous round's dot
+                    sent = held if previous is None else jax.lax.optimization_barrier((held, previous))[0]
+                    nxt = send(sent)
+                    previous = product(held, w, per_trip > 1)
+                    out = jax.lax.dynamic_update_slice_in_dim(out, previous, (first + t * per_trip + j) * rows, 0)
                     held = nxt
                 return held, out
 
@@ -169,17 +177,22 @@ def measure_rings(n: int, shapes, dtype: str, runs: int, device, reps: int = 1) 
     x, w = (jax.device_put(jnp.asarray(rng.standard_normal(s, dtype=np.float32), DTYPES[dtype]), device)
             for s in [(t, k), (k, m)])
     shard = x[: t // n]
-    full = jax.jit(lambda x, w: x @ w)
     expected = np.asarray(reference(shard, w))
     scale = float(np.abs(expected).max()) or 1.0
-    result = {"full_s": median_seconds(batched(full, (x, w), reps), runs) / reps}
+    timed = {"full": batched(jax.jit(lambda x, w: x @ w), (x, w), reps)}
+    errors = {}
     for name, fn in programs.items():
         fn = jax.jit(fn)
-        error = float(np.abs(np.asarray(fn(shard, w).astype(jnp.float32)) - expected).max()) / scale
-        if error > TOLERANCE[dtype]:
-            raise SystemExit(f"{name}: off by {error:.2e} (relative): not timing it")
-        seconds = median_seconds(batched(fn, (shard, w), reps), runs) / reps
-        result[name] = {"seconds": seconds, "efficiency": result["full_s"] / seconds, "max_relative_error": error}
+        errors[name] = float(np.abs(np.asarray(fn(shard, w).astype(jnp.float32)) - expected).max()) / scale
+        if errors[name] > TOLERANCE[dtype]:
+            raise SystemExit(f"{name}: off by {errors[name]:.2e} (relative): not timing it")
+        timed[name] = batched(fn, (shard, w), reps)
+    # in turn, one sample of each per round: the GPU's clock drifts by several % between blocks of runs
+    seconds = {name: t / reps for name, t in interleaved_medians(timed, runs).items()}
+    result = {"full_s": seconds["full"], "timing": "interleaved"}
+    for name in programs:
+        result[name] = {"seconds": seconds[name], "efficiency": seconds["full"] / seconds[name],
+                        "max_relative_error": errors[name]}
     return result
 
 
@@ -280,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
               f"unrolled {1e3 * s['unrolled_s']:.3f} ms (efficiency {s['efficiency_unrolled']:.3f})")
     print("gather ring, permutes to the device itself: "
           + ", ".join(f"{name} {1e3 * r['seconds']:.3f} ms (efficiency {r['efficiency']:.3f})"
-                      for name, r in rings.items() if name != "full_s"))
+                      for name, r in rings.items() if isinstance(r, dict)))
     print(f"loop efficiency {result['loop_efficiency']:.3f} ({'meets' if result['meets_target'] else 'below'} the "
           f"{args.target} target), straight-line {result['split_efficiency']:.3f}, "
           f"{1e6 * result['loop_trip_s']:.1f} µs per loop trip on {result['device']}; "
