@@ -942,12 +942,12 @@ SAMPLES_LIST = [
            ag_transposed, "rewritten 1",
            ["CHECK: stablehlo.while", "CHECK: stablehlo.transpose", "CHECK-NEXT: stablehlo.dot_general"] + gone("all_gather")),
     Sample("ag_dot_qkv", "one gather feeding q, k and v projections: one ring, one dot per step on the "
-           "weights concatenated before it, sliced into q, k and v.",
+           "weights concatenated before it, one accumulator sliced into q, k and v after it.",
            ag_qkv, "rewritten 1",
            ["CHECK: stablehlo.concatenate", "CHECK: } do {", 'CHECK: "stablehlo.collective_permute"',
-            "CHECK: stablehlo.dot_general", "CHECK-NOT: stablehlo.dot_general", "CHECK: stablehlo.slice",
-            "CHECK: stablehlo.slice", "CHECK: stablehlo.slice", "CHECK-NOT: stablehlo.dot_general",
-            "CHECK: stablehlo.return"]
+            "CHECK: stablehlo.dot_general", "CHECK-NOT: stablehlo.dot_general", "CHECK: stablehlo.return",
+            "CHECK: stablehlo.dot_general", "CHECK: stablehlo.slice", "CHECK: stablehlo.slice",
+            "CHECK: stablehlo.slice"]
            + gone("all_gather"),
            [Variant("BIDI", BIDI, bidi_gather_4_checks(PAIRS_2X4_MODEL, PAIRS_2X4_MODEL_UP)),
             Variant("UNROLL2", UNROLL2, unroll2_checks("all_gather", PAIRS_2X4_MODEL, 1)),

@@ -82,9 +82,6 @@ class _Plan:
         """The dot's operand that is not the gathered value (the same in every round)."""
         return self.c.dot.operation.operands[1 - self.c.operand_index]
 
-    def init(self) -> ir.Value:
-        return self.compute.zeros(self.acc_t)
-
     def accumulate(self, acc: ir.Value, partial: ir.Value, k: ir.Value) -> ir.Value:
         """Add this round's partial dot (of shard ``k``) to the accumulator."""
         c, b = self.c, self.compute
@@ -100,31 +97,34 @@ class _Plan:
 class _DotGroup:
     """Consumers the ring computes with one dot per round: one consumer, or several whose dots
     differ only in their other operand, and there only along its one free dim (q/k/v, gate and
-    up).  Those other operands are concatenated once, before the loop, and each round's dot
-    is sliced per consumer.  XLA's dot merger would merge the dots anyway, but inside the loop,
-    concatenating the same operands again in every round (measured, docs/gpu.md)."""
+    up).  Those other operands are concatenated once, before the loop; each round's dot goes
+    into one accumulator for the group, sliced per consumer after the ring.  XLA's dot merger
+    would merge the dots anyway, but inside the loop, concatenating the same operands again in
+    every round (measured, docs/gpu.md)."""
 
     def __init__(self, plans: list[_Plan], merge_dim: int | None = None, result_dim: int | None = None):
         self.plans = plans
         self.lead = plans[0]
         self.merge_dim = merge_dim  # the other operands' dim that is concatenated (None: one plan)
         self.result_dim = result_dim  # where that dim is in the dot result
-        self.partial_t = self.lead.partial_t
+        self.partial_t, self.acc_t = self.lead.partial_t, self.lead.acc_t
         if merge_dim is not None:
             self.sizes = [ir.RankedTensorType(p.other.type).shape[merge_dim] for p in plans]
             self.partial_t = ir_utils.with_dim(self.partial_t, result_dim, sum(self.sizes))
+            self.acc_t = ir_utils.with_dim(self.acc_t, result_dim, sum(self.sizes))
         self.other: ir.Value | None = None
 
-    def prepare(self) -> None:
-        """Build the (concatenated) other operand, before the ring."""
+    def prepare(self) -> ir.Value:
+        """Build the (concatenated) other operand, before the ring; the accumulator's zeros."""
         others = [p.other for p in self.plans]
         self.other = others[0] if self.merge_dim is None else self.lead.compute.concatenate(others, self.merge_dim)
+        return self.lead.compute.zeros(self.acc_t)
 
-    def partials(self, block: ir.Value, k: ir.Value, stream: int, dots: list, tie: bool) -> list[ir.Value]:
-        """Each plan's partial dot of this round's ``block`` (shard ``k``).  ``tie``: pass a free
-        dot's operands through one optimization barrier per round, so that XLA does not merge
-        the dots of different rounds or directions (they share the other operand), which would
-        make one dot wait for every round's transfer."""
+    def accumulate(self, acc: ir.Value, block: ir.Value, k: ir.Value, stream: int, dots: list, tie: bool) -> ir.Value:
+        """This round's dot of ``block`` (shard ``k``), added to the accumulator.  ``tie``: pass a
+        free dot's operands through one optimization barrier per round, so that XLA does not
+        merge the dots of different rounds or directions (they share the other operand), which
+        would make one dot wait for every round's transfer."""
         c, b = self.lead.c, self.lead.compute
         other = self.other
         if c.role == "contracting":
@@ -136,10 +136,16 @@ class _DotGroup:
         operands[c.operand_index] = block
         partial = self.lead.ctx.annotator.dot(b, c.dot, self.partial_t, operands[0], operands[1], stream)
         dots.append(partial.owner)
+        return self.lead.accumulate(acc, partial, k)  # the same dims, wider along result_dim
+
+    def finish(self, acc: ir.Value) -> list[ir.Value]:
+        """Each plan's result."""
         if self.merge_dim is None:
-            return [partial]
+            return [self.lead.finish(acc)]
+        b = self.lead.compute
         starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
-        return [b.slice(partial, self.result_dim, start, size) for start, size in zip(starts, self.sizes)]
+        return [plan.finish(b.slice(acc, self.result_dim, start, size))
+                for plan, start, size in zip(self.plans, starts, self.sizes)]
 
 
 def _merge_key(plan: _Plan) -> tuple | None:
@@ -206,7 +212,6 @@ def rewrite_all_gather_dot(site: AllGatherSite, ctx: RewriteContext) -> Applied:
     comm = loop_b.at(ag.location)
     plans = [_Plan(c, n, loop_b, ctx) for c in site.consumers]
     groups = _dot_groups(plans, ctx.merge_dots)
-    index = {id(plan): i for i, plan in enumerate(plans)}
     # more than one round or direction computing in one block: keep their dots apart
     tie = ctx.tie_rounds and (len(streams) > 1 or ctx.unroll != 1)
 
@@ -221,12 +226,8 @@ def rewrite_all_gather_dot(site: AllGatherSite, ctx: RewriteContext) -> Applied:
                 value = blocks[node]
             return value
 
-        new = list(state[: len(plans)])
-        for group in groups:
-            partials = group.partials(through(group.lead.c.path), k, stream, dots, tie)
-            for plan, partial in zip(group.plans, partials):
-                i = index[id(plan)]
-                new[i] = plan.accumulate(state[i], partial, k)
+        new = [group.accumulate(acc, through(group.lead.c.path), k, stream, dots, tie)
+               for group, acc in zip(groups, state)]
         if site.assembles:
             new.append(comm.dynamic_update_slice(state[-1], held, dim, comm.scaled(k, shard_rows)))
         return new
@@ -263,16 +264,14 @@ def rewrite_all_gather_dot(site: AllGatherSite, ctx: RewriteContext) -> Applied:
     channels: list[int] = []  # a fresh handle for every permute op emitted
     with ir.InsertionPoint(site.insert_before):
         position = loop_b.position_in_ring(site.ring, site.region)
-        for group in groups:
-            group.prepare()
-        inits = [plan.init() for plan in plans]
+        inits = [group.prepare() for group in groups]
         if site.assembles:
             inits.append(comm.zeros(ir.RankedTensorType(ag.result.type)))
         final = emit_rounds(loop_b, signatures, [shard] * len(streams) + inits, round_fn, ctx.unroll, stats)
         state = final[len(streams) :]
-        results = [plan.finish(acc) for plan, acc in zip(plans, state)]
+        results = [result for group, acc in zip(groups, state) for result in group.finish(acc)]
 
-    for plan, result in zip(plans, results):
+    for plan, result in zip([plan for group in groups for plan in group.plans], results):
         plan.c.dot.result.replace_all_uses_with(result)
         plan.c.dot.operation.erase()
     erase_dead([node.op for node in reversed(site.nodes)])
