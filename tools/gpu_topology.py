@@ -170,14 +170,18 @@ def called_computations(printed: str) -> list[str]:
     return names
 
 
-def queue_id(printed: str) -> str | None:
+def backend_config(printed: str) -> dict:
+    """An instruction's ``backend_config`` JSON ({} when it has none or it is not JSON)."""
     config = _attribute(printed, "backend_config")
-    if not config:
-        return None
     try:
-        return str(json.loads(config).get("operation_queue_id", "")) or None
+        parsed = json.loads(config) if config else {}
     except ValueError:
-        return None
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def queue_id(printed: str) -> str | None:
+    return str(backend_config(printed).get("operation_queue_id", "")) or None
 
 
 def frontend_attribute(printed: str, key: str) -> str | None:
@@ -292,16 +296,11 @@ def loop_copies(reader: ModuleReader) -> dict:
             sizes = [result_bytes(i.to_string()) for i in body.instructions() if opcode_name(i) in ("copy", "copy-done")]
             concatenates += sum(1 for i in body.instructions() if reader.concatenates(i))
             sizes = [b for b in sizes if b > 16]
-            trips = None
-            config = _attribute(printed, "backend_config")
-            try:
-                trips = int(json.loads(config)["known_trip_count"]["n"]) if config else None
-            except (ValueError, KeyError, TypeError):
-                trips = None
+            trips = int(backend_config(printed).get("known_trip_count", {}).get("n", 0))
             copying += bool(sizes)
             copies += len(sizes)
             per_trip += sum(sizes)
-            executed += sum(sizes) * (trips or 0)
+            executed += sum(sizes) * trips
     return {"loops": loops, "loops_copying": copying, "copies": copies, "bytes_per_trip": per_trip,
             "bytes_executed": executed, "concatenates": concatenates}
 

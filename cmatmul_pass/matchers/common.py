@@ -282,16 +282,19 @@ class DotDims:
     ranks: tuple[int, int]
 
     @classmethod
-    def of(cls, dot: ir.OpView, info: ModuleInfo) -> "DotDims":
-        """Declines a dot whose operands are not statically shaped tensors."""
+    def of(cls, dot: ir.OpView, info: ModuleInfo | None = None) -> "DotDims":
+        """Declines a dot whose operands are not statically shaped tensors.  ``info`` caches the
+        numbers per distinct attribute (the matchers read many dots)."""
         attr = dot.attributes["dot_dimension_numbers"]
-        numbers = info.dot_numbers.get(attr)
+        numbers = info.dot_numbers.get(attr) if info is not None else None
         if numbers is None:
             d = hlo.DotDimensionNumbers(attr)
-            numbers = info.dot_numbers[attr] = (
+            numbers = (
                 (tuple(d.lhs_batching_dimensions), tuple(d.rhs_batching_dimensions)),
                 (tuple(d.lhs_contracting_dimensions), tuple(d.rhs_contracting_dimensions)),
             )
+            if info is not None:
+                info.dot_numbers[attr] = numbers
         lhs, rhs = (static_tensor(v, "a dot operand") for v in dot.operation.operands)
         return cls(*numbers, (lhs.rank, rhs.rank))
 

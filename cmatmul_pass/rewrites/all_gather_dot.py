@@ -45,10 +45,11 @@ from __future__ import annotations
 
 
 from .. import ir_utils
-from .._jax_private import hlo, ir
+from .._jax_private import ir
 from ..cost import gather_streams
 from ..layout import LayoutStep
 from ..matchers import AllGatherSite, Consumer
+from ..matchers.common import DotDims
 from .builders import TRANSIENT_MARK_PREFIX, Builder, erase_dead, shard_type
 from .schedule import Applied, RewriteContext, Round, ScheduleStats, emit_rounds, ring_position
 
@@ -148,53 +149,38 @@ class _DotGroup:
                 for plan, start, size in zip(self.plans, starts, self.sizes)]
 
 
-def _merge_key(plan: _Plan) -> tuple | None:
-    """What must be equal for consumers to share one dot (None: this one cannot), and the other
-    operand's free dim that differs."""
+def _merge_key(plan: _Plan) -> tuple[tuple, int, int] | None:
+    """What must be equal for consumers to share one dot, the other operand's one free dim (the
+    one that may differ) and where that dim is in the dot result; None: this dot cannot share."""
     c, dot = plan.c, plan.c.dot
     other_t = ir.RankedTensorType(plan.other.type)
-    numbers = hlo.DotDimensionNumbers(dot.attributes["dot_dimension_numbers"])
+    dims = DotDims.of(dot)
     side = 1 - c.operand_index
-    fixed = set((numbers.lhs_batching_dimensions, numbers.rhs_batching_dimensions)[side])
-    fixed |= set((numbers.lhs_contracting_dimensions, numbers.rhs_contracting_dimensions)[side])
-    free = [d for d in range(other_t.rank) if d not in fixed]
+    free = dims.free(side)
     if len(free) != 1:
         return None
     masked = tuple(-1 if d == free[0] else size for d, size in enumerate(other_t.shape))
     attributes = tuple(sorted((name, str(value)) for name, value in dot.attributes.items()
                               if not name.startswith(TRANSIENT_MARK_PREFIX)))
-    return (c.path, c.operand_index, c.role, c.dim, c.result_dim, c.other_dim, attributes,
-            str(plan.partial_t.element_type), str(other_t.element_type), masked, free[0])
+    key = (c.path, c.operand_index, c.role, c.dim, c.result_dim, c.other_dim, attributes,
+           str(plan.partial_t.element_type), str(other_t.element_type), masked)
+    return key, free[0], dims.free_result_offset(side)
 
 
 def _dot_groups(plans: list[_Plan], merge: bool) -> list[_DotGroup]:
     """The plans grouped by :func:`_merge_key` (in the order of their first consumer)."""
     groups: dict[tuple, list[_Plan]] = {}
-    order: list[list[_Plan]] = []
+    order: list[tuple[list[_Plan], tuple[int, int] | None]] = []  # members, (merge dim, result dim)
     for plan in plans:
-        key = _merge_key(plan) if merge else None
-        if key is None:
-            order.append([plan])
-        elif key in groups:
-            groups[key].append(plan)
+        found = _merge_key(plan) if merge else None
+        if found is None:
+            order.append(([plan], None))
+        elif found[0] in groups:
+            groups[found[0]].append(plan)
         else:
-            groups[key] = [plan]
-            order.append(groups[key])
-    result = []
-    for members in order:
-        if len(members) == 1:
-            result.append(_DotGroup(members))
-            continue
-        lead = members[0]
-        merge_dim = _merge_key(lead)[-1]
-        numbers = hlo.DotDimensionNumbers(lead.c.dot.attributes["dot_dimension_numbers"])
-        # the dot result is [batch..., lhs free..., rhs free...]; the other operand has one free dim
-        result_dim = len(numbers.lhs_batching_dimensions)
-        if lead.c.operand_index == 0:  # the other operand is the rhs: after the lhs's free dims
-            lhs_rank = ir.RankedTensorType(lead.c.dot.operation.operands[0].type).rank
-            result_dim = lhs_rank - len(numbers.lhs_contracting_dimensions)
-        result.append(_DotGroup(members, merge_dim, result_dim))
-    return result
+            groups[found[0]] = [plan]
+            order.append((groups[found[0]], found[1:]))
+    return [_DotGroup(members, *dims) if len(members) > 1 else _DotGroup(members) for members, dims in order]
 
 
 def rewrite_all_gather_dot(site: AllGatherSite, ctx: RewriteContext) -> Applied:
