@@ -128,13 +128,12 @@ def ring_programs(n: int, device):
     def send(held):  # one permute of the shard, to the device itself
         return jax.lax.ppermute(held, "ring", [(0, 0)])
 
-    def product(held, w, tie):
+    def place(out, held, w, i, rows, tie):
+        """``out`` with block ``i`` set to ``held @ w``, and that product."""
         if tie:
             held, w = jax.lax.optimization_barrier((held, w))
-        return held @ w
-
-    def place(out, held, w, i, rows, tie):
-        return jax.lax.dynamic_update_slice_in_dim(out, product(held, w, tie), i * rows, 0)
+        product = held @ w
+        return jax.lax.dynamic_update_slice_in_dim(out, product, i * rows, 0), product
 
     def ring(per_trip: int):
         def body(held, w):
@@ -143,7 +142,7 @@ def ring_programs(n: int, device):
             first = n - 1 - (n - 1) // per_trip * per_trip  # rounds peeled before the loop
 
             for r in range(first):  # the remainder of the loop's rounds, before it
-                held, out = send(held), place(out, held, w, r, rows, per_trip > 1)
+                held, out = send(held), place(out, held, w, r, rows, per_trip > 1)[0]
 
             def trip(t, carry):
                 held, out = carry
@@ -152,13 +151,12 @@ def ring_programs(n: int, device):
                     # as the pass ties them: a round sends after the previous round's dot
                     sent = held if previous is None else jax.lax.optimization_barrier((held, previous))[0]
                     nxt = send(sent)
-                    previous = product(held, w, per_trip > 1)
-                    out = jax.lax.dynamic_update_slice_in_dim(out, previous, (first + t * per_trip + j) * rows, 0)
+                    out, previous = place(out, held, w, first + t * per_trip + j, rows, per_trip > 1)
                     held = nxt
                 return held, out
 
             held, out = jax.lax.fori_loop(0, (n - 1) // per_trip, trip, (held, out))
-            return place(out, held, w, n - 1, rows, per_trip > 1)  # the last round sends nothing
+            return place(out, held, w, n - 1, rows, per_trip > 1)[0]  # the last round sends nothing
 
         return jax.shard_map(body, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)
 
