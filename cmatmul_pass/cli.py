@@ -277,7 +277,8 @@ def cmd_explain(args) -> int:
     if args.plot:
         from . import cost, timeline
 
-        path = timeline.plot(report, cost.hardware(args.hardware), args.plot, bidirectional=args.bidirectional)
+        path = timeline.plot(report, cost.hardware(args.hardware), args.plot, bidirectional=args.bidirectional,
+                             unroll=result.options.rounds_per_trip)
         write_note = f"timeline: {path}"
         print(write_note)
     return 0

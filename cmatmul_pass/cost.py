@@ -10,15 +10,22 @@ ring's dots), the bytes one permute moves, the ring size ``n`` and the element t
 * ``step`` seconds of synchronisation per permute round and ``loop_trip`` seconds per
   trip of a ``stablehlo.while`` (a loop condition on a GPU costs a few µs);
 * ``split_efficiency``: how much of the full dot's throughput the ``1/n``-sized dots of
-  the ring keep (1.0: none lost; ``tools/gpu_calibrate.py`` measures it on a GPU).
+  the ring keep (1.0: none lost; ``tools/gpu_calibrate.py`` measures it on a GPU);
+* ``overlap``, per variant: the fraction of the ring's permutes that XLA's schedule
+  overlaps with a dot (1.0 where not measured; ``tools/gpu_topology.py`` reads it from the
+  optimised module).  An exposed permute makes its round's dots wait for the transfer.
 
 *Serial* (the original program) is ``t_c + (n-1)·t_m + step``: the whole collective, then
-the dots.  *Overlapped* follows the rounds the rewrite emits — the same round structure
-the rewrites build: each round costs ``max(its compute, its transfer) + step`` (just its
-compute when it sends nothing), plus ``loop_trip`` per loop trip.  The ratio is the
-predicted speed-up of the site.  The H100 and H200 profiles' throughput, split efficiency and
-loop-trip cost were measured on one GPU of each (``tools/gpu_calibrate.py``); bandwidths, ``step`` and the other
-profiles are published numbers scaled by achievable fractions (see each profile).
+the dots.  *Overlapped* follows the rounds the rewrite emits (:func:`rounds`: the same
+round structure and the same loop, :func:`loop_run`, as the rewrites build): each round
+costs ``max(its compute, its transfer)`` when its permute is hidden and their sum when it
+is exposed, weighted by the variant's ``overlap``, plus ``step`` when it sends (just its
+compute when it sends nothing), plus ``loop_trip`` per loop trip.  :func:`schedule` lays
+the rounds out in time (the timeline draws it).  The ratio is the predicted speed-up of the
+site.  The H100 and H200 profiles' throughput, split efficiency and loop-trip cost were
+measured on one GPU of each (``tools/gpu_calibrate.py``), their overlap in an H100 compile
+for 8 GPUs (``tools/gpu_topology.py``); bandwidths, ``step`` and the other profiles are
+published numbers scaled by achievable fractions (see each profile).
 """
 
 from __future__ import annotations
@@ -42,29 +49,60 @@ class Hardware:
     #: throughput of the ring's 1/n-sized dots relative to the whole dot's (measured by
     #: tools/gpu_calibrate.py; 1.0 until a profile is calibrated)
     split_efficiency: float = 1.0
+    #: per variant (VARIANTS): the fraction of the ring's permutes the compiler's schedule
+    #: overlaps with a dot (measured by tools/gpu_topology.py); a variant not listed: 1.0
+    overlap: dict[str, float] = field(default_factory=dict)
 
     def throughput(self, dtype: str) -> float:
         return self.flops.get(dtype) or self.flops.get("default") or min(self.flops.values())
 
+    def hidden(self, variant: str) -> float:
+        """The fraction of ``variant``'s permutes whose transfer a dot hides."""
+        return self.overlap.get(variant, 1.0)
+
     def to_dict(self) -> dict:
         return asdict(self)
 
+
+VARIANTS = {
+    "uni": (False, 1),
+    "unroll2": (False, 2),
+    "full": (False, None),
+    "bidi": (True, 1),
+    "bidi-unroll2": (True, 2),
+    "bidi-full": (True, None),
+}
+
+
+def variant_name(bidirectional: bool, unroll: int | None) -> str:
+    for name, value in VARIANTS.items():
+        if value == (bidirectional, unroll):
+            return name
+    raise ValueError((bidirectional, unroll))
+
+
+#: Read from XLA's schedule of the 8B and 70B training steps compiled for 8 H100s
+#: (tools/gpu_topology.py, jax 0.11.2, ring_compiler_options; bench/gpu/h100_topology_8b_final.json,
+#: *_send_after_dot.json): permutes overlapped with a dot, both models pooled.  uni and unroll2
+#: hid every permute (15 and 45 of each model's); bidi-full was not compiled (1.0 assumed).
+H100_OVERLAP = {"full": 202 / 210, "bidi": 98 / 108, "bidi-unroll2": 177 / 196}
 
 PROFILES: dict[str, Hardware] = {
     # Calibrated on an H100 SXM (tools/gpu_calibrate.py, jax 0.11.2, bench/gpu/h100_calibrate_*.json):
     # XLA's bf16 dot at MLP-block shapes 676-679 TFLOP/s (989 peak); the ring's 1/8-sized
     # straight-line dots keep 0.851 of it at 70B-like shapes (0.741 at 8B-like; docs/gpu.md
     # discusses why); a while-loop trip costs 11 µs.  f32/i8/i32 are not measured.
-    # NVLink 4: 450 GB/s per direction.
+    # NVLink 4: 450 GB/s per direction.  Overlap: H100_OVERLAP.
     "h100": Hardware("H100 SXM (NVLink 4)", {"bf16": 676e12, "f16": 676e12, "f32": 400e12, "i8": 1600e12,
                                             "i32": 60e12, "default": 676e12}, 450e9,
-                     loop_trip=11e-6, split_efficiency=0.851),
+                     loop_trip=11e-6, split_efficiency=0.851, overlap=H100_OVERLAP),
     # Calibrated on an H200 the same way (bench/gpu/h200_calibrate_*.json): 686-687 TFLOP/s,
     # split 0.840 at 70B-like shapes (0.725 at 8B-like), 10.3 µs per loop trip: the H100's
     # GH100 die and SM count, so nearly the H100's numbers.  Faster HBM; NVLink 4 as H100.
+    # Overlap: assumed the H100's (the same XLA scheduler; no H200 compile was read).
     "h200": Hardware("H200 (NVLink 4)", {"bf16": 686e12, "f16": 686e12, "f32": 410e12, "i8": 1640e12,
                                         "i32": 60e12, "default": 686e12}, 450e9,
-                     loop_trip=10.3e-6, split_efficiency=0.840),
+                     loop_trip=10.3e-6, split_efficiency=0.840, overlap=H100_OVERLAP),
     # 312 TFLOP/s bf16 peak (~250 achieved); NVLink 3: 300 GB/s per direction.
     "a100": Hardware("A100 SXM (NVLink 3)", {"bf16": 250e12, "f16": 250e12, "f32": 125e12, "i8": 500e12,
                                             "i32": 20e12, "default": 250e12}, 300e9),
@@ -76,7 +114,7 @@ PROFILES: dict[str, Hardware] = {
 
 def hardware(spec: str) -> Hardware:
     """A profile by name, optionally overridden: ``"h100"``,
-    ``"h100:bandwidth=400e9,bf16=700e12,step=8e-6,split_efficiency=0.97"``."""
+    ``"h100:bandwidth=400e9,bf16=700e12,step=8e-6,split_efficiency=0.97,overlap.bidi=0.9"``."""
     name, _, overrides = spec.partition(":")
     if name not in PROFILES:
         raise CmatmulError(f"unknown hardware profile {name!r}; known: {', '.join(sorted(PROFILES))}")
@@ -89,6 +127,14 @@ def hardware(spec: str) -> Hardware:
             number = float(value)
         except ValueError:
             raise CmatmulError(f"hardware override {item!r}: {value!r} is not a number") from None
+        if key.startswith("overlap."):
+            variant = key.removeprefix("overlap.")
+            if variant not in VARIANTS:
+                raise CmatmulError(f"hardware override {item!r}: no variant {variant!r}; known: {', '.join(VARIANTS)}")
+            if not 0 <= number <= 1:
+                raise CmatmulError(f"hardware override {item!r}: an overlap is a fraction from 0 to 1")
+            hw = replace(hw, overlap={**hw.overlap, variant: number})
+            continue
         may_be_zero = key in ("step", "loop_trip")
         if not math.isfinite(number) or number < 0 or (number == 0 and not may_be_zero):
             raise CmatmulError(f"hardware override {item!r}: {key} must be a {'non-negative' if may_be_zero else 'positive'} number")
@@ -129,6 +175,9 @@ class SiteShape:
 class Round:
     compute: float  # the round's dots' fraction of the whole ring's compute
     transfers: tuple[float, ...]  # bytes of each permute in the round (they run in parallel, on different links)
+    #: what the rewrite's round does (rounds with equal signatures can share a loop body):
+    #: gathers, per stream (computes, sends); scatters, whether it receives a partial sum
+    signature: tuple | bool = ()
 
 
 @dataclass(frozen=True)
@@ -157,6 +206,39 @@ def gather_streams(n: int, bidirectional: bool) -> list[GatherStream]:
     return [GatherStream(1, 0, n // 2), GatherStream(-1, 1, (n - 1) // 2)]
 
 
+def gather_signatures(streams: list[GatherStream]) -> list[tuple[tuple[bool, bool], ...]]:
+    """A gather ring's rounds: per stream, whether it computes and whether it sends."""
+    return [tuple((s.computes(r), s.sends(r)) for s in streams) for r in range(streams[0].last + 1)]
+
+
+def scatter_signatures(n: int) -> list[bool]:
+    """A scatter ring's rounds: whether each receives a partial sum (round 0 creates them)."""
+    return [r > 0 for r in range(n)]
+
+
+def loop_run(signatures: list, unroll: int | None) -> tuple[int, int]:
+    """The rounds ``[lo, hi)`` the rewrite loops over, ``unroll`` per trip: the longest run of
+    equal signatures (the first on ties), less the remainder, which goes before the loop;
+    ``(0, 0)`` when there is no loop (straight-line, or fewer than one trip of two rounds)."""
+    if unroll is None or not signatures:
+        return 0, 0
+    best = (0, 0)
+    start = 0
+    for r in range(1, len(signatures) + 1):
+        if r == len(signatures) or signatures[r] != signatures[start]:
+            if r - start > best[1] - best[0]:
+                best = (start, r)
+            start = r
+    lo, hi = best
+    trips = (hi - lo) // unroll
+    if trips < 1 or hi - lo < 2:
+        return 0, 0
+    # The remainder of the run goes before the loop, not after it.  After the loop, the peeled
+    # round's permute is the last transfer of its ring, and XLA GPU's scheduler left it exposed
+    # (measured, docs/gpu.md: 27 of 45 permutes hidden for unroll 2; 32 with the remainder first).
+    return hi - trips * unroll, hi
+
+
 def rounds(shape: SiteShape, bidirectional: bool) -> list[Round]:
     """The rounds the rewrite emits (rewrites/all_gather_dot and dot_reduce_scatter)."""
     n, b = shape.ring, shape.step_bytes
@@ -164,12 +246,53 @@ def rounds(shape: SiteShape, bidirectional: bool) -> list[Round]:
     if shape.kind == "all_gather_dot":
         streams = gather_streams(n, bidirectional)
         return [
-            Round(block * sum(s.computes(r) for s in streams), tuple(b for s in streams if s.sends(r)))
-            for r in range(streams[0].last + 1)
+            Round(block * sum(s.computes(r) for s in streams), tuple(b for s in streams if s.sends(r)), signature)
+            for r, signature in enumerate(gather_signatures(streams))
         ]
     halves = bidirectional and shape.halvable  # a split scatter: each half-block's partial sums travel one way
     sends = (b / 2, b / 2) if halves else (b,)
-    return [Round(block, () if r == 0 else sends) for r in range(n)]
+    return [Round(block, sends if receives else (), receives) for receives in scatter_signatures(n)]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One round laid out in time (seconds from the ring's start): its permutes run from
+    ``start`` for ``transfer``; its dots from ``compute_start`` for ``compute`` (after the
+    expected exposed part of the transfer); the next round starts at ``end`` (synchronisation
+    and, when the round ends a loop trip, the trip's cost included)."""
+
+    start: float
+    transfer: float
+    compute_start: float
+    compute: float
+    end: float
+
+
+def schedule(shape: SiteShape, hw: Hardware, bidirectional: bool, unroll: int | None) -> list[Slot]:
+    """The ring's rounds as the model times them (:func:`overlapped_time` is the last one's end).
+
+    A round whose permute is hidden costs ``max(compute, transfer)``, an exposed one
+    ``compute + transfer``; with the variant's ``overlap`` ``h`` the round costs
+    ``h·max + (1-h)·sum``: its dots start after ``(1-h)`` of the transfer."""
+    t_c = shape.flops / hw.throughput(shape.dtype) / hw.split_efficiency  # the ring's dots are smaller
+    plan = rounds(shape, bidirectional)
+    # the variant actually emitted: a ring of 2, or a scatter that cannot be halved, goes one way
+    both_ways = any(len(rnd.transfers) > 1 for rnd in plan)
+    hidden = hw.hidden(variant_name(both_ways, unroll))
+    lo, hi = loop_run([rnd.signature for rnd in plan], unroll)
+    per_trip = unroll or 1
+    slots: list[Slot] = []
+    now = 0.0
+    for r, rnd in enumerate(plan):
+        transfer = max((bytes_ / hw.bandwidth for bytes_ in rnd.transfers), default=0.0)
+        compute = rnd.compute * t_c
+        length = hidden * max(compute, transfer) + (1 - hidden) * (compute + transfer)
+        overhead = hw.step if rnd.transfers else 0.0
+        if lo <= r < hi and (r - lo) % per_trip == per_trip - 1:  # the last round of a loop trip
+            overhead += hw.loop_trip
+        slots.append(Slot(now, transfer, now + (1 - hidden) * transfer, compute, now + length + overhead))
+        now = slots[-1].end
+    return slots
 
 
 @dataclass
@@ -194,34 +317,15 @@ class Prediction:
         return self.speedup[self.variant]
 
 
-VARIANTS = {
-    "uni": (False, 1),
-    "unroll2": (False, 2),
-    "full": (False, None),
-    "bidi": (True, 1),
-    "bidi-unroll2": (True, 2),
-    "bidi-full": (True, None),
-}
-
-
-def variant_name(bidirectional: bool, unroll: int | None) -> str:
-    for name, value in VARIANTS.items():
-        if value == (bidirectional, unroll):
-            return name
-    raise ValueError((bidirectional, unroll))
-
-
 def overlapped_time(shape: SiteShape, hw: Hardware, bidirectional: bool, unroll: int | None) -> float:
-    t_c = shape.flops / hw.throughput(shape.dtype) / hw.split_efficiency  # the ring's dots are smaller
-    total = 0.0
-    plan = rounds(shape, bidirectional)
-    for rnd in plan:
-        transfer = max((bytes_ / hw.bandwidth for bytes_ in rnd.transfers), default=0.0)
-        compute = rnd.compute * t_c
-        total += max(compute, transfer) + (hw.step if rnd.transfers else 0.0)
-    looped = sum(1 for rnd in plan if rnd.transfers)  # rounds a loop can hold (the uniform ones, roughly)
-    trips = 0 if unroll is None else math.ceil(max(0, looped - 1) / unroll)
-    return total + trips * hw.loop_trip
+    slots = schedule(shape, hw, bidirectional, unroll)
+    return slots[-1].end if slots else 0.0
+
+
+def loop_trips(shape: SiteShape, bidirectional: bool, unroll: int | None) -> int:
+    """The loop trips the rewrite emits for ``shape`` (the report's ``schedule.loop_trips``)."""
+    lo, hi = loop_run([rnd.signature for rnd in rounds(shape, bidirectional)], unroll)
+    return (hi - lo) // (unroll or 1)
 
 
 def predict(shape: SiteShape, hw: Hardware, bidirectional: bool = False, unroll: int | None = 1) -> Prediction:

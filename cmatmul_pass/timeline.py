@@ -17,22 +17,20 @@ from .report import Report
 COMPUTE, COLLECTIVE = "#4C72B0", "#DD8452"
 
 
-def _ring_bars(shape: cost.SiteShape, hw: cost.Hardware, bidirectional: bool):
-    """(compute bars, transfer bars) of the ring as (start, length) in seconds."""
-    t_c = shape.flops / hw.throughput(shape.dtype)
-    compute, transfer, now = [], [], 0.0
-    for rnd in cost.rounds(shape, bidirectional):
-        c = rnd.compute * t_c
-        m = max((b / hw.bandwidth for b in rnd.transfers), default=0.0)
-        compute.append((now, c))
-        if m:
-            transfer.append((now, m))
-        now += max(c, m) + (hw.step if rnd.transfers else 0.0)
+def _ring_bars(shape: cost.SiteShape, hw: cost.Hardware, bidirectional: bool, unroll: int | None):
+    """(compute bars, transfer bars) of the ring as (start, length) in seconds: the cost
+    model's own schedule (:func:`cmatmul_pass.cost.schedule`), so the last bar ends at the
+    predicted time."""
+    slots = cost.schedule(shape, hw, bidirectional, unroll)
+    compute = [(s.compute_start, s.compute) for s in slots]
+    transfer = [(s.start, s.transfer) for s in slots if s.transfer]
     return compute, transfer
 
 
-def plot(report: Report, hw: cost.Hardware, path: str | Path, *, bidirectional: bool = False) -> Path:
-    """Draw every site the cost model sized (``SiteReport.cost``) into a PNG at ``path``."""
+def plot(report: Report, hw: cost.Hardware, path: str | Path, *, bidirectional: bool = False,
+         unroll: int | None = 1) -> Path:
+    """Draw every site the cost model sized (``SiteReport.cost``) into a PNG at ``path``, as
+    the ``bidirectional`` / ``unroll`` variant would run it."""
     try:
         import matplotlib
     except ImportError:
@@ -53,7 +51,7 @@ def plot(report: Report, hw: cost.Hardware, path: str | Path, *, bidirectional: 
             base_comm, base_comp = [(0.0, t_m)], [(t_m + hw.step, t_c)]
         else:
             base_comp, base_comm = [(0.0, t_c)], [(t_c, t_m)]
-        ring_comp, ring_comm = _ring_bars(shape, hw, bidirectional)
+        ring_comp, ring_comm = _ring_bars(shape, hw, bidirectional, unroll)
         lanes = [
             ("original: compute", base_comp, COMPUTE), ("original: collective", base_comm, COLLECTIVE),
             ("ring: compute", ring_comp, COMPUTE), ("ring: permutes", ring_comm, COLLECTIVE),
@@ -65,7 +63,7 @@ def plot(report: Report, hw: cost.Hardware, path: str | Path, *, bidirectional: 
         ax.set_xlabel("µs (predicted)", fontsize=8)
         decision = "rewritten" if site.rewritten else f"left unchanged [{site.reason_code}]"
         ax.set_title(f"{site.location}  {site.kind}, ring {shape.ring}: {decision}", fontsize=9, loc="left")
-    fig.suptitle(f"predicted schedule on {hw.name}", fontsize=10)
+    fig.suptitle(f"predicted schedule on {hw.name}, {cost.variant_name(bidirectional, unroll)}", fontsize=10)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=90)

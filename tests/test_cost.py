@@ -8,7 +8,8 @@ import pytest
 
 import cmatmul_pass
 from cmatmul_pass import cost
-from conftest import run_cli, sample
+from cmatmul_pass.pipeline import variant_options
+from conftest import SAMPLES, run_cli, sample
 
 # 1 TFLOP/s, 1 GB/s links, no synchronisation or loop cost: times are easy to compute by hand
 TOY = cost.Hardware("toy", {"f32": 1e12}, 1e9, step=0.0, loop_trip=0.0)
@@ -73,6 +74,62 @@ def test_split_efficiency_slows_only_the_ring():
         with pytest.raises(cmatmul_pass.CmatmulError, match="must be a positive"):
             cost.hardware(bad)
     assert cost.hardware("h100:step=0").step == 0
+
+
+def test_exposed_permutes_add_their_transfer():
+    """With a variant's ``overlap`` h, a round costs h * max(compute, transfer) + (1 - h) * their sum."""
+    half = replace(TOY, overlap={"uni": 0.5})
+    # compute-bound: 3 sending rounds of 0.5 * 1 + 0.5 * 2 ms, then the last dot, 1 ms
+    p = cost.predict(gather(), half)
+    assert p.overlapped_s["uni"] == pytest.approx(3 * 1.5e-3 + 1e-3)
+    assert p.overlapped_s["unroll2"] == pytest.approx(4e-3)  # a variant not listed hides every permute
+    # comm-bound (4 ms per permute): 3 x (0.5 * 4 + 0.5 * 5) + 1
+    assert cost.predict(gather(step_bytes=4_000_000), half).overlapped_s["uni"] == pytest.approx(3 * 4.5e-3 + 1e-3)
+    # nothing hidden: every round waits for its transfer, as the original waits for the collective
+    none = replace(TOY, overlap={"uni": 0.0})
+    assert cost.predict(gather(), none).overlapped_s["uni"] == pytest.approx(p.serial_s)
+    # the schedule lays it out: each round's dots start after the exposed half of its transfer
+    slots = cost.schedule(gather(), half, False, 1)
+    assert [(s.start, s.compute_start, s.end) for s in slots[:2]] == [
+        pytest.approx((0.0, 0.5e-3, 1.5e-3)), pytest.approx((1.5e-3, 2e-3, 3e-3))]
+    assert slots[-1].transfer == 0 and slots[-1].end == pytest.approx(p.overlapped_s["uni"])
+
+
+def test_loop_trips_are_the_rewrites_and_each_costs_loop_trip():
+    """The model loops over the rounds the rewrite loops over (cost.loop_run is the rewrite's):
+    a ring of 4 gathers in 3 one-round trips (the last round after the loop), or one two-round
+    trip after a remainder round; each trip costs ``loop_trip``."""
+    trip = replace(TOY, loop_trip=1e-3)
+    p = cost.predict(gather(), trip)
+    assert p.overlapped_s["uni"] == pytest.approx(4e-3 + 3e-3)
+    assert p.overlapped_s["unroll2"] == pytest.approx(4e-3 + 1e-3)
+    assert p.overlapped_s["full"] == pytest.approx(4e-3)
+    assert [cost.loop_trips(gather(ring=n), False, 1) for n in (2, 3, 4, 8)] == [0, 2, 3, 7]
+    # (a ring of 2 has one sending round: no loop)
+
+
+def test_the_model_counts_the_trips_the_rewrite_emits():
+    """Every sample's rewritten sites under every variant: the model's loop trips are the report's."""
+    checked = 0
+    for path in SAMPLES:
+        text = path.read_text()
+        for name, (bidirectional, unroll) in cost.VARIANTS.items():
+            for site in cmatmul_pass.rewrite(text, variant_options(name), source=path.name).report.rewritten:
+                shape = cost.SiteShape.from_dict(site.cost["site"])
+                assert cost.loop_trips(shape, bidirectional, unroll) == site.schedule["loop_trips"], (path.name, name)
+                checked += 1
+    assert checked > 100
+
+
+def test_overlap_overrides():
+    hw = cost.hardware("h100:overlap.bidi=0.5,overlap.full=1")
+    assert hw.hidden("bidi") == 0.5 and hw.hidden("full") == 1.0 and hw.hidden("uni") == 1.0
+    assert cost.PROFILES["h100"].hidden("bidi") < 1  # the profile itself is untouched
+    with pytest.raises(cmatmul_pass.CmatmulError, match="no variant 'sideways'"):
+        cost.hardware("h100:overlap.sideways=0.5")
+    with pytest.raises(cmatmul_pass.CmatmulError, match="fraction from 0 to 1"):
+        cost.hardware("h100:overlap.uni=1.5")
+    assert cost.hardware("h100:overlap.uni=0").hidden("uni") == 0.0
 
 
 def test_hardware_profiles_and_overrides():

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from .. import ir_utils
 from .._jax_private import ir
-from ..cost import gather_streams
+from ..cost import gather_signatures, gather_streams
 from ..layout import LayoutStep
 from ..matchers import AllGatherSite, Consumer
 from ..matchers.common import DotDims
@@ -192,7 +192,7 @@ def rewrite_all_gather_dot(site: AllGatherSite, ctx: RewriteContext) -> Applied:
     # stream i's permutes: shift +1 holds pos + r (receives from the next position), -1 the other way
     pairs = [site.ring.shift_pairs(RECEIVE_FROM_NEXT * s.shift) for s in streams]
     rounds = streams[0].last + 1
-    signatures = [tuple((s.computes(r), s.sends(r)) for s in streams) for r in range(rounds)]
+    signatures = gather_signatures(streams)
 
     loop_b = Builder(ir.Location.fused([ag.location] + [c.dot.location for c in site.consumers]), ctx.constants)
     comm = loop_b.at(ag.location)

@@ -34,6 +34,7 @@ unidirectional and the report says why.
 from __future__ import annotations
 
 from .._jax_private import hlo, ir
+from ..cost import scatter_signatures
 from ..matchers import ReduceScatterSite
 from .builders import Builder, erase_dead, shard_type
 from .schedule import Applied, RewriteContext, Round, ScheduleStats, emit_rounds, ring_position
@@ -118,7 +119,7 @@ def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> 
     with ir.InsertionPoint(rs.operation):
         position = loop_b.position_in_ring(site.ring, site.region)
         # round 0 creates the partial sums (it receives nothing), so it is never in the loop
-        signatures = [r > 0 for r in range(n)]
+        signatures = scatter_signatures(n)
         final = emit_rounds(loop_b, signatures, [None] * len(shifts), round_fn, ctx.unroll, stats)
         result = final[0] if len(final) == 1 else hlo.ConcatenateOp(final, site.scatter_dim, loc=rs.location).result
 

@@ -6,7 +6,8 @@ round has nothing to receive, the last has nothing to send, a bidirectional ring
 two directions stop at different rounds), so each rewrite describes every round by a
 hashable *signature* — which streams send, which compute — and :func:`emit_rounds`
 puts the longest run of equal signatures in a ``stablehlo.while`` (``unroll`` rounds
-per trip, the remainder peeled before it) and emits every other round straight-line
+per trip, the remainder peeled before it: :func:`cmatmul_pass.cost.loop_run`, which the
+cost model times) and emits every other round straight-line
 with its round number folded into constants.  ``unroll=None`` emits all rounds
 straight-line (no loop), as XLA's GPU windowed einsum does after partitioning.
 
@@ -24,6 +25,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from .. import ir_utils
+from ..cost import loop_run
 from .._jax_private import func, ir
 from .builders import Builder, counted_loop
 
@@ -58,27 +60,6 @@ class ScheduleStats:
     peeled: int = 0
 
 
-def _loop_run(signatures: Sequence[Hashable], unroll: int | None) -> tuple[int, int]:
-    """The [lo, hi) run of equal signatures to loop over: the longest, first on ties."""
-    if unroll is None or not signatures:
-        return 0, 0
-    best = (0, 0)
-    start = 0
-    for r in range(1, len(signatures) + 1):
-        if r == len(signatures) or signatures[r] != signatures[start]:
-            if r - start > best[1] - best[0]:
-                best = (start, r)
-            start = r
-    lo, hi = best
-    trips = (hi - lo) // unroll
-    if trips < 1 or hi - lo < 2:
-        return 0, 0
-    # The remainder of the run goes before the loop, not after it.  After the loop, the peeled
-    # round's permute is the last transfer of its ring, and XLA GPU's scheduler left it exposed
-    # (measured, docs/gpu.md: 27 of 45 permutes hidden for unroll 2; 32 with the remainder first).
-    return hi - trips * unroll, hi
-
-
 def emit_rounds(
     b: Builder,
     signatures: Sequence[Hashable],
@@ -88,7 +69,7 @@ def emit_rounds(
     stats: ScheduleStats | None = None,
 ) -> list[ir.Value]:
     """Run ``round_fn`` over ``len(signatures)`` rounds, looping over the longest uniform run."""
-    lo, hi = _loop_run(signatures, unroll)
+    lo, hi = loop_run(list(signatures), unroll)
     u = unroll or 1
     for r in range(lo):
         state = round_fn(Round.straight(r, r % 2, signatures[r]), state)
