@@ -42,7 +42,8 @@ def test_overlap_is_read_from_the_schedule():
 
     result = gpu_topology.analyse(hlo_module_from_text(SCHEDULED))
     assert result["collectives"] == {
-        "collective-permute": {"async": 2, "sync": 2, "overlapped": 2, "median_ops_between": 1}}
+        "collective-permute": {"async": 2, "sync": 2, "overlapped": 2, "median_ops_between": 1,
+                               "executed": 4, "overlapped_executed": 2}}
     assert result["async_computations"] == {"stream 1": 1}
     assert result["scheduling_groups"] == 1
 
@@ -94,6 +95,61 @@ def test_loop_copies_count_what_each_trip_copies():
     assert gpu_topology.result_bytes("%c = (f32[2]{0}, u32[]) copy-start(%x)") == 0
 
 
+RING = """
+HloModule ring, is_scheduled=true
+
+%body (p: (u32[], f32[4,4], f32[4,4])) -> (u32[], f32[4,4], f32[4,4]) {
+  %p = (u32[], f32[4,4]{1,0}, f32[4,4]{1,0}) parameter(0)
+  %i = u32[] get-tuple-element(%p), index=0
+  %x = f32[4,4]{1,0} get-tuple-element(%p), index=1
+  %w = f32[4,4]{1,0} get-tuple-element(%p), index=2
+  %one = u32[] constant(1)
+  %next = u32[] add(%i, %one)
+  %send = (f32[4,4]{1,0}, f32[4,4]{1,0}) collective-permute-start(%x), channel_id=1, source_target_pairs={{0,1},{1,0}}
+  %d = f32[4,4]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %sent = f32[4,4]{1,0} collective-permute-done(%send)
+  %acc = f32[4,4]{1,0} add(%d, %sent)
+  ROOT %t = (u32[], f32[4,4]{1,0}, f32[4,4]{1,0}) tuple(%next, %acc, %w)
+}
+
+%cond (p.1: (u32[], f32[4,4], f32[4,4])) -> pred[] {
+  %p.1 = (u32[], f32[4,4]{1,0}, f32[4,4]{1,0}) parameter(0)
+  %i.1 = u32[] get-tuple-element(%p.1), index=0
+  %three = u32[] constant(3)
+  ROOT %lt = pred[] compare(%i.1, %three), direction=LT
+}
+
+ENTRY %main (a: f32[4,4], b: f32[4,4]) -> f32[4,4] {
+  %a = f32[4,4]{1,0} parameter(0)
+  %b = f32[4,4]{1,0} parameter(1)
+  %zero = u32[] constant(0)
+  %init = (u32[], f32[4,4]{1,0}, f32[4,4]{1,0}) tuple(%zero, %a, %b)
+  %loop = (u32[], f32[4,4]{1,0}, f32[4,4]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %out = f32[4,4]{1,0} get-tuple-element(%loop), index=1
+  ROOT %last = f32[4,4]{1,0} collective-permute(%out), channel_id=2, source_target_pairs={{0,1},{1,0}}
+}
+"""
+
+
+def test_overlap_counts_each_trip_and_becomes_the_cost_models():
+    """A hidden permute in a loop of 3 trips and an exposed one after it: 2 permute ops, 1
+    overlapped; 4 executed, 3 overlapped.  The fraction as executed is the profile's overlap."""
+    from cmatmul_pass import cost
+    from cmatmul_pass._jax_private import hlo_module_from_text
+
+    row = gpu_topology.analyse(hlo_module_from_text(RING))
+    permutes = row["collectives"]["collective-permute"]
+    assert (permutes["async"], permutes["sync"], permutes["overlapped"]) == (1, 1, 1)
+    assert (permutes["executed"], permutes["overlapped_executed"]) == (4, 3)
+    fractions = gpu_topology.overlap_fractions({"original": {"collectives": {}}, "uni": row, "uni-streams": row})
+    assert fractions == {"uni": 0.75}
+    override = gpu_topology.hardware_override("h200", fractions)
+    assert override == "h200:overlap.uni=0.750" and cost.hardware(override).hidden("uni") == 0.75
+    # results written before the executed counts: per permute op
+    del permutes["executed"], permutes["overlapped_executed"]
+    assert gpu_topology.overlap_fractions({"bidi": row}) == {"bidi": 0.5}
+
+
 def test_unexpected_attributes_are_dropped_before_parsing():
     """XLA's printer writes attributes its parser rejects (jax 0.11.2: output_to_operand_aliasing
     on all-reduce-start); the reader drops each one the parser names, and nothing else."""
@@ -132,6 +188,9 @@ def test_compiles_the_training_step_and_counts_what_xla_kept(tmp_path):
     permutes = {name: programs[name]["collectives"]["collective-permute"]["sync"] for name in programs if "sites" in programs[name]}
     assert permutes["uni"] == programs["uni"]["while_loops"] == programs["uni"]["rewritten"]
     assert permutes["full"] == programs["full"]["permutes_executed"] and programs["full"]["while_loops"] == 0
+    for name in ("uni", "full"):  # counted once per loop trip, the permutes each device runs are the pass's count
+        assert programs[name]["collectives"]["collective-permute"]["executed"] == programs[name]["permutes_executed"]
+    assert result["overlap"] == {"uni": 0.0, "full": 0.0}  # CPU permutes are synchronous: nothing overlaps
     assert programs["uni-streams"]["scheduling_groups"] == programs["uni-streams"]["rewritten"]
     # XLA CPU's copy insertion copies the shard a one-round trip sends where the permute reads the
     # loop slot itself (here the forward gathers; XLA CPU moves the others' bf16 as f32, and the

@@ -180,6 +180,11 @@ def backend_config(printed: str) -> dict:
     return parsed if isinstance(parsed, dict) else {}
 
 
+def trip_count(printed: str) -> int:
+    """A while loop's trip count as XLA annotated it (``known_trip_count``); 0: not annotated."""
+    return int(backend_config(printed).get("known_trip_count", {}).get("n", 0))
+
+
 def queue_id(printed: str) -> str | None:
     return str(backend_config(printed).get("operation_queue_id", "")) or None
 
@@ -225,6 +230,34 @@ class ModuleReader:
             return False
         return any(opcode_name(i) == "concatenate" for name in called_computations(instruction.to_string())
                    for i in (self.computations[name].instructions() if name in self.computations else ()))
+
+    def runs(self) -> dict[str, int]:
+        """How often each computation runs per run of the module: a while loop's body and
+        condition as often as the loop's caller times its known trip count (once where XLA did
+        not annotate one), any other called computation as often as its caller."""
+        callees: dict[str, list[tuple[str, int]]] = {}
+        called: set[str] = set()
+        for comp in self.computations.values():
+            edges = callees[comp.name] = []
+            for instruction in comp.instructions():
+                printed = instruction.to_string()
+                trips = max(1, trip_count(printed)) if opcode_name(instruction) == "while" else 1
+                loop = {(_attribute(printed, key) or "").lstrip("%") for key in ("body", "condition")}
+                edges += [(name, trips if name in loop else 1) for name in called_computations(printed)]
+                called.update(name for name, _ in edges)
+        runs: dict[str, int] = {}
+
+        def visit(name: str, times: int) -> None:
+            if name not in callees or runs.get(name, 0) >= times:
+                return
+            runs[name] = times
+            for callee, trips in callees[name]:
+                visit(callee, times * trips)
+
+        for name in callees:
+            if name not in called:  # the entry computation (and anything nothing calls)
+                visit(name, 1)
+        return runs
 
     def holds_matmul(self, name: str) -> bool:
         if name not in self._matmul:
@@ -296,7 +329,7 @@ def loop_copies(reader: ModuleReader) -> dict:
             sizes = [result_bytes(i.to_string()) for i in body.instructions() if opcode_name(i) in ("copy", "copy-done")]
             concatenates += sum(1 for i in body.instructions() if reader.concatenates(i))
             sizes = [b for b in sizes if b > 16]
-            trips = int(backend_config(printed).get("known_trip_count", {}).get("n", 0))
+            trips = trip_count(printed)
             copying += bool(sizes)
             copies += len(sizes)
             per_trip += sum(sizes)
@@ -312,8 +345,11 @@ def analyse(module) -> dict:
     collectives left synchronous (XLA turns a pair with nothing between start and done back
     into one op); ``overlapped``, those of either form that run while a matmul does: one
     scheduled between start and done, or one on another stream (an async computation, as
-    ``--annotate-streams`` makes the ring's dots) started before and finished after."""
+    ``--annotate-streams`` makes the ring's dots) started before and finished after;
+    ``executed`` and ``overlapped_executed``: the same counted as often as each runs (a
+    permute in a loop body once per trip, :meth:`ModuleReader.runs`)."""
     reader = ModuleReader(module)
+    runs = reader.runs()
     opcodes: Counter = Counter()
     for comp in reader.computations.values():
         opcodes.update(opcode_name(i) for i in comp.instructions())
@@ -350,7 +386,7 @@ def analyse(module) -> dict:
                         in_flight.add(instruction.name)
                 continue
             entry = {"kind": kind, "async": op.endswith("-start"), "between": 0, "in_flight": set(in_flight),
-                     "overlapped": False}
+                     "overlapped": False, "runs": runs.get(comp.name, 1)}
             if entry["async"]:
                 open_starts[instruction.name] = entry
             else:
@@ -366,6 +402,8 @@ def analyse(module) -> dict:
                 "async": len(pairs), "sync": len(mine) - len(pairs),
                 "overlapped": sum(1 for c in mine if c["overlapped"]),
                 "median_ops_between": statistics.median(pairs) if pairs else None,
+                "executed": sum(c["runs"] for c in mine),
+                "overlapped_executed": sum(c["runs"] for c in mine if c["overlapped"]),
             }
     return {
         "collectives": by_kind,
@@ -457,6 +495,27 @@ def compile_programs(model: str, layers: int, dtype: str, names: list[str], dump
     return results
 
 
+def overlap_fractions(programs: dict) -> dict[str, float]:
+    """Per pass variant among ``programs`` (``cost.VARIANTS`` names; not the A/B programs): the
+    fraction of the permutes each device executes that overlap a dot, the cost model's
+    ``Hardware.overlap``.  Results written before ``executed`` was counted: per permute op."""
+    from cmatmul_pass import cost
+
+    fractions = {}
+    for name, row in programs.items():
+        permutes = row.get("collectives", {}).get("collective-permute")
+        if name in cost.VARIANTS and permutes:
+            total = permutes.get("executed", permutes["async"] + permutes["sync"])
+            if total:
+                fractions[name] = permutes.get("overlapped_executed", permutes["overlapped"]) / total
+    return fractions
+
+
+def hardware_override(profile: str, fractions: dict[str, float]) -> str:
+    """``--hardware`` for the pass: ``profile`` with the measured overlap per variant."""
+    return f"{profile}:" + ",".join(f"overlap.{name}={fraction:.3f}" for name, fraction in fractions.items())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--platform", choices=("gpu", "cpu"), default="gpu")
@@ -472,6 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3,
                         help="compiles per program: the first (cold) and the fastest of the others are reported")
     parser.add_argument("--xla-flags", default="", help="more XLA flags for every compile")
+    parser.add_argument("--profile", default="h100", help="the cost-model profile the printed --hardware overrides")
     parser.add_argument("--out", default=str(ROOT / "bench" / "gpu_topology.json"))
     args = parser.parse_args(argv)
     configure_environment(args.platform, args.devices, args.xla_flags, readme_flags=not args.no_flags)
@@ -492,8 +552,13 @@ def main(argv: list[str] | None = None) -> int:
         "local_devices": jax.local_device_count(), "mock_topology": jax.config.read("jax_mock_gpu_topology") or None,
         "xla_flags": os.environ.get("XLA_FLAGS"), "jax": jax.__version__, "model": args.model,
         "dims": list(MODELS[args.model]), "layers": args.layers, "dtype": args.dtype, "programs": programs,
+        "overlap": overlap_fractions(programs),
     }
     write_results(args.out, result)
+    if result["overlap"]:
+        print("permutes overlapped with a dot, as executed: "
+              + ", ".join(f"{name} {fraction:.3f}" for name, fraction in result["overlap"].items())
+              + f'\n-> --hardware "{hardware_override(args.profile, result["overlap"])}"', flush=True)
     return 0
 
 
