@@ -269,10 +269,16 @@ def cmd_explain(args) -> int:
             c = site.cost
             us = lambda t: f"{t * 1e6:.3g} µs"  # noqa: E731
             best = max(c["speedup"], key=c["speedup"].get)
+
+            def exposed(variant: str) -> str:  # the profile expects some of its permutes exposed
+                hidden = c.get("overlap", {}).get(variant, 1.0)
+                return f", {100 * hidden:.0f} % of permutes hidden" if hidden < 1 else ""
+
             print(
                 f"  predicted on {c['hardware']}: compute {us(c['compute_s'])}, transfer {us(c['transfer_s'])}, "
                 f"serial {us(c['serial_s'])}; {c['variant']} {us(c['overlapped_s'][c['variant']])} "
-                f"({c['speedup'][c['variant']]:.2f}x); best: {best} ({c['speedup'][best]:.2f}x)"
+                f"({c['speedup'][c['variant']]:.2f}x{exposed(c['variant'])}); "
+                f"best: {best} ({c['speedup'][best]:.2f}x{exposed(best)})"
             )
     if args.plot:
         from . import cost, timeline

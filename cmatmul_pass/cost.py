@@ -268,6 +268,13 @@ class Slot:
     end: float
 
 
+def emitted_variant(shape: SiteShape, bidirectional: bool, unroll: int | None) -> str:
+    """The variant the rewrite emits for ``shape``: asked for both directions, a ring of 2 and a
+    scatter whose blocks cannot be halved still go one way."""
+    both_ways = any(len(rnd.transfers) > 1 for rnd in rounds(shape, bidirectional))
+    return variant_name(both_ways, unroll)
+
+
 def schedule(shape: SiteShape, hw: Hardware, bidirectional: bool, unroll: int | None) -> list[Slot]:
     """The ring's rounds as the model times them (:func:`overlapped_time` is the last one's end).
 
@@ -276,9 +283,7 @@ def schedule(shape: SiteShape, hw: Hardware, bidirectional: bool, unroll: int | 
     ``h·max + (1-h)·sum``: its dots start after ``(1-h)`` of the transfer."""
     t_c = shape.flops / hw.throughput(shape.dtype) / hw.split_efficiency  # the ring's dots are smaller
     plan = rounds(shape, bidirectional)
-    # the variant actually emitted: a ring of 2, or a scatter that cannot be halved, goes one way
-    both_ways = any(len(rnd.transfers) > 1 for rnd in plan)
-    hidden = hw.hidden(variant_name(both_ways, unroll))
+    hidden = hw.hidden(emitted_variant(shape, bidirectional, unroll))
     lo, hi = loop_run([rnd.signature for rnd in plan], unroll)
     per_trip = unroll or 1
     slots: list[Slot] = []
@@ -304,12 +309,14 @@ class Prediction:
     overlapped_s: dict[str, float] = field(default_factory=dict)  # per variant
     speedup: dict[str, float] = field(default_factory=dict)
     variant: str = "uni"  # the variant the pass is emitting
+    #: per variant, the share of its permutes the profile expects hidden (Hardware.overlap)
+    overlap: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {
             "hardware": self.hardware, "compute_s": self.compute_s, "transfer_s": self.transfer_s,
             "serial_s": self.serial_s, "overlapped_s": dict(self.overlapped_s), "speedup": dict(self.speedup),
-            "variant": self.variant,
+            "variant": self.variant, "overlap": dict(self.overlap),
         }
 
     @property
@@ -336,6 +343,7 @@ def predict(shape: SiteShape, hw: Hardware, bidirectional: bool = False, unroll:
     for name, (bidi, unr) in VARIANTS.items():
         prediction.overlapped_s[name] = overlapped_time(shape, hw, bidi, unr)
         prediction.speedup[name] = serial / prediction.overlapped_s[name]
+        prediction.overlap[name] = hw.hidden(emitted_variant(shape, bidi, unr))
     return prediction
 
 
