@@ -311,7 +311,7 @@ def cmd_bench(args) -> int:
     """Time the original and each variant's rewrite on the same inputs, in turn (see
     execute.interleaved_medians).  Every variant's outputs are checked against the original's
     before anything is timed: a mismatch exits 1 and nothing is timed."""
-    from . import ir_utils
+    from . import cost, ir_utils
     from .decorator import ring_compiler_options
     from .execute import Program, Reference, interleaved_medians
     from .pipeline import rewrite
@@ -340,7 +340,11 @@ def cmd_bench(args) -> int:
         numerics = reference.check(program)
         rows[name] = {"flags": VARIANT_FLAGS[name], "rewritten": len(result.report.rewritten),
                       "sites": len(result.report.sites), "compiler_options": xla_options,
-                      "numerics": numerics.to_dict()}
+                      "numerics": numerics.to_dict(),
+                      # what the cost model says the rewritten sites save on --hardware, to hold
+                      # against the measured saving (on the hardware the profile describes)
+                      "predicted_saving_s": sum(s.cost["serial_s"] - s.cost["overlapped_s"][name]
+                                                for s in result.report.rewritten if s.cost)}
         if not numerics.ok:
             mismatch = name, numerics
             break
@@ -352,7 +356,9 @@ def cmd_bench(args) -> int:
     for name, row in rows.items():
         if row["compiler_options"]:
             print(f"  {name}: compiled with " + ", ".join(f"{k}={v}" for k, v in row["compiler_options"].items()))
-    print(f"  {'variant':<13} {'sites':>7} {'time (ms)':>11} {'/ original':>11}")
+    hardware = cost.hardware(args.hardware).name
+    print(f"  {'variant':<13} {'sites':>7} {'time (ms)':>11} {'/ original':>11} {'saved (ms)':>11}   "
+          f"predicted saving on {hardware} (ms)")
     if base is not None:
         print(f"  {'original':<13} {'-':>7} {1e3 * base:>11.3f} {1.0:>11.2f}")
     for name, row in rows.items():
@@ -364,7 +370,9 @@ def cmd_bench(args) -> int:
         if name in seconds:
             row["seconds"] = seconds[name]
             row["over_original"] = row["seconds"] / base
-            print(f"  {name:<13} {sites:>7} {1e3 * row['seconds']:>11.3f} {row['over_original']:>11.2f}")
+            row["saved_s"] = base - row["seconds"]
+            print(f"  {name:<13} {sites:>7} {1e3 * row['seconds']:>11.3f} {row['over_original']:>11.2f} "
+                  f"{1e3 * row['saved_s']:>11.3f}   {1e3 * row['predicted_saving_s']:.3f}")
     timed = {name: row for name, row in rows.items() if "seconds" in row}
     fastest = min(timed, key=lambda name: timed[name]["seconds"]) if len(timed) == len(names) else None
     if fastest is not None:

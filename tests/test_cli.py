@@ -207,6 +207,11 @@ def test_bench_times_every_variant_and_names_the_fastest(tmp_path, capsys):
         assert row["rewritten"] == row["sites"] == 1 and row["numerics"]["ok"]
         assert row["over_original"] == row["seconds"] / data["original_s"]
         assert row["compiler_options"] == {}  # GPU ring options only (decorator.ring_compiler_options)
+        assert row["saved_s"] == data["original_s"] - row["seconds"]
+    # the cost model's saving for the --hardware profile, next to the measured one
+    explained = cmatmul_pass.rewrite(POS.read_text(), variant_options("bidi-full")).report.rewritten[0].cost
+    assert data["variants"]["bidi-full"]["predicted_saving_s"] == explained["serial_s"] - explained["overlapped_s"]["bidi-full"]
+    assert "predicted saving on H100 SXM (NVLink 4) (ms)" in out
     fastest = min(data["variants"], key=lambda v: data["variants"][v]["seconds"])
     assert data["fastest"] == fastest and f"{fastest}, " in out
     assert data["original_is_fastest"] == (data["variants"][fastest]["over_original"] >= 1)
