@@ -271,8 +271,11 @@ class Slot:
 def emitted_variant(shape: SiteShape, bidirectional: bool, unroll: int | None) -> str:
     """The variant the rewrite emits for ``shape``: asked for both directions, a ring of 2 and a
     scatter whose blocks cannot be halved still go one way."""
-    both_ways = any(len(rnd.transfers) > 1 for rnd in rounds(shape, bidirectional))
-    return variant_name(both_ways, unroll)
+    return _variant_of(rounds(shape, bidirectional), unroll)
+
+
+def _variant_of(plan: list[Round], unroll: int | None) -> str:
+    return variant_name(any(len(rnd.transfers) > 1 for rnd in plan), unroll)
 
 
 def schedule(shape: SiteShape, hw: Hardware, bidirectional: bool, unroll: int | None) -> list[Slot]:
@@ -283,7 +286,7 @@ def schedule(shape: SiteShape, hw: Hardware, bidirectional: bool, unroll: int | 
     ``h·max + (1-h)·sum``: its dots start after ``(1-h)`` of the transfer."""
     t_c = shape.flops / hw.throughput(shape.dtype) / hw.split_efficiency  # the ring's dots are smaller
     plan = rounds(shape, bidirectional)
-    hidden = hw.hidden(emitted_variant(shape, bidirectional, unroll))
+    hidden = hw.hidden(_variant_of(plan, unroll))
     lo, hi = loop_run([rnd.signature for rnd in plan], unroll)
     per_trip = unroll or 1
     slots: list[Slot] = []

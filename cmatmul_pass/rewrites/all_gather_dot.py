@@ -191,7 +191,6 @@ def rewrite_all_gather_dot(site: AllGatherSite, ctx: RewriteContext) -> Applied:
     streams = gather_streams(n, ctx.bidirectional)
     # stream i's permutes: shift +1 holds pos + r (receives from the next position), -1 the other way
     pairs = [site.ring.shift_pairs(RECEIVE_FROM_NEXT * s.shift) for s in streams]
-    rounds = streams[0].last + 1
     signatures = gather_signatures(streams)
 
     loop_b = Builder(ir.Location.fused([ag.location] + [c.dot.location for c in site.consumers]), ctx.constants)
@@ -269,7 +268,7 @@ def rewrite_all_gather_dot(site: AllGatherSite, ctx: RewriteContext) -> Applied:
         channels,
         len(streams),
         stats,
-        sum(s.sends(r) for s in streams for r in range(rounds)),
+        sum(sends for signature in signatures for _, sends in signature),
         notes,
     )
 
