@@ -51,9 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--bidirectional", action="store_true", help="use both ring directions")
             p.add_argument(
                 "--unroll",
-                default="1",
                 choices=["1", "2", "full"],
-                help="ring rounds per loop trip; 'full': no loop, the whole ring straight-line",
+                help="ring rounds per loop trip (default 1); 'full': no loop, the whole ring straight-line",
+            )
+            p.add_argument(
+                "--variant",
+                choices=[*VARIANT_NAMES, "auto"],
+                help="a ring variant by name, instead of --bidirectional/--unroll; 'auto': per site, the "
+                     "variant the cost model predicts fastest on --hardware",
             )
         p.add_argument(
             "--annotate-streams",
@@ -123,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_input(p, variant_flags=False)
     add_report(p)
     p.add_argument("--variants", default="all",
-                   help=f"comma-separated variants to time ({', '.join(VARIANT_NAMES)}) or 'all'")
+                   help=f"comma-separated variants to time ({', '.join(VARIANT_NAMES)}, or auto: each site "
+                        "the variant the cost model picks for --hardware) or 'all' (the six named)")
     p.add_argument("--runs", type=int, default=7, help="timed runs per program (the median is reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs before timing")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
@@ -179,10 +185,14 @@ def _options(args, variant: str | None = None):
         hardware=args.hardware,
         min_bytes=args.min_bytes,
     )
+    if variant is None and args.variant is not None:
+        if args.bidirectional or args.unroll is not None:
+            raise CmatmulError("--variant names the ring variant; it cannot be combined with --bidirectional or --unroll")
+        variant = args.variant
     if variant is not None:
         return variant_options(variant, **common)
-    return Options(bidirectional=args.bidirectional, unroll="full" if args.unroll == "full" else int(args.unroll),
-                   **common)
+    unroll = args.unroll or "1"
+    return Options(bidirectional=args.bidirectional, unroll="full" if unroll == "full" else int(unroll), **common)
 
 
 def render_with_args(text: str, argv: list[str], source: str = "<input>") -> str:
@@ -249,8 +259,9 @@ def cmd_explain(args) -> int:
         if site.rewritten:
             print(f"  decision: rewritten as a ring loop ({site.operand} operand, {site.dim_role} dim {site.collective_dim})")
             sched = site.schedule
+            picked = " (the cost model's pick)" if result.options.variant == "auto" else ""
             print(
-                f"  schedule: {sched['directions']} direction(s), {sched['rounds']} rounds "
+                f"  schedule: {sched['variant']}{picked}, {sched['directions']} direction(s), {sched['rounds']} rounds "
                 f"({sched['loop_trips']} loop trips x {sched['rounds_per_trip']} + {sched['peeled_rounds']} peeled), "
                 f"{sched['permutes']} permutes per device{', streams annotated' if sched['streams_annotated'] else ''}"
             )
@@ -283,8 +294,7 @@ def cmd_explain(args) -> int:
     if args.plot:
         from . import cost, timeline
 
-        path = timeline.plot(report, cost.hardware(args.hardware), args.plot, bidirectional=args.bidirectional,
-                             unroll=result.options.rounds_per_trip)
+        path = timeline.plot(report, cost.hardware(args.hardware), args.plot)
         write_note = f"timeline: {path}"
         print(write_note)
     return 0
@@ -319,9 +329,10 @@ def cmd_bench(args) -> int:
     if args.runs < 1 or args.warmup < 0:
         raise CmatmulError("--runs must be at least 1 and --warmup at least 0")
     names = VARIANT_NAMES if args.variants == "all" else tuple(v.strip() for v in args.variants.split(","))
-    unknown = [v for v in names if v not in VARIANT_FLAGS]
+    flags = {**VARIANT_FLAGS, "auto": f"--variant auto --hardware {args.hardware}"}
+    unknown = [v for v in names if v not in flags]
     if unknown:
-        raise CmatmulError(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANT_NAMES)}")
+        raise CmatmulError(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(flags)}")
     data, source = read_input(args.input)
     original = ir_utils.parse(data, source=source)
     n = ir_utils.int_attr(original.operation, "mhlo.num_partitions") or 1
@@ -333,18 +344,20 @@ def cmd_bench(args) -> int:
         options = _options(args, name)
         result = rewrite(data, options, source=source)
         # on a GPU, the XLA options the rings need to overlap (as cmatmul_pass.jit passes them)
-        xla_options = ring_compiler_options(options, result.report, devices[0].platform, {},
+        xla_options = ring_compiler_options(result.report, devices[0].platform, {},
                                             os.environ.get("XLA_FLAGS", ""))
         # compiled once: checked, then timed
         program = Program(result.module, reference.inputs, devices, xla_options)
         numerics = reference.check(program)
-        rows[name] = {"flags": VARIANT_FLAGS[name], "rewritten": len(result.report.rewritten),
+        rows[name] = {"flags": flags[name], "rewritten": len(result.report.rewritten),
                       "sites": len(result.report.sites), "compiler_options": xla_options,
                       "numerics": numerics.to_dict(),
                       # what the cost model says the rewritten sites save on --hardware, to hold
                       # against the measured saving (on the hardware the profile describes)
-                      "predicted_saving_s": sum(s.cost["serial_s"] - s.cost["overlapped_s"][name]
+                      "predicted_saving_s": sum(s.cost["serial_s"] - s.cost["overlapped_s"][s.cost["variant"]]
                                                 for s in result.report.rewritten if s.cost)}
+        if name == "auto":  # what the model picked, per site
+            rows[name]["picked"] = [s.cost["variant"] for s in result.report.rewritten if s.cost]
         if not numerics.ok:
             mismatch = name, numerics
             break
@@ -357,6 +370,10 @@ def cmd_bench(args) -> int:
         if row["compiler_options"]:
             print(f"  {name}: compiled with " + ", ".join(f"{k}={v}" for k, v in row["compiler_options"].items()))
     hardware = cost.hardware(args.hardware).name
+    if "picked" in rows.get("auto", {}):
+        picked = rows["auto"]["picked"]
+        print(f"  auto: the cost model picked, for {hardware}: "
+              + ", ".join(f"{name} ({picked.count(name)} site(s))" for name in dict.fromkeys(picked)))
     print(f"  {'variant':<13} {'sites':>7} {'time (ms)':>11} {'/ original':>11} {'saved (ms)':>11}   "
           f"predicted saving on {hardware} (ms)")
     if base is not None:
@@ -376,10 +393,10 @@ def cmd_bench(args) -> int:
     timed = {name: row for name, row in rows.items() if "seconds" in row}
     fastest = min(timed, key=lambda name: timed[name]["seconds"]) if len(timed) == len(names) else None
     if fastest is not None:
-        flags = f" {VARIANT_FLAGS[fastest]}" if VARIANT_FLAGS[fastest] else ""
         ratio = timed[fastest]["over_original"]
         if ratio < 1:
-            print(f"fastest: {fastest}, {ratio:.2f}x the original's time: {PROG} rewrite {args.input}{flags}")
+            how = f" {flags[fastest]}" if flags[fastest] else ""
+            print(f"fastest: {fastest}, {ratio:.2f}x the original's time: {PROG} rewrite {args.input}{how}")
         else:
             print(f"fastest variant: {fastest}, {ratio:.2f}x the original's time; the original is faster on these devices")
     if args.report_json:

@@ -84,8 +84,11 @@ def variant_name(bidirectional: bool, unroll: int | None) -> str:
 #: Read from XLA's schedule of the 8B and 70B training steps compiled for 8 H100s
 #: (tools/gpu_topology.py, jax 0.11.2, ring_compiler_options; bench/gpu/h100_topology_8b_final.json,
 #: *_send_after_dot.json): permutes overlapped with a dot, both models pooled.  uni and unroll2
-#: hid every permute (15 and 45 of each model's); bidi-full was not compiled (1.0 assumed).
-H100_OVERLAP = {"full": 202 / 210, "bidi": 98 / 108, "bidi-unroll2": 177 / 196}
+#: hid every permute (15 and 45 of each model's).  bidi-full was not compiled: it is assumed to
+#: hide what bidi-unroll2 hides (two directions, rounds tied by barriers, in a straight line
+#: rather than a loop; the one-way straight-line ring hid less than the loops did), not every
+#: permute, so that ``variant="auto"`` does not favour it for being unmeasured.
+H100_OVERLAP = {"full": 202 / 210, "bidi": 98 / 108, "bidi-unroll2": 177 / 196, "bidi-full": 177 / 196}
 
 PROFILES: dict[str, Hardware] = {
     # Calibrated on an H100 SXM (tools/gpu_calibrate.py, jax 0.11.2, bench/gpu/h100_calibrate_*.json):
@@ -326,6 +329,12 @@ class Prediction:
     def chosen_speedup(self) -> float:
         return self.speedup[self.variant]
 
+    @property
+    def best(self) -> str:
+        """The variant predicted fastest; on a tie the simpler one (``VARIANTS``' order): a
+        ring of 2, or a scatter whose blocks cannot be halved, goes one way in every variant."""
+        return max(VARIANTS, key=lambda name: (self.speedup[name], -list(VARIANTS).index(name)))
+
 
 def overlapped_time(shape: SiteShape, hw: Hardware, bidirectional: bool, unroll: int | None) -> float:
     slots = schedule(shape, hw, bidirectional, unroll)
@@ -352,16 +361,21 @@ def predict(shape: SiteShape, hw: Hardware, bidirectional: bool = False, unroll:
 
 # ---------------------------------------------------------------------------- sanity numbers
 def mlp_block(hw: Hardware, hidden: int, ffn: int, tokens: int, n: int = 8, dtype: str = "bf16",
-              bidirectional: bool = False, unroll: int | None = 1, element_bytes: int = 2) -> dict:
+              bidirectional: bool = False, unroll: int | None = 1, element_bytes: int = 2,
+              variant: str | None = None) -> dict:
     """A sequence-parallel SwiGLU MLP block's two sites on ``n`` devices: the gathered
     activations feed the gate and up projections (one ring, two dots), the down projection
-    is sum-scattered.  Returns serial and overlapped times and the block's speed-up."""
+    is sum-scattered.  Returns serial and overlapped times, the block's speed-up and each
+    site's variant (``variant="auto"``: each site the one :attr:`Prediction.best` picks)."""
     gather = SiteShape("all_gather_dot", n, 2 * (2 * tokens * hidden * (ffn // n)), (tokens // n) * hidden * element_bytes, dtype)
     scatter = SiteShape("dot_reduce_scatter", n, 2 * tokens * (ffn // n) * hidden, (tokens // n) * hidden * element_bytes, dtype)
     serial = overlapped = 0.0
+    variants = []
     for shape in (gather, scatter):
         p = predict(shape, hw, bidirectional, unroll)
+        chosen = p.best if variant == "auto" else p.variant
+        variants.append(chosen)
         serial += p.serial_s
-        overlapped += p.overlapped_s[p.variant]
-    return {"serial_s": serial, "overlapped_s": overlapped, "speedup": serial / overlapped,
+        overlapped += p.overlapped_s[chosen]
+    return {"serial_s": serial, "overlapped_s": overlapped, "speedup": serial / overlapped, "variants": variants,
             "compute_to_transfer": predict(gather, hw).compute_s / predict(gather, hw).transfer_s}

@@ -37,6 +37,7 @@ def jit(
     *,
     bidirectional: bool = False,
     unroll: int | str = 1,
+    variant: str | None = None,
     annotate_streams: bool = False,
     share_rings: bool = True,
     merge_dots: bool = True,
@@ -52,6 +53,8 @@ def jit(
     """Like ``jax.jit(fun, **jit_kwargs)``, running the rewritten program.
 
     Usable as ``@cmatmul_pass.jit`` and ``@cmatmul_pass.jit(bidirectional=True, ...)``.
+    ``variant``: a ring variant by name (``"bidi-unroll2"``), or ``"auto"``: per site, the
+    one the cost model predicts fastest on ``hardware`` (see :class:`~cmatmul_pass.Options`).
     ``check=True`` also runs the unrewritten program on the first call of each input
     signature and raises :class:`~cmatmul_pass.errors.NumericsMismatch` (naming the
     rewritten sites and the outputs that differ) beyond the dtype's tolerance.
@@ -60,7 +63,7 @@ def jit(
     in ``compiler_options`` or ``XLA_FLAGS``.
     """
     options = Options(
-        bidirectional=bidirectional, unroll=unroll, annotate_streams=annotate_streams, share_rings=share_rings,
+        bidirectional=bidirectional, unroll=unroll, variant=variant, annotate_streams=annotate_streams, share_rings=share_rings,
         assemble=assemble, merge_dots=merge_dots, tie_rounds=tie_rounds,
         policy=policy, hardware=hardware, min_bytes=min_bytes,
     )
@@ -73,7 +76,7 @@ def _make(fun: Callable, *, options: Options, check: bool, gpu_options: bool, ji
     return JittedFunction(fun, options, check, jit_kwargs, gpu_options)
 
 
-def ring_compiler_options(options: Options, report: Report, platform: str, user_options: dict | None = None,
+def ring_compiler_options(report: Report, platform: str, user_options: dict | None = None,
                           xla_flags: str = "") -> dict:
     """The XLA options a program with rings needs on ``platform`` to overlap them, less those
     the user set (``user_options``: jax.jit's ``compiler_options``; ``xla_flags``: the
@@ -81,15 +84,16 @@ def ring_compiler_options(options: Options, report: Report, platform: str, user_
 
     * ``xla_gpu_enable_latency_hiding_scheduler``: the scheduler that places a ring's dot
       between its permute's start and done;
-    * ``xla_gpu_experimental_parallel_collective_overlap_limit=2`` for bidirectional rings,
-      whose rounds have two permutes in flight: with the default of one, one direction's
-      permute per round is left exposed (36 of 54 permutes hidden; 49 with the option).
+    * ``xla_gpu_experimental_parallel_collective_overlap_limit=2`` when a ring goes both
+      ways (the report's ``schedule.directions``), its rounds having two permutes in flight:
+      with the default of one, one direction's permute per round is left exposed (36 of 54
+      permutes hidden; 49 with the option).
 
     Nothing on other platforms, or when no site was rewritten."""
     if platform != "gpu" or not report.rewritten:
         return {}
     wanted: dict[str, Any] = {"xla_gpu_enable_latency_hiding_scheduler": True}
-    if options.bidirectional:
+    if any(site.schedule.get("directions", 1) > 1 for site in report.rewritten):
         wanted["xla_gpu_experimental_parallel_collective_overlap_limit"] = 2
     in_flags = {flag.split("=", 1)[0].lstrip("-") for flag in xla_flags.split()}
     return {k: v for k, v in wanted.items() if k not in (user_options or {}) and k not in in_flags}
@@ -151,7 +155,7 @@ class JittedFunction:
         self.report = result.report
         extra = {}
         if self._gpu_options:
-            extra = ring_compiler_options(self.options, result.report, jax.default_backend(),
+            extra = ring_compiler_options(result.report, jax.default_backend(),
                                           self._user_compiler_options, os.environ.get("XLA_FLAGS", ""))
         return Lowered(lowered_with_module(original, result.module), result.report, original, extra)
 

@@ -37,6 +37,11 @@ class Options:
     half the permute rounds; scatters: each block's halves travel opposite ways).
     ``unroll``: rounds per loop trip, 1 or 2 (remainder peeled), or ``"full"``: no
     loop, the whole ring straight-line.
+    ``variant``: a ring variant by name (``cost.VARIANTS``: uni, unroll2, full, bidi,
+    bidi-unroll2, bidi-full), which sets ``bidirectional`` and ``unroll`` (naming others
+    is an error); or ``"auto"``:
+    per site, the variant the cost model predicts fastest on ``hardware`` (sites of one
+    shape get the same one).  None (the default): ``bidirectional`` and ``unroll`` decide.
     ``annotate_streams``: outline each round's dots onto compute streams
     (``_xla_stream_annotation``) and group each permute with the dots it overlaps
     (``_scheduling_group_id``); XLA GPU honours them, CPU ignores them.
@@ -63,6 +68,7 @@ class Options:
     assemble: bool = True
     bidirectional: bool = False
     unroll: int | str = 1
+    variant: str | None = None
     annotate_streams: bool = False
     share_rings: bool = True
     merge_dots: bool = True
@@ -73,6 +79,16 @@ class Options:
     margin: float = 0.02
 
     def __post_init__(self) -> None:
+        if self.variant is not None:
+            if self.variant != "auto" and self.variant not in cost.VARIANTS:
+                raise ValueError(f"variant must be one of {', '.join(cost.VARIANTS)} or 'auto', not {self.variant!r}")
+            bidirectional, unroll = cost.VARIANTS.get(self.variant, (False, 1))
+            named = bidirectional, "full" if unroll is None else unroll
+            if (self.bidirectional, self.unroll) not in ((False, 1), named):
+                raise ValueError(f"variant={self.variant!r} decides bidirectional and unroll; "
+                                 f"it contradicts bidirectional={self.bidirectional}, unroll={self.unroll!r}")
+            object.__setattr__(self, "bidirectional", named[0])
+            object.__setattr__(self, "unroll", named[1])
         if self.unroll not in (1, 2, "full"):
             raise ValueError(f"unroll must be 1, 2 or 'full', not {self.unroll!r}")
         if self.policy not in ("all", "auto"):
@@ -86,9 +102,8 @@ class Options:
 
 def variant_options(name: str, **extra) -> Options:
     """The Options of a named ring variant (``cost.VARIANTS``: uni, unroll2, full, bidi,
-    bidi-unroll2, bidi-full), plus any other option."""
-    bidirectional, unroll = cost.VARIANTS[name]
-    return Options(bidirectional=bidirectional, unroll="full" if unroll is None else unroll, **extra)
+    bidi-unroll2, bidi-full, or ``"auto"``), plus any other option."""
+    return Options(variant=name, **extra)
 
 
 @dataclass
@@ -240,6 +255,8 @@ def _apply(
         cached = predictions.get(shape)
         if cached is None:
             prediction = cost.predict(shape, hw, options.bidirectional, options.rounds_per_trip)
+            if options.variant == "auto":
+                prediction.variant = prediction.best
             cached = predictions[shape] = shape, prediction, {**prediction.to_dict(), "site": shape.to_dict()}
         if pattern:
             predictions[pattern.key] = cached
@@ -249,6 +266,9 @@ def _apply(
     if declined:
         entry.reason_code, entry.reason = declined
         return entry
+
+    # the site's variant: the options' own, or the one the cost model picked for its shape
+    ctx.bidirectional, ctx.unroll = cost.VARIANTS[prediction.variant]
 
     def build(site: Site) -> Applied:
         if isinstance(site, ReduceScatterSite):
@@ -263,6 +283,7 @@ def _apply(
     entry.shared_ring = f"@{shared.name}" if shared else None
     entry.channel_handles = list(applied.channel_handles)
     entry.schedule = {
+        "variant": cost.variant_name(ctx.bidirectional, ctx.unroll),  # asked for (see notes)
         "directions": applied.directions,
         "rounds": applied.stats.rounds,
         "loop_trips": applied.stats.loop_trips,

@@ -27,10 +27,9 @@ def _ring_bars(shape: cost.SiteShape, hw: cost.Hardware, bidirectional: bool, un
     return compute, transfer
 
 
-def plot(report: Report, hw: cost.Hardware, path: str | Path, *, bidirectional: bool = False,
-         unroll: int | None = 1) -> Path:
-    """Draw every site the cost model sized (``SiteReport.cost``) into a PNG at ``path``, as
-    the ``bidirectional`` / ``unroll`` variant would run it."""
+def plot(report: Report, hw: cost.Hardware, path: str | Path) -> Path:
+    """Draw every site the cost model sized (``SiteReport.cost``, predicted on ``hw``) into a
+    PNG at ``path``, each as the variant the pass asked for at that site (``cost["variant"]``)."""
     try:
         import matplotlib
     except ImportError:
@@ -44,14 +43,13 @@ def plot(report: Report, hw: cost.Hardware, path: str | Path, *, bidirectional: 
         raise ValueError("no site to draw: the module has no candidate site the cost model can size")
     fig, axes = plt.subplots(len(sites), 1, figsize=(10, 1.9 * len(sites) + 0.6), squeeze=False)
     for ax, (site, shape) in zip(axes[:, 0], sites):
-        t_c = shape.flops / hw.throughput(shape.dtype)
-        t_m = shape.transfer_bytes / hw.bandwidth
+        t_c, t_m, variant = site.cost["compute_s"], site.cost["transfer_s"], site.cost["variant"]
         scale = 1e6  # µs
         if shape.kind == "all_gather_dot":
             base_comm, base_comp = [(0.0, t_m)], [(t_m + hw.step, t_c)]
         else:
             base_comp, base_comm = [(0.0, t_c)], [(t_c, t_m)]
-        ring_comp, ring_comm = _ring_bars(shape, hw, bidirectional, unroll)
+        ring_comp, ring_comm = _ring_bars(shape, hw, *cost.VARIANTS[variant])
         lanes = [
             ("original: compute", base_comp, COMPUTE), ("original: collective", base_comm, COLLECTIVE),
             ("ring: compute", ring_comp, COMPUTE), ("ring: permutes", ring_comm, COLLECTIVE),
@@ -62,8 +60,8 @@ def plot(report: Report, hw: cost.Hardware, path: str | Path, *, bidirectional: 
         ax.set_yticklabels([label for label, _, _ in reversed(lanes)], fontsize=8)
         ax.set_xlabel("µs (predicted)", fontsize=8)
         decision = "rewritten" if site.rewritten else f"left unchanged [{site.reason_code}]"
-        ax.set_title(f"{site.location}  {site.kind}, ring {shape.ring}: {decision}", fontsize=9, loc="left")
-    fig.suptitle(f"predicted schedule on {hw.name}, {cost.variant_name(bidirectional, unroll)}", fontsize=10)
+        ax.set_title(f"{site.location}  {site.kind}, ring {shape.ring}, {variant}: {decision}", fontsize=9, loc="left")
+    fig.suptitle(f"predicted schedule on {hw.name}", fontsize=10)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=90)

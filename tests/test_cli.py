@@ -1,5 +1,6 @@
 """The command line: exit codes, stdin/stdout, -o, report JSON, bytecode input, check, explain."""
 
+import dataclasses
 import io
 import json
 import os
@@ -196,13 +197,18 @@ def test_bench_times_every_variant_and_names_the_fastest(tmp_path, capsys):
     assert set(VARIANT_FLAGS) == set(cost.VARIANTS)
     for name, flags in VARIANT_FLAGS.items():
         args = build_parser().parse_args(["rewrite", *flags.split(), "-"])
-        assert _options(args) == variant_options(name)
+        # (naming a variant the flags contradict raises)
+        assert dataclasses.replace(_options(args), variant=name) == variant_options(name)
     report = tmp_path / "bench.json"
-    assert run_cli("bench", POS, "--runs", "2", "--variants", "uni,bidi-full", "--report-json", report) == 0
+    assert run_cli("bench", POS, "--runs", "2", "--variants", "uni,bidi-full,auto", "--report-json", report) == 0
     out = capsys.readouterr().out
     assert "8 partition(s) on 8 cpu device(s)" in out and "original" in out
     data = json.loads(report.read_text())
-    assert list(data["variants"]) == ["uni", "bidi-full"]
+    assert list(data["variants"]) == ["uni", "bidi-full", "auto"]
+    # auto: each site the variant the model picks for --hardware, printed and recorded
+    picked = cmatmul_pass.rewrite(POS.read_text(), variant_options("auto")).report.rewritten[0].cost["variant"]
+    assert data["variants"]["auto"]["picked"] == [picked] and data["variants"]["auto"]["flags"] == "--variant auto --hardware h100"
+    assert f"auto: the cost model picked, for H100 SXM (NVLink 4): {picked} (1 site(s))" in out
     for row in data["variants"].values():
         assert row["rewritten"] == row["sites"] == 1 and row["numerics"]["ok"]
         assert row["over_original"] == row["seconds"] / data["original_s"]
@@ -233,9 +239,9 @@ def test_bench_compiles_each_variant_with_its_ring_options(monkeypatch, tmp_path
     reported and printed; one XLA does not know fails that compile (so it was passed)."""
     from cmatmul_pass import decorator
 
-    def ring_options(options, report, platform, user_options, xla_flags):
+    def ring_options(report, platform, user_options, xla_flags):
         assert platform == "cpu" and report.rewritten
-        return {"xla_cpu_enable_fast_math": False} if options.bidirectional else {}
+        return {"xla_cpu_enable_fast_math": False} if report.rewritten[0].schedule["directions"] == 2 else {}
 
     monkeypatch.setattr(decorator, "ring_compiler_options", ring_options)
     report = tmp_path / "bench.json"

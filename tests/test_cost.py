@@ -155,6 +155,12 @@ def test_mlp_block_sanity():
             assert 1.05 < best["speedup"] < 1 + 1 / best["compute_to_transfer"] + 0.05
             measured = cost.mlp_block(calibrated, hidden, ffn, 8192, bidirectional=bidirectional, unroll=unroll)
             assert measured["speedup"] < best["speedup"]
+        # each site its own best variant beats every variant used for both sites
+        auto = cost.mlp_block(calibrated, hidden, ffn, 8192, variant="auto")
+        assert len(auto["variants"]) == 2 and all(v in cost.VARIANTS for v in auto["variants"])
+        for bidirectional, unroll in cost.VARIANTS.values():
+            uniform = cost.mlp_block(calibrated, hidden, ffn, 8192, bidirectional=bidirectional, unroll=unroll)
+            assert auto["speedup"] >= uniform["speedup"] - 1e-12
     # the 70B block is more compute-bound than the 8B one
     big = cost.mlp_block(calibrated, 8192, 28672, 8192)
     small = cost.mlp_block(calibrated, 4096, 14336, 8192)
@@ -211,3 +217,108 @@ def test_explain_prints_predictions_and_draws_the_timeline(tmp_path, capsys):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5_000
     width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
     assert 600 <= width <= 2000 and 200 <= height <= 2000
+
+
+# ------------------------------------------------------------------ variant="auto": the model picks per site
+def fastest(shape: cost.SiteShape, hw: cost.Hardware) -> str:
+    """The predicted fastest variant, the first in VARIANTS' order on a tie (computed here
+    from overlapped_time, not from Prediction.best)."""
+    best, best_time = None, None
+    for name, (bidi, unroll) in cost.VARIANTS.items():
+        t = cost.overlapped_time(shape, hw, bidi, unroll)
+        if best_time is None or t < best_time:
+            best, best_time = name, t
+    return best
+
+
+def test_prediction_best_breaks_ties_towards_the_simpler_variant():
+    two = gather(ring=2)  # a ring of 2 goes one way whatever is asked: bidi times as uni
+    p = cost.predict(two, TOY)
+    assert p.speedup["bidi"] == p.speedup["uni"]
+    assert p.best == fastest(two, TOY) and not p.best.startswith("bidi")
+    comm_bound = gather(ring=8, flops=1e6)  # both directions halve the rounds
+    assert cost.predict(comm_bound, TOY).best.startswith("bidi") and fastest(comm_bound, TOY).startswith("bidi")
+
+
+def test_auto_variant_gives_each_site_its_predicted_fastest():
+    text = sample("sp_mlp").read_text()
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant="auto"))
+    hw = cost.hardware("h100")
+    picks = []
+    for site in result.report.rewritten:
+        shape = cost.SiteShape.from_dict(site.cost["site"])
+        picks.append(fastest(shape, hw))
+        assert site.cost["variant"] == site.schedule["variant"] == picks[-1]
+        assert site.schedule["directions"] == (2 if picks[-1].startswith("bidi") else 1)
+    # at these tiny shapes the h100 profile's per-round and per-trip costs decide, and they
+    # decide differently for the scatter and the gather: one module, two variants
+    assert len(result.report.rewritten) == 2 and len(set(picks)) == 2, picks
+    from cmatmul_pass import execute, ir_utils
+
+    outcome = execute.Reference.of(ir_utils.parse(text)).check(result.module)
+    assert outcome.ok, outcome.format()
+
+
+@pytest.mark.parametrize("name", ["ag_dot_1d", "rs_dot_rows"])
+def test_auto_variant_emits_what_naming_its_pick_emits(name):
+    text = sample(name).read_text()
+    for hw in ("h100", "tpu-v5e", "h100:bandwidth=1e6"):
+        auto = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant="auto", hardware=hw))
+        (site,) = auto.report.rewritten
+        assert site.cost["variant"] == fastest(cost.SiteShape.from_dict(site.cost["site"]), cost.hardware(hw))
+        named = cmatmul_pass.rewrite(text, variant_options(site.cost["variant"], hardware=hw))
+        assert auto.text == named.text
+
+
+def test_auto_variant_under_the_auto_policy_judges_the_pick():
+    text = sample("sp_mlp").read_text()
+    declined = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant="auto", policy="auto"))
+    assert [s.reason_code for s in declined.report.sites] == ["policy", "policy"]
+    for site in declined.report.sites:  # the reason names the pick, the best the model has
+        assert f"({site.cost['variant']})" in site.reason
+        assert site.cost["speedup"][site.cost["variant"]] == max(site.cost["speedup"].values())
+
+
+def test_options_and_cli_name_variants():
+    assert cmatmul_pass.Options(variant="bidi-unroll2") == cmatmul_pass.Options(bidirectional=True, unroll=2, variant="bidi-unroll2")
+    named = cmatmul_pass.Options(variant="bidi-full")
+    assert (named.bidirectional, named.unroll) == (True, "full")
+    with pytest.raises(ValueError, match="variant must be"):
+        cmatmul_pass.Options(variant="bidi-unroll3")
+    with pytest.raises(ValueError, match="contradicts"):
+        cmatmul_pass.Options(variant="uni", unroll=2)
+    with pytest.raises(ValueError, match="contradicts"):
+        cmatmul_pass.Options(variant="auto", bidirectional=True)
+
+
+def test_cli_variant_flag(tmp_path, capsys):
+    src = sample("ag_dot_1d")
+    by_name, by_flags = tmp_path / "a.mlir", tmp_path / "b.mlir"
+    assert run_cli("rewrite", src, "--variant", "bidi-unroll2", "-o", by_name, "-q") == 0
+    assert run_cli("rewrite", src, "--bidirectional", "--unroll", "2", "-o", by_flags, "-q") == 0
+    assert by_name.read_text() == by_flags.read_text()
+    bad = tmp_path / "c.mlir"
+    assert run_cli("rewrite", src, "--variant", "uni", "--unroll", "2", "-o", bad, "-q") == 2
+    assert "cannot be combined" in capsys.readouterr().err and not bad.exists()
+    assert run_cli("explain", src, "--variant", "auto") == 0
+    assert "(the cost model's pick)" in capsys.readouterr().out
+
+
+def test_decorator_takes_the_variant():
+    import jax
+    import numpy as np
+
+    from cmatmul_pass.decorator import ring_compiler_options
+    from test_jit import LHS, OVERLAP, F, inputs
+
+    x, w = inputs()
+    g = cmatmul_pass.jit(F, variant="auto")
+    np.testing.assert_allclose(np.asarray(g(x, w)), np.asarray(jax.jit(F)(x, w)), rtol=1e-5)
+    (site,) = g.report.rewritten
+    assert site.schedule["variant"] == fastest(cost.SiteShape.from_dict(site.cost["site"]), cost.hardware("h100"))
+    # a pick going both ways gets the GPU option its two permutes per round need
+    both = site.schedule["directions"] == 2
+    assert ring_compiler_options(g.report, "gpu") == ({LHS: True, OVERLAP: 2} if both else {LHS: True})
+    named = cmatmul_pass.jit(F, variant="full")
+    np.testing.assert_allclose(np.asarray(named(x, w)), np.asarray(jax.jit(F)(x, w)), rtol=1e-5)
+    assert named.report.rewritten[0].schedule["variant"] == "full"

@@ -202,20 +202,20 @@ LHS = "xla_gpu_enable_latency_hiding_scheduler"
 OVERLAP = "xla_gpu_experimental_parallel_collective_overlap_limit"
 
 
-def test_ring_compiler_options_follow_the_platform_the_variant_and_the_user():
+def test_ring_compiler_options_follow_the_platform_the_rings_and_the_user():
     from cmatmul_pass.decorator import ring_compiler_options
 
     x, w = inputs()
-    report = cmatmul_pass.jit(F).lower(x, w).report
-    declined = cmatmul_pass.jit(F, min_bytes=1 << 40).lower(x, w).report
-    uni, bidi = cmatmul_pass.Options(), cmatmul_pass.Options(bidirectional=True)
-    assert ring_compiler_options(uni, report, "gpu") == {LHS: True}
-    assert ring_compiler_options(bidi, report, "gpu") == {LHS: True, OVERLAP: 2}
-    assert ring_compiler_options(bidi, report, "cpu") == {} and ring_compiler_options(bidi, report, "tpu") == {}
-    assert ring_compiler_options(bidi, declined, "gpu") == {}  # no ring, nothing to overlap
+    uni = cmatmul_pass.jit(F).lower(x, w).report
+    bidi = cmatmul_pass.jit(F, bidirectional=True).lower(x, w).report
+    declined = cmatmul_pass.jit(F, bidirectional=True, min_bytes=1 << 40).lower(x, w).report
+    assert ring_compiler_options(uni, "gpu") == {LHS: True}
+    assert ring_compiler_options(bidi, "gpu") == {LHS: True, OVERLAP: 2}  # a ring going both ways
+    assert ring_compiler_options(bidi, "cpu") == {} and ring_compiler_options(bidi, "tpu") == {}
+    assert ring_compiler_options(declined, "gpu") == {}  # no ring, nothing to overlap
     # what the user set, in jax.jit's compiler_options or in XLA_FLAGS, stays theirs
-    assert ring_compiler_options(bidi, report, "gpu", {LHS: False}) == {OVERLAP: 2}
-    assert ring_compiler_options(bidi, report, "gpu", None, f"--xla_dump_to=/tmp --{OVERLAP}=4") == {LHS: True}
+    assert ring_compiler_options(bidi, "gpu", {LHS: False}) == {OVERLAP: 2}
+    assert ring_compiler_options(bidi, "gpu", None, f"--xla_dump_to=/tmp --{OVERLAP}=4") == {LHS: True}
 
 
 def test_lowered_compile_adds_the_ring_options_to_the_callers():

@@ -56,11 +56,13 @@ def layers_reference():
     return text, execute.Reference.of(ir_utils.parse(text))
 
 
-@pytest.mark.parametrize("variant", list(cost.VARIANTS))
+@pytest.mark.parametrize("variant", [*cost.VARIANTS, "auto"])
 def test_shared_rings_match_the_original(variant, layers_reference):
     text, reference = layers_reference
     result = cmatmul_pass.rewrite(text, variant_options(variant))
     assert len(ring_functions(result.module)) == 2
+    for ring in {s.shared_ring for s in result.report.rewritten} - {None}:  # a ring function has one variant
+        assert len({s.schedule["variant"] for s in result.report.rewritten if s.shared_ring == ring}) == 1
     outcome = reference.check(result.module)
     assert outcome.ok, outcome.format()
 

@@ -31,6 +31,8 @@ from cmatmul_pass.pipeline import variant_options
 VARIANTS = {name: variant_options(name) for name in cost.VARIANTS}
 VARIANTS["streams-unroll2"] = variant_options("unroll2", annotate_streams=True)
 VARIANTS["streams-bidi-noassemble"] = variant_options("bidi", annotate_streams=True, assemble=False)
+# each site the variant the cost model picks: a program's gathers and scatters get different ones
+VARIANTS["auto"] = variant_options("auto")
 MESHES = [(8,), (2, 4), (4, 2), (2, 2, 2), (3,), (5,), (7,), (2, 3), (3, 2), (6,), (4,), (2,)]
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "i32": jnp.int32}
 
