@@ -969,7 +969,20 @@ SAMPLES_LIST = [
            "(gathered_operand), the gather's ring takes the dot.",
            chain_same_dim, "rewritten 1", ["CHECK: stablehlo.while", "CHECK: stablehlo.reduce_scatter"]),
     Sample("sp_mlp", "sequence-parallel MLP block: all_gather -> dot -> gelu -> dot -> reduce_scatter.",
-           sp_mlp, "rewritten 2", gone("all_gather", "reduce_scatter")),
+           sp_mlp, "rewritten 2", gone("all_gather", "reduce_scatter"),
+           # --variant auto on the h100 profile: at these tiny shapes per-round and per-trip costs
+           # decide; the gather gets bidi (a ring of 4 both ways needs no loop), the scatter
+           # bidi-full (half-blocks both ways, concatenated): one module, two variants
+           [Variant("AUTO", ["--variant", "auto"],
+                    ["CHECK-NOT: stablehlo.while",
+                     PERMUTE, pairs_same(PAIRS_2X4_MODEL),
+                     'CHECK-NEXT: "stablehlo.collective_permute"', pairs_same(PAIRS_2X4_MODEL_UP),
+                     PERMUTE, pairs_same(PAIRS_2X4_MODEL),
+                     "CHECK: stablehlo.tanh",
+                     *[line for _ in range(3) for line in (PERMUTE, pairs_same(PAIRS_2X4_MODEL),
+                                                           PERMUTE, pairs_same(PAIRS_2X4_MODEL_UP))],
+                     "CHECK: stablehlo.concatenate",
+                     "CHECK-NOT: stablehlo.while"] + gone("all_gather", "reduce_scatter"))]),
     Sample("sp_mlp_grad", "value_and_grad of the SP MLP: forward and backward gathers and scatters, all rewritten.",
            sp_mlp_grad, "rewritten 4", gone("all_gather", "reduce_scatter") + ["CHECK: stablehlo.all_reduce"]),
     # jax >= 0.11 names a collective's groups by mesh axes (#stablehlo.replica_group_mesh_axes)
