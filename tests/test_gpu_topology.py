@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from cmatmul_pass import cost
 from tools import gpu_topology
 
 SCHEDULED = """
@@ -173,7 +174,8 @@ def test_compiles_the_training_step_and_counts_what_xla_kept(tmp_path):
     loop body (uni), every permute each device executes (full, straight-line)."""
     out = tmp_path / "topology.json"
     assert gpu_topology.main(["--platform", "cpu", "--model", "tiny", "--repeats", "1",
-                              "--programs", "uni", "full", "uni-streams", "--out", str(out)]) == 0
+                              "--programs", "uni", "full", "uni-streams", "auto", "--profile", "h200",
+                              "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["devices"] == 8 and result["layers"] == 2
     programs = result["programs"]
@@ -188,8 +190,12 @@ def test_compiles_the_training_step_and_counts_what_xla_kept(tmp_path):
     permutes = {name: programs[name]["collectives"]["collective-permute"]["sync"] for name in programs if "sites" in programs[name]}
     assert permutes["uni"] == programs["uni"]["while_loops"] == programs["uni"]["rewritten"]
     assert permutes["full"] == programs["full"]["permutes_executed"] and programs["full"]["while_loops"] == 0
-    for name in ("uni", "full"):  # counted once per loop trip, the permutes each device runs are the pass's count
+    for name in ("uni", "full", "auto"):  # counted once per loop trip, the permutes each device runs are the pass's count
         assert programs[name]["collectives"]["collective-permute"]["executed"] == programs[name]["permutes_executed"]
+    # auto: each site the variant the model picks for --profile, counted per variant
+    auto = programs["auto"]
+    assert auto["rewritten"] == programs["uni"]["rewritten"] == sum(auto["variants"].values())
+    assert set(auto["variants"]) <= set(cost.VARIANTS) and "auto" not in result["overlap"]
     assert result["overlap"] == {"uni": 0.0, "full": 0.0}  # CPU permutes are synchronous: nothing overlaps
     assert programs["uni-streams"]["scheduling_groups"] == programs["uni-streams"]["rewritten"]
     # XLA CPU's copy insertion copies the shard a one-round trip sends where the permute reads the

@@ -5,7 +5,7 @@
 # topology:  the training step compiled for a mocked 8-GPU topology, original and every variant,
 #            read for overlap, async streams and compile time (tools/gpu_topology.py): a tiny
 #            model first (a quick check that the mocked topology works), then 8B and 70B
-#            shapes, bidi-full at 8B, then 8B with no XLA flags at all; each run prints the
+#            shapes, bidi-full and --variant auto at 8B, then 8B with no XLA flags at all; each run prints the
 #            cost model's --hardware override for the share of permutes each variant hides.
 # Each step has its own time limit, so one that hangs leaves the others' results. On an H100,
 # calibrate takes about 1 minute and topology about 8; "all" can exceed a 10-minute call limit.
@@ -29,8 +29,9 @@ if [ "$part" = all ] || [ "$part" = topology ]; then
   timeout 200 $py tools/gpu_topology.py --model 8b --out "$out/topology_8b.json" --dump-hlo "$out/hlo" \
     --dump original uni unroll2 bidi bidi-unroll2 --profile "$profile"
   timeout 200 $py tools/gpu_topology.py --model 70b --out "$out/topology_70b.json" --profile "$profile"
-  # the one variant whose overlap the cost model has not measured yet (the profile assumes 1.0)
-  timeout 100 $py tools/gpu_topology.py --model 8b --programs bidi-full --repeats 1 \
+  # the one variant whose overlap the cost model has not measured yet (the profile assumes
+  # bidi-unroll2's), and --variant auto's per-site picks for the profile
+  timeout 180 $py tools/gpu_topology.py --model 8b --programs bidi-full auto --repeats 1 \
     --out "$out/topology_8b_bidi_full.json" --profile "$profile"
   # what XLA does by default, and what cmatmul_pass.jit's own compiler options add
   timeout 120 $py tools/gpu_topology.py --model 8b --no-flags --repeats 1 \

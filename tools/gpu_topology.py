@@ -70,6 +70,8 @@ PROGRAMS = {
     "bidi": dict(bidirectional=True),
     "bidi-unroll2": dict(bidirectional=True, unroll=2),
     "bidi-full": dict(bidirectional=True, unroll="full"),
+    # each site the variant the cost model picks for --profile (the row's "variants" says which)
+    "auto": dict(variant="auto"),
     "uni-no-share": dict(share_rings=False),
     "uni-streams": dict(annotate_streams=True),
     "bidi-streams": dict(bidirectional=True, annotate_streams=True),
@@ -82,10 +84,10 @@ PROGRAMS = {
     "full-no-tie": dict(unroll="full", tie_rounds=False),
     "bidi-no-tie": dict(bidirectional=True, tie_rounds=False),
 }
-#: bidi-full is left out of the default list (tools/gpu_checks.sh compiles it in a run of its own,
-#: so that each run stays within its time limit)
+#: bidi-full and auto are left out of the default list (tools/gpu_checks.sh compiles them in a run of
+#: their own, so that each run stays within its time limit)
 DEFAULT_PROGRAMS = [name for name in PROGRAMS
-                    if name != "bidi-full" and not any(x in name for x in ("no-gpu-options", "no-merge", "no-tie"))]
+                    if name not in ("bidi-full", "auto") and not any(x in name for x in ("no-gpu-options", "no-merge", "no-tie"))]
 
 
 def configure_environment(platform: str, devices: int, extra_flags: str = "", readme_flags: bool = True) -> None:
@@ -422,7 +424,7 @@ def analyse(module) -> dict:
 
 # ------------------------------------------------------------------------------ the programs
 def compile_programs(model: str, layers: int, dtype: str, names: list[str], dump_dir: str | None,
-                     dump: list[str], repeats: int = 3) -> dict:
+                     dump: list[str], repeats: int = 3, profile: str = "h100") -> dict:
     import jax
     import jax.numpy as jnp
 
@@ -460,6 +462,7 @@ def compile_programs(model: str, layers: int, dtype: str, names: list[str], dump
             row["shared"] = sum(1 for s in report.rewritten if s.shared_ring)
             # what the pass says each device executes: straight-line rings hold every one
             row["permutes_executed"] = sum(s.schedule["permutes"] for s in report.rewritten)
+            row["variants"] = dict(Counter(s.schedule["variant"] for s in report.rewritten))
         results[name] = row
         if dump_dir and name in dump:
             Path(dump_dir).mkdir(parents=True, exist_ok=True)
@@ -469,7 +472,8 @@ def compile_programs(model: str, layers: int, dtype: str, names: list[str], dump
                           for k, v in row["collectives"].items())
               + f"; async computations {row['async_computations']}, groups {row['scheduling_groups']}"
               + f"; loop copies {row['loop_copies']['copies']} ({row['loop_copies']['bytes_per_trip']} B per trip)"
-              + f", loop concatenates {row['loop_copies']['concatenates']}",
+              + f", loop concatenates {row['loop_copies']['concatenates']}"
+              + (f"; variants {row['variants']}" if "auto" in name else ""),
               flush=True)
 
     record("original", lambda: fn.lower(*args))
@@ -477,13 +481,13 @@ def compile_programs(model: str, layers: int, dtype: str, names: list[str], dump
     pass_s = {}
     for name in names:  # the pass alone, on the lowered text (parse, rewrite, verify, print)
         start = time.perf_counter()
-        options = {k: v for k, v in PROGRAMS[name].items() if k != "gpu_options"}  # the decorator's, not the pass's
+        options = {k: v for k, v in program_options(name, profile).items() if k != "gpu_options"}  # the decorator's
         _ = cmatmul_pass.rewrite(text, cmatmul_pass.Options(**options)).text
         pass_s[name] = time.perf_counter() - start
     step = getattr(fn, "__wrapped__", fn)  # the training step jax.jit wraps
     for name in names:
         try:
-            record(name, lambda: cmatmul_pass.jit(step, **PROGRAMS[name]).lower(*args))
+            record(name, lambda: cmatmul_pass.jit(step, **program_options(name, profile)).lower(*args))
         except Exception as exc:  # report it and go on with the other programs
             results[name] = {"error": " ".join(str(exc).split())[:800]}
             print(f"  {name:<14} FAILED: {results[name]['error']}", flush=True)
@@ -497,6 +501,14 @@ def compile_programs(model: str, layers: int, dtype: str, names: list[str], dump
             row["compile_ratio"] = row["compile_s"] / base
             row["first_compile_ratio"] = row["first_compile_s"] / original["first_compile_s"]
     return results
+
+
+def program_options(name: str, profile: str) -> dict:
+    """``cmatmul_pass.jit``'s options for program ``name``: a model-picked variant picks for ``profile``."""
+    options = dict(PROGRAMS[name])
+    if options.get("variant") == "auto":
+        options["hardware"] = profile
+    return options
 
 
 def overlap_fractions(programs: dict) -> dict[str, float]:
@@ -550,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(devices)} devices ({devices[0].platform}: {devices[0].device_kind}; "
           f"{jax.local_device_count()} local), jax {jax.__version__}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
           flush=True)
-    programs = compile_programs(args.model, args.layers, args.dtype, args.programs, args.dump_hlo, args.dump, args.repeats)
+    programs = compile_programs(args.model, args.layers, args.dtype, args.programs, args.dump_hlo, args.dump,
+                                args.repeats, args.profile)
     result = {
         "device": f"{devices[0].platform}: {devices[0].device_kind}", "devices": len(devices),
         "local_devices": jax.local_device_count(), "mock_topology": jax.config.read("jax_mock_gpu_topology") or None,
