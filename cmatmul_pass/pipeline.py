@@ -383,10 +383,13 @@ def _policy(options: Options, shape: cost.SiteShape, prediction: cost.Prediction
     if shape.transfer_bytes < options.min_bytes:
         return "min_bytes", f"moves {shape.transfer_bytes} B per device, under --min-bytes {options.min_bytes}"
     if options.policy == "auto" and prediction.chosen_speedup < 1 + options.margin:
+        best = prediction.best
+        hint = (f"; {best} would reach {prediction.speedup[best]:.3f}x (--variant {best} or auto)"
+                if prediction.speedup[best] >= 1 + options.margin else "")
         return (
             "policy",
             f"predicted speed-up {prediction.chosen_speedup:.3f}x on {prediction.hardware} "
-            f"({prediction.variant}) is under 1 + {options.margin:g}",
+            f"({prediction.variant}) is under 1 + {options.margin:g}{hint}",
         )
     return None
 

@@ -322,3 +322,20 @@ def test_decorator_takes_the_variant():
     named = cmatmul_pass.jit(F, variant="full")
     np.testing.assert_allclose(np.asarray(named(x, w)), np.asarray(jax.jit(F)(x, w)), rtol=1e-5)
     assert named.report.rewritten[0].schedule["variant"] == "full"
+
+
+def test_a_policy_decline_names_the_variant_that_would_pass():
+    text = sample("sp_mlp").read_text()
+    # links so slow that every ring pays; the default uni ring less than the margin asks
+    slow = "h100:f32=1e9,bandwidth=1e8,split_efficiency=1,loop_trip=0"
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(policy="auto", hardware=slow, margin=0.3))
+    for site in result.report.sites:
+        c = site.cost
+        best = max(c["speedup"], key=c["speedup"].get)
+        assert site.reason_code == "policy" and c["speedup"]["uni"] < 1.3
+        would = c["speedup"][best] >= 1.3
+        assert (f"; {best} would reach" in site.reason) == would, (site.reason, c["speedup"])
+    assert any("would reach" in s.reason for s in result.report.sites)
+    # under --variant auto nothing better is left to name
+    picked = cmatmul_pass.rewrite(text, cmatmul_pass.Options(policy="auto", hardware=slow, margin=0.3, variant="auto"))
+    assert all("would reach" not in s.reason for s in picked.report.sites)
