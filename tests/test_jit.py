@@ -138,7 +138,8 @@ def test_static_argnames():
     assert g.stats["compiles"] == 1
 
 
-@pytest.mark.parametrize("variant", [{}, {"bidirectional": True, "unroll": 2}], ids=["uni", "bidi-unroll2"])
+@pytest.mark.parametrize("variant", [{}, {"bidirectional": True, "unroll": 2}, {"variant": "auto"}],
+                         ids=["uni", "bidi-unroll2", "auto"])
 def test_training_parity_with_jax_jit(variant):
     """The founding notebook's experiment: 15 AdamW steps of a TP classifier with SP blocks, twice."""
     steps = 15

@@ -8,7 +8,7 @@ The same train step runs twice from the same seeds — once under ``jax.jit``, o
 ``cmatmul_pass.jit`` — and the script prints both loss curves, the final accuracies and the pass's
 report (every forward and backward gather/scatter rewritten).
 
-    python tools/train_tp_mlp.py [--steps 20] [--bidirectional] [--unroll 2]
+    python tools/train_tp_mlp.py [--steps 20] [--bidirectional] [--unroll 2] [--variant auto]
 """
 
 from __future__ import annotations
@@ -114,11 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--bidirectional", action="store_true")
     parser.add_argument("--unroll", default="1", choices=["1", "2", "full"])
+    parser.add_argument("--variant", help="a ring variant by name, or auto (instead of the two above)")
     args = parser.parse_args(argv)
     unroll = "full" if args.unroll == "full" else int(args.unroll)
 
     def ours(fun, **kw):
-        return cmatmul_pass.jit(fun, bidirectional=args.bidirectional, unroll=unroll, **kw)
+        return cmatmul_pass.jit(fun, bidirectional=args.bidirectional, unroll=unroll, variant=args.variant, **kw)
 
     base, base_acc, _ = train(jax.jit, args.steps)
     mine, mine_acc, step = train(ours, args.steps)
