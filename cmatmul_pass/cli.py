@@ -257,7 +257,7 @@ def cmd_explain(args) -> int:
         if site.shard_shape is not None:
             print(f"  shard: {site.dtype}{site.shard_shape}, {site.bytes_per_step} B per step, {site.bytes_moved} B moved per device")
         if site.rewritten:
-            print(f"  decision: rewritten as a ring loop ({site.operand} operand, {site.dim_role} dim {site.collective_dim})")
+            print(f"  decision: rewritten as a ring ({site.operand} operand, {site.dim_role} dim {site.collective_dim})")
             sched = site.schedule
             picked = " (the cost model's pick)" if result.options.variant == "auto" else ""
             print(

@@ -140,7 +140,7 @@ def test_explain_shows_decisions(capsys):
     out = capsys.readouterr().out
     assert "left unchanged" in out and "[batch_dim]" in out and "ring: 4 devices" in out
     assert run_cli("explain", POS) == 0
-    assert "rewritten as a ring loop" in capsys.readouterr().out
+    assert "decision: rewritten as a ring (" in capsys.readouterr().out
 
 
 def test_module_entry_point_end_to_end(tmp_path):
