@@ -336,9 +336,9 @@ def _describe(site: Site, source: str) -> SiteReport:
         ]
     elif isinstance(site, ReduceScatterSite):
         entry.operand = _side(site.terms[0].operand_index)
-        entry.dim_role = "free"
+        entry.dim_role = "+".join(dict.fromkeys(t.role for t in site.terms))
         entry.collective_dim = site.scatter_dim
-        entry.consumers = [_consumer(t.dot, t.operand_index, "free", site.path, source) for t in site.terms]
+        entry.consumers = [_consumer(t.dot, t.operand_index, t.role, site.path, source) for t in site.terms]
     return entry
 
 

@@ -156,7 +156,7 @@ def _shape(site: Site) -> tuple:
         return ("gather", tuple((c.role, c.operand_index, c.dim) for c in site.consumers), site.assembles,
                 len(site.nodes))
     if isinstance(site, ReduceScatterSite):
-        return ("scatter", tuple((t.operand_index, t.operand_dim) for t in site.terms), len(site.adds),
+        return ("scatter", tuple((t.operand_index, t.operand_dim, t.other_dim) for t in site.terms), len(site.adds),
                 len(site.path))
     return ("declined", site.code)
 

@@ -19,7 +19,7 @@ from cmatmul_pass.rewrites import all_gather_dot
 from conftest import ROOT, run_cli, sample
 
 POS = sample("ag_dot_mesh2x4_model")
-NEG = sample("neg_batch_dim")
+NEG = sample("neg_user_not_dot")
 
 
 def test_rewrite_to_file_with_report(tmp_path, capsys):
@@ -52,7 +52,7 @@ def test_negative_sample_reports_reason(tmp_path, capsys):
     rep = tmp_path / "r.json"
     assert run_cli("rewrite", NEG, "-o", tmp_path / "o.mlir", "--report-json", rep) == 0
     (site,) = json.loads(rep.read_text())["sites"]
-    assert not site["rewritten"] and site["reason_code"] == "batch_dim" and "batch dim" in site["reason"]
+    assert not site["rewritten"] and site["reason_code"] == "user_not_dot" and "stablehlo.tanh" in site["reason"]
     assert "left unchanged" in capsys.readouterr().err
 
 
@@ -138,7 +138,7 @@ def test_check_exits_1_on_mismatch(monkeypatch, capsys):
 def test_explain_shows_decisions(capsys):
     assert run_cli("explain", NEG) == 0
     out = capsys.readouterr().out
-    assert "left unchanged" in out and "[batch_dim]" in out and "ring: 4 devices" in out
+    assert "left unchanged" in out and "[user_not_dot]" in out and "ring: 4 devices" in out
     assert run_cli("explain", POS) == 0
     assert "decision: rewritten as a ring (" in capsys.readouterr().out
 

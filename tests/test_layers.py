@@ -340,3 +340,60 @@ def test_backward_of_a_shared_gather_sums_input_gradients_into_one_ring():
     assert len(scatters) == 1 and scatters[0].rewritten and len(scatters[0].consumers) == 3
     assert all(s.rewritten for s in result.report.sites)
     numerics(text, result.module, seed=2)
+
+
+# ------------------------------------------------------------------ batch dims
+@pytest.mark.parametrize("variant", list(cmatmul_pass.cost.VARIANTS))
+@pytest.mark.parametrize("name", ["ag_dot_batch", "rs_dot_batch"])
+def test_batch_dim_rings_under_every_variant(name, variant):
+    """The collective's dim is a batch dim of the dot: a gather's round multiplies its shard by the
+    same batch block of the other operand; a scatter's block slices that block of both operands."""
+    text = sample(name).read_text()
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant=variant))
+    (site,) = result.report.sites
+    assert site.rewritten and site.dim_role == "batch" and [c["dim_role"] for c in site.consumers] == ["batch"]
+    numerics(text, result.module)
+
+
+def test_one_ring_computes_batch_and_free_dots_in_bf16():
+    """One gathered value read by a batch-role dot (through a transpose) and a free-role dot: one
+    ring, both roles; bf16 (normwise relative 1e-2)."""
+    mesh = mesh_2x4()
+
+    def body(x, wb, w):
+        g = jax.lax.all_gather(x, "model", axis=0, tiled=True)  # [B, S, H]: B is a batch dim below
+        per_batch = jnp.einsum("shb,bhk->bsk", jnp.transpose(g, (1, 2, 0)), wb)
+        shared = jnp.einsum("bsh,hk->bsk", g, w)  # B is a free dim of this dot
+        return per_batch, shared
+
+    specs = (P("model", None, None), P(), P())
+    f = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(), P()), check_vma=False)
+    args = (arg(mesh, (8, 16, 32), specs[0], jnp.bfloat16), arg(mesh, (8, 32, 16), P(), jnp.bfloat16),
+            arg(mesh, (32, 16), P(), jnp.bfloat16))
+    text = jax.jit(f).lower(*args).as_text()
+    for variant in ("uni", "bidi-unroll2"):
+        result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant=variant))
+        (site,) = result.report.sites
+        assert site.rewritten and sorted(c["dim_role"] for c in site.consumers) == ["batch", "free"]
+        assert [c["look_through"] for c in site.consumers if c["dim_role"] == "batch"] == [["transpose"]]
+        assert op_counts(result.module).get("stablehlo.all_gather", 0) == 0
+        numerics(text, result.module)
+
+
+def test_a_batch_scatter_of_an_operand_gathered_on_that_batch_dim_is_left_to_the_gather():
+    """Scattering the batch dim the rhs was gathered on is an all-reduce in disguise: the scatter is
+    declined (gathered_operand) and the gather's ring computes the dot with the batch role."""
+    mesh = mesh_2x4()
+
+    def body(x, w):
+        g = jax.lax.all_gather(w, "model", axis=0, tiled=True)
+        return jax.lax.psum_scatter(jnp.einsum("bsh,bhk->bsk", x, g), "model", scatter_dimension=0, tiled=True)
+
+    specs = (P(), P("model", None, None))
+    f = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("model", None, None), check_vma=False)
+    text = jax.jit(f).lower(arg(mesh, (8, 16, 32), P()), arg(mesh, (8, 32, 16), specs[1])).as_text()
+    result = cmatmul_pass.rewrite(text)
+    by_kind = {s.kind: s for s in result.report.sites}
+    assert by_kind["dot_reduce_scatter"].reason_code == "gathered_operand"
+    assert by_kind["all_gather_dot"].rewritten and by_kind["all_gather_dot"].dim_role == "batch"
+    numerics(text, result.module)

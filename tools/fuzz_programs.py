@@ -64,12 +64,10 @@ class Spec:
 
     def expect_rewrite(self) -> bool:
         """Sites the pass must rewrite (anything else may be declined, never miscompiled)."""
-        if self.dim == "b":
-            return False
         if self.kind == "ag":
-            return self.dim in ("m", "k")
+            return self.dim in ("m", "k", "b")
         if self.kind == "rs":
-            return self.dim in ("m", "n")
+            return self.dim in ("m", "n", "b")
         return self.kind in ("chain", "mlp")
 
 

@@ -46,8 +46,9 @@ class Consumer:
     """One dot computed by the ring.
 
     ``path``: layout ops from the gathered value to the dot operand; ``dim``: the ring
-    dim as the dot operand sees it; ``result_dim`` (free role): the dot result dim it
-    becomes; ``other_dim`` (contracting role): the other operand's paired dim.
+    dim as the dot operand sees it; ``result_dim`` (free and batch roles): the dot result
+    dim it becomes; ``other_dim`` (contracting and batch roles): the other operand's
+    paired dim, sliced block by block as the shards arrive.
     """
 
     dot: ir.OpView
@@ -231,9 +232,9 @@ def _consumer(dot: ir.OpView, value: ir.Value, dim: int, path: tuple[LayoutStep,
     index = sides[0]
     dims = DotDims.of(dot, info)
     batch, contracting = dims.batch[index], dims.contracting[index]
-    side = "lhs" if index == 0 else "rhs"
-    if dim in batch:
-        raise Decline("batch_dim", f"the gathered dim {dim} is a batch dim of the dot's {side}")
+    if dim in batch:  # each round computes one block of the batch: its shard against that block of the other
+        position = batch.index(dim)
+        return Consumer(dot, path, index, dim, "batch", result_dim=position, other_dim=dims.batch[1 - index][position])
     if dim in contracting:
         other_dim = dims.contracting[1 - index][contracting.index(dim)]
         return Consumer(dot, path, index, dim, "contracting", other_dim=other_dim)

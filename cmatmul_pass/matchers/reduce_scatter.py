@@ -27,12 +27,24 @@ SHARDING_CONSTRAINT = "sdy.sharding_constraint"
 @dataclass(frozen=True, eq=False)
 class Term:
     """One dot of the scattered sum: its ``result_dim`` (the scattered dim) is free dim
-    ``operand_dim`` of operand ``operand_index``."""
+    ``operand_dim`` of operand ``operand_index``; or, with ``other_dim``, batch dim
+    ``operand_dim`` of the lhs paired with batch dim ``other_dim`` of the rhs (each block
+    of the product then takes that block of both operands)."""
 
     dot: ir.OpView
     result_dim: int
     operand_index: int
     operand_dim: int
+    other_dim: int | None = None
+
+    @property
+    def role(self) -> str:
+        return "free" if self.other_dim is None else "batch"
+
+    def sliced(self) -> list[tuple[int, int]]:
+        """(operand index, dim) of each operand a block of the product slices."""
+        pairs = [(self.operand_index, self.operand_dim)]
+        return pairs if self.other_dim is None else pairs + [(1 - self.operand_index, self.other_dim)]
 
 
 @dataclass(frozen=True, eq=False)
@@ -130,21 +142,23 @@ def _sum_leaves(op: ir.OpView, adds: list[ir.OpView]) -> list[ir.OpView]:
 def _term(dot: ir.OpView, dim: int, rs: ir.OpView, info: ModuleInfo) -> Term:
     if dot.operation.block != rs.operation.block:
         raise Decline("other_block", "the dot is in a different block from the reduce_scatter")
-    role, index, operand_dim = DotDims.of(dot, info).result_dim_source(dim)
-    if role == "batch":
-        raise Decline("batch_dim", f"the scattered dim comes from batch dim {operand_dim} of the dot")
-    producer = dot.operation.operands[index].owner
-    if (
-        not isinstance(producer, ir.Block)
-        and producer.operation.name == "stablehlo.all_gather"
-        and ir_utils.int_attr(producer, "all_gather_dim") == operand_dim
-    ):
-        raise Decline(
-            "gathered_operand",
-            "the scattered dim is the dim the dot's operand was all_gathered on (an all-reduce in disguise); "
-            "the all_gather's ring takes this dot instead",
-        )
-    return Term(dot, dim, index, operand_dim)
+    dims = DotDims.of(dot, info)
+    role, index, operand_dim = dims.result_dim_source(dim)
+    other_dim = dims.batch[1][dims.batch[0].index(operand_dim)] if role == "batch" else None
+    term = Term(dot, dim, index, operand_dim, other_dim)
+    for i, sliced_dim in term.sliced():
+        producer = dot.operation.operands[i].owner
+        if (
+            not isinstance(producer, ir.Block)
+            and producer.operation.name == "stablehlo.all_gather"
+            and ir_utils.int_attr(producer, "all_gather_dim") == sliced_dim
+        ):
+            raise Decline(
+                "gathered_operand",
+                "the scattered dim is the dim the dot's operand was all_gathered on (an all-reduce in disguise); "
+                "the all_gather's ring takes this dot instead",
+            )
+    return term
 
 
 def _single_use(value: ir.Value) -> None:

@@ -6,6 +6,7 @@ layout ops)::
     %g  = stablehlo.all_gather(%x) {all_gather_dim = d, replica_groups = G}
     %y1 = dot_general(%g, %w1)            // free role: d is a free dim of the operand
     %y2 = dot_general(%g, %w2)            // contracting role: d is contracted
+    %y3 = dot_general(%g, %w3)            // batch role: d is a batch dim (paired with %w3's e)
 
 After (unidirectional, one round per trip)::
 
@@ -16,6 +17,7 @@ After (unidirectional, one round per trip)::
         %k    = (pos + i) mod n             // the shard I hold now
         %acc1 = dynamic_update_slice(%acc1, dot(%held, %w1), offset = k * block)
         %acc2 = %acc2 + dot(%held, dynamic_slice(%w2, k * block))
+        %acc3 = dynamic_update_slice(%acc3, dot(%held, dynamic_slice(%w3, e, k * block)), offset = k * block)
         [%full = dynamic_update_slice(%full, %held, offset = k * shard)]
         yield %next, ...
     }
@@ -68,7 +70,7 @@ class _Plan:
         self.ctx = ctx
         self.compute = b.at(consumer.dot.location)
         self.result_t = ir.RankedTensorType(consumer.dot.result.type)
-        if consumer.role == "free":
+        if consumer.role != "contracting":  # free, batch: each round writes its block of the result
             self.acc_t = self.result_t
             self.partial_t = shard_type(self.result_t, consumer.result_dim, n)
         else:
@@ -128,7 +130,7 @@ class _DotGroup:
         would make one dot wait for every round's transfer."""
         c, b = self.lead.c, self.lead.compute
         other = self.other
-        if c.role == "contracting":
+        if c.role != "free":  # contracting, batch: the other operand's block that pairs with this shard
             width = ir.RankedTensorType(block.type).shape[c.dim]
             other = b.dynamic_slice(other, c.other_dim, b.scaled(k, width), width)
         elif tie:

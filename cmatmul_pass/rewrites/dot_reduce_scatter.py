@@ -15,6 +15,7 @@ After (unidirectional, one round per trip)::
         yield %recv + block((pos + i + 2) mod n)
     }
     // block(c) = layout ops of dot_general(dynamic_slice(%a, e, c*s, s), %b): block c of the product
+    // (when the scattered dim is a batch dim of the product, %b's paired batch dim is sliced too)
 
 In round ``r`` position ``p`` adds its share of block ``p+r+1`` to the partial sum
 that position ``p+1`` started for it, so after ``n-1`` permutes every position holds
@@ -78,12 +79,12 @@ def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> 
     def term_piece(term, block: ir.Value, half: int, stream: int, dots: list) -> ir.Value:
         compute = loop_b.at(term.dot.location)
         args = list(term.dot.operation.operands)
-        sliced = args[term.operand_index]
-        width = ir.RankedTensorType(sliced.type).shape[term.operand_dim] // parts
+        width = ir.RankedTensorType(args[term.operand_index].type).shape[term.operand_dim] // parts
         offset = compute.scaled(block, width * (parts // n))
         if half:
             offset = compute.add(offset, compute.index(width))
-        args[term.operand_index] = compute.dynamic_slice(sliced, term.operand_dim, offset, width)
+        for index, dim in term.sliced():  # a batch dim's block is that block of both operands
+            args[index] = compute.dynamic_slice(args[index], dim, offset, width)
         if tie:  # the other operand is every round's: keep XLA from merging the rounds' dots
             args = compute.tied(args)
         piece_t = shard_type(ir.RankedTensorType(term.dot.result.type), term.result_dim, parts)
