@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--policy", default="all", choices=["all", "auto"],
                        help="all: every legal site; auto: only where the cost model predicts a gain")
         p.add_argument("--hardware", default="h100",
-                       help="cost-model profile: h100, h200, a100, tpu-v5e, optionally with overrides "
+                       help="cost-model profile: h100, h200, a100, tpu-v5e, or auto (this machine's default "
+                            "jax device; h100 where no profile describes it), optionally with overrides "
                             "(h100:bandwidth=400e9,bf16=700e12,step=8e-6)")
         p.add_argument("--min-bytes", type=int, default=0, help="leave sites moving fewer bytes per device")
         p.add_argument(

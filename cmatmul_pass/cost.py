@@ -115,13 +115,40 @@ PROFILES: dict[str, Hardware] = {
 }
 
 
+#: ``device_kind`` substrings (as jax reports them, e.g. "NVIDIA H100 80GB HBM3", "TPU v5 lite")
+#: and the profile each selects, for ``hardware("auto")``
+DEVICE_KINDS = (("h200", "h200"), ("h100", "h100"), ("a100", "a100"), ("tpu v5 lite", "tpu-v5e"), ("tpu v5e", "tpu-v5e"))
+#: what ``"auto"`` falls back to on a device no profile describes (a CPU, say)
+FALLBACK_PROFILE = "h100"
+
+
+def profile_for(device_kind: str) -> str | None:
+    """The profile describing a device of this ``device_kind``; None: no profile does."""
+    kind = device_kind.lower()
+    return next((name for needle, name in DEVICE_KINDS if needle in kind), None)
+
+
+def _device_kind() -> str:
+    import jax
+
+    return jax.devices()[0].device_kind
+
+
 def hardware(spec: str) -> Hardware:
     """A profile by name, optionally overridden: ``"h100"``,
-    ``"h100:bandwidth=400e9,bf16=700e12,step=8e-6,split_efficiency=0.97,overlap.bidi=0.9"``."""
+    ``"h100:bandwidth=400e9,bf16=700e12,step=8e-6,split_efficiency=0.97,overlap.bidi=0.9"``;
+    ``"auto"``: the profile of jax's default device (:data:`DEVICE_KINDS`), or
+    :data:`FALLBACK_PROFILE` where none describes it (the name says so)."""
     name, _, overrides = spec.partition(":")
-    if name not in PROFILES:
-        raise CmatmulError(f"unknown hardware profile {name!r}; known: {', '.join(sorted(PROFILES))}")
-    hw = PROFILES[name]
+    if name == "auto":
+        kind = _device_kind()
+        found = profile_for(kind)
+        hw = PROFILES[found or FALLBACK_PROFILE]
+        hw = replace(hw, name=f"{hw.name}, detected" if found else f"{hw.name}, assumed: no profile for {kind}")
+    elif name not in PROFILES:
+        raise CmatmulError(f"unknown hardware profile {name!r}; known: {', '.join(sorted(PROFILES))} or auto")
+    else:
+        hw = PROFILES[name]
     if overrides:
         hw = replace(hw, name=f"{hw.name}, {overrides}")
     for item in filter(None, overrides.split(",")):

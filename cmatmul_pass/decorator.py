@@ -44,7 +44,7 @@ def jit(
     tie_rounds: bool = True,
     assemble: bool = True,
     policy: str = "all",
-    hardware: str = "h100",
+    hardware: str = "auto",
     min_bytes: int = 0,
     check: bool = False,
     gpu_options: bool = True,
@@ -55,6 +55,9 @@ def jit(
     Usable as ``@cmatmul_pass.jit`` and ``@cmatmul_pass.jit(bidirectional=True, ...)``.
     ``variant``: a ring variant by name (``"bidi-unroll2"``), or ``"auto"``: per site, the
     one the cost model predicts fastest on ``hardware`` (see :class:`~cmatmul_pass.Options`).
+    ``hardware`` (for ``variant="auto"`` and ``policy="auto"``): by default ``"auto"``, the
+    cost-model profile of jax's default device (H100, H200, A100, TPU v5e; else the H100's,
+    and the report's ``cost.hardware`` says it was assumed), or a profile by name.
     ``check=True`` also runs the unrewritten program on the first call of each input
     signature and raises :class:`~cmatmul_pass.errors.NumericsMismatch` (naming the
     rewritten sites and the outputs that differ) beyond the dtype's tolerance.

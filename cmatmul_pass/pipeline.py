@@ -59,7 +59,8 @@ class Options:
     starts after that dot (the scheduler otherwise may start it during that dot).
     ``policy``: ``"all"`` rewrites every legal site; ``"auto"`` only those whose
     predicted speed-up on ``hardware`` (a :mod:`cmatmul_pass.cost` profile, e.g.
-    ``"h100"`` or ``"h100:bandwidth=400e9"``) exceeds ``1 + margin``.  ``min_bytes``:
+    ``"h100"`` or ``"h100:bandwidth=400e9"``, or ``"auto"``: jax's default device's) exceeds
+    ``1 + margin``.  ``min_bytes``:
     leave sites moving fewer bytes per device than this (XLA's windowed-einsum
     threshold, in bytes).  Every site's prediction goes into the report either way.
     """

@@ -339,3 +339,34 @@ def test_a_policy_decline_names_the_variant_that_would_pass():
     # under --variant auto nothing better is left to name
     picked = cmatmul_pass.rewrite(text, cmatmul_pass.Options(policy="auto", hardware=slow, margin=0.3, variant="auto"))
     assert all("would reach" not in s.reason for s in picked.report.sites)
+
+
+def test_hardware_auto_follows_the_device_kind(monkeypatch):
+    for kind, name in [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100"),
+                       ("TPU v5 lite", "tpu-v5e"), ("cpu", None), ("NVIDIA GeForce RTX 4090", None)]:
+        assert cost.profile_for(kind) == name
+    monkeypatch.setattr(cost, "_device_kind", lambda: "NVIDIA A100-SXM4-40GB")
+    a100 = cost.hardware("auto:bandwidth=1e9")
+    assert a100.name.startswith(cost.PROFILES["a100"].name + ", detected") and a100.bandwidth == 1e9
+    assert a100.flops == cost.PROFILES["a100"].flops
+    monkeypatch.setattr(cost, "_device_kind", lambda: "cpu")
+    fallback = cost.hardware("auto")
+    assert fallback.name.endswith("assumed: no profile for cpu")
+    assert replace(fallback, name="") == replace(cost.PROFILES[cost.FALLBACK_PROFILE], name="")
+
+
+def test_the_decorator_picks_for_the_device_it_runs_on(monkeypatch):
+    import numpy as np
+
+    from test_jit import F, inputs
+
+    x, w = inputs()
+    here = cmatmul_pass.jit(F, variant="auto")  # hardware="auto" by default: the CPU has no profile
+    here(x, w)
+    assert here.report.sites[0].cost["hardware"].endswith("assumed: no profile for cpu")
+    monkeypatch.setattr(cost, "_device_kind", lambda: "TPU v5 lite")
+    g = cmatmul_pass.jit(F, variant="auto")
+    np.testing.assert_allclose(np.asarray(g(x, w)), np.asarray(here(x, w)), rtol=1e-5)
+    (site,) = g.report.sites
+    assert site.cost["hardware"] == cost.PROFILES["tpu-v5e"].name + ", detected"
+    assert site.schedule["variant"] == fastest(cost.SiteShape.from_dict(site.cost["site"]), cost.PROFILES["tpu-v5e"])

@@ -75,7 +75,9 @@ def test_lower_gives_the_rewritten_text_executable_and_report(tmp_path):
     # the same report as the CLI's --report-json for the same program (locations aside)
     src = tmp_path / "f.mlir"
     src.write_text(jax.jit(F).lower(x, w).as_text())
-    assert run_cli("rewrite", src, "-o", tmp_path / "o.mlir", "--report-json", tmp_path / "r.json", "-q") == 0
+    # the decorator's hardware is this machine's by default: `--hardware auto` on the CLI
+    assert run_cli("rewrite", src, "-o", tmp_path / "o.mlir", "--report-json", tmp_path / "r.json", "-q",
+                   "--hardware", "auto") == 0
     cli_sites = json.loads((tmp_path / "r.json").read_text())["sites"]
 
     def strip(site):
