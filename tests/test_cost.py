@@ -370,3 +370,15 @@ def test_the_decorator_picks_for_the_device_it_runs_on(monkeypatch):
     (site,) = g.report.sites
     assert site.cost["hardware"] == cost.PROFILES["tpu-v5e"].name + ", detected"
     assert site.schedule["variant"] == fastest(cost.SiteShape.from_dict(site.cost["site"]), cost.PROFILES["tpu-v5e"])
+
+
+def test_the_timeline_draws_each_site_as_its_variant(tmp_path, monkeypatch):
+    from cmatmul_pass import timeline
+
+    drawn = []
+    real = timeline._ring_bars
+    monkeypatch.setattr(timeline, "_ring_bars", lambda shape, hw, bidi, unroll: drawn.append(
+        cost.variant_name(bidi, unroll)) or real(shape, hw, bidi, unroll))
+    result = cmatmul_pass.rewrite(sample("sp_mlp").read_text(), cmatmul_pass.Options(variant="auto"))
+    timeline.plot(result.report, cost.hardware("h100"), tmp_path / "t.png")
+    assert drawn == [s.cost["variant"] for s in result.report.sites] and len(set(drawn)) == 2
