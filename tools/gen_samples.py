@@ -632,13 +632,23 @@ def sp_mlp_layers() -> str:
     return lower(layers, x, w1, w2, w1, w2, w1, w2)
 
 
-# ---------------------------------------------------------------- negative samples
+# ---------------------------------------------------------------- batch dims
 def batch_dim() -> str:
     mesh = mesh_2x4()
     body = lambda x, w: jnp.einsum("bij,bjk->bik", gather(x, "model", 0), w)  # noqa: E731
     f = smap(body, mesh=mesh, in_specs=(P("model", None, None), P()), out_specs=P())
     return lower(f, arg(mesh, (8, 16, 32), P("model", None, None)), arg(mesh, (8, 32, 16), P()))
 
+
+def rs_batch_dim() -> str:
+    mesh = mesh_2x4()
+    body = lambda x, w: scatter(jnp.einsum("bij,bjk->bik", x, w), "model", 0)  # noqa: E731
+    specs = (P(None, None, "model"), P(None, "model", None))
+    f = smap(body, mesh=mesh, in_specs=specs, out_specs=P("model", None, None))
+    return lower(f, arg(mesh, (8, 16, 64), specs[0]), arg(mesh, (8, 64, 16), specs[1]))
+
+
+# ---------------------------------------------------------------- negative samples
 
 def user_not_dot() -> str:
     mesh = mesh_2x4()
@@ -711,14 +721,6 @@ def rs_multiple_users() -> str:
 
     f = smap(body, mesh=mesh, in_specs=(P(None, "model"), P("model", None)), out_specs=(P("model", None), P("model")))
     return lower(f, arg(mesh, (64, 64), P(None, "model")), arg(mesh, (64, 32), P("model", None)))
-
-
-def rs_batch_dim() -> str:
-    mesh = mesh_2x4()
-    body = lambda x, w: scatter(jnp.einsum("bij,bjk->bik", x, w), "model", 0)  # noqa: E731
-    specs = (P(None, None, "model"), P(None, "model", None))
-    f = smap(body, mesh=mesh, in_specs=specs, out_specs=P("model", None, None))
-    return lower(f, arg(mesh, (8, 16, 64), specs[0]), arg(mesh, (8, 64, 16), specs[1]))
 
 
 def reshape_splits_ring_dim() -> str:
