@@ -19,7 +19,7 @@ import inspect
 import os
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -27,6 +27,7 @@ import numpy as np
 
 from . import execute, ir_utils
 from ._jax_private import lowered_module, lowered_with_module, make_context
+from .cost import VARIANTS
 from .errors import NumericsMismatch
 from .pipeline import Options, rewrite
 from .report import Report
@@ -48,13 +49,18 @@ def jit(
     min_bytes: int = 0,
     check: bool = False,
     gpu_options: bool = True,
+    measure_runs: int = 5,
     **jit_kwargs: Any,
 ):
     """Like ``jax.jit(fun, **jit_kwargs)``, running the rewritten program.
 
     Usable as ``@cmatmul_pass.jit`` and ``@cmatmul_pass.jit(bidirectional=True, ...)``.
     ``variant``: a ring variant by name (``"bidi-unroll2"``), or ``"auto"``: per site, the
-    one the cost model predicts fastest on ``hardware`` (see :class:`~cmatmul_pass.Options`).
+    one the cost model predicts fastest on ``hardware`` (see :class:`~cmatmul_pass.Options`),
+    or ``"measure"``: on the first call of each input signature, compile every variant and
+    the original, time each on that call's inputs (median of ``measure_runs`` after a
+    warm-up, in turn, on copies of donated inputs) and keep the fastest variant; ``.measured``
+    holds the times, the original's included.
     ``hardware`` (for ``variant="auto"`` and ``policy="auto"``): by default ``"auto"``, the
     cost-model profile of jax's default device (H100, H200, A100, TPU v5e; else the H100's,
     and the report's ``cost.hardware`` says it was assumed), or a profile by name.
@@ -65,18 +71,28 @@ def jit(
     its rings need to overlap (:func:`ring_compiler_options`), except those you set yourself
     in ``compiler_options`` or ``XLA_FLAGS``.
     """
+    if measure_runs < 1:
+        raise ValueError(f"measure_runs must be at least 1, not {measure_runs}")
+    measure = variant == MEASURE
     options = Options(
-        bidirectional=bidirectional, unroll=unroll, variant=variant, annotate_streams=annotate_streams, share_rings=share_rings,
+        bidirectional=bidirectional, unroll=unroll, variant=None if measure else variant, annotate_streams=annotate_streams, share_rings=share_rings,
         assemble=assemble, merge_dots=merge_dots, tie_rounds=tie_rounds,
         policy=policy, hardware=hardware, min_bytes=min_bytes,
     )
-    if fun is None:
-        return functools.partial(_make, options=options, check=check, gpu_options=gpu_options, jit_kwargs=jit_kwargs)
-    return _make(fun, options=options, check=check, gpu_options=gpu_options, jit_kwargs=jit_kwargs)
+    if measure and (bidirectional or unroll != 1):
+        raise ValueError("variant='measure' times every variant; it cannot be combined with bidirectional or unroll")
+    make = functools.partial(_make, options=options, check=check, gpu_options=gpu_options, jit_kwargs=jit_kwargs,
+                             measure_runs=measure_runs if measure else 0)
+    return make if fun is None else make(fun)
 
 
-def _make(fun: Callable, *, options: Options, check: bool, gpu_options: bool, jit_kwargs: dict) -> "JittedFunction":
-    return JittedFunction(fun, options, check, jit_kwargs, gpu_options)
+def _make(fun: Callable, *, options: Options, check: bool, gpu_options: bool, jit_kwargs: dict,
+          measure_runs: int = 0) -> "JittedFunction":
+    return JittedFunction(fun, options, check, jit_kwargs, gpu_options, measure_runs)
+
+
+#: ``cmatmul_pass.jit(variant=MEASURE)``: time every variant on the devices, keep the fastest
+MEASURE = "measure"
 
 
 def ring_compiler_options(report: Report, platform: str, user_options: dict | None = None,
@@ -133,9 +149,12 @@ class _Entry:
 
 class JittedFunction:
     """The wrapped function.  ``.report``: the report of the latest signature lowered or
-    called; ``.stats``: how often it traced+lowered, rewrote, compiled and checked."""
+    called; ``.stats``: how often it traced+lowered, rewrote, compiled, checked and measured;
+    ``.measured`` (``variant="measure"``): the latest measured signature's median seconds per
+    variant and for the original, and ``.picked`` the variant kept."""
 
-    def __init__(self, fun: Callable, options: Options, check: bool, jit_kwargs: dict, gpu_options: bool = True):
+    def __init__(self, fun: Callable, options: Options, check: bool, jit_kwargs: dict, gpu_options: bool = True,
+                 measure_runs: int = 0):
         self._fun = fun
         self._gpu_options = gpu_options
         self._user_compiler_options = dict(jit_kwargs.get("compiler_options") or {})
@@ -147,13 +166,26 @@ class JittedFunction:
         self._cache: dict = {}
         self.report: Report | None = None
         self.stats: Counter = Counter()
+        self._measure_runs = measure_runs
+        self._picked: dict = {}  # signature -> the variant measured fastest
+        self.measured: dict[str, float] | None = None
+        self.picked: str | None = None
         functools.update_wrapper(self, fun)
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
-        original = self._jitted.lower(*args, **kwargs)
+        """The rewritten lowering (under ``variant="measure"``: with the variant measured for
+        this signature, once a call has measured it; the default ring before)."""
+        picked = self._picked.get(self._key(args, kwargs)[0])
+        options = replace(self.options, variant=picked) if picked else self.options
+        return self._lower(self._jax_lower(args, kwargs), options)
+
+    def _jax_lower(self, args: tuple, kwargs: dict):
         self.stats["lowerings"] += 1
+        return self._jitted.lower(*args, **kwargs)
+
+    def _lower(self, original: Any, options: Options) -> Lowered:
         module = ir_utils.copy_module(lowered_module(original), make_context())
-        result = rewrite(module, self.options, source=getattr(self._fun, "__qualname__", "<jit>"))
+        result = rewrite(module, options, source=getattr(self._fun, "__qualname__", "<jit>"))
         self.stats["rewrites"] += 1
         self.report = result.report
         extra = {}
@@ -162,24 +194,54 @@ class JittedFunction:
                                           self._user_compiler_options, os.environ.get("XLA_FLAGS", ""))
         return Lowered(lowered_with_module(original, result.module), result.report, original, extra)
 
-    def __call__(self, *args: Any, **kwargs: Any):
+    def _key(self, args: tuple, kwargs: dict) -> tuple:
         dynamic_args, dynamic_kwargs, statics = self._static.split(args, kwargs)
-        key = (statics, _signature((dynamic_args, dynamic_kwargs)))
+        return (statics, _signature((dynamic_args, dynamic_kwargs))), dynamic_args, dynamic_kwargs
+
+    def __call__(self, *args: Any, **kwargs: Any):
+        key, dynamic_args, dynamic_kwargs = self._key(args, kwargs)
         entry = self._cache.get(key)
         if entry is None:
-            lowered = self.lower(*args, **kwargs)
-            entry = _Entry(lowered.compile(), lowered)
-            self.stats["compiles"] += 1
+            if self._measure_runs:
+                entry = self._measure(key, args, kwargs, dynamic_args, dynamic_kwargs)
+            else:
+                lowered = self.lower(*args, **kwargs)
+                entry = _Entry(lowered.compile(), lowered)
+                self.stats["compiles"] += 1
             self._cache[key] = entry
-            self.report = lowered.report
+            self.report = entry.lowered.report
             if self.check:
                 return self._checked(entry, dynamic_args, dynamic_kwargs)
         self.report = entry.lowered.report
         return entry.compiled(*dynamic_args, **dynamic_kwargs)
 
+    def _measure(self, key: tuple, args: tuple, kwargs: dict, dynamic_args: tuple, dynamic_kwargs: dict) -> _Entry:
+        """Compile every variant and the original, time them in turn on this call's inputs, keep
+        the fastest variant."""
+        original = self._jax_lower(args, kwargs)
+        entries = {}
+        for name in VARIANTS:
+            lowered = self._lower(original, replace(self.options, variant=name))
+            entries[name] = _Entry(lowered.compile(), lowered)
+            self.stats["compiles"] += 1
+        programs = {name: entry.compiled for name, entry in entries.items()}
+        programs["original"] = original.compile()
+
+        def prepare():  # a program may donate its inputs: each run gets its own copies
+            if not self._donates:
+                return dynamic_args, dynamic_kwargs
+            return jax.block_until_ready(_copies((dynamic_args, dynamic_kwargs)))
+
+        timed = {name: (lambda given, run=run: jax.block_until_ready(run(*given[0], **given[1])))
+                 for name, run in programs.items()}
+        self.measured = execute.interleaved_medians(timed, self._measure_runs, warmup=1, prepare=prepare)
+        self.stats["measurements"] += 1
+        self.picked = self._picked[key] = min(VARIANTS, key=self.measured.__getitem__)
+        return entries[self.picked]
+
     def _checked(self, entry: _Entry, args: tuple, kwargs: dict):
         """Run the original on copies of the inputs (they may be donated), then the rewrite."""
-        copies = jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, (args, kwargs))
+        copies = _copies((args, kwargs))
         expected = entry.lowered.original.compile()(*copies[0], **copies[1])
         self.stats["checks"] += 1
         actual = entry.compiled(*args, **kwargs)
@@ -196,6 +258,11 @@ class JittedFunction:
                 f"original beyond tolerance ({outputs}); rewritten sites: {sites or 'none'}"
             )
         return actual
+
+
+def _copies(tree):
+    """``tree`` with every jax array copied (inputs a program may donate)."""
+    return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, tree)
 
 
 class _StaticArgs:

@@ -181,22 +181,30 @@ def median_seconds(run_once: Callable[[], object], runs: int, warmup: int = 1) -
     return interleaved_medians({"run": run_once}, runs, warmup)["run"]
 
 
-def interleaved_medians(programs: dict[str, Callable[[], object]], runs: int, warmup: int = 1) -> dict[str, float]:
+def interleaved_medians(programs: dict[str, Callable], runs: int, warmup: int = 1,
+                        prepare: Callable[[], object] | None = None) -> dict[str, float]:
     """Median wall time of each program (each call must wait for its results), timed round
     by round: every round runs each program once, starting one place further each round.
     A drift of the machine's speed (other load, frequency) then falls on all programs alike,
-    which separate blocks of runs would charge to whichever ran at the time."""
+    which separate blocks of runs would charge to whichever ran at the time.  ``prepare``:
+    called untimed before every call, its result passed to the program (fresh copies of
+    inputs a program donates, say); without it programs take no argument."""
     names = list(programs)
+
+    def call(name: str) -> float:
+        given = () if prepare is None else (prepare(),)
+        start = time.perf_counter()
+        programs[name](*given)
+        return time.perf_counter() - start
+
     for name in names:
         for _ in range(warmup):
-            programs[name]()
+            call(name)
     samples: dict[str, list[float]] = {name: [] for name in names}
     for r in range(runs):
         for i in range(len(names)):
             name = names[(r + i) % len(names)]
-            start = time.perf_counter()
-            programs[name]()
-            samples[name].append(time.perf_counter() - start)
+            samples[name].append(call(name))
     return {name: statistics.median(samples[name]) for name in names}
 
 

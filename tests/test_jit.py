@@ -248,3 +248,50 @@ def test_on_a_gpu_backend_the_decorator_compiles_with_the_ring_options(monkeypat
     np.testing.assert_allclose(np.asarray(bidi(x, w)), expected, rtol=1e-5, atol=1e-5)
     assert cmatmul_pass.jit(F).lower(x, w).compiler_options == {LHS: True}
     assert cmatmul_pass.jit(F, gpu_options=False).lower(x, w).compiler_options == {}
+
+
+# ------------------------------------------------------------------ variant="measure"
+def test_measure_times_every_variant_and_keeps_the_fastest():
+    from cmatmul_pass import cost
+
+    x, w = inputs()
+    g = cmatmul_pass.jit(F, variant="measure", measure_runs=2, check=True)
+    np.testing.assert_allclose(np.asarray(g(x, w)), np.asarray(jax.jit(F)(x, w)), rtol=1e-5)
+    assert set(g.measured) == {*cost.VARIANTS, "original"} and all(t > 0 for t in g.measured.values())
+    assert g.picked == min(cost.VARIANTS, key=g.measured.get)
+    assert g.report.rewritten[0].schedule["variant"] == g.picked
+    assert (g.stats["lowerings"], g.stats["compiles"], g.stats["measurements"], g.stats["checks"]) == (1, 6, 1, 1)
+    g(x, w)  # the same signature: the kept executable, nothing measured again
+    assert g.stats["measurements"] == 1 and g.stats["compiles"] == 6
+    assert g.lower(x, w).report.rewritten[0].schedule["variant"] == g.picked  # what a call runs
+
+
+@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+def test_measure_keeps_what_the_clock_says(monkeypatch):
+    """The kept executable is the variant with the least measured time (timings faked here),
+    and donated inputs are copied for every timed run."""
+    from cmatmul_pass import execute
+
+    seen = []
+
+    def fake(programs, runs, warmup=1, prepare=None):
+        for name, run in programs.items():
+            given = prepare()
+            seen.append(given[0][0])
+            run(given)
+        return {name: (0.5 if name == "bidi-unroll2" else 1.0) for name in programs}
+
+    monkeypatch.setattr(execute, "interleaved_medians", fake)
+    x, w = inputs()
+    expected = np.asarray(jax.jit(F)(x, w))
+    g = cmatmul_pass.jit(F, variant="measure", donate_argnums=(0,))
+    np.testing.assert_allclose(np.asarray(g(x, w)), expected, rtol=1e-5)
+    assert g.picked == "bidi-unroll2" and g.report.rewritten[0].schedule["variant"] == "bidi-unroll2"
+    assert len(seen) == 7 and all(arg is not x for arg in seen)  # each timed run had its own copy of x
+
+
+def test_measure_takes_no_fixed_variant():
+    with pytest.raises(ValueError, match="measure"):
+        cmatmul_pass.jit(F, variant="measure", unroll=2)
+    with pytest.raises(ValueError, match="measure_runs"):
+        cmatmul_pass.jit(F, variant="measure", measure_runs=0)
