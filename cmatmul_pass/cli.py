@@ -129,8 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_input(p, variant_flags=False)
     add_report(p)
     p.add_argument("--variants", default="all",
-                   help=f"comma-separated variants to time ({', '.join(VARIANT_NAMES)}, or auto: each site "
-                        "the variant the cost model picks for --hardware) or 'all' (the six named)")
+                   help=f"comma-separated variants to time ({', '.join(VARIANT_NAMES)}, auto: each site "
+                        "the variant the cost model picks for --hardware; all: the six named)")
     p.add_argument("--runs", type=int, default=7, help="timed runs per program (the median is reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs before timing")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
@@ -318,6 +318,14 @@ def _bench_devices(platform: str, count: int) -> list:
     return devices[:count]
 
 
+def variant_list(spec: str) -> tuple[str, ...]:
+    """``bench --variants``: comma-separated names, ``all`` standing for the six named variants."""
+    names: list[str] = []
+    for item in spec.split(","):
+        names += VARIANT_NAMES if item.strip() == "all" else [item.strip()]
+    return tuple(dict.fromkeys(names))
+
+
 def cmd_bench(args) -> int:
     """Time the original and each variant's rewrite on the same inputs, in turn (see
     execute.interleaved_medians).  Every variant's outputs are checked against the original's
@@ -329,7 +337,7 @@ def cmd_bench(args) -> int:
 
     if args.runs < 1 or args.warmup < 0:
         raise CmatmulError("--runs must be at least 1 and --warmup at least 0")
-    names = VARIANT_NAMES if args.variants == "all" else tuple(v.strip() for v in args.variants.split(","))
+    names = variant_list(args.variants)
     flags = {**VARIANT_FLAGS, "auto": f"--variant auto --hardware {args.hardware}"}
     unknown = [v for v in names if v not in flags]
     if unknown:

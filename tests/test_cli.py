@@ -262,3 +262,11 @@ def test_bench_compiles_each_variant_with_its_ring_options(monkeypatch, tmp_path
 def test_bench_usage_errors_exit_2(argv, message, capsys):
     assert run_cli("bench", POS, *argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_bench_variant_lists():
+    from cmatmul_pass.cli import VARIANT_NAMES, variant_list
+
+    assert variant_list("all") == VARIANT_NAMES
+    assert variant_list("all,auto") == (*VARIANT_NAMES, "auto")
+    assert variant_list(" uni , bidi,uni") == ("uni", "bidi")
