@@ -290,6 +290,14 @@ def test_measure_keeps_what_the_clock_says(monkeypatch):
     assert len(seen) == 7 and all(arg is not x for arg in seen)  # each timed run had its own copy of x
 
 
+def test_measure_skips_a_program_without_rings():
+    x, w = inputs()
+    g = cmatmul_pass.jit(F, variant="measure", min_bytes=1 << 40)
+    np.testing.assert_allclose(np.asarray(g(x, w)), np.asarray(jax.jit(F)(x, w)), rtol=1e-5)
+    assert g.report.sites[0].reason_code == "min_bytes"
+    assert g.stats["compiles"] == 1 and g.stats["measurements"] == 0 and g.measured is None and g.picked is None
+
+
 def test_measure_takes_no_fixed_variant():
     with pytest.raises(ValueError, match="measure"):
         cmatmul_pass.jit(F, variant="measure", unroll=2)
