@@ -224,7 +224,8 @@ class JittedFunction:
             lowered = self._lower(original, replace(self.options, variant=name))
             entries[name] = _Entry(lowered.compile(), lowered)
             self.stats["compiles"] += 1
-            if not lowered.report.rewritten:  # no ring (no site, or all declined): nothing to choose
+            if not lowered.report.rewritten and all(s.reason_code != "policy" for s in lowered.report.sites):
+                # no ring, and only declines no variant changes (the policy's depend on it): nothing to choose
                 self.measured, self.picked = None, None
                 return entries[name]
         programs = {name: entry.compiled for name, entry in entries.items()}

@@ -298,6 +298,21 @@ def test_measure_skips_a_program_without_rings():
     assert g.stats["compiles"] == 1 and g.stats["measurements"] == 0 and g.measured is None and g.picked is None
 
 
+def test_measure_times_the_variants_the_policy_keeps_when_it_declines_the_first():
+    """Under policy="auto" a site the model declines for one variant may pass for another:
+    measuring goes on past a first variant that rewrote nothing."""
+    x, w = inputs()
+    slow_trips = "h100:f32=1e9,bandwidth=1e8,split_efficiency=1,loop_trip=2e-4"  # uni declined, full/bidi pass
+    g = cmatmul_pass.jit(F, variant="measure", measure_runs=1, policy="auto", hardware=slow_trips)
+    np.testing.assert_allclose(np.asarray(g(x, w)), np.asarray(jax.jit(F)(x, w)), rtol=1e-5)
+    assert g.stats["measurements"] == 1 and set(g.measured) == {*cmatmul_pass.cost.VARIANTS, "original"}
+    assert g.picked == min(cmatmul_pass.cost.VARIANTS, key=g.measured.get)
+    # the kept program is the pick's: rewritten where the model passes that variant, else left
+    (site,) = g.report.sites
+    assert site.cost["variant"] == g.picked
+    assert site.rewritten == (site.cost["speedup"][g.picked] >= 1.02)
+
+
 def test_measure_takes_no_fixed_variant():
     with pytest.raises(ValueError, match="measure"):
         cmatmul_pass.jit(F, variant="measure", unroll=2)
