@@ -358,9 +358,10 @@ class Prediction:
 
     @property
     def best(self) -> str:
-        """The variant predicted fastest; on a tie the simpler one (``VARIANTS``' order): a
-        ring of 2, or a scatter whose blocks cannot be halved, goes one way in every variant."""
-        return max(VARIANTS, key=lambda name: (self.speedup[name], -list(VARIANTS).index(name)))
+        """The variant predicted fastest; on a tie the simpler one (``max`` keeps the first in
+        ``VARIANTS``' order): a ring of 2, or a scatter whose blocks cannot be halved, goes one
+        way in every variant."""
+        return max(VARIANTS, key=self.speedup.__getitem__)
 
 
 def overlapped_time(shape: SiteShape, hw: Hardware, bidirectional: bool, unroll: int | None) -> float:
@@ -396,13 +397,9 @@ def mlp_block(hw: Hardware, hidden: int, ffn: int, tokens: int, n: int = 8, dtyp
     site's variant (``variant="auto"``: each site the one :attr:`Prediction.best` picks)."""
     gather = SiteShape("all_gather_dot", n, 2 * (2 * tokens * hidden * (ffn // n)), (tokens // n) * hidden * element_bytes, dtype)
     scatter = SiteShape("dot_reduce_scatter", n, 2 * tokens * (ffn // n) * hidden, (tokens // n) * hidden * element_bytes, dtype)
-    serial = overlapped = 0.0
-    variants = []
-    for shape in (gather, scatter):
-        p = predict(shape, hw, bidirectional, unroll)
-        chosen = p.best if variant == "auto" else p.variant
-        variants.append(chosen)
-        serial += p.serial_s
-        overlapped += p.overlapped_s[chosen]
+    predictions = [predict(shape, hw, bidirectional, unroll) for shape in (gather, scatter)]
+    variants = [p.best if variant == "auto" else p.variant for p in predictions]
+    serial = sum(p.serial_s for p in predictions)
+    overlapped = sum(p.overlapped_s[chosen] for p, chosen in zip(predictions, variants))
     return {"serial_s": serial, "overlapped_s": overlapped, "speedup": serial / overlapped, "variants": variants,
-            "compute_to_transfer": predict(gather, hw).compute_s / predict(gather, hw).transfer_s}
+            "compute_to_transfer": predictions[0].compute_s / predictions[0].transfer_s}

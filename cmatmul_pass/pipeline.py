@@ -39,9 +39,8 @@ class Options:
     loop, the whole ring straight-line.
     ``variant``: a ring variant by name (``cost.VARIANTS``: uni, unroll2, full, bidi,
     bidi-unroll2, bidi-full), which sets ``bidirectional`` and ``unroll`` (naming others
-    is an error); or ``"auto"``:
-    per site, the variant the cost model predicts fastest on ``hardware`` (sites of one
-    shape get the same one).  None (the default): ``bidirectional`` and ``unroll`` decide.
+    is an error); or ``"auto"``: per site, the variant the cost model predicts fastest on
+    ``hardware`` (sites of one shape get the same one).  None (the default): ``bidirectional`` and ``unroll`` decide.
     ``annotate_streams``: outline each round's dots onto compute streams
     (``_xla_stream_annotation``) and group each permute with the dots it overlaps
     (``_scheduling_group_id``); XLA GPU honours them, CPU ignores them.
@@ -204,8 +203,6 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
         ctx = RewriteContext(
             channels.take,
             Annotator(module, enabled=options.annotate_streams),
-            bidirectional=options.bidirectional,
-            unroll=options.rounds_per_trip,
             merge_dots=options.merge_dots,
             tie_rounds=options.tie_rounds,
         )
@@ -284,7 +281,7 @@ def _apply(
     entry.shared_ring = f"@{shared.name}" if shared else None
     entry.channel_handles = list(applied.channel_handles)
     entry.schedule = {
-        "variant": cost.variant_name(ctx.bidirectional, ctx.unroll),  # asked for (see notes)
+        "variant": prediction.variant,  # asked for (see notes)
         "directions": applied.directions,
         "rounds": applied.stats.rounds,
         "loop_trips": applied.stats.loop_trips,

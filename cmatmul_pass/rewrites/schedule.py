@@ -220,6 +220,7 @@ class RewriteContext:
 
     take_channel: Callable[[], int]
     annotator: Annotator
+    #: the variant of the site being rewritten (the pipeline sets them before each site)
     bidirectional: bool = False
     unroll: int | None = 1
     #: one dot per round for consumers that differ only in their other operand (concatenated once)
