@@ -286,8 +286,10 @@ def cmd_explain(args) -> int:
                 hidden = c.get("overlap", {}).get(variant, 1.0)
                 return f", {100 * hidden:.0f} % of permutes hidden" if hidden < 1 else ""
 
+            split = c.get("split_efficiency", {}).get(c["variant"], 1.0)
+            kept = f" (the ring's dots keep {split:.2f} of its throughput)" if split < 1 else ""
             print(
-                f"  predicted on {c['hardware']}: compute {us(c['compute_s'])}, transfer {us(c['transfer_s'])}, "
+                f"  predicted on {c['hardware']}: compute {us(c['compute_s'])}{kept}, transfer {us(c['transfer_s'])}, "
                 f"serial {us(c['serial_s'])}; {c['variant']} {us(c['overlapped_s'][c['variant']])} "
                 f"({c['speedup'][c['variant']]:.2f}x{exposed(c['variant'])}); "
                 f"best: {best} ({c['speedup'][best]:.2f}x{exposed(best)})"

@@ -10,7 +10,9 @@ ring's dots), the bytes one permute moves, the ring size ``n`` and the element t
 * ``step`` seconds of synchronisation per permute round and ``loop_trip`` seconds per
   trip of a ``stablehlo.while`` (a loop condition on a GPU costs a few µs);
 * ``split_efficiency``: how much of the full dot's throughput the ``1/n``-sized dots of
-  the ring keep (1.0: none lost; ``tools/gpu_calibrate.py`` measures it on a GPU);
+  the ring keep (1.0: none lost; ``tools/gpu_calibrate.py`` measures it on a GPU): one
+  fraction, or measured points per site kind, interpolated by the size of a ring step's dot
+  (smaller dots keep less: :meth:`Hardware.split`);
 * ``overlap``, per variant: the fraction of the ring's permutes that XLA's schedule
   overlaps with a dot (1.0 where not measured; ``tools/gpu_topology.py`` reads it from the
   optimised module).  An exposed permute makes its round's dots wait for the transfer.
@@ -47,14 +49,32 @@ class Hardware:
     step: float = 6e-6
     loop_trip: float = 4e-6
     #: throughput of the ring's 1/n-sized dots relative to the whole dot's (measured by
-    #: tools/gpu_calibrate.py; 1.0 until a profile is calibrated)
-    split_efficiency: float = 1.0
+    #: tools/gpu_calibrate.py; 1.0 until a profile is calibrated): one fraction for every
+    #: dot, or per site kind (SiteShape.kind) measured points ((FLOPs of one ring step's
+    #: dot, fraction), ...), which :meth:`split` interpolates
+    split_efficiency: float | dict[str, tuple[tuple[float, float], ...]] = 1.0
     #: per variant (VARIANTS): the fraction of the ring's permutes the compiler's schedule
     #: overlaps with a dot (measured by tools/gpu_topology.py); a variant not listed: 1.0
     overlap: dict[str, float] = field(default_factory=dict)
 
     def throughput(self, dtype: str) -> float:
         return self.flops.get(dtype) or self.flops.get("default") or min(self.flops.values())
+
+    def split(self, kind: str, step_flops: float) -> float:
+        """The fraction of the full dot's throughput that a ring step's dot of ``step_flops``
+        keeps at a site of ``kind``: linear in log(FLOPs) between the measured points, the
+        nearest point's outside them (a kind with no points: 1.0)."""
+        if not isinstance(self.split_efficiency, dict):
+            return float(self.split_efficiency)
+        points = sorted(self.split_efficiency.get(kind, ()))
+        if not points:
+            return 1.0
+        if step_flops <= points[0][0]:
+            return points[0][1]
+        for (f0, e0), (f1, e1) in zip(points, points[1:]):
+            if step_flops < f1:
+                return e0 + (e1 - e0) * math.log(step_flops / f0) / math.log(f1 / f0)
+        return points[-1][1]
 
     def hidden(self, variant: str) -> float:
         """The fraction of ``variant``'s permutes whose transfer a dot hides."""
@@ -90,22 +110,32 @@ def variant_name(bidirectional: bool, unroll: int | None) -> str:
 #: permute, so that ``variant="auto"`` does not favour it for being unmeasured.
 H100_OVERLAP = {"full": 202 / 210, "bidi": 98 / 108, "bidi-unroll2": 177 / 196, "bidi-full": 177 / 196}
 
+#: FLOPs of one ring step's dot at the MLP-block shapes tools/gpu_calibrate.py measures on 8
+#: devices (one weight of the gather, the scatter's one dot): 70B-like 2·1024·8192·3584, 8B-like
+#: 2·1024·4096·1792
+STEP_70B, STEP_8B = 2 * 1024 * 8192 * 3584, 2 * 1024 * 4096 * 1792
+
 PROFILES: dict[str, Hardware] = {
     # Calibrated on an H100 SXM (tools/gpu_calibrate.py, jax 0.11.2, bench/gpu/h100_calibrate_*.json):
     # XLA's bf16 dot at MLP-block shapes 676-679 TFLOP/s (989 peak); the ring's 1/8-sized
-    # straight-line dots keep 0.851 of it at 70B-like shapes (0.741 at 8B-like; docs/gpu.md
-    # discusses why); a while-loop trip costs 11 µs.  f32/i8/i32 are not measured.
-    # NVLink 4: 450 GB/s per direction.  Overlap: H100_OVERLAP.
+    # straight-line dots keep 0.851 of it (gather) and 0.922 (scatter) at 70B-like shapes, 0.741
+    # and 0.813 at 8B-like ones (docs/gpu.md discusses why); a while-loop trip costs 11 µs.
+    # f32/i8/i32 are not measured.  NVLink 4: 450 GB/s per direction.  Overlap: H100_OVERLAP.
     "h100": Hardware("H100 SXM (NVLink 4)", {"bf16": 676e12, "f16": 676e12, "f32": 400e12, "i8": 1600e12,
                                             "i32": 60e12, "default": 676e12}, 450e9,
-                     loop_trip=11e-6, split_efficiency=0.851, overlap=H100_OVERLAP),
+                     loop_trip=11e-6, overlap=H100_OVERLAP,
+                     split_efficiency={"all_gather_dot": ((STEP_8B, 0.741), (STEP_70B, 0.851)),
+                                       "dot_reduce_scatter": ((STEP_8B, 0.813), (STEP_70B, 0.922))}),
     # Calibrated on an H200 the same way (bench/gpu/h200_calibrate_*.json): 686-687 TFLOP/s,
-    # split 0.840 at 70B-like shapes (0.725 at 8B-like), 10.3 µs per loop trip: the H100's
-    # GH100 die and SM count, so nearly the H100's numbers.  Faster HBM; NVLink 4 as H100.
-    # Overlap: assumed the H100's (the same XLA scheduler; no H200 compile was read).
+    # split 0.840 (gather) and 0.925 (scatter) at 70B-like shapes, 0.725 and 0.838 at 8B-like,
+    # 10.3 µs per loop trip: the H100's GH100 die and SM count, so nearly the H100's numbers.
+    # Faster HBM; NVLink 4 as H100.  Overlap: assumed the H100's (the same XLA scheduler; no
+    # H200 compile was read).
     "h200": Hardware("H200 (NVLink 4)", {"bf16": 686e12, "f16": 686e12, "f32": 410e12, "i8": 1640e12,
                                         "i32": 60e12, "default": 686e12}, 450e9,
-                     loop_trip=10.3e-6, split_efficiency=0.840, overlap=H100_OVERLAP),
+                     loop_trip=10.3e-6, overlap=H100_OVERLAP,
+                     split_efficiency={"all_gather_dot": ((STEP_8B, 0.725), (STEP_70B, 0.840)),
+                                       "dot_reduce_scatter": ((STEP_8B, 0.838), (STEP_70B, 0.925))}),
     # 312 TFLOP/s bf16 peak (~250 achieved); NVLink 3: 300 GB/s per direction.
     "a100": Hardware("A100 SXM (NVLink 3)", {"bf16": 250e12, "f16": 250e12, "f32": 125e12, "i8": 500e12,
                                             "i32": 20e12, "default": 250e12}, 300e9),
@@ -136,7 +166,9 @@ def _device_kind() -> str:
 
 def hardware(spec: str) -> Hardware:
     """A profile by name, optionally overridden: ``"h100"``,
-    ``"h100:bandwidth=400e9,bf16=700e12,step=8e-6,split_efficiency=0.97,overlap.bidi=0.9"``;
+    ``"h100:bandwidth=400e9,bf16=700e12,step=8e-6,split_efficiency=0.97,overlap.bidi=0.9"``
+    (``split_efficiency``: one fraction for every dot; ``split.gather=1.5e10:0.74/6e10:0.85``
+    and ``split.scatter=...``: a kind's measured points, see :meth:`Hardware.split`);
     ``"auto"``: the profile of jax's default device (:data:`DEVICE_KINDS`), or
     :data:`FALLBACK_PROFILE` where none describes it (the name says so)."""
     name, _, overrides = spec.partition(":")
@@ -153,6 +185,9 @@ def hardware(spec: str) -> Hardware:
         hw = replace(hw, name=f"{hw.name}, {overrides}")
     for item in filter(None, overrides.split(",")):
         key, _, value = item.partition("=")
+        if key.startswith("split."):
+            hw = replace(hw, split_efficiency=_split_override(hw, item, key.removeprefix("split."), value))
+            continue
         try:
             number = float(value)
         except ValueError:
@@ -173,6 +208,35 @@ def hardware(spec: str) -> Hardware:
         else:  # a dtype's throughput
             hw = replace(hw, flops={**hw.flops, key: number})
     return hw
+
+
+#: the site kinds by the short names a ``split.<name>`` override uses
+KIND_NAMES = {"gather": "all_gather_dot", "scatter": "dot_reduce_scatter"}
+
+
+def _split_override(hw: Hardware, item: str, name: str, value: str) -> dict:
+    """``split.gather=1.5e10:0.74/6e10:0.85``: a kind's measured points (FLOPs of a ring step's
+    dot : fraction of the full dot's throughput), replacing the profile's for that kind."""
+    kind = KIND_NAMES.get(name, name)
+    if kind not in KIND_NAMES.values():
+        raise CmatmulError(f"hardware override {item!r}: no site kind {name!r}; known: {', '.join(KIND_NAMES)}")
+    points = []
+    for point in value.split("/"):
+        flops, colon, fraction = point.partition(":")
+        try:
+            pair = (float(flops), float(fraction))
+        except ValueError:
+            pair = None
+        if not colon or pair is None or not all(math.isfinite(v) and v > 0 for v in pair):
+            raise CmatmulError(f"hardware override {item!r}: each point is FLOPS:FRACTION, both positive "
+                               f"numbers, '/' between points (got {point!r})")
+        points.append(pair)
+    if len({flops for flops, _ in points}) < len(points):
+        raise CmatmulError(f"hardware override {item!r}: two points at the same FLOPs")
+    current = hw.split_efficiency
+    if not isinstance(current, dict):  # one fraction for every dot: one point per kind
+        current = {k: ((1.0, float(current)),) for k in KIND_NAMES.values()}
+    return {**current, kind: tuple(sorted(points))}
 
 
 @dataclass(frozen=True)
@@ -279,9 +343,24 @@ def rounds(shape: SiteShape, bidirectional: bool) -> list[Round]:
             Round(block * sum(s.computes(r) for s in streams), tuple(b for s in streams if s.sends(r)), signature)
             for r, signature in enumerate(gather_signatures(streams))
         ]
-    halves = bidirectional and shape.halvable  # a split scatter: each half-block's partial sums travel one way
-    sends = (b / 2, b / 2) if halves else (b,)
+    sends = (b / 2, b / 2) if _halves(shape, bidirectional) else (b,)
     return [Round(block, sends if receives else (), receives) for receives in scatter_signatures(n)]
+
+
+def _halves(shape: SiteShape, bidirectional: bool) -> bool:
+    """A split scatter: each half-block's partial sums travel one way."""
+    return shape.kind == "dot_reduce_scatter" and bidirectional and shape.halvable
+
+
+def step_dot_flops(shape: SiteShape, bidirectional: bool) -> float:
+    """The FLOPs of one dot of a ring step: a ring's ``1/n`` of the site's, half that where a
+    bidirectional scatter splits its blocks (the dots :meth:`Hardware.split` is asked about)."""
+    return shape.flops / shape.ring / (2 if _halves(shape, bidirectional) else 1)
+
+
+def split_efficiency(shape: SiteShape, hw: Hardware, bidirectional: bool) -> float:
+    """What the ring's dots keep of the full dot's throughput at this site."""
+    return hw.split(shape.kind, step_dot_flops(shape, bidirectional))
 
 
 @dataclass(frozen=True)
@@ -314,7 +393,7 @@ def schedule(shape: SiteShape, hw: Hardware, bidirectional: bool, unroll: int | 
     A round whose permute is hidden costs ``max(compute, transfer)``, an exposed one
     ``compute + transfer``; with the variant's ``overlap`` ``h`` the round costs
     ``h·max + (1-h)·sum``: its dots start after ``(1-h)`` of the transfer."""
-    t_c = shape.flops / hw.throughput(shape.dtype) / hw.split_efficiency  # the ring's dots are smaller
+    t_c = shape.flops / hw.throughput(shape.dtype) / split_efficiency(shape, hw, bidirectional)  # smaller dots
     plan = rounds(shape, bidirectional)
     hidden = hw.hidden(_variant_of(plan, unroll))
     lo, hi = loop_run([rnd.signature for rnd in plan], unroll)
@@ -344,12 +423,14 @@ class Prediction:
     variant: str = "uni"  # the variant the pass is emitting
     #: per variant, the share of its permutes the profile expects hidden (Hardware.overlap)
     overlap: dict[str, float] = field(default_factory=dict)
+    #: per variant, the fraction of the full dot's throughput its ring's dots keep (Hardware.split)
+    split_efficiency: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {
             "hardware": self.hardware, "compute_s": self.compute_s, "transfer_s": self.transfer_s,
             "serial_s": self.serial_s, "overlapped_s": dict(self.overlapped_s), "speedup": dict(self.speedup),
-            "variant": self.variant, "overlap": dict(self.overlap),
+            "variant": self.variant, "overlap": dict(self.overlap), "split_efficiency": dict(self.split_efficiency),
         }
 
     @property
@@ -384,6 +465,7 @@ def predict(shape: SiteShape, hw: Hardware, bidirectional: bool = False, unroll:
         prediction.overlapped_s[name] = overlapped_time(shape, hw, bidi, unr)
         prediction.speedup[name] = serial / prediction.overlapped_s[name]
         prediction.overlap[name] = hw.hidden(emitted_variant(shape, bidi, unr))
+        prediction.split_efficiency[name] = split_efficiency(shape, hw, bidi)
     return prediction
 
 

@@ -41,9 +41,15 @@ def test_gpu_calibration_runs_on_any_backend(tmp_path):
         assert site["efficiency_loop"] == site["full_s"] / site["loop_s"] > 0
         assert max(site["max_relative_error"].values()) <= gpu_calibrate.TOLERANCE["bf16"]
     hw = cost.hardware(result["hardware_override"])
-    assert hw.split_efficiency == round(result["split_efficiency"], 3)
-    # the profile's split comes from the straight-line dots; the loop's extra cost is its trips
+    # the profile's split comes from the straight-line dots, per kind at this run's step size;
+    # the loop's extra cost is its trips
     assert result["split_efficiency"] == min(s["efficiency_unrolled"] for s in result["sites"])
+    for site in result["sites"]:
+        assert result["split_points"][site["kind"]] == [site["flops"] / 4, site["efficiency_unrolled"]]
+        assert hw.split(site["kind"], site["flops"] / 4) == pytest.approx(site["efficiency_unrolled"], abs=5e-4)
+        # the override keeps the h100 profile's points (measured at the 8B and 70B step sizes)
+        for flops, fraction in cost.PROFILES["h100"].split_efficiency[site["kind"]]:
+            assert hw.split(site["kind"], flops) == fraction
     assert result["loop_efficiency"] == min(s["efficiency_loop"] for s in result["sites"])
     assert result["loop_trip_s"] == max(max(0.0, (s["loop_s"] - s["unrolled_s"]) / 4) for s in result["sites"])
     assert hw.loop_trip == float(f"{result['loop_trip_s']:.2g}")

@@ -9,7 +9,7 @@ import pytest
 import cmatmul_pass
 from cmatmul_pass import cost
 from cmatmul_pass.pipeline import variant_options
-from conftest import SAMPLES, run_cli, sample
+from conftest import ROOT, SAMPLES, run_cli, sample
 
 # 1 TFLOP/s, 1 GB/s links, no synchronisation or loop cost: times are easy to compute by hand
 TOY = cost.Hardware("toy", {"f32": 1e12}, 1e9, step=0.0, loop_trip=0.0)
@@ -74,6 +74,56 @@ def test_split_efficiency_slows_only_the_ring():
         with pytest.raises(cmatmul_pass.CmatmulError, match="must be a positive"):
             cost.hardware(bad)
     assert cost.hardware("h100:step=0").step == 0
+
+
+def test_split_efficiency_follows_the_size_of_a_step():
+    """Measured points per site kind, interpolated in log(FLOPs of one step's dot), the nearest
+    point's outside them; a kind with none keeps the whole dot's throughput."""
+    hw = replace(TOY, split_efficiency={"all_gather_dot": ((1e11, 0.9), (1e9, 0.5))})
+    assert hw.split("all_gather_dot", 1e10) == pytest.approx(0.7)  # halfway in log(FLOPs)
+    assert hw.split("all_gather_dot", 1e8) == 0.5 and hw.split("all_gather_dot", 1e12) == 0.9
+    assert hw.split("dot_reduce_scatter", 1e10) == 1.0
+    # a ring of 4 over 4e10 FLOPs: 1e10 per step, so each round's 10 ms dot takes 10 / 0.7 ms
+    p = cost.predict(gather(flops=4e10), hw)
+    assert p.split_efficiency["uni"] == pytest.approx(0.7)
+    assert p.overlapped_s["uni"] == pytest.approx(4 * 10e-3 / 0.7)
+    assert p.serial_s == pytest.approx(40e-3 + 3e-3)  # the original's one dot keeps its throughput
+    # a bidirectional scatter halves its blocks: its dots are half as large and keep less
+    hw = replace(TOY, split_efficiency={"dot_reduce_scatter": ((1e9, 0.5), (1e11, 0.9))})
+    scatter = cost.SiteShape("dot_reduce_scatter", 4, 4e10, 1_000_000, "f32")
+    p = cost.predict(scatter, hw)
+    assert p.split_efficiency["uni"] == pytest.approx(0.7)
+    assert p.split_efficiency["bidi"] == pytest.approx(0.7 - 0.4 * 0.5 * 0.3010299956639812)  # log10(2) lower
+    unhalvable = replace(scatter, halvable=False)
+    assert cost.predict(unhalvable, hw).split_efficiency["bidi"] == pytest.approx(0.7)
+
+
+def test_the_profiles_split_is_what_the_gpu_measured():
+    """The h100 and h200 profiles' points are the straight-line efficiencies that
+    tools/gpu_calibrate.py measured (bench/gpu/), at each run's step size."""
+    root = ROOT / "bench" / "gpu"
+    for profile in ("h100", "h200"):
+        for model in ("70b", "8b"):
+            run = json.loads((root / f"{profile}_calibrate_{model}.json").read_text())
+            for site in run["sites"]:
+                step = site["flops"] / run["ring"]
+                assert cost.PROFILES[profile].split(site["kind"], step) == round(site["efficiency_unrolled"], 3)
+
+
+def test_split_overrides():
+    hw = cost.hardware("h100:split.gather=1e9:0.5/1e11:0.9")
+    assert hw.split("all_gather_dot", 1e10) == pytest.approx(0.7)
+    assert hw.split_efficiency["dot_reduce_scatter"] == cost.PROFILES["h100"].split_efficiency["dot_reduce_scatter"]
+    # a profile with one fraction for every dot keeps it for the kind not overridden
+    hw = cost.hardware("a100:split_efficiency=0.8,split.scatter=1e9:0.6")
+    assert hw.split("all_gather_dot", 1e12) == 0.8 and hw.split("dot_reduce_scatter", 1e12) == 0.6
+    # one fraction replaces the points
+    assert cost.hardware("h100:split.gather=1e9:0.5,split_efficiency=0.9").split("all_gather_dot", 1e9) == 0.9
+    for bad, message in (("h100:split.attention=1e9:0.5", "no site kind"), ("h100:split.gather=0.5", "FLOPS:FRACTION"),
+                         ("h100:split.gather=1e9:0", "FLOPS:FRACTION"), ("h100:split.gather=1e9:x", "FLOPS:FRACTION"),
+                         ("h100:split.gather=1e9:0.5/1e9:0.6", "same FLOPs")):
+        with pytest.raises(cmatmul_pass.CmatmulError, match=message):
+            cost.hardware(bad)
 
 
 def test_exposed_permutes_add_their_transfer():
@@ -213,6 +263,8 @@ def test_explain_prints_predictions_and_draws_the_timeline(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "predicted on H100" in out and "best:" in out and f"timeline: {png}" in out
     assert "91 % of permutes hidden" in out  # the bidi ring the sample gets: 98 of 108 in the H100 compile
+    # tiny sites: below the smallest step measured, the smallest step's split (gather, then the halved scatter)
+    assert "the ring's dots keep 0.74 of its throughput" in out and "the ring's dots keep 0.81 of" in out
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5_000
     width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")

@@ -22,7 +22,8 @@ and what one loop trip costs beyond them, ``(t_loop - t_unrolled) / n``; with th
 achieved throughput they make a ``--hardware`` override for the profile::
 
     python tools/gpu_calibrate.py --model 70b --profile h100      # on the GPU
-    python -m cmatmul_pass explain module.mlir --hardware "h100:bf16=7.1e+14,split_efficiency=0.962,loop_trip=3e-06"
+    python -m cmatmul_pass explain module.mlir --hardware \
+        "h100:bf16=6.86e+14,split.gather=15032385536:0.741/60129542144:0.851,split.scatter=...,loop_trip=1.1e-05"
 
 Runs on any backend (on CPU with ``--dims`` small enough, for the tests); results go to
 ``--out`` (default ``bench/gpu_calibration.json``).  Tests run it, but never assert its timings.
@@ -235,24 +236,35 @@ def batched(fn, args, reps: int):
     return run
 
 
-def summarise(sites: list[dict], profile: str, dtype: str, target: float) -> dict:
+def summarise(sites: list[dict], profile: str, dtype: str, target: float, n: int) -> dict:
     """The calibration from the sites' timings.
 
     ``loop_efficiency`` (the target's measure): the full dot's time over the loop's, worst
-    site.  The cost model takes the loop apart: ``split_efficiency``, what the straight-line
-    ``1/n``-sized dots keep of the full dot's throughput (worst site), divides each ring
-    round's compute, and ``loop_trip``, what a trip costs beyond the same dots straight-line
-    (worst site), is added per trip; ``split_efficiency`` from the loop would count the trips
-    twice."""
+    site.  The cost model takes the loop apart: what the straight-line ``1/n``-sized dots keep
+    of the full dot's throughput divides each ring round's compute, and ``loop_trip``, what a
+    trip costs beyond the same dots straight-line (worst site), is added per trip; the split
+    from the loop would count the trips twice.  The split is measured per site kind at this
+    model's step size (``split_points``: FLOPs of one step's dot, fraction); the override
+    puts each point among the profile's own (replacing one measured at the same size), so the
+    profile interpolates between this run and the runs it was calibrated with
+    (:meth:`cmatmul_pass.cost.Hardware.split`).  ``split_efficiency``: the worst site's."""
     loop_efficiency = min(s["efficiency_loop"] for s in sites)
     split = min(s["efficiency_unrolled"] for s in sites)
     throughput = statistics.median(s["full_throughput"] for s in sites)
     loop_trip = max(s["loop_trip_s"] for s in sites)
-    override = f"{profile}:{dtype}={throughput:.3g},split_efficiency={split:.3f},loop_trip={loop_trip:.2g}"
+    points = {s["kind"]: (s["flops"] / n, s["efficiency_unrolled"]) for s in sites}
+    known = cost.hardware(profile).split_efficiency
+    curves = []
+    for short, kind in cost.KIND_NAMES.items():
+        if kind in points:
+            curve = dict(known.get(kind, ())) if isinstance(known, dict) else {}
+            curve[points[kind][0]] = points[kind][1]
+            curves.append(f"split.{short}=" + "/".join(f"{f:.12g}:{e:.3f}" for f, e in sorted(curve.items())))
+    override = f"{profile}:{dtype}={throughput:.3g},{','.join(curves)},loop_trip={loop_trip:.2g}"
     cost.hardware(override)  # what it prints must be a valid --hardware
-    return {"loop_efficiency": loop_efficiency, "split_efficiency": split, "loop_trip_s": loop_trip,
-            "full_throughput": throughput, "target": target, "meets_target": loop_efficiency >= target,
-            "hardware_override": override}
+    return {"loop_efficiency": loop_efficiency, "split_efficiency": split, "split_points": points,
+            "loop_trip_s": loop_trip, "full_throughput": throughput, "target": target,
+            "meets_target": loop_efficiency >= target, "hardware_override": override}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": f"{device.platform}: {device.device_kind}", "jax": jax.__version__,
         "model": None if args.dims else args.model, "dims": [tokens, hidden, ffn], "ring": n, "dtype": args.dtype,
         "runs": args.runs, "reps": args.reps, "sites": sites, "gather_rings": rings,
-        **summarise(sites, args.profile, args.dtype, args.target),
+        **summarise(sites, args.profile, args.dtype, args.target, n),
     }
     for s in sites:
         print(f"{s['kind']:<20} full {1e3 * s['full_s']:.3f} ms ({s['full_throughput'] / 1e12:.3g} TFLOP/s), "
