@@ -22,6 +22,34 @@ def test_bench_smoke(tmp_path):
     assert set(results["samples"]) == {"ag_dot_1d", "rs_dot_1d"}
     assert set(results["layer"]["variants"]) == set(bench.VARIANTS)
     assert results["fastest_variant"] in bench.VARIANTS
+    # the run judges itself against issue 7's targets; L = 32 was not run, so those two are unmeasured
+    rows = {row["target"]: row for row in results["targets"]}
+    assert [row["target"] for row in results["targets"]] == [name for name, _ in bench.TARGETS]
+    assert rows["pass time / (lower + compile) at L = 32"]["met"] is None
+    assert rows["pass time(32) / time(8)"]["met"] is None
+    compile_row = rows["compile time, rewritten / original, every variant"]
+    assert compile_row["value"] == results["pass_cost"]["compile_ratio"]
+    assert compile_row["above"] == [k for k, v in compile_row["value"].items() if v > 1.2]
+    assert compile_row["met"] is (not compile_row["above"])
+
+
+def test_targets_name_the_variants_above_each_limit():
+    results = {
+        "pass_cost": {"per_layers": [{"layers": 8, "pass_over_lower_compile": 0.07},
+                                     {"layers": 32, "pass_over_lower_compile": 0.048}],
+                      "scaling_32_over_8": 4.5, "compile_ratio": {"uni": 1.1, "full": 1.3}},
+        "layer": {"variants": {"uni": {"over_plain": 1.2, "over_hand_written": 0.99},
+                               "full": {"over_plain": 0.9, "over_hand_written": 1.0}}},
+    }
+    rows = bench.targets(results)
+    assert [(r["met"], r["above"]) for r in rows] == [
+        (True, []),  # 0.048 <= 0.05 (L = 32's row, not L = 8's)
+        (False, []),  # 4.5 > 4.4
+        (False, ["full"]),
+        (False, ["uni"]),
+        (True, []),  # 1.0 is within a limit of 1.0
+    ]
+    assert bench.targets({})[0]["met"] is None
 
 
 def test_gpu_calibration_runs_on_any_backend(tmp_path):

@@ -15,6 +15,8 @@ Everything is measured in one process and reported as ratios (results in bench/r
    column-parallel layer three ways: the plain all_gather + dot, the pass's output per variant,
    and a ring hand-written with ``ppermute`` in the style of the JAX shard_map docs'
    collective-matmul section.  CPU permutes are synchronous: this measures overheads, not overlap.
+3. **Targets.**  Each of issue 7's targets against this run: met or not, and the variants above
+   it (``results["targets"]``).
 
     python tools/bench.py [--layers 1 4 16 32] [--runs 7] [--quick]
 """
@@ -273,6 +275,54 @@ def layer_runtime(runs: int, rows: int = 1024, hidden: int = 512, out: int = 102
     return result
 
 
+# ---------------------------------------------------------------------------- 3. issue 7's targets
+#: (name, limit) of the targets issue 7 sets; each is met when its value(s) are at most the limit
+TARGETS = (
+    ("pass time / (lower + compile) at L = 32", 0.05),
+    ("pass time(32) / time(8)", 4.4),
+    ("compile time, rewritten / original, every variant", 1.2),
+    ("layer run time / the plain program's, every variant", 1.0),
+    ("layer run time / the hand-written ring's, every variant", 1.0),
+)
+
+
+def targets(results: dict) -> list[dict]:
+    """Issue 7's targets against this run: per target its limit, the measured value or, per
+    variant, values, whether every value is within the limit (None: not measured in this run,
+    e.g. without L = 32), and the variants above it."""
+    cost_ = results.get("pass_cost", {})
+    at_32 = [r["pass_over_lower_compile"] for r in cost_.get("per_layers", []) if r["layers"] == 32]
+    layer = results.get("layer", {}).get("variants", {})
+    values: list[float | dict | None] = [
+        at_32[0] if at_32 else None,
+        cost_.get("scaling_32_over_8"),
+        cost_.get("compile_ratio") or None,
+        {name: v["over_plain"] for name, v in layer.items()} or None,
+        {name: v["over_hand_written"] for name, v in layer.items()} or None,
+    ]
+    out = []
+    for (name, limit), value in zip(TARGETS, values):
+        above = [k for k, v in value.items() if v > limit] if isinstance(value, dict) else []
+        met = None if value is None else (not above if isinstance(value, dict) else value <= limit)
+        out.append({"target": name, "limit": limit, "value": value, "met": met, "above": above})
+    return out
+
+
+def print_targets(rows: list[dict]) -> None:
+    for row in rows:
+        value = row["value"]
+        if value is None:
+            shown = "not measured in this run"
+        elif isinstance(value, dict):
+            best = min(value, key=value.get)
+            shown = (f"above it: {', '.join(f'{k} {value[k]:.2f}' for k in row['above'])}; " if row["above"] else "")
+            shown += f"best {best} {value[best]:.2f}"
+        else:
+            shown = f"{value:.4g}"
+        verdict = {True: "met", False: "NOT MET", None: "-"}[row["met"]]
+        print(f"  {verdict:<7} {row['target']} <= {row['limit']:g}: {shown}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 4, 8, 16, 32])
@@ -297,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     results["fastest_variant"] = min(ratios, key=ratios.get)
     print("median over samples: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items())
           + f"; fastest: {results['fastest_variant']}")
+    print("3. issue 7's targets", flush=True)
+    results["targets"] = targets(results)
+    print_targets(results["targets"])
     write_results(args.out, results)
     return 0
 
