@@ -19,6 +19,8 @@ def test_bench_smoke(tmp_path):
     assert row["parse_print_s"] > 0 and row["parse_print_over_lower_compile"] > 0
     assert set(results["pass_cost"]["compile_ratio"]) == set(bench.VARIANTS)
     assert results["pass_cost"]["compile_ratio_hand_written_rings"] > 0
+    assert results["pass_cost"]["compile_ratio_by_layers"]["1"] == {
+        **results["pass_cost"]["compile_ratio"], "hand_written_rings": results["pass_cost"]["compile_ratio_hand_written_rings"]}
     assert set(results["samples"]) == {"ag_dot_1d", "rs_dot_1d"}
     assert set(results["layer"]["variants"]) == set(bench.VARIANTS)
     assert results["fastest_variant"] in bench.VARIANTS
@@ -27,7 +29,7 @@ def test_bench_smoke(tmp_path):
     assert [row["target"] for row in results["targets"]] == [name for name, _ in bench.TARGETS]
     assert rows["pass time / (lower + compile) at L = 32"]["met"] is None
     assert rows["pass time(32) / time(8)"]["met"] is None
-    compile_row = rows["compile time, rewritten / original, every variant"]
+    compile_row = rows["compile time, rewritten / original, every variant at every L measured"]
     assert compile_row["value"] == results["pass_cost"]["compile_ratio"]
     assert compile_row["above"] == [k for k, v in compile_row["value"].items() if v > 1.2]
     assert compile_row["met"] is (not compile_row["above"])
@@ -50,6 +52,11 @@ def test_targets_name_the_variants_above_each_limit():
         (True, []),  # 1.0 is within a limit of 1.0
     ]
     assert bench.targets({})[0]["met"] is None
+    # compile ratios at several L: each variant's worst
+    by_layers = {"4": {name: 1.1 for name in bench.VARIANTS}, "32": {name: 1.1 for name in bench.VARIANTS}}
+    by_layers["32"]["uni"] = 1.5
+    compile_row = bench.targets({"pass_cost": {"compile_ratio_by_layers": by_layers}})[2]
+    assert compile_row["value"]["uni"] == 1.5 and compile_row["above"] == ["uni"]
 
 
 def test_gpu_calibration_runs_on_any_backend(tmp_path):

@@ -141,8 +141,11 @@ def compile_seconds(module) -> float:
     return time.perf_counter() - start
 
 
-def pass_cost(layers_list: list[int], variant_layers: int, repeats: int = 3) -> dict:
-    out = {"per_layers": [], "compile_ratio": {}, "repeats": repeats}
+def pass_cost(layers_list: list[int], variant_layers: list[int], repeats: int = 3) -> dict:
+    """Per L: lower, compile and pass time; at each L of ``variant_layers``, every variant's
+    compile time over the original's (``compile_ratio_by_layers``; ``compile_ratio``: at the
+    first such L, with the hand-written rings' beside it)."""
+    out = {"per_layers": [], "compile_ratio": {}, "compile_ratio_by_layers": {}, "repeats": repeats}
     for layers in layers_list:
         samples = []
         for _ in range(repeats):  # each a cold start: fresh functions, jax's caches cleared
@@ -183,21 +186,22 @@ def pass_cost(layers_list: list[int], variant_layers: int, repeats: int = 3) -> 
         print(f"  L={layers:>2}: {row['sites']} sites ({row['shared']} calling {row['ring_functions']} shared rings), lower {row['lower_s']:.2f} s, compile {row['compile_s']:.2f} s, "
               f"pass {row['pass_s']:.3f} s ({100 * row['pass_over_lower_compile']:.2f} %; parse + print "
               f"{100 * row['parse_print_over_lower_compile']:.2f} %)", flush=True)
-        if layers == variant_layers:
+        if layers in variant_layers:
             def compile_median(make) -> float:
                 return statistics.median(compile_seconds(make()) for _ in range(repeats))
 
             original = compile_median(lambda: ir_utils.parse(text))
-            for name, options in VARIANTS.items():
-                rewritten = compile_median(lambda: cmatmul_pass.rewrite(text, options).module)
-                out["compile_ratio"][name] = rewritten / original
+            ratios = {name: compile_median(lambda: cmatmul_pass.rewrite(text, options).module) / original
+                      for name, options in VARIANTS.items()}
             fn, args = transformer_step(layers, hand_written=True)
             by_hand = fn.lower(*args).as_text()
-            out["compile_ratio_hand_written_rings"] = compile_median(lambda: ir_utils.parse(by_hand)) / original
+            hand_written = compile_median(lambda: ir_utils.parse(by_hand)) / original
+            out["compile_ratio_by_layers"][layers] = {**ratios, "hand_written_rings": hand_written}
+            if not out["compile_ratio"]:
+                out["compile_ratio"], out["compile_ratio_hand_written_rings"] = ratios, hand_written
             print("  compile time, rewritten / original at L="
-                  f"{layers}: " + ", ".join(f"{k} {v:.2f}" for k, v in out["compile_ratio"].items())
-                  + f"; the same model with hand-written ppermute rings: {out['compile_ratio_hand_written_rings']:.2f}",
-                  flush=True)
+                  f"{layers}: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items())
+                  + f"; the same model with hand-written ppermute rings: {hand_written:.2f}", flush=True)
     times = {r["layers"]: r["pass_s"] for r in out["per_layers"]}
     if 32 in times and 8 in times:
         out["scaling_32_over_8"] = times[32] / times[8]
@@ -280,7 +284,7 @@ def layer_runtime(runs: int, rows: int = 1024, hidden: int = 512, out: int = 102
 TARGETS = (
     ("pass time / (lower + compile) at L = 32", 0.05),
     ("pass time(32) / time(8)", 4.4),
-    ("compile time, rewritten / original, every variant", 1.2),
+    ("compile time, rewritten / original, every variant at every L measured", 1.2),
     ("layer run time / the plain program's, every variant", 1.0),
     ("layer run time / the hand-written ring's, every variant", 1.0),
 )
@@ -296,7 +300,7 @@ def targets(results: dict) -> list[dict]:
     values: list[float | dict | None] = [
         at_32[0] if at_32 else None,
         cost_.get("scaling_32_over_8"),
-        cost_.get("compile_ratio") or None,
+        _worst(cost_.get("compile_ratio_by_layers", {})) or cost_.get("compile_ratio") or None,
         {name: v["over_plain"] for name, v in layer.items()} or None,
         {name: v["over_hand_written"] for name, v in layer.items()} or None,
     ]
@@ -306,6 +310,11 @@ def targets(results: dict) -> list[dict]:
         met = None if value is None else (not above if isinstance(value, dict) else value <= limit)
         out.append({"target": name, "limit": limit, "value": value, "met": met, "above": above})
     return out
+
+
+def _worst(by_layers: dict) -> dict:
+    """Per variant, its highest compile ratio over the L measured."""
+    return {name: max(row[name] for row in by_layers.values()) for name in VARIANTS if by_layers}
 
 
 def print_targets(rows: list[dict]) -> None:
@@ -326,7 +335,8 @@ def print_targets(rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 4, 8, 16, 32])
-    parser.add_argument("--variant-layers", type=int, default=4, help="L at which to compare compile times per variant")
+    parser.add_argument("--variant-layers", type=int, nargs="+", default=[4],
+                        help="the L (one or more) at which to compare compile times per variant")
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--repeats", type=int, default=5, help="cold starts per L for the pass-cost medians")
     parser.add_argument("--quick", action="store_true", help="L = 1, 4 only and 5 runs (a smoke test)")
