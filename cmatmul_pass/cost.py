@@ -354,7 +354,9 @@ def _halves(shape: SiteShape, bidirectional: bool) -> bool:
 
 def step_dot_flops(shape: SiteShape, bidirectional: bool) -> float:
     """The FLOPs of one dot of a ring step: a ring's ``1/n`` of the site's, half that where a
-    bidirectional scatter splits its blocks (the dots :meth:`Hardware.split` is asked about)."""
+    bidirectional scatter splits its blocks (the dots :meth:`Hardware.split` is asked about).
+    A site's several dots count as one, as ``merge_dots`` (the default) merges q/k/v and
+    gate/up; dots left unmerged are smaller than this and keep less."""
     return shape.flops / shape.ring / (2 if _halves(shape, bidirectional) else 1)
 
 
