@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of docs/gpu.md, on a machine with one NVIDIA GPU and jax with CUDA:
 #   bash tools/gpu_checks.sh OUTDIR [h100|h200] [all|calibrate|topology]
-# calibrate: split efficiency and loop-trip cost at 70B and 8B MLP shapes (tools/gpu_calibrate.py);
+# calibrate: split efficiency and loop-trip cost at 70B, 8B and 3B MLP shapes (tools/gpu_calibrate.py;
+#            each prints the profile's split points with its own added);
 # topology:  the training step compiled for a mocked 8-GPU topology, original and every variant,
 #            read for overlap, async streams and compile time (tools/gpu_topology.py): a tiny
 #            model first (a quick check that the mocked topology works), then 8B and 70B
@@ -20,7 +21,7 @@ cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used --format=csv
 $py -c 'import jax; print("jax", jax.__version__, jax.devices())'
 if [ "$part" = all ] || [ "$part" = calibrate ]; then
-  for model in 70b 8b; do
+  for model in 70b 8b 3b; do
     timeout 150 $py tools/gpu_calibrate.py --model "$model" --profile "$profile" --out "$out/calibrate_$model.json"
   done
 fi
