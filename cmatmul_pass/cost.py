@@ -60,13 +60,17 @@ class Hardware:
     def throughput(self, dtype: str) -> float:
         return self.flops.get(dtype) or self.flops.get("default") or min(self.flops.values())
 
+    def split_points(self, kind: str) -> tuple[tuple[float, float], ...]:
+        """The (FLOPs, fraction) points of ``kind``; one fraction for every dot is one point."""
+        if not isinstance(self.split_efficiency, dict):
+            return ((1.0, float(self.split_efficiency)),)
+        return self.split_efficiency.get(kind, ())
+
     def split(self, kind: str, step_flops: float) -> float:
         """The fraction of the full dot's throughput that a ring step's dot of ``step_flops``
         keeps at a site of ``kind``: linear in log(FLOPs) between the measured points, the
         nearest point's outside them (a kind with no points: 1.0)."""
-        if not isinstance(self.split_efficiency, dict):
-            return float(self.split_efficiency)
-        points = sorted(self.split_efficiency.get(kind, ()))
+        points = sorted(self.split_points(kind))
         if not points:
             return 1.0
         if step_flops <= points[0][0]:
@@ -233,10 +237,7 @@ def _split_override(hw: Hardware, item: str, name: str, value: str) -> dict:
         points.append(pair)
     if len({flops for flops, _ in points}) < len(points):
         raise CmatmulError(f"hardware override {item!r}: two points at the same FLOPs")
-    current = hw.split_efficiency
-    if not isinstance(current, dict):  # one fraction for every dot: one point per kind
-        current = {k: ((1.0, float(current)),) for k in KIND_NAMES.values()}
-    return {**current, kind: tuple(sorted(points))}
+    return {**{k: hw.split_points(k) for k in KIND_NAMES.values()}, kind: tuple(sorted(points))}
 
 
 @dataclass(frozen=True)

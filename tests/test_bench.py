@@ -39,7 +39,8 @@ def test_targets_name_the_variants_above_each_limit():
     results = {
         "pass_cost": {"per_layers": [{"layers": 8, "pass_over_lower_compile": 0.07},
                                      {"layers": 32, "pass_over_lower_compile": 0.048}],
-                      "scaling_32_over_8": 4.5, "compile_ratio": {"uni": 1.1, "full": 1.3}},
+                      "scaling_32_over_8": 4.5,
+                      "compile_ratio_by_layers": {"4": {name: 1.1 for name in bench.VARIANTS} | {"full": 1.3}}},
         "layer": {"variants": {"uni": {"over_plain": 1.2, "over_hand_written": 0.99},
                                "full": {"over_plain": 0.9, "over_hand_written": 1.0}}},
     }
