@@ -287,7 +287,9 @@ def cmd_explain(args) -> int:
                 return f", {100 * hidden:.0f} % of permutes hidden" if hidden < 1 else ""
 
             split = c.get("split_efficiency", {}).get(c["variant"], 1.0)
-            kept = f" (the ring's dots keep {split:.2f} of its throughput)" if split < 1 else ""
+            count = len(c.get("site", {}).get("dots", ())) or 1
+            each = f"{count} dots per round" if count > 1 else "dots"
+            kept = f" (the ring's {each} keep {split:.2f} of its throughput)" if split < 1 else ""
             print(
                 f"  predicted on {c['hardware']}: compute {us(c['compute_s'])}{kept}, transfer {us(c['transfer_s'])}, "
                 f"serial {us(c['serial_s'])}; {c['variant']} {us(c['overlapped_s'][c['variant']])} "

@@ -12,7 +12,8 @@ ring's dots), the bytes one permute moves, the ring size ``n`` and the element t
 * ``split_efficiency``: how much of the full dot's throughput the ``1/n``-sized dots of
   the ring keep (1.0: none lost; ``tools/gpu_calibrate.py`` measures it on a GPU): one
   fraction, or measured points per site kind, interpolated by the size of a ring step's dot
-  (smaller dots keep less: :meth:`Hardware.split`);
+  (smaller dots keep less: :meth:`Hardware.split`), each of a round's dots at its own size
+  (dots merged by ``merge_dots`` count as one, a scatter's terms as one each);
 * ``overlap``, per variant: the fraction of the ring's permutes that XLA's schedule
   overlaps with a dot (1.0 where not measured; ``tools/gpu_topology.py`` reads it from the
   optimised module).  An exposed permute makes its round's dots wait for the transfer.
@@ -252,18 +253,31 @@ class SiteShape:
     #: a scatter whose blocks can be halved (a bidirectional scatter ring splits them; when they
     #: cannot be, the rewrite keeps one direction and so does the model)
     halvable: bool = True
+    #: the FLOPs (over the whole ring) of each dot a round computes, when there are several: a
+    #: gather's consumers that merge_dots did not merge, a scatter's terms; they add up to
+    #: ``flops``.  Empty: one dot.  Smaller dots keep less of the throughput (Hardware.split).
+    dots: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dots", tuple(self.dots) if len(self.dots) > 1 else ())  # one dot: ()
 
     @property
     def transfer_bytes(self) -> int:
         return self.step_bytes * (self.ring - 1)
 
+    @property
+    def dot_flops(self) -> tuple[float, ...]:
+        """The FLOPs of each dot of a round, over the whole ring."""
+        return self.dots or (self.flops,)
+
     def to_dict(self) -> dict:
         return {"kind": self.kind, "ring": self.ring, "flops": self.flops, "step_bytes": self.step_bytes,
-                "dtype": self.dtype, "halvable": self.halvable}
+                "dtype": self.dtype, "halvable": self.halvable, "dots": list(self.dot_flops)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "SiteShape":
-        return cls(d["kind"], d["ring"], d["flops"], d["step_bytes"], d["dtype"], d.get("halvable", True))
+        return cls(d["kind"], d["ring"], d["flops"], d["step_bytes"], d["dtype"], d.get("halvable", True),
+                   tuple(d.get("dots", ())))
 
 
 @dataclass(frozen=True)
@@ -353,17 +367,21 @@ def _halves(shape: SiteShape, bidirectional: bool) -> bool:
     return shape.kind == "dot_reduce_scatter" and bidirectional and shape.halvable
 
 
-def step_dot_flops(shape: SiteShape, bidirectional: bool) -> float:
-    """The FLOPs of one dot of a ring step: a ring's ``1/n`` of the site's, half that where a
-    bidirectional scatter splits its blocks (the dots :meth:`Hardware.split` is asked about).
-    A site's several dots count as one, as ``merge_dots`` (the default) merges q/k/v and
-    gate/up; dots left unmerged are smaller than this and keep less."""
-    return shape.flops / shape.ring / (2 if _halves(shape, bidirectional) else 1)
+def step_dot_flops(shape: SiteShape, bidirectional: bool) -> tuple[float, ...]:
+    """The FLOPs of each dot of a ring step (the dots :meth:`Hardware.split` is asked about):
+    a ring's ``1/n`` of each of the site's dots (merged q/k/v or gate/up count as one), half
+    that where a bidirectional scatter splits its blocks."""
+    parts = shape.ring * (2 if _halves(shape, bidirectional) else 1)
+    return tuple(flops / parts for flops in shape.dot_flops)
 
 
 def split_efficiency(shape: SiteShape, hw: Hardware, bidirectional: bool) -> float:
-    """What the ring's dots keep of the full dot's throughput at this site."""
-    return hw.split(shape.kind, step_dot_flops(shape, bidirectional))
+    """What the ring's dots keep of the full dot's throughput at this site: with several dots
+    per round, the whole ring's FLOPs over the sum of each dot's time at its own efficiency."""
+    steps = step_dot_flops(shape, bidirectional)
+    if len(steps) == 1:
+        return hw.split(shape.kind, steps[0])
+    return sum(steps) / sum(flops / hw.split(shape.kind, flops) for flops in steps)
 
 
 @dataclass(frozen=True)

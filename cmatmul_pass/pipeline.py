@@ -19,7 +19,7 @@ from .matchers import (
     match_reduce_scatter,
 )
 from .report import Report, SiteReport, describe_shard, tensor_bytes
-from .rewrites.all_gather_dot import rewrite_all_gather_dot
+from .rewrites.all_gather_dot import merge_groups, rewrite_all_gather_dot
 from .rewrites.dot_reduce_scatter import halves_blocker, rewrite_dot_reduce_scatter
 from .rewrites.schedule import Annotator, Applied, RewriteContext
 from .sharing import RingLibrary
@@ -249,7 +249,7 @@ def _apply(
     # the layers of a model repeat their sites: predict once per pattern, or per site shape
     cached = predictions.get(pattern.key) if pattern else None
     if cached is None:
-        shape = site_shape(site)
+        shape = site_shape(site, options.merge_dots)
         cached = predictions.get(shape)
         if cached is None:
             prediction = cost.predict(shape, hw, options.bidirectional, options.rounds_per_trip)
@@ -392,18 +392,22 @@ def _policy(options: Options, shape: cost.SiteShape, prediction: cost.Prediction
     return None
 
 
-def site_shape(site: AllGatherSite | ReduceScatterSite) -> cost.SiteShape:
-    """The cost model's view of a matched site (per device)."""
+def site_shape(site: AllGatherSite | ReduceScatterSite, merge_dots: bool = True) -> cost.SiteShape:
+    """The cost model's view of a matched site (per device); ``merge_dots``: as the rewrite
+    will merge the gather's dots (Options.merge_dots), which sizes the ring's dots."""
     if isinstance(site, AllGatherSite):
         dots = [c.dot for c in site.consumers]
         step = ir_utils.ranked_tensor(site.all_gather.operation.operands[0])
+        groups = [members for members, _ in merge_groups(site.consumers, merge_dots)]
     else:
         dots = [term.dot for term in site.terms]
         step = ir_utils.ranked_tensor(site.reduce_scatter.result)
-    flops = sum(_dot_flops(d) for d in dots)
+        groups = [[i] for i in range(len(dots))]  # each term is its own dot in every round
+    each = [_dot_flops(d) for d in dots]
     dtype = str(ir_utils.ranked_tensor(dots[0].operation.operands[0]).element_type)
     halvable = isinstance(site, AllGatherSite) or halves_blocker(site) is None
-    return cost.SiteShape(site.kind, site.ring.size, flops, tensor_bytes(step), dtype, halvable)
+    return cost.SiteShape(site.kind, site.ring.size, sum(each), tensor_bytes(step), dtype, halvable,
+                          tuple(sum(each[i] for i in members) for members in groups))
 
 
 def _dot_flops(dot) -> float:

@@ -98,6 +98,51 @@ def test_split_efficiency_follows_the_size_of_a_step():
     assert cost.predict(unhalvable, hw).split_efficiency["bidi"] == pytest.approx(0.7)
 
 
+def test_a_round_of_several_dots_keeps_what_each_dot_keeps():
+    """Unmerged dots (a scatter's terms, gathers under --no-merge-dots) are each their own size:
+    the ring's time is the sum of each dot's time at its own split efficiency."""
+    hw = replace(TOY, split_efficiency={"all_gather_dot": ((1e9, 0.5), (1e11, 0.9))})
+    # a ring of 4: per step one dot of 1e11 FLOPs (keeps 0.9) and one of 1e9 (keeps 0.5)
+    shape = cost.SiteShape("all_gather_dot", 4, 4.04e11, 1_000_000, "f32", dots=(4e11, 4e9))
+    assert cost.step_dot_flops(shape, False) == (1e11, 1e9)
+    p = cost.predict(shape, hw)
+    assert p.split_efficiency["uni"] == pytest.approx(1.01e11 / (1e11 / 0.9 + 1e9 / 0.5))
+    assert p.overlapped_s["uni"] == pytest.approx(4 * (0.1 / 0.9 + 1e-3 / 0.5))  # compute-bound: every round's dots
+    # the same FLOPs in one dot keep more; a single dot is stored as no split at all
+    merged = replace(shape, dots=())
+    assert cost.predict(merged, hw).split_efficiency["uni"] > p.split_efficiency["uni"]
+    assert replace(shape, dots=(4.04e11,)) == merged
+    assert cost.SiteShape.from_dict(shape.to_dict()) == shape and shape.to_dict()["dots"] == [4e11, 4e9]
+    assert cost.SiteShape.from_dict(merged.to_dict()) == merged
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_the_model_sizes_the_dots_the_rewrite_emits(merge):
+    """q/k/v merged into one dot per round, or (--no-merge-dots) three; a scatter over a sum of
+    dots computes each term's dot: the report's site lists the dots, and their efficiency."""
+    options = cmatmul_pass.Options(merge_dots=merge)
+    (gather_site,) = cmatmul_pass.rewrite(sample("ag_dot_qkv").read_text(), options).report.rewritten
+    dots = gather_site.cost["site"]["dots"]
+    assert len(dots) == (1 if merge else 3) and sum(dots) == gather_site.cost["site"]["flops"]
+    (scatter_site,) = cmatmul_pass.rewrite(sample("rs_dot_sum").read_text(), options).report.rewritten
+    assert len(scatter_site.cost["site"]["dots"]) == 3  # three terms, whatever merge_dots says
+    # on a profile whose small dots keep little, three dots keep less than their merged one
+    profile = "h100:split.gather=1:0.1/1e12:1"
+    split = cmatmul_pass.rewrite(sample("ag_dot_qkv").read_text(),
+                                 cmatmul_pass.Options(merge_dots=merge, hardware=profile)).report.rewritten[0]
+    step = gather_site.cost["site"]["flops"] / gather_site.cost["site"]["ring"]
+    merged_split = cost.hardware(profile).split("all_gather_dot", step)
+    assert (split.cost["split_efficiency"]["uni"] == pytest.approx(merged_split)) is merge
+    assert split.cost["split_efficiency"]["uni"] <= merged_split + 1e-12
+
+
+def test_explain_counts_the_dots_of_a_round(capsys):
+    assert run_cli("explain", sample("ag_dot_qkv"), "--no-merge-dots") == 0
+    assert "the ring's 3 dots per round keep" in capsys.readouterr().out
+    assert run_cli("explain", sample("ag_dot_qkv")) == 0
+    assert "the ring's dots keep" in capsys.readouterr().out
+
+
 def test_the_profiles_split_is_what_the_gpu_measured():
     """The h100 and h200 profiles' points are the straight-line efficiencies that
     tools/gpu_calibrate.py measured (bench/gpu/), at each run's step size."""

@@ -74,16 +74,13 @@ class _Plan:
             self.acc_t = self.result_t
             self.partial_t = shard_type(self.result_t, consumer.result_dim, n)
         else:
-            element = self.result_t.element_type
-            if isinstance(element, _NARROW_FLOATS) and "algorithm" not in consumer.dot.attributes:
-                element = ir.F32Type.get()  # sum the n partial contractions in f32
-            self.acc_t = ir.RankedTensorType.get(self.result_t.shape, element)
+            self.acc_t = ir.RankedTensorType.get(self.result_t.shape, _partial_element_type(consumer))
             self.partial_t = self.acc_t
 
     @property
     def other(self) -> ir.Value:
         """The dot's operand that is not the gathered value (the same in every round)."""
-        return self.c.dot.operation.operands[1 - self.c.operand_index]
+        return _other(self.c)
 
     def accumulate(self, acc: ir.Value, partial: ir.Value, k: ir.Value) -> ir.Value:
         """Add this round's partial dot (of shard ``k``) to the accumulator."""
@@ -151,11 +148,25 @@ class _DotGroup:
                 for plan, start, size in zip(self.plans, starts, self.sizes)]
 
 
-def _merge_key(plan: _Plan) -> tuple[tuple, int, int] | None:
+def _other(c: Consumer) -> ir.Value:
+    """The consumer dot's operand that is not the gathered value."""
+    return c.dot.operation.operands[1 - c.operand_index]
+
+
+def _partial_element_type(c: Consumer) -> ir.Type:
+    """The element type of a round's partial dot: the result's; f32 where bf16/f16 partial
+    contractions are summed (a contracting role without an explicit algorithm)."""
+    element = ir.RankedTensorType(c.dot.result.type).element_type
+    if c.role == "contracting" and isinstance(element, _NARROW_FLOATS) and "algorithm" not in c.dot.attributes:
+        return ir.F32Type.get()
+    return element
+
+
+def _merge_key(c: Consumer) -> tuple[tuple, int, int] | None:
     """What must be equal for consumers to share one dot, the other operand's one free dim (the
     one that may differ) and where that dim is in the dot result; None: this dot cannot share."""
-    c, dot = plan.c, plan.c.dot
-    other_t = ir.RankedTensorType(plan.other.type)
+    dot = c.dot
+    other_t = ir.RankedTensorType(_other(c).type)
     dims = DotDims.of(dot)
     side = 1 - c.operand_index
     free = dims.free(side)
@@ -165,24 +176,33 @@ def _merge_key(plan: _Plan) -> tuple[tuple, int, int] | None:
     attributes = tuple(sorted((name, str(value)) for name, value in dot.attributes.items()
                               if not name.startswith(TRANSIENT_MARK_PREFIX)))
     key = (c.path, c.operand_index, c.role, c.dim, c.result_dim, c.other_dim, attributes,
-           str(plan.partial_t.element_type), str(other_t.element_type), masked)
+           str(_partial_element_type(c)), str(other_t.element_type), masked)
     return key, free[0], dims.free_result_offset(side)
 
 
-def _dot_groups(plans: list[_Plan], merge: bool) -> list[_DotGroup]:
-    """The plans grouped by :func:`_merge_key` (in the order of their first consumer)."""
-    groups: dict[tuple, list[_Plan]] = {}
-    order: list[tuple[list[_Plan], tuple[int, int] | None]] = []  # members, (merge dim, result dim)
-    for plan in plans:
-        found = _merge_key(plan) if merge else None
+def merge_groups(consumers: list[Consumer], merge: bool) -> list[tuple[list[int], tuple[int, int] | None]]:
+    """The consumers (by index) the ring computes with one dot per round, in the order of each
+    group's first consumer, with the merged group's (other operand's dim, result dim); one
+    consumer per group when ``merge`` is off or its dot cannot share.  The rewrite builds its
+    :class:`_DotGroup` from this, the cost model sizes the ring's dots by it."""
+    groups: dict[tuple, list[int]] = {}
+    order: list[tuple[list[int], tuple[int, int] | None]] = []
+    for i, c in enumerate(consumers):
+        found = _merge_key(c) if merge else None
         if found is None:
-            order.append(([plan], None))
+            order.append(([i], None))
         elif found[0] in groups:
-            groups[found[0]].append(plan)
+            groups[found[0]].append(i)
         else:
-            groups[found[0]] = [plan]
+            groups[found[0]] = [i]
             order.append((groups[found[0]], found[1:]))
-    return [_DotGroup(members, *dims) if len(members) > 1 else _DotGroup(members) for members, dims in order]
+    return order
+
+
+def _dot_groups(plans: list[_Plan], merge: bool) -> list[_DotGroup]:
+    """The plans grouped as :func:`merge_groups` groups their consumers."""
+    return [_DotGroup([plans[i] for i in members], *dims) if len(members) > 1 else _DotGroup([plans[members[0]]])
+            for members, dims in merge_groups([p.c for p in plans], merge)]
 
 
 def rewrite_all_gather_dot(site: AllGatherSite, ctx: RewriteContext) -> Applied:
