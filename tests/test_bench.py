@@ -10,7 +10,8 @@ from tools import bench
 
 def test_bench_smoke(tmp_path):
     out = tmp_path / "results.json"
-    assert bench.main(["--layers", "1", "--variant-layers", "1", "--runs", "1", "--repeats", "1", "--samples", "ag_dot_1d", "rs_dot_1d",
+    assert bench.main(["--layers", "1", "--variant-layers", "1", "--runs", "1", "--layer-runs", "1", "--repeats", "1",
+                       "--samples", "ag_dot_1d", "rs_dot_1d",
                        "--layer", "64", "32", "64", "--out", str(out)]) == 0
     results = json.loads(out.read_text())
     (row,) = results["pass_cost"]["per_layers"]

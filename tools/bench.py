@@ -12,13 +12,14 @@ Everything is measured in one process and reported as ratios (results in bench/r
    module per variant relative to the original's.
 2. **CPU run time.**  Every positive sample under every variant: rewritten / original wall time
    (median of ``--runs`` runs after a warm-up, on the 8 CPU devices).  And one larger
-   column-parallel layer three ways: the plain all_gather + dot, the pass's output per variant,
+   column-parallel layer (median of ``--layer-runs``: a run takes milliseconds, and with 7 runs
+   its ratios moved by ±10 % between runs of the benchmark, with 51 by about 3 %) three ways: the plain all_gather + dot, the pass's output per variant,
    and a ring hand-written with ``ppermute`` in the style of the JAX shard_map docs'
    collective-matmul section.  CPU permutes are synchronous: this measures overheads, not overlap.
 3. **Targets.**  Each of issue 7's targets against this run: met or not, and the variants above
    it (``results["targets"]``).
 
-    python tools/bench.py [--layers 1 4 16 32] [--runs 7] [--quick]
+    python tools/bench.py [--layers 1 4 16 32] [--runs 7] [--layer-runs 51] [--quick]
 """
 
 from __future__ import annotations
@@ -334,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     parser.add_argument("--variant-layers", type=int, nargs="+", default=[4],
                         help="the L (one or more) at which to compare compile times per variant")
-    parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--runs", type=int, default=7, help="timed runs per sample and variant")
+    parser.add_argument("--layer-runs", type=int, default=51, help="timed runs per program on the layer")
     parser.add_argument("--repeats", type=int, default=5, help="cold starts per L for the pass-cost medians")
     parser.add_argument("--quick", action="store_true", help="L = 1, 4 only and 5 runs (a smoke test)")
     parser.add_argument("--samples", nargs="*", help="only these samples (default: every positive one)")
@@ -342,13 +344,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "bench" / "results.json"))
     args = parser.parse_args(argv)
     if args.quick:
-        args.layers, args.runs, args.repeats = [1, 4], 5, 1
-    results = {"jax": jax.__version__, "devices": "8 virtual CPU devices", "runs": args.runs}
+        args.layers, args.runs, args.layer_runs, args.repeats = [1, 4], 5, 5, 1
+    results = {"jax": jax.__version__, "devices": "8 virtual CPU devices", "runs": args.runs,
+               "layer_runs": args.layer_runs}
     print("1. pass cost", flush=True)
     results["pass_cost"] = pass_cost(args.layers, args.variant_layers, args.repeats)
     print("2. CPU run time, rewritten / original (median of runs)", flush=True)
     results["samples"] = samples_runtime(args.runs, args.samples)
-    results["layer"] = layer_runtime(args.runs, *args.layer)
+    results["layer"] = layer_runtime(args.layer_runs, *args.layer)
     ratios = {name: statistics.median(row[name] for row in results["samples"].values()) for name in VARIANTS}
     results["samples_median_ratio"] = ratios
     results["fastest_variant"] = min(ratios, key=ratios.get)
