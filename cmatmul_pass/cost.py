@@ -8,7 +8,9 @@ ring's dots), the bytes one permute moves, the ring size ``n`` and the element t
 * transfer ``t_m = bytes / bandwidth`` per permute (full-duplex links: the two directions
   of a bidirectional ring run at once);
 * ``step`` seconds of synchronisation per permute round and ``loop_trip`` seconds per
-  trip of a ``stablehlo.while`` (a loop condition on a GPU costs a few µs);
+  trip of a ``stablehlo.while`` (a loop condition on a GPU costs a few µs): one number, or
+  measured points per site kind, interpolated by the size of a ring step as the split is
+  (:meth:`Hardware.trip`);
 * ``split_efficiency``: how much of the full dot's throughput the ``1/n``-sized dots of
   the ring keep (1.0: none lost; ``tools/gpu_calibrate.py`` measures it on a GPU): one
   fraction, or measured points per site kind, interpolated by the size of a ring step's dot
@@ -39,6 +41,26 @@ from dataclasses import asdict, dataclass, field, replace
 from .errors import CmatmulError
 
 
+#: measured (FLOPs of a ring step's dot, value) points of one site kind
+Points = tuple[tuple[float, float], ...]
+#: seconds per loop trip where a profile gives no value for a site kind
+DEFAULT_LOOP_TRIP = 4e-6
+
+
+def interpolate(points: Points, flops: float, default: float) -> float:
+    """The value at ``flops``: linear in log(FLOPs) between the points, the nearest point's
+    outside them; ``default`` where there are none."""
+    points = tuple(sorted(points))
+    if not points:
+        return default
+    if flops <= points[0][0]:
+        return points[0][1]
+    for (f0, v0), (f1, v1) in zip(points, points[1:]):
+        if flops < f1:
+            return v0 + (v1 - v0) * math.log(flops / f0) / math.log(f1 / f0)
+    return points[-1][1]
+
+
 @dataclass(frozen=True)
 class Hardware:
     """A machine: dense throughput per dtype (FLOP/s), ring-link bandwidth per direction
@@ -48,12 +70,14 @@ class Hardware:
     flops: dict[str, float]
     bandwidth: float
     step: float = 6e-6
-    loop_trip: float = 4e-6
+    #: one number for every loop trip, or per site kind measured points ((FLOPs of one ring
+    #: step's dot, seconds), ...), which :meth:`trip` interpolates
+    loop_trip: float | dict[str, Points] = DEFAULT_LOOP_TRIP
     #: throughput of the ring's 1/n-sized dots relative to the whole dot's (measured by
     #: tools/gpu_calibrate.py; 1.0 until a profile is calibrated): one fraction for every
     #: dot, or per site kind (SiteShape.kind) measured points ((FLOPs of one ring step's
     #: dot, fraction), ...), which :meth:`split` interpolates
-    split_efficiency: float | dict[str, tuple[tuple[float, float], ...]] = 1.0
+    split_efficiency: float | dict[str, Points] = 1.0
     #: per variant (VARIANTS): the fraction of the ring's permutes the compiler's schedule
     #: overlaps with a dot (measured by tools/gpu_topology.py); a variant not listed: 1.0
     overlap: dict[str, float] = field(default_factory=dict)
@@ -61,25 +85,26 @@ class Hardware:
     def throughput(self, dtype: str) -> float:
         return self.flops.get(dtype) or self.flops.get("default") or min(self.flops.values())
 
-    def split_points(self, kind: str) -> tuple[tuple[float, float], ...]:
-        """The (FLOPs, fraction) points of ``kind``; one fraction for every dot is one point."""
-        if not isinstance(self.split_efficiency, dict):
-            return ((1.0, float(self.split_efficiency)),)
-        return self.split_efficiency.get(kind, ())
+    def kind_points(self, field_name: str, kind: str) -> Points:
+        """The (FLOPs, value) points of ``kind`` in ``split_efficiency`` or ``loop_trip``; one
+        number for every site is one point."""
+        value = getattr(self, field_name)
+        if not isinstance(value, dict):
+            return ((1.0, float(value)),)
+        return value.get(kind, ())
+
+    def split_points(self, kind: str) -> Points:
+        return self.kind_points("split_efficiency", kind)
 
     def split(self, kind: str, step_flops: float) -> float:
         """The fraction of the full dot's throughput that a ring step's dot of ``step_flops``
-        keeps at a site of ``kind``: linear in log(FLOPs) between the measured points, the
-        nearest point's outside them (a kind with no points: 1.0)."""
-        points = sorted(self.split_points(kind))
-        if not points:
-            return 1.0
-        if step_flops <= points[0][0]:
-            return points[0][1]
-        for (f0, e0), (f1, e1) in zip(points, points[1:]):
-            if step_flops < f1:
-                return e0 + (e1 - e0) * math.log(step_flops / f0) / math.log(f1 / f0)
-        return points[-1][1]
+        keeps at a site of ``kind`` (:func:`interpolate`; a kind with no points: 1.0)."""
+        return interpolate(self.split_points(kind), step_flops, 1.0)
+
+    def trip(self, kind: str, step_flops: float) -> float:
+        """Seconds a loop trip of a ring of ``kind`` costs beyond its dots, where one step's dots
+        do ``step_flops`` (:func:`interpolate`; a kind with no points: DEFAULT_LOOP_TRIP)."""
+        return interpolate(self.kind_points("loop_trip", kind), step_flops, DEFAULT_LOOP_TRIP)
 
     def hidden(self, variant: str) -> float:
         """The fraction of ``variant``'s permutes whose transfer a dot hides."""
@@ -124,21 +149,27 @@ PROFILES: dict[str, Hardware] = {
     # Calibrated on an H100 SXM (tools/gpu_calibrate.py, jax 0.11.2, bench/gpu/h100_calibrate_*.json):
     # XLA's bf16 dot at MLP-block shapes 676-679 TFLOP/s (989 peak); the ring's 1/8-sized
     # straight-line dots keep 0.851 of it (gather) and 0.922 (scatter) at 70B-like shapes, 0.741
-    # and 0.813 at 8B-like ones (docs/gpu.md discusses why); a while-loop trip costs 11 µs.
-    # f32/i8/i32 are not measured.  NVLink 4: 450 GB/s per direction.  Overlap: H100_OVERLAP.
+    # and 0.813 at 8B-like ones (docs/gpu.md discusses why); a while-loop trip costs 11.0 and
+    # 10.7 µs (gather), 4.72 and 8.74 µs (scatter: the smaller steps' trips cost more, on the
+    # H200 and in a second H100 run too).  f32/i8/i32 are not measured.  NVLink 4: 450 GB/s per
+    # direction.  Overlap: H100_OVERLAP.
     "h100": Hardware("H100 SXM (NVLink 4)", {"bf16": 676e12, "f16": 676e12, "f32": 400e12, "i8": 1600e12,
                                             "i32": 60e12, "default": 676e12}, 450e9,
-                     loop_trip=11e-6, overlap=H100_OVERLAP,
+                     loop_trip={"all_gather_dot": ((STEP_8B, 10.7e-6), (STEP_70B, 11.0e-6)),
+                                "dot_reduce_scatter": ((STEP_8B, 8.74e-6), (STEP_70B, 4.72e-6))},
+                     overlap=H100_OVERLAP,
                      split_efficiency={"all_gather_dot": ((STEP_8B, 0.741), (STEP_70B, 0.851)),
                                        "dot_reduce_scatter": ((STEP_8B, 0.813), (STEP_70B, 0.922))}),
     # Calibrated on an H200 the same way (bench/gpu/h200_calibrate_*.json): 686-687 TFLOP/s,
     # split 0.840 (gather) and 0.925 (scatter) at 70B-like shapes, 0.725 and 0.838 at 8B-like,
-    # 10.3 µs per loop trip: the H100's GH100 die and SM count, so nearly the H100's numbers.
-    # Faster HBM; NVLink 4 as H100.  Overlap: assumed the H100's (the same XLA scheduler; no
-    # H200 compile was read).
+    # loop trips 10.3 and 10.9 µs (gather), 3.53 and 8.25 µs (scatter): the H100's GH100 die and
+    # SM count, so nearly the H100's numbers.  Faster HBM; NVLink 4 as H100.  Overlap: assumed
+    # the H100's (the same XLA scheduler; no H200 compile was read).
     "h200": Hardware("H200 (NVLink 4)", {"bf16": 686e12, "f16": 686e12, "f32": 410e12, "i8": 1640e12,
                                         "i32": 60e12, "default": 686e12}, 450e9,
-                     loop_trip=10.3e-6, overlap=H100_OVERLAP,
+                     loop_trip={"all_gather_dot": ((STEP_8B, 10.9e-6), (STEP_70B, 10.3e-6)),
+                                "dot_reduce_scatter": ((STEP_8B, 8.25e-6), (STEP_70B, 3.53e-6))},
+                     overlap=H100_OVERLAP,
                      split_efficiency={"all_gather_dot": ((STEP_8B, 0.725), (STEP_70B, 0.840)),
                                        "dot_reduce_scatter": ((STEP_8B, 0.838), (STEP_70B, 0.925))}),
     # 312 TFLOP/s bf16 peak (~250 achieved); NVLink 3: 300 GB/s per direction.
@@ -173,7 +204,8 @@ def hardware(spec: str) -> Hardware:
     """A profile by name, optionally overridden: ``"h100"``,
     ``"h100:bandwidth=400e9,bf16=700e12,step=8e-6,split_efficiency=0.97,overlap.bidi=0.9"``
     (``split_efficiency``: one fraction for every dot; ``split.gather=1.5e10:0.74/6e10:0.85``
-    and ``split.scatter=...``: a kind's measured points, see :meth:`Hardware.split`);
+    and ``split.scatter=...``: a kind's measured points, see :meth:`Hardware.split`;
+    ``loop_trip``, and ``loop_trip.gather=1.5e10:1.07e-5/...`` likewise, :meth:`Hardware.trip`);
     ``"auto"``: the profile of jax's default device (:data:`DEVICE_KINDS`), or
     :data:`FALLBACK_PROFILE` where none describes it (the name says so)."""
     name, _, overrides = spec.partition(":")
@@ -190,8 +222,10 @@ def hardware(spec: str) -> Hardware:
         hw = replace(hw, name=f"{hw.name}, {overrides}")
     for item in filter(None, overrides.split(",")):
         key, _, value = item.partition("=")
-        if key.startswith("split."):
-            hw = replace(hw, split_efficiency=_split_override(hw, item, key.removeprefix("split."), value))
+        prefix, dot, short = key.partition(".")
+        if dot and prefix in POINT_FIELDS:
+            field_name = POINT_FIELDS[prefix]
+            hw = replace(hw, **{field_name: _points_override(hw, field_name, item, short, value)})
             continue
         try:
             number = float(value)
@@ -215,30 +249,37 @@ def hardware(spec: str) -> Hardware:
     return hw
 
 
-#: the site kinds by the short names a ``split.<name>`` override uses
+#: the site kinds by the short names a ``split.<name>`` or ``loop_trip.<name>`` override uses
 KIND_NAMES = {"gather": "all_gather_dot", "scatter": "dot_reduce_scatter"}
+#: the overrides that take points per site kind, and the Hardware field each sets
+POINT_FIELDS = {"split": "split_efficiency", "loop_trip": "loop_trip"}
 
 
-def _split_override(hw: Hardware, item: str, name: str, value: str) -> dict:
-    """``split.gather=1.5e10:0.74/6e10:0.85``: a kind's measured points (FLOPs of a ring step's
-    dot : fraction of the full dot's throughput), replacing the profile's for that kind."""
+def _points_override(hw: Hardware, field_name: str, item: str, name: str, value: str) -> dict:
+    """``split.gather=1.5e10:0.74/6e10:0.85`` (FLOPs of a ring step's dot : fraction of the full
+    dot's throughput) or ``loop_trip.scatter=1.5e10:8.7e-6/...`` (: seconds per trip): a kind's
+    measured points, replacing the profile's for that kind."""
     kind = KIND_NAMES.get(name, name)
     if kind not in KIND_NAMES.values():
         raise CmatmulError(f"hardware override {item!r}: no site kind {name!r}; known: {', '.join(KIND_NAMES)}")
+    trip = field_name == "loop_trip"  # seconds may be 0, a fraction may not
     points = []
     for point in value.split("/"):
-        flops, colon, fraction = point.partition(":")
+        flops, colon, number = point.partition(":")
         try:
-            pair = (float(flops), float(fraction))
+            pair = (float(flops), float(number))
         except ValueError:
             pair = None
-        if not colon or pair is None or not all(math.isfinite(v) and v > 0 for v in pair):
-            raise CmatmulError(f"hardware override {item!r}: each point is FLOPS:FRACTION, both positive "
-                               f"numbers, '/' between points (got {point!r})")
+        if not colon or pair is None or not all(math.isfinite(v) for v in pair) or pair[0] <= 0 \
+                or pair[1] < 0 or (pair[1] == 0 and not trip):
+            shape = "FLOPS:SECONDS, a positive and a non-negative number" if trip else \
+                "FLOPS:FRACTION, both positive numbers"
+            raise CmatmulError(f"hardware override {item!r}: each point is {shape}, '/' between points "
+                               f"(got {point!r})")
         points.append(pair)
     if len({flops for flops, _ in points}) < len(points):
         raise CmatmulError(f"hardware override {item!r}: two points at the same FLOPs")
-    return {**{k: hw.split_points(k) for k in KIND_NAMES.values()}, kind: tuple(sorted(points))}
+    return {**{k: hw.kind_points(field_name, k) for k in KIND_NAMES.values()}, kind: tuple(sorted(points))}
 
 
 @dataclass(frozen=True)
@@ -419,6 +460,7 @@ def schedule(shape: SiteShape, hw: Hardware, bidirectional: bool, unroll: int | 
     hidden = hw.hidden(_variant_of(plan, unroll))
     lo, hi = loop_run([rnd.signature for rnd in plan], unroll)
     per_trip = unroll or 1
+    trip = hw.trip(shape.kind, shape.flops / shape.ring)
     slots: list[Slot] = []
     now = 0.0
     for r, rnd in enumerate(plan):
@@ -427,7 +469,7 @@ def schedule(shape: SiteShape, hw: Hardware, bidirectional: bool, unroll: int | 
         length = hidden * max(compute, transfer) + (1 - hidden) * (compute + transfer)
         overhead = hw.step if rnd.transfers else 0.0
         if lo <= r < hi and (r - lo) % per_trip == per_trip - 1:  # the last round of a loop trip
-            overhead += hw.loop_trip
+            overhead += trip
         slots.append(Slot(now, transfer, now + (1 - hidden) * transfer, compute, now + length + overhead))
         now = slots[-1].end
     return slots

@@ -89,7 +89,12 @@ def test_gpu_calibration_runs_on_any_backend(tmp_path):
             assert hw.split(site["kind"], flops) == fraction
     assert result["loop_efficiency"] == min(s["efficiency_loop"] for s in result["sites"])
     assert result["loop_trip_s"] == max(max(0.0, (s["loop_s"] - s["unrolled_s"]) / 4) for s in result["sites"])
-    assert hw.loop_trip == float(f"{result['loop_trip_s']:.2g}")
+    # each kind's loop trip, at this run's step size, among the profile's measured points
+    for site in result["sites"]:
+        assert result["loop_trip_points"][site["kind"]] == [site["flops"] / 4, site["loop_trip_s"]]
+        assert hw.trip(site["kind"], site["flops"] / 4) == pytest.approx(site["loop_trip_s"], rel=5e-3, abs=1e-15)
+        for flops, seconds in cost.PROFILES["h100"].loop_trip[site["kind"]]:
+            assert hw.trip(site["kind"], flops) == seconds
     # the gather ring's own loops (permutes to the device itself), checked before being timed
     rings = result["gather_rings"]
     for name in ("ring_uni", "ring_unroll2"):

@@ -144,15 +144,42 @@ def test_explain_counts_the_dots_of_a_round(capsys):
 
 
 def test_the_profiles_split_is_what_the_gpu_measured():
-    """The h100 and h200 profiles' points are the straight-line efficiencies that
-    tools/gpu_calibrate.py measured (bench/gpu/), at each run's step size."""
+    """The h100 and h200 profiles' points are the straight-line efficiencies and loop-trip costs
+    that tools/gpu_calibrate.py measured (bench/gpu/), at each run's step size."""
     root = ROOT / "bench" / "gpu"
     for profile in ("h100", "h200"):
+        hw = cost.PROFILES[profile]
         for model in ("70b", "8b"):
             run = json.loads((root / f"{profile}_calibrate_{model}.json").read_text())
             for site in run["sites"]:
                 step = site["flops"] / run["ring"]
-                assert cost.PROFILES[profile].split(site["kind"], step) == round(site["efficiency_unrolled"], 3)
+                assert hw.split(site["kind"], step) == round(site["efficiency_unrolled"], 3)
+                assert hw.trip(site["kind"], step) == float(f"{site['loop_trip_s']:.3g}")
+
+
+def test_loop_trips_cost_what_their_kind_measured():
+    """Loop-trip points per site kind, interpolated in log(FLOPs of a step) as the split is; one
+    number for every trip still works, and the points are overridable."""
+    hw = replace(TOY, loop_trip={"all_gather_dot": ((1e9, 2e-3),), "dot_reduce_scatter": ((1e9, 1e-3), (1e11, 3e-3))})
+    assert hw.trip("dot_reduce_scatter", 1e10) == pytest.approx(2e-3)  # halfway in log(FLOPs)
+    assert hw.trip("all_gather_dot", 1e12) == 2e-3 and cost.hardware("tpu-v5e").trip("all_gather_dot", 1.0) == 1e-6
+    # a ring of 4 over 4e10 FLOPs (1e10 per step): uni's 3 trips cost the kind's 2 ms each
+    scatter = cost.SiteShape("dot_reduce_scatter", 4, 4e10, 1_000_000, "f32")
+    assert cost.predict(scatter, hw).overlapped_s["uni"] == pytest.approx(cost.predict(scatter, TOY).overlapped_s["uni"]
+                                                                           + 3 * 2e-3)
+    assert cost.predict(gather(flops=4e10), hw).overlapped_s["unroll2"] == pytest.approx(
+        cost.predict(gather(flops=4e10), TOY).overlapped_s["unroll2"] + 2e-3)  # one two-round trip
+    # the h100 profile: a 70B-sized scatter's trips measured cheaper than the gather's
+    h100 = cost.PROFILES["h100"]
+    assert h100.trip("dot_reduce_scatter", cost.STEP_70B) < h100.trip("all_gather_dot", cost.STEP_70B)
+    over = cost.hardware("h100:loop_trip.scatter=1e9:0/1e11:2e-5")
+    assert over.trip("dot_reduce_scatter", 1e10) == pytest.approx(1e-5)
+    assert over.loop_trip["all_gather_dot"] == h100.loop_trip["all_gather_dot"]
+    assert cost.hardware("h100:loop_trip=3e-6").trip("dot_reduce_scatter", cost.STEP_70B) == 3e-6
+    for bad, message in (("h100:loop_trip.gather=1e9:-1", "FLOPS:SECONDS"), ("h100:loop_trip.all=1e9:1e-6", "no site kind"),
+                         ("h100:loop_trip.gather=1e9:1e-6/1e9:2e-6", "same FLOPs")):
+        with pytest.raises(cmatmul_pass.CmatmulError, match=message):
+            cost.hardware(bad)
 
 
 def test_split_overrides():

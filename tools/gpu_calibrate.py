@@ -23,7 +23,7 @@ achieved throughput they make a ``--hardware`` override for the profile::
 
     python tools/gpu_calibrate.py --model 70b --profile h100      # on the GPU
     python -m cmatmul_pass explain module.mlir --hardware \
-        "h100:bf16=6.86e+14,split.gather=15032385536:0.741/60129542144:0.851,split.scatter=...,loop_trip=1.1e-05"
+        "h100:bf16=6.86e+14,split.gather=15032385536:0.741/60129542144:0.851,split.scatter=...,loop_trip.gather=..."
 
 Runs on any backend (on CPU with ``--dims`` small enough, for the tests); results go to
 ``--out`` (default ``bench/gpu_calibration.json``).  Tests run it, but never assert its timings.
@@ -244,29 +244,34 @@ def summarise(sites: list[dict], profile: str, dtype: str, target: float, n: int
     ``loop_efficiency`` (the target's measure): the full dot's time over the loop's, worst
     site.  The cost model takes the loop apart: what the straight-line ``1/n``-sized dots keep
     of the full dot's throughput divides each ring round's compute, and ``loop_trip``, what a
-    trip costs beyond the same dots straight-line (worst site), is added per trip; the split
-    from the loop would count the trips twice.  The split is measured per site kind at this
-    model's step size (``split_points``: FLOPs of one step's dot, fraction); the override
-    puts each point among the profile's own (replacing one measured at the same size), so the
-    profile interpolates between this run and the runs it was calibrated with
-    (:meth:`cmatmul_pass.cost.Hardware.split`).  ``split_efficiency``: the worst site's."""
+    trip costs beyond the same dots straight-line, is added per trip; the split from the loop
+    would count the trips twice.  Both are measured per site kind at this model's step size
+    (``split_points``: FLOPs of one step's dot, fraction; ``loop_trip_points``: FLOPs, seconds);
+    the override puts each point among the profile's own (replacing one measured at the same
+    size), so the profile interpolates between this run and the runs it was calibrated with
+    (:meth:`cmatmul_pass.cost.Hardware.split`, :meth:`~cmatmul_pass.cost.Hardware.trip`).
+    ``split_efficiency`` and ``loop_trip_s``: the worst site's."""
     loop_efficiency = min(s["efficiency_loop"] for s in sites)
     split = min(s["efficiency_unrolled"] for s in sites)
     throughput = statistics.median(s["full_throughput"] for s in sites)
     loop_trip = max(s["loop_trip_s"] for s in sites)
     points = {s["kind"]: (s["flops"] / n, s["efficiency_unrolled"]) for s in sites}
-    known = cost.hardware(profile).split_efficiency
+    trip_points = {s["kind"]: (s["flops"] / n, s["loop_trip_s"]) for s in sites}
+    known = cost.hardware(profile)
     curves = []
-    for short, kind in cost.KIND_NAMES.items():
-        if kind in points:
-            curve = dict(known.get(kind, ())) if isinstance(known, dict) else {}
-            curve[points[kind][0]] = points[kind][1]
-            curves.append(f"split.{short}=" + "/".join(f"{f:.12g}:{e:.3f}" for f, e in sorted(curve.items())))
-    override = f"{profile}:{dtype}={throughput:.3g},{','.join(curves)},loop_trip={loop_trip:.2g}"
+    for prefix, measured, fmt in (("split", points, ".3f"), ("loop_trip", trip_points, ".3g")):
+        field_name = cost.POINT_FIELDS[prefix]
+        for short, kind in cost.KIND_NAMES.items():
+            if kind in measured:
+                # a profile's one number for every site was never measured per size: not kept as a point
+                curve = dict(known.kind_points(field_name, kind)) if isinstance(getattr(known, field_name), dict) else {}
+                curve[measured[kind][0]] = measured[kind][1]
+                curves.append(f"{prefix}.{short}=" + "/".join(f"{f:.12g}:{v:{fmt}}" for f, v in sorted(curve.items())))
+    override = f"{profile}:{dtype}={throughput:.3g},{','.join(curves)}"
     cost.hardware(override)  # what it prints must be a valid --hardware
     return {"loop_efficiency": loop_efficiency, "split_efficiency": split, "split_points": points,
-            "loop_trip_s": loop_trip, "full_throughput": throughput, "target": target,
-            "meets_target": loop_efficiency >= target, "hardware_override": override}
+            "loop_trip_s": loop_trip, "loop_trip_points": trip_points, "full_throughput": throughput,
+            "target": target, "meets_target": loop_efficiency >= target, "hardware_override": override}
 
 
 def main(argv: list[str] | None = None) -> int:
