@@ -93,13 +93,10 @@ class Hardware:
             return ((1.0, float(value)),)
         return value.get(kind, ())
 
-    def split_points(self, kind: str) -> Points:
-        return self.kind_points("split_efficiency", kind)
-
     def split(self, kind: str, step_flops: float) -> float:
         """The fraction of the full dot's throughput that a ring step's dot of ``step_flops``
         keeps at a site of ``kind`` (:func:`interpolate`; a kind with no points: 1.0)."""
-        return interpolate(self.split_points(kind), step_flops, 1.0)
+        return interpolate(self.kind_points("split_efficiency", kind), step_flops, 1.0)
 
     def trip(self, kind: str, step_flops: float) -> float:
         """Seconds a loop trip of a ring of ``kind`` costs beyond its dots, where one step's dots
