@@ -330,6 +330,10 @@ def print_targets(rows: list[dict]) -> None:
         print(f"  {verdict:<7} {row['target']} <= {row['limit']:g}: {shown}", flush=True)
 
 
+#: how close to the fastest variant's median a variant counts as level with it
+NEAR = 0.05
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 4, 8, 16, 32])
@@ -354,9 +358,12 @@ def main(argv: list[str] | None = None) -> int:
     results["layer"] = layer_runtime(args.layer_runs, *args.layer)
     ratios = {name: statistics.median(row[name] for row in results["samples"].values()) for name in VARIANTS}
     results["samples_median_ratio"] = ratios
-    results["fastest_variant"] = min(ratios, key=ratios.get)
+    fastest = results["fastest_variant"] = min(ratios, key=ratios.get)
+    # the medians of near-equal variants swap places between runs: name those within NEAR of it
+    near = results["within_5_percent_of_fastest"] = [
+        k for k, v in ratios.items() if k != fastest and v <= ratios[fastest] * (1 + NEAR)]
     print("median over samples: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items())
-          + f"; fastest: {results['fastest_variant']}")
+          + f"; fastest: {fastest}" + (f" ({', '.join(near)} within {NEAR:.0%})" if near else ""))
     print("3. issue 7's targets", flush=True)
     results["targets"] = targets(results)
     print_targets(results["targets"])
