@@ -96,6 +96,67 @@ def test_loop_copies_count_what_each_trip_copies():
     assert gpu_topology.result_bytes("%c = (f32[2]{0}, u32[]) copy-start(%x)") == 0
 
 
+SLICES = """
+HloModule slices, is_scheduled=true
+
+%sliced (p0: f32[8,4], p1: u32[]) -> f32[4,4] {
+  %p0 = f32[8,4]{1,0} parameter(0)
+  %p1 = u32[] parameter(1)
+  %z = u32[] constant(0)
+  ROOT %ds = f32[4,4]{1,0} dynamic-slice(%p0, %p1, %z), dynamic_slice_sizes={4,4}
+}
+
+%placed (q0: f32[8,4], q1: f32[4,4], q2: u32[]) -> f32[8,4] {
+  %q0 = f32[8,4]{1,0} parameter(0)
+  %q1 = f32[4,4]{1,0} parameter(1)
+  %q2 = u32[] parameter(2)
+  %z.1 = u32[] constant(0)
+  ROOT %dus = f32[8,4]{1,0} dynamic-update-slice(%q0, %q1, %q2, %z.1)
+}
+
+%body (p: (u32[], f32[8,4], f32[8,4])) -> (u32[], f32[8,4], f32[8,4]) {
+  %p = (u32[], f32[8,4]{1,0}, f32[8,4]{1,0}) parameter(0)
+  %i = u32[] get-tuple-element(%p), index=0
+  %y = f32[8,4]{1,0} get-tuple-element(%p), index=1
+  %acc = f32[8,4]{1,0} get-tuple-element(%p), index=2
+  %block = f32[4,4]{1,0} fusion(%y, %i), kind=kLoop, calls=%sliced
+  %d = f32[4,4]{1,0} dot(%block, %block), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %acc.1 = f32[8,4]{1,0} fusion(%acc, %d, %i), kind=kLoop, calls=%placed
+  %one = u32[] constant(1)
+  %next = u32[] add(%i, %one)
+  ROOT %t = (u32[], f32[8,4]{1,0}, f32[8,4]{1,0}) tuple(%next, %y, %acc.1)
+}
+
+%cond (p.1: (u32[], f32[8,4], f32[8,4])) -> pred[] {
+  %p.1 = (u32[], f32[8,4]{1,0}, f32[8,4]{1,0}) parameter(0)
+  %i.1 = u32[] get-tuple-element(%p.1), index=0
+  %three = u32[] constant(3)
+  ROOT %lt = pred[] compare(%i.1, %three), direction=LT
+}
+
+ENTRY %main (a: f32[8,4], b: f32[8,4], k: u32[]) -> f32[4,4] {
+  %a = f32[8,4]{1,0} parameter(0)
+  %b = f32[8,4]{1,0} parameter(1)
+  %k = u32[] parameter(2)
+  %zero = u32[] constant(0)
+  %init = (u32[], f32[8,4]{1,0}, f32[8,4]{1,0}) tuple(%zero, %a, %b)
+  %loop = (u32[], f32[8,4]{1,0}, f32[8,4]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %out = f32[8,4]{1,0} get-tuple-element(%loop), index=2
+  %z.2 = u32[] constant(0)
+  ROOT %last = f32[4,4]{1,0} dynamic-slice(%out, %k, %z.2), dynamic_slice_sizes={4,4}
+}
+"""
+
+
+def test_slice_copies_count_the_dynamic_slices_run_as_kernels():
+    """The loop body's slice fusion (64 bytes, 3 trips) and the entry's bare dynamic-slice (64
+    bytes, once) count; the dynamic-update-slice fusion does not."""
+    from cmatmul_pass._jax_private import hlo_module_from_text
+
+    assert gpu_topology.analyse(hlo_module_from_text(SLICES))["slice_copies"] == dict(
+        kernels=2, executed=4, bytes_executed=256)
+
+
 RING = """
 HloModule ring, is_scheduled=true
 
@@ -206,3 +267,9 @@ def test_compiles_the_training_step_and_counts_what_xla_kept(tmp_path):
     assert copies["copies"] >= copies["loops_copying"] and copies["bytes_executed"] > copies["bytes_per_trip"] > 0
     assert programs["full"]["loop_copies"] == dict(loops=0, loops_copying=0, copies=0, bytes_per_trip=0, bytes_executed=0,
                                                    concatenates=0)
+    # the rings' per-round dynamic slices (the scatters' operand blocks) are kernels of their own on
+    # CPU; the original slices nothing; a loop's slices run once per trip, as the straight line's do
+    slices = {name: programs[name]["slice_copies"] for name in ("original", "uni", "full")}
+    assert slices["original"] == dict(kernels=0, executed=0, bytes_executed=0)
+    assert 0 < slices["uni"]["kernels"] < slices["uni"]["executed"] == slices["full"]["executed"] == slices["full"]["kernels"]
+    assert slices["uni"]["bytes_executed"] == slices["full"]["bytes_executed"] > 0

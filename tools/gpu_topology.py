@@ -25,7 +25,10 @@ per layer) it compiles the original and each pass variant and reports, per progr
   from a fresh lowering, also autotunes the GEMM shapes it is the first to meet; the fastest
   of the others is the compile with every in-process cache warm.  And the pass's own time
   on the lowered text against what ``jax.jit`` spends before a first call (lower + cold compile);
-* shared against unshared rings (``--no-share-rings``): the optimised modules' opcode counts.
+* shared against unshared rings (``--no-share-rings``): the optimised modules' opcode counts;
+* the copies XLA left in loop bodies (``loop_copies``), and the dynamic slices it runs as
+  kernels of their own rather than inside a GEMM (``slice_copies``: the rings' per-round
+  operand blocks, which the cost model does not charge), each counted as often as it runs.
 
 The optimised module (``compiled.as_text()``, parsed back into jaxlib's ``HloModule``) is read
 through its ``HloComputation`` / ``HloInstruction`` objects and its ``HloSchedule``; only attributes those objects do not expose
@@ -344,6 +347,33 @@ def loop_copies(reader: ModuleReader) -> dict:
             "bytes_executed": executed, "concatenates": concatenates}
 
 
+def slice_copies(reader: ModuleReader, runs: dict[str, int]) -> dict:
+    """The dynamic slices XLA materialises as kernels of their own: a scheduled ``dynamic-slice``,
+    or a fusion holding one and no ``dynamic-update-slice``, that is not a matmul (a GEMM that
+    reads its operand at a dynamic offset itself is one).  The ring's per-round blocks of a
+    scatter's operand, or of a contracting or batch role's other operand, are such slices, and
+    the cost model does not charge them.  ``kernels``: in the schedules; ``executed`` and
+    ``bytes_executed``: counted as often as each runs (a loop body's once per trip)."""
+    kernels = executed = moved = 0
+    for comp, sequence in reader.scheduled():
+        for instruction in sequence:
+            op = opcode_name(instruction)
+            printed = instruction.to_string()
+            if op == "fusion":
+                fused = [opcode_name(i) for name in called_computations(printed)
+                         for i in (reader.computations[name].instructions() if name in reader.computations else ())]
+                slices = "dynamic-slice" in fused and "dynamic-update-slice" not in fused
+            else:
+                slices = op == "dynamic-slice"
+            if not slices or reader.is_matmul(instruction, printed):
+                continue
+            times = runs.get(comp.name, 1)
+            kernels += 1
+            executed += times
+            moved += result_bytes(printed) * times
+    return {"kernels": kernels, "executed": executed, "bytes_executed": moved}
+
+
 def analyse(module) -> dict:
     """What the optimised module does with its collectives: see the module docstring.
 
@@ -415,6 +445,7 @@ def analyse(module) -> dict:
         "collectives": by_kind,
         "while_loops": opcodes.get("while", 0),
         "loop_copies": loop_copies(reader),
+        "slice_copies": slice_copies(reader, runs),
         "async_computations": dict(async_compute),
         "scheduling_groups": len(groups),
         "instructions": sum(opcodes.values()),
@@ -473,6 +504,8 @@ def compile_programs(model: str, layers: int, dtype: str, names: list[str], dump
               + f"; async computations {row['async_computations']}, groups {row['scheduling_groups']}"
               + f"; loop copies {row['loop_copies']['copies']} ({row['loop_copies']['bytes_per_trip']} B per trip)"
               + f", loop concatenates {row['loop_copies']['concatenates']}"
+              + f"; slice kernels {row['slice_copies']['executed']} run"
+              + f" ({row['slice_copies']['bytes_executed'] / 2**20:.1f} MiB)"
               + (f"; variants {row['variants']}" if "auto" in name else ""),
               flush=True)
 
