@@ -230,15 +230,17 @@ class ModuleReader:
             return True
         return any(self.holds_matmul(name) for name in called_computations(printed))
 
+    def called_opcodes(self, printed: str) -> list[str]:
+        """The opcodes of the computations an instruction (its printed form) calls: a fusion's."""
+        return [opcode_name(i) for name in called_computations(printed)
+                for i in (self.computations[name].instructions() if name in self.computations else ())]
+
     def concatenates(self, instruction) -> bool:
         """A concatenate, or a fusion of one (XLA's dot merger concatenates the operands of the
         dots it merges: in a loop body, once per trip)."""
         if opcode_name(instruction) == "concatenate":
             return True
-        if opcode_name(instruction) != "fusion":
-            return False
-        return any(opcode_name(i) == "concatenate" for name in called_computations(instruction.to_string())
-                   for i in (self.computations[name].instructions() if name in self.computations else ()))
+        return opcode_name(instruction) == "fusion" and "concatenate" in self.called_opcodes(instruction.to_string())
 
     def runs(self) -> dict[str, int]:
         """How often each computation runs per run of the module: a while loop's body and
@@ -360,8 +362,7 @@ def slice_copies(reader: ModuleReader, runs: dict[str, int]) -> dict:
             op = opcode_name(instruction)
             printed = instruction.to_string()
             if op == "fusion":
-                fused = [opcode_name(i) for name in called_computations(printed)
-                         for i in (reader.computations[name].instructions() if name in reader.computations else ())]
+                fused = reader.called_opcodes(printed)
                 slices = "dynamic-slice" in fused and "dynamic-update-slice" not in fused
             else:
                 slices = op == "dynamic-slice"
