@@ -10,7 +10,8 @@ shapes one device of an ``n``-way tensor-parallel MLP block runs, this script ti
   elided (the next shard is read from local memory instead of received), each step's result
   placed with a dynamic_update_slice (gather) or added to the running partial sum (scatter)
   as the rewrite does;
-* **unrolled**: the same ``n`` steps straight-line (the ``--unroll full`` form);
+* **unrolled**: the same ``n`` steps straight-line (the ``--unroll full`` form), each block
+  placed or sliced at an offset known only at run time, as the ring's are (:func:`at_run_time`);
 * **ring_uni**, **ring_unroll2** (the gather site): the ring loop as the pass emits it, one or two
   rounds per trip, each permute a ``collective_permute`` from the device to itself
   (:func:`ring_programs`),
@@ -56,6 +57,15 @@ DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
 TOLERANCE = {"bf16": 2e-2, "f16": 5e-3, "f32": 1e-4}
 
 
+def at_run_time(offset: int):
+    """``offset`` as a value XLA cannot fold: the ring's block offsets depend on the device's
+    position, known only at run time, so its straight-line rounds place (gather) or slice
+    (scatter) their blocks at dynamic offsets.  With constant offsets XLA turns the scatter's
+    slices into free views, which the pass's rings do not get (since 2026-11-23; the
+    calibrations in bench/gpu/ before that used constant offsets)."""
+    return jax.lax.optimization_barrier(jnp.int32(offset))
+
+
 def gather_programs(n: int):
     """The gathered activations [T, H] times a column block of the weight [H, F/n]."""
 
@@ -75,8 +85,8 @@ def gather_programs(n: int):
     def unrolled(x, w):
         rows = x.shape[0] // n
         out = jnp.zeros((x.shape[0], w.shape[1]), x.dtype)
-        for i in range(n):
-            out = jax.lax.dynamic_update_slice_in_dim(out, x[i * rows:(i + 1) * rows] @ w, i * rows, 0)
+        for i in range(n):  # the shard itself is the operand (received, not sliced); its block lands at run time
+            out = jax.lax.dynamic_update_slice_in_dim(out, x[i * rows:(i + 1) * rows] @ w, at_run_time(i * rows), 0)
         return out
 
     return full, loop, unrolled, lambda product: product.astype(jnp.float32)
@@ -103,9 +113,10 @@ def scatter_programs(n: int):
 
     def unrolled(y, w):
         rows = y.shape[0] // n
-        acc = y[:rows] @ w
+        block = lambda i: jax.lax.dynamic_slice_in_dim(y, at_run_time(i * rows), rows)  # noqa: E731
+        acc = block(0) @ w
         for i in range(1, n):
-            acc = acc + y[i * rows:(i + 1) * rows] @ w
+            acc = acc + block(i) @ w
         return acc
 
     def reference(product):
