@@ -13,7 +13,8 @@ Everything is measured in one process and reported as ratios (results in bench/r
 2. **CPU run time.**  Every positive sample under every variant: rewritten / original wall time
    (median of ``--runs`` runs after a warm-up, on the 8 CPU devices).  And one larger
    column-parallel layer (median of ``--layer-runs``: a run takes milliseconds, and with 7 runs
-   its ratios moved by ±10 % between runs of the benchmark, with 51 by about 3 %) three ways: the plain all_gather + dot, the pass's output per variant,
+   its ratios moved by ±10 % between runs of the benchmark, with 51 by at most 6 %) three
+   ways: the plain all_gather + dot, the pass's output per variant,
    and a ring hand-written with ``ppermute`` in the style of the JAX shard_map docs'
    collective-matmul section.  CPU permutes are synchronous: this measures overheads, not overlap.
 3. **Targets.**  Each of issue 7's targets against this run: met or not, and the variants above
