@@ -98,32 +98,59 @@ def test_gpu_calibration_runs_on_any_backend(tmp_path):
         assert hw.trip(site["kind"], site["flops"] / 4) == pytest.approx(site["loop_trip_s"], rel=5e-3, abs=1e-15)
         for flops, seconds in cost.PROFILES["h100"].loop_trip[site["kind"]]:
             assert hw.trip(site["kind"], flops) == seconds
-    # the gather ring's own loops (permutes to the device itself), checked before being timed
-    rings = result["gather_rings"]
-    for name in ("ring_uni", "ring_unroll2"):
-        assert rings[name]["max_relative_error"] <= gpu_calibrate.TOLERANCE["bf16"]
-        assert rings[name]["efficiency"] == rings["full_s"] / rings[name]["seconds"] > 0
+    # each kind's ring loops (permutes to the device itself), checked before being timed, and
+    # the cost model's prediction for them beside each
+    for key in ("gather_rings", "scatter_rings"):
+        rings = result[key]
+        for name in ("ring_uni", "ring_unroll2"):
+            assert rings[name]["max_relative_error"] <= gpu_calibrate.TOLERANCE["bf16"]
+            assert rings[name]["efficiency"] == rings["full_s"] / rings[name]["seconds"] > 0
+            assert rings[name]["measured_over_model"] == rings[name]["seconds"] / rings[name]["model_s"] > 0
 
 
 @pytest.mark.parametrize("n", [4, 5, 8])
 def test_calibration_rings_send_and_compute_like_the_pass(n):
-    """The one-device rings of gpu_calibrate: n - 1 permutes executed, n dots, each block of the
-    result the shard's product; unroll2 ties each round's operands (an optimization barrier)."""
+    """The one-device rings of gpu_calibrate: n - 1 permutes executed, n dots; a gather ring's
+    every block is the shard's product, a scatter ring's result the sum of the product's row
+    blocks; unroll2 ties each round's dot operands (an optimization barrier).  Exact: small
+    integers in f32."""
     import jax
     import jax.numpy as jnp
 
     from tools import gpu_calibrate
 
-    programs, reference = gpu_calibrate.ring_programs(n, jax.devices("cpu")[0])
-    x, w = jnp.arange(12.0).reshape(3, 4), jnp.ones((4, 2))
-    for name, fn in programs.items():
-        text = jax.jit(fn).lower(x, w).as_text()
-        loops = text.count("stablehlo.while")
-        per_trip = 2 if name == "ring_unroll2" else 1
-        permutes = text.count("stablehlo.collective_permute")
-        assert loops == 1 and permutes == (n - 1) % per_trip + per_trip, (name, loops, permutes)
-        assert ("optimization_barrier" in text) == (name == "ring_unroll2")
-        assert jnp.array_equal(fn(x, w).astype(jnp.float32), reference(x, w))
+    device = jax.devices("cpu")[0]
+    cases = {"gather": (gpu_calibrate.ring_programs(n, device), (jnp.arange(12.0).reshape(3, 4), jnp.ones((4, 2)))),
+             "scatter": (gpu_calibrate.scatter_ring_programs(n, device),
+                         (jnp.arange(6.0 * n).reshape(2 * n, 3) % 7, jnp.arange(6.0).reshape(3, 2)))}
+    for kind, ((programs, reference), args) in cases.items():
+        for name, fn in programs.items():
+            text = jax.jit(fn).lower(*args).as_text()
+            loops = text.count("stablehlo.while")
+            per_trip = 2 if name == "ring_unroll2" else 1
+            permutes = text.count("stablehlo.collective_permute")
+            assert loops == 1 and permutes == (n - 1) % per_trip + per_trip, (kind, name, loops, permutes)
+            # tied operands are tensors of floats; a scatter ring's run-time offsets go through barriers too
+            ties = [line for line in text.splitlines() if "optimization_barrier" in line and "xf32>" in line]
+            assert bool(ties) == (name == "ring_unroll2"), (kind, name)
+            assert jnp.array_equal(fn(*args).astype(jnp.float32), reference(*args)), (kind, name)
+
+
+@pytest.mark.parametrize("kind", ["all_gather_dot", "dot_reduce_scatter"])
+def test_the_model_of_the_one_device_rings_is_its_rounds_steps_and_trips(kind):
+    """ring_model, by hand: n = 4, no transfers, the full dot's throughput, split 0.5, step 2 µs,
+    loop trip 10 µs.  Both kinds run 3 permute rounds (each pays the step) and their dots take
+    full_s / 0.5; uni loops over 3 trips, unroll2 over 1 (its remainder round goes before it)."""
+    from tools import gpu_calibrate
+
+    full_s = 1e-3
+    rings = {"full_s": full_s, "ring_uni": {"seconds": 3e-3}, "ring_unroll2": {"seconds": 2e-3}}
+    shapes = [(64, 32), (32, 16)]
+    model = gpu_calibrate.ring_model(kind, rings, 4, shapes, "bf16", "h100:split_efficiency=0.5,step=2e-6,loop_trip=1e-5")
+    expected = {"ring_uni": 2 * full_s + 3 * 2e-6 + 3 * 1e-5, "ring_unroll2": 2 * full_s + 3 * 2e-6 + 1 * 1e-5}
+    for name, seconds in expected.items():
+        assert model[name]["model_s"] == pytest.approx(seconds, rel=1e-12)
+        assert model[name]["measured_over_model"] == pytest.approx(rings[name]["seconds"] / seconds, rel=1e-12)
 
 
 def test_gpu_calibration_refuses_a_wrong_decomposition(tmp_path, monkeypatch):
@@ -172,3 +199,18 @@ def test_interleaved_medians_time_every_program_in_turn():
     assert set(medians) == set("abc") and all(t >= 0 for t in medians.values())
     assert calls[:6] == list("aabbcc")  # the warm-ups, untimed
     assert calls[6:] == list("abc" "bca" "cab")
+
+
+@pytest.mark.parametrize("model, expected_ms", [("70b", (0.901, 0.857)), ("8b", (0.372, 0.329))])
+def test_the_stored_h100_rings_model_is_what_docs_gpu_md_says(model, expected_ms):
+    """docs/gpu.md compares the model with the gather rings timed on one H100
+    (bench/gpu/h100_calibrate_*_rings.json): the h100 profile, the run's full-dot throughput, no
+    transfers.  ring_model reproduces those predictions; when the profile changes, so must the doc."""
+    from tools import gpu_calibrate
+
+    stored = json.loads((bench.ROOT / "bench" / "gpu" / f"h100_calibrate_{model}_rings.json").read_text())
+    tokens, hidden, ffn = stored["dims"]
+    n = stored["ring"]
+    model_ = gpu_calibrate.ring_model("all_gather_dot", stored["gather_rings"], n, [(tokens, hidden), (hidden, ffn // n)],
+                                      stored["dtype"], "h100")
+    assert [round(1e3 * model_[name]["model_s"], 3) for name in ("ring_uni", "ring_unroll2")] == list(expected_ms)

@@ -273,3 +273,40 @@ def test_compiles_the_training_step_and_counts_what_xla_kept(tmp_path):
     assert slices["original"] == dict(kernels=0, executed=0, bytes_executed=0)
     assert 0 < slices["uni"]["kernels"] < slices["uni"]["executed"] == slices["full"]["executed"] == slices["full"]["kernels"]
     assert slices["uni"]["bytes_executed"] == slices["full"]["bytes_executed"] > 0
+
+
+@pytest.mark.parametrize("options", [{}, {"unroll": 2}, {"bidirectional": True}], ids=["uni", "unroll2", "bidi"])
+def test_a_scatter_ring_copies_nothing_per_trip_where_a_gather_ring_copies_its_shard(options):
+    """On CPU (XLA's copy insertion orders by data flow alone there): a scatter ring's partial sum
+    is read only by the permute that sends it, and the sum it keeps is made after the receive, so
+    its loop copies nothing; a one-round gather loop copies the shard it sends, whose slot the
+    trip's dot still reads (docs/gpu.md: 'The per-trip copy of the shard')."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import cmatmul_pass
+
+    mesh = jax.make_mesh((8,), ("model",))
+    col, row = P(None, "model"), P("model", None)
+
+    def typed(shape, spec):
+        return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
+
+    def scatter(y, w):
+        return jax.lax.psum_scatter(y @ w, "model", scatter_dimension=0, tiled=True)
+
+    def gather(x, w):
+        return jax.lax.all_gather(x, "model", axis=0, tiled=True) @ w
+
+    programs = {"scatter": (scatter, (col, row), row, (typed((64, 32), col), typed((32, 16), row))),
+                "gather": (gather, (row, col), col, (typed((64, 16), row), typed((16, 32), col)))}
+    copies = {}
+    for name, (body, in_specs, out_specs, args) in programs.items():
+        fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+        compiled = cmatmul_pass.jit(fn, **options).lower(*args).compile()
+        copies[name] = gpu_topology.analyse(gpu_topology.optimized_module(compiled))["loop_copies"]
+    assert copies["scatter"]["loops"] == 1 and copies["scatter"]["copies"] == 0
+    assert copies["gather"]["loops"] == 1
+    if not options:
+        assert copies["gather"]["copies"] == 1 and copies["gather"]["bytes_per_trip"] == 8 * 16 * 4

@@ -12,9 +12,10 @@ shapes one device of an ``n``-way tensor-parallel MLP block runs, this script ti
   as the rewrite does;
 * **unrolled**: the same ``n`` steps straight-line (the ``--unroll full`` form), each block
   placed or sliced at an offset known only at run time, as the ring's are (:func:`at_run_time`);
-* **ring_uni**, **ring_unroll2** (the gather site): the ring loop as the pass emits it, one or two
+* **ring_uni**, **ring_unroll2** (each site): the ring loop as the pass emits it, one or two
   rounds per trip, each permute a ``collective_permute`` from the device to itself
-  (:func:`ring_programs`),
+  (:func:`ring_programs`, :func:`scatter_ring_programs`), next to what the cost model predicts
+  for it with this run's profile and no transfer time (:func:`ring_model`),
 
 checks that the decompositions compute what they should, and reports the efficiency
 ``t_full / t_loop`` (target >= 0.95 at 70B-like shapes).  For the cost model it splits that
@@ -33,8 +34,10 @@ Runs on any backend (on CPU with ``--dims`` small enough, for the tests); result
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,27 +128,48 @@ def scatter_programs(n: int):
     return full, loop, unrolled, reference
 
 
-def ring_programs(n: int, device):
-    """The gather ring as the pass emits it, on one device: the permute is a
-    ``collective_permute`` from the device to itself (a 1-device mesh), so the loop keeps the
-    ring's data flow (the received shard is a fresh buffer the next round reads, which decides
-    XLA's copies), and a real asynchronous transfer of a shard runs each round, here a local one.
-    ``uni``: one round per trip, ``unroll2``: two, each round's operands tied through an
-    optimization barrier and the second round's send tied to the first round's dot, as the
-    pass ties them.  The shard never changes (it is sent to
-    itself), so every block of the result is ``x_shard @ w``; that is what they are checked
-    against.  Returns {name: fn(x_shard, w)} and the reference."""
+def _one_device(device):
+    """``(wrap, send)``: ``wrap(body)`` runs ``body`` on a ring of one device (a 1-device mesh),
+    ``send(value)`` is one permute of ``value`` from the device to itself: a real asynchronous
+    transfer (a local one) in the ring's data flow, so XLA makes the copy decisions it makes for
+    a ring of several devices (the received value is a fresh buffer the next round reads)."""
     from jax.sharding import Mesh, PartitionSpec as P
 
     mesh = Mesh(np.array([device]), ("ring",))
 
-    def send(held):  # one permute of the shard, to the device itself
-        return jax.lax.ppermute(held, "ring", [(0, 0)])
+    def wrap(body):
+        return jax.shard_map(body, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)
+
+    def send(value):
+        return jax.lax.ppermute(value, "ring", [(0, 0)])
+
+    return wrap, send
+
+
+def _tied(args: tuple, tie: bool) -> tuple:
+    """A round's dot operands through an optimization barrier, as the pass ties the dots of a
+    block of several rounds (``tie_rounds``: XLA must not merge them)."""
+    return jax.lax.optimization_barrier(args) if tie else args
+
+
+def _ahead(n: int, per_trip: int) -> int:
+    """Of a ring's ``n - 1`` sending (gather) or receiving (scatter) rounds, those that go before
+    the loop: the remainder of ``per_trip`` (cost.loop_run)."""
+    return (n - 1) % per_trip
+
+
+def ring_programs(n: int, device):
+    """The gather ring as the pass emits it, on one device (:func:`_one_device`).  ``uni``: one
+    round per trip, ``unroll2``: two, each round's operands tied through an optimization barrier
+    and the second round's send tied to the first round's dot, as the pass ties them.  The
+    shard never changes (it is sent to itself), so every block of the result is
+    ``x_shard @ w``; that is what they are checked against.  Returns {name: fn(x_shard, w)} and
+    the reference."""
+    wrap, send = _one_device(device)
 
     def place(out, held, w, i, rows, tie):
         """``out`` with block ``i`` set to ``held @ w``, and that product."""
-        if tie:
-            held, w = jax.lax.optimization_barrier((held, w))
+        held, w = _tied((held, w), tie)
         product = held @ w
         return jax.lax.dynamic_update_slice_in_dim(out, product, i * rows, 0), product
 
@@ -153,7 +177,7 @@ def ring_programs(n: int, device):
         def body(held, w):
             rows = held.shape[0]
             out = jnp.zeros((rows * n, w.shape[1]), held.dtype)
-            first = n - 1 - (n - 1) // per_trip * per_trip  # rounds peeled before the loop
+            first = _ahead(n, per_trip)
 
             for r in range(first):  # the remainder of the loop's rounds, before it
                 held, out = send(held), place(out, held, w, r, rows, per_trip > 1)[0]
@@ -172,7 +196,7 @@ def ring_programs(n: int, device):
             held, out = jax.lax.fori_loop(0, (n - 1) // per_trip, trip, (held, out))
             return place(out, held, w, n - 1, rows, per_trip > 1)[0]  # the last round sends nothing
 
-        return jax.shard_map(body, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)
+        return wrap(body)
 
     def reference(x_shard, w):
         return jnp.tile(x_shard @ w, (n, 1)).astype(jnp.float32)
@@ -180,25 +204,72 @@ def ring_programs(n: int, device):
     return {"ring_uni": ring(1), "ring_unroll2": ring(2)}, reference
 
 
-def measure_rings(n: int, shapes, dtype: str, runs: int, device, reps: int = 1) -> dict:
-    """The gather site's ring loops (:func:`ring_programs`) against its full dot: the shard
-    [T/n, H] times [H, F/n] in every round, n rounds, the full dot [T, H] @ [H, F/n]."""
+def scatter_ring_programs(n: int, device):
+    """The scatter ring as the pass emits it, on one device (:func:`_one_device`): round 0 computes
+    block 0 of the product ``y @ w`` (its rows), each later round receives the partial sum (from
+    the device itself) and adds its own block to it; the blocks are sliced at run-time offsets.
+    ``unroll2`` ties each round's operands as the pass does.  As the partial sum comes back
+    unchanged, the result is the sum of the product's ``n`` row blocks.  Returns
+    {name: fn(y, w)} and the reference."""
+    wrap, send = _one_device(device)
+
+    def ring(per_trip: int):
+        tie = per_trip > 1
+
+        def body(y, w):
+            rows = y.shape[0] // n
+
+            def mine(block):  # this round's block of the product
+                args = _tied((jax.lax.dynamic_slice_in_dim(y, block * rows, rows), w), tie)
+                return args[0] @ args[1]
+
+            before = 1 + _ahead(n, per_trip)  # round 0 (it receives nothing) and the remainder
+            acc = mine(at_run_time(0))
+            for r in range(1, before):
+                acc = send(acc) + mine(at_run_time(r))
+
+            def trip(t, acc):
+                for j in range(per_trip):
+                    acc = send(acc) + mine(before + t * per_trip + j)
+                return acc
+
+            return jax.lax.fori_loop(0, (n - 1) // per_trip, trip, acc)
+
+        return wrap(body)
+
+    def reference(y, w):
+        return (y.astype(jnp.float32) @ w.astype(jnp.float32)).reshape(n, -1, w.shape[1]).sum(0)
+
+    return {"ring_uni": ring(1), "ring_unroll2": ring(2)}, reference
+
+
+#: per site kind: its one-device rings, and the arguments they take from the full dot's
+RINGS = {
+    "all_gather_dot": (ring_programs, lambda x, w, n: (x[: x.shape[0] // n], w)),
+    "dot_reduce_scatter": (scatter_ring_programs, lambda y, w, n: (y, w)),
+}
+
+
+def measure_rings(kind: str, n: int, shapes, dtype: str, runs: int, device, reps: int = 1) -> dict:
+    """The site's ring loops (:data:`RINGS`) against its full dot ``[T, K] @ [K, M]``: a gather
+    ring multiplies the shard [T/n, K] in every round, a scatter ring a row block of [T, K]."""
     (t, k), (_, m) = shapes
-    programs, reference = ring_programs(n, device)
+    make, ring_args = RINGS[kind]
+    programs, reference = make(n, device)
     rng = np.random.default_rng(1)
     x, w = (jax.device_put(jnp.asarray(rng.standard_normal(s, dtype=np.float32), DTYPES[dtype]), device)
             for s in [(t, k), (k, m)])
-    shard = x[: t // n]
-    expected = np.asarray(reference(shard, w))
+    args = ring_args(x, w, n)
+    expected = np.asarray(reference(*args))
     scale = float(np.abs(expected).max()) or 1.0
     timed = {"full": batched(jax.jit(lambda x, w: x @ w), (x, w), reps)}
     errors = {}
     for name, fn in programs.items():
         fn = jax.jit(fn)
-        errors[name] = float(np.abs(np.asarray(fn(shard, w).astype(jnp.float32)) - expected).max()) / scale
+        errors[name] = float(np.abs(np.asarray(fn(*args).astype(jnp.float32)) - expected).max()) / scale
         if errors[name] > TOLERANCE[dtype]:
-            raise SystemExit(f"{name}: off by {errors[name]:.2e} (relative): not timing it")
-        timed[name] = batched(fn, (shard, w), reps)
+            raise SystemExit(f"{kind} {name}: off by {errors[name]:.2e} (relative): not timing it")
+        timed[name] = batched(fn, args, reps)
     # in turn, one sample of each per round: the GPU's clock drifts by several % between blocks of runs
     seconds = {name: t / reps for name, t in interleaved_medians(timed, runs).items()}
     result = {"full_s": seconds["full"], "timing": "interleaved"}
@@ -206,6 +277,24 @@ def measure_rings(n: int, shapes, dtype: str, runs: int, device, reps: int = 1) 
         result[name] = {"seconds": seconds[name], "efficiency": seconds["full"] / seconds[name],
                         "max_relative_error": errors[name]}
     return result
+
+
+def ring_model(kind: str, rings: dict, n: int, shapes, dtype: str, override: str) -> dict:
+    """What the cost model predicts for the one-device rings of :func:`measure_rings`, per ring:
+    the profile ``override`` (this run's points among the profile's), with the throughput of the
+    full dot timed beside the rings and no transfer time (a permute to the device itself moves
+    nothing over a link); the per-round ``step`` and the loop trips stay.  Returns
+    {ring: {"model_s", "measured_over_model"}}."""
+    (t, k), (_, m) = shapes
+    flops = 2.0 * t * k * m  # the rings' n dots together do the full dot's work
+    hw = replace(cost.hardware(override), flops={dtype: flops / rings["full_s"]}, bandwidth=math.inf)
+    step_bytes = (t // n) * (k if kind == "all_gather_dot" else m) * jnp.dtype(DTYPES[dtype]).itemsize
+    shape = cost.SiteShape(kind, n, flops, step_bytes, dtype)
+    out = {}
+    for name, unroll in (("ring_uni", 1), ("ring_unroll2", 2)):
+        predicted = cost.overlapped_time(shape, hw, False, unroll)
+        out[name] = {"model_s": predicted, "measured_over_model": rings[name]["seconds"] / predicted}
+    return out
 
 
 def measure(kind: str, n: int, shapes, dtype: str, runs: int, device, reps: int = 1) -> dict:
@@ -303,25 +392,33 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"tokens ({tokens}) and ffn ({ffn}) must divide by the ring size {n}")
     cost.hardware(args.profile)  # an unknown profile fails here, before any timing
     device = jax.devices()[0]
-    sites = [
-        measure("all_gather_dot", n, [(tokens, hidden), (hidden, ffn // n)], args.dtype, args.runs, device, args.reps),
-        measure("dot_reduce_scatter", n, [(tokens, ffn // n), (ffn // n, hidden)], args.dtype, args.runs, device,
-                args.reps),
-    ]
-    rings = measure_rings(n, [(tokens, hidden), (hidden, ffn // n)], args.dtype, args.runs, device, args.reps)
+    shapes = {  # per site kind, the full dot [T, K] @ [K, M] one device of the block runs
+        "all_gather_dot": [(tokens, hidden), (hidden, ffn // n)],
+        "dot_reduce_scatter": [(tokens, ffn // n), (ffn // n, hidden)],
+    }
+    sites = [measure(kind, n, s, args.dtype, args.runs, device, args.reps) for kind, s in shapes.items()]
+    summary = summarise(sites, args.profile, args.dtype, args.target, n)
+    rings = {}
+    for kind, s in shapes.items():
+        rings[kind] = measure_rings(kind, n, s, args.dtype, args.runs, device, args.reps)
+        for name, model in ring_model(kind, rings[kind], n, s, args.dtype, summary["hardware_override"]).items():
+            rings[kind][name].update(model)
     result = {
         "device": f"{device.platform}: {device.device_kind}", "jax": jax.__version__,
         "model": None if args.dims else args.model, "dims": [tokens, hidden, ffn], "ring": n, "dtype": args.dtype,
-        "runs": args.runs, "reps": args.reps, "sites": sites, "gather_rings": rings,
-        **summarise(sites, args.profile, args.dtype, args.target, n),
+        "runs": args.runs, "reps": args.reps, "sites": sites,
+        "gather_rings": rings["all_gather_dot"], "scatter_rings": rings["dot_reduce_scatter"], **summary,
     }
     for s in sites:
         print(f"{s['kind']:<20} full {1e3 * s['full_s']:.3f} ms ({s['full_throughput'] / 1e12:.3g} TFLOP/s), "
               f"loop {1e3 * s['loop_s']:.3f} ms (efficiency {s['efficiency_loop']:.3f}), "
               f"unrolled {1e3 * s['unrolled_s']:.3f} ms (efficiency {s['efficiency_unrolled']:.3f})")
-    print("gather ring, permutes to the device itself: "
-          + ", ".join(f"{name} {1e3 * r['seconds']:.3f} ms (efficiency {r['efficiency']:.3f})"
-                      for name, r in rings.items() if isinstance(r, dict)))
+    short = {kind: name for name, kind in cost.KIND_NAMES.items()}
+    for kind, measured in rings.items():
+        print(f"{short[kind]} ring, permutes to the device itself: full {1e3 * measured['full_s']:.3f} ms, "
+              + ", ".join(f"{name} {1e3 * r['seconds']:.3f} ms (efficiency {r['efficiency']:.3f}; "
+                          f"model {1e3 * r['model_s']:.3f} ms, measured / model {r['measured_over_model']:.2f})"
+                          for name, r in measured.items() if isinstance(r, dict)))
     print(f"loop efficiency {result['loop_efficiency']:.3f} ({'meets' if result['meets_target'] else 'below'} the "
           f"{args.target} target), straight-line {result['split_efficiency']:.3f}, "
           f"{1e6 * result['loop_trip_s']:.1f} µs per loop trip on {result['device']}; "
