@@ -74,26 +74,34 @@ def test_gpu_calibration_runs_on_any_backend(tmp_path):
     assert gpu_calibrate.main(["--dims", "64", "32", "128", "--ring", "4", "--dtype", "bf16", "--runs", "1",
                                "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert [s["kind"] for s in result["sites"]] == ["all_gather_dot", "dot_reduce_scatter"]
-    gather, scatter = result["sites"]
+    assert [(s["kind"], s["role"]) for s in result["sites"]] == [
+        ("all_gather_dot", "free"), ("dot_reduce_scatter", "free"), ("all_gather_dot", "contracting")]
+    gather, scatter, contracting = result["sites"]
     assert gather["shapes"] == [[64, 32], [32, 32]] and scatter["shapes"] == [[64, 32], [32, 32]]
+    assert contracting["shapes"] == [[64, 32], [64, 32]]  # a [T, F/n]^T @ dy [T, H]
+    assert {s["flops"] for s in result["sites"]} == {2.0 * 64 * 32 * 32}
     for site in result["sites"]:
         assert site["efficiency_loop"] == site["full_s"] / site["loop_s"] > 0
         assert max(site["max_relative_error"].values()) <= gpu_calibrate.TOLERANCE["bf16"]
     hw = cost.hardware(result["hardware_override"])
     # the profile's split comes from the straight-line dots, per kind at this run's step size;
-    # the loop's extra cost is its trips
-    assert result["split_efficiency"] == min(s["efficiency_unrolled"] for s in result["sites"])
-    for site in result["sites"]:
+    # the loop's extra cost is its trips; the profile's points are the free roles' (the contracting
+    # role is reported beside what those points give for it); the target's measure is every site's
+    assert result["loop_efficiency"] == min(s["efficiency_loop"] for s in result["sites"])
+    free = [gather, scatter]
+    assert result["split_efficiency"] == min(s["efficiency_unrolled"] for s in free)
+    assert result["roles"] == {"all_gather_dot contracting": {
+        "split": contracting["efficiency_unrolled"], "split_from_points": hw.split("all_gather_dot", contracting["flops"] / 4),
+        "loop_trip_s": contracting["loop_trip_s"], "loop_trip_from_points": hw.trip("all_gather_dot", contracting["flops"] / 4)}}
+    for site in free:
         assert result["split_points"][site["kind"]] == [site["flops"] / 4, site["efficiency_unrolled"]]
         assert hw.split(site["kind"], site["flops"] / 4) == pytest.approx(site["efficiency_unrolled"], abs=5e-4)
         # the override keeps the h100 profile's points (measured at the 8B and 70B step sizes)
         for flops, fraction in cost.PROFILES["h100"].split_efficiency[site["kind"]]:
             assert hw.split(site["kind"], flops) == fraction
-    assert result["loop_efficiency"] == min(s["efficiency_loop"] for s in result["sites"])
-    assert result["loop_trip_s"] == max(max(0.0, (s["loop_s"] - s["unrolled_s"]) / 4) for s in result["sites"])
+    assert result["loop_trip_s"] == max(max(0.0, (s["loop_s"] - s["unrolled_s"]) / 4) for s in free)
     # each kind's loop trip, at this run's step size, among the profile's measured points
-    for site in result["sites"]:
+    for site in free:
         assert result["loop_trip_points"][site["kind"]] == [site["flops"] / 4, site["loop_trip_s"]]
         assert hw.trip(site["kind"], site["flops"] / 4) == pytest.approx(site["loop_trip_s"], rel=5e-3, abs=1e-15)
         for flops, seconds in cost.PROFILES["h100"].loop_trip[site["kind"]]:
@@ -162,7 +170,7 @@ def test_gpu_calibration_refuses_a_wrong_decomposition(tmp_path, monkeypatch):
         full, loop, unrolled, reference = real(n)
         return full, (lambda x, w: loop(x, w) * 1.5), unrolled, reference
 
-    monkeypatch.setattr(gpu_calibrate, "gather_programs", broken)
+    monkeypatch.setitem(gpu_calibrate.SITES, ("all_gather_dot", "free"), broken)
     with pytest.raises(SystemExit, match="loop decomposition is off"):
         gpu_calibrate.main(["--dims", "32", "16", "32", "--ring", "4", "--dtype", "f32", "--runs", "1",
                             "--out", str(tmp_path / "c.json")])

@@ -128,6 +128,53 @@ def scatter_programs(n: int):
     return full, loop, unrolled, reference
 
 
+def contracting_programs(n: int):
+    """A gather ring's contracting role: the backward's weight gradient of a row-parallel layer,
+    ``a^T @ dy`` with ``a`` the local [T, F/n] and ``dy`` [T, H] gathered along the tokens, which
+    the dot contracts.  The ring multiplies the row block of ``a`` that pairs with each shard of
+    ``dy`` (a dynamic slice of ``a``) into a partial [F/n, H] in f32, adds it to an f32
+    accumulator, and converts the sum once at the end (rewrites/all_gather_dot: a bf16/f16
+    contraction's partials are summed in f32), so every round reads and writes the whole
+    output-sized accumulator, where the full dot writes its output once."""
+    dims = (((0,), (0,)), ((), ()))
+
+    def partial(a_block, dy_block):
+        return jax.lax.dot_general(a_block, dy_block, dims, preferred_element_type=jnp.float32)
+
+    def full(a, dy):
+        return jax.lax.dot_general(a, dy, dims)
+
+    def loop(a, dy):
+        rows = a.shape[0] // n
+        acc = jnp.zeros((a.shape[1], dy.shape[1]), jnp.float32)
+
+        def step(i, acc):
+            block = lambda x: jax.lax.dynamic_slice_in_dim(x, i * rows, rows)  # noqa: E731
+            return acc + partial(block(a), block(dy))  # dy's block stands in for the received shard
+
+        return jax.lax.fori_loop(0, n, step, acc).astype(a.dtype)
+
+    def unrolled(a, dy):
+        rows = a.shape[0] // n
+        acc = None
+        for i in range(n):  # the shard itself is the operand; a's paired block is sliced at run time
+            product = partial(jax.lax.dynamic_slice_in_dim(a, at_run_time(i * rows), rows), dy[i * rows:(i + 1) * rows])
+            acc = product if acc is None else acc + product
+        return acc.astype(a.dtype)
+
+    return full, loop, unrolled, lambda product: product.astype(jnp.float32)
+
+
+#: the sites measured: (site kind, role of the gathered/scattered dim) -> their programs.  The
+#: profiles' split and loop-trip points are per site kind, measured on the free roles (the
+#: forward's rings); the contracting role is measured beside them, not (yet) a point of its own.
+SITES = {
+    ("all_gather_dot", "free"): gather_programs,
+    ("dot_reduce_scatter", "free"): scatter_programs,
+    ("all_gather_dot", "contracting"): contracting_programs,
+}
+
+
 def _one_device(device):
     """``(wrap, send)``: ``wrap(body)`` runs ``body`` on a ring of one device (a 1-device mesh),
     ``send(value)`` is one permute of ``value`` from the device to itself: a real asynchronous
@@ -297,8 +344,10 @@ def ring_model(kind: str, rings: dict, n: int, shapes, dtype: str, override: str
     return out
 
 
-def measure(kind: str, n: int, shapes, dtype: str, runs: int, device, reps: int = 1) -> dict:
-    full, loop, unrolled, reference = (gather_programs if kind == "all_gather_dot" else scatter_programs)(n)
+def measure(kind: str, n: int, shapes, dtype: str, runs: int, device, reps: int = 1, role: str = "free") -> dict:
+    """The full dot, the loop and the straight-line steps of site ``(kind, role)`` (:data:`SITES`);
+    ``shapes``: the full dot's operands, ``[T, K] @ [K, M]`` (a contracting role's ``[T, K]^T @ [T, M]``)."""
+    full, loop, unrolled, reference = SITES[kind, role](n)
     rng = np.random.default_rng(0)
     args = [jax.device_put(jnp.asarray(rng.standard_normal(s, dtype=np.float32), DTYPES[dtype]), device) for s in shapes]
     full_j, loop_j, unrolled_j = jax.jit(full), jax.jit(loop), jax.jit(unrolled)
@@ -309,13 +358,13 @@ def measure(kind: str, n: int, shapes, dtype: str, runs: int, device, reps: int 
         got = np.asarray(fn(*args).astype(jnp.float32))
         errors[name] = float(np.abs(got - expected).max()) / scale
         if errors[name] > TOLERANCE[dtype]:
-            raise SystemExit(f"{kind}: the {name} decomposition is off by {errors[name]:.2e} (relative): not timing it")
+            raise SystemExit(f"{kind} ({role}): the {name} decomposition is off by {errors[name]:.2e} (relative): not timing it")
     t_full, t_loop, t_unrolled = (median_seconds(batched(fn, args, reps), runs) / reps
                                   for fn in (full_j, loop_j, unrolled_j))
-    (t, k), (_, m) = shapes  # [T, K] @ [K, M]
+    (t, k), (_, m) = shapes  # [T, K] @ [K, M], or [T, K]^T @ [T, M]: 2·T·K·M either way
     flops = 2.0 * t * k * m
     return {
-        "kind": kind, "shapes": [list(s) for s in shapes], "flops": flops, "reps": reps,
+        "kind": kind, "role": role, "shapes": [list(s) for s in shapes], "flops": flops, "reps": reps,
         "full_s": t_full, "loop_s": t_loop, "unrolled_s": t_unrolled,
         "efficiency_loop": t_full / t_loop, "efficiency_unrolled": t_full / t_unrolled,
         # what a trip of the loop costs beyond the same dots straight-line (cost.Hardware.loop_trip)
@@ -350,13 +399,18 @@ def summarise(sites: list[dict], profile: str, dtype: str, target: float, n: int
     the override puts each point among the profile's own (replacing one measured at the same
     size), so the profile interpolates between this run and the runs it was calibrated with
     (:meth:`cmatmul_pass.cost.Hardware.split`, :meth:`~cmatmul_pass.cost.Hardware.trip`).
-    ``split_efficiency`` and ``loop_trip_s``: the worst site's."""
+    ``split_efficiency`` and ``loop_trip_s``: the worst such site's.  The points and the
+    throughput come from the free roles' sites, which the profiles key; ``roles`` sets each
+    other role's measurement beside what the override's points of its kind give for a step of
+    its size (``split_from_points``, ``loop_trip_from_points``): where they differ, the model
+    needs points per role.  ``loop_efficiency`` is the worst of every site."""
     loop_efficiency = min(s["efficiency_loop"] for s in sites)
-    split = min(s["efficiency_unrolled"] for s in sites)
-    throughput = statistics.median(s["full_throughput"] for s in sites)
-    loop_trip = max(s["loop_trip_s"] for s in sites)
-    points = {s["kind"]: (s["flops"] / n, s["efficiency_unrolled"]) for s in sites}
-    trip_points = {s["kind"]: (s["flops"] / n, s["loop_trip_s"]) for s in sites}
+    profiled = [s for s in sites if s.get("role", "free") == "free"]
+    split = min(s["efficiency_unrolled"] for s in profiled)
+    throughput = statistics.median(s["full_throughput"] for s in profiled)
+    loop_trip = max(s["loop_trip_s"] for s in profiled)
+    points = {s["kind"]: (s["flops"] / n, s["efficiency_unrolled"]) for s in profiled}
+    trip_points = {s["kind"]: (s["flops"] / n, s["loop_trip_s"]) for s in profiled}
     known = cost.hardware(profile)
     curves = []
     for prefix, measured, fmt in (("split", points, ".3f"), ("loop_trip", trip_points, ".3g")):
@@ -368,10 +422,15 @@ def summarise(sites: list[dict], profile: str, dtype: str, target: float, n: int
                 curve[measured[kind][0]] = measured[kind][1]
                 curves.append(f"{prefix}.{short}=" + "/".join(f"{f:.12g}:{v:{fmt}}" for f, v in sorted(curve.items())))
     override = f"{profile}:{dtype}={throughput:.3g},{','.join(curves)}"
-    cost.hardware(override)  # what it prints must be a valid --hardware
+    hw = cost.hardware(override)  # what it prints must be a valid --hardware
+    roles = {f"{s['kind']} {s['role']}": {
+        "split": s["efficiency_unrolled"], "split_from_points": hw.split(s["kind"], s["flops"] / n),
+        "loop_trip_s": s["loop_trip_s"], "loop_trip_from_points": hw.trip(s["kind"], s["flops"] / n),
+    } for s in sites if s.get("role", "free") != "free"}
     return {"loop_efficiency": loop_efficiency, "split_efficiency": split, "split_points": points,
             "loop_trip_s": loop_trip, "loop_trip_points": trip_points, "full_throughput": throughput,
-            "target": target, "meets_target": loop_efficiency >= target, "hardware_override": override}
+            "target": target, "meets_target": loop_efficiency >= target, "hardware_override": override,
+            "roles": roles}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -397,6 +456,9 @@ def main(argv: list[str] | None = None) -> int:
         "dot_reduce_scatter": [(tokens, ffn // n), (ffn // n, hidden)],
     }
     sites = [measure(kind, n, s, args.dtype, args.runs, device, args.reps) for kind, s in shapes.items()]
+    # the backward's weight gradient of the down projection: a [T, F/n]^T @ gathered dy [T, H]
+    sites.append(measure("all_gather_dot", n, [(tokens, ffn // n), (tokens, hidden)], args.dtype, args.runs, device,
+                         args.reps, role="contracting"))
     summary = summarise(sites, args.profile, args.dtype, args.target, n)
     rings = {}
     for kind, s in shapes.items():
@@ -410,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         "gather_rings": rings["all_gather_dot"], "scatter_rings": rings["dot_reduce_scatter"], **summary,
     }
     for s in sites:
-        print(f"{s['kind']:<20} full {1e3 * s['full_s']:.3f} ms ({s['full_throughput'] / 1e12:.3g} TFLOP/s), "
+        print(f"{s['kind'] + ('' if s['role'] == 'free' else ' (' + s['role'] + ')'):<34} full {1e3 * s['full_s']:.3f} ms ({s['full_throughput'] / 1e12:.3g} TFLOP/s), "
               f"loop {1e3 * s['loop_s']:.3f} ms (efficiency {s['efficiency_loop']:.3f}), "
               f"unrolled {1e3 * s['unrolled_s']:.3f} ms (efficiency {s['efficiency_unrolled']:.3f})")
     short = {kind: name for name, kind in cost.KIND_NAMES.items()}
@@ -419,6 +481,9 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{name} {1e3 * r['seconds']:.3f} ms (efficiency {r['efficiency']:.3f}; "
                           f"model {1e3 * r['model_s']:.3f} ms, measured / model {r['measured_over_model']:.2f})"
                           for name, r in measured.items() if isinstance(r, dict)))
+    for name, r in result["roles"].items():
+        print(f"{name}: straight-line {r['split']:.3f} (the kind's points give {r['split_from_points']:.3f}), "
+              f"{1e6 * r['loop_trip_s']:.1f} µs per loop trip (points: {1e6 * r['loop_trip_from_points']:.1f} µs)")
     print(f"loop efficiency {result['loop_efficiency']:.3f} ({'meets' if result['meets_target'] else 'below'} the "
           f"{args.target} target), straight-line {result['split_efficiency']:.3f}, "
           f"{1e6 * result['loop_trip_s']:.1f} µs per loop trip on {result['device']}; "
