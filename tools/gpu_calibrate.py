@@ -17,6 +17,9 @@ shapes one device of an ``n``-way tensor-parallel MLP block runs, this script ti
   (:func:`ring_programs`, :func:`scatter_ring_programs`), next to what the cost model predicts
   for it with this run's profile and no transfer time (:func:`ring_model`),
 
+each for the forward's gather and scatter sites, and the full dot, loop and straight-line steps
+for a gather's contracting role too (the backward's weight gradient, :func:`contracting_programs`:
+reported beside what the profile's gather points give for it, not one of its points); it
 checks that the decompositions compute what they should, and reports the efficiency
 ``t_full / t_loop`` (target >= 0.95 at 70B-like shapes).  For the cost model it splits that
 loss in two (:func:`summarise`): the straight-line dots' efficiency ``t_full / t_unrolled``
