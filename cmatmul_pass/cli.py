@@ -290,6 +290,8 @@ def cmd_explain(args) -> int:
             count = len(c.get("site", {}).get("dots", ())) or 1
             each = f"{count} dots per round" if count > 1 else "dots"
             kept = f" (the ring's {each} keep {split:.2f} of its throughput)" if split < 1 else ""
+            if kept and "contracting" in (site.dim_role or ""):  # the profiles measured free roles only
+                kept = kept[:-1] + "; a contracting dot's split is the free role's: unmeasured)"
             print(
                 f"  predicted on {c['hardware']}: compute {us(c['compute_s'])}{kept}, transfer {us(c['transfer_s'])}, "
                 f"serial {us(c['serial_s'])}; {c['variant']} {us(c['overlapped_s'][c['variant']])} "

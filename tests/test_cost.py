@@ -140,7 +140,17 @@ def test_explain_counts_the_dots_of_a_round(capsys):
     assert run_cli("explain", sample("ag_dot_qkv"), "--no-merge-dots") == 0
     assert "the ring's 3 dots per round keep" in capsys.readouterr().out
     assert run_cli("explain", sample("ag_dot_qkv")) == 0
-    assert "the ring's dots keep" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "the ring's dots keep" in out and "contracting" not in out
+
+
+def test_explain_says_a_contracting_dots_split_is_unmeasured(capsys):
+    """The profiles' split points were measured on free roles (docs/gpu.md); explain says so
+    where a ring's dots contract the gathered dim, and not where no split is charged."""
+    assert run_cli("explain", sample("ag_dot_contracting")) == 0
+    assert "a contracting dot's split is the free role's: unmeasured" in capsys.readouterr().out
+    assert run_cli("explain", sample("ag_dot_contracting"), "--hardware", "h100:split_efficiency=1") == 0
+    assert "unmeasured" not in capsys.readouterr().out
 
 
 def test_the_profiles_split_is_what_the_gpu_measured():
