@@ -247,9 +247,12 @@ def cmd_check(args) -> int:
 
 
 def cmd_explain(args) -> int:
+    from . import cost
+
     args.quiet = True
     _, _, result = _rewrite(args)
     report = result.report
+    hw = cost.hardware(result.options.hardware)
     print(f"{report.source}: {report.num_partitions} partitions, {report.summary()}")
     for site in report.sites:
         print(f"\n{site.location}  [{site.kind}] in @{site.function}")
@@ -290,8 +293,10 @@ def cmd_explain(args) -> int:
             count = len(c.get("site", {}).get("dots", ())) or 1
             each = f"{count} dots per round" if count > 1 else "dots"
             kept = f" (the ring's {each} keep {split:.2f} of its throughput)" if split < 1 else ""
-            if kept and "contracting" in (site.dim_role or ""):  # the profiles measured free roles only
-                kept = kept[:-1] + "; a contracting dot's split is the free role's: unmeasured)"
+            unmeasured = [role for role in dict.fromkeys(c.get("site", {}).get("roles", ()))
+                          if not hw.has_role_points("split_efficiency", site.kind, role)]
+            if kept and unmeasured:  # the profile has the free roles' points only, which stand in
+                kept = kept[:-1] + "".join(f"; a {role} dot's split is the free role's: unmeasured" for role in unmeasured) + ")"
             print(
                 f"  predicted on {c['hardware']}: compute {us(c['compute_s'])}{kept}, transfer {us(c['transfer_s'])}, "
                 f"serial {us(c['serial_s'])}; {c['variant']} {us(c['overlapped_s'][c['variant']])} "

@@ -15,7 +15,8 @@ ring's dots), the bytes one permute moves, the ring size ``n`` and the element t
   the ring keep (1.0: none lost; ``tools/gpu_calibrate.py`` measures it on a GPU): one
   fraction, or measured points per site kind, interpolated by the size of a ring step's dot
   (smaller dots keep less: :meth:`Hardware.split`), each of a round's dots at its own size
-  (dots merged by ``merge_dots`` count as one, a scatter's terms as one each);
+  (dots merged by ``merge_dots`` count as one, a scatter's terms as one each) and in its role
+  (a contracting dot may have points of its own; where none were measured, its kind's);
 * ``overlap``, per variant: the fraction of the ring's permutes that XLA's schedule
   overlaps with a dot (1.0 where not measured; ``tools/gpu_topology.py`` reads it from the
   optimised module).  An exposed permute makes its round's dots wait for the transfer.
@@ -76,7 +77,8 @@ class Hardware:
     #: throughput of the ring's 1/n-sized dots relative to the whole dot's (measured by
     #: tools/gpu_calibrate.py; 1.0 until a profile is calibrated): one fraction for every
     #: dot, or per site kind (SiteShape.kind) measured points ((FLOPs of one ring step's
-    #: dot, fraction), ...), which :meth:`split` interpolates
+    #: dot, fraction), ...), which :meth:`split` interpolates; a key ``"<kind>/<role>"``
+    #: (:func:`point_key`) holds a dot role's own points, where they were measured
     split_efficiency: float | dict[str, Points] = 1.0
     #: per variant (VARIANTS): the fraction of the ring's permutes the compiler's schedule
     #: overlaps with a dot (measured by tools/gpu_topology.py); a variant not listed: 1.0
@@ -85,18 +87,26 @@ class Hardware:
     def throughput(self, dtype: str) -> float:
         return self.flops.get(dtype) or self.flops.get("default") or min(self.flops.values())
 
-    def kind_points(self, field_name: str, kind: str) -> Points:
-        """The (FLOPs, value) points of ``kind`` in ``split_efficiency`` or ``loop_trip``; one
-        number for every site is one point."""
+    def kind_points(self, field_name: str, kind: str, role: str = "free") -> Points:
+        """The (FLOPs, value) points of ``kind`` in ``split_efficiency`` or ``loop_trip``: the
+        ``role``'s own where the profile has them (:meth:`has_role_points`), else the kind's;
+        one number for every site is one point."""
         value = getattr(self, field_name)
         if not isinstance(value, dict):
             return ((1.0, float(value)),)
-        return value.get(kind, ())
+        return value.get(point_key(kind, role)) or value.get(kind, ())
 
-    def split(self, kind: str, step_flops: float) -> float:
+    def has_role_points(self, field_name: str, kind: str, role: str) -> bool:
+        """Whether ``role``'s dots at ``kind`` sites have measured points of their own (the free
+        role's are the kind's)."""
+        value = getattr(self, field_name)
+        return role == "free" or (isinstance(value, dict) and bool(value.get(point_key(kind, role))))
+
+    def split(self, kind: str, step_flops: float, role: str = "free") -> float:
         """The fraction of the full dot's throughput that a ring step's dot of ``step_flops``
-        keeps at a site of ``kind`` (:func:`interpolate`; a kind with no points: 1.0)."""
-        return interpolate(self.kind_points("split_efficiency", kind), step_flops, 1.0)
+        keeps at a site of ``kind``, for a dot whose gathered or scattered dim plays ``role``
+        (:func:`interpolate`, :meth:`kind_points`; a kind with no points: 1.0)."""
+        return interpolate(self.kind_points("split_efficiency", kind, role), step_flops, 1.0)
 
     def trip(self, kind: str, step_flops: float) -> float:
         """Seconds a loop trip of a ring of ``kind`` costs beyond its dots, where one step's dots
@@ -201,7 +211,8 @@ def hardware(spec: str) -> Hardware:
     """A profile by name, optionally overridden: ``"h100"``,
     ``"h100:bandwidth=400e9,bf16=700e12,step=8e-6,split_efficiency=0.97,overlap.bidi=0.9"``
     (``split_efficiency``: one fraction for every dot; ``split.gather=1.5e10:0.74/6e10:0.85``
-    and ``split.scatter=...``: a kind's measured points, see :meth:`Hardware.split`;
+    and ``split.scatter=...``: a kind's measured points, ``split.gather/contracting=...`` a dot
+    role's own there, see :meth:`Hardware.split`;
     ``loop_trip``, and ``loop_trip.gather=1.5e10:1.07e-5/...`` likewise, :meth:`Hardware.trip`);
     ``"auto"``: the profile of jax's default device (:data:`DEVICE_KINDS`), or
     :data:`FALLBACK_PROFILE` where none describes it (the name says so)."""
@@ -248,17 +259,33 @@ def hardware(spec: str) -> Hardware:
 
 #: the site kinds by the short names a ``split.<name>`` or ``loop_trip.<name>`` override uses
 KIND_NAMES = {"gather": "all_gather_dot", "scatter": "dot_reduce_scatter"}
+#: each site kind's short name
+SHORT_NAMES = {kind: name for name, kind in KIND_NAMES.items()}
 #: the overrides that take points per site kind, and the Hardware field each sets
 POINT_FIELDS = {"split": "split_efficiency", "loop_trip": "loop_trip"}
+#: the dot roles a split may have points of its own for (``split.gather/contracting=...``); the
+#: free role's points are the kind's
+POINT_ROLES = ("contracting", "batch")
+
+
+def point_key(kind: str, role: str) -> str:
+    """Where ``role``'s own points for ``kind`` sites are kept in a profile's points (the free
+    role's: under the kind)."""
+    return kind if role == "free" else f"{kind}/{role}"
 
 
 def _points_override(hw: Hardware, field_name: str, item: str, name: str, value: str) -> dict:
     """``split.gather=1.5e10:0.74/6e10:0.85`` (FLOPs of a ring step's dot : fraction of the full
     dot's throughput) or ``loop_trip.scatter=1.5e10:8.7e-6/...`` (: seconds per trip): a kind's
-    measured points, replacing the profile's for that kind."""
-    kind = KIND_NAMES.get(name, name)
+    measured points, replacing the profile's for that kind; ``split.gather/contracting=...``: a
+    dot role's own split points at that kind (a loop trip is the ring's, whatever its dots)."""
+    short, slash, role = name.partition("/")
+    kind = KIND_NAMES.get(short, short)
     if kind not in KIND_NAMES.values():
-        raise CmatmulError(f"hardware override {item!r}: no site kind {name!r}; known: {', '.join(KIND_NAMES)}")
+        raise CmatmulError(f"hardware override {item!r}: no site kind {short!r}; known: {', '.join(KIND_NAMES)}")
+    if slash and (field_name != "split_efficiency" or role not in POINT_ROLES):
+        raise CmatmulError(f"hardware override {item!r}: only a split takes a role's own points, "
+                           f"for a role of {', '.join(POINT_ROLES)}")
     trip = field_name == "loop_trip"  # seconds may be 0, a fraction may not
     points = []
     for point in value.split("/"):
@@ -276,7 +303,9 @@ def _points_override(hw: Hardware, field_name: str, item: str, name: str, value:
         points.append(pair)
     if len({flops for flops, _ in points}) < len(points):
         raise CmatmulError(f"hardware override {item!r}: two points at the same FLOPs")
-    return {**{k: hw.kind_points(field_name, k) for k in KIND_NAMES.values()}, kind: tuple(sorted(points))}
+    current = getattr(hw, field_name)
+    kept = dict(current) if isinstance(current, dict) else {k: hw.kind_points(field_name, k) for k in KIND_NAMES.values()}
+    return {**kept, point_key(kind, role if slash else "free"): tuple(sorted(points))}
 
 
 @dataclass(frozen=True)
@@ -295,9 +324,16 @@ class SiteShape:
     #: gather's consumers that merge_dots did not merge, a scatter's terms; they add up to
     #: ``flops``.  Empty: one dot.  Smaller dots keep less of the throughput (Hardware.split).
     dots: tuple[float, ...] = ()
+    #: the role the gathered or scattered dim plays in each of ``dot_flops``' dots ("free",
+    #: "contracting", "batch"; Hardware.split may have points per role).  Empty: every dot free.
+    roles: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dots", tuple(self.dots) if len(self.dots) > 1 else ())  # one dot: ()
+        roles = tuple(self.roles)
+        if roles and len(roles) != len(self.dot_flops):
+            raise ValueError(f"{len(roles)} roles for {len(self.dot_flops)} dots")
+        object.__setattr__(self, "roles", () if all(r == "free" for r in roles) else roles)  # all free: ()
 
     @property
     def transfer_bytes(self) -> int:
@@ -308,14 +344,20 @@ class SiteShape:
         """The FLOPs of each dot of a round, over the whole ring."""
         return self.dots or (self.flops,)
 
+    @property
+    def dot_roles(self) -> tuple[str, ...]:
+        """The role of each of :attr:`dot_flops`' dots."""
+        return self.roles or ("free",) * len(self.dot_flops)
+
     def to_dict(self) -> dict:
         return {"kind": self.kind, "ring": self.ring, "flops": self.flops, "step_bytes": self.step_bytes,
-                "dtype": self.dtype, "halvable": self.halvable, "dots": list(self.dot_flops)}
+                "dtype": self.dtype, "halvable": self.halvable, "dots": list(self.dot_flops),
+                "roles": list(self.dot_roles)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "SiteShape":
         return cls(d["kind"], d["ring"], d["flops"], d["step_bytes"], d["dtype"], d.get("halvable", True),
-                   tuple(d.get("dots", ())))
+                   tuple(d.get("dots", ())), tuple(d.get("roles", ())))
 
 
 @dataclass(frozen=True)
@@ -417,9 +459,10 @@ def split_efficiency(shape: SiteShape, hw: Hardware, bidirectional: bool) -> flo
     """What the ring's dots keep of the full dot's throughput at this site: with several dots
     per round, the whole ring's FLOPs over the sum of each dot's time at its own efficiency."""
     steps = step_dot_flops(shape, bidirectional)
+    roles = shape.dot_roles
     if len(steps) == 1:
-        return hw.split(shape.kind, steps[0])
-    return sum(steps) / sum(flops / hw.split(shape.kind, flops) for flops in steps)
+        return hw.split(shape.kind, steps[0], roles[0])
+    return sum(steps) / sum(flops / hw.split(shape.kind, flops, role) for flops, role in zip(steps, roles))
 
 
 @dataclass(frozen=True)

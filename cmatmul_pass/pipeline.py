@@ -396,18 +396,20 @@ def site_shape(site: AllGatherSite | ReduceScatterSite, merge_dots: bool = True)
     """The cost model's view of a matched site (per device); ``merge_dots``: as the rewrite
     will merge the gather's dots (Options.merge_dots), which sizes the ring's dots."""
     if isinstance(site, AllGatherSite):
-        dots = [c.dot for c in site.consumers]
+        parts = site.consumers
         step = ir_utils.ranked_tensor(site.all_gather.operation.operands[0])
-        groups = [members for members, _ in merge_groups(site.consumers, merge_dots)]
+        groups = [members for members, _ in merge_groups(site.consumers, merge_dots)]  # merged: one role
     else:
-        dots = [term.dot for term in site.terms]
+        parts = site.terms
         step = ir_utils.ranked_tensor(site.reduce_scatter.result)
-        groups = [[i] for i in range(len(dots))]  # each term is its own dot in every round
+        groups = [[i] for i in range(len(parts))]  # each term is its own dot in every round
+    dots = [part.dot for part in parts]
     each = [_dot_flops(d) for d in dots]
     dtype = str(ir_utils.ranked_tensor(dots[0].operation.operands[0]).element_type)
     halvable = isinstance(site, AllGatherSite) or halves_blocker(site) is None
     return cost.SiteShape(site.kind, site.ring.size, sum(each), tensor_bytes(step), dtype, halvable,
-                          tuple(sum(each[i] for i in members) for members in groups))
+                          tuple(sum(each[i] for i in members) for members in groups),
+                          tuple(parts[members[0]].role for members in groups))
 
 
 def _dot_flops(dot) -> float:

@@ -85,11 +85,14 @@ def test_gpu_calibration_runs_on_any_backend(tmp_path):
         assert max(site["max_relative_error"].values()) <= gpu_calibrate.TOLERANCE["bf16"]
     hw = cost.hardware(result["hardware_override"])
     # the profile's split comes from the straight-line dots, per kind at this run's step size;
-    # the loop's extra cost is its trips; the profile's points are the free roles' (the contracting
+    # the loop's extra cost is its trips; the kinds' points are the free roles' (the contracting
     # role is reported beside what those points give for it); the target's measure is every site's
     assert result["loop_efficiency"] == min(s["efficiency_loop"] for s in result["sites"])
     free = [gather, scatter]
     assert result["split_efficiency"] == min(s["efficiency_unrolled"] for s in free)
+    # the contracting role's split becomes points of its own, beside the gather's
+    assert hw.split("all_gather_dot", contracting["flops"] / 4, "contracting") == pytest.approx(
+        contracting["efficiency_unrolled"], abs=5e-4)
     assert result["roles"] == {"all_gather_dot contracting": {
         "split": contracting["efficiency_unrolled"], "split_from_points": hw.split("all_gather_dot", contracting["flops"] / 4),
         "loop_trip_s": contracting["loop_trip_s"], "loop_trip_from_points": hw.trip("all_gather_dot", contracting["flops"] / 4)}}

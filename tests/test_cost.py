@@ -151,6 +151,10 @@ def test_explain_says_a_contracting_dots_split_is_unmeasured(capsys):
     assert "a contracting dot's split is the free role's: unmeasured" in capsys.readouterr().out
     assert run_cli("explain", sample("ag_dot_contracting"), "--hardware", "h100:split_efficiency=1") == 0
     assert "unmeasured" not in capsys.readouterr().out
+    # a profile with the role's own points: measured, and used
+    assert run_cli("explain", sample("ag_dot_contracting"), "--hardware", "h100:split.gather/contracting=1:0.5") == 0
+    out = capsys.readouterr().out
+    assert "unmeasured" not in out and "the ring's dots keep 0.50 of its throughput" in out
 
 
 def test_the_profiles_split_is_what_the_gpu_measured():
@@ -206,6 +210,58 @@ def test_split_overrides():
                          ("h100:split.gather=1e9:0.5/1e9:0.6", "same FLOPs")):
         with pytest.raises(cmatmul_pass.CmatmulError, match=message):
             cost.hardware(bad)
+
+
+def test_a_dot_role_takes_its_own_split_points_where_measured():
+    """By hand: a round of a free dot (4e9 FLOPs over a ring of 4) and a contracting one (8e9).
+    With points for the contracting role it keeps 0.5 and the free dot the kind's 0.8; the
+    round's split is their FLOPs over their times.  Without the role's points it gets the kind's."""
+    shape = cost.SiteShape("all_gather_dot", 4, 12e9, 1000, "bf16", dots=(4e9, 8e9), roles=("free", "contracting"))
+    assert shape.dot_roles == ("free", "contracting")
+    measured = cost.hardware("a100:split.gather=1:0.8,split.gather/contracting=1:0.5")
+    assert measured.split("all_gather_dot", 2e9, "contracting") == 0.5 and measured.split("all_gather_dot", 2e9) == 0.8
+    assert measured.split("dot_reduce_scatter", 2e9, "contracting") == 1.0  # no scatter points: 1.0 as before
+    assert cost.split_efficiency(shape, measured, False) == pytest.approx(12e9 / (4e9 / 0.8 + 8e9 / 0.5))
+    unmeasured = cost.hardware("a100:split.gather=1:0.8")
+    assert cost.split_efficiency(shape, unmeasured, False) == pytest.approx(0.8)
+    assert not unmeasured.has_role_points("split_efficiency", "all_gather_dot", "contracting")
+    assert measured.has_role_points("split_efficiency", "all_gather_dot", "contracting")
+    assert measured.has_role_points("split_efficiency", "all_gather_dot", "free")
+    # one dot, one role; every dot free is no roles; the report's dict round-trips
+    one = cost.SiteShape("all_gather_dot", 4, 8e9, 1000, "bf16", roles=("contracting",))
+    assert one.dots == () and one.dot_roles == ("contracting",)
+    assert cost.SiteShape("all_gather_dot", 4, 8e9, 1000, "bf16", roles=("free",)).roles == ()
+    for s in (shape, one):
+        assert cost.SiteShape.from_dict(json.loads(json.dumps(s.to_dict()))) == s
+    with pytest.raises(ValueError, match="2 roles for 1 dots"):
+        cost.SiteShape("all_gather_dot", 4, 8e9, 1000, "bf16", roles=("free", "contracting"))
+
+
+def test_role_split_overrides():
+    """``split.gather/contracting=...`` adds the role's points beside the kind's, which either
+    override leaves alone; a loop trip is the ring's, and the free role's points are the kind's."""
+    hw = cost.hardware("h100:split.gather/contracting=1e9:0.4/1e11:0.6,split.gather=1e9:0.9")
+    assert hw.split("all_gather_dot", 1e10, "contracting") == pytest.approx(0.5)
+    assert hw.split("all_gather_dot", 1e10) == 0.9
+    assert hw.split_efficiency["dot_reduce_scatter"] == cost.PROFILES["h100"].split_efficiency["dot_reduce_scatter"]
+    for bad, message in (("h100:split.gather/free=1e9:0.5", "role's own points"),
+                         ("h100:split.gather/diagonal=1e9:0.5", "role's own points"),
+                         ("h100:loop_trip.gather/contracting=1e9:1e-5", "only a split"),
+                         ("h100:split.attention/contracting=1e9:0.5", "no site kind 'attention'")):
+        with pytest.raises(cmatmul_pass.CmatmulError, match=message):
+            cost.hardware(bad)
+
+
+def test_the_report_gives_each_dot_its_role():
+    """The model sees each of a ring's dots in its role (pipeline.site_shape): a gather whose
+    shard one dot contracts and another keeps free (a training step's backward), and a contracting
+    one alone; with the role's own points the contracting dot keeps what they say."""
+    (mixed,) = [s for s in cmatmul_pass.rewrite(sample("sp_mlp_grad").read_text()).report.rewritten
+                if s.dim_role == "contracting+free"]
+    assert mixed.cost["site"]["roles"] == [c["dim_role"] for c in mixed.consumers] == ["contracting", "free"]
+    (alone,) = cmatmul_pass.rewrite(sample("ag_dot_contracting").read_text(),
+                                    cmatmul_pass.Options(hardware="h100:split.gather/contracting=1:0.3")).report.rewritten
+    assert alone.cost["site"]["roles"] == ["contracting"] and alone.cost["split_efficiency"]["uni"] == 0.3
 
 
 def test_exposed_permutes_add_their_transfer():

@@ -19,7 +19,7 @@ shapes one device of an ``n``-way tensor-parallel MLP block runs, this script ti
 
 each for the forward's gather and scatter sites, and the full dot, loop and straight-line steps
 for a gather's contracting role too (the backward's weight gradient, :func:`contracting_programs`:
-reported beside what the profile's gather points give for it, not one of its points); it
+its split becomes the role's own points, reported beside what the gather's points give); it
 checks that the decompositions compute what they should, and reports the efficiency
 ``t_full / t_loop`` (target >= 0.95 at 70B-like shapes).  For the cost model it splits that
 loss in two (:func:`summarise`): the straight-line dots' efficiency ``t_full / t_unrolled``
@@ -170,7 +170,7 @@ def contracting_programs(n: int):
 
 #: the sites measured: (site kind, role of the gathered/scattered dim) -> their programs.  The
 #: profiles' split and loop-trip points are per site kind, measured on the free roles (the
-#: forward's rings); the contracting role is measured beside them, not (yet) a point of its own.
+#: forward's rings); the contracting role's split becomes points of its own.
 SITES = {
     ("all_gather_dot", "free"): gather_programs,
     ("dot_reduce_scatter", "free"): scatter_programs,
@@ -402,11 +402,12 @@ def summarise(sites: list[dict], profile: str, dtype: str, target: float, n: int
     the override puts each point among the profile's own (replacing one measured at the same
     size), so the profile interpolates between this run and the runs it was calibrated with
     (:meth:`cmatmul_pass.cost.Hardware.split`, :meth:`~cmatmul_pass.cost.Hardware.trip`).
-    ``split_efficiency`` and ``loop_trip_s``: the worst such site's.  The points and the
-    throughput come from the free roles' sites, which the profiles key; ``roles`` sets each
-    other role's measurement beside what the override's points of its kind give for a step of
-    its size (``split_from_points``, ``loop_trip_from_points``): where they differ, the model
-    needs points per role.  ``loop_efficiency`` is the worst of every site."""
+    ``split_efficiency`` and ``loop_trip_s``: the worst such site's.  The kinds' points and the
+    throughput come from the free roles' sites; another role's straight-line split becomes a
+    point of that role's own (``split.gather/contracting=...``, :meth:`cmatmul_pass.cost.Hardware.split`),
+    and ``roles`` sets its measurement beside what the kind's points would have given a step of
+    its size (``split_from_points``, ``loop_trip_from_points``).  ``loop_efficiency`` is the
+    worst of every site."""
     loop_efficiency = min(s["efficiency_loop"] for s in sites)
     profiled = [s for s in sites if s.get("role", "free") == "free"]
     split = min(s["efficiency_unrolled"] for s in profiled)
@@ -424,6 +425,13 @@ def summarise(sites: list[dict], profile: str, dtype: str, target: float, n: int
                 curve = dict(known.kind_points(field_name, kind)) if isinstance(getattr(known, field_name), dict) else {}
                 curve[measured[kind][0]] = measured[kind][1]
                 curves.append(f"{prefix}.{short}=" + "/".join(f"{f:.12g}:{v:{fmt}}" for f, v in sorted(curve.items())))
+    for s in sites:  # another role's straight-line split: points of its own (split.gather/contracting)
+        role = s.get("role", "free")
+        if role != "free":
+            has = known.has_role_points("split_efficiency", s["kind"], role)
+            curve = dict(known.kind_points("split_efficiency", s["kind"], role)) if has else {}
+            curve[s["flops"] / n] = s["efficiency_unrolled"]
+            curves.append(f"split.{cost.SHORT_NAMES[s['kind']]}/{role}=" + "/".join(f"{f:.12g}:{v:.3f}" for f, v in sorted(curve.items())))
     override = f"{profile}:{dtype}={throughput:.3g},{','.join(curves)}"
     hw = cost.hardware(override)  # what it prints must be a valid --hardware
     roles = {f"{s['kind']} {s['role']}": {
@@ -478,9 +486,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{s['kind'] + ('' if s['role'] == 'free' else ' (' + s['role'] + ')'):<34} full {1e3 * s['full_s']:.3f} ms ({s['full_throughput'] / 1e12:.3g} TFLOP/s), "
               f"loop {1e3 * s['loop_s']:.3f} ms (efficiency {s['efficiency_loop']:.3f}), "
               f"unrolled {1e3 * s['unrolled_s']:.3f} ms (efficiency {s['efficiency_unrolled']:.3f})")
-    short = {kind: name for name, kind in cost.KIND_NAMES.items()}
     for kind, measured in rings.items():
-        print(f"{short[kind]} ring, permutes to the device itself: full {1e3 * measured['full_s']:.3f} ms, "
+        print(f"{cost.SHORT_NAMES[kind]} ring, permutes to the device itself: full {1e3 * measured['full_s']:.3f} ms, "
               + ", ".join(f"{name} {1e3 * r['seconds']:.3f} ms (efficiency {r['efficiency']:.3f}; "
                           f"model {1e3 * r['model_s']:.3f} ms, measured / model {r['measured_over_model']:.2f})"
                           for name, r in measured.items() if isinstance(r, dict)))
