@@ -193,6 +193,50 @@ ENTRY %main (a: f32[4,4], b: f32[4,4]) -> f32[4,4] {
 """
 
 
+GEMMS = """
+HloModule gemms, is_scheduled=true
+
+%body (p: (u32[], f32[4,4], f32[4,4])) -> (u32[], f32[4,4], f32[4,4]) {
+  %p = (u32[], f32[4,4]{1,0}, f32[4,4]{1,0}) parameter(0)
+  %i = u32[] get-tuple-element(%p), index=0
+  %x = f32[4,4]{1,0} get-tuple-element(%p), index=1
+  %acc = f32[4,4]{1,0} get-tuple-element(%p), index=2
+  %g = (f32[4,4]{1,0}, s8[16]{0}) custom-call(%x, %x, %acc), custom_call_target="__cublas$gemm", output_to_operand_aliasing={{0}: (2, {})}, backend_config={"gemm_backend_config":{"alpha_real":1,"beta":1,"alpha_imag":0}}
+  %acc.1 = f32[4,4]{1,0} get-tuple-element(%g), index=0
+  %one = u32[] constant(1)
+  %next = u32[] add(%i, %one)
+  ROOT %t = (u32[], f32[4,4]{1,0}, f32[4,4]{1,0}) tuple(%next, %x, %acc.1)
+}
+
+%cond (p.1: (u32[], f32[4,4], f32[4,4])) -> pred[] {
+  %p.1 = (u32[], f32[4,4]{1,0}, f32[4,4]{1,0}) parameter(0)
+  %i.1 = u32[] get-tuple-element(%p.1), index=0
+  %seven = u32[] constant(7)
+  ROOT %lt = pred[] compare(%i.1, %seven), direction=LT
+}
+
+ENTRY %main (a: f32[4,4], b: f32[4,4]) -> f32[4,4] {
+  %a = f32[4,4]{1,0} parameter(0)
+  %b = f32[4,4]{1,0} parameter(1)
+  %plain = (f32[4,4]{1,0}, s8[16]{0}) custom-call(%a, %b), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"alpha_real":1,"beta":0,"alpha_imag":0}}
+  %product = f32[4,4]{1,0} get-tuple-element(%plain), index=0
+  %zero = u32[] constant(0)
+  %init = (u32[], f32[4,4]{1,0}, f32[4,4]{1,0}) tuple(%zero, %product, %b)
+  %loop = (u32[], f32[4,4]{1,0}, f32[4,4]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"7"}}
+  ROOT %out = f32[4,4]{1,0} get-tuple-element(%loop), index=2
+}
+"""
+
+
+def test_accumulating_gemms_count_the_gemms_that_add_to_an_operand():
+    """The loop's GEMM adds its product to the accumulator (beta 1: 7 trips), the entry's does not."""
+    from cmatmul_pass._jax_private import hlo_module_from_text
+
+    module = hlo_module_from_text(GEMMS)
+    assert gpu_topology.analyse(module)["accumulating_gemms"] == dict(
+        gemms=2, accumulating=1, gemms_executed=8, accumulating_executed=7)
+
+
 def test_overlap_counts_each_trip_and_becomes_the_cost_models():
     """A hidden permute in a loop of 3 trips and an exposed one after it: 2 permute ops, 1
     overlapped; 4 executed, 3 overlapped.  The fraction as executed is the profile's overlap."""

@@ -28,7 +28,9 @@ per layer) it compiles the original and each pass variant and reports, per progr
 * shared against unshared rings (``--no-share-rings``): the optimised modules' opcode counts;
 * the copies XLA left in loop bodies (``loop_copies``), and the dynamic slices it runs as
   kernels of their own rather than inside a GEMM (``slice_copies``: the rings' per-round
-  operand blocks, which the cost model does not charge), each counted as often as it runs.
+  operand blocks, which the cost model does not charge), each counted as often as it runs;
+* the cuBLAS GEMMs that add their product to an operand (``accumulating_gemms``: whether XLA
+  folded a contracting ring's per-round accumulation into its GEMM).
 
 The optimised module (``compiled.as_text()``, parsed back into jaxlib's ``HloModule``) is read
 through its ``HloComputation`` / ``HloInstruction`` objects and its ``HloSchedule``; only attributes those objects do not expose
@@ -375,6 +377,30 @@ def slice_copies(reader: ModuleReader, runs: dict[str, int]) -> dict:
     return {"kernels": kernels, "executed": executed, "bytes_executed": moved}
 
 
+def accumulating_gemms(reader: ModuleReader, runs: dict[str, int]) -> dict:
+    """The cuBLAS GEMMs that add their product to an operand (``beta`` != 0 in their
+    ``gemm_backend_config``: XLA folded an add into the GEMM, as it can a contracting ring's
+    per-round ``acc + partial``), against all cuBLAS GEMMs: kernels in the schedules, and
+    ``executed`` as often as each runs.  An accumulation left out of the GEMM is an add kernel
+    that moves the accumulator once more (docs/gpu.md, "The contracting role")."""
+    counts = dict(gemms=0, accumulating=0, gemms_executed=0, accumulating_executed=0)
+    for comp, sequence in reader.scheduled():
+        times = runs.get(comp.name, 1)
+        for instruction in sequence:
+            if opcode_name(instruction) != "custom-call":
+                continue
+            printed = instruction.to_string()
+            if "__cublas$" not in printed:
+                continue
+            beta = backend_config(printed).get("gemm_backend_config", {}).get("beta", 0)
+            counts["gemms"] += 1
+            counts["gemms_executed"] += times
+            if float(beta or 0):
+                counts["accumulating"] += 1
+                counts["accumulating_executed"] += times
+    return counts
+
+
 def analyse(module) -> dict:
     """What the optimised module does with its collectives: see the module docstring.
 
@@ -447,6 +473,7 @@ def analyse(module) -> dict:
         "while_loops": opcodes.get("while", 0),
         "loop_copies": loop_copies(reader),
         "slice_copies": slice_copies(reader, runs),
+        "accumulating_gemms": accumulating_gemms(reader, runs),
         "async_computations": dict(async_compute),
         "scheduling_groups": len(groups),
         "instructions": sum(opcodes.values()),
@@ -507,6 +534,8 @@ def compile_programs(model: str, layers: int, dtype: str, names: list[str], dump
               + f", loop concatenates {row['loop_copies']['concatenates']}"
               + f"; slice kernels {row['slice_copies']['executed']} run"
               + f" ({row['slice_copies']['bytes_executed'] / 2**20:.1f} MiB)"
+              + f"; GEMMs adding to an operand {row['accumulating_gemms']['accumulating_executed']}"
+              + f" of {row['accumulating_gemms']['gemms_executed']} run"
               + (f"; variants {row['variants']}" if "auto" in name else ""),
               flush=True)
 
