@@ -390,6 +390,19 @@ def batched(fn, args, reps: int):
     return run
 
 
+def _curve(known: cost.Hardware, prefix: str, kind: str, role: str, point: tuple[float, float], fmt: str) -> str:
+    """The override item ``<prefix>.<kind>[/<role>]=F:V/...``: the measured ``point`` among the
+    profile's own points for that kind and role, replacing one at the same FLOPs (a profile's one
+    number for every site was never measured per size, and another role's stand-in points are
+    the kind's: neither is kept as a point)."""
+    field_name = cost.POINT_FIELDS[prefix]
+    measured_before = isinstance(getattr(known, field_name), dict) and known.has_role_points(field_name, kind, role)
+    curve = dict(known.kind_points(field_name, kind, role)) if measured_before else {}
+    curve[point[0]] = point[1]
+    name = cost.SHORT_NAMES[kind] + ("" if role == "free" else f"/{role}")
+    return f"{prefix}.{name}=" + "/".join(f"{f:.12g}:{v:{fmt}}" for f, v in sorted(curve.items()))
+
+
 def summarise(sites: list[dict], profile: str, dtype: str, target: float, n: int) -> dict:
     """The calibration from the sites' timings.
 
@@ -409,35 +422,26 @@ def summarise(sites: list[dict], profile: str, dtype: str, target: float, n: int
     its size (``split_from_points``, ``loop_trip_from_points``).  ``loop_efficiency`` is the
     worst of every site."""
     loop_efficiency = min(s["efficiency_loop"] for s in sites)
-    profiled = [s for s in sites if s.get("role", "free") == "free"]
+    profiled = [s for s in sites if s["role"] == "free"]
+    others = [s for s in sites if s["role"] != "free"]
     split = min(s["efficiency_unrolled"] for s in profiled)
     throughput = statistics.median(s["full_throughput"] for s in profiled)
     loop_trip = max(s["loop_trip_s"] for s in profiled)
     points = {s["kind"]: (s["flops"] / n, s["efficiency_unrolled"]) for s in profiled}
     trip_points = {s["kind"]: (s["flops"] / n, s["loop_trip_s"]) for s in profiled}
     known = cost.hardware(profile)
-    curves = []
-    for prefix, measured, fmt in (("split", points, ".3f"), ("loop_trip", trip_points, ".3g")):
-        field_name = cost.POINT_FIELDS[prefix]
-        for short, kind in cost.KIND_NAMES.items():
-            if kind in measured:
-                # a profile's one number for every site was never measured per size: not kept as a point
-                curve = dict(known.kind_points(field_name, kind)) if isinstance(getattr(known, field_name), dict) else {}
-                curve[measured[kind][0]] = measured[kind][1]
-                curves.append(f"{prefix}.{short}=" + "/".join(f"{f:.12g}:{v:{fmt}}" for f, v in sorted(curve.items())))
-    for s in sites:  # another role's straight-line split: points of its own (split.gather/contracting)
-        role = s.get("role", "free")
-        if role != "free":
-            has = known.has_role_points("split_efficiency", s["kind"], role)
-            curve = dict(known.kind_points("split_efficiency", s["kind"], role)) if has else {}
-            curve[s["flops"] / n] = s["efficiency_unrolled"]
-            curves.append(f"split.{cost.SHORT_NAMES[s['kind']]}/{role}=" + "/".join(f"{f:.12g}:{v:.3f}" for f, v in sorted(curve.items())))
+    curves = [_curve(known, prefix, kind, "free", measured[kind], fmt)
+              for prefix, measured, fmt in (("split", points, ".3f"), ("loop_trip", trip_points, ".3g"))
+              for kind in cost.KIND_NAMES.values() if kind in measured]
+    # another role's straight-line split: points of its own (split.gather/contracting)
+    curves += [_curve(known, "split", s["kind"], s["role"], (s["flops"] / n, s["efficiency_unrolled"]), ".3f")
+               for s in others]
     override = f"{profile}:{dtype}={throughput:.3g},{','.join(curves)}"
     hw = cost.hardware(override)  # what it prints must be a valid --hardware
     roles = {f"{s['kind']} {s['role']}": {
         "split": s["efficiency_unrolled"], "split_from_points": hw.split(s["kind"], s["flops"] / n),
         "loop_trip_s": s["loop_trip_s"], "loop_trip_from_points": hw.trip(s["kind"], s["flops"] / n),
-    } for s in sites if s.get("role", "free") != "free"}
+    } for s in others}
     return {"loop_efficiency": loop_efficiency, "split_efficiency": split, "split_points": points,
             "loop_trip_s": loop_trip, "loop_trip_points": trip_points, "full_throughput": throughput,
             "target": target, "meets_target": loop_efficiency >= target, "hardware_override": override,
