@@ -3,6 +3,7 @@ performance numbers come from `make bench`)."""
 
 import json
 
+import numpy as np
 import pytest
 
 from tools import bench
@@ -75,10 +76,12 @@ def test_gpu_calibration_runs_on_any_backend(tmp_path):
                                "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert [(s["kind"], s["role"]) for s in result["sites"]] == [
-        ("all_gather_dot", "free"), ("dot_reduce_scatter", "free"), ("all_gather_dot", "contracting")]
-    gather, scatter, contracting = result["sites"]
+        ("all_gather_dot", "free"), ("dot_reduce_scatter", "free"), ("all_gather_dot", "contracting"),
+        ("all_gather_dot", "batch")]
+    gather, scatter, contracting, batch = result["sites"]
     assert gather["shapes"] == [[64, 32], [32, 32]] and scatter["shapes"] == [[64, 32], [32, 32]]
     assert contracting["shapes"] == [[64, 32], [64, 32]]  # a [T, F/n]^T @ dy [T, H]
+    assert batch["shapes"] == [[4, 16, 32], [4, 32, 32]]  # x [n, T/n, H] @ w [n, H, F/n], batch dims paired
     assert {s["flops"] for s in result["sites"]} == {2.0 * 64 * 32 * 32}
     for site in result["sites"]:
         assert site["efficiency_loop"] == site["full_s"] / site["loop_s"] > 0
@@ -90,12 +93,14 @@ def test_gpu_calibration_runs_on_any_backend(tmp_path):
     assert result["loop_efficiency"] == min(s["efficiency_loop"] for s in result["sites"])
     free = [gather, scatter]
     assert result["split_efficiency"] == min(s["efficiency_unrolled"] for s in free)
-    # the contracting role's split becomes points of its own, beside the gather's
-    assert hw.split("all_gather_dot", contracting["flops"] / 4, "contracting") == pytest.approx(
-        contracting["efficiency_unrolled"], abs=5e-4)
-    assert result["roles"] == {"all_gather_dot contracting": {
-        "split": contracting["efficiency_unrolled"], "split_from_points": hw.split("all_gather_dot", contracting["flops"] / 4),
-        "loop_trip_s": contracting["loop_trip_s"], "loop_trip_from_points": hw.trip("all_gather_dot", contracting["flops"] / 4)}}
+    # the contracting and batch roles' splits become points of their own, beside the gather's
+    for site in (contracting, batch):
+        step = site["flops"] / 4
+        assert hw.split("all_gather_dot", step, site["role"]) == pytest.approx(site["efficiency_unrolled"], abs=5e-4)
+    assert result["roles"] == {f"all_gather_dot {site['role']}": {
+        "split": site["efficiency_unrolled"], "split_from_points": hw.split("all_gather_dot", site["flops"] / 4),
+        "loop_trip_s": site["loop_trip_s"], "loop_trip_from_points": hw.trip("all_gather_dot", site["flops"] / 4)}
+        for site in (contracting, batch)}
     for site in free:
         assert result["split_points"][site["kind"]] == [site["flops"] / 4, site["efficiency_unrolled"]]
         assert hw.split(site["kind"], site["flops"] / 4) == pytest.approx(site["efficiency_unrolled"], abs=5e-4)
@@ -117,6 +122,32 @@ def test_gpu_calibration_runs_on_any_backend(tmp_path):
             assert rings[name]["max_relative_error"] <= gpu_calibrate.TOLERANCE["bf16"]
             assert rings[name]["efficiency"] == rings["full_s"] / rings[name]["seconds"] > 0
             assert rings[name]["measured_over_model"] == rings[name]["seconds"] / rings[name]["model_s"] > 0
+
+
+@pytest.mark.parametrize("site", ["all_gather_dot free", "dot_reduce_scatter free", "all_gather_dot contracting",
+                                  "all_gather_dot batch"])
+def test_each_calibrated_sites_steps_compute_its_full_dot(site):
+    """gpu_calibrate's loop and straight-line decompositions of every site (SITES) give what the
+    full dot gives, through the site's reference (a scatter: the sum of the product's row
+    blocks).  Exact: small integers in f32, n = 4; a batch role's operands are [n, T/n, K] and
+    [n, K, M], the others' [T, K] and [K, M] (a contracting role's [T, K] and [T, M])."""
+    import jax
+    import jax.numpy as jnp
+
+    from tools import gpu_calibrate
+
+    kind, role = site.split()
+    n = 4
+    shapes = {"free": [(8, 3), (3, 5)], "contracting": [(8, 3), (8, 5)], "batch": [(n, 2, 3), (n, 3, 5)]}[role]
+    args = [(jnp.arange(float(np.prod(s))).reshape(s) * (i + 2)) % 7 - 3 for i, s in enumerate(shapes)]
+    full, loop, unrolled, reference = gpu_calibrate.SITES[kind, role](n)
+    expected = reference(jax.jit(full)(*args))
+    for name, fn in (("loop", loop), ("unrolled", unrolled)):
+        got = jax.jit(fn)(*args).astype(jnp.float32)
+        assert got.shape == expected.shape and jnp.array_equal(got, expected), (site, name)
+    if role == "batch":  # batch i of the product pairs x's batch i with w's batch i
+        x, w = args
+        np.testing.assert_array_equal(np.asarray(expected), np.einsum("btk,bkm->btm", np.asarray(x), np.asarray(w)))
 
 
 @pytest.mark.parametrize("n", [4, 5, 8])

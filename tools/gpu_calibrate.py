@@ -18,8 +18,9 @@ shapes one device of an ``n``-way tensor-parallel MLP block runs, this script ti
   for it with this run's profile and no transfer time (:func:`ring_model`),
 
 each for the forward's gather and scatter sites, and the full dot, loop and straight-line steps
-for a gather's contracting role too (the backward's weight gradient, :func:`contracting_programs`:
-its split becomes the role's own points, reported beside what the gather's points give); it
+for a gather's contracting role (the backward's weight gradient, :func:`contracting_programs`) and
+batch role (:func:`batch_programs`: the free role's step, plus the slice of the other operand)
+too: their splits become the roles' own points, reported beside what the gather's points give; it
 checks that the decompositions compute what they should, and reports the efficiency
 ``t_full / t_loop`` (target >= 0.95 at 70B-like shapes).  For the cost model it splits that
 loss in two (:func:`summarise`): the straight-line dots' efficiency ``t_full / t_unrolled``
@@ -168,13 +169,52 @@ def contracting_programs(n: int):
     return full, loop, unrolled, lambda product: product.astype(jnp.float32)
 
 
+def batch_programs(n: int):
+    """A gather ring's batch role: ``x`` [B, T, K] gathered along its batch dim B, times ``w``
+    [B, K, M], batch dims paired.  Each round multiplies the received shard [B/n, T, K] by the
+    block of ``w`` that pairs with it, a dynamic slice [B/n, K, M] taken at the shard's run-time
+    offset (rewrites/all_gather_dot: the other operand of a batch role is sliced every round),
+    and places the [B/n, T, M] product at the same offset; the free role's rounds slice nothing.
+    At B = n and the free role's T/n, K and M (``main``), each round's dot is the gather's free
+    step, so the two splits differ by what the slice of ``w`` costs."""
+    dims = (((2,), (1,)), ((0,), (0,)))
+
+    def product(x_block, w_block):
+        return jax.lax.dot_general(x_block, w_block, dims)
+
+    def full(x, w):
+        return product(x, w)
+
+    def loop(x, w):
+        rows = x.shape[0] // n
+        out = jnp.zeros((x.shape[0], x.shape[1], w.shape[2]), x.dtype)
+
+        def step(i, out):
+            block = lambda v: jax.lax.dynamic_slice_in_dim(v, i * rows, rows)  # noqa: E731
+            return jax.lax.dynamic_update_slice_in_dim(out, product(block(x), block(w)), i * rows, 0)
+
+        return jax.lax.fori_loop(0, n, step, out)
+
+    def unrolled(x, w):
+        rows = x.shape[0] // n
+        out = jnp.zeros((x.shape[0], x.shape[1], w.shape[2]), x.dtype)
+        for i in range(n):  # the shard itself is the operand; w's paired block is sliced at run time
+            at = at_run_time(i * rows)
+            paired = jax.lax.dynamic_slice_in_dim(w, at, rows)
+            out = jax.lax.dynamic_update_slice_in_dim(out, product(x[i * rows:(i + 1) * rows], paired), at, 0)
+        return out
+
+    return full, loop, unrolled, lambda product: product.astype(jnp.float32)
+
+
 #: the sites measured: (site kind, role of the gathered/scattered dim) -> their programs.  The
 #: profiles' split and loop-trip points are per site kind, measured on the free roles (the
-#: forward's rings); the contracting role's split becomes points of its own.
+#: forward's rings); another role's split becomes points of its own.
 SITES = {
     ("all_gather_dot", "free"): gather_programs,
     ("dot_reduce_scatter", "free"): scatter_programs,
     ("all_gather_dot", "contracting"): contracting_programs,
+    ("all_gather_dot", "batch"): batch_programs,
 }
 
 
@@ -349,7 +389,8 @@ def ring_model(kind: str, rings: dict, n: int, shapes, dtype: str, override: str
 
 def measure(kind: str, n: int, shapes, dtype: str, runs: int, device, reps: int = 1, role: str = "free") -> dict:
     """The full dot, the loop and the straight-line steps of site ``(kind, role)`` (:data:`SITES`);
-    ``shapes``: the full dot's operands, ``[T, K] @ [K, M]`` (a contracting role's ``[T, K]^T @ [T, M]``)."""
+    ``shapes``: the full dot's operands, ``[T, K] @ [K, M]`` (a contracting role's ``[T, K]^T @ [T, M]``,
+    a batch role's ``[B, T, K] @ [B, K, M]``)."""
     full, loop, unrolled, reference = SITES[kind, role](n)
     rng = np.random.default_rng(0)
     args = [jax.device_put(jnp.asarray(rng.standard_normal(s, dtype=np.float32), DTYPES[dtype]), device) for s in shapes]
@@ -364,8 +405,9 @@ def measure(kind: str, n: int, shapes, dtype: str, runs: int, device, reps: int 
             raise SystemExit(f"{kind} ({role}): the {name} decomposition is off by {errors[name]:.2e} (relative): not timing it")
     t_full, t_loop, t_unrolled = (median_seconds(batched(fn, args, reps), runs) / reps
                                   for fn in (full_j, loop_j, unrolled_j))
-    (t, k), (_, m) = shapes  # [T, K] @ [K, M], or [T, K]^T @ [T, M]: 2·T·K·M either way
-    flops = 2.0 * t * k * m
+    # [T, K] @ [K, M], [T, K]^T @ [T, M] or [B, T, K] @ [B, K, M]: twice the first operand's size
+    # times the second's last dim
+    flops = 2.0 * math.prod(shapes[0]) * shapes[1][-1]
     return {
         "kind": kind, "role": role, "shapes": [list(s) for s in shapes], "flops": flops, "reps": reps,
         "full_s": t_full, "loop_s": t_loop, "unrolled_s": t_unrolled,
@@ -474,6 +516,9 @@ def main(argv: list[str] | None = None) -> int:
     # the backward's weight gradient of the down projection: a [T, F/n]^T @ gathered dy [T, H]
     sites.append(measure("all_gather_dot", n, [(tokens, ffn // n), (tokens, hidden)], args.dtype, args.runs, device,
                          args.reps, role="contracting"))
+    # a batch role with the free role's step: the gathered activations' rows as n batches of T/n
+    sites.append(measure("all_gather_dot", n, [(n, tokens // n, hidden), (n, hidden, ffn // n)], args.dtype,
+                         args.runs, device, args.reps, role="batch"))
     summary = summarise(sites, args.profile, args.dtype, args.target, n)
     rings = {}
     for kind, s in shapes.items():
