@@ -220,6 +220,16 @@ class ModuleReader:
         self.module = module
         self.computations = {c.name: c for c in module.computations()}
         self._matmul: dict[str, bool] = {}
+        self._scheduled: list | None = None
+        self._printed: dict[str, str] = {}
+
+    def printed(self, instruction) -> str:
+        """``instruction``'s printed form, printed once per module (HLO instruction names are
+        unique in a module): the readers below all parse it."""
+        text = self._printed.get(instruction.name)
+        if text is None:
+            text = self._printed[instruction.name] = instruction.to_string()
+        return text
 
     def is_matmul(self, instruction, printed: str | None = None) -> bool:
         """A dot, a gemm custom call or fusion, or an op calling a computation that holds one
@@ -227,7 +237,7 @@ class ModuleReader:
         op = opcode_name(instruction)
         if op in ("dot", "convolution"):
             return True
-        printed = printed if printed is not None else instruction.to_string()
+        printed = printed if printed is not None else self.printed(instruction)
         if op in ("custom-call", "fusion") and any(t in printed for t in self.MATMUL_TARGETS):
             return True
         return any(self.holds_matmul(name) for name in called_computations(printed))
@@ -242,7 +252,7 @@ class ModuleReader:
         dots it merges: in a loop body, once per trip)."""
         if opcode_name(instruction) == "concatenate":
             return True
-        return opcode_name(instruction) == "fusion" and "concatenate" in self.called_opcodes(instruction.to_string())
+        return opcode_name(instruction) == "fusion" and "concatenate" in self.called_opcodes(self.printed(instruction))
 
     def runs(self) -> dict[str, int]:
         """How often each computation runs per run of the module: a while loop's body and
@@ -253,7 +263,7 @@ class ModuleReader:
         for comp in self.computations.values():
             edges = callees[comp.name] = []
             for instruction in comp.instructions():
-                printed = instruction.to_string()
+                printed = self.printed(instruction)
                 trips = max(1, trip_count(printed)) if opcode_name(instruction) == "while" else 1
                 loop = {(_attribute(printed, key) or "").lstrip("%") for key in ("body", "condition")}
                 edges += [(name, trips if name in loop else 1) for name in called_computations(printed)]
@@ -279,18 +289,23 @@ class ModuleReader:
             self._matmul[name] = comp is not None and any(self.is_matmul(i) for i in comp.instructions())
         return self._matmul[name]
 
-    def scheduled(self):
-        """(computation, instructions in schedule order) for every scheduled computation, less
-        the ops ``async-start``s wrap (each is its async pair's op, counted there)."""
-        schedule = self.module.schedule()
-        wrapped = {i.async_wrapped_root().name for comp in self.computations.values() for i in comp.instructions()
-                   if opcode_name(i) == "async-start"}
-        for comp in self.computations.values():
-            try:
-                sequence = schedule.sequence(comp)
-            except Exception:  # not scheduled (fusion bodies, reducers)
-                continue
-            yield comp, [i for i in sequence if i.name not in wrapped]
+    def scheduled(self) -> list[tuple]:
+        """(computation, [(instruction, its printed form), ...] in schedule order) for every
+        scheduled computation, less the ops ``async-start``s wrap (each is its async pair's op,
+        counted there).  Walked once per module: :func:`analyse`, :func:`slice_copies` and
+        :func:`accumulating_gemms` all read it."""
+        if self._scheduled is None:
+            schedule = self.module.schedule()
+            wrapped = {i.async_wrapped_root().name for comp in self.computations.values()
+                       for i in comp.instructions() if opcode_name(i) == "async-start"}
+            self._scheduled = []
+            for comp in self.computations.values():
+                try:
+                    sequence = schedule.sequence(comp)
+                except Exception:  # not scheduled (fusion bodies, reducers)
+                    continue
+                self._scheduled.append((comp, [(i, self.printed(i)) for i in sequence if i.name not in wrapped]))
+        return self._scheduled
 
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
@@ -334,12 +349,12 @@ def loop_copies(reader: ModuleReader) -> dict:
         for instruction in comp.instructions():
             if opcode_name(instruction) != "while":
                 continue
-            printed = instruction.to_string()
+            printed = reader.printed(instruction)
             body = reader.computations.get((_attribute(printed, "body") or "").lstrip("%"))
             if body is None:
                 continue
             loops += 1
-            sizes = [result_bytes(i.to_string()) for i in body.instructions() if opcode_name(i) in ("copy", "copy-done")]
+            sizes = [result_bytes(reader.printed(i)) for i in body.instructions() if opcode_name(i) in ("copy", "copy-done")]
             concatenates += sum(1 for i in body.instructions() if reader.concatenates(i))
             sizes = [b for b in sizes if b > 16]
             trips = trip_count(printed)
@@ -360,9 +375,8 @@ def slice_copies(reader: ModuleReader, runs: dict[str, int]) -> dict:
     ``bytes_executed``: counted as often as each runs (a loop body's once per trip)."""
     kernels = executed = moved = 0
     for comp, sequence in reader.scheduled():
-        for instruction in sequence:
+        for instruction, printed in sequence:
             op = opcode_name(instruction)
-            printed = instruction.to_string()
             if op == "fusion":
                 fused = reader.called_opcodes(printed)
                 slices = "dynamic-slice" in fused and "dynamic-update-slice" not in fused
@@ -386,11 +400,8 @@ def accumulating_gemms(reader: ModuleReader, runs: dict[str, int]) -> dict:
     counts = dict(gemms=0, accumulating=0, gemms_executed=0, accumulating_executed=0)
     for comp, sequence in reader.scheduled():
         times = runs.get(comp.name, 1)
-        for instruction in sequence:
-            if opcode_name(instruction) != "custom-call":
-                continue
-            printed = instruction.to_string()
-            if "__cublas$" not in printed:
+        for instruction, printed in sequence:
+            if opcode_name(instruction) != "custom-call" or "__cublas$" not in printed:
                 continue
             beta = backend_config(printed).get("gemm_backend_config", {}).get("beta", 0)
             counts["gemms"] += 1
@@ -422,9 +433,8 @@ def analyse(module) -> dict:
     for comp, sequence in reader.scheduled():
         open_starts: dict[str, dict] = {}
         in_flight: set[str] = set()  # async computations holding a matmul, started and not done
-        for instruction in sequence:
+        for instruction, printed in sequence:
             op = opcode_name(instruction)
-            printed = instruction.to_string()
             group = frontend_attribute(printed, "_scheduling_group_id")
             if group is not None:
                 groups.add(group)
