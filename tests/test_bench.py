@@ -2,6 +2,7 @@
 performance numbers come from `make bench`)."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -122,6 +123,59 @@ def test_gpu_calibration_runs_on_any_backend(tmp_path):
             assert rings[name]["max_relative_error"] <= gpu_calibrate.TOLERANCE["bf16"]
             assert rings[name]["efficiency"] == rings["full_s"] / rings[name]["seconds"] > 0
             assert rings[name]["measured_over_model"] == rings[name]["seconds"] / rings[name]["model_s"] > 0
+
+
+@pytest.mark.parametrize("profile", ["h100", "h200"])
+def test_merging_the_stored_runs_gives_the_profiles_points(profile):
+    """gpu_calibrate --merge over the stored 70B and 8B runs (bench/gpu/) gives exactly the split
+    and loop-trip points the profile holds, and its throughput is the runs' median."""
+    from cmatmul_pass import cost
+    from tools import gpu_calibrate
+
+    root = Path(__file__).resolve().parent.parent / "bench" / "gpu"
+    paths = [str(root / f"{profile}_calibrate_{model}.json") for model in ("70b", "8b")]
+    merged = gpu_calibrate.merge(paths, profile)
+    stored = cost.PROFILES[profile]
+    assert merged["fields"] == {"split_efficiency": stored.split_efficiency, "loop_trip": stored.loop_trip}
+    hw = cost.hardware(merged["hardware_override"])
+    assert hw.split_efficiency == stored.split_efficiency and hw.loop_trip == stored.loop_trip
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    assert merged["throughput"] == float(np.median([s["full_throughput"] for r in runs for s in r["sites"]]))
+
+
+def test_merging_adds_a_runs_roles_and_replaces_a_point_at_its_step(tmp_path):
+    """A run at a new step size adds its points (the contracting and batch roles' as their own),
+    one at the same step as an earlier run replaces it, and runs of two dtypes are refused."""
+    from cmatmul_pass import cost
+    from tools import gpu_calibrate
+
+    def site(kind, role, flops, split, trip):
+        return {"kind": kind, "role": role, "flops": flops, "efficiency_unrolled": split, "loop_trip_s": trip,
+                "full_throughput": 6e14}
+
+    step = 4e9  # a 3B-like step, below the profile's 8B point
+    first = {"dtype": "bf16", "ring": 8, "sites": [
+        site("all_gather_dot", "free", 8 * step, 0.6, 2e-5), site("dot_reduce_scatter", "free", 8 * step, 0.7, 1e-5),
+        site("all_gather_dot", "contracting", 8 * step, 0.5, 3e-5), site("all_gather_dot", "batch", 8 * step, 0.55, 0)]}
+    again = {"dtype": "bf16", "ring": 4, "sites": [site("all_gather_dot", "free", 4 * step, 0.65, 1.5e-5)]}
+    paths = []
+    for name, run in (("first", first), ("again", again)):
+        paths.append(str(tmp_path / f"{name}.json"))
+        Path(paths[-1]).write_text(json.dumps(run))
+    merged = gpu_calibrate.merge(paths, "h100")
+    hw, stored = cost.hardware(merged["hardware_override"]), cost.PROFILES["h100"]
+    gather = stored.split_efficiency["all_gather_dot"]
+    assert hw.split_efficiency["all_gather_dot"] == ((step, 0.65), *gather)  # the later run's point at that step
+    assert hw.loop_trip["all_gather_dot"] == ((step, 1.5e-5), *stored.loop_trip["all_gather_dot"])
+    assert hw.split_efficiency["dot_reduce_scatter"] == ((step, 0.7), *stored.split_efficiency["dot_reduce_scatter"])
+    # roles: their own points only (the gather's stand-ins are not kept), and no loop trips of their own
+    assert hw.split_efficiency["all_gather_dot/contracting"] == ((step, 0.5),)
+    assert hw.split_efficiency["all_gather_dot/batch"] == ((step, 0.55),)
+    assert set(hw.loop_trip) == {"all_gather_dot", "dot_reduce_scatter"}
+    assert merged["fields"]["split_efficiency"]["all_gather_dot/batch"] == ((step, 0.55),)
+    Path(paths[1]).write_text(json.dumps({**again, "dtype": "f32"}))
+    with pytest.raises(SystemExit, match="different dtypes"):
+        gpu_calibrate.merge(paths, "h100")
 
 
 @pytest.mark.parametrize("site", ["all_gather_dot free", "dot_reduce_scatter free", "all_gather_dot contracting",

@@ -33,11 +33,17 @@ achieved throughput they make a ``--hardware`` override for the profile::
 
 Runs on any backend (on CPU with ``--dims`` small enough, for the tests); results go to
 ``--out`` (default ``bench/gpu_calibration.json``).  Tests run it, but never assert its timings.
+Each run's override holds its own points among the profile's; ``--merge RUN.json ...`` times
+nothing and prints several runs' points together (:func:`merge`), as an override and as the
+fields of ``cost.PROFILES``::
+
+    python tools/gpu_calibrate.py --merge bench/gpu/h100_calibrate_70b.json bench/gpu/h100_calibrate_8b.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import sys
@@ -432,17 +438,49 @@ def batched(fn, args, reps: int):
     return run
 
 
-def _curve(known: cost.Hardware, prefix: str, kind: str, role: str, point: tuple[float, float], fmt: str) -> str:
-    """The override item ``<prefix>.<kind>[/<role>]=F:V/...``: the measured ``point`` among the
-    profile's own points for that kind and role, replacing one at the same FLOPs (a profile's one
-    number for every site was never measured per size, and another role's stand-in points are
-    the kind's: neither is kept as a point)."""
+#: the format each field's values are printed in
+FORMATS = {"split": ".3f", "loop_trip": ".3g"}
+
+
+def measured_points(sites: list[dict], n: int) -> dict[tuple[str, str, str], dict[float, float]]:
+    """The points ``sites`` measured, by ``(prefix, kind, role)`` (``prefix``: ``split`` or
+    ``loop_trip``, as the ``--hardware`` override names them), each ``{FLOPs of a ring step's
+    dot: value}``: every site's straight-line split (a free role's is its kind's, another
+    role's its own), and the free roles' loop trips (a trip is the ring's, whatever its dots).
+    Sites of runs before roles were measured name none: free."""
+    points: dict[tuple[str, str, str], dict[float, float]] = {}
+    for site in sites:
+        role, step = site.get("role", "free"), site["flops"] / n
+        points.setdefault(("split", site["kind"], role), {})[step] = site["efficiency_unrolled"]
+        if role == "free":
+            points.setdefault(("loop_trip", site["kind"], role), {})[step] = site["loop_trip_s"]
+    return points
+
+
+def _curve(known: cost.Hardware, prefix: str, kind: str, role: str, measured: dict[float, float]) -> str:
+    """The override item ``<prefix>.<kind>[/<role>]=F:V/...``: the ``measured`` points among the
+    profile's own points for that kind and role, replacing those at the same FLOPs (a profile's
+    one number for every site was never measured per size, and another role's stand-in points
+    are the kind's: neither is kept as a point)."""
     field_name = cost.POINT_FIELDS[prefix]
     measured_before = isinstance(getattr(known, field_name), dict) and known.has_role_points(field_name, kind, role)
     curve = dict(known.kind_points(field_name, kind, role)) if measured_before else {}
-    curve[point[0]] = point[1]
+    curve.update(measured)
     name = cost.SHORT_NAMES[kind] + ("" if role == "free" else f"/{role}")
-    return f"{prefix}.{name}=" + "/".join(f"{f:.12g}:{v:{fmt}}" for f, v in sorted(curve.items()))
+    return f"{prefix}.{name}=" + "/".join(f"{f:.12g}:{v:{FORMATS[prefix]}}" for f, v in sorted(curve.items()))
+
+
+def override_for(profile: str, dtype: str, throughput: float, points: dict[tuple[str, str, str], dict]) -> str:
+    """The ``--hardware`` override that puts ``points`` (:func:`measured_points`) among
+    ``profile``'s and sets ``dtype``'s throughput: splits then loop trips, each kind's free role
+    first, then its other roles (:data:`cmatmul_pass.cost.POINT_ROLES`)."""
+    known = cost.hardware(profile)
+    curves = [_curve(known, prefix, kind, role, points[prefix, kind, role])
+              for prefix in FORMATS for kind in cost.KIND_NAMES.values() for role in ("free", *cost.POINT_ROLES)
+              if (prefix, kind, role) in points]
+    override = f"{profile}:{dtype}={throughput:.3g},{','.join(curves)}"
+    cost.hardware(override)  # what it prints must be a valid --hardware
+    return override
 
 
 def summarise(sites: list[dict], profile: str, dtype: str, target: float, n: int) -> dict:
@@ -471,15 +509,8 @@ def summarise(sites: list[dict], profile: str, dtype: str, target: float, n: int
     loop_trip = max(s["loop_trip_s"] for s in profiled)
     points = {s["kind"]: (s["flops"] / n, s["efficiency_unrolled"]) for s in profiled}
     trip_points = {s["kind"]: (s["flops"] / n, s["loop_trip_s"]) for s in profiled}
-    known = cost.hardware(profile)
-    curves = [_curve(known, prefix, kind, "free", measured[kind], fmt)
-              for prefix, measured, fmt in (("split", points, ".3f"), ("loop_trip", trip_points, ".3g"))
-              for kind in cost.KIND_NAMES.values() if kind in measured]
-    # another role's straight-line split: points of its own (split.gather/contracting)
-    curves += [_curve(known, "split", s["kind"], s["role"], (s["flops"] / n, s["efficiency_unrolled"]), ".3f")
-               for s in others]
-    override = f"{profile}:{dtype}={throughput:.3g},{','.join(curves)}"
-    hw = cost.hardware(override)  # what it prints must be a valid --hardware
+    override = override_for(profile, dtype, throughput, measured_points(sites, n))
+    hw = cost.hardware(override)
     roles = {f"{s['kind']} {s['role']}": {
         "split": s["efficiency_unrolled"], "split_from_points": hw.split(s["kind"], s["flops"] / n),
         "loop_trip_s": s["loop_trip_s"], "loop_trip_from_points": hw.trip(s["kind"], s["flops"] / n),
@@ -488,6 +519,32 @@ def summarise(sites: list[dict], profile: str, dtype: str, target: float, n: int
             "loop_trip_s": loop_trip, "loop_trip_points": trip_points, "full_throughput": throughput,
             "target": target, "meets_target": loop_efficiency >= target, "hardware_override": override,
             "roles": roles}
+
+
+def merge(paths: list[str], profile: str) -> dict:
+    """Several calibration runs (their JSONs, one per model) as one profile: every run's points
+    (:func:`measured_points`, each at its own ring size) among ``profile``'s, a later run's
+    replacing an earlier one's at the same step size, and the median throughput of all the runs'
+    free sites' full dots.  Returns the ``--hardware`` override and the points by field, ready
+    for ``cost.PROFILES`` (``fields``: {field: {point key: ((FLOPs, value), ...)}})."""
+    runs = [json.loads(Path(path).read_text()) for path in paths]
+    dtypes = {run["dtype"] for run in runs}
+    if len(dtypes) != 1:
+        raise SystemExit(f"the runs measured different dtypes ({', '.join(sorted(dtypes))}): merge one dtype's")
+    points: dict[tuple[str, str, str], dict[float, float]] = {}
+    for run in runs:
+        for key, measured in measured_points(run["sites"], run["ring"]).items():
+            points.setdefault(key, {}).update(measured)
+    throughput = statistics.median(s["full_throughput"] for run in runs for s in run["sites"]
+                                   if s.get("role", "free") == "free")
+    override = override_for(profile, dtypes.pop(), throughput, points)
+    hw = cost.hardware(override)
+    fields = {}
+    for prefix, kind, role in points:
+        field_name = cost.POINT_FIELDS[prefix]
+        fields.setdefault(field_name, {})[cost.point_key(kind, role)] = hw.kind_points(field_name, kind, role)
+    return {"runs": [str(p) for p in paths], "hardware_override": override, "throughput": throughput,
+            "fields": fields}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -501,7 +558,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default="h100", help="the cost-model profile the override is for")
     parser.add_argument("--target", type=float, default=0.95, help="efficiency to report against")
     parser.add_argument("--out", default=str(ROOT / "bench" / "gpu_calibration.json"))
+    parser.add_argument("--merge", nargs="+", metavar="RUN.json",
+                        help="time nothing: merge these runs' points into the profile's and print them")
     args = parser.parse_args(argv)
+    if args.merge:
+        merged = merge(args.merge, args.profile)
+        print(f"cost model: --hardware \"{merged['hardware_override']}\"")
+        print(f"for cost.PROFILES[{args.profile!r}] (throughput {merged['throughput']:.3g} FLOP/s):")
+        for field_name, by_key in merged["fields"].items():
+            print(f"    {field_name}={{" + ", ".join(f"{key!r}: {points!r}" for key, points in by_key.items()) + "},")
+        return 0
     tokens, hidden, ffn = args.dims or MODELS[args.model]
     n = args.ring
     if tokens % n or ffn % n:

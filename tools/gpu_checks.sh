@@ -2,7 +2,8 @@
 # The GPU checks of docs/gpu.md, on a machine with one NVIDIA GPU and jax with CUDA:
 #   bash tools/gpu_checks.sh OUTDIR [h100|h200] [all|calibrate|topology]
 # calibrate: split efficiency and loop-trip cost at 70B, 8B and 3B MLP shapes (tools/gpu_calibrate.py;
-#            each prints the profile's split points with its own added);
+#            each prints the profile's split points with its own added; then --merge prints all
+#            three runs' points together, for cost.PROFILES);
 # topology:  the training step compiled for a mocked 8-GPU topology, original and every variant,
 #            read for overlap, async streams and compile time (tools/gpu_topology.py): a tiny
 #            model first (a quick check that the mocked topology works), then 8B and 70B
@@ -25,6 +26,8 @@ if [ "$part" = all ] || [ "$part" = calibrate ]; then
   for model in 70b 8b 3b; do
     timeout 190 $py tools/gpu_calibrate.py --model "$model" --profile "$profile" --out "$out/calibrate_$model.json"
   done
+  # all three runs' points in one override, and as cost.PROFILES fields
+  $py tools/gpu_calibrate.py --merge "$out"/calibrate_*.json --profile "$profile" | tee "$out/calibrate_merged.txt"
 fi
 if [ "$part" = all ] || [ "$part" = topology ]; then
   timeout 90 $py tools/gpu_topology.py --model tiny --out /tmp/topology_tiny.json
