@@ -157,6 +157,38 @@ def test_slice_copies_count_the_dynamic_slices_run_as_kernels():
         kernels=2, executed=4, bytes_executed=256)
 
 
+DYNAMIC_SLICE_FUSION = """
+HloModule dsf, is_scheduled=true
+
+%address (p0: f32[8,4], p1: f32[4,4], p2: u32[]) -> f32[4,4] {
+  %p0 = f32[8,4]{1,0} parameter(0)
+  %p1 = f32[4,4]{1,0} parameter(1)
+  %p2 = u32[] parameter(2)
+  %z = u32[] constant(0)
+  %ds = f32[4,4]{1,0} dynamic-slice(%p0, %p2, %z), dynamic_slice_sizes={4,4}
+  %g = (f32[4,4]{1,0}, s8[16]{0}) custom-call(%ds, %p1), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"alpha_real":1,"beta":0,"alpha_imag":0}}
+  ROOT %r = f32[4,4]{1,0} get-tuple-element(%g), index=0
+}
+
+ENTRY %main (a: f32[8,4], b: f32[4,4], k: u32[]) -> f32[4,4] {
+  %a = f32[8,4]{1,0} parameter(0)
+  %b = f32[4,4]{1,0} parameter(1)
+  %k = u32[] parameter(2)
+  ROOT %f = f32[4,4]{1,0} fusion(%a, %b, %k), kind=kCustom, calls=%address
+}
+"""
+
+
+def test_a_gemm_that_reads_its_block_in_place_is_no_slice_copy():
+    """XLA's dynamic slice fusion (the uni-dsf program) puts the slice in the GEMM's fusion: the
+    GEMM reads its operand's block at the offset itself, so nothing is copied out."""
+    from cmatmul_pass._jax_private import hlo_module_from_text
+
+    result = gpu_topology.analyse(hlo_module_from_text(DYNAMIC_SLICE_FUSION))
+    assert result["slice_copies"] == dict(kernels=0, executed=0, bytes_executed=0)
+    assert "uni-dsf" in gpu_topology.PROGRAMS and "uni-dsf" not in gpu_topology.DEFAULT_PROGRAMS
+
+
 RING = """
 HloModule ring, is_scheduled=true
 

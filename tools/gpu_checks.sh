@@ -28,6 +28,10 @@ if [ "$part" = all ] || [ "$part" = calibrate ]; then
   done
   # all three runs' points in one override, and as cost.PROFILES fields
   $py tools/gpu_calibrate.py --merge "$out"/calibrate_*.json --profile "$profile" | tee "$out/calibrate_merged.txt"
+  # the 70B sites again with XLA's dynamic slice fusion (GEMMs reading the rounds' blocks in
+  # place): compare the scatter's, contracting and batch roles' straight-line splits (not merged)
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" timeout 190 $py tools/gpu_calibrate.py \
+    --model 70b --profile "$profile" --out "$out/dsf_calibrate_70b.json"
 fi
 if [ "$part" = all ] || [ "$part" = topology ]; then
   timeout 90 $py tools/gpu_topology.py --model tiny --out /tmp/topology_tiny.json
@@ -35,8 +39,9 @@ if [ "$part" = all ] || [ "$part" = topology ]; then
     --dump original uni unroll2 bidi bidi-unroll2 --profile "$profile"
   timeout 200 $py tools/gpu_topology.py --model 70b --out "$out/topology_70b.json" --profile "$profile"
   # the one variant whose overlap the cost model has not measured yet (the profile assumes
-  # bidi-unroll2's), and --variant auto's per-site picks for the profile
-  timeout 180 $py tools/gpu_topology.py --model 8b --programs bidi-full auto --repeats 1 \
+  # bidi-unroll2's), --variant auto's per-site picks for the profile, and uni with XLA's dynamic
+  # slice fusion (do the GEMMs read the rounds' blocks in place? slice_copies)
+  timeout 240 $py tools/gpu_topology.py --model 8b --programs bidi-full auto uni-dsf --repeats 1 \
     --out "$out/topology_8b_bidi_full.json" --profile "$profile"
   # what XLA does by default, and what cmatmul_pass.jit's own compiler options add
   timeout 120 $py tools/gpu_topology.py --model 8b --no-flags --repeats 1 \

@@ -88,11 +88,14 @@ PROGRAMS = {
     "unroll2-no-tie": dict(unroll=2, tie_rounds=False),
     "full-no-tie": dict(unroll="full", tie_rounds=False),
     "bidi-no-tie": dict(bidirectional=True, tie_rounds=False),
+    # XLA's dynamic slice fusion: a GEMM reads its operand's block at a run-time offset itself
+    # instead of a slice kernel copying it out first (slice_copies says whether it did)
+    "uni-dsf": dict(compiler_options={"xla_gpu_enable_dynamic_slice_fusion": True}),
 }
 #: bidi-full and auto are left out of the default list (tools/gpu_checks.sh compiles them in a run of
 #: their own, so that each run stays within its time limit)
 DEFAULT_PROGRAMS = [name for name in PROGRAMS
-                    if name not in ("bidi-full", "auto") and not any(x in name for x in ("no-gpu-options", "no-merge", "no-tie"))]
+                    if name not in ("bidi-full", "auto") and not any(x in name for x in ("no-gpu-options", "no-merge", "no-tie", "dsf"))]
 
 
 def configure_environment(platform: str, devices: int, extra_flags: str = "", readme_flags: bool = True) -> None:
@@ -554,7 +557,8 @@ def compile_programs(model: str, layers: int, dtype: str, names: list[str], dump
     pass_s = {}
     for name in names:  # the pass alone, on the lowered text (parse, rewrite, verify, print)
         start = time.perf_counter()
-        options = {k: v for k, v in program_options(name, profile).items() if k != "gpu_options"}  # the decorator's
+        options = {k: v for k, v in program_options(name, profile).items()
+                   if k not in ("gpu_options", "compiler_options")}  # the decorator's and jax.jit's
         _ = cmatmul_pass.rewrite(text, cmatmul_pass.Options(**options)).text
         pass_s[name] = time.perf_counter() - start
     step = getattr(fn, "__wrapped__", fn)  # the training step jax.jit wraps
