@@ -497,7 +497,8 @@ def summarise(sites: list[dict], profile: str, dtype: str, target: float, n: int
     (:meth:`cmatmul_pass.cost.Hardware.split`, :meth:`~cmatmul_pass.cost.Hardware.trip`).
     ``split_efficiency`` and ``loop_trip_s``: the worst such site's.  The kinds' points and the
     throughput come from the free roles' sites; another role's straight-line split becomes a
-    point of that role's own (``split.gather/contracting=...``, :meth:`cmatmul_pass.cost.Hardware.split`),
+    point of that role's own (``split.gather/contracting=...``, ``split.gather/batch=...``,
+    :meth:`cmatmul_pass.cost.Hardware.split`; :func:`override_for`),
     and ``roles`` sets its measurement beside what the kind's points would have given a step of
     its size (``split_from_points``, ``loop_trip_from_points``).  ``loop_efficiency`` is the
     worst of every site."""
