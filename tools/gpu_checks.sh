@@ -3,11 +3,12 @@
 #   bash tools/gpu_checks.sh OUTDIR [h100|h200] [all|calibrate|topology]
 # calibrate: split efficiency and loop-trip cost at 70B, 8B and 3B MLP shapes (tools/gpu_calibrate.py;
 #            each prints the profile's split points with its own added; then --merge prints all
-#            three runs' points together, for cost.PROFILES);
+#            three runs' points together, for cost.PROFILES; then 70B again with XLA's dynamic
+#            slice fusion);
 # topology:  the training step compiled for a mocked 8-GPU topology, original and every variant,
 #            read for overlap, async streams and compile time (tools/gpu_topology.py): a tiny
 #            model first (a quick check that the mocked topology works), then 8B and 70B
-#            shapes, bidi-full and --variant auto at 8B, then 8B with no XLA flags at all; each run prints the
+#            shapes, bidi-full, --variant auto and uni-dsf at 8B, then 8B with no XLA flags at all; each run prints the
 #            cost model's --hardware override for the share of permutes each variant hides.
 # Each step has its own time limit, so one that hangs leaves the others' results. On an H100,
 # calibrate took about 1 minute (9 compiles per model; it now makes 18, with the contracting and
