@@ -339,6 +339,21 @@ def scatter_ring_programs(n: int, device):
     return {"ring_uni": ring(1), "ring_unroll2": ring(2)}, reference
 
 
+def _random_inputs(shapes, dtype: str, device, seed: int) -> list:
+    """Standard-normal arrays of ``shapes`` in ``dtype``, on ``device``."""
+    rng = np.random.default_rng(seed)
+    return [jax.device_put(jnp.asarray(rng.standard_normal(s, dtype=np.float32), DTYPES[dtype]), device) for s in shapes]
+
+
+def _checked_error(what: str, got, expected: np.ndarray, dtype: str) -> float:
+    """``got``'s largest difference from ``expected``, relative to ``expected``'s largest
+    magnitude; beyond ``dtype``'s :data:`TOLERANCE` the program is wrong: stop, saying ``what``."""
+    error = float(np.abs(np.asarray(got.astype(jnp.float32)) - expected).max()) / (float(np.abs(expected).max()) or 1.0)
+    if error > TOLERANCE[dtype]:
+        raise SystemExit(f"{what} off by {error:.2e} (relative): not timing it")
+    return error
+
+
 #: per site kind: its one-device rings, and the arguments they take from the full dot's
 RINGS = {
     "all_gather_dot": (ring_programs, lambda x, w, n: (x[: x.shape[0] // n], w)),
@@ -352,19 +367,14 @@ def measure_rings(kind: str, n: int, shapes, dtype: str, runs: int, device, reps
     (t, k), (_, m) = shapes
     make, ring_args = RINGS[kind]
     programs, reference = make(n, device)
-    rng = np.random.default_rng(1)
-    x, w = (jax.device_put(jnp.asarray(rng.standard_normal(s, dtype=np.float32), DTYPES[dtype]), device)
-            for s in [(t, k), (k, m)])
+    x, w = _random_inputs([(t, k), (k, m)], dtype, device, seed=1)
     args = ring_args(x, w, n)
     expected = np.asarray(reference(*args))
-    scale = float(np.abs(expected).max()) or 1.0
     timed = {"full": batched(jax.jit(lambda x, w: x @ w), (x, w), reps)}
     errors = {}
     for name, fn in programs.items():
         fn = jax.jit(fn)
-        errors[name] = float(np.abs(np.asarray(fn(*args).astype(jnp.float32)) - expected).max()) / scale
-        if errors[name] > TOLERANCE[dtype]:
-            raise SystemExit(f"{kind} {name}: off by {errors[name]:.2e} (relative): not timing it")
+        errors[name] = _checked_error(f"{kind} {name}:", fn(*args), expected, dtype)
         timed[name] = batched(fn, args, reps)
     # in turn, one sample of each per round: the GPU's clock drifts by several % between blocks of runs
     seconds = {name: t / reps for name, t in interleaved_medians(timed, runs).items()}
@@ -398,17 +408,11 @@ def measure(kind: str, n: int, shapes, dtype: str, runs: int, device, reps: int 
     ``shapes``: the full dot's operands, ``[T, K] @ [K, M]`` (a contracting role's ``[T, K]^T @ [T, M]``,
     a batch role's ``[B, T, K] @ [B, K, M]``)."""
     full, loop, unrolled, reference = SITES[kind, role](n)
-    rng = np.random.default_rng(0)
-    args = [jax.device_put(jnp.asarray(rng.standard_normal(s, dtype=np.float32), DTYPES[dtype]), device) for s in shapes]
+    args = _random_inputs(shapes, dtype, device, seed=0)
     full_j, loop_j, unrolled_j = jax.jit(full), jax.jit(loop), jax.jit(unrolled)
     expected = np.asarray(reference(full_j(*args)), np.float32)
-    scale = float(np.abs(expected).max()) or 1.0
-    errors = {}
-    for name, fn in (("loop", loop_j), ("unrolled", unrolled_j)):
-        got = np.asarray(fn(*args).astype(jnp.float32))
-        errors[name] = float(np.abs(got - expected).max()) / scale
-        if errors[name] > TOLERANCE[dtype]:
-            raise SystemExit(f"{kind} ({role}): the {name} decomposition is off by {errors[name]:.2e} (relative): not timing it")
+    errors = {name: _checked_error(f"{kind} ({role}): the {name} decomposition is", fn(*args), expected, dtype)
+              for name, fn in (("loop", loop_j), ("unrolled", unrolled_j))}
     t_full, t_loop, t_unrolled = (median_seconds(batched(fn, args, reps), runs) / reps
                                   for fn in (full_j, loop_j, unrolled_j))
     # [T, K] @ [K, M], [T, K]^T @ [T, M] or [B, T, K] @ [B, K, M]: twice the first operand's size
