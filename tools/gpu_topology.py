@@ -234,13 +234,12 @@ class ModuleReader:
             text = self._printed[instruction.name] = instruction.to_string()
         return text
 
-    def is_matmul(self, instruction, printed: str | None = None) -> bool:
-        """A dot, a gemm custom call or fusion, or an op calling a computation that holds one
-        (``printed``: the instruction's printed form, when the caller has it already)."""
+    def is_matmul(self, instruction) -> bool:
+        """A dot, a gemm custom call or fusion, or an op calling a computation that holds one."""
         op = opcode_name(instruction)
         if op in ("dot", "convolution"):
             return True
-        printed = printed if printed is not None else self.printed(instruction)
+        printed = self.printed(instruction)
         if op in ("custom-call", "fusion") and any(t in printed for t in self.MATMUL_TARGETS):
             return True
         return any(self.holds_matmul(name) for name in called_computations(printed))
@@ -385,7 +384,7 @@ def slice_copies(reader: ModuleReader, runs: dict[str, int]) -> dict:
                 slices = "dynamic-slice" in fused and "dynamic-update-slice" not in fused
             else:
                 slices = op == "dynamic-slice"
-            if not slices or reader.is_matmul(instruction, printed):
+            if not slices or reader.is_matmul(instruction):
                 continue
             times = runs.get(comp.name, 1)
             kernels += 1
@@ -449,7 +448,7 @@ def analyse(module) -> dict:
                         collectives.append(entry)
                     in_flight.discard(operand.name)
                 continue
-            matmul = reader.is_matmul(instruction, printed)
+            matmul = reader.is_matmul(instruction)
             for entry in open_starts.values():
                 entry["between"] += 1
                 entry["overlapped"] |= matmul
