@@ -77,13 +77,16 @@ def test_gpu_calibration_runs_on_any_backend(tmp_path):
                                "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert [(s["kind"], s["role"]) for s in result["sites"]] == [
-        ("all_gather_dot", "free"), ("dot_reduce_scatter", "free"), ("all_gather_dot", "contracting"),
-        ("all_gather_dot", "batch")]
-    gather, scatter, contracting, batch = result["sites"]
+        ("all_gather_dot", "free"), ("dot_reduce_scatter", "free"), ("all_gather_dot", "free"),
+        ("all_gather_dot", "contracting"), ("all_gather_dot", "batch")]
+    gather, scatter, merged, contracting, batch = result["sites"]
     assert gather["shapes"] == [[64, 32], [32, 32]] and scatter["shapes"] == [[64, 32], [32, 32]]
+    # gate and up in one dot, on their weights concatenated, as the pass merges them
+    assert merged["shapes"] == [[64, 32], [32, 64]] and merged["merged_dots"] == 2
     assert contracting["shapes"] == [[64, 32], [64, 32]]  # a [T, F/n]^T @ dy [T, H]
     assert batch["shapes"] == [[4, 16, 32], [4, 32, 32]]  # x [n, T/n, H] @ w [n, H, F/n], batch dims paired
-    assert {s["flops"] for s in result["sites"]} == {2.0 * 64 * 32 * 32}
+    assert {s["flops"] for s in result["sites"] if s is not merged} == {2.0 * 64 * 32 * 32}
+    assert merged["flops"] == 2 * gather["flops"] and "merged_dots" not in gather
     for site in result["sites"]:
         assert site["efficiency_loop"] == site["full_s"] / site["loop_s"] > 0
         assert max(site["max_relative_error"].values()) <= gpu_calibrate.TOLERANCE["bf16"]
@@ -92,7 +95,7 @@ def test_gpu_calibration_runs_on_any_backend(tmp_path):
     # the loop's extra cost is its trips; the kinds' points are the free roles' (the contracting
     # role is reported beside what those points give for it); the target's measure is every site's
     assert result["loop_efficiency"] == min(s["efficiency_loop"] for s in result["sites"])
-    free = [gather, scatter]
+    free = [gather, scatter, merged]
     assert result["split_efficiency"] == min(s["efficiency_unrolled"] for s in free)
     # the contracting and batch roles' splits become points of their own, beside the gather's
     for site in (contracting, batch):
@@ -102,16 +105,21 @@ def test_gpu_calibration_runs_on_any_backend(tmp_path):
         "split": site["efficiency_unrolled"], "split_from_points": hw.split("all_gather_dot", site["flops"] / 4),
         "loop_trip_s": site["loop_trip_s"], "loop_trip_from_points": hw.trip("all_gather_dot", site["flops"] / 4)}
         for site in (contracting, batch)}
+    # each kind's points at this run's step sizes, in order: the gather's single and merged dots
+    assert result["split_points"] == {
+        "all_gather_dot": [[s["flops"] / 4, s["efficiency_unrolled"]] for s in (gather, merged)],
+        "dot_reduce_scatter": [[scatter["flops"] / 4, scatter["efficiency_unrolled"]]]}
+    assert result["loop_trip_points"] == {
+        "all_gather_dot": [[s["flops"] / 4, s["loop_trip_s"]] for s in (gather, merged)],
+        "dot_reduce_scatter": [[scatter["flops"] / 4, scatter["loop_trip_s"]]]}
     for site in free:
-        assert result["split_points"][site["kind"]] == [site["flops"] / 4, site["efficiency_unrolled"]]
         assert hw.split(site["kind"], site["flops"] / 4) == pytest.approx(site["efficiency_unrolled"], abs=5e-4)
         # the override keeps the h100 profile's points (measured at the 8B and 70B step sizes)
         for flops, fraction in cost.PROFILES["h100"].split_efficiency[site["kind"]]:
             assert hw.split(site["kind"], flops) == fraction
     assert result["loop_trip_s"] == max(max(0.0, (s["loop_s"] - s["unrolled_s"]) / 4) for s in free)
-    # each kind's loop trip, at this run's step size, among the profile's measured points
+    # each kind's loop trip, at this run's step sizes, among the profile's measured points
     for site in free:
-        assert result["loop_trip_points"][site["kind"]] == [site["flops"] / 4, site["loop_trip_s"]]
         assert hw.trip(site["kind"], site["flops"] / 4) == pytest.approx(site["loop_trip_s"], rel=5e-3, abs=1e-15)
         for flops, seconds in cost.PROFILES["h100"].loop_trip[site["kind"]]:
             assert hw.trip(site["kind"], flops) == seconds
@@ -144,8 +152,9 @@ def test_merging_the_stored_runs_gives_the_profiles_points(profile):
 
 
 def test_merging_adds_a_runs_roles_and_replaces_a_point_at_its_step(tmp_path):
-    """A run at a new step size adds its points (the contracting and batch roles' as their own),
-    one at the same step as an earlier run replaces it, and runs of two dtypes are refused."""
+    """A run at a new step size adds its points (the merged gather's at its own step, the
+    contracting and batch roles' as their own), one at the same step as an earlier run replaces
+    it, and runs of two dtypes are refused."""
     from cmatmul_pass import cost
     from tools import gpu_calibrate
 
@@ -156,6 +165,7 @@ def test_merging_adds_a_runs_roles_and_replaces_a_point_at_its_step(tmp_path):
     step = 4e9  # a 3B-like step, below the profile's 8B point
     first = {"dtype": "bf16", "ring": 8, "sites": [
         site("all_gather_dot", "free", 8 * step, 0.6, 2e-5), site("dot_reduce_scatter", "free", 8 * step, 0.7, 1e-5),
+        site("all_gather_dot", "free", 16 * step, 0.62, 2.5e-5),  # gate and up merged: twice the step
         site("all_gather_dot", "contracting", 8 * step, 0.5, 3e-5), site("all_gather_dot", "batch", 8 * step, 0.55, 0)]}
     again = {"dtype": "bf16", "ring": 4, "sites": [site("all_gather_dot", "free", 4 * step, 0.65, 1.5e-5)]}
     paths = []
@@ -165,8 +175,9 @@ def test_merging_adds_a_runs_roles_and_replaces_a_point_at_its_step(tmp_path):
     merged = gpu_calibrate.merge(paths, "h100")
     hw, stored = cost.hardware(merged["hardware_override"]), cost.PROFILES["h100"]
     gather = stored.split_efficiency["all_gather_dot"]
-    assert hw.split_efficiency["all_gather_dot"] == ((step, 0.65), *gather)  # the later run's point at that step
-    assert hw.loop_trip["all_gather_dot"] == ((step, 1.5e-5), *stored.loop_trip["all_gather_dot"])
+    # the later run's point at that step, the merged dot's at twice it
+    assert hw.split_efficiency["all_gather_dot"] == ((step, 0.65), (2 * step, 0.62), *gather)
+    assert hw.loop_trip["all_gather_dot"] == ((step, 1.5e-5), (2 * step, 2.5e-5), *stored.loop_trip["all_gather_dot"])
     assert hw.split_efficiency["dot_reduce_scatter"] == ((step, 0.7), *stored.split_efficiency["dot_reduce_scatter"])
     # roles: their own points only (the gather's stand-ins are not kept), and no loop trips of their own
     assert hw.split_efficiency["all_gather_dot/contracting"] == ((step, 0.5),)

@@ -17,8 +17,10 @@ shapes one device of an ``n``-way tensor-parallel MLP block runs, this script ti
   (:func:`ring_programs`, :func:`scatter_ring_programs`), next to what the cost model predicts
   for it with this run's profile and no transfer time (:func:`ring_model`),
 
-each for the forward's gather and scatter sites, and the full dot, loop and straight-line steps
-for a gather's contracting role (the backward's weight gradient, :func:`contracting_programs`) and
+each for the forward's gather and scatter sites; the gather's again with the gate and up
+projections' dots merged into one (twice the columns: the step the pass runs in an MLP block,
+``Options.merge_dots``, a point of the gather's own at twice the FLOPs); and the full dot, loop
+and straight-line steps for a gather's contracting role (the backward's weight gradient, :func:`contracting_programs`) and
 batch role (:func:`batch_programs`: the free role's step, plus the slice of the other operand)
 too: their splits become the roles' own points, reported beside what the gather's points give; it
 checks that the decompositions compute what they should, and reports the efficiency
@@ -495,7 +497,8 @@ def summarise(sites: list[dict], profile: str, dtype: str, target: float, n: int
     of the full dot's throughput divides each ring round's compute, and ``loop_trip``, what a
     trip costs beyond the same dots straight-line, is added per trip; the split from the loop
     would count the trips twice.  Both are measured per site kind at this model's step size
-    (``split_points``: FLOPs of one step's dot, fraction; ``loop_trip_points``: FLOPs, seconds);
+    (``split_points``: per kind, (FLOPs of one step's dot, fraction) for each free site, the
+    single and the merged gather; ``loop_trip_points``: (FLOPs, seconds));
     the override puts each point among the profile's own (replacing one measured at the same
     size), so the profile interpolates between this run and the runs it was calibrated with
     (:meth:`cmatmul_pass.cost.Hardware.split`, :meth:`~cmatmul_pass.cost.Hardware.trip`).
@@ -512,8 +515,11 @@ def summarise(sites: list[dict], profile: str, dtype: str, target: float, n: int
     split = min(s["efficiency_unrolled"] for s in profiled)
     throughput = statistics.median(s["full_throughput"] for s in profiled)
     loop_trip = max(s["loop_trip_s"] for s in profiled)
-    points = {s["kind"]: (s["flops"] / n, s["efficiency_unrolled"]) for s in profiled}
-    trip_points = {s["kind"]: (s["flops"] / n, s["loop_trip_s"]) for s in profiled}
+    points: dict[str, list] = {}
+    trip_points: dict[str, list] = {}
+    for s in sorted(profiled, key=lambda s: s["flops"]):
+        points.setdefault(s["kind"], []).append((s["flops"] / n, s["efficiency_unrolled"]))
+        trip_points.setdefault(s["kind"], []).append((s["flops"] / n, s["loop_trip_s"]))
     override = override_for(profile, dtype, throughput, measured_points(sites, n))
     hw = cost.hardware(override)
     roles = {f"{s['kind']} {s['role']}": {
@@ -584,6 +590,13 @@ def main(argv: list[str] | None = None) -> int:
         "dot_reduce_scatter": [(tokens, ffn // n), (ffn // n, hidden)],
     }
     sites = [measure(kind, n, s, args.dtype, args.runs, device, args.reps) for kind, s in shapes.items()]
+    # the gather's step as the pass runs it in this block: the gate and up projections' dots merged
+    # into one on the weights concatenated (Options.merge_dots), twice the columns and FLOPs; the
+    # cost model's MLP block (cost.mlp_block) prices that step, which the single dot's points
+    # only reach by extrapolation (flat above the largest)
+    merged = measure("all_gather_dot", n, [(tokens, hidden), (hidden, 2 * (ffn // n))], args.dtype, args.runs, device,
+                     args.reps)
+    sites.append({**merged, "merged_dots": 2})
     # the backward's weight gradient of the down projection: a [T, F/n]^T @ gathered dy [T, H]
     sites.append(measure("all_gather_dot", n, [(tokens, ffn // n), (tokens, hidden)], args.dtype, args.runs, device,
                          args.reps, role="contracting"))
@@ -603,7 +616,8 @@ def main(argv: list[str] | None = None) -> int:
         "gather_rings": rings["all_gather_dot"], "scatter_rings": rings["dot_reduce_scatter"], **summary,
     }
     for s in sites:
-        print(f"{s['kind'] + ('' if s['role'] == 'free' else ' (' + s['role'] + ')'):<34} full {1e3 * s['full_s']:.3f} ms ({s['full_throughput'] / 1e12:.3g} TFLOP/s), "
+        label = s["kind"] + (f" ({s['role']})" if s["role"] != "free" else " (dots merged)" if "merged_dots" in s else "")
+        print(f"{label:<34} full {1e3 * s['full_s']:.3f} ms ({s['full_throughput'] / 1e12:.3g} TFLOP/s), "
               f"loop {1e3 * s['loop_s']:.3f} ms (efficiency {s['efficiency_loop']:.3f}), "
               f"unrolled {1e3 * s['unrolled_s']:.3f} ms (efficiency {s['efficiency_unrolled']:.3f})")
     for kind, measured in rings.items():

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of docs/gpu.md, on a machine with one NVIDIA GPU and jax with CUDA:
 #   bash tools/gpu_checks.sh OUTDIR [h100|h200] [all|calibrate|topology]
-# calibrate: split efficiency and loop-trip cost at 70B, 8B and 3B MLP shapes (tools/gpu_calibrate.py;
+# calibrate: split efficiency and loop-trip cost at 70B, 8B and 3B MLP shapes, the gather's also with
+#            gate and up merged into one dot as the pass runs it (tools/gpu_calibrate.py;
 #            each prints the profile's split points with its own added; then --merge prints all
 #            three runs' points together, for cost.PROFILES; then 70B again with XLA's dynamic
 #            slice fusion);
@@ -11,8 +12,8 @@
 #            shapes, bidi-full, --variant auto and uni-dsf at 8B, then 8B with no XLA flags at all; each run prints the
 #            cost model's --hardware override for the share of permutes each variant hides.
 # Each step has its own time limit, so one that hangs leaves the others' results. On an H100,
-# calibrate took about 1 minute (9 compiles per model; it now makes 18, with the contracting and
-# batch roles and the scatter rings) and topology about 8; "all" can exceed a 10-minute call limit.
+# calibrate took about 1 minute (9 compiles per model; it now makes 21, with the contracting and
+# batch roles, the merged gather and the scatter rings) and topology about 8; "all" can exceed a 10-minute call limit.
 set -uo pipefail
 out=${1:?usage: gpu_checks.sh OUTDIR [profile] [all|calibrate|topology]}
 profile=${2:-h100}
