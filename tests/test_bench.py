@@ -123,6 +123,12 @@ def test_gpu_calibration_runs_on_any_backend(tmp_path):
         assert hw.trip(site["kind"], site["flops"] / 4) == pytest.approx(site["loop_trip_s"], rel=5e-3, abs=1e-15)
         for flops, seconds in cost.PROFILES["h100"].loop_trip[site["kind"]]:
             assert hw.trip(site["kind"], flops) == seconds
+    # the gather's dot alone at a shard's rows (T/n), two shards' and half (the same here) and all of T
+    dots = result["step_dots"]
+    assert dots["shapes"] == gather["shapes"] and set(dots["rows"]) == {"16", "32", "64"}
+    for rows, r in dots["rows"].items():
+        assert r["throughput"] == pytest.approx(2.0 * int(rows) * 32 * 32 / r["seconds"])
+        assert r["efficiency"] == pytest.approx(r["throughput"] / dots["rows"]["64"]["throughput"])
     # each kind's ring loops (permutes to the device itself), checked before being timed, and
     # the cost model's prediction for them beside each
     for key in ("gather_rings", "scatter_rings"):

@@ -12,6 +12,8 @@ shapes one device of an ``n``-way tensor-parallel MLP block runs, this script ti
   as the rewrite does;
 * **unrolled**: the same ``n`` steps straight-line (the ``--unroll full`` form), each block
   placed or sliced at an offset known only at run time, as the ring's are (:func:`at_run_time`);
+* **step dots** (:func:`step_dots`): the gather's dot alone at a shard's rows, two shards',
+  half and all of them, to tell the GEMM's own loss at a step's shape from what the steps add;
 * **ring_uni**, **ring_unroll2** (each site): the ring loop as the pass emits it, one or two
   rounds per trip, each permute a ``collective_permute`` from the device to itself
   (:func:`ring_programs`, :func:`scatter_ring_programs`), next to what the cost model predicts
@@ -430,6 +432,28 @@ def measure(kind: str, n: int, shapes, dtype: str, runs: int, device, reps: int 
     }
 
 
+def step_dots(shapes, n: int, dtype: str, runs: int, device, reps: int = 1) -> dict:
+    """The gather's dot alone, no loop, no slices: ``[rows, K] @ [K, M]`` for ``rows`` the
+    shard's (``T/n``), two shards', half and all of ``T`` (``shapes``: the full dot's
+    operands).  If the shard-sized dot alone keeps about what the straight-line steps keep
+    (``efficiency_unrolled``), the split loss is the GEMM's at that shape (tiles over the SMs,
+    the library's choice of kernel) and no placement of the blocks recovers it; if it keeps
+    much more, the loss is in what the steps add around their dots (the slices and updates at
+    run-time offsets).  ``efficiency``: each size's throughput over the full dot's."""
+    (tokens, k), (_, m) = shapes
+    sizes = sorted({tokens // n, 2 * tokens // n, tokens // 2, tokens})
+    dot = jax.jit(lambda x, w: x @ w)
+    w = _random_inputs([(k, m)], dtype, device, seed=1)[0]
+    rows = {}
+    for size in sizes:
+        x = _random_inputs([(size, k)], dtype, device, seed=2)[0]
+        seconds = median_seconds(batched(dot, (x, w), reps), runs) / reps
+        rows[size] = {"seconds": seconds, "throughput": 2.0 * size * k * m / seconds}
+    for r in rows.values():
+        r["efficiency"] = r["throughput"] / rows[tokens]["throughput"]
+    return {"shapes": [list(s) for s in shapes], "rows": rows}
+
+
 def batched(fn, args, reps: int):
     """One timed sample: ``reps`` calls queued back to back, then one wait.  The device runs
     them without gaps, so the host's dispatch cost (tens of µs a call) stays out of the
@@ -604,6 +628,7 @@ def main(argv: list[str] | None = None) -> int:
     sites.append(measure("all_gather_dot", n, [(n, tokens // n, hidden), (n, hidden, ffn // n)], args.dtype,
                          args.runs, device, args.reps, role="batch"))
     summary = summarise(sites, args.profile, args.dtype, args.target, n)
+    isolated = step_dots(shapes["all_gather_dot"], n, args.dtype, args.runs, device, args.reps)
     rings = {}
     for kind, s in shapes.items():
         rings[kind] = measure_rings(kind, n, s, args.dtype, args.runs, device, args.reps)
@@ -613,7 +638,8 @@ def main(argv: list[str] | None = None) -> int:
         "device": f"{device.platform}: {device.device_kind}", "jax": jax.__version__,
         "model": None if args.dims else args.model, "dims": [tokens, hidden, ffn], "ring": n, "dtype": args.dtype,
         "runs": args.runs, "reps": args.reps, "sites": sites,
-        "gather_rings": rings["all_gather_dot"], "scatter_rings": rings["dot_reduce_scatter"], **summary,
+        "gather_rings": rings["all_gather_dot"], "scatter_rings": rings["dot_reduce_scatter"],
+        "step_dots": isolated, **summary,
     }
     for s in sites:
         label = s["kind"] + (f" ({s['role']})" if s["role"] != "free" else " (dots merged)" if "merged_dots" in s else "")
@@ -625,6 +651,8 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{name} {1e3 * r['seconds']:.3f} ms (efficiency {r['efficiency']:.3f}; "
                           f"model {1e3 * r['model_s']:.3f} ms, measured / model {r['measured_over_model']:.2f})"
                           for name, r in measured.items() if isinstance(r, dict)))
+    print("the gather's dot alone, by rows (throughput over the full dot's): " + ", ".join(
+        f"{size} {r['efficiency']:.3f} ({r['throughput'] / 1e12:.3g} TFLOP/s)" for size, r in isolated["rows"].items()))
     for name, r in result["roles"].items():
         print(f"{name}: straight-line {r['split']:.3f} (the kind's points give {r['split_from_points']:.3f}), "
               f"{1e6 * r['loop_trip_s']:.1f} µs per loop trip (points: {1e6 * r['loop_trip_from_points']:.1f} µs)")
