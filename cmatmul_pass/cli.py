@@ -371,6 +371,10 @@ def cmd_bench(args) -> int:
         numerics = reference.check(program)
         rows[name] = {"flags": flags[name], "rewritten": len(result.report.rewritten),
                       "sites": len(result.report.sites), "compiler_options": xla_options,
+                      # one compile each, like the original's (the ratio: what picking it costs in
+                      # jax.jit's first call; XLA CPU's grows with a module's straight-line rounds)
+                      "compile_s": program.compile_s,
+                      "compile_over_original": program.compile_s / reference.program.compile_s,
                       "numerics": numerics.to_dict(),
                       # what the cost model says the rewritten sites save on --hardware, to hold
                       # against the measured saving (on the hardware the profile describes)
@@ -394,10 +398,11 @@ def cmd_bench(args) -> int:
         picked = rows["auto"]["picked"]
         print(f"  auto: the cost model picked, for {hardware}: "
               + ", ".join(f"{name} ({picked.count(name)} site(s))" for name in dict.fromkeys(picked)))
-    print(f"  {'variant':<13} {'sites':>7} {'time (ms)':>11} {'/ original':>11} {'saved (ms)':>11}   "
-          f"predicted saving on {hardware} (ms)")
+    print(f"  {'variant':<13} {'sites':>7} {'time (ms)':>11} {'/ original':>11} {'saved (ms)':>11} "
+          f"{'compile (s)':>12} {'/ original':>11}   predicted saving on {hardware} (ms)")
     if base is not None:
-        print(f"  {'original':<13} {'-':>7} {1e3 * base:>11.3f} {1.0:>11.2f}")
+        print(f"  {'original':<13} {'-':>7} {1e3 * base:>11.3f} {1.0:>11.2f} {'':>11} "
+              f"{reference.program.compile_s:>12.3f} {1.0:>11.2f}")
     for name, row in rows.items():
         sites = f"{row['rewritten']}/{row['sites']}"
         if mismatch is not None and mismatch[0] == name:
@@ -409,7 +414,8 @@ def cmd_bench(args) -> int:
             row["over_original"] = row["seconds"] / base
             row["saved_s"] = base - row["seconds"]
             print(f"  {name:<13} {sites:>7} {1e3 * row['seconds']:>11.3f} {row['over_original']:>11.2f} "
-                  f"{1e3 * row['saved_s']:>11.3f}   {1e3 * row['predicted_saving_s']:.3f}")
+                  f"{1e3 * row['saved_s']:>11.3f} {row['compile_s']:>12.3f} {row['compile_over_original']:>11.2f}   "
+                  f"{1e3 * row['predicted_saving_s']:.3f}")
     timed = {name: row for name, row in rows.items() if "seconds" in row}
     fastest = min(timed, key=lambda name: timed[name]["seconds"]) if len(timed) == len(names) else None
     if fastest is not None:
@@ -421,7 +427,7 @@ def cmd_bench(args) -> int:
             print(f"fastest variant: {fastest}, {ratio:.2f}x the original's time; the original is faster on these devices")
     if args.report_json:
         report = {"source": source, "devices": where, "runs": args.runs, "warmup": args.warmup,
-                  "original_s": base, "variants": rows, "fastest": fastest, "timing": "interleaved",
+                  "original_s": base, "original_compile_s": reference.program.compile_s, "variants": rows, "fastest": fastest, "timing": "interleaved",
                   "original_is_fastest": fastest is not None and timed[fastest]["over_original"] >= 1}
         write_output(args.report_json, json.dumps(report, indent=2) + "\n")
     return 0 if fastest is not None else 1

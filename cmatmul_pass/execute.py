@@ -143,16 +143,19 @@ def cpu_devices(count: int) -> list:
 class Program:
     """``module`` compiled for ``len(devices)`` partitions, with ``inputs`` placed on the devices
     as the program's parameter shardings say: ready to run any number of times.
-    ``compiler_options``: XLA options for the compile (``decorator.ring_compiler_options``)."""
+    ``compiler_options``: XLA options for the compile (``decorator.ring_compiler_options``);
+    ``compile_s``: the wall time XLA took to compile it."""
 
     def __init__(self, module: ir.Module, inputs: Sequence[np.ndarray], devices: Sequence,
                  compiler_options: dict | None = None):
         import jax
 
+        start = time.perf_counter()
         try:
             self.executable = compile_module(module, len(devices), devices, compiler_options)
         except Exception as exc:  # XLA raises its own runtime error types
             raise ExecutionError(f"XLA could not compile the module: {' '.join(str(exc).split())[:500]}") from exc
+        self.compile_s = time.perf_counter() - start
         shardings = self.executable.get_parameter_shardings()
         if len(shardings) != len(inputs):
             raise ExecutionError(f"the program takes {len(shardings)} parameters, got {len(inputs)} inputs")

@@ -214,6 +214,9 @@ def test_bench_times_every_variant_and_names_the_fastest(tmp_path, capsys):
         assert row["over_original"] == row["seconds"] / data["original_s"]
         assert row["compiler_options"] == {}  # GPU ring options only (decorator.ring_compiler_options)
         assert row["saved_s"] == data["original_s"] - row["seconds"]
+        # one compile each, beside the original's
+        assert row["compile_s"] > 0 and row["compile_over_original"] == row["compile_s"] / data["original_compile_s"]
+        assert f"{row['compile_s']:>12.3f} {row['compile_over_original']:>11.2f}" in out
     # the cost model's saving for the --hardware profile, next to the measured one
     explained = cmatmul_pass.rewrite(POS.read_text(), variant_options("bidi-full")).report.rewritten[0].cost
     assert data["variants"]["bidi-full"]["predicted_saving_s"] == explained["serial_s"] - explained["overlapped_s"]["bidi-full"]
