@@ -444,11 +444,10 @@ def step_dots(shapes, n: int, dtype: str, runs: int, device, reps: int = 1) -> d
     sizes = sorted({tokens // n, 2 * tokens // n, tokens // 2, tokens})
     dot = jax.jit(lambda x, w: x @ w)
     w = _random_inputs([(k, m)], dtype, device, seed=1)[0]
-    rows = {}
-    for size in sizes:
-        x = _random_inputs([(size, k)], dtype, device, seed=2)[0]
-        seconds = median_seconds(batched(dot, (x, w), reps), runs) / reps
-        rows[size] = {"seconds": seconds, "throughput": 2.0 * size * k * m / seconds}
+    timed = {size: batched(dot, (_random_inputs([(size, k)], dtype, device, seed=2)[0], w), reps) for size in sizes}
+    # in turn, one sample of each per round, as measure_rings: the sizes are compared with each other
+    rows = {size: {"seconds": t / reps, "throughput": 2.0 * size * k * m * reps / t}
+            for size, t in interleaved_medians(timed, runs).items()}
     for r in rows.values():
         r["efficiency"] = r["throughput"] / rows[tokens]["throughput"]
     return {"shapes": [list(s) for s in shapes], "rows": rows}
@@ -539,12 +538,10 @@ def summarise(sites: list[dict], profile: str, dtype: str, target: float, n: int
     split = min(s["efficiency_unrolled"] for s in profiled)
     throughput = statistics.median(s["full_throughput"] for s in profiled)
     loop_trip = max(s["loop_trip_s"] for s in profiled)
-    points: dict[str, list] = {}
-    trip_points: dict[str, list] = {}
-    for s in sorted(profiled, key=lambda s: s["flops"]):
-        points.setdefault(s["kind"], []).append((s["flops"] / n, s["efficiency_unrolled"]))
-        trip_points.setdefault(s["kind"], []).append((s["flops"] / n, s["loop_trip_s"]))
-    override = override_for(profile, dtype, throughput, measured_points(sites, n))
+    measured = measured_points(sites, n)
+    points, trip_points = ({kind: sorted(values.items()) for (name, kind, role), values in measured.items()
+                            if name == prefix and role == "free"} for prefix in ("split", "loop_trip"))
+    override = override_for(profile, dtype, throughput, measured)
     hw = cost.hardware(override)
     roles = {f"{s['kind']} {s['role']}": {
         "split": s["efficiency_unrolled"], "split_from_points": hw.split(s["kind"], s["flops"] / n),
