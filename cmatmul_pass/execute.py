@@ -178,12 +178,6 @@ def run(module: ir.Module, inputs: Sequence[np.ndarray], devices: Sequence) -> l
     return Program(module, inputs, devices).outputs()
 
 
-def median_seconds(run_once: Callable[[], object], runs: int, warmup: int = 1) -> float:
-    """Median wall time of ``runs`` calls of ``run_once`` (which must wait for its results),
-    after ``warmup`` untimed calls."""
-    return interleaved_medians({"run": run_once}, runs, warmup)["run"]
-
-
 def interleaved_medians(programs: dict[str, Callable], runs: int, warmup: int = 1,
                         prepare: Callable[[], object] | None = None) -> dict[str, float]:
     """Median wall time of each program (each call must wait for its results), timed round

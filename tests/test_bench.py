@@ -89,6 +89,7 @@ def test_gpu_calibration_runs_on_any_backend(tmp_path):
     assert merged["flops"] == 2 * gather["flops"] and "merged_dots" not in gather
     for site in result["sites"]:
         assert site["efficiency_loop"] == site["full_s"] / site["loop_s"] > 0
+        assert site["timing"] == "interleaved"  # full, loop and steps in turn, round by round
         assert max(site["max_relative_error"].values()) <= gpu_calibrate.TOLERANCE["bf16"]
     hw = cost.hardware(result["hardware_override"])
     # the profile's split comes from the straight-line dots, per kind at this run's step size;

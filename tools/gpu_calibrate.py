@@ -62,7 +62,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from cmatmul_pass import cost  # noqa: E402
-from cmatmul_pass.execute import interleaved_medians, median_seconds  # noqa: E402
+from cmatmul_pass.execute import interleaved_medians  # noqa: E402
 from tools.bench import write_results  # noqa: E402
 
 #: (tokens = sequence x batch, hidden, ffn) of the MLP blocks the README's sanity table uses
@@ -417,14 +417,16 @@ def measure(kind: str, n: int, shapes, dtype: str, runs: int, device, reps: int 
     expected = np.asarray(reference(full_j(*args)), np.float32)
     errors = {name: _checked_error(f"{kind} ({role}): the {name} decomposition is", fn(*args), expected, dtype)
               for name, fn in (("loop", loop_j), ("unrolled", unrolled_j))}
-    t_full, t_loop, t_unrolled = (median_seconds(batched(fn, args, reps), runs) / reps
-                                  for fn in (full_j, loop_j, unrolled_j))
+    # in turn, one sample of each per round, as measure_rings: the efficiencies are ratios of these
+    timed = {name: batched(fn, args, reps) for name, fn in (("full", full_j), ("loop", loop_j), ("unrolled", unrolled_j))}
+    seconds = interleaved_medians(timed, runs)
+    t_full, t_loop, t_unrolled = (seconds[name] / reps for name in ("full", "loop", "unrolled"))
     # [T, K] @ [K, M], [T, K]^T @ [T, M] or [B, T, K] @ [B, K, M]: twice the first operand's size
     # times the second's last dim
     flops = 2.0 * math.prod(shapes[0]) * shapes[1][-1]
     return {
         "kind": kind, "role": role, "shapes": [list(s) for s in shapes], "flops": flops, "reps": reps,
-        "full_s": t_full, "loop_s": t_loop, "unrolled_s": t_unrolled,
+        "full_s": t_full, "loop_s": t_loop, "unrolled_s": t_unrolled, "timing": "interleaved",
         "efficiency_loop": t_full / t_loop, "efficiency_unrolled": t_full / t_unrolled,
         # what a trip of the loop costs beyond the same dots straight-line (cost.Hardware.loop_trip)
         "loop_trip_s": max(0.0, (t_loop - t_unrolled) / n),
