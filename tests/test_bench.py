@@ -328,3 +328,46 @@ def test_the_stored_h100_rings_model_is_what_docs_gpu_md_says(model, expected_ms
     model_ = gpu_calibrate.ring_model("all_gather_dot", stored["gather_rings"], n, [(tokens, hidden), (hidden, ffn // n)],
                                       stored["dtype"], "h100")
     assert [round(1e3 * model_[name]["model_s"], 3) for name in ("ring_uni", "ring_unroll2")] == list(expected_ms)
+
+
+def _readme_performance_summary() -> str:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    start = readme.index("\n## Performance")
+    return readme[start:readme.index("\n## ", start + 1)]
+
+
+def test_the_readme_summary_quotes_the_stored_bench_run():
+    """The README's Performance summary quotes `bench/results.json` (the last `make bench`): a
+    run committed without updating the summary fails here, and so does a summary edited by hand."""
+    root = Path(__file__).resolve().parent.parent
+    results = json.loads((root / "bench" / "results.json").read_text())
+    summary = _readme_performance_summary()
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in summary.splitlines() if line.startswith("| ")}
+    by_layers = {r["layers"]: r for r in results["pass_cost"]["per_layers"]}
+    share = rows["pass time ≤ 5 % of `jax.jit`'s lower + compile, 32 layers (255 sites)"]
+    assert f"{100 * by_layers[32]['pass_over_lower_compile']:.2f} %" in share
+    assert f"parse + print {100 * by_layers[32]['parse_print_over_lower_compile']:.2f} %" in share
+    assert by_layers[32]["sites"] == 255
+    assert f"| {results['pass_cost']['scaling_32_over_8']:.2f} |" in rows["pass time(32 layers) / time(8) ≤ 4.4 (linear)"]
+
+    def span(values: dict) -> str:  # "low (`name`) to high (`name`)"
+        low, high = min(values, key=values.get), max(values, key=values.get)
+        return f"{values[low]:.2f} (`{low}`) to {values[high]:.2f} (`{high}`)"
+
+    compile_row = rows["rewritten module compiles in ≤ 1.2× the original's time, every variant"]
+    assert span(results["pass_cost"]["compile_ratio"]) + " at 4 layers" in compile_row
+    assert f"hand-written rings {results['pass_cost']['compile_ratio_hand_written_rings']:.1f}" in compile_row
+    layer = results["layer"]
+    plain_row = rows["CPU run time ≤ 1.0 of the plain program, every variant (layer 1024×512×1024)"]
+    assert span({k: v["over_plain"] for k, v in layer["variants"].items()}) in plain_row
+    assert f"the hand-written ring {layer['hand_written_ring_over_plain']:.2f}" in plain_row
+    assert layer["shape"] == [1024, 512, 1024]
+    ring_row = rows["CPU run time ≤ 1.0 of the hand-written `ppermute` ring, every variant"]
+    assert span({k: v["over_hand_written"] for k, v in layer["variants"].items()}) in ring_row
+    # the verdicts are the run's own
+    verdicts = [row["met"] for row in results["targets"]]  # in bench.TARGETS' order, as the table's rows
+    assert len(verdicts) == 5
+    names = list(rows)[list(rows).index("target (issue 7)") + 1:][:5]
+    assert names[0].startswith("pass time ≤ 5 %") and names[4].startswith("CPU run time ≤ 1.0 of the hand-written")
+    stated = [rows[name].rstrip(" |").rsplit("| ", 1)[1].startswith("yes") for name in names]
+    assert stated == verdicts
