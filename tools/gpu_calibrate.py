@@ -374,14 +374,13 @@ def measure_rings(kind: str, n: int, shapes, dtype: str, runs: int, device, reps
     x, w = _random_inputs([(t, k), (k, m)], dtype, device, seed=1)
     args = ring_args(x, w, n)
     expected = np.asarray(reference(*args))
-    timed = {"full": batched(jax.jit(lambda x, w: x @ w), (x, w), reps)}
+    timed = {"full": (jax.jit(lambda x, w: x @ w), (x, w))}
     errors = {}
     for name, fn in programs.items():
         fn = jax.jit(fn)
         errors[name] = _checked_error(f"{kind} {name}:", fn(*args), expected, dtype)
-        timed[name] = batched(fn, args, reps)
-    # in turn, one sample of each per round: the GPU's clock drifts by several % between blocks of runs
-    seconds = {name: t / reps for name, t in interleaved_medians(timed, runs).items()}
+        timed[name] = (fn, args)
+    seconds = seconds_per_call(timed, runs, reps)
     result = {"full_s": seconds["full"], "timing": "interleaved"}
     for name in programs:
         result[name] = {"seconds": seconds[name], "efficiency": seconds["full"] / seconds[name],
@@ -417,10 +416,9 @@ def measure(kind: str, n: int, shapes, dtype: str, runs: int, device, reps: int 
     expected = np.asarray(reference(full_j(*args)), np.float32)
     errors = {name: _checked_error(f"{kind} ({role}): the {name} decomposition is", fn(*args), expected, dtype)
               for name, fn in (("loop", loop_j), ("unrolled", unrolled_j))}
-    # in turn, one sample of each per round, as measure_rings: the efficiencies are ratios of these
-    timed = {name: batched(fn, args, reps) for name, fn in (("full", full_j), ("loop", loop_j), ("unrolled", unrolled_j))}
-    seconds = interleaved_medians(timed, runs)
-    t_full, t_loop, t_unrolled = (seconds[name] / reps for name in ("full", "loop", "unrolled"))
+    seconds = seconds_per_call({"full": (full_j, args), "loop": (loop_j, args), "unrolled": (unrolled_j, args)},
+                               runs, reps)
+    t_full, t_loop, t_unrolled = seconds["full"], seconds["loop"], seconds["unrolled"]
     # [T, K] @ [K, M], [T, K]^T @ [T, M] or [B, T, K] @ [B, K, M]: twice the first operand's size
     # times the second's last dim
     flops = 2.0 * math.prod(shapes[0]) * shapes[1][-1]
@@ -446,10 +444,9 @@ def step_dots(shapes, n: int, dtype: str, runs: int, device, reps: int = 1) -> d
     sizes = sorted({tokens // n, 2 * tokens // n, tokens // 2, tokens})
     dot = jax.jit(lambda x, w: x @ w)
     w = _random_inputs([(k, m)], dtype, device, seed=1)[0]
-    timed = {size: batched(dot, (_random_inputs([(size, k)], dtype, device, seed=2)[0], w), reps) for size in sizes}
-    # in turn, one sample of each per round, as measure_rings: the sizes are compared with each other
-    rows = {size: {"seconds": t / reps, "throughput": 2.0 * size * k * m * reps / t}
-            for size, t in interleaved_medians(timed, runs).items()}
+    timed = {size: (dot, (_random_inputs([(size, k)], dtype, device, seed=2)[0], w)) for size in sizes}
+    rows = {size: {"seconds": t, "throughput": 2.0 * size * k * m / t}
+            for size, t in seconds_per_call(timed, runs, reps).items()}
     for r in rows.values():
         r["efficiency"] = r["throughput"] / rows[tokens]["throughput"]
     return {"shapes": [list(s) for s in shapes], "rows": rows}
@@ -467,6 +464,15 @@ def batched(fn, args, reps: int):
         jax.block_until_ready(out)
 
     return run
+
+
+def seconds_per_call(programs: dict, runs: int, reps: int) -> dict:
+    """Seconds per call of each program ``{name: (fn, args)}``: the median of ``runs`` samples of
+    ``reps`` calls each (:func:`batched`), timed in turn, one sample of each per round
+    (``interleaved_medians``): the GPU's clock drifts by several % between blocks of runs, and
+    what is measured here are the programs' ratios to each other."""
+    timed = {name: batched(fn, args, reps) for name, (fn, args) in programs.items()}
+    return {name: t / reps for name, t in interleaved_medians(timed, runs).items()}
 
 
 #: the format each field's values are printed in
