@@ -331,7 +331,7 @@ def test_the_stored_h100_rings_model_is_what_docs_gpu_md_says(model, expected_ms
 
 
 def _readme_performance_summary() -> str:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (bench.ROOT / "README.md").read_text()
     start = readme.index("\n## Performance")
     return readme[start:readme.index("\n## ", start + 1)]
 
@@ -339,8 +339,7 @@ def _readme_performance_summary() -> str:
 def test_the_readme_summary_quotes_the_stored_bench_run():
     """The README's Performance summary quotes `bench/results.json` (the last `make bench`): a
     run committed without updating the summary fails here, and so does a summary edited by hand."""
-    root = Path(__file__).resolve().parent.parent
-    results = json.loads((root / "bench" / "results.json").read_text())
+    results = json.loads((bench.ROOT / "bench" / "results.json").read_text())
     summary = _readme_performance_summary()
     rows = {line.split(" | ")[0].lstrip("| "): line for line in summary.splitlines() if line.startswith("| ")}
     by_layers = {r["layers"]: r for r in results["pass_cost"]["per_layers"]}
