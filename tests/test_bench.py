@@ -356,6 +356,19 @@ def test_the_readme_summary_quotes_the_stored_bench_run():
     compile_row = rows["rewritten module compiles in ≤ 1.2× the original's time, every variant"]
     assert span(results["pass_cost"]["compile_ratio"]) + " at 4 layers" in compile_row
     assert f"hand-written rings {results['pass_cost']['compile_ratio_hand_written_rings']:.1f}" in compile_row
+    # the 32-layer span comes from the separate by-layers run the row names
+    by_layers_run = json.loads((bench.ROOT / "bench" / "results_compile_by_layers.json").read_text())
+    at_32 = dict(by_layers_run["pass_cost"]["compile_ratio_by_layers"]["32"])
+    hand_32 = at_32.pop("hand_written_rings")
+    assert "`bench/results_compile_by_layers.json`" in compile_row
+    assert f"{min(at_32.values()):.1f} to {max(at_32.values()):.1f} at 32" in compile_row
+    assert f"and {hand_32:.1f} |" in compile_row
+    # the GPU row quotes the stored H100 calibration at 70B shapes (the gather site: the worst)
+    gpu = json.loads((bench.ROOT / "bench" / "gpu" / "h100_calibrate_70b.json").read_text())
+    split_row = rows["ring's per-step dots keep ≥ 0.95 of the full dot's throughput (H100, 70B shapes)"]
+    assert gpu["target"] == 0.95 and gpu["meets_target"] is False and split_row.rstrip(" |").endswith("| no")
+    assert (f"| {gpu['split_efficiency']:.2f} straight-line, {gpu['loop_efficiency']:.2f} in the loop"
+            in split_row)
     layer = results["layer"]
     plain_row = rows["CPU run time ≤ 1.0 of the plain program, every variant (layer 1024×512×1024)"]
     assert span({k: v["over_plain"] for k, v in layer["variants"].items()}) in plain_row
