@@ -248,6 +248,7 @@ def cmd_check(args) -> int:
 
 def cmd_explain(args) -> int:
     from . import cost
+    from .report import duration
 
     args.quiet = True
     _, _, result = _rewrite(args)
@@ -282,7 +283,6 @@ def cmd_explain(args) -> int:
             print(f"  decision: left unchanged: {site.reason} [{site.reason_code}]")
         if site.cost:
             c = site.cost
-            us = lambda t: f"{t * 1e6:.3g} µs"  # noqa: E731
             best = max(c["speedup"], key=c["speedup"].get)
 
             def exposed(variant: str) -> str:  # the profile expects some of its permutes exposed
@@ -298,8 +298,8 @@ def cmd_explain(args) -> int:
             if kept and unmeasured:  # the profile has the free roles' points only, which stand in
                 kept = kept[:-1] + "".join(f"; a {role} dot's split is the free role's: unmeasured" for role in unmeasured) + ")"
             print(
-                f"  predicted on {c['hardware']}: compute {us(c['compute_s'])}{kept}, transfer {us(c['transfer_s'])}, "
-                f"serial {us(c['serial_s'])}; {c['variant']} {us(c['overlapped_s'][c['variant']])} "
+                f"  predicted on {c['hardware']}: compute {duration(c['compute_s'])}{kept}, transfer {duration(c['transfer_s'])}, "
+                f"serial {duration(c['serial_s'])}; {c['variant']} {duration(c['overlapped_s'][c['variant']])} "
                 f"({c['speedup'][c['variant']]:.2f}x{exposed(c['variant'])}); "
                 f"best: {best} ({c['speedup'][best]:.2f}x{exposed(best)})"
             )

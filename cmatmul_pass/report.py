@@ -87,6 +87,14 @@ class Report:
         return line
 
 
+def duration(seconds: float) -> str:
+    """``seconds`` in the unit that keeps it readable (ns, µs, ms, s), three significant digits."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if abs(seconds) >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 1e-9:.3g} ns"
+
+
 def element_bytes(element_type: ir.Type) -> int:
     width = getattr(element_type, "width", None)
     if width is None:

@@ -399,11 +399,22 @@ def test_decorator_takes_the_policy():
     assert [s.reason_code for s in g.report.sites] == ["policy"]
 
 
+@pytest.mark.parametrize("seconds, text", [
+    (2.5, "2.5 s"), (1.0, "1 s"), (0.0123, "12.3 ms"), (4.5e-6, "4.5 µs"), (1e-6, "1 µs"),
+    (6.83e-9, "6.83 ns"), (8.19e-14, "8.19e-05 ns"), (0.0, "0 ns"),
+])
+def test_durations_print_in_a_readable_unit(seconds, text):
+    from cmatmul_pass.report import duration
+
+    assert duration(seconds) == text
+
+
 def test_explain_prints_predictions_and_draws_the_timeline(tmp_path, capsys):
     png = tmp_path / "timeline.png"
     assert run_cli("explain", sample("sp_mlp"), "--plot", png, "--bidirectional") == 0
     out = capsys.readouterr().out
     assert "predicted on H100" in out and "best:" in out and f"timeline: {png}" in out
+    assert "transfer 6.83 ns" in out and "e-0" not in out  # 3072 B per device at 450 GB/s, not 0.00683 µs
     assert "91 % of permutes hidden" in out  # the bidi ring the sample gets: 98 of 108 in the H100 compile
     # tiny sites: below the smallest step measured, the smallest step's split (gather, then the halved scatter)
     assert "the ring's dots keep 0.74 of its throughput" in out and "the ring's dots keep 0.81 of" in out
