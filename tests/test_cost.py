@@ -359,6 +359,26 @@ def test_mlp_block_sanity():
     assert big["compute_to_transfer"] > small["compute_to_transfer"]
 
 
+def test_the_readme_quotes_the_models_mlp_table():
+    """The README's "Predicted on 8×H100" table is `cost.mlp_block` on the `h100` profile: a
+    profile that moves (a new calibration) fails here until the table is regenerated."""
+    readme = (ROOT / "README.md").read_text()
+    header = "| shapes | compute / transfer | uni | unroll 2 | full | bidi + unroll 2 | bidi + full | `--variant auto` |"
+    assert header in readme
+    columns = {"uni": (False, 1), "unroll 2": (False, 2), "full": (False, None),
+               "bidi + unroll 2": (True, 2), "bidi + full": (True, None)}
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in readme.splitlines() if line.startswith("| Llama-3-")}
+    shapes = {"Llama-3-70B-like (hidden 8192, ffn 28672)": (8192, 28672),
+              "Llama-3-8B-like (hidden 4096, ffn 14336)": (4096, 14336)}
+    assert set(rows) == set(shapes)
+    hw = cost.PROFILES["h100"]
+    for name, (hidden, ffn) in shapes.items():
+        blocks = [cost.mlp_block(hw, hidden, ffn, 8192, bidirectional=b, unroll=u) for b, u in columns.values()]
+        blocks.append(cost.mlp_block(hw, hidden, ffn, 8192, variant="auto"))
+        expected = [name, f"{blocks[0]['compute_to_transfer']:.1f}", *(f"{b['speedup']:.2f}x" for b in blocks)]
+        assert rows[name].strip("| ").split(" | ") == expected
+
+
 def test_report_carries_the_prediction_and_the_site_size():
     result = cmatmul_pass.rewrite(sample("sp_mlp").read_text())
     gather_site = next(s for s in result.report.sites if s.kind == "all_gather_dot")
