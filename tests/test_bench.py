@@ -376,6 +376,9 @@ def test_the_readme_summary_quotes_the_stored_bench_run():
     assert layer["shape"] == [1024, 512, 1024]
     ring_row = rows["CPU run time ≤ 1.0 of the hand-written `ppermute` ring, every variant"]
     assert span({k: v["over_hand_written"] for k, v in layer["variants"].items()}) in ring_row
+    medians = results["samples_median_ratio"].values()
+    assert (f"the rings take {min(medians):.1f}–{max(medians):.1f}× the original's time (median over samples)"
+            in " ".join(summary.split()))
     # the verdicts are the run's own
     verdicts = [row["met"] for row in results["targets"]]  # in bench.TARGETS' order, as the table's rows
     assert len(verdicts) == 5
