@@ -89,6 +89,7 @@ class Report:
 
 def duration(seconds: float) -> str:
     """``seconds`` in the unit that keeps it readable (ns, µs, ms, s), three significant digits."""
+    seconds = float(f"{seconds:.3g}")  # rounded first: 999.6 µs is 1 ms, not 1e+03 µs
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
         if abs(seconds) >= scale:
             return f"{seconds / scale:.3g} {unit}"

@@ -421,7 +421,7 @@ def test_decorator_takes_the_policy():
 
 @pytest.mark.parametrize("seconds, text", [
     (2.5, "2.5 s"), (1.0, "1 s"), (0.0123, "12.3 ms"), (4.5e-6, "4.5 µs"), (1e-6, "1 µs"),
-    (6.83e-9, "6.83 ns"), (8.19e-14, "8.19e-05 ns"), (0.0, "0 ns"),
+    (6.83e-9, "6.83 ns"), (8.19e-14, "8.19e-05 ns"), (0.0, "0 ns"), (9.996e-4, "1 ms"), (-2e-6, "-2 µs"),
 ])
 def test_durations_print_in_a_readable_unit(seconds, text):
     from cmatmul_pass.report import duration
