@@ -147,7 +147,7 @@ def test_merging_the_stored_runs_gives_the_profiles_points(profile):
     from cmatmul_pass import cost
     from tools import gpu_calibrate
 
-    root = Path(__file__).resolve().parent.parent / "bench" / "gpu"
+    root = bench.ROOT / "bench" / "gpu"
     paths = [str(root / f"{profile}_calibrate_{model}.json") for model in ("70b", "8b")]
     merged = gpu_calibrate.merge(paths, profile)
     stored = cost.PROFILES[profile]
