@@ -21,17 +21,33 @@ from . import ir_utils
 from ._jax_private import compile_module, ir, sharding_for_devices
 from .errors import ExecutionError
 
+#: The 8-bit floats (MLIR's names), whose dots XLA runs on CPU: inputs of fp8 matmuls.
+_FLOAT8 = {
+    "f8E4M3FN": ml_dtypes.float8_e4m3fn,
+    "f8E5M2": ml_dtypes.float8_e5m2,
+    "f8E4M3FNUZ": ml_dtypes.float8_e4m3fnuz,
+    "f8E5M2FNUZ": ml_dtypes.float8_e5m2fnuz,
+    "f8E4M3B11FNUZ": ml_dtypes.float8_e4m3b11fnuz,
+}
+
 #: Normwise relative tolerance per float dtype: max|a-b| / max|a| must not exceed it.
 #: A rewritten dot computes each output element from the same products as the
 #: original, so only accumulation order (CPU tiling) differs: a few ulps of the
-#: accumulator for f32/f64, one rounding of the stored result for 16-bit types.
-FLOAT_TOLERANCES = {"f64": 1e-12, "f32": 1e-5, "f16": 2e-3, "bf16": 1e-2}
+#: accumulator for f32/f64, one rounding of the stored result for 16-bit types, and
+#: for 8-bit ones (each is its machine epsilon, one ulp at 1.0: both results are the
+#: nearest to nearly the same sum).  A complex output takes its parts' tolerance.
+FLOAT_TOLERANCES = {"f64": 1e-12, "f32": 1e-5, "f16": 2e-3, "bf16": 1e-2,
+                    "complex<f64>": 1e-12, "complex<f32>": 1e-5,
+                    **{name: float(ml_dtypes.finfo(t).eps) for name, t in _FLOAT8.items()}}
 
 _NUMPY_DTYPES = {
     "f64": np.float64,
     "f32": np.float32,
     "f16": np.float16,
     "bf16": ml_dtypes.bfloat16,
+    **_FLOAT8,
+    "complex<f64>": np.complex128,
+    "complex<f32>": np.complex64,
     "i1": np.bool_,
     "i8": np.int8,
     "i16": np.int16,
@@ -110,7 +126,8 @@ def numpy_dtype(element_type: ir.Type):
 
 
 def random_inputs(module: ir.Module, seed: int = 0) -> list[np.ndarray]:
-    """One random array per entry-function argument (normal floats, small ints, coin-flip bools)."""
+    """One random array per entry-function argument (normal floats and complex parts, small
+    ints, coin-flip bools)."""
     rng = np.random.default_rng(seed)
     arrays = []
     for arg in entry_function(module).regions[0].blocks[0].arguments:
@@ -123,6 +140,8 @@ def random_inputs(module: ir.Module, seed: int = 0) -> list[np.ndarray]:
             arrays.append(rng.integers(0, 2, shape).astype(np.bool_))
         elif np.issubdtype(dtype, np.integer):
             arrays.append(rng.integers(0, 8, shape).astype(dtype))
+        elif dtype.kind == "c":
+            arrays.append((rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype))
         else:
             arrays.append(rng.standard_normal(shape).astype(dtype))
     return arrays
@@ -159,7 +178,8 @@ class Program:
         shardings = self.executable.get_parameter_shardings()
         if len(shardings) != len(inputs):
             raise ExecutionError(f"the program takes {len(shardings)} parameters, got {len(inputs)} inputs")
-        self.args = [jax.device_put(x, sharding_for_devices(devices, s)) for x, s in zip(inputs, shardings)]
+        with jax.enable_x64(True):  # else jax would place f64/i64/complex128 inputs as 32-bit arrays
+            self.args = [jax.device_put(x, sharding_for_devices(devices, s)) for x, s in zip(inputs, shardings)]
 
     def __call__(self) -> list[list]:
         """Run once and wait for it: per output, per device, a shard (device arrays)."""
@@ -216,7 +236,8 @@ def compare(index: int, expected: list[np.ndarray], actual: list[np.ndarray]) ->
         diff = np.abs(a.astype(np.int64) - b.astype(np.int64)) if a.size else np.zeros(1)
         err = float(diff.max()) if diff.size else 0.0
         return OutputComparison(index, name, shape, err, err, 0.0)
-    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    wide = np.complex128 if name.startswith("complex") else np.float64
+    a64, b64 = a.astype(wide), b.astype(wide)
     same_nan = np.isnan(a64) & np.isnan(b64)
     diff = np.where(same_nan, 0.0, np.abs(a64 - b64))
     max_abs = float(np.nanmax(diff)) if diff.size else 0.0

@@ -405,7 +405,7 @@ def site_shape(site: AllGatherSite | ReduceScatterSite, merge_dots: bool = True)
         groups = [[i] for i in range(len(parts))]  # each term is its own dot in every round
     dots = [part.dot for part in parts]
     each = [_dot_flops(d) for d in dots]
-    dtype = str(ir_utils.ranked_tensor(dots[0].operation.operands[0]).element_type)
+    dtype = str(_real_element_type(ir_utils.ranked_tensor(dots[0].operation.operands[0]).element_type))
     halvable = isinstance(site, AllGatherSite) or halves_blocker(site) is None
     return cost.SiteShape(site.kind, site.ring.size, sum(each), tensor_bytes(step), dtype, halvable,
                           tuple(sum(each[i] for i in members) for members in groups),
@@ -413,10 +413,17 @@ def site_shape(site: AllGatherSite | ReduceScatterSite, merge_dots: bool = True)
 
 
 def _dot_flops(dot) -> float:
+    """Real FLOPs: a multiply-add of complex numbers is four real ones."""
     lhs = ir_utils.ranked_tensor(dot.operation.operands[0])
     out = ir_utils.ranked_tensor(dot.result)
     contracting = hlo.DotDimensionNumbers(dot.attributes["dot_dimension_numbers"]).lhs_contracting_dimensions
-    return 2.0 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in contracting)
+    real = 4.0 if isinstance(lhs.element_type, ir.ComplexType) else 1.0
+    return real * 2.0 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in contracting)
+
+
+def _real_element_type(element: ir.Type) -> ir.Type:
+    """The type the cost model prices a dot's FLOPs at: a complex type's parts."""
+    return ir.ComplexType(element).element_type if isinstance(element, ir.ComplexType) else element
 
 
 class _no_cyclic_gc:

@@ -96,18 +96,20 @@ def duration(seconds: float) -> str:
     return f"{seconds / 1e-9:.3g} ns"
 
 
-def element_bytes(element_type: ir.Type) -> int:
-    width = getattr(element_type, "width", None)
-    if width is None:
-        return 0
-    return max(1, width // 8)
+def element_bits(element_type: ir.Type) -> int:
+    """Bits per element: a complex number's two parts, an integer's or float's width (i4 and
+    f4E2M1FN are 4)."""
+    if isinstance(element_type, ir.ComplexType):
+        return 2 * element_bits(ir.ComplexType(element_type).element_type)
+    return getattr(element_type, "width", 0)
 
 
 def tensor_bytes(t: ir.RankedTensorType) -> int:
+    """Bytes of the tensor's elements, sub-byte elements packed (as XLA stores them on GPUs)."""
     count = 1
     for d in t.shape:
         count *= d
-    return count * element_bytes(t.element_type)
+    return -(-count * element_bits(t.element_type) // 8)
 
 
 def describe_shard(site: SiteReport, shard: ir.Value, ring_size: int | None) -> None:

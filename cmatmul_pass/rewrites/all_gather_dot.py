@@ -58,9 +58,6 @@ from .schedule import Applied, RewriteContext, Round, ScheduleStats, emit_rounds
 #: Each step receives the shard of the next position: position k sends to k-1.
 RECEIVE_FROM_NEXT = -1
 
-_NARROW_FLOATS = (ir.BF16Type, ir.F16Type)
-
-
 class _Plan:
     """How one consumer dot accumulates over the ring."""
 
@@ -154,10 +151,12 @@ def _other(c: Consumer) -> ir.Value:
 
 
 def _partial_element_type(c: Consumer) -> ir.Type:
-    """The element type of a round's partial dot: the result's; f32 where bf16/f16 partial
-    contractions are summed (a contracting role without an explicit algorithm)."""
+    """The element type of a round's partial dot: the result's; f32 where partial contractions
+    in a float narrower than f32 (bf16, f16, the f8 types) are summed (a contracting role
+    without an explicit algorithm)."""
     element = ir.RankedTensorType(c.dot.result.type).element_type
-    if c.role == "contracting" and isinstance(element, _NARROW_FLOATS) and "algorithm" not in c.dot.attributes:
+    if (c.role == "contracting" and isinstance(element, ir.FloatType) and ir.FloatType(element).width < 32
+            and "algorithm" not in c.dot.attributes):
         return ir.F32Type.get()
     return element
 

@@ -28,16 +28,18 @@ def index_scalar_type() -> ir.RankedTensorType:
     return ir.RankedTensorType.get([], index_element_type())
 
 
-def zero_scalar_attr(element_type: ir.Type) -> ir.Attribute:
-    if isinstance(element_type, ir.IntegerType):
-        return ir.IntegerAttr.get(element_type, 0)
-    if isinstance(element_type, ir.FloatType):
-        return ir.FloatAttr.get(element_type, 0.0)
-    raise TypeError(f"no zero for element type {element_type}")
-
-
-def has_zero(element_type: ir.Type) -> bool:
-    return isinstance(element_type, (ir.IntegerType, ir.FloatType))
+def zeros_attr(t: ir.RankedTensorType) -> ir.DenseElementsAttr:
+    """A splat of zeros of ``t``: integer, float (f8 to f64) or complex elements."""
+    element = t.element_type
+    if isinstance(element, ir.IntegerType):
+        return ir.DenseElementsAttr.get_splat(t, ir.IntegerAttr.get(element, 0))
+    if isinstance(element, ir.FloatType):
+        return ir.DenseElementsAttr.get_splat(t, ir.FloatAttr.get(element, 0.0))
+    if isinstance(element, ir.ComplexType):  # complex<f32> or complex<f64>: no scalar attribute
+        parts = ir.ComplexType(element).element_type  # names them, so the splat comes from numpy
+        dtype = {32: np.complex64, 64: np.complex128}[ir.FloatType(parts).width]
+        return ir.DenseElementsAttr.get(np.zeros(1, dtype), type=element, shape=list(t.shape))
+    raise TypeError(f"no zero for element type {element}")
 
 
 class Builder:
@@ -85,8 +87,7 @@ class Builder:
 
     def zeros(self, t: ir.RankedTensorType) -> ir.Value:
         def make() -> ir.Value:
-            attr = ir.DenseElementsAttr.get_splat(t, zero_scalar_attr(t.element_type))
-            return hlo.ConstantOp(attr, loc=self.loc).result
+            return hlo.ConstantOp(zeros_attr(t), loc=self.loc).result
 
         return self._cached(("zeros", str(t)), make)
 
