@@ -34,7 +34,8 @@ VARIANTS["streams-bidi-noassemble"] = variant_options("bidi", annotate_streams=T
 # each site the variant the cost model picks: a program's gathers and scatters get different ones
 VARIANTS["auto"] = variant_options("auto")
 MESHES = [(8,), (2, 4), (4, 2), (2, 2, 2), (3,), (5,), (7,), (2, 3), (3, 2), (6,), (4,), (2,)]
-DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "i32": jnp.int32}
+DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "i32": jnp.int32, "f16": jnp.float16, "f64": jnp.float64,
+          "c64": jnp.complex64}
 
 
 @dataclass(frozen=True)
@@ -82,9 +83,9 @@ def specs(draw) -> Spec:
     else:
         axes = (draw(st.sampled_from(names)),)
     kind = draw(st.sampled_from(["ag", "ag", "rs", "rs", "chain", "mlp"]))
-    dtype = draw(st.sampled_from(["f32", "f32", "bf16", "i32"]))
+    dtype = draw(st.sampled_from(["f32", "f32", "f32", "bf16", "bf16", "i32", "i32", "f16", "f64", "c64"]))
     if kind == "mlp":
-        dtype = "f32" if dtype == "i32" else dtype
+        dtype = "f32" if dtype in ("i32", "c64") else dtype  # gelu
     dims = {"ag": ["m", "k", "b"], "rs": ["m", "n", "b"], "chain": ["m", "k"], "mlp": ["m"]}[kind]
     dim = draw(st.sampled_from(dims))
     batch = dim == "b" or draw(st.booleans())
@@ -219,7 +220,8 @@ def lower(spec: Spec) -> str:
         def f(*operands):
             return [single(*operands) for _ in range(spec.repeat)]
 
-    return jax.jit(f).lower(*structs).as_text()
+    with jax.enable_x64(DTYPES[spec.dtype] == jnp.float64):
+        return jax.jit(f).lower(*structs).as_text()
 
 
 # ---------------------------------------------------------------------------- the oracle
@@ -230,13 +232,15 @@ class Tally:
     sites_rewritten: int = 0
     sites_shared: int = 0  # rewritten sites that call a shared ring function
     declined: Counter = field(default_factory=Counter)
+    dtypes: Counter = field(default_factory=Counter)  # programs per element type
     mismatches: list = field(default_factory=list)
     crashes: list = field(default_factory=list)
 
     def summary(self) -> str:
         reasons = ", ".join(f"{code} {count}" for code, count in sorted(self.declined.items())) or "none"
+        dtypes = ", ".join(f"{name} {count}" for name, count in sorted(self.dtypes.items()))
         return (
-            f"programs {self.programs}, variant runs {self.runs}, sites rewritten {self.sites_rewritten} "
+            f"programs {self.programs} ({dtypes}), variant runs {self.runs}, sites rewritten {self.sites_rewritten} "
             f"({self.sites_shared} calling a shared ring), "
             f"sites declined by reason: {reasons}; mismatches {len(self.mismatches)}, crashes {len(self.crashes)}"
         )
@@ -261,6 +265,7 @@ def check(spec: Spec, tally: Tally | None = None, variants=VARIANTS) -> Tally:
     """Rewrite ``spec``'s program under every variant; record and assert the oracle's verdicts."""
     tally = tally or Tally()
     tally.programs += 1
+    tally.dtypes[spec.dtype] += 1
     text = lower(spec)
     original = ir_utils.parse(text)
     devices = [jax.devices("cpu")[i] for i in range(math.prod(spec.mesh_shape))]
