@@ -185,63 +185,62 @@
 // AUTO_GOLDEN-NEXT: %44 = stablehlo.remainder %43, %c_3 : tensor<ui32>
 // AUTO_GOLDEN-NEXT: %45 = stablehlo.multiply %44, %c_2 : tensor<ui32>
 // AUTO_GOLDEN-NEXT: %46 = stablehlo.dynamic_slice %42, %c_1, %45, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %47:2 = stablehlo.optimization_barrier %46, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
-// AUTO_GOLDEN-NEXT: %48 = stablehlo.dot_general %47#0, %47#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %49 = stablehlo.add %3, %c_0 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %50 = stablehlo.remainder %49, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %51 = stablehlo.multiply %50, %c_2 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %52 = stablehlo.add %51, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %53 = stablehlo.dynamic_slice %42, %c_1, %52, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %54:2 = stablehlo.optimization_barrier %53, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
-// AUTO_GOLDEN-NEXT: %55 = stablehlo.dot_general %54#0, %54#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %56 = "stablehlo.collective_permute"(%48) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %57 = stablehlo.add %3, %c : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %58 = stablehlo.remainder %57, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %59 = stablehlo.multiply %58, %c_2 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %60 = stablehlo.dynamic_slice %42, %c_1, %59, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %61:2 = stablehlo.optimization_barrier %60, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
-// AUTO_GOLDEN-NEXT: %62 = stablehlo.dot_general %61#0, %61#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %63 = stablehlo.add %56, %62 : tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %64 = "stablehlo.collective_permute"(%55) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %65 = stablehlo.add %3, %c : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %66 = stablehlo.remainder %65, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %67 = stablehlo.multiply %66, %c_2 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %68 = stablehlo.add %67, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %69 = stablehlo.dynamic_slice %42, %c_1, %68, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %70:2 = stablehlo.optimization_barrier %69, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
-// AUTO_GOLDEN-NEXT: %71 = stablehlo.dot_general %70#0, %70#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %72 = stablehlo.add %64, %71 : tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %73 = "stablehlo.collective_permute"(%63) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %74 = stablehlo.add %3, %c_0 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %75 = stablehlo.remainder %74, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %76 = stablehlo.multiply %75, %c_2 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %77 = stablehlo.dynamic_slice %42, %c_1, %76, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %78:2 = stablehlo.optimization_barrier %77, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
-// AUTO_GOLDEN-NEXT: %79 = stablehlo.dot_general %78#0, %78#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %80 = stablehlo.add %73, %79 : tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %81 = "stablehlo.collective_permute"(%72) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %82 = stablehlo.add %3, %c_4 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %83 = stablehlo.remainder %82, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %84 = stablehlo.multiply %83, %c_2 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %85 = stablehlo.add %84, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %86 = stablehlo.dynamic_slice %42, %c_1, %85, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %87:2 = stablehlo.optimization_barrier %86, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
-// AUTO_GOLDEN-NEXT: %88 = stablehlo.dot_general %87#0, %87#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %89 = stablehlo.add %81, %88 : tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %90 = "stablehlo.collective_permute"(%80) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %91 = stablehlo.multiply %3, %c_2 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %92 = stablehlo.dynamic_slice %42, %c_1, %91, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %93:2 = stablehlo.optimization_barrier %92, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
-// AUTO_GOLDEN-NEXT: %94 = stablehlo.dot_general %93#0, %93#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %95 = stablehlo.add %90, %94 : tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %96 = "stablehlo.collective_permute"(%89) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %97 = stablehlo.add %91, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %98 = stablehlo.dynamic_slice %42, %c_1, %97, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %99:2 = stablehlo.optimization_barrier %98, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
-// AUTO_GOLDEN-NEXT: %100 = stablehlo.dot_general %99#0, %99#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %101 = stablehlo.add %96, %100 : tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %102 = stablehlo.concatenate %95, %101, dim = 1 : (tensor<2x4x16xf32>, tensor<2x4x16xf32>) -> tensor<2x8x16xf32>
-// AUTO_GOLDEN-NEXT: sdy.return %102 : tensor<2x8x16xf32>
+// AUTO_GOLDEN-NEXT: %47 = stablehlo.dot_general %46, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %48 = stablehlo.add %3, %c_0 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %49 = stablehlo.remainder %48, %c_3 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %50 = stablehlo.multiply %49, %c_2 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %51 = stablehlo.add %50, %c_3 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %52 = stablehlo.dynamic_slice %42, %c_1, %51, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %53:2 = stablehlo.optimization_barrier %52, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
+// AUTO_GOLDEN-NEXT: %54 = stablehlo.dot_general %53#0, %53#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %55 = "stablehlo.collective_permute"(%47) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %56 = stablehlo.add %3, %c : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %57 = stablehlo.remainder %56, %c_3 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %58 = stablehlo.multiply %57, %c_2 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %59 = stablehlo.dynamic_slice %42, %c_1, %58, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %60:2 = stablehlo.optimization_barrier %59, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
+// AUTO_GOLDEN-NEXT: %61 = stablehlo.dot_general %60#0, %60#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %62 = stablehlo.add %55, %61 : tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %63 = "stablehlo.collective_permute"(%54) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %64 = stablehlo.add %3, %c : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %65 = stablehlo.remainder %64, %c_3 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %66 = stablehlo.multiply %65, %c_2 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %67 = stablehlo.add %66, %c_3 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %68 = stablehlo.dynamic_slice %42, %c_1, %67, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %69:2 = stablehlo.optimization_barrier %68, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
+// AUTO_GOLDEN-NEXT: %70 = stablehlo.dot_general %69#0, %69#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %71 = stablehlo.add %63, %70 : tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %72 = "stablehlo.collective_permute"(%62) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %73 = stablehlo.add %3, %c_0 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %74 = stablehlo.remainder %73, %c_3 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %75 = stablehlo.multiply %74, %c_2 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %76 = stablehlo.dynamic_slice %42, %c_1, %75, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %77:2 = stablehlo.optimization_barrier %76, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
+// AUTO_GOLDEN-NEXT: %78 = stablehlo.dot_general %77#0, %77#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %79 = stablehlo.add %72, %78 : tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %80 = "stablehlo.collective_permute"(%71) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %81 = stablehlo.add %3, %c_4 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %82 = stablehlo.remainder %81, %c_3 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %83 = stablehlo.multiply %82, %c_2 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %84 = stablehlo.add %83, %c_3 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %85 = stablehlo.dynamic_slice %42, %c_1, %84, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %86:2 = stablehlo.optimization_barrier %85, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
+// AUTO_GOLDEN-NEXT: %87 = stablehlo.dot_general %86#0, %86#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %88 = stablehlo.add %80, %87 : tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %89 = "stablehlo.collective_permute"(%79) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %90 = stablehlo.multiply %3, %c_2 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %91 = stablehlo.dynamic_slice %42, %c_1, %90, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %92:2 = stablehlo.optimization_barrier %91, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
+// AUTO_GOLDEN-NEXT: %93 = stablehlo.dot_general %92#0, %92#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %94 = stablehlo.add %89, %93 : tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %95 = "stablehlo.collective_permute"(%88) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %96 = stablehlo.add %90, %c_3 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %97 = stablehlo.dynamic_slice %42, %c_1, %96, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %98:2 = stablehlo.optimization_barrier %97, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
+// AUTO_GOLDEN-NEXT: %99 = stablehlo.dot_general %98#0, %98#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %100 = stablehlo.add %95, %99 : tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %101 = stablehlo.concatenate %94, %100, dim = 1 : (tensor<2x4x16xf32>, tensor<2x4x16xf32>) -> tensor<2x8x16xf32>
+// AUTO_GOLDEN-NEXT: sdy.return %101 : tensor<2x8x16xf32>
 // AUTO_GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<4x32x16xf32>
 // AUTO_GOLDEN-NEXT: return %0 : tensor<4x32x16xf32>
 // AUTO_GOLDEN-NEXT: }

@@ -508,35 +508,35 @@
 // STREAMS_GOLDEN-NEXT: %11:3 = stablehlo.while(%iterArg = %c_1, %iterArg_10 = %6, %iterArg_11 = %10) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: cond {
 // STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %46 = stablehlo.compare LT, %iterArg, %c_12, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %46 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %45 = stablehlo.compare LT, %iterArg, %c_12, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %45 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
 // STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<8> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<4> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_15 = stablehlo.constant dense<1> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_16 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %46 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 12, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %47 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %48 = stablehlo.add %47, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %49 = stablehlo.add %5, %48 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %50 = stablehlo.remainder %49, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %51:2 = stablehlo.optimization_barrier %iterArg_10, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %52 = func.call @cmatmul_dot_0(%51#0, %51#1) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %53 = stablehlo.multiply %50, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %54 = stablehlo.dynamic_update_slice %iterArg_11, %52, %c_12, %53, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %55:2 = stablehlo.optimization_barrier %46, %52 : tensor<2x8x16xf32>, tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %56 = "stablehlo.collective_permute"(%55#0) <{channel_handle = #stablehlo.channel_handle<handle = 13, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %57 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %58 = stablehlo.add %57, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %59 = stablehlo.add %5, %58 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %60 = stablehlo.remainder %59, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %61:2 = stablehlo.optimization_barrier %46, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %62 = func.call @cmatmul_dot_0(%61#0, %61#1) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %63 = stablehlo.multiply %60, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %64 = stablehlo.dynamic_update_slice %54, %62, %c_12, %63, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %65 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %65, %56, %64 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %45 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 12, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %46 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %47 = stablehlo.add %46, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %48 = stablehlo.add %5, %47 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %49 = stablehlo.remainder %48, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %50:2 = stablehlo.optimization_barrier %iterArg_10, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %51 = func.call @cmatmul_dot_0(%50#0, %50#1) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %52 = stablehlo.multiply %49, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %53 = stablehlo.dynamic_update_slice %iterArg_11, %51, %c_12, %52, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %54:2 = stablehlo.optimization_barrier %45, %51 : tensor<2x8x16xf32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %55 = "stablehlo.collective_permute"(%54#0) <{channel_handle = #stablehlo.channel_handle<handle = 13, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %56 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %57 = stablehlo.add %56, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %58 = stablehlo.add %5, %57 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %59 = stablehlo.remainder %58, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %60:2 = stablehlo.optimization_barrier %45, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %61 = func.call @cmatmul_dot_0(%60#0, %60#1) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %62 = stablehlo.multiply %59, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %63 = stablehlo.dynamic_update_slice %53, %61, %c_12, %62, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %64 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %64, %55, %63 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: }
 // STREAMS_GOLDEN-NEXT: %12 = stablehlo.add %5, %c : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_3 : tensor<ui32>
@@ -565,21 +565,20 @@
 // STREAMS_GOLDEN-NEXT: %32 = stablehlo.remainder %31, %c_3 : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %33 = stablehlo.multiply %32, %c_2 : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %34 = stablehlo.dynamic_slice %30, %c_1, %33, %c_1, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %35:2 = stablehlo.optimization_barrier %34, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %36 = func.call @cmatmul_dot_0(%35#0, %35#1) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %37 = "stablehlo.collective_permute"(%36) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "3"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %38 = stablehlo.add %5, %c_0 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %39 = stablehlo.remainder %38, %c_3 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %40 = stablehlo.multiply %39, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %41 = stablehlo.dynamic_slice %30, %c_1, %40, %c_1, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %42:2 = stablehlo.optimization_barrier %41, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %43 = func.call @cmatmul_dot_0(%42#0, %42#1) {mhlo.frontend_attributes = {_scheduling_group_id = "3", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %44 = stablehlo.add %37, %43 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %45:2 = stablehlo.while(%iterArg = %c_1, %iterArg_10 = %44) : tensor<ui32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %35 = func.call @cmatmul_dot_0(%34, %arg9) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %36 = "stablehlo.collective_permute"(%35) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "3"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %37 = stablehlo.add %5, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %38 = stablehlo.remainder %37, %c_3 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %39 = stablehlo.multiply %38, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %40 = stablehlo.dynamic_slice %30, %c_1, %39, %c_1, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %41:2 = stablehlo.optimization_barrier %40, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %42 = func.call @cmatmul_dot_0(%41#0, %41#1) {mhlo.frontend_attributes = {_scheduling_group_id = "3", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %43 = stablehlo.add %36, %42 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %44:2 = stablehlo.while(%iterArg = %c_1, %iterArg_10 = %43) : tensor<ui32>, tensor<2x8x16xf32>
 // STREAMS_GOLDEN-NEXT: cond {
 // STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %46 = stablehlo.compare LT, %iterArg, %c_11, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %46 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %45 = stablehlo.compare LT, %iterArg, %c_11, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %45 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
 // STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<ui32>
@@ -587,29 +586,29 @@
 // STREAMS_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<4> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_15 = stablehlo.constant dense<3> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_16 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %46 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "4"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %47 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %48 = stablehlo.add %47, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %49 = stablehlo.add %5, %48 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %50 = stablehlo.remainder %49, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %51 = stablehlo.multiply %50, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %52 = stablehlo.dynamic_slice %30, %c_12, %51, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %53:2 = stablehlo.optimization_barrier %52, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %54 = func.call @cmatmul_dot_0(%53#0, %53#1) {mhlo.frontend_attributes = {_scheduling_group_id = "4", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %55 = stablehlo.add %46, %54 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %56 = "stablehlo.collective_permute"(%55) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "5"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %57 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %58 = stablehlo.add %5, %57 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %59 = stablehlo.remainder %58, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %60 = stablehlo.multiply %59, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %61 = stablehlo.dynamic_slice %30, %c_12, %60, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %62:2 = stablehlo.optimization_barrier %61, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %63 = func.call @cmatmul_dot_0(%62#0, %62#1) {mhlo.frontend_attributes = {_scheduling_group_id = "5", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %64 = stablehlo.add %56, %63 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %65 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %65, %64 : tensor<ui32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %45 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "4"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %46 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %47 = stablehlo.add %46, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %48 = stablehlo.add %5, %47 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %49 = stablehlo.remainder %48, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %50 = stablehlo.multiply %49, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %51 = stablehlo.dynamic_slice %30, %c_12, %50, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %52:2 = stablehlo.optimization_barrier %51, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %53 = func.call @cmatmul_dot_0(%52#0, %52#1) {mhlo.frontend_attributes = {_scheduling_group_id = "4", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %54 = stablehlo.add %45, %53 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %55 = "stablehlo.collective_permute"(%54) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "5"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %56 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %57 = stablehlo.add %5, %56 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %58 = stablehlo.remainder %57, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %59 = stablehlo.multiply %58, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %60 = stablehlo.dynamic_slice %30, %c_12, %59, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %61:2 = stablehlo.optimization_barrier %60, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %62 = func.call @cmatmul_dot_0(%61#0, %61#1) {mhlo.frontend_attributes = {_scheduling_group_id = "5", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %63 = stablehlo.add %55, %62 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %64 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %64, %63 : tensor<ui32>, tensor<2x8x16xf32>
 // STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: sdy.return %45#1 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: sdy.return %44#1 : tensor<2x8x16xf32>
 // STREAMS_GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<4x32x16xf32>
 // STREAMS_GOLDEN-NEXT: %1 = sdy.manual_computation(%0, %arg3, %arg4) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"data"}, {"model"}, {}]>] manual_axes={"data", "model"} (%arg7: tensor<2x8x16xf32>, %arg8: tensor<16x16xf32>, %arg9: tensor<16x16xf32>) {
 // STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<ui32>
@@ -631,35 +630,35 @@
 // STREAMS_GOLDEN-NEXT: %11:3 = stablehlo.while(%iterArg = %c_1, %iterArg_10 = %6, %iterArg_11 = %10) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: cond {
 // STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %46 = stablehlo.compare LT, %iterArg, %c_12, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %46 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %45 = stablehlo.compare LT, %iterArg, %c_12, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %45 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
 // STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<8> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<4> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_15 = stablehlo.constant dense<1> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_16 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %46 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 15, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "7"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %47 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %48 = stablehlo.add %47, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %49 = stablehlo.add %5, %48 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %50 = stablehlo.remainder %49, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %51:2 = stablehlo.optimization_barrier %iterArg_10, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %52 = func.call @cmatmul_dot_0(%51#0, %51#1) {mhlo.frontend_attributes = {_scheduling_group_id = "7", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %53 = stablehlo.multiply %50, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %54 = stablehlo.dynamic_update_slice %iterArg_11, %52, %c_12, %53, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %55:2 = stablehlo.optimization_barrier %46, %52 : tensor<2x8x16xf32>, tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %56 = "stablehlo.collective_permute"(%55#0) <{channel_handle = #stablehlo.channel_handle<handle = 16, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "8"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %57 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %58 = stablehlo.add %57, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %59 = stablehlo.add %5, %58 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %60 = stablehlo.remainder %59, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %61:2 = stablehlo.optimization_barrier %46, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %62 = func.call @cmatmul_dot_0(%61#0, %61#1) {mhlo.frontend_attributes = {_scheduling_group_id = "8", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %63 = stablehlo.multiply %60, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %64 = stablehlo.dynamic_update_slice %54, %62, %c_12, %63, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %65 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %65, %56, %64 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %45 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 15, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "7"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %46 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %47 = stablehlo.add %46, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %48 = stablehlo.add %5, %47 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %49 = stablehlo.remainder %48, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %50:2 = stablehlo.optimization_barrier %iterArg_10, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %51 = func.call @cmatmul_dot_0(%50#0, %50#1) {mhlo.frontend_attributes = {_scheduling_group_id = "7", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %52 = stablehlo.multiply %49, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %53 = stablehlo.dynamic_update_slice %iterArg_11, %51, %c_12, %52, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %54:2 = stablehlo.optimization_barrier %45, %51 : tensor<2x8x16xf32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %55 = "stablehlo.collective_permute"(%54#0) <{channel_handle = #stablehlo.channel_handle<handle = 16, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "8"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %56 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %57 = stablehlo.add %56, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %58 = stablehlo.add %5, %57 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %59 = stablehlo.remainder %58, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %60:2 = stablehlo.optimization_barrier %45, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %61 = func.call @cmatmul_dot_0(%60#0, %60#1) {mhlo.frontend_attributes = {_scheduling_group_id = "8", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %62 = stablehlo.multiply %59, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %63 = stablehlo.dynamic_update_slice %53, %61, %c_12, %62, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %64 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %64, %55, %63 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: }
 // STREAMS_GOLDEN-NEXT: %12 = stablehlo.add %5, %c : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_3 : tensor<ui32>
@@ -688,21 +687,20 @@
 // STREAMS_GOLDEN-NEXT: %32 = stablehlo.remainder %31, %c_3 : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %33 = stablehlo.multiply %32, %c_2 : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %34 = stablehlo.dynamic_slice %30, %c_1, %33, %c_1, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %35:2 = stablehlo.optimization_barrier %34, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %36 = func.call @cmatmul_dot_0(%35#0, %35#1) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %37 = "stablehlo.collective_permute"(%36) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "9"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %38 = stablehlo.add %5, %c_0 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %39 = stablehlo.remainder %38, %c_3 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %40 = stablehlo.multiply %39, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %41 = stablehlo.dynamic_slice %30, %c_1, %40, %c_1, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %42:2 = stablehlo.optimization_barrier %41, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %43 = func.call @cmatmul_dot_0(%42#0, %42#1) {mhlo.frontend_attributes = {_scheduling_group_id = "9", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %44 = stablehlo.add %37, %43 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %45:2 = stablehlo.while(%iterArg = %c_1, %iterArg_10 = %44) : tensor<ui32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %35 = func.call @cmatmul_dot_0(%34, %arg9) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %36 = "stablehlo.collective_permute"(%35) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "9"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %37 = stablehlo.add %5, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %38 = stablehlo.remainder %37, %c_3 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %39 = stablehlo.multiply %38, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %40 = stablehlo.dynamic_slice %30, %c_1, %39, %c_1, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %41:2 = stablehlo.optimization_barrier %40, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %42 = func.call @cmatmul_dot_0(%41#0, %41#1) {mhlo.frontend_attributes = {_scheduling_group_id = "9", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %43 = stablehlo.add %36, %42 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %44:2 = stablehlo.while(%iterArg = %c_1, %iterArg_10 = %43) : tensor<ui32>, tensor<2x8x16xf32>
 // STREAMS_GOLDEN-NEXT: cond {
 // STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %46 = stablehlo.compare LT, %iterArg, %c_11, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %46 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %45 = stablehlo.compare LT, %iterArg, %c_11, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %45 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
 // STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<ui32>
@@ -710,29 +708,29 @@
 // STREAMS_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<4> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_15 = stablehlo.constant dense<3> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_16 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %46 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "10"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %47 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %48 = stablehlo.add %47, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %49 = stablehlo.add %5, %48 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %50 = stablehlo.remainder %49, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %51 = stablehlo.multiply %50, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %52 = stablehlo.dynamic_slice %30, %c_12, %51, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %53:2 = stablehlo.optimization_barrier %52, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %54 = func.call @cmatmul_dot_0(%53#0, %53#1) {mhlo.frontend_attributes = {_scheduling_group_id = "10", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %55 = stablehlo.add %46, %54 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %56 = "stablehlo.collective_permute"(%55) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "11"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %57 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %58 = stablehlo.add %5, %57 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %59 = stablehlo.remainder %58, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %60 = stablehlo.multiply %59, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %61 = stablehlo.dynamic_slice %30, %c_12, %60, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %62:2 = stablehlo.optimization_barrier %61, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %63 = func.call @cmatmul_dot_0(%62#0, %62#1) {mhlo.frontend_attributes = {_scheduling_group_id = "11", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %64 = stablehlo.add %56, %63 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %65 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %65, %64 : tensor<ui32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %45 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "10"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %46 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %47 = stablehlo.add %46, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %48 = stablehlo.add %5, %47 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %49 = stablehlo.remainder %48, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %50 = stablehlo.multiply %49, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %51 = stablehlo.dynamic_slice %30, %c_12, %50, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %52:2 = stablehlo.optimization_barrier %51, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %53 = func.call @cmatmul_dot_0(%52#0, %52#1) {mhlo.frontend_attributes = {_scheduling_group_id = "10", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %54 = stablehlo.add %45, %53 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %55 = "stablehlo.collective_permute"(%54) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "11"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %56 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %57 = stablehlo.add %5, %56 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %58 = stablehlo.remainder %57, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %59 = stablehlo.multiply %58, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %60 = stablehlo.dynamic_slice %30, %c_12, %59, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %61:2 = stablehlo.optimization_barrier %60, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %62 = func.call @cmatmul_dot_0(%61#0, %61#1) {mhlo.frontend_attributes = {_scheduling_group_id = "11", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %63 = stablehlo.add %55, %62 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %64 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %64, %63 : tensor<ui32>, tensor<2x8x16xf32>
 // STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: sdy.return %45#1 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: sdy.return %44#1 : tensor<2x8x16xf32>
 // STREAMS_GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<4x32x16xf32>
 // STREAMS_GOLDEN-NEXT: %2 = sdy.manual_computation(%1, %arg5, %arg6) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"data"}, {"model"}, {}]>] manual_axes={"data", "model"} (%arg7: tensor<2x8x16xf32>, %arg8: tensor<16x16xf32>, %arg9: tensor<16x16xf32>) {
 // STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<ui32>
@@ -754,35 +752,35 @@
 // STREAMS_GOLDEN-NEXT: %11:3 = stablehlo.while(%iterArg = %c_1, %iterArg_10 = %6, %iterArg_11 = %10) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: cond {
 // STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %46 = stablehlo.compare LT, %iterArg, %c_12, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %46 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %45 = stablehlo.compare LT, %iterArg, %c_12, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %45 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
 // STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<8> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<4> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_15 = stablehlo.constant dense<1> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_16 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %46 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 18, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "13"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %47 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %48 = stablehlo.add %47, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %49 = stablehlo.add %5, %48 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %50 = stablehlo.remainder %49, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %51:2 = stablehlo.optimization_barrier %iterArg_10, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %52 = func.call @cmatmul_dot_0(%51#0, %51#1) {mhlo.frontend_attributes = {_scheduling_group_id = "13", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %53 = stablehlo.multiply %50, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %54 = stablehlo.dynamic_update_slice %iterArg_11, %52, %c_12, %53, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %55:2 = stablehlo.optimization_barrier %46, %52 : tensor<2x8x16xf32>, tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %56 = "stablehlo.collective_permute"(%55#0) <{channel_handle = #stablehlo.channel_handle<handle = 19, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "14"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %57 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %58 = stablehlo.add %57, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %59 = stablehlo.add %5, %58 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %60 = stablehlo.remainder %59, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %61:2 = stablehlo.optimization_barrier %46, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %62 = func.call @cmatmul_dot_0(%61#0, %61#1) {mhlo.frontend_attributes = {_scheduling_group_id = "14", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %63 = stablehlo.multiply %60, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %64 = stablehlo.dynamic_update_slice %54, %62, %c_12, %63, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %65 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %65, %56, %64 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %45 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 18, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "13"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %46 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %47 = stablehlo.add %46, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %48 = stablehlo.add %5, %47 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %49 = stablehlo.remainder %48, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %50:2 = stablehlo.optimization_barrier %iterArg_10, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %51 = func.call @cmatmul_dot_0(%50#0, %50#1) {mhlo.frontend_attributes = {_scheduling_group_id = "13", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %52 = stablehlo.multiply %49, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %53 = stablehlo.dynamic_update_slice %iterArg_11, %51, %c_12, %52, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %54:2 = stablehlo.optimization_barrier %45, %51 : tensor<2x8x16xf32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %55 = "stablehlo.collective_permute"(%54#0) <{channel_handle = #stablehlo.channel_handle<handle = 19, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "14"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %56 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %57 = stablehlo.add %56, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %58 = stablehlo.add %5, %57 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %59 = stablehlo.remainder %58, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %60:2 = stablehlo.optimization_barrier %45, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %61 = func.call @cmatmul_dot_0(%60#0, %60#1) {mhlo.frontend_attributes = {_scheduling_group_id = "14", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %62 = stablehlo.multiply %59, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %63 = stablehlo.dynamic_update_slice %53, %61, %c_12, %62, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %64 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %64, %55, %63 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: }
 // STREAMS_GOLDEN-NEXT: %12 = stablehlo.add %5, %c : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_3 : tensor<ui32>
@@ -811,21 +809,20 @@
 // STREAMS_GOLDEN-NEXT: %32 = stablehlo.remainder %31, %c_3 : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %33 = stablehlo.multiply %32, %c_2 : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %34 = stablehlo.dynamic_slice %30, %c_1, %33, %c_1, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %35:2 = stablehlo.optimization_barrier %34, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %36 = func.call @cmatmul_dot_0(%35#0, %35#1) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %37 = "stablehlo.collective_permute"(%36) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "15"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %38 = stablehlo.add %5, %c_0 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %39 = stablehlo.remainder %38, %c_3 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %40 = stablehlo.multiply %39, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %41 = stablehlo.dynamic_slice %30, %c_1, %40, %c_1, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %42:2 = stablehlo.optimization_barrier %41, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %43 = func.call @cmatmul_dot_0(%42#0, %42#1) {mhlo.frontend_attributes = {_scheduling_group_id = "15", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %44 = stablehlo.add %37, %43 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %45:2 = stablehlo.while(%iterArg = %c_1, %iterArg_10 = %44) : tensor<ui32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %35 = func.call @cmatmul_dot_0(%34, %arg9) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %36 = "stablehlo.collective_permute"(%35) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "15"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %37 = stablehlo.add %5, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %38 = stablehlo.remainder %37, %c_3 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %39 = stablehlo.multiply %38, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %40 = stablehlo.dynamic_slice %30, %c_1, %39, %c_1, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %41:2 = stablehlo.optimization_barrier %40, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %42 = func.call @cmatmul_dot_0(%41#0, %41#1) {mhlo.frontend_attributes = {_scheduling_group_id = "15", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %43 = stablehlo.add %36, %42 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %44:2 = stablehlo.while(%iterArg = %c_1, %iterArg_10 = %43) : tensor<ui32>, tensor<2x8x16xf32>
 // STREAMS_GOLDEN-NEXT: cond {
 // STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %46 = stablehlo.compare LT, %iterArg, %c_11, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %46 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %45 = stablehlo.compare LT, %iterArg, %c_11, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %45 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
 // STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<ui32>
@@ -833,29 +830,29 @@
 // STREAMS_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<4> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_15 = stablehlo.constant dense<3> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_16 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %46 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 9, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "16"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %47 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %48 = stablehlo.add %47, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %49 = stablehlo.add %5, %48 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %50 = stablehlo.remainder %49, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %51 = stablehlo.multiply %50, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %52 = stablehlo.dynamic_slice %30, %c_12, %51, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %53:2 = stablehlo.optimization_barrier %52, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %54 = func.call @cmatmul_dot_0(%53#0, %53#1) {mhlo.frontend_attributes = {_scheduling_group_id = "16", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %55 = stablehlo.add %46, %54 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %56 = "stablehlo.collective_permute"(%55) <{channel_handle = #stablehlo.channel_handle<handle = 10, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "17"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %57 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %58 = stablehlo.add %5, %57 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %59 = stablehlo.remainder %58, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %60 = stablehlo.multiply %59, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %61 = stablehlo.dynamic_slice %30, %c_12, %60, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %62:2 = stablehlo.optimization_barrier %61, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %63 = func.call @cmatmul_dot_0(%62#0, %62#1) {mhlo.frontend_attributes = {_scheduling_group_id = "17", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %64 = stablehlo.add %56, %63 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %65 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %65, %64 : tensor<ui32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %45 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 9, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "16"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %46 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %47 = stablehlo.add %46, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %48 = stablehlo.add %5, %47 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %49 = stablehlo.remainder %48, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %50 = stablehlo.multiply %49, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %51 = stablehlo.dynamic_slice %30, %c_12, %50, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %52:2 = stablehlo.optimization_barrier %51, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %53 = func.call @cmatmul_dot_0(%52#0, %52#1) {mhlo.frontend_attributes = {_scheduling_group_id = "16", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %54 = stablehlo.add %45, %53 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %55 = "stablehlo.collective_permute"(%54) <{channel_handle = #stablehlo.channel_handle<handle = 10, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "17"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %56 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %57 = stablehlo.add %5, %56 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %58 = stablehlo.remainder %57, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %59 = stablehlo.multiply %58, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %60 = stablehlo.dynamic_slice %30, %c_12, %59, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %61:2 = stablehlo.optimization_barrier %60, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %62 = func.call @cmatmul_dot_0(%61#0, %61#1) {mhlo.frontend_attributes = {_scheduling_group_id = "17", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %63 = stablehlo.add %55, %62 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %64 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %64, %63 : tensor<ui32>, tensor<2x8x16xf32>
 // STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: sdy.return %45#1 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: sdy.return %44#1 : tensor<2x8x16xf32>
 // STREAMS_GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<4x32x16xf32>
 // STREAMS_GOLDEN-NEXT: return %2 : tensor<4x32x16xf32>
 // STREAMS_GOLDEN-NEXT: }

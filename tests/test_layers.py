@@ -261,8 +261,13 @@ def test_partial_manual_scatter_runs():
 
 
 # ------------------------------------------------------------------ chains, the SP MLP, backward
-def test_both_collectives_around_one_dot_are_rewritten():
-    text, result = rewrite_sample("chain_one_dot")
+@pytest.mark.parametrize("variant", ["uni", "unroll2", "full", "bidi", "bidi-unroll2", "bidi-full"])
+def test_both_collectives_around_one_dot_are_rewritten(variant):
+    """In every variant: the scatter's ring, rewritten first, leaves one dot reading the gathered
+    value as it is (its first piece; the others read it through their rounds' barriers), and
+    the gather's ring computes that dot.  Until 2026-11-23 the variants with barriers tied
+    every piece and the gather was left unchanged (user_not_dot)."""
+    text, result = rewrite_sample("chain_one_dot", variant=variant)
     kinds = sorted((s.kind, s.rewritten) for s in result.report.sites)
     assert kinds == [("all_gather_dot", True), ("dot_reduce_scatter", True)]
     counts = op_counts(result.module)
