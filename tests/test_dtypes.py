@@ -1,5 +1,5 @@
 """Element types beyond the samples' f32/bf16/i32: every ring kind in f16, f64, complex, 64-bit
-and unsigned integers and fp8, rewritten, run on 8 CPU devices and compared with the original.
+and unsigned integers and the five fp8 types, rewritten, run on 8 CPU devices and compared with the original.
 
 Tolerances are execute.FLOAT_TOLERANCES' (normwise relative): f16 2e-3, f64 1e-12, complex
 outputs their parts' (complex<f32> 1e-5, complex<f64> 1e-12), an 8-bit float output its machine
@@ -57,6 +57,9 @@ CASES = {
     "f8e4m3fn-to-bf16": (jnp.float8_e4m3fn, jnp.bfloat16, "bf16"),
     "f8e5m2-to-f32": (jnp.float8_e5m2, jnp.float32, "f32"),
     "f8e4m3fn": (jnp.float8_e4m3fn, None, "f8E4M3FN"),
+    "f8e4m3fnuz-to-f32": (jnp.float8_e4m3fnuz, jnp.float32, "f32"),
+    "f8e5m2fnuz": (jnp.float8_e5m2fnuz, None, "f8E5M2FNUZ"),
+    "f8e4m3b11fnuz-to-bf16": (jnp.float8_e4m3b11fnuz, jnp.bfloat16, "bf16"),
 }
 
 
