@@ -21,8 +21,9 @@ results leave the pattern.
 A site keeps its own ring (no call) when the call could not stand where the ring
 would: in a partial-manual region (its ring reads its position through a nested
 ``sdy.manual_computation``), in a module of the legacy partitioner (which sees only what
-``@shmap_body`` holds), a scatter whose dot reads an all_gather (that gather's ring
-takes the scatter's peeled dot), an operand defined after the insertion point, or a
+``@shmap_body`` holds), a site whose dot reads another all_gather's value (that gather's
+ring takes the dot: a scatter's peeled one, a gather's round 0), an operand defined after
+the insertion point, or a
 result read before it.  Stream annotation turns sharing off: every site's permutes
 need their own scheduling groups.
 """
@@ -209,8 +210,8 @@ def pattern_of(site: AllGatherSite | ReduceScatterSite) -> Pattern | None:
             return None  # a producer after its user in ``ops``: not a pattern this module clones
         if owner.block == block and not owner.is_before_in_block(at):
             return None  # not defined yet where the call would go (outer blocks' values dominate)
-    if isinstance(site, ReduceScatterSite) and any(_from_all_gather(v) for v in signature.inputs):
-        return None
+    if any(_from_all_gather(v) for v in signature.inputs):
+        return None  # a dot reading another all_gather's value: that gather's ring computes it
     outputs, leaving = [], []
     for i, op in enumerate(ops):
         for result in op.results:

@@ -107,61 +107,60 @@
 // BIDI_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
 // BIDI_GOLDEN-NEXT: %4 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
 // BIDI_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 4], [4, 5], [5, 6], [6, 7], [7, 0]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// BIDI_GOLDEN-NEXT: %6:2 = stablehlo.optimization_barrier %arg2, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %7 = stablehlo.dot_general %6#0, %6#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %8 = stablehlo.multiply %3, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %cst, %7, %8, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// BIDI_GOLDEN-NEXT: %10:4 = stablehlo.while(%iterArg = %c_3, %iterArg_6 = %4, %iterArg_7 = %5, %iterArg_8 = %9) : tensor<ui32>, tensor<16x64xf32>, tensor<16x64xf32>, tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %6 = stablehlo.dot_general %arg2, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %7 = stablehlo.multiply %3, %c_4 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %cst, %6, %7, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %9:4 = stablehlo.while(%iterArg = %c_3, %iterArg_6 = %4, %iterArg_7 = %5, %iterArg_8 = %8) : tensor<ui32>, tensor<16x64xf32>, tensor<16x64xf32>, tensor<128x16xf32>
 // BIDI_GOLDEN-NEXT: cond {
 // BIDI_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<2> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %30 = stablehlo.compare LT, %iterArg, %c_9, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// BIDI_GOLDEN-NEXT: stablehlo.return %30 : tensor<i1>
+// BIDI_GOLDEN-NEXT: %29 = stablehlo.compare LT, %iterArg, %c_9, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// BIDI_GOLDEN-NEXT: stablehlo.return %29 : tensor<i1>
 // BIDI_GOLDEN-NEXT: } do {
 // BIDI_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<7> : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<16> : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<8> : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<1> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %30 = "stablehlo.collective_permute"(%iterArg_6) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// BIDI_GOLDEN-NEXT: %31 = "stablehlo.collective_permute"(%iterArg_7) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 4], [4, 5], [5, 6], [6, 7], [7, 0]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// BIDI_GOLDEN-NEXT: %32 = stablehlo.add %iterArg, %c_13 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %33 = stablehlo.add %3, %32 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %34 = stablehlo.remainder %33, %c_12 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %35:2 = stablehlo.optimization_barrier %iterArg_6, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %36 = stablehlo.dot_general %35#0, %35#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %37 = stablehlo.multiply %34, %c_11 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %38 = stablehlo.dynamic_update_slice %iterArg_8, %36, %37, %c_10 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// BIDI_GOLDEN-NEXT: %39 = stablehlo.multiply %iterArg, %c_9 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %40 = stablehlo.add %39, %c_9 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %41 = stablehlo.add %3, %40 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %42 = stablehlo.remainder %41, %c_12 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %43:2 = stablehlo.optimization_barrier %iterArg_7, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %44 = stablehlo.dot_general %43#0, %43#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %45 = stablehlo.multiply %42, %c_11 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %46 = stablehlo.dynamic_update_slice %38, %44, %45, %c_10 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// BIDI_GOLDEN-NEXT: %47 = stablehlo.add %iterArg, %c_13 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: stablehlo.return %47, %30, %31, %46 : tensor<ui32>, tensor<16x64xf32>, tensor<16x64xf32>, tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %29 = "stablehlo.collective_permute"(%iterArg_6) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// BIDI_GOLDEN-NEXT: %30 = "stablehlo.collective_permute"(%iterArg_7) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 4], [4, 5], [5, 6], [6, 7], [7, 0]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// BIDI_GOLDEN-NEXT: %31 = stablehlo.add %iterArg, %c_13 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %32 = stablehlo.add %3, %31 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %33 = stablehlo.remainder %32, %c_12 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %34:2 = stablehlo.optimization_barrier %iterArg_6, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %35 = stablehlo.dot_general %34#0, %34#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %36 = stablehlo.multiply %33, %c_11 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %37 = stablehlo.dynamic_update_slice %iterArg_8, %35, %36, %c_10 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %38 = stablehlo.multiply %iterArg, %c_9 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %39 = stablehlo.add %38, %c_9 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %40 = stablehlo.add %3, %39 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %41 = stablehlo.remainder %40, %c_12 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %42:2 = stablehlo.optimization_barrier %iterArg_7, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %43 = stablehlo.dot_general %42#0, %42#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %44 = stablehlo.multiply %41, %c_11 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %45 = stablehlo.dynamic_update_slice %37, %43, %44, %c_10 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %46 = stablehlo.add %iterArg, %c_13 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: stablehlo.return %46, %29, %30, %45 : tensor<ui32>, tensor<16x64xf32>, tensor<16x64xf32>, tensor<128x16xf32>
 // BIDI_GOLDEN-NEXT: }
-// BIDI_GOLDEN-NEXT: %11 = "stablehlo.collective_permute"(%10#1) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// BIDI_GOLDEN-NEXT: %12 = stablehlo.add %3, %c_2 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_1 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %14:2 = stablehlo.optimization_barrier %10#1, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %15 = stablehlo.dot_general %14#0, %14#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %16 = stablehlo.multiply %13, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %17 = stablehlo.dynamic_update_slice %10#3, %15, %16, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// BIDI_GOLDEN-NEXT: %18 = stablehlo.add %3, %c_0 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_1 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %20:2 = stablehlo.optimization_barrier %10#2, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %21 = stablehlo.dot_general %20#0, %20#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %22 = stablehlo.multiply %19, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %17, %21, %22, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// BIDI_GOLDEN-NEXT: %24 = stablehlo.add %3, %c : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %25 = stablehlo.remainder %24, %c_1 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %26:2 = stablehlo.optimization_barrier %11, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %27 = stablehlo.dot_general %26#0, %26#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %28 = stablehlo.multiply %25, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %29 = stablehlo.dynamic_update_slice %23, %27, %28, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// BIDI_GOLDEN-NEXT: sdy.return %29 : tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%9#1) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// BIDI_GOLDEN-NEXT: %11 = stablehlo.add %3, %c_2 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_1 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %13:2 = stablehlo.optimization_barrier %9#1, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %14 = stablehlo.dot_general %13#0, %13#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %15 = stablehlo.multiply %12, %c_4 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %9#3, %14, %15, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %17 = stablehlo.add %3, %c_0 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %18 = stablehlo.remainder %17, %c_1 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %19:2 = stablehlo.optimization_barrier %9#2, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %20 = stablehlo.dot_general %19#0, %19#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %21 = stablehlo.multiply %18, %c_4 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %22 = stablehlo.dynamic_update_slice %16, %20, %21, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %23 = stablehlo.add %3, %c : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %24 = stablehlo.remainder %23, %c_1 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %25:2 = stablehlo.optimization_barrier %10, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %26 = stablehlo.dot_general %25#0, %25#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %27 = stablehlo.multiply %24, %c_4 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %28 = stablehlo.dynamic_update_slice %22, %26, %27, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: sdy.return %28 : tensor<128x16xf32>
 // BIDI_GOLDEN-NEXT: } : (tensor<128x64xf32>, tensor<64x128xf32>) -> tensor<128x128xf32>
 // BIDI_GOLDEN-NEXT: return %0 : tensor<128x128xf32>
 // BIDI_GOLDEN-NEXT: }
@@ -200,50 +199,49 @@
 // UNROLL2_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // UNROLL2_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %4 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// UNROLL2_GOLDEN-NEXT: %5:2 = stablehlo.optimization_barrier %arg2, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %6 = stablehlo.dot_general %5#0, %5#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %7 = stablehlo.multiply %3, %c_2 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %cst, %6, %7, %c_1 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// UNROLL2_GOLDEN-NEXT: %9:3 = stablehlo.while(%iterArg = %c_1, %iterArg_4 = %4, %iterArg_5 = %8) : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %5 = stablehlo.dot_general %arg2, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %6 = stablehlo.multiply %3, %c_2 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %7 = stablehlo.dynamic_update_slice %cst, %5, %6, %c_1 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %8:3 = stablehlo.while(%iterArg = %c_1, %iterArg_4 = %4, %iterArg_5 = %7) : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
 // UNROLL2_GOLDEN-NEXT: cond {
 // UNROLL2_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<3> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %16 = stablehlo.compare LT, %iterArg, %c_6, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// UNROLL2_GOLDEN-NEXT: stablehlo.return %16 : tensor<i1>
+// UNROLL2_GOLDEN-NEXT: %15 = stablehlo.compare LT, %iterArg, %c_6, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// UNROLL2_GOLDEN-NEXT: stablehlo.return %15 : tensor<i1>
 // UNROLL2_GOLDEN-NEXT: } do {
 // UNROLL2_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<16> : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<8> : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<2> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %16 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// UNROLL2_GOLDEN-NEXT: %17 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %18 = stablehlo.add %17, %c_9 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.add %3, %18 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_8 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %21:2 = stablehlo.optimization_barrier %iterArg_4, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %22 = stablehlo.dot_general %21#0, %21#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %23 = stablehlo.multiply %20, %c_7 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %24 = stablehlo.dynamic_update_slice %iterArg_5, %22, %23, %c_6 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// UNROLL2_GOLDEN-NEXT: %25:2 = stablehlo.optimization_barrier %16, %22 : tensor<16x64xf32>, tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %26 = "stablehlo.collective_permute"(%25#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// UNROLL2_GOLDEN-NEXT: %27 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %28 = stablehlo.add %27, %c_10 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.add %3, %28 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %30 = stablehlo.remainder %29, %c_8 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %31:2 = stablehlo.optimization_barrier %16, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.dot_general %31#0, %31#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %33 = stablehlo.multiply %30, %c_7 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %34 = stablehlo.dynamic_update_slice %24, %32, %33, %c_6 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// UNROLL2_GOLDEN-NEXT: %35 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: stablehlo.return %35, %26, %34 : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %15 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// UNROLL2_GOLDEN-NEXT: %16 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %17 = stablehlo.add %16, %c_9 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %18 = stablehlo.add %3, %17 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_8 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %20:2 = stablehlo.optimization_barrier %iterArg_4, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %21 = stablehlo.dot_general %20#0, %20#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %22 = stablehlo.multiply %19, %c_7 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %iterArg_5, %21, %22, %c_6 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %24:2 = stablehlo.optimization_barrier %15, %21 : tensor<16x64xf32>, tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %25 = "stablehlo.collective_permute"(%24#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// UNROLL2_GOLDEN-NEXT: %26 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %27 = stablehlo.add %26, %c_10 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %28 = stablehlo.add %3, %27 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_8 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %30:2 = stablehlo.optimization_barrier %15, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %31 = stablehlo.dot_general %30#0, %30#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.multiply %29, %c_7 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %33 = stablehlo.dynamic_update_slice %23, %31, %32, %c_6 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %34 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: stablehlo.return %34, %25, %33 : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
 // UNROLL2_GOLDEN-NEXT: }
-// UNROLL2_GOLDEN-NEXT: %10 = stablehlo.add %3, %c_0 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %12:2 = stablehlo.optimization_barrier %9#1, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %13 = stablehlo.dot_general %12#0, %12#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %14 = stablehlo.multiply %11, %c_2 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %9#2, %13, %14, %c_1 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// UNROLL2_GOLDEN-NEXT: sdy.return %15 : tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %9 = stablehlo.add %3, %c_0 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %10 = stablehlo.remainder %9, %c : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %11:2 = stablehlo.optimization_barrier %8#1, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %12 = stablehlo.dot_general %11#0, %11#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %13 = stablehlo.multiply %10, %c_2 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %14 = stablehlo.dynamic_update_slice %8#2, %12, %13, %c_1 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: sdy.return %14 : tensor<128x16xf32>
 // UNROLL2_GOLDEN-NEXT: } : (tensor<128x64xf32>, tensor<64x128xf32>) -> tensor<128x128xf32>
 // UNROLL2_GOLDEN-NEXT: return %0 : tensor<128x128xf32>
 // UNROLL2_GOLDEN-NEXT: }
@@ -283,65 +281,64 @@
 // FULL_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_9, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // FULL_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
 // FULL_GOLDEN-NEXT: %4 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %5:2 = stablehlo.optimization_barrier %arg2, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %6 = stablehlo.dot_general %5#0, %5#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %7 = stablehlo.multiply %3, %c_8 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %cst, %6, %7, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: %9:2 = stablehlo.optimization_barrier %4, %6 : tensor<16x64xf32>, tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%9#0) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %11 = stablehlo.add %3, %c_6 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_5 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %13:2 = stablehlo.optimization_barrier %4, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %14 = stablehlo.dot_general %13#0, %13#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %15 = stablehlo.multiply %12, %c_8 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %8, %14, %15, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: %17:2 = stablehlo.optimization_barrier %10, %14 : tensor<16x64xf32>, tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %18 = "stablehlo.collective_permute"(%17#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %19 = stablehlo.add %3, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_5 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %21:2 = stablehlo.optimization_barrier %10, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %22 = stablehlo.dot_general %21#0, %21#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %23 = stablehlo.multiply %20, %c_8 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %24 = stablehlo.dynamic_update_slice %16, %22, %23, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: %25:2 = stablehlo.optimization_barrier %18, %22 : tensor<16x64xf32>, tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %26 = "stablehlo.collective_permute"(%25#0) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %27 = stablehlo.add %3, %c_3 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %28 = stablehlo.remainder %27, %c_5 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %29:2 = stablehlo.optimization_barrier %18, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %30 = stablehlo.dot_general %29#0, %29#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %31 = stablehlo.multiply %28, %c_8 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %32 = stablehlo.dynamic_update_slice %24, %30, %31, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: %33:2 = stablehlo.optimization_barrier %26, %30 : tensor<16x64xf32>, tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %34 = "stablehlo.collective_permute"(%33#0) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %35 = stablehlo.add %3, %c_2 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %36 = stablehlo.remainder %35, %c_5 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %37:2 = stablehlo.optimization_barrier %26, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %38 = stablehlo.dot_general %37#0, %37#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %39 = stablehlo.multiply %36, %c_8 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %40 = stablehlo.dynamic_update_slice %32, %38, %39, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: %41:2 = stablehlo.optimization_barrier %34, %38 : tensor<16x64xf32>, tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %42 = "stablehlo.collective_permute"(%41#0) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %43 = stablehlo.add %3, %c_1 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %44 = stablehlo.remainder %43, %c_5 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %45:2 = stablehlo.optimization_barrier %34, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %46 = stablehlo.dot_general %45#0, %45#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %47 = stablehlo.multiply %44, %c_8 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %48 = stablehlo.dynamic_update_slice %40, %46, %47, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: %49:2 = stablehlo.optimization_barrier %42, %46 : tensor<16x64xf32>, tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %50 = "stablehlo.collective_permute"(%49#0) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %51 = stablehlo.add %3, %c_0 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %52 = stablehlo.remainder %51, %c_5 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %53:2 = stablehlo.optimization_barrier %42, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %54 = stablehlo.dot_general %53#0, %53#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %55 = stablehlo.multiply %52, %c_8 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %56 = stablehlo.dynamic_update_slice %48, %54, %55, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: %57 = stablehlo.add %3, %c : tensor<ui32>
-// FULL_GOLDEN-NEXT: %58 = stablehlo.remainder %57, %c_5 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %59:2 = stablehlo.optimization_barrier %50, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %60 = stablehlo.dot_general %59#0, %59#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %61 = stablehlo.multiply %58, %c_8 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %62 = stablehlo.dynamic_update_slice %56, %60, %61, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: sdy.return %62 : tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %5 = stablehlo.dot_general %arg2, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %6 = stablehlo.multiply %3, %c_8 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %7 = stablehlo.dynamic_update_slice %cst, %5, %6, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %8:2 = stablehlo.optimization_barrier %4, %5 : tensor<16x64xf32>, tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %9 = "stablehlo.collective_permute"(%8#0) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// FULL_GOLDEN-NEXT: %10 = stablehlo.add %3, %c_6 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c_5 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %12:2 = stablehlo.optimization_barrier %4, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %13 = stablehlo.dot_general %12#0, %12#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %14 = stablehlo.multiply %11, %c_8 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %7, %13, %14, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %16:2 = stablehlo.optimization_barrier %9, %13 : tensor<16x64xf32>, tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %17 = "stablehlo.collective_permute"(%16#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// FULL_GOLDEN-NEXT: %18 = stablehlo.add %3, %c_4 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_5 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %20:2 = stablehlo.optimization_barrier %9, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %21 = stablehlo.dot_general %20#0, %20#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %22 = stablehlo.multiply %19, %c_8 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %15, %21, %22, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %24:2 = stablehlo.optimization_barrier %17, %21 : tensor<16x64xf32>, tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %25 = "stablehlo.collective_permute"(%24#0) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// FULL_GOLDEN-NEXT: %26 = stablehlo.add %3, %c_3 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %27 = stablehlo.remainder %26, %c_5 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %28:2 = stablehlo.optimization_barrier %17, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %29 = stablehlo.dot_general %28#0, %28#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %30 = stablehlo.multiply %27, %c_8 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %31 = stablehlo.dynamic_update_slice %23, %29, %30, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %32:2 = stablehlo.optimization_barrier %25, %29 : tensor<16x64xf32>, tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %33 = "stablehlo.collective_permute"(%32#0) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// FULL_GOLDEN-NEXT: %34 = stablehlo.add %3, %c_2 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %35 = stablehlo.remainder %34, %c_5 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %36:2 = stablehlo.optimization_barrier %25, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %37 = stablehlo.dot_general %36#0, %36#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %38 = stablehlo.multiply %35, %c_8 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %39 = stablehlo.dynamic_update_slice %31, %37, %38, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %40:2 = stablehlo.optimization_barrier %33, %37 : tensor<16x64xf32>, tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %41 = "stablehlo.collective_permute"(%40#0) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// FULL_GOLDEN-NEXT: %42 = stablehlo.add %3, %c_1 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %43 = stablehlo.remainder %42, %c_5 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %44:2 = stablehlo.optimization_barrier %33, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %45 = stablehlo.dot_general %44#0, %44#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %46 = stablehlo.multiply %43, %c_8 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %47 = stablehlo.dynamic_update_slice %39, %45, %46, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %48:2 = stablehlo.optimization_barrier %41, %45 : tensor<16x64xf32>, tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %49 = "stablehlo.collective_permute"(%48#0) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// FULL_GOLDEN-NEXT: %50 = stablehlo.add %3, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %51 = stablehlo.remainder %50, %c_5 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %52:2 = stablehlo.optimization_barrier %41, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %53 = stablehlo.dot_general %52#0, %52#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %54 = stablehlo.multiply %51, %c_8 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %55 = stablehlo.dynamic_update_slice %47, %53, %54, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %56 = stablehlo.add %3, %c : tensor<ui32>
+// FULL_GOLDEN-NEXT: %57 = stablehlo.remainder %56, %c_5 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %58:2 = stablehlo.optimization_barrier %49, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %59 = stablehlo.dot_general %58#0, %58#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %60 = stablehlo.multiply %57, %c_8 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %61 = stablehlo.dynamic_update_slice %55, %59, %60, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: sdy.return %61 : tensor<128x16xf32>
 // FULL_GOLDEN-NEXT: } : (tensor<128x64xf32>, tensor<64x128xf32>) -> tensor<128x128xf32>
 // FULL_GOLDEN-NEXT: return %0 : tensor<128x128xf32>
 // FULL_GOLDEN-NEXT: }
@@ -376,50 +373,49 @@
 // STREAMS_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // STREAMS_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %4 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// STREAMS_GOLDEN-NEXT: %5:2 = stablehlo.optimization_barrier %arg2, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %6 = func.call @cmatmul_dot_0(%5#0, %5#1) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %7 = stablehlo.multiply %3, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %cst, %6, %7, %c_1 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// STREAMS_GOLDEN-NEXT: %9:3 = stablehlo.while(%iterArg = %c_1, %iterArg_4 = %4, %iterArg_5 = %8) : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %5 = func.call @cmatmul_dot_0(%arg2, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %6 = stablehlo.multiply %3, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %7 = stablehlo.dynamic_update_slice %cst, %5, %6, %c_1 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %8:3 = stablehlo.while(%iterArg = %c_1, %iterArg_4 = %4, %iterArg_5 = %7) : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
 // STREAMS_GOLDEN-NEXT: cond {
 // STREAMS_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<3> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %16 = stablehlo.compare LT, %iterArg, %c_6, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %16 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %15 = stablehlo.compare LT, %iterArg, %c_6, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %15 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
 // STREAMS_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<16> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<8> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %16 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// STREAMS_GOLDEN-NEXT: %17 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %18 = stablehlo.add %17, %c_9 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %19 = stablehlo.add %3, %18 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_8 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %21:2 = stablehlo.optimization_barrier %iterArg_4, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %22 = func.call @cmatmul_dot_0(%21#0, %21#1) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %23 = stablehlo.multiply %20, %c_7 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %24 = stablehlo.dynamic_update_slice %iterArg_5, %22, %23, %c_6 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// STREAMS_GOLDEN-NEXT: %25:2 = stablehlo.optimization_barrier %16, %22 : tensor<16x64xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %26 = "stablehlo.collective_permute"(%25#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// STREAMS_GOLDEN-NEXT: %27 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %28 = stablehlo.add %27, %c_10 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %29 = stablehlo.add %3, %28 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %30 = stablehlo.remainder %29, %c_8 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %31:2 = stablehlo.optimization_barrier %16, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %32 = func.call @cmatmul_dot_0(%31#0, %31#1) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %33 = stablehlo.multiply %30, %c_7 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %34 = stablehlo.dynamic_update_slice %24, %32, %33, %c_6 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// STREAMS_GOLDEN-NEXT: %35 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %35, %26, %34 : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %15 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// STREAMS_GOLDEN-NEXT: %16 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %17 = stablehlo.add %16, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %18 = stablehlo.add %3, %17 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_8 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %20:2 = stablehlo.optimization_barrier %iterArg_4, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %21 = func.call @cmatmul_dot_0(%20#0, %20#1) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %22 = stablehlo.multiply %19, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %iterArg_5, %21, %22, %c_6 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %24:2 = stablehlo.optimization_barrier %15, %21 : tensor<16x64xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %25 = "stablehlo.collective_permute"(%24#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// STREAMS_GOLDEN-NEXT: %26 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %27 = stablehlo.add %26, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %28 = stablehlo.add %3, %27 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_8 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %30:2 = stablehlo.optimization_barrier %15, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %31 = func.call @cmatmul_dot_0(%30#0, %30#1) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %32 = stablehlo.multiply %29, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %33 = stablehlo.dynamic_update_slice %23, %31, %32, %c_6 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %34 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %34, %25, %33 : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
 // STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: %10 = stablehlo.add %3, %c_0 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %12:2 = stablehlo.optimization_barrier %9#1, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %13 = func.call @cmatmul_dot_0(%12#0, %12#1) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %14 = stablehlo.multiply %11, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %9#2, %13, %14, %c_1 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// STREAMS_GOLDEN-NEXT: sdy.return %15 : tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %9 = stablehlo.add %3, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %10 = stablehlo.remainder %9, %c : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %11:2 = stablehlo.optimization_barrier %8#1, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %12 = func.call @cmatmul_dot_0(%11#0, %11#1) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %13 = stablehlo.multiply %10, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %14 = stablehlo.dynamic_update_slice %8#2, %12, %13, %c_1 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: sdy.return %14 : tensor<128x16xf32>
 // STREAMS_GOLDEN-NEXT: } : (tensor<128x64xf32>, tensor<64x128xf32>) -> tensor<128x128xf32>
 // STREAMS_GOLDEN-NEXT: return %0 : tensor<128x128xf32>
 // STREAMS_GOLDEN-NEXT: }
@@ -446,56 +442,56 @@
 // HLO_GOLDEN-NEXT: }
 // HLO_GOLDEN: region_0.2 {
 // HLO_GOLDEN-NEXT: arg_tuple.1 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) parameter(0)
-// HLO_GOLDEN-NEXT: get-tuple-element.16 = f32[16,64]{1,0} get-tuple-element(arg_tuple.1), index=1
-// HLO_GOLDEN-NEXT: collective-permute.3 = f32[16,64]{1,0} collective-permute(get-tuple-element.16), channel_id=3, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="1"}
-// HLO_GOLDEN-NEXT: get-tuple-element.19 = f32[64,16]{1,0} get-tuple-element(arg_tuple.1), index=4
-// HLO_GOLDEN-NEXT: tuple.5 = (f32[16,64]{1,0}, f32[64,16]{1,0}) tuple(get-tuple-element.16, get-tuple-element.19)
-// HLO_GOLDEN-NEXT: opt-barrier.4 = (f32[16,64]{1,0}, f32[64,16]{1,0}) opt-barrier(tuple.5)
-// HLO_GOLDEN-NEXT: get-tuple-element.20 = f32[16,64]{1,0} get-tuple-element(opt-barrier.4), index=0
-// HLO_GOLDEN-NEXT: get-tuple-element.21 = f32[64,16]{1,0} get-tuple-element(opt-barrier.4), index=1
-// HLO_GOLDEN-NEXT: call.3 = f32[16,16]{1,0} call(get-tuple-element.20, get-tuple-element.21), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="1",_xla_stream_annotation="1",inlineable="false"}
-// HLO_GOLDEN-NEXT: tuple.6 = (f32[16,64]{1,0}, f32[16,16]{1,0}) tuple(collective-permute.3, call.3)
-// HLO_GOLDEN-NEXT: opt-barrier.5 = (f32[16,64]{1,0}, f32[16,16]{1,0}) opt-barrier(tuple.6)
-// HLO_GOLDEN-NEXT: get-tuple-element.23 = f32[16,16]{1,0} get-tuple-element(opt-barrier.5), index=1
-// HLO_GOLDEN-NEXT: get-tuple-element.15 = u32[] get-tuple-element(arg_tuple.1), index=0
+// HLO_GOLDEN-NEXT: get-tuple-element.14 = f32[16,64]{1,0} get-tuple-element(arg_tuple.1), index=1
+// HLO_GOLDEN-NEXT: collective-permute.3 = f32[16,64]{1,0} collective-permute(get-tuple-element.14), channel_id=3, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="1"}
+// HLO_GOLDEN-NEXT: get-tuple-element.17 = f32[64,16]{1,0} get-tuple-element(arg_tuple.1), index=4
+// HLO_GOLDEN-NEXT: tuple.4 = (f32[16,64]{1,0}, f32[64,16]{1,0}) tuple(get-tuple-element.14, get-tuple-element.17)
+// HLO_GOLDEN-NEXT: opt-barrier.3 = (f32[16,64]{1,0}, f32[64,16]{1,0}) opt-barrier(tuple.4)
+// HLO_GOLDEN-NEXT: get-tuple-element.18 = f32[16,64]{1,0} get-tuple-element(opt-barrier.3), index=0
+// HLO_GOLDEN-NEXT: get-tuple-element.19 = f32[64,16]{1,0} get-tuple-element(opt-barrier.3), index=1
+// HLO_GOLDEN-NEXT: call.3 = f32[16,16]{1,0} call(get-tuple-element.18, get-tuple-element.19), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="1",_xla_stream_annotation="1",inlineable="false"}
+// HLO_GOLDEN-NEXT: tuple.5 = (f32[16,64]{1,0}, f32[16,16]{1,0}) tuple(collective-permute.3, call.3)
+// HLO_GOLDEN-NEXT: opt-barrier.4 = (f32[16,64]{1,0}, f32[16,16]{1,0}) opt-barrier(tuple.5)
+// HLO_GOLDEN-NEXT: get-tuple-element.21 = f32[16,16]{1,0} get-tuple-element(opt-barrier.4), index=1
+// HLO_GOLDEN-NEXT: get-tuple-element.13 = u32[] get-tuple-element(arg_tuple.1), index=0
 // HLO_GOLDEN-NEXT: constant.14 = u32[] constant(1)
-// HLO_GOLDEN-NEXT: add.9 = u32[] add(get-tuple-element.15, constant.14)
-// HLO_GOLDEN-NEXT: get-tuple-element.22 = f32[16,64]{1,0} get-tuple-element(opt-barrier.5), index=0
-// HLO_GOLDEN-NEXT: collective-permute.4 = f32[16,64]{1,0} collective-permute(get-tuple-element.22), channel_id=4, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="2"}
-// HLO_GOLDEN-NEXT: get-tuple-element.17 = f32[128,16]{1,0} get-tuple-element(arg_tuple.1), index=2
-// HLO_GOLDEN-NEXT: get-tuple-element.18 = u32[] get-tuple-element(arg_tuple.1), index=3
+// HLO_GOLDEN-NEXT: add.9 = u32[] add(get-tuple-element.13, constant.14)
+// HLO_GOLDEN-NEXT: get-tuple-element.20 = f32[16,64]{1,0} get-tuple-element(opt-barrier.4), index=0
+// HLO_GOLDEN-NEXT: collective-permute.4 = f32[16,64]{1,0} collective-permute(get-tuple-element.20), channel_id=4, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="2"}
+// HLO_GOLDEN-NEXT: get-tuple-element.15 = f32[128,16]{1,0} get-tuple-element(arg_tuple.1), index=2
+// HLO_GOLDEN-NEXT: get-tuple-element.16 = u32[] get-tuple-element(arg_tuple.1), index=3
 // HLO_GOLDEN-NEXT: constant.15 = u32[] constant(2)
-// HLO_GOLDEN-NEXT: multiply.5 = u32[] multiply(get-tuple-element.15, constant.15)
+// HLO_GOLDEN-NEXT: multiply.5 = u32[] multiply(get-tuple-element.13, constant.15)
 // HLO_GOLDEN-NEXT: add.5 = u32[] add(multiply.5, constant.14)
-// HLO_GOLDEN-NEXT: add.6 = u32[] add(get-tuple-element.18, add.5)
+// HLO_GOLDEN-NEXT: add.6 = u32[] add(get-tuple-element.16, add.5)
 // HLO_GOLDEN-NEXT: constant.13 = u32[] constant(8)
 // HLO_GOLDEN-NEXT: remainder.2 = u32[] remainder(add.6, constant.13)
 // HLO_GOLDEN-NEXT: constant.12 = u32[] constant(16)
 // HLO_GOLDEN-NEXT: multiply.6 = u32[] multiply(remainder.2, constant.12)
 // HLO_GOLDEN-NEXT: constant.11 = u32[] constant(0)
-// HLO_GOLDEN-NEXT: dynamic-update-slice.3 = f32[128,16]{1,0} dynamic-update-slice(get-tuple-element.17, call.3, multiply.6, constant.11)
-// HLO_GOLDEN-NEXT: tuple.7 = (f32[16,64]{1,0}, f32[64,16]{1,0}) tuple(collective-permute.3, get-tuple-element.19)
-// HLO_GOLDEN-NEXT: opt-barrier.6 = (f32[16,64]{1,0}, f32[64,16]{1,0}) opt-barrier(tuple.7)
-// HLO_GOLDEN-NEXT: get-tuple-element.24 = f32[16,64]{1,0} get-tuple-element(opt-barrier.6), index=0
-// HLO_GOLDEN-NEXT: get-tuple-element.25 = f32[64,16]{1,0} get-tuple-element(opt-barrier.6), index=1
-// HLO_GOLDEN-NEXT: call.4 = f32[16,16]{1,0} call(get-tuple-element.24, get-tuple-element.25), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="2",_xla_stream_annotation="2",inlineable="false"}
-// HLO_GOLDEN-NEXT: multiply.7 = u32[] multiply(get-tuple-element.15, constant.15)
+// HLO_GOLDEN-NEXT: dynamic-update-slice.3 = f32[128,16]{1,0} dynamic-update-slice(get-tuple-element.15, call.3, multiply.6, constant.11)
+// HLO_GOLDEN-NEXT: tuple.6 = (f32[16,64]{1,0}, f32[64,16]{1,0}) tuple(collective-permute.3, get-tuple-element.17)
+// HLO_GOLDEN-NEXT: opt-barrier.5 = (f32[16,64]{1,0}, f32[64,16]{1,0}) opt-barrier(tuple.6)
+// HLO_GOLDEN-NEXT: get-tuple-element.22 = f32[16,64]{1,0} get-tuple-element(opt-barrier.5), index=0
+// HLO_GOLDEN-NEXT: get-tuple-element.23 = f32[64,16]{1,0} get-tuple-element(opt-barrier.5), index=1
+// HLO_GOLDEN-NEXT: call.4 = f32[16,16]{1,0} call(get-tuple-element.22, get-tuple-element.23), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="2",_xla_stream_annotation="2",inlineable="false"}
+// HLO_GOLDEN-NEXT: multiply.7 = u32[] multiply(get-tuple-element.13, constant.15)
 // HLO_GOLDEN-NEXT: add.7 = u32[] add(multiply.7, constant.15)
-// HLO_GOLDEN-NEXT: add.8 = u32[] add(get-tuple-element.18, add.7)
+// HLO_GOLDEN-NEXT: add.8 = u32[] add(get-tuple-element.16, add.7)
 // HLO_GOLDEN-NEXT: remainder.3 = u32[] remainder(add.8, constant.13)
 // HLO_GOLDEN-NEXT: multiply.8 = u32[] multiply(remainder.3, constant.12)
 // HLO_GOLDEN-NEXT: dynamic-update-slice.4 = f32[128,16]{1,0} dynamic-update-slice(dynamic-update-slice.3, call.4, multiply.8, constant.11)
-// HLO_GOLDEN-NEXT: ROOT tuple.8 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) tuple(add.9, collective-permute.4, dynamic-update-slice.4, get-tuple-element.18, get-tuple-element.19)
+// HLO_GOLDEN-NEXT: ROOT tuple.7 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) tuple(add.9, collective-permute.4, dynamic-update-slice.4, get-tuple-element.16, get-tuple-element.17)
 // HLO_GOLDEN-NEXT: }
 // HLO_GOLDEN: region_1.3 {
 // HLO_GOLDEN-NEXT: arg_tuple.3 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) parameter(0)
-// HLO_GOLDEN-NEXT: get-tuple-element.32 = f32[16,64]{1,0} get-tuple-element(arg_tuple.3), index=1
-// HLO_GOLDEN-NEXT: get-tuple-element.33 = f32[128,16]{1,0} get-tuple-element(arg_tuple.3), index=2
-// HLO_GOLDEN-NEXT: get-tuple-element.34 = u32[] get-tuple-element(arg_tuple.3), index=3
-// HLO_GOLDEN-NEXT: get-tuple-element.35 = f32[64,16]{1,0} get-tuple-element(arg_tuple.3), index=4
-// HLO_GOLDEN-NEXT: get-tuple-element.31 = u32[] get-tuple-element(arg_tuple.3), index=0
+// HLO_GOLDEN-NEXT: get-tuple-element.30 = f32[16,64]{1,0} get-tuple-element(arg_tuple.3), index=1
+// HLO_GOLDEN-NEXT: get-tuple-element.31 = f32[128,16]{1,0} get-tuple-element(arg_tuple.3), index=2
+// HLO_GOLDEN-NEXT: get-tuple-element.32 = u32[] get-tuple-element(arg_tuple.3), index=3
+// HLO_GOLDEN-NEXT: get-tuple-element.33 = f32[64,16]{1,0} get-tuple-element(arg_tuple.3), index=4
+// HLO_GOLDEN-NEXT: get-tuple-element.29 = u32[] get-tuple-element(arg_tuple.3), index=0
 // HLO_GOLDEN-NEXT: constant.17 = u32[] constant(3)
-// HLO_GOLDEN-NEXT: ROOT compare.1 = pred[] compare(get-tuple-element.31, constant.17), direction=LT
+// HLO_GOLDEN-NEXT: ROOT compare.1 = pred[] compare(get-tuple-element.29, constant.17), direction=LT
 // HLO_GOLDEN-NEXT: }
 // HLO_GOLDEN: xla.sdy.manual_computation_body.4 {
 // HLO_GOLDEN-NEXT: constant.20 = u32[] constant(0)
@@ -504,11 +500,7 @@
 // HLO_GOLDEN-NEXT: constant.22 = f32[] constant(0)
 // HLO_GOLDEN-NEXT: broadcast.1 = f32[128,16]{1,0} broadcast(constant.22), dimensions={}
 // HLO_GOLDEN-NEXT: Arg_1.4 = f32[64,16]{1,0} parameter(1)
-// HLO_GOLDEN-NEXT: tuple.11 = (f32[16,64]{1,0}, f32[64,16]{1,0}) tuple(Arg_0.4, Arg_1.4)
-// HLO_GOLDEN-NEXT: opt-barrier.8 = (f32[16,64]{1,0}, f32[64,16]{1,0}) opt-barrier(tuple.11)
-// HLO_GOLDEN-NEXT: get-tuple-element.41 = f32[16,64]{1,0} get-tuple-element(opt-barrier.8), index=0
-// HLO_GOLDEN-NEXT: get-tuple-element.42 = f32[64,16]{1,0} get-tuple-element(opt-barrier.8), index=1
-// HLO_GOLDEN-NEXT: call.6 = f32[16,16]{1,0} call(get-tuple-element.41, get-tuple-element.42), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="0",_xla_stream_annotation="1",inlineable="false"}
+// HLO_GOLDEN-NEXT: call.6 = f32[16,16]{1,0} call(Arg_0.4, Arg_1.4), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="0",_xla_stream_annotation="1",inlineable="false"}
 // HLO_GOLDEN-NEXT: constant.23 = u32[8]{0} constant({0, 1, 2, 3, 4, 5, 6, 7})
 // HLO_GOLDEN-NEXT: partition-id.1 = u32[] partition-id()
 // HLO_GOLDEN-NEXT: dynamic-slice.1 = u32[1]{0} dynamic-slice(constant.23, partition-id.1), dynamic_slice_sizes={1}
@@ -516,34 +508,34 @@
 // HLO_GOLDEN-NEXT: constant.21 = u32[] constant(16)
 // HLO_GOLDEN-NEXT: multiply.10 = u32[] multiply(reshape.1, constant.21)
 // HLO_GOLDEN-NEXT: dynamic-update-slice.6 = f32[128,16]{1,0} dynamic-update-slice(broadcast.1, call.6, multiply.10, constant.20)
-// HLO_GOLDEN-NEXT: tuple.12 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) tuple(constant.20, collective-permute.5, dynamic-update-slice.6, reshape.1, Arg_1.4)
-// HLO_GOLDEN-NEXT: while.1 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) while(tuple.12), condition=region_1.3, body=region_0.2
-// HLO_GOLDEN-NEXT: get-tuple-element.43 = u32[] get-tuple-element(while.1), index=0
-// HLO_GOLDEN-NEXT: get-tuple-element.45 = f32[128,16]{1,0} get-tuple-element(while.1), index=2
-// HLO_GOLDEN-NEXT: get-tuple-element.44 = f32[16,64]{1,0} get-tuple-element(while.1), index=1
-// HLO_GOLDEN-NEXT: tuple.13 = (f32[16,64]{1,0}, f32[64,16]{1,0}) tuple(get-tuple-element.44, Arg_1.4)
-// HLO_GOLDEN-NEXT: opt-barrier.9 = (f32[16,64]{1,0}, f32[64,16]{1,0}) opt-barrier(tuple.13)
-// HLO_GOLDEN-NEXT: get-tuple-element.46 = f32[16,64]{1,0} get-tuple-element(opt-barrier.9), index=0
-// HLO_GOLDEN-NEXT: get-tuple-element.47 = f32[64,16]{1,0} get-tuple-element(opt-barrier.9), index=1
-// HLO_GOLDEN-NEXT: call.7 = f32[16,16]{1,0} call(get-tuple-element.46, get-tuple-element.47), to_apply=cmatmul_dot_0.1, frontend_attributes={_xla_stream_annotation="1",inlineable="false"}
+// HLO_GOLDEN-NEXT: tuple.10 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) tuple(constant.20, collective-permute.5, dynamic-update-slice.6, reshape.1, Arg_1.4)
+// HLO_GOLDEN-NEXT: while.1 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) while(tuple.10), condition=region_1.3, body=region_0.2
+// HLO_GOLDEN-NEXT: get-tuple-element.39 = u32[] get-tuple-element(while.1), index=0
+// HLO_GOLDEN-NEXT: get-tuple-element.41 = f32[128,16]{1,0} get-tuple-element(while.1), index=2
+// HLO_GOLDEN-NEXT: get-tuple-element.40 = f32[16,64]{1,0} get-tuple-element(while.1), index=1
+// HLO_GOLDEN-NEXT: tuple.11 = (f32[16,64]{1,0}, f32[64,16]{1,0}) tuple(get-tuple-element.40, Arg_1.4)
+// HLO_GOLDEN-NEXT: opt-barrier.7 = (f32[16,64]{1,0}, f32[64,16]{1,0}) opt-barrier(tuple.11)
+// HLO_GOLDEN-NEXT: get-tuple-element.42 = f32[16,64]{1,0} get-tuple-element(opt-barrier.7), index=0
+// HLO_GOLDEN-NEXT: get-tuple-element.43 = f32[64,16]{1,0} get-tuple-element(opt-barrier.7), index=1
+// HLO_GOLDEN-NEXT: call.7 = f32[16,16]{1,0} call(get-tuple-element.42, get-tuple-element.43), to_apply=cmatmul_dot_0.1, frontend_attributes={_xla_stream_annotation="1",inlineable="false"}
 // HLO_GOLDEN-NEXT: constant.19 = u32[] constant(7)
 // HLO_GOLDEN-NEXT: add.11 = u32[] add(reshape.1, constant.19)
 // HLO_GOLDEN-NEXT: constant.18 = u32[] constant(8)
 // HLO_GOLDEN-NEXT: remainder.5 = u32[] remainder(add.11, constant.18)
 // HLO_GOLDEN-NEXT: multiply.11 = u32[] multiply(remainder.5, constant.21)
-// HLO_GOLDEN-NEXT: ROOT dynamic-update-slice.7 = f32[128,16]{1,0} dynamic-update-slice(get-tuple-element.45, call.7, multiply.11, constant.20)
+// HLO_GOLDEN-NEXT: ROOT dynamic-update-slice.7 = f32[128,16]{1,0} dynamic-update-slice(get-tuple-element.41, call.7, multiply.11, constant.20)
 // HLO_GOLDEN-NEXT: }
 // HLO_GOLDEN: ENTRY main.5 {
 // HLO_GOLDEN-NEXT: Arg_0.5 = f32[128,64]{1,0} parameter(0), sharding={devices=[8,1]<=[8]}, frontend_attributes={xla.sdy.sharding="#sdy.sharding<@mesh, [{\"model\"}, {}]>"}
 // HLO_GOLDEN-NEXT: Arg_1.5 = f32[64,128]{1,0} parameter(1), sharding={devices=[1,8]<=[8]}, frontend_attributes={xla.sdy.sharding="#sdy.sharding<@mesh, [{}, {\"model\"}]>"}
 // HLO_GOLDEN-NEXT: custom-call.3 = (f32[16,64]{1,0}, f32[64,16]{1,0}) custom-call(Arg_0.5, Arg_1.5), custom_call_target="xla.sdy.GlobalToLocalShape", custom_call_has_side_effect=true, frontend_attributes={xla.sdy.in_shardings="#sdy.sharding_per_value<[<@mesh, [{\"model\"}, {}]>, <@mesh, [{}, {\"model\"}]>]>",xla.sdy.manual_axes="#sdy<manual_axes{\"model\"}>"}
-// HLO_GOLDEN-NEXT: get-tuple-element.49 = f32[16,64]{1,0} get-tuple-element(custom-call.3), index=0
-// HLO_GOLDEN-NEXT: get-tuple-element.50 = f32[64,16]{1,0} get-tuple-element(custom-call.3), index=1
-// HLO_GOLDEN-NEXT: call.9 = f32[128,16]{1,0} call(get-tuple-element.49, get-tuple-element.50), to_apply=xla.sdy.manual_computation_body.4, frontend_attributes={inlineable="false"}
+// HLO_GOLDEN-NEXT: get-tuple-element.45 = f32[16,64]{1,0} get-tuple-element(custom-call.3), index=0
+// HLO_GOLDEN-NEXT: get-tuple-element.46 = f32[64,16]{1,0} get-tuple-element(custom-call.3), index=1
+// HLO_GOLDEN-NEXT: call.9 = f32[128,16]{1,0} call(get-tuple-element.45, get-tuple-element.46), to_apply=xla.sdy.manual_computation_body.4, frontend_attributes={inlineable="false"}
 // HLO_GOLDEN-NEXT: custom-call.4 = f32[128,128]{1,0} custom-call(call.9), custom_call_target="xla.sdy.LocalToGlobalShape", custom_call_has_side_effect=true, frontend_attributes={xla.sdy.manual_axes="#sdy<manual_axes{\"model\"}>",xla.sdy.out_shardings="#sdy.sharding_per_value<[<@mesh, [{}, {\"model\"}]>]>"}
 // HLO_GOLDEN-NEXT: custom-call.5 = f32[128,128]{1,0} custom-call(custom-call.4), custom_call_target="xla.sdy.FuncResultSharding", custom_call_has_side_effect=true, frontend_attributes={xla.sdy.sharding="#sdy.sharding_per_value<[<@mesh, [{}, {\"model\"}]>]>"}
-// HLO_GOLDEN-NEXT: tuple.15 = (f32[128,128]{1,0}) tuple(custom-call.5)
-// HLO_GOLDEN-NEXT: ROOT get-tuple-element.51 = f32[128,128]{1,0} get-tuple-element(tuple.15), index=0, sharding={devices=[1,8]<=[8]}
+// HLO_GOLDEN-NEXT: tuple.13 = (f32[128,128]{1,0}) tuple(custom-call.5)
+// HLO_GOLDEN-NEXT: ROOT get-tuple-element.47 = f32[128,128]{1,0} get-tuple-element(tuple.13), index=0, sharding={devices=[1,8]<=[8]}
 // HLO_GOLDEN-NEXT: }
 // END-AUTOGENERATED golden block
 module @jit__lambda attributes {mhlo.num_partitions = 8 : i32, mhlo.num_replicas = 1 : i32} {

@@ -140,107 +140,106 @@
 // AUTO_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
 // AUTO_GOLDEN-NEXT: %4 = "stablehlo.collective_permute"(%arg3) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
 // AUTO_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%arg3) <{channel_handle = #stablehlo.channel_handle<handle = 9, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// AUTO_GOLDEN-NEXT: %6:2 = stablehlo.optimization_barrier %arg3, %arg4 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// AUTO_GOLDEN-NEXT: %7 = stablehlo.dot_general %6#0, %6#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// AUTO_GOLDEN-NEXT: %8 = stablehlo.multiply %3, %c_2 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %cst, %7, %c_1, %8, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// AUTO_GOLDEN-NEXT: %10:2 = stablehlo.optimization_barrier %4, %7 : tensor<2x8x16xf32>, tensor<2x8x16xf32>
-// AUTO_GOLDEN-NEXT: %11 = "stablehlo.collective_permute"(%10#0) <{channel_handle = #stablehlo.channel_handle<handle = 10, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// AUTO_GOLDEN-NEXT: %12 = stablehlo.add %3, %c_4 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %14:2 = stablehlo.optimization_barrier %4, %arg4 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// AUTO_GOLDEN-NEXT: %15 = stablehlo.dot_general %14#0, %14#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// AUTO_GOLDEN-NEXT: %16 = stablehlo.multiply %13, %c_2 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %17 = stablehlo.dynamic_update_slice %9, %15, %c_1, %16, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// AUTO_GOLDEN-NEXT: %18 = stablehlo.add %3, %c_0 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %20:2 = stablehlo.optimization_barrier %5, %arg4 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// AUTO_GOLDEN-NEXT: %21 = stablehlo.dot_general %20#0, %20#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// AUTO_GOLDEN-NEXT: %22 = stablehlo.multiply %19, %c_2 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %17, %21, %c_1, %22, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// AUTO_GOLDEN-NEXT: %24 = stablehlo.add %3, %c : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %25 = stablehlo.remainder %24, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %26:2 = stablehlo.optimization_barrier %11, %arg4 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// AUTO_GOLDEN-NEXT: %27 = stablehlo.dot_general %26#0, %26#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// AUTO_GOLDEN-NEXT: %28 = stablehlo.multiply %25, %c_2 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %29 = stablehlo.dynamic_update_slice %23, %27, %c_1, %28, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// AUTO_GOLDEN-NEXT: %30 = stablehlo.multiply %29, %29 : tensor<2x32x16xf32>
-// AUTO_GOLDEN-NEXT: %31 = stablehlo.multiply %30, %29 : tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %6 = stablehlo.dot_general %arg3, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// AUTO_GOLDEN-NEXT: %7 = stablehlo.multiply %3, %c_2 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %cst, %6, %c_1, %7, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %9:2 = stablehlo.optimization_barrier %4, %6 : tensor<2x8x16xf32>, tensor<2x8x16xf32>
+// AUTO_GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%9#0) <{channel_handle = #stablehlo.channel_handle<handle = 10, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// AUTO_GOLDEN-NEXT: %11 = stablehlo.add %3, %c_4 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_3 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %13:2 = stablehlo.optimization_barrier %4, %arg4 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// AUTO_GOLDEN-NEXT: %14 = stablehlo.dot_general %13#0, %13#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// AUTO_GOLDEN-NEXT: %15 = stablehlo.multiply %12, %c_2 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %8, %14, %c_1, %15, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %17 = stablehlo.add %3, %c_0 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %18 = stablehlo.remainder %17, %c_3 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %19:2 = stablehlo.optimization_barrier %5, %arg4 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// AUTO_GOLDEN-NEXT: %20 = stablehlo.dot_general %19#0, %19#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// AUTO_GOLDEN-NEXT: %21 = stablehlo.multiply %18, %c_2 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %22 = stablehlo.dynamic_update_slice %16, %20, %c_1, %21, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %23 = stablehlo.add %3, %c : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %24 = stablehlo.remainder %23, %c_3 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %25:2 = stablehlo.optimization_barrier %10, %arg4 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// AUTO_GOLDEN-NEXT: %26 = stablehlo.dot_general %25#0, %25#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// AUTO_GOLDEN-NEXT: %27 = stablehlo.multiply %24, %c_2 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %28 = stablehlo.dynamic_update_slice %22, %26, %c_1, %27, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %29 = stablehlo.multiply %28, %28 : tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %30 = stablehlo.multiply %29, %28 : tensor<2x32x16xf32>
 // AUTO_GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// AUTO_GOLDEN-NEXT: %32 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// AUTO_GOLDEN-NEXT: %33 = stablehlo.multiply %32, %31 : tensor<2x32x16xf32>
-// AUTO_GOLDEN-NEXT: %34 = stablehlo.add %29, %33 : tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %31 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %32 = stablehlo.multiply %31, %30 : tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %33 = stablehlo.add %28, %32 : tensor<2x32x16xf32>
 // AUTO_GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// AUTO_GOLDEN-NEXT: %35 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// AUTO_GOLDEN-NEXT: %36 = stablehlo.multiply %35, %34 : tensor<2x32x16xf32>
-// AUTO_GOLDEN-NEXT: %37 = stablehlo.tanh %36 : tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %34 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %35 = stablehlo.multiply %34, %33 : tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %36 = stablehlo.tanh %35 : tensor<2x32x16xf32>
 // AUTO_GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// AUTO_GOLDEN-NEXT: %38 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// AUTO_GOLDEN-NEXT: %39 = stablehlo.add %38, %37 : tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %37 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %38 = stablehlo.add %37, %36 : tensor<2x32x16xf32>
 // AUTO_GOLDEN-NEXT: %cst_9 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// AUTO_GOLDEN-NEXT: %40 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// AUTO_GOLDEN-NEXT: %41 = stablehlo.multiply %40, %39 : tensor<2x32x16xf32>
-// AUTO_GOLDEN-NEXT: %42 = stablehlo.multiply %29, %41 : tensor<2x32x16xf32>
-// AUTO_GOLDEN-NEXT: %43 = stablehlo.add %3, %c_4 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %44 = stablehlo.remainder %43, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %45 = stablehlo.multiply %44, %c_2 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %46 = stablehlo.dynamic_slice %42, %c_1, %45, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %47 = stablehlo.dot_general %46, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %48 = stablehlo.add %3, %c_0 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %49 = stablehlo.remainder %48, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %50 = stablehlo.multiply %49, %c_2 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %51 = stablehlo.add %50, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %52 = stablehlo.dynamic_slice %42, %c_1, %51, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %53:2 = stablehlo.optimization_barrier %52, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
-// AUTO_GOLDEN-NEXT: %54 = stablehlo.dot_general %53#0, %53#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %55 = "stablehlo.collective_permute"(%47) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %56 = stablehlo.add %3, %c : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %57 = stablehlo.remainder %56, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %58 = stablehlo.multiply %57, %c_2 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %59 = stablehlo.dynamic_slice %42, %c_1, %58, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %60:2 = stablehlo.optimization_barrier %59, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
-// AUTO_GOLDEN-NEXT: %61 = stablehlo.dot_general %60#0, %60#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %62 = stablehlo.add %55, %61 : tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %63 = "stablehlo.collective_permute"(%54) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %64 = stablehlo.add %3, %c : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %65 = stablehlo.remainder %64, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %66 = stablehlo.multiply %65, %c_2 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %67 = stablehlo.add %66, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %68 = stablehlo.dynamic_slice %42, %c_1, %67, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %69:2 = stablehlo.optimization_barrier %68, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
-// AUTO_GOLDEN-NEXT: %70 = stablehlo.dot_general %69#0, %69#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %71 = stablehlo.add %63, %70 : tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %72 = "stablehlo.collective_permute"(%62) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %73 = stablehlo.add %3, %c_0 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %74 = stablehlo.remainder %73, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %75 = stablehlo.multiply %74, %c_2 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %76 = stablehlo.dynamic_slice %42, %c_1, %75, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %77:2 = stablehlo.optimization_barrier %76, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
-// AUTO_GOLDEN-NEXT: %78 = stablehlo.dot_general %77#0, %77#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %79 = stablehlo.add %72, %78 : tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %80 = "stablehlo.collective_permute"(%71) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %81 = stablehlo.add %3, %c_4 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %82 = stablehlo.remainder %81, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %83 = stablehlo.multiply %82, %c_2 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %84 = stablehlo.add %83, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %85 = stablehlo.dynamic_slice %42, %c_1, %84, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %86:2 = stablehlo.optimization_barrier %85, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
-// AUTO_GOLDEN-NEXT: %87 = stablehlo.dot_general %86#0, %86#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %88 = stablehlo.add %80, %87 : tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %89 = "stablehlo.collective_permute"(%79) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %90 = stablehlo.multiply %3, %c_2 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %91 = stablehlo.dynamic_slice %42, %c_1, %90, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %92:2 = stablehlo.optimization_barrier %91, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
-// AUTO_GOLDEN-NEXT: %93 = stablehlo.dot_general %92#0, %92#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %94 = stablehlo.add %89, %93 : tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %95 = "stablehlo.collective_permute"(%88) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %96 = stablehlo.add %90, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %97 = stablehlo.dynamic_slice %42, %c_1, %96, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %98:2 = stablehlo.optimization_barrier %97, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
-// AUTO_GOLDEN-NEXT: %99 = stablehlo.dot_general %98#0, %98#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %100 = stablehlo.add %95, %99 : tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %101 = stablehlo.concatenate %94, %100, dim = 1 : (tensor<2x4x16xf32>, tensor<2x4x16xf32>) -> tensor<2x8x16xf32>
-// AUTO_GOLDEN-NEXT: sdy.return %101 : tensor<2x8x16xf32>
+// AUTO_GOLDEN-NEXT: %39 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %40 = stablehlo.multiply %39, %38 : tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %41 = stablehlo.multiply %28, %40 : tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %42 = stablehlo.add %3, %c_4 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %43 = stablehlo.remainder %42, %c_3 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %44 = stablehlo.multiply %43, %c_2 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %45 = stablehlo.dynamic_slice %41, %c_1, %44, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %46 = stablehlo.dot_general %45, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %47 = stablehlo.add %3, %c_0 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %48 = stablehlo.remainder %47, %c_3 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %49 = stablehlo.multiply %48, %c_2 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %50 = stablehlo.add %49, %c_3 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %51 = stablehlo.dynamic_slice %41, %c_1, %50, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %52:2 = stablehlo.optimization_barrier %51, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
+// AUTO_GOLDEN-NEXT: %53 = stablehlo.dot_general %52#0, %52#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %54 = "stablehlo.collective_permute"(%46) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %55 = stablehlo.add %3, %c : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %56 = stablehlo.remainder %55, %c_3 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %57 = stablehlo.multiply %56, %c_2 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %58 = stablehlo.dynamic_slice %41, %c_1, %57, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %59:2 = stablehlo.optimization_barrier %58, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
+// AUTO_GOLDEN-NEXT: %60 = stablehlo.dot_general %59#0, %59#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %61 = stablehlo.add %54, %60 : tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %62 = "stablehlo.collective_permute"(%53) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %63 = stablehlo.add %3, %c : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %64 = stablehlo.remainder %63, %c_3 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %65 = stablehlo.multiply %64, %c_2 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %66 = stablehlo.add %65, %c_3 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %67 = stablehlo.dynamic_slice %41, %c_1, %66, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %68:2 = stablehlo.optimization_barrier %67, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
+// AUTO_GOLDEN-NEXT: %69 = stablehlo.dot_general %68#0, %68#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %70 = stablehlo.add %62, %69 : tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %71 = "stablehlo.collective_permute"(%61) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %72 = stablehlo.add %3, %c_0 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %73 = stablehlo.remainder %72, %c_3 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %74 = stablehlo.multiply %73, %c_2 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %75 = stablehlo.dynamic_slice %41, %c_1, %74, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %76:2 = stablehlo.optimization_barrier %75, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
+// AUTO_GOLDEN-NEXT: %77 = stablehlo.dot_general %76#0, %76#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %78 = stablehlo.add %71, %77 : tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %79 = "stablehlo.collective_permute"(%70) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %80 = stablehlo.add %3, %c_4 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %81 = stablehlo.remainder %80, %c_3 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %82 = stablehlo.multiply %81, %c_2 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %83 = stablehlo.add %82, %c_3 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %84 = stablehlo.dynamic_slice %41, %c_1, %83, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %85:2 = stablehlo.optimization_barrier %84, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
+// AUTO_GOLDEN-NEXT: %86 = stablehlo.dot_general %85#0, %85#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %87 = stablehlo.add %79, %86 : tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %88 = "stablehlo.collective_permute"(%78) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %89 = stablehlo.multiply %3, %c_2 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %90 = stablehlo.dynamic_slice %41, %c_1, %89, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %91:2 = stablehlo.optimization_barrier %90, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
+// AUTO_GOLDEN-NEXT: %92 = stablehlo.dot_general %91#0, %91#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %93 = stablehlo.add %88, %92 : tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %94 = "stablehlo.collective_permute"(%87) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %95 = stablehlo.add %89, %c_3 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %96 = stablehlo.dynamic_slice %41, %c_1, %95, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %97:2 = stablehlo.optimization_barrier %96, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
+// AUTO_GOLDEN-NEXT: %98 = stablehlo.dot_general %97#0, %97#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %99 = stablehlo.add %94, %98 : tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %100 = stablehlo.concatenate %93, %99, dim = 1 : (tensor<2x4x16xf32>, tensor<2x4x16xf32>) -> tensor<2x8x16xf32>
+// AUTO_GOLDEN-NEXT: sdy.return %100 : tensor<2x8x16xf32>
 // AUTO_GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<4x32x16xf32>
 // AUTO_GOLDEN-NEXT: return %0 : tensor<4x32x16xf32>
 // AUTO_GOLDEN-NEXT: }

@@ -501,84 +501,83 @@
 // STREAMS_GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_5, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // STREAMS_GOLDEN-NEXT: %5 = stablehlo.reshape %4 : (tensor<1xui32>) -> tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %6 = "stablehlo.collective_permute"(%arg7) <{channel_handle = #stablehlo.channel_handle<handle = 11, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %7:2 = stablehlo.optimization_barrier %arg7, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %8 = func.call @cmatmul_dot_0(%7#0, %7#1) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %9 = stablehlo.multiply %5, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %cst, %8, %c_1, %9, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %11:3 = stablehlo.while(%iterArg = %c_1, %iterArg_10 = %6, %iterArg_11 = %10) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %7 = func.call @cmatmul_dot_0(%arg7, %arg8) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %8 = stablehlo.multiply %5, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %cst, %7, %c_1, %8, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %10:3 = stablehlo.while(%iterArg = %c_1, %iterArg_10 = %6, %iterArg_11 = %9) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: cond {
 // STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %45 = stablehlo.compare LT, %iterArg, %c_12, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %45 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %44 = stablehlo.compare LT, %iterArg, %c_12, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %44 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
 // STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<8> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<4> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_15 = stablehlo.constant dense<1> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_16 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %45 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 12, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %46 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %47 = stablehlo.add %46, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %48 = stablehlo.add %5, %47 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %49 = stablehlo.remainder %48, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %50:2 = stablehlo.optimization_barrier %iterArg_10, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %51 = func.call @cmatmul_dot_0(%50#0, %50#1) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %52 = stablehlo.multiply %49, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %53 = stablehlo.dynamic_update_slice %iterArg_11, %51, %c_12, %52, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %54:2 = stablehlo.optimization_barrier %45, %51 : tensor<2x8x16xf32>, tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %55 = "stablehlo.collective_permute"(%54#0) <{channel_handle = #stablehlo.channel_handle<handle = 13, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %56 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %57 = stablehlo.add %56, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %58 = stablehlo.add %5, %57 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %59 = stablehlo.remainder %58, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %60:2 = stablehlo.optimization_barrier %45, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %61 = func.call @cmatmul_dot_0(%60#0, %60#1) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %62 = stablehlo.multiply %59, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %63 = stablehlo.dynamic_update_slice %53, %61, %c_12, %62, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %64 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %64, %55, %63 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %44 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 12, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %45 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %46 = stablehlo.add %45, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %47 = stablehlo.add %5, %46 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %48 = stablehlo.remainder %47, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %49:2 = stablehlo.optimization_barrier %iterArg_10, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %50 = func.call @cmatmul_dot_0(%49#0, %49#1) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %51 = stablehlo.multiply %48, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %52 = stablehlo.dynamic_update_slice %iterArg_11, %50, %c_12, %51, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %53:2 = stablehlo.optimization_barrier %44, %50 : tensor<2x8x16xf32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %54 = "stablehlo.collective_permute"(%53#0) <{channel_handle = #stablehlo.channel_handle<handle = 13, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %55 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %56 = stablehlo.add %55, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %57 = stablehlo.add %5, %56 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %58 = stablehlo.remainder %57, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %59:2 = stablehlo.optimization_barrier %44, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %60 = func.call @cmatmul_dot_0(%59#0, %59#1) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %61 = stablehlo.multiply %58, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %62 = stablehlo.dynamic_update_slice %52, %60, %c_12, %61, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %63 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %63, %54, %62 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: %12 = stablehlo.add %5, %c : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_3 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %14:2 = stablehlo.optimization_barrier %11#1, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %15 = func.call @cmatmul_dot_0(%14#0, %14#1) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %16 = stablehlo.multiply %13, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %17 = stablehlo.dynamic_update_slice %11#2, %15, %c_1, %16, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %18 = stablehlo.multiply %17, %17 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %19 = stablehlo.multiply %18, %17 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %11 = stablehlo.add %5, %c : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_3 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %13:2 = stablehlo.optimization_barrier %10#1, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %14 = func.call @cmatmul_dot_0(%13#0, %13#1) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %15 = stablehlo.multiply %12, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %10#2, %14, %c_1, %15, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %17 = stablehlo.multiply %16, %16 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %18 = stablehlo.multiply %17, %16 : tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %20 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %21 = stablehlo.multiply %20, %19 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %22 = stablehlo.add %17, %21 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %19 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %20 = stablehlo.multiply %19, %18 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %21 = stablehlo.add %16, %20 : tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %23 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %24 = stablehlo.multiply %23, %22 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %25 = stablehlo.tanh %24 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %22 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %23 = stablehlo.multiply %22, %21 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %24 = stablehlo.tanh %23 : tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %26 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %27 = stablehlo.add %26, %25 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %25 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %26 = stablehlo.add %25, %24 : tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: %cst_9 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %28 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %29 = stablehlo.multiply %28, %27 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %30 = stablehlo.multiply %17, %29 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %31 = stablehlo.add %5, %c_4 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %32 = stablehlo.remainder %31, %c_3 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %33 = stablehlo.multiply %32, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %34 = stablehlo.dynamic_slice %30, %c_1, %33, %c_1, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %35 = func.call @cmatmul_dot_0(%34, %arg9) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %36 = "stablehlo.collective_permute"(%35) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "3"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %37 = stablehlo.add %5, %c_0 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %38 = stablehlo.remainder %37, %c_3 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %39 = stablehlo.multiply %38, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %40 = stablehlo.dynamic_slice %30, %c_1, %39, %c_1, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %41:2 = stablehlo.optimization_barrier %40, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %42 = func.call @cmatmul_dot_0(%41#0, %41#1) {mhlo.frontend_attributes = {_scheduling_group_id = "3", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %43 = stablehlo.add %36, %42 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %44:2 = stablehlo.while(%iterArg = %c_1, %iterArg_10 = %43) : tensor<ui32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %27 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %28 = stablehlo.multiply %27, %26 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %29 = stablehlo.multiply %16, %28 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %30 = stablehlo.add %5, %c_4 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %31 = stablehlo.remainder %30, %c_3 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %32 = stablehlo.multiply %31, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %33 = stablehlo.dynamic_slice %29, %c_1, %32, %c_1, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %34 = func.call @cmatmul_dot_0(%33, %arg9) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %35 = "stablehlo.collective_permute"(%34) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "3"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %36 = stablehlo.add %5, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %37 = stablehlo.remainder %36, %c_3 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %38 = stablehlo.multiply %37, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %39 = stablehlo.dynamic_slice %29, %c_1, %38, %c_1, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %40:2 = stablehlo.optimization_barrier %39, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %41 = func.call @cmatmul_dot_0(%40#0, %40#1) {mhlo.frontend_attributes = {_scheduling_group_id = "3", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %42 = stablehlo.add %35, %41 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %43:2 = stablehlo.while(%iterArg = %c_1, %iterArg_10 = %42) : tensor<ui32>, tensor<2x8x16xf32>
 // STREAMS_GOLDEN-NEXT: cond {
 // STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %45 = stablehlo.compare LT, %iterArg, %c_11, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %45 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %44 = stablehlo.compare LT, %iterArg, %c_11, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %44 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
 // STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<ui32>
@@ -586,29 +585,29 @@
 // STREAMS_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<4> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_15 = stablehlo.constant dense<3> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_16 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %45 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "4"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %46 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %47 = stablehlo.add %46, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %48 = stablehlo.add %5, %47 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %49 = stablehlo.remainder %48, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %50 = stablehlo.multiply %49, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %51 = stablehlo.dynamic_slice %30, %c_12, %50, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %52:2 = stablehlo.optimization_barrier %51, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %53 = func.call @cmatmul_dot_0(%52#0, %52#1) {mhlo.frontend_attributes = {_scheduling_group_id = "4", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %54 = stablehlo.add %45, %53 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %55 = "stablehlo.collective_permute"(%54) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "5"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %56 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %57 = stablehlo.add %5, %56 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %58 = stablehlo.remainder %57, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %59 = stablehlo.multiply %58, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %60 = stablehlo.dynamic_slice %30, %c_12, %59, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %61:2 = stablehlo.optimization_barrier %60, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %62 = func.call @cmatmul_dot_0(%61#0, %61#1) {mhlo.frontend_attributes = {_scheduling_group_id = "5", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %63 = stablehlo.add %55, %62 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %64 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %64, %63 : tensor<ui32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %44 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "4"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %45 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %46 = stablehlo.add %45, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %47 = stablehlo.add %5, %46 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %48 = stablehlo.remainder %47, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %49 = stablehlo.multiply %48, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %50 = stablehlo.dynamic_slice %29, %c_12, %49, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %51:2 = stablehlo.optimization_barrier %50, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %52 = func.call @cmatmul_dot_0(%51#0, %51#1) {mhlo.frontend_attributes = {_scheduling_group_id = "4", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %53 = stablehlo.add %44, %52 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %54 = "stablehlo.collective_permute"(%53) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "5"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %55 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %56 = stablehlo.add %5, %55 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %57 = stablehlo.remainder %56, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %58 = stablehlo.multiply %57, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %59 = stablehlo.dynamic_slice %29, %c_12, %58, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %60:2 = stablehlo.optimization_barrier %59, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %61 = func.call @cmatmul_dot_0(%60#0, %60#1) {mhlo.frontend_attributes = {_scheduling_group_id = "5", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %62 = stablehlo.add %54, %61 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %63 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %63, %62 : tensor<ui32>, tensor<2x8x16xf32>
 // STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: sdy.return %44#1 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: sdy.return %43#1 : tensor<2x8x16xf32>
 // STREAMS_GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<4x32x16xf32>
 // STREAMS_GOLDEN-NEXT: %1 = sdy.manual_computation(%0, %arg3, %arg4) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"data"}, {"model"}, {}]>] manual_axes={"data", "model"} (%arg7: tensor<2x8x16xf32>, %arg8: tensor<16x16xf32>, %arg9: tensor<16x16xf32>) {
 // STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<ui32>
@@ -623,84 +622,83 @@
 // STREAMS_GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_5, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // STREAMS_GOLDEN-NEXT: %5 = stablehlo.reshape %4 : (tensor<1xui32>) -> tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %6 = "stablehlo.collective_permute"(%arg7) <{channel_handle = #stablehlo.channel_handle<handle = 14, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "6"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %7:2 = stablehlo.optimization_barrier %arg7, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %8 = func.call @cmatmul_dot_0(%7#0, %7#1) {mhlo.frontend_attributes = {_scheduling_group_id = "6", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %9 = stablehlo.multiply %5, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %cst, %8, %c_1, %9, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %11:3 = stablehlo.while(%iterArg = %c_1, %iterArg_10 = %6, %iterArg_11 = %10) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %7 = func.call @cmatmul_dot_0(%arg7, %arg8) {mhlo.frontend_attributes = {_scheduling_group_id = "6", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %8 = stablehlo.multiply %5, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %cst, %7, %c_1, %8, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %10:3 = stablehlo.while(%iterArg = %c_1, %iterArg_10 = %6, %iterArg_11 = %9) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: cond {
 // STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %45 = stablehlo.compare LT, %iterArg, %c_12, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %45 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %44 = stablehlo.compare LT, %iterArg, %c_12, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %44 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
 // STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<8> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<4> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_15 = stablehlo.constant dense<1> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_16 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %45 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 15, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "7"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %46 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %47 = stablehlo.add %46, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %48 = stablehlo.add %5, %47 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %49 = stablehlo.remainder %48, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %50:2 = stablehlo.optimization_barrier %iterArg_10, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %51 = func.call @cmatmul_dot_0(%50#0, %50#1) {mhlo.frontend_attributes = {_scheduling_group_id = "7", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %52 = stablehlo.multiply %49, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %53 = stablehlo.dynamic_update_slice %iterArg_11, %51, %c_12, %52, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %54:2 = stablehlo.optimization_barrier %45, %51 : tensor<2x8x16xf32>, tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %55 = "stablehlo.collective_permute"(%54#0) <{channel_handle = #stablehlo.channel_handle<handle = 16, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "8"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %56 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %57 = stablehlo.add %56, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %58 = stablehlo.add %5, %57 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %59 = stablehlo.remainder %58, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %60:2 = stablehlo.optimization_barrier %45, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %61 = func.call @cmatmul_dot_0(%60#0, %60#1) {mhlo.frontend_attributes = {_scheduling_group_id = "8", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %62 = stablehlo.multiply %59, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %63 = stablehlo.dynamic_update_slice %53, %61, %c_12, %62, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %64 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %64, %55, %63 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %44 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 15, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "7"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %45 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %46 = stablehlo.add %45, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %47 = stablehlo.add %5, %46 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %48 = stablehlo.remainder %47, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %49:2 = stablehlo.optimization_barrier %iterArg_10, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %50 = func.call @cmatmul_dot_0(%49#0, %49#1) {mhlo.frontend_attributes = {_scheduling_group_id = "7", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %51 = stablehlo.multiply %48, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %52 = stablehlo.dynamic_update_slice %iterArg_11, %50, %c_12, %51, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %53:2 = stablehlo.optimization_barrier %44, %50 : tensor<2x8x16xf32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %54 = "stablehlo.collective_permute"(%53#0) <{channel_handle = #stablehlo.channel_handle<handle = 16, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "8"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %55 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %56 = stablehlo.add %55, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %57 = stablehlo.add %5, %56 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %58 = stablehlo.remainder %57, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %59:2 = stablehlo.optimization_barrier %44, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %60 = func.call @cmatmul_dot_0(%59#0, %59#1) {mhlo.frontend_attributes = {_scheduling_group_id = "8", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %61 = stablehlo.multiply %58, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %62 = stablehlo.dynamic_update_slice %52, %60, %c_12, %61, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %63 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %63, %54, %62 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: %12 = stablehlo.add %5, %c : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_3 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %14:2 = stablehlo.optimization_barrier %11#1, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %15 = func.call @cmatmul_dot_0(%14#0, %14#1) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %16 = stablehlo.multiply %13, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %17 = stablehlo.dynamic_update_slice %11#2, %15, %c_1, %16, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %18 = stablehlo.multiply %17, %17 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %19 = stablehlo.multiply %18, %17 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %11 = stablehlo.add %5, %c : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_3 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %13:2 = stablehlo.optimization_barrier %10#1, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %14 = func.call @cmatmul_dot_0(%13#0, %13#1) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %15 = stablehlo.multiply %12, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %10#2, %14, %c_1, %15, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %17 = stablehlo.multiply %16, %16 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %18 = stablehlo.multiply %17, %16 : tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %20 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %21 = stablehlo.multiply %20, %19 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %22 = stablehlo.add %17, %21 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %19 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %20 = stablehlo.multiply %19, %18 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %21 = stablehlo.add %16, %20 : tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %23 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %24 = stablehlo.multiply %23, %22 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %25 = stablehlo.tanh %24 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %22 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %23 = stablehlo.multiply %22, %21 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %24 = stablehlo.tanh %23 : tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %26 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %27 = stablehlo.add %26, %25 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %25 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %26 = stablehlo.add %25, %24 : tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: %cst_9 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %28 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %29 = stablehlo.multiply %28, %27 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %30 = stablehlo.multiply %17, %29 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %31 = stablehlo.add %5, %c_4 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %32 = stablehlo.remainder %31, %c_3 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %33 = stablehlo.multiply %32, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %34 = stablehlo.dynamic_slice %30, %c_1, %33, %c_1, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %35 = func.call @cmatmul_dot_0(%34, %arg9) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %36 = "stablehlo.collective_permute"(%35) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "9"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %37 = stablehlo.add %5, %c_0 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %38 = stablehlo.remainder %37, %c_3 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %39 = stablehlo.multiply %38, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %40 = stablehlo.dynamic_slice %30, %c_1, %39, %c_1, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %41:2 = stablehlo.optimization_barrier %40, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %42 = func.call @cmatmul_dot_0(%41#0, %41#1) {mhlo.frontend_attributes = {_scheduling_group_id = "9", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %43 = stablehlo.add %36, %42 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %44:2 = stablehlo.while(%iterArg = %c_1, %iterArg_10 = %43) : tensor<ui32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %27 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %28 = stablehlo.multiply %27, %26 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %29 = stablehlo.multiply %16, %28 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %30 = stablehlo.add %5, %c_4 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %31 = stablehlo.remainder %30, %c_3 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %32 = stablehlo.multiply %31, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %33 = stablehlo.dynamic_slice %29, %c_1, %32, %c_1, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %34 = func.call @cmatmul_dot_0(%33, %arg9) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %35 = "stablehlo.collective_permute"(%34) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "9"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %36 = stablehlo.add %5, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %37 = stablehlo.remainder %36, %c_3 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %38 = stablehlo.multiply %37, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %39 = stablehlo.dynamic_slice %29, %c_1, %38, %c_1, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %40:2 = stablehlo.optimization_barrier %39, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %41 = func.call @cmatmul_dot_0(%40#0, %40#1) {mhlo.frontend_attributes = {_scheduling_group_id = "9", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %42 = stablehlo.add %35, %41 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %43:2 = stablehlo.while(%iterArg = %c_1, %iterArg_10 = %42) : tensor<ui32>, tensor<2x8x16xf32>
 // STREAMS_GOLDEN-NEXT: cond {
 // STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %45 = stablehlo.compare LT, %iterArg, %c_11, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %45 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %44 = stablehlo.compare LT, %iterArg, %c_11, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %44 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
 // STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<ui32>
@@ -708,29 +706,29 @@
 // STREAMS_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<4> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_15 = stablehlo.constant dense<3> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_16 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %45 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "10"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %46 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %47 = stablehlo.add %46, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %48 = stablehlo.add %5, %47 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %49 = stablehlo.remainder %48, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %50 = stablehlo.multiply %49, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %51 = stablehlo.dynamic_slice %30, %c_12, %50, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %52:2 = stablehlo.optimization_barrier %51, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %53 = func.call @cmatmul_dot_0(%52#0, %52#1) {mhlo.frontend_attributes = {_scheduling_group_id = "10", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %54 = stablehlo.add %45, %53 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %55 = "stablehlo.collective_permute"(%54) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "11"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %56 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %57 = stablehlo.add %5, %56 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %58 = stablehlo.remainder %57, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %59 = stablehlo.multiply %58, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %60 = stablehlo.dynamic_slice %30, %c_12, %59, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %61:2 = stablehlo.optimization_barrier %60, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %62 = func.call @cmatmul_dot_0(%61#0, %61#1) {mhlo.frontend_attributes = {_scheduling_group_id = "11", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %63 = stablehlo.add %55, %62 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %64 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %64, %63 : tensor<ui32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %44 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "10"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %45 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %46 = stablehlo.add %45, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %47 = stablehlo.add %5, %46 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %48 = stablehlo.remainder %47, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %49 = stablehlo.multiply %48, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %50 = stablehlo.dynamic_slice %29, %c_12, %49, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %51:2 = stablehlo.optimization_barrier %50, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %52 = func.call @cmatmul_dot_0(%51#0, %51#1) {mhlo.frontend_attributes = {_scheduling_group_id = "10", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %53 = stablehlo.add %44, %52 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %54 = "stablehlo.collective_permute"(%53) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "11"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %55 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %56 = stablehlo.add %5, %55 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %57 = stablehlo.remainder %56, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %58 = stablehlo.multiply %57, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %59 = stablehlo.dynamic_slice %29, %c_12, %58, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %60:2 = stablehlo.optimization_barrier %59, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %61 = func.call @cmatmul_dot_0(%60#0, %60#1) {mhlo.frontend_attributes = {_scheduling_group_id = "11", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %62 = stablehlo.add %54, %61 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %63 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %63, %62 : tensor<ui32>, tensor<2x8x16xf32>
 // STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: sdy.return %44#1 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: sdy.return %43#1 : tensor<2x8x16xf32>
 // STREAMS_GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<4x32x16xf32>
 // STREAMS_GOLDEN-NEXT: %2 = sdy.manual_computation(%1, %arg5, %arg6) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"data"}, {"model"}, {}]>] manual_axes={"data", "model"} (%arg7: tensor<2x8x16xf32>, %arg8: tensor<16x16xf32>, %arg9: tensor<16x16xf32>) {
 // STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<ui32>
@@ -745,84 +743,83 @@
 // STREAMS_GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_5, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // STREAMS_GOLDEN-NEXT: %5 = stablehlo.reshape %4 : (tensor<1xui32>) -> tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %6 = "stablehlo.collective_permute"(%arg7) <{channel_handle = #stablehlo.channel_handle<handle = 17, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "12"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %7:2 = stablehlo.optimization_barrier %arg7, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %8 = func.call @cmatmul_dot_0(%7#0, %7#1) {mhlo.frontend_attributes = {_scheduling_group_id = "12", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %9 = stablehlo.multiply %5, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %cst, %8, %c_1, %9, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %11:3 = stablehlo.while(%iterArg = %c_1, %iterArg_10 = %6, %iterArg_11 = %10) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %7 = func.call @cmatmul_dot_0(%arg7, %arg8) {mhlo.frontend_attributes = {_scheduling_group_id = "12", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %8 = stablehlo.multiply %5, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %cst, %7, %c_1, %8, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %10:3 = stablehlo.while(%iterArg = %c_1, %iterArg_10 = %6, %iterArg_11 = %9) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: cond {
 // STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %45 = stablehlo.compare LT, %iterArg, %c_12, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %45 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %44 = stablehlo.compare LT, %iterArg, %c_12, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %44 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
 // STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<8> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<4> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_15 = stablehlo.constant dense<1> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_16 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %45 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 18, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "13"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %46 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %47 = stablehlo.add %46, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %48 = stablehlo.add %5, %47 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %49 = stablehlo.remainder %48, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %50:2 = stablehlo.optimization_barrier %iterArg_10, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %51 = func.call @cmatmul_dot_0(%50#0, %50#1) {mhlo.frontend_attributes = {_scheduling_group_id = "13", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %52 = stablehlo.multiply %49, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %53 = stablehlo.dynamic_update_slice %iterArg_11, %51, %c_12, %52, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %54:2 = stablehlo.optimization_barrier %45, %51 : tensor<2x8x16xf32>, tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %55 = "stablehlo.collective_permute"(%54#0) <{channel_handle = #stablehlo.channel_handle<handle = 19, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "14"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %56 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %57 = stablehlo.add %56, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %58 = stablehlo.add %5, %57 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %59 = stablehlo.remainder %58, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %60:2 = stablehlo.optimization_barrier %45, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %61 = func.call @cmatmul_dot_0(%60#0, %60#1) {mhlo.frontend_attributes = {_scheduling_group_id = "14", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %62 = stablehlo.multiply %59, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %63 = stablehlo.dynamic_update_slice %53, %61, %c_12, %62, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %64 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %64, %55, %63 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %44 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 18, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "13"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %45 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %46 = stablehlo.add %45, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %47 = stablehlo.add %5, %46 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %48 = stablehlo.remainder %47, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %49:2 = stablehlo.optimization_barrier %iterArg_10, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %50 = func.call @cmatmul_dot_0(%49#0, %49#1) {mhlo.frontend_attributes = {_scheduling_group_id = "13", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %51 = stablehlo.multiply %48, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %52 = stablehlo.dynamic_update_slice %iterArg_11, %50, %c_12, %51, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %53:2 = stablehlo.optimization_barrier %44, %50 : tensor<2x8x16xf32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %54 = "stablehlo.collective_permute"(%53#0) <{channel_handle = #stablehlo.channel_handle<handle = 19, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "14"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %55 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %56 = stablehlo.add %55, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %57 = stablehlo.add %5, %56 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %58 = stablehlo.remainder %57, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %59:2 = stablehlo.optimization_barrier %44, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %60 = func.call @cmatmul_dot_0(%59#0, %59#1) {mhlo.frontend_attributes = {_scheduling_group_id = "14", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %61 = stablehlo.multiply %58, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %62 = stablehlo.dynamic_update_slice %52, %60, %c_12, %61, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %63 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %63, %54, %62 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: %12 = stablehlo.add %5, %c : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_3 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %14:2 = stablehlo.optimization_barrier %11#1, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %15 = func.call @cmatmul_dot_0(%14#0, %14#1) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %16 = stablehlo.multiply %13, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %17 = stablehlo.dynamic_update_slice %11#2, %15, %c_1, %16, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %18 = stablehlo.multiply %17, %17 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %19 = stablehlo.multiply %18, %17 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %11 = stablehlo.add %5, %c : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_3 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %13:2 = stablehlo.optimization_barrier %10#1, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %14 = func.call @cmatmul_dot_0(%13#0, %13#1) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %15 = stablehlo.multiply %12, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %10#2, %14, %c_1, %15, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %17 = stablehlo.multiply %16, %16 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %18 = stablehlo.multiply %17, %16 : tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %20 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %21 = stablehlo.multiply %20, %19 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %22 = stablehlo.add %17, %21 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %19 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %20 = stablehlo.multiply %19, %18 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %21 = stablehlo.add %16, %20 : tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %23 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %24 = stablehlo.multiply %23, %22 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %25 = stablehlo.tanh %24 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %22 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %23 = stablehlo.multiply %22, %21 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %24 = stablehlo.tanh %23 : tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %26 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %27 = stablehlo.add %26, %25 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %25 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %26 = stablehlo.add %25, %24 : tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: %cst_9 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %28 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %29 = stablehlo.multiply %28, %27 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %30 = stablehlo.multiply %17, %29 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %31 = stablehlo.add %5, %c_4 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %32 = stablehlo.remainder %31, %c_3 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %33 = stablehlo.multiply %32, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %34 = stablehlo.dynamic_slice %30, %c_1, %33, %c_1, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %35 = func.call @cmatmul_dot_0(%34, %arg9) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %36 = "stablehlo.collective_permute"(%35) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "15"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %37 = stablehlo.add %5, %c_0 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %38 = stablehlo.remainder %37, %c_3 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %39 = stablehlo.multiply %38, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %40 = stablehlo.dynamic_slice %30, %c_1, %39, %c_1, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %41:2 = stablehlo.optimization_barrier %40, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %42 = func.call @cmatmul_dot_0(%41#0, %41#1) {mhlo.frontend_attributes = {_scheduling_group_id = "15", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %43 = stablehlo.add %36, %42 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %44:2 = stablehlo.while(%iterArg = %c_1, %iterArg_10 = %43) : tensor<ui32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %27 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %28 = stablehlo.multiply %27, %26 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %29 = stablehlo.multiply %16, %28 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %30 = stablehlo.add %5, %c_4 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %31 = stablehlo.remainder %30, %c_3 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %32 = stablehlo.multiply %31, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %33 = stablehlo.dynamic_slice %29, %c_1, %32, %c_1, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %34 = func.call @cmatmul_dot_0(%33, %arg9) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %35 = "stablehlo.collective_permute"(%34) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "15"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %36 = stablehlo.add %5, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %37 = stablehlo.remainder %36, %c_3 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %38 = stablehlo.multiply %37, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %39 = stablehlo.dynamic_slice %29, %c_1, %38, %c_1, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %40:2 = stablehlo.optimization_barrier %39, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %41 = func.call @cmatmul_dot_0(%40#0, %40#1) {mhlo.frontend_attributes = {_scheduling_group_id = "15", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %42 = stablehlo.add %35, %41 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %43:2 = stablehlo.while(%iterArg = %c_1, %iterArg_10 = %42) : tensor<ui32>, tensor<2x8x16xf32>
 // STREAMS_GOLDEN-NEXT: cond {
 // STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %45 = stablehlo.compare LT, %iterArg, %c_11, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %45 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %44 = stablehlo.compare LT, %iterArg, %c_11, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %44 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
 // STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<ui32>
@@ -830,29 +827,29 @@
 // STREAMS_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<4> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_15 = stablehlo.constant dense<3> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_16 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %45 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 9, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "16"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %46 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %47 = stablehlo.add %46, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %48 = stablehlo.add %5, %47 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %49 = stablehlo.remainder %48, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %50 = stablehlo.multiply %49, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %51 = stablehlo.dynamic_slice %30, %c_12, %50, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %52:2 = stablehlo.optimization_barrier %51, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %53 = func.call @cmatmul_dot_0(%52#0, %52#1) {mhlo.frontend_attributes = {_scheduling_group_id = "16", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %54 = stablehlo.add %45, %53 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %55 = "stablehlo.collective_permute"(%54) <{channel_handle = #stablehlo.channel_handle<handle = 10, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "17"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %56 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %57 = stablehlo.add %5, %56 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %58 = stablehlo.remainder %57, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %59 = stablehlo.multiply %58, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %60 = stablehlo.dynamic_slice %30, %c_12, %59, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %61:2 = stablehlo.optimization_barrier %60, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %62 = func.call @cmatmul_dot_0(%61#0, %61#1) {mhlo.frontend_attributes = {_scheduling_group_id = "17", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %63 = stablehlo.add %55, %62 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %64 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %64, %63 : tensor<ui32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %44 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 9, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "16"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %45 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %46 = stablehlo.add %45, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %47 = stablehlo.add %5, %46 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %48 = stablehlo.remainder %47, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %49 = stablehlo.multiply %48, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %50 = stablehlo.dynamic_slice %29, %c_12, %49, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %51:2 = stablehlo.optimization_barrier %50, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %52 = func.call @cmatmul_dot_0(%51#0, %51#1) {mhlo.frontend_attributes = {_scheduling_group_id = "16", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %53 = stablehlo.add %44, %52 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %54 = "stablehlo.collective_permute"(%53) <{channel_handle = #stablehlo.channel_handle<handle = 10, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "17"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %55 = stablehlo.multiply %iterArg, %c_16 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %56 = stablehlo.add %5, %55 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %57 = stablehlo.remainder %56, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %58 = stablehlo.multiply %57, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %59 = stablehlo.dynamic_slice %29, %c_12, %58, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %60:2 = stablehlo.optimization_barrier %59, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %61 = func.call @cmatmul_dot_0(%60#0, %60#1) {mhlo.frontend_attributes = {_scheduling_group_id = "17", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %62 = stablehlo.add %54, %61 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %63 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %63, %62 : tensor<ui32>, tensor<2x8x16xf32>
 // STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: sdy.return %44#1 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: sdy.return %43#1 : tensor<2x8x16xf32>
 // STREAMS_GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<4x32x16xf32>
 // STREAMS_GOLDEN-NEXT: return %2 : tensor<4x32x16xf32>
 // STREAMS_GOLDEN-NEXT: }

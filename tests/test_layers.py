@@ -275,6 +275,50 @@ def test_both_collectives_around_one_dot_are_rewritten(variant):
     numerics(text, result.module)
 
 
+@pytest.mark.parametrize("variant", ["uni", "unroll2", "full", "bidi", "bidi-unroll2", "bidi-full"])
+def test_a_matmul_of_two_gathered_operands_gets_both_rings(variant):
+    """x's rows gathered over one mesh axis, w's columns over the other (a 2-D sharded matmul):
+    the first gather's ring leaves a dot reading w's gathered value as it is (its block's first
+    piece), which the second gather's ring computes; the ring's other dots read the copy it
+    assembles.  Until 2026-11-23 the variants with barriers left the second gather unchanged."""
+    mesh = mesh_2x4()
+
+    def body(x, w):
+        return (jax.lax.all_gather(x, "data", axis=0, tiled=True)
+                @ jax.lax.all_gather(w, "model", axis=1, tiled=True))
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P(None, "model")), out_specs=P(), check_vma=False)
+    text = jax.jit(f).lower(arg(mesh, (16, 8), P("data")), arg(mesh, (8, 16), P(None, "model"))).as_text()
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant=variant))
+    assert [s.rewritten for s in result.report.sites] == [True, True], [s.summary_line() for s in result.report.sites]
+    assert op_counts(result.module).get("stablehlo.all_gather", 0) == 0
+    numerics(text, result.module)
+
+
+@pytest.mark.parametrize("variant, both", [("uni", False), ("unroll2", True), ("bidi", True), ("full", True)])
+def test_two_gathered_operands_on_a_ring_of_4(variant, both):
+    """Both over the ring of 4 (3 sending rounds): `uni` loops over round 0 too, so the only
+    dot left reading w's gathered value waits for that loop, which reads the value: w's gather
+    stays (`schedule`); the other variants peel round 0 and rewrite both.  Called twice: the
+    second x ring is not shared (its call would read w's gathered value), the second w ring is."""
+    mesh = mesh_2x4()
+
+    def body(x, w):
+        return (jax.lax.all_gather(x, "model", axis=0, tiled=True)
+                @ jax.lax.all_gather(w, "model", axis=1, tiled=True))
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P("model"), P(None, "model")), out_specs=P(), check_vma=False)
+    text = jax.jit(lambda x, w: (f(x, w), f(x, w))).lower(
+        arg(mesh, (16, 8), P("model")), arg(mesh, (8, 16), P(None, "model"))).as_text()
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant=variant))
+    declined = sorted(s.reason_code for s in result.report.declined)
+    assert declined == ([] if both else ["schedule", "schedule"]), [s.summary_line() for s in result.report.sites]
+    assert len(result.report.rewritten) == (4 if both else 2)
+    # the second call's x ring keeps its own ring (a call would read w's gathered value); its w ring may share
+    assert [s.operand for s in result.report.rewritten if s.shared_ring] == (["rhs"] if both else [])
+    numerics(text, result.module)
+
+
 def test_scatter_on_the_gathered_dim_is_left_to_the_gather():
     _, result = rewrite_sample("chain_same_dim")
     by_kind = {s.kind: s for s in result.report.sites}

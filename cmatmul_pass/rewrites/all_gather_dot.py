@@ -33,13 +33,14 @@ n-1 permutes in all.  Unrolling and straight-line emission come from
 Dots that differ only in their other operand, along its one free dim (q/k/v, gate and
 up), are one dot per round on those operands concatenated before the ring
 (:class:`_DotGroup`).  Where a block holds several rounds (unrolled, straight-line,
-bidirectional), each round's dot reads its operands through an optimization barrier and
-each round sends its shard through one with the previous round's dot (``tie_rounds``):
-XLA neither merges the rounds' dots nor starts a transfer during the previous round's dot.
+bidirectional), each round's dot reads its operands through an optimization barrier (but
+one: :class:`.schedule.DotBarriers`) and each round sends its shard through
+one with the previous round's dot (``tie_rounds``): XLA neither merges the rounds' dots nor
+starts a transfer during the previous round's dot.
 
 ``%full`` is built only when some op other than the loop's dots still reads the
-gathered value (it then reads ``%full``).  Contracting partials of bf16/f16 dots are
-summed in f32 and converted once at the end.  Compute ops carry their dot's location,
+gathered value (it then reads ``%full``).  Contracting partials of floats narrower than
+f32 (bf16, f16, fp8) are summed in f32 and converted once at the end.  Compute ops carry their dot's location,
 the permutes the all_gather's.
 """
 
@@ -53,7 +54,7 @@ from ..layout import LayoutStep
 from ..matchers import AllGatherSite, Consumer
 from ..matchers.common import DotDims
 from .builders import TRANSIENT_MARK_PREFIX, Builder, erase_dead, shard_type
-from .schedule import Applied, RewriteContext, Round, ScheduleStats, emit_rounds, ring_position
+from .schedule import Applied, DotBarriers, RewriteContext, Round, ScheduleStats, emit_rounds, ring_position
 
 #: Each step receives the shard of the next position: position k sends to k-1.
 RECEIVE_FROM_NEXT = -1
@@ -117,17 +118,19 @@ class _DotGroup:
         self.other = others[0] if self.merge_dim is None else self.lead.compute.concatenate(others, self.merge_dim)
         return self.lead.compute.zeros(self.acc_t)
 
-    def accumulate(self, acc: ir.Value, block: ir.Value, k: ir.Value, stream: int, dots: list, tie: bool) -> ir.Value:
-        """This round's dot of ``block`` (shard ``k``), added to the accumulator.  ``tie``: pass a
-        free dot's operands through one optimization barrier per round, so that XLA does not
+    def accumulate(self, acc: ir.Value, block: ir.Value, k: ir.Value, stream: int, dots: list,
+                   barriers: DotBarriers) -> ir.Value:
+        """This round's dot of ``block`` (shard ``k``), added to the accumulator.  ``barriers``:
+        whether a free dot's operands go through an optimization barrier, so that XLA does not
         merge the dots of different rounds or directions (they share the other operand), which
         would make one dot wait for every round's transfer."""
         c, b = self.lead.c, self.lead.compute
         other = self.other
+        tied = barriers.tied()
         if c.role != "free":  # contracting, batch: the other operand's block that pairs with this shard
             width = ir.RankedTensorType(block.type).shape[c.dim]
             other = b.dynamic_slice(other, c.other_dim, b.scaled(k, width), width)
-        elif tie:
+        elif tied:
             block, other = b.tied([block, other])
         operands = [other, other]
         operands[c.operand_index] = block
@@ -220,6 +223,7 @@ def rewrite_all_gather_dot(site: AllGatherSite, ctx: RewriteContext) -> Applied:
     groups = _dot_groups(plans, ctx.merge_dots)
     # more than one round or direction computing in one block: keep their dots apart
     tie = ctx.tie_rounds and (len(streams) > 1 or ctx.unroll != 1)
+    barriers = DotBarriers(tie, site.insert_before.block)
 
     def compute(held: ir.Value, k: ir.Value, state: list[ir.Value], stream: int, dots: list) -> list[ir.Value]:
         blocks: dict[LayoutStep, ir.Value] = {}
@@ -232,7 +236,7 @@ def rewrite_all_gather_dot(site: AllGatherSite, ctx: RewriteContext) -> Applied:
                 value = blocks[node]
             return value
 
-        new = [group.accumulate(acc, through(group.lead.c.path), k, stream, dots, tie)
+        new = [group.accumulate(acc, through(group.lead.c.path), k, stream, dots, barriers)
                for group, acc in zip(groups, state)]
         if site.assembles:
             new.append(comm.dynamic_update_slice(state[-1], held, dim, comm.scaled(k, shard_rows)))

@@ -38,7 +38,7 @@ from .._jax_private import hlo, ir
 from ..cost import scatter_signatures
 from ..matchers import ReduceScatterSite
 from .builders import Builder, erase_dead, shard_type
-from .schedule import Applied, RewriteContext, Round, ScheduleStats, emit_rounds, ring_position
+from .schedule import Applied, DotBarriers, RewriteContext, Round, ScheduleStats, emit_rounds, ring_position
 
 #: The partial sum travels to the previous position (position k sends to k-1).
 SEND_TO_PREVIOUS = -1
@@ -72,11 +72,11 @@ def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> 
     channels: list[int] = []  # a fresh handle for every permute op emitted
 
     # more than one round or direction computing in one block: keep their dots apart
-    tie = ctx.tie_rounds and (split or ctx.unroll != 1)
+    barriers = DotBarriers(ctx.tie_rounds and (split or ctx.unroll != 1), rs.operation.block)
     loop_b = Builder(ir.Location.fused([t.dot.location for t in site.terms] + [rs.location]), ctx.constants)
     comm = loop_b.at(rs.location)
 
-    def term_piece(term, block: ir.Value, half: int, stream: int, dots: list, tied: bool) -> ir.Value:
+    def term_piece(term, block: ir.Value, half: int, stream: int, dots: list) -> ir.Value:
         compute = loop_b.at(term.dot.location)
         args = list(term.dot.operation.operands)
         width = ir.RankedTensorType(args[term.operand_index].type).shape[term.operand_dim] // parts
@@ -85,17 +85,17 @@ def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> 
             offset = compute.add(offset, compute.index(width))
         for index, dim in term.sliced():  # a batch dim's block is that block of both operands
             args[index] = compute.dynamic_slice(args[index], dim, offset, width)
-        if tied:  # the other operand is every round's: keep XLA from merging the rounds' dots
+        if barriers.tied():  # the other operand is every round's: keep XLA from merging the rounds' dots
             args = compute.tied(args)
         piece_t = shard_type(ir.RankedTensorType(term.dot.result.type), term.result_dim, parts)
         product = ctx.annotator.dot(compute, term.dot, piece_t, args[0], args[1], stream)
         dots.append(product.owner)
         return product
 
-    def piece(block: ir.Value, half: int, stream: int, dots: list, tied: bool) -> ir.Value:
+    def piece(block: ir.Value, half: int, stream: int, dots: list) -> ir.Value:
         total = None
         for term in site.terms:  # the dots of the sum, block by block, added in the same order
-            product = term_piece(term, block, half, stream, dots, tied)
+            product = term_piece(term, block, half, stream, dots)
             total = product if total is None else loop_b.at(rs.location).add(total, product)
         for step in site.path:
             total = step.apply(total, parts)
@@ -111,11 +111,7 @@ def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> 
                 received = comm.collective_permute(accs[i], site.ring.shift_pairs(shift), channels[-1])
             # sums travel from position p to p+shift, so position p works on block p - shift*(r+1)
             block = ring_position(loop_b, position, rnd, n, shift=-shift, offset=-shift)
-            # One piece may read the operands as they are, as long as every other reads its own
-            # barrier's: round 0's first.  So a dot operand that is an all_gather's value keeps a
-            # dot reading it, which that gather's ring then computes (a chain, as in `uni`).
-            first = not rnd.signature and i == 0
-            mine = piece(block, i, 1 + rnd.slot * len(shifts) + i, dots, tie and not first)
+            mine = piece(block, i, 1 + rnd.slot * len(shifts) + i, dots)
             ctx.annotator.group(received.owner if received is not None else None, dots)
             new.append(comm.add(received, mine) if rnd.signature else mine)
         return new

@@ -204,6 +204,34 @@ class Annotator:
         dot.operation.erase()
 
 
+class DotBarriers:
+    """Which of one ring's dots read their operands through an optimization barrier
+    (``tie_rounds``, where a block holds several rounds or directions): every dot but the
+    first built in the ring's own block (``home``, the collective's; loop bodies are others).
+
+    The barriers keep XLA's dot merger from merging dots of different rounds, which share
+    the other operand, into one dot that waits for every round's transfer; merging needs a
+    shared value, and each tied dot reads its own barrier's results.  The one untied dot
+    reads its operands as they are, so an operand that is another collective's value keeps
+    a dot reading it in that collective's block: the dot that collective's ring then
+    computes (a gather feeding a scatter's dot, a matmul of two gathered operands).  Tying
+    every dot left those gathers unchanged (``user_not_dot``) until 2026-11-23.
+    """
+
+    def __init__(self, tie: bool, home: ir.Block):
+        self.tie = tie
+        self.home = home
+        self._untied = False  # whether home's first dot is built
+
+    def tied(self) -> bool:
+        """For the dot about to be built at the insertion point: whether it reads its operands
+        through a barrier (a dot that takes none, the first in ``home``, counts too)."""
+        if not self._untied and ir.InsertionPoint.current.block == self.home:
+            self._untied = True
+            return False
+        return self.tie
+
+
 def ring_position(b: Builder, position: ir.Value, rnd: Round, n: int, shift: int = 1, offset: int = 0) -> ir.Value:
     """``(position + shift * r + offset) mod n`` for round ``r``; constants folded."""
     moved = (shift * rnd.offset + offset) % n
