@@ -249,8 +249,9 @@ class JittedFunction:
         expected = entry.lowered.original.compile()(*copies[0], **copies[1])
         self.stats["checks"] += 1
         actual = entry.compiled(*args, **kwargs)
+        extra = execute.reduction_tolerance(lowered_module(entry.lowered.original))
         comparisons = [
-            execute.compare(i, [np.asarray(a)], [np.asarray(b)])
+            execute.compare(i, [np.asarray(a)], [np.asarray(b)], extra)
             for i, (a, b) in enumerate(zip(jax.tree.leaves(expected), jax.tree.leaves(actual)))
         ]
         bad = [c for c in comparisons if not c.ok]

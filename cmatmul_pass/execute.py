@@ -9,6 +9,7 @@ rewrite that is right on one device and wrong on another cannot hide.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +40,10 @@ _FLOAT8 = {
 FLOAT_TOLERANCES = {"f64": 1e-12, "f32": 1e-5, "f16": 2e-3, "bf16": 1e-2,
                     "complex<f64>": 1e-12, "complex<f32>": 1e-5,
                     **{name: float(ml_dtypes.finfo(t).eps) for name, t in _FLOAT8.items()}}
+
+#: Ops whose sum across devices a rewrite may reorder (a scatter ring adds the partial sums
+#: in ring order; the collective in an order of its own).
+_CROSS_DEVICE_SUMS = ("stablehlo.reduce_scatter", "stablehlo.all_reduce")
 
 _NUMPY_DTYPES = {
     "f64": np.float64,
@@ -225,7 +230,27 @@ def interleaved_medians(programs: dict[str, Callable], runs: int, warmup: int = 
     return {name: statistics.median(samples[name]) for name in names}
 
 
-def compare(index: int, expected: list[np.ndarray], actual: list[np.ndarray]) -> OutputComparison:
+def reduction_tolerance(module: ir.Module) -> float:
+    """The normwise tolerance a module's float outputs need beyond their type's when it sums
+    16-bit floats (f16, bf16) across devices: each of a sum's n-1 additions over n partitions
+    rounds to that type, in an order the collective and a ring choose differently.  Taken as
+    ``2 sqrt(n-1) eps`` of that type, the typical spread of n-1 independent roundings on each
+    side (not a worst-case bound).  0.0 where the module sums nothing narrower than f32
+    across devices; sums in 8-bit floats get none (their eps would make the check vacuous)."""
+    n = ir_utils.int_attr(module.operation, "mhlo.num_partitions") or 1
+    widest = 0.0
+    for ops in ir_utils.ops_named(module, *_CROSS_DEVICE_SUMS).values():
+        for op in ops:
+            element = ir.RankedTensorType(op.operation.results[0].type).element_type
+            if isinstance(element, (ir.F16Type, ir.BF16Type)):
+                eps = float(ml_dtypes.finfo(_NUMPY_DTYPES[str(element)]).eps)
+                widest = max(widest, 2 * math.sqrt(n - 1) * eps)
+    return widest
+
+
+def compare(index: int, expected: list[np.ndarray], actual: list[np.ndarray],
+            extra_tolerance: float = 0.0) -> OutputComparison:
+    """``extra_tolerance``: a floor for float outputs' tolerance (:func:`reduction_tolerance`)."""
     a = np.stack(expected)
     b = np.stack(actual)
     name = _dtype_name(a.dtype)
@@ -245,7 +270,7 @@ def compare(index: int, expected: list[np.ndarray], actual: list[np.ndarray]) ->
         max_abs = float("inf")
     scale = float(np.nanmax(np.abs(a64))) if a64.size else 0.0
     rel = max_abs / scale if scale > 0 else max_abs
-    return OutputComparison(index, name, shape, max_abs, rel, FLOAT_TOLERANCES[name])
+    return OutputComparison(index, name, shape, max_abs, rel, max(FLOAT_TOLERANCES[name], extra_tolerance))
 
 
 def _dtype_name(dtype: np.dtype) -> str:
@@ -265,6 +290,8 @@ class Reference:
     num_partitions: int
     #: the compiled original, with its inputs placed (to run it again, e.g. to time it)
     program: Program | None = field(default=None, compare=False, repr=False)
+    #: the original's :func:`reduction_tolerance`
+    extra_tolerance: float = 0.0
 
     @classmethod
     def of(
@@ -278,7 +305,7 @@ class Reference:
             raise ExecutionError(f"the module has {num_partitions} partitions but {len(devices)} devices were given")
         inputs = list(inputs) if inputs is not None else random_inputs(original, seed)
         program = Program(original, inputs, devices)
-        return cls(inputs, program.outputs(), devices, num_partitions, program)
+        return cls(inputs, program.outputs(), devices, num_partitions, program, reduction_tolerance(original))
 
     def check(self, rewritten: ir.Module | Program) -> CheckResult:
         """Compare ``rewritten`` (a module, or one already compiled on these inputs) with the original."""
@@ -286,7 +313,7 @@ class Reference:
         actual = program.outputs()
         if len(self.expected) != len(actual):
             raise ExecutionError(f"original has {len(self.expected)} outputs, rewritten {len(actual)}")
-        outputs = tuple(compare(i, e, a) for i, (e, a) in enumerate(zip(self.expected, actual)))
+        outputs = tuple(compare(i, e, a, self.extra_tolerance) for i, (e, a) in enumerate(zip(self.expected, actual)))
         return CheckResult(outputs, self.num_partitions)
 
 
