@@ -52,8 +52,9 @@ class Options:
     once before the ring (XLA's dot merger would concatenate them in every round).
     ``tie_rounds``: where several rounds or directions compute in one block (unrolled,
     straight-line and bidirectional rings), pass each round's dot operands through an
-    ``optimization_barrier``, so that XLA does not merge dots of different rounds (which
-    share an operand) into one that waits for every round's transfer; and send a gather
+    ``optimization_barrier`` (all but the first outside a loop: :class:`.rewrites.schedule.DotBarriers`),
+    so that XLA does not merge dots of different rounds (which share an operand) into one
+    that waits for every round's transfer; and send a gather
     round's shard through a barrier with the previous round's dot, so that its transfer
     starts after that dot (the scheduler otherwise may start it during that dot).
     ``policy``: ``"all"`` rewrites every legal site; ``"auto"`` only those whose
