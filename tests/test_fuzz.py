@@ -2,9 +2,10 @@
 
 Random shard_map programs — meshes of 2 to 8 devices in 1-3 dims over permuted devices, collectives
 over one or two axes, gathered/scattered dims free, contracting or batch, either operand side,
-tiled/untiled, f32/bf16/f16/f64/complex64/int32, several consumers and non-dot readers, chains and
-SP MLP blocks, partial-manual regions — each rewritten under every pass variant: the result must
-verify, its permutes must form the groups' rings, and it must compute the original's numbers.
+tiled/untiled, f32/bf16/f16/f64/complex64/int32, several consumers and non-dot readers, chains,
+SP MLP blocks, matmuls of two gathered operands, partial-manual regions — each rewritten under
+every pass variant: the result must verify, its permutes must form the groups' rings, every site
+must be rewritten (but for the declines a kind allows), and it must compute the original's numbers.
 """
 
 from hypothesis import HealthCheck, given, settings
