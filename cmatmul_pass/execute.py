@@ -243,7 +243,7 @@ def reduction_tolerance(module: ir.Module) -> float:
         for op in ops:
             element = ir.RankedTensorType(op.operation.results[0].type).element_type
             if isinstance(element, (ir.F16Type, ir.BF16Type)):
-                eps = float(ml_dtypes.finfo(_NUMPY_DTYPES[str(element)]).eps)
+                eps = float(ml_dtypes.finfo(numpy_dtype(element)).eps)
                 widest = max(widest, 2 * math.sqrt(n - 1) * eps)
     return widest
 
@@ -261,7 +261,7 @@ def compare(index: int, expected: list[np.ndarray], actual: list[np.ndarray],
         diff = np.abs(a.astype(np.int64) - b.astype(np.int64)) if a.size else np.zeros(1)
         err = float(diff.max()) if diff.size else 0.0
         return OutputComparison(index, name, shape, err, err, 0.0)
-    wide = np.complex128 if name.startswith("complex") else np.float64
+    wide = np.complex128 if a.dtype.kind == "c" else np.float64
     a64, b64 = a.astype(wide), b.astype(wide)
     same_nan = np.isnan(a64) & np.isnan(b64)
     diff = np.where(same_nan, 0.0, np.abs(a64 - b64))

@@ -73,12 +73,13 @@ def rewrite_and_check(text: str, variant: str):
 @pytest.mark.parametrize("case", CASES)
 def test_every_ring_kind_matches_the_original(case, variant):
     dtype, preferred, out = CASES[case]
-    result, outcome = rewrite_and_check(three_sites(dtype, preferred), variant)
+    text = three_sites(dtype, preferred)
+    result, outcome = rewrite_and_check(text, variant)
     assert sorted((s.kind, s.dim_role) for s in result.report.rewritten) == [
         ("all_gather_dot", "contracting"), ("all_gather_dot", "free"), ("dot_reduce_scatter", "free")]
     assert [o.dtype for o in outcome.outputs] == [out] * 3
     # a sum across devices in a 16-bit float widens its float outputs' tolerance (reduction_tolerance)
-    widened = execute.reduction_tolerance(ir_utils.parse(three_sites(dtype, preferred)))
+    widened = execute.reduction_tolerance(ir_utils.parse(text))
     assert widened == (2 * 7 ** 0.5 * float(ml_dtypes.finfo(np.float16 if out == "f16" else ml_dtypes.bfloat16).eps)
                        if out in ("f16", "bf16") else 0.0)
     tolerance = max(execute.FLOAT_TOLERANCES[out], widened) if out in execute.FLOAT_TOLERANCES else 0.0

@@ -158,7 +158,7 @@ def _partial_element_type(c: Consumer) -> ir.Type:
     in a float narrower than f32 (bf16, f16, the f8 types) are summed (a contracting role
     without an explicit algorithm)."""
     element = ir.RankedTensorType(c.dot.result.type).element_type
-    if (c.role == "contracting" and isinstance(element, ir.FloatType) and ir.FloatType(element).width < 32
+    if (c.role == "contracting" and isinstance(element, ir.FloatType) and element.width < 32
             and "algorithm" not in c.dot.attributes):
         return ir.F32Type.get()
     return element
