@@ -297,6 +297,9 @@ def cmd_explain(args) -> int:
                           if not hw.has_role_points("split_efficiency", site.kind, role)]
             if kept and unmeasured:  # the profile has the free roles' points only, which stand in
                 kept = kept[:-1] + "".join(f"; a {role} dot's split is the free role's: unmeasured" for role in unmeasured) + ")"
+            if c.get("throughput_assumed"):  # the profile has no rate for the dots' element type
+                dtype = c.get("site", {}).get("dtype", "?")
+                kept += f" (no {dtype} throughput in the profile: priced at its default, {c['throughput'] / 1e12:g} TFLOP/s)"
             print(
                 f"  predicted on {c['hardware']}: compute {duration(c['compute_s'])}{kept}, transfer {duration(c['transfer_s'])}, "
                 f"serial {duration(c['serial_s'])}; {c['variant']} {duration(c['overlapped_s'][c['variant']])} "

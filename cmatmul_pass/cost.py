@@ -85,7 +85,16 @@ class Hardware:
     overlap: dict[str, float] = field(default_factory=dict)
 
     def throughput(self, dtype: str) -> float:
-        return self.flops.get(dtype) or self.flops.get("default") or min(self.flops.values())
+        """Dense FLOP/s for dots on ``dtype`` (an MLIR element type: "bf16", "f8E4M3FN", "ui8"):
+        the profile's entry for that type, else for its family (:func:`dtype_family`), else its
+        ``default`` (:meth:`knows` tells which)."""
+        rate = self.flops.get(dtype) or self.flops.get(dtype_family(dtype))
+        return rate or self.flops.get("default") or min(self.flops.values())
+
+    def knows(self, dtype: str) -> bool:
+        """Whether the profile gives ``dtype`` (or its family) a throughput of its own, rather
+        than pricing it at the ``default`` rate."""
+        return bool(self.flops.get(dtype) or self.flops.get(dtype_family(dtype)))
 
     def kind_points(self, field_name: str, kind: str, role: str = "free") -> Points:
         """The (FLOPs, value) points of ``kind`` in ``split_efficiency`` or ``loop_trip``: the
@@ -119,6 +128,17 @@ class Hardware:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def dtype_family(dtype: str) -> str:
+    """The profile key a dot's element type is priced under: every 8-bit float ("f8E4M3FN",
+    "f8E5M2", ...) as "f8", an unsigned integer as the signed one of its width ("ui8" as "i8":
+    tensor cores take both); other types as themselves."""
+    if dtype.startswith("f8"):
+        return "f8"
+    if dtype.startswith("ui"):
+        return dtype[1:]
+    return dtype
 
 
 VARIANTS = {
@@ -158,10 +178,12 @@ PROFILES: dict[str, Hardware] = {
     # straight-line dots keep 0.851 of it (gather) and 0.922 (scatter) at 70B-like shapes, 0.741
     # and 0.813 at 8B-like ones (docs/gpu.md discusses why); a while-loop trip costs 11.0 and
     # 10.7 µs (gather), 4.72 and 8.74 µs (scatter: the smaller steps' trips cost more, on the
-    # H200 and in a second H100 run too).  f32/i8/i32 are not measured.  NVLink 4: 450 GB/s per
-    # direction.  Overlap: H100_OVERLAP.
-    "h100": Hardware("H100 SXM (NVLink 4)", {"bf16": 676e12, "f16": 676e12, "f32": 400e12, "i8": 1600e12,
-                                            "i32": 60e12, "default": 676e12}, 450e9,
+    # H200 and in a second H100 run too).  f32/f8/f64/i8/i32 are not measured: f8 and f64 are
+    # the published dense peaks (1979 and 67 TFLOP/s) scaled by the 0.68 of its peak that bf16
+    # reached.  NVLink 4: 450 GB/s per direction.  Overlap: H100_OVERLAP.
+    "h100": Hardware("H100 SXM (NVLink 4)", {"bf16": 676e12, "f16": 676e12, "f32": 400e12, "f8": 1350e12,
+                                            "f64": 46e12, "i8": 1600e12, "i32": 60e12, "default": 676e12},
+                     450e9,
                      loop_trip={"all_gather_dot": ((STEP_8B, 10.7e-6), (STEP_70B, 11.0e-6)),
                                 "dot_reduce_scatter": ((STEP_8B, 8.74e-6), (STEP_70B, 4.72e-6))},
                      overlap=H100_OVERLAP,
@@ -170,21 +192,26 @@ PROFILES: dict[str, Hardware] = {
     # Calibrated on an H200 the same way (bench/gpu/h200_calibrate_*.json): 686-687 TFLOP/s,
     # split 0.840 (gather) and 0.925 (scatter) at 70B-like shapes, 0.725 and 0.838 at 8B-like,
     # loop trips 10.3 and 10.9 µs (gather), 3.53 and 8.25 µs (scatter): the H100's GH100 die and
-    # SM count, so nearly the H100's numbers.  Faster HBM; NVLink 4 as H100.  Overlap: assumed
-    # the H100's (the same XLA scheduler; no H200 compile was read).
-    "h200": Hardware("H200 (NVLink 4)", {"bf16": 686e12, "f16": 686e12, "f32": 410e12, "i8": 1640e12,
-                                        "i32": 60e12, "default": 686e12}, 450e9,
+    # SM count, so nearly the H100's numbers (f8 and f64 as the H100's, scaled by bf16's 0.69).
+    # Faster HBM; NVLink 4 as H100.  Overlap: assumed the H100's (the same XLA scheduler; no
+    # H200 compile was read).
+    "h200": Hardware("H200 (NVLink 4)", {"bf16": 686e12, "f16": 686e12, "f32": 410e12, "f8": 1370e12,
+                                        "f64": 46e12, "i8": 1640e12, "i32": 60e12, "default": 686e12}, 450e9,
                      loop_trip={"all_gather_dot": ((STEP_8B, 10.9e-6), (STEP_70B, 10.3e-6)),
                                 "dot_reduce_scatter": ((STEP_8B, 8.25e-6), (STEP_70B, 3.53e-6))},
                      overlap=H100_OVERLAP,
                      split_efficiency={"all_gather_dot": ((STEP_8B, 0.725), (STEP_70B, 0.840)),
                                        "dot_reduce_scatter": ((STEP_8B, 0.838), (STEP_70B, 0.925))}),
-    # 312 TFLOP/s bf16 peak (~250 achieved); NVLink 3: 300 GB/s per direction.
-    "a100": Hardware("A100 SXM (NVLink 3)", {"bf16": 250e12, "f16": 250e12, "f32": 125e12, "i8": 500e12,
-                                            "i32": 20e12, "default": 250e12}, 300e9),
-    # 197 TFLOP/s bf16 peak (~160 achieved); ICI ~50 GB/s per direction per link (assumed; override it).
-    "tpu-v5e": Hardware("TPU v5e (ICI)", {"bf16": 160e12, "f32": 40e12, "i8": 320e12, "default": 160e12},
-                        50e9, step=3e-6, loop_trip=1e-6),
+    # 312 TFLOP/s bf16 peak (~250 achieved), 19.5 f64 (~15.6); no f8 units: f8 dots run
+    # converted, at bf16's rate.  NVLink 3: 300 GB/s per direction.
+    "a100": Hardware("A100 SXM (NVLink 3)", {"bf16": 250e12, "f16": 250e12, "f32": 125e12, "f8": 250e12,
+                                            "f64": 15.6e12, "i8": 500e12, "i32": 20e12, "default": 250e12},
+                     300e9),
+    # 197 TFLOP/s bf16 peak (~160 achieved); no f8 units (f8 at bf16's rate) and no f64 ones (f64
+    # is emulated; no figure, so it is priced at the default and the report says so).  ICI ~50 GB/s
+    # per direction per link (assumed; override it).
+    "tpu-v5e": Hardware("TPU v5e (ICI)", {"bf16": 160e12, "f32": 40e12, "f8": 160e12, "i8": 320e12,
+                                          "default": 160e12}, 50e9, step=3e-6, loop_trip=1e-6),
 }
 
 
@@ -528,12 +555,17 @@ class Prediction:
     overlap: dict[str, float] = field(default_factory=dict)
     #: per variant, the fraction of the full dot's throughput its ring's dots keep (Hardware.split)
     split_efficiency: dict[str, float] = field(default_factory=dict)
+    #: the FLOP/s the dots were priced at, and whether that is the profile's default because it
+    #: gives the dots' element type none of its own (Hardware.knows)
+    throughput: float = 0.0
+    throughput_assumed: bool = False
 
     def to_dict(self) -> dict:
         return {
             "hardware": self.hardware, "compute_s": self.compute_s, "transfer_s": self.transfer_s,
             "serial_s": self.serial_s, "overlapped_s": dict(self.overlapped_s), "speedup": dict(self.speedup),
             "variant": self.variant, "overlap": dict(self.overlap), "split_efficiency": dict(self.split_efficiency),
+            "throughput": self.throughput, "throughput_assumed": self.throughput_assumed,
         }
 
     @property
@@ -560,10 +592,12 @@ def loop_trips(shape: SiteShape, bidirectional: bool, unroll: int | None) -> int
 
 
 def predict(shape: SiteShape, hw: Hardware, bidirectional: bool = False, unroll: int | None = 1) -> Prediction:
-    t_c = shape.flops / hw.throughput(shape.dtype)
+    rate = hw.throughput(shape.dtype)
+    t_c = shape.flops / rate
     t_m = shape.transfer_bytes / hw.bandwidth
     serial = t_c + t_m + hw.step
-    prediction = Prediction(hw.name, t_c, t_m, serial, variant=variant_name(bidirectional, unroll))
+    prediction = Prediction(hw.name, t_c, t_m, serial, variant=variant_name(bidirectional, unroll),
+                            throughput=rate, throughput_assumed=not hw.knows(shape.dtype))
     for name, (bidi, unr) in VARIANTS.items():
         prediction.overlapped_s[name] = overlapped_time(shape, hw, bidi, unr)
         prediction.speedup[name] = serial / prediction.overlapped_s[name]

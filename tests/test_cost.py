@@ -334,6 +334,49 @@ def test_hardware_profiles_and_overrides():
         cost.hardware("h100:bandwidth=fast")
 
 
+@pytest.mark.parametrize("dtype, key", [
+    ("bf16", "bf16"), ("f8E4M3FN", "f8"), ("f8E5M2", "f8"), ("f8E4M3FNUZ", "f8"), ("f64", "f64"),
+    ("i8", "i8"), ("ui8", "i8"), ("ui32", "i32"),
+])
+def test_a_dot_is_priced_at_its_element_types_rate(dtype, key):
+    """Every fp8 type at the profile's f8 rate, an unsigned integer at its signed width's:
+    not at the default (bf16) rate, which is twice too slow for fp8 and 15x too fast for f64."""
+    hw = cost.PROFILES["h100"]
+    shape = cost.SiteShape("all_gather_dot", 8, 8e12, 1_000_000, dtype)
+    p = cost.predict(shape, hw)
+    assert cost.dtype_family(dtype) == key and hw.knows(dtype)
+    assert p.throughput == hw.flops[key] and not p.throughput_assumed
+    assert p.compute_s == pytest.approx(8e12 / hw.flops[key])
+
+
+def test_the_gpus_rates_by_element_type():
+    """The orders the published peaks give: on H100/H200 fp8 twice bf16 and f64 a fifteenth of
+    it; on A100 and TPU v5e, which have no fp8 units, fp8 at bf16's rate."""
+    for name in ("h100", "h200"):
+        rate = cost.PROFILES[name].throughput
+        assert rate("f8E4M3FN") == pytest.approx(2 * rate("bf16"), rel=0.01)
+        assert rate("f64") == pytest.approx(rate("bf16") / 15, rel=0.05)
+    for name in ("a100", "tpu-v5e"):
+        assert cost.PROFILES[name].throughput("f8E5M2") == cost.PROFILES[name].throughput("bf16")
+
+
+def test_a_dtype_the_profile_does_not_price_is_priced_at_the_default_and_said(capsys, monkeypatch):
+    tpu = cost.PROFILES["tpu-v5e"]
+    p = cost.predict(cost.SiteShape("dot_reduce_scatter", 8, 8e12, 1_000_000, "f64"), tpu)
+    assert not tpu.knows("f64") and p.throughput_assumed and p.throughput == tpu.flops["default"]
+    # an override gives it a rate; a type's own entry wins over its family's
+    assert not cost.predict(cost.SiteShape("dot_reduce_scatter", 8, 8e12, 1, "f64"),
+                            cost.hardware("tpu-v5e:f64=1e12")).throughput_assumed
+    assert cost.hardware("h100:f8E5M2=3e15").throughput("f8E5M2") == 3e15
+    assert cost.hardware("h100:f8E5M2=3e15").throughput("f8E4M3FN") == cost.PROFILES["h100"].flops["f8"]
+    # explain says so, in the site's prediction line (an f32 sample, and a profile without f32)
+    assert run_cli("explain", sample("rs_dot_1d"), "--hardware", "a100") == 0
+    assert "throughput in the profile" not in capsys.readouterr().out
+    monkeypatch.setitem(cost.PROFILES, "bf16-only", cost.Hardware("bf16-only", {"bf16": 1e12, "default": 1e12}, 1e9))
+    assert run_cli("explain", sample("rs_dot_1d"), "--hardware", "bf16-only") == 0
+    assert "(no f32 throughput in the profile: priced at its default, 1 TFLOP/s)" in capsys.readouterr().out
+
+
 def test_mlp_block_sanity():
     """Llama-3-70B-like and 8B-like SwiGLU MLP blocks on 8xH100.  With ideal overlap (the ring's
     dots as efficient as the whole dot, loop trips free) the block gains, at most by hiding all
