@@ -130,6 +130,16 @@ def test_gpu_calibration_runs_on_any_backend(tmp_path):
     for rows, r in dots["rows"].items():
         assert r["throughput"] == pytest.approx(2.0 * int(rows) * 32 * 32 / r["seconds"])
         assert r["efficiency"] == pytest.approx(r["throughput"] / dots["rows"]["64"]["throughput"])
+    # the gather's full dot in every element type the profiles price, and an override setting them
+    rates = result["element_rates"]
+    assert rates["shapes"] == gather["shapes"] and rates["flops"] == gather["flops"]
+    assert list(rates["rates"]) == list(gpu_calibrate.RATE_TYPES)
+    timed = cost.hardware(rates["hardware_override"])
+    for key, r in rates["rates"].items():
+        assert cost.PROFILES["h100"].knows(key)  # a key the profiles price a dtype under
+        assert r["throughput"] == pytest.approx(rates["flops"] / r["seconds"])
+        assert r["over_bf16"] == pytest.approx(r["throughput"] / rates["rates"]["bf16"]["throughput"])
+        assert timed.flops[key] == pytest.approx(r["throughput"], rel=5e-3)
     # each kind's ring loops (permutes to the device itself), checked before being timed, and
     # the cost model's prediction for them beside each
     for key in ("gather_rings", "scatter_rings"):
@@ -156,6 +166,7 @@ def test_merging_the_stored_runs_gives_the_profiles_points(profile):
     assert hw.split_efficiency == stored.split_efficiency and hw.loop_trip == stored.loop_trip
     runs = [json.loads(Path(p).read_text()) for p in paths]
     assert merged["throughput"] == float(np.median([s["full_throughput"] for r in runs for s in r["sites"]]))
+    assert merged["rates"] == {} and merged["rates_override"] is None  # these runs timed no element types
 
 
 def test_merging_adds_a_runs_roles_and_replaces_a_point_at_its_step(tmp_path):
@@ -191,6 +202,15 @@ def test_merging_adds_a_runs_roles_and_replaces_a_point_at_its_step(tmp_path):
     assert hw.split_efficiency["all_gather_dot/batch"] == ((step, 0.55),)
     assert set(hw.loop_trip) == {"all_gather_dot", "dot_reduce_scatter"}
     assert merged["fields"]["split_efficiency"]["all_gather_dot/batch"] == ((step, 0.55),)
+    assert merged["rates"] == {}
+    # element types' rates: each the median of the runs that timed it
+    rates = [{"bf16": 6e14, "f8": 1.2e15}, {"bf16": 7e14, "f64": 4e13}, {"bf16": 8e14, "f8": 1.4e15}]
+    for i, run in enumerate(rates):
+        Path(tmp_path / f"rates{i}.json").write_text(json.dumps(
+            {**again, "element_rates": {"rates": {k: {"throughput": v} for k, v in run.items()}}}))
+    merged = gpu_calibrate.merge([str(tmp_path / f"rates{i}.json") for i in range(3)], "h100")
+    assert merged["rates"] == {"bf16": 7e14, "f8": 1.3e15, "f64": 4e13}
+    assert cost.hardware(merged["rates_override"]).flops == {**stored.flops, "bf16": 7e14, "f8": 1.3e15, "f64": 4e13}
     Path(paths[1]).write_text(json.dumps({**again, "dtype": "f32"}))
     with pytest.raises(SystemExit, match="different dtypes"):
         gpu_calibrate.merge(paths, "h100")

@@ -35,6 +35,9 @@ achieved throughput they make a ``--hardware`` override for the profile::
     python -m cmatmul_pass explain module.mlir --hardware \
         "h100:bf16=6.86e+14,split.gather=15032385536:0.741/60129542144:0.851,split.scatter=...,loop_trip.gather=..."
 
+It also times the gather's full dot in every element type the profiles price (bf16, f16, f32,
+f8, f64, i8, i32; :func:`element_rates`) and prints them as an override of the profile's ``flops``.
+
 Runs on any backend (on CPU with ``--dims`` small enough, for the tests); results go to
 ``--out`` (default ``bench/gpu_calibration.json``).  Tests run it, but never assert its timings.
 Each run's override holds its own points among the profile's; ``--merge RUN.json ...`` times
@@ -452,6 +455,43 @@ def step_dots(shapes, n: int, dtype: str, runs: int, device, reps: int = 1) -> d
     return {"shapes": [list(s) for s in shapes], "rows": rows}
 
 
+#: the element types whose dot throughput the profiles price (cost.Hardware.flops, by the key
+#: cost.dtype_family gives): operand type and the dot's preferred element type
+RATE_TYPES = {
+    "bf16": (jnp.bfloat16, None), "f16": (jnp.float16, None), "f32": (jnp.float32, None),
+    "f8": (jnp.float8_e4m3fn, jnp.bfloat16), "f64": (jnp.float64, None),
+    "i8": (jnp.int8, jnp.int32), "i32": (jnp.int32, None),
+}
+
+
+def element_rates(shapes, runs: int, device, reps: int = 1) -> dict:
+    """The gather's full dot ``[T, K] @ [K, M]`` (``shapes``) in each of :data:`RATE_TYPES`, timed
+    in turn: the throughput XLA's dot reaches per element type (``rates``: seconds, FLOP/s and
+    that over bf16's), for the profile's ``flops`` entries, which until measured are published
+    peaks scaled by bf16's achieved fraction (f8, f64).  Timings only: nothing is checked."""
+    (t, k), (_, m) = shapes
+    flops = 2.0 * t * k * m
+    rng = np.random.default_rng(3)
+    x32, w32 = rng.standard_normal((t, k), dtype=np.float32), rng.standard_normal((k, m), dtype=np.float32)
+    with jax.enable_x64(True):  # f64 operands stay f64; every other type is explicit
+        timed = {}
+        for key, (dtype, preferred) in RATE_TYPES.items():
+            args = tuple(jax.device_put(jnp.asarray(a, dtype), device) for a in (x32, w32))
+            timed[key] = (jax.jit(lambda x, w, p=preferred: jnp.matmul(x, w, preferred_element_type=p)), args)
+        seconds = seconds_per_call(timed, runs, reps)
+    rates = {key: {"seconds": t_key, "throughput": flops / t_key} for key, t_key in seconds.items()}
+    for r in rates.values():
+        r["over_bf16"] = r["throughput"] / rates["bf16"]["throughput"]
+    return {"shapes": [list(s) for s in shapes], "flops": flops, "rates": rates}
+
+
+def rates_override(profile: str, throughputs: dict[str, float]) -> str:
+    """The ``--hardware`` override setting each element type's measured throughput."""
+    override = f"{profile}:" + ",".join(f"{key}={rate:.3g}" for key, rate in throughputs.items())
+    cost.hardware(override)  # what it prints must be a valid --hardware
+    return override
+
+
 def batched(fn, args, reps: int):
     """One timed sample: ``reps`` calls queued back to back, then one wait.  The device runs
     them without gaps, so the host's dispatch cost (tens of µs a call) stays out of the
@@ -583,8 +623,15 @@ def merge(paths: list[str], profile: str) -> dict:
     for prefix, kind, role in points:
         field_name = cost.POINT_FIELDS[prefix]
         fields.setdefault(field_name, {})[cost.point_key(kind, role)] = hw.kind_points(field_name, kind, role)
+    # each element type's throughput: the median over the runs that timed it (runs before
+    # element_rates timed none)
+    timed: dict[str, list[float]] = {}
+    for run in runs:
+        for key, r in run.get("element_rates", {}).get("rates", {}).items():
+            timed.setdefault(key, []).append(r["throughput"])
+    rates = {key: statistics.median(values) for key, values in timed.items()}
     return {"runs": [str(p) for p in paths], "hardware_override": override, "throughput": throughput,
-            "fields": fields}
+            "fields": fields, "rates": rates, "rates_override": rates_override(profile, rates) if rates else None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -607,6 +654,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"for cost.PROFILES[{args.profile!r}] (throughput {merged['throughput']:.3g} FLOP/s):")
         for field_name, by_key in merged["fields"].items():
             print(f"    {field_name}={{" + ", ".join(f"{key!r}: {points!r}" for key, points in by_key.items()) + "},")
+        if merged["rates"]:
+            print("    flops={" + ", ".join(f"{key!r}: {rate:.3g}" for key, rate in merged["rates"].items())
+                  + f", 'default': {merged['rates']['bf16']:.3g}}},")
+            print(f"element types: --hardware \"{merged['rates_override']}\"")
         return 0
     tokens, hidden, ffn = args.dims or MODELS[args.model]
     n = args.ring
@@ -634,6 +685,8 @@ def main(argv: list[str] | None = None) -> int:
                          args.runs, device, args.reps, role="batch"))
     summary = summarise(sites, args.profile, args.dtype, args.target, n)
     isolated = step_dots(shapes["all_gather_dot"], n, args.dtype, args.runs, device, args.reps)
+    rates = element_rates(shapes["all_gather_dot"], args.runs, device, args.reps)
+    rates["hardware_override"] = rates_override(args.profile, {k: r["throughput"] for k, r in rates["rates"].items()})
     rings = {}
     for kind, s in shapes.items():
         rings[kind] = measure_rings(kind, n, s, args.dtype, args.runs, device, args.reps)
@@ -644,7 +697,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": None if args.dims else args.model, "dims": [tokens, hidden, ffn], "ring": n, "dtype": args.dtype,
         "runs": args.runs, "reps": args.reps, "sites": sites,
         "gather_rings": rings["all_gather_dot"], "scatter_rings": rings["dot_reduce_scatter"],
-        "step_dots": isolated, **summary,
+        "step_dots": isolated, "element_rates": rates, **summary,
     }
     for s in sites:
         label = s["kind"] + (f" ({s['role']})" if s["role"] != "free" else " (dots merged)" if "merged_dots" in s else "")
@@ -658,6 +711,9 @@ def main(argv: list[str] | None = None) -> int:
                           for name, r in measured.items() if isinstance(r, dict)))
     print("the gather's dot alone, by rows (throughput over the full dot's): " + ", ".join(
         f"{size} {r['efficiency']:.3f} ({r['throughput'] / 1e12:.3g} TFLOP/s)" for size, r in isolated["rows"].items()))
+    print("the gather's full dot by element type (throughput, over bf16's): " + ", ".join(
+        f"{key} {r['throughput'] / 1e12:.3g} TFLOP/s ({r['over_bf16']:.2f})" for key, r in rates["rates"].items())
+        + f"; cost model: --hardware \"{rates['hardware_override']}\"")
     for name, r in result["roles"].items():
         print(f"{name}: straight-line {r['split']:.3f} (the kind's points give {r['split_from_points']:.3f}), "
               f"{1e6 * r['loop_trip_s']:.1f} µs per loop trip (points: {1e6 * r['loop_trip_from_points']:.1f} µs)")
