@@ -18,7 +18,7 @@ from .matchers import (
     match_all_gather,
     match_reduce_scatter,
 )
-from .report import Report, SiteReport, describe_shard, tensor_bytes
+from .report import Report, SiteReport, describe_shard, element_bits, tensor_bytes
 from .rewrites.all_gather_dot import merge_groups, rewrite_all_gather_dot
 from .rewrites.dot_reduce_scatter import halves_blocker, rewrite_dot_reduce_scatter
 from .rewrites.schedule import Annotator, Applied, RewriteContext
@@ -406,7 +406,7 @@ def site_shape(site: AllGatherSite | ReduceScatterSite, merge_dots: bool = True)
         groups = [[i] for i in range(len(parts))]  # each term is its own dot in every round
     dots = [part.dot for part in parts]
     each = [_dot_flops(d) for d in dots]
-    dtype = str(_real_element_type(ir_utils.ranked_tensor(dots[0].operation.operands[0]).element_type))
+    dtype = str(_priced_element_type(dots[0]))
     halvable = isinstance(site, AllGatherSite) or halves_blocker(site) is None
     return cost.SiteShape(site.kind, site.ring.size, sum(each), tensor_bytes(step), dtype, halvable,
                           tuple(sum(each[i] for i in members) for members in groups),
@@ -422,8 +422,11 @@ def _dot_flops(dot) -> float:
     return real * 2.0 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in contracting)
 
 
-def _real_element_type(element: ir.Type) -> ir.Type:
-    """The type the cost model prices a dot's FLOPs at: a complex type's parts."""
+def _priced_element_type(dot) -> ir.Type:
+    """The type the cost model prices a dot's FLOPs at: the wider of its operands' (a dot of an
+    fp8 operand and a bf16 one runs as bf16), a complex type's parts."""
+    types = [ir_utils.ranked_tensor(v).element_type for v in dot.operation.operands]
+    element = max(types, key=element_bits)  # the lhs's on a tie
     return ir.ComplexType(element).element_type if isinstance(element, ir.ComplexType) else element
 
 

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import cmatmul_pass
-from cmatmul_pass import execute, ir_utils, report
+from cmatmul_pass import execute, ir_utils, pipeline, report
 from cmatmul_pass._jax_private import ir, make_context
 from cmatmul_pass.rewrites import all_gather_dot
 
@@ -147,3 +147,19 @@ def test_the_readme_quotes_the_tolerances():
         assert quoted(name) == execute.FLOAT_TOLERANCES[name]
     for name in ("E4M3FN", "E5M2"):
         assert quoted(name) == execute.FLOAT_TOLERANCES["f8" + name]
+
+
+def test_the_cost_model_prices_a_mixed_dot_at_its_wider_operand():
+    """A dot of an fp8 and a bf16 operand runs as bf16 (either operand order); two fp8 operands
+    at fp8's rate, whatever the result type."""
+    text = """
+    func.func @main(%a: tensor<4x8xf8E4M3FN>, %b: tensor<8x2xbf16>) -> tensor<4x2xbf16> {
+      %0 = stablehlo.dot_general %a, %b, contracting_dims = [1] x [0] : (tensor<4x8xf8E4M3FN>, tensor<8x2xbf16>) -> tensor<4x2xbf16>
+      %1 = stablehlo.dot_general %b, %a, contracting_dims = [0] x [1] : (tensor<8x2xbf16>, tensor<4x8xf8E4M3FN>) -> tensor<2x4xbf16>
+      %2 = stablehlo.dot_general %a, %a, contracting_dims = [1] x [1] : (tensor<4x8xf8E4M3FN>, tensor<4x8xf8E4M3FN>) -> tensor<4x4xf32>
+      return %0 : tensor<4x2xbf16>
+    }
+    """
+    module = ir_utils.parse(text)  # held: its ops live only as long as it does
+    dots = ir_utils.ops_named(module, "stablehlo.dot_general")["stablehlo.dot_general"]
+    assert [str(pipeline._priced_element_type(d)) for d in dots] == ["bf16", "bf16", "f8E4M3FN"]
