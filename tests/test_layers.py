@@ -326,6 +326,31 @@ def test_scatter_on_the_gathered_dim_is_left_to_the_gather():
     assert by_kind["all_gather_dot"].rewritten
 
 
+def test_scatter_on_the_gathered_dim_says_whether_it_is_an_all_reduce():
+    """Over the same device groups the pair is an all-reduce in disguise; a 2-D layer that gathers
+    rows over one mesh axis and scatters them over the other is not: its reason says the rings
+    would nest.  Either way the gather's ring computes the dot, and the numbers are the original's."""
+    _, same = rewrite_sample("chain_same_dim")
+    (declined,) = same.report.declined
+    assert "(an all-reduce in disguise)" in declined.reason
+    mesh = mesh_2x4()
+
+    def body(a, w):
+        return jax.lax.psum_scatter(jax.lax.all_gather(a, "data", axis=0, tiled=True) @ w, "model",
+                                    scatter_dimension=0, tiled=True)
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P("data", "model"), P("model", "data")),
+                      out_specs=P("model", "data"), check_vma=False)
+    text = jax.jit(f).lower(arg(mesh, (16, 32), P("data", "model")), arg(mesh, (32, 16), P("model", "data"))).as_text()
+    result = cmatmul_pass.rewrite(text)
+    by_kind = {s.kind: s for s in result.report.sites}
+    scatter = by_kind["dot_reduce_scatter"]
+    assert scatter.reason_code == "gathered_operand" and "disguise" not in scatter.reason
+    assert "over other device groups, a ring of 2: the two rings would nest" in scatter.reason
+    assert by_kind["all_gather_dot"].rewritten
+    numerics(text, result.module)
+
+
 def test_sp_mlp_forward_has_no_collective_left():
     text, result = rewrite_sample("sp_mlp")
     counts = op_counts(result.module)

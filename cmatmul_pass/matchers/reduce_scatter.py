@@ -119,7 +119,7 @@ def _match(rs: ir.OpView, ring: Ring, region: ManualRegion, info: ModuleInfo) ->
         value, dim = owner.operation.operands[0], in_dim
     adds: list[ir.OpView] = []
     dots = _sum_leaves(owner, adds)
-    terms = tuple(_term(dot, dim, rs, info) for dot in dots)
+    terms = tuple(_term(dot, dim, rs, info, ring) for dot in dots)
     return ReduceScatterSite(rs, terms, tuple(adds), tuple(path), ring, region, scatter_dim)
 
 
@@ -139,7 +139,7 @@ def _sum_leaves(op: ir.OpView, adds: list[ir.OpView]) -> list[ir.OpView]:
     return dots
 
 
-def _term(dot: ir.OpView, dim: int, rs: ir.OpView, info: ModuleInfo) -> Term:
+def _term(dot: ir.OpView, dim: int, rs: ir.OpView, info: ModuleInfo, ring: Ring) -> Term:
     if dot.operation.block != rs.operation.block:
         raise Decline("other_block", "the dot is in a different block from the reduce_scatter")
     dims = DotDims.of(dot, info)
@@ -155,10 +155,23 @@ def _term(dot: ir.OpView, dim: int, rs: ir.OpView, info: ModuleInfo) -> Term:
         ):
             raise Decline(
                 "gathered_operand",
-                "the scattered dim is the dim the dot's operand was all_gathered on (an all-reduce in disguise); "
+                f"the scattered dim is the dim the dot's operand was all_gathered on ({_gathered_how(producer, ring, info)}); "
                 "the all_gather's ring takes this dot instead",
             )
     return term
+
+
+def _gathered_how(all_gather: ir.OpView, ring: Ring, info: ModuleInfo) -> str:
+    """Why a scatter on the gathered dim is left to the gather: over the same device groups the
+    pair is an all-reduce in disguise; over other groups (another mesh axis) the two rings would
+    have to nest, which the pass does not build."""
+    try:
+        gathered, _ = collective_ring(all_gather, info)
+    except Decline:
+        return "by a collective the pass does not rewrite"
+    if {frozenset(g) for g in gathered.groups} == {frozenset(g) for g in ring.groups}:
+        return "an all-reduce in disguise"
+    return f"over other device groups, a ring of {gathered.size}: the two rings would nest, which the pass does not build"
 
 
 def _single_use(value: ir.Value) -> None:
