@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 from . import cost, ir_utils
@@ -274,6 +275,7 @@ def _apply(
             return rewrite_dot_reduce_scatter(site, ctx)
         return rewrite_all_gather_dot(site, ctx)
 
+    moved = _guarded(entry, hoist, site)
     shared = _guarded(entry, rings.share, site, pattern, rematch, build) if pattern else None
     applied = shared.applied if shared else _guarded(entry, build, site)
     if module is not None:
@@ -291,8 +293,23 @@ def _apply(
         "permutes": applied.permutes,
         "streams_annotated": ctx.annotator.enabled,
     }
-    entry.notes = applied.notes
+    entry.notes = applied.notes + moved
     return entry
+
+
+def hoist(site: Site) -> list[str]:
+    """Move the pure ops a gather site's later dots need (AllGatherSite.hoist: a weight cast to
+    the compute type where it is used) just before the ring's place, in block order, so that
+    the ring computes those dots too; each op computes what it did, and every use stays after
+    it.  Returns the report's note."""
+    ops = getattr(site, "hoist", ())
+    for op in ops:
+        op.move_before(site.insert_before)
+    if not ops:
+        return []
+    counts = Counter(op.name for op in ops)
+    names = ", ".join(f"{name}" + (f" x{count}" if count > 1 else "") for name, count in counts.items())
+    return [f"moved {len(ops)} op(s) computing its dots' other operands up to the ring: {names}"]
 
 
 def _guarded(entry: SiteReport, step, *args):

@@ -201,6 +201,7 @@ def pattern_of(site: AllGatherSite | ReduceScatterSite) -> Pattern | None:
     key = tuple([signature.op(op) for op in ops])
     if signature.captures:
         return None
+    hoisted = set(getattr(site, "hoist", ()))  # moved before ``at`` when the site is rewritten
     for value in signature.inputs:
         owner = value.owner
         if isinstance(owner, ir.Block):
@@ -208,7 +209,7 @@ def pattern_of(site: AllGatherSite | ReduceScatterSite) -> Pattern | None:
         owner = owner.operation
         if owner in index:
             return None  # a producer after its user in ``ops``: not a pattern this module clones
-        if owner.block == block and not owner.is_before_in_block(at):
+        if owner.block == block and not owner.is_before_in_block(at) and owner not in hoisted:
             return None  # not defined yet where the call would go (outer blocks' values dominate)
     if any(_from_all_gather(v) for v in signature.inputs):
         return None  # a dot reading another all_gather's value: that gather's ring computes it

@@ -44,3 +44,19 @@ def test_a_reordered_f16_sum_is_not_a_mismatch():
                               partial_manual=False, sizes=(1, 4, 1, 4), repeat=2)
     tally = fuzz_programs.check(spec, variants={"uni": fuzz_programs.VARIANTS["uni"]})
     assert not tally.crashes and not tally.mismatches and tally.sites_rewritten == 2
+
+
+def test_weights_prepared_where_used_keep_every_dot_in_the_ring(monkeypatch):
+    """Three dots of one gathered value, each weight scaled just before its dot: the ring computes
+    all three by moving the scaling up; with the moves forbidden, the oracle says a dot was left out."""
+    from cmatmul_pass.matchers import all_gather
+
+    spec = fuzz_programs.Spec(mesh_shape=(2, 4), devices=(3, 1, 0, 2, 7, 5, 4, 6), axes=("y",), kind="ag", dim="m",
+                              side=1, batch=False, tiled=True, dtype="bf16", consumers=3, reader=True,
+                              partial_manual=False, sizes=(2, 3, 2, 1), repeat=2, prep=True)
+    uni = {"uni": fuzz_programs.VARIANTS["uni"]}
+    tally = fuzz_programs.check(spec, variants=uni)
+    assert not tally.crashes and not tally.mismatches and tally.sites_rewritten == 2
+    monkeypatch.setattr(all_gather, "HOIST_LIMIT", 0)
+    tally = fuzz_programs.check(spec, variants=uni)
+    assert [crash[2] for crash in tally.crashes][0].startswith("AssertionError: a dot left out of its ring")

@@ -6,6 +6,7 @@ structure (what the report and the module say) and, where the program is built i
 against the unrewritten program on 8 CPU devices (f32: normwise relative 1e-5; ints exact).
 """
 
+import functools
 import math
 
 import jax
@@ -205,6 +206,70 @@ def test_qkv_share_one_ring():
     counts = op_counts(separate.module)
     assert counts["stablehlo.dot_general"] == 6 and "stablehlo.concatenate" not in counts
     numerics(text, separate.module)
+
+
+@pytest.mark.parametrize("variant", ["uni", "unroll2", "bidi-full"])
+def test_weights_cast_where_used_move_up_so_the_ring_computes_every_dot(variant):
+    """Each weight cast to bf16 just before its dot (and the gathered value cast too): without
+    moving the k and v casts up, the ring could only go before the gathered value's cast, where no
+    dot's weight exists, and the site was declined (schedule).  The casts move; nothing else does."""
+    text, result = rewrite_sample("ag_dot_qkv_cast", variant=variant)
+    (site,) = result.report.sites
+    assert site.rewritten and len(site.consumers) == 3 and not site.assembled_for
+    assert site.notes[-1] == "moved 2 op(s) computing its dots' other operands up to the ring: stablehlo.convert x2"
+    assert op_counts(result.module).get("stablehlo.all_gather", 0) == 0
+    numerics(text, result.module)
+
+
+def hoist_program(prepare_k) -> str:
+    """q = g @ wq, then k = g @ prepare_k(wk, q): the k weight prepared after the q projection."""
+    mesh = mesh_2x4()
+
+    def body(x, wq, wk):
+        g = jax.lax.all_gather(x, "model", axis=0, tiled=True)
+        q = g @ wq
+        return q, g @ prepare_k(wk, q)
+
+    w = P(None, "model")
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P("model"), w, w), out_specs=(w, w), check_vma=False)
+    return jax.jit(f).lower(arg(mesh, (64, 32), P("model")), arg(mesh, (32, 64), w), arg(mesh, (32, 64), w)).as_text()
+
+
+@pytest.mark.parametrize("prepare_k, moved", [
+    (lambda wk, q: wk * 2.0, True),
+    # reads the q projection, computed by the ring: k reads the assembled value instead
+    (lambda wk, q: wk * jnp.sum(q), False),
+    # an op not known to be pure stays where it is
+    (lambda wk, q: jax.lax.optimization_barrier(wk), False),
+    # more ops than a site moves (HOIST_LIMIT)
+    (lambda wk, q: functools.reduce(lambda w, _: w * 1.5, range(20), wk), False),
+])
+def test_what_moves_up_for_the_ring(prepare_k, moved):
+    text = hoist_program(prepare_k)
+    result = cmatmul_pass.rewrite(text)
+    (site,) = result.report.sites
+    assert site.rewritten and len(site.consumers) == (2 if moved else 1)
+    assert bool(site.assembled_for) != moved and any("moved" in n for n in site.notes) == moved
+    numerics(text, result.module)
+
+
+def test_a_longer_preparation_moves_under_a_higher_limit(monkeypatch):
+    """The 20 scalings above are 60 ops (constant, broadcast, multiply): the limit alone kept them."""
+    from cmatmul_pass.matchers import all_gather
+
+    monkeypatch.setattr(all_gather, "HOIST_LIMIT", 60)
+    text = hoist_program(lambda wk, q: functools.reduce(lambda w, _: w * 1.5, range(20), wk))
+    (site,) = cmatmul_pass.rewrite(text).report.sites
+    assert len(site.consumers) == 2 and site.notes[-1].startswith("moved 60 op(s)")
+
+
+def test_a_site_left_unchanged_moves_nothing():
+    """Ops move only when the site is rewritten: a site the policy declines leaves the module as it was."""
+    text = hoist_program(lambda wk, q: wk * 2.0)
+    before = str(ir_utils.parse(text))
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(policy="auto"))
+    assert [s.reason_code for s in result.report.sites] == ["policy"]
+    assert str(result.module) == before
 
 
 def test_a_non_dot_reader_gets_the_assembled_value():

@@ -54,6 +54,9 @@ class Spec:
     partial_manual: bool
     sizes: tuple[int, int, int, int]  # local m, k, n, b
     repeat: int = 1  # the shard_map called this many times (later calls repeat the sites' patterns)
+    #: ag: each weight prepared where it is used (scaled just before its dot, as a cast to the
+    #: compute type would be): the ring computes every dot only by moving those ops up
+    prep: bool = False
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -111,6 +114,7 @@ def specs(draw) -> Spec:
         partial_manual=len(mesh_shape) > len(axes) and draw(st.booleans()),
         sizes=tuple(draw(st.sampled_from([1, 2, 3, 4])) for _ in range(4)),
         repeat=draw(st.sampled_from([1, 1, 2, 3])),
+        prep=kind == "ag" and draw(st.booleans()),
     )
 
 
@@ -156,7 +160,11 @@ def build(spec: Spec):
                 gathered = gathered.reshape((-1,) + x.shape[1:])
             else:
                 gathered = jax.lax.all_gather(x, axes, axis=g, tiled=True)
-            outs = [_dot(spec, gathered, w, expr) if spec.side == 0 else _dot(spec, w, gathered, expr) for w in ws]
+            def prepared(w):  # traced just before its dot
+                return w * jnp.asarray(2, w.dtype) if spec.prep else w
+
+            outs = [_dot(spec, gathered, prepared(w), expr) if spec.side == 0 else _dot(spec, prepared(w), gathered, expr)
+                    for w in ws]
             if spec.reader:
                 outs.append(jnp.tanh(gathered) if spec.dtype != "i32" else gathered * 2)
             return tuple(outs)
@@ -298,6 +306,9 @@ def check(spec: Spec, tally: Tally | None = None, variants=VARIANTS) -> Tally:
                 unexpected = [s for s in result.report.declined if s.reason_code not in spec.may_decline()]
                 assert len(result.report.rewritten) >= spec.repeat and not unexpected, (
                     f"not every site rewritten: {[s.summary_line() for s in result.report.sites]}")
+                if spec.kind == "ag":  # every dot in the ring, its weight prepared where it is used or not
+                    assert all(len(s.consumers) == spec.consumers for s in result.report.rewritten), (
+                        f"a dot left out of its ring: {[s.summary_line() for s in result.report.sites]}")
             outcome = reference.check(result.module)
         except Exception as exc:  # noqa: BLE001 - every failure is recorded with its program
             tally.crashes.append((spec, name, f"{type(exc).__name__}: {exc}"))

@@ -550,6 +550,21 @@ def ag_qkv() -> str:
     return lower(f, arg(mesh, (64, 32), P("model", None)), *weights)
 
 
+def ag_qkv_cast() -> str:
+    """Mixed precision as layers write it: the gathered f32 activations and each weight cast to
+    bf16 where they are used; the k and v weights' casts come after the q projection."""
+    mesh = mesh_2x4()
+
+    def body(x, wq, wk, wv):
+        g = gather(x, "model", 0).astype(jnp.bfloat16)
+        return tuple(g @ w.astype(jnp.bfloat16) for w in (wq, wk, wv))
+
+    w = P(None, "model")
+    f = smap(body, mesh=mesh, in_specs=(P("model", None), w, w, w), out_specs=(w, w, w))
+    weights = [arg(mesh, (32, 64), w) for _ in range(3)]
+    return lower(f, arg(mesh, (64, 32), P("model", None)), *weights)
+
+
 def ag_assembled() -> str:
     """The gathered value feeds a dot and a tanh: the loop computes the dot and assembles the gathered
     value for the tanh (no second all_gather)."""
@@ -964,6 +979,15 @@ SAMPLES_LIST = [
             Variant("UNROLL2", UNROLL2, unroll2_checks("all_gather", PAIRS_2X4_MODEL, 1)),
             Variant("FULL", FULL, full_checks("all_gather", 3, 12)),
             Variant("STREAMS", STREAMS, streams_checks("all_gather"))]),
+    Sample("ag_dot_qkv_cast", "q, k and v projections of the gathered value cast to bf16, each weight cast where "
+           "it is used: the k and v weights' casts move up before the ring, which computes all three dots.",
+           ag_qkv_cast, "rewritten 1",
+           ["CHECK-COUNT-3: stablehlo.convert {{.*}} (tensor<32x16xf32>) -> tensor<32x16xbf16>",
+            "CHECK: stablehlo.concatenate", "CHECK: } do {", 'CHECK: "stablehlo.collective_permute"',
+            "CHECK-SAME: (tensor<16x32xf32>) -> tensor<16x32xf32>",
+            "CHECK: stablehlo.convert {{.*}} (tensor<16x32xf32>) -> tensor<16x32xbf16>",
+            "CHECK-NEXT: stablehlo.dot_general", "CHECK-NOT: stablehlo.dot_general", "CHECK: stablehlo.return",
+            "CHECK: stablehlo.dot_general", "CHECK: stablehlo.slice"] + gone("all_gather")),
     Sample("ag_dot_assembled", "the gathered value feeds a dot and a tanh: the loop also assembles it for the tanh.",
            ag_assembled, "rewritten 1",
            ["CHECK: } do {", 'CHECK: "stablehlo.collective_permute"', "CHECK: stablehlo.dot_general",

@@ -73,6 +73,10 @@ class AllGatherSite:
     kept_users: tuple[ir.OpView, ...] = field(default_factory=tuple)
     #: where the ring goes: the first of its dots and of the readers of the assembled value
     insert_before: ir.Operation | None = None
+    #: pure ops after ``insert_before`` computing a later dot's other operand (a weight cast to
+    #: the compute type where it is used), in block order: moved just before it when the site is
+    #: rewritten, so that the ring can compute that dot too (:func:`hoist`)
+    hoist: tuple[ir.Operation, ...] = ()
 
     kind = ALL_GATHER_DOT
 
@@ -158,7 +162,7 @@ def _match(ag: ir.OpView, ring: Ring, region: ManualRegion, assemble: bool, info
         names = ", ".join(sorted({u.op.operation.name for r in tree.roots for u in r.leaves()}))
         raise Decline("user_not_dot", f"the gathered value feeds {names}, no stablehlo.dot_general")
 
-    consumers, first = _schedulable(tree, block)
+    consumers, first, hoisted = _schedulable(tree, block, ag)
     if not consumers:
         raise Decline(
             "schedule",
@@ -173,7 +177,8 @@ def _match(ag: ir.OpView, ring: Ring, region: ManualRegion, assemble: bool, info
             "multiple_users",
             f"the gathered value is also read by {names}; assembling it in the loop is switched off",
         )
-    return AllGatherSite(ag, ring, region, gather_dim, tuple(consumers), tuple(tree.nodes), tuple(kept), first)
+    return AllGatherSite(ag, ring, region, gather_dim, tuple(consumers), tuple(tree.nodes), tuple(kept), first,
+                         hoisted)
 
 
 def _visit(tree: _Tree, value: ir.Value, dim: int, path: tuple[LayoutStep, ...], block: ir.Block, n: int) -> list[_Use]:
@@ -242,29 +247,76 @@ def _consumer(dot: ir.OpView, value: ir.Value, dim: int, path: tuple[LayoutStep,
     return Consumer(dot, path, index, dim, "free", result_dim=result_dim)
 
 
-def _schedulable(tree: _Tree, block: ir.Block) -> tuple[list[Consumer], ir.Operation | None]:
-    """The dots the loop computes, in block order, and the op the loop goes before.
+def _schedulable(tree: _Tree, block: ir.Block, ag: ir.OpView) -> tuple[list[Consumer], ir.Operation | None,
+                                                                        tuple[ir.Operation, ...]]:
+    """The dots the loop computes, in block order, the op the loop goes before, and the pure
+    ops to move before that op (:func:`_hoistable`, in block order).
 
     The loop must also precede every op that will read the assembled gathered value,
-    and a dot joins only if its other operand exists at that point (a weight gradient
-    needs the backward's incoming gradient, computed later: it reads the assembled
-    value instead).  Dropping a dot can only move the loop earlier, so iterate to a
-    fixed point.
+    and a dot joins only if its other operand exists at that point, or can be computed there
+    by moving a few pure ops up (a weight cast to the compute type just before its dot); a
+    weight gradient needs the backward's incoming gradient, computed later from the dots'
+    results: it reads the assembled value instead.  Dropping a dot can only move the loop
+    earlier, so iterate to a fixed point.
     """
+    in_tree = {ag.operation, *(u.op.operation for r in tree.roots for u in _all_uses(r))}
     included = sorted(tree.candidates, key=_BlockOrder)
     while included:
         chosen = set(included)
         readers = [ir_utils.ancestor_in(u.op, block) for u in tree.roots if u.alive(chosen)]
         first = min([c.dot.operation for c in included] + readers, key=_OpOrder)
-        kept = [
-            c
-            for c in included
-            if c.dot.operation == first or ir_utils.defined_before(c.dot.operation.operands[1 - c.operand_index], first)
-        ]
+        kept, hoisted = [], {}
+        for c in included:
+            other = c.dot.operation.operands[1 - c.operand_index]
+            if c.dot.operation == first or ir_utils.defined_before(other, first):
+                kept.append(c)
+                continue
+            ops = _hoistable(other, first, in_tree, HOIST_LIMIT - len(hoisted))
+            if ops is not None:
+                kept.append(c)
+                hoisted.update(dict.fromkeys(ops))
         if len(kept) == len(included):
-            return included, first
+            return included, first, tuple(sorted(hoisted, key=_OpOrder))
         included = kept
-    return [], None
+    return [], None, ()
+
+
+def _all_uses(use: _Use):
+    yield use
+    for child in use.children:
+        yield from _all_uses(child)
+
+
+#: ops a site may move up so that its ring can compute a dot: side-effect free, no regions; the
+#: ops that prepare a weight for a dot (casts, reshapes, slices, scaling)
+HOISTABLE = frozenset(f"stablehlo.{name}" for name in (
+    "convert", "reshape", "transpose", "broadcast_in_dim", "slice", "dynamic_slice", "concatenate", "constant",
+    "iota", "add", "subtract", "multiply", "divide", "negate", "abs", "maximum", "minimum", "select", "compare",
+    "clamp", "pad", "reverse", "bitcast_convert", "sqrt", "rsqrt", "exponential", "tanh", "logistic",
+))
+#: the most ops one site moves (a bound on the walk, not a limit real weight preparation meets)
+HOIST_LIMIT = 32
+
+
+def _hoistable(value: ir.Value, first: ir.Operation, in_tree: set, limit: int) -> list[ir.Operation] | None:
+    """The ops after ``first`` that compute ``value``, if all are pure (:data:`HOISTABLE`), read
+    nothing of the gathered value's tree (``in_tree``: the all_gather and every op reading it or
+    its layouts) and number at most ``limit``: moved before ``first`` in block order, they make
+    ``value`` available there without changing what any op computes.  None: not so."""
+    found: dict[ir.Operation, None] = {}
+    pending = [value]
+    while pending:
+        v = pending.pop()
+        if ir_utils.defined_before(v, first):
+            continue
+        op = v.owner.operation  # not a block argument: those are defined before everything in the block
+        if op in found:
+            continue
+        if op in in_tree or op.name not in HOISTABLE or len(op.regions) or len(found) >= limit:
+            return None
+        found[op] = None
+        pending.extend(op.operands)
+    return list(found)
 
 
 class _OpOrder:
