@@ -30,9 +30,22 @@ from .errors import Decline
 
 LAYOUT_OPS = frozenset({"stablehlo.convert", "stablehlo.transpose", "stablehlo.reshape", "sdy.sharding_constraint"})
 
+#: elementwise ops a gathered value may pass through on its way to a dot (a dequantisation's
+#: scale, an activation): each block of the result is the op applied to that block of its
+#: operands, so the ring applies it per shard, its other operands' blocks rebuilt at block size
+#: where they are the same in every block (:func:`elementwise_step`)
+ELEMENTWISE_OPS = frozenset(f"stablehlo.{name}" for name in (
+    "negate", "abs", "exponential", "log", "tanh", "logistic", "sqrt", "rsqrt", "sine", "cosine", "floor", "ceil",
+    "sign", "add", "subtract", "multiply", "divide", "maximum", "minimum", "power",
+))
+
 
 def is_layout_op(op: ir.OpView) -> bool:
     return op.operation.name in LAYOUT_OPS
+
+
+def is_elementwise(op: ir.OpView) -> bool:
+    return op.operation.name in ELEMENTWISE_OPS
 
 
 def short_name(op: ir.OpView) -> str:
@@ -92,11 +105,16 @@ def _map_dim(op: ir.OpView, dim: int, parts: int, forward: bool) -> int:
 
 @dataclass(eq=False)
 class LayoutStep:
-    """One layout op on the ring's path, with the ring dimension before (``in_dim``) and after (``out_dim``)."""
+    """One layout op on the ring's path, with the ring dimension before (``in_dim``) and after (``out_dim``).
+
+    An elementwise op's ``sources``, per operand: None for the value on the path, or the op
+    producing an operand that is the same in every block along the ring dim (a broadcast that
+    does not vary along it, a splat constant), rebuilt at block size for each block."""
 
     op: ir.OpView
     in_dim: int
     out_dim: int
+    sources: tuple[ir.OpView | None, ...] = ()
 
     @property
     def name(self) -> str:
@@ -126,7 +144,60 @@ class LayoutStep:
             return hlo.TransposeOp(value, _permutation(op), results=[out_t], loc=loc).result
         if name == "stablehlo.reshape":
             return hlo.ReshapeOp(out_t, value, loc=loc).result
+        if name in ELEMENTWISE_OPS:
+            operands = [value if source is None else _block_of(source, self.out_dim, parts, loc)
+                        for source in self.sources]
+            attributes = {a.name: a.attr for a in op.operation.attributes}
+            return ir.Operation.create(name, results=[out_t], operands=operands, attributes=attributes, loc=loc).result
         raise AssertionError(f"not a layout op: {name}")
+
+    @property
+    def source_ops(self) -> list[ir.OpView]:
+        """The ops whose blocks :meth:`apply` rebuilds (an elementwise op's other operands')."""
+        return [source for source in self.sources if source is not None]
+
+
+def elementwise_step(op: ir.OpView, value: ir.Value, dim: int) -> LayoutStep:
+    """``op`` (elementwise, :data:`ELEMENTWISE_OPS`) on the ring's path: ``value`` is the path's
+    value at the op and ``dim`` its ring dim.  Every other operand must be the same in every
+    block along ``dim`` (:func:`_invariant_source`), or :class:`Decline` (``layout``)."""
+    _shapes(op)  # static shapes, or Decline
+    sources = tuple(None if operand == value else _invariant_source(op, operand, dim)
+                    for operand in op.operation.operands)
+    return LayoutStep(op, dim, dim, sources)
+
+
+def _invariant_source(op: ir.OpView, operand: ir.Value, dim: int) -> ir.OpView:
+    """The op producing ``operand`` when its blocks along ``dim`` are all the same: a
+    broadcast_in_dim that does not vary along ``dim`` (the dim is broadcast, or comes from a
+    size-1 dim), or a splat constant of a real element type.  Else Decline."""
+    owner = operand.owner
+    if not isinstance(owner, ir.Block):
+        name = owner.operation.name
+        if name == "stablehlo.broadcast_in_dim":
+            dims = list(ir.DenseI64ArrayAttr(owner.attributes["broadcast_dimensions"]))
+            source_t = ir_utils.ranked_tensor(owner.operation.operands[0])
+            if source_t is not None and ir_utils.is_static(source_t) and (
+                    dim not in dims or source_t.shape[dims.index(dim)] == 1):
+                return owner
+        if name == "stablehlo.constant":
+            value = ir.DenseElementsAttr(owner.attributes["value"])
+            element = ir.RankedTensorType(owner.result.type).element_type
+            if value.is_splat and not isinstance(element, ir.ComplexType):
+                return owner
+    raise Decline("layout", f"{op.operation.name} between the all_gather and the dot: its other operand is not the "
+                            "same in every block of the ring dim (a broadcast not along it, or a splat constant)")
+
+
+def _block_of(source: ir.OpView, dim: int, parts: int, loc: ir.Location) -> ir.Value:
+    """One block of ``source``'s result along ``dim`` (all blocks are the same)."""
+    t = ir.RankedTensorType(source.result.type)
+    block_t = ir_utils.with_dim(t, dim, t.shape[dim] // parts)
+    if source.operation.name == "stablehlo.constant":
+        splat = ir.DenseElementsAttr(source.attributes["value"]).get_splat_value()
+        return hlo.ConstantOp(ir.DenseElementsAttr.get_splat(block_t, splat), loc=loc).result
+    dims = ir.DenseI64ArrayAttr(source.attributes["broadcast_dimensions"])
+    return hlo.BroadcastInDimOp(block_t, source.operation.operands[0], dims, loc=loc).result
 
 
 def apply_path(path: tuple[LayoutStep, ...], value: ir.Value, parts: int) -> ir.Value:

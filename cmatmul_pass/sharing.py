@@ -181,7 +181,10 @@ def pattern_of(site: AllGatherSite | ReduceScatterSite) -> Pattern | None:
     # the ops in an order where producers come first (the key and the clones follow it)
     if isinstance(site, AllGatherSite):
         anchor, at = site.all_gather, site.insert_before
-        ops = [anchor.operation, *(s.op.operation for s in site.nodes), *(c.dot.operation for c in site.consumers)]
+        # an elementwise node's block-invariant operands (a broadcast scale) go with it: the ring
+        # function's copy of the site must see them as what they are, not as arguments
+        sources = [source.operation for s in site.nodes for source in s.source_ops]
+        ops = [anchor.operation, *sources, *(s.op.operation for s in site.nodes), *(c.dot.operation for c in site.consumers)]
     else:
         anchor = site.reduce_scatter
         at = anchor.operation

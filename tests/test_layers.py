@@ -272,6 +272,67 @@ def test_a_site_left_unchanged_moves_nothing():
     assert str(result.module) == before
 
 
+def elementwise_program(prepare, dtype=jnp.float32) -> str:
+    """prepare(gathered x, scale s [1], per-feature c [32], per-row r [64]) @ w on a ring of 4."""
+    mesh = mesh_2x4()
+
+    def body(x, s, c, r, w):
+        return prepare(jax.lax.all_gather(x, "model", axis=0, tiled=True), s, c, r) @ w
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P("model"), P(), P(), P(), P()), out_specs=P(), check_vma=False)
+    return jax.jit(f).lower(arg(mesh, (64, 32), P("model"), dtype), arg(mesh, (1,), P()), arg(mesh, (32,), P()),
+                            arg(mesh, (64,), P()), arg(mesh, (32, 16), P())).as_text()
+
+
+@pytest.mark.parametrize("variant", ["uni", "unroll2", "bidi", "bidi-full"])
+@pytest.mark.parametrize("name, prepare, dtype, through", [
+    # fp8 activations gathered, dequantised by a per-tensor scale (the scale's reshape moves up)
+    ("dequant", lambda g, s, c, r: g.astype(jnp.float32) * s[0], jnp.float8_e4m3fn, ["convert", "multiply"]),
+    ("per_feature", lambda g, s, c, r: jnp.tanh(g * c[None, :] + 1.0), jnp.float32, ["multiply", "add", "tanh"]),
+    ("square", lambda g, s, c, r: g * g, jnp.float32, ["multiply"]),
+])
+def test_elementwise_ops_between_gather_and_dot_are_applied_per_shard(name, prepare, dtype, through, variant):
+    text = elementwise_program(prepare, dtype)
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant=variant))
+    (site,) = result.report.sites
+    assert site.rewritten and [c["look_through"] for c in site.consumers] == [through]
+    assert op_counts(result.module).get("stablehlo.all_gather", 0) == 0
+    numerics(text, result.module)
+
+
+@pytest.mark.parametrize("prepare, code", [
+    (lambda g, s, c, r: g * r[:, None], "layout"),  # a per-row scale differs from block to block
+    (lambda g, s, c, r: g * jnp.tanh(g), "layout"),  # so does the value itself, through another op
+    (lambda g, s, c, r: g * jnp.max(g), "schedule"),  # the scale needs the whole gathered value
+])
+def test_elementwise_ops_whose_other_operand_varies_are_declined(prepare, code):
+    text = elementwise_program(prepare)
+    result = cmatmul_pass.rewrite(text)
+    (site,) = result.report.sites
+    assert site.reason_code == code and str(result.module) == str(ir_utils.parse(text))
+
+
+def test_a_splat_constant_operand_is_rebuilt_per_block():
+    """jax broadcasts a scalar; a canonicalised module holds the splat constant itself (made
+    here with the bindings from jax's lowering)."""
+    from cmatmul_pass._jax_private import hlo, ir
+
+    module = ir_utils.parse(elementwise_program(lambda g, s, c, r: g * 2.0))
+    (mul,) = ir_utils.ops_named(module, "stablehlo.multiply")["stablehlo.multiply"]
+    broadcast = mul.operation.operands[1].owner
+    assert broadcast.name == "stablehlo.broadcast_in_dim"
+    with ir.InsertionPoint(broadcast), broadcast.location:
+        t = ir.RankedTensorType(broadcast.result.type)
+        splat = hlo.ConstantOp(ir.DenseElementsAttr.get_splat(t, ir.FloatAttr.get(t.element_type, 2.0))).result
+    broadcast.result.replace_all_uses_with(splat)
+    broadcast.erase()
+    text = str(module)
+    result = cmatmul_pass.rewrite(text)
+    (site,) = result.report.sites
+    assert site.rewritten and [c["look_through"] for c in site.consumers] == [["multiply"]]
+    numerics(text, result.module)
+
+
 def test_a_non_dot_reader_gets_the_assembled_value():
     text, result = rewrite_sample("ag_dot_assembled")
     (site,) = result.report.sites

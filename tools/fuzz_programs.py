@@ -57,6 +57,9 @@ class Spec:
     #: ag: each weight prepared where it is used (scaled just before its dot, as a cast to the
     #: compute type would be): the ring computes every dot only by moving those ops up
     prep: bool = False
+    #: ag: the gathered value scaled before its dots (a dequantisation's per-tensor scale): an
+    #: elementwise op the ring applies per shard
+    scale: bool = False
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -115,6 +118,7 @@ def specs(draw) -> Spec:
         sizes=tuple(draw(st.sampled_from([1, 2, 3, 4])) for _ in range(4)),
         repeat=draw(st.sampled_from([1, 1, 2, 3])),
         prep=kind == "ag" and draw(st.booleans()),
+        scale=kind == "ag" and draw(st.booleans()),
     )
 
 
@@ -160,6 +164,9 @@ def build(spec: Spec):
                 gathered = gathered.reshape((-1,) + x.shape[1:])
             else:
                 gathered = jax.lax.all_gather(x, axes, axis=g, tiled=True)
+            if spec.scale:  # by a power of two: exact in every type (see the README's Numerics check)
+                gathered = gathered * jnp.asarray(2, gathered.dtype)
+
             def prepared(w):  # traced just before its dot
                 return w * jnp.asarray(2, w.dtype) if spec.prep else w
 

@@ -565,6 +565,20 @@ def ag_qkv_cast() -> str:
     return lower(f, arg(mesh, (64, 32), P("model", None)), *weights)
 
 
+def ag_dequant() -> str:
+    """fp8 activations gathered (half the bytes of bf16) and dequantised where they are used:
+    cast to bf16 and multiplied by a per-tensor scale before the dot."""
+    mesh = mesh_2x4()
+
+    def body(x, s, w):
+        return (gather(x, "model", 0).astype(jnp.bfloat16) * s[0].astype(jnp.bfloat16)) @ w
+
+    w = P(None, "model")
+    f = smap(body, mesh=mesh, in_specs=(P("model", None), P(), w), out_specs=w)
+    return lower(f, arg(mesh, (64, 32), P("model", None), jnp.float8_e4m3fn), arg(mesh, (1,), P()),
+                 arg(mesh, (32, 64), w, jnp.bfloat16))
+
+
 def ag_assembled() -> str:
     """The gathered value feeds a dot and a tanh: the loop computes the dot and assembles the gathered
     value for the tanh (no second all_gather)."""
@@ -667,7 +681,7 @@ def rs_batch_dim() -> str:
 
 def user_not_dot() -> str:
     mesh = mesh_2x4()
-    body = lambda x, w: jnp.tanh(gather(x, "model", 0)) @ w  # noqa: E731
+    body = lambda x, w: jnp.sort(gather(x, "model", 0), axis=0) @ w  # noqa: E731
     f = smap(body, mesh=mesh, in_specs=(P("model", None), P(None, "model")), out_specs=P(None, "model"))
     return lower(f, arg(mesh, (64, 32), P("model", None)), arg(mesh, (32, 64), P(None, "model")))
 
@@ -709,12 +723,12 @@ def dot_in_cond_branch() -> str:
 
 
 def no_place_for_the_ring() -> str:
-    """g @ tanh(g).T: the dot's other operand needs the whole gathered value first."""
+    """g @ sort(g).T: the dot's other operand needs the whole gathered value first."""
     mesh = mesh_2x4()
 
     def body(x):
         g = gather(x, "model", 0)
-        return g @ jnp.tanh(g).T
+        return g @ jnp.sort(g, axis=0).T
 
     f = smap(body, mesh=mesh, in_specs=(P("model", None),), out_specs=P())
     return lower(f, arg(mesh, (32, 16), P("model", None)))
@@ -880,7 +894,7 @@ SAMPLES_LIST = [
             "CHECK: stablehlo.dynamic_slice {{.*}} sizes = [2, 32, 16]",
             "CHECK-NEXT: stablehlo.dot_general {{.*}} batching_dims = [0] x [0]",
             "CHECK-NEXT: stablehlo.dynamic_update_slice", "CHECK-NOT: stablehlo.all_gather"]),
-    Sample("neg_user_not_dot", "the gathered value feeds a tanh, not a dot.",
+    Sample("neg_user_not_dot", "the gathered value is sorted along the gathered dim (not blockwise) before the dot.",
            user_not_dot, "unchanged user_not_dot", NEG),
     Sample("neg_no_num_partitions", "derived: the 2x4 'model' program without its mhlo.num_partitions attribute.",
            derived(mesh2x4_model, drop_num_partitions), "unchanged no_num_partitions",
@@ -988,6 +1002,15 @@ SAMPLES_LIST = [
             "CHECK: stablehlo.convert {{.*}} (tensor<16x32xf32>) -> tensor<16x32xbf16>",
             "CHECK-NEXT: stablehlo.dot_general", "CHECK-NOT: stablehlo.dot_general", "CHECK: stablehlo.return",
             "CHECK: stablehlo.dot_general", "CHECK: stablehlo.slice"] + gone("all_gather")),
+    Sample("ag_dot_dequant", "fp8 activations gathered, then cast to bf16 and scaled per tensor before the dot: "
+           "the ring moves fp8 shards and dequantises each (the scale's broadcast rebuilt at shard size).",
+           ag_dequant, "rewritten 1",
+           ['CHECK: } do {', 'CHECK: "stablehlo.collective_permute"',
+            "CHECK-SAME: (tensor<16x32xf8E4M3FN>) -> tensor<16x32xf8E4M3FN>",
+            "CHECK: stablehlo.convert {{.*}} (tensor<16x32xf8E4M3FN>) -> tensor<16x32xbf16>",
+            "CHECK-NEXT: stablehlo.broadcast_in_dim {{.*}} -> tensor<16x32xbf16>",
+            "CHECK-NEXT: stablehlo.multiply {{.*}} : tensor<16x32xbf16>",
+            "CHECK-NEXT: stablehlo.dot_general"] + gone("all_gather")),
     Sample("ag_dot_assembled", "the gathered value feeds a dot and a tanh: the loop also assembles it for the tanh.",
            ag_assembled, "rewritten 1",
            ["CHECK: } do {", 'CHECK: "stablehlo.collective_permute"', "CHECK: stablehlo.dot_general",
@@ -1051,7 +1074,7 @@ SAMPLES_LIST = [
            both_operands_transposed, "unchanged both_operands", NEG),
     Sample("neg_other_block", "the only dot reading the gathered value sits in a lax.cond branch.",
            dot_in_cond_branch, "unchanged other_block", NEG),
-    Sample("neg_schedule", "g @ tanh(g).T: no point where the ring could compute the dot.",
+    Sample("neg_schedule", "g @ sort(g).T: no point where the ring could compute the dot.",
            no_place_for_the_ring, "unchanged schedule", NEG),
     Sample("neg_rs_not_sum", "derived: the reduce_scatter's region is a max.",
            derived(rs_on(0), max_scatter), "unchanged not_sum", NEG_RS),

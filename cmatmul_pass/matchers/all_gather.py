@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from .. import ir_utils
 from .._jax_private import ir
 from ..errors import Decline
-from ..layout import LayoutStep, forward_dim, is_layout_op
+from ..layout import LayoutStep, elementwise_step, forward_dim, is_elementwise, is_layout_op
 from ..ring import Ring
 from .common import (
     DeclinedSite,
@@ -133,6 +133,18 @@ class _Use:
         for child in self.children:
             yield from child.leaves()
 
+    def readers(self, included: set[Consumer]):
+        """The ops that will read the assembled value along this use, once ``included`` dots
+        are in the loop: the readers past layout ops (which only relabel it), and an
+        elementwise node itself (it computes from it: the tanh, not whatever reads the tanh)."""
+        if not self.alive(included):
+            return
+        if self.step is None or is_elementwise(self.op):
+            yield self.op
+            return
+        for child in self.children:
+            yield from child.readers(included)
+
 
 @dataclass
 class _Tree:
@@ -170,7 +182,7 @@ def _match(ag: ir.OpView, ring: Ring, region: ManualRegion, assemble: bool, info
             "no single place for the ring",
         )
     included = set(consumers)
-    kept = [leaf.op for r in tree.roots for leaf in r.leaves() if leaf.alive(included)]
+    kept = [op for r in tree.roots for op in r.readers(included)]
     if kept and not assemble:
         names = ", ".join(describe_op(u) for u in kept)
         raise Decline(
@@ -196,9 +208,10 @@ def _visit(tree: _Tree, value: ir.Value, dim: int, path: tuple[LayoutStep, ...],
                 tree.candidates.append(use.consumer)
             except Decline as d:
                 tree.rejected.append(d)
-        elif is_layout_op(user):
+        elif is_layout_op(user) or is_elementwise(user):
             try:
-                step = LayoutStep(user, dim, forward_dim(user, dim, n))
+                step = elementwise_step(user, value, dim) if is_elementwise(user) else \
+                    LayoutStep(user, dim, forward_dim(user, dim, n))
             except Decline as d:
                 tree.rejected.append(d)
                 continue
@@ -267,14 +280,15 @@ def _schedulable(tree: _Tree, block: ir.Block, ag: ir.OpView) -> tuple[list[Cons
         first = min([c.dot.operation for c in included] + readers, key=_OpOrder)
         kept, hoisted = [], {}
         for c in included:
-            other = c.dot.operation.operands[1 - c.operand_index]
-            if c.dot.operation == first or ir_utils.defined_before(other, first):
+            # what the ring reads besides the shards: the dot's other operand, and the operands
+            # its path's elementwise ops rebuild per block (their sources' own operands)
+            needed = [c.dot.operation.operands[1 - c.operand_index]]
+            needed += [v for step in c.path for source in step.source_ops for v in source.operation.operands]
+            missing = [v for v in needed if not ir_utils.defined_before(v, first)]
+            moves = [_hoistable(v, first, in_tree, HOIST_LIMIT - len(hoisted)) for v in missing]
+            if all(ops is not None for ops in moves):
                 kept.append(c)
-                continue
-            ops = _hoistable(other, first, in_tree, HOIST_LIMIT - len(hoisted))
-            if ops is not None:
-                kept.append(c)
-                hoisted.update(dict.fromkeys(ops))
+                hoisted.update(dict.fromkeys(op for ops in moves for op in ops))
         if len(kept) == len(included):
             return included, first, tuple(sorted(hoisted, key=_OpOrder))
         included = kept

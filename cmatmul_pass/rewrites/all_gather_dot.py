@@ -284,7 +284,8 @@ def rewrite_all_gather_dot(site: AllGatherSite, ctx: RewriteContext) -> Applied:
     for plan, result in zip([plan for group in groups for plan in group.plans], results):
         plan.c.dot.result.replace_all_uses_with(result)
         plan.c.dot.operation.erase()
-    erase_dead([node.op for node in reversed(site.nodes)])
+    sources = [source for node in site.nodes for source in node.source_ops]
+    erase_dead([node.op for node in reversed(site.nodes)] + list({s.operation: s for s in sources}.values()))
     if site.assembles:
         ag.result.replace_all_uses_with(state[-1])
     ag.operation.erase()
