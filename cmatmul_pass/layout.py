@@ -167,11 +167,25 @@ def elementwise_step(op: ir.OpView, value: ir.Value, dim: int) -> LayoutStep:
     return LayoutStep(op, dim, dim, sources)
 
 
+def path_operand(op: ir.OpView, dim: int) -> ir.Value | None:
+    """An elementwise ``op``'s one operand that is not the same in every block along ``dim``
+    (the value the ring computes block by block); None unless exactly one is."""
+    varying = []
+    for operand in op.operation.operands:
+        try:
+            _invariant_source(op, operand, dim)
+        except Decline:
+            varying.append(operand)
+    return varying[0] if len(varying) == 1 else None
+
+
 def _invariant_source(op: ir.OpView, operand: ir.Value, dim: int) -> ir.OpView:
-    """The op producing ``operand`` when its blocks along ``dim`` are all the same: a
-    broadcast_in_dim that does not vary along ``dim`` (the dim is broadcast, or comes from a
-    size-1 dim), or a splat constant of a real element type.  Else Decline."""
+    """The op producing ``operand`` (through sharding constraints) when its blocks along ``dim``
+    are all the same: a broadcast_in_dim that does not vary along ``dim`` (the dim is broadcast,
+    or comes from a size-1 dim), or a splat constant of a real element type.  Else Decline."""
     owner = operand.owner
+    while not isinstance(owner, ir.Block) and owner.operation.name == "sdy.sharding_constraint":
+        owner = owner.operation.operands[0].owner  # a hint (partial-manual regions): what it constrains
     if not isinstance(owner, ir.Block):
         name = owner.operation.name
         if name == "stablehlo.broadcast_in_dim":

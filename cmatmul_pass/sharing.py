@@ -188,7 +188,8 @@ def pattern_of(site: AllGatherSite | ReduceScatterSite) -> Pattern | None:
     else:
         anchor = site.reduce_scatter
         at = anchor.operation
-        ops = [*(t.dot.operation for t in site.terms), *(a.operation for a in reversed(site.adds)),
+        sources = [source.operation for s in site.path for source in s.source_ops]
+        ops = [*sources, *(t.dot.operation for t in site.terms), *(a.operation for a in reversed(site.adds)),
                *(s.op.operation for s in site.path), anchor.operation]
     if at is None:
         return None

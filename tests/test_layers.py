@@ -312,6 +312,35 @@ def test_elementwise_ops_whose_other_operand_varies_are_declined(prepare, code):
     assert site.reason_code == code and str(result.module) == str(ir_utils.parse(text))
 
 
+@pytest.mark.parametrize("variant", ["uni", "bidi-unroll2", "full"])
+@pytest.mark.parametrize("prepare, through, rewritten", [
+    (lambda y, s, c, r: y * s[0], ["multiply"], True),  # a per-tensor scale of each device's product
+    (lambda y, s, c, r: jnp.tanh(y + c[None, :]), ["add", "tanh"], True),  # a per-column bias, an activation
+    (lambda y, s, c, r: y * r[:, None], None, False),  # a per-row scale differs from block to block
+])
+def test_elementwise_ops_between_dot_and_scatter_are_applied_per_block(prepare, through, rewritten, variant):
+    """Each device's product goes through the op before the sum, in the original and in the ring:
+    any elementwise op whose other operands are the same in every block may come between."""
+    mesh = mesh_2x4()
+
+    def body(a, b, s, c, r):
+        return jax.lax.psum_scatter(prepare(a @ b, s, c, r), "model", scatter_dimension=0, tiled=True)
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "model"), P("model"), P(), P(), P()),
+                      out_specs=P("model"), check_vma=False)
+    text = jax.jit(f).lower(arg(mesh, (64, 32), P(None, "model")), arg(mesh, (32, 16), P("model")),
+                            arg(mesh, (1,), P()), arg(mesh, (16,), P()), arg(mesh, (64,), P())).as_text()
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant=variant))
+    (site,) = result.report.sites
+    assert site.rewritten == rewritten
+    if rewritten:
+        assert [step for c in site.consumers for step in c["look_through"]] == through
+        assert op_counts(result.module).get("stablehlo.reduce_scatter", 0) == 0
+        numerics(text, result.module)
+    else:
+        assert site.reason_code == "producer_not_dot" and str(result.module) == str(ir_utils.parse(text))
+
+
 def test_a_splat_constant_operand_is_rebuilt_per_block():
     """jax broadcasts a scalar; a canonicalised module holds the splat constant itself (made
     here with the bindings from jax's lowering)."""

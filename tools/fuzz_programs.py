@@ -57,8 +57,8 @@ class Spec:
     #: ag: each weight prepared where it is used (scaled just before its dot, as a cast to the
     #: compute type would be): the ring computes every dot only by moving those ops up
     prep: bool = False
-    #: ag: the gathered value scaled before its dots (a dequantisation's per-tensor scale): an
-    #: elementwise op the ring applies per shard
+    #: ag: the gathered value scaled before its dots (a dequantisation's per-tensor scale); rs:
+    #: the product scaled before the scatter: an elementwise op the ring applies per block
     scale: bool = False
 
     @property
@@ -118,7 +118,7 @@ def specs(draw) -> Spec:
         sizes=tuple(draw(st.sampled_from([1, 2, 3, 4])) for _ in range(4)),
         repeat=draw(st.sampled_from([1, 1, 2, 3])),
         prep=kind == "ag" and draw(st.booleans()),
-        scale=kind == "ag" and draw(st.booleans()),
+        scale=kind in ("ag", "rs") and draw(st.booleans()),
     )
 
 
@@ -195,6 +195,8 @@ def build(spec: Spec):
             for a, bb in zip(operands[0::2], operands[1::2]):  # a sum of products, as a backward adds gradients
                 term = _dot(spec, a, bb, expr) if spec.side == 0 else _dot(spec, bb, a, expr)
                 prod = term if prod is None else prod + term
+            if spec.scale:
+                prod = prod * jnp.asarray(2, prod.dtype)
             if spec.tiled:
                 return jax.lax.psum_scatter(prod, axes, scatter_dimension=d, tiled=True)
             split = prod.shape[:d] + (n, prod.shape[d] // n) + prod.shape[d + 1 :]

@@ -438,6 +438,20 @@ def rs_on(dim, dtype=jnp.float32, **dot_kwargs):
     return build
 
 
+def rs_scaled() -> str:
+    """Row-parallel layer whose partial product is scaled per tensor and biased per column on each
+    device before the sum (y * s + b, then psum_scatter over rows)."""
+    mesh = mesh_2x4()
+
+    def body(x, w, s, b):
+        return scatter(jnp.dot(x, w) * s[0] + b[None, :], "model", 0)
+
+    f = smap(body, mesh=mesh, in_specs=(P("data", "model"), P("model", None), P(), P()),
+             out_specs=P(("data", "model"), None))
+    return lower(f, arg(mesh, (64, 64), P("data", "model")), arg(mesh, (64, 32), P("model", None)),
+                 arg(mesh, (1,), P()), arg(mesh, (32,), P()))
+
+
 def rs_sum_of_dots() -> str:
     """The scattered value is a sum of three row-parallel products (how the backward of a gather read
     by q, k and v projections adds their input gradients): one ring, three dots per block."""
@@ -736,7 +750,7 @@ def no_place_for_the_ring() -> str:
 
 def rs_producer_not_dot() -> str:
     mesh = mesh_2x4()
-    body = lambda x, w: scatter(jnp.tanh(x @ w), "model", 0)  # noqa: E731
+    body = lambda x, w: scatter(jnp.sort(x @ w, axis=0), "model", 0)  # noqa: E731
     f = smap(body, mesh=mesh, in_specs=(P(None, "model"), P("model", None)), out_specs=P("model", None))
     return lower(f, arg(mesh, (64, 64), P(None, "model")), arg(mesh, (64, 32), P("model", None)))
 
@@ -911,6 +925,15 @@ SAMPLES_LIST = [
     Sample("neg_both_operands", "the gathered value is both operands of the dot (a Gram matrix).",
            both_operands, "unchanged both_operands", NEG),
     # ---- dot -> reduce_scatter
+    Sample("rs_dot_scaled", "each device's partial product scaled and biased before the sum-scatter: the ring "
+           "applies both to each block it adds (the scale and bias broadcasts rebuilt at block size).",
+           rs_scaled, "rewritten 1",
+           ["CHECK: stablehlo.dot_general {{.*}} -> tensor<8x32xf32>",
+            "CHECK-NEXT: stablehlo.broadcast_in_dim {{.*}} -> tensor<8x32xf32>",
+            "CHECK-NEXT: stablehlo.multiply {{.*}} : tensor<8x32xf32>",
+            "CHECK-NEXT: stablehlo.broadcast_in_dim {{.*}} -> tensor<8x32xf32>",
+            "CHECK-NEXT: stablehlo.add {{.*}} : tensor<8x32xf32>",
+            "CHECK: } do {", 'CHECK: "stablehlo.collective_permute"'] + gone("reduce_scatter")),
     Sample("rs_dot_1d", "1-D mesh of 8, row-parallel layer: partial x @ W summed and scattered over rows.",
            rs_1d, "rewritten 1", rs_checks(PAIRS_1D_8, 7, "(tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>"),
            [Variant("BIDI", BIDI,
@@ -1078,7 +1101,7 @@ SAMPLES_LIST = [
            no_place_for_the_ring, "unchanged schedule", NEG),
     Sample("neg_rs_not_sum", "derived: the reduce_scatter's region is a max.",
            derived(rs_on(0), max_scatter), "unchanged not_sum", NEG_RS),
-    Sample("neg_rs_producer_not_dot", "the scattered value is tanh of the product.",
+    Sample("neg_rs_producer_not_dot", "the scattered value is the product sorted along the scattered dim (not blockwise).",
            rs_producer_not_dot, "unchanged producer_not_dot", NEG_RS),
     Sample("neg_rs_multiple_users", "the full product is also reduced locally.",
            rs_multiple_users, "unchanged multiple_users", NEG_RS),

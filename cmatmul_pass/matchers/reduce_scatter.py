@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from .. import ir_utils
 from .._jax_private import ir
 from ..errors import Decline
-from ..layout import LayoutStep, backward_dim, is_layout_op
+from ..layout import LayoutStep, backward_dim, elementwise_step, is_elementwise, is_layout_op, path_operand
 from ..ring import Ring
 from .common import DeclinedSite, DotDims, ManualRegion, ModuleInfo, collective_ring, static_tensor
 
@@ -110,8 +110,18 @@ def _match(rs: ir.OpView, ring: Ring, region: ManualRegion, info: ModuleInfo) ->
         owner = value.owner
         if isinstance(owner, ir.Block):
             raise Decline("producer_not_dot", "the scattered value is a block argument, not a dot_general result")
-        if owner.operation.name in ("stablehlo.dot_general", "stablehlo.add"):
+        if owner.operation.name == "stablehlo.dot_general":
             break
+        if is_elementwise(owner):  # a scale or a bias on each device's product, before the sum
+            through = path_operand(owner, dim)
+            if through is None and owner.operation.name == "stablehlo.add":
+                break  # a sum of products: the terms
+            if through is None:
+                raise Decline("producer_not_dot", f"the scattered value comes from {owner.operation.name} of "
+                                                  "several values that differ from block to block")
+            path.insert(0, elementwise_step(owner, through, dim))
+            value = through
+            continue
         if not is_layout_op(owner):
             raise Decline("producer_not_dot", f"the scattered value comes from {owner.operation.name}, not stablehlo.dot_general")
         in_dim = backward_dim(owner, dim, n)

@@ -126,5 +126,7 @@ def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> 
 
     rs.result.replace_all_uses_with(result)
     rs.operation.erase()
-    erase_dead([step.op for step in reversed(site.path)] + list(site.adds) + [t.dot for t in site.terms])
+    sources = {source.operation: source for step in site.path for source in step.source_ops}
+    erase_dead([step.op for step in reversed(site.path)] + list(sources.values()) + list(site.adds)
+               + [t.dot for t in site.terms])
     return Applied(channels, len(shifts), stats, len(shifts) * (n - 1), notes)
