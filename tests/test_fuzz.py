@@ -60,3 +60,14 @@ def test_weights_prepared_where_used_keep_every_dot_in_the_ring(monkeypatch):
     monkeypatch.setattr(all_gather, "HOIST_LIMIT", 0)
     tally = fuzz_programs.check(spec, variants=uni)
     assert [crash[2] for crash in tally.crashes][0].startswith("AssertionError: a dot left out of its ring")
+
+
+def test_weights_prepared_in_a_partial_manual_region_move_with_their_constraints():
+    """Found by the campaign of seed 134: in a partial-manual region every op's result passes a
+    sdy.sharding_constraint, so a weight scaled where it is used is a chain of constraints and
+    scalings; the ring took the dot only once the constraints could move up with them."""
+    spec = fuzz_programs.Spec(mesh_shape=(4, 2), devices=(3, 0, 4, 6, 5, 2, 1, 7), axes=("x",), kind="ag", dim="m",
+                              side=1, batch=False, tiled=True, dtype="f16", consumers=1, reader=True,
+                              partial_manual=True, sizes=(4, 3, 3, 3), repeat=1, prep=True, scale=True)
+    tally = fuzz_programs.check(spec, variants={"uni": fuzz_programs.VARIANTS["uni"]})
+    assert not tally.crashes and not tally.mismatches and tally.sites_rewritten == 1
