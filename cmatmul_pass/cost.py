@@ -88,13 +88,15 @@ class Hardware:
         """Dense FLOP/s for dots on ``dtype`` (an MLIR element type: "bf16", "f8E4M3FN", "ui8"):
         the profile's entry for that type, else for its family (:func:`dtype_family`), else its
         ``default`` (:meth:`knows` tells which)."""
-        rate = self.flops.get(dtype) or self.flops.get(dtype_family(dtype))
-        return rate or self.flops.get("default") or min(self.flops.values())
+        return self._own_rate(dtype) or self.flops.get("default") or min(self.flops.values())
 
     def knows(self, dtype: str) -> bool:
         """Whether the profile gives ``dtype`` (or its family) a throughput of its own, rather
         than pricing it at the ``default`` rate."""
-        return bool(self.flops.get(dtype) or self.flops.get(dtype_family(dtype)))
+        return bool(self._own_rate(dtype))
+
+    def _own_rate(self, dtype: str) -> float | None:
+        return self.flops.get(dtype) or self.flops.get(dtype_family(dtype))
 
     def kind_points(self, field_name: str, kind: str, role: str = "free") -> Points:
         """The (FLOPs, value) points of ``kind`` in ``split_efficiency`` or ``loop_trip``: the

@@ -157,6 +157,12 @@ class LayoutStep:
         return [source for source in self.sources if source is not None]
 
 
+def path_sources(steps) -> list[ir.OpView]:
+    """The ops whose blocks ``steps``' elementwise ops rebuild (:attr:`LayoutStep.source_ops`),
+    each once, in step order (one broadcast may feed several steps)."""
+    return list({source.operation: source for step in steps for source in step.source_ops}.values())
+
+
 def elementwise_step(op: ir.OpView, value: ir.Value, dim: int) -> LayoutStep:
     """``op`` (elementwise, :data:`ELEMENTWISE_OPS`) on the ring's path: ``value`` is the path's
     value at the op and ``dim`` its ring dim.  Every other operand must be the same in every

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from . import ir_utils
 from ._jax_private import func, ir
-from .layout import is_layout_op
+from .layout import is_layout_op, path_sources
 from .matchers import FULLY_MANUAL, AllGatherSite, ReduceScatterSite, Site
 from .rewrites.schedule import Applied
 
@@ -183,12 +183,12 @@ def pattern_of(site: AllGatherSite | ReduceScatterSite) -> Pattern | None:
         anchor, at = site.all_gather, site.insert_before
         # an elementwise node's block-invariant operands (a broadcast scale) go with it: the ring
         # function's copy of the site must see them as what they are, not as arguments
-        sources = [source.operation for s in site.nodes for source in s.source_ops]
+        sources = [source.operation for source in path_sources(site.nodes)]
         ops = [anchor.operation, *sources, *(s.op.operation for s in site.nodes), *(c.dot.operation for c in site.consumers)]
     else:
         anchor = site.reduce_scatter
         at = anchor.operation
-        sources = [source.operation for s in site.path for source in s.source_ops]
+        sources = [source.operation for source in path_sources(site.path)]
         ops = [*sources, *(t.dot.operation for t in site.terms), *(a.operation for a in reversed(site.adds)),
                *(s.op.operation for s in site.path), anchor.operation]
     if at is None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from .. import ir_utils
 from .._jax_private import ir
 from ..errors import Decline
-from ..layout import LayoutStep, elementwise_step, forward_dim, is_elementwise, is_layout_op
+from ..layout import LayoutStep, elementwise_step, forward_dim, is_elementwise, is_layout_op, path_sources
 from ..ring import Ring
 from .common import (
     DeclinedSite,
@@ -127,11 +127,14 @@ class _Use:
             return any(child.alive(included) for child in self.children)
         return True
 
-    def leaves(self):
-        if self.step is None:
-            yield self
+    def walk(self):
+        """This use and every use below it."""
+        yield self
         for child in self.children:
-            yield from child.leaves()
+            yield from child.walk()
+
+    def leaves(self):
+        return (use for use in self.walk() if use.step is None)
 
     def readers(self, included: set[Consumer]):
         """The ops that will read the assembled value along this use, once ``included`` dots
@@ -272,7 +275,7 @@ def _schedulable(tree: _Tree, block: ir.Block, ag: ir.OpView) -> tuple[list[Cons
     results: it reads the assembled value instead.  Dropping a dot can only move the loop
     earlier, so iterate to a fixed point.
     """
-    in_tree = {ag.operation, *(u.op.operation for r in tree.roots for u in _all_uses(r))}
+    in_tree = {ag.operation, *(u.op.operation for r in tree.roots for u in r.walk())}
     included = sorted(tree.candidates, key=_BlockOrder)
     while included:
         chosen = set(included)
@@ -283,7 +286,7 @@ def _schedulable(tree: _Tree, block: ir.Block, ag: ir.OpView) -> tuple[list[Cons
             # what the ring reads besides the shards: the dot's other operand, and the operands
             # its path's elementwise ops rebuild per block (their sources' own operands)
             needed = [c.dot.operation.operands[1 - c.operand_index]]
-            needed += [v for step in c.path for source in step.source_ops for v in source.operation.operands]
+            needed += [v for source in path_sources(c.path) for v in source.operation.operands]
             missing = [v for v in needed if not ir_utils.defined_before(v, first)]
             moves = [_hoistable(v, first, in_tree, HOIST_LIMIT - len(hoisted)) for v in missing]
             if all(ops is not None for ops in moves):
@@ -293,12 +296,6 @@ def _schedulable(tree: _Tree, block: ir.Block, ag: ir.OpView) -> tuple[list[Cons
             return included, first, tuple(sorted(hoisted, key=_OpOrder))
         included = kept
     return [], None, ()
-
-
-def _all_uses(use: _Use):
-    yield use
-    for child in use.children:
-        yield from _all_uses(child)
 
 
 #: ops a site may move up so that its ring can compute a dot: side-effect free, no regions; the

@@ -50,7 +50,7 @@ from __future__ import annotations
 from .. import ir_utils
 from .._jax_private import ir
 from ..cost import gather_signatures, gather_streams
-from ..layout import LayoutStep
+from ..layout import LayoutStep, path_sources
 from ..matchers import AllGatherSite, Consumer
 from ..matchers.common import DotDims
 from .builders import TRANSIENT_MARK_PREFIX, Builder, erase_dead, shard_type
@@ -284,8 +284,7 @@ def rewrite_all_gather_dot(site: AllGatherSite, ctx: RewriteContext) -> Applied:
     for plan, result in zip([plan for group in groups for plan in group.plans], results):
         plan.c.dot.result.replace_all_uses_with(result)
         plan.c.dot.operation.erase()
-    sources = [source for node in site.nodes for source in node.source_ops]
-    erase_dead([node.op for node in reversed(site.nodes)] + list({s.operation: s for s in sources}.values()))
+    erase_dead([node.op for node in reversed(site.nodes)] + path_sources(site.nodes))
     if site.assembles:
         ag.result.replace_all_uses_with(state[-1])
     ag.operation.erase()

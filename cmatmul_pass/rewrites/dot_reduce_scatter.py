@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from .._jax_private import hlo, ir
 from ..cost import scatter_signatures
+from ..layout import path_sources
 from ..matchers import ReduceScatterSite
 from .builders import Builder, erase_dead, shard_type
 from .schedule import Applied, DotBarriers, RewriteContext, Round, ScheduleStats, emit_rounds, ring_position
@@ -126,7 +127,6 @@ def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> 
 
     rs.result.replace_all_uses_with(result)
     rs.operation.erase()
-    sources = {source.operation: source for step in site.path for source in step.source_ops}
-    erase_dead([step.op for step in reversed(site.path)] + list(sources.values()) + list(site.adds)
+    erase_dead([step.op for step in reversed(site.path)] + path_sources(site.path) + list(site.adds)
                + [t.dot for t in site.terms])
     return Applied(channels, len(shifts), stats, len(shifts) * (n - 1), notes)
