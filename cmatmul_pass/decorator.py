@@ -66,7 +66,8 @@ def jit(
     and the report's ``cost.hardware`` says it was assumed), or a profile by name.
     ``check=True`` also runs the unrewritten program on the first call of each input
     signature and raises :class:`~cmatmul_pass.errors.NumericsMismatch` (naming the
-    rewritten sites and the outputs that differ) beyond the dtype's tolerance.
+    rewritten sites and the outputs that differ) beyond the dtype's tolerance, both programs
+    compiled for that without excess precision (execute.CHECK_COMPILER_OPTIONS).
     ``gpu_options``: on a GPU, compile a program with rewritten sites with the XLA options
     its rings need to overlap (:func:`ring_compiler_options`), except those you set yourself
     in ``compiler_options`` or ``XLA_FLAGS``.
@@ -244,15 +245,19 @@ class JittedFunction:
         return entries[self.picked]
 
     def _checked(self, entry: _Entry, args: tuple, kwargs: dict):
-        """Run the original on copies of the inputs (they may be donated), then the rewrite."""
+        """Run the original and the rewrite, each compiled without excess precision
+        (execute.CHECK_COMPILER_OPTIONS), on copies of the inputs (they may be donated) and
+        compare them; then run the program the caller gets."""
+        strict = execute.CHECK_COMPILER_OPTIONS
         copies = _copies((args, kwargs))
-        expected = entry.lowered.original.compile()(*copies[0], **copies[1])
+        expected = entry.lowered.original.compile(strict)(*copies[0], **copies[1])
+        copies = _copies((args, kwargs))
+        rewritten = entry.lowered.compile(strict)(*copies[0], **copies[1])
         self.stats["checks"] += 1
-        actual = entry.compiled(*args, **kwargs)
         extra = execute.reduction_tolerance(lowered_module(entry.lowered.original))
         comparisons = [
             execute.compare(i, [np.asarray(a)], [np.asarray(b)], extra)
-            for i, (a, b) in enumerate(zip(jax.tree.leaves(expected), jax.tree.leaves(actual)))
+            for i, (a, b) in enumerate(zip(jax.tree.leaves(expected), jax.tree.leaves(rewritten)))
         ]
         bad = [c for c in comparisons if not c.ok]
         if bad:
@@ -262,7 +267,7 @@ class JittedFunction:
                 f"{getattr(self._fun, '__qualname__', 'function')}: the rewritten program differs from the "
                 f"original beyond tolerance ({outputs}); rewritten sites: {sites or 'none'}"
             )
-        return actual
+        return entry.compiled(*args, **kwargs)
 
 
 def _copies(tree):

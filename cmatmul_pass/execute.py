@@ -41,6 +41,15 @@ FLOAT_TOLERANCES = {"f64": 1e-12, "f32": 1e-5, "f16": 2e-3, "bf16": 1e-2,
                     "complex<f64>": 1e-12, "complex<f32>": 1e-5,
                     **{name: float(ml_dtypes.finfo(t).eps) for name, t in _FLOAT8.items()}}
 
+#: The XLA options the numerics check compiles both programs with.  By default XLA may keep a
+#: value of a type narrower than f32 (bf16, f16) in f32 where it fuses the op that makes it
+#: with the op that reads it (``xla_allow_excess_precision``), and a rewrite changes what fuses
+#: with what: bf16 shards scaled by 3 before an f32-accumulating dot came out rounded to bf16
+#: in one program and not in the other, a bf16 ulp (2e-3) apart in f32 outputs, in the plain
+#: ring as well as with ``--annotate-streams``.  With it off every op rounds to its own type,
+#: as the StableHLO says, in both programs, and those outputs agree to f32's tolerance.
+CHECK_COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
+
 #: Ops whose sum across devices a rewrite may reorder (a scatter ring adds the partial sums
 #: in ring order; the collective in an order of its own).
 _CROSS_DEVICE_SUMS = ("stablehlo.reduce_scatter", "stablehlo.all_reduce")
@@ -282,16 +291,22 @@ def _dtype_name(dtype: np.dtype) -> str:
 
 @dataclass(frozen=True)
 class Reference:
-    """The original program's outputs on fixed random inputs, to compare several rewrites against."""
+    """The original program's outputs on fixed random inputs, to compare several rewrites against.
+
+    Both the original and every rewrite it checks are compiled with ``compiler_options``
+    (:data:`CHECK_COMPILER_OPTIONS`: no excess precision), so that they differ only where the
+    rewrite computes something else, not where XLA fused them differently."""
 
     inputs: list
     expected: list
     devices: list
     num_partitions: int
-    #: the compiled original, with its inputs placed (to run it again, e.g. to time it)
+    #: the compiled original, with its inputs placed (compiled with ``compiler_options``)
     program: Program | None = field(default=None, compare=False, repr=False)
     #: the original's :func:`reduction_tolerance`
     extra_tolerance: float = 0.0
+    #: what the original was compiled with, and :meth:`check` compiles a module with
+    compiler_options: dict = field(default_factory=lambda: dict(CHECK_COMPILER_OPTIONS))
 
     @classmethod
     def of(
@@ -304,12 +319,16 @@ class Reference:
         if len(devices) != num_partitions:
             raise ExecutionError(f"the module has {num_partitions} partitions but {len(devices)} devices were given")
         inputs = list(inputs) if inputs is not None else random_inputs(original, seed)
-        program = Program(original, inputs, devices)
-        return cls(inputs, program.outputs(), devices, num_partitions, program, reduction_tolerance(original))
+        options = dict(CHECK_COMPILER_OPTIONS)
+        program = Program(original, inputs, devices, options)
+        return cls(inputs, program.outputs(), devices, num_partitions, program, reduction_tolerance(original),
+                   options)
 
     def check(self, rewritten: ir.Module | Program) -> CheckResult:
-        """Compare ``rewritten`` (a module, or one already compiled on these inputs) with the original."""
-        program = rewritten if isinstance(rewritten, Program) else Program(rewritten, self.inputs, self.devices)
+        """Compare ``rewritten`` with the original: a module (compiled here with the original's
+        ``compiler_options``), or a program already compiled on these inputs with them."""
+        program = rewritten if isinstance(rewritten, Program) else Program(
+            rewritten, self.inputs, self.devices, self.compiler_options)
         actual = program.outputs()
         if len(self.expected) != len(actual):
             raise ExecutionError(f"original has {len(self.expected)} outputs, rewritten {len(actual)}")

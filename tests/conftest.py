@@ -34,3 +34,24 @@ def sample(name: str) -> Path:
 @pytest.fixture
 def sample_text():
     return lambda name: sample(name).read_text()
+
+
+def scaled_bf16_gather(role: str) -> str:
+    """bf16 shards gathered, scaled by 3 (not exact in bf16), into a small dot accumulating in
+    f32 (XLA CPU computes dots this small as fused elementwise code): gathered on the rows
+    (free) or on the contraction (``role``)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("m",))
+    axis, x_spec, x_shape = (0, P("m", None), (24, 4)) if role == "free" else (1, P(None, "m"), (3, 32))
+
+    def body(x, w):
+        g = jax.lax.all_gather(x, "m", axis=axis, tiled=True) * jnp.bfloat16(3)
+        return jnp.dot(g, w, preferred_element_type=jnp.float32)
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, P()), out_specs=P(), check_vma=False)
+    x = jax.ShapeDtypeStruct(x_shape, jnp.bfloat16, sharding=NamedSharding(mesh, x_spec))
+    w = jax.ShapeDtypeStruct((x_shape[1], 2), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+    return jax.jit(f).lower(x, w).as_text()

@@ -16,7 +16,7 @@ import cmatmul_pass
 from cmatmul_pass import ir_utils
 from cmatmul_pass._jax_private import module_to_bytecode
 from cmatmul_pass.rewrites import all_gather_dot
-from conftest import ROOT, run_cli, sample
+from conftest import ROOT, run_cli, sample, scaled_bf16_gather
 
 POS = sample("ag_dot_mesh2x4_model")
 NEG = sample("neg_user_not_dot")
@@ -133,6 +133,20 @@ def test_check_exits_1_on_mismatch(monkeypatch, capsys):
     monkeypatch.setattr(all_gather_dot, "RECEIVE_FROM_NEXT", +1)
     assert run_cli("check", POS, "-q") == 1
     assert "numerics: MISMATCH" in capsys.readouterr().out
+
+
+def test_check_and_bench_compare_without_excess_precision(tmp_path, capsys):
+    """A bf16 scale before an f32-accumulating dot, which XLA keeps unrounded where it fuses it
+    (execute.CHECK_COMPILER_OPTIONS): `check` and `bench` compare original and rewrite compiled
+    without excess precision, and `bench` still times them as compiled by default."""
+    path = tmp_path / "scaled.mlir"
+    path.write_text(scaled_bf16_gather("free"))
+    assert run_cli("check", path, "-q") == 0
+    assert "numerics: OK" in capsys.readouterr().out
+    report = tmp_path / "bench.json"
+    assert run_cli("bench", path, "--runs", "1", "--variants", "uni,full", "-q", "--report-json", report) == 0
+    rows = json.loads(report.read_text())["variants"]
+    assert all(row["numerics"]["ok"] and row["seconds"] > 0 for row in rows.values())
 
 
 def test_explain_shows_decisions(capsys):

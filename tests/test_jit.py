@@ -108,6 +108,26 @@ def test_check_passes_and_catches_a_wrong_rewrite(monkeypatch):
         broken(x, w)
 
 
+def test_check_compiles_without_excess_precision():
+    """bf16 rows scaled by 3 before a small f32-accumulating dot: compiled as jax.jit does, the
+    ring's output is a bf16 rounding (2e-3) away from the original's, which check=True used
+    to report as a mismatch.  It compares both compiled without excess precision, and the
+    caller still gets the program compiled as jax.jit would."""
+
+    def scaled(x, w):
+        g = jax.lax.all_gather(x, "model", axis=0, tiled=True) * jnp.bfloat16(3)
+        return jnp.dot(g, w, preferred_element_type=jnp.float32)
+
+    f = jax.shard_map(scaled, mesh=MESH, in_specs=(P("model", None), P()), out_specs=P(), check_vma=False)
+    rng = np.random.default_rng(0)
+    x = jax.device_put(rng.normal(size=(24, 4)).astype(jnp.bfloat16), NamedSharding(MESH, P("model", None)))
+    w = jax.device_put(rng.normal(size=(4, 2)).astype(jnp.bfloat16), NamedSharding(MESH, P()))
+    checked = cmatmul_pass.jit(f, check=True)
+    out = checked(x, w)
+    assert checked.stats["checks"] == 1 and checked.report.rewritten
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(checked.lower(x, w).compile()(x, w)))
+
+
 def test_value_and_grad_pytrees_statics_and_donation():
     def loss(params, batch, scale):
         y = F(batch["x"], params["w"])
