@@ -248,11 +248,10 @@ class JittedFunction:
         """Run the original and the rewrite, each compiled without excess precision
         (execute.CHECK_COMPILER_OPTIONS), on copies of the inputs (they may be donated) and
         compare them; then run the program the caller gets."""
-        strict = execute.CHECK_COMPILER_OPTIONS
         copies = _copies((args, kwargs))
-        expected = entry.lowered.original.compile(strict)(*copies[0], **copies[1])
+        expected = entry.lowered.original.compile(dict(execute.CHECK_COMPILER_OPTIONS))(*copies[0], **copies[1])
         copies = _copies((args, kwargs))
-        rewritten = entry.lowered.compile(strict)(*copies[0], **copies[1])
+        rewritten = entry.lowered.compile(dict(execute.CHECK_COMPILER_OPTIONS))(*copies[0], **copies[1])
         self.stats["checks"] += 1
         extra = execute.reduction_tolerance(lowered_module(entry.lowered.original))
         comparisons = [
