@@ -72,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "jax device; h100 where no profile describes it), optionally with overrides "
                             "(h100:bandwidth=400e9,bf16=700e12,step=8e-6)")
         p.add_argument("--min-bytes", type=int, default=0, help="leave sites moving fewer bytes per device")
+        p.add_argument("--all-reduce", choices=["split", "chunk", "auto", "keep"],
+                       help="a psum of a matmul (dot -> all_reduce): split into a reduce-scatter ring whose gather "
+                            "moves forward to the next matmul's ring (default), chunk the rows so each chunk's "
+                            "all_reduce overlaps the next chunk's dot, auto: the faster by the cost model (the "
+                            "default under --policy auto), keep: leave them")
+        p.add_argument("--chunks", type=int, choices=range(2, 9), metavar="K",
+                       help="chunks for --all-reduce chunk, 2 to 8 (default: the cost model's pick of 2, 4, 8)")
         p.add_argument(
             "--no-assemble",
             dest="assemble",
@@ -185,6 +192,8 @@ def _options(args, variant: str | None = None):
         policy=args.policy,
         hardware=args.hardware,
         min_bytes=args.min_bytes,
+        all_reduce=args.all_reduce,
+        chunks=args.chunks,
     )
     if variant is None and args.variant is not None:
         if args.bidirectional or args.unroll is not None:
@@ -261,7 +270,12 @@ def cmd_explain(args) -> int:
             print(f"  ring: {site.ring_size} devices, groups {site.replica_groups}")
         if site.shard_shape is not None:
             print(f"  shard: {site.dtype}{site.shard_shape}, {site.bytes_per_step} B per step, {site.bytes_moved} B moved per device")
-        if site.rewritten:
+        if site.all_reduce:
+            _explain_all_reduce(site)
+        if site.rewritten and site.all_reduce.get("strategy") == "chunk":
+            for note in site.notes:
+                print(f"  note: {note}")
+        elif site.rewritten:
             print(f"  decision: rewritten as a ring ({site.operand} operand, {site.dim_role} dim {site.collective_dim})")
             sched = site.schedule
             picked = " (the cost model's pick)" if result.options.variant == "auto" else ""
@@ -313,6 +327,23 @@ def cmd_explain(args) -> int:
         write_note = f"timeline: {path}"
         print(write_note)
     return 0
+
+
+def _explain_all_reduce(site) -> None:
+    """A dot → all_reduce site: the strategy, the cost model's view of it, where its gathers went."""
+    from .report import duration
+
+    a = site.all_reduce
+    p = a["prediction"]
+    chunks = f", {p['chunks']} chunks: {duration(p['chunk_s'][str(p['chunks'])])} ({p['speedup']['chunk']:.2f}x)" \
+        if p.get("chunks") else ""
+    print(f"  all_reduce: {a['strategy']} along dim {a['dim']}"
+          + (f" into {a['chunks']} chunks" if a["strategy"] == "chunk" and site.rewritten else ""))
+    print(f"  predicted on {p['hardware']}: dots + all_reduce {duration(p['serial_s'])} (the all_reduce "
+          f"{duration(p['all_reduce_s'])}); split {duration(p['split_s'])} ({p['speedup']['split']:.2f}x){chunks}")
+    if site.rewritten and a["strategy"] == "split":
+        for where in a["gathers"] or ["nowhere: no reader needs the whole value"]:
+            print(f"  gathered: {where}")
 
 
 def _bench_devices(platform: str, count: int) -> list:

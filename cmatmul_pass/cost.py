@@ -83,6 +83,14 @@ class Hardware:
     #: per variant (VARIANTS): the fraction of the ring's permutes the compiler's schedule
     #: overlaps with a dot (measured by tools/gpu_topology.py); a variant not listed: 1.0
     overlap: dict[str, float] = field(default_factory=dict)
+    #: an all_reduce's bus bandwidth (bytes/s; NCCL's "busbw": ``2(n-1)/n`` of the reduced
+    #: bytes cross it), where the machine runs all-reduce faster than a ring of its links
+    #: (NVLink SHARP); None: ``bandwidth``, a ring all-reduce
+    all_reduce_bandwidth: float | None = None
+
+    def all_reduce_seconds(self, nbytes: float, n: int) -> float:
+        """One all_reduce of ``nbytes`` per device over ``n`` devices (no overlap)."""
+        return 2 * (n - 1) / n * nbytes / (self.all_reduce_bandwidth or self.bandwidth) + self.step
 
     def throughput(self, dtype: str) -> float:
         """Dense FLOP/s for dots on ``dtype`` (an MLIR element type: "bf16", "f8E4M3FN", "ui8"):
@@ -174,6 +182,11 @@ H100_OVERLAP = {"full": 202 / 210, "bidi": 98 / 108, "bidi-unroll2": 177 / 196, 
 #: 2·1024·4096·1792
 STEP_70B, STEP_8B = 2 * 1024 * 8192 * 3584, 2 * 1024 * 4096 * 1792
 
+#: NVLink SHARP all-reduce against a ring's links on 8 H100s, NCCL's published bus bandwidths
+#: (about 480 GB/s against about 370 GB/s for ring reduce-scatter / all-gather): the factor the
+#: Hopper profiles' all_reduce_bandwidth applies to their ring bandwidth (not measured here)
+NVLS_ALL_REDUCE = 480 / 370
+
 PROFILES: dict[str, Hardware] = {
     # Calibrated on an H100 SXM (tools/gpu_calibrate.py, jax 0.11.2, bench/gpu/h100_calibrate_*.json):
     # XLA's bf16 dot at MLP-block shapes 676-679 TFLOP/s (989 peak); the ring's 1/8-sized
@@ -190,7 +203,8 @@ PROFILES: dict[str, Hardware] = {
                                 "dot_reduce_scatter": ((STEP_8B, 8.74e-6), (STEP_70B, 4.72e-6))},
                      overlap=H100_OVERLAP,
                      split_efficiency={"all_gather_dot": ((STEP_8B, 0.741), (STEP_70B, 0.851)),
-                                       "dot_reduce_scatter": ((STEP_8B, 0.813), (STEP_70B, 0.922))}),
+                                       "dot_reduce_scatter": ((STEP_8B, 0.813), (STEP_70B, 0.922))},
+                     all_reduce_bandwidth=NVLS_ALL_REDUCE * 450e9),
     # Calibrated on an H200 the same way (bench/gpu/h200_calibrate_*.json): 686-687 TFLOP/s,
     # split 0.840 (gather) and 0.925 (scatter) at 70B-like shapes, 0.725 and 0.838 at 8B-like,
     # loop trips 10.3 and 10.9 µs (gather), 3.53 and 8.25 µs (scatter): the H100's GH100 die and
@@ -203,7 +217,8 @@ PROFILES: dict[str, Hardware] = {
                                 "dot_reduce_scatter": ((STEP_8B, 8.25e-6), (STEP_70B, 3.53e-6))},
                      overlap=H100_OVERLAP,
                      split_efficiency={"all_gather_dot": ((STEP_8B, 0.725), (STEP_70B, 0.840)),
-                                       "dot_reduce_scatter": ((STEP_8B, 0.838), (STEP_70B, 0.925))}),
+                                       "dot_reduce_scatter": ((STEP_8B, 0.838), (STEP_70B, 0.925))},
+                     all_reduce_bandwidth=NVLS_ALL_REDUCE * 450e9),
     # 312 TFLOP/s bf16 peak (~250 achieved), 19.5 f64 (~15.6); no f8 units: f8 dots run
     # converted, at bf16's rate.  NVLink 3: 300 GB/s per direction.
     "a100": Hardware("A100 SXM (NVLink 3)", {"bf16": 250e12, "f16": 250e12, "f32": 125e12, "f8": 250e12,
@@ -279,7 +294,7 @@ def hardware(spec: str) -> Hardware:
         may_be_zero = key in ("step", "loop_trip")
         if not math.isfinite(number) or number < 0 or (number == 0 and not may_be_zero):
             raise CmatmulError(f"hardware override {item!r}: {key} must be a {'non-negative' if may_be_zero else 'positive'} number")
-        if key in ("bandwidth", "step", "loop_trip", "split_efficiency"):
+        if key in ("bandwidth", "step", "loop_trip", "split_efficiency", "all_reduce_bandwidth"):
             hw = replace(hw, **{key: number})
         else:  # a dtype's throughput
             hw = replace(hw, flops={**hw.flops, key: number})
@@ -624,3 +639,72 @@ def mlp_block(hw: Hardware, hidden: int, ffn: int, tokens: int, n: int = 8, dtyp
     overlapped = sum(p.overlapped_s[chosen] for p, chosen in zip(predictions, variants))
     return {"serial_s": serial, "overlapped_s": overlapped, "speedup": serial / overlapped, "variants": variants,
             "compute_to_transfer": predictions[0].compute_s / predictions[0].transfer_s}
+
+
+# ---------------------------------------------------------------------------- all_reduce sites
+#: the chunk counts the "chunk" strategy considers
+CHUNK_COUNTS = (2, 4, 8)
+ALL_REDUCE_STRATEGIES = ("split", "chunk")
+
+
+@dataclass
+class AllReducePrediction:
+    """A dot → all_reduce site on ``hardware``: the original (the dots, then the all_reduce),
+    "split" (the reduce-scatter ring of ``variant``, then an all_gather nothing is assumed to
+    hide: where the gather reaches the next matmul's ring, that site hides it) and "chunk"
+    (``chunks`` pieces, each piece's all_reduce behind the next piece's dot)."""
+
+    hardware: str
+    serial_s: float
+    all_reduce_s: float
+    split_s: float
+    chunk_s: dict[int, float]
+    variant: str
+    ring: Prediction
+
+    @property
+    def chunks(self) -> int | None:
+        """The chunk count predicted fastest (None: the dim cuts into none)."""
+        return min(self.chunk_s, key=self.chunk_s.__getitem__) if self.chunk_s else None
+
+    def seconds(self, strategy: str, chunks: int | None = None) -> float:
+        if strategy == "split":
+            return self.split_s
+        return self.chunk_s[chunks or self.chunks]
+
+    def speedup(self, strategy: str, chunks: int | None = None) -> float:
+        return self.serial_s / self.seconds(strategy, chunks)
+
+    @property
+    def best(self) -> str | None:
+        """The faster strategy (split on a tie); None where neither beats the original."""
+        options = {"split": self.speedup("split")}
+        if self.chunk_s:
+            options["chunk"] = self.speedup("chunk")
+        name = max(options, key=options.__getitem__)
+        return name if options[name] > 1 else None
+
+    def to_dict(self) -> dict:
+        return {"hardware": self.hardware, "serial_s": self.serial_s, "all_reduce_s": self.all_reduce_s,
+                "split_s": self.split_s, "chunk_s": {str(k): v for k, v in self.chunk_s.items()},
+                "variant": self.variant, "speedup": {"split": self.speedup("split"),
+                                                     **({"chunk": self.speedup("chunk")} if self.chunk_s else {})},
+                "chunks": self.chunks}
+
+
+def predict_all_reduce(scatter: SiteShape, hw: Hardware, variant: str, chunk_counts=CHUNK_COUNTS) -> AllReducePrediction:
+    """``scatter``: the site as a reduce-scatter ring would see it (its blocks are the rows one
+    device keeps); ``chunk_counts``: the counts the product can be cut into."""
+    n = scatter.ring
+    full_bytes = scatter.step_bytes * n
+    t_dot = scatter.flops / hw.throughput(scatter.dtype)
+    t_ar = hw.all_reduce_seconds(full_bytes, n)
+    ring = predict(scatter, hw, *VARIANTS[variant])
+    gather = (n - 1) * scatter.step_bytes / hw.bandwidth + hw.step
+    chunk_s = {}
+    for k in chunk_counts:
+        piece = t_dot / k / hw.split("dot_reduce_scatter", scatter.flops / k)
+        reduce = hw.all_reduce_seconds(full_bytes / k, n)
+        chunk_s[k] = piece + (k - 1) * max(piece, reduce) + reduce  # a pipeline of k stages
+    return AllReducePrediction(hw.name, t_dot + t_ar, t_ar, ring.overlapped_s[variant] + gather, chunk_s, variant, ring)
+

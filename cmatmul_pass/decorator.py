@@ -47,6 +47,8 @@ def jit(
     policy: str = "all",
     hardware: str = "auto",
     min_bytes: int = 0,
+    all_reduce: str | None = None,
+    chunks: int | None = None,
     check: bool = False,
     gpu_options: bool = True,
     measure_runs: int = 5,
@@ -64,6 +66,8 @@ def jit(
     ``hardware`` (for ``variant="auto"`` and ``policy="auto"``): by default ``"auto"``, the
     cost-model profile of jax's default device (H100, H200, A100, TPU v5e; else the H100's,
     and the report's ``cost.hardware`` says it was assumed), or a profile by name.
+    ``all_reduce`` and ``chunks``: what becomes of a psum of a matmul (``Options.all_reduce``:
+    ``"split"``, ``"chunk"``, ``"auto"``, ``"keep"``).
     ``check=True`` also runs the unrewritten program on the first call of each input
     signature and raises :class:`~cmatmul_pass.errors.NumericsMismatch` (naming the
     rewritten sites and the outputs that differ) beyond the dtype's tolerance, both programs
@@ -78,7 +82,7 @@ def jit(
     options = Options(
         bidirectional=bidirectional, unroll=unroll, variant=None if measure else variant, annotate_streams=annotate_streams, share_rings=share_rings,
         assemble=assemble, merge_dots=merge_dots, tie_rounds=tie_rounds,
-        policy=policy, hardware=hardware, min_bytes=min_bytes,
+        policy=policy, hardware=hardware, min_bytes=min_bytes, all_reduce=all_reduce, chunks=chunks,
     )
     if measure and (bidirectional or unroll != 1):
         raise ValueError("variant='measure' times every variant; it cannot be combined with bidirectional or unroll")

@@ -5,10 +5,11 @@ from __future__ import annotations
 import gc
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from . import cost, ir_utils
 from ._jax_private import hlo, ir, make_context, module_to_bytecode, module_to_hlo_text
+from .analysis.variance import Variance
 from .errors import InternalError
 from .matchers import (
     AllGatherSite,
@@ -19,10 +20,13 @@ from .matchers import (
     match_all_gather,
     match_reduce_scatter,
 )
+from .matchers.all_reduce import DOT_ALL_REDUCE, AllReduceSite, match_all_reduce
 from .report import Report, SiteReport, describe_shard, element_bits, tensor_bytes
 from .rewrites.all_gather_dot import merge_groups, rewrite_all_gather_dot
+from .rewrites.dot_all_reduce import chunk_all_reduce, chunk_dims_ok, split_all_reduce
 from .rewrites.dot_reduce_scatter import halves_blocker, rewrite_dot_reduce_scatter
 from .rewrites.schedule import Annotator, Applied, RewriteContext
+from .rewrites.sequence_parallel import Seed, carry_forward
 from .sharing import RingLibrary
 
 
@@ -64,6 +68,14 @@ class Options:
     ``1 + margin``.  ``min_bytes``:
     leave sites moving fewer bytes per device than this (XLA's windowed-einsum
     threshold, in bytes).  Every site's prediction goes into the report either way.
+    ``all_reduce``: what becomes of a ``dot → all_reduce(sum)`` (a psum after a matmul):
+    ``"split"`` (a reduce-scatter ring, then the gather carried forward to the next matmul's
+    ring or to where the whole value is read: :mod:`.rewrites.sequence_parallel`),
+    ``"chunk"`` (the rows in ``chunks`` pieces, each piece's all_reduce overlapping the next
+    piece's dot), ``"auto"`` (per site, the one the cost model predicts faster), ``"keep"``
+    (left as they are).  None (the default): ``"split"``, or ``"auto"`` under
+    ``policy="auto"``, which also leaves a site where neither beats the all_reduce.
+    ``chunks``: the chunk count (2 to 8); None: the cost model's pick of 2, 4 or 8.
     """
 
     debug_info: bool = False
@@ -79,8 +91,14 @@ class Options:
     hardware: str = "h100"
     min_bytes: int = 0
     margin: float = 0.02
+    all_reduce: str | None = None
+    chunks: int | None = None
 
     def __post_init__(self) -> None:
+        if self.all_reduce not in (None, "split", "chunk", "auto", "keep"):
+            raise ValueError(f"all_reduce must be 'split', 'chunk', 'auto' or 'keep', not {self.all_reduce!r}")
+        if self.chunks is not None and not 2 <= self.chunks <= 8:
+            raise ValueError(f"chunks must be from 2 to 8, not {self.chunks!r}")
         if self.variant is not None:
             if self.variant != "auto" and self.variant not in cost.VARIANTS:
                 raise ValueError(f"variant must be one of {', '.join(cost.VARIANTS)} or 'auto', not {self.variant!r}")
@@ -95,6 +113,11 @@ class Options:
             raise ValueError(f"unroll must be 1, 2 or 'full', not {self.unroll!r}")
         if self.policy not in ("all", "auto"):
             raise ValueError(f"policy must be 'all' or 'auto', not {self.policy!r}")
+
+    @property
+    def all_reduce_strategy(self) -> str:
+        """What becomes of dot → all_reduce sites: split, chunk, auto or keep."""
+        return self.all_reduce or ("auto" if self.policy == "auto" else "split")
 
     @property
     def rounds_per_trip(self) -> int | None:
@@ -217,9 +240,24 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
                 return match_reduce_scatter(op, info)
             return match_all_gather(op, info, assemble=options.assemble)
 
-        def apply(site: Site) -> SiteReport:
-            return _apply(site, verify, ctx, source, options, hw, predictions, (rings, rematch) if rings else None)
+        def apply(site: Site, opts: Options | None = None) -> SiteReport:
+            return _apply(site, verify, ctx, source, opts or options, hw, predictions, (rings, rematch) if rings else None)
 
+        # psums of dots first: a split one leaves a reduce_scatter (ringed at once) and an
+        # all_gather, carried forward to where its value is read whole, which the gathers'
+        # pass below then finds.
+        gathers = list(found["stablehlo.all_gather"])
+        if options.all_reduce_strategy != "keep" and found["stablehlo.all_reduce"]:
+            variance = Variance(info)
+            seeds: list[Seed] = []
+            for op in found["stablehlo.all_reduce"]:
+                entry, seed = _all_reduce(match_all_reduce(op, info), ctx, source, options, hw, apply, info)
+                if seed is not None:
+                    seed.site = len(report.sites)
+                    seeds.append(seed)
+                report.sites.append(entry)
+            carried = carry_forward(seeds, variance, ctx.take_channel, ctx.constants, source)
+            gathers += carried.kept + [m.all_gather for m in carried.materialised if m.feeds_dot]
         # Scatters first: a dot between an all_gather and a reduce_scatter becomes the
         # scatter ring's peeled dot, which the gather's ring then computes (and the
         # loop reads the gathered value the gather's ring assembles).  Each collective
@@ -227,8 +265,12 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
         # (the scatter rewrites erase reduce_scatters and dots, never an all_gather)
         for op in found["stablehlo.reduce_scatter"]:
             report.sites.append(apply(match_reduce_scatter(op, info)))
-        for op in found["stablehlo.all_gather"]:
+        gathered = {}
+        for op in gathers:
+            gathered[id(op)] = len(report.sites)
             report.sites.append(apply(match_all_gather(op, info, assemble=options.assemble)))
+        if options.all_reduce_strategy != "keep" and found["stablehlo.all_reduce"]:
+            _say_where_gathers_went(report, carried, gathered)
         if report.rewritten:
             ctx.annotator.finish()
             _verify(module, None)
@@ -297,6 +339,88 @@ def _apply(
     return entry
 
 
+def _all_reduce(site, ctx: RewriteContext, source: str, options: Options, hw: cost.Hardware, apply,
+                info: ModuleInfo) -> tuple[SiteReport, Seed | None]:
+    """Decide and rewrite one dot → all_reduce site (Options.all_reduce); returns its report
+    entry and, when split, the gather to carry forward."""
+    entry = _describe(site, source)
+    if isinstance(site, DeclinedSite):
+        return entry, None
+    shape = all_reduce_shape(site)
+    variant = cost.variant_name(options.bidirectional, options.rounds_per_trip)
+    if options.variant == "auto":
+        variant = cost.predict(shape, hw).best
+    counts = [k for k in ([options.chunks] if options.chunks else cost.CHUNK_COUNTS) if chunk_dims_ok(site, k)]
+    prediction = cost.predict_all_reduce(shape, hw, variant, counts)
+    strategy, chunks, declined = _all_reduce_strategy(options, shape, prediction)
+    entry.all_reduce = {"strategy": strategy, "dim": site.dim, "chunks": chunks, "gathers": [],
+                        "prediction": prediction.to_dict()}
+    if declined:
+        entry.reason_code, entry.reason = declined
+        return entry, None
+    slower = prediction.speedup(strategy, chunks)
+    if slower < 1:
+        entry.notes.append(f"{strategy} is predicted {slower:.2f}x the all_reduce's speed on {prediction.hardware} "
+                           "(policy all rewrites it anyway; --policy auto would leave it)")
+    if strategy == "chunk":
+        applied = _guarded(entry, chunk_all_reduce, site, ctx, chunks)
+        entry.rewritten = True
+        entry.channel_handles = list(applied.channel_handles)
+        entry.notes += applied.notes
+        return entry, None
+    reduce_scatter, all_gather = _guarded(entry, split_all_reduce, site, ctx.take_channel)
+    ring_site = match_reduce_scatter(reduce_scatter, info)
+    if isinstance(ring_site, DeclinedSite):
+        raise InternalError(f"the reduce_scatter split from the all_reduce at {entry.location} does not match its "
+                            f"ring (a cmatmul_pass bug): {ring_site.message}")
+    ringed = apply(ring_site, replace(options, policy="all", min_bytes=0))  # decided above
+    ringed.kind, ringed.all_reduce, ringed.notes = DOT_ALL_REDUCE, entry.all_reduce, entry.notes + ringed.notes
+    return ringed, Seed(all_gather, site.ring, site.region, site.dim, -1)
+
+
+def _all_reduce_strategy(options: Options, shape: cost.SiteShape, prediction: cost.AllReducePrediction
+                         ) -> tuple[str, int | None, tuple[str, str] | None]:
+    """(strategy, chunk count, (code, reason) when the site stays as it is)."""
+    asked = options.all_reduce_strategy
+    chunks = options.chunks or prediction.chunks
+    if asked == "auto":
+        asked = prediction.best or "split"
+    if asked == "chunk" and not prediction.chunk_s:
+        return asked, None, ("chunks", f"the rows cannot be cut into {options.chunks or '2, 4 or 8'} equal chunks "
+                                       "that every op after the dot keeps whole")
+    if shape.transfer_bytes < options.min_bytes:
+        return asked, chunks, ("min_bytes", f"moves {shape.transfer_bytes} B per device, under --min-bytes "
+                                            f"{options.min_bytes}")
+    speedup = prediction.speedup(asked, chunks)
+    if options.policy == "auto" and speedup < 1 + options.margin:
+        return asked, chunks, ("policy", f"predicted speed-up {speedup:.3f}x ({asked}) on {prediction.hardware} is "
+                                         f"under 1 + {options.margin:g}")
+    return asked, chunks if asked == "chunk" else None, None
+
+
+def all_reduce_shape(site: AllReduceSite) -> cost.SiteShape:
+    """The cost model's view of a dot → all_reduce site as the reduce-scatter ring a split makes."""
+    return _scatter_shape(site, site.block_type)
+
+
+def _say_where_gathers_went(report: Report, carried, gathered: dict) -> None:
+    """Tell each split site where the gathers of its rows ended (the carried values' readers)."""
+    for m in carried.materialised:
+        entry = report.sites[gathered[id(m.all_gather)]] if m.feeds_dot else None
+        if entry is None:
+            how = f"before {m.reader}"
+        elif entry.rewritten:
+            how = f"into the ring of {m.reader}"
+        else:
+            how = f"before {m.reader} (no ring: {entry.reason} [{entry.reason_code}])"
+        for index in sorted(m.seeds):
+            report.sites[index].all_reduce["gathers"].append(how)
+    for index in carried.stayed:
+        report.sites[index].all_reduce["gathers"].append("right after its reduce-scatter ring")
+    for index, notes in carried.notes.items():
+        report.sites[index].notes += notes
+
+
 def hoist(site: Site) -> list[str]:
     """Move the pure ops a gather site's later dots need (AllGatherSite.hoist: a weight cast to
     the compute type where it is used) just before the ring's place, in block order, so that
@@ -337,7 +461,11 @@ def _describe(site: Site, source: str) -> SiteReport:
     # The value one permute moves: the gather's shard, the scatter's result block.
     values = anchor.operation.results if site.kind == "dot_reduce_scatter" else anchor.operation.operands
     travelling = values[0] if len(values) else None
-    if travelling is not None:
+    if travelling is not None and site.kind == DOT_ALL_REDUCE:  # the whole value, as a ring all_reduce moves it
+        describe_shard(entry, travelling, None)
+        if entry.ring_size and entry.bytes_per_step is not None:
+            entry.bytes_moved = 2 * (entry.ring_size - 1) * entry.bytes_per_step // entry.ring_size
+    elif travelling is not None:
         describe_shard(entry, travelling, entry.ring_size)
     if isinstance(site, DeclinedSite):
         entry.reason, entry.reason_code = site.message, site.code
@@ -418,14 +546,23 @@ def site_shape(site: AllGatherSite | ReduceScatterSite, merge_dots: bool = True)
         step = ir_utils.ranked_tensor(site.all_gather.operation.operands[0])
         groups = [members for members, _ in merge_groups(site.consumers, merge_dots)]  # merged: one role
     else:
-        parts = site.terms
-        step = ir_utils.ranked_tensor(site.reduce_scatter.result)
-        groups = [[i] for i in range(len(parts))]  # each term is its own dot in every round
+        return _scatter_shape(site, ir_utils.ranked_tensor(site.reduce_scatter.result))
+    return _shape(site, parts, step, groups)
+
+
+def _scatter_shape(site, block: ir.RankedTensorType) -> cost.SiteShape:
+    """A scatter ring's shape: ``block`` is what one permute moves; each term is its own dot in
+    every round."""
+    return _shape(site, site.terms, block, [[i] for i in range(len(site.terms))])
+
+
+def _shape(site, parts, step: ir.RankedTensorType, groups: list[list[int]]) -> cost.SiteShape:
     dots = [part.dot for part in parts]
     each = [_dot_flops(d) for d in dots]
     dtype = str(_priced_element_type(dots[0]))
     halvable = isinstance(site, AllGatherSite) or halves_blocker(site) is None
-    return cost.SiteShape(site.kind, site.ring.size, sum(each), tensor_bytes(step), dtype, halvable,
+    kind = "dot_reduce_scatter" if site.kind == DOT_ALL_REDUCE else site.kind  # a split psum: a scatter ring
+    return cost.SiteShape(kind, site.ring.size, sum(each), tensor_bytes(step), dtype, halvable,
                           tuple(sum(each[i] for i in members) for members in groups),
                           tuple(parts[members[0]].role for members in groups))
 

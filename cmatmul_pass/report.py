@@ -41,6 +41,9 @@ class SiteReport:
     # the cost model's prediction (cmatmul_pass.cost): compute/transfer/serial seconds, overlapped
     # seconds and speed-up per variant, the variant emitted, the hardware profile
     cost: dict = field(default_factory=dict)
+    # a dot → all_reduce site: {strategy: split/chunk, dim, chunks, gathers: [where each gather
+    # of its rows went], prediction: cost.AllReducePrediction.to_dict()}; empty for other kinds
+    all_reduce: dict = field(default_factory=dict)
 
     def summary_line(self) -> str:
         ring = f" ring={self.ring_size}" if self.ring_size else ""
@@ -48,6 +51,11 @@ class SiteReport:
             dots = f", {len(self.consumers)} dots" if len(self.consumers) > 1 else ""
             kept = f", assembles the gathered value for {len(self.assembled_for)} other reader(s)" if self.assembled_for else ""
             shared = f", calls the shared ring {self.shared_ring}" if self.shared_ring else ""
+            if self.all_reduce.get("strategy") == "chunk":
+                return f"{self.location}: {self.kind}: rewritten{ring} (chunk: {self.all_reduce['chunks']} all_reduces along dim {self.all_reduce['dim']})"
+            if self.all_reduce:
+                gathers = "; ".join(self.all_reduce["gathers"]) or "none left"
+                shared += f"; split: reduce-scatter ring along dim {self.all_reduce['dim']}, gathered {gathers}"
             return (
                 f"{self.location}: {self.kind}: rewritten{ring} "
                 f"({self.operand} operand, {self.dim_role} dim {self.collective_dim}{dots}{kept}{shared})"

@@ -55,3 +55,18 @@ def scaled_bf16_gather(role: str) -> str:
     x = jax.ShapeDtypeStruct(x_shape, jnp.bfloat16, sharding=NamedSharding(mesh, x_spec))
     w = jax.ShapeDtypeStruct((x_shape[1], 2), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
     return jax.jit(f).lower(x, w).as_text()
+
+
+def assert_only_split_gathers_left(result):
+    """No reduce_scatter is left, no all_reduce of a dot (the data-parallel psums of the weight
+    gradients are split; a psum of a loss or a norm's statistics is no dot's and stays), and
+    every all_gather left is one a split left where a whole value is read, never a dot's."""
+    from cmatmul_pass import ir_utils
+
+    left = ir_utils.ops_named(result.module, "stablehlo.all_gather", "stablehlo.reduce_scatter")
+    assert not left["stablehlo.reduce_scatter"]
+    assert all(s.rewritten or s.reason_code == "producer_not_dot"
+               for s in result.report.sites if s.kind == "dot_all_reduce")
+    split = sum(1 for s in result.report.rewritten if s.kind == "dot_all_reduce")
+    assert len(left["stablehlo.all_gather"]) <= split
+    assert not any(u.name == "stablehlo.dot_general" for g in left["stablehlo.all_gather"] for u in ir_utils.users(g.result))

@@ -152,15 +152,17 @@ def permute_pairs(module) -> list[np.ndarray]:
 def test_every_permute_forms_the_groups_rings(path, options):
     """Deadlock freedom: each permute's pairs are exactly one directed cycle per replica group."""
     result = cmatmul_pass.rewrite(path.read_text(), options)
-    groups = [tuple(g) for s in result.report.rewritten for g in s.replica_groups]
+    # each site's groups (a module may ring over several mesh axes: a data-parallel psum's 'data')
+    site_groups = [sorted(sorted(g) for g in s.replica_groups) for s in result.report.rewritten]
     all_pairs = permute_pairs(result.module)
     # one permute op per channel handle (sites calling a shared ring report its handles)
-    assert len(all_pairs) == len({h for s in result.report.rewritten for h in s.channel_handles})
+    assert len(all_pairs) == len({h for s in result.report.rewritten for h in s.channel_handles
+                                  if s.all_reduce.get("strategy") != "chunk"})
     for pairs in all_pairs:
         graph = nx.DiGraph([tuple(p) for p in pairs.tolist()])
         cycles = [sorted(c) for c in nx.simple_cycles(graph)]
         assert all(graph.out_degree(n) == 1 and graph.in_degree(n) == 1 for n in graph)
-        assert sorted(cycles) == sorted(sorted(g) for g in set(groups))
+        assert sorted(cycles) in site_groups
 
 
 def test_new_ops_carry_the_matched_ops_locations():

@@ -8,7 +8,11 @@ The same train step runs twice from the same seeds — once under ``jax.jit``, o
 ``cmatmul_pass.jit`` — and the script prints both loss curves, the final accuracies and the pass's
 report (every forward and backward gather/scatter rewritten).
 
-    python tools/train_tp_mlp.py [--steps 20] [--bidirectional] [--unroll 2] [--variant auto]
+``--megatron`` writes the blocks as Megatron does without sequence parallelism: rows split over
+'data' only, each block ``psum(gelu(h @ w1) @ w2, 'model')``; the pass splits every psum of a
+matmul (forward and backward) into a reduce-scatter ring and a gather.
+
+    python tools/train_tp_mlp.py [--steps 20] [--bidirectional] [--unroll 2] [--variant auto] [--megatron]
 """
 
 from __future__ import annotations
@@ -45,8 +49,15 @@ def sp_block(h, w1, w2):
     return jax.lax.psum_scatter(u @ w2, "model", scatter_dimension=0, tiled=True)
 
 
-def model_fn(mesh):
-    block = jax.shard_map(sp_block, mesh=mesh, in_specs=(ROWS, P(None, "model"), P("model", None)), out_specs=ROWS)
+def megatron_block(h, w1, w2):
+    """One Megatron MLP block on a shard: the rows replicated over 'model', column- then row-parallel
+    matmuls, the product summed over 'model'."""
+    return jax.lax.psum(jax.nn.gelu(h @ w1) @ w2, "model")
+
+
+def model_fn(mesh, megatron: bool = False):
+    rows, body = (P("data", None), megatron_block) if megatron else (ROWS, sp_block)
+    block = jax.shard_map(body, mesh=mesh, in_specs=(rows, P(None, "model"), P("model", None)), out_specs=rows)
 
     def apply(params, x):
         h = x @ params["embed"]
@@ -57,7 +68,7 @@ def model_fn(mesh):
     return apply
 
 
-def init(mesh, seed):
+def init(mesh, seed, megatron: bool = False):
     keys = jax.random.split(jax.random.key(seed), 2 + 2 * BLOCKS + 2)
     scale = lambda fan_in: 1.0 / np.sqrt(fan_in)  # noqa: E731
     put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
@@ -75,7 +86,8 @@ def init(mesh, seed):
     x = jax.random.normal(keys[-2], (BATCH, FEATURES))
     teacher = jax.random.normal(keys[-1], (FEATURES, CLASSES))
     y = jnp.argmax(jnp.tanh(x @ teacher) + 0.1 * x[:, :CLASSES], axis=-1)
-    return params, put(x, ROWS), put(y, P(("data", "model")))
+    rows = P("data", None) if megatron else ROWS
+    return params, put(x, rows), put(y, P(rows[0]))
 
 
 def make_step(apply, optimizer):
@@ -93,12 +105,12 @@ def make_step(apply, optimizer):
     return train_step
 
 
-def train(jit, steps: int = 20, seed: int = 0):
+def train(jit, steps: int = 20, seed: int = 0, megatron: bool = False):
     """Train with ``jit`` (jax.jit or a cmatmul_pass.jit variant); returns (losses, accuracy, step_fn)."""
     mesh = make_mesh()
-    apply = model_fn(mesh)
+    apply = model_fn(mesh, megatron)
     optimizer = optax.adamw(3e-3, weight_decay=1e-4)
-    params, x, y = init(mesh, seed)
+    params, x, y = init(mesh, seed, megatron)
     opt_state = optimizer.init(params)
     step = jit(make_step(apply, optimizer), donate_argnums=(0, 1))
     losses = []
@@ -115,14 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bidirectional", action="store_true")
     parser.add_argument("--unroll", default="1", choices=["1", "2", "full"])
     parser.add_argument("--variant", help="a ring variant by name, or auto (instead of the two above)")
+    parser.add_argument("--megatron", action="store_true", help="Megatron blocks (psum), no sequence parallelism")
     args = parser.parse_args(argv)
     unroll = "full" if args.unroll == "full" else int(args.unroll)
 
     def ours(fun, **kw):
         return cmatmul_pass.jit(fun, bidirectional=args.bidirectional, unroll=unroll, variant=args.variant, **kw)
 
-    base, base_acc, _ = train(jax.jit, args.steps)
-    mine, mine_acc, step = train(ours, args.steps)
+    base, base_acc, _ = train(jax.jit, args.steps, megatron=args.megatron)
+    mine, mine_acc, step = train(ours, args.steps, megatron=args.megatron)
     print(f"{'step':>4}  {'jax.jit loss':>14}  {'cmatmul_pass.jit loss':>22}  {'rel diff':>9}")
     for i, (a, b) in enumerate(zip(base, mine)):
         print(f"{i:>4}  {a:>14.6f}  {b:>22.6f}  {abs(a - b) / abs(a):>9.2e}")

@@ -244,7 +244,7 @@ def _enclosing(parent: ir.Operation | None, info: ModuleInfo) -> tuple[frozenset
         if walk.name == "sdy.manual_computation":
             axes = sdy.ManualAxesAttr(walk.attributes["manual_axes"])
             manual.update(axes[i] for i in range(len(axes)))
-            mesh_name = mesh_name or _manual_computation_mesh(walk)
+            mesh_name = mesh_name or manual_computation_mesh(walk)
         elif walk.name == "func.func" and legacy is None:
             func_name = ir.StringAttr(walk.attributes["sym_name"]).value
             if func_name in info.partial_manual_funcs:
@@ -254,7 +254,7 @@ def _enclosing(parent: ir.Operation | None, info: ModuleInfo) -> tuple[frozenset
     return info.regions[parent]
 
 
-def _manual_computation_mesh(op: ir.Operation) -> str | None:
+def manual_computation_mesh(op: ir.Operation) -> str | None:
     for key in ("in_shardings", "out_shardings"):
         shardings = sdy.TensorShardingPerValueAttr(op.attributes[key]).shardings
         if len(shardings):

@@ -103,8 +103,21 @@ def _match(rs: ir.OpView, ring: Ring, region: ManualRegion, info: ModuleInfo) ->
     if operand_t.shape[scatter_dim] != result_t.shape[scatter_dim] * n:
         raise Decline("shape", f"scattered dim {scatter_dim} is not {n}x the result's")
 
+    terms, adds, path = trace_product(rs, operand, scatter_dim, info, ring)
+    return ReduceScatterSite(rs, terms, adds, path, ring, region, scatter_dim)
+
+
+def trace_product(
+    anchor: ir.OpView, operand: ir.Value, dim: int, info: ModuleInfo, ring: Ring
+) -> tuple[tuple[Term, ...], tuple[ir.OpView, ...], tuple[LayoutStep, ...]]:
+    """The dots whose (summed) product a sum-collective ``anchor`` reduces, split into the ring's
+    blocks along ``dim`` of ``operand``: (terms, the sum's adds root first, the path from the
+    sum to ``operand``); or :class:`Decline`.  Every value on the way has ``anchor`` as its one
+    reader, and every block of ``operand`` along ``dim`` is the same ops applied to one block of
+    a dot operand's free (or paired batch) dim."""
+    n = ring.size
     path: list[LayoutStep] = []
-    value, dim = operand, scatter_dim
+    value = operand
     while True:
         _single_use(value)
         owner = value.owner
@@ -129,8 +142,8 @@ def _match(rs: ir.OpView, ring: Ring, region: ManualRegion, info: ModuleInfo) ->
         value, dim = owner.operation.operands[0], in_dim
     adds: list[ir.OpView] = []
     dots = _sum_leaves(owner, adds)
-    terms = tuple(_term(dot, dim, rs, info, ring) for dot in dots)
-    return ReduceScatterSite(rs, terms, tuple(adds), tuple(path), ring, region, scatter_dim)
+    terms = tuple(_term(dot, dim, anchor, info, ring) for dot in dots)
+    return terms, tuple(adds), tuple(path)
 
 
 def _sum_leaves(op: ir.OpView, adds: list[ir.OpView]) -> list[ir.OpView]:

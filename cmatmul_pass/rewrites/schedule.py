@@ -32,6 +32,8 @@ from .builders import Builder, counted_loop
 STREAM_ANNOTATION = "_xla_stream_annotation"
 SCHEDULING_GROUP = "_scheduling_group_id"
 FRONTEND_ATTRIBUTES = "mhlo.frontend_attributes"
+#: collectives XLA runs as async start/done pairs, which a scheduling group may hold one of
+ASYNC_COLLECTIVES = frozenset({"stablehlo.collective_permute", "stablehlo.all_reduce"})
 
 
 @dataclass(frozen=True)
@@ -158,7 +160,7 @@ class Annotator:
         group_ids, next_id = {}, max(used_groups) + 1
         for mark, ops in members.items():
             kinds = [op.operation.name for op in ops]
-            if "stablehlo.collective_permute" in kinds and "stablehlo.dot_general" in kinds:
+            if ASYNC_COLLECTIVES & set(kinds) and "stablehlo.dot_general" in kinds:
                 group_ids[mark] = str(next_id)
                 next_id += 1
         functions: dict = {}

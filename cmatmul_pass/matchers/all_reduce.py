@@ -1,0 +1,147 @@
+"""``dot_general`` (or a sum of them) feeding a sum ``all_reduce``: Megatron's row-parallel matmul.
+
+``%y = all_reduce(sum)(path(d1 + d2 + ...))`` — ``jax.lax.psum(h @ w2, 'model')`` — is
+``all_gather(reduce_scatter(...))`` along any dim ``D`` of ``%y`` whose size the group
+size divides.  The pass picks a ``D`` along which one block of the product is the dot
+of one block of an operand (a free dim, as a reduce_scatter ring needs: the same look-
+through as :mod:`.reduce_scatter`), preferring the rows of the activation operand (the
+operand that is not a shard_map argument: the weight is), the dim sequence parallelism
+shards.  The site record says which; the rewrite (:mod:`cmatmul_pass.rewrites.dot_all_reduce`)
+then splits the all_reduce there or chunks the dot along it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import ir_utils
+from .._jax_private import ir
+from ..errors import Decline
+from ..layout import LayoutStep, is_elementwise, is_layout_op
+from ..ring import Ring
+from .common import DeclinedSite, ManualRegion, ModuleInfo, collective_ring, static_tensor
+from .reduce_scatter import Term, region_is_sum, trace_product
+
+DOT_ALL_REDUCE = "dot_all_reduce"
+#: declines that do not depend on the dim tried (the product has other readers, is no dot, ...)
+STRUCTURAL = frozenset({"multiple_users", "other_block", "dynamic_shape"})
+
+
+@dataclass(frozen=True, eq=False)
+class AllReduceSite:
+    """``all_reduce(path(d1 + d2 + ...))`` reducible block by block along ``dim`` of its result:
+    ``terms``, ``adds`` and ``path`` as a :class:`.reduce_scatter.ReduceScatterSite`'s."""
+
+    all_reduce: ir.OpView
+    terms: tuple[Term, ...]
+    adds: tuple[ir.OpView, ...]
+    path: tuple[LayoutStep, ...]
+    ring: Ring
+    region: ManualRegion
+    dim: int
+
+    kind = DOT_ALL_REDUCE
+
+    @property
+    def anchor(self) -> ir.OpView:
+        return self.all_reduce
+
+    @property
+    def block_type(self) -> ir.RankedTensorType:
+        """One device's block of the result along :attr:`dim` (what a reduce_scatter would return)."""
+        t = ir.RankedTensorType(self.all_reduce.result.type)
+        with self.all_reduce.location:  # callable outside the pass's own context managers
+            return ir_utils.with_dim(t, self.dim, t.shape[self.dim] // self.ring.size)
+
+
+def all_reduces(module: ir.Module) -> list[ir.OpView]:
+    return ir_utils.ops_named(module, "stablehlo.all_reduce")["stablehlo.all_reduce"]
+
+
+def find_dot_all_reduce(module: ir.Module, info: ModuleInfo | None = None) -> list[AllReduceSite | DeclinedSite]:
+    info = info or ModuleInfo.of(module)
+    return [match_all_reduce(op, info) for op in all_reduces(module)]
+
+
+def match_all_reduce(op: ir.OpView, info: ModuleInfo) -> AllReduceSite | DeclinedSite:
+    ring = None
+    try:
+        ring, region = collective_ring(op, info)
+        return _match(op, ring, region, info)
+    except Decline as d:
+        return DeclinedSite(DOT_ALL_REDUCE, op, d.code, d.message, ring)
+
+
+def _match(ar: ir.OpView, ring: Ring, region: ManualRegion, info: ModuleInfo) -> AllReduceSite:
+    n = ring.size
+    if not region_is_sum(ar):
+        raise Decline("not_sum", "the all_reduce's reduction is not a sum (stablehlo.add of its two arguments)")
+    operand = ar.operation.operands[0]
+    shape = list(static_tensor(operand, "the all_reduce operand").shape)
+    _reaches_a_dot(operand)
+    if not shape:
+        raise Decline("no_dim", "the all_reduce sums a scalar: there is no dim to split it along")
+    found: list[tuple[tuple, int, tuple]] = []
+    reasons: list[str] = []
+    declines: list[Decline] = []
+    for dim, size in enumerate(shape):
+        if size % n or size < n:
+            reasons.append(f"dim {dim} ({size}) is not a multiple of {n}")
+            continue
+        try:
+            traced = trace_product(ar, operand, dim, info, ring)
+        except Decline as d:
+            declines.append(d)
+            reasons.append(f"dim {dim}: {d.message}")
+            continue
+        found.append((_preference(traced[0], dim), dim, traced))
+    if not found:
+        structural = [d for d in declines if d.code in STRUCTURAL]
+        if not structural and len(declines) == len(shape) and len({d.code for d in declines}) == 1:
+            structural = declines  # every dim declined alike (the product is no dot, say)
+        if structural:
+            raise Decline(structural[0].code, structural[0].message.replace("scattered", "summed"))
+        raise Decline(
+            "no_dim",
+            f"no dim of the summed product {shape} can be split over the {n} devices ({'; '.join(reasons)}); "
+            f"a row (token) count that is a multiple of {n} would make it eligible",
+        )
+    _, dim, (terms, adds, path) = min(found, key=lambda item: item[0])
+    return AllReduceSite(ar, terms, adds, path, ring, region, dim)
+
+
+def _reaches_a_dot(value: ir.Value) -> None:
+    """Decline (``producer_not_dot``) a sum whose value is computed from no dot_general through
+    the ops a product may pass (layout and elementwise ops, adds): a psum of a loss, of a norm's
+    statistics.  Which dim to split along does not matter then."""
+    seen, stack = set(), [value]
+    while stack:
+        owner = stack.pop().owner
+        if isinstance(owner, ir.Block) or owner.operation in seen:
+            continue
+        seen.add(owner.operation)
+        if owner.operation.name == "stablehlo.dot_general":
+            return
+        if is_layout_op(owner) or is_elementwise(owner):
+            stack.extend(owner.operation.operands)
+    first = value.owner
+    what = "a block argument" if isinstance(first, ir.Block) else first.operation.name
+    raise Decline("producer_not_dot", f"the summed value comes from {what}, not from a stablehlo.dot_general")
+
+
+def _preference(terms: tuple[Term, ...], dim: int) -> tuple:
+    """Sort key of a candidate dim (smallest first): blocks not cut from an all_gather's value
+    (its ring computes that dot: cutting it would leave the gathered value assembled), then the
+    rows of an activation (an operand that is not a region argument, such as a weight, or a
+    layout op of one), then a free dim over a paired batch dim, then the outer dim."""
+    sliced = [_strip_layout(t.dot.operation.operands[t.operand_index]) for t in terms]
+    gathered = any(not isinstance(v.owner, ir.Block) and v.owner.operation.name == "stablehlo.all_gather"
+                   for v in sliced)
+    weight = isinstance(sliced[0].owner, ir.Block)
+    return (gathered, weight, terms[0].role != "free", dim)
+
+
+def _strip_layout(value: ir.Value) -> ir.Value:
+    while not isinstance(value.owner, ir.Block) and is_layout_op(value.owner):
+        value = value.owner.operation.operands[0]
+    return value
