@@ -137,9 +137,9 @@ def test_the_cost_model_prices_a_complex_dot_as_four_real_ones():
         assert c.cost["compute_s"] == pytest.approx(4 * r.cost["compute_s"])
 
 
-def test_the_readme_quotes_the_tolerances():
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    numerics = " ".join(readme[readme.index("- **Numerics check**"):].split("\n- ")[0].split())
+def test_docs_numerics_quotes_the_tolerances():
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "numerics.md").read_text()
+    numerics = " ".join(doc[doc.index("## Tolerances"):].split("\n## ")[0].split())
     def quoted(label: str) -> float:  # "f16 `2e-3`", not "bf16 `1e-2`"
         return float(re.search(rf"(?<!\w){label} `([^`]+)`", numerics).group(1))
 
