@@ -1,8 +1,10 @@
-"""``python -m cmatmul_pass {rewrite,check,explain,bench}``.
+"""``python -m cmatmul_pass {rewrite,check,explain,bench}`` (also installed as ``cmatmul-pass``).
 
-Exit codes: 0 success; 1 numerics mismatch (``check``, ``bench``); 2 bad input or usage (one
-line on stderr naming the file and location, no traceback, no output file);
-3 internal error (a cmatmul_pass bug: the rewrite did not verify).
+Exit codes: 0 success (also ``check``/``bench`` on a module where no site was rewritten: one
+line says there is nothing to compare or time); 1 numerics mismatch (``check``, ``bench``);
+2 bad input or usage (one line on stderr, ``cmatmul_pass: error: FILE[:LINE:COL]: message``, no
+traceback, no output file); 3 internal error (a cmatmul_pass bug: the rewrite did not verify).
+The input defaults to stdin when omitted, as ``mlir-opt`` reads it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from . import __version__
 from .errors import CmatmulError, InputError, InternalError
 
 DEFAULT_CPU_DEVICES = 8
@@ -28,6 +31,17 @@ VARIANT_FLAGS = {
     "bidi-full": "--bidirectional --unroll full",
 }
 VARIANT_NAMES = tuple(VARIANT_FLAGS)
+#: what to use instead on a program with no shard_map region: XLA's own collective matmul for
+#: programs jax.jit partitions itself (GPU only; these flag names are in jaxlib 0.10.2's XLA)
+WINDOWED_EINSUM_FLAGS = "--xla_gpu_threshold_for_windowed_einsum_mib=0 --xla_gpu_multi_streamed_windowed_einsum=true"
+#: the collectives a module without candidate sites is counted for (``census``)
+COLLECTIVES = ("stablehlo.all_reduce", "stablehlo.all_gather", "stablehlo.reduce_scatter", "stablehlo.all_to_all",
+               "stablehlo.collective_permute")
+
+
+class NothingToRun(Exception):
+    """``check`` / ``bench`` on a module where the pass rewrote no site: the rewritten program is
+    the original, so there is nothing to compare or time (said in one line, exit 0)."""
 
 
 def ensure_cpu_devices(count: int = DEFAULT_CPU_DEVICES) -> None:
@@ -38,15 +52,22 @@ def ensure_cpu_devices(count: int = DEFAULT_CPU_DEVICES) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description="Collective-matmul rewriting for StableHLO.")
+    parser = argparse.ArgumentParser(prog=PROG, description="Collective-matmul rewriting for StableHLO.",
+                                     allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    def add_command(name: str, **kw) -> argparse.ArgumentParser:  # no prefix abbreviations, anywhere
+        return sub.add_parser(name, allow_abbrev=False, **kw)
 
     def add_report(p: argparse.ArgumentParser) -> None:
         p.add_argument("--report-json", metavar="PATH", help="write the per-site report as JSON")
 
     def add_input(p: argparse.ArgumentParser, variant_flags: bool = True) -> None:
-        p.add_argument("input", help="StableHLO text or bytecode; '-' reads stdin")
-        p.add_argument("--quiet", "-q", action="store_true", help="no per-site summary on stderr")
+        p.add_argument("input", nargs="?", default="-",
+                       help="StableHLO text or bytecode; '-' or none: stdin")
+        p.add_argument("--quiet", "-q", action="store_true",
+                       help="no per-site summary, notes or warnings on stderr")
         if variant_flags:
             p.add_argument("--bidirectional", action="store_true", help="use both ring directions")
             p.add_argument(
@@ -108,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                  "(by default such sites call one shared ring function)",
         )
 
-    p = sub.add_parser("rewrite", help="rewrite a module")
+    p = add_command("rewrite", help="rewrite a module")
     add_input(p)
     p.add_argument("-o", "--output", default="-", help="output path ('-': stdout, the default)")
     add_report(p)
@@ -121,16 +142,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="output dialect: StableHLO (default) or pre-optimisation HLO text",
     )
 
-    p = sub.add_parser("check", help="rewrite, run original and rewritten on CPU devices, compare outputs")
+    p = add_command("check", help="rewrite, run original and rewritten on CPU devices, compare outputs")
     add_input(p)
     add_report(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
 
-    p = sub.add_parser("explain", help="show every candidate site, the decision and its reason")
+    p = add_command("explain", help="show every candidate site, the decision and its reason")
     add_input(p)
     p.add_argument("--plot", metavar="PNG", help="draw each site's predicted schedule (Gantt chart) into PNG")
 
-    p = sub.add_parser(
+    p = add_command(
         "bench", help="time the original and each ring variant on this machine's devices; name the fastest"
     )
     add_input(p, variant_flags=False)
@@ -223,7 +244,59 @@ def _rewrite(args):
         for site in result.report.sites:
             print(site.summary_line(), file=sys.stderr)
         print(f"{PROG}: {result.report.summary()}", file=sys.stderr)
+        for line in module_notes(result):
+            print(f"{PROG}: note: {line}", file=sys.stderr)
+        for line in slower_warnings(result.report):
+            print(f"{PROG}: warning: {line}", file=sys.stderr)
+    if args.command == "check" and not result.report.rewritten:
+        raise NothingToRun(f"nothing to check: {_nothing_rewritten(result.report)}")
     return data, source, result
+
+
+def _nothing_rewritten(report) -> str:
+    declined = f" ({len(report.sites)} candidate site(s) declined; see explain)" if report.sites else ""
+    return f"no site was rewritten{declined}, so the rewritten module is the original"
+
+
+def module_notes(result) -> list[str]:
+    """What to say about a module with no candidate site at all, instead of nothing: that the
+    pass sees only shard_map regions (and what to use for a program jax.jit partitions itself),
+    or which collectives it saw.  Read from ``result.module``, which is then the input, unchanged."""
+    from . import ir_utils
+    from ._jax_private import ir
+
+    if result.report.sites:
+        return []
+    found = ir_utils.ops_named(result.module.operation, "sdy.manual_computation", "stablehlo.custom_call",
+                               *COLLECTIVES)
+    legacy_manual = any(ir.StringAttr(op.attributes["call_target_name"]).value == "SPMDFullToShardShape"
+                        for op in found["stablehlo.custom_call"])
+    if not found["sdy.manual_computation"] and not legacy_manual:
+        return ["the module has no shard_map (manual) region: the pass rewrites only explicit collectives inside "
+                "jax.shard_map; for a program jax.jit shards by itself, XLA's own windowed einsum does this on GPU: "
+                f"XLA_FLAGS='{WINDOWED_EINSUM_FLAGS}'"]
+    census = ", ".join(f"{len(found[name])} {name.removeprefix('stablehlo.')}" for name in COLLECTIVES)
+    return [f"no candidate site: the shard_map regions hold {census} (the pass rewrites an all_gather feeding a "
+            "matmul, and a matmul's reduce_scatter or all_reduce sum)"]
+
+
+def slower_warnings(report) -> list[str]:
+    """One line per rewritten site the cost model predicts slower than the original on
+    ``--hardware`` (``--policy auto`` would have left it)."""
+    lines = []
+    for site in report.rewritten:
+        if site.all_reduce:
+            prediction = site.all_reduce.get("prediction", {})
+            how, speedup = site.all_reduce.get("strategy"), prediction.get("speedup", {}).get(site.all_reduce.get("strategy"))
+            hardware = prediction.get("hardware")
+        elif site.cost:
+            how, speedup, hardware = site.cost["variant"], site.cost["speedup"][site.cost["variant"]], site.cost["hardware"]
+        else:
+            continue
+        if speedup is not None and speedup < 1:
+            lines.append(f"{site.location}: rewritten although the cost model predicts {speedup:.2f}x the original's "
+                         f"speed on {hardware} ({how}); --policy auto leaves such sites")
+    return lines
 
 
 def cmd_rewrite(args) -> int:
@@ -256,14 +329,19 @@ def cmd_check(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    from . import cost
+    from . import cost, reasons
     from .report import duration
 
     args.quiet = True
     _, _, result = _rewrite(args)
     report = result.report
+    if args.plot and not any(site.cost for site in report.sites):
+        raise CmatmulError(f"--plot: no site to draw: {report.summary()} (the cost model sizes candidate sites "
+                           "only); run explain without --plot to see why")
     hw = cost.hardware(result.options.hardware)
     print(f"{report.source}: {report.num_partitions} partitions, {report.summary()}")
+    for line in module_notes(result):
+        print(f"note: {line}")
     for site in report.sites:
         print(f"\n{site.location}  [{site.kind}] in @{site.function}")
         if site.ring_size:
@@ -295,6 +373,8 @@ def cmd_explain(args) -> int:
                 print(f"  assembles the gathered value for: {reader}")
         else:
             print(f"  decision: left unchanged: {site.reason} [{site.reason_code}]")
+            if reasons.hint(site.reason_code):
+                print(f"  to have it rewritten: {reasons.hint(site.reason_code)}")
         if site.cost:
             c = site.cost
             best = max(c["speedup"], key=c["speedup"].get)
@@ -320,10 +400,12 @@ def cmd_explain(args) -> int:
                 f"({c['speedup'][c['variant']]:.2f}x{exposed(c['variant'])}); "
                 f"best: {best} ({c['speedup'][best]:.2f}x{exposed(best)})"
             )
+    for line in slower_warnings(report):
+        print(f"warning: {line}")
     if args.plot:
-        from . import cost, timeline
+        from . import timeline
 
-        path = timeline.plot(report, cost.hardware(args.hardware), args.plot)
+        path = timeline.plot(report, hw, args.plot)
         write_note = f"timeline: {path}"
         print(write_note)
     return 0
@@ -388,6 +470,10 @@ def cmd_bench(args) -> int:
     if unknown:
         raise CmatmulError(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(flags)}")
     data, source = read_input(args.input)
+    results = {name: rewrite(data, _options(args, name), source=source) for name in names}
+    if not any(result.report.rewritten for result in results.values()):
+        raise NothingToRun(f"nothing to time: {_nothing_rewritten(next(iter(results.values())).report)} "
+                           "in every variant; nothing to recommend")
     original = ir_utils.parse(data, source=source)
     n = ir_utils.int_attr(original.operation, "mhlo.num_partitions") or 1
     devices = _bench_devices(args.platform, n)
@@ -398,9 +484,7 @@ def cmd_bench(args) -> int:
     timed_original = Program(original, reference.inputs, devices)
     rows, programs, mismatch = {}, {"original": timed_original}, None
     original_compile_s = timed_original.compile_s
-    for name in names:  # check every variant before timing any
-        options = _options(args, name)
-        result = rewrite(data, options, source=source)
+    for name, result in results.items():  # check every variant before timing any
         # on a GPU, the XLA options the rings need to overlap (as cmatmul_pass.jit passes them)
         xla_options = ring_compiler_options(result.report, devices[0].platform, {},
                                             os.environ.get("XLA_FLAGS", ""))
@@ -474,15 +558,29 @@ def cmd_bench(args) -> int:
 COMMANDS = {"rewrite": cmd_rewrite, "check": cmd_check, "explain": cmd_explain, "bench": cmd_bench}
 
 
+def _xla_errors() -> tuple[type[BaseException], ...]:
+    """XLA's compile and run errors, as jax raises them (none before jax is imported)."""
+    errors = sys.modules.get("jax.errors")
+    return tuple(e for e in (getattr(errors, "JaxRuntimeError", None),) if e is not None)
+
+
 def main(argv: list[str] | None = None) -> int:
     ensure_cpu_devices()
     args = build_parser().parse_args(argv)
+    where = "<stdin>" if args.input == "-" else args.input
     try:
         return COMMANDS[args.command](args)
+    except NothingToRun as exc:
+        print(f"{PROG}: {exc}")
+        return 0
     except InternalError as exc:
         print(f"{PROG}: internal error: {exc}", file=sys.stderr)
         return 3
     except CmatmulError as exc:  # InputError names its file and line:col itself
-        where = "" if isinstance(exc, InputError) else f"{args.input}: "
-        print(f"{PROG}: error: {where}{exc}", file=sys.stderr)
+        prefix = "" if isinstance(exc, InputError) else f"{where}: "
+        print(f"{PROG}: error: {prefix}{exc}", file=sys.stderr)
+        return 2
+    except _xla_errors() as exc:  # XLA refused to compile or run a module (the original, for check)
+        message = " ".join(str(exc).split())[:300]
+        print(f"{PROG}: error: {where}: XLA could not compile or run the module: {message}", file=sys.stderr)
         return 2

@@ -251,6 +251,22 @@ def _device_kind() -> str:
     return jax.devices()[0].device_kind
 
 
+#: the overrides that set one number of a profile
+SCALAR_OVERRIDES = ("bandwidth", "all_reduce_bandwidth", "step", "loop_trip", "split_efficiency")
+#: the element types a dot's throughput can be overridden for (MLIR's names; ``f8``: every 8-bit
+#: float without an entry of its own, ``default``: a type the profile has no rate for)
+DTYPE_OVERRIDES = ("bf16", "f16", "f32", "f64", "f8", "f8E4M3FN", "f8E5M2", "f8E4M3FNUZ", "f8E5M2FNUZ",
+                   "f8E4M3B11FNUZ", "f8E4M3", "f8E3M4", "f8E8M0FNU", "f6E2M3FN", "f6E3M2FN", "f4E2M1FN",
+                   "i4", "i8", "i16", "i32", "i64", "ui4", "ui8", "ui16", "ui32", "ui64", "default")
+
+
+def _unknown_override(item: str, key: str) -> CmatmulError:
+    return CmatmulError(
+        f"hardware override {item!r}: unknown key {key!r}; known: {', '.join(SCALAR_OVERRIDES)}, "
+        f"overlap.<variant>, {', '.join(f'{p}.<gather|scatter>' for p in POINT_FIELDS)}, "
+        f"or a dtype's throughput ({', '.join(DTYPE_OVERRIDES)})")
+
+
 def hardware(spec: str) -> Hardware:
     """A profile by name, optionally overridden: ``"h100"``,
     ``"h100:bandwidth=400e9,bf16=700e12,step=8e-6,split_efficiency=0.97,overlap.bidi=0.9"``
@@ -275,6 +291,8 @@ def hardware(spec: str) -> Hardware:
     for item in filter(None, overrides.split(",")):
         key, _, value = item.partition("=")
         prefix, dot, short = key.partition(".")
+        if key not in SCALAR_OVERRIDES + DTYPE_OVERRIDES and not (dot and prefix in (*POINT_FIELDS, "overlap")):
+            raise _unknown_override(item, key)
         if dot and prefix in POINT_FIELDS:
             field_name = POINT_FIELDS[prefix]
             hw = replace(hw, **{field_name: _points_override(hw, field_name, item, short, value)})
@@ -294,7 +312,7 @@ def hardware(spec: str) -> Hardware:
         may_be_zero = key in ("step", "loop_trip")
         if not math.isfinite(number) or number < 0 or (number == 0 and not may_be_zero):
             raise CmatmulError(f"hardware override {item!r}: {key} must be a {'non-negative' if may_be_zero else 'positive'} number")
-        if key in ("bandwidth", "step", "loop_trip", "split_efficiency", "all_reduce_bandwidth"):
+        if key in SCALAR_OVERRIDES:
             hw = replace(hw, **{key: number})
         else:  # a dtype's throughput
             hw = replace(hw, flops={**hw.flops, key: number})

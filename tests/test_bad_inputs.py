@@ -99,3 +99,53 @@ def test_an_internal_error_leaves_a_parsed_module_unchanged(monkeypatch):
         cmatmul_pass.rewrite(module, source="sp_mlp.mlir")
     assert ir_utils.print_module(module) == before
     module.operation.verify()
+
+
+COMMAND_CASES = sorted((name, command) for name, case in MANIFEST.items() for command in case.get("commands", {}))
+
+
+def test_every_listed_command_case_is_covered():
+    """The cases issue 33 names: check and bench on a module of one partition (or none), a
+    cross-replica module, explain --plot on a module with no site."""
+    commands = {(MANIFEST[name]["commands"][command]["exit"], command) for name, command in COMMAND_CASES}
+    assert {(0, "check"), (0, "bench"), (2, "explain")} <= commands
+    assert {"one_partition.mlir", "no_num_partitions.mlir", "cross_replica_groups.mlir"} <= {n for n, _ in COMMAND_CASES}
+
+
+@pytest.mark.parametrize("name, command", COMMAND_CASES)
+def test_commands_on_a_module_with_nothing_to_run_say_so_in_one_line(name, command, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    case = MANIFEST[name]["commands"][command]
+    assert run_cli(command, CORPUS / name, *case["args"]) == case["exit"]
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.out + captured.err
+    said = captured.err if case["exit"] == 2 else captured.out
+    assert len(said.strip().splitlines()) == 1 and case["text"] in said, said
+    if case["exit"] == 2:
+        assert said.startswith(f"cmatmul_pass: error: {CORPUS / name}: ") and captured.out == ""
+    assert list(tmp_path.iterdir()) == []  # no plot, no report
+
+
+def test_check_of_the_cross_replica_sample_never_reaches_xla(capsys):
+    """XLA's CPU compiler fails a RET_CHECK on this module (replica groups over one replica): the
+    check says there is nothing to compare instead of compiling it."""
+    assert run_cli("check", ROOT / "hlo_samples" / "neg_cross_replica.mlir", "-q") == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("cmatmul_pass: nothing to check: no site was rewritten (1 candidate site(s) declined")
+    assert captured.err == ""
+
+
+def test_an_xla_error_is_one_line_exit_2(monkeypatch, capsys):
+    """Should XLA refuse a module anyway (here: a command made to raise as XLA does), the CLI
+    prints one line and exits 2."""
+    import jax
+
+    from cmatmul_pass import cli
+
+    def refuse(args):
+        raise jax.errors.JaxRuntimeError("INTERNAL: RET_CHECK failure\nmore detail")
+
+    monkeypatch.setitem(cli.COMMANDS, "check", refuse)
+    assert run_cli("check", ROOT / "hlo_samples" / "ag_dot_1d.mlir", "-q") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "XLA could not compile or run the module: INTERNAL: RET_CHECK failure more detail" in err

@@ -287,3 +287,135 @@ def test_bench_variant_lists():
     assert variant_list("all") == VARIANT_NAMES
     assert variant_list("all,auto") == (*VARIANT_NAMES, "auto")
     assert variant_list(" uni , bidi,uni") == ("uni", "bidi")
+
+
+# ------------------------------------------------------------------ conventions (issue 33)
+@pytest.mark.parametrize("argv", [["rewrite", str(POS), "--quie"], ["explain", str(POS), "--hard", "h200"],
+                                  ["bench", str(POS), "--run", "1"]])
+def test_no_prefix_abbreviations(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        run_cli(*argv)
+    assert info.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        run_cli("--version")
+    assert info.value.code == 0 and capsys.readouterr().out == f"cmatmul_pass {cmatmul_pass.__version__}\n"
+
+
+def test_input_defaults_to_stdin(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(POS.read_bytes())))
+    assert run_cli("rewrite", "-q") == 0
+    assert capsys.readouterr().out == cmatmul_pass.rewrite(POS.read_text()).text
+
+
+def test_errors_read_like_mlir_tools(monkeypatch, capsys):
+    """``cmatmul_pass: error: FILE:LINE:COL: message``, stdin named <stdin>."""
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"module {\n  bogus.op\n}\n")))
+    assert run_cli("rewrite") == 2
+    assert capsys.readouterr().err.startswith("cmatmul_pass: error: <stdin>:2:3: ")
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(POS.read_bytes())))
+    assert run_cli("rewrite", "--variant", "uni", "--bidirectional") == 2
+    assert capsys.readouterr().err.startswith("cmatmul_pass: error: <stdin>: --variant names the ring variant")
+
+
+def test_the_console_script_is_installed():
+    script = os.path.join(os.path.dirname(sys.executable), "cmatmul-pass")
+    proc = subprocess.run([script, "--version"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout == f"cmatmul_pass {cmatmul_pass.__version__}\n"
+
+
+def test_a_hardware_key_typo_is_refused_with_the_valid_keys(capsys):
+    """`bandwith=` used to be stored silently as a dtype's throughput."""
+    from cmatmul_pass import cost
+
+    assert run_cli("explain", POS, "--hardware", "h100:bandwith=4e9") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown key 'bandwith'" in err and "known: bandwidth, " in err
+    assert "f8E4M3FN" in err and "overlap.<variant>" in err
+    with pytest.raises(cmatmul_pass.CmatmulError, match="unknown key 'bfloat16'"):
+        cost.hardware("h100:bfloat16=1e15")
+    # every key the error names is accepted
+    for key in (*cost.SCALAR_OVERRIDES, *cost.DTYPE_OVERRIDES):
+        cost.hardware(f"h100:{key}=0.5")
+
+
+# ------------------------------------------------------------------ saying something instead of nothing
+def _lowered(fn, *args) -> str:
+    return jax.jit(fn).lower(*args).as_text()
+
+
+def test_a_module_without_shard_map_is_told_about_xlas_flags(tmp_path, capsys):
+    from cmatmul_pass.cli import WINDOWED_EINSUM_FLAGS
+
+    mesh = jax.make_mesh((8,), ("x",))
+    x = jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=NamedSharding(mesh, P("x", None)))
+    w = jax.ShapeDtypeStruct((32, 64), jnp.float32, sharding=NamedSharding(mesh, P(None, None)))
+    path = tmp_path / "auto.mlir"
+    path.write_text(_lowered(lambda a, b: a @ b, x, w))
+    assert run_cli("rewrite", path, "-o", tmp_path / "out.mlir") == 0
+    err = capsys.readouterr().err
+    assert "0 of 0 candidate site(s)" in err
+    (note,) = [line for line in err.splitlines() if line.startswith("cmatmul_pass: note: ")]
+    assert "no shard_map (manual) region" in note and WINDOWED_EINSUM_FLAGS in note
+    assert run_cli("explain", path) == 0
+    assert "note: the module has no shard_map (manual) region" in capsys.readouterr().out
+    assert run_cli("rewrite", path, "-o", tmp_path / "out.mlir", "--quiet") == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_a_shard_map_without_candidates_gets_a_census(tmp_path, capsys):
+    mesh = jax.make_mesh((8,), ("x",))
+    shift = jax.shard_map(lambda a: jax.lax.ppermute(a, "x", [(i, (i + 1) % 8) for i in range(8)]) * 2,
+                          mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    x = jax.ShapeDtypeStruct((16, 4), jnp.float32, sharding=NamedSharding(mesh, P("x")))
+    path = tmp_path / "shift.mlir"
+    path.write_text(_lowered(shift, x))
+    assert run_cli("rewrite", path, "-o", tmp_path / "out.mlir") == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "note:" in line]
+    assert notes == ["cmatmul_pass: note: no candidate site: the shard_map regions hold 0 all_reduce, 0 all_gather, "
+                     "0 reduce_scatter, 0 all_to_all, 1 collective_permute (the pass rewrites an all_gather feeding a "
+                     "matmul, and a matmul's reduce_scatter or all_reduce sum)"]
+
+
+def test_a_site_predicted_slower_is_rewritten_with_a_warning(tmp_path, capsys):
+    """The bundled samples are tiny: the h100 profile predicts their rings slower. One warning
+    per such site under --policy all; none with --quiet, none under --policy auto (which leaves
+    them)."""
+    ar = sample("ar_megatron_mlp")
+    for path in (sample("sp_mlp"), ar):
+        assert run_cli("rewrite", path, "-o", tmp_path / "o.mlir") == 0
+        err = capsys.readouterr().err
+        result = cmatmul_pass.rewrite(path.read_text(), source=str(path))
+        warnings = [line for line in err.splitlines() if line.startswith("cmatmul_pass: warning: ")]
+        assert len(warnings) == len(result.report.rewritten) > 0
+        assert all("rewritten although the cost model predicts" in w and "--policy auto" in w for w in warnings)
+    assert "(split)" in warnings[0]  # the psum's strategy
+    assert run_cli("rewrite", ar, "-o", tmp_path / "o.mlir", "-q") == 0
+    assert capsys.readouterr().err == ""
+    assert run_cli("rewrite", ar, "-o", tmp_path / "o.mlir", "--policy", "auto") == 0
+    assert "warning" not in capsys.readouterr().err
+    # sites the model predicts faster get none (compute as long as the transfer, no overheads)
+    assert run_cli("rewrite", sample("sp_mlp"), "-o", tmp_path / "o.mlir", "--hardware",
+                   "h100:f32=1.1e7,bandwidth=1e6,step=0,loop_trip=0,split_efficiency=1") == 0
+    err = capsys.readouterr().err
+    assert "2 of 2 candidate site(s) rewritten" in err and "warning" not in err
+
+
+def test_explain_says_what_would_make_a_declined_site_eligible(capsys):
+    from cmatmul_pass import reasons
+
+    assert run_cli("explain", NEG) == 0
+    lines = capsys.readouterr().out.splitlines()
+    decision = next(i for i, line in enumerate(lines) if "decision: left unchanged" in line)
+    assert lines[decision + 1] == f"  to have it rewritten: {reasons.hint('user_not_dot')}"
+
+
+def test_bench_with_no_rewritten_site_recommends_nothing(tmp_path, capsys):
+    assert run_cli("bench", NEG, "--runs", "1", "--report-json", tmp_path / "r.json") == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() == ("cmatmul_pass: nothing to time: no site was rewritten (1 candidate site(s) "
+                                    "declined; see explain), so the rewritten module is the original in every "
+                                    "variant; nothing to recommend")
+    assert "fastest" not in captured.out + captured.err and not (tmp_path / "r.json").exists()

@@ -56,6 +56,22 @@ SCATTER = """module @m attributes {{mhlo.num_partitions = 4 : i32, mhlo.num_repl
 """
 
 
+ONE_PARTITION = """module @jit_f attributes {mhlo.num_partitions = 1 : i32, mhlo.num_replicas = 1 : i32} {
+  func.func public @main(%arg0: tensor<4x4xf32>, %arg1: tensor<4x4xf32>) -> tensor<4x4xf32> {
+    %0 = stablehlo.dot_general %arg0, %arg1, contracting_dims = [1] x [0] : (tensor<4x4xf32>, tensor<4x4xf32>) -> tensor<4x4xf32>
+    return %0 : tensor<4x4xf32>
+  }
+}
+"""
+UNUSED_GATHER = """module @m attributes {mhlo.num_partitions = 4 : i32, mhlo.num_replicas = 1 : i32} {
+  func.func public @main(%arg0: tensor<2x8xf32>) -> tensor<2x8xf32> {
+    %0 = "stablehlo.all_gather"(%arg0) <{all_gather_dim = 0 : i64, channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<[[0, 1, 2, 3]]> : tensor<1x4xi64>, use_global_device_ids}> : (tensor<2x8xf32>) -> tensor<8x8xf32>
+    return %arg0 : tensor<2x8xf32>
+  }
+}
+"""
+
+
 def scatter(op="add", rows=8, out=2) -> str:
     return SCATTER.format(op=op, rows=rows, out=out)
 
@@ -65,9 +81,26 @@ def error(text: str, *, line: bool = True) -> dict:
     return {"exit": 2, "error": text, "line_col": line}
 
 
-def unchanged(*reasons: str) -> dict:
-    """Exit 0, output identical to the input as the pass prints it, these sites' reason codes."""
-    return {"exit": 0, "unchanged": True, "reasons": list(reasons)}
+def unchanged(*reasons: str, **commands: dict) -> dict:
+    """Exit 0, output identical to the input as the pass prints it, these sites' reason codes;
+    ``commands``: what other commands must do with it (:func:`says`)."""
+    case = {"exit": 0, "unchanged": True, "reasons": list(reasons)}
+    if commands:
+        case["commands"] = commands
+    return case
+
+
+def says(exit: int, text: str, *args: str) -> dict:
+    """A command run on the file (with ``args``) exits ``exit`` with one line, no traceback,
+    containing ``text`` (on stderr for exit 2, on stdout otherwise)."""
+    return {"exit": exit, "text": text, "args": list(args)}
+
+
+#: ``check``/``bench`` on a module where nothing was rewritten: nothing to compare or time
+NOTHING_TO_RUN = dict(check=says(0, "nothing to check: no site was rewritten"),
+                      bench=says(0, "nothing to time: no site was rewritten", "--runs", "1"))
+#: ``explain --plot`` with no candidate site
+NO_PLOT = says(2, "--plot: no site to draw", "--plot", "timeline.png")
 
 
 def build() -> dict[str, tuple[bytes | str, dict]]:
@@ -112,11 +145,15 @@ def build() -> dict[str, tuple[bytes | str, dict]]:
         "gather_not_a_multiple.mlir": (gather(gt="tensor<7x8xf32>", yt="tensor<7x4xf32>"), error("multiple of")),
         # ---- readable, nothing the pass may rewrite
         "dynamic_shapes.mlir": (gather(xt="tensor<?x8xf32>", gt="tensor<?x8xf32>", yt="tensor<?x4xf32>"), unchanged("dynamic_shape")),
-        "no_num_partitions.mlir": (gather().replace("mhlo.num_partitions = 4 : i32, ", ""), unchanged("no_num_partitions")),
+        "no_num_partitions.mlir": (gather().replace("mhlo.num_partitions = 4 : i32, ", ""),
+                                    unchanged("no_num_partitions", **NOTHING_TO_RUN)),
+        "one_partition.mlir": (ONE_PARTITION, unchanged(**NOTHING_TO_RUN, explain=NO_PLOT)),
         "two_replicas.mlir": (gather(replicas=2), unchanged("replicas")),
-        "cross_replica_groups.mlir": (gather(channel="", global_ids=""), unchanged("cross_replica")),
+        "cross_replica_groups.mlir": (gather(channel="", global_ids=""), unchanged("cross_replica", **NOTHING_TO_RUN)),
         "ring_of_one.mlir": (gather(gt="tensor<2x8xf32>", yt="tensor<2x4xf32>", groups="[[0], [1], [2], [3]]", gshape="4x1"),
-                             unchanged("ring_size_1")),
+                             unchanged("ring_size_1", **NOTHING_TO_RUN)),
+        "groups_miss_partitions.mlir": (gather(parts=8), unchanged("replica_groups")),
+        "gather_unused.mlir": (UNUSED_GATHER, unchanged("no_users")),
         "scatter_not_a_multiple.mlir": (scatter(rows=10), unchanged("shape")),
         "scatter_max.mlir": (scatter("maximum"), unchanged("not_sum")),
         "scatter_mul.mlir": (scatter("multiply"), unchanged("not_sum")),
@@ -128,7 +165,7 @@ def build() -> dict[str, tuple[bytes | str, dict]]:
             unchanged(),
         ),
         "no_collectives.mlir": ("module @m {\n  func.func @main(%a: tensor<2xf32>) -> tensor<2xf32> {\n"
-                                "    return %a : tensor<2xf32>\n  }\n}\n", unchanged()),
+                                "    return %a : tensor<2xf32>\n  }\n}\n", unchanged(explain=NO_PLOT)),
     }
 
 

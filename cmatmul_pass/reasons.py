@@ -1,0 +1,129 @@
+"""Why a candidate site was left unchanged, and what the user can change to get it rewritten.
+
+Every reason code the pass can put in a report (``SiteReport.reason_code``: a matcher's or a
+rewrite's :class:`~cmatmul_pass.errors.Decline`, or the options' verdict: ``policy``,
+``min_bytes``, ``chunks``) has one :class:`Reason` here; ``explain`` prints its hint after each
+declined site, and ``docs/reasons.md`` is the same table for readers (a test keeps the two and
+the code in step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Reason:
+    code: str
+    #: what the pass found, in one sentence
+    meaning: str
+    #: what the user can change so that the site is rewritten (or why nothing can)
+    hint: str
+    #: ``explain``'s arguments on a bundled file that shows the code (``()``: none bundled)
+    example: tuple[str, ...] = ()
+
+
+REASONS: dict[str, Reason] = {r.code: r for r in (
+    # ---- the module
+    Reason("no_num_partitions", "the module has no `mhlo.num_partitions`, so the ring cannot be sized",
+           "lower the program with jax (`jax.jit(f).lower(...)`) on a mesh of several devices; the attribute is "
+           "written by the lowering",
+           ("hlo_samples/neg_no_num_partitions.mlir",)),
+    Reason("replicas", "the module runs several replicas (`mhlo.num_replicas` > 1)",
+           "use one replica and partition over the devices (a shard_map over a mesh), as jax does by default",
+           ("hlo_samples/neg_two_replicas.mlir",)),
+    Reason("cross_replica", "the collective groups replicas, not partitions (no `channel_handle` with "
+                            "`use_global_device_ids`)",
+           "write the collective inside `jax.shard_map` (lax.all_gather / psum_scatter / psum over a mesh axis); "
+           "pmap-style cross-replica collectives are not rewritten",
+           ("hlo_samples/neg_cross_replica.mlir",)),
+    Reason("partial_manual", "a partial-manual shard_map region where the ring position cannot be proven the same "
+                             "on the free mesh axes (the legacy partitioner's bodies, or groups mixing positions "
+                             "along an automatic axis)",
+           "lower with Shardy, jax's default partitioner (`jax_use_shardy_partitioner=True`), or make the shard_map "
+           "manual over every mesh axis (`axis_names` unset)",
+           ("hlo_samples/neg_partial_manual_legacy.mlir",)),
+    # ---- the collective
+    Reason("variadic", "the collective has several operands (one all_gather of a tuple)",
+           "gather or scatter each array with its own collective (one `lax.all_gather` per array)",
+           ("hlo_samples/neg_variadic.mlir",)),
+    Reason("replica_groups", "the replica groups are not equal-size groups listing every partition exactly once, "
+                             "or name a mesh or axis the pass cannot read",
+           "collect over whole mesh axes of one `jax.make_mesh` mesh (`lax.all_gather(x, 'model')`), so that every "
+           "device is in exactly one group of equal size",
+           ("tests/bad_inputs/groups_miss_partitions.mlir",)),
+    Reason("ring_size_1", "every replica group has one member: nothing is communicated",
+           "nothing to gain: a collective over a mesh axis of size 1 moves no data",
+           ("tests/bad_inputs/ring_of_one.mlir",)),
+    Reason("dynamic_shape", "a value on the path is dynamically shaped or unranked",
+           "lower with static shapes (concrete input shapes, no `jax.export` symbolic dims)",
+           ("tests/bad_inputs/dynamic_shapes.mlir",)),
+    Reason("shape", "the gathered or scattered dim is not the ring size times the shard's",
+           "make the collective's dim a multiple of the mesh axis size (pad the sequence or batch)",
+           ("tests/bad_inputs/scatter_not_a_multiple.mlir",)),
+    Reason("not_sum", "the reduce_scatter's or all_reduce's reduction is not a sum",
+           "only sums are rewritten: `psum_scatter` / `psum` (a `pmax` or a product stays a collective)",
+           ("hlo_samples/neg_rs_not_sum.mlir",)),
+    # ---- all_gather → dot
+    Reason("no_users", "the gathered value is unused",
+           "nothing to overlap: remove the all_gather (jax normally drops it)",
+           ("tests/bad_inputs/gather_unused.mlir",)),
+    Reason("user_not_dot", "the gathered value feeds no dot_general",
+           "only gathers whose value feeds a matmul are rewritten; move the op between the gather and the dot "
+           "before the gather (apply it to the shard), or inline the called function",
+           ("hlo_samples/neg_user_not_dot.mlir",)),
+    Reason("both_operands", "the gathered value reaches both operands of the dot (`g @ g.T`)",
+           "gather the two operands separately (two `lax.all_gather` calls) or compute the product from the shard",
+           ("hlo_samples/neg_both_operands.mlir",)),
+    Reason("other_block", "the dot and the collective are in different regions (a loop body, a branch)",
+           "put the collective and the matmul in the same function body (inside the same `lax.scan` step)",
+           ("hlo_samples/neg_other_block.mlir",)),
+    Reason("layout", "an op between the collective and the dot does not keep blocks of the ring dim whole (a "
+                     "reshape that splits it, an elementwise op whose other operand varies along it)",
+           "reshape before the gather or after the dot, and scale per row after the dot rather than before it",
+           ("hlo_samples/neg_reshape_splits_ring_dim.mlir",)),
+    Reason("schedule", "the dots reading the gathered value need values computed after another reader of it: no "
+                       "single place for the ring",
+           "compute what the dots need (their other operands) before the gather's other readers, or give the "
+           "dots their own gather",
+           ("hlo_samples/neg_schedule.mlir",)),
+    Reason("multiple_users", "the product or the gathered value is also read elsewhere, and the pass was asked not "
+                             "to assemble it (`--no-assemble`), or a scattered product is needed whole",
+           "drop `--no-assemble` / `assemble=False`; for a scatter, read the scattered result instead of the "
+           "full product",
+           ("hlo_samples/neg_rs_multiple_users.mlir",)),
+    # ---- dot → reduce_scatter, dot → all_reduce
+    Reason("producer_not_dot", "the scattered or summed value is not a dot_general's (or a sum of dots')",
+           "scatter or psum the matmul's result itself; a per-row op along the scattered dim goes after the "
+           "collective",
+           ("hlo_samples/neg_rs_producer_not_dot.mlir",)),
+    Reason("gathered_operand", "the scattered dim is the dim the dot's operand was all_gathered on: the gather's ring "
+                               "takes this dot instead",
+           "nothing to change: the all_gather's ring computes the dot (scatter along another dim to get both rings)",
+           ("hlo_samples/chain_same_dim.mlir",)),
+    Reason("no_dim", "no dim of the psum's product can be split over the ring (a scalar, or no dim the group "
+                     "size divides)",
+           "make the token (row) count a multiple of the mesh axis size",
+           ("hlo_samples/neg_ar_not_divisible.mlir",)),
+    Reason("chunks", "`--all-reduce chunk`: the rows cannot be cut into equal chunks that every op after the dot "
+                     "keeps whole",
+           "pick a `--chunks` K that divides the rows, or use `--all-reduce split`",
+           ("hlo_samples/ar_megatron_mlp.mlir", "--all-reduce", "chunk", "--chunks", "3")),
+    Reason("varies", "a row-wise op after a split psum reads a value that may differ between the group's devices: "
+                     "the gather cannot move past it",
+           "none needed: the gather is placed before that op (explain's `gathered:` line says where)"),
+    # ---- the options' verdict
+    Reason("policy", "`--policy auto`: the cost model predicts too small a gain on `--hardware`",
+           "use `--policy all` (the default), another `--variant` (the reason names one that would pass, if any), "
+           "or a `--hardware` profile that describes your machine",
+           ("hlo_samples/sp_mlp.mlir", "--policy", "auto")),
+    Reason("min_bytes", "the site moves fewer bytes per device than `--min-bytes`",
+           "lower `--min-bytes` (0, the default, rewrites every size)",
+           ("hlo_samples/sp_mlp.mlir", "--min-bytes", "1000000")),
+)}
+
+
+def hint(code: str) -> str:
+    """What the user can change about a site declined with ``code`` ("" for an unknown code)."""
+    reason = REASONS.get(code)
+    return reason.hint if reason else ""
