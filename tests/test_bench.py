@@ -351,7 +351,7 @@ def test_the_stored_h100_rings_model_is_what_docs_gpu_md_says(model, expected_ms
 
 
 def _readme_performance_summary() -> str:
-    readme = (bench.ROOT / "README.md").read_text()
+    readme = (bench.ROOT / "docs" / "performance-summary.md").read_text()  # the README's, before issue 33
     start = readme.index("\n## Performance")
     return readme[start:readme.index("\n## ", start + 1)]
 

@@ -407,7 +407,7 @@ def test_mlp_block_sanity():
 def test_the_readme_quotes_the_models_mlp_table():
     """The README's "Predicted on 8×H100" table is `cost.mlp_block` on the `h100` profile: a
     profile that moves (a new calibration) fails here until the table is regenerated."""
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "cost-model.md").read_text()  # the README's, before issue 33
     header = "| shapes | compute / transfer | uni | unroll 2 | full | bidi + unroll 2 | bidi + full | `--variant auto` |"
     assert header in readme
     columns = {"uni": (False, 1), "unroll 2": (False, 2), "full": (False, None),
