@@ -679,6 +679,8 @@ class AllReducePrediction:
     chunk_s: dict[int, float]
     variant: str
     ring: Prediction
+    #: per chunk count: one chunk's dot and one chunk's all_reduce (the stages of chunk_pipeline)
+    chunk_stages: dict[int, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def chunks(self) -> int | None:
@@ -707,7 +709,21 @@ class AllReducePrediction:
                 "split_s": self.split_s, "chunk_s": {str(k): v for k, v in self.chunk_s.items()},
                 "variant": self.variant, "speedup": {"split": self.speedup("split"),
                                                      **({"chunk": self.speedup("chunk")} if self.chunk_s else {})},
-                "chunks": self.chunks}
+                "chunks": self.chunks, "chunk_stages": {str(k): list(v) for k, v in self.chunk_stages.items()}}
+
+
+def chunk_pipeline(piece: float, reduce: float, chunks: int) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """The "chunk" strategy's schedule: ``chunks`` dots of ``piece`` seconds back to back on the
+    compute stream, each chunk's all_reduce (``reduce`` seconds) on the collective stream as soon
+    as its dot is done and the previous all_reduce has finished.  Returns (dot bars, all_reduce
+    bars) as (start, length); the last all_reduce's end is the predicted time."""
+    dots, reduces, reduce_end = [], [], 0.0
+    for i in range(chunks):
+        dots.append((i * piece, piece))
+        start = max((i + 1) * piece, reduce_end)
+        reduces.append((start, reduce))
+        reduce_end = start + reduce
+    return dots, reduces
 
 
 def predict_all_reduce(scatter: SiteShape, hw: Hardware, variant: str, chunk_counts=CHUNK_COUNTS) -> AllReducePrediction:
@@ -719,10 +735,34 @@ def predict_all_reduce(scatter: SiteShape, hw: Hardware, variant: str, chunk_cou
     t_ar = hw.all_reduce_seconds(full_bytes, n)
     ring = predict(scatter, hw, *VARIANTS[variant])
     gather = (n - 1) * scatter.step_bytes / hw.bandwidth + hw.step
-    chunk_s = {}
+    chunk_s, stages = {}, {}
     for k in chunk_counts:
         piece = t_dot / k / hw.split("dot_reduce_scatter", scatter.flops / k)
         reduce = hw.all_reduce_seconds(full_bytes / k, n)
-        chunk_s[k] = piece + (k - 1) * max(piece, reduce) + reduce  # a pipeline of k stages
-    return AllReducePrediction(hw.name, t_dot + t_ar, t_ar, ring.overlapped_s[variant] + gather, chunk_s, variant, ring)
+        stages[k] = (piece, reduce)
+        start, length = chunk_pipeline(piece, reduce, k)[1][-1]
+        chunk_s[k] = start + length
+    return AllReducePrediction(hw.name, t_dot + t_ar, t_ar, ring.overlapped_s[variant] + gather, chunk_s, variant, ring,
+                               stages)
 
+
+
+def megatron_mlp_block(hw: Hardware, hidden: int, ffn: int, tokens: int, n: int = 8, dtype: str = "bf16",
+                       variant: str = "uni", element_bytes: int = 2) -> dict:
+    """A Megatron MLP block without sequence parallelism on ``n`` devices: the gate and up
+    projections of the replicated ``tokens`` rows (no collective), then the down projection
+    ``psum``-ed.  The psum site priced as :func:`predict_all_reduce` does (split: the scatter ring
+    in ``variant`` and its gather, assumed unhidden; chunk: the fastest of 2, 4, 8 chunks), plus
+    the projections' time.  Not priced: the norm and residual work "split" moves onto 1/n of the
+    rows (memory-bound, small beside the dots at these shapes).  ``split_stack_s``: the block in
+    a stack of such blocks, where the split's gather is carried into the next block's gather ring
+    (the steady state is then a sequence-parallel block, :func:`mlp_block` in ``variant``)."""
+    down = SiteShape("dot_reduce_scatter", n, 2 * tokens * (ffn // n) * hidden, (tokens // n) * hidden * element_bytes,
+                     dtype)
+    p = predict_all_reduce(down, hw, variant)
+    up = 2 * (2 * tokens * hidden * (ffn // n)) / hw.throughput(dtype)
+    serial, split, chunk = up + p.serial_s, up + p.split_s, up + p.chunk_s[p.chunks]
+    stack = mlp_block(hw, hidden, ffn, tokens, n, dtype, *VARIANTS[variant], element_bytes=element_bytes)["overlapped_s"]
+    return {"serial_s": serial, "split_s": split, "split_stack_s": stack, "chunk_s": chunk, "chunks": p.chunks,
+            "split": serial / split, "split_stack": serial / stack, "chunk": serial / chunk,
+            "all_reduce_share": p.all_reduce_s / serial}

@@ -288,3 +288,36 @@ def test_megatron_training_parity_with_jax_jit():
     assert base[-1] < 0.6 * base[0] and mine_acc == base_acc
     split = [s for s in step.report.sites if s.kind == "dot_all_reduce"]
     assert len(split) == 8 and all(s.rewritten for s in split)  # 2 blocks: forward, dx, dW1, dW2 psums
+
+
+@pytest.mark.parametrize("strategy", ["split", "chunk"])
+def test_the_timeline_draws_psum_sites_in_their_strategy(tmp_path, monkeypatch, strategy):
+    """Every psum site gets its lanes: the original's dots then all_reduce, and the split's ring
+    and gather or the chunks' pipeline, which ends at the predicted time."""
+    from cmatmul_pass import timeline
+
+    drawn = []
+    real = timeline._all_reduce_lanes
+    monkeypatch.setattr(timeline, "_all_reduce_lanes", lambda *a: drawn.append(real(*a)) or drawn[-1])
+    result = rewrite(sample("ar_megatron_ln_stack").read_text(), all_reduce=strategy, chunks=2 if strategy == "chunk" else None)
+    png = timeline.plot(result.report, cost.hardware("h100"), tmp_path / "t.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    psums = [s for s in result.report.sites if s.kind == "dot_all_reduce"]
+    assert len(drawn) == len(psums) == 2
+    for (lanes, label, ring), site in zip(drawn, psums):
+        assert label.startswith(strategy) and ring == 8
+        prediction = site.all_reduce["prediction"]
+        end = max(start + length for _, bars, _ in lanes[2:] for start, length in bars)
+        expected = prediction["split_s"] if strategy == "split" else prediction["chunk_s"]["2"]
+        assert end == pytest.approx(expected)
+        assert lanes[1][1] == [(pytest.approx(prediction["serial_s"] - prediction["all_reduce_s"]),
+                                pytest.approx(prediction["all_reduce_s"]))]
+
+
+def test_the_chunk_pipeline_ends_where_the_model_says():
+    """k dots back to back; each all_reduce starts when its dot and the previous all_reduce are done."""
+    dots, reduces = cost.chunk_pipeline(2.0, 3.0, 3)
+    assert dots == [(0.0, 2.0), (2.0, 2.0), (4.0, 2.0)]
+    assert reduces == [(2.0, 3.0), (5.0, 3.0), (8.0, 3.0)]  # collective-bound: piece + k * reduce
+    dots, reduces = cost.chunk_pipeline(3.0, 1.0, 3)
+    assert reduces[-1] == (9.0, 1.0)  # compute-bound: k * piece + reduce

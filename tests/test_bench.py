@@ -406,3 +406,19 @@ def test_the_readme_summary_quotes_the_stored_bench_run():
     assert names[0].startswith("pass time ≤ 5 %") and names[4].startswith("CPU run time ≤ 1.0 of the hand-written")
     stated = [rows[name].rstrip(" |").rsplit("| ", 1)[1].startswith("yes") for name in names]
     assert stated == verdicts
+
+
+def test_bench_megatron_smoke(tmp_path):
+    """The psum-after-matmul part of the benchmark: a Megatron training step's pass cost (every
+    psum of a matmul split, the carried gathers ringed) and the blocks' run time per strategy."""
+    out = tmp_path / "megatron.json"
+    assert bench.main(["--only-megatron", "--layers", "1", "--repeats", "1", "--layer-runs", "1",
+                       "--megatron", "64", "32", "64", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())["megatron"]
+    (row,) = results["pass_cost"]["per_layers"]
+    assert results["pass_cost"]["model"] == "megatron"
+    assert row["rewritten"] == row["sites"] and row["kinds"]["dot_all_reduce"] >= 4
+    assert row["kinds"].get("all_gather_dot", 0) >= 1  # a carried gather reached the next projections' ring
+    assert set(results["runtime"]["over_original"]) == {
+        "split-uni", "split-unroll2", "split-bidi", "chunk-2", "chunk-4", "chunk-8"}
+    assert all(v > 0 for v in results["runtime"]["over_original"].values())

@@ -652,3 +652,35 @@ def test_the_timeline_draws_each_site_as_its_variant(tmp_path, monkeypatch):
     result = cmatmul_pass.rewrite(sample("sp_mlp").read_text(), cmatmul_pass.Options(variant="auto"))
     timeline.plot(result.report, cost.hardware("h100"), tmp_path / "t.png")
     assert drawn == [s.cost["variant"] for s in result.report.sites] and len(set(drawn)) == 2
+
+
+def test_the_docs_quote_the_models_megatron_table():
+    """docs/performance.md's Megatron table is `cost.megatron_mlp_block` on the `h100` profile."""
+    doc = (ROOT / "docs" / "performance.md").read_text()
+    header = "| shapes | tokens | all_reduce share | split alone (uni) | split in a stack: uni | unroll2 | bidi-full | chunk (k) |"
+    assert header in doc
+    section = doc[doc.index(header):]
+    rows = [line for line in section.splitlines()[2:] if line.startswith("| Llama-3-")]
+    shapes = {"Llama-3-70B-like (hidden 8192, ffn 28672)": (8192, 28672),
+              "Llama-3-8B-like (hidden 4096, ffn 14336)": (4096, 14336)}
+    hw = cost.PROFILES["h100"]
+    expected = []
+    for name, (hidden, ffn) in shapes.items():
+        for tokens in (1024, 2048, 4096, 8192, 16384, 32768):
+            r = {v: cost.megatron_mlp_block(hw, hidden, ffn, tokens, variant=v) for v in ("uni", "unroll2", "bidi-full")}
+            u = r["uni"]
+            expected.append(f"| {name} | {tokens} | {u['all_reduce_share']:.2f} | {u['split']:.2f}x | "
+                            f"{u['split_stack']:.2f}x | {r['unroll2']['split_stack']:.2f}x | "
+                            f"{r['bidi-full']['split_stack']:.2f}x | {u['chunk']:.2f}x ({u['chunks']}) |")
+    assert rows == expected
+
+
+def test_a_megatron_block_chunked_hides_its_all_reduce_behind_the_dots():
+    """At a 70B-like shape the chunks beat the all_reduce; a split block alone pays its gather, and
+    in a stack it is the sequence-parallel block."""
+    hw = cost.PROFILES["h100"]
+    block = cost.megatron_mlp_block(hw, 8192, 28672, 8192)
+    assert block["chunk"] > 1.05 and block["chunks"] in cost.CHUNK_COUNTS
+    sp = cost.mlp_block(hw, 8192, 28672, 8192)
+    assert block["split_stack_s"] == pytest.approx(sp["overlapped_s"])
+    assert block["split_s"] > block["serial_s"] - block["all_reduce_share"] * block["serial_s"]

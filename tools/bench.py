@@ -20,7 +20,13 @@ Everything is measured in one process and reported as ratios (results in bench/r
 3. **Targets.**  Each of issue 7's targets against this run: met or not, and the variants above
    it (``results["targets"]``).
 
-    python tools/bench.py [--layers 1 4 16 32] [--runs 7] [--layer-runs 51] [--quick]
+4. **psum after a matmul (Megatron without sequence parallelism).**  The pass cost on a Megatron
+   training step (pre-norm attention projections and a SwiGLU MLP per layer, each ending in a
+   psum) at the same L, and two Megatron MLP blocks' CPU run time: "split" per variant and
+   "chunk" with 2, 4, 8 chunks over the original (``results["megatron"]``; ``--only-megatron``
+   runs just this part into bench/results_megatron.json).
+
+    python tools/bench.py [--layers 1 4 16 32] [--runs 7] [--layer-runs 51] [--quick] [--only-megatron]
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import argparse
 import json
 import os
 import statistics
+from collections import Counter
 import sys
 import time
 from pathlib import Path
@@ -136,6 +143,47 @@ def transformer_step(layers: int, hidden=64, ffn=128, tokens=64, hand_written: b
     return jax.jit(jax.value_and_grad(loss)), (params, x)
 
 
+def megatron_step(layers: int, hidden=64, ffn=128, tokens=64, mesh_shape: tuple[int, int] = (2, 4),
+                  dtype=jnp.float32):
+    """(function, args): value_and_grad of a loss over ``layers`` Megatron blocks without sequence
+    parallelism on a ``("data", "model")`` mesh: the rows split over "data" only, replicated over
+    "model"; attention projections and a SwiGLU MLP, each ending in ``psum(... @ w, "model")``
+    after a pre-norm, with residual adds (the psum-after-matmul sites: 4 per layer forward,
+    and the backward's)."""
+    mesh = jax.make_mesh(mesh_shape, ("data", "model"))
+    rows = P("data", None)
+
+    def norm(h):
+        return h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6)
+
+    def block(h, wq, wk, wv, wo, w1, w3, w2):
+        x = norm(h)
+        q, k, v = x @ wq, x @ wk, x @ wv
+        a = jax.nn.softmax(q * k, axis=-1) * v
+        h = h + jax.lax.psum(a @ wo, "model")
+        x = norm(h)
+        return h + jax.lax.psum((jax.nn.silu(x @ w1) * (x @ w3)) @ w2, "model")
+
+    col, row = P(None, "model"), P("model", None)
+    smap = jax.shard_map(block, mesh=mesh, in_specs=(rows, col, col, col, row, col, col, row), out_specs=rows)
+
+    def loss(params, x):
+        h = x
+        for p in params:
+            h = smap(h, *p)
+        return jnp.mean(h.astype(jnp.float32) ** 2)
+
+    shapes = [(hidden, hidden)] * 4 + [(hidden, ffn), (hidden, ffn), (ffn, hidden)]
+    specs = [col, col, col, row, col, col, row]
+    params = [[jax.ShapeDtypeStruct(s, dtype, sharding=NamedSharding(mesh, sp)) for s, sp in zip(shapes, specs)]
+              for _ in range(layers)]
+    x = jax.ShapeDtypeStruct((tokens, hidden), dtype, sharding=NamedSharding(mesh, rows))
+    return jax.jit(jax.value_and_grad(loss)), (params, x)
+
+
+MODELS = {"sequence_parallel": transformer_step, "megatron": megatron_step}
+
+
 def compile_seconds(module) -> float:
     devices = jax.devices("cpu")[:8]
     start = time.perf_counter()
@@ -143,16 +191,18 @@ def compile_seconds(module) -> float:
     return time.perf_counter() - start
 
 
-def pass_cost(layers_list: list[int], variant_layers: list[int], repeats: int = 3) -> dict:
-    """Per L: lower, compile and pass time; at each L of ``variant_layers``, every variant's
-    compile time over the original's (``compile_ratio_by_layers``; ``compile_ratio``: at the
-    first such L, with the hand-written rings' beside it)."""
-    out = {"per_layers": [], "compile_ratio": {}, "compile_ratio_by_layers": {}, "repeats": repeats}
+def pass_cost(layers_list: list[int], variant_layers: list[int], repeats: int = 3,
+              model: str = "sequence_parallel") -> dict:
+    """Per L: lower, compile and pass time of ``model`` (MODELS); at each L of
+    ``variant_layers``, every variant's compile time over the original's
+    (``compile_ratio_by_layers``; ``compile_ratio``: at the first such L, with the hand-written
+    rings' beside it; the sequence-parallel model only)."""
+    out = {"model": model, "per_layers": [], "compile_ratio": {}, "compile_ratio_by_layers": {}, "repeats": repeats}
     for layers in layers_list:
         samples = []
         for _ in range(repeats):  # each a cold start: fresh functions, jax's caches cleared
             jax.clear_caches()
-            fn, args = transformer_step(layers)
+            fn, args = MODELS[model](layers)
             t0 = time.perf_counter()
             lowered = fn.lower(*args)
             t1 = time.perf_counter()
@@ -173,6 +223,7 @@ def pass_cost(layers_list: list[int], variant_layers: list[int], repeats: int = 
             "layers": layers,
             "sites": len(result.report.sites),
             "rewritten": len(result.report.rewritten),
+            "kinds": dict(sorted(Counter(site.kind for site in result.report.rewritten).items())),
             # sites calling a shared ring function, and how many such functions (cmatmul_pass.sharing)
             "shared": len(shared),
             "ring_functions": len(set(shared)),
@@ -188,7 +239,7 @@ def pass_cost(layers_list: list[int], variant_layers: list[int], repeats: int = 
         print(f"  L={layers:>2}: {row['sites']} sites ({row['shared']} calling {row['ring_functions']} shared rings), lower {row['lower_s']:.2f} s, compile {row['compile_s']:.2f} s, "
               f"pass {row['pass_s']:.3f} s ({100 * row['pass_over_lower_compile']:.2f} %; parse + print "
               f"{100 * row['parse_print_over_lower_compile']:.2f} %)", flush=True)
-        if layers in variant_layers:
+        if layers in variant_layers and model == "sequence_parallel":
             def compile_median(make) -> float:
                 return statistics.median(compile_seconds(make()) for _ in range(repeats))
 
@@ -281,6 +332,42 @@ def layer_runtime(runs: int, rows: int = 1024, hidden: int = 512, out: int = 102
     return result
 
 
+def megatron_runtime(runs: int, rows: int = 1024, hidden: int = 512, ffn: int = 1024) -> dict:
+    """Two pre-norm Megatron MLP blocks (psum after the row-parallel matmul, rows replicated over
+    the 8 devices): the original against "split" in each variant (the first psum's rows carried
+    through the residual add and the norm into the second block's gather ring, the output gathered
+    once) and "chunk" with 2, 4 and 8 chunks; rewritten / original, interleaved medians."""
+    mesh = jax.make_mesh((8,), ("model",))
+    col, row = P(None, "model"), P("model", None)
+
+    def stack(x, w1a, w2a, w1b, w2b):
+        def norm(h):
+            return h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6)
+
+        h = x + jax.lax.psum(jax.nn.gelu(norm(x) @ w1a) @ w2a, "model")
+        return h + jax.lax.psum(jax.nn.gelu(norm(h) @ w1b) @ w2b, "model")
+
+    f = jax.shard_map(stack, mesh=mesh, in_specs=(P(), col, row, col, row), out_specs=P())
+    shapes = [(rows, hidden), (hidden, ffn), (ffn, hidden), (hidden, ffn), (ffn, hidden)]
+    structs = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(mesh, sp))
+               for s, sp in zip(shapes, (P(), col, row, col, row))]
+    text = jax.jit(f).lower(*structs).as_text()
+    original = ir_utils.parse(text)
+    devices = jax.devices("cpu")[:8]
+    inputs = execute.random_inputs(original, 0)
+    strategies = {f"split-{name}": variant_options(name) for name in ("uni", "unroll2", "bidi")}
+    strategies.update({f"chunk-{k}": cmatmul_pass.Options(all_reduce="chunk", chunks=k) for k in (2, 4, 8)})
+    programs = {"original": execute.Program(original, inputs, devices)}
+    for name, options in strategies.items():
+        programs[name] = execute.Program(cmatmul_pass.rewrite(text, options).module, inputs, devices)
+    seconds = interleaved_medians(programs, runs)
+    result = {"shape": {"rows": rows, "hidden": hidden, "ffn": ffn, "blocks": 2}, "original_s": seconds["original"],
+              "over_original": {name: seconds[name] / seconds["original"] for name in strategies}}
+    print(f"  Megatron 2 blocks {rows}x{hidden}x{ffn}: "
+          + ", ".join(f"{k} {v:.2f}" for k, v in result["over_original"].items()), flush=True)
+    return result
+
+
 # ---------------------------------------------------------------------------- 3. issue 7's targets
 #: (name, limit) of the targets issue 7 sets; each is met when its value(s) are at most the limit
 TARGETS = (
@@ -346,12 +433,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="L = 1, 4 only and 5 runs (a smoke test)")
     parser.add_argument("--samples", nargs="*", help="only these samples (default: every positive one)")
     parser.add_argument("--layer", type=int, nargs=3, default=[1024, 512, 1024], metavar=("ROWS", "HIDDEN", "OUT"))
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results.json"))
+    parser.add_argument("--megatron", type=int, nargs=3, default=[1024, 512, 1024], metavar=("ROWS", "HIDDEN", "FFN"),
+                        help="the Megatron blocks' shape for the psum-after-matmul run times")
+    parser.add_argument("--only-megatron", action="store_true",
+                        help="only the psum-after-matmul measurements (pass cost and run time; default out: "
+                             "bench/results_megatron.json)")
+    parser.add_argument("--out")
     args = parser.parse_args(argv)
     if args.quick:
         args.layers, args.runs, args.layer_runs, args.repeats = [1, 4], 5, 5, 1
     results = {"jax": jax.__version__, "devices": "8 virtual CPU devices", "runs": args.runs,
                "layer_runs": args.layer_runs}
+    if args.only_megatron:
+        results["megatron"] = megatron(args)
+        write_results(args.out or ROOT / "bench" / "results_megatron.json", results)
+        return 0
     print("1. pass cost", flush=True)
     results["pass_cost"] = pass_cost(args.layers, args.variant_layers, args.repeats)
     print("2. CPU run time, rewritten / original (median of runs)", flush=True)
@@ -365,11 +461,22 @@ def main(argv: list[str] | None = None) -> int:
         k for k, v in ratios.items() if k != fastest and v <= ratios[fastest] * (1 + NEAR)]
     print("median over samples: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items())
           + f"; fastest: {fastest}" + (f" ({', '.join(near)} within {NEAR:.0%})" if near else ""))
+    results["megatron"] = megatron(args)
     print("3. issue 7's targets", flush=True)
     results["targets"] = targets(results)
     print_targets(results["targets"])
-    write_results(args.out, results)
+    write_results(args.out or ROOT / "bench" / "results.json", results)
     return 0
+
+
+def megatron(args) -> dict:
+    """The psum-after-matmul sites: the pass's cost on Megatron training steps (beside the
+    sequence-parallel model's at the same L) and the blocks' CPU run time per strategy."""
+    print("Megatron (psum after a matmul): pass cost", flush=True)
+    out = {"pass_cost": pass_cost(args.layers, [], args.repeats, model="megatron")}
+    print("Megatron: CPU run time, rewritten / original (median of runs)", flush=True)
+    out["runtime"] = megatron_runtime(args.layer_runs, *args.megatron)
+    return out
 
 
 def write_results(path: str | Path, results: dict) -> None:

@@ -580,8 +580,10 @@ def compile_programs(model: str, layers: int, dtype: str, names: list[str], dump
 
 
 def program_options(name: str, profile: str) -> dict:
-    """``cmatmul_pass.jit``'s options for program ``name``: a model-picked variant picks for ``profile``."""
-    options = dict(PROGRAMS[name])
+    """``cmatmul_pass.jit``'s options for program ``name``: a model-picked variant picks for ``profile``.
+    The training step's data-parallel psums of weight gradients stay all_reduces (``all_reduce="keep"``):
+    this tool measures the gather and scatter rings' overlap, which the profile's ``overlap`` prices."""
+    options = {"all_reduce": "keep", **PROGRAMS[name]}
     if options.get("variant") == "auto":
         options["hardware"] = profile
     return options
