@@ -22,6 +22,8 @@ _LAZY = {
     "CheckResult": "execute",
     "jit": "decorator",
     "JittedFunction": "decorator",
+    "overlap": "overlap",
+    "Overlap": "overlap",
 }
 
 __all__ = ["CmatmulError", "Decline", "ExecutionError", "InputError", "InternalError", "NumericsMismatch", *_LAZY]

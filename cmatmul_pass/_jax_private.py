@@ -140,3 +140,92 @@ def hlo_module_from_text(text: str):
     except ImportError:  # pragma: no cover - older jaxlib kept it in the extension
         hlo_bindings = _xla_client._xla
     return hlo_bindings.hlo_module_from_text(text)
+
+
+# ------------------------------------------------------------------ the overlap call primitive
+# (cmatmul_pass.overlap: composition under jax transformations, issue 32)
+
+
+def under_trace() -> bool:
+    """Whether a JAX transformation (jit, grad, vmap, scan, eval_shape, shard_map, ...) is
+    tracing the caller: a call then has to be staged, not run."""
+    from jax._src import core
+
+    return not core.trace_state_clean()
+
+
+def make_call_primitive(name: str, rewrite_callee) -> Any:
+    """A call primitive named ``name`` that behaves like jax's own ``closed_call`` under every
+    transformation (its JVP, linearisation, partial evaluation, batching and transpose re-bind
+    this same primitive around the transformed jaxpr, so derivatives and batched versions stay
+    wrapped), and lowers as ``closed_call`` does (a private func and a ``func.call``) before
+    ``rewrite_callee(module, func_name, params)`` rewrites that func in the enclosing module
+    under construction (``params``: the bind's, plus a ``name`` vmap may add).  Bind it as ``primitive.bind(*args, call_jaxpr=closed_jaxpr, **params)``;
+    ``params`` must be hashable (jax caches on them)."""
+    from functools import partial
+
+    from jax._src import core
+    from jax._src.interpreters import ad, partial_eval as pe
+
+    primitive = core.ClosedCallPrimitive(name)
+    primitive.def_impl(core.call_impl)
+    primitive.def_effectful_abstract_eval(
+        lambda *_, call_jaxpr, **__: (call_jaxpr.out_avals, core.positional_effects(call_jaxpr)))
+    pe.partial_eval_jaxpr_custom_rules[primitive] = pe.partial_eval_jaxpr_custom_rules[core.closed_call_p]
+    pe.dce_rules[primitive] = pe.dce_rules[core.closed_call_p]
+
+    def transpose(ct, *args, call_jaxpr, **params):  # jax's closed_call transpose, re-binding this primitive
+        ad.call_transpose_fancy(primitive, ct, *call_jaxpr.consts, *args,
+                                call_jaxpr=pe.convert_constvars_jaxpr(call_jaxpr.jaxpr), **params)
+
+    ad.fancy_transposes[primitive] = transpose
+
+    def lower(ctx, *args, call_jaxpr, **params):
+        outs = _jmlir.core_call_lowering(ctx, *args, name=name, call_jaxpr=call_jaxpr)
+        call = _call_op(outs)
+        if call is not None:
+            callee = ir.FlatSymbolRefAttr(call.attributes["callee"]).value
+            rewrite_callee(ctx.module_context.module, callee, params)
+        return outs
+
+    _jmlir.register_lowering(primitive, lower, cacheable=False)
+    return primitive
+
+
+def _call_op(outs) -> ir.Operation | None:
+    """The ``func.call`` whose results ``outs`` are (None for a call without results)."""
+    for value in outs:
+        for v in value if isinstance(value, (list, tuple)) else (value,):
+            owner = v.owner
+            if isinstance(owner, ir.Operation) or hasattr(owner, "operation"):
+                op = owner.operation if hasattr(owner, "operation") else owner
+                if op.name == "func.call":
+                    return op
+    return None
+
+
+def lift_inlined_meshes(module: ir.Module) -> None:
+    """Shardy's ``sdy-lift-inlined-meshes``: the meshes jax inlines into shardings while it
+    lowers become ``sdy.mesh`` symbols (as jax itself does once a module is lowered)."""
+    from jax._src.lib.mlir import passmanager
+
+    with module.context:
+        passmanager.PassManager.parse("builtin.module(sdy-lift-inlined-meshes)").run(module.operation)
+
+
+def traced_call_jaxpr(fun, flat_args: Sequence[Any]) -> tuple[Any, list, Any]:
+    """``fun``'s jaxpr on ``flat_args`` for a call primitive: a ClosedJaxpr without constants
+    (they become its first inputs: closed-over tracers of an enclosing trace may be among them),
+    those constants, and the output pytree's structure."""
+    import jax
+    from jax._src import core
+    from jax._src.interpreters import partial_eval as pe
+
+    closed, shapes = jax.make_jaxpr(fun, return_shape=True)(*flat_args)
+    jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
+    return core.ClosedJaxpr(jaxpr, ()), list(closed.consts), jax.tree.structure(shapes)
+
+
+def bind_call(primitive: Any, args: Sequence[Any], call_jaxpr: Any, **params: Any) -> list:
+    """Bind a call primitive of :func:`make_call_primitive` around ``call_jaxpr``."""
+    return primitive.bind(*args, **primitive.get_bind_params(dict(params, call_jaxpr=call_jaxpr)))

@@ -26,9 +26,10 @@ import jax
 import numpy as np
 
 from . import execute, ir_utils
-from ._jax_private import lowered_module, lowered_with_module, make_context
+from ._jax_private import lowered_module, lowered_with_module, make_context, under_trace
 from .cost import VARIANTS
-from .errors import NumericsMismatch
+from .errors import InternalError, NumericsMismatch
+from .overlap import Overlap
 from .pipeline import Options, rewrite
 from .report import Report
 
@@ -52,6 +53,7 @@ def jit(
     check: bool = False,
     gpu_options: bool = True,
     measure_runs: int = 5,
+    strict: bool = False,
     **jit_kwargs: Any,
 ):
     """Like ``jax.jit(fun, **jit_kwargs)``, running the rewritten program.
@@ -75,6 +77,12 @@ def jit(
     ``gpu_options``: on a GPU, compile a program with rewritten sites with the XLA options
     its rings need to overlap (:func:`ring_compiler_options`), except those you set yourself
     in ``compiler_options`` or ``XLA_FLAGS``.
+    ``strict``: raise where the pass fails on a module or XLA rejects the rewritten one;
+    by default the original program runs instead, with one warning per reason
+    (``.stats["fallbacks"]`` counts them).
+    Called under a JAX transformation (``jax.grad``, ``jax.vmap``, an enclosing ``jax.jit``,
+    ``lax.scan``, ``jax.eval_shape``, ...), it stages :func:`cmatmul_pass.overlap` of ``fun``
+    (``.overlap``: its reports), so the enclosing program's lowering holds the rings.
     """
     if measure_runs < 1:
         raise ValueError(f"measure_runs must be at least 1, not {measure_runs}")
@@ -87,13 +95,13 @@ def jit(
     if measure and (bidirectional or unroll != 1):
         raise ValueError("variant='measure' times every variant; it cannot be combined with bidirectional or unroll")
     make = functools.partial(_make, options=options, check=check, gpu_options=gpu_options, jit_kwargs=jit_kwargs,
-                             measure_runs=measure_runs if measure else 0)
+                             measure_runs=measure_runs if measure else 0, strict=strict)
     return make if fun is None else make(fun)
 
 
 def _make(fun: Callable, *, options: Options, check: bool, gpu_options: bool, jit_kwargs: dict,
-          measure_runs: int = 0) -> "JittedFunction":
-    return JittedFunction(fun, options, check, jit_kwargs, gpu_options, measure_runs)
+          measure_runs: int = 0, strict: bool = False) -> "JittedFunction":
+    return JittedFunction(fun, options, check, jit_kwargs, gpu_options, measure_runs, strict)
 
 
 #: ``cmatmul_pass.jit(variant=MEASURE)``: time every variant on the devices, keep the fastest
@@ -146,6 +154,21 @@ class Lowered:
         return self._lowered.compiler_ir(dialect)
 
 
+class Traced:
+    """jax's ``Traced`` (attributes read through), whose ``.lower()`` rewrites."""
+
+    def __init__(self, traced: Any, owner: "JittedFunction"):
+        self._traced = traced
+        self._owner = owner
+
+    def __getattr__(self, name: str):
+        return getattr(self._traced, name)
+
+    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
+        self._owner.stats["lowerings"] += 1
+        return self._owner._lower(self._traced.lower(*args, **kwargs), self._owner.options)
+
+
 @dataclass
 class _Entry:
     compiled: Any
@@ -159,8 +182,12 @@ class JittedFunction:
     variant and for the original, and ``.picked`` the variant kept."""
 
     def __init__(self, fun: Callable, options: Options, check: bool, jit_kwargs: dict, gpu_options: bool = True,
-                 measure_runs: int = 0):
+                 measure_runs: int = 0, strict: bool = False):
         self._fun = fun
+        self.strict = strict
+        #: what a call under a JAX transformation stages (its ``.reports``: each lowered function's)
+        self.overlap = Overlap(fun, options, strict)
+        self._staged = jax.jit(self.overlap, **jit_kwargs)
         self._gpu_options = gpu_options
         self._user_compiler_options = dict(jit_kwargs.get("compiler_options") or {})
         self._jitted = jax.jit(fun, **jit_kwargs)
@@ -184,13 +211,25 @@ class JittedFunction:
         options = replace(self.options, variant=picked) if picked else self.options
         return self._lower(self._jax_lower(args, kwargs), options)
 
+    def trace(self, *args: Any, **kwargs: Any) -> "Traced":
+        """jax.jit's ``.trace``: ``.jaxpr``, ``.out_info`` ...; its ``.lower()`` is :meth:`lower`'s."""
+        return Traced(self._jitted.trace(*args, **kwargs), self)
+
+    def eval_shape(self, *args: Any, **kwargs: Any):
+        return self._staged.eval_shape(*args, **kwargs)
+
     def _jax_lower(self, args: tuple, kwargs: dict):
         self.stats["lowerings"] += 1
         return self._jitted.lower(*args, **kwargs)
 
     def _lower(self, original: Any, options: Options) -> Lowered:
         module = ir_utils.copy_module(lowered_module(original), make_context())
-        result = rewrite(module, options, source=getattr(self._fun, "__qualname__", "<jit>"))
+        source = getattr(self._fun, "__qualname__", "<jit>")
+        try:
+            result = rewrite(module, options, source=source)
+        except InternalError as failure:
+            self._fall_back(failure, f"the pass failed on {source}")
+            return Lowered(original, Report(source, None), original)
         self.stats["rewrites"] += 1
         self.report = result.report
         extra = {}
@@ -203,7 +242,30 @@ class JittedFunction:
         dynamic_args, dynamic_kwargs, statics = self._static.split(args, kwargs)
         return (statics, _signature((dynamic_args, dynamic_kwargs))), dynamic_args, dynamic_kwargs
 
+    def _fall_back(self, failure: Exception, what: str) -> None:
+        """The original program runs instead of the rewrite (``strict``: raise ``failure``)."""
+        if self.strict:
+            raise failure
+        self.stats["fallbacks"] += 1
+        self.overlap.warn_once(f"{what}: {failure}", f"cmatmul_pass.jit: {what} ({type(failure).__name__}: "
+                               f"{failure}); running the original program (strict=True raises)")
+
+    def _compile(self, lowered: Lowered):
+        """``lowered.compile()``, or the original's where XLA rejects the rewritten module."""
+        try:
+            return lowered.compile()
+        except Exception as failure:  # XLA's errors have no common public type across versions
+            if lowered._lowered is lowered.original:
+                raise
+            sites = "; ".join(f"{s.kind} at {s.location}" for s in lowered.report.rewritten)
+            self._fall_back(failure, f"XLA rejected the rewritten program (rewritten sites: {sites or 'none'})")
+            lowered.report = Report(lowered.report.source, lowered.report.num_partitions)
+            lowered._lowered = lowered.original
+            return lowered.original.compile()
+
     def __call__(self, *args: Any, **kwargs: Any):
+        if under_trace():
+            return self._staged(*args, **kwargs)
         key, dynamic_args, dynamic_kwargs = self._key(args, kwargs)
         entry = self._cache.get(key)
         if entry is None:
@@ -211,7 +273,7 @@ class JittedFunction:
                 entry = self._measure(key, args, kwargs, dynamic_args, dynamic_kwargs)
             else:
                 lowered = self.lower(*args, **kwargs)
-                entry = _Entry(lowered.compile(), lowered)
+                entry = _Entry(self._compile(lowered), lowered)
                 self.stats["compiles"] += 1
             self._cache[key] = entry
             self.report = entry.lowered.report
