@@ -22,8 +22,8 @@ _LAZY = {
     "CheckResult": "execute",
     "jit": "decorator",
     "JittedFunction": "decorator",
-    "overlap": "overlap",
-    "Overlap": "overlap",
+    "overlap": "transform",
+    "Overlap": "transform",
 }
 
 __all__ = ["CmatmulError", "Decline", "ExecutionError", "InputError", "InternalError", "NumericsMismatch", *_LAZY]

@@ -29,7 +29,7 @@ from . import execute, ir_utils
 from ._jax_private import lowered_module, lowered_with_module, make_context, under_trace
 from .cost import VARIANTS
 from .errors import InternalError, NumericsMismatch
-from .overlap import Overlap
+from .transform import Overlap
 from .pipeline import Options, rewrite
 from .report import Report
 
