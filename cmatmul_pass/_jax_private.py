@@ -159,8 +159,9 @@ def make_call_primitive(name: str, rewrite_callee) -> Any:
     transformation (its JVP, linearisation, partial evaluation, batching and transpose re-bind
     this same primitive around the transformed jaxpr, so derivatives and batched versions stay
     wrapped), and lowers as ``closed_call`` does (a private func and a ``func.call``) before
-    ``rewrite_callee(module, func_name, params)`` rewrites that func in the enclosing module
-    under construction (``params``: the bind's, plus a ``name`` vmap may add).  Bind it as ``primitive.bind(*args, call_jaxpr=closed_jaxpr, **params)``;
+    ``rewrite_callee(module, func_name, params, manual)`` rewrites that func in the enclosing
+    module under construction (``params``: the bind's, plus a ``name`` vmap may add;
+    ``manual``: where the call sits, :func:`_manual_context`).  Bind it as ``primitive.bind(*args, call_jaxpr=closed_jaxpr, **params)``;
     ``params`` must be hashable (jax caches on them)."""
     from functools import partial
 
@@ -185,11 +186,23 @@ def make_call_primitive(name: str, rewrite_callee) -> Any:
         call = _call_op(outs)
         if call is not None:
             callee = ir.FlatSymbolRefAttr(call.attributes["callee"]).value
-            rewrite_callee(ctx.module_context.module, callee, params)
+            rewrite_callee(ctx.module_context.module, callee, params, _manual_context(ctx))
         return outs
 
     _jmlir.register_lowering(primitive, lower, cacheable=False)
     return primitive
+
+
+def _manual_context(ctx) -> str:
+    """Where a lowering rule's call sits: ``""`` outside any shard_map, ``"manual"`` in a
+    shard_map manual over every mesh axis, ``"partial-manual"`` in one manual over some."""
+    axis_context = ctx.module_context.axis_context
+    manual = set(getattr(axis_context, "manual_axes", ()) or ())
+    if not manual:
+        return ""
+    mesh = getattr(axis_context, "mesh", None)
+    every = {name for name, size in zip(mesh.axis_names, mesh.axis_sizes) if size > 1} if mesh is not None else None
+    return "manual" if every is not None and every <= manual else "partial-manual"
 
 
 def _call_op(outs) -> ir.Operation | None:

@@ -15,8 +15,10 @@ the enclosing program is lowered, each such call becomes a private function of t
 place, so the rings sit wherever the call went, backward passes included.
 
 Where the pass fails on a function (an internal error), the function stays as jax lowered
-it and a warning says so once (``strict=True`` raises instead).  A call placed inside a
-shard_map body is a function outside any manual region: the pass finds no site there.
+it and a warning says so once (``strict=True`` raises instead).  A call inside a shard_map
+body manual over every mesh axis is rewritten like the body itself (its partition ids are
+the devices'); inside one manual over some axes only, it is left as jax lowered it, with a
+warning (its ops would need the region's shardings).
 """
 
 from __future__ import annotations
@@ -64,8 +66,19 @@ class Overlap:
             given_args, given_kwargs = jax.tree.unflatten(in_tree, leaves)
             return self._fun(*given_args, **given_kwargs)
 
+        if OVERLAP_P is None:
+            self.warn_once("jax", f"cmatmul_pass.overlap({self.name}): this jax {jax.__version__} moved what the "
+                           f"call primitive needs ({_UNAVAILABLE}); running the plain function, not rewritten")
+            return self._fun(*args, **kwargs)
         closed, consts, out_tree = traced_call_jaxpr(flat_fun, flat)
-        outs = bind_call(OVERLAP_P, (*consts, *flat), closed, owner=self)
+        try:
+            outs = bind_call(OVERLAP_P, (*consts, *flat), closed, owner=self)
+        except NotImplementedError as missing:  # a transformation without a rule for call primitives
+            if self.strict:
+                raise
+            self.warn_once(f"transform: {missing}", f"cmatmul_pass.overlap({self.name}): a transformation cannot "
+                           f"keep the rewrite ({missing}); running the plain function here")
+            return self._fun(*args, **kwargs)
         return jax.tree.unflatten(out_tree, outs)
 
     # --------------------------------------------------------------- the lowering side
@@ -111,11 +124,21 @@ def overlap(fun: Callable | None = None, *, strict: bool = False, **options: Any
     return make if fun is None else make(fun)
 
 
-def _lower_callee(module: ir.Module, name: str, params: dict) -> None:
-    params["owner"].rewrite_function(module, name)
+def _lower_callee(module: ir.Module, name: str, params: dict, manual: str) -> None:
+    owner = params["owner"]
+    if manual == "partial-manual":  # the function's ops would need the region's shardings: not rewritten
+        owner.stats["partial_manual"] += 1
+        owner.warn_once(manual, f"cmatmul_pass.overlap({owner.name}): called inside a shard_map manual over only "
+                        "some mesh axes; this call is not rewritten (call it outside the shard_map to get rings)")
+        return
+    owner.rewrite_function(module, name)
 
 
-OVERLAP_P = make_call_primitive("cmatmul_overlap", _lower_callee)
+try:
+    OVERLAP_P, _UNAVAILABLE = make_call_primitive("cmatmul_overlap", _lower_callee), ""
+except (AttributeError, ImportError, KeyError, TypeError) as _moved:  # a jax whose internals moved
+    OVERLAP_P, _UNAVAILABLE = None, f"{type(_moved).__name__}: {_moved}"
+
 
 
 # ------------------------------------------------------------------ rewriting one function in place

@@ -304,3 +304,56 @@ def test_overlap_is_a_light_transform_for_your_own_jit():
     assert layer.report.rewritten and all(s.schedule["directions"] == 2 for s in layer.report.rewritten)
     with pytest.raises(ValueError, match="unroll"):
         cmatmul_pass.overlap(SP, unroll=3)
+
+
+def test_called_inside_a_shard_map_body():
+    """Inside a body manual over every mesh axis the call's function is rewritten (its partition
+    ids are the devices'); inside one manual over some axes it stays as jax lowered it, with a
+    warning: rewritten as if fully manual, XLA would reject it (partition ids in an SPMD region)."""
+    x, w = gather_inputs()
+    specs = dict(in_specs=(P("model", None), P(None, "model")), out_specs=P(None, "model"), check_vma=False)
+    inner = cmatmul_pass.jit(gather_dot, strict=True)
+    full = jax.jit(jax.shard_map(lambda x, w: inner(x, w), mesh=MESH, **specs))
+    assert_close(full(x, w), jax.jit(GATHER)(x, w))
+    assert_rings(full.lower(x, w))
+    partial_inner = cmatmul_pass.jit(gather_dot, strict=True)
+    partial = jax.jit(jax.shard_map(lambda x, w: partial_inner(x, w), mesh=MESH, axis_names={"model"}, **specs))
+    plain = jax.jit(jax.shard_map(gather_dot, mesh=MESH, axis_names={"model"}, **specs))
+    with pytest.warns(RuntimeWarning, match="manual over only some mesh axes"):
+        assert_close(partial(x, w), plain(x, w))
+    assert not ring_ops(partial.lower(x, w))["collective_permute"]
+    assert partial_inner.overlap.stats["partial_manual"] >= 1 and not partial_inner.overlap.reports
+
+
+def test_other_transformations_of_a_decorated_function():
+    """jvp, linearize, vjp, a Hessian-vector product, while and cond bodies, checkify, custom_vjp,
+    vmap of grad and grad of vmap: each equals plain JAX."""
+    from jax.experimental import checkify
+
+    layer = cmatmul_pass.jit(GATHER, strict=True)
+    loss = cmatmul_pass.jit(lambda x, w: jnp.sum(GATHER(x, w) ** 2), strict=True)
+    plain = lambda x, w: jnp.sum(GATHER(x, w) ** 2)  # noqa: E731
+    x, w = gather_inputs()
+    ws = jnp.stack([w, -w])
+
+    @jax.custom_vjp
+    def custom(x, w):
+        return loss(x, w)
+
+    custom.defvjp(lambda x, w: (loss(x, w), (x, w)), lambda res, g: jax.grad(loss, argnums=(0, 1))(*res))
+    cases = {
+        "jvp": (lambda f: jax.jvp(f, (x, w), (x, w)), layer, GATHER),
+        "linearize": (lambda f: jax.linearize(f, x, w)[1](x, w), layer, GATHER),
+        "vjp": (lambda f: jax.vjp(f, x, w)[1](jax.jit(GATHER)(x, w)), layer, GATHER),
+        "hvp": (lambda f: jax.jvp(jax.grad(f), (x, w), (x, w))[1], loss, plain),
+        "while": (lambda f: jax.lax.fori_loop(0, 2, lambda i, c: c + f(x, w), 0.0), loss, plain),
+        "cond": (lambda f: jax.lax.cond(True, f, plain, x, w), loss, plain),
+        "checkify": (lambda f: checkify.checkify(f)(x, w)[1], loss, plain),
+        "custom_vjp": (lambda f: jax.grad(f, argnums=(0, 1))(x, w), custom, plain),
+        "vmap_of_grad": (lambda f: jax.vmap(jax.grad(f, argnums=1), in_axes=(None, 0))(x, ws), loss, plain),
+        "grad_of_vmap": (lambda f: jax.grad(lambda ws: jnp.sum(jax.vmap(f, in_axes=(None, 0))(x, ws)))(ws), loss, plain),
+    }
+    with jax.set_mesh(MESH):
+        for name, (transform_of, mine, theirs) in cases.items():
+            assert_close(transform_of(mine), transform_of(theirs), 1e-3), name
+    assert loss.overlap.stats["rewrites"] >= 8 and not loss.overlap.stats["fallbacks"]
