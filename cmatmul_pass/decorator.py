@@ -335,6 +335,22 @@ class JittedFunction:
         return entry.compiled(*args, **kwargs)
 
 
+def comparable(x) -> np.ndarray | None:
+    """What ``check=True`` compares of a value jax.jit takes or returns: a typed PRNG key array
+    as its key data, a float0 (nothing to compare) as booleans of its shape, a 0-d array as a
+    0-d numpy array; None for an array whose sharding is reduced or unreduced on an
+    explicit-sharding mesh (its per-device values are not one array: skipped, with a note)."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return np.asarray(jax.random.key_data(x))
+    if dtype == jax.dtypes.float0:
+        return np.zeros(np.shape(x), np.bool_)
+    spec = getattr(getattr(x, "sharding", None), "spec", None)
+    if getattr(spec, "unreduced", None) or getattr(spec, "reduced", None):
+        return None
+    return np.asarray(x)
+
+
 def _copies(tree):
     """``tree`` with every jax array copied (inputs a program may donate)."""
     return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, tree)

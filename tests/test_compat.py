@@ -357,3 +357,18 @@ def test_other_transformations_of_a_decorated_function():
         for name, (transform_of, mine, theirs) in cases.items():
             assert_close(transform_of(mine), transform_of(theirs), 1e-3), name
     assert loss.overlap.stats["rewrites"] >= 8 and not loss.overlap.stats["fallbacks"]
+
+
+def test_what_check_compares_of_each_value_jax_jit_returns():
+    key = jax.random.key(3)
+    np.testing.assert_array_equal(decorator.comparable(key), np.asarray(jax.random.key_data(key)))
+    zero = jax.grad(lambda x, n: x * n, argnums=1, allow_int=True)(1.0, 3)
+    assert decorator.comparable(zero).dtype == np.bool_ and decorator.comparable(zero).shape == ()
+    scalar = decorator.comparable(jnp.float32(2.5))
+    assert scalar.shape == () and scalar == 2.5
+    x, _ = gather_inputs()
+    np.testing.assert_array_equal(decorator.comparable(x), np.asarray(x))
+    with jax.set_mesh(MESH):
+        unreduced = jax.jit(lambda a, b: jnp.dot(a, b, out_sharding=P(None, None, unreduced={"model"})))(
+            put((8, 32), P(None, "model")), put((32, 8), P("model", None)))
+    assert decorator.comparable(unreduced) is None
