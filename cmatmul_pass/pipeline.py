@@ -21,12 +21,13 @@ from .matchers import (
     match_reduce_scatter,
 )
 from .matchers.all_reduce import DOT_ALL_REDUCE, AllReduceSite, match_all_reduce
+from .matchers.common import collective_ring
 from .report import Report, SiteReport, describe_shard, element_bits, tensor_bytes
 from .rewrites.all_gather_dot import merge_groups, rewrite_all_gather_dot
 from .rewrites.dot_all_reduce import chunk_all_reduce, chunk_dims_ok, split_all_reduce
 from .rewrites.dot_reduce_scatter import halves_blocker, rewrite_dot_reduce_scatter
 from .rewrites.schedule import Annotator, Applied, RewriteContext
-from .rewrites.sequence_parallel import Seed, carry_forward
+from .rewrites.sequence_parallel import Seed, carry_forward, move_gather_forward
 from .sharing import RingLibrary
 
 
@@ -247,8 +248,8 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
         # all_gather, carried forward to where its value is read whole, which the gathers'
         # pass below then finds.
         gathers = list(found["stablehlo.all_gather"])
+        variance = Variance(info)
         if options.all_reduce_strategy != "keep" and found["stablehlo.all_reduce"]:
-            variance = Variance(info)
             seeds: list[Seed] = []
             for op in found["stablehlo.all_reduce"]:
                 entry, seed = _all_reduce(match_all_reduce(op, info), ctx, source, options, hw, apply, info)
@@ -268,7 +269,16 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
         gathered = {}
         for op in gathers:
             gathered[id(op)] = len(report.sites)
-            report.sites.append(apply(match_all_gather(op, info, assemble=options.assemble)))
+            site = match_all_gather(op, info, assemble=options.assemble)
+            moved = _move_gather(site, info, variance, ctx, source, options)
+            if moved is None:
+                report.sites.append(apply(site))
+                continue
+            for m in moved.materialised:  # each now read by dots: an all_gather → dot site
+                entry = apply(match_all_gather(m.all_gather, info, assemble=options.assemble))
+                entry.notes.insert(0, f"moved to its dot past {m.moved_ops} row-wise op(s), which now run on this "
+                                      f"device's rows (where it stood: declined [{site.code}])")
+                report.sites.append(entry)
         if options.all_reduce_strategy != "keep" and found["stablehlo.all_reduce"]:
             _say_where_gathers_went(report, carried, gathered)
         if report.rewritten:
@@ -337,6 +347,24 @@ def _apply(
     }
     entry.notes = applied.notes + moved
     return entry
+
+
+#: declines of a gather whose value may reach its dots through row-wise ops (a norm, a bias)
+MOVABLE_DECLINES = frozenset({"layout", "user_not_dot"})
+
+
+def _move_gather(site: Site, info: ModuleInfo, variance: Variance, ctx: RewriteContext, source: str,
+                 options: Options):
+    """A gather declined because row-wise ops stand between it and its dots: move it past them
+    (:func:`.rewrites.sequence_parallel.move_gather_forward`); None when it cannot move.  Only
+    under ``policy="all"``: a site the cost model then leaves must leave the module as it was."""
+    if not isinstance(site, DeclinedSite) or site.code not in MOVABLE_DECLINES or site.ring is None \
+            or options.policy != "all":
+        return None
+    ring, region = collective_ring(site.anchor, info)
+    dim = ir_utils.int_attr(site.anchor.operation, "all_gather_dim")
+    seed = Seed(site.anchor, ring, region, dim, -1)
+    return move_gather_forward(seed, variance, ctx.take_channel, ctx.constants, source)
 
 
 def _all_reduce(site, ctx: RewriteContext, source: str, options: Options, hw: cost.Hardware, apply,

@@ -436,15 +436,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--megatron", type=int, nargs=3, default=[1024, 512, 1024], metavar=("ROWS", "HIDDEN", "FFN"),
                         help="the Megatron blocks' shape for the psum-after-matmul run times")
     parser.add_argument("--only-megatron", action="store_true",
-                        help="only the psum-after-matmul measurements (pass cost and run time; default out: "
-                             "bench/results_megatron.json)")
+                        help="only the psum-after-matmul measurements (pass cost, beside the sequence-parallel "
+                             "model's, and run time; default out: bench/results_megatron.json)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     if args.quick:
         args.layers, args.runs, args.layer_runs, args.repeats = [1, 4], 5, 5, 1
     results = {"jax": jax.__version__, "devices": "8 virtual CPU devices", "runs": args.runs,
                "layer_runs": args.layer_runs}
-    if args.only_megatron:
+    if args.only_megatron:  # with the sequence-parallel model's pass cost beside it, from the same run
+        print("1. pass cost (sequence parallel)", flush=True)
+        results["pass_cost"] = pass_cost(args.layers, [], args.repeats)
         results["megatron"] = megatron(args)
         write_results(args.out or ROOT / "bench" / "results_megatron.json", results)
         return 0

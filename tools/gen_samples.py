@@ -740,6 +740,22 @@ def megatron_rms_stack() -> str:
     return lower(f, *megatron_args(mesh, layers=2))
 
 
+def sp_rms_norm_before_dot() -> str:
+    """A sequence-parallel MLP block whose gathered rows are RMS-normalised (with a replicated
+    gain) before the up projection: the norm runs on the shard's rows, the gather moves to the dot."""
+    mesh = mesh_1d()
+
+    def body(x, g, w1, w2):
+        h = gather(x, "model", 0)
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6) * g
+        return jax.lax.psum_scatter(jax.nn.gelu(h @ w1) @ w2, "model", scatter_dimension=0, tiled=True)
+
+    specs = (P("model", None), P(), P(None, "model"), P("model", None))
+    f = smap(body, mesh=mesh, in_specs=specs, out_specs=P("model", None))
+    return lower(f, arg(mesh, (64, 32), specs[0]), arg(mesh, (32,), P()), arg(mesh, (32, 128), specs[2]),
+                 arg(mesh, (128, 32), specs[3]))
+
+
 def megatron_bf16() -> str:
     """bf16 weights and activations, the row-parallel product accumulated and summed in f32."""
     mesh = mesh_1d()
@@ -1254,6 +1270,11 @@ SAMPLES_LIST = [
            megatron_row_mixing, "rewritten 1",
            ["CHECK-NOT: stablehlo.all_reduce", "CHECK: stablehlo.while", "CHECK: stablehlo.dynamic_slice",
             "CHECK: stablehlo.add", 'CHECK: "stablehlo.all_gather"', "CHECK: stablehlo.reduce_window"]),
+    Sample("ag_norm_dot", "gather, RMS norm of the gathered rows (a replicated gain), then the dot: the norm runs on "
+           "the shard's rows and the gather moves to the dot, whose ring it becomes.",
+           sp_rms_norm_before_dot, "rewritten 2",
+           ["CHECK: stablehlo.rsqrt", "CHECK-SAME: tensor<8x1xf32>", "CHECK: stablehlo.while",
+            "CHECK-NOT: stablehlo.all_gather", "CHECK-NOT: stablehlo.reduce_scatter"]),
     Sample("neg_ar_not_divisible", "psum of a [12, 12] product on a ring of 8: no dim splits evenly.",
            megatron_not_divisible, "unchanged no_dim", ['CHECK: "stablehlo.all_reduce"', "CHECK-NOT: stablehlo.while"]),
     # ---- declined

@@ -109,6 +109,30 @@ def carry_forward(seeds: list[Seed], variance: Variance, take_channel, constants
     return carry
 
 
+def move_gather_forward(seed: Seed, variance: Variance, take_channel, constants: dict, source: str | None
+                        ) -> Carry | None:
+    """A program's own all_gather whose value reaches its dots only through row-wise ops (a norm
+    of the gathered rows, a convert, a bias): run those ops on this device's rows and gather
+    their results just before the dots, ``op(all_gather(x)) == all_gather(op(x))`` for an op that
+    works row by row along the gathered dim and reads nothing else that differs between the
+    group's devices.  Built only when some op moves, every gather left is read by a
+    ``dot_general`` (an all_gather → dot site) and no more bytes are gathered than before;
+    otherwise None, and the module is untouched."""
+    block = seed.all_gather.operation.block
+    plan = _Plan([seed], variance)
+    for op in block.operations:
+        plan.visit(op)
+    if not plan.roles:
+        return None
+    readers = plan.outside_readers(block)
+    if not readers or plan.over_budget(readers) or \
+            any(reader.name != "stablehlo.dot_general" for reader in readers.values()):
+        return None
+    carry = Carry()
+    _build(plan, readers, block, take_channel, constants, source, carry)
+    return carry
+
+
 def _carry_block(block: ir.Block, seeds: list[Seed], variance: Variance, take_channel, constants: dict,
                  source: str | None, carry: Carry) -> None:
     plan = _Plan(seeds, variance)
