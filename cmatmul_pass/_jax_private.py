@@ -45,6 +45,7 @@ __all__ = [
     "lowered_module",
     "lowered_with_module",
     "hlo_module_from_text",
+    "lowered_arguments",
 ]
 
 
@@ -127,6 +128,21 @@ def lowered_with_module(lowered: Any, module: ir.Module) -> Any:
     return new
 
 
+def lowered_arguments(lowered: Any) -> tuple[set[int] | None, list | None]:
+    """What a ``jax.stages.Lowered``'s module takes: the indices of the flattened dynamic
+    arguments it kept (jax drops unused ones), and the devices of its partitions in order
+    (its device assignment); None where this jax keeps them elsewhere."""
+    args = getattr(getattr(lowered, "_lowering", None), "compile_args", None) or {}
+    kept = args.get("kept_var_idx")
+    devices = None
+    for sharding in args.get("in_shardings") or ():
+        assignment = getattr(sharding, "_device_assignment", None)
+        if assignment:
+            devices = list(assignment)
+            break
+    return (set(kept) if kept is not None else None), devices
+
+
 def _jax_version() -> str:
     import jax
 
@@ -161,7 +177,7 @@ def make_call_primitive(name: str, rewrite_callee) -> Any:
     wrapped), and lowers as ``closed_call`` does (a private func and a ``func.call``) before
     ``rewrite_callee(module, func_name, params, manual)`` rewrites that func in the enclosing
     module under construction (``params``: the bind's, plus a ``name`` vmap may add;
-    ``manual``: where the call sits, :func:`_manual_context`).  Bind it as ``primitive.bind(*args, call_jaxpr=closed_jaxpr, **params)``;
+    ``manual``: where the call sits, :func:`_manual_context`).  Bind it with :func:`bind_call`;
     ``params`` must be hashable (jax caches on them)."""
     from functools import partial
 

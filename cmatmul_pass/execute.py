@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 import ml_dtypes
 import numpy as np
 
-from . import ir_utils
+from . import ir_utils, numerics
 from ._jax_private import compile_module, ir, sharding_for_devices
 from .errors import ExecutionError
 
@@ -74,48 +74,114 @@ _NUMPY_DTYPES = {
 }
 
 
+class CannotCheck(ExecutionError):
+    """The check cannot compare the programs (an output or input kind it does not handle)."""
+
+
 @dataclass(frozen=True)
 class OutputComparison:
+    """One output of the original and of the rewrite, compared on every device.
+
+    Judged against the original evaluated in f64 (``original_error`` set; :mod:`.numerics`):
+    ``rel_error`` is the rewritten output's normwise error against that reference and
+    ``tolerance`` what it may be (``FACTOR`` times the original's plus a floor).  Without a
+    reference (the fixed-tolerance fallback, :func:`compare`): ``rel_error`` is
+    ``max|a-b| / max|a|`` and ``tolerance`` the dtype's.  Exact outputs (integers, bools):
+    ``tolerance`` 0.0 and ``max_abs_error`` must be 0."""
+
     index: int
     dtype: str
     shape: tuple[int, ...]
-    max_abs_error: float
+    max_abs_error: float  # max |rewritten - original| where both are finite; inf: a non-finite mismatch
     rel_error: float
     tolerance: float  # 0.0 means exact
+    original_error: float | None = None  # the original's normwise error against the f64 reference
+    nonfinite: int = 0  # elements the original leaves inf or NaN (the rewritten must match them)
+    elements: int = 0  # elements per device times devices
 
     @property
     def ok(self) -> bool:
+        if self.max_abs_error == math.inf:
+            return False
         return self.rel_error <= self.tolerance if self.tolerance else self.max_abs_error == 0
 
+    @property
+    def ratio(self) -> float | None:
+        """The rewritten output's error over the original's (against the f64 reference)."""
+        if self.original_error is None:
+            return None
+        if self.original_error > 0:
+            return self.rel_error / self.original_error
+        return 0.0 if self.rel_error == 0 else math.inf
+
+    @property
+    def status(self) -> str:
+        """``ok``, ``MISMATCH``, or ``non-finite``: agreeing, but the original leaves some of
+        the output inf or NaN on these inputs (not counted as agreement there)."""
+        if not self.ok:
+            return "MISMATCH"
+        return "non-finite" if self.nonfinite else "ok"
+
     def line(self) -> str:
-        rule = f"rel tol {self.tolerance:g}" if self.tolerance else "exact"
-        verdict = "ok" if self.ok else "MISMATCH"
-        return (
-            f"output {self.index} {self.dtype}{list(self.shape)}: max abs err {self.max_abs_error:.3e}, "
-            f"rel err {self.rel_error:.3e} ({rule}) {verdict}"
-        )
+        head = f"output {self.index} {self.dtype}{list(self.shape)}: "
+        if not self.tolerance:
+            body = f"max abs err {self.max_abs_error:.3e} (exact)"
+        elif self.original_error is None:
+            body = (f"max abs err {self.max_abs_error:.3e}, rel err {self.rel_error:.3e} "
+                    f"(rel tol {self.tolerance:g}, no f64 reference)")
+        else:
+            ratio = self.ratio
+            body = (f"error vs f64: original {self.original_error:.2e}, rewritten {self.rel_error:.2e}, "
+                    f"ratio {ratio:.2f} (allowed {self.tolerance:.2e})")
+        if self.nonfinite:
+            body += (f"; the original is inf/NaN in {self.nonfinite} of {self.elements} elements on these "
+                     "inputs, compared only there" if self.nonfinite < self.elements else
+                     "; the original is inf/NaN in every element on these inputs: not compared")
+        return head + body + f" {self.status}"
+
+    def to_dict(self) -> dict:
+        return dict(asdict(self), shape=list(self.shape), ok=self.ok, ratio=self.ratio, status=self.status)
 
 
 @dataclass(frozen=True)
 class CheckResult:
     outputs: tuple[OutputComparison, ...]
     num_partitions: int
+    #: what float outputs were judged against: "f64" (the original promoted), else why not
+    reference: str = "f64"
 
     @property
     def ok(self) -> bool:
+        """No output differs (outputs the original leaves non-finite may still be unchecked)."""
         return all(o.ok for o in self.outputs)
+
+    @property
+    def complete(self) -> bool:
+        """Every element of every output was compared (none non-finite in the original)."""
+        return not any(o.nonfinite for o in self.outputs)
 
     def to_dict(self) -> dict:
         return {
             "ok": self.ok,
+            "complete": self.complete,
             "num_partitions": self.num_partitions,
-            "outputs": [dict(asdict(o), shape=list(o.shape), ok=o.ok) for o in self.outputs],
+            "reference": self.reference,
+            "factor": numerics.FACTOR,
+            "outputs": [o.to_dict() for o in self.outputs],
         }
 
     def format(self) -> str:
         lines = [o.line() for o in self.outputs]
-        verdict = "numerics: OK" if self.ok else "numerics: MISMATCH"
-        lines.append(f"{verdict} ({len(self.outputs)} output(s), {self.num_partitions} partitions)")
+        if not self.ok:
+            verdict = "numerics: MISMATCH"
+        elif not self.complete:
+            verdict = "numerics: INCOMPLETE (no mismatch, but the original is inf/NaN in some outputs)"
+        else:
+            verdict = "numerics: OK"
+        against = "an f64 evaluation of the original" if self.reference == "f64" else \
+            f"fixed tolerances ({self.reference})"
+        lines.append(f"{verdict} ({len(self.outputs)} output(s), {self.num_partitions} partitions; floats judged "
+                     f"against {against})")
         return "\n".join(lines)
 
 
@@ -159,6 +225,21 @@ def random_inputs(module: ir.Module, seed: int = 0) -> list[np.ndarray]:
         else:
             arrays.append(rng.standard_normal(shape).astype(dtype))
     return arrays
+
+
+def as_module_inputs(module: ir.Module, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """``arrays`` (one per entry-function argument) in the element types the arguments have (a
+    Python float jax traced as f32 comes as an f64 array)."""
+    params = entry_function(module).regions[0].blocks[0].arguments
+    if len(params) != len(arrays):
+        raise CannotCheck(f"the module takes {len(params)} arguments, {len(arrays)} were given")
+    converted = []
+    for arg, x in zip(params, arrays):
+        t = ir_utils.ranked_tensor(arg)
+        if t is None:
+            raise CannotCheck(f"an argument of type {arg.type} cannot be given")
+        converted.append(np.asarray(x).astype(numpy_dtype(t.element_type), copy=False))
+    return converted
 
 
 def cpu_devices(count: int) -> list:
@@ -258,18 +339,25 @@ def reduction_tolerance(module: ir.Module) -> float:
 
 
 def compare(index: int, expected: list[np.ndarray], actual: list[np.ndarray],
-            extra_tolerance: float = 0.0) -> OutputComparison:
-    """``extra_tolerance``: a floor for float outputs' tolerance (:func:`reduction_tolerance`)."""
+            extra_tolerance: float = 0.0, exact: list[np.ndarray] | None = None,
+            model: numerics.ErrorModel | None = None) -> OutputComparison:
+    """One output, original (``expected``) against rewritten (``actual``), per device.
+
+    ``exact``: the output of the original evaluated in f64 (:mod:`.reference`), with the
+    module's ``model``: float outputs are then judged by :func:`numerics.judge_float`.
+    Without it (the fallback), by the dtype's fixed normwise tolerance, at least
+    ``extra_tolerance`` (:func:`reduction_tolerance`)."""
     a = np.stack(expected)
     b = np.stack(actual)
     name = _dtype_name(a.dtype)
+    shape, elements = tuple(a.shape[1:]), int(a.size)
     if a.shape != b.shape or a.dtype != b.dtype:
-        return OutputComparison(index, f"{name} vs {_dtype_name(b.dtype)}", a.shape[1:], float("inf"), float("inf"), 0.0)
-    shape = tuple(a.shape[1:])
+        return OutputComparison(index, f"{name} vs {_dtype_name(b.dtype)}", shape, math.inf, math.inf, 0.0,
+                                elements=elements)
     if name not in FLOAT_TOLERANCES:  # integers and bools: exact
         diff = np.abs(a.astype(np.int64) - b.astype(np.int64)) if a.size else np.zeros(1)
         err = float(diff.max()) if diff.size else 0.0
-        return OutputComparison(index, name, shape, err, err, 0.0)
+        return OutputComparison(index, name, shape, err, err, 0.0, elements=elements)
     wide = np.complex128 if a.dtype.kind == "c" else np.float64
     a64, b64 = a.astype(wide), b.astype(wide)
     # a NaN or an infinity must be where the original has the same one (an overflow both
@@ -278,14 +366,21 @@ def compare(index: int, expected: list[np.ndarray], actual: list[np.ndarray],
     a_finite = np.isfinite(a64)
     finite = a_finite & np.isfinite(b64)
     if (~same & ~finite).any():
-        max_abs = float("inf")
+        max_abs = math.inf
     else:
         diff = np.abs(a64[finite] - b64[finite])
         max_abs = float(diff.max()) if diff.size else 0.0
+    nonfinite = int(np.count_nonzero(~a_finite))
+    if exact is not None:
+        verdict = numerics.judge_float(a64, b64, np.stack(exact), name, model or numerics.ErrorModel())
+        rel = math.inf if max_abs == math.inf else verdict.rewritten_error
+        return OutputComparison(index, name, shape, max_abs, rel, verdict.tolerance, verdict.original_error,
+                                nonfinite, elements)
     magnitudes = np.abs(a64[a_finite])
     scale = float(magnitudes.max()) if magnitudes.size else 0.0
     rel = max_abs / scale if scale > 0 else max_abs
-    return OutputComparison(index, name, shape, max_abs, rel, max(FLOAT_TOLERANCES[name], extra_tolerance))
+    return OutputComparison(index, name, shape, max_abs, rel, max(FLOAT_TOLERANCES[name], extra_tolerance),
+                            None, nonfinite, elements)
 
 
 def _dtype_name(dtype: np.dtype) -> str:
@@ -297,7 +392,9 @@ def _dtype_name(dtype: np.dtype) -> str:
 
 @dataclass(frozen=True)
 class Reference:
-    """The original program's outputs on fixed random inputs, to compare several rewrites against.
+    """The original program's outputs on fixed inputs, to compare several rewrites against,
+    and the original evaluated in f64 on the same inputs (``exact``), what float outputs are
+    judged against (:mod:`.numerics`).
 
     Both the original and every rewrite it checks are compiled with ``compiler_options``
     (:data:`CHECK_COMPILER_OPTIONS`: no excess precision), so that they differ only where the
@@ -309,10 +406,15 @@ class Reference:
     num_partitions: int
     #: the compiled original, with its inputs placed (compiled with ``compiler_options``)
     program: Program | None = field(default=None, compare=False, repr=False)
-    #: the original's :func:`reduction_tolerance`
+    #: the original's :func:`reduction_tolerance` (the fallback's)
     extra_tolerance: float = 0.0
     #: what the original was compiled with, and :meth:`check` compiles a module with
     compiler_options: dict = field(default_factory=lambda: dict(CHECK_COMPILER_OPTIONS))
+    #: per output, per device: the original evaluated in f64 (None: see ``reference``)
+    exact: list | None = field(default=None, compare=False, repr=False)
+    #: "f64", or why there is no f64 evaluation (floats then get fixed tolerances)
+    reference: str = "f64"
+    model: numerics.ErrorModel = field(default_factory=numerics.ErrorModel)
 
     @classmethod
     def of(
@@ -327,16 +429,40 @@ class Reference:
         inputs = list(inputs) if inputs is not None else random_inputs(original, seed)
         options = dict(CHECK_COMPILER_OPTIONS)
         program = Program(original, inputs, devices, options)
-        return cls(inputs, program.outputs(), devices, num_partitions, program, reduction_tolerance(original),
-                   options)
+        expected = program.outputs()
+        exact, why = evaluate_in_f64(original, inputs, devices)
+        return cls(inputs, expected, devices, num_partitions, program, reduction_tolerance(original),
+                   options, exact, why, numerics.ErrorModel.of(original))
 
     def check(self, rewritten: ir.Module) -> CheckResult:
         """Compare ``rewritten`` (compiled here with the original's ``compiler_options``) with the original."""
         actual = Program(rewritten, self.inputs, self.devices, self.compiler_options).outputs()
         if len(self.expected) != len(actual):
             raise ExecutionError(f"original has {len(self.expected)} outputs, rewritten {len(actual)}")
-        outputs = tuple(compare(i, e, a, self.extra_tolerance) for i, (e, a) in enumerate(zip(self.expected, actual)))
-        return CheckResult(outputs, self.num_partitions)
+        exact = self.exact if self.exact is not None else [None] * len(actual)
+        outputs = tuple(compare(i, e, a, self.extra_tolerance, x, self.model)
+                        for i, (e, a, x) in enumerate(zip(self.expected, actual, exact)))
+        return CheckResult(outputs, self.num_partitions, self.reference)
+
+
+def evaluate_in_f64(original: ir.Module, inputs: Sequence[np.ndarray],
+                    devices: Sequence) -> tuple[list | None, str]:
+    """The original promoted to f64 (:func:`.reference.promote_to_f64`), run on ``inputs``
+    (float ones widened, exactly): per output, per device, a shard; and "f64".  Where the
+    promotion or its compile fails: None and why."""
+    from .reference import NoReference, promote_to_f64
+
+    try:
+        wide = promote_to_f64(original)
+        widened = [x.astype(np.complex128 if x.dtype.kind == "c" else np.float64) if _is_float(x.dtype) else x
+                   for x in inputs]
+        return Program(wide, widened, devices, dict(CHECK_COMPILER_OPTIONS)).outputs(), "f64"
+    except (NoReference, ExecutionError) as exc:
+        return None, f"no f64 reference: {exc}"
+
+
+def _is_float(dtype: np.dtype) -> bool:
+    return _dtype_name(dtype) in FLOAT_TOLERANCES
 
 
 def check_numerics(

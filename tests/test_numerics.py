@@ -98,14 +98,16 @@ def test_no_false_alarm_from_excess_precision(role, variant, streams):
     differently from the original: compiled as jax.jit does, some of these programs differ by
     a bf16 ulp (2e-3 in the f32 outputs) from the original.  The check compiles both without
     excess precision (execute.CHECK_COMPILER_OPTIONS), where every op rounds to its own type,
-    and then they agree to f32's tolerance."""
+    and judges the f32 output against the original evaluated in f64: the original's own error
+    is the bf16 rounding of the scaled shards (7.6e-4 normwise), and the rewrite's is the same."""
     from cmatmul_pass.pipeline import variant_options
 
     text = scaled_bf16_gather(role)
     result = cmatmul_pass.rewrite(text, variant_options(variant, annotate_streams=streams))
     assert len(result.report.rewritten) == 1
     outcome = execute.check_numerics(ir_utils.parse(text), result.module)
-    assert [o.dtype for o in outcome.outputs] == ["f32"] and outcome.outputs[0].tolerance == 1e-5
+    assert [o.dtype for o in outcome.outputs] == ["f32"] and outcome.reference == "f64"
+    assert outcome.outputs[0].original_error > 5e-4 and outcome.outputs[0].ratio < 1.01
     assert outcome.ok, outcome.format()
 
 
