@@ -161,7 +161,10 @@ def _rewrite_in_place(module: ir.Module, table: ir.SymbolTable, name: str, optio
         result = rewrite(scratch, options, source=source)
         if not result.report.rewritten:
             return result.report
-        _move_back(module, table, scratch, names, meshes)
+        renamed = _move_back(module, table, scratch, names, meshes)
+    for site in result.report.rewritten:  # the report names ring functions as the module now does
+        if site.shared_ring and site.shared_ring[1:] in renamed:
+            site.shared_ring = "@" + renamed[site.shared_ring[1:]]
     return result.report
 
 
@@ -190,10 +193,12 @@ def _rename_meshes(scratch: ir.Module) -> list[ir.Operation]:
 
 
 def _move_back(module: ir.Module, table: ir.SymbolTable, scratch: ir.Module, names: list[str],
-               meshes: list[ir.Operation]) -> None:
+               meshes: list[ir.Operation]) -> dict[str, str]:
+    """Returns the added functions renamed: old name -> new name."""
     scratch_table = ir.SymbolTable(scratch.operation)
     added = [op.operation for op in scratch.body.operations
              if op.operation.name == "func.func" and ir_utils.symbol_name(op) not in names]
+    renamed = {}
     for op in added:  # ring functions: a fresh name where the enclosing module has one already
         old = ir_utils.symbol_name(op)
         new, i = old, 0
@@ -203,6 +208,7 @@ def _move_back(module: ir.Module, table: ir.SymbolTable, scratch: ir.Module, nam
         if new != old:
             ir.SymbolTable.replace_all_symbol_uses(old, new, scratch.operation)
             op.attributes["sym_name"] = ir.StringAttr.get(new)
+            renamed[old] = new
     start = ir.InsertionPoint.at_block_begin(module.body)
     for op in meshes:
         if ir.StringAttr(op.attributes["sym_name"]).value not in table:
@@ -216,6 +222,7 @@ def _move_back(module: ir.Module, table: ir.SymbolTable, scratch: ir.Module, nam
         table.insert(op)
     for n in names:
         _replace_body(table[n], scratch_table[n])
+    return renamed
 
 
 def _replace_body(target: ir.OpView, source: ir.OpView) -> None:

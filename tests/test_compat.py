@@ -372,3 +372,20 @@ def test_what_check_compares_of_each_value_jax_jit_returns():
         unreduced = jax.jit(lambda a, b: jnp.dot(a, b, out_sharding=P(None, None, unreduced={"model"})))(
             put((8, 32), P(None, "model")), put((32, 8), P("model", None)))
     assert decorator.comparable(unreduced) is None
+
+
+def test_shared_ring_functions_of_two_calls_get_names_of_their_own():
+    """Two calls of a function with two identical blocks: each call's function shares ring
+    functions between its blocks; moved into the enclosing module, the second call's are renamed."""
+    def two_blocks(x, w1, w2):
+        return SP(SP(x, w1, w2), w1, w2)
+
+    layer = cmatmul_pass.overlap(two_blocks, strict=True)
+    args = sp_inputs()
+    step = jax.jit(lambda *a: layer(*a) + 0.5 * layer(*a))
+    assert_close(step(*args), jax.jit(lambda *a: 1.5 * two_blocks(*a))(*args), 2e-3)
+    module = step.lower(*args).compiler_ir("stablehlo")
+    names = [ir_utils.symbol_name(op) for op in module.body.operations if op.operation.name == "func.func"]
+    assert len(names) == len(set(names))
+    shared = {s.shared_ring for r in layer.reports for s in r.rewritten if s.shared_ring}
+    assert len(shared) == 4 and all(name[1:] in names for name in shared)
