@@ -45,6 +45,7 @@ __all__ = [
     "lowered_module",
     "lowered_with_module",
     "hlo_module_from_text",
+    "lowered_arguments",
 ]
 
 
@@ -125,6 +126,21 @@ def lowered_with_module(lowered: Any, module: ir.Module) -> Any:
     new = copy.copy(lowered)
     new._lowering = new_lowering
     return new
+
+
+def lowered_arguments(lowered: Any) -> tuple[set[int] | None, list | None]:
+    """What a ``jax.stages.Lowered``'s module takes: the indices of the flattened dynamic
+    arguments it kept (jax drops unused ones), and the devices of its partitions in order
+    (its device assignment); None where this jax keeps them elsewhere."""
+    args = getattr(getattr(lowered, "_lowering", None), "compile_args", None) or {}
+    kept = args.get("kept_var_idx")
+    devices = None
+    for sharding in args.get("in_shardings") or ():
+        assignment = getattr(sharding, "_device_assignment", None)
+        if assignment:
+            devices = list(assignment)
+            break
+    return (set(kept) if kept is not None else None), devices
 
 
 def _jax_version() -> str:
