@@ -13,11 +13,11 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 from . import __version__
 from .errors import CmatmulError, InputError, InternalError
+from .output_files import write_output
 
 DEFAULT_CPU_DEVICES = 8
 PROG = "cmatmul_pass"
@@ -180,24 +180,6 @@ def read_input(path: str) -> tuple[bytes, str]:
         raise InputError(path, "no such file") from None
     except OSError as exc:
         raise InputError(path, f"cannot read: {exc.strerror or exc}") from None
-
-
-def write_output(path: str, data: str | bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temp file + rename); '-' is stdout."""
-    raw = data.encode() if isinstance(data, str) else data
-    if path == "-":
-        sys.stdout.buffer.write(raw)
-        sys.stdout.flush()
-        return
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent or Path("."))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(raw)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _options(args, variant: str | None = None):

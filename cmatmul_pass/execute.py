@@ -131,8 +131,9 @@ class OutputComparison:
                     f"(rel tol {self.tolerance:g}, no f64 reference)")
         else:
             ratio = self.ratio
-            body = (f"error vs f64: original {self.original_error:.2e}, rewritten {self.rel_error:.2e}, "
-                    f"ratio {ratio:.2f} (allowed {self.tolerance:.2e})")
+            body = (f"rel err vs f64: original {self.original_error:.2e}, rewritten {self.rel_error:.2e}, "
+                    f"ratio {ratio:.2f} (allowed {self.tolerance:.2e}); max abs err vs the original "
+                    f"{self.max_abs_error:.2e}")
         if self.nonfinite:
             body += (f"; the original is inf/NaN in {self.nonfinite} of {self.elements} elements on these "
                      "inputs, compared only there" if self.nonfinite < self.elements else
