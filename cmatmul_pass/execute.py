@@ -243,6 +243,32 @@ def as_module_inputs(module: ir.Module, arrays: Sequence[np.ndarray]) -> list[np
     return converted
 
 
+def load_inputs(module: ir.Module, path: str) -> list[np.ndarray]:
+    """The entry function's arguments from an ``.npz``: arrays named ``arg0``, ``arg1``, ... or,
+    without those names, in the file's order; each of the argument's shape, converted to its
+    element type.  Raises :class:`InputError` naming the file."""
+    from .errors import InputError
+
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            arrays = {name: npz[name] for name in npz.files}
+    except (OSError, ValueError) as exc:
+        raise InputError(path, f"cannot read the inputs as an .npz: {exc}") from None
+    params = entry_function(module).regions[0].blocks[0].arguments
+    names = [f"arg{i}" for i in range(len(params))]
+    ordered = [arrays[n] for n in names] if set(names) <= set(arrays) else list(arrays.values())
+    if len(ordered) != len(params):
+        raise InputError(path, f"holds {len(ordered)} arrays; the module takes {len(params)} arguments")
+    for i, (arg, x) in enumerate(zip(params, ordered)):
+        t = ir_utils.ranked_tensor(arg)
+        if t is not None and tuple(t.shape) != x.shape:
+            raise InputError(path, f"argument {i} is {list(x.shape)}; the module takes {arg.type}")
+    try:
+        return as_module_inputs(module, ordered)
+    except (CannotCheck, ExecutionError, ValueError) as exc:
+        raise InputError(path, str(exc)) from None
+
+
 def cpu_devices(count: int) -> list:
     import jax
 
@@ -272,10 +298,17 @@ class Program:
             raise ExecutionError(f"XLA could not compile the module: {' '.join(str(exc).split())[:500]}") from exc
         self.compile_s = time.perf_counter() - start
         shardings = self.executable.get_parameter_shardings()
-        if len(shardings) != len(inputs):
-            raise ExecutionError(f"the program takes {len(shardings)} parameters, got {len(inputs)} inputs")
+        if shardings is None and len(devices) == 1:  # a module without shardings, on one device
+            with jax.enable_x64(True):
+                self.args = [jax.device_put(x, devices[0]) for x in inputs]
+            return
+        if shardings is None or len(shardings) != len(inputs):
+            raise ExecutionError(f"the program takes {len(shardings or ())} parameters, got {len(inputs)} inputs")
         with jax.enable_x64(True):  # else jax would place f64/i64/complex128 inputs as 32-bit arrays
-            self.args = [jax.device_put(x, sharding_for_devices(devices, s)) for x, s in zip(inputs, shardings)]
+            try:
+                self.args = [jax.device_put(x, sharding_for_devices(devices, s)) for x, s in zip(inputs, shardings)]
+            except NotImplementedError as exc:  # jax cannot lay out some shardings (unreduced ones)
+                raise CannotCheck(f"cannot lay out the inputs with the program's shardings: {exc}") from None
 
     def __call__(self) -> list[list]:
         """Run once and wait for it: per output, per device, a shard (device arrays)."""

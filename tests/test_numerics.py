@@ -1,16 +1,22 @@
 """Numerics: every positive sample, rewritten and executed on 8 CPU devices, against the original.
 
-Tolerances (normwise relative, max|a-b| / max|a|): f32 1e-5, bf16 1e-2, f16 2e-3,
-f64 1e-12; integers and bools exactly.  Each output is compared on every device.
+Float outputs are judged against the original evaluated in f64 (docs/numerics.md): the rewrite's
+normwise error must be within numerics.FACTOR of the original's plus a floor; integers and bools
+exactly.  Each output is compared on every device.  The check command: --rewritten, --inputs and
+its exit codes.
 """
 
+import json
+import re
+
 import jax
+import numpy as np
 import pytest
 
 import cmatmul_pass
 from cmatmul_pass import execute, ir_utils
 from cmatmul_pass.rewrites import all_gather_dot
-from conftest import POSITIVE, sample, scaled_bf16_gather
+from conftest import POSITIVE, run_cli, sample, scaled_bf16_gather
 
 
 def check(path, **kwargs):
@@ -115,3 +121,72 @@ def test_the_check_compiles_both_programs_without_excess_precision():
     reference = execute.Reference.of(ir_utils.parse(scaled_bf16_gather("free")))
     assert reference.compiler_options == {"xla_allow_excess_precision": False}
     assert execute.CHECK_COMPILER_OPTIONS == {"xla_allow_excess_precision": False}
+
+
+# ------------------------------------------------------------------ the check command
+SQRT = """
+module @m attributes {mhlo.num_partitions = 1 : i32} {
+  func.func public @main(%arg0: tensor<8xf32>, %arg1: tensor<8xf32>) -> (tensor<8xf32>, tensor<8xf32>) {
+    %0 = stablehlo.sqrt %arg0 : tensor<8xf32>
+    %1 = stablehlo.multiply %arg1, %arg1 : tensor<8xf32>
+    return %0, %1 : tensor<8xf32>, tensor<8xf32>
+  }
+}
+"""
+
+
+def test_check_compares_a_given_rewritten_module(tmp_path, monkeypatch, capsys):
+    """--rewritten: a rewrite saved earlier is checked against its original (0), a wrong one
+    made with the ring sent the wrong way is a mismatch (1)."""
+    path = sample("sp_mlp")
+    good, bad = tmp_path / "good.mlir", tmp_path / "bad.mlir"
+    good.write_text(cmatmul_pass.rewrite(path.read_text()).text)
+    monkeypatch.setattr(all_gather_dot, "RECEIVE_FROM_NEXT", +1)
+    bad.write_text(cmatmul_pass.rewrite(path.read_text()).text)
+    report = tmp_path / "report.json"
+    assert run_cli("check", path, "--rewritten", good, "--report-json", report) == 0
+    assert "numerics: OK" in capsys.readouterr().out
+    numerics = json.loads(report.read_text())["numerics"]
+    assert numerics["reference"] == "f64" and numerics["factor"] == 2.0
+    assert all({"original_error", "rel_error", "ratio", "tolerance", "status"} <= set(o) for o in numerics["outputs"])
+    assert run_cli("check", path, "--rewritten", bad) == 1
+    assert "MISMATCH" in capsys.readouterr().out
+
+
+def test_outputs_the_original_leaves_nan_are_not_agreement(tmp_path, capsys):
+    """sqrt of normal random inputs is NaN in half the elements of the original: reported, and
+    exit 3 (could not check), not 0; on inputs in its domain (--inputs) it is checked (0)."""
+    module = tmp_path / "sqrt.mlir"
+    module.write_text(SQRT)
+    assert run_cli("check", module, "--rewritten", module) == 3
+    captured = capsys.readouterr()
+    assert "output 0" in captured.out and "inf/NaN in" in captured.out and "INCOMPLETE" in captured.out
+    assert "could not check: the original itself is inf/NaN in output(s) 0 on random inputs" in captured.err
+    inputs = tmp_path / "inputs.npz"
+    np.savez(inputs, arg0=np.arange(8, dtype=np.float32), arg1=np.ones(8, np.float32))
+    assert run_cli("check", module, "--rewritten", module, "--inputs", inputs) == 0
+    assert "numerics: OK" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("arrays, message", [
+    ({"arg0": np.ones(8, np.float32)}, "holds 1 arrays; the module takes 2 arguments"),
+    ({"arg0": np.ones(4, np.float32), "arg1": np.ones(8, np.float32)}, "argument 0 is \\[4\\]"),
+])
+def test_bad_inputs_exit_2_in_one_line(tmp_path, capsys, arrays, message):
+    module, inputs = tmp_path / "sqrt.mlir", tmp_path / "inputs.npz"
+    module.write_text(SQRT)
+    np.savez(inputs, **arrays)
+    assert run_cli("check", module, "--rewritten", module, "--inputs", inputs) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert re.search(message, err), err
+
+
+def test_an_internal_error_of_the_check_exits_3_in_one_line(monkeypatch, capsys):
+    def broken(*args, **kwargs):
+        raise RuntimeError("something the check did not expect")
+
+    monkeypatch.setattr(execute.numerics, "judge_float", broken)
+    assert run_cli("check", sample("sp_mlp"), "-q") == 3
+    err = capsys.readouterr().err
+    assert err.strip() == "cmatmul_pass: could not check: internal error: RuntimeError: something the check did not expect"
