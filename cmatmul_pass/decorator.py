@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -72,8 +73,11 @@ def jit(
     ``"split"``, ``"chunk"``, ``"auto"``, ``"keep"``).
     ``check=True`` also runs the unrewritten program on the first call of each input
     signature and raises :class:`~cmatmul_pass.errors.NumericsMismatch` (naming the
-    rewritten sites and the outputs that differ) beyond the dtype's tolerance, both programs
-    compiled for that without excess precision (execute.CHECK_COMPILER_OPTIONS).
+    rewritten sites and the outputs that differ) where the rewrite is less accurate than the
+    original beyond what a reordering explains: the verdict of ``check`` (docs/numerics.md,
+    against the original evaluated in f64), both programs compiled for that without excess
+    precision (execute.CHECK_COMPILER_OPTIONS); ``.checked`` holds the result (None where an
+    argument's sharding is reduced or unreduced: skipped with a warning).
     ``gpu_options``: on a GPU, compile a program with rewritten sites with the XLA options
     its rings need to overlap (:func:`ring_compiler_options`), except those you set yourself
     in ``compiler_options`` or ``XLA_FLAGS``.
@@ -319,8 +323,13 @@ class JittedFunction:
         original = entry.lowered.original
         kept, devices = lowered_arguments(original)
         module = lowered_module(original)
-        leaves = [np.asarray(x) for x in jax.tree.leaves((args, kwargs))]
-        inputs = execute.as_module_inputs(module, [x for i, x in enumerate(leaves) if kept is None or i in kept])
+        leaves = [comparable(x) for x in jax.tree.leaves((args, kwargs))]
+        given = [x for i, x in enumerate(leaves) if kept is None or i in kept]
+        if any(x is None for x in given):  # its devices' values are not one array
+            warnings.warn("check=True skipped: an argument has a reduced or unreduced sharding", stacklevel=3)
+            self.checked = None
+            return entry.compiled(*args, **kwargs)
+        inputs = execute.as_module_inputs(module, given)
         n = ir_utils.int_attr(module.operation, "mhlo.num_partitions") or 1
         reference = execute.Reference.of(module, inputs=inputs, devices=devices or jax.devices()[:n])
         outcome = reference.check(entry.lowered.compiler_ir("stablehlo"))

@@ -190,3 +190,22 @@ def test_an_internal_error_of_the_check_exits_3_in_one_line(monkeypatch, capsys)
     assert run_cli("check", sample("sp_mlp"), "-q") == 3
     err = capsys.readouterr().err
     assert err.strip() == "cmatmul_pass: could not check: internal error: RuntimeError: something the check did not expect"
+
+
+def test_jit_check_takes_typed_keys_and_compares_their_data():
+    """jit(check=True) runs the check on the call's arguments as the module takes them: a typed
+    PRNG key as its key data (decorator.comparable), returned keys compared exactly."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("m",))
+    f = jax.shard_map(lambda x, w: jax.lax.all_gather(x, "m", axis=0, tiled=True) @ w, mesh=mesh,
+                      in_specs=(P("m", None), P()), out_specs=P(), check_vma=False)
+
+    def fn(key, x, w):
+        return f(x + jax.random.normal(key, x.shape), w), key
+
+    checked = cmatmul_pass.jit(fn, check=True)
+    x = jax.device_put(np.ones((64, 16), np.float32), NamedSharding(mesh, P("m", None)))
+    checked(jax.random.key(1), x, np.ones((16, 8), np.float32))
+    assert checked.stats["checks"] == 1 and checked.report.rewritten
+    assert checked.checked.ok and [o.dtype for o in checked.checked.outputs] == ["f32", "ui32"]
