@@ -364,6 +364,10 @@ def cmd_explain(args) -> int:
             print(f"  ring: {site.ring_size} devices, groups {site.replica_groups}")
         if site.shard_shape is not None:
             print(f"  shard: {site.dtype}{site.shard_shape}, {site.bytes_per_step} B per step, {site.bytes_moved} B moved per device")
+        if site.slack:  # another collective competed for its dot (analysis.slack)
+            ready = "ready at the start of the step" if site.slack["early"] else "computed in this step"
+            print(f"  slack: operand {ready}; {site.slack['hiding_flops']:.3g} FLOP of independent compute before "
+                  f"its dot; competes for it with {site.slack['competes_with']}")
         if site.all_reduce:
             _explain_all_reduce(site)
         if site.rewritten and site.all_reduce.get("strategy") == "chunk":

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 
 from . import cost, ir_utils
 from ._jax_private import hlo, ir, make_context, module_to_bytecode, module_to_hlo_text
+from .analysis.slack import SiteSlack, Slack
 from .analysis.variance import Variance
 from .errors import InternalError
 from .matchers import (
@@ -266,6 +267,7 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
         # (the scatter rewrites erase reduce_scatters and dots, never an all_gather)
         for op in found["stablehlo.reduce_scatter"]:
             report.sites.append(apply(match_reduce_scatter(op, info)))
+        gathers, deferred = _order_by_slack(gathers, info, options, report, source)
         gathered = {}
         for op in gathers:
             gathered[id(op)] = len(report.sites)
@@ -279,6 +281,7 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
                 entry.notes.insert(0, f"moved to its dot past {m.moved_ops} row-wise op(s), which now run on this "
                                       f"device's rows (where it stood: declined [{site.code}])")
                 report.sites.append(entry)
+        _say_prefetchable(report, deferred, gathered)
         if options.all_reduce_strategy != "keep" and found["stablehlo.all_reduce"]:
             _say_where_gathers_went(report, carried, gathered)
         if report.rewritten:
@@ -347,6 +350,83 @@ def _apply(
     }
     entry.notes = applied.notes + moved
     return entry
+
+
+#: declines of a gather that lost its dot to another collective's ring
+LOST_ITS_DOT = frozenset({"user_not_dot", "schedule", "both_operands"})
+
+
+@dataclass
+class _Deferred:
+    """A gather whose dot another collective with less slack competes for (analysis.slack): it
+    is matched after that one, and said ``prefetchable`` if that one's ring took the dot."""
+
+    slack: SiteSlack
+    winner: str  # the competing collective's location
+    winner_slack: SiteSlack
+
+
+def _order_by_slack(gathers: list, info: ModuleInfo, options: Options, report: Report, source: str
+                    ) -> tuple[list, dict[int, _Deferred]]:
+    """``gathers`` with, where gathers over different device groups meet at one dot (a 2-D mesh:
+    the weight's over 'data', the activation's over 'model'), the one with more slack after the
+    other, so that the critical-path collective gets the ring (analysis.slack).  Returns the
+    order and the deferred gathers (by ``id`` of their op)."""
+    if len(gathers) < 2:
+        return gathers, {}
+    sites = [match_all_gather(op, info, assemble=options.assemble) for op in gathers]
+    sites = [s for s in sites if isinstance(s, AllGatherSite)]
+    if len({s.ring.groups for s in sites}) < 2:
+        return gathers, {}
+    slack = Slack(_dot_flops)
+    at_dot: dict = {}
+    for site in sites:
+        for consumer in site.consumers:
+            at_dot.setdefault(consumer.dot.operation, []).append(site)
+    measured: dict = {}
+
+    def of(site: AllGatherSite) -> SiteSlack:
+        if id(site) not in measured:
+            measured[id(site)] = slack.of(site.all_gather, [c.dot for c in site.consumers])
+        return measured[id(site)]
+
+    deferred: dict[int, _Deferred] = {}
+    for competing in at_dot.values():
+        if len({s.ring.groups for s in competing}) < 2:
+            continue
+        ranked = sorted(competing, key=lambda s: of(s).rank(
+            tensor_bytes(ir_utils.ranked_tensor(s.all_gather.result)) * (s.ring.size - 1) // s.ring.size))
+        winner = ranked[0]
+        for site in ranked[1:]:
+            if site.ring.groups != winner.ring.groups and id(site.all_gather) not in deferred:
+                deferred[id(site.all_gather)] = _Deferred(
+                    of(site), ir_utils.render_location(winner.all_gather.location, source), of(winner))
+    if not deferred:
+        return gathers, {}
+    order = [op for op in gathers if id(op) not in deferred] + [op for op in gathers if id(op) in deferred]
+    return order, deferred
+
+
+def _say_prefetchable(report: Report, deferred: dict[int, _Deferred], gathered: dict) -> None:
+    """A deferred gather that lost its dot to the other collective's ring: ``prefetchable``."""
+    for key, d in deferred.items():
+        entry = report.sites[gathered[key]]
+        entry.slack = {**d.slack.to_dict(), "competes_with": d.winner}
+        if entry.rewritten or entry.reason_code not in LOST_ITS_DOT:
+            continue
+        was = f"(matched after that ring: {entry.reason})"
+        if d.slack.hiding_flops > 0:
+            entry.reason_code = "prefetchable"
+            entry.reason = (f"the dot's other collective at {d.winner} has the ring: it is on the critical path "
+                            f"({d.winner_slack.hiding_flops:.3g} FLOP of compute could hide it, this one "
+                            f"{d.slack.hiding_flops:.3g}{', its operand ready at the start of the step' if d.slack.early else ''}); "
+                            "XLA's latency-hiding scheduler (--xla_gpu_enable_latency_hiding_scheduler=true) issues this "
+                            f"one early, behind that compute {was}")
+        else:
+            entry.reason_code = "lost_to_ring"
+            entry.reason = (f"the dot's other collective at {d.winner} has the ring (the larger transfer, or the later "
+                            f"operand: {'both operands are ready at the start of the step' if d.slack.early else 'this one is ready no earlier'}); "
+                            f"no compute precedes the dot to hide this one behind {was}")
 
 
 #: declines of a gather whose value may reach its dots through row-wise ops (a norm, a bias)

@@ -112,6 +112,17 @@ REASONS: dict[str, Reason] = {r.code: r for r in (
     Reason("varies", "a row-wise op after a split psum reads a value that may differ between the group's devices: "
                      "the gather cannot move past it",
            "none needed: the gather is placed before that op (explain's `gathered:` line says where)"),
+    # ---- two collectives at one dot (a 2-D mesh: analysis.slack)
+    Reason("prefetchable", "the dot's other collective (the activation's, on the critical path) has the ring; this "
+                           "one (a weight's) can be sent early, behind compute that precedes the dot",
+           "none needed: on GPU XLA's latency-hiding scheduler (`--xla_gpu_enable_latency_hiding_scheduler=true`) "
+           "issues it early and hides it behind that compute",
+           ("hlo_samples/fsdp_tp.mlir",)),
+    Reason("lost_to_ring", "the dot's other collective has the ring (the larger transfer); no compute precedes the dot "
+                           "that could hide this one",
+           "compute something before the dot (in a model, an earlier layer does), or use a bidirectional `--variant` "
+           "(bidi-full), whose rings can often serve both collectives",
+           ("hlo_samples/fsdp_tp.mlir",)),
     # ---- the options' verdict
     Reason("policy", "`--policy auto`: the cost model predicts too small a gain on `--hardware`",
            "use `--policy all` (the default), another `--variant` (the reason names one that would pass, if any), "

@@ -44,6 +44,9 @@ class SiteReport:
     # a dot → all_reduce site: {strategy: split/chunk, dim, chunks, gathers: [where each gather
     # of its rows went], prediction: cost.AllReducePrediction.to_dict()}; empty for other kinds
     all_reduce: dict = field(default_factory=dict)
+    # a gather another collective competed with for its dot (analysis.slack): {early, hiding_flops,
+    # competes_with: that collective's location}; empty where none did
+    slack: dict = field(default_factory=dict)
 
     def summary_line(self) -> str:
         ring = f" ring={self.ring_size}" if self.ring_size else ""

@@ -149,6 +149,9 @@ def emitted_codes() -> set[str]:
                     codes.add(first.value)
                 else:
                     dynamic.append(f"{path.name}:{node.lineno}")
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and any(
+                    isinstance(t, ast.Attribute) and t.attr == "reason_code" for t in node.targets):
+                codes.add(node.value.value)  # a report entry recoded (pipeline._say_prefetchable)
             if path.name == "pipeline.py" and isinstance(node, ast.FunctionDef) and node.name in ("_policy",
                                                                                                      "_all_reduce_strategy"):
                 for ret in (n for n in ast.walk(node) if isinstance(n, ast.Return) and isinstance(n.value, ast.Tuple)):

@@ -756,6 +756,34 @@ def sp_rms_norm_before_dot() -> str:
                  arg(mesh, (128, 32), specs[3]))
 
 
+def fsdp_tp(grad: bool) -> Callable[[], str]:
+    """Two dense blocks on a 2x4 (data, model) mesh: weights sharded over 'data' (FSDP: gathered
+    where used) and 'model' (tensor parallel), the sequence over 'model' (gathered before the up
+    projection, scattered after the down projection); the first block fed straight from the
+    arguments; ``grad``: value_and_grad of a mean-square loss."""
+
+    def build() -> str:
+        mesh = mesh_2x4()
+
+        def block(x, w1, w2):
+            w1f, w2f = gather(w1, "data", 0), gather(w2, "data", 1)
+            h = jax.nn.gelu(gather(x, "model", 1) @ w1f)
+            return jax.lax.psum_scatter(h @ w2f, "model", scatter_dimension=1, tiled=True)
+
+        specs = (P("data", "model", None), P("data", "model"), P("model", "data"))
+        f = jax.shard_map(block, mesh=mesh, in_specs=specs, out_specs=specs[0])
+
+        def model(x, w1a, w2a, w1b, w2b):
+            x = x + f(x, w1a, w2a)
+            return x + f(x, w1b, w2b)
+
+        fn = jax.value_and_grad(lambda *a: jnp.mean(model(*a) ** 2), argnums=(0, 1, 2, 3, 4)) if grad else model
+        shapes = [(4, 32, 16)] + [(16, 64), (64, 16)] * 2
+        return lower(fn, *(arg(mesh, s, sp) for s, sp in zip(shapes, specs + specs[1:])))
+
+    return build
+
+
 def megatron_bf16() -> str:
     """bf16 weights and activations, the row-parallel product accumulated and summed in f32."""
     mesh = mesh_1d()
@@ -1275,6 +1303,15 @@ SAMPLES_LIST = [
            sp_rms_norm_before_dot, "rewritten 2",
            ["CHECK: stablehlo.rsqrt", "CHECK-SAME: tensor<8x1xf32>", "CHECK: stablehlo.while",
             "CHECK-NOT: stablehlo.all_gather", "CHECK-NOT: stablehlo.reduce_scatter"]),
+    Sample("fsdp_tp", "FSDP x tensor parallel, two blocks on a 2x4 mesh: where a weight's gather over 'data' and "
+           "the activation's over 'model' meet at one dot, the activation gets the ring; the second block's weight "
+           "gather is prefetchable behind the first block, the first block's loses to the larger transfer.",
+           fsdp_tp(False), "rewritten 6",
+           ["CHECK-COUNT-2: stablehlo.all_gather", "CHECK-NOT: stablehlo.reduce_scatter"]),
+    Sample("fsdp_tp_grad", "value_and_grad of fsdp_tp: every collective over 'model' rewritten, forward and "
+           "backward; the weight gathers over 'data' the activations' rings took are prefetchable or lost.",
+           fsdp_tp(True), "rewritten 14",
+           ["CHECK-NOT: stablehlo.reduce_scatter", "CHECK: stablehlo.while"]),
     Sample("neg_ar_not_divisible", "psum of a [12, 12] product on a ring of 8: no dim splits evenly.",
            megatron_not_divisible, "unchanged no_dim", ['CHECK: "stablehlo.all_reduce"', "CHECK-NOT: stablehlo.while"]),
     # ---- declined

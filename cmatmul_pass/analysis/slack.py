@@ -1,0 +1,159 @@
+"""Slack: how early a collective's operand is ready, and how much compute could hide it.
+
+On a 2-D mesh (FSDP × tensor parallel) one ``dot_general`` may read two candidate
+collectives: the weight's all_gather over the data axis and the activation's all_gather (or
+the product's reduce_scatter) over the model axis.  A ring can hide only one of them behind
+the dot.  The weight's operand is usually *early*: computed only from the step's arguments
+and constants, so it can be sent as soon as the step starts and XLA's latency-hiding
+scheduler hides it behind whatever compute comes before its dot (that is how FSDP hides its
+gathers: prefetching).  The activation's operand is produced just before the dot; only the
+ring can hide it.  So the collective with less slack gets the ring.
+
+A value is **early** when every value it is computed from is an argument of the module's
+entry function (through ``sdy.manual_computation`` regions) or a constant, through cheap ops
+without regions that read nothing device- or time-dependent: a weight, cast, scaled or
+reshaped where it is used.  A value computed by a matmul (an embedding, a layer's output) is
+the step's activation, not early; so is a loop's carried value, an ``rng``'s, a custom call's.  The **hiding compute** of a collective is the FLOP count of the
+``dot_general`` ops of its block that come before its first dot, do not read its result
+(directly or through other ops), and — unless its operand is early — come after its operand
+is computed: the work a scheduler could run while the collective is in flight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .._jax_private import ir
+from .. import ir_utils
+
+#: ops whose result is not known at the start of the step, or that the analysis does not see into
+NOT_EARLY = frozenset({
+    "stablehlo.rng", "stablehlo.rng_bit_generator", "stablehlo.custom_call", "stablehlo.infeed",
+    "stablehlo.recv", "stablehlo.while", "stablehlo.if", "stablehlo.case", "func.call",
+})
+#: the step's compute: a value computed by one of these is an activation, not a prepared weight
+COMPUTE = frozenset({"stablehlo.dot_general", "stablehlo.dot", "stablehlo.convolution"})
+
+
+@dataclass(frozen=True)
+class SiteSlack:
+    """What :class:`Slack` says of one candidate collective."""
+
+    early: bool
+    hiding_flops: float
+
+    def rank(self, transfer_bytes: int) -> tuple:
+        """Sort key: the site that should get the ring first (least slack, not early, the larger
+        transfer: more to hide)."""
+        return (self.hiding_flops, self.early, -transfer_bytes)
+
+    def to_dict(self) -> dict:
+        return {"early": self.early, "hiding_flops": self.hiding_flops}
+
+
+class Slack:
+    """Answers :meth:`early` and :meth:`of` for one module; ``flops`` prices a dot_general."""
+
+    def __init__(self, flops: Callable[[ir.OpView], float]):
+        self.flops = flops
+        self._early: dict[ir.Value, bool] = {}
+
+    def early(self, value: ir.Value) -> bool:
+        """Is ``value`` computed only from the entry function's arguments and constants?"""
+        stack = [value]
+        while stack:  # depth-first without recursion
+            top = stack[-1]
+            if top in self._early:
+                stack.pop()
+                continue
+            pending, answer = self._step(top)
+            if pending:
+                stack.extend(pending)
+                continue
+            self._early[top] = answer
+            stack.pop()
+        return self._early[value]
+
+    def _step(self, value: ir.Value) -> tuple[list[ir.Value], bool]:
+        owner = value.owner
+        if isinstance(owner, ir.Block):
+            parent = owner.owner
+            if parent is None:
+                return [], False
+            if parent.operation.name == "func.func":  # the entry function's argument; a private callee's is not known
+                private = "sym_visibility" in parent.attributes and \
+                    ir.StringAttr(parent.attributes["sym_visibility"]).value == "private"
+                return [], not private
+            if parent.operation.name == "sdy.manual_computation":
+                outer = parent.operands[ir.BlockArgument(value).arg_number]
+                return ([outer], False) if outer not in self._early else ([], self._early[outer])
+            return [], False  # a loop's carried value, a region's argument
+        op = owner.operation
+        if op.name in NOT_EARLY or op.name in COMPUTE or (len(op.regions) and op.name not in ("stablehlo.all_gather", "stablehlo.all_reduce",
+                                                                         "stablehlo.reduce", "stablehlo.reduce_scatter",
+                                                                         "stablehlo.sort", "stablehlo.map")):
+            return [], False
+        operands = list(op.operands)
+        pending = [v for v in operands if v not in self._early]
+        if pending:
+            return pending, False
+        return [], all(self._early[v] for v in operands)
+
+    def of(self, collective: ir.OpView, dots: list[ir.OpView]) -> SiteSlack:
+        """``collective``'s slack before the first of ``dots`` (module docstring)."""
+        operand = collective.operation.operands[0]
+        early = self.early(operand)
+        block = collective.operation.block
+        dependent = _dependents(collective.operation, block)
+        firsts = [ir_utils.ancestor_in(d.operation, block) for d in dots]
+        firsts = [f for f in firsts if f is not None]
+        start = None if early or isinstance(operand.owner, ir.Block) else operand.owner.operation
+        started = start is None or start.block != block
+        flops = 0.0
+        for op in block.operations:
+            operation = op.operation
+            if any(operation == f for f in firsts):
+                break
+            if not started:
+                started = operation == start
+                continue
+            if operation not in dependent:
+                flops += self._flops_within(operation)
+        if early:  # sent at the start of the step: what runs before the enclosing regions hides it too
+            anchor = block.owner
+            while anchor is not None and anchor.operation.name != "func.func":
+                for op in anchor.operation.block.operations:
+                    if op.operation == anchor.operation:
+                        break
+                    flops += self._flops_within(op.operation)
+                anchor = anchor.operation.block.owner
+        return SiteSlack(early, flops)
+
+    def _flops_within(self, operation: ir.Operation) -> float:
+        """The dot_generals' FLOPs of ``operation`` and of the ops nested in its regions (a loop
+        body counted once)."""
+        if operation.name == "stablehlo.dot_general":
+            return self.flops(operation.opview)
+        total = 0.0
+        for region in operation.regions:
+            for block in region.blocks:
+                for op in block.operations:
+                    total += self._flops_within(op.operation)
+        return total
+
+
+def _dependents(op: ir.Operation, block: ir.Block) -> set:
+    """The ops of ``block`` that read ``op``'s results, directly or through other ops (a use inside
+    a nested region counts as its ancestor in ``block``)."""
+    seen: set = set()
+    stack = [op]
+    while stack:
+        top = stack.pop()
+        for result in top.results:
+            for use in result.uses:
+                reader = ir_utils.ancestor_in(use.owner, block)
+                if reader is not None and reader not in seen:
+                    seen.add(reader)
+                    stack.append(reader)
+    return seen
