@@ -71,3 +71,29 @@ def test_weights_prepared_in_a_partial_manual_region_move_with_their_constraints
                               partial_manual=True, sizes=(4, 3, 3, 3), repeat=1, prep=True, scale=True)
     tally = fuzz_programs.check(spec, variants={"uni": fuzz_programs.VARIANTS["uni"]})
     assert not tally.crashes and not tally.mismatches and tally.sites_rewritten == 1
+
+
+def test_megatron_blocks_with_row_wise_ops_between_them():
+    """Three psum-after-matmul blocks, rows split over a ring of 4: a residual add, an RMS norm, a
+    per-device factor (which stops the carried rows: the gather goes before it) and a layer norm
+    between them; every site is rewritten in every variant, chunked too, and matches."""
+    spec = fuzz_programs.Spec(mesh_shape=(2, 4), devices=(3, 1, 0, 2, 7, 5, 4, 6), axes=("y",), kind="psum", dim="m",
+                              side=0, batch=False, tiled=True, dtype="f32", consumers=3, reader=False,
+                              partial_manual=False, sizes=(2, 3, 2, 1), between=("residual", "rms", "vary", "ln"))
+    tally = fuzz_programs.check(spec)
+    assert not tally.crashes and not tally.mismatches, tally.crashes + tally.mismatches
+    assert tally.runs == len(fuzz_programs.VARIANTS) and tally.sites_rewritten >= 3 * len(fuzz_programs.VARIANTS)
+    assert not tally.declined  # the rows (8) cut into 2, 4 or 8 chunks: chunk declines nothing either
+
+
+def test_the_oracle_catches_rows_carried_past_a_per_device_factor(monkeypatch):
+    """With the variance analysis told that every value is the same on every device, the split
+    carries the rows past the per-device factor (device k's rows scaled by k's factor): a mismatch."""
+    from cmatmul_pass.analysis import variance
+
+    monkeypatch.setattr(variance.Variance, "identical", lambda self, value, ring: True)
+    spec = fuzz_programs.Spec(mesh_shape=(4,), devices=(0, 1, 2, 3), axes=("x",), kind="psum", dim="m", side=0,
+                              batch=False, tiled=True, dtype="f32", consumers=2, reader=False, partial_manual=False,
+                              sizes=(2, 3, 2, 1), between=("vary",))
+    tally = fuzz_programs.check(spec, variants={"uni": fuzz_programs.VARIANTS["uni"]})
+    assert len(tally.mismatches) == 1
