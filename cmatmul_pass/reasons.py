@@ -97,6 +97,16 @@ REASONS: dict[str, Reason] = {r.code: r for r in (
            "scatter or psum the matmul's result itself; a per-row op along the scattered dim goes after the "
            "collective",
            ("hlo_samples/neg_rs_producer_not_dot.mlir",)),
+    Reason("ragged_dot", "the collective's value comes from or goes to a grouped matmul (`jax.lax.ragged_dot`: "
+                         "`chlo.ragged_dot`, an MoE block's expert matmul), not a dot_general",
+           "nothing yet: MoE grouped matmuls are not rewritten; the pass rewrites dense matmuls "
+           "(`jnp.dot`, `jnp.einsum`) next to their collective",
+           ("hlo_samples/neg_rs_ragged_dot.mlir",)),
+    Reason("reshard", "the all_gather's value is only sliced by `dynamic_slice` along another dim, each device "
+                      "keeping its own part: a reshard (an all_to_all in disguise), no matmul input",
+           "nothing to overlap: write it as `jax.lax.all_to_all` (it moves 1/n of the bytes), or let the "
+           "next matmul read the gathered value itself",
+           ("hlo_samples/neg_reshard.mlir",)),
     Reason("gathered_operand", "the scattered dim is the dim the dot's operand was all_gathered on: the gather's ring "
                                "takes this dot instead",
            "nothing to change: the all_gather's ring computes the dot (scatter along another dim to get both rings)",
@@ -113,8 +123,11 @@ REASONS: dict[str, Reason] = {r.code: r for r in (
                      "the gather cannot move past it",
            "none needed: the gather is placed before that op (explain's `gathered:` line says where)"),
     # ---- two collectives at one dot (a 2-D mesh: analysis.slack)
-    Reason("prefetchable", "the dot's other collective (the activation's, on the critical path) has the ring; this "
-                           "one (a weight's) can be sent early, behind compute that precedes the dot",
+    Reason("prefetchable", "the transfer is already off its matmul's critical path: the dot's other collective (the "
+                           "activation's) has the ring and this one (a weight's) can be sent early, behind compute "
+                           "that precedes the dot; or the program moves the value between shard_map regions itself (a "
+                           "gather for a dot in a later region, a scatter of a dot's result from an earlier one: a "
+                           "hand-written prefetch)",
            "none needed: on GPU XLA's latency-hiding scheduler (`--xla_gpu_enable_latency_hiding_scheduler=true`) "
            "issues it early and hides it behind that compute",
            ("hlo_samples/fsdp_tp.mlir",)),

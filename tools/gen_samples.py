@@ -927,6 +927,42 @@ def reshape_splits_ring_dim() -> str:
     return lower(f, arg(mesh, (8, 32), P(None, "model")), arg(mesh, (64, 16), P()))
 
 
+def prefetched_weight() -> str:
+    """FSDP prefetch written by hand: one shard_map gathers the next layer's weight, the next one
+    multiplies by it (the gathered value leaves through sdy.return)."""
+    mesh = mesh_1d()
+    prefetch = smap(lambda w: gather(w, "model", 0), mesh=mesh, in_specs=(P("model", None),), out_specs=P())
+    layer = smap(lambda x, w: jnp.tanh(x @ w), mesh=mesh, in_specs=(P("model", None), P()), out_specs=P("model", None))
+    return lower(lambda x, w: layer(x, prefetch(w)), arg(mesh, (64, 32), P("model", None)),
+                 arg(mesh, (32, 32), P("model", None)))
+
+
+def ragged_dot_scatter() -> str:
+    """An MoE block's down projection: a grouped matmul (jax.lax.ragged_dot) of expert weights
+    sharded on their contraction, summed and scattered over the tokens.  Lowered for GPU, where
+    jax emits chlo.ragged_dot (on CPU it expands the grouped matmul into a masked dot_general)."""
+    mesh = mesh_1d()
+
+    def body(h, w, group_sizes):
+        return scatter(jax.lax.ragged_dot(h, w, group_sizes), "model", 0)
+
+    specs = (P(None, "model"), P(None, "model", None), P())
+    f = smap(body, mesh=mesh, in_specs=specs, out_specs=P("model", None))
+    args = (arg(mesh, (64, 128), specs[0]), arg(mesh, (4, 128, 32), specs[1]), arg(mesh, (4,), P(), jnp.int32))
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def reshard_by_gather() -> str:
+    """Sequence-sharded rows gathered, then each device slices its own features: a reshard."""
+    mesh = mesh_1d()
+
+    def body(x):
+        return jax.lax.dynamic_slice_in_dim(gather(x, "model", 0), jax.lax.axis_index("model") * 4, 4, axis=1)
+
+    f = smap(body, mesh=mesh, in_specs=(P("model", None),), out_specs=P(None, "model"))
+    return lower(f, arg(mesh, (64, 32), P("model", None)))
+
+
 # ---------------------------------------------------------------- derived negative samples
 # Reasons JAX never produces on its own (it always emits partition-mode, single-operand gathers in a
 # module that names its partitions).  Each sample is a real lowered program changed in exactly one
@@ -1342,6 +1378,15 @@ SAMPLES_LIST = [
             "CHECK-NEXT: stablehlo.add", "CHECK: stablehlo.return", "CHECK-NOT: stablehlo.reduce_scatter"]),
     Sample("neg_reshape_splits_ring_dim", "gathered on the minor dim, then flattened: shards are not blocks of the dot operand.",
            reshape_splits_ring_dim, "unchanged layout", NEG),
+    Sample("neg_prefetch", "FSDP prefetch by hand: the weight gathered in one shard_map is multiplied in the next; "
+           "the transfer is already off the matmul's critical path.",
+           prefetched_weight, "unchanged prefetchable", NEG),
+    Sample("neg_rs_ragged_dot", "an MoE down projection (chlo.ragged_dot, lowered for GPU) summed and scattered: "
+           "grouped matmuls are not rewritten.",
+           ragged_dot_scatter, "unchanged ragged_dot", NEG_RS),
+    Sample("neg_reshard", "all_gather of the rows, then each device's slice of the features: a reshard (an all_to_all "
+           "in disguise), not a matmul input.",
+           reshard_by_gather, "unchanged reshard", NEG),
 ]
 
 

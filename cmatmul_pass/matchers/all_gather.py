@@ -27,6 +27,7 @@ from .._jax_private import ir
 from ..errors import Decline
 from ..layout import LayoutStep, elementwise_step, forward_dim, is_elementwise, is_layout_op, path_sources
 from ..ring import Ring
+from . import causes
 from .common import (
     DeclinedSite,
     DotDims,
@@ -115,6 +116,9 @@ class _Use:
     """One reader in the tree of the gathered value: a dot candidate, a layout node, or another op."""
 
     op: ir.OpView
+    #: what it reads: the gathered value or a layout of it, with the ring dim there
+    value: ir.Value | None = None
+    dim: int = -1
     consumer: Consumer | None = None
     step: LayoutStep | None = None
     children: list["_Use"] = field(default_factory=list)
@@ -156,6 +160,9 @@ class _Tree:
     candidates: list[Consumer] = field(default_factory=list)
     rejected: list[Decline] = field(default_factory=list)
     nodes: list[LayoutStep] = field(default_factory=list)
+    #: the first dot :func:`_schedulable` dropped, a value it needs that is not there, and where
+    #: the ring would go
+    blocked: tuple[Consumer, ir.Value, ir.Operation] | None = None
 
 
 def _match(ag: ir.OpView, ring: Ring, region: ManualRegion, assemble: bool, info: ModuleInfo) -> AllGatherSite:
@@ -172,18 +179,11 @@ def _match(ag: ir.OpView, ring: Ring, region: ManualRegion, assemble: bool, info
     tree.roots = _visit(tree, ag.result, gather_dim, (), block, ring.size)
     _drop_dots_reading_twice(tree)
     if not tree.candidates:
-        if tree.rejected:
-            raise tree.rejected[0]
-        names = ", ".join(sorted({u.op.operation.name for r in tree.roots for u in r.leaves()}))
-        raise Decline("user_not_dot", f"the gathered value feeds {names}, no stablehlo.dot_general")
+        raise _no_dot(tree, ag, ring.size)
 
     consumers, first, hoisted = _schedulable(tree, block, ag)
     if not consumers:
-        raise Decline(
-            "schedule",
-            "every dot reading the gathered value needs a value computed after another reader of it; "
-            "no single place for the ring",
-        )
+        raise _unschedulable(tree, block, ag)
     included = set(consumers)
     kept = [op for r in tree.roots for op in r.readers(included)]
     if kept and not assemble:
@@ -200,11 +200,12 @@ def _visit(tree: _Tree, value: ir.Value, dim: int, path: tuple[LayoutStep, ...],
     uses = []
     for user in ir_utils.users(value):
         name = user.operation.name
-        use = _Use(user)
+        use = _Use(user, value, dim)
         uses.append(use)
         if user.operation.block != block:
             if name == DOT:
-                tree.rejected.append(Decline("other_block", "the dot reading the gathered value is in another region"))
+                tree.rejected.append(Decline("other_block", f"the dot reading the gathered value, {describe_op(user)}, "
+                                                            "is in another region"))
         elif name == DOT:
             try:
                 use.consumer = _consumer(user, value, dim, path, tree.info)
@@ -216,12 +217,102 @@ def _visit(tree: _Tree, value: ir.Value, dim: int, path: tuple[LayoutStep, ...],
                 step = elementwise_step(user, value, dim) if is_elementwise(user) else \
                     LayoutStep(user, dim, forward_dim(user, dim, n))
             except Decline as d:
-                tree.rejected.append(d)
+                tree.rejected.append(_why_not_blockwise(d, user, value, dim))
                 continue
             use.step = step
             tree.nodes.append(step)
             use.children = _visit(tree, user.result, step.out_dim, path + (step,), block, n)
     return uses
+
+
+def _why_not_blockwise(declined: Decline, op: ir.OpView, value: ir.Value, dim: int) -> Decline:
+    """A ``layout`` decline of an elementwise op on the path, saying what its other operand is."""
+    others = [v for v in op.operation.operands if v != value]
+    if declined.code != "layout" or not is_elementwise(op) or len(others) != 1:
+        return declined
+    what = causes.why_varies(others[0], dim, value, "the gathered value")
+    return Decline("layout", f"{describe_op(op)} between the all_gather and the dot: its other operand, {what}, differs "
+                             f"from block to block of the gathered dim {dim}; the ring applies an op to one block only "
+                             "when its other operands are the same in every block (a scalar, a value broadcast along "
+                             "the gathered dim)")
+
+
+def _no_dot(tree: _Tree, ag: ir.OpView, n: int) -> Decline:
+    """Why no dot can take the ring: what the gathered value feeds instead, the first true cause of
+    a grouped matmul, a prefetch for a later region, a reshard, or the op the ring cannot apply."""
+    leaves = [u for r in tree.roots for u in r.leaves()]
+    ragged = next(filter(None, (causes.ragged_dot_after(u.value) for u in leaves)), None)
+    if ragged is not None and all(d.code == "layout" for d in tree.rejected):
+        return causes.ragged_dot_decline(ragged, "the gathered value feeds")
+    if tree.rejected:
+        return tree.rejected[0]
+    if all(u.op.operation.name == "sdy.return" for u in leaves):
+        region = leaves[0].op.operation.parent
+        later = next(filter(None, (causes.dot_in_later_region(u.value, region) for u in leaves)), None)
+        if later is not None:
+            return Decline("prefetchable", f"the gathered value leaves its shard_map region (sdy.return) for "
+                                           f"{describe_op(later)} in a later region: the program gathers it ahead of "
+                                           "its use (a prefetch, as FSDP code writes it), so the transfer is already "
+                                           "off that matmul's critical path")
+    resharded = _reshard(leaves, n)
+    if resharded is not None:
+        return resharded
+    names = ", ".join(dict.fromkeys(_reader_name(u.op) for u in leaves))
+    dot = next(filter(None, (causes.find_near(u.value, True, lambda op: op.operation.name == DOT) for u in leaves)),
+               None)
+    if dot is None:
+        return Decline("user_not_dot", f"the gathered value feeds {names}, no stablehlo.dot_general")
+    return Decline("user_not_dot", f"the gathered value feeds {names}, which the ring cannot apply block by block "
+                                   f"(only layout ops and elementwise ops do), and reaches {describe_op(dot)} only "
+                                   "through it")
+
+
+def _unschedulable(tree: _Tree, block: ir.Block, ag: ir.OpView) -> Decline:
+    """No place for the ring: which dot needs which value, and why that value comes too late."""
+    consumer, needed, first = tree.blocked
+    what = "a region argument" if isinstance(needed.owner, ir.Block) else describe_op(needed.owner)
+    derived, through = causes.computed_from(needed, ag.result)
+    if derived:
+        how = f" through {describe_op(through)}" if through is not None else ""
+        return Decline("schedule", f"{describe_op(consumer.dot)} needs {what}, computed from the gathered value "
+                                   f"itself{how}: it exists only once the whole value is gathered, so no ring can "
+                                   "compute that dot")
+    return Decline("schedule", f"{describe_op(consumer.dot)} needs {what}, computed after {describe_op(first)} (another "
+                               "reader of the gathered value) by ops the pass does not move: no single place for the "
+                               "ring")
+
+
+def _reader_name(op: ir.OpView) -> str:
+    """An op's name; for a call, with its function and the ops in it that do the work."""
+    if op.operation.name != "func.call":
+        return op.operation.name
+    callee = ir.FlatSymbolRefAttr(op.attributes["callee"]).value
+    inner = causes.callee_work(op)
+    return f"func.call @{callee}" + (f" ({', '.join(inner)} inside)" if inner else "")
+
+
+def _reshard(leaves: list[_Use], n: int) -> Decline | None:
+    """Every reader is a dynamic_slice that keeps the gathered dim whole and takes this device's
+    1/n of another dim (its offset read from partition_id): a reshard, an all_to_all in disguise."""
+    found = []
+    for use in leaves:
+        op = use.op
+        if op.operation.name != "stablehlo.dynamic_slice" or op.operation.operands[0] != use.value:
+            return None
+        shape = list(ir_utils.ranked_tensor(use.value).shape)
+        sizes = list(ir.DenseI64ArrayAttr(op.attributes["slice_sizes"]))
+        cut = [k for k, (size, full) in enumerate(zip(sizes, shape)) if k != use.dim and size * n == full
+               and causes.find_near(op.operation.operands[1 + k], False, causes.is_partition_id)]
+        if sizes[use.dim] != shape[use.dim] or not cut:
+            return None
+        found.append((op, use.dim, cut[0]))
+    if not found:
+        return None
+    op, dim, cut = found[0]
+    return Decline("reshard", f"the gathered value is only sliced, by {describe_op(op)}, which keeps the gathered dim "
+                              f"{dim} whole and takes this device's 1/{n} of dim {cut}: a reshard (an all_to_all in "
+                              f"disguise, which would move 1/{n} of the bytes): the gathered value as a whole is no "
+                              "matmul's input")
 
 
 def _drop_dots_reading_twice(tree: _Tree) -> None:
@@ -292,6 +383,8 @@ def _schedulable(tree: _Tree, block: ir.Block, ag: ir.OpView) -> tuple[list[Cons
             if all(ops is not None for ops in moves):
                 kept.append(c)
                 hoisted.update(dict.fromkeys(op for ops in moves for op in ops))
+            elif tree.blocked is None:
+                tree.blocked = c, next(v for v, ops in zip(missing, moves) if ops is None), first
         if len(kept) == len(included):
             return included, first, tuple(sorted(hoisted, key=_OpOrder))
         included = kept

@@ -20,7 +20,7 @@ from ..errors import Decline
 from ..layout import LayoutStep, is_elementwise, is_layout_op
 from ..ring import Ring
 from .common import DeclinedSite, ManualRegion, ModuleInfo, collective_ring, static_tensor
-from .reduce_scatter import Term, region_is_sum, trace_product
+from .reduce_scatter import Term, not_blockwise, ragged_producer, region_is_sum, trace_product
 
 DOT_ALL_REDUCE = "dot_all_reduce"
 #: declines that do not depend on the dim tried (the product has other readers, is no dot, ...)
@@ -114,7 +114,7 @@ def _reaches_a_dot(value: ir.Value) -> None:
     """Decline (``producer_not_dot``) a sum whose value is computed from no dot_general through
     the ops a product may pass (layout and elementwise ops, adds): a psum of a loss, of a norm's
     statistics.  Which dim to split along does not matter then."""
-    seen, stack = set(), [value]
+    seen, stack, stops = set(), [value], []
     while stack:
         owner = stack.pop().owner
         if isinstance(owner, ir.Block) or owner.operation in seen:
@@ -124,9 +124,15 @@ def _reaches_a_dot(value: ir.Value) -> None:
             return
         if is_layout_op(owner) or is_elementwise(owner):
             stack.extend(owner.operation.operands)
-    first = value.owner
-    what = "a block argument" if isinstance(first, ir.Block) else first.operation.name
-    raise Decline("producer_not_dot", f"the summed value comes from {what}, not from a stablehlo.dot_general")
+        else:
+            stops.append(owner)
+    ragged = ragged_producer(value, "the summed value")
+    if ragged is not None:
+        raise ragged
+    if not stops:
+        raise Decline("producer_not_dot", "the summed value comes from region arguments (computed outside this "
+                                          "shard_map region), not from a stablehlo.dot_general")
+    raise Decline("producer_not_dot", not_blockwise(stops[0]).message.replace("scattered", "summed"))
 
 
 def _preference(terms: tuple[Term, ...], dim: int) -> tuple:

@@ -18,7 +18,8 @@ from .._jax_private import ir
 from ..errors import Decline
 from ..layout import LayoutStep, backward_dim, elementwise_step, is_elementwise, is_layout_op, path_operand
 from ..ring import Ring
-from .common import DeclinedSite, DotDims, ManualRegion, ModuleInfo, collective_ring, static_tensor
+from . import causes
+from .common import DeclinedSite, DotDims, ManualRegion, ModuleInfo, collective_ring, describe_op, static_tensor
 
 DOT_REDUCE_SCATTER = "dot_reduce_scatter"
 SHARDING_CONSTRAINT = "sdy.sharding_constraint"
@@ -103,8 +104,61 @@ def _match(rs: ir.OpView, ring: Ring, region: ManualRegion, info: ModuleInfo) ->
     if operand_t.shape[scatter_dim] != result_t.shape[scatter_dim] * n:
         raise Decline("shape", f"scattered dim {scatter_dim} is not {n}x the result's")
 
-    terms, adds, path = trace_product(rs, operand, scatter_dim, info, ring)
+    try:
+        terms, adds, path = trace_product(rs, operand, scatter_dim, info, ring)
+    except Decline as declined:
+        raise _truer(declined, operand, scatter_dim, n) from None
     return ReduceScatterSite(rs, terms, adds, path, ring, region, scatter_dim)
+
+
+def _truer(declined: Decline, operand: ir.Value, dim: int, n: int) -> Decline:
+    """A ``producer_not_dot`` decline, or what is truer: the scattered value is a grouped
+    matmul's, or a dot's in an earlier shard_map region (the program already keeps the scatter
+    apart from its matmul)."""
+    if declined.code != "producer_not_dot":
+        return declined
+    ragged = ragged_producer(operand, "the scattered value")
+    if ragged is not None:
+        return ragged
+    source = _path_source(operand, dim, n)
+    if isinstance(source.owner, ir.Block) and source.owner.owner.name == causes.MANUAL:
+        found = causes.dot_in_earlier_region(source)
+        if found is not None:
+            dot, via = found
+            through = f" (through {', '.join(via)})" if via else ""
+            return Decline("prefetchable", f"the scattered value is region argument #{source.arg_number}, computed by "
+                                           f"{describe_op(dot)} in an earlier shard_map region{through}: the program "
+                                           "already scatters it apart from its matmul, so the transfer is off that "
+                                           "matmul's critical path")
+    return declined
+
+
+def ragged_producer(value: ir.Value, what: str) -> Decline | None:
+    """``ragged_dot`` when a grouped matmul computes ``value`` (through an MoE block's unpermute);
+    ``what``: the value, in words."""
+    ragged = causes.ragged_dot_before(value)
+    return causes.ragged_dot_decline(ragged, f"{what} is computed by") if ragged is not None else None
+
+
+def _path_source(value: ir.Value, dim: int, n: int) -> ir.Value:
+    """Where the scattered value comes from past the ops the ring applies per block (layout ops,
+    elementwise ops with one operand that differs from block to block)."""
+    while not isinstance(value.owner, ir.Block):
+        owner = value.owner
+        if is_elementwise(owner):
+            through = path_operand(owner, dim)
+            if through is None:
+                break
+            value = through
+        elif is_layout_op(owner):
+            try:
+                dim = backward_dim(owner, dim, n)
+            except Decline:
+                break
+            value = owner.operation.operands[0]
+        else:
+            break
+    return value
 
 
 def trace_product(
@@ -122,7 +176,8 @@ def trace_product(
         _single_use(value)
         owner = value.owner
         if isinstance(owner, ir.Block):
-            raise Decline("producer_not_dot", "the scattered value is a block argument, not a dot_general result")
+            raise Decline("producer_not_dot", f"the scattered value is region argument #{value.arg_number}, computed "
+                                              "outside this shard_map region, not a dot_general result")
         if owner.operation.name == "stablehlo.dot_general":
             break
         if is_elementwise(owner):  # a scale or a bias on each device's product, before the sum
@@ -130,36 +185,75 @@ def trace_product(
             if through is None and owner.operation.name == "stablehlo.add":
                 break  # a sum of products: the terms
             if through is None:
-                raise Decline("producer_not_dot", f"the scattered value comes from {owner.operation.name} of "
-                                                  "several values that differ from block to block")
+                raise _several_vary(owner, dim)
             path.insert(0, elementwise_step(owner, through, dim))
             value = through
             continue
         if not is_layout_op(owner):
-            raise Decline("producer_not_dot", f"the scattered value comes from {owner.operation.name}, not stablehlo.dot_general")
+            raise not_blockwise(owner)
         in_dim = backward_dim(owner, dim, n)
         path.insert(0, LayoutStep(owner, in_dim, dim))
         value, dim = owner.operation.operands[0], in_dim
     adds: list[ir.OpView] = []
-    dots = _sum_leaves(owner, adds)
+    dots = _sum_leaves(owner, adds, dim)
     terms = tuple(_term(dot, dim, anchor, info, ring) for dot in dots)
     return terms, tuple(adds), tuple(path)
 
 
-def _sum_leaves(op: ir.OpView, adds: list[ir.OpView]) -> list[ir.OpView]:
-    """The dots of a tree of single-use adds (or the dot itself)."""
+def _sum_leaves(op: ir.OpView, adds: list[ir.OpView], dim: int) -> list[ir.OpView]:
+    """The dots of a tree of single-use adds (or the dot itself); ``dim``: the scattered dim there."""
     if op.operation.name == "stablehlo.dot_general":
         return [op]
     if op.operation.name not in ("stablehlo.add", SHARDING_CONSTRAINT):
-        raise Decline("producer_not_dot", f"the scattered value comes from {op.operation.name}, not stablehlo.dot_general")
+        raise not_blockwise(op)
     adds.append(op)  # an add of the tree, or a sharding constraint inside it: both go with the dots
     dots = []
     for value in op.operation.operands:
         _single_use(value)
-        if isinstance(value.owner, ir.Block):
-            raise Decline("producer_not_dot", "the scattered sum adds a block argument, not only dot_general results")
-        dots += _sum_leaves(value.owner, adds)
+        if isinstance(value.owner, ir.Block) or value.owner.operation.name not in (
+                "stablehlo.dot_general", "stablehlo.add", SHARDING_CONSTRAINT):
+            raise _added(op, value, dim)
+        dots += _sum_leaves(value.owner, adds, dim)
     return dots
+
+
+def _product_of(op: ir.OpView) -> ir.Value | None:
+    """The dot_general result ``op`` is computed from, if one is (for saying what a value is)."""
+    dot = causes.find_near(op.result, False, lambda o: o.operation.name == "stablehlo.dot_general")
+    return dot.result if dot is not None else None
+
+
+def _several_vary(op: ir.OpView, dim: int) -> Decline:
+    """An elementwise op between the dot and the scatter with several operands that differ from
+    block to block (a per-row factor, an activation's product with a function of the product)."""
+    product = _product_of(op)
+    what = "; ".join(causes.why_varies(v, dim, product, "the product") for v in op.operation.operands)
+    return Decline("producer_not_dot", f"the scattered value comes from {describe_op(op)} of values that each differ "
+                                       f"from block to block of the scattered dim {dim} ({what}): the ring applies an "
+                                       "op to one block only when all but one of its operands are the same in every "
+                                       "block (a scalar, a bias broadcast along the scattered dim)")
+
+
+def _added(add: ir.OpView, value: ir.Value, dim: int) -> Decline:
+    """A sum between the dot and the scatter that adds something other than dots."""
+    what = causes.why_varies(value, dim, _product_of(add), "the product")
+    if path_operand(add, dim) not in (None, value):  # the other operand varies, this one is the same everywhere
+        return Decline("producer_not_dot", f"{describe_op(add)} adds {what}, the same in every block, to one product "
+                                           "of a sum of products: the ring adds such a value only after the whole sum")
+    return Decline("producer_not_dot", f"the scattered value is {describe_op(add)} of the product and {what}, which "
+                                       f"differs from block to block of the scattered dim {dim} (a bias or a residual "
+                                       "along it): the ring adds per block only values the same in every block")
+
+
+def not_blockwise(op: ir.OpView) -> Decline:
+    """The scattered value comes from an op the ring cannot apply block by block."""
+    product = _product_of(op)
+    if product is None:
+        return Decline("producer_not_dot", f"the scattered value comes from {describe_op(op)}, not from a "
+                                           "stablehlo.dot_general")
+    return Decline("producer_not_dot", f"the scattered value comes from {describe_op(op)}, which the ring cannot "
+                                       f"apply block by block (only layout ops and elementwise ops do), of "
+                                       f"{describe_op(product.owner)}")
 
 
 def _term(dot: ir.OpView, dim: int, rs: ir.OpView, info: ModuleInfo, ring: Ring) -> Term:
@@ -202,9 +296,10 @@ def _single_use(value: ir.Value) -> None:
     if uses != 1:
         owner = value.owner
         what = "the dot result" if not isinstance(owner, ir.Block) and owner.operation.name == "stablehlo.dot_general" else "the scattered value"
+        readers = ", ".join(describe_op(u) for u in ir_utils.users(value))
         raise Decline(
             "multiple_users",
-            f"{what} has {uses} uses; the full unscattered product is needed elsewhere",
+            f"{what} has {uses} uses (read by {readers}); the full unscattered product is needed elsewhere",
         )
 
 
