@@ -352,8 +352,8 @@ def _apply(
     return entry
 
 
-#: declines of a gather that lost its dot to another collective's ring
-LOST_ITS_DOT = frozenset({"user_not_dot", "schedule", "both_operands"})
+#: the options' verdicts on a site that matched: not a dot lost to another ring
+VERDICTS = frozenset({"policy", "min_bytes"})
 
 
 @dataclass
@@ -412,7 +412,8 @@ def _say_prefetchable(report: Report, deferred: dict[int, _Deferred], gathered: 
     for key, d in deferred.items():
         entry = report.sites[gathered[key]]
         entry.slack = {**d.slack.to_dict(), "competes_with": d.winner}
-        if entry.rewritten or entry.reason_code not in LOST_ITS_DOT:
+        # it matched before the other ring was built (_order_by_slack): a decline now is that ring's doing
+        if entry.rewritten or entry.reason_code in VERDICTS:
             continue
         was = f"(matched after that ring: {entry.reason})"
         if d.slack.hiding_flops > 0:

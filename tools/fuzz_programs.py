@@ -46,7 +46,9 @@ class Spec:
     mesh_shape: tuple[int, ...]
     devices: tuple[int, ...]  # device ids in mesh order: a permutation of a subset of the CPU devices
     axes: tuple[str, ...]  # the collectives' mesh axes
-    kind: str  # "ag" | "rs" | "chain" | "mlp" | "ag2" (both dot operands gathered) | "psum" (Megatron blocks)
+    #: "ag" | "rs" | "chain" | "mlp" | "ag2" (both dot operands gathered) | "psum" (Megatron blocks) |
+    #: "fsdp" (the activation's rows gathered over axes[0], the weight over another mesh axis along ``dim``)
+    kind: str
     #: gathered / scattered label: "m" (free, lhs-side), "n" (free, rhs-side), "k" (contracting), "b" (batch);
     #: psum: "m" the rows divide by the ring (split along them), "k" they do not (split along the features)
     dim: str
@@ -82,6 +84,8 @@ class Spec:
         gathered, the second gather when the first ring's round 0 is in its loop (`uni`, or
         `unroll2` with an even number of sending rounds), since that loop reads the second
         gathered value and the only dot left reading it waits for the loop ('schedule')."""
+        if self.kind == "fsdp":  # the weight's gather, where the activation's ring took its dot
+            return frozenset({"prefetchable", "lost_to_ring"})
         return frozenset({"schedule"}) if self.kind == "ag2" else frozenset()
 
     def may_decline_under(self, options) -> frozenset[str]:
@@ -96,7 +100,7 @@ class Spec:
             return self.dim in ("m", "k", "b")
         if self.kind == "rs":
             return self.dim in ("m", "n", "b")
-        return self.kind in ("chain", "mlp", "ag2", "psum")
+        return self.kind in ("chain", "mlp", "ag2", "psum", "fsdp")
 
 
 #: row-wise ops between Megatron blocks (a psum's readers the split carries the rows through)
@@ -113,12 +117,14 @@ def specs(draw) -> Spec:
         axes = tuple(draw(st.permutations(names))[:2])
     else:
         axes = (draw(st.sampled_from(names)),)
-    kind = draw(st.sampled_from(["ag", "ag", "rs", "rs", "chain", "mlp", "ag2", "psum", "psum"]))
+    kind = draw(st.sampled_from(["ag", "ag", "rs", "rs", "chain", "mlp", "ag2", "psum", "psum", "fsdp"]))
+    if kind == "fsdp" and len(mesh_shape) < 2:
+        kind = "ag2"  # a weight's and an activation's gathers over two mesh axes need two
     dtype = draw(st.sampled_from(["f32", "f32", "f32", "bf16", "bf16", "i32", "i32", "f16", "f64", "c64"]))
     if kind in ("mlp", "psum"):
         dtype = "f32" if dtype in ("i32", "c64") else dtype  # gelu, norms
     dims = {"ag": ["m", "k", "b"], "rs": ["m", "n", "b"], "chain": ["m", "k"], "mlp": ["m"], "ag2": ["m"],
-            "psum": ["m", "m", "k"]}[kind]
+            "psum": ["m", "m", "k"], "fsdp": ["k", "n"]}[kind]
     dim = draw(st.sampled_from(dims))
     batch = dim == "b" or draw(st.booleans())
     return Spec(
@@ -134,7 +140,7 @@ def specs(draw) -> Spec:
         # rs: a sum of that many products; psum: that many blocks
         consumers=draw(st.integers(1, 3)) if kind in ("ag", "rs", "psum") else 1,
         reader=kind == "ag" and draw(st.booleans()),
-        partial_manual=len(mesh_shape) > len(axes) and draw(st.booleans()),
+        partial_manual=kind != "fsdp" and len(mesh_shape) > len(axes) and draw(st.booleans()),
         sizes=tuple(draw(st.sampled_from([1, 2, 3, 4])) for _ in range(4)),
         repeat=draw(st.sampled_from([1, 1, 2, 3])),
         prep=kind == "ag" and draw(st.booleans()),
@@ -254,6 +260,23 @@ def build(spec: Spec):
     if spec.kind == "psum":
         return _megatron(spec)
 
+    if spec.kind == "fsdp":
+        # FSDP x TP: x's rows gathered over the activation axis, w gathered over another mesh axis along its
+        # contracting (k) or free (n) dim; the two gathers meet at one dot (analysis.slack picks the ring)
+        act = spec.axes[0]
+        weight = next(name for name in spec.names if name != act)
+        act_size, size = (spec.mesh_shape[spec.names.index(a)] for a in (act, weight))
+        w_dim = 0 if spec.dim == "k" else 1
+        contracting = k * size if w_dim == 0 else k
+
+        def body(x, w):
+            gx = jax.lax.all_gather(x, act, axis=0, tiled=True)
+            gx = jnp.tanh(gx) if spec.dtype in ("f32", "bf16", "f16", "f64") else gx
+            return _dot(spec, gx, jax.lax.all_gather(w, weight, axis=w_dim, tiled=True), "mk,kn->mn")
+
+        return body, [([m * act_size, contracting], _spec_at(2, 0, (act,))),
+                      ([contracting, nn * (1 if w_dim == 0 else size)], _spec_at(2, w_dim, (weight,)))], P()
+
     # a sequence-parallel MLP block: rows gathered, gelu, rows sum-scattered
     def body(x, w1, w2):
         h = jax.nn.gelu(_dot(spec, jax.lax.all_gather(x, axes, axis=0, tiled=True), w1, "mk,kn->mn"))
@@ -348,8 +371,9 @@ class Tally:
         )
 
 
-def ring_property_holds(module, n_groups_of) -> bool:
-    """Every collective_permute's pairs form exactly one directed cycle per replica group."""
+def ring_property_holds(module, site_groups: list[frozenset]) -> bool:
+    """Every collective_permute's pairs form exactly one directed cycle per replica group of one
+    rewritten site (``site_groups``: each site's groups; a 2-D program rings over two axes)."""
     for op in ir_utils.walk(module.operation):
         if op.operation.name != "stablehlo.collective_permute":
             continue
@@ -358,7 +382,7 @@ def ring_property_holds(module, n_groups_of) -> bool:
         if not all(graph.out_degree(v) == 1 and graph.in_degree(v) == 1 for v in graph):
             return False
         cycles = {tuple(sorted(c)) for c in nx.simple_cycles(graph)}
-        if cycles != n_groups_of:
+        if cycles not in site_groups:
             return False
     return True
 
@@ -377,7 +401,7 @@ def check(spec: Spec, tally: Tally | None = None, variants=VARIANTS) -> Tally:
         try:
             result = cmatmul_pass.rewrite(text, options)
             result.module.operation.verify()
-            groups = {tuple(sorted(g)) for s in result.report.rewritten for g in s.replica_groups}
+            groups = [frozenset(tuple(sorted(g)) for g in s.replica_groups) for s in result.report.rewritten]
             assert ring_property_holds(result.module, groups), "a permute is not one cycle per group"
             if spec.expect_rewrite() and options.assemble:
                 allowed = spec.may_decline_under(options)
