@@ -211,6 +211,16 @@ def product_read_twice():
     return lower(f, arg(m, (64, 64), P(None, "m")), arg(m, (64, 32), P("m", None)))
 
 
+def bias_inside_a_sum():
+    """``x @ w1 + (x @ w2 + b)``: a per-column bias (the same in every block of the rows) added to
+    one of two products before the sum."""
+    m = mesh()
+    f = smap(lambda x, w1, w2, b: rs(x @ w1 + (x @ w2 + b[None, :])), m, (P(None, "m"), P("m", None), P("m", None),
+                                                                         P()), P("m", None))
+    return lower(f, arg(m, (64, 64), P(None, "m")), arg(m, (64, 32), P("m", None)), arg(m, (64, 32), P("m", None)),
+                 arg(m, (32,), P()))
+
+
 def layernorm(h, g):
     return (h - h.mean(-1, keepdims=True)) * g
 
@@ -222,7 +232,8 @@ CASES = [
     (scatter_in_next_region, {}, "dot_reduce_scatter", "prefetchable",
      "computed by stablehlo.dot_general at"),
     (moe_gpu, {}, "dot_reduce_scatter", "ragged_dot", "computed by chlo.ragged_dot"),
-    (moe_exported, {}, "dot_reduce_scatter", "ragged_dot", "computed by stablehlo.composite"),
+    (moe_exported, {}, "dot_reduce_scatter", "ragged_dot",
+     '("chlo.ragged_dot", as jax.export writes it)'),
     (moe_unpermute_psum, {}, "dot_all_reduce", "ragged_dot", "the summed value is computed by chlo.ragged_dot"),
     (moe_unpermute_psum_cpu, {}, "dot_all_reduce", "producer_not_dot",
      "comes from stablehlo.gather at"),
@@ -251,6 +262,8 @@ CASES = [
      "func.call @sort (stablehlo.sort inside), which the ring cannot apply block by block"),
     (before_dot(lambda h, _: jnp.cumsum(h, axis=0)), {}, "all_gather_dot", "user_not_dot",
      "(stablehlo.reduce_window inside)"),
+    (bias_inside_a_sum, {}, "dot_reduce_scatter", "producer_not_dot",
+     "the same in every block, to one product of a sum of products"),
     (product_read_twice, {}, "dot_reduce_scatter", "multiple_users", "read by stablehlo.reduce at"),
     # the fact behind a new code does not hold: the old code stays
     (gathered_returned_unused, {}, "all_gather_dot", "user_not_dot", "feeds sdy.return, no stablehlo.dot_general"),

@@ -246,8 +246,8 @@ def _no_dot(tree: _Tree, ag: ir.OpView, n: int) -> Decline:
         return causes.ragged_dot_decline(ragged, "the gathered value feeds")
     if tree.rejected:
         return tree.rejected[0]
-    if all(u.op.operation.name == "sdy.return" for u in leaves):
-        region = leaves[0].op.operation.parent
+    region = leaves[0].op.operation.parent if leaves else None
+    if region is not None and region.name == causes.MANUAL and all(u.op.operation.name == "sdy.return" for u in leaves):
         later = next(filter(None, (causes.dot_in_later_region(u.value, region) for u in leaves)), None)
         if later is not None:
             return Decline("prefetchable", f"the gathered value leaves its shard_map region (sdy.return) for "
@@ -299,8 +299,10 @@ def _reshard(leaves: list[_Use], n: int) -> Decline | None:
         op = use.op
         if op.operation.name != "stablehlo.dynamic_slice" or op.operation.operands[0] != use.value:
             return None
-        shape = list(ir_utils.ranked_tensor(use.value).shape)
-        sizes = list(ir.DenseI64ArrayAttr(op.attributes["slice_sizes"]))
+        t = ir_utils.ranked_tensor(use.value)
+        if t is None:
+            return None
+        shape, sizes = list(t.shape), list(ir.DenseI64ArrayAttr(op.attributes["slice_sizes"]))
         cut = [k for k, (size, full) in enumerate(zip(sizes, shape)) if k != use.dim and size * n == full
                and causes.find_near(op.operation.operands[1 + k], False, causes.is_partition_id)]
         if sizes[use.dim] != shape[use.dim] or not cut:

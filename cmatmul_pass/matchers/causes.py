@@ -25,6 +25,8 @@ from .common import describe_op
 
 DOT = "stablehlo.dot_general"
 MANUAL = "sdy.manual_computation"
+#: ops whose one region takes their operands as its arguments and returns their results (sdy.return)
+REGIONS = frozenset({MANUAL, "sdy.named_computation"})
 RAGGED_DOT = "chlo.ragged_dot"
 #: collectives a value may pass on its way between a dot and a later region's scatter (a data-
 #: parallel psum of a gradient, a gather of it)
@@ -102,7 +104,7 @@ def dot_in_later_region(returned: ir.Value, region: ir.Operation) -> ir.OpView |
                 pending.append(op.result)
             elif name == "sdy.return":
                 pending.append(op.operation.parent.results[i])
-            elif name == MANUAL:
+            elif name in REGIONS:
                 pending.append(op.operation.regions[0].blocks[0].arguments[i])
             elif name == "stablehlo.while":
                 pending += [op.operation.regions[1].blocks[0].arguments[i], op.operation.results[i]]
@@ -135,7 +137,7 @@ def dot_in_earlier_region(argument: ir.Value) -> tuple[ir.OpView, list[str]] | N
         owner = value.owner
         if isinstance(owner, ir.Block):
             parent, i = owner.owner, value.arg_number
-            if parent.name == MANUAL:
+            if parent.name in REGIONS:
                 pending.append(parent.operands[i])
             elif parent.name == "stablehlo.while" and owner == parent.regions[1].blocks[0]:
                 pending += [parent.operands[i], _terminator(parent.regions[1]).operands[i]]
@@ -151,7 +153,7 @@ def dot_in_earlier_region(argument: ir.Value) -> tuple[ir.OpView, list[str]] | N
             if name in THROUGH_COLLECTIVES:
                 via.append(describe_op(owner))
             pending += list(owner.operation.operands)
-        elif name == MANUAL:
+        elif name in REGIONS:
             pending.append(_terminator(owner.operation.regions[0]).operands[i])
         elif name == "stablehlo.while":
             pending += [owner.operation.operands[i], _terminator(owner.operation.regions[1]).operands[i]]
@@ -226,15 +228,19 @@ def ragged_dot_before(value: ir.Value) -> ir.OpView | None:
 
 def ragged_dot_decline(op: ir.OpView, role: str) -> Decline:
     """``role``: how the collective's value meets it ("the gathered value feeds", ...)."""
-    inside = "" if is_ragged_dot(op) else " (a call of a function that holds chlo.ragged_dot)"
+    inside = "" if op.operation.name == RAGGED_DOT else (
+        ' ("chlo.ragged_dot", as jax.export writes it)' if is_ragged_dot(op)
+        else " (a call of a function that holds chlo.ragged_dot)")
     return Decline("ragged_dot", f"{role} {describe_op(op)}{inside}: a grouped matmul (jax.lax.ragged_dot, an MoE "
                                  "block's expert matmul), which the pass does not rewrite yet")
 
 
-def computed_from(value: ir.Value, origin: ir.Value) -> tuple[bool, ir.OpView | None]:
+def computed_from(value: ir.Value, origin: ir.Value | None) -> tuple[bool, ir.OpView | None]:
     """Is ``value`` computed (in its block) from ``origin``, and through which op that is neither
     layout nor elementwise (a reduction: what makes it a statistic of ``origin``; None when only
     elementwise ops lie between, as in an activation)?"""
+    if origin is None:
+        return False, None
     pending, seen = [(value, None)], set()
     while pending and len(seen) < LIMIT:
         v, through = pending.pop(0)
@@ -254,14 +260,14 @@ def computed_from(value: ir.Value, origin: ir.Value) -> tuple[bool, ir.OpView | 
 PLAIN = frozenset({"stablehlo.broadcast_in_dim", "stablehlo.constant", "sdy.sharding_constraint"})
 
 
-def why_varies(operand: ir.Value, dim: int, origin: ir.Value, what: str) -> str:
+def why_varies(operand: ir.Value, dim: int, origin: ir.Value | None, what: str) -> str:
     """What ``operand`` is, which differs from block to block along ``dim``: the op that makes it
     so, and whether it is computed from ``origin`` (``what``: "the gathered value", "the
     product"); a noun phrase for a decline message."""
     owner = operand.owner
     while not isinstance(owner, ir.Block) and owner.operation.name == "sdy.sharding_constraint":
         operand, owner = owner.operation.operands[0], owner.operation.operands[0].owner
-    if operand == origin:
+    if origin is not None and operand == origin:
         return f"{what} itself"
     if isinstance(owner, ir.Block):
         t = ir_utils.ranked_tensor(operand)
@@ -273,8 +279,8 @@ def why_varies(operand: ir.Value, dim: int, origin: ir.Value, what: str) -> str:
         return f"{describe_op(owner)}, computed from {what} itself ({how})"
     dims = list(ir.DenseI64ArrayAttr(owner.attributes["broadcast_dimensions"])) \
         if owner.operation.name == "stablehlo.broadcast_in_dim" else []
-    if dim in dims:
-        source = ir_utils.ranked_tensor(owner.operation.operands[0])
+    source = ir_utils.ranked_tensor(owner.operation.operands[0]) if dims else None
+    if dim in dims and (source is None or source.shape[dims.index(dim)] > 1):
         return (f"{describe_op(owner)} of a {list(source.shape) if source is not None else '?'} value along dim "
                 f"{dim} (one value per index of dim {dim}: a per-row or per-column scale or bias)")
     if owner.operation.name == "stablehlo.constant":

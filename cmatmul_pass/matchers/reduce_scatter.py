@@ -237,7 +237,8 @@ def _several_vary(op: ir.OpView, dim: int) -> Decline:
 def _added(add: ir.OpView, value: ir.Value, dim: int) -> Decline:
     """A sum between the dot and the scatter that adds something other than dots."""
     what = causes.why_varies(value, dim, _product_of(add), "the product")
-    if path_operand(add, dim) not in (None, value):  # the other operand varies, this one is the same everywhere
+    varying = path_operand(add, dim)
+    if varying is not None and varying != value:  # the other operand varies, this one is the same everywhere
         return Decline("producer_not_dot", f"{describe_op(add)} adds {what}, the same in every block, to one product "
                                            "of a sum of products: the ring adds such a value only after the whole sum")
     return Decline("producer_not_dot", f"the scattered value is {describe_op(add)} of the product and {what}, which "
