@@ -233,18 +233,33 @@ def _rewrite(args):
         for site in result.report.sites:
             print(site.summary_line(), file=sys.stderr)
         print(f"{PROG}: {result.report.summary()}", file=sys.stderr)
-        for line in module_notes(result):
-            print(f"{PROG}: note: {line}", file=sys.stderr)
+        say_notes(result)
         for line in slower_warnings(result.report):
             print(f"{PROG}: warning: {line}", file=sys.stderr)
     if args.command == "check" and not result.report.rewritten:
-        raise NothingToRun(f"nothing to check: {_nothing_rewritten(result.report)}")
+        _nothing_to_run(args, f"nothing to check: {_nothing_rewritten(result.report)}",
+                        {**result.report.to_dict(), "numerics": None})
     return data, source, result
 
 
 def _nothing_rewritten(report) -> str:
     declined = f" ({len(report.sites)} candidate site(s) declined; see explain)" if report.sites else ""
     return f"no site was rewritten{declined}, so the rewritten module is the original"
+
+
+def _nothing_to_run(args, message: str, report: dict) -> None:
+    """``check`` / ``bench`` with no site rewritten: write ``--report-json`` as every command
+    does (``report`` with ``nothing_to_run``: ``message``), then stop (main says it, exit 0)."""
+    if args.report_json:
+        write_output(args.report_json, json.dumps({**report, "nothing_to_run": message}, indent=2) + "\n")
+    raise NothingToRun(message)
+
+
+def say_notes(result, file=None, prefix: str = f"{PROG}: ") -> None:
+    """Print :func:`module_notes` (stderr by default, as ``rewrite`` and ``bench`` do; ``explain``
+    prints them on stdout without the program's name)."""
+    for line in module_notes(result):
+        print(f"{prefix}note: {line}", file=file or sys.stderr)
 
 
 def module_notes(result) -> list[str]:
@@ -356,8 +371,7 @@ def cmd_explain(args) -> int:
                            "only); run explain without --plot to see why")
     hw = cost.hardware(result.options.hardware)
     print(f"{report.source}: {report.num_partitions} partitions, {report.summary()}")
-    for line in module_notes(result):
-        print(f"note: {line}")
+    say_notes(result, sys.stdout, prefix="")
     for site in report.sites:
         print(f"\n{site.location}  [{site.kind}] in @{site.function}")
         if site.ring_size:
@@ -492,8 +506,14 @@ def cmd_bench(args) -> int:
     data, source = read_input(args.input)
     results = {name: rewrite(data, _options(args, name), source=source) for name in names}
     if not any(result.report.rewritten for result in results.values()):
-        raise NothingToRun(f"nothing to time: {_nothing_rewritten(next(iter(results.values())).report)} "
-                           "in every variant; nothing to recommend")
+        first = next(iter(results.values()))
+        if not args.quiet:  # no shard_map region, or no candidate in it: what rewrite says
+            say_notes(first)
+        _nothing_to_run(args, f"nothing to time: {_nothing_rewritten(first.report)} in every variant; "
+                              "nothing to recommend",
+                        {"source": source, "num_partitions": first.report.num_partitions, "fastest": None,
+                         "variants": {name: {"flags": flags[name], "rewritten": 0, "sites": len(r.report.sites)}
+                                      for name, r in results.items()}})
     original = ir_utils.parse(data, source=source)
     n = ir_utils.int_attr(original.operation, "mhlo.num_partitions") or 1
     devices = _bench_devices(args.platform, n)

@@ -126,6 +126,16 @@ def test_commands_on_a_module_with_nothing_to_run_say_so_in_one_line(name, comma
     assert list(tmp_path.iterdir()) == []  # no plot, no report
 
 
+@pytest.mark.parametrize("name, command", [(n, c) for n, c in COMMAND_CASES if MANIFEST[n]["commands"][c]["exit"] == 0])
+def test_nothing_to_run_still_writes_the_report(name, command, tmp_path, capsys):
+    """--report-json is written on the nothing-to-run path too, holding the line that was said."""
+    case = MANIFEST[name]["commands"][command]
+    assert run_cli(command, CORPUS / name, *case["args"], "--report-json", tmp_path / "r.json", "-q") == 0
+    said = capsys.readouterr().out.strip()
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert case["text"] in said and report["nothing_to_run"] == said.removeprefix("cmatmul_pass: ")
+
+
 def test_check_of_the_cross_replica_sample_never_reaches_xla(capsys):
     """XLA's CPU compiler fails a RET_CHECK on this module (replica groups over one replica): the
     check says there is nothing to compare instead of compiling it."""

@@ -413,9 +413,60 @@ def test_explain_says_what_would_make_a_declined_site_eligible(capsys):
 
 
 def test_bench_with_no_rewritten_site_recommends_nothing(tmp_path, capsys):
+    from cmatmul_pass.cli import VARIANT_NAMES
+
     assert run_cli("bench", NEG, "--runs", "1", "--report-json", tmp_path / "r.json") == 0
     captured = capsys.readouterr()
     assert captured.out.strip() == ("cmatmul_pass: nothing to time: no site was rewritten (1 candidate site(s) "
                                     "declined; see explain), so the rewritten module is the original in every "
                                     "variant; nothing to recommend")
-    assert "fastest" not in captured.out + captured.err and not (tmp_path / "r.json").exists()
+    assert "fastest" not in captured.out + captured.err
+    report = json.loads((tmp_path / "r.json").read_text())  # written, as every command writes it
+    assert report["fastest"] is None and report["nothing_to_run"] == captured.out.strip().removeprefix("cmatmul_pass: ")
+    assert {name: row["rewritten"] for name, row in report["variants"].items()} == dict.fromkeys(VARIANT_NAMES, 0)
+
+
+def test_bench_and_check_say_what_rewrite_says_of_a_module_without_candidates(tmp_path, capsys):
+    """The note naming XLA's windowed-einsum flags (no shard_map region) and the census (a
+    shard_map with no candidate) come from bench and check as from rewrite and explain."""
+    from cmatmul_pass.cli import WINDOWED_EINSUM_FLAGS
+
+    mesh = jax.make_mesh((8,), ("x",))
+    x = jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=NamedSharding(mesh, P("x", None)))
+    w = jax.ShapeDtypeStruct((32, 64), jnp.float32, sharding=NamedSharding(mesh, P(None, None)))
+    auto = tmp_path / "auto.mlir"
+    auto.write_text(_lowered(lambda a, b: a @ b, x, w))
+    shift = jax.shard_map(lambda a: jax.lax.ppermute(a, "x", [(i, (i + 1) % 8) for i in range(8)]),
+                          mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    census = tmp_path / "shift.mlir"
+    census.write_text(_lowered(shift, jax.ShapeDtypeStruct((16, 4), jnp.float32, sharding=NamedSharding(mesh, P("x")))))
+    for path, said in ((auto, f"no shard_map (manual) region: the pass rewrites only explicit collectives inside "
+                              f"jax.shard_map; for a program jax.jit shards by itself, XLA's own windowed einsum "
+                              f"does this on GPU: XLA_FLAGS='{WINDOWED_EINSUM_FLAGS}'"),
+                       (census, "the shard_map regions hold 0 all_reduce, 0 all_gather, 0 reduce_scatter, "
+                                "0 all_to_all, 1 collective_permute")):
+        assert run_cli("rewrite", path, "-o", tmp_path / "out.mlir") == 0
+        (expected,) = [line for line in capsys.readouterr().err.splitlines() if "note:" in line]
+        assert said in expected
+        for command in (["bench", "--runs", "1", "--variants", "uni"], ["check"]):
+            assert run_cli(command[0], path, *command[1:]) == 0
+            captured = capsys.readouterr()
+            assert [line for line in captured.err.splitlines() if "note:" in line] == [expected], command
+            assert captured.out.startswith(f"cmatmul_pass: nothing to {'time' if command[0] == 'bench' else 'check'}")
+            assert run_cli(command[0], path, *command[1:], "--quiet") == 0
+            assert capsys.readouterr().err == ""
+
+
+def test_check_with_nothing_rewritten_writes_its_report(tmp_path, capsys):
+    """One partition: nothing to compare, exit 0, one line, and --report-json still written
+    (the rewrite's report, no numerics, the line that was printed)."""
+    one = ROOT / "tests" / "bad_inputs" / "one_partition.mlir"
+    assert run_cli("check", one, "--report-json", tmp_path / "r.json", "-q") == 0
+    out = capsys.readouterr().out
+    assert out == "cmatmul_pass: nothing to check: no site was rewritten, so the rewritten module is the original\n"
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report == {"source": str(one), "num_partitions": 1, "sites": [], "numerics": None,
+                      "nothing_to_run": out.strip().removeprefix("cmatmul_pass: ")}
+    assert run_cli("check", NEG, "--report-json", tmp_path / "r.json", "-q") == 0  # every site declined
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [s["reason_code"] for s in report["sites"]] == ["user_not_dot"] and report["numerics"] is None
