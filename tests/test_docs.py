@@ -179,12 +179,33 @@ def test_every_emitted_code_has_a_hint_and_a_row():
     codes = emitted_codes()
     assert {"policy", "min_bytes", "chunks", "no_dim", "not_sum", "user_not_dot", "multiple_users"} <= codes
     assert codes <= set(reasons.REASONS), codes - set(reasons.REASONS)
-    rows = reason_rows()
-    assert set(rows) == set(reasons.REASONS)
     for code, reason in reasons.REASONS.items():
         assert reason.hint and reason.meaning and reasons.hint(code) == reason.hint
-        assert rows[code][1] == reason.meaning and rows[code][3] == reason.hint
-        assert rows[code][2] == (f"`explain {' '.join(reason.example)}`" if reason.example else "—")
+    assert set(reason_rows()) == set(reasons.REASONS)
+
+
+def test_the_reasons_page_is_what_its_generator_writes():
+    """docs/reasons.md's table is written by tools/gen_reasons_doc.py from reasons.py: after an
+    edit of reasons.py, `make reasons-doc`."""
+    from cmatmul_pass import reasons
+    from tools import gen_reasons_doc
+
+    text = (ROOT / "docs" / "reasons.md").read_text()
+    assert text == gen_reasons_doc.updated(text), "docs/reasons.md is stale: run `make reasons-doc`"
+    # the generator's rows hold each code's meaning, example and hint, as reason_rows reads them back
+    rows = reason_rows()
+    for code, reason in reasons.REASONS.items():
+        assert rows[code][1:] == [reason.meaning, f"`explain {' '.join(reason.example)}`" if reason.example else "—",
+                                  reason.hint]
+
+
+def test_the_reasons_generator_rewrites_only_between_its_markers():
+    from tools import gen_reasons_doc as gen
+
+    page = f"intro\n{gen.BEGIN}\n| stale |\n{gen.END}\nafter\n"
+    assert gen.updated(page) == f"intro\n{gen.BEGIN}\n{gen.table()}{gen.END}\nafter\n"
+    with pytest.raises(ValueError, match="needs one"):
+        gen.updated("no markers\n")
 
 
 @pytest.mark.parametrize("code", [c for c, r in __import__("cmatmul_pass.reasons").reasons.REASONS.items() if r.example])
