@@ -364,6 +364,7 @@ class _Deferred:
     slack: SiteSlack
     winner: str  # the competing collective's location
     winner_slack: SiteSlack
+    moved: bool  # matched after the winner for its slack (False: a tie, the program's order)
 
 
 def _order_by_slack(gathers: list, info: ModuleInfo, options: Options, report: Report, source: str
@@ -394,16 +395,15 @@ def _order_by_slack(gathers: list, info: ModuleInfo, options: Options, report: R
     for competing in at_dot.values():
         if len({s.ring.groups for s in competing}) < 2:
             continue
-        ranked = sorted(competing, key=lambda s: of(s).rank(
-            tensor_bytes(ir_utils.ranked_tensor(s.all_gather.result)) * (s.ring.size - 1) // s.ring.size))
+        ranked = sorted(competing, key=lambda s: of(s).rank)  # stable: a tie keeps the program's order
         winner = ranked[0]
         for site in ranked[1:]:
             if site.ring.groups != winner.ring.groups and id(site.all_gather) not in deferred:
                 deferred[id(site.all_gather)] = _Deferred(
-                    of(site), ir_utils.render_location(winner.all_gather.location, source), of(winner))
-    if not deferred:
-        return gathers, {}
-    order = [op for op in gathers if id(op) not in deferred] + [op for op in gathers if id(op) in deferred]
+                    of(site), ir_utils.render_location(winner.all_gather.location, source), of(winner),
+                    of(site).rank != of(winner).rank)
+    moved = {key for key, d in deferred.items() if d.moved}
+    order = [op for op in gathers if id(op) not in moved] + [op for op in gathers if id(op) in moved]
     return order, deferred
 
 
@@ -417,17 +417,22 @@ def _say_prefetchable(report: Report, deferred: dict[int, _Deferred], gathered: 
             continue
         was = f"(matched after that ring: {entry.reason})"
         if d.slack.hiding_flops > 0:
+            why = (f"it is on the critical path ({d.winner_slack.hiding_flops:.3g} FLOP of compute could hide it)"
+                   if d.moved else "the first in the program, with as much slack")
             entry.reason_code = "prefetchable"
-            entry.reason = (f"the dot's other collective at {d.winner} has the ring: it is on the critical path "
-                            f"({d.winner_slack.hiding_flops:.3g} FLOP of compute could hide it, this one "
-                            f"{d.slack.hiding_flops:.3g}{', its operand ready at the start of the step' if d.slack.early else ''}); "
-                            "XLA's latency-hiding scheduler (--xla_gpu_enable_latency_hiding_scheduler=true) issues this "
-                            f"one early, behind that compute {was}")
+            entry.reason = (f"the dot's other collective at {d.winner} has the ring: {why}; this one has "
+                            f"{d.slack.hiding_flops:.3g} FLOP of compute before its dot"
+                            f"{', its operand ready at the start of the step' if d.slack.early else ''}, and XLA's "
+                            "latency-hiding scheduler (--xla_gpu_enable_latency_hiding_scheduler=true) issues it early, "
+                            f"behind that compute {was}")
         else:
             entry.reason_code = "lost_to_ring"
-            entry.reason = (f"the dot's other collective at {d.winner} has the ring (the larger transfer, or the later "
-                            f"operand: {'both operands are ready at the start of the step' if d.slack.early else 'this one is ready no earlier'}); "
-                            f"no compute precedes the dot to hide this one behind {was}")
+            why = ("its operand is computed in this step, this one's is ready at the step's start" if d.moved else
+                   "neither has more slack (both operands " +
+                   ("ready at the step's start" if d.slack.early else "computed in this step") +
+                   "), so the one first in the program took it")
+            entry.reason = (f"the dot's other collective at {d.winner} has the ring: {why}; no compute precedes the "
+                            f"dot to hide this one behind {was}")
 
 
 #: declines of a gather whose value may reach its dots through row-wise ops (a norm, a bias)

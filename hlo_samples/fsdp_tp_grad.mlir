@@ -11,115 +11,101 @@
 // GOLDEN-NEXT: sdy.mesh @mesh = <["data"=2, "model"=4]> {stablehlo.mesh = {axes = [{name = "data", size = 2 : i64}, {name = "model", size = 4 : i64}]}}
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<4x32x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}, {}]>}, %arg1: tensor<16x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}, %arg2: tensor<64x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {"data"}]>}, %arg3: tensor<16x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}, %arg4: tensor<64x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {"data"}]>}) -> (tensor<f32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, []>}, tensor<4x32x16xf32> {jax.result_info = "result[1][0]", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}, {}]>}, tensor<16x64xf32> {jax.result_info = "result[1][1]", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}, tensor<64x16xf32> {jax.result_info = "result[1][2]", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {"data"}]>}, tensor<16x64xf32> {jax.result_info = "result[1][3]", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}, tensor<64x16xf32> {jax.result_info = "result[1][4]", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {"data"}]>}) {
 // GOLDEN-NEXT: %0:13 = sdy.manual_computation(%arg0, %arg1, %arg2) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{"data"}, {"model"}]>, <@mesh, [{"model"}, {"data"}]>] out_shardings=[<@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data"}, {"model"}, {}]>] manual_axes={"data", "model"} (%arg5: tensor<2x8x16xf32>, %arg6: tensor<8x16xf32>, %arg7: tensor<16x8xf32>) {
-// GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %cst_4 = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<0.000000e+00> : tensor<16x16xf32>
-// GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<0.000000e+00> : tensor<2x8x16xf32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
+// GOLDEN-NEXT: %cst_4 = stablehlo.constant dense<0.000000e+00> : tensor<2x8x16xf32>
+// GOLDEN-NEXT: %c = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<0.000000e+00> : tensor<16x16xf32>
+// GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
 // GOLDEN-NEXT: %31 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %32 = stablehlo.dynamic_slice %c_8, %31, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %32 = stablehlo.dynamic_slice %c_7, %31, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %33 = stablehlo.reshape %32 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %34 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %35 = stablehlo.dynamic_slice %c_13, %34, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %35 = stablehlo.dynamic_slice %c_12, %34, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %36 = stablehlo.reshape %35 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %37 = "stablehlo.all_gather"(%arg6) <{all_gather_dim = 0 : i64, channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 4], [1, 5], [2, 6], [3, 7]]> : tensor<4x2xi64>, use_global_device_ids}> : (tensor<8x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %38:4 = stablehlo.while(%iterArg = %c_9, %iterArg_20 = %arg5, %iterArg_21 = %cst_4, %iterArg_22 = %cst_4) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
-// GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_23 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %82 = stablehlo.compare LT, %iterArg, %c_23, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %82 : tensor<i1>
-// GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_23 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_24 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_25 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_26 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %82 = "stablehlo.collective_permute"(%iterArg_20) <{channel_handle = #stablehlo.channel_handle<handle = 11, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %83 = stablehlo.add %36, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %84 = stablehlo.remainder %83, %c_26 : tensor<ui32>
-// GOLDEN-NEXT: %85 = stablehlo.dot_general %iterArg_20, %37, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %86 = stablehlo.multiply %84, %c_25 : tensor<ui32>
-// GOLDEN-NEXT: %87 = stablehlo.dynamic_update_slice %iterArg_21, %85, %c_24, %86, %c_24 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %88 = stablehlo.dynamic_update_slice %iterArg_22, %iterArg_20, %c_24, %86, %c_24 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %89 = stablehlo.add %iterArg, %c_23 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %89, %82, %87, %88 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
-// GOLDEN-NEXT: }
-// GOLDEN-NEXT: %39 = stablehlo.add %36, %c : tensor<ui32>
-// GOLDEN-NEXT: %40 = stablehlo.remainder %39, %c_11 : tensor<ui32>
-// GOLDEN-NEXT: %41 = stablehlo.dot_general %38#1, %37, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %42 = stablehlo.multiply %40, %c_10 : tensor<ui32>
-// GOLDEN-NEXT: %43 = stablehlo.dynamic_update_slice %38#2, %41, %c_9, %42, %c_9 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %44 = stablehlo.dynamic_update_slice %38#3, %38#1, %c_9, %42, %c_9 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %45 = stablehlo.multiply %43, %43 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %46 = stablehlo.multiply %45, %43 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %47 = stablehlo.multiply %43, %43 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_14 = stablehlo.constant dense<3.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %48 = stablehlo.broadcast_in_dim %cst_14, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %49 = stablehlo.multiply %48, %47 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_15 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// GOLDEN-NEXT: %50 = stablehlo.broadcast_in_dim %cst_15, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %51 = stablehlo.multiply %50, %46 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %52 = stablehlo.add %43, %51 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_16 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// GOLDEN-NEXT: %53 = stablehlo.broadcast_in_dim %cst_16, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %54 = stablehlo.multiply %53, %52 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %55 = stablehlo.tanh %54 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %37 = "stablehlo.all_gather"(%arg5) <{all_gather_dim = 1 : i64, channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3], [4, 5, 6, 7]]> : tensor<2x4xi64>, use_global_device_ids}> : (tensor<2x8x16xf32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %38 = "stablehlo.collective_permute"(%arg6) <{channel_handle = #stablehlo.channel_handle<handle = 10, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<8x16xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %39 = stablehlo.multiply %33, %c_9 : tensor<ui32>
+// GOLDEN-NEXT: %40 = stablehlo.dynamic_slice %37, %c_8, %c_8, %39, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
+// GOLDEN-NEXT: %41 = stablehlo.dot_general %40, %arg6, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<8x16xf32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %42 = stablehlo.add %cst_6, %41 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %43 = stablehlo.dynamic_update_slice %cst_5, %arg6, %39, %c_8 : (tensor<16x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %44 = stablehlo.add %33, %c_11 : tensor<ui32>
+// GOLDEN-NEXT: %45 = stablehlo.remainder %44, %c : tensor<ui32>
+// GOLDEN-NEXT: %46 = stablehlo.multiply %45, %c_9 : tensor<ui32>
+// GOLDEN-NEXT: %47 = stablehlo.dynamic_slice %37, %c_8, %c_8, %46, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
+// GOLDEN-NEXT: %48 = stablehlo.dot_general %47, %38, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<8x16xf32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %49 = stablehlo.add %42, %48 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %50 = stablehlo.dynamic_update_slice %43, %38, %46, %c_8 : (tensor<16x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %51 = stablehlo.multiply %49, %49 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %52 = stablehlo.multiply %51, %49 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %53 = stablehlo.multiply %49, %49 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_13 = stablehlo.constant dense<3.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %54 = stablehlo.broadcast_in_dim %cst_13, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %55 = stablehlo.multiply %54, %53 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_14 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
+// GOLDEN-NEXT: %56 = stablehlo.broadcast_in_dim %cst_14, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %57 = stablehlo.multiply %56, %52 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %58 = stablehlo.add %49, %57 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_15 = stablehlo.constant dense<0.797884583> : tensor<f32>
+// GOLDEN-NEXT: %59 = stablehlo.broadcast_in_dim %cst_15, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %60 = stablehlo.multiply %59, %58 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %61 = stablehlo.tanh %60 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_16 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %62 = stablehlo.broadcast_in_dim %cst_16, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %63 = stablehlo.subtract %62, %61 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %cst_17 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %56 = stablehlo.broadcast_in_dim %cst_17, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %57 = stablehlo.subtract %56, %55 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_18 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %58 = stablehlo.broadcast_in_dim %cst_18, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %59 = stablehlo.add %58, %55 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_19 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// GOLDEN-NEXT: %60 = stablehlo.broadcast_in_dim %cst_19, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %61 = stablehlo.multiply %60, %59 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %62 = stablehlo.multiply %43, %61 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %63 = stablehlo.add %36, %c_12 : tensor<ui32>
-// GOLDEN-NEXT: %64 = stablehlo.remainder %63, %c_11 : tensor<ui32>
-// GOLDEN-NEXT: %65 = stablehlo.multiply %64, %c_10 : tensor<ui32>
-// GOLDEN-NEXT: %66 = stablehlo.dynamic_slice %62, %c_9, %65, %c_9, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %67 = "stablehlo.collective_permute"(%arg7) <{channel_handle = #stablehlo.channel_handle<handle = 10, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<16x8xf32>) -> tensor<16x8xf32>
-// GOLDEN-NEXT: %68 = stablehlo.dot_general %66, %arg7, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x8xf32>) -> tensor<2x8x8xf32>
-// GOLDEN-NEXT: %69 = stablehlo.multiply %33, %c_10 : tensor<ui32>
-// GOLDEN-NEXT: %70 = stablehlo.dynamic_update_slice %cst_7, %68, %c_9, %c_9, %69 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %71 = stablehlo.dynamic_update_slice %cst_6, %arg7, %c_9, %69 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %72 = stablehlo.add %33, %c_12 : tensor<ui32>
-// GOLDEN-NEXT: %73 = stablehlo.remainder %72, %c_5 : tensor<ui32>
-// GOLDEN-NEXT: %74 = stablehlo.dot_general %66, %67, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x8xf32>) -> tensor<2x8x8xf32>
-// GOLDEN-NEXT: %75 = stablehlo.multiply %73, %c_10 : tensor<ui32>
-// GOLDEN-NEXT: %76 = stablehlo.dynamic_update_slice %70, %74, %c_9, %c_9, %75 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %77 = stablehlo.dynamic_update_slice %71, %67, %c_9, %75 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %78:2 = stablehlo.while(%iterArg = %c_9, %iterArg_20 = %76) : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %64 = stablehlo.broadcast_in_dim %cst_17, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %65 = stablehlo.add %64, %61 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_18 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
+// GOLDEN-NEXT: %66 = stablehlo.broadcast_in_dim %cst_18, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %67 = stablehlo.multiply %66, %65 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %68 = stablehlo.multiply %49, %67 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %69 = stablehlo.add %36, %c_11 : tensor<ui32>
+// GOLDEN-NEXT: %70 = stablehlo.remainder %69, %c_10 : tensor<ui32>
+// GOLDEN-NEXT: %71 = stablehlo.multiply %70, %c_9 : tensor<ui32>
+// GOLDEN-NEXT: %72 = stablehlo.dynamic_slice %68, %c_8, %71, %c_8, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %73 = "stablehlo.collective_permute"(%arg7) <{channel_handle = #stablehlo.channel_handle<handle = 11, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<16x8xf32>) -> tensor<16x8xf32>
+// GOLDEN-NEXT: %74 = stablehlo.dot_general %72, %arg7, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x8xf32>) -> tensor<2x8x8xf32>
+// GOLDEN-NEXT: %75 = stablehlo.multiply %33, %c_9 : tensor<ui32>
+// GOLDEN-NEXT: %76 = stablehlo.dynamic_update_slice %cst_4, %74, %c_8, %c_8, %75 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %77 = stablehlo.dynamic_update_slice %cst_5, %arg7, %c_8, %75 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %78 = stablehlo.add %33, %c_11 : tensor<ui32>
+// GOLDEN-NEXT: %79 = stablehlo.remainder %78, %c : tensor<ui32>
+// GOLDEN-NEXT: %80 = stablehlo.dot_general %72, %73, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x8xf32>) -> tensor<2x8x8xf32>
+// GOLDEN-NEXT: %81 = stablehlo.multiply %79, %c_9 : tensor<ui32>
+// GOLDEN-NEXT: %82 = stablehlo.dynamic_update_slice %76, %80, %c_8, %c_8, %81 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %83 = stablehlo.dynamic_update_slice %77, %73, %c_8, %81 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %84:2 = stablehlo.while(%iterArg = %c_8, %iterArg_19 = %82) : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_21 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %82 = stablehlo.compare LT, %iterArg, %c_21, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %82 : tensor<i1>
+// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %88 = stablehlo.compare LT, %iterArg, %c_20, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %88 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_21 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_22 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_23 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_24 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_25 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %82 = "stablehlo.collective_permute"(%iterArg_20) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %83 = stablehlo.add %iterArg, %c_25 : tensor<ui32>
-// GOLDEN-NEXT: %84 = stablehlo.add %36, %83 : tensor<ui32>
-// GOLDEN-NEXT: %85 = stablehlo.remainder %84, %c_24 : tensor<ui32>
-// GOLDEN-NEXT: %86 = stablehlo.multiply %85, %c_23 : tensor<ui32>
-// GOLDEN-NEXT: %87 = stablehlo.dynamic_slice %62, %c_22, %86, %c_22, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %88 = stablehlo.dot_general %87, %77, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %89 = stablehlo.add %82, %88 : tensor<2x8x16xf32>
-// GOLDEN-NEXT: %90 = stablehlo.add %iterArg, %c_21 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %90, %89 : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_21 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_22 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_23 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_24 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %88 = "stablehlo.collective_permute"(%iterArg_19) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %89 = stablehlo.add %iterArg, %c_24 : tensor<ui32>
+// GOLDEN-NEXT: %90 = stablehlo.add %36, %89 : tensor<ui32>
+// GOLDEN-NEXT: %91 = stablehlo.remainder %90, %c_23 : tensor<ui32>
+// GOLDEN-NEXT: %92 = stablehlo.multiply %91, %c_22 : tensor<ui32>
+// GOLDEN-NEXT: %93 = stablehlo.dynamic_slice %68, %c_21, %92, %c_21, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %94 = stablehlo.dot_general %93, %83, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %95 = stablehlo.add %88, %94 : tensor<2x8x16xf32>
+// GOLDEN-NEXT: %96 = stablehlo.add %iterArg, %c_20 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %96, %95 : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %79 = stablehlo.broadcast_in_dim %cst_15, dims = [] : (tensor<f32>) -> tensor<1xf32>
-// GOLDEN-NEXT: %80 = stablehlo.broadcast_in_dim %cst_16, dims = [] : (tensor<f32>) -> tensor<1xf32>
-// GOLDEN-NEXT: %81 = stablehlo.broadcast_in_dim %cst_19, dims = [] : (tensor<f32>) -> tensor<1xf32>
-// GOLDEN-NEXT: sdy.return %37, %44, %49, %79, %80, %55, %57, %81, %61, %43, %77, %62, %78#1 : tensor<16x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<1xf32>, tensor<1xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<1xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<16x16xf32>, tensor<2x32x16xf32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %85 = stablehlo.broadcast_in_dim %cst_14, dims = [] : (tensor<f32>) -> tensor<1xf32>
+// GOLDEN-NEXT: %86 = stablehlo.broadcast_in_dim %cst_15, dims = [] : (tensor<f32>) -> tensor<1xf32>
+// GOLDEN-NEXT: %87 = stablehlo.broadcast_in_dim %cst_18, dims = [] : (tensor<f32>) -> tensor<1xf32>
+// GOLDEN-NEXT: sdy.return %50, %37, %55, %85, %86, %61, %63, %87, %67, %49, %83, %68, %84#1 : tensor<16x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<1xf32>, tensor<1xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<1xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<16x16xf32>, tensor<2x32x16xf32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>) -> (tensor<128x16xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<8xf32>, tensor<8xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<8xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<128x16xf32>, tensor<16x32x16xf32>, tensor<4x32x16xf32>)
 // GOLDEN-NEXT: %1 = stablehlo.add %arg0, %0#12 : tensor<4x32x16xf32>
 // GOLDEN-NEXT: %2 = sdy.sharding_constraint %1 <@mesh, [{"data"}, {"model"}, {}]> : tensor<4x32x16xf32>

@@ -1340,8 +1340,9 @@ SAMPLES_LIST = [
            ["CHECK: stablehlo.rsqrt", "CHECK-SAME: tensor<8x1xf32>", "CHECK: stablehlo.while",
             "CHECK-NOT: stablehlo.all_gather", "CHECK-NOT: stablehlo.reduce_scatter"]),
     Sample("fsdp_tp", "FSDP x tensor parallel, two blocks on a 2x4 mesh: where a weight's gather over 'data' and "
-           "the activation's over 'model' meet at one dot, the activation gets the ring; the second block's weight "
-           "gather is prefetchable behind the first block, the first block's loses to the larger transfer.",
+           "the activation's over 'model' meet at one dot, the one with less slack gets the ring: the second block's "
+           "weight gather is prefetchable behind the first block; in the first block, both read straight from the "
+           "arguments, neither has more slack and the program's order stands (the activation's is lost_to_ring).",
            fsdp_tp(False), "rewritten 6",
            ["CHECK-COUNT-2: stablehlo.all_gather", "CHECK-NOT: stablehlo.reduce_scatter"]),
     Sample("fsdp_tp_grad", "value_and_grad of fsdp_tp: every collective over 'model' rewritten, forward and "

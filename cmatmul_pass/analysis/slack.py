@@ -43,10 +43,12 @@ class SiteSlack:
     early: bool
     hiding_flops: float
 
-    def rank(self, transfer_bytes: int) -> tuple:
-        """Sort key: the site that should get the ring first (least slack, not early, the larger
-        transfer: more to hide)."""
-        return (self.hiding_flops, self.early, -transfer_bytes)
+    @property
+    def rank(self) -> tuple:
+        """Sort key: the site that should get the ring first (the least compute to hide behind,
+        then an operand computed in this step over one ready at its start).  Equal keys: no
+        reason to prefer either (the program's order stands)."""
+        return (self.hiding_flops, self.early)
 
     def to_dict(self) -> dict:
         return {"early": self.early, "hiding_flops": self.hiding_flops}
