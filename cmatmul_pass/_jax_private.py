@@ -179,8 +179,55 @@ def make_call_primitive(name: str, rewrite_callee) -> Any:
     module under construction (``params``: the bind's, plus a ``name`` vmap may add;
     ``manual``: where the call sits, :func:`_manual_context`).  Bind it with :func:`bind_call`;
     ``params`` must be hashable (jax caches on them)."""
-    from functools import partial
+    from jax._src import core
 
+    if hasattr(core, "ClosedCallPrimitive"):  # jax 0.10: closed_call is a final-style call primitive
+        primitive = _closed_call_style_primitive(name)
+    else:  # jax 0.11+: closed_call is eval_jaxpr_p, whose rules any primitive can take
+        from jax._src.lax import eval_jaxpr as _eval_jaxpr_rules
+
+        primitive = core.Primitive(name)
+        # name=None: no lowering registered there (ours follows); the JVP, linearisation,
+        # transpose, batching, partial eval, DCE and discharge rules re-bind ``primitive``
+        _eval_jaxpr_rules.register_call_primitive_rules(primitive, name=None)
+        _register_checkify_rule(primitive)
+
+    def lower(ctx, *args, call_jaxpr, **params):
+        outs = _jmlir.core_call_lowering(ctx, *args, name=name, call_jaxpr=call_jaxpr)
+        call = _call_op(outs)
+        if call is not None:
+            callee = ir.FlatSymbolRefAttr(call.attributes["callee"]).value
+            rewrite_callee(ctx.module_context.module, callee, params, _manual_context(ctx))
+        return outs
+
+    _jmlir.register_lowering(primitive, lower, cacheable=False)
+    return primitive
+
+
+def _register_checkify_rule(primitive: Any) -> None:
+    """jax 0.11+: checkify's default rule for a primitive with a ``call_jaxpr`` re-binds it with
+    ``subfuns`` (final style), which a primitive with eval_jaxpr's rules does not take (and
+    eval_jaxpr_p's own rule inlines the call, dropping the rewrite).  This rule checkifies the
+    call's jaxpr and re-binds ``primitive`` around it (as checkify does for a nested jit): the
+    error values are the call's first inputs and outputs."""
+    from jax._src import checkify, core, tree_util
+
+    if not hasattr(checkify, "jaxpr_to_checkify_jaxpr"):  # pragma: no cover - depends on the installed jax
+        return
+
+    def error_check(ctx, error, enabled_errors, *vals_in, call_jaxpr, **params):
+        err_vals, err_tree = tree_util.tree_flatten(error)
+        new_vals_in = [*err_vals, *vals_in]
+        checked, out_tree, _ = checkify.jaxpr_to_checkify_jaxpr(
+            ctx, call_jaxpr, enabled_errors, err_tree, *map(core.typeof, new_vals_in))
+        return tree_util.tree_unflatten(out_tree, primitive.bind(*new_vals_in, call_jaxpr=checked, **params))
+
+    checkify.error_checks[primitive] = error_check
+
+
+def _closed_call_style_primitive(name: str) -> Any:
+    """jax 0.10's rules: a ``ClosedCallPrimitive`` with closed_call's partial eval, DCE and
+    transpose (the latter re-binding this primitive)."""
     from jax._src import core
     from jax._src.interpreters import ad, partial_eval as pe
 
@@ -196,16 +243,6 @@ def make_call_primitive(name: str, rewrite_callee) -> Any:
                                 call_jaxpr=pe.convert_constvars_jaxpr(call_jaxpr.jaxpr), **params)
 
     ad.fancy_transposes[primitive] = transpose
-
-    def lower(ctx, *args, call_jaxpr, **params):
-        outs = _jmlir.core_call_lowering(ctx, *args, name=name, call_jaxpr=call_jaxpr)
-        call = _call_op(outs)
-        if call is not None:
-            callee = ir.FlatSymbolRefAttr(call.attributes["callee"]).value
-            rewrite_callee(ctx.module_context.module, callee, params, _manual_context(ctx))
-        return outs
-
-    _jmlir.register_lowering(primitive, lower, cacheable=False)
     return primitive
 
 
@@ -221,15 +258,29 @@ def _manual_context(ctx) -> str:
     return "manual" if every is not None and every <= manual else "partial-manual"
 
 
+#: ops jax may wrap a call's results in (jax 0.11+'s core_call_lowering constrains each result
+#: to its aval's sharding where the mesh has explicit axes)
+_SHARDING_WRAPPERS = ("sdy.sharding_constraint", "stablehlo.custom_call")
+
+
 def _call_op(outs) -> ir.Operation | None:
-    """The ``func.call`` whose results ``outs`` are (None for a call without results)."""
+    """The ``func.call`` whose results ``outs`` are, looking through a sharding constraint jax
+    put on a result (None for a call without results)."""
     for value in outs:
         for v in value if isinstance(value, (list, tuple)) else (value,):
-            owner = v.owner
-            if isinstance(owner, ir.Operation) or hasattr(owner, "operation"):
+            for _ in range(2):  # the result itself, or the operand of the op wrapping it
+                owner = v.owner
+                if not (isinstance(owner, ir.Operation) or hasattr(owner, "operation")):
+                    break
                 op = owner.operation if hasattr(owner, "operation") else owner
                 if op.name == "func.call":
                     return op
+                if op.name not in _SHARDING_WRAPPERS or len(op.operands) != 1:
+                    break
+                if op.name == "stablehlo.custom_call" and \
+                        ir.StringAttr(op.attributes["call_target_name"]).value != "Sharding":
+                    break
+                v = op.operands[0]
     return None
 
 

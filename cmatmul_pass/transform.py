@@ -183,13 +183,17 @@ def _reachable(table: ir.SymbolTable, name: str) -> list[str]:
 def _rename_meshes(scratch: ir.Module) -> list[ir.Operation]:
     """Name each lifted mesh after its contents, so that one mesh gets one name in the enclosing
     module however many functions lift it (jax's own lifting at the end names the rest)."""
-    meshes = [op.operation for op in scratch.body.operations if op.operation.name == "sdy.mesh"]
+    meshes, kept = [op.operation for op in scratch.body.operations if op.operation.name == "sdy.mesh"], []
     for op in meshes:
         old = ir.StringAttr(op.attributes["sym_name"]).value
         new = "cmatmul_mesh_" + hashlib.sha1(str(op.attributes["mesh"]).encode()).hexdigest()[:10]
         ir.SymbolTable.replace_all_symbol_uses(old, new, scratch.operation)
+        if any(ir.StringAttr(k.attributes["sym_name"]).value == new for k in kept):
+            op.erase()  # one mesh lifted twice (jax 0.11's lifting: @mesh and @mesh_0): one symbol
+            continue
         op.attributes["sym_name"] = ir.StringAttr.get(new)
-    return meshes
+        kept.append(op)
+    return kept
 
 
 def _move_back(module: ir.Module, table: ir.SymbolTable, scratch: ir.Module, names: list[str],
