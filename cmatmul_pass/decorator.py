@@ -144,7 +144,9 @@ class Measurement:
     def summary(self) -> str:
         times = ", ".join(f"{name} {duration(t)}" for name, t in sorted(self.times.items(), key=lambda kv: kv[1]))
         fastest = min((n for n in self.times if n != ORIGINAL), key=self.times.__getitem__)
-        if self.picked == ORIGINAL:
+        if self.picked == ORIGINAL and self.times[fastest] >= self.times[ORIGINAL]:
+            why = f"kept the original: no variant is faster (the fastest, {fastest}, is not)"
+        elif self.picked == ORIGINAL:
             why = (f"kept the original: the fastest variant, {fastest}, is not faster by more than the noise "
                    f"({duration(self.noise)})")
         else:
