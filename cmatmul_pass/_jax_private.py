@@ -303,7 +303,12 @@ def traced_call_jaxpr(fun, flat_args: Sequence[Any]) -> tuple[Any, list, Any]:
 
     closed, shapes = jax.make_jaxpr(fun, return_shape=True)(*flat_args)
     jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
-    return core.ClosedJaxpr(jaxpr, ()), list(closed.consts), jax.tree.structure(shapes)
+    closed_type = getattr(core, "ClosedJaxpr", None)
+    if closed_type is not None and closed_type is not core.Jaxpr:  # jax 0.10: a Jaxpr wrapped with its consts
+        jaxpr = closed_type(jaxpr, ())
+    # jax 0.11+ (ClosedJaxpr merged into Jaxpr, an alias in 0.11, gone in 0.12): a Jaxpr carries
+    # its consts, and convert_constvars_jaxpr's result carries none
+    return jaxpr, list(closed.consts), jax.tree.structure(shapes)
 
 
 def bind_call(primitive: Any, args: Sequence[Any], call_jaxpr: Any, **params: Any) -> list:
