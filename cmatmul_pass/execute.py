@@ -374,7 +374,7 @@ def reduction_tolerance(module: ir.Module) -> float:
 
 def compare(index: int, expected: list[np.ndarray], actual: list[np.ndarray],
             extra_tolerance: float = 0.0, exact: list[np.ndarray] | None = None,
-            model: numerics.ErrorModel | None = None) -> OutputComparison:
+            model: numerics.ErrorModel | None = None, demoted: list[np.ndarray] | None = None) -> OutputComparison:
     """One output, original (``expected``) against rewritten (``actual``), per device.
 
     ``exact``: the output of the original evaluated in f64 (:mod:`.reference`), with the
@@ -406,7 +406,8 @@ def compare(index: int, expected: list[np.ndarray], actual: list[np.ndarray],
         max_abs = float(diff.max()) if diff.size else 0.0
     nonfinite = int(np.count_nonzero(~a_finite))
     if exact is not None:
-        verdict = numerics.judge_float(a64, b64, np.stack(exact), name, model or numerics.ErrorModel())
+        verdict = numerics.judge_float(a64, b64, np.stack(exact), name, model or numerics.ErrorModel(),
+                                       None if demoted is None else np.stack(demoted))
         rel = math.inf if max_abs == math.inf else verdict.rewritten_error
         return OutputComparison(index, name, shape, max_abs, rel, verdict.tolerance, verdict.original_error,
                                 nonfinite, elements)
@@ -449,6 +450,9 @@ class Reference:
     #: "f64", or why there is no f64 evaluation (floats then get fixed tolerances)
     reference: str = "f64"
     model: numerics.ErrorModel = field(default_factory=numerics.ErrorModel)
+    #: per output, per device: the original computed in f32 where it computes in f64 (a module
+    #: with f64 outputs only, whose f64 evaluation is itself: numerics.judge_float); else None
+    demoted: list | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(
@@ -465,8 +469,10 @@ class Reference:
         program = Program(original, inputs, devices, options)
         expected = program.outputs()
         exact, why = evaluate_in_f64(original, inputs, devices)
+        demoted = evaluate_in_f32(original, inputs, devices) if exact is not None and any(
+            shards and shards[0].dtype in (np.float64, np.complex128) for shards in expected) else None
         return cls(inputs, expected, devices, num_partitions, program, reduction_tolerance(original),
-                   options, exact, why, numerics.ErrorModel.of(original))
+                   options, exact, why, numerics.ErrorModel.of(original), demoted)
 
     def check(self, rewritten: ir.Module) -> CheckResult:
         """Compare ``rewritten`` (compiled here with the original's ``compiler_options``) with the original."""
@@ -474,8 +480,9 @@ class Reference:
         if len(self.expected) != len(actual):
             raise ExecutionError(f"original has {len(self.expected)} outputs, rewritten {len(actual)}")
         exact = self.exact if self.exact is not None else [None] * len(actual)
-        outputs = tuple(compare(i, e, a, self.extra_tolerance, x, self.model)
-                        for i, (e, a, x) in enumerate(zip(self.expected, actual, exact)))
+        demoted = self.demoted if self.demoted is not None else [None] * len(actual)
+        outputs = tuple(compare(i, e, a, self.extra_tolerance, x, self.model, d)
+                        for i, (e, a, x, d) in enumerate(zip(self.expected, actual, exact, demoted)))
         return CheckResult(outputs, self.num_partitions, self.reference)
 
 
@@ -493,6 +500,21 @@ def evaluate_in_f64(original: ir.Module, inputs: Sequence[np.ndarray],
         return Program(wide, widened, devices, dict(CHECK_COMPILER_OPTIONS)).outputs(), "f64"
     except (NoReference, ExecutionError) as exc:
         return None, f"no f64 reference: {exc}"
+
+
+def evaluate_in_f32(original: ir.Module, inputs: Sequence[np.ndarray], devices: Sequence) -> list | None:
+    """The original demoted to f32 where it computes in f64 (:func:`.reference.demote_to_f32`), run on
+    ``inputs`` rounded to f32: per output, per device, a shard; None where it cannot be built."""
+    from .reference import NoReference, demote_to_f32
+
+    try:
+        narrow = demote_to_f32(original)
+        rounded = [x.astype({np.dtype(np.float64): np.float32, np.dtype(np.complex128): np.complex64}.get(x.dtype,
+                                                                                                           x.dtype))
+                   for x in inputs]
+        return Program(narrow, rounded, devices, dict(CHECK_COMPILER_OPTIONS)).outputs()
+    except (NoReference, ExecutionError):
+        return None
 
 
 def _is_float(dtype: np.dtype) -> bool:

@@ -29,6 +29,12 @@ and ``b`` the rewritten one's, over the elements the original leaves finite::
   round at each of their ``g − 1`` additions in both programs, in different orders:
   ``(g − 1) · u`` of that type is added to the floor.
 
+An f64 output is its own reference (the original already computes in f64), so ``e_orig``
+reads 0 there and only the floor would be left, too tight for a program that magnifies
+rounding (a norm after a reordered sum).  Its error is then estimated from the original
+computed in f32 (:func:`.reference.demote_to_f32`): ``e_orig ≈ e_f32 · u_f64 / u_f32``, the
+same magnification at f64's unit roundoff (first order in the rounding errors).
+
 Integers and bools must be equal.  An infinity or NaN of the original must be where the
 rewritten has the same one; those elements are not compared otherwise, and an output with
 such elements is reported as non-finite in the original (its agreement is not counted).
@@ -136,9 +142,11 @@ class FloatVerdict:
 
 
 def judge_float(original: np.ndarray, rewritten: np.ndarray, reference: np.ndarray, dtype_name: str,
-                model: ErrorModel) -> FloatVerdict:
+                model: ErrorModel, demoted: np.ndarray | None = None) -> FloatVerdict:
     """``original`` and ``rewritten`` (any float type, stacked shards), ``reference`` (f64 or
-    complex128, the same shape)."""
+    complex128, the same shape).  An f64 output's reference is the original itself (its
+    error reads 0), so its error is estimated from ``demoted``, the original computed in f32:
+    ``e_f32 · u_f64 / u_f32``, the same magnification of rounding at f64's unit roundoff."""
     wide = np.complex128 if original.dtype.kind == "c" else np.float64
     a, b, r = original.astype(wide), rewritten.astype(wide), reference.astype(wide)
     a_finite = np.isfinite(a)
@@ -149,6 +157,10 @@ def judge_float(original: np.ndarray, rewritten: np.ndarray, reference: np.ndarr
     r_m = r[mask]
     scale = float(np.linalg.norm(r_m)) if r_m.size else 0.0
     e_orig, e_rew = _relative(a[mask], r_m, scale), _relative(b[mask], r_m, scale)
+    if demoted is not None and dtype_name in ("f64", "complex<f64>"):
+        d = demoted.astype(wide)
+        estimate = _relative(np.where(np.isfinite(d), d, 0)[mask], r_m, scale)
+        e_orig = max(e_orig, estimate * _UNIT_ROUNDOFF["f64"] / _UNIT_ROUNDOFF["f32"])
     tolerance = FACTOR * e_orig + model.floor(dtype_name, int(mask.sum()))
     return FloatVerdict(e_orig, e_rew, tolerance, int(mask.sum()), int(np.count_nonzero(~a_finite)), mismatch)
 

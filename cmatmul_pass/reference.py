@@ -48,10 +48,18 @@ def wide(element: ir.Type) -> ir.Type | None:
     return None
 
 
-def _promoted(t: ir.Type) -> ir.Type | None:
+def narrow(element: ir.Type) -> ir.Type | None:
+    """The f32 counterpart of an f64 or complex<f64> element type (None: keep)."""
+    if isinstance(element, ir.ComplexType):
+        return ir.ComplexType.get(ir.F32Type.get()) if isinstance(ir.ComplexType(element).element_type, ir.F64Type) \
+            else None
+    return ir.F32Type.get() if isinstance(element, ir.F64Type) else None
+
+
+def _retyped_type(t: ir.Type, element_map) -> ir.Type | None:
     if not isinstance(t, ir.RankedTensorType):
         return None
-    element = wide(ir.RankedTensorType(t).element_type)
+    element = element_map(ir.RankedTensorType(t).element_type)
     return None if element is None else ir.RankedTensorType.get(ir.RankedTensorType(t).shape, element)
 
 
@@ -68,37 +76,98 @@ def _width_bound(op: ir.OpView) -> bool:
 
 def promote_to_f64(module: ir.Module) -> ir.Module:
     """A copy of ``module`` computing in f64 wherever it computes in a narrower float type."""
-    copy = ir_utils.copy_module(module, make_context())
-    with copy.context, ir.Location.unknown(copy.context):
-        ops = _every_op(copy)
-        bound = [op for op in ops if _width_bound(op)]
-        kept = {id(op.operation): [v.type for v in op.operation.operands] for op in bound}
-        for op in ops:
-            for region in op.operation.regions:
-                for block in region.blocks:
-                    for arg in block.arguments:
-                        _set(arg)
-            if op.operation.name in ("func.func",):
+    return _Retype(wide).copy(module)
+
+
+def demote_to_f32(module: ir.Module) -> ir.Module:
+    """A copy of ``module`` computing in f32 wherever it computes in f64: for a module that already
+    computes in f64, whose f64 evaluation is itself, a run at lower precision shows how much the
+    program magnifies rounding (:func:`.numerics.judge_float`)."""
+    return _Retype(narrow).copy(module)
+
+
+class _Retype:
+    """A copy of a module with every float element type mapped by ``element_map`` (None: kept)."""
+
+    def __init__(self, element_map):
+        self.element_map = element_map
+
+    def type(self, t: ir.Type) -> ir.Type | None:
+        return _retyped_type(t, self.element_map)
+
+    def copy(self, module: ir.Module) -> ir.Module:
+        copy = ir_utils.copy_module(module, make_context())
+        with copy.context, ir.Location.unknown(copy.context):
+            ops = _every_op(copy)
+            bound = [op for op in ops if _width_bound(op)]
+            kept = {id(op.operation): [v.type for v in op.operation.operands] for op in bound}
+            for op in ops:
+                for region in op.operation.regions:
+                    for block in region.blocks:
+                        for arg in block.arguments:
+                            self._set(arg)
+                if op.operation.name in ("func.func",):
+                    continue
+                for result in op.operation.results:
+                    if op.operation.name != "stablehlo.constant" and id(op.operation) not in kept:
+                        self._set(result)
+            for op in ops:
+                name = op.operation.name
+                if name == "func.func":
+                    self._retype_function(op)
+                elif name == "stablehlo.constant":
+                    self._convert_results(op)
+                elif id(op.operation) in kept:
+                    self._keep_types(op, kept[id(op.operation)])
+                elif name == "stablehlo.dot_general" and "algorithm" in op.attributes:
+                    del op.attributes["algorithm"]
+            try:
+                copy.operation.verify()
+            except ir.MLIRError as exc:
+                target = "f64" if self.element_map is wide else "f32"
+                raise NoReference(f"the module retyped to {target} does not verify: "
+                                  f"{' '.join(str(exc).split())[:300]}") from None
+        return copy
+
+    def _set(self, value: ir.Value) -> None:
+        t = self.type(value.type)
+        if t is not None:
+            value.set_type(t)
+
+    def _retype_function(self, func_op: ir.OpView) -> None:
+        """The function's type from its (retyped) entry block and return."""
+        body = func_op.regions[0]
+        old = ir.FunctionType(ir.TypeAttr(func_op.attributes["function_type"]).value)
+        if not body.blocks:  # a declaration: retype its signature
+            inputs = [self.type(t) or t for t in old.inputs]
+        else:
+            inputs = [a.type for a in body.blocks[0].arguments]
+        results = [self.type(t) or t for t in old.results]
+        func_op.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(inputs, results))
+
+    def _convert_results(self, op: ir.OpView) -> None:
+        """Every use of ``op``'s float results reads them converted, just after ``op``."""
+        anchor = op.operation
+        for result in list(op.operation.results):
+            t = self.type(result.type)
+            if t is None:
                 continue
-            for result in op.operation.results:
-                if op.operation.name != "stablehlo.constant" and id(op.operation) not in kept:
-                    _set(result)
-        for op in ops:
-            name = op.operation.name
-            if name == "func.func":
-                _retype_function(op)
-            elif name == "stablehlo.constant":
-                _convert_results(op)
-            elif id(op.operation) in kept:
-                _keep_types(op, kept[id(op.operation)])
-            elif name == "stablehlo.dot_general" and "algorithm" in op.attributes:
-                del op.attributes["algorithm"]
-        try:
-            copy.operation.verify()
-        except ir.MLIRError as exc:
-            raise NoReference(f"the module promoted to f64 does not verify: {' '.join(str(exc).split())[:300]}") \
-                from None
-    return copy
+            uses = [(u.owner, u.operand_number) for u in result.uses]
+            with ir.InsertionPoint(op.operation):
+                convert = hlo.ConvertOp(t, result, loc=op.location)
+            convert.operation.move_after(anchor)
+            anchor = convert.operation
+            for owner, index in uses:
+                owner.operands[index] = convert.result
+
+    def _keep_types(self, op: ir.OpView, operand_types: list[ir.Type]) -> None:
+        """``op`` computes in its original types: operands converted back, results retyped."""
+        operation = op.operation
+        with ir.InsertionPoint(operation):
+            for i, (operand, original) in enumerate(zip(list(operation.operands), operand_types)):
+                if operand.type != original:
+                    operation.operands[i] = hlo.ConvertOp(original, operand, loc=op.location).result
+        self._convert_results(op)
 
 
 def _every_op(module: ir.Module) -> list[ir.OpView]:
@@ -111,50 +180,3 @@ def _every_op(module: ir.Module) -> list[ir.OpView]:
 
     module.operation.walk(visit)
     return found[:-1]  # post-order: the module itself comes last
-
-
-def _set(value: ir.Value) -> None:
-    t = _promoted(value.type)
-    if t is not None:
-        value.set_type(t)
-
-
-def _retype_function(func_op: ir.OpView) -> None:
-    """The function's type from its (promoted) entry block and return."""
-    body = func_op.regions[0]
-    if not body.blocks:  # a declaration: promote its signature
-        old = ir.FunctionType(ir.TypeAttr(func_op.attributes["function_type"]).value)
-        inputs = [_promoted(t) or t for t in old.inputs]
-        results = [_promoted(t) or t for t in old.results]
-    else:
-        entry = body.blocks[0]
-        inputs = [a.type for a in entry.arguments]
-        old = ir.FunctionType(ir.TypeAttr(func_op.attributes["function_type"]).value)
-        results = [_promoted(t) or t for t in old.results]
-    func_op.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(inputs, results))
-
-
-def _convert_results(op: ir.OpView) -> None:
-    """Every use of ``op``'s narrow float results reads them converted to f64, just after ``op``."""
-    anchor = op.operation
-    for result in list(op.operation.results):
-        t = _promoted(result.type)
-        if t is None:
-            continue
-        uses = [(u.owner, u.operand_number) for u in result.uses]
-        with ir.InsertionPoint(op.operation):
-            convert = hlo.ConvertOp(t, result, loc=op.location)
-        convert.operation.move_after(anchor)
-        anchor = convert.operation
-        for owner, index in uses:
-            owner.operands[index] = convert.result
-
-
-def _keep_types(op: ir.OpView, operand_types: list[ir.Type]) -> None:
-    """``op`` computes in its original types: operands converted back, results up to f64."""
-    operation = op.operation
-    with ir.InsertionPoint(operation):
-        for i, (operand, original) in enumerate(zip(list(operation.operands), operand_types)):
-            if operand.type != original:
-                operation.operands[i] = hlo.ConvertOp(original, operand, loc=op.location).result
-    _convert_results(op)

@@ -209,3 +209,23 @@ def test_jit_check_takes_typed_keys_and_compares_their_data():
     checked(jax.random.key(1), x, np.ones((16, 8), np.float32))
     assert checked.stats["checks"] == 1 and checked.report.rewritten
     assert checked.checked.ok and [o.dtype for o in checked.checked.outputs] == ["f32", "ui32"]
+
+
+def test_an_f64_program_is_judged_by_its_own_magnification_of_rounding(monkeypatch):
+    """Found by the psum fuzz programs: in f64 the reference is the original itself (its error reads
+    0) and a correct rewrite that reorders a sum feeding an RMS norm of one-element rows was 13 ulps
+    off, over the floor alone.  The original computed in f32 shows how much the program magnifies
+    rounding; scaled to f64 it passes the rewrite, and a scatter ring summing the wrong blocks is still caught."""
+    from cmatmul_pass.rewrites import dot_reduce_scatter
+    from tools import fuzz_programs
+
+    spec = fuzz_programs.Spec(mesh_shape=(7,), devices=(5, 4, 6, 3, 1, 0, 2), axes=("x",), kind="psum", dim="m",
+                              side=1, batch=True, tiled=True, dtype="f64", consumers=2, reader=False,
+                              partial_manual=False, sizes=(3, 1, 2, 2), between=("rms", "vary"))
+    tally = fuzz_programs.check(spec, variants={"uni": fuzz_programs.VARIANTS["uni"]})
+    assert not tally.crashes and not tally.mismatches, tally.mismatches
+    position = dot_reduce_scatter.ring_position  # each round's block one position off: the wrong rows summed
+    monkeypatch.setattr(dot_reduce_scatter, "ring_position",
+                        lambda b, pos, rnd, n, shift=1, offset=0: position(b, pos, rnd, n, shift=shift, offset=offset + 1))
+    tally = fuzz_programs.check(spec, variants={"uni": fuzz_programs.VARIANTS["uni"]})
+    assert len(tally.mismatches) == 1, tally.crashes
