@@ -52,6 +52,18 @@ def _all_reduce_lanes(site, shape: cost.SiteShape | None, hw: cost.Hardware):
         f"split {variant}", shape.ring
 
 
+def _prefetched(site) -> bool:
+    return site.reason_code == "prefetchable" and bool(site.bytes_moved)
+
+
+def _prefetch_lanes(site, hw: cost.Hardware):
+    """A gather left ``prefetchable`` (analysis.slack): its whole transfer on the collective
+    stream, issued ahead of its dot (at 0, where the dot starts), behind the compute that
+    precedes it; nothing of it is on the compute stream's path."""
+    t_m = site.bytes_moved / hw.bandwidth + hw.step
+    return [("prefetched: collective", [(-t_m, t_m)], COLLECTIVE)], "prefetched ahead of its dot", site.ring_size
+
+
 def plot(report: Report, hw: cost.Hardware, path: str | Path) -> Path:
     """Draw every site the cost model sized (``SiteReport.cost``, predicted on ``hw``) into a
     PNG at ``path``, each as the variant the pass asked for at that site (``cost["variant"]``)."""
@@ -64,13 +76,15 @@ def plot(report: Report, hw: cost.Hardware, path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     sites = [(s, cost.SiteShape.from_dict(s.cost["site"]) if s.cost else None) for s in report.sites
-             if s.cost or s.all_reduce]
+             if s.cost or s.all_reduce or _prefetched(s)]
     if not sites:
         raise ValueError("no site to draw: the module has no candidate site the cost model can size")
     fig, axes = plt.subplots(len(sites), 1, figsize=(10, 1.9 * len(sites) + 0.6), squeeze=False)
     for ax, (site, shape) in zip(axes[:, 0], sites):
         scale = 1e6  # µs
-        if site.all_reduce:
+        if _prefetched(site):
+            lanes, variant, ring = _prefetch_lanes(site, hw)
+        elif site.all_reduce:
             lanes, variant, ring = _all_reduce_lanes(site, shape, hw)
         else:
             t_c, t_m, variant = site.cost["compute_s"], site.cost["transfer_s"], site.cost["variant"]

@@ -179,3 +179,20 @@ def test_explain_shows_the_slack_of_competing_collectives(capsys):
     out = capsys.readouterr().out
     assert "slack: operand ready at the start of the step; 4.92e+04 FLOP of independent compute" in out
     assert "[prefetchable]" in out and "[lost_to_ring]" in out
+
+
+def test_the_timeline_draws_a_prefetched_gather_ahead_of_its_dot(tmp_path, monkeypatch):
+    from cmatmul_pass import cost, timeline
+    from conftest import sample
+
+    drawn = []
+    real = timeline._prefetch_lanes
+    monkeypatch.setattr(timeline, "_prefetch_lanes", lambda *a: drawn.append(real(*a)) or drawn[-1])
+    result = cmatmul_pass.rewrite(sample("fsdp_tp").read_text())
+    hw = cost.hardware("h100")
+    assert timeline.plot(result.report, hw, tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+    (site,) = [s for s in result.report.sites if s.reason_code == "prefetchable"]
+    ((lanes, label, ring),) = drawn
+    ((name, [(start, length)], _),) = lanes
+    assert length == pytest.approx(site.bytes_moved / hw.bandwidth + hw.step) and start + length == pytest.approx(0)
+    assert ring == site.ring_size and "prefetched" in label
