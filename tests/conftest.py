@@ -57,6 +57,27 @@ def scaled_bf16_gather(role: str) -> str:
     return jax.jit(f).lower(x, w).as_text()
 
 
+def context_parallel_attention():
+    """Context-parallel attention as a shard_map over 8 devices (keys and values gathered over the
+    sequence, each device keeping its queries) and its three [2, 64, 4, 8] arguments:
+    (the function, [q, k, v] ShapeDtypeStructs)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("sp",))
+    spec = P(None, "sp", None, None)
+
+    def attention(q, k, v):
+        kg = jax.lax.all_gather(k, "sp", axis=1, tiled=True)
+        vg = jax.lax.all_gather(v, "sp", axis=1, tiled=True)
+        p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, kg) / 4.0, -1)
+        return jnp.einsum("bhqk,bkhd->bqhd", p, vg)
+
+    f = jax.shard_map(attention, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+    return f, [jax.ShapeDtypeStruct((2, 64, 4, 8), jnp.float32, sharding=NamedSharding(mesh, spec))] * 3
+
+
 def assert_only_split_gathers_left(result):
     """No reduce_scatter is left, no all_reduce of a dot (the data-parallel psums of the weight
     gradients are split; a psum of a loss or a norm's statistics is no dot's and stays), and

@@ -31,11 +31,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import cmatmul_pass
-from cmatmul_pass import execute, ir_utils, reference
+from cmatmul_pass import execute, ir_utils
 from cmatmul_pass._jax_private import hlo, ir
 from cmatmul_pass.pipeline import variant_options
 from cmatmul_pass.rewrites import all_gather_dot, dot_reduce_scatter
-from conftest import sample
+from conftest import context_parallel_attention, sample
 
 BF16 = jnp.bfloat16
 
@@ -85,17 +85,7 @@ def training_step(mesh_shape=(8,), dtype=jnp.float32, acc=None, remat=False) -> 
 def attention_step() -> str:
     """Context-parallel attention (keys and values gathered over the sequence) forward and
     backward: scores' free ring, output's contracting ring, dK/dV scatters."""
-    mesh = jax.make_mesh((8,), ("sp",))
-    spec = P(None, "sp", None, None)
-
-    def attention(q, k, v):
-        kg = jax.lax.all_gather(k, "sp", axis=1, tiled=True)
-        vg = jax.lax.all_gather(v, "sp", axis=1, tiled=True)
-        p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, kg) / 4.0, -1)
-        return jnp.einsum("bhqk,bkhd->bqhd", p, vg)
-
-    f = jax.shard_map(attention, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
-    qkv = [arg(mesh, (2, 64, 4, 8), spec)] * 3
+    f, qkv = context_parallel_attention()
     loss = lambda q, k, v: jnp.sum(f(q, k, v) ** 2)  # noqa: E731
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*qkv).as_text()
 

@@ -20,7 +20,7 @@ import cmatmul_pass
 from cmatmul_pass import execute, ir_utils, layout
 from cmatmul_pass.matchers import FULLY_MANUAL, ReduceScatterSite, find_dot_reduce_scatter, region_is_sum
 from cmatmul_pass.rewrites import all_gather_dot, builders, dot_reduce_scatter
-from conftest import assert_only_split_gathers_left, sample
+from conftest import assert_only_split_gathers_left, context_parallel_attention, sample
 
 
 def rewrite_sample(name, **options):
@@ -766,17 +766,7 @@ def test_context_parallel_attention_gathering_keys_and_values(variant):
     backward the key and value gradients' psum_scatters become rings too."""
     from cmatmul_pass.pipeline import variant_options
 
-    mesh = jax.make_mesh((8,), ("sp",))
-    spec = P(None, "sp", None, None)
-
-    def attention(q, k, v):
-        kg = jax.lax.all_gather(k, "sp", axis=1, tiled=True)
-        vg = jax.lax.all_gather(v, "sp", axis=1, tiled=True)
-        p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, kg) / 4.0, -1)
-        return jnp.einsum("bhqk,bkhd->bqhd", p, vg)
-
-    f = jax.shard_map(attention, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
-    qkv = [arg(mesh, (2, 64, 4, 8), spec)] * 3
+    f, qkv = context_parallel_attention()
     text = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), argnums=(0, 1, 2))).lower(*qkv).as_text()
     result = cmatmul_pass.rewrite(text, variant_options(variant))
     roles = sorted((s.kind, s.dim_role) for s in result.report.rewritten)
