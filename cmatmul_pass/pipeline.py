@@ -253,7 +253,8 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
         if options.all_reduce_strategy != "keep" and found["stablehlo.all_reduce"]:
             seeds: list[Seed] = []
             for op in found["stablehlo.all_reduce"]:
-                entry, seed = _all_reduce(match_all_reduce(op, info), ctx, source, options, hw, apply, info)
+                entry, seed = _all_reduce(match_all_reduce(op, info), ctx, source, options, hw, apply, info,
+                                          predictions)
                 if seed is not None:
                     seed.site = len(report.sites)
                     seeds.append(seed)
@@ -454,18 +455,23 @@ def _move_gather(site: Site, info: ModuleInfo, variance: Variance, ctx: RewriteC
 
 
 def _all_reduce(site, ctx: RewriteContext, source: str, options: Options, hw: cost.Hardware, apply,
-                info: ModuleInfo) -> tuple[SiteReport, Seed | None]:
+                info: ModuleInfo, predictions: dict) -> tuple[SiteReport, Seed | None]:
     """Decide and rewrite one dot → all_reduce site (Options.all_reduce); returns its report
-    entry and, when split, the gather to carry forward."""
+    entry and, when split, the gather to carry forward (``predictions``: the pass's cache)."""
     entry = _describe(site, source)
     if isinstance(site, DeclinedSite):
         return entry, None
     shape = all_reduce_shape(site)
     variant = cost.variant_name(options.bidirectional, options.rounds_per_trip)
     if options.variant == "auto":
-        variant = cost.predict(shape, hw).best
+        if ("best", shape) not in predictions:
+            predictions[("best", shape)] = cost.predict(shape, hw).best
+        variant = predictions[("best", shape)]
     counts = [k for k in ([options.chunks] if options.chunks else cost.CHUNK_COUNTS) if chunk_dims_ok(site, k)]
-    prediction = cost.predict_all_reduce(shape, hw, variant, counts)
+    key = ("all_reduce", shape, variant, tuple(counts))  # layers repeat their shapes: predict once per shape
+    if key not in predictions:
+        predictions[key] = cost.predict_all_reduce(shape, hw, variant, counts)
+    prediction = predictions[key]
     strategy, chunks, declined = _all_reduce_strategy(options, shape, prediction)
     entry.all_reduce = {"strategy": strategy, "dim": site.dim, "chunks": chunks, "gathers": [],
                         "prediction": prediction.to_dict()}

@@ -15,29 +15,34 @@ from cmatmul_pass.matchers import ModuleInfo, match_all_gather
 from cmatmul_pass.pipeline import _dot_flops
 
 
-def fsdp_tp(layers: int, mesh_shape=(2, 4), axes=("data", "model"), embed: bool = True):
+def fsdp_tp(layers: int, mesh_shape=(2, 4), axes=("data", "model"), embed: bool = True, bias: bool = False,
+            remat: bool = False):
     """Dense blocks: weights sharded over 'data' (FSDP, gathered where used) and 'model'
-    (tensor parallel); activations' rows over 'data', their sequence over 'model'."""
+    (tensor parallel); activations' rows over 'data', their sequence over 'model'.  ``bias``: the
+    up projection adds a bias sharded over 'model'; ``remat``: each block under jax.checkpoint
+    (the backward gathers the weights again)."""
     data, model = "data", "model"  # ``axes``: their order in the mesh
     mesh = jax.make_mesh(mesh_shape, axes)
 
-    def block(x, w1, w2):
+    def block(x, w1, w2, b1):
         w1f = jax.lax.all_gather(w1, data, axis=0, tiled=True)
         w2f = jax.lax.all_gather(w2, data, axis=1, tiled=True)
-        h = jax.nn.gelu(jax.lax.all_gather(x, model, axis=1, tiled=True) @ w1f)
+        up = jax.lax.all_gather(x, model, axis=1, tiled=True) @ w1f
+        h = jax.nn.gelu(up + b1 if bias else up)
         return jax.lax.psum_scatter(h @ w2f, model, scatter_dimension=1, tiled=True)
 
-    specs = (P(data, model, None), P(data, model), P(model, data))
+    specs = (P(data, model, None), P(data, model), P(model, data), P(model))
     f = jax.shard_map(block, mesh=mesh, in_specs=specs, out_specs=specs[0])
+    f = jax.checkpoint(f) if remat else f
 
     def model_fn(x, w_in, *ws):
         if embed:  # the first block's input is computed (an embedding's stand-in)
             x = jnp.tanh(x @ w_in)
-        for w1, w2 in zip(ws[0::2], ws[1::2]):
-            x = x + f(x, w1, w2)
+        for w1, w2, b1 in zip(ws[0::3], ws[1::3], ws[2::3]):
+            x = x + f(x, w1, w2, b1)
         return x
 
-    shapes = [(4, 32, 16), (16, 16)] + [(16, 64), (64, 16)] * layers
+    shapes = [(4, 32, 16), (16, 16)] + [(16, 64), (64, 16), (64,)] * layers
     args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(mesh, sp))
             for s, sp in zip(shapes, specs[:1] + (P(),) + specs[1:] * layers)]
     return mesh, model_fn, args
@@ -71,6 +76,30 @@ def test_fsdp_tp_rings_every_activation_collective(grad, variant):
     activation_collectives_rewritten(result)
     outcome = execute.check_numerics(ir_utils.parse(text), result.module)
     assert outcome.ok, outcome.format()
+
+
+@pytest.mark.parametrize("variant", ["uni", "bidi-unroll2"])
+def test_fsdp_tp_training_step_with_biases_and_remat(variant):
+    """value_and_grad with a bias in every block and each block rematerialised: the backward
+    gathers the weights again. Every collective over 'model' is rewritten; the weights' gathers are
+    rewritten or prefetchable / lost_to_ring; the bias gradients' psums over 'data' sum a
+    reduction, no dot (producer_not_dot); the numbers match, through the CLI's check too."""
+    text = lowered(2, True, bias=True, remat=True)
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant=variant))
+    model = [s for s in result.report.sites if s.ring_size == 4]
+    assert model and all(s.rewritten for s in model), [s.summary_line() for s in model if not s.rewritten]
+    left = [s for s in result.report.sites if s.ring_size == 2 and not s.rewritten]
+    assert all(s.reason_code in ("prefetchable", "lost_to_ring") if s.kind == "all_gather_dot"
+               else s.reason_code == "producer_not_dot" for s in left), [s.summary_line() for s in left]
+    assert sum(1 for s in result.report.sites if s.kind == "all_gather_dot" and s.ring_size == 2) >= 8  # remat
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()
+
+
+def test_the_cli_checks_an_fsdp_tp_training_step(tmp_path):
+    from conftest import run_cli, sample
+
+    assert run_cli("check", sample("fsdp_tp_grad"), "--report-json", tmp_path / "r.json") == 0
 
 
 @pytest.mark.parametrize("mesh_shape, axes", [((4, 2), ("data", "model")), ((2, 4), ("model", "data"))],

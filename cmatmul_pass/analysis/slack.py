@@ -10,7 +10,8 @@ gathers: prefetching).  The activation's operand is produced just before the dot
 ring can hide it.  So the collective with less slack gets the ring.
 
 A value is **early** when every value it is computed from is an argument of the module's
-entry function (through ``sdy.manual_computation`` regions) or a constant, through cheap ops
+entry function (into and out of ``sdy.manual_computation`` regions, through remat's
+``optimization_barrier`` operand by operand) or a constant, through cheap ops
 without regions that read nothing device- or time-dependent: a weight, cast, scaled or
 reshaped where it is used.  A value computed by a matmul (an embedding, a layer's output) is
 the step's activation, not early; so is a loop's carried value, an ``rng``'s, a custom call's.  The **hiding compute** of a collective is the FLOP count of the
@@ -92,6 +93,13 @@ class Slack:
                 return ([outer], False) if outer not in self._early else ([], self._early[outer])
             return [], False  # a loop's carried value, a region's argument
         op = owner.operation
+        if op.name == "stablehlo.optimization_barrier":  # remat's barrier: result i is operand i
+            through = op.operands[ir.OpResult(value).result_number]
+            return ([through], False) if through not in self._early else ([], self._early[through])
+        if op.name == "sdy.manual_computation":  # a region's result: what its body returns there
+            body = op.regions[0].blocks[0]
+            returned = list(body.operations)[-1].operands[ir.OpResult(value).result_number]
+            return ([returned], False) if returned not in self._early else ([], self._early[returned])
         if op.name in NOT_EARLY or op.name in COMPUTE or (len(op.regions) and op.name not in ("stablehlo.all_gather", "stablehlo.all_reduce",
                                                                          "stablehlo.reduce", "stablehlo.reduce_scatter",
                                                                          "stablehlo.sort", "stablehlo.map")):
