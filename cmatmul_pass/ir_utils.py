@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import io
 
 import numpy as np
@@ -232,16 +233,23 @@ def first_file_location(loc: ir.Location):
     return None
 
 
+#: the file the pass is reading (set by the pipeline while it runs): what ``render_location``
+#: shows the parser's own ``"-"`` locations against when its caller names no ``source``
+READING: contextvars.ContextVar[str | None] = contextvars.ContextVar("cmatmul_pass_reading", default=None)
+
+
 def render_location(loc: ir.Location, source: str | None = None) -> str:
     """``file:line:col`` of the op for a human.
 
     Text parsed without debug info carries the parser's own ``"-":line:col``
-    locations; those are shown against ``source`` (the file that was read).
+    locations; those are shown against ``source`` (the file that was read; by default
+    :data:`READING`'s).
     """
     found = first_file_location(loc)
     if found is None:
         return str(loc)
     filename = found.filename
+    source = source or READING.get()
     if filename in ("-", "") and source:
         filename = source
     return f"{filename}:{found.start_line}:{found.start_col}"

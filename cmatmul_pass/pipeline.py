@@ -198,6 +198,7 @@ def rewrite(
         snapshot = module_to_bytecode(module)  # to give the caller's module back as it was on a bug
     else:
         module = ir_utils.parse(module, source=source, context=context or make_context())
+    reading = ir_utils.READING.set(source)  # messages built deep in the matchers name this file
     try:
         with _no_cyclic_gc():
             return _run(module, options, source, verify_each=False)
@@ -217,6 +218,8 @@ def rewrite(
             if snapshot is not None:
                 _restore(module, snapshot)
         raise failure from failure.__cause__
+    finally:
+        ir_utils.READING.reset(reading)
 
 
 def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool) -> RewriteResult:
