@@ -583,14 +583,15 @@ def test_decorator_takes_the_variant():
 
     x, w = inputs()
     g = cmatmul_pass.jit(F, variant="auto")
-    np.testing.assert_allclose(np.asarray(g(x, w)), np.asarray(jax.jit(F)(x, w)), rtol=1e-5)
+    # atol as test_jit's comparisons of a rewritten F: jax 0.12's CPU dot sums a ring's blocks in another order
+    np.testing.assert_allclose(np.asarray(g(x, w)), np.asarray(jax.jit(F)(x, w)), rtol=1e-5, atol=1e-5)
     (site,) = g.report.rewritten
     assert site.schedule["variant"] == fastest(cost.SiteShape.from_dict(site.cost["site"]), cost.hardware("h100"))
     # a pick going both ways gets the GPU option its two permutes per round need
     both = site.schedule["directions"] == 2
     assert ring_compiler_options(g.report, "gpu") == ({LHS: True, OVERLAP: 2} if both else {LHS: True})
     named = cmatmul_pass.jit(F, variant="full")
-    np.testing.assert_allclose(np.asarray(named(x, w)), np.asarray(jax.jit(F)(x, w)), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(named(x, w)), np.asarray(jax.jit(F)(x, w)), rtol=1e-5, atol=1e-5)
     assert named.report.rewritten[0].schedule["variant"] == "full"
 
 
