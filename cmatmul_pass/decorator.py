@@ -538,6 +538,10 @@ def _host_value(x) -> np.ndarray:
         from jax.experimental import multihost_utils
 
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    if isinstance(x, jax.Array):
+        # read through a copy: reading an array spread over devices caches the host value on it,
+        # and jax (0.11) then no longer donates it (donate_argnums would silently keep it alive)
+        return np.asarray(x.copy())
     return np.asarray(x)
 
 
