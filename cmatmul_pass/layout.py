@@ -145,7 +145,7 @@ class LayoutStep:
         if name == "stablehlo.reshape":
             return hlo.ReshapeOp(out_t, value, loc=loc).result
         if name in ELEMENTWISE_OPS:
-            operands = [value if source is None else _block_of(source, self.out_dim, parts, loc)
+            operands = [value if source is None else block_of(source, self.out_dim, parts, loc)
                         for source in self.sources]
             attributes = {a.name: a.attr for a in op.operation.attributes}
             return ir.Operation.create(name, results=[out_t], operands=operands, attributes=attributes, loc=loc).result
@@ -166,9 +166,9 @@ def path_sources(steps) -> list[ir.OpView]:
 def elementwise_step(op: ir.OpView, value: ir.Value, dim: int) -> LayoutStep:
     """``op`` (elementwise, :data:`ELEMENTWISE_OPS`) on the ring's path: ``value`` is the path's
     value at the op and ``dim`` its ring dim.  Every other operand must be the same in every
-    block along ``dim`` (:func:`_invariant_source`), or :class:`Decline` (``layout``)."""
+    block along ``dim`` (:func:`invariant_source`), or :class:`Decline` (``layout``)."""
     _shapes(op)  # static shapes, or Decline
-    sources = tuple(None if operand == value else _invariant_source(op, operand, dim)
+    sources = tuple(None if operand == value else invariant_source(op, operand, dim)
                     for operand in op.operation.operands)
     return LayoutStep(op, dim, dim, sources)
 
@@ -179,13 +179,13 @@ def path_operand(op: ir.OpView, dim: int) -> ir.Value | None:
     varying = []
     for operand in op.operation.operands:
         try:
-            _invariant_source(op, operand, dim)
+            invariant_source(op, operand, dim)
         except Decline:
             varying.append(operand)
     return varying[0] if len(varying) == 1 else None
 
 
-def _invariant_source(op: ir.OpView, operand: ir.Value, dim: int) -> ir.OpView:
+def invariant_source(op: ir.OpView, operand: ir.Value, dim: int) -> ir.OpView:
     """The op producing ``operand`` (through sharding constraints) when its blocks along ``dim``
     are all the same: a broadcast_in_dim that does not vary along ``dim`` (the dim is broadcast,
     or comes from a size-1 dim), or a splat constant of a real element type.  Else Decline."""
@@ -209,7 +209,7 @@ def _invariant_source(op: ir.OpView, operand: ir.Value, dim: int) -> ir.OpView:
                             "same in every block of the ring dim (a broadcast not along it, or a splat constant)")
 
 
-def _block_of(source: ir.OpView, dim: int, parts: int, loc: ir.Location) -> ir.Value:
+def block_of(source: ir.OpView, dim: int, parts: int, loc: ir.Location) -> ir.Value:
     """One block of ``source``'s result along ``dim`` (all blocks are the same)."""
     t = ir.RankedTensorType(source.result.type)
     block_t = ir_utils.with_dim(t, dim, t.shape[dim] // parts)

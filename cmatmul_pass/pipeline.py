@@ -271,7 +271,7 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
         # (the scatter rewrites erase reduce_scatters and dots, never an all_gather)
         for op in found["stablehlo.reduce_scatter"]:
             report.sites.append(apply(match_reduce_scatter(op, info)))
-        gathers, deferred = _order_by_slack(gathers, info, options, report, source)
+        gathers, deferred = _order_by_slack(gathers, info, options, source)
         gathered = {}
         for op in gathers:
             gathered[id(op)] = len(report.sites)
@@ -371,8 +371,7 @@ class _Deferred:
     moved: bool  # matched after the winner for its slack (False: a tie, the program's order)
 
 
-def _order_by_slack(gathers: list, info: ModuleInfo, options: Options, report: Report, source: str
-                    ) -> tuple[list, dict[int, _Deferred]]:
+def _order_by_slack(gathers: list, info: ModuleInfo, options: Options, source: str) -> tuple[list, dict[int, _Deferred]]:
     """``gathers`` with, where gathers over different device groups meet at one dot (a 2-D mesh:
     the weight's over 'data', the activation's over 'model'), the one with more slack after the
     other, so that the critical-path collective gets the ring (analysis.slack).  Returns the

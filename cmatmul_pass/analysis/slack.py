@@ -27,6 +27,7 @@ from typing import Callable
 
 from .._jax_private import ir
 from .. import ir_utils
+from .dataflow import all_of, decide
 
 #: ops whose result is not known at the start of the step, or that the analysis does not see into
 NOT_EARLY = frozenset({
@@ -64,19 +65,7 @@ class Slack:
 
     def early(self, value: ir.Value) -> bool:
         """Is ``value`` computed only from the entry function's arguments and constants?"""
-        stack = [value]
-        while stack:  # depth-first without recursion
-            top = stack[-1]
-            if top in self._early:
-                stack.pop()
-                continue
-            pending, answer = self._step(top)
-            if pending:
-                stack.extend(pending)
-                continue
-            self._early[top] = answer
-            stack.pop()
-        return self._early[value]
+        return decide(value, self._step, self._early)
 
     def _step(self, value: ir.Value) -> tuple[list[ir.Value], bool]:
         owner = value.owner
@@ -89,26 +78,19 @@ class Slack:
                     ir.StringAttr(parent.attributes["sym_visibility"]).value == "private"
                 return [], not private
             if parent.operation.name == "sdy.manual_computation":
-                outer = parent.operands[ir.BlockArgument(value).arg_number]
-                return ([outer], False) if outer not in self._early else ([], self._early[outer])
+                return all_of([parent.operands[ir.BlockArgument(value).arg_number]], self._early)
             return [], False  # a loop's carried value, a region's argument
         op = owner.operation
         if op.name == "stablehlo.optimization_barrier":  # remat's barrier: result i is operand i
-            through = op.operands[ir.OpResult(value).result_number]
-            return ([through], False) if through not in self._early else ([], self._early[through])
+            return all_of([op.operands[ir.OpResult(value).result_number]], self._early)
         if op.name == "sdy.manual_computation":  # a region's result: what its body returns there
             body = op.regions[0].blocks[0]
-            returned = list(body.operations)[-1].operands[ir.OpResult(value).result_number]
-            return ([returned], False) if returned not in self._early else ([], self._early[returned])
+            return all_of([list(body.operations)[-1].operands[ir.OpResult(value).result_number]], self._early)
         if op.name in NOT_EARLY or op.name in COMPUTE or (len(op.regions) and op.name not in ("stablehlo.all_gather", "stablehlo.all_reduce",
                                                                          "stablehlo.reduce", "stablehlo.reduce_scatter",
                                                                          "stablehlo.sort", "stablehlo.map")):
             return [], False
-        operands = list(op.operands)
-        pending = [v for v in operands if v not in self._early]
-        if pending:
-            return pending, False
-        return [], all(self._early[v] for v in operands)
+        return all_of(op.operands, self._early)
 
     def of(self, collective: ir.OpView, dots: list[ir.OpView]) -> SiteSlack:
         """``collective``'s slack before the first of ``dots`` (module docstring)."""

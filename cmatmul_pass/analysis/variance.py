@@ -21,6 +21,7 @@ import numpy as np
 
 from .._jax_private import ir, sdy
 from ..errors import Decline
+from .dataflow import all_of, decide
 from ..matchers.common import ModuleInfo, manual_computation_mesh, replica_groups
 from ..ring import Ring
 
@@ -46,30 +47,19 @@ class Variance:
 
     def __init__(self, info: ModuleInfo):
         self.info = info
-        self._memo: dict[tuple, bool] = {}
+        self._memo: dict[tuple, dict[ir.Value, bool]] = {}  # per ring's groups: value -> identical
+        self._axes: dict[tuple, frozenset[str] | None] = {}
 
     def identical(self, value: ir.Value, ring: Ring) -> bool:
         """Is ``value`` the same array on every device of each of ``ring``'s groups?"""
-        key = ring.groups
-        stack = [value]
-        while stack:  # depth-first without recursion: a chain of elementwise ops can be long
-            top = stack[-1]
-            if (top, key) in self._memo:
-                stack.pop()
-                continue
-            pending, answer = self._step(top, ring)
-            if pending:
-                stack.extend(pending)
-                continue
-            self._memo[(top, key)] = answer
-            stack.pop()
-        return self._memo[(value, key)]
+        memo = self._memo.setdefault(ring.groups, {})
+        return decide(value, lambda v: self._step(v, ring, memo), memo)
 
-    def _step(self, value: ir.Value, ring: Ring) -> tuple[list[ir.Value], bool]:
+    def _step(self, value: ir.Value, ring: Ring, memo: dict) -> tuple[list[ir.Value], bool]:
         """(operands still to decide, or [] and the answer)."""
         owner = value.owner
         if isinstance(owner, ir.Block):
-            return self._argument(value, owner, ring)
+            return self._argument(value, owner, ring, memo)
         name = owner.operation.name
         if name in DEVICE_DEPENDENT:
             return [], False
@@ -77,13 +67,9 @@ class Variance:
             return [], True
         if name not in PURE_REGION_OPS and len(owner.operation.regions):
             return [], False
-        operands = list(owner.operation.operands)
-        pending = [v for v in operands if (v, ring.groups) not in self._memo]
-        if pending:
-            return pending, False
-        return [], all(self._memo[(v, ring.groups)] for v in operands)
+        return all_of(owner.operation.operands, memo)
 
-    def _argument(self, value: ir.Value, block: ir.Block, ring: Ring) -> tuple[list[ir.Value], bool]:
+    def _argument(self, value: ir.Value, block: ir.Block, ring: Ring, memo: dict) -> tuple[list[ir.Value], bool]:
         parent = block.owner
         if parent is None or parent.name != "sdy.manual_computation":
             return [], False  # a function's or a loop's argument: not known
@@ -92,10 +78,7 @@ class Variance:
         if self._names_varying_axis(sharding, parent, ring):
             return [], False
         if _nested(parent):  # the value entering a nested region must itself be identical
-            outer = parent.operands[index]
-            if (outer, ring.groups) not in self._memo:
-                return [outer], False
-            return [], self._memo[(outer, ring.groups)]
+            return all_of([parent.operands[index]], memo)
         return [], True
 
     def _names_varying_axis(self, sharding, manual_computation: ir.Operation, ring: Ring) -> bool:
@@ -114,10 +97,10 @@ class Variance:
             mesh = next(iter(self.info.meshes))
         if mesh not in self.info.meshes:
             return None
-        key = ("axes", mesh, ring.groups)
-        if key not in self._memo:
-            self._memo[key] = varying_axes(self.info.meshes[mesh], self.info.mesh_device_ids.get(mesh) or [], ring)
-        return self._memo[key]
+        key = (mesh, ring.groups)
+        if key not in self._axes:
+            self._axes[key] = varying_axes(self.info.meshes[mesh], self.info.mesh_device_ids.get(mesh) or [], ring)
+        return self._axes[key]
 
     def _groups_contain(self, collective: ir.OpView, ring: Ring) -> bool:
         """Is each of the ring's groups inside one group of ``collective`` (so its result is the

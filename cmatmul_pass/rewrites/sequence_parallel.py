@@ -36,7 +36,7 @@ from .. import ir_utils
 from .._jax_private import hlo, ir
 from ..analysis.variance import Variance
 from ..errors import Decline
-from ..layout import ELEMENTWISE_OPS, _block_of, _invariant_source, forward_dim
+from ..layout import ELEMENTWISE_OPS, block_of, invariant_source, forward_dim
 from ..matchers.common import ManualRegion
 from ..report import tensor_bytes
 from ..ring import Ring
@@ -119,9 +119,7 @@ def move_gather_forward(seed: Seed, variance: Variance, take_channel, constants:
     ``dot_general`` (an all_gather → dot site) and no more bytes are gathered than before;
     otherwise None, and the module is untouched."""
     block = seed.all_gather.operation.block
-    plan = _Plan([seed], variance)
-    for op in block.operations:
-        plan.visit(op)
+    plan = _Plan.of(block, [seed], variance)
     if not plan.roles:
         return None
     readers = plan.outside_readers(block)
@@ -135,9 +133,7 @@ def move_gather_forward(seed: Seed, variance: Variance, take_channel, constants:
 
 def _carry_block(block: ir.Block, seeds: list[Seed], variance: Variance, take_channel, constants: dict,
                  source: str | None, carry: Carry) -> None:
-    plan = _Plan(seeds, variance)
-    for op in block.operations:
-        plan.visit(op)
+    plan = _Plan.of(block, seeds, variance)
     readers = plan.outside_readers(block)
     kept = plan.over_budget(readers)
     for seed in seeds:
@@ -168,6 +164,14 @@ class _Plan:
         for i, seed in enumerate(seeds):
             self.carried[seed.all_gather.result] = _Carried(seed.dim, seed.ring, seed.region, i, None)
         self.seed_ops = {seed.all_gather.operation for seed in seeds}
+
+    @classmethod
+    def of(cls, block: ir.Block, seeds: list[Seed], variance: Variance) -> "_Plan":
+        """The plan of ``block``: every op visited in order."""
+        plan = cls(seeds, variance)
+        for op in block.operations:
+            plan.visit(op)
+        return plan
 
     def find(self, i: int) -> int:
         while self.parent[i] != i:
@@ -289,7 +293,7 @@ def _slice_role(op: ir.OpView, value: ir.Value, dim: int) -> str:
     """"block": the same in every block along ``dim`` (rebuilt at block size); "slice": this
     device's rows of it are cut out."""
     try:
-        _invariant_source(op, value, dim)
+        invariant_source(op, value, dim)
         return "block"
     except Decline:
         return "slice"
@@ -361,7 +365,7 @@ def _on_rows(op: ir.OpView, roles: list[str], rows: dict, c: _Carried, constants
         elif role == "keep":
             new.append(value)
         elif role == "block":
-            new.append(_block_of(_invariant_source(op, value, c.dim), c.dim, n, op.location))
+            new.append(block_of(invariant_source(op, value, c.dim), c.dim, n, op.location))
         else:
             width = ir.RankedTensorType(value.type).shape[c.dim] // n
             offset = b.scaled(b.position_in_ring(c.ring, c.region), width)
