@@ -21,6 +21,7 @@ import numpy as np
 from . import ir_utils, numerics
 from ._jax_private import compile_module, ir, sharding_for_devices
 from .errors import ExecutionError
+from .reference import NoReference, demote_to_f32, promote_to_f64
 
 #: The 8-bit floats (MLIR's names), whose dots XLA runs on CPU: inputs of fp8 matmuls.
 _FLOAT8 = {
@@ -491,13 +492,11 @@ def evaluate_in_f64(original: ir.Module, inputs: Sequence[np.ndarray],
     """The original promoted to f64 (:func:`.reference.promote_to_f64`), run on ``inputs``
     (float ones widened, exactly): per output, per device, a shard; and "f64".  Where the
     promotion or its compile fails: None and why."""
-    from .reference import NoReference, promote_to_f64
+    def widened(x: np.ndarray) -> np.ndarray:
+        return x.astype(np.complex128 if x.dtype.kind == "c" else np.float64) if _is_float(x.dtype) else x
 
     try:
-        wide = promote_to_f64(original)
-        widened = [x.astype(np.complex128 if x.dtype.kind == "c" else np.float64) if _is_float(x.dtype) else x
-                   for x in inputs]
-        return Program(wide, widened, devices, dict(CHECK_COMPILER_OPTIONS)).outputs(), "f64"
+        return _run_retyped(promote_to_f64, original, map(widened, inputs), devices), "f64"
     except (NoReference, ExecutionError) as exc:
         return None, f"no f64 reference: {exc}"
 
@@ -505,16 +504,18 @@ def evaluate_in_f64(original: ir.Module, inputs: Sequence[np.ndarray],
 def evaluate_in_f32(original: ir.Module, inputs: Sequence[np.ndarray], devices: Sequence) -> list | None:
     """The original demoted to f32 where it computes in f64 (:func:`.reference.demote_to_f32`), run on
     ``inputs`` rounded to f32: per output, per device, a shard; None where it cannot be built."""
-    from .reference import NoReference, demote_to_f32
-
+    narrower = {np.dtype(np.float64): np.float32, np.dtype(np.complex128): np.complex64}
     try:
-        narrow = demote_to_f32(original)
-        rounded = [x.astype({np.dtype(np.float64): np.float32, np.dtype(np.complex128): np.complex64}.get(x.dtype,
-                                                                                                           x.dtype))
-                   for x in inputs]
-        return Program(narrow, rounded, devices, dict(CHECK_COMPILER_OPTIONS)).outputs()
+        return _run_retyped(demote_to_f32, original, (x.astype(narrower.get(x.dtype, x.dtype)) for x in inputs),
+                            devices)
     except (NoReference, ExecutionError):
         return None
+
+
+def _run_retyped(retype, original: ir.Module, inputs, devices: Sequence) -> list:
+    """``retype(original)`` (a copy in other float types) run on ``inputs`` (cast to match) with the
+    check's compiler options."""
+    return Program(retype(original), list(inputs), devices, dict(CHECK_COMPILER_OPTIONS)).outputs()
 
 
 def _is_float(dtype: np.dtype) -> bool:
