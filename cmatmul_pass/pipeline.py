@@ -23,7 +23,7 @@ from .matchers import (
 )
 from .matchers.all_reduce import DOT_ALL_REDUCE, AllReduceSite, match_all_reduce
 from .matchers.common import collective_ring
-from .report import Report, SiteReport, describe_shard, element_bits, tensor_bytes
+from .report import Report, SiteReport, describe_shard, element_bits, forget_types, tensor_bytes
 from .rewrites.all_gather_dot import merge_groups, rewrite_all_gather_dot
 from .rewrites.dot_all_reduce import chunk_all_reduce, chunk_dims_ok, split_all_reduce
 from .rewrites.dot_reduce_scatter import halves_blocker, rewrite_dot_reduce_scatter
@@ -220,6 +220,7 @@ def rewrite(
         raise failure from failure.__cause__
     finally:
         ir_utils.READING.reset(reading)
+        forget_types()
 
 
 def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool) -> RewriteResult:
@@ -376,8 +377,8 @@ def _order_by_slack(gathers: list, info: ModuleInfo, options: Options, source: s
     the weight's over 'data', the activation's over 'model'), the one with more slack after the
     other, so that the critical-path collective gets the ring (analysis.slack).  Returns the
     order and the deferred gathers (by ``id`` of their op)."""
-    if len(gathers) < 2:
-        return gathers, {}
+    if len(gathers) < 2 or len({op.attributes["replica_groups"] for op in gathers}) < 2:
+        return gathers, {}  # one set of device groups (MLIR uniques attributes): nothing competes
     sites = [match_all_gather(op, info, assemble=options.assemble) for op in gathers]
     sites = [s for s in sites if isinstance(s, AllGatherSite)]
     if len({s.ring.groups for s in sites}) < 2:
@@ -491,10 +492,9 @@ def _all_reduce(site, ctx: RewriteContext, source: str, options: Options, hw: co
         entry.notes += applied.notes
         return entry, None
     reduce_scatter, all_gather = _guarded(entry, split_all_reduce, site, ctx.take_channel)
-    ring_site = match_reduce_scatter(reduce_scatter, info)
-    if isinstance(ring_site, DeclinedSite):
-        raise InternalError(f"the reduce_scatter split from the all_reduce at {entry.location} does not match its "
-                            f"ring (a cmatmul_pass bug): {ring_site.message}")
+    # the split's reduce_scatter sums the product the all_reduce's match traced, along the same
+    # dim, in the same block: its site is that match's, anchored on it (no second trace)
+    ring_site = ReduceScatterSite(reduce_scatter, site.terms, site.adds, site.path, site.ring, site.region, site.dim)
     ringed = apply(ring_site, replace(options, policy="all", min_bytes=0))  # decided above
     ringed.kind, ringed.all_reduce, ringed.notes = DOT_ALL_REDUCE, entry.all_reduce, entry.notes + ringed.notes
     return ringed, Seed(all_gather, site.ring, site.region, site.dim, -1)

@@ -115,6 +115,32 @@ def element_bits(element_type: ir.Type) -> int:
     return getattr(element_type, "width", 0)
 
 
+#: _shard_facts' answers by type: a model's layers repeat a few types (MLIR uniques them, so the
+#: type is its own key).  A type keeps its context alive: :func:`forget_types` empties it after
+#: each pass run.
+_FACTS: dict = {}
+
+
+def _shard_facts(t: ir.Type) -> tuple[tuple[int, ...], str, int] | None:
+    """(shape, element type, bytes) of a static tensor type; None for any other."""
+    if t in _FACTS:
+        return _FACTS[t]
+    try:
+        ranked = ir.RankedTensorType(t)
+    except ValueError:
+        ranked = None
+    facts = None
+    if ranked is not None and ranked.has_static_shape:
+        facts = tuple(ranked.shape), str(ranked.element_type), tensor_bytes(ranked)
+    _FACTS[t] = facts
+    return facts
+
+
+def forget_types() -> None:
+    """Drop the cached type facts (and the contexts their types keep alive)."""
+    _FACTS.clear()
+
+
 def tensor_bytes(t: ir.RankedTensorType) -> int:
     """Bytes of the tensor's elements, sub-byte elements packed (as XLA stores them on GPUs)."""
     count = 1
@@ -125,11 +151,10 @@ def tensor_bytes(t: ir.RankedTensorType) -> int:
 
 def describe_shard(site: SiteReport, shard: ir.Value, ring_size: int | None) -> None:
     """Fill the shape/dtype/bytes fields from the value a ring passes around."""
-    t = ir_utils.ranked_tensor(shard)
-    if t is None or not ir_utils.is_static(t):
+    facts = _shard_facts(shard.type)
+    if facts is None:
         return
-    site.shard_shape = list(t.shape)
-    site.dtype = str(t.element_type)
-    site.bytes_per_step = tensor_bytes(t)
+    shape, site.dtype, site.bytes_per_step = facts
+    site.shard_shape = list(shape)
     if ring_size:
         site.bytes_moved = site.bytes_per_step * (ring_size - 1)
