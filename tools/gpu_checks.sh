@@ -1,51 +1,119 @@
 #!/usr/bin/env bash
-# The GPU checks of docs/gpu.md, on a machine with one NVIDIA GPU and jax with CUDA:
-#   bash tools/gpu_checks.sh OUTDIR [h100|h200] [all|calibrate|topology]
-# calibrate: split efficiency and loop-trip cost at 70B, 8B and 3B MLP shapes, the gather's also with
-#            gate and up merged into one dot as the pass runs it (tools/gpu_calibrate.py;
-#            each prints the profile's split points with its own added; then --merge prints all
-#            three runs' points together, for cost.PROFILES; then 70B again with XLA's dynamic
-#            slice fusion);
-# topology:  the training step compiled for a mocked 8-GPU topology, original and every variant,
-#            read for overlap, async streams and compile time (tools/gpu_topology.py): a tiny
-#            model first (a quick check that the mocked topology works), then 8B and 70B
-#            shapes, bidi-full, --variant auto and uni-dsf at 8B, then 8B with no XLA flags at all; each run prints the
-#            cost model's --hardware override for the share of permutes each variant hides.
-# Each step has its own time limit, so one that hangs leaves the others' results. On an H100,
-# calibrate took about 1 minute (9 compiles per model; it now makes 21, with the contracting and
-# batch roles, the merged gather and the scatter rings) and topology about 8; "all" can exceed a 10-minute call limit.
+# The GPU checks of docs/gpu.md, on a machine with one NVIDIA GPU and jax with CUDA, in parts that
+# each fit one 10-minute call of the device tool (docs/gpu.md, "The next lent session"):
+#
+#   bash tools/gpu_checks.sh OUTDIR [h100|h200] PART
+#
+# PART        limit  what it runs                                                   writes under OUTDIR
+# calibrate   480 s  tools/gpu_calibrate.py at 70B and 8B MLP shapes: split        P_calibrate_{70b,8b}.json,
+#                    efficiency, loop trips, the rings, element types' rates        gpu_checks_calibrate.log
+# topology    525 s  tools/gpu_topology.py: a tiny model (is the mocked topology    P_topology_{8b,70b}.json,
+#                    working?), then the 8B and 70B training steps compiled for 8   hlo/8b_{original,uni}.hlo.txt,
+#                    GPUs: the original and every variant (uni, unroll2, full,      gpu_checks_topology.log
+#                    bidi, bidi-unroll2, bidi-full, auto, streams, no-share,
+#                    uni-dsf): async and overlapped permutes, loop and slice copies
+# extras      485 s  calibrate at 3B shapes, at 70B with XLA's dynamic slice        P_calibrate_3b.json,
+#                    fusion, and the 8B step compiled with no XLA flags             P_calibrate_70b_dsf.json,
+#                                                                                   P_topology_8b_no_flags.json,
+#                                                                                   gpu_checks_extras.log
+# profile     120 s  on any machine, no GPU: tools/gpu_profile.py over the JSONs    P_profile.txt
+#                    above in OUTDIR: the cost.PROFILES fields and --hardware
+#                    override they imply, and what moved against the profile
+# all                calibrate, topology, extras and profile (over 25 minutes: a machine of your own)
+#
+# (P: the profile's name.)  "limit" is the sum of the part's steps' time limits (each step's
+# `timeout`, plus 5 s for a kill): a step that hangs is stopped, the others still run and keep
+# their results, and the part ends well inside a 600 s call.  calibrate and topology are what
+# the profile needs (at most 1005 s together; about 3 and 5 minutes when last estimated);
+# extras is for a session with device time left.  GPU_CHECKS_DRY_RUN=1 prints each step
+# ("step", its limit, the command) instead of running it (tests/test_gpu_checks.py reads it).
+# Exit status: the number of steps that failed or ran out of time.
 set -uo pipefail
-out=${1:?usage: gpu_checks.sh OUTDIR [profile] [all|calibrate|topology]}
+out=${1:?usage: gpu_checks.sh OUTDIR [h100|h200] calibrate|topology|extras|profile|all}
 profile=${2:-h100}
 part=${3:-all}
 py=${PYTHON:-python3}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
+case "$part" in calibrate|topology|extras|profile|all) ;; *) echo "unknown part $part" >&2; exit 2;; esac
 cd "$(dirname "$0")/.."
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used --format=csv
-$py -c 'import jax; print("jax", jax.__version__, jax.devices())'
-if [ "$part" = all ] || [ "$part" = calibrate ]; then
-  for model in 70b 8b 3b; do
-    timeout 190 $py tools/gpu_calibrate.py --model "$model" --profile "$profile" --out "$out/calibrate_$model.json"
+export PYTHONUNBUFFERED=1
+failed=0
+
+step() {  # step SECONDS COMMAND...: COMMAND under a time limit (dry run: print it, shell-quoted)
+  local limit=$1; shift
+  if [ -n "${GPU_CHECKS_DRY_RUN:-}" ]; then
+    printf 'step\t%s\t' "$limit"; printf '%q ' "$@"; printf '\n'
+    return 0
+  fi
+  echo "== $(date +%T) [limit ${limit} s] $*"
+  timeout --kill-after=5 "$limit" "$@"
+  local rc=$?
+  if [ $rc != 0 ]; then
+    echo "== FAILED (exit $rc$([ $rc = 124 ] || [ $rc = 137 ] && echo ": out of time")): $*"
+    failed=$((failed + 1))
+  fi
+}
+
+setup() {  # what runs here: the GPU, its clocks, jax and its devices
+  step 10 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used --format=csv
+  step 30 "$py" -c 'import jax; print("jax", jax.__version__, jax.devices())'
+}
+
+calibrate() {
+  setup
+  step 240 "$py" tools/gpu_calibrate.py --model 70b --profile "$profile" --out "$out/${profile}_calibrate_70b.json"
+  step 180 "$py" tools/gpu_calibrate.py --model 8b --profile "$profile" --out "$out/${profile}_calibrate_8b.json"
+}
+
+topology() {
+  setup
+  step 60 "$py" tools/gpu_topology.py --model tiny --repeats 1 --out /tmp/gpu_checks_topology_tiny.json
+  # every variant of cost.VARIANTS, auto's picks for the profile, and the A/B programs; two
+  # compiles each (the first autotunes new GEMM shapes; the second is the warm compile time)
+  local model dump
+  for model in 8b 70b; do
+    dump=()
+    [ "$model" = 8b ] && dump=(--dump-hlo "$out/hlo" --dump original uni)
+    step 200 "$py" tools/gpu_topology.py --model "$model" --repeats 2 --profile "$profile" \
+      --programs uni unroll2 full bidi bidi-unroll2 bidi-full auto uni-no-share uni-streams bidi-streams uni-dsf \
+      "${dump[@]}" --out "$out/${profile}_topology_${model}.json"
   done
-  # all three runs' points in one override, and as cost.PROFILES fields
-  $py tools/gpu_calibrate.py --merge "$out"/calibrate_*.json --profile "$profile" | tee "$out/calibrate_merged.txt"
-  # the 70B sites again with XLA's dynamic slice fusion (GEMMs reading the rounds' blocks in
-  # place): compare the scatter's, contracting and batch roles' straight-line splits (not merged)
-  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" timeout 190 $py tools/gpu_calibrate.py \
-    --model 70b --profile "$profile" --out "$out/dsf_calibrate_70b.json"
-fi
-if [ "$part" = all ] || [ "$part" = topology ]; then
-  timeout 90 $py tools/gpu_topology.py --model tiny --out /tmp/topology_tiny.json
-  timeout 200 $py tools/gpu_topology.py --model 8b --out "$out/topology_8b.json" --dump-hlo "$out/hlo" \
-    --dump original uni unroll2 bidi bidi-unroll2 --profile "$profile"
-  timeout 200 $py tools/gpu_topology.py --model 70b --out "$out/topology_70b.json" --profile "$profile"
-  # the one variant whose overlap the cost model has not measured yet (the profile assumes
-  # bidi-unroll2's), --variant auto's per-site picks for the profile, and uni with XLA's dynamic
-  # slice fusion (do the GEMMs read the rounds' blocks in place? slice_copies)
-  timeout 240 $py tools/gpu_topology.py --model 8b --programs bidi-full auto uni-dsf --repeats 1 \
-    --out "$out/topology_8b_bidi_full.json" --profile "$profile"
+}
+
+extras() {
+  setup
+  # below the profiles' smallest measured step (6.4 GFLOP a step)
+  step 130 "$py" tools/gpu_calibrate.py --model 3b --profile "$profile" --out "$out/${profile}_calibrate_3b.json"
+  # the 70B sites with XLA's dynamic slice fusion (GEMMs reading the rounds' blocks in place):
+  # compare the scatter's, contracting and batch roles' straight-line splits (never merged)
+  step 180 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" "$py" tools/gpu_calibrate.py \
+    --model 70b --profile "$profile" --out "$out/${profile}_calibrate_70b_dsf.json"
   # what XLA does by default, and what cmatmul_pass.jit's own compiler options add
-  timeout 120 $py tools/gpu_topology.py --model 8b --no-flags --repeats 1 \
-    --programs uni uni-no-gpu-options bidi bidi-no-gpu-options uni-streams --out "$out/topology_8b_no_flags.json"
+  step 110 "$py" tools/gpu_topology.py --model 8b --no-flags --repeats 1 \
+    --programs uni uni-no-gpu-options bidi bidi-no-gpu-options uni-streams --out "$out/${profile}_topology_8b_no_flags.json"
+}
+
+profile_part() {  # the profile the runs in $out imply; a 3B run where extras wrote one
+  local runs=("$out/${profile}_calibrate_70b.json" "$out/${profile}_calibrate_8b.json")
+  [ -e "$out/${profile}_calibrate_3b.json" ] && runs+=("$out/${profile}_calibrate_3b.json")
+  runs+=("$out/${profile}_topology_8b.json" "$out/${profile}_topology_70b.json")
+  step 120 "$py" tools/gpu_profile.py --profile "$profile" --out "$out/${profile}_profile.txt" "${runs[@]}"
+}
+
+run_part() {
+  case "$1" in
+    calibrate) calibrate ;;
+    topology) topology ;;
+    extras) extras ;;
+    profile) profile_part ;;
+    all) calibrate; topology; extras; profile_part ;;
+  esac
+  [ -n "${GPU_CHECKS_DRY_RUN:-}" ] || echo "== $(date +%T) part $1: $failed step(s) failed"
+  return $((failed > 125 ? 125 : failed))
+}
+
+mkdir -p "$out"
+if [ -n "${GPU_CHECKS_DRY_RUN:-}" ] || [ "$part" = profile ]; then
+  run_part "$part"
+else  # the whole output, also in OUTDIR (it comes back with the results)
+  run_part "$part" 2>&1 | tee "$out/gpu_checks_$part.log"
 fi

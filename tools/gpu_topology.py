@@ -67,33 +67,34 @@ MOCK_XLA_FLAGS = "--xla_gpu_shard_autotuning=false"
 #: (tokens = sequence x batch, hidden, ffn) per layer; tokens are the global rows
 MODELS = {"70b": (8192, 8192, 28672), "8b": (8192, 4096, 14336), "tiny": (64, 64, 128)}
 
-#: program name -> (cmatmul_pass.jit options); "original" is jax.jit's own program
+#: program name -> (cmatmul_pass.jit options); "original" is jax.jit's own program.  Each names its
+#: variant (cost.VARIANTS), so that a program's name says what it compiles whatever the default is
 PROGRAMS = {
-    "uni": dict(),
-    "unroll2": dict(unroll=2),
-    "full": dict(unroll="full"),
-    "bidi": dict(bidirectional=True),
-    "bidi-unroll2": dict(bidirectional=True, unroll=2),
-    "bidi-full": dict(bidirectional=True, unroll="full"),
+    "uni": dict(variant="uni"),
+    "unroll2": dict(variant="unroll2"),
+    "full": dict(variant="full"),
+    "bidi": dict(variant="bidi"),
+    "bidi-unroll2": dict(variant="bidi-unroll2"),
+    "bidi-full": dict(variant="bidi-full"),
     # each site the variant the cost model picks for --profile (the row's "variants" says which)
     "auto": dict(variant="auto"),
-    "uni-no-share": dict(share_rings=False),
-    "uni-streams": dict(annotate_streams=True),
-    "bidi-streams": dict(bidirectional=True, annotate_streams=True),
+    "uni-no-share": dict(variant="uni", share_rings=False),
+    "uni-streams": dict(variant="uni", annotate_streams=True),
+    "bidi-streams": dict(variant="bidi", annotate_streams=True),
     # without the XLA options cmatmul_pass.jit adds on a GPU (decorator.ring_compiler_options)
-    "uni-no-gpu-options": dict(gpu_options=False),
-    "bidi-no-gpu-options": dict(bidirectional=True, gpu_options=False),
+    "uni-no-gpu-options": dict(variant="uni", gpu_options=False),
+    "bidi-no-gpu-options": dict(variant="bidi", gpu_options=False),
     # without merged dots (each consumer its own dot per round) or without the rounds' barriers
-    "uni-no-merge": dict(merge_dots=False),
-    "unroll2-no-tie": dict(unroll=2, tie_rounds=False),
-    "full-no-tie": dict(unroll="full", tie_rounds=False),
-    "bidi-no-tie": dict(bidirectional=True, tie_rounds=False),
+    "uni-no-merge": dict(variant="uni", merge_dots=False),
+    "unroll2-no-tie": dict(variant="unroll2", tie_rounds=False),
+    "full-no-tie": dict(variant="full", tie_rounds=False),
+    "bidi-no-tie": dict(variant="bidi", tie_rounds=False),
     # XLA's dynamic slice fusion: a GEMM reads its operand's block at a run-time offset itself
     # instead of a slice kernel copying it out first (slice_copies says whether it did)
-    "uni-dsf": dict(compiler_options={"xla_gpu_enable_dynamic_slice_fusion": True}),
+    "uni-dsf": dict(variant="uni", compiler_options={"xla_gpu_enable_dynamic_slice_fusion": True}),
 }
-#: bidi-full and auto are left out of the default list (tools/gpu_checks.sh compiles them in a run of
-#: their own, so that each run stays within its time limit)
+#: bidi-full and auto are left out of the default list (tools/gpu_checks.sh names them, with the
+#: A/B programs it compiles)
 DEFAULT_PROGRAMS = [name for name in PROGRAMS
                     if name not in ("bidi-full", "auto") and not any(x in name for x in ("no-gpu-options", "no-merge", "no-tie", "dsf"))]
 
@@ -589,6 +590,17 @@ def program_options(name: str, profile: str) -> dict:
     return options
 
 
+def permute_counts(row: dict) -> tuple[int, int] | None:
+    """(overlapped, total) permutes of one program's row: as each device executes them (a loop's
+    permute once per trip), or per permute op in results written before ``executed`` was
+    counted; None where the program has no permutes."""
+    permutes = row.get("collectives", {}).get("collective-permute")
+    if not permutes:
+        return None
+    total = permutes.get("executed", permutes["async"] + permutes["sync"])
+    return (permutes.get("overlapped_executed", permutes["overlapped"]), total) if total else None
+
+
 def overlap_fractions(programs: dict) -> dict[str, float]:
     """Per pass variant among ``programs`` (``cost.VARIANTS`` names; not the A/B programs): the
     fraction of the permutes each device executes that overlap a dot, the cost model's
@@ -597,12 +609,47 @@ def overlap_fractions(programs: dict) -> dict[str, float]:
 
     fractions = {}
     for name, row in programs.items():
-        permutes = row.get("collectives", {}).get("collective-permute")
-        if name in cost.VARIANTS and permutes:
-            total = permutes.get("executed", permutes["async"] + permutes["sync"])
-            if total:
-                fractions[name] = permutes.get("overlapped_executed", permutes["overlapped"]) / total
+        counts = permute_counts(row) if name in cost.VARIANTS else None
+        if counts:
+            fractions[name] = counts[0] / counts[1]
     return fractions
+
+
+#: the XLA flags of a run whose overlap goes into a profile: the README's, and the mocked
+#: topology's (a run with other flags, --no-flags or --xla-flags, is an experiment)
+PROFILE_XLA_FLAGS = frozenset(f"{GPU_XLA_FLAGS} {MOCK_XLA_FLAGS}".split())
+
+
+def pooled_overlap(runs: list[dict]) -> tuple[dict[str, dict], list[str]]:
+    """The overlap a profile takes from several runs' JSONs (each this tool's ``--out``): per
+    pass variant, the permutes overlapped and executed, summed over the models (the training
+    step at 8B and at 70B shapes count alike).  Of runs of the same model (and layers, dtype),
+    a later one's count of a variant replaces an earlier one's.  Only runs compiled with
+    :data:`PROFILE_XLA_FLAGS` count.  Returns ({variant: {"overlapped", "executed", "fraction",
+    "models": {model: [overlapped, executed]}}}, why each skipped run was skipped)."""
+    from cmatmul_pass import cost
+
+    latest: dict[tuple, dict[str, tuple[int, int]]] = {}
+    skipped = []
+    for run in runs:
+        if frozenset((run.get("xla_flags") or "").split()) != PROFILE_XLA_FLAGS:
+            skipped.append(f"{run.get('source', run.get('model'))}: compiled with XLA_FLAGS={run.get('xla_flags')!r}")
+            continue
+        model = (run["model"], run.get("layers"), run.get("dtype"))
+        for name, row in run["programs"].items():
+            counts = permute_counts(row) if name in cost.VARIANTS else None
+            if counts:
+                latest.setdefault(model, {})[name] = counts
+    pooled: dict[str, dict] = {}
+    for (model, *_), counts in latest.items():
+        for name, (overlapped, executed) in counts.items():
+            entry = pooled.setdefault(name, {"overlapped": 0, "executed": 0, "models": {}})
+            entry["overlapped"] += overlapped
+            entry["executed"] += executed
+            entry["models"][model] = [overlapped, executed]
+    for entry in pooled.values():
+        entry["fraction"] = entry["overlapped"] / entry["executed"]
+    return {name: pooled[name] for name in cost.VARIANTS if name in pooled}, skipped
 
 
 def hardware_override(profile: str, fractions: dict[str, float]) -> str:
@@ -610,7 +657,7 @@ def hardware_override(profile: str, fractions: dict[str, float]) -> str:
     return f"{profile}:" + ",".join(f"overlap.{name}={fraction:.3f}" for name, fraction in fractions.items())
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--platform", choices=("gpu", "cpu"), default="gpu")
     parser.add_argument("--devices", type=int, default=8, help="the (mocked) topology's GPU count")
@@ -627,7 +674,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--xla-flags", default="", help="more XLA flags for every compile")
     parser.add_argument("--profile", default="h100", help="the cost-model profile the printed --hardware overrides")
     parser.add_argument("--out", default=str(ROOT / "bench" / "gpu_topology.json"))
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     configure_environment(args.platform, args.devices, args.xla_flags, readme_flags=not args.no_flags)
 
     import jax

@@ -1,0 +1,230 @@
+"""tools/gpu_checks.sh and tools/gpu_profile.py, on CPU: the procedure docs/gpu.md gives for the
+next lent GPU session ("The next lent session") is checked line by line. Its `run` calls go
+through the script's dry run (each part's steps fit a 10-minute call, name existing tools with
+options they take, write what can come back); its profile step and the line that rebuilds the
+h100 profile from the stored runs (bench/gpu) run for real."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cmatmul_pass import cost
+from conftest import ROOT
+from test_docs import blocks
+from tools import gpu_calibrate, gpu_profile, gpu_topology
+
+SCRIPT = ROOT / "tools" / "gpu_checks.sh"
+#: the device tool: one command's limit, and what comes back from $OUT
+CALL_LIMIT_S, FILES_BACK = 600, 8
+#: what a part may spend of a call, so that it ends well inside it
+PART_LIMIT_S = 540
+#: the issue's budget for the GPU parts together (calibrate, topology, extras)
+GPU_PARTS_S = 25 * 60
+KILL_S = 5  # the script's --kill-after
+PARSERS = {"tools/gpu_calibrate.py": gpu_calibrate.build_parser, "tools/gpu_topology.py": gpu_topology.build_parser,
+           "tools/gpu_profile.py": gpu_profile.build_parser}
+STORED_SOURCES = ["bench/gpu/h100_calibrate_70b.json", "bench/gpu/h100_calibrate_8b.json",
+                  "bench/gpu/h100_topology_8b_send_after_dot.json", "bench/gpu/h100_topology_70b_send_after_dot.json"]
+
+
+def procedure() -> tuple[list[str], list[str]]:
+    """The two text blocks of docs/gpu.md's "The next lent session": the session's lines, and the
+    command that rebuilds the profile from the stored runs."""
+    lines = (ROOT / "docs" / "gpu.md").read_text().splitlines()
+    first = lines.index("## The next lent session: one command per part") + 1
+    end = next(i for i in range(first, len(lines)) if lines[i].startswith("## ")) + 1
+    found = [body for line, lang, body, _ in blocks(ROOT / "docs" / "gpu.md") if lang == "text" and first < line < end]
+    assert len(found) == 2, found
+    return [line for line in found[0].splitlines() if line.strip()], [l for l in found[1].splitlines() if l.strip()]
+
+
+def dry_run(outdir: str, profile: str, part: str) -> list[tuple[int, list[str]]]:
+    """The part's steps as the script's dry run prints them: (time limit, argv)."""
+    proc = subprocess.run(["bash", str(SCRIPT), outdir, profile, part], capture_output=True, text=True,
+                          env=dict(os.environ, GPU_CHECKS_DRY_RUN="1"), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    steps = []
+    for line in proc.stdout.splitlines():
+        tag, limit, command = line.split("\t")
+        assert tag == "step"
+        steps.append((int(limit), shlex.split(command)))
+    return steps
+
+
+def tool_call(argv: list[str]) -> tuple[str, list[str]] | None:
+    """(tool, its arguments) of a step that runs one of tools/, past ``env`` and its settings."""
+    if argv[0] == "env":
+        argv = argv[1:]
+        while "=" in argv[0]:
+            argv = argv[1:]
+    if argv[0] != "python3" or argv[1] == "-c":
+        return None
+    return argv[1], argv[2:]
+
+
+def outputs(argv: list[str], tool: str, args: list[str], outdir: str) -> list[str]:
+    """The files a tool step writes under ``outdir``, relative to it."""
+    parsed = PARSERS[tool]().parse_args(args)
+    written = [parsed.out] if parsed.out else []
+    if tool == "tools/gpu_topology.py" and parsed.dump_hlo:
+        names = ["original", *parsed.programs]
+        written += [f"{parsed.dump_hlo}/{parsed.model}_{name}.hlo.txt" for name in parsed.dump if name in names]
+    return [str(Path(w).relative_to(outdir)) for w in written if w.startswith(outdir + "/")]
+
+
+def test_the_script_parses_and_refuses_an_unknown_part(tmp_path):
+    assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
+    proc = subprocess.run(["bash", str(SCRIPT), str(tmp_path), "h100", "calibrat"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "unknown part" in proc.stderr
+
+
+def test_the_sessions_run_calls_fit_a_call_and_name_only_existing_tools_and_options():
+    """Each `run` line of the procedure: a part of the script whose steps' limits sum to well under
+    a call's 600 s, whose tools exist and parse the options given (argparse: a misspelt option
+    or program name fails), and which writes at most 8 files under $OUT, no deeper than the
+    device tool brings back, with names it brings back; the GPU parts together within 25 minutes;
+    between them they compile every variant at 8B and 70B and calibrate both."""
+    lines, _ = procedure()
+    calls = [re.fullmatch(r'run\(command="(.*)", timeout_s=(\d+)\)', line) for line in lines]
+    calls = [m for m in calls if m]
+    assert [m.group(1) for m in calls] == [f"bash tools/gpu_checks.sh $OUT h100 {part}"
+                                           for part in ("calibrate", "topology", "extras")]
+    outdir = "/device/out"
+    total, compiled, calibrated, written_json = 0, {}, set(), []
+    for m in calls:
+        assert int(m.group(2)) <= CALL_LIMIT_S
+        part = m.group(1).split()[-1]
+        steps = dry_run(outdir, "h100", part)
+        limit = sum(seconds + KILL_S for seconds, _ in steps)
+        assert limit <= PART_LIMIT_S, (part, limit)
+        total += limit
+        files = [f"gpu_checks_{part}.log"]
+        for seconds, argv in steps:
+            call = tool_call(argv)
+            if call is None:
+                continue
+            tool, args = call
+            assert (ROOT / tool).is_file() and tool in PARSERS, tool
+            files += outputs(argv, tool, args, outdir)
+            parsed = PARSERS[tool]().parse_args(args)
+            if tool == "tools/gpu_topology.py" and not parsed.no_flags:
+                compiled.setdefault(parsed.model, set()).update(parsed.programs)
+            if tool == "tools/gpu_calibrate.py" and "XLA_FLAGS" not in " ".join(argv):
+                calibrated.add(parsed.model)
+        assert len(files) == len(set(files)) <= FILES_BACK, (part, files)
+        for f in files:
+            assert f.count("/") <= 2 and re.fullmatch(r"[A-Za-z0-9._/-]+", f), f
+        written_json += [f for f in files if f.endswith(".json")]
+    assert total <= GPU_PARTS_S
+    for model in ("8b", "70b"):
+        assert set(cost.VARIANTS) | {"auto"} <= compiled[model], model
+    assert {"8b", "70b"} <= calibrated
+    # the copy line takes every JSON the parts write, and the profile part reads what they wrote
+    (copy,) = [line for line in lines if line.startswith("cp ")]
+    pattern = copy.split()[1].removeprefix("FILES_AT/")
+    assert all(Path(f).match(pattern) for f in written_json) and not Path("gpu_checks_calibrate.log").match(pattern)
+    (step,) = dry_run(outdir, "h100", "profile")
+    tool, args = tool_call(step[1])
+    read = [str(Path(r).relative_to(outdir)) for r in gpu_profile.build_parser().parse_args(args).runs]
+    assert set(read) <= set(written_json) and step[0] + KILL_S <= PART_LIMIT_S
+
+
+def test_the_profile_step_runs_on_the_copied_runs(tmp_path):
+    """The procedure's last line, run here over a copy of bench/gpu (the stored runs as if just
+    copied back): it prints and writes the profile's fields and a valid --hardware override."""
+    lines, _ = procedure()
+    (line,) = [line for line in lines if line.startswith("bash tools/gpu_checks.sh bench/gpu ")]
+    runs = tmp_path / "gpu"
+    shutil.copytree(ROOT / "bench" / "gpu", runs)
+    argv = shlex.split(line.replace("bench/gpu", str(runs), 1))
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHON=sys.executable))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    written = (runs / "h100_profile.txt").read_text()
+    assert written in proc.stdout and "for cost.PROFILES['h100']" in written
+    (override,) = re.findall(r'^--hardware "(.*)"$', written, re.M)
+    hw = cost.hardware(override)
+    # these stored h100_topology_{8b,70b}.json are the runs before the sends waited for the
+    # previous round's dot: full hid 85 and 82 of 105, which the profile no longer holds
+    assert hw.hidden("full") == pytest.approx((85 + 82) / 210, abs=5e-4)
+    assert "moved: overlap['full']: 0.9619 -> 0.7952" in written
+
+
+def test_the_stored_runs_rebuild_the_h100_profile():
+    """The documented line (docs/gpu.md) exits 0: the stored runs imply exactly the h100 profile's
+    split and loop-trip points and overlap (202 of 210 permutes hidden for full, ...), its
+    throughput within the runs' noise.  With the older 8B topology run in place of the later
+    one, full's overlap moves and --check fails."""
+    _, (line,) = procedure()
+    argv = shlex.split(line)
+    assert argv[:2] == ["python", "tools/gpu_profile.py"] and argv[-1] == "--check"
+    assert [a for a in argv if a.endswith(".json")] == STORED_SOURCES
+    proc = subprocess.run([sys.executable, *argv[1:]], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "against cost.PROFILES['h100']: unchanged" in proc.stdout
+    result = gpu_profile.regenerate([str(ROOT / p) for p in STORED_SOURCES], "h100")
+    h100 = cost.PROFILES["h100"]
+    assert result["moved"] == []
+    assert result["fields"]["split_efficiency"] == h100.split_efficiency
+    assert result["fields"]["loop_trip"] == h100.loop_trip
+    assert result["fields"]["overlap"] == cost.H100_OVERLAP == {
+        "full": 202 / 210, "bidi": 98 / 108, "bidi-unroll2": 177 / 196, "bidi-full": 177 / 196}
+    assert result["overlap_counts"]["bidi-full"]["assumed"] == "bidi-unroll2"
+    hw = cost.hardware(result["hardware_override"])
+    assert hw.split_efficiency == h100.split_efficiency and hw.loop_trip == h100.loop_trip
+    assert hw.throughput("bf16") == pytest.approx(h100.throughput("bf16"), rel=gpu_profile.RATE_TOLERANCE)
+    older = [p.replace("8b_send_after_dot", "8b") for p in STORED_SOURCES]
+    proc = subprocess.run([sys.executable, "tools/gpu_profile.py", "--profile", "h100", *older, "--check"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "moved: overlap['full']: 0.9619 -> 0.8857" in proc.stdout, proc.stdout
+
+
+def test_pooled_overlap_takes_a_models_later_run_and_skips_other_flags():
+    """By hand: two runs of 8b (the later one's uni replaces the earlier's), one of 70b, one with
+    other XLA flags (skipped); executed counts where given, else per op."""
+    def run(model, flags, **programs):
+        return {"model": model, "layers": 2, "dtype": "bfloat16", "xla_flags": flags, "source": f"{model}.json",
+                "programs": {name: {"collectives": {"collective-permute": counts}} for name, counts in programs.items()}}
+
+    readme = " ".join(sorted(gpu_topology.PROFILE_XLA_FLAGS))
+    first = run("8b", readme, uni={"async": 3, "sync": 1, "overlapped": 2},
+                bidi={"async": 4, "sync": 0, "overlapped": 4, "executed": 28, "overlapped_executed": 21})
+    later = run("8b", readme, uni={"async": 4, "sync": 0, "overlapped": 4})
+    big = run("70b", readme, uni={"async": 2, "sync": 2, "overlapped": 1}, original={"async": 9, "sync": 0, "overlapped": 0})
+    other = run("70b", "--xla_gpu_shard_autotuning=false", bidi={"async": 1, "sync": 0, "overlapped": 0})
+    pooled, skipped = gpu_topology.pooled_overlap([first, later, big, other])
+    assert {name: (e["overlapped"], e["executed"]) for name, e in pooled.items()} == {"uni": (5, 8), "bidi": (21, 28)}
+    assert pooled["uni"]["models"] == {"8b": [4, 4], "70b": [1, 4]} and pooled["uni"]["fraction"] == 5 / 8
+    assert len(skipped) == 1 and skipped[0].startswith("70b.json")
+
+
+def test_a_slow_element_type_is_timed_alone(monkeypatch):
+    """gpu_calibrate.element_rates: a type whose one call takes over SLOW_CALL_S is timed by itself
+    over at most SLOW_CALLS calls (an integer dot XLA runs without a GEMM library must not hold a
+    70B step past its limit); here every type counts as slow but f32, which is timed in turn."""
+    import jax
+
+    calls, types = [], []
+    real = gpu_calibrate._one_call
+
+    def one_call(fn, args):  # the third type (f32) fast; each other type 1, 2, 3 ms on its 1st, 2nd, 3rd call
+        calls.append(fn)
+        types.extend([fn] if fn not in types else [])
+        real(fn, args)
+        return 0.0 if fn in types[2:3] else 1e-3 * calls.count(fn)
+
+    monkeypatch.setattr(gpu_calibrate, "_one_call", one_call)
+    monkeypatch.setattr(gpu_calibrate, "SLOW_CALL_S", 5e-4)
+    rates = gpu_calibrate.element_rates([(16, 8), (8, 4)], runs=1, device=jax.devices()[0])["rates"]
+    assert list(rates) == list(gpu_calibrate.RATE_TYPES)
+    assert [k for k, r in rates.items() if r.get("timing") != "alone"] == ["f32"]
+    assert rates["bf16"]["seconds"] == 1e-3  # its first call's, the fastest of its SLOW_CALLS
+    assert len(calls) == len(rates) + (gpu_calibrate.SLOW_CALLS - 1) * (len(rates) - 1)
