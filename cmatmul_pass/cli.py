@@ -73,13 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(
                 "--unroll",
                 choices=["1", "2", "full"],
-                help="ring rounds per loop trip (default 1); 'full': no loop, the whole ring straight-line",
+                help="ring rounds per loop trip (1 or 2; alone, one direction); 'full': no loop, the whole ring "
+                     "straight-line (default: --variant auto)",
             )
             p.add_argument(
                 "--variant",
                 choices=[*VARIANT_NAMES, "auto"],
-                help="a ring variant by name, instead of --bidirectional/--unroll; 'auto': per site, the "
-                     "variant the cost model predicts fastest on --hardware",
+                help="a ring variant by name, instead of --bidirectional/--unroll; 'auto' (the default): per "
+                     "site, the variant the cost model predicts fastest on --hardware (with --hardware auto "
+                     "on a machine no profile describes: full for a gather on a ring of up to 8, else unroll2)",
             )
         p.add_argument(
             "--annotate-streams",
@@ -211,8 +213,9 @@ def _options(args, variant: str | None = None):
         variant = args.variant
     if variant is not None:
         return variant_options(variant, **common)
-    unroll = args.unroll or "1"
-    return Options(bidirectional=args.bidirectional, unroll="full" if unroll == "full" else int(unroll), **common)
+    # neither --bidirectional nor --unroll: the default, --variant auto
+    unroll = None if args.unroll is None else "full" if args.unroll == "full" else int(args.unroll)
+    return Options(bidirectional=args.bidirectional or None, unroll=unroll, **common)
 
 
 def render_with_args(text: str, argv: list[str], source: str = "<input>") -> str:
@@ -390,7 +393,10 @@ def cmd_explain(args) -> int:
         elif site.rewritten:
             print(f"  decision: rewritten as a ring ({site.operand} operand, {site.dim_role} dim {site.collective_dim})")
             sched = site.schedule
-            picked = " (the cost model's pick)" if result.options.variant == "auto" else ""
+            picked = ""
+            if result.options.variant == "auto":
+                picked = (" (auto's fallback: no profile describes this machine)" if "assumed:" in site.cost.get("hardware", "")
+                          else " (the cost model's pick)")
             print(
                 f"  schedule: {sched['variant']}{picked}, {sched['directions']} direction(s), {sched['rounds']} rounds "
                 f"({sched['loop_trips']} loop trips x {sched['rounds_per_trip']} + {sched['peeled_rounds']} peeled), "

@@ -87,6 +87,10 @@ class Hardware:
     #: bytes cross it), where the machine runs all-reduce faster than a ring of its links
     #: (NVLink SHARP); None: ``bandwidth``, a ring all-reduce
     all_reduce_bandwidth: float | None = None
+    #: no profile describes the machine (``hardware("auto")`` on a device :data:`DEVICE_KINDS`
+    #: does not name): the numbers are :data:`FALLBACK_PROFILE`'s, and ``variant="auto"`` takes
+    #: :func:`fallback_variant` instead of trusting them
+    assumed: bool = False
 
     def all_reduce_seconds(self, nbytes: float, n: int) -> float:
         """One all_reduce of ``nbytes`` per device over ``n`` devices (no overlap)."""
@@ -239,6 +243,23 @@ DEVICE_KINDS = (("h200", "h200"), ("h100", "h100"), ("a100", "a100"), ("tpu v5 l
 FALLBACK_PROFILE = "h100"
 
 
+#: ``variant="auto"`` (the default) where no profile describes the machine: two rounds per loop
+#: trip, and for a gather on a ring of up to :data:`FALLBACK_FULL_UP_TO` the straight-line ring.
+#: Measured on the 8 CPU devices (``tools/bench.py --only-rings``, docs/performance.md): a gather
+#: loop copies the shard it sends in every trip, so the straight-line ring (the program a ring
+#: written by hand compiles to) is the fastest gather; a scatter loop copies nothing, and
+#: ``unroll2`` is its steadiest variant.  A straight-line ring's code grows with the ring.
+FALLBACK_VARIANT, FALLBACK_GATHER_VARIANT, FALLBACK_FULL_UP_TO = "unroll2", "full", 8
+
+
+def fallback_variant(kind: str, ring: int) -> str:
+    """The variant ``"auto"`` gives a site of ``kind`` (SiteShape.kind) on a ring of ``ring``
+    devices where no profile describes the machine."""
+    if kind == "all_gather_dot" and ring <= FALLBACK_FULL_UP_TO:
+        return FALLBACK_GATHER_VARIANT
+    return FALLBACK_VARIANT
+
+
 def profile_for(device_kind: str) -> str | None:
     """The profile describing a device of this ``device_kind``; None: no profile does."""
     kind = device_kind.lower()
@@ -281,7 +302,8 @@ def hardware(spec: str) -> Hardware:
         kind = _device_kind()
         found = profile_for(kind)
         hw = PROFILES[found or FALLBACK_PROFILE]
-        hw = replace(hw, name=f"{hw.name}, detected" if found else f"{hw.name}, assumed: no profile for {kind}")
+        hw = replace(hw, name=f"{hw.name}, detected" if found else f"{hw.name}, assumed: no profile for {kind}",
+                     assumed=not found)
     elif name not in PROFILES:
         raise CmatmulError(f"unknown hardware profile {name!r}; known: {', '.join(sorted(PROFILES))} or auto")
     else:

@@ -22,7 +22,7 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -40,8 +40,8 @@ from .report import Report, duration
 def jit(
     fun: Callable | None = None,
     *,
-    bidirectional: bool = False,
-    unroll: int | str = 1,
+    bidirectional: bool | None = None,
+    unroll: int | str | None = None,
     variant: str | None = None,
     annotate_streams: bool = False,
     share_rings: bool = True,
@@ -62,8 +62,10 @@ def jit(
     """Like ``jax.jit(fun, **jit_kwargs)``, running the rewritten program.
 
     Usable as ``@cmatmul_pass.jit`` and ``@cmatmul_pass.jit(bidirectional=True, ...)``.
-    ``variant``: a ring variant by name (``"bidi-unroll2"``), or ``"auto"``: per site, the
-    one the cost model predicts fastest on ``hardware`` (see :class:`~cmatmul_pass.Options`),
+    ``variant``: a ring variant by name (``"bidi-unroll2"``), or ``"auto"`` (the default,
+    unless ``bidirectional`` or ``unroll`` name one): per site, the one the cost model predicts
+    fastest on ``hardware``, or on a machine no profile describes (a CPU) ``full`` for a gather
+    on a ring of up to 8 and ``unroll2`` otherwise (see :class:`~cmatmul_pass.Options`),
     or ``"measure"``: on the first call of each input signature, compile every variant and
     the original, time each on that call's inputs (median of ``measure_runs`` after a
     warm-up, in turn, on copies of donated inputs) and keep the fastest variant if it beats
@@ -75,7 +77,8 @@ def jit(
     process keeps the same program.
     ``hardware`` (for ``variant="auto"`` and ``policy="auto"``): by default ``"auto"``, the
     cost-model profile of jax's default device (H100, H200, A100, TPU v5e; else the H100's,
-    and the report's ``cost.hardware`` says it was assumed), or a profile by name.
+    which ``policy="auto"`` uses and the report's ``cost.hardware`` says was assumed), or a
+    profile by name.
     ``all_reduce`` and ``chunks``: what becomes of a psum of a matmul (``Options.all_reduce``:
     ``"split"``, ``"chunk"``, ``"auto"``, ``"keep"``).
     ``check=True`` also runs the unrewritten program on the first call of each input
@@ -108,7 +111,7 @@ def jit(
         assemble=assemble, merge_dots=merge_dots, tie_rounds=tie_rounds,
         policy=policy, hardware=hardware, min_bytes=min_bytes, all_reduce=all_reduce, chunks=chunks,
     )
-    if measure and (bidirectional or unroll != 1):
+    if measure and (bidirectional is not None or unroll is not None):
         raise ValueError("variant='measure' times every variant; it cannot be combined with bidirectional or unroll")
     make = functools.partial(_make, options=options, check=check, gpu_options=gpu_options, jit_kwargs=jit_kwargs,
                              measure_runs=measure_runs if measure else 0, strict=strict)
@@ -273,7 +276,7 @@ class JittedFunction:
         original = self._jax_lower(args, kwargs)
         if picked == ORIGINAL:
             return Lowered(original, Report(getattr(self._fun, "__qualname__", "<jit>"), None), original)
-        options = replace(self.options, variant=picked) if picked else self.options
+        options = self.options.with_variant(picked) if picked else self.options
         return self._lower(original, options)
 
     def trace(self, *args: Any, **kwargs: Any) -> "Traced":
@@ -356,7 +359,7 @@ class JittedFunction:
         original = self._jax_lower(args, kwargs)
         entries = {}
         for name in VARIANTS:
-            lowered = self._lower(original, replace(self.options, variant=name))
+            lowered = self._lower(original, self.options.with_variant(name))
             entries[name] = _Entry(lowered.compile(), lowered)
             self.stats["compiles"] += 1
             if not lowered.report.rewritten and all(s.reason_code != "policy" for s in lowered.report.sites):

@@ -46,8 +46,12 @@ class Options:
     loop, the whole ring straight-line.
     ``variant``: a ring variant by name (``cost.VARIANTS``: uni, unroll2, full, bidi,
     bidi-unroll2, bidi-full), which sets ``bidirectional`` and ``unroll`` (naming others
-    is an error); or ``"auto"``: per site, the variant the cost model predicts fastest on
-    ``hardware`` (sites of one shape get the same one).  None (the default): ``bidirectional`` and ``unroll`` decide.
+    is an error); or ``"auto"`` (the default when neither ``bidirectional`` nor ``unroll`` is
+    given): per site, the variant the cost model predicts fastest on ``hardware`` (sites of one
+    shape get the same one), or, where no profile describes the machine (``hardware="auto"`` on
+    a CPU, say), ``cost.fallback_variant``: ``full`` for a gather on a ring of up to 8,
+    ``unroll2`` otherwise.  ``bidirectional`` / ``unroll`` alone name a variant as well (the other taking one
+    direction, one round per trip): ``Options(unroll=1)`` is ``uni``.
     ``annotate_streams``: outline each round's dots onto compute streams
     (``_xla_stream_annotation``) and group each permute with the dots it overlaps
     (``_scheduling_group_id``); XLA GPU honours them, CPU ignores them.
@@ -82,8 +86,8 @@ class Options:
 
     debug_info: bool = False
     assemble: bool = True
-    bidirectional: bool = False
-    unroll: int | str = 1
+    bidirectional: bool | None = None
+    unroll: int | str | None = None
     variant: str | None = None
     annotate_streams: bool = False
     share_rings: bool = True
@@ -101,20 +105,30 @@ class Options:
             raise ValueError(f"all_reduce must be 'split', 'chunk', 'auto' or 'keep', not {self.all_reduce!r}")
         if self.chunks is not None and not 2 <= self.chunks <= 8:
             raise ValueError(f"chunks must be from 2 to 8, not {self.chunks!r}")
-        if self.variant is not None:
-            if self.variant != "auto" and self.variant not in cost.VARIANTS:
-                raise ValueError(f"variant must be one of {', '.join(cost.VARIANTS)} or 'auto', not {self.variant!r}")
-            bidirectional, unroll = cost.VARIANTS.get(self.variant, (False, 1))
-            named = bidirectional, "full" if unroll is None else unroll
-            if (self.bidirectional, self.unroll) not in ((False, 1), named):
-                raise ValueError(f"variant={self.variant!r} decides bidirectional and unroll; "
-                                 f"it contradicts bidirectional={self.bidirectional}, unroll={self.unroll!r}")
-            object.__setattr__(self, "bidirectional", named[0])
-            object.__setattr__(self, "unroll", named[1])
+        if self.unroll not in (None, 1, 2, "full"):
+            raise ValueError(f"unroll must be 1, 2 or 'full', not {self.unroll!r}")
+        if self.variant is None:  # bidirectional / unroll name one; neither: the default, auto
+            given = self.bidirectional is not None or self.unroll is not None
+            unroll = None if self.unroll == "full" else (self.unroll or 1)
+            object.__setattr__(self, "variant", cost.variant_name(bool(self.bidirectional), unroll) if given else "auto")
+        if self.variant != "auto" and self.variant not in cost.VARIANTS:
+            raise ValueError(f"variant must be one of {', '.join(cost.VARIANTS)} or 'auto', not {self.variant!r}")
+        bidirectional, unroll = cost.VARIANTS.get(self.variant, (False, 1))  # auto: one way's, to predict from
+        named = bidirectional, "full" if unroll is None else unroll
+        if (self.bidirectional not in (None, named[0]) or self.unroll not in (None, named[1])) and not (
+                self.variant == "auto" and (self.bidirectional, self.unroll) == (False, 1)):  # auto's own, as replace() passes it
+            raise ValueError(f"variant={self.variant!r} decides bidirectional and unroll; "
+                             f"it contradicts bidirectional={self.bidirectional}, unroll={self.unroll!r}")
+        object.__setattr__(self, "bidirectional", named[0])
+        object.__setattr__(self, "unroll", named[1])
         if self.unroll not in (1, 2, "full"):
             raise ValueError(f"unroll must be 1, 2 or 'full', not {self.unroll!r}")
         if self.policy not in ("all", "auto"):
             raise ValueError(f"policy must be 'all' or 'auto', not {self.policy!r}")
+
+    def with_variant(self, name: str) -> "Options":
+        """These options with ring variant ``name`` (``bidirectional`` and ``unroll`` follow it)."""
+        return replace(self, variant=name, bidirectional=None, unroll=None)
 
     @property
     def all_reduce_strategy(self) -> str:
@@ -316,7 +330,7 @@ def _apply(
         if cached is None:
             prediction = cost.predict(shape, hw, options.bidirectional, options.rounds_per_trip)
             if options.variant == "auto":
-                prediction.variant = prediction.best
+                prediction.variant = cost.fallback_variant(shape.kind, shape.ring) if hw.assumed else prediction.best
             cached = predictions[shape] = shape, prediction, {**prediction.to_dict(), "site": shape.to_dict()}
         if pattern:
             predictions[pattern.key] = cached
@@ -466,7 +480,9 @@ def _all_reduce(site, ctx: RewriteContext, source: str, options: Options, hw: co
         return entry, None
     shape = all_reduce_shape(site)
     variant = cost.variant_name(options.bidirectional, options.rounds_per_trip)
-    if options.variant == "auto":
+    if options.variant == "auto" and hw.assumed:
+        variant = cost.fallback_variant(shape.kind, shape.ring)
+    elif options.variant == "auto":
         if ("best", shape) not in predictions:
             predictions[("best", shape)] = cost.predict(shape, hw).best
         variant = predictions[("best", shape)]

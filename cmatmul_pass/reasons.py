@@ -132,7 +132,7 @@ REASONS: dict[str, Reason] = {r.code: r for r in (
                            "hand-written prefetch)",
            "none needed: on GPU XLA's latency-hiding scheduler (`--xla_gpu_enable_latency_hiding_scheduler=true`) "
            "issues it early and hides it behind that compute",
-           ("hlo_samples/fsdp_tp.mlir",)),
+           ("hlo_samples/fsdp_tp.mlir", "--variant", "uni")),
     Reason("lost_to_ring", "the dot's other collective has the ring (the larger transfer); no compute precedes the dot "
                            "that could hide this one",
            "compute something before the dot (in a model, an earlier layer does), or use a bidirectional `--variant` "

@@ -24,7 +24,7 @@ NEG = sample("neg_user_not_dot")
 
 def test_rewrite_to_file_with_report(tmp_path, capsys):
     out, rep = tmp_path / "out.mlir", tmp_path / "report.json"
-    assert run_cli("rewrite", POS, "-o", out, "--report-json", rep) == 0
+    assert run_cli("rewrite", POS, "-o", out, "--report-json", rep, "--variant", "uni") == 0
     text = out.read_text()
     assert "stablehlo.while" in text and "all_gather" not in text
     ir_utils.parse(text).operation.verify()
@@ -60,7 +60,7 @@ def test_output_may_overwrite_the_input(tmp_path):
     path = tmp_path / "m.mlir"
     path.write_text(POS.read_text())
     assert run_cli("rewrite", path, "-o", path, "-q") == 0
-    assert "stablehlo.while" in path.read_text()
+    assert "stablehlo.collective_permute" in path.read_text() and "all_gather" not in path.read_text()
 
 
 @pytest.mark.parametrize(

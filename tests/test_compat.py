@@ -79,11 +79,12 @@ def ring_ops(lowered) -> dict[str, list]:
 
 
 def assert_rings(lowered):
-    """Rings are there, no reduce_scatter is left, and no all_gather left feeds a dot (a split
-    psum's gather, carried to where the whole value is read, may stay)."""
+    """Rings are there (permutes: a straight-line ring, the default on CPU for a gather, has no
+    loop), no reduce_scatter is left, and no all_gather left feeds a dot (a split psum's gather,
+    carried to where the whole value is read, may stay)."""
     ops = ring_ops(lowered)
     counts = {name: len(found) for name, found in ops.items()}
-    assert counts["collective_permute"] > 0 and counts["while"] > 0 and not counts["reduce_scatter"], counts
+    assert counts["collective_permute"] > 0 and not counts["reduce_scatter"], counts
     assert not any(u.name == "stablehlo.dot_general" for g in ops["all_gather"] for u in ir_utils.users(g.result))
 
 

@@ -425,7 +425,7 @@ def test_the_readme_quotes_the_models_mlp_table():
 
 
 def test_report_carries_the_prediction_and_the_site_size():
-    result = cmatmul_pass.rewrite(sample("sp_mlp").read_text())
+    result = cmatmul_pass.rewrite(sample("sp_mlp").read_text(), cmatmul_pass.Options(variant="uni"))
     gather_site = next(s for s in result.report.sites if s.kind == "all_gather_dot")
     # one dot: per device [2, 32, 16] = [2, 32(gathered), 16] x [16, 16]: 2 * 2*32*16 * 16 FLOPs
     assert gather_site.cost["site"]["flops"] == 2 * 2 * 32 * 16 * 16
@@ -582,7 +582,7 @@ def test_decorator_takes_the_variant():
     from test_jit import LHS, OVERLAP, F, inputs
 
     x, w = inputs()
-    g = cmatmul_pass.jit(F, variant="auto")
+    g = cmatmul_pass.jit(F, variant="auto", hardware="h100")  # on the CPU "auto" hardware has no profile
     # atol as test_jit's comparisons of a rewritten F: jax 0.12's CPU dot sums a ring's blocks in another order
     np.testing.assert_allclose(np.asarray(g(x, w)), np.asarray(jax.jit(F)(x, w)), rtol=1e-5, atol=1e-5)
     (site,) = g.report.rewritten
@@ -599,7 +599,7 @@ def test_a_policy_decline_names_the_variant_that_would_pass():
     text = sample("sp_mlp").read_text()
     # links so slow that every ring pays; the default uni ring less than the margin asks
     slow = "h100:f32=1e9,bandwidth=1e8,split_efficiency=1,loop_trip=0"
-    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(policy="auto", hardware=slow, margin=0.3))
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(policy="auto", hardware=slow, margin=0.3, variant="uni"))
     for site in result.report.sites:
         c = site.cost
         best = max(c["speedup"], key=c["speedup"].get)
@@ -622,8 +622,31 @@ def test_hardware_auto_follows_the_device_kind(monkeypatch):
     assert a100.flops == cost.PROFILES["a100"].flops
     monkeypatch.setattr(cost, "_device_kind", lambda: "cpu")
     fallback = cost.hardware("auto")
-    assert fallback.name.endswith("assumed: no profile for cpu")
-    assert replace(fallback, name="") == replace(cost.PROFILES[cost.FALLBACK_PROFILE], name="")
+    assert fallback.name.endswith("assumed: no profile for cpu") and fallback.assumed
+    assert replace(fallback, name="", assumed=False) == replace(cost.PROFILES[cost.FALLBACK_PROFILE], name="")
+    assert not a100.assumed
+
+
+def test_the_default_variant_is_the_model_pick_or_the_fallback_without_a_profile(monkeypatch):
+    """Issue 35: no variant named is ``auto``: the model's pick on a profiled machine; on one no
+    profile describes, the measured fallback (full for a gather on a ring of up to 8, unroll2
+    for the rest), not the assumed profile's pick."""
+    text = sample("sp_mlp").read_text()
+    h100 = cost.hardware("h100")
+    default = cmatmul_pass.rewrite(text)
+    assert default.options.variant == "auto" and len(default.report.rewritten) == 2
+    for site in default.report.rewritten:
+        assert site.schedule["variant"] == fastest(cost.SiteShape.from_dict(site.cost["site"]), h100)
+    monkeypatch.setattr(cost, "_device_kind", lambda: "cpu")
+    unprofiled = cmatmul_pass.rewrite(text, cmatmul_pass.Options(hardware="auto"))
+    picked = {site.kind: site.schedule["variant"] for site in unprofiled.report.rewritten}
+    assert picked == {"all_gather_dot": "full", "dot_reduce_scatter": "unroll2"}
+    assert picked != {site.kind: site.schedule["variant"] for site in default.report.rewritten}
+    assert cost.fallback_variant("all_gather_dot", 16) == "unroll2"  # straight-line code grows with the ring
+    # a variant named (or bidirectional / unroll alone) is what runs
+    assert cmatmul_pass.Options(unroll=1).variant == "uni" and cmatmul_pass.Options(bidirectional=True).variant == "bidi"
+    uni = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant="uni"))
+    assert {site.schedule["variant"] for site in uni.report.rewritten} == {"uni"}
 
 
 def test_the_decorator_picks_for_the_device_it_runs_on(monkeypatch):
@@ -635,6 +658,7 @@ def test_the_decorator_picks_for_the_device_it_runs_on(monkeypatch):
     here = cmatmul_pass.jit(F, variant="auto")  # hardware="auto" by default: the CPU has no profile
     here(x, w)
     assert here.report.sites[0].cost["hardware"].endswith("assumed: no profile for cpu")
+    assert here.report.sites[0].schedule["variant"] == cost.fallback_variant("all_gather_dot", 4)  # not the H100's pick
     monkeypatch.setattr(cost, "_device_kind", lambda: "TPU v5 lite")
     g = cmatmul_pass.jit(F, variant="auto")
     np.testing.assert_allclose(np.asarray(g(x, w)), np.asarray(here(x, w)), rtol=1e-5)

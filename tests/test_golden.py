@@ -12,10 +12,12 @@ import cmatmul_pass
 from cmatmul_pass import ir_utils
 from conftest import NEGATIVE, POSITIVE, SAMPLES
 from cmatmul_pass.cli import render_with_args
+from cmatmul_pass.pipeline import variant_options
 from tools.golden import (
     GOLDEN_BEGIN,
     GOLDEN_END,
     HLO_GOLDENS_JAX,
+    MAIN_ARGS,
     begin_marker,
     dead_directives,
     expectation,
@@ -84,8 +86,9 @@ def test_variant_block_markers_round_trip():
 @pytest.mark.parametrize("path", POSITIVE, ids=lambda p: p.stem)
 def test_positive_sample_rewrites_the_expected_sites(path):
     text = path.read_text()
-    _, count = expectation(text)
-    result = cmatmul_pass.rewrite(text, source=str(path))
+    _, count = expectation(text)  # under the main block's options (MAIN_ARGS: the uni ring)
+    result = cmatmul_pass.rewrite(text, variant_options(MAIN_ARGS[1]), source=str(path))
+    assert MAIN_ARGS[0] == "--variant"
     assert len(result.report.rewritten) == int(count)
     assert result.changed
 

@@ -192,7 +192,8 @@ def test_new_ops_carry_the_matched_ops_locations():
 
 
 def test_report_json_fields():
-    report = cmatmul_pass.rewrite(sample("ag_dot_mesh2x4_model").read_text(), source="x.mlir").report.to_dict()
+    report = cmatmul_pass.rewrite(sample("ag_dot_mesh2x4_model").read_text(), cmatmul_pass.Options(variant="uni"),
+                                  source="x.mlir").report.to_dict()
     (site,) = report["sites"]
     assert site["kind"] == "all_gather_dot" and site["rewritten"] is True and site["reason"] == ""
     assert site["ring_size"] == 4 and site["replica_groups"] == [[0, 1, 2, 3], [4, 5, 6, 7]]

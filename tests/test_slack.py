@@ -117,7 +117,7 @@ def test_other_meshes_and_axis_orders(mesh_shape, axes):
 def test_the_second_layers_weight_gather_is_prefetchable_behind_the_first_layer():
     """Layer 2's weight is an argument: its gather can be sent while layer 1 computes. Layer 2's
     activation is layer 1's output: nothing but the ring hides its gather."""
-    result = cmatmul_pass.rewrite(lowered(2))
+    result = cmatmul_pass.rewrite(lowered(2), cmatmul_pass.Options(variant="uni"))  # a looped ring keeps the dot
     prefetchable = [s for s in result.report.sites if s.reason_code == "prefetchable"]
     assert prefetchable, [s.summary_line() for s in result.report.sites]
     for site in prefetchable:
@@ -204,7 +204,7 @@ def test_fsdp_tp_training_parity_under_the_decorator():
 def test_explain_shows_the_slack_of_competing_collectives(capsys):
     from conftest import run_cli, sample
 
-    assert run_cli("explain", sample("fsdp_tp")) == 0
+    assert run_cli("explain", sample("fsdp_tp"), "--variant", "uni") == 0
     out = capsys.readouterr().out
     assert "slack: operand ready at the start of the step; 4.92e+04 FLOP of independent compute" in out
     assert "[prefetchable]" in out and "[lost_to_ring]" in out
@@ -217,7 +217,7 @@ def test_the_timeline_draws_a_prefetched_gather_ahead_of_its_dot(tmp_path, monke
     drawn = []
     real = timeline._prefetch_lanes
     monkeypatch.setattr(timeline, "_prefetch_lanes", lambda *a: drawn.append(real(*a)) or drawn[-1])
-    result = cmatmul_pass.rewrite(sample("fsdp_tp").read_text())
+    result = cmatmul_pass.rewrite(sample("fsdp_tp").read_text(), cmatmul_pass.Options(variant="uni"))
     hw = cost.hardware("h100")
     assert timeline.plot(result.report, hw, tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
     (site,) = [s for s in result.report.sites if s.reason_code == "prefetchable"]

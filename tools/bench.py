@@ -368,6 +368,83 @@ def megatron_runtime(runs: int, rows: int = 1024, hidden: int = 512, ffn: int = 
     return result
 
 
+# ---------------------------------------------------------------------------- 2b. against a ring by hand
+#: (kind, rows, hidden, out) of the layers ``ring_runtime`` times: the column-parallel layer
+#: (all_gather of row-sharded x, then x @ w) and the row-parallel one (x @ w, then psum_scatter)
+RING_SHAPES = (("column", 512, 512, 512), ("column", 1024, 512, 1024), ("column", 2048, 1024, 1024),
+               ("row", 512, 512, 512), ("row", 1024, 1024, 512), ("row", 2048, 1024, 1024))
+
+
+def hand_written_scatter(mesh, axis: str):
+    """A row-parallel layer (``psum_scatter(x @ w)`` over rows) as a ppermute ring written by hand,
+    unrolled in Python as the shard_map docs write theirs: each step adds this device's product
+    block for the partial sum it holds and passes the sum on; after n-1 permutes the sum a device
+    holds is its own block's."""
+    n = mesh.shape[axis]
+
+    def body(x, w):
+        index = jax.lax.axis_index(axis)
+        rows = x.shape[0] // n
+        pairs = [(j, (j - 1) % n) for j in range(n)]
+
+        def block(step):  # the block the partial sum held at ``step`` is for
+            return jax.lax.dynamic_slice_in_dim(x, ((index + step + 1) % n) * rows, rows) @ w
+
+        acc = block(0)
+        for step in range(1, n):
+            acc = jax.lax.ppermute(acc, axis, pairs) + block(step)
+        return acc
+
+    return body
+
+
+def ring_runtime(runs: int, shapes=RING_SHAPES) -> list[dict]:
+    """Column- and row-parallel layers on the 8 CPU devices at ``shapes``: the pass's default
+    (``cmatmul_pass.jit(f)``, no options) and every named variant, each over a ring written by hand
+    with ``ppermute`` (the JAX docs' technique) and over the plain collective; interleaved medians
+    of ``runs`` (issue 35: the default at most 1.0x the hand-written ring at every shape)."""
+    mesh = jax.make_mesh((8,), ("model",))
+    rng = np.random.default_rng(0)
+    rows_out = []
+    for kind, rows, hidden, out in shapes:
+        if kind == "column":
+            specs = dict(in_specs=(P("model", None), P(None, "model")), out_specs=P(None, "model"), check_vma=False)
+            plain_fn = lambda x, w: jax.lax.all_gather(x, "model", axis=0, tiled=True) @ w  # noqa: E731
+            by_hand = hand_written_ring(mesh, "model")
+            x_spec, w_spec = P("model", None), P(None, "model")
+        else:
+            specs = dict(in_specs=(P(None, "model"), P("model", None)), out_specs=P("model", None), check_vma=False)
+            plain_fn = lambda x, w: jax.lax.psum_scatter(x @ w, "model", scatter_dimension=0, tiled=True)  # noqa: E731
+            by_hand = hand_written_scatter(mesh, "model")
+            x_spec, w_spec = P(None, "model"), P("model", None)
+        plain = jax.shard_map(plain_fn, mesh=mesh, **specs)
+        x = jax.device_put(rng.normal(size=(rows, hidden)).astype(np.float32), NamedSharding(mesh, x_spec))
+        w = jax.device_put(rng.normal(size=(hidden, out)).astype(np.float32), NamedSharding(mesh, w_spec))
+
+        def timed(fn):
+            return lambda: fn(x, w).block_until_ready()
+
+        plain_jit, hand_jit, default = jax.jit(plain), jax.jit(jax.shard_map(by_hand, mesh=mesh, **specs)), cmatmul_pass.jit(plain)
+        expected = np.asarray(plain_jit(x, w))
+        for fn in (hand_jit, default):  # the programs compared compute the same thing
+            np.testing.assert_allclose(np.asarray(fn(x, w)), expected, rtol=1e-4, atol=1e-3 * np.abs(expected).max())
+        programs = {"plain": timed(plain_jit), "hand_written": timed(hand_jit), "default": timed(default)}
+        for name in VARIANTS:
+            programs[name] = timed(cmatmul_pass.jit(plain, variant=name))
+        seconds = interleaved_medians(programs, runs)
+        hand = seconds["hand_written"]
+        picked = sorted({site.schedule["variant"] for site in default.report.rewritten})
+        row = {"kind": kind, "shape": [rows, hidden, out], "runs": runs, "hand_written_s": hand,
+               "default_variant": picked, "hand_written_over_plain": hand / seconds["plain"],
+               "over_hand_written": {name: seconds[name] / hand for name in ["default", *VARIANTS]}}
+        rows_out.append(row)
+        print(f"  {kind}-parallel {rows}x{hidden}x{out}: over the hand-written ring: default ({'/'.join(picked)}) "
+              f"{row['over_hand_written']['default']:.3f}; "
+              + ", ".join(f"{k} {v:.3f}" for k, v in row["over_hand_written"].items() if k != "default")
+              + f"; the ring / plain {row['hand_written_over_plain']:.2f}", flush=True)
+    return rows_out
+
+
 # ---------------------------------------------------------------------------- 3. issue 7's targets
 #: (name, limit) of the targets issue 7 sets; each is met when its value(s) are at most the limit
 TARGETS = (
@@ -438,12 +515,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only-megatron", action="store_true",
                         help="only the psum-after-matmul measurements (pass cost, beside the sequence-parallel "
                              "model's, and run time; default out: bench/results_megatron.json)")
+    parser.add_argument("--ring-runs", type=int, default=15,
+                        help="timed runs per program for the layers against a hand-written ring")
+    parser.add_argument("--only-rings", action="store_true",
+                        help="only the layers against a hand-written ring (default out: bench/results_rings.json)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     if args.quick:
         args.layers, args.runs, args.layer_runs, args.repeats = [1, 4], 5, 5, 1
     results = {"jax": jax.__version__, "devices": "8 virtual CPU devices", "runs": args.runs,
                "layer_runs": args.layer_runs}
+    if args.only_rings:
+        print("the default and every variant against a hand-written ring", flush=True)
+        results["rings"] = ring_runtime(args.ring_runs)
+        write_results(args.out or ROOT / "bench" / "results_rings.json", results)
+        return 0
     if args.only_megatron:  # with the sequence-parallel model's pass cost beside it, from the same run
         print("1. pass cost (sequence parallel)", flush=True)
         results["pass_cost"] = pass_cost(args.layers, [], args.repeats)

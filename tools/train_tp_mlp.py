@@ -125,14 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--bidirectional", action="store_true")
-    parser.add_argument("--unroll", default="1", choices=["1", "2", "full"])
+    parser.add_argument("--unroll", choices=["1", "2", "full"])
     parser.add_argument("--variant", help="a ring variant by name, or auto (instead of the two above)")
     parser.add_argument("--megatron", action="store_true", help="Megatron blocks (psum), no sequence parallelism")
     args = parser.parse_args(argv)
-    unroll = "full" if args.unroll == "full" else int(args.unroll)
+    unroll = None if args.unroll is None else "full" if args.unroll == "full" else int(args.unroll)
 
     def ours(fun, **kw):
-        return cmatmul_pass.jit(fun, bidirectional=args.bidirectional, unroll=unroll, variant=args.variant, **kw)
+        return cmatmul_pass.jit(fun, bidirectional=args.bidirectional or None, unroll=unroll, variant=args.variant, **kw)
 
     base, base_acc, _ = train(jax.jit, args.steps, megatron=args.megatron)
     mine, mine_acc, step = train(ours, args.steps, megatron=args.megatron)
