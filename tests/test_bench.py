@@ -10,12 +10,25 @@ import pytest
 from tools import bench
 
 
+def test_rings_against_a_hand_written_ring():
+    """Issue 35's benchmark: per layer, the default and every variant over the hand-written ring,
+    which computes what the plain layer does (ring_runtime asserts that before timing)."""
+    rows = bench.ring_runtime(1, shapes=(("column", 64, 32, 64), ("row", 64, 32, 64)))
+    assert [(r["kind"], r["shape"]) for r in rows] == [("column", [64, 32, 64]), ("row", [64, 32, 64])]
+    for row in rows:
+        assert set(row["over_hand_written"]) == {"default", *bench.VARIANTS}
+        assert all(v > 0 for v in row["over_hand_written"].values()) and row["hand_written_s"] > 0
+    # on the CPU (no profile) the default is auto's fallback: full for the gather, unroll2 for the scatter
+    assert [r["default_variant"] for r in rows] == [["full"], ["unroll2"]]
+
+
 def test_bench_smoke(tmp_path):
     out = tmp_path / "results.json"
     assert bench.main(["--layers", "1", "--variant-layers", "1", "--runs", "1", "--layer-runs", "1", "--repeats", "1",
                        "--samples", "ag_dot_1d", "rs_dot_1d",
-                       "--layer", "64", "32", "64", "--out", str(out)]) == 0
+                       "--layer", "64", "32", "64", "--ring-runs", "0", "--out", str(out)]) == 0
     results = json.loads(out.read_text())
+    assert "rings" not in results  # --ring-runs 0 skips them (test_rings_against_a_hand_written_ring runs them)
     (row,) = results["pass_cost"]["per_layers"]
     assert row["layers"] == 1 and row["rewritten"] == row["sites"] > 0
     assert 0 <= row["ring_functions"] <= row["shared"] < row["sites"]

@@ -516,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the psum-after-matmul measurements (pass cost, beside the sequence-parallel "
                              "model's, and run time; default out: bench/results_megatron.json)")
     parser.add_argument("--ring-runs", type=int, default=15,
-                        help="timed runs per program for the layers against a hand-written ring")
+                        help="timed runs per program for the layers against a hand-written ring (0: skip them)")
     parser.add_argument("--only-rings", action="store_true",
                         help="only the layers against a hand-written ring (default out: bench/results_rings.json)")
     parser.add_argument("--out")
@@ -541,6 +541,9 @@ def main(argv: list[str] | None = None) -> int:
     print("2. CPU run time, rewritten / original (median of runs)", flush=True)
     results["samples"] = samples_runtime(args.runs, args.samples)
     results["layer"] = layer_runtime(args.layer_runs, *args.layer)
+    if args.ring_runs:
+        print("the default and every variant against a hand-written ring (issue 35)", flush=True)
+        results["rings"] = ring_runtime(args.ring_runs)
     ratios = {name: statistics.median(row[name] for row in results["samples"].values()) for name in VARIANTS}
     results["samples_median_ratio"] = ratios
     fastest = results["fastest_variant"] = min(ratios, key=ratios.get)
