@@ -29,6 +29,9 @@ from .rewrites.dot_all_reduce import chunk_all_reduce, chunk_dims_ok, split_all_
 from .rewrites.dot_reduce_scatter import halves_blocker, rewrite_dot_reduce_scatter
 from .rewrites.schedule import Annotator, Applied, RewriteContext
 from .rewrites.sequence_parallel import Seed, carry_forward, move_gather_forward
+from .rewrites.sink import Sunk
+from .rewrites.sink import plan as sink_plan
+from .rewrites.sink import sink as sink_gather
 from .sharing import RingLibrary
 
 
@@ -292,8 +295,21 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
             gathered[id(op)] = len(report.sites)
             site = match_all_gather(op, info, assemble=options.assemble)
             moved = _move_gather(site, info, variance, ctx, source, options)
+            sunk = _sink_gather(site, ctx, options) if moved is None else None
+            if isinstance(sunk, Sunk):
+                where = ir_utils.render_location(sunk.loops[0].location, source)
+                for gathered in sunk.all_gathers:  # each now a gather of one layer, read by the body's dot
+                    entry = apply(match_all_gather(gathered, info, assemble=options.assemble))
+                    entry.notes.insert(0, f"sunk into the loop at {where} ({len(sunk.loops)} loop(s) read the stack): each "
+                                          "trip gathers only the layer it reads, so one layer's gathered weight is alive "
+                                          f"instead of the whole stack (where it stood: declined [{site.code}])")
+                    report.sites.append(entry)
+                continue
             if moved is None:
-                report.sites.append(apply(site))
+                entry = apply(site)
+                if sunk:  # a gather feeding a loop that could not take it: say what stopped it
+                    entry.reason += f"; not sunk into the loop: {sunk}"
+                report.sites.append(entry)
                 continue
             for m in moved.materialised:  # each now read by dots: an all_gather → dot site
                 entry = apply(match_all_gather(m.all_gather, info, assemble=options.assemble))
@@ -469,6 +485,22 @@ def _move_gather(site: Site, info: ModuleInfo, variance: Variance, ctx: RewriteC
     dim = ir_utils.int_attr(site.anchor.operation, "all_gather_dim")
     seed = Seed(site.anchor, ring, region, dim, -1)
     return move_gather_forward(seed, variance, ctx.take_channel, ctx.constants, source)
+
+
+def _sink_gather(site: Site, ctx: RewriteContext, options: Options) -> Sunk | str | None:
+    """A gather of stacked weights whose loop reads one layer per trip (a scan over layers):
+    sink it into the loop (:mod:`.rewrites.sink`).  Returns what was built, why it could not
+    be (a loop reads the value otherwise), or None (no loop reads it).  Only under
+    ``policy="all"``, as :func:`_move_gather`."""
+    if not isinstance(site, DeclinedSite) or site.code != "user_not_dot" or site.ring is None \
+            or options.policy != "all":
+        return None
+    if not any(use.owner.operation.name == "stablehlo.while" for use in site.anchor.result.uses):
+        return None
+    loops = sink_plan(site.anchor)
+    if isinstance(loops, str):
+        return loops
+    return sink_gather(site.anchor, loops, ctx.take_channel)
 
 
 def _all_reduce(site, ctx: RewriteContext, source: str, options: Options, hw: cost.Hardware, apply,

@@ -756,6 +756,32 @@ def sp_rms_norm_before_dot() -> str:
                  arg(mesh, (128, 32), specs[3]))
 
 
+def scan_stacked(sliced_dim: int = 0) -> Callable[[], str]:
+    """Stacked layer weights [L, H, F] sharded on F, gathered before a ``lax.scan`` over layers
+    whose body multiplies layer i (``sliced_dim`` 0); with ``sliced_dim`` 2 the body instead takes
+    a block of F from every layer (a slice along the gathered dim: not sinkable)."""
+    def build() -> str:
+        mesh = mesh_1d()
+
+        def body(x, ws):
+            stack = gather(ws, "model", 2)
+
+            def step(h, i):
+                if sliced_dim == 0:
+                    w = jax.lax.dynamic_index_in_dim(stack, i, 0, keepdims=False)
+                else:
+                    w = jax.lax.dynamic_slice_in_dim(stack, i * 32, 32, 2)[0]
+                return jnp.tanh(h @ w), None
+
+            h, _ = jax.lax.scan(step, x, jnp.arange(3))
+            return h
+
+        specs = (P(), P(None, None, "model"))
+        f = smap(body, mesh=mesh, in_specs=specs, out_specs=P())
+        return lower(f, arg(mesh, (16, 32), P()), arg(mesh, (3, 32, 32 if sliced_dim == 0 else 96), specs[1]))
+    return build
+
+
 def fsdp_tp(grad: bool) -> Callable[[], str]:
     """Two dense blocks on a 2x4 (data, model) mesh: weights sharded over 'data' (FSDP: gathered
     where used) and 'model' (tensor parallel), the sequence over 'model' (gathered before the up
@@ -1339,6 +1365,16 @@ SAMPLES_LIST = [
            sp_rms_norm_before_dot, "rewritten 2",
            ["CHECK: stablehlo.rsqrt", "CHECK-SAME: tensor<8x1xf32>", "CHECK: stablehlo.while",
             "CHECK-NOT: stablehlo.all_gather", "CHECK-NOT: stablehlo.reduce_scatter"]),
+    Sample("ag_scan_stacked", "stacked layer weights gathered before a scan over layers: the gather sinks into the "
+           "loop, each trip gathering the one layer it reads, and becomes a ring with the body's dot.",
+           scan_stacked(0), "rewritten 1",
+           ["CHECK-NOT: stablehlo.all_gather", "CHECK: stablehlo.while", "CHECK-SAME: tensor<3x32x4xf32>",
+            "CHECK: stablehlo.dynamic_slice {{.*}} sizes = [1, 32, 4]", "CHECK: stablehlo.collective_permute",
+            "CHECK-NOT: func.call"]),
+    Sample("neg_scan_gathered_dim", "stacked weights gathered before a scan whose body slices along the gathered dim: "
+           "a slice of the gathered value is not the gather of a slice; left, and explain says why it was not sunk.",
+           scan_stacked(2), "unchanged user_not_dot",
+           ['CHECK: "stablehlo.all_gather"', "CHECK: stablehlo.while", "CHECK-NOT: stablehlo.collective_permute"]),
     Sample("fsdp_tp", "FSDP x tensor parallel, two blocks on a 2x4 mesh: where a weight's gather over 'data' and "
            "the activation's over 'model' meet at one dot, the one with less slack gets the ring: the second block's "
            "weight gather is prefetchable behind the first block; in the first block, both read straight from the "

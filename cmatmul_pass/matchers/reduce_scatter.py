@@ -219,8 +219,11 @@ def _sum_leaves(op: ir.OpView, adds: list[ir.OpView], dim: int) -> list[ir.OpVie
 
 def _product_of(op: ir.OpView) -> ir.Value | None:
     """The dot_general result ``op`` is computed from, if one is (for saying what a value is)."""
-    dot = causes.find_near(op.result, False, lambda o: o.operation.name == "stablehlo.dot_general")
-    return dot.result if dot is not None else None
+    for result in op.operation.results:  # a loop's, a call's: several
+        dot = causes.find_near(result, False, lambda o: o.operation.name == "stablehlo.dot_general")
+        if dot is not None:
+            return dot.result
+    return None
 
 
 def _several_vary(op: ir.OpView, dim: int) -> Decline:

@@ -1,0 +1,259 @@
+"""Sink the gather of stacked layer weights into the loop that reads one layer at a time.
+
+A scan over layers (``jax.lax.scan``, ``nn.scan``) of FSDP- or TP-sharded stacked weights
+gathers the whole ``[L, ...]`` stack before its ``stablehlo.while``; the body reads layer ``i``
+with a ``dynamic_slice`` (jax wraps it in ``func.call @dynamic_index_in_dim``) and multiplies it
+(in ``func.call @closed_call``)::
+
+    %w = all_gather(%shard), dim g                 // [L, H, F]: every layer's whole weight alive
+    while(%w, %i, %h) { %wi = dynamic_slice(%w, %i, 0, 0) sizes [1, H, F] ...  dot(%h, %wi) }
+
+A ``dynamic_slice`` that keeps dim ``g`` whole commutes with the gather along ``g``:
+``slice(all_gather(w)) == all_gather(slice(w))`` (the slice's start along ``g`` is clamped to 0
+in both, its sizes elsewhere pick the same elements of every shard).  So the loop carries the
+shard instead, and each trip gathers only the layer it reads::
+
+    while(%shard, %i, %h) { %wi = all_gather(dynamic_slice(%shard, %i, 0, 0) sizes [1, H, F/n]) ... }
+
+which the gather pass then rings with the body's dot (the calls between the gather and the dot
+are inlined at their call sites, as XLA inlines them anyway).  Peak memory holds one layer's
+gathered weight instead of all ``L``; the bytes on the wire are the same.  In a training step
+the backward's loop reads the same stacked value: each loop that reads it gets its own gathers
+(the backward re-gathers each layer instead of keeping the forward's whole stack alive).
+
+Built only when every reader of the gathered value is a ``stablehlo.while`` that passes it
+through unchanged, never reads it in its condition or after the loop, and in its body reads it
+only through such slices (directly or through private functions); otherwise the module is left
+as it was and :func:`plan` says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .. import ir_utils
+from .._jax_private import hlo, ir
+from ..layout import is_layout_op
+
+WHILE, CALL, SLICE = "stablehlo.while", "func.call", "stablehlo.dynamic_slice"
+
+
+@dataclass
+class Loop:
+    """One loop reading the gathered stack: ``operand`` is its operand index."""
+
+    op: ir.OpView
+    operand: int
+    calls: list[ir.OpView] = field(default_factory=list)  # in its body, to inline (outermost first)
+
+
+@dataclass
+class Sunk:
+    """What :func:`sink` built: the gathers now in the loop bodies (one per slice read)."""
+
+    all_gathers: list[ir.OpView]
+    loops: list[ir.OpView]
+    inlined: list[str]
+
+
+def plan(all_gather: ir.OpView) -> list[Loop] | str:
+    """The loops the gather can sink into, or why it cannot (a sentence)."""
+    dim = ir_utils.int_attr(all_gather.operation, "all_gather_dim")
+    full = ir.RankedTensorType(all_gather.result.type).shape[dim]
+    uses = list(all_gather.result.uses)
+    loops: list[Loop] = []
+    for use in uses:
+        owner = use.owner.operation
+        if owner.name != WHILE:
+            return f"it is also read by {owner.name}"
+        if any(loop.op.operation == owner for loop in loops):
+            return "a loop takes it twice"
+        k = use.operand_number
+        while_op = owner.opview
+        cond, body = (region.blocks[0] for region in while_op.regions)
+        if list(cond.arguments[k].uses):
+            return "the loop's condition reads it"
+        if _terminator(body).operands[k] != body.arguments[k]:
+            return "the loop body changes it"
+        if list(while_op.results[k].uses):
+            return "it is read after the loop"
+        loop = Loop(while_op, k)
+        why = _read_by_slices(body.arguments[k], dim, full, loop.calls, _Functions(while_op), _terminator(body))
+        if why:
+            return why
+        loops.append(loop)
+    return loops or "nothing reads it"
+
+
+class _Functions:
+    """The module's private functions by name."""
+
+    def __init__(self, op: ir.OpView):
+        module = op.operation
+        while module.parent is not None:
+            module = module.parent
+        self.module = module
+        self.by_name = {ir_utils.symbol_name(f): f for f in ir_utils.ops_named(module, "func.func")["func.func"]}
+
+    def callee(self, call: ir.OpView) -> ir.OpView | None:
+        f = self.by_name.get(ir.FlatSymbolRefAttr(call.attributes["callee"]).value)
+        if f is None or len(f.regions[0].blocks) != 1:
+            return None
+        visibility = f.attributes["sym_visibility"] if "sym_visibility" in f.attributes else None
+        return f if visibility is not None and ir.StringAttr(visibility).value == "private" else None
+
+
+def _read_by_slices(value: ir.Value, dim: int, full: int, calls: list, functions: _Functions,
+                    passes: ir.Operation | None = None, depth: int = 0) -> str | None:
+    """None when every reader of ``value`` is a dynamic_slice keeping ``dim`` whole, directly or
+    in a private function it is passed to (recorded in ``calls``), or ``passes`` (the loop
+    body's terminator, handing it to the next trip unchanged); else why not."""
+    if depth > 8:
+        return "it is passed through more than 8 nested calls"
+    for use in value.uses:
+        user = use.owner.operation
+        if passes is not None and user == passes:
+            continue
+        if user.name == SLICE and use.operand_number == 0:
+            if _sizes(user)[dim] != full:
+                return f"the loop slices it along the gathered dim {dim}"
+            continue
+        if user.name == CALL:
+            callee = functions.callee(user.opview)
+            if callee is None:
+                return "it is passed to a function that is not a private one-block func.func"
+            calls.append(user.opview)
+            param = callee.regions[0].blocks[0].arguments[use.operand_number]
+            why = _read_by_slices(param, dim, full, calls, functions, depth=depth + 1)
+            if why:
+                return why
+            continue
+        return f"the loop reads it with {user.name}, not only through slices of single layers"
+    return None
+
+
+def sink(all_gather: ir.OpView, loops: list[Loop], take_channel) -> Sunk:
+    """Carry ``all_gather``'s shard through ``loops`` (from :func:`plan`) and gather each slice
+    the bodies read, in the body; erase the gather."""
+    dim = ir_utils.int_attr(all_gather.operation, "all_gather_dim")
+    shard = all_gather.operation.operands[0]
+    n = ir.RankedTensorType(all_gather.result.type).shape[dim] // ir.RankedTensorType(shard.type).shape[dim]
+    functions = _Functions(all_gather)
+    inlined: list[str] = []
+    gathers: list[ir.OpView] = []
+    new_loops: list[ir.OpView] = []
+    for loop in loops:
+        body = loop.op.regions[1].blocks[0]
+        while True:  # the calls the stack passes into, outermost first, each at this call site
+            call = _call_of(body.arguments[loop.operand], functions)
+            if call is None:
+                break
+            inlined.append(inline(call, functions))
+        new = _retyped_loop(loop.op, loop.operand, shard)
+        new_loops.append(new)
+        carried = new.regions[1].blocks[0].arguments[loop.operand]
+        for use in list(carried.uses):
+            if use.owner.operation.name != SLICE:
+                continue
+            gathers.append(_gathered_slice(use.owner.operation.opview, carried, all_gather, dim, n, take_channel))
+    all_gather.operation.erase()
+    for gathered in gathers:  # the calls between each new gather and its dot
+        while (call := _call_reached(gathered.result, functions)) is not None:
+            inlined.append(inline(call, functions))
+    return Sunk(gathers, new_loops, inlined)
+
+
+def _call_of(value: ir.Value, functions: _Functions) -> ir.OpView | None:
+    for use in value.uses:
+        user = use.owner.operation
+        if user.name == CALL and functions.callee(user.opview) is not None:
+            return user.opview
+    return None
+
+
+def _call_reached(value: ir.Value, functions: _Functions) -> ir.OpView | None:
+    """A private call ``value`` reaches through layout ops (the dot inside waits for it)."""
+    todo, seen = [value], set()
+    while todo:
+        v = todo.pop()
+        for use in v.uses:
+            user = use.owner.operation
+            if user.name == CALL and functions.callee(user.opview) is not None:
+                return user.opview
+            if is_layout_op(user.opview) and user not in seen and len(user.results) == 1:
+                seen.add(user)
+                todo.append(user.results[0])
+    return None
+
+
+def inline(call: ir.OpView, functions: _Functions) -> str:
+    """Replace ``call`` by a copy of its callee's body (the callee stays while others call it;
+    erased once none does).  Returns the callee's name."""
+    callee = functions.callee(call)
+    name = ir_utils.symbol_name(callee)
+    block = callee.regions[0].blocks[0]
+    mapping = dict(zip(block.arguments, call.operation.operands))
+    ops = list(block.operations)
+    with ir.InsertionPoint(call.operation):
+        for op in ops[:-1]:
+            clone = op.operation.clone()
+            for nested in [clone, *ir_utils.walk(clone)]:
+                for old in {v: None for v in nested.operation.operands}:
+                    if old in mapping:
+                        nested.operation.replace_uses_of_with(old, mapping[old])
+            mapping.update(zip(op.operation.results, clone.results))
+    returned = [mapping.get(v, v) for v in ops[-1].operation.operands]
+    for old, new in zip(call.operation.results, returned):
+        old.replace_all_uses_with(new)
+    call.operation.erase()
+    if not ir_utils.ops_named(functions.module, CALL)[CALL] or not any(
+            ir.FlatSymbolRefAttr(c.attributes["callee"]).value == name for c in ir_utils.ops_named(functions.module, CALL)[CALL]):
+        callee.operation.erase()
+        del functions.by_name[name]
+    return name
+
+
+def _retyped_loop(old: ir.OpView, k: int, shard: ir.Value) -> ir.OpView:
+    """``old`` carrying ``shard`` as its operand ``k`` (its regions moved over, argument ``k``
+    retyped); ``old`` erased."""
+    operands = list(old.operation.operands)
+    operands[k] = shard
+    types = [v.type for v in operands]
+    with ir.InsertionPoint(old.operation):
+        new = hlo.WhileOp(types, operands, loc=old.location)
+    for attr in old.operation.attributes:
+        new.operation.attributes[attr.name] = attr.attr
+    for region, moved in zip(old.operation.regions, new.operation.regions):
+        block = region.blocks[0]
+        block.append_to(moved)
+        block.arguments[k].set_type(shard.type)
+    for before, after in zip(old.operation.results, new.operation.results):
+        if before.result_number != k:
+            before.replace_all_uses_with(after)
+    old.operation.erase()
+    return new
+
+
+def _gathered_slice(slice_op: ir.OpView, carried: ir.Value, all_gather: ir.OpView, dim: int, n: int,
+                    take_channel) -> ir.OpView:
+    """``slice_op`` (of the gathered stack) as the gather of the same slice of the shard."""
+    sizes = _sizes(slice_op.operation)
+    sizes[dim] //= n
+    attrs = all_gather.operation.attributes
+    with ir.InsertionPoint(slice_op.operation):
+        small = hlo.DynamicSliceOp(carried, list(slice_op.operation.operands[1:]), sizes, loc=slice_op.location)
+        gathered = hlo.AllGatherOp(
+            [slice_op.result.type], [small.result], dim, attrs["replica_groups"],
+            channel_handle=hlo.ChannelHandle.get(take_channel(), 1),
+            use_global_device_ids="use_global_device_ids" in attrs, loc=all_gather.location)
+    slice_op.result.replace_all_uses_with(gathered.results[0])
+    slice_op.operation.erase()
+    return gathered
+
+
+def _sizes(slice_op: ir.Operation) -> list[int]:
+    return list(ir.DenseI64ArrayAttr(slice_op.attributes["slice_sizes"]))
+
+
+def _terminator(block: ir.Block) -> ir.Operation:
+    return list(block.operations)[-1].operation
