@@ -297,11 +297,11 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
             moved = _move_gather(site, info, variance, ctx, source, options)
             sunk = _sink_gather(site, ctx, options) if moved is None else None
             if isinstance(sunk, Sunk):
-                where = ir_utils.render_location(sunk.loops[0].location, source)
+                where = ", ".join(dict.fromkeys(ir_utils.render_location(loop.location, source) for loop in sunk.loops))
                 for gathered in sunk.all_gathers:  # each now a gather of one layer, read by the body's dot
                     entry = apply(match_all_gather(gathered, info, assemble=options.assemble))
-                    entry.notes.insert(0, f"sunk into the loop at {where} ({len(sunk.loops)} loop(s) read the stack): each "
-                                          "trip gathers only the layer it reads, so one layer's gathered weight is alive "
+                    entry.notes.insert(0, f"sunk into the loop{'s' if len(sunk.loops) > 1 else ''} at {where}: each trip "
+                                          "gathers only the layer it reads, so one layer's gathered weight is alive "
                                           f"instead of the whole stack (where it stood: declined [{site.code}])")
                     report.sites.append(entry)
                 continue
@@ -495,12 +495,12 @@ def _sink_gather(site: Site, ctx: RewriteContext, options: Options) -> Sunk | st
     if not isinstance(site, DeclinedSite) or site.code != "user_not_dot" or site.ring is None \
             or options.policy != "all":
         return None
-    if not any(use.owner.operation.name == "stablehlo.while" for use in site.anchor.result.uses):
+    if not any(use.owner.operation.name in ("stablehlo.while", "sdy.return") for use in site.anchor.result.uses):
         return None
-    loops = sink_plan(site.anchor)
-    if isinstance(loops, str):
-        return loops
-    return sink_gather(site.anchor, loops, ctx.take_channel)
+    where = sink_plan(site.anchor)
+    if isinstance(where, str):
+        return where
+    return sink_gather(site.anchor, where, ctx.take_channel)
 
 
 def _all_reduce(site, ctx: RewriteContext, source: str, options: Options, hw: cost.Hardware, apply,

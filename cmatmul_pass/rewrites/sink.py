@@ -36,6 +36,7 @@ from .._jax_private import hlo, ir
 from ..layout import is_layout_op
 
 WHILE, CALL, SLICE = "stablehlo.while", "func.call", "stablehlo.dynamic_slice"
+MANUAL, RETURN = "sdy.manual_computation", "sdy.return"
 
 
 @dataclass
@@ -56,14 +57,47 @@ class Sunk:
     inlined: list[str]
 
 
-def plan(all_gather: ir.OpView) -> list[Loop] | str:
-    """The loops the gather can sink into, or why it cannot (a sentence)."""
+@dataclass
+class Handoff:
+    """The gathered stack leaving its region (``sdy.return`` operand ``operand`` of ``region``)
+    for later regions, each reading it (their argument) only in loops: ``targets`` holds
+    (region, operand index, its loops).  A training step's forward hands the stack to the
+    backward this way (a residual)."""
+
+    region: ir.OpView
+    operand: int
+    targets: list[tuple[ir.OpView, int, list[Loop]]]
+
+
+@dataclass
+class Plan:
+    loops: list[Loop]  # in the gather's own region
+    handoffs: list[Handoff]
+
+
+def plan(all_gather: ir.OpView) -> Plan | str:
+    """Where the gather can sink (the loops reading the stack, here and in the regions it is
+    handed to), or why it cannot (a sentence)."""
     dim = ir_utils.int_attr(all_gather.operation, "all_gather_dim")
     full = ir.RankedTensorType(all_gather.result.type).shape[dim]
-    uses = list(all_gather.result.uses)
+    handoffs: list[Handoff] = []
+    loops = _loops_reading(all_gather.result, dim, full, handoffs)
+    if isinstance(loops, str):
+        return loops
+    return Plan(loops, handoffs) if loops or handoffs else "nothing reads it"
+
+
+def _loops_reading(value: ir.Value, dim: int, full: int, handoffs: list[Handoff] | None) -> list[Loop] | str:
+    """The loops ``value`` (the stack) is read by, each only through slices of single layers
+    (and, with ``handoffs``, the regions it is returned to); or why not."""
     loops: list[Loop] = []
-    for use in uses:
+    for use in value.uses:
         owner = use.owner.operation
+        if owner.name == RETURN and handoffs is not None:
+            why = _handoff(owner, use.operand_number, dim, full, handoffs)
+            if why:
+                return why
+            continue
         if owner.name != WHILE:
             return f"it is also read by {owner.name}"
         if any(loop.op.operation == owner for loop in loops):
@@ -82,7 +116,25 @@ def plan(all_gather: ir.OpView) -> list[Loop] | str:
         if why:
             return why
         loops.append(loop)
-    return loops or "nothing reads it"
+    return loops
+
+
+def _handoff(ret: ir.Operation, operand: int, dim: int, full: int, handoffs: list[Handoff]) -> str | None:
+    region = ret.parent
+    if region is None or region.name != MANUAL:
+        return f"it is also read by {ret.name}"
+    targets = []
+    for use in region.results[operand].uses:
+        user = use.owner.operation
+        if user.name != MANUAL:
+            return f"it leaves its shard_map region for {user.name}"
+        arg = user.regions[0].blocks[0].arguments[use.operand_number]
+        loops = _loops_reading(arg, dim, full, None)
+        if isinstance(loops, str):
+            return f"it leaves its region for a later one (a training step's backward), where {loops}"
+        targets.append((user.opview, use.operand_number, loops))
+    handoffs.append(Handoff(region.opview, operand, targets))
+    return None
 
 
 class _Functions:
@@ -132,35 +184,57 @@ def _read_by_slices(value: ir.Value, dim: int, full: int, calls: list, functions
     return None
 
 
-def sink(all_gather: ir.OpView, loops: list[Loop], take_channel) -> Sunk:
-    """Carry ``all_gather``'s shard through ``loops`` (from :func:`plan`) and gather each slice
-    the bodies read, in the body; erase the gather."""
+def sink(all_gather: ir.OpView, where: Plan, take_channel) -> Sunk:
+    """Carry ``all_gather``'s shard through the loops of ``where`` (from :func:`plan`), handing
+    the shard instead of the stack to later regions, and gather each slice the bodies read, in
+    the body; erase the gather."""
     dim = ir_utils.int_attr(all_gather.operation, "all_gather_dim")
     shard = all_gather.operation.operands[0]
     n = ir.RankedTensorType(all_gather.result.type).shape[dim] // ir.RankedTensorType(shard.type).shape[dim]
+    sunk = Sunk([], [], [])
     functions = _Functions(all_gather)
-    inlined: list[str] = []
-    gathers: list[ir.OpView] = []
-    new_loops: list[ir.OpView] = []
+    for handoff in where.handoffs:
+        terminator = _terminator(handoff.region.regions[0].blocks[0])
+        terminator.replace_uses_of_with(all_gather.result, shard)
+        handed = handoff.region.operation.results[handoff.operand]
+        handed.set_type(_divided(handed.type, dim, n))  # the global value: the same sharding, 1/n of dim
+        for region, index, loops in handoff.targets:
+            arg = region.regions[0].blocks[0].arguments[index]
+            arg.set_type(shard.type)
+            _sink_loops(loops, arg, all_gather, dim, n, take_channel, functions, sunk)
+    _sink_loops(where.loops, shard, all_gather, dim, n, take_channel, functions, sunk)
+    all_gather.operation.erase()
+    for gathered in sunk.all_gathers:  # the calls between each new gather and its dot
+        while (call := _call_reached(gathered.result, functions)) is not None:
+            sunk.inlined.append(inline(call, functions))
+    return sunk
+
+
+def _sink_loops(loops: list[Loop], shard: ir.Value, template: ir.OpView, dim: int, n: int, take_channel,
+                functions: "_Functions", sunk: Sunk) -> None:
+    """Each loop of ``loops`` carrying ``shard`` instead of the stack: the calls the stack
+    passes into inlined, the loop rebuilt with the shard's type, each slice a gather."""
     for loop in loops:
+        stack = loop.op.operation.operands[loop.operand]
+        if stack != shard:
+            loop.op.operation.replace_uses_of_with(stack, shard)
         body = loop.op.regions[1].blocks[0]
         while True:  # the calls the stack passes into, outermost first, each at this call site
             call = _call_of(body.arguments[loop.operand], functions)
             if call is None:
                 break
-            inlined.append(inline(call, functions))
-        new = _retyped_loop(loop.op, loop.operand, shard)
-        new_loops.append(new)
+            sunk.inlined.append(inline(call, functions))
+        new = _retyped_loop(loop.op, loop.operand)
+        sunk.loops.append(new)
         carried = new.regions[1].blocks[0].arguments[loop.operand]
         for use in list(carried.uses):
-            if use.owner.operation.name != SLICE:
-                continue
-            gathers.append(_gathered_slice(use.owner.operation.opview, carried, all_gather, dim, n, take_channel))
-    all_gather.operation.erase()
-    for gathered in gathers:  # the calls between each new gather and its dot
-        while (call := _call_reached(gathered.result, functions)) is not None:
-            inlined.append(inline(call, functions))
-    return Sunk(gathers, new_loops, inlined)
+            if use.owner.operation.name == SLICE:
+                sunk.all_gathers.append(_gathered_slice(use.owner.operation.opview, carried, template, dim, n, take_channel))
+
+
+def _divided(t: ir.Type, dim: int, n: int) -> ir.RankedTensorType:
+    t = ir.RankedTensorType(t)
+    return ir_utils.with_dim(t, dim, t.shape[dim] // n)
 
 
 def _call_of(value: ir.Value, functions: _Functions) -> ir.OpView | None:
@@ -213,11 +287,11 @@ def inline(call: ir.OpView, functions: _Functions) -> str:
     return name
 
 
-def _retyped_loop(old: ir.OpView, k: int, shard: ir.Value) -> ir.OpView:
-    """``old`` carrying ``shard`` as its operand ``k`` (its regions moved over, argument ``k``
-    retyped); ``old`` erased."""
+def _retyped_loop(old: ir.OpView, k: int) -> ir.OpView:
+    """``old`` rebuilt for the type its operand ``k`` has now (the shard's): its regions moved
+    over, their argument ``k`` retyped; ``old`` erased."""
     operands = list(old.operation.operands)
-    operands[k] = shard
+    shard = operands[k]
     types = [v.type for v in operands]
     with ir.InsertionPoint(old.operation):
         new = hlo.WhileOp(types, operands, loc=old.location)
