@@ -303,6 +303,10 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
                     entry.notes.insert(0, f"sunk into the loop{'s' if len(sunk.loops) > 1 else ''} at {where}: each trip "
                                           "gathers only the layer it reads, so one layer's gathered weight is alive "
                                           f"instead of the whole stack (where it stood: declined [{site.code}])")
+                    if sunk.handed:
+                        entry.notes.insert(1, f"the stack was also kept for {sunk.handed} later region(s) (a backward): "
+                                              "they get the shard and gather each layer again, so the layers cross the "
+                                              "wire once per loop instead of once (memory for bytes, as FSDP trades)")
                     report.sites.append(entry)
                 continue
             if moved is None:

@@ -165,3 +165,12 @@ def test_a_training_steps_peak_memory_does_not_grow():
 
     before, after = temp(ir_utils.parse(text)), temp(result.module)
     assert after <= before, (before, after)
+
+
+def test_the_report_says_the_backward_gathers_again():
+    step, args = training_step()
+    result = cmatmul_pass.rewrite(step.lower(*args).as_text())
+    sunk = [s for s in result.report.sites if s.notes and s.notes[0].startswith("sunk")]
+    assert sunk and all(s.notes[1].startswith("the stack was also kept for 1 later region(s)") for s in sunk)
+    forward_only = cmatmul_pass.rewrite(lowered())
+    assert not any("later region" in note for s in forward_only.report.sites for note in s.notes)

@@ -55,6 +55,7 @@ class Sunk:
     all_gathers: list[ir.OpView]
     loops: list[ir.OpView]
     inlined: list[str]
+    handed: int = 0  # regions the shard is handed to instead of the stack (a backward)
 
 
 @dataclass
@@ -198,6 +199,7 @@ def sink(all_gather: ir.OpView, where: Plan, take_channel) -> Sunk:
         terminator.replace_uses_of_with(all_gather.result, shard)
         handed = handoff.region.operation.results[handoff.operand]
         handed.set_type(_divided(handed.type, dim, n))  # the global value: the same sharding, 1/n of dim
+        sunk.handed += len(handoff.targets)
         for region, index, loops in handoff.targets:
             arg = region.regions[0].blocks[0].arguments[index]
             arg.set_type(shard.type)
