@@ -29,7 +29,9 @@ from .rewrites.dot_all_reduce import chunk_all_reduce, chunk_dims_ok, split_all_
 from .rewrites.dot_reduce_scatter import halves_blocker, rewrite_dot_reduce_scatter
 from .rewrites.schedule import Annotator, Applied, RewriteContext
 from .rewrites.sequence_parallel import Seed, carry_forward, move_gather_forward
-from .rewrites.sink import Sunk
+from .rewrites.sink import Hoisted, Sunk
+from .rewrites.sink import hoist as hoist_scatter
+from .rewrites.sink import hoist_plan
 from .rewrites.sink import plan as sink_plan
 from .rewrites.sink import sink as sink_gather
 from .sharing import RingLibrary
@@ -288,7 +290,21 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
         # is matched against the IR as the earlier rewrites left it.
         # (the scatter rewrites erase reduce_scatters and dots, never an all_gather)
         for op in found["stablehlo.reduce_scatter"]:
-            report.sites.append(apply(match_reduce_scatter(op, info)))
+            site = match_reduce_scatter(op, info)
+            hoisted = _hoist_scatter(site, ctx, options)
+            if isinstance(hoisted, Hoisted):  # each layer's block scattered in the loop, ringed with its dot
+                where = ir_utils.render_location(hoisted.loop.location, source)
+                for scattered in hoisted.reduce_scatters:
+                    entry = apply(match_reduce_scatter(scattered, info))
+                    entry.notes.insert(0, f"hoisted into the loop at {where}: each trip scatters the layer it computes "
+                                          "into a buffer of this device's block, so the stacked gradient is never whole "
+                                          f"(where it stood: declined [{site.code}])")
+                    report.sites.append(entry)
+                continue
+            entry = apply(site)
+            if hoisted:
+                entry.reason += f"; not hoisted into the loop: {hoisted}"
+            report.sites.append(entry)
         gathers, deferred = _order_by_slack(gathers, info, options, source)
         gathered = {}
         for op in gathers:
@@ -505,6 +521,19 @@ def _sink_gather(site: Site, ctx: RewriteContext, options: Options) -> Sunk | st
     if isinstance(where, str):
         return where
     return sink_gather(site.anchor, where, ctx.take_channel)
+
+
+def _hoist_scatter(site: Site, ctx: RewriteContext, options: Options) -> Hoisted | str | None:
+    """A scatter of a stacked gradient a loop assembles layer by layer (a scan's backward): move it
+    into the loop (:func:`.rewrites.sink.hoist`).  What was built, why it could not be, or None
+    (its operand is no loop's).  Only under ``policy="all"``."""
+    if not isinstance(site, DeclinedSite) or site.code != "producer_not_dot" or site.ring is None \
+            or options.policy != "all":
+        return None
+    where = hoist_plan(site.anchor)
+    if where is None or isinstance(where, str):
+        return where
+    return hoist_scatter(where, ctx.take_channel)
 
 
 def _all_reduce(site, ctx: RewriteContext, source: str, options: Options, hw: cost.Hardware, apply,

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from .. import ir_utils
 from .._jax_private import hlo, ir
 from ..layout import is_layout_op
+from .dot_all_reduce import sum_region
 
 WHILE, CALL, SLICE = "stablehlo.while", "func.call", "stablehlo.dynamic_slice"
 MANUAL, RETURN = "sdy.manual_computation", "sdy.return"
@@ -289,9 +290,10 @@ def inline(call: ir.OpView, functions: _Functions) -> str:
     return name
 
 
-def _retyped_loop(old: ir.OpView, k: int) -> ir.OpView:
+def _retyped_loop(old: ir.OpView, k: int, erase: bool = True) -> ir.OpView:
     """``old`` rebuilt for the type its operand ``k`` has now (the shard's): its regions moved
-    over, their argument ``k`` retyped; ``old`` erased."""
+    over, their argument ``k`` retyped, its other results' readers moved over; ``old`` erased
+    (``erase=False``: left for the caller, once its result ``k`` has no reader)."""
     operands = list(old.operation.operands)
     shard = operands[k]
     types = [v.type for v in operands]
@@ -306,7 +308,8 @@ def _retyped_loop(old: ir.OpView, k: int) -> ir.OpView:
     for before, after in zip(old.operation.results, new.operation.results):
         if before.result_number != k:
             before.replace_all_uses_with(after)
-    old.operation.erase()
+    if erase:
+        old.operation.erase()
     return new
 
 
@@ -333,3 +336,175 @@ def _sizes(slice_op: ir.Operation) -> list[int]:
 
 def _terminator(block: ir.Block) -> ir.Operation:
     return list(block.operations)[-1].operation
+
+
+# ---------------------------------------------------------------------------- the scatter, hoisted
+#: the mirror of the sink: a loop assembling a stacked gradient layer by layer with
+#: ``dynamic_update_slice`` into a zero buffer, reduce_scattered after the loop, scatters each
+#: layer's block in the body instead, into a buffer of the shard's size:
+#:     reduce_scatter(dus(...dus(0, u_1, i_1)..., u_L, i_L)) = dus(...dus(0, rs(u_1), i_1)..., rs(u_L), i_L)
+#: (the scatter is linear and works slot by slot; an update covering the scattered dim whole
+#: lands in the same slots of every block; the zero buffer scatters to zeros).
+DUS = "stablehlo.dynamic_update_slice"
+
+
+@dataclass
+class Hoist:
+    """A reduce_scatter of a loop's stacked result: ``loop`` assembles it in operand ``operand``."""
+
+    reduce_scatter: ir.OpView
+    loop: ir.OpView
+    operand: int
+
+
+@dataclass
+class Hoisted:
+    reduce_scatters: list[ir.OpView]  # in the loop body, one per layer update
+    loop: ir.OpView
+    inlined: list[str]
+
+
+def hoist_plan(reduce_scatter: ir.OpView) -> Hoist | str | None:
+    """Whether the scatter can move into the loop that assembles its operand: the plan, why not
+    (a sentence), or None (its operand is no loop's result)."""
+    value = reduce_scatter.operation.operands[0]
+    owner = value.owner
+    if isinstance(owner, ir.Block) or owner.operation.name != WHILE:
+        return None
+    loop, k = owner.operation.opview, value.result_number
+    dim = ir_utils.int_attr(reduce_scatter.operation, "scatter_dimension")
+    full = ir.RankedTensorType(value.type).shape[dim]
+    if len(list(value.uses)) != 1:
+        return "the loop's stacked result is also read elsewhere"
+    if not _is_zero(loop.operation.operands[k]):
+        return "the loop's stacked buffer does not start as zeros"
+    cond, body = (region.blocks[0] for region in loop.regions)
+    if list(cond.arguments[k].uses):
+        return "the loop's condition reads the stacked buffer"
+    functions = _Functions(loop)
+    update = _single_update(body.arguments[k], _terminator(body), k, functions)
+    if isinstance(update, str):
+        return update
+    start, inner = update
+    sizes = ir.RankedTensorType(inner.operation.operands[1].type).shape
+    if sizes[dim] != full:
+        return f"the loop writes blocks of the scattered dim {dim}, not whole layers"
+    return Hoist(reduce_scatter, loop, k)
+
+
+def _single_update(arg: ir.Value, terminator: ir.Operation, k: int, functions: _Functions):
+    """(the body op writing the buffer, the dynamic_update_slice doing it: itself or inside the
+    private function it calls) when the body's only use of the buffer ``arg`` is one update
+    whose result the body returns at ``k``; else why not."""
+    uses = [u for u in arg.uses]
+    if len(uses) != 1:
+        return "the loop body reads the stacked buffer other than by one update per trip"
+    user = uses[0].owner.operation
+    if len(user.results) != 1 or terminator.operands[k] != user.results[0]:
+        return "the loop body returns something else than its update of the stacked buffer"
+    if user.name == DUS and uses[0].operand_number == 0:
+        return user.opview, user.opview
+    if user.name == CALL and uses[0].operand_number == 0 and (callee := functions.callee(user.opview)) is not None:
+        block = callee.regions[0].blocks[0]
+        inner = _single_update(block.arguments[0], _terminator(block), 0, functions)
+        if isinstance(inner, str):
+            return inner
+        return user.opview, inner[1]
+    return f"the loop body writes the stacked buffer with {user.name}"
+
+
+def _is_zero(value: ir.Value) -> bool:
+    """A zero splat: a constant, or a broadcast of a zero constant."""
+    owner = value.owner
+    if isinstance(owner, ir.Block):
+        return False
+    if owner.operation.name == "stablehlo.broadcast_in_dim":
+        return _is_zero(owner.operation.operands[0])
+    if owner.operation.name != "stablehlo.constant":
+        return False
+    attr = ir.DenseElementsAttr(owner.attributes["value"])
+    if not attr.is_splat:
+        return False
+    splat = attr.get_splat_value()
+    try:
+        return float(ir.FloatAttr(splat).value) == 0.0
+    except ValueError:
+        return int(ir.IntegerAttr(splat).value) == 0
+
+
+def hoist(where: Hoist, take_channel) -> Hoisted:
+    """Scatter each layer's update in the loop body into a shard-sized zero buffer; the loop's
+    result replaces the reduce_scatter."""
+    rs, loop, k = where.reduce_scatter, where.loop, where.operand
+    functions = _Functions(loop)
+    inlined: list[str] = []
+    body = loop.regions[1].blocks[0]
+    first = list(body.arguments[k].uses)[0].owner.operation
+    if first.name == CALL:
+        inlined.append(inline(first.opview, functions))
+    block_t = ir.RankedTensorType(rs.result.type)
+    with ir.InsertionPoint(loop.operation):
+        zeros = hlo.ConstantOp(ir.DenseElementsAttr.get_splat(block_t, _zero_of(block_t.element_type)),
+                               loc=loop.location).result
+    dim = ir_utils.int_attr(rs.operation, "scatter_dimension")
+    n = ir.RankedTensorType(rs.operation.operands[0].type).shape[dim] // block_t.shape[dim]
+    loop.operation.replace_uses_of_with(loop.operation.operands[k], zeros)
+    new = _retyped_loop(loop, k, erase=False)
+    rs.result.replace_all_uses_with(new.operation.results[k])
+    location, attrs = rs.location, rs.operation.attributes
+    body = new.regions[1].blocks[0]
+    (use,) = list(body.arguments[k].uses)
+    update = use.owner.operation
+    original = update.operands[1]
+    value = _as_reshape(original)
+    with ir.InsertionPoint(update):
+        piece_t = _divided(value.type, dim, n)
+        scattered = hlo.ReduceScatterOp(piece_t, value, dim, attrs["replica_groups"],
+                                        channel_handle=hlo.ChannelHandle.get(take_channel(), 1),
+                                        use_global_device_ids="use_global_device_ids" in attrs, loc=location)
+        sum_region(scattered, location)  # a sum: the matcher declined it past that check
+    update.replace_uses_of_with(original, scattered.result)
+    update.results[0].set_type(body.arguments[k].type)  # the buffer's shard-sized type
+    if value != original and not list(original.uses):
+        original.owner.operation.erase()
+    rs.operation.erase()
+    loop.operation.erase()
+    reached = []
+    while (call := _call_feeding(scattered.operation.operands[0], functions)) is not None:
+        reached.append(inline(call, functions))
+    return Hoisted([scattered], new, inlined + reached)
+
+
+def _as_reshape(value: ir.Value) -> ir.Value:
+    """``value``, or where it is a broadcast_in_dim that only adds size-1 dims (jax's
+    ``dynamic_update_index_in_dim`` makes its layer [1, ...] so), the same as a reshape (a layout
+    op the scatter ring looks through)."""
+    owner = value.owner
+    if isinstance(owner, ir.Block) or owner.operation.name != "stablehlo.broadcast_in_dim":
+        return value
+    source = owner.operation.operands[0]
+    before, after = ir.RankedTensorType(source.type), ir.RankedTensorType(value.type)
+    if [d for d in after.shape if d != 1] != [d for d in before.shape if d != 1] or \
+            list(ir.DenseI64ArrayAttr(owner.attributes["broadcast_dimensions"])) != sorted(
+                ir.DenseI64ArrayAttr(owner.attributes["broadcast_dimensions"])):
+        return value
+    with ir.InsertionPoint(owner.operation):
+        return hlo.ReshapeOp(after, source, loc=owner.location).result
+
+
+def _zero_of(element: ir.Type) -> ir.Attribute:
+    if isinstance(element, ir.IntegerType):
+        return ir.IntegerAttr.get(element, 0)
+    return ir.FloatAttr.get(element, 0.0)
+
+
+def _call_feeding(value: ir.Value, functions: _Functions) -> ir.OpView | None:
+    """A private call whose result reaches ``value`` through layout ops (its dot makes it)."""
+    while not isinstance(value.owner, ir.Block):
+        owner = value.owner.operation
+        if owner.name == CALL and functions.callee(owner.opview) is not None:
+            return owner.opview
+        if not is_layout_op(owner.opview) or len(owner.operands) != 1:
+            return None
+        value = owner.operands[0]
+    return None
