@@ -31,7 +31,7 @@ from .rewrites.schedule import Annotator, Applied, RewriteContext
 from .rewrites.sequence_parallel import Seed, carry_forward, move_gather_forward
 from .rewrites.sink import Hoisted, Sunk
 from .rewrites.sink import hoist as hoist_scatter
-from .rewrites.sink import hoist_plan
+from .rewrites.sink import feeds_a_loop, hoist_plan
 from .rewrites.sink import plan as sink_plan
 from .rewrites.sink import sink as sink_gather
 from .sharing import RingLibrary
@@ -515,7 +515,7 @@ def _sink_gather(site: Site, ctx: RewriteContext, options: Options) -> Sunk | st
     if not isinstance(site, DeclinedSite) or site.code != "user_not_dot" or site.ring is None \
             or options.policy != "all":
         return None
-    if not any(use.owner.operation.name in ("stablehlo.while", "sdy.return") for use in site.anchor.result.uses):
+    if not feeds_a_loop(site.anchor):
         return None
     where = sink_plan(site.anchor)
     if isinstance(where, str):

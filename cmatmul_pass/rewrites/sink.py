@@ -89,6 +89,24 @@ def plan(all_gather: ir.OpView) -> Plan | str:
     return Plan(loops, handoffs) if loops or handoffs else "nothing reads it"
 
 
+def feeds_a_loop(all_gather: ir.OpView) -> bool:
+    """Is the gathered value read by a loop, in its region or in one it is handed to?"""
+    for use in all_gather.result.uses:
+        owner = use.owner.operation
+        if owner.name == WHILE:
+            return True
+        region = owner.parent if owner.name == RETURN else None
+        if region is None or region.name != MANUAL:
+            continue
+        for handed in region.results[use.operand_number].uses:
+            user = handed.owner.operation
+            if user.name == MANUAL and any(
+                    u.owner.operation.name == WHILE
+                    for u in user.regions[0].blocks[0].arguments[handed.operand_number].uses):
+                return True
+    return False
+
+
 def _loops_reading(value: ir.Value, dim: int, full: int, handoffs: list[Handoff] | None) -> list[Loop] | str:
     """The loops ``value`` (the stack) is read by, each only through slices of single layers
     (and, with ``handoffs``, the regions it is returned to); or why not."""
