@@ -37,7 +37,7 @@ from ..layout import is_layout_op
 from .dot_all_reduce import sum_region
 
 WHILE, CALL, SLICE = "stablehlo.while", "func.call", "stablehlo.dynamic_slice"
-MANUAL, RETURN = "sdy.manual_computation", "sdy.return"
+MANUAL, RETURN, CONSTRAINT = "sdy.manual_computation", "sdy.return", "sdy.sharding_constraint"
 
 
 @dataclass
@@ -63,12 +63,14 @@ class Sunk:
 class Handoff:
     """The gathered stack leaving its region (``sdy.return`` operand ``operand`` of ``region``)
     for later regions, each reading it (their argument) only in loops: ``targets`` holds
-    (region, operand index, its loops).  A training step's forward hands the stack to the
-    backward this way (a residual)."""
+    (region, operand index, its loops); ``constraints``, the sharding constraints the global
+    value passes on the way (jax 0.11 adds one).  A training step's forward hands the stack to
+    the backward this way (a residual)."""
 
     region: ir.OpView
     operand: int
     targets: list[tuple[ir.OpView, int, list[Loop]]]
+    constraints: list[ir.Operation] = field(default_factory=list)
 
 
 @dataclass
@@ -98,12 +100,16 @@ def feeds_a_loop(all_gather: ir.OpView) -> bool:
         region = owner.parent if owner.name == RETURN else None
         if region is None or region.name != MANUAL:
             continue
-        for handed in region.results[use.operand_number].uses:
-            user = handed.owner.operation
-            if user.name == MANUAL and any(
-                    u.owner.operation.name == WHILE
-                    for u in user.regions[0].blocks[0].arguments[handed.operand_number].uses):
-                return True
+        values = [region.results[use.operand_number]]
+        while values:
+            for handed in values.pop().uses:
+                user = handed.owner.operation
+                if user.name == CONSTRAINT:
+                    values.append(user.results[0])
+                elif user.name == MANUAL and any(
+                        u.owner.operation.name == WHILE
+                        for u in user.regions[0].blocks[0].arguments[handed.operand_number].uses):
+                    return True
     return False
 
 
@@ -143,17 +149,23 @@ def _handoff(ret: ir.Operation, operand: int, dim: int, full: int, handoffs: lis
     region = ret.parent
     if region is None or region.name != MANUAL:
         return f"it is also read by {ret.name}"
-    targets = []
-    for use in region.results[operand].uses:
-        user = use.owner.operation
-        if user.name != MANUAL:
-            return f"it leaves its shard_map region for {user.name}"
-        arg = user.regions[0].blocks[0].arguments[use.operand_number]
-        loops = _loops_reading(arg, dim, full, None)
-        if isinstance(loops, str):
-            return f"it leaves its region for a later one (a training step's backward), where {loops}"
-        targets.append((user.opview, use.operand_number, loops))
-    handoffs.append(Handoff(region.opview, operand, targets))
+    targets, constraints = [], []
+    values = [region.results[operand]]
+    while values:
+        for use in values.pop().uses:
+            user = use.owner.operation
+            if user.name == CONSTRAINT:  # on the global value: it keeps its sharding, takes the new type
+                constraints.append(user)
+                values.append(user.results[0])
+                continue
+            if user.name != MANUAL:
+                return f"it leaves its shard_map region for {user.name}"
+            arg = user.regions[0].blocks[0].arguments[use.operand_number]
+            loops = _loops_reading(arg, dim, full, None)
+            if isinstance(loops, str):
+                return f"it leaves its region for a later one (a training step's backward), where {loops}"
+            targets.append((user.opview, use.operand_number, loops))
+    handoffs.append(Handoff(region.opview, operand, targets, constraints))
     return None
 
 
@@ -218,6 +230,8 @@ def sink(all_gather: ir.OpView, where: Plan, take_channel) -> Sunk:
         terminator.replace_uses_of_with(all_gather.result, shard)
         handed = handoff.region.operation.results[handoff.operand]
         handed.set_type(_divided(handed.type, dim, n))  # the global value: the same sharding, 1/n of dim
+        for constraint in handoff.constraints:
+            constraint.results[0].set_type(handed.type)
         sunk.handed += len(handoff.targets)
         for region, index, loops in handoff.targets:
             arg = region.regions[0].blocks[0].arguments[index]
