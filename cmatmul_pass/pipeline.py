@@ -314,8 +314,8 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
             sunk = _sink_gather(site, ctx, options) if moved is None else None
             if isinstance(sunk, Sunk):
                 where = ", ".join(dict.fromkeys(ir_utils.render_location(loop.location, source) for loop in sunk.loops))
-                for gathered in sunk.all_gathers:  # each now a gather of one layer, read by the body's dot
-                    entry = apply(match_all_gather(gathered, info, assemble=options.assemble))
+                for layer_gather in sunk.all_gathers:  # each now a gather of one layer, read by the body's dot
+                    entry = apply(match_all_gather(layer_gather, info, assemble=options.assemble))
                     entry.notes.insert(0, f"sunk into the loop{'s' if len(sunk.loops) > 1 else ''} at {where}: each trip "
                                           "gathers only the layer it reads, so one layer's gathered weight is alive "
                                           f"instead of the whole stack (where it stood: declined [{site.code}])")

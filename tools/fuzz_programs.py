@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +47,8 @@ class Spec:
     devices: tuple[int, ...]  # device ids in mesh order: a permutation of a subset of the CPU devices
     axes: tuple[str, ...]  # the collectives' mesh axes
     #: "ag" | "rs" | "chain" | "mlp" | "ag2" (both dot operands gathered) | "psum" (Megatron blocks) |
-    #: "fsdp" (the activation's rows gathered over axes[0], the weight over another mesh axis along ``dim``)
+    #: "fsdp" (the activation's rows gathered over axes[0], the weight over another mesh axis along ``dim``) |
+    #: "scan" (stacked layer weights gathered before a scan over the layers, along ``dim``)
     kind: str
     #: gathered / scattered label: "m" (free, lhs-side), "n" (free, rhs-side), "k" (contracting), "b" (batch);
     #: psum: "m" the rows divide by the ring (split along them), "k" they do not (split along the features)
@@ -70,6 +71,10 @@ class Spec:
     #: psum: the row-wise ops applied to each block's summed output before the next block reads
     #: it (POINTWISE), in order; "vary" multiplies by a per-device factor, which stops the move
     between: tuple[str, ...] = ()
+    #: scan: the step under jax.checkpoint; the program is value_and_grad of the scan (a training
+    #: step: the stack handed to the backward, the stacked gradient scattered after its loop)
+    remat: bool = False
+    grad: bool = False
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -86,6 +91,9 @@ class Spec:
         gathered value and the only dot left reading it waits for the loop ('schedule')."""
         if self.kind == "fsdp":  # the weight's gather, where the activation's ring took its dot
             return frozenset({"prefetchable", "lost_to_ring"})
+        if self.kind == "scan" and self.grad:  # the input gradient's psum of the whole loop; under
+            # remat the backward's layer behind remat's optimization_barrier (sunk, not ringed)
+            return frozenset({"producer_not_dot", "user_not_dot", "layout", "multiple_users"})
         return frozenset({"schedule"}) if self.kind == "ag2" else frozenset()
 
     def may_decline_under(self, options) -> frozenset[str]:
@@ -100,7 +108,7 @@ class Spec:
             return self.dim in ("m", "k", "b")
         if self.kind == "rs":
             return self.dim in ("m", "n", "b")
-        return self.kind in ("chain", "mlp", "ag2", "psum", "fsdp")
+        return self.kind in ("chain", "mlp", "ag2", "psum", "fsdp", "scan")
 
 
 #: row-wise ops between Megatron blocks (a psum's readers the split carries the rows through)
@@ -117,17 +125,17 @@ def specs(draw) -> Spec:
         axes = tuple(draw(st.permutations(names))[:2])
     else:
         axes = (draw(st.sampled_from(names)),)
-    kind = draw(st.sampled_from(["ag", "ag", "rs", "rs", "chain", "mlp", "ag2", "psum", "psum", "fsdp"]))
+    kind = draw(st.sampled_from(["ag", "ag", "rs", "rs", "chain", "mlp", "ag2", "psum", "psum", "fsdp", "scan", "scan"]))
     if kind == "fsdp" and len(mesh_shape) < 2:
         kind = "ag2"  # a weight's and an activation's gathers over two mesh axes need two
     dtype = draw(st.sampled_from(["f32", "f32", "f32", "bf16", "bf16", "i32", "i32", "f16", "f64", "c64"]))
-    if kind in ("mlp", "psum"):
-        dtype = "f32" if dtype in ("i32", "c64") else dtype  # gelu, norms
+    if kind in ("mlp", "psum", "scan"):
+        dtype = "f32" if dtype in ("i32", "c64") else dtype  # gelu, norms, tanh
     dims = {"ag": ["m", "k", "b"], "rs": ["m", "n", "b"], "chain": ["m", "k"], "mlp": ["m"], "ag2": ["m"],
-            "psum": ["m", "m", "k"], "fsdp": ["k", "n"]}[kind]
+            "psum": ["m", "m", "k"], "fsdp": ["k", "n"], "scan": ["k", "n"]}[kind]
     dim = draw(st.sampled_from(dims))
     batch = dim == "b" or draw(st.booleans())
-    return Spec(
+    spec = Spec(
         mesh_shape=mesh_shape,
         devices=devices,
         axes=axes,
@@ -146,7 +154,14 @@ def specs(draw) -> Spec:
         prep=kind == "ag" and draw(st.booleans()),
         scale=kind in ("ag", "rs") and draw(st.booleans()),
         between=tuple(draw(st.lists(st.sampled_from(POINTWISE), max_size=4))) if kind == "psum" else (),
+        remat=kind == "scan" and draw(st.booleans()),
+        grad=kind == "scan" and draw(st.booleans()),
     )
+    if spec.grad and spec.partial_manual:
+        # XLA CPU (jax 0.10.2) aborts compiling the *original* backward of a bf16 scan in a
+        # partially manual region ("Invalid binary instruction opcode copy"): not a program to fuzz with
+        spec = replace(spec, partial_manual=False)
+    return spec
 
 
 # ---------------------------------------------------------------------------- programs
@@ -260,6 +275,26 @@ def build(spec: Spec):
     if spec.kind == "psum":
         return _megatron(spec)
 
+    if spec.kind == "scan":
+        # stacked [L, K, K] weights sharded on their contracting (k) or free (n) dim, gathered before a
+        # scan over the L layers whose step multiplies layer i (the pass sinks the gather into the loop)
+        layers, size = spec.sizes[3] + 1, k * n
+        w_dim = 1 if spec.dim == "k" else 2
+
+        def body(x, ws):
+            stack = jax.lax.all_gather(ws, axes, axis=w_dim, tiled=True)
+
+            def step(h, w):
+                # scaled so that tanh stays off saturation: a saturated tanh's backward (1 - tanh²)
+                # cancels, and any reordering of the forward's sums then moves the gradient by far
+                # more than the original's own error (a false alarm the fuzzer found, seed 0)
+                return jnp.tanh(_dot(spec, h, w, "mk,kn->mn") / size).astype(h.dtype), None
+
+            h, _ = jax.lax.scan(jax.checkpoint(step) if spec.remat else step, x, stack)
+            return h
+
+        return body, [([m, size], P()), ([layers, size, size], P(*[axes if d == w_dim else None for d in range(3)]))], P()
+
     if spec.kind == "fsdp":
         # FSDP x TP: x's rows gathered over the activation axis, w gathered over another mesh axis along its
         # contracting (k) or free (n) dim; the two gathers meet at one dot (analysis.slack picks the ring)
@@ -344,6 +379,13 @@ def lower(spec: Spec) -> str:
 
         def f(*operands):
             return [single(*operands) for _ in range(spec.repeat)]
+    if spec.grad:
+        forward = f
+
+        def loss(*operands):
+            return sum(jnp.sum(jnp.square(out.astype(jnp.float32))) for out in jax.tree.leaves(forward(*operands)))
+
+        f = jax.value_and_grad(loss, argnums=tuple(range(len(args))))
 
     with jax.enable_x64(DTYPES[spec.dtype] == jnp.float64):
         return jax.jit(f).lower(*structs).as_text()
