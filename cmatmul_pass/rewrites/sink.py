@@ -239,10 +239,54 @@ def sink(all_gather: ir.OpView, where: Plan, take_channel) -> Sunk:
             _sink_loops(loops, arg, all_gather, dim, n, take_channel, functions, sunk)
     _sink_loops(where.loops, shard, all_gather, dim, n, take_channel, functions, sunk)
     all_gather.operation.erase()
-    for gathered in sunk.all_gathers:  # the calls between each new gather and its dot
+    for i, gathered in enumerate(sunk.all_gathers):  # the calls between each new gather and its dot
         while (call := _call_reached(gathered.result, functions)) is not None:
             sunk.inlined.append(inline(call, functions))
+        sunk.all_gathers[i] = _past_barrier(gathered)
     return sunk
+
+
+BARRIER = "stablehlo.optimization_barrier"
+
+
+def _past_barrier(gathered: ir.OpView) -> ir.OpView:
+    """A gather whose layer reaches its dots through remat's ``optimization_barrier`` (through
+    single-use layout ops): the barrier takes the shard instead, and the gather (and those ops)
+    follow it; the barrier is the identity on each value, so every reader sees what it did.
+    Returns the gather now in use."""
+    chain, value = [gathered.operation], gathered.result
+    while True:
+        uses = list(value.uses)
+        if len(uses) != 1:
+            return gathered
+        user = uses[0].owner.operation
+        if user.name == BARRIER:
+            index = uses[0].operand_number
+            break
+        if not is_layout_op(user.opview) or len(user.results) != 1 or len(user.operands) != 1:
+            return gathered
+        chain.append(user)
+        value = user.results[0]
+    operands = list(user.operands)
+    operands[index] = gathered.operation.operands[0]
+    with ir.InsertionPoint(user):
+        barrier = hlo.OptimizationBarrierOp(operands, results=[v.type for v in operands], loc=user.location)
+    with ir.InsertionPoint.after(barrier.operation):
+        mapping = {gathered.operation.operands[0]: barrier.results[index]}
+        moved = []
+        for op in chain:
+            clone = op.clone()
+            for old in {v: None for v in clone.operation.operands}:
+                if old in mapping:
+                    clone.operation.replace_uses_of_with(old, mapping[old])
+            mapping[op.results[0]] = clone.results[0]
+            moved.append(clone)
+    for i, (before, after) in enumerate(zip(user.results, barrier.results)):
+        before.replace_all_uses_with(moved[-1].results[0] if i == index else after)
+    user.erase()
+    for op in reversed(chain):
+        op.erase()
+    return moved[0].operation.opview
 
 
 def _sink_loops(loops: list[Loop], shard: ir.Value, template: ir.OpView, dim: int, n: int, take_channel,
