@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import cmatmul_pass
 from cmatmul_pass import ir_utils
+from conftest import sample
 
 
 def mesh():
@@ -284,3 +285,13 @@ def test_each_decline_names_its_cause(program, options, kind, code, says):
     assert sites and not result.report.rewritten, [s.summary_line() for s in result.report.sites]
     assert all(s.reason_code == code for s in sites), [s.summary_line() for s in sites]
     assert any(says in s.reason for s in sites), [s.reason for s in sites]
+
+
+def test_the_first_stage_of_a_two_stage_gather_says_the_second_has_the_ring():
+    """Issue 31 item 4: a weight gathered over one mesh axis, then the other: the stage the dot reads
+    is ringed; the first says it stays a plain gather ahead of that ring (not "feeds no dot")."""
+    result = cmatmul_pass.rewrite(sample("ag_two_stage").read_text())
+    first, second = result.report.sites
+    assert second.rewritten and second.ring_size == 4
+    assert first.reason_code == "two_stage" and not first.rewritten
+    assert "a second gather over other device groups" in first.reason and "does not nest" in first.reason

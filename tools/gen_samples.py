@@ -782,6 +782,18 @@ def scan_stacked(sliced_dim: int = 0) -> Callable[[], str]:
     return build
 
 
+def two_stage_gather() -> str:
+    """A weight sharded over both axes of a 2x4 mesh, gathered over 'data', then over 'model'."""
+    mesh = mesh_2x4()
+
+    def body(x, w):
+        w = gather(gather(w, "data", 1), "model", 1)
+        return x @ w
+
+    f = smap(body, mesh=mesh, in_specs=(P(), P(None, ("model", "data"))), out_specs=P())
+    return lower(f, arg(mesh, (16, 32), P()), arg(mesh, (32, 64), P(None, ("model", "data"))))
+
+
 def fsdp_tp(grad: bool) -> Callable[[], str]:
     """Two dense blocks on a 2x4 (data, model) mesh: weights sharded over 'data' (FSDP: gathered
     where used) and 'model' (tensor parallel), the sequence over 'model' (gathered before the up
@@ -1365,6 +1377,11 @@ SAMPLES_LIST = [
            sp_rms_norm_before_dot, "rewritten 2",
            ["CHECK: stablehlo.rsqrt", "CHECK-SAME: tensor<8x1xf32>", "CHECK: stablehlo.while",
             "CHECK-NOT: stablehlo.all_gather", "CHECK-NOT: stablehlo.reduce_scatter"]),
+    Sample("ag_two_stage", "a weight sharded over two mesh axes, gathered in two stages: the stage the dot reads "
+           "gets the ring; the first stays a plain gather ahead of it, and says so.",
+           two_stage_gather, "rewritten 1",
+           ['CHECK: "stablehlo.all_gather"', "CHECK-SAME: all_gather_dim = 1", "CHECK: stablehlo.collective_permute",
+            "CHECK-NOT: stablehlo.all_gather"]),
     Sample("ag_scan_stacked", "stacked layer weights gathered before a scan over layers: the gather sinks into the "
            "loop, each trip gathering the one layer it reads, and becomes a ring with the body's dot.",
            scan_stacked(0), "rewritten 1",
