@@ -30,6 +30,7 @@ from .rewrites.dot_reduce_scatter import halves_blocker, rewrite_dot_reduce_scat
 from .rewrites.schedule import Annotator, Applied, RewriteContext
 from .rewrites.sequence_parallel import Seed, carry_forward, move_gather_forward
 from .rewrites.sink import Hoisted, Sunk
+from .rewrites.stages import merge as merge_stages
 from .rewrites.sink import hoist as hoist_scatter
 from .rewrites.sink import feeds_a_loop, hoist_plan
 from .rewrites.sink import plan as sink_plan
@@ -307,9 +308,24 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
             report.sites.append(entry)
         gathers, deferred = _order_by_slack(gathers, info, options, source)
         gathered = {}
-        for op in gathers:
+        merged_away: set[int] = set()  # second stages merged into their first (by index in gathers)
+        for index, op in enumerate(gathers):
+            if index in merged_away:
+                continue
             gathered[id(op)] = len(report.sites)
             site = match_all_gather(op, info, assemble=options.assemble)
+            merged = _merge_stages(site, info, ctx, options)
+            if isinstance(merged, tuple):
+                new, outer = merged
+                merged_away.update(j for j in range(index + 1, len(gathers)) if gathers[j].operation == outer.operation)
+                where = ir_utils.render_location(outer.location, source)
+                outer.operation.erase()
+                op.operation.erase()
+                entry = apply(match_all_gather(new, info, assemble=options.assemble))
+                entry.notes.insert(0, f"merged with the second stage at {where}: one gather over both stages' groups "
+                                      f"(where it stood: declined [{site.code}])")
+                report.sites.append(entry)
+                continue
             moved = _move_gather(site, info, variance, ctx, source, options)
             sunk = _sink_gather(site, ctx, options) if moved is None else None
             if isinstance(sunk, Sunk):
@@ -329,6 +345,8 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
                 entry = apply(site)
                 if sunk:  # a gather feeding a loop that could not take it: say what stopped it
                     entry.reason += f"; not sunk into the loop: {sunk}"
+                if merged:
+                    entry.reason += f"; not merged with it: {merged}"
                 report.sites.append(entry)
                 continue
             for m in moved.materialised:  # each now read by dots: an all_gather → dot site
@@ -505,6 +523,15 @@ def _move_gather(site: Site, info: ModuleInfo, variance: Variance, ctx: RewriteC
     dim = ir_utils.int_attr(site.anchor.operation, "all_gather_dim")
     seed = Seed(site.anchor, ring, region, dim, -1)
     return move_gather_forward(seed, variance, ctx.take_channel, ctx.constants, source)
+
+
+def _merge_stages(site: Site, info: ModuleInfo, ctx: RewriteContext, options: Options):
+    """The first stage of a two-stage gather: merge the stages into one gather
+    (:mod:`.rewrites.stages`), whose ring then covers both.  (new gather, second stage), why not,
+    or None.  Only under ``policy="all"``."""
+    if not isinstance(site, DeclinedSite) or site.code != "two_stage" or options.policy != "all":
+        return None
+    return merge_stages(site.anchor, info, ctx.take_channel)
 
 
 def _sink_gather(site: Site, ctx: RewriteContext, options: Options) -> Sunk | str | None:

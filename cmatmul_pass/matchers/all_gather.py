@@ -263,7 +263,7 @@ def _no_dot(tree: _Tree, ag: ir.OpView, n: int) -> Decline:
         return Decline("two_stage", f"the gathered value feeds {describe_op(outer)}, a second gather over other device "
                                     "groups (a weight sharded over two mesh axes, gathered in two stages): that stage, "
                                     "whose value the dot reads, takes the ring, and this one stays a plain gather "
-                                    "ahead of it; the pass does not nest the two rings")
+                                    "ahead of it, unless the two merge into one gather (--policy all)")
     dot = next(filter(None, (causes.find_near(u.value, True, lambda op: op.operation.name == DOT) for u in leaves)),
                None)
     if dot is None:
