@@ -307,3 +307,19 @@ def test_two_stages_along_one_dim_merge_into_one_ring_over_both_axes():
     from cmatmul_pass import execute
     outcome = execute.check_numerics(ir_utils.parse(text), result.module)
     assert outcome.ok, outcome.format()
+
+
+def test_two_stages_along_different_dims_stay_apart_and_say_why():
+    m = jax.make_mesh((2, 4), ("data", "model"))
+
+    def body(x, w):
+        w = jax.lax.all_gather(jax.lax.all_gather(w, "data", axis=0, tiled=True), "model", axis=1, tiled=True)
+        return x @ w
+
+    f = smap(body, m, (P(), P("data", "model")), P())
+    text = jax.jit(f).lower(arg(m, (16, 32), P()), arg(m, (32, 64), P("data", "model"))).as_text()
+    result = cmatmul_pass.rewrite(text)
+    first, second = result.report.sites
+    assert second.rewritten and second.ring_size == 4
+    assert first.reason_code == "two_stage" and first.reason.endswith(
+        "not merged with it: the two stages gather along different dims")
