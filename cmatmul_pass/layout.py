@@ -103,18 +103,34 @@ def _map_dim(op: ir.OpView, dim: int, parts: int, forward: bool) -> int:
     return dim
 
 
+@dataclass(frozen=True, eq=False)
+class Sliced:
+    """An elementwise op's operand that differs from block to block along the ring dim (a per-row
+    factor between a dot and its scatter): each block reads that block of it.  Valid where the op
+    is applied to each device's own product before the sum, as the scatter side's path is:
+    ``f(P_d, s_d)[b] = f(P_d[b], s_d[b])`` on every device ``d``."""
+
+    value: ir.Value
+
+
 @dataclass(eq=False)
 class LayoutStep:
     """One layout op on the ring's path, with the ring dimension before (``in_dim``) and after (``out_dim``).
 
-    An elementwise op's ``sources``, per operand: None for the value on the path, or the op
+    An elementwise op's ``sources``, per operand: None for the value on the path, the op
     producing an operand that is the same in every block along the ring dim (a broadcast that
-    does not vary along it, a splat constant), rebuilt at block size for each block."""
+    does not vary along it, a splat constant), rebuilt at block size for each block, or a
+    :class:`Sliced` operand, of which each block reads its own block."""
 
     op: ir.OpView
     in_dim: int
     out_dim: int
-    sources: tuple[ir.OpView | None, ...] = ()
+    sources: tuple[ir.OpView | Sliced | None, ...] = ()
+
+    @property
+    def slices(self) -> bool:
+        """Does :meth:`apply` need the block's place (a :class:`Sliced` operand)?"""
+        return any(isinstance(source, Sliced) for source in self.sources)
 
     @property
     def name(self) -> str:
@@ -131,8 +147,10 @@ class LayoutStep:
         t = ir.RankedTensorType(self.op.result.type)
         return ir_utils.with_dim(t, self.out_dim, t.shape[self.out_dim] // parts)
 
-    def apply(self, value: ir.Value, parts: int) -> ir.Value:
-        """The op applied to one block ``value`` (built at the current insertion point, at the op's location)."""
+    def apply(self, value: ir.Value, parts: int, block_of_sliced=None) -> ir.Value:
+        """The op applied to one block ``value`` (built at the current insertion point, at the op's
+        location); ``block_of_sliced(operand, dim, width)``: that block of a :class:`Sliced`
+        operand (the caller knows which block it computes)."""
         op, loc = self.op, self.op.location
         name = op.operation.name
         if name == "sdy.sharding_constraint":
@@ -145,8 +163,17 @@ class LayoutStep:
         if name == "stablehlo.reshape":
             return hlo.ReshapeOp(out_t, value, loc=loc).result
         if name in ELEMENTWISE_OPS:
-            operands = [value if source is None else block_of(source, self.out_dim, parts, loc)
-                        for source in self.sources]
+            width = ir.RankedTensorType(op.result.type).shape[self.out_dim] // parts
+            operands = []
+            for source in self.sources:
+                if source is None:
+                    operands.append(value)
+                elif isinstance(source, Sliced):
+                    if block_of_sliced is None:
+                        raise AssertionError(f"{name} reads an operand per block: the caller must say which block")
+                    operands.append(block_of_sliced(source.value, self.out_dim, width))
+                else:
+                    operands.append(block_of(source, self.out_dim, parts, loc))
             attributes = {a.name: a.attr for a in op.operation.attributes}
             return ir.Operation.create(name, results=[out_t], operands=operands, attributes=attributes, loc=loc).result
         raise AssertionError(f"not a layout op: {name}")
@@ -154,7 +181,7 @@ class LayoutStep:
     @property
     def source_ops(self) -> list[ir.OpView]:
         """The ops whose blocks :meth:`apply` rebuilds (an elementwise op's other operands')."""
-        return [source for source in self.sources if source is not None]
+        return [source for source in self.sources if source is not None and not isinstance(source, Sliced)]
 
 
 def path_sources(steps) -> list[ir.OpView]:
@@ -163,14 +190,25 @@ def path_sources(steps) -> list[ir.OpView]:
     return list({source.operation: source for step in steps for source in step.source_ops}.values())
 
 
-def elementwise_step(op: ir.OpView, value: ir.Value, dim: int) -> LayoutStep:
+def elementwise_step(op: ir.OpView, value: ir.Value, dim: int, sliced: bool = False) -> LayoutStep:
     """``op`` (elementwise, :data:`ELEMENTWISE_OPS`) on the ring's path: ``value`` is the path's
     value at the op and ``dim`` its ring dim.  Every other operand must be the same in every
-    block along ``dim`` (:func:`invariant_source`), or :class:`Decline` (``layout``)."""
+    block along ``dim`` (:func:`invariant_source`), or :class:`Decline` (``layout``); with
+    ``sliced`` (the scatter side, where the op runs on each device's own product) one that is
+    not is read block by block (:class:`Sliced`)."""
     _shapes(op)  # static shapes, or Decline
-    sources = tuple(None if operand == value else invariant_source(op, operand, dim)
-                    for operand in op.operation.operands)
-    return LayoutStep(op, dim, dim, sources)
+    sources = []
+    for operand in op.operation.operands:
+        if operand == value:
+            sources.append(None)
+            continue
+        try:
+            sources.append(invariant_source(op, operand, dim))
+        except Decline:
+            if not sliced:
+                raise
+            sources.append(Sliced(operand))
+    return LayoutStep(op, dim, dim, tuple(sources))
 
 
 def path_operand(op: ir.OpView, dim: int) -> ir.Value | None:

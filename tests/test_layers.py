@@ -336,7 +336,7 @@ def test_row_wise_ops_the_ring_cannot_apply_per_shard_move_the_gather_to_the_dot
 @pytest.mark.parametrize("prepare, through, rewritten", [
     (lambda y, s, c, r: y * s[0], ["multiply"], True),  # a per-tensor scale of each device's product
     (lambda y, s, c, r: jnp.tanh(y + c[None, :]), ["add", "tanh"], True),  # a per-column bias, an activation
-    (lambda y, s, c, r: y * r[:, None], None, False),  # a per-row scale differs from block to block
+    (lambda y, s, c, r: y * r[:, None], ["multiply"], True),  # a per-row scale: each block reads its rows of it
 ])
 def test_elementwise_ops_between_dot_and_scatter_are_applied_per_block(prepare, through, rewritten, variant):
     """Each device's product goes through the op before the sum, in the original and in the ring:

@@ -98,3 +98,89 @@ def test_policy_auto_never_moves_a_gather_it_then_leaves():
     text = sample("ag_norm_dot").read_text()
     result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(policy="auto"))
     assert not result.report.rewritten and unchanged(text, result)
+
+
+# ------------------------------------------------------------------ the scatter side: per-row factors
+def row_factor_program(kind: str, repeat: int = 1) -> str:
+    """``psum_scatter`` (or ``psum``) of a row-sharded product times a per-row factor: a replicated
+    vector ``s`` (``scale``), or the row's RMS of this device's own columns (``rms``: a factor that
+    differs from device to device as well)."""
+    mesh = jax.make_mesh((8,), ("model",))
+
+    def body(a, w, s):
+        p = a @ w
+        p = p * (s[:, None] if kind in ("scale", "psum") else
+                 jax.lax.rsqrt(jnp.mean(a * a, axis=-1, keepdims=True) + 1e-6))
+        if kind == "psum":
+            return jax.lax.psum(p, "model")
+        return jax.lax.psum_scatter(p, "model", scatter_dimension=0, tiled=True)
+
+    out = P() if kind == "psum" else P("model", None)
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "model"), P("model", None), P()), out_specs=out,
+                      check_vma=False)
+    g = (lambda *xs: [f(*xs) for _ in range(repeat)]) if repeat > 1 else f
+    args = [jax.ShapeDtypeStruct((64, 128), jnp.float32, sharding=NamedSharding(mesh, P(None, "model"))),
+            jax.ShapeDtypeStruct((128, 32), jnp.float32, sharding=NamedSharding(mesh, P("model", None))),
+            jax.ShapeDtypeStruct((64,), jnp.float32)]
+    return jax.jit(g).lower(*args).as_text()
+
+
+@pytest.mark.parametrize("variant", ["uni", "unroll2", "full", "bidi", "bidi-full"])
+@pytest.mark.parametrize("kind", ["scale", "rms"])
+def test_a_per_row_factor_between_the_dot_and_the_scatter_is_read_block_by_block(kind, variant):
+    """f(P_d, s_d)[b] = f(P_d[b], s_d[b]) on every device d: each ring block multiplies its rows of
+    the product by those rows of the factor, before the sum travels on."""
+    text = row_factor_program(kind)
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant=variant))
+    (site,) = result.report.sites
+    assert site.rewritten, site.summary_line()
+    assert not ir_utils.ops_named(result.module, "stablehlo.reduce_scatter")["stablehlo.reduce_scatter"]
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()
+
+
+@pytest.mark.parametrize("strategy", ["split", "chunk"])
+def test_a_psum_with_a_per_row_factor_splits_or_chunks(strategy):
+    text = row_factor_program("psum")
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant="uni", all_reduce=strategy, chunks=4))
+    (site,) = result.report.sites
+    assert site.rewritten and site.all_reduce["strategy"] == strategy
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()
+
+
+@pytest.mark.parametrize("prepare, extra", [
+    (lambda y, b: y + b[None, :], (32,)),  # scattered along dim 1: a per-column bias varies along it
+    (lambda y, b: y + b[:, None], (64,)),  # a per-row bias
+    (lambda y, r: y + r, (64, 32)),  # a residual, an argument of the region
+    (lambda y, r: y * r[:, None], (64,)),  # a per-row scale
+], ids=["bias_along_dim1", "row_bias", "residual", "row_scale"])
+def test_a_bias_or_residual_varying_along_the_scattered_dim_is_added_block_by_block(prepare, extra):
+    """The original adds it on every device before the sum; so does the ring, block by block:
+    sum_d (P_d + r_d)[b] = sum_d (P_d[b] + r_d[b])."""
+    dim = 1 if extra == (32,) else 0
+    mesh = jax.make_mesh((8,), ("model",))
+
+    def body(a, w, r):
+        return jax.lax.psum_scatter(prepare(a @ w, r), "model", scatter_dimension=dim, tiled=True)
+
+    out = P(None, "model") if dim else P("model", None)
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "model"), P("model", None), P()), out_specs=out,
+                      check_vma=False)
+    text = jax.jit(f).lower(jax.ShapeDtypeStruct((64, 128), jnp.float32, sharding=NamedSharding(mesh, P(None, "model"))),
+                            jax.ShapeDtypeStruct((128, 32), jnp.float32, sharding=NamedSharding(mesh, P("model", None))),
+                            jax.ShapeDtypeStruct(extra, jnp.float32)).as_text()
+    for variant in ("uni", "bidi-full"):
+        result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant=variant))
+        (site,) = result.report.sites
+        assert site.rewritten, site.summary_line()
+        outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+        assert outcome.ok, outcome.format()
+
+
+def test_repeated_sites_with_a_per_row_factor_share_a_ring():
+    text = row_factor_program("scale", repeat=3)
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant="uni"))
+    assert len(result.report.rewritten) == 3 and sum(1 for s in result.report.rewritten if s.shared_ring) == 2
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()

@@ -182,11 +182,14 @@ def trace_product(
             break
         if is_elementwise(owner):  # a scale or a bias on each device's product, before the sum
             through = path_operand(owner, dim)
-            if through is None and owner.operation.name == "stablehlo.add":
-                break  # a sum of products: the terms
-            if through is None:
-                raise _several_vary(owner, dim)
-            path.insert(0, elementwise_step(owner, through, dim))
+            sliced = through is None
+            if sliced:  # a per-row factor or bias: each block of the product with that block of it
+                through = _toward_a_dot(owner)
+                if through is None and owner.operation.name == "stablehlo.add":
+                    break  # a sum of products: the terms
+                if through is None:
+                    raise _several_vary(owner, dim)
+            path.insert(0, elementwise_step(owner, through, dim, sliced=sliced))
             value = through
             continue
         if not is_layout_op(owner):
@@ -198,6 +201,25 @@ def trace_product(
     dots = _sum_leaves(owner, adds, dim)
     terms = tuple(_term(dot, dim, anchor, info, ring) for dot in dots)
     return terms, tuple(adds), tuple(path)
+
+
+def _toward_a_dot(op: ir.OpView) -> ir.Value | None:
+    """The one operand of an elementwise ``op`` whose value comes, read by nothing else, from a
+    dot_general through layout and elementwise ops (the product the ring computes block by
+    block; the others are read per block); None unless exactly one does."""
+    found = [v for v in op.operation.operands if _single_use_product(v, 0)]
+    return found[0] if len(found) == 1 else None
+
+
+def _single_use_product(value: ir.Value, depth: int) -> bool:
+    if depth > 16 or isinstance(value.owner, ir.Block) or len(list(value.uses)) != 1:
+        return False
+    owner = value.owner
+    if owner.operation.name == "stablehlo.dot_general":
+        return True
+    if is_layout_op(owner) or is_elementwise(owner):
+        return any(_single_use_product(v, depth + 1) for v in owner.operation.operands)
+    return False
 
 
 def _sum_leaves(op: ir.OpView, adds: list[ir.OpView], dim: int) -> list[ir.OpView]:

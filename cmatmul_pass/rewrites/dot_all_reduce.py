@@ -102,8 +102,8 @@ def chunk_all_reduce(site: AllReduceSite, ctx: RewriteContext, chunks: int) -> A
                 product = ctx.annotator.dot(compute, term.dot, piece_t, args[0], args[1], 1)
                 dots.append(product.owner)
                 total = product if total is None else b.add(total, product)
-            for step in site.path:
-                total = step.apply(total, chunks)
+            for step in site.path:  # a per-row factor: this chunk's rows of it
+                total = step.apply(total, chunks, lambda v, d, w, i=i: b.slice(v, d, i * w, w))
             ctx.annotator.group(previous, dots)  # the previous chunk's sum overlaps these dots
             channels.append(ctx.take_channel())
             previous = all_reduce_like(ar, total, channels[-1], ar.location)

@@ -98,8 +98,15 @@ def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> 
         for term in site.terms:  # the dots of the sum, block by block, added in the same order
             product = term_piece(term, block, half, stream, dots)
             total = product if total is None else loop_b.at(rs.location).add(total, product)
+        def block_of_sliced(operand: ir.Value, dim: int, width: int) -> ir.Value:  # as term_piece's offset
+            compute = loop_b.at(rs.location)
+            offset = compute.scaled(block, width * (parts // n))
+            if half:
+                offset = compute.add(offset, compute.index(width))
+            return compute.dynamic_slice(operand, dim, offset, width)
+
         for step in site.path:
-            total = step.apply(total, parts)
+            total = step.apply(total, parts, block_of_sliced)
         return total
 
     def round_fn(rnd: Round, accs: list[ir.Value]) -> list[ir.Value]:
