@@ -225,3 +225,40 @@ def test_a_training_step_scatters_each_layers_gradient_in_the_backward_loop():
     assert not left["stablehlo.all_gather"] and not left["stablehlo.reduce_scatter"]
     outcome = execute.check_numerics(ir_utils.parse(text), result.module)
     assert outcome.ok, outcome.format()
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_an_fsdp_tp_lm_step_over_a_scan(remat):
+    """A training step of SP MLP layers under a scan on a 2x4 mesh: the weights FSDP-sharded over
+    'data' (gathered before the scan), the rows over 'model' (gathered and scattered in the body,
+    inside jax's @closed_call). The sequence-parallel rings form in the body's function; the stacked
+    weights' gathers sink into both loops (one layer alive at a time); the body's function, holding
+    collectives of its own, is not inlined, so those layer gathers stay plain, and say so."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    layers, hidden, ffn, tokens = 3, 32, 64, 32
+
+    def block(x, w1s, w2s):
+        w1f = jax.lax.all_gather(w1s, "data", axis=1, tiled=True)
+        w2f = jax.lax.all_gather(w2s, "data", axis=2, tiled=True)
+
+        def step(h, ws):
+            w1, w2 = ws
+            y = jax.nn.gelu(jax.lax.all_gather(h, "model", axis=0, tiled=True) @ w1)
+            return h + jax.lax.psum_scatter(y @ w2, "model", scatter_dimension=0, tiled=True), None
+
+        h, _ = jax.lax.scan(jax.checkpoint(step) if remat else step, x, (w1f, w2f))
+        return h
+
+    specs = (P(("data", "model"), None), P(None, "data", "model"), P(None, "model", "data"))
+    f = jax.shard_map(block, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)
+    args = [jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
+            for shape, spec in zip([(tokens * 2, hidden), (layers, hidden, ffn), (layers, ffn, hidden)], specs)]
+    text = jax.jit(jax.value_and_grad(lambda x, a, b: jnp.mean(f(x, a, b) ** 2), argnums=(1, 2))).lower(*args).as_text()
+    result = cmatmul_pass.rewrite(text)
+    sunk = [s for s in result.report.sites if s.notes and s.notes[0].startswith("sunk into the loops")]
+    assert len(sunk) == 4  # two stacked weights, each gathered in the forward's and the backward's loop
+    assert all("holds" in s.reason or "func.call" in s.reason for s in sunk if not s.rewritten)
+    rings = [s for s in result.report.rewritten if s.function.startswith("closed_call")]
+    assert {s.kind for s in rings} == {"all_gather_dot", "dot_reduce_scatter"}
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()

@@ -243,8 +243,8 @@ def _product_of(op: ir.OpView) -> ir.Value | None:
     """The dot_general result ``op`` is computed from, if one is (for saying what a value is)."""
     for result in op.operation.results:  # a loop's, a call's: several
         dot = causes.find_near(result, False, lambda o: o.operation.name == "stablehlo.dot_general")
-        if dot is not None:
-            return dot.result
+        if dot is not None:  # the dot, or a call of a function holding one (its results: several)
+            return dot.operation.results[0]
     return None
 
 

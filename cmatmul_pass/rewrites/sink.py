@@ -178,13 +178,22 @@ class _Functions:
             module = module.parent
         self.module = module
         self.by_name = {ir_utils.symbol_name(f): f for f in ir_utils.ops_named(module, "func.func")["func.func"]}
+        self._collectives: dict[str, bool] = {}
 
     def callee(self, call: ir.OpView) -> ir.OpView | None:
-        f = self.by_name.get(ir.FlatSymbolRefAttr(call.attributes["callee"]).value)
+        """The private one-block function ``call`` calls, if it holds no collective: inlining
+        one would erase ops the pass has already collected (and met again as clones)."""
+        name = ir.FlatSymbolRefAttr(call.attributes["callee"]).value
+        f = self.by_name.get(name)
         if f is None or len(f.regions[0].blocks) != 1:
             return None
         visibility = f.attributes["sym_visibility"] if "sym_visibility" in f.attributes else None
-        return f if visibility is not None and ir.StringAttr(visibility).value == "private" else None
+        if visibility is None or ir.StringAttr(visibility).value != "private":
+            return None
+        if name not in self._collectives:
+            found = ir_utils.ops_named(f, *ir_utils.CHANNEL_OPS)
+            self._collectives[name] = any(found[n] for n in ir_utils.CHANNEL_OPS)
+        return None if self._collectives[name] else f
 
 
 def _read_by_slices(value: ir.Value, dim: int, full: int, calls: list, functions: _Functions,
@@ -205,7 +214,7 @@ def _read_by_slices(value: ir.Value, dim: int, full: int, calls: list, functions
         if user.name == CALL:
             callee = functions.callee(user.opview)
             if callee is None:
-                return "it is passed to a function that is not a private one-block func.func"
+                return "it is passed to a function that is not a private one-block func.func without collectives"
             calls.append(user.opview)
             param = callee.regions[0].blocks[0].arguments[use.operand_number]
             why = _read_by_slices(param, dim, full, calls, functions, depth=depth + 1)
