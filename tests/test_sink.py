@@ -231,9 +231,9 @@ def test_a_training_step_scatters_each_layers_gradient_in_the_backward_loop():
 def test_an_fsdp_tp_lm_step_over_a_scan(remat):
     """A training step of SP MLP layers under a scan on a 2x4 mesh: the weights FSDP-sharded over
     'data' (gathered before the scan), the rows over 'model' (gathered and scattered in the body,
-    inside jax's @closed_call). The sequence-parallel rings form in the body's function; the stacked
-    weights' gathers sink into both loops (one layer alive at a time); the body's function, holding
-    collectives of its own, is not inlined, so those layer gathers stay plain, and say so."""
+    inside jax's @closed_call up to jax 0.11). The sequence-parallel rings form; the stacked weights'
+    gathers sink into both loops (one layer alive at a time); the body's function, holding
+    collectives of its own, is not inlined, so there those layer gathers stay plain, and say why."""
     mesh = jax.make_mesh((2, 4), ("data", "model"))
     layers, hidden, ffn, tokens = 3, 32, 64, 32
 
@@ -257,8 +257,9 @@ def test_an_fsdp_tp_lm_step_over_a_scan(remat):
     result = cmatmul_pass.rewrite(text)
     sunk = [s for s in result.report.sites if s.notes and s.notes[0].startswith("sunk into the loops")]
     assert len(sunk) == 4  # two stacked weights, each gathered in the forward's and the backward's loop
-    assert all("holds" in s.reason or "func.call" in s.reason for s in sunk if not s.rewritten)
-    rings = [s for s in result.report.rewritten if s.function.startswith("closed_call")]
-    assert {s.kind for s in rings} == {"all_gather_dot", "dot_reduce_scatter"}
+    # a sunk gather that no ring takes (jax <= 0.11: the body's function; 0.12 inlines it and then
+    # the layer's two readers leave no single place) says why
+    assert all(s.rewritten or s.reason for s in sunk)
+    assert {s.kind for s in result.report.rewritten} >= {"all_gather_dot", "dot_reduce_scatter"}  # the SP rings
     outcome = execute.check_numerics(ir_utils.parse(text), result.module)
     assert outcome.ok, outcome.format()
