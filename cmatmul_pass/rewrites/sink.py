@@ -46,7 +46,6 @@ class Loop:
 
     op: ir.OpView
     operand: int
-    calls: list[ir.OpView] = field(default_factory=list)  # in its body, to inline (outermost first)
 
 
 @dataclass
@@ -138,7 +137,7 @@ def _loops_reading(value: ir.Value, dim: int, full: int, handoffs: list[Handoff]
         if list(while_op.results[k].uses):
             return "it is read after the loop"
         loop = Loop(while_op, k)
-        why = _read_by_slices(body.arguments[k], dim, full, loop.calls, _Functions(while_op), _terminator(body))
+        why = _read_by_slices(body.arguments[k], dim, full, _Functions(while_op), _terminator(body))
         if why:
             return why
         loops.append(loop)
@@ -196,10 +195,10 @@ class _Functions:
         return None if self._collectives[name] else f
 
 
-def _read_by_slices(value: ir.Value, dim: int, full: int, calls: list, functions: _Functions,
+def _read_by_slices(value: ir.Value, dim: int, full: int, functions: _Functions,
                     passes: ir.Operation | None = None, depth: int = 0) -> str | None:
     """None when every reader of ``value`` is a dynamic_slice keeping ``dim`` whole, directly or
-    in a private function it is passed to (recorded in ``calls``), or ``passes`` (the loop
+    in a private function it is passed to (which :func:`sink` inlines), or ``passes`` (the loop
     body's terminator, handing it to the next trip unchanged); else why not."""
     if depth > 8:
         return "it is passed through more than 8 nested calls"
@@ -215,9 +214,8 @@ def _read_by_slices(value: ir.Value, dim: int, full: int, calls: list, functions
             callee = functions.callee(user.opview)
             if callee is None:
                 return "it is passed to a function that is not a private one-block func.func without collectives"
-            calls.append(user.opview)
             param = callee.regions[0].blocks[0].arguments[use.operand_number]
-            why = _read_by_slices(param, dim, full, calls, functions, depth=depth + 1)
+            why = _read_by_slices(param, dim, full, functions, depth=depth + 1)
             if why:
                 return why
             continue
