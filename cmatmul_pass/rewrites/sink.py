@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from .. import ir_utils
 from .._jax_private import hlo, ir
 from ..layout import is_layout_op
+from .builders import zeros_attr
 from .dot_all_reduce import sum_region
 
 WHILE, CALL, SLICE = "stablehlo.while", "func.call", "stablehlo.dynamic_slice"
@@ -54,7 +55,6 @@ class Sunk:
 
     all_gathers: list[ir.OpView]
     loops: list[ir.OpView]
-    inlined: list[str]
     handed: int = 0  # regions the shard is handed to instead of the stack (a backward)
 
 
@@ -99,17 +99,25 @@ def feeds_a_loop(all_gather: ir.OpView) -> bool:
         region = owner.parent if owner.name == RETURN else None
         if region is None or region.name != MANUAL:
             continue
-        values = [region.results[use.operand_number]]
-        while values:
-            for handed in values.pop().uses:
-                user = handed.owner.operation
-                if user.name == CONSTRAINT:
-                    values.append(user.results[0])
-                elif user.name == MANUAL and any(
-                        u.owner.operation.name == WHILE
-                        for u in user.regions[0].blocks[0].arguments[handed.operand_number].uses):
-                    return True
+        if any(u.owner.operation.name == WHILE for reader, index in _handed_to(region.results[use.operand_number], [])
+               if reader.name == MANUAL for u in reader.regions[0].blocks[0].arguments[index].uses):
+            return True
     return False
+
+
+def _handed_to(value: ir.Value, constraints: list[ir.Operation]) -> list[tuple[ir.Operation, int]]:
+    """The (op, operand index) reading a region's result ``value`` past the sharding constraints
+    on it (jax 0.11+ puts one there; collected into ``constraints``)."""
+    readers, values = [], [value]
+    while values:
+        for use in values.pop().uses:
+            user = use.owner.operation
+            if user.name == CONSTRAINT:
+                constraints.append(user)
+                values.append(user.results[0])
+            else:
+                readers.append((user, use.operand_number))
+    return readers
 
 
 def _loops_reading(value: ir.Value, dim: int, full: int, handoffs: list[Handoff] | None) -> list[Loop] | str:
@@ -148,22 +156,14 @@ def _handoff(ret: ir.Operation, operand: int, dim: int, full: int, handoffs: lis
     region = ret.parent
     if region is None or region.name != MANUAL:
         return f"it is also read by {ret.name}"
-    targets, constraints = [], []
-    values = [region.results[operand]]
-    while values:
-        for use in values.pop().uses:
-            user = use.owner.operation
-            if user.name == CONSTRAINT:  # on the global value: it keeps its sharding, takes the new type
-                constraints.append(user)
-                values.append(user.results[0])
-                continue
-            if user.name != MANUAL:
-                return f"it leaves its shard_map region for {user.name}"
-            arg = user.regions[0].blocks[0].arguments[use.operand_number]
-            loops = _loops_reading(arg, dim, full, None)
-            if isinstance(loops, str):
-                return f"it leaves its region for a later one (a training step's backward), where {loops}"
-            targets.append((user.opview, use.operand_number, loops))
+    targets, constraints = [], []  # the constraints: on the global value, it keeps its sharding, takes the new type
+    for reader, index in _handed_to(region.results[operand], constraints):
+        if reader.name != MANUAL:
+            return f"it leaves its shard_map region for {reader.name}"
+        loops = _loops_reading(reader.regions[0].blocks[0].arguments[index], dim, full, None)
+        if isinstance(loops, str):
+            return f"it leaves its region for a later one (a training step's backward), where {loops}"
+        targets.append((reader.opview, index, loops))
     handoffs.append(Handoff(region.opview, operand, targets, constraints))
     return None
 
@@ -230,7 +230,7 @@ def sink(all_gather: ir.OpView, where: Plan, take_channel) -> Sunk:
     dim = ir_utils.int_attr(all_gather.operation, "all_gather_dim")
     shard = all_gather.operation.operands[0]
     n = ir.RankedTensorType(all_gather.result.type).shape[dim] // ir.RankedTensorType(shard.type).shape[dim]
-    sunk = Sunk([], [], [])
+    sunk = Sunk([], [])
     functions = _Functions(all_gather)
     for handoff in where.handoffs:
         terminator = _terminator(handoff.region.regions[0].blocks[0])
@@ -248,7 +248,7 @@ def sink(all_gather: ir.OpView, where: Plan, take_channel) -> Sunk:
     all_gather.operation.erase()
     for i, gathered in enumerate(sunk.all_gathers):  # the calls between each new gather and its dot
         while (call := _call_reached(gathered.result, functions)) is not None:
-            sunk.inlined.append(inline(call, functions))
+            inline(call, functions)
         sunk.all_gathers[i] = _past_barrier(gathered)
     return sunk
 
@@ -309,7 +309,7 @@ def _sink_loops(loops: list[Loop], shard: ir.Value, template: ir.OpView, dim: in
             call = _call_of(body.arguments[loop.operand], functions)
             if call is None:
                 break
-            sunk.inlined.append(inline(call, functions))
+            inline(call, functions)
         new = _retyped_loop(loop.op, loop.operand)
         sunk.loops.append(new)
         carried = new.regions[1].blocks[0].arguments[loop.operand]
@@ -366,8 +366,8 @@ def inline(call: ir.OpView, functions: _Functions) -> str:
     for old, new in zip(call.operation.results, returned):
         old.replace_all_uses_with(new)
     call.operation.erase()
-    if not ir_utils.ops_named(functions.module, CALL)[CALL] or not any(
-            ir.FlatSymbolRefAttr(c.attributes["callee"]).value == name for c in ir_utils.ops_named(functions.module, CALL)[CALL]):
+    if not any(ir.FlatSymbolRefAttr(c.attributes["callee"]).value == name
+               for c in ir_utils.ops_named(functions.module, CALL)[CALL]):
         callee.operation.erase()
         del functions.by_name[name]
     return name
@@ -444,7 +444,6 @@ class Hoist:
 class Hoisted:
     reduce_scatters: list[ir.OpView]  # in the loop body, one per layer update
     loop: ir.OpView
-    inlined: list[str]
 
 
 def hoist_plan(reduce_scatter: ir.OpView) -> Hoist | str | None:
@@ -468,17 +467,16 @@ def hoist_plan(reduce_scatter: ir.OpView) -> Hoist | str | None:
     update = _single_update(body.arguments[k], _terminator(body), k, functions)
     if isinstance(update, str):
         return update
-    start, inner = update
-    sizes = ir.RankedTensorType(inner.operation.operands[1].type).shape
+    sizes = ir.RankedTensorType(update.operation.operands[1].type).shape
     if sizes[dim] != full:
         return f"the loop writes blocks of the scattered dim {dim}, not whole layers"
     return Hoist(reduce_scatter, loop, k)
 
 
 def _single_update(arg: ir.Value, terminator: ir.Operation, k: int, functions: _Functions):
-    """(the body op writing the buffer, the dynamic_update_slice doing it: itself or inside the
-    private function it calls) when the body's only use of the buffer ``arg`` is one update
-    whose result the body returns at ``k``; else why not."""
+    """The dynamic_update_slice writing the buffer ``arg`` (the body's op, or inside the private
+    function it calls) when the body's only use of it is one update whose result the body returns
+    at ``k``; else why not."""
     uses = [u for u in arg.uses]
     if len(uses) != 1:
         return "the loop body reads the stacked buffer other than by one update per trip"
@@ -486,13 +484,10 @@ def _single_update(arg: ir.Value, terminator: ir.Operation, k: int, functions: _
     if len(user.results) != 1 or terminator.operands[k] != user.results[0]:
         return "the loop body returns something else than its update of the stacked buffer"
     if user.name == DUS and uses[0].operand_number == 0:
-        return user.opview, user.opview
+        return user.opview
     if user.name == CALL and uses[0].operand_number == 0 and (callee := functions.callee(user.opview)) is not None:
         block = callee.regions[0].blocks[0]
-        inner = _single_update(block.arguments[0], _terminator(block), 0, functions)
-        if isinstance(inner, str):
-            return inner
-        return user.opview, inner[1]
+        return _single_update(block.arguments[0], _terminator(block), 0, functions)
     return f"the loop body writes the stacked buffer with {user.name}"
 
 
@@ -520,15 +515,13 @@ def hoist(where: Hoist, take_channel) -> Hoisted:
     result replaces the reduce_scatter."""
     rs, loop, k = where.reduce_scatter, where.loop, where.operand
     functions = _Functions(loop)
-    inlined: list[str] = []
     body = loop.regions[1].blocks[0]
     first = list(body.arguments[k].uses)[0].owner.operation
     if first.name == CALL:
-        inlined.append(inline(first.opview, functions))
+        inline(first.opview, functions)
     block_t = ir.RankedTensorType(rs.result.type)
     with ir.InsertionPoint(loop.operation):
-        zeros = hlo.ConstantOp(ir.DenseElementsAttr.get_splat(block_t, _zero_of(block_t.element_type)),
-                               loc=loop.location).result
+        zeros = hlo.ConstantOp(zeros_attr(block_t), loc=loop.location).result
     dim = ir_utils.int_attr(rs.operation, "scatter_dimension")
     n = ir.RankedTensorType(rs.operation.operands[0].type).shape[dim] // block_t.shape[dim]
     loop.operation.replace_uses_of_with(loop.operation.operands[k], zeros)
@@ -552,10 +545,9 @@ def hoist(where: Hoist, take_channel) -> Hoisted:
         original.owner.operation.erase()
     rs.operation.erase()
     loop.operation.erase()
-    reached = []
     while (call := _call_feeding(scattered.operation.operands[0], functions)) is not None:
-        reached.append(inline(call, functions))
-    return Hoisted([scattered], new, inlined + reached)
+        inline(call, functions)
+    return Hoisted([scattered], new)
 
 
 def _as_reshape(value: ir.Value) -> ir.Value:
@@ -573,12 +565,6 @@ def _as_reshape(value: ir.Value) -> ir.Value:
         return value
     with ir.InsertionPoint(owner.operation):
         return hlo.ReshapeOp(after, source, loc=owner.location).result
-
-
-def _zero_of(element: ir.Type) -> ir.Attribute:
-    if isinstance(element, ir.IntegerType):
-        return ir.IntegerAttr.get(element, 0)
-    return ir.FloatAttr.get(element, 0.0)
 
 
 def _call_feeding(value: ir.Value, functions: _Functions) -> ir.OpView | None:
