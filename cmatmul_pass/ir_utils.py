@@ -120,6 +120,22 @@ def walk(op: ir.Operation | ir.OpView) -> list[ir.OpView]:
     return found[1:]
 
 
+def clone_mapped(ops, mapping: dict) -> list[ir.Operation]:
+    """Clone ``ops`` in order at the current insertion point, each clone (and the ops nested in
+    it) reading ``mapping[v]`` wherever the original read a value ``v`` that ``mapping`` holds;
+    ``mapping`` gains each original result's clone.  Returns the clones."""
+    clones = []
+    for op in ops:
+        clone = op.operation.clone().operation
+        for nested in [clone, *(inner.operation for inner in walk(clone))]:
+            for old in {v: None for v in nested.operands}:
+                if old in mapping:
+                    nested.replace_uses_of_with(old, mapping[old])
+        mapping.update(zip(op.operation.results, clone.results))
+        clones.append(clone)
+    return clones
+
+
 def ops_named(op: ir.Operation | ir.OpView, *names: str) -> dict[str, list[ir.OpView]]:
     """The operations of ``op``'s tree (``op`` included) with each of ``names``, in pre-order:
     one walk for all."""

@@ -122,13 +122,7 @@ class RingLibrary:
             entry = f.add_entry_block()
         mapping = dict(zip(pattern.inputs, entry.arguments))
         with ir.InsertionPoint(entry):
-            clones = {}
-            for op in pattern.ops:
-                clone = op.clone().operation  # its operands are still the site's values: remap them
-                for old in {v: None for v in op.operands}:
-                    clone.replace_uses_of_with(old, mapping[old])
-                mapping.update(zip(op.results, clone.results))
-                clones[op] = clone
+            clones = dict(zip(pattern.ops, ir_utils.clone_mapped(pattern.ops, mapping)))
             func.ReturnOp([mapping[v] for v in pattern.outputs], loc=loc)
         inner = match(clones[pattern.anchor.operation].opview)
         if _shape(inner) != _shape(site):  # defensive: the function must hold the same site

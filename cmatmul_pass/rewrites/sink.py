@@ -279,21 +279,13 @@ def _past_barrier(gathered: ir.OpView) -> ir.OpView:
     with ir.InsertionPoint(user):
         barrier = hlo.OptimizationBarrierOp(operands, results=[v.type for v in operands], loc=user.location)
     with ir.InsertionPoint.after(barrier.operation):
-        mapping = {gathered.operation.operands[0]: barrier.results[index]}
-        moved = []
-        for op in chain:
-            clone = op.clone()
-            for old in {v: None for v in clone.operation.operands}:
-                if old in mapping:
-                    clone.operation.replace_uses_of_with(old, mapping[old])
-            mapping[op.results[0]] = clone.results[0]
-            moved.append(clone)
+        moved = ir_utils.clone_mapped(chain, {gathered.operation.operands[0]: barrier.results[index]})
     for i, (before, after) in enumerate(zip(user.results, barrier.results)):
         before.replace_all_uses_with(moved[-1].results[0] if i == index else after)
     user.erase()
     for op in reversed(chain):
         op.erase()
-    return moved[0].operation.opview
+    return moved[0].opview
 
 
 def _sink_loops(loops: list[Loop], shard: ir.Value, template: ir.OpView, dim: int, n: int, take_channel,
@@ -355,13 +347,7 @@ def inline(call: ir.OpView, functions: _Functions) -> str:
     mapping = dict(zip(block.arguments, call.operation.operands))
     ops = list(block.operations)
     with ir.InsertionPoint(call.operation):
-        for op in ops[:-1]:
-            clone = op.operation.clone()
-            for nested in [clone, *ir_utils.walk(clone)]:
-                for old in {v: None for v in nested.operation.operands}:
-                    if old in mapping:
-                        nested.operation.replace_uses_of_with(old, mapping[old])
-            mapping.update(zip(op.operation.results, clone.results))
+        ir_utils.clone_mapped(ops[:-1], mapping)
     returned = [mapping.get(v, v) for v in ops[-1].operation.operands]
     for old, new in zip(call.operation.results, returned):
         old.replace_all_uses_with(new)
