@@ -269,6 +269,13 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
         def apply(site: Site, opts: Options | None = None) -> SiteReport:
             return _apply(site, verify, ctx, source, opts or options, hw, predictions, (rings, rematch) if rings else None)
 
+        def apply_moved(new: Site, was: Site, how: str, *more: str) -> None:
+            """A collective the pass moved to its matmul (where ``was`` declined it), rewritten
+            there; its report says ``how``, and what more."""
+            entry = apply(new)
+            entry.notes[:0] = [f"{how} (where it stood: declined [{was.code}])", *more]
+            report.sites.append(entry)
+
         # psums of dots first: a split one leaves a reduce_scatter (ringed at once) and an
         # all_gather, carried forward to where its value is read whole, which the gathers'
         # pass below then finds.
@@ -296,11 +303,9 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
             if isinstance(hoisted, Hoisted):  # each layer's block scattered in the loop, ringed with its dot
                 where = ir_utils.render_location(hoisted.loop.location, source)
                 for scattered in hoisted.reduce_scatters:
-                    entry = apply(match_reduce_scatter(scattered, info))
-                    entry.notes.insert(0, f"hoisted into the loop at {where}: each trip scatters the layer it computes "
-                                          "into a buffer of this device's block, so the stacked gradient is never whole "
-                                          f"(where it stood: declined [{site.code}])")
-                    report.sites.append(entry)
+                    apply_moved(match_reduce_scatter(scattered, info), site,
+                                f"hoisted into the loop at {where}: each trip scatters the layer it computes into a "
+                                "buffer of this device's block, so the stacked gradient is never whole")
                 continue
             entry = apply(site)
             if hoisted:
@@ -321,25 +326,21 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
                 where = ir_utils.render_location(outer.location, source)
                 outer.operation.erase()
                 op.operation.erase()
-                entry = apply(match_all_gather(new, info, assemble=options.assemble))
-                entry.notes.insert(0, f"merged with the second stage at {where}: one gather over both stages' groups "
-                                      f"(where it stood: declined [{site.code}])")
-                report.sites.append(entry)
+                apply_moved(match_all_gather(new, info, assemble=options.assemble), site,
+                            f"merged with the second stage at {where}: one gather over both stages' groups")
                 continue
             moved = _move_gather(site, info, variance, ctx, source, options)
             sunk = _sink_gather(site, ctx, options) if moved is None else None
             if isinstance(sunk, Sunk):
                 where = ", ".join(dict.fromkeys(ir_utils.render_location(loop.location, source) for loop in sunk.loops))
+                handed = [f"the stack was also kept for {sunk.handed} later region(s) (a backward): they get the "
+                          "shard and gather each layer again, so the layers cross the wire once per loop instead of "
+                          "once (memory for bytes, as FSDP trades)"] if sunk.handed else []
                 for layer_gather in sunk.all_gathers:  # each now a gather of one layer, read by the body's dot
-                    entry = apply(match_all_gather(layer_gather, info, assemble=options.assemble))
-                    entry.notes.insert(0, f"sunk into the loop{'s' if len(sunk.loops) > 1 else ''} at {where}: each trip "
-                                          "gathers only the layer it reads, so one layer's gathered weight is alive "
-                                          f"instead of the whole stack (where it stood: declined [{site.code}])")
-                    if sunk.handed:
-                        entry.notes.insert(1, f"the stack was also kept for {sunk.handed} later region(s) (a backward): "
-                                              "they get the shard and gather each layer again, so the layers cross the "
-                                              "wire once per loop instead of once (memory for bytes, as FSDP trades)")
-                    report.sites.append(entry)
+                    apply_moved(match_all_gather(layer_gather, info, assemble=options.assemble), site,
+                                f"sunk into the loop{'s' if len(sunk.loops) > 1 else ''} at {where}: each trip gathers "
+                                "only the layer it reads, so one layer's gathered weight is alive instead of the whole "
+                                "stack", *handed)
                 continue
             if moved is None:
                 entry = apply(site)
@@ -350,10 +351,8 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
                 report.sites.append(entry)
                 continue
             for m in moved.materialised:  # each now read by dots: an all_gather → dot site
-                entry = apply(match_all_gather(m.all_gather, info, assemble=options.assemble))
-                entry.notes.insert(0, f"moved to its dot past {m.moved_ops} row-wise op(s), which now run on this "
-                                      f"device's rows (where it stood: declined [{site.code}])")
-                report.sites.append(entry)
+                apply_moved(match_all_gather(m.all_gather, info, assemble=options.assemble), site,
+                            f"moved to its dot past {m.moved_ops} row-wise op(s), which now run on this device's rows")
         _say_prefetchable(report, deferred, gathered)
         if options.all_reduce_strategy != "keep" and found["stablehlo.all_reduce"]:
             _say_where_gathers_went(report, carried, gathered)
