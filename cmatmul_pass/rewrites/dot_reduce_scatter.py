@@ -77,13 +77,16 @@ def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> 
     loop_b = Builder(ir.Location.fused([t.dot.location for t in site.terms] + [rs.location]), ctx.constants)
     comm = loop_b.at(rs.location)
 
+    def block_offset(compute: Builder, block: ir.Value, half: int, width: int) -> ir.Value:
+        """Where ``block`` (its ``half``, in a split ring) starts along a dim cut in ``width``-sized parts."""
+        offset = compute.scaled(block, width * (parts // n))
+        return compute.add(offset, compute.index(width)) if half else offset
+
     def term_piece(term, block: ir.Value, half: int, stream: int, dots: list) -> ir.Value:
         compute = loop_b.at(term.dot.location)
         args = list(term.dot.operation.operands)
         width = ir.RankedTensorType(args[term.operand_index].type).shape[term.operand_dim] // parts
-        offset = compute.scaled(block, width * (parts // n))
-        if half:
-            offset = compute.add(offset, compute.index(width))
+        offset = block_offset(compute, block, half, width)
         for index, dim in term.sliced():  # a batch dim's block is that block of both operands
             args[index] = compute.dynamic_slice(args[index], dim, offset, width)
         if barriers.tied():  # the other operand is every round's: keep XLA from merging the rounds' dots
@@ -98,12 +101,9 @@ def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> 
         for term in site.terms:  # the dots of the sum, block by block, added in the same order
             product = term_piece(term, block, half, stream, dots)
             total = product if total is None else loop_b.at(rs.location).add(total, product)
-        def block_of_sliced(operand: ir.Value, dim: int, width: int) -> ir.Value:  # as term_piece's offset
+        def block_of_sliced(operand: ir.Value, dim: int, width: int) -> ir.Value:
             compute = loop_b.at(rs.location)
-            offset = compute.scaled(block, width * (parts // n))
-            if half:
-                offset = compute.add(offset, compute.index(width))
-            return compute.dynamic_slice(operand, dim, offset, width)
+            return compute.dynamic_slice(operand, dim, block_offset(compute, block, half, width), width)
 
         for step in site.path:
             total = step.apply(total, parts, block_of_sliced)
