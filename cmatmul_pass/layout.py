@@ -40,6 +40,29 @@ ELEMENTWISE_OPS = frozenset(f"stablehlo.{name}" for name in (
 ))
 
 
+#: ops a product may pass between its dot and a scatter when the path is a DAG (a norm's
+#: backward): each keeps the ring dim, at the same size, and computes a block of its result from
+#: the same block of its operand (:func:`row_dim`)
+ROW_OPS = frozenset({"stablehlo.reduce", "stablehlo.broadcast_in_dim"})
+
+
+def row_dim(op: ir.OpView, dim: int) -> int | None:
+    """The operand dim of a :data:`ROW_OPS` op whose blocks make the result's blocks along ``dim``,
+    or None where the op does not work row by row along it.  A reduce (over dims that are not
+    ``dim``, by construction: result dim ``dim`` is the operand's ``dim``-th dim not reduced)
+    keeps it; a broadcast_in_dim must take it from its operand at full size, not spread one
+    value along it."""
+    if op.operation.name == "stablehlo.reduce":
+        reduced = set(ir.DenseI64ArrayAttr(op.attributes["dimensions"]))
+        rank = ir.RankedTensorType(op.operation.operands[0].type).rank
+        return [d for d in range(rank) if d not in reduced][dim]
+    dims = list(ir.DenseI64ArrayAttr(op.attributes["broadcast_dimensions"]))
+    source_t = ir.RankedTensorType(op.operation.operands[0].type)
+    if dim not in dims or source_t.shape[dims.index(dim)] != ir.RankedTensorType(op.result.type).shape[dim]:
+        return None
+    return dims.index(dim)
+
+
 def is_layout_op(op: ir.OpView) -> bool:
     return op.operation.name in LAYOUT_OPS
 
@@ -138,6 +161,8 @@ class LayoutStep:
 
     def valid_for(self, parts: int) -> bool:
         """Do the same dims still map ``parts`` blocks (finer blocks, for split rings)?"""
+        if self.op.operation.name in ROW_OPS:  # the ring dim keeps its size through them
+            return ir.RankedTensorType(self.op.result.type).shape[self.out_dim] % parts == 0
         try:
             return forward_dim(self.op, self.in_dim, parts) == self.out_dim
         except Decline:
@@ -147,15 +172,27 @@ class LayoutStep:
         t = ir.RankedTensorType(self.op.result.type)
         return ir_utils.with_dim(t, self.out_dim, t.shape[self.out_dim] // parts)
 
-    def apply(self, value: ir.Value, parts: int, block_of_sliced=None) -> ir.Value:
+    def apply(self, value: ir.Value | None, parts: int, block_of_sliced=None, blocks: dict | None = None) -> ir.Value:
         """The op applied to one block ``value`` (built at the current insertion point, at the op's
         location); ``block_of_sliced(operand, dim, width)``: that block of a :class:`Sliced`
-        operand (the caller knows which block it computes)."""
+        operand (the caller knows which block it computes).  ``blocks`` (a path that is a DAG,
+        :func:`apply_dag`): the block of each operand on the path, by the original value, in
+        place of ``value``."""
         op, loc = self.op, self.op.location
         name = op.operation.name
+        if blocks is not None and name not in ELEMENTWISE_OPS:  # one operand, on the path
+            value = blocks[op.operation.operands[0]]
         if name == "sdy.sharding_constraint":
             return value  # a hint about the whole value; the block needs none
         out_t = self.block_type(parts)
+        if name == "stablehlo.broadcast_in_dim":  # a row statistic spread back over its row
+            return hlo.BroadcastInDimOp(out_t, value, op.attributes["broadcast_dimensions"], loc=loc).result
+        if name == "stablehlo.reduce":  # over dims other than the ring dim: each block's rows reduced alone
+            # the same reducer region, dims and init value (``sources``: the init's constant), at the op's location
+            clone = op.operation.clone()
+            clone.operands[0] = value
+            clone.results[0].set_type(out_t)
+            return clone.results[0]
         if name == "stablehlo.convert":
             return hlo.ConvertOp(out_t, value, loc=loc).result
         if name == "stablehlo.transpose":
@@ -165,9 +202,9 @@ class LayoutStep:
         if name in ELEMENTWISE_OPS:
             width = ir.RankedTensorType(op.result.type).shape[self.out_dim] // parts
             operands = []
-            for source in self.sources:
+            for operand, source in zip(op.operation.operands, self.sources):
                 if source is None:
-                    operands.append(value)
+                    operands.append(value if blocks is None else blocks[operand])
                 elif isinstance(source, Sliced):
                     if block_of_sliced is None:
                         raise AssertionError(f"{name} reads an operand per block: the caller must say which block")
@@ -256,6 +293,14 @@ def block_of(source: ir.OpView, dim: int, parts: int, loc: ir.Location) -> ir.Va
         return hlo.ConstantOp(ir.DenseElementsAttr.get_splat(block_t, splat), loc=loc).result
     dims = ir.DenseI64ArrayAttr(source.attributes["broadcast_dimensions"])
     return hlo.BroadcastInDimOp(block_t, source.operation.operands[0], dims, loc=loc).result
+
+
+def apply_dag(path: tuple[LayoutStep, ...], blocks: dict, parts: int, block_of_sliced=None) -> None:
+    """Apply ``path`` (steps in an order where producers come first, each reading any earlier
+    step's result or a value ``blocks`` holds) to one block: ``blocks`` maps each original value
+    on the path to its block, and gains each step's."""
+    for step in path:
+        blocks[step.op.result] = step.apply(None, parts, block_of_sliced, blocks)
 
 
 def apply_path(path: tuple[LayoutStep, ...], value: ir.Value, parts: int) -> ir.Value:

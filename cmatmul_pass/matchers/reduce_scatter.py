@@ -11,12 +11,18 @@ past.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
+
+import numpy as np
 
 from .. import ir_utils
 from .._jax_private import ir
 from ..errors import Decline
-from ..layout import LayoutStep, backward_dim, elementwise_step, is_elementwise, is_layout_op, path_operand
+from ..layout import (
+    ROW_OPS, LayoutStep, Sliced, backward_dim, elementwise_step, invariant_source, is_elementwise, is_layout_op,
+    path_operand, row_dim,
+)
 from ..ring import Ring
 from . import causes
 from .common import DeclinedSite, DotDims, ManualRegion, ModuleInfo, collective_ring, describe_op, static_tensor
@@ -105,7 +111,7 @@ def _match(rs: ir.OpView, ring: Ring, region: ManualRegion, info: ModuleInfo) ->
         raise Decline("shape", f"scattered dim {scatter_dim} is not {n}x the result's")
 
     try:
-        terms, adds, path = trace_product(rs, operand, scatter_dim, info, ring)
+        terms, adds, path = trace_product(rs, operand, scatter_dim, info, ring, dag=True)
     except Decline as declined:
         raise _truer(declined, operand, scatter_dim, n) from None
     return ReduceScatterSite(rs, terms, adds, path, ring, region, scatter_dim)
@@ -162,13 +168,37 @@ def _path_source(value: ir.Value, dim: int, n: int) -> ir.Value:
 
 
 def trace_product(
-    anchor: ir.OpView, operand: ir.Value, dim: int, info: ModuleInfo, ring: Ring
+    anchor: ir.OpView, operand: ir.Value, dim: int, info: ModuleInfo, ring: Ring, dag: bool = False
 ) -> tuple[tuple[Term, ...], tuple[ir.OpView, ...], tuple[LayoutStep, ...]]:
     """The dots whose (summed) product a sum-collective ``anchor`` reduces, split into the ring's
     blocks along ``dim`` of ``operand``: (terms, the sum's adds root first, the path from the
     sum to ``operand``); or :class:`Decline`.  Every value on the way has ``anchor`` as its one
     reader, and every block of ``operand`` along ``dim`` is the same ops applied to one block of
-    a dot operand's free (or paired batch) dim."""
+    a dot operand's free (or paired batch) dim.
+
+    With ``dag``, where the ops from the dots to ``operand`` are no chain (a norm's backward
+    reads the product twice), they are traced as a DAG (:func:`trace_dag`): then ``adds`` is
+    empty, ``path`` holds every op computed from the products, producers first, and a step may
+    read several earlier steps' results (:func:`~cmatmul_pass.layout.apply_dag` applies it)."""
+    try:
+        return _trace_chain(anchor, operand, dim, info, ring)
+    except Decline as chain:
+        if not dag or chain.code not in ("producer_not_dot", "multiple_users"):
+            raise
+        try:
+            return trace_dag(anchor, operand, dim, info, ring, chain)
+        except _Nonlinear as nonlinear:
+            if chain.code != "producer_not_dot":
+                raise Decline("producer_not_dot", nonlinear.message) from None
+            # the chain's decline names the op that reads the product with another value computed from it
+            raise Decline("producer_not_dot", f"{chain.message}; nor are the ops from the dot to the scatter linear "
+                                              "in the product, as a norm's backward is, which the ring applies "
+                                              f"block by block ({describe_op(nonlinear.op)} is not)") from None
+
+
+def _trace_chain(
+    anchor: ir.OpView, operand: ir.Value, dim: int, info: ModuleInfo, ring: Ring
+) -> tuple[tuple[Term, ...], tuple[ir.OpView, ...], tuple[LayoutStep, ...]]:
     n = ring.size
     path: list[LayoutStep] = []
     value = operand
@@ -239,6 +269,225 @@ def _sum_leaves(op: ir.OpView, adds: list[ir.OpView], dim: int) -> list[ir.OpVie
     return dots
 
 
+class _Position:
+    """An op ordered by its place in its block (for a heap: the latest first)."""
+
+    __slots__ = ("op",)
+
+    def __init__(self, op: ir.OpView):
+        self.op = op
+
+    def __lt__(self, other: "_Position") -> bool:
+        return other.op.operation.is_before_in_block(self.op.operation)
+
+
+class _Nonlinear(Decline):
+    """The DAG holds an op that is not linear in the product; ``detail``: which, in a few words."""
+
+    def __init__(self, op: ir.OpView, detail: str):
+        self.op = op
+        super().__init__("producer_not_dot", f"the scattered value comes from {detail}: the ring applies a DAG of ops "
+                                             "between the dot and the scatter per block only where it is linear in "
+                                             "the product (a norm's backward, which reads the product twice)")
+
+
+def trace_dag(
+    anchor: ir.OpView, operand: ir.Value, dim: int, info: ModuleInfo, ring: Ring, chain: Decline
+) -> tuple[tuple[Term, ...], tuple[ir.OpView, ...], tuple[LayoutStep, ...]]:
+    """The ops from the dots to ``operand`` as a DAG (a norm's backward applied to the cotangent:
+    ``dx = rs*g*dy - x*rs^3/n * sum_j(g*dy*x)``, the product read twice).  Valid block by block
+    when every op computed from a product (the *path*) works row by row along the ring dim — an
+    elementwise op, a layout op, a reduce over other dims, a broadcast_in_dim taking the ring dim
+    from its operand — its other operands read at the block's rows (or the same in every block),
+    and no value of the path is read outside it: then block ``b`` of the scattered value on each
+    device is the path applied to block ``b`` of each product.  The pass also asks that the path
+    be linear in the products (a backward pass's shape): adds of two path values, a path value
+    scaled (multiplied, divided) by another value, a negation, a sum over other dims from zero.
+
+    The path is the ops of the *cone* (those whose every result is read, in the end, only by
+    ``operand``) computed from a dot of the cone.  ``chain``: the chain tracer's decline, raised
+    where the DAG is no better (no dot in the cone; a nonlinear op, which ``chain`` names)."""
+    n = ring.size
+    root = operand.owner
+    block = anchor.operation.block
+    if isinstance(root, ir.Block) or len(list(operand.uses)) != 1 or root.operation.block != block:
+        raise chain
+
+    # the cone, latest op first: an op is in it when every reader of its results is
+    cone: dict[ir.Operation, ir.OpView] = {}
+    heap, queued = [_Position(root)], {root.operation}
+    while heap:
+        op = heapq.heappop(heap).op
+        if op.operation != root.operation and not all(
+                u.owner.operation in cone for r in op.operation.results for u in r.uses):
+            continue
+        cone[op.operation] = op
+        if op.operation.name == "stablehlo.dot_general" or not _passes(op):
+            continue  # a dot's operands are the ring's; any other op's value is read as it is
+        for value in op.operation.operands:
+            owner = value.owner
+            if not isinstance(owner, ir.Block) and owner.operation not in queued and owner.operation.block == block:
+                queued.add(owner.operation)
+                heapq.heappush(heap, _Position(owner))
+    ordered = list(reversed(cone.values()))  # producers first
+
+    # the path: the cone's ops computed from one of its dots
+    path_ops: dict[ir.Operation, ir.OpView] = {}
+    for op in ordered:
+        if op.operation.name == "stablehlo.dot_general" or any(
+                not isinstance(v.owner, ir.Block) and v.owner.operation in path_ops for v in op.operation.operands):
+            path_ops[op.operation] = op
+    if root.operation not in path_ops:
+        raise _escaped(root, cone, block, anchor) or chain
+
+    def on_path(value: ir.Value) -> bool:
+        return not isinstance(value.owner, ir.Block) and value.owner.operation in path_ops
+
+    # the ring dim of every path value, from the scattered value back to the dots
+    dims: dict[ir.Value, int] = {operand: dim}
+    steps: list[LayoutStep] = []
+    terms: list[Term] = []
+    for op in reversed(list(path_ops.values())):
+        out_dim = dims[op.result]
+        result_t = ir_utils.ranked_tensor(op.result)
+        if result_t is None or not ir_utils.is_static(result_t):
+            raise Decline("dynamic_shape", f"{describe_op(op)} between the dot and the scatter is dynamically shaped")
+        size = result_t.shape[out_dim]
+        if size % n or size < n:
+            raise Decline("layout", f"{describe_op(op)} on the way from the dot to the scatter: its dim {out_dim} "
+                                    f"({size}), the scattered rows, cannot be cut in {n} blocks")
+        name = op.operation.name
+        if name == "stablehlo.dot_general":
+            read = [v for v in op.operation.operands if on_path(v)]
+            if read:
+                raise Decline("producer_not_dot", f"{describe_op(op)} multiplies a value computed from another "
+                                                  f"product ({describe_op(read[0].owner)}) on the way to the "
+                                                  "scatter: the ring computes one dot's block from its operands")
+            terms.append(_term(op, out_dim, anchor, info, ring))
+            continue
+        if is_layout_op(op):
+            in_dims = {op.operation.operands[0]: backward_dim(op, out_dim, n)}
+            step = LayoutStep(op, in_dims[op.operation.operands[0]], out_dim)
+        elif name in ROW_OPS:
+            step = _row_step(op, out_dim, on_path)
+            in_dims = {op.operation.operands[0]: step.in_dim}
+        elif is_elementwise(op):
+            _linear(op, on_path)
+            in_dims = {v: out_dim for v in op.operation.operands if on_path(v)}
+            step = LayoutStep(op, out_dim, out_dim, tuple(_source(op, v, out_dim, on_path)
+                                                         for v in op.operation.operands))
+        else:
+            raise not_blockwise(op)
+        for value, in_dim in in_dims.items():
+            if dims.setdefault(value, in_dim) != in_dim:
+                raise Decline("producer_not_dot", f"{describe_op(value.owner)} is read with the scattered rows along "
+                                                  f"its dim {dims[value]} by one op and along dim {in_dim} by "
+                                                  f"{describe_op(op)}: no block of it is a block of both")
+        steps.append(step)
+    return tuple(reversed(terms)), (), tuple(reversed(steps))
+
+
+def _escaped(root: ir.OpView, cone: dict, block: ir.Block, anchor: ir.OpView) -> Decline | None:
+    """Why no dot is in the cone of ``root``, where a dot reaches it through ops a product may
+    pass: the latest value on the way from a dot (the nearest the scatter) that something outside
+    the cone reads too; None where no dot reaches it."""
+    seen: dict[ir.Operation, ir.OpView] = {}
+    stack = [root]
+    while stack:
+        op = stack.pop()
+        if op.operation in seen:
+            continue
+        seen[op.operation] = op
+        if op.operation.name != "stablehlo.dot_general" and (_passes(op) or op.operation == root.operation):
+            stack += [v.owner for v in op.operation.operands
+                      if not isinstance(v.owner, ir.Block) and v.owner.operation.block == block]
+    from_dot: dict[ir.Operation, ir.OpView] = {}
+    for op in sorted(seen.values(), key=_Position, reverse=True):  # producers first
+        if op.operation.name == "stablehlo.dot_general" or any(
+                not isinstance(v.owner, ir.Block) and v.owner.operation in from_dot for v in op.operation.operands):
+            from_dot[op.operation] = op
+    inside = set(cone) | {anchor.operation}
+    read_outside = [(op, [u.owner for r in op.operation.results for u in r.uses if u.owner.operation not in inside])
+                    for op in from_dot.values()]
+    read_outside = [(op, outside) for op, outside in read_outside if outside]
+    if not read_outside:
+        return None
+    op, outside = read_outside[-1]
+    readers = ", ".join(dict.fromkeys(describe_op(u) for u in outside))
+    dot = next(iter(from_dot.values()))
+    what = f"the product of {describe_op(op)}" if op.operation.name == "stablehlo.dot_general" else \
+        f"{describe_op(op)}, computed from the product of {describe_op(dot)},"
+    return Decline("multiple_users", f"{what} is also read by {readers}, outside the ops that feed the scatter: the "
+                                     "full unscattered product is needed elsewhere (the ring computes it one block "
+                                     "at a time)")
+
+
+def _passes(op: ir.OpView) -> bool:
+    """Can a product pass ``op`` on its way to the scatter (in a DAG)?"""
+    return is_layout_op(op) or is_elementwise(op) or op.operation.name in ROW_OPS
+
+
+def _source(op: ir.OpView, value: ir.Value, dim: int, on_path) -> ir.OpView | Sliced | None:
+    """How a DAG step reads an operand: None, on the path; the op of a value the same in every
+    block (rebuilt at block size); else that block of it (:class:`Sliced`)."""
+    if on_path(value):
+        return None
+    try:
+        return invariant_source(op, value, dim)
+    except Decline:
+        return Sliced(value)
+
+
+def _row_step(op: ir.OpView, out_dim: int, on_path) -> LayoutStep:
+    """A reduce over dims other than the scattered one, or a broadcast_in_dim taking it from its
+    operand: a step of the DAG, or Decline."""
+    in_dim = row_dim(op, out_dim)
+    if in_dim is None:
+        raise Decline("producer_not_dot", f"{describe_op(op)} spreads a value computed from the product along the "
+                                          f"scattered dim {out_dim} (one value for many rows: the rows were summed "
+                                          "before it), which no single block of the product gives")
+    if op.operation.name == "stablehlo.broadcast_in_dim":
+        return LayoutStep(op, in_dim, out_dim)
+    operands = list(op.operation.operands)
+    if len(operands) != 2:
+        raise Decline("producer_not_dot", f"{describe_op(op)} reduces {len(operands) // 2} values at once (a "
+                                          "variadic reduce) on the way from the dot to the scatter")
+    init = operands[1]
+    zero = None
+    if not on_path(init) and not isinstance(init.owner, ir.Block) and init.owner.operation.name == "stablehlo.constant":
+        value = ir.DenseElementsAttr(init.owner.attributes["value"])
+        if value.is_splat and not isinstance(ir.RankedTensorType(init.type).element_type, ir.ComplexType) \
+                and float(np.asarray(value).reshape(-1)[0]) == 0:
+            zero = init.owner
+    if zero is None or not region_is_sum(op):
+        raise _Nonlinear(op, f"{describe_op(op)}, which is not a sum from zero, so not linear in the product")
+    return LayoutStep(op, in_dim, out_dim, (None, zero))
+
+
+def _linear(op: ir.OpView, on_path) -> None:
+    """Decline (:class:`_Nonlinear`) an elementwise DAG step that is not linear in its path operands."""
+    read = [on_path(v) for v in op.operation.operands]
+    name = op.operation.name
+    if name in ("stablehlo.add", "stablehlo.subtract") and all(read):
+        return
+    if name == "stablehlo.multiply" and read.count(True) == 1:
+        return
+    if name == "stablehlo.divide" and read == [True, False]:
+        return
+    if name == "stablehlo.negate":
+        return
+    product = _product_of(op)
+    what = " and ".join(causes.why_varies(v, -1, product, "the product") if on or product is None
+                        else _side(v) for v, on in zip(op.operation.operands, read))
+    raise _Nonlinear(op, f"{describe_op(op)} of {what}, not linear in the product")
+
+
+def _side(value: ir.Value) -> str:
+    """A value computed apart from the product, in words."""
+    owner = value.owner
+    return f"region argument #{value.arg_number}" if isinstance(owner, ir.Block) else describe_op(owner)
+
+
 def _product_of(op: ir.OpView) -> ir.Value | None:
     """The dot_general result ``op`` is computed from, if one is (for saying what a value is)."""
     for result in op.operation.results:  # a loop's, a call's: several
@@ -255,8 +504,9 @@ def _several_vary(op: ir.OpView, dim: int) -> Decline:
     what = "; ".join(causes.why_varies(v, dim, product, "the product") for v in op.operation.operands)
     return Decline("producer_not_dot", f"the scattered value comes from {describe_op(op)} of values that each differ "
                                        f"from block to block of the scattered dim {dim} ({what}): the ring applies an "
-                                       "op to one block only when all but one of its operands are the same in every "
-                                       "block (a scalar, a bias broadcast along the scattered dim)")
+                                       "op to one block when all but one of its operands are computed apart from the "
+                                       "product (a scale or a bias the same in every block, or one per row, read "
+                                       "block by block)")
 
 
 def _added(add: ir.OpView, value: ir.Value, dim: int) -> Decline:
@@ -268,7 +518,7 @@ def _added(add: ir.OpView, value: ir.Value, dim: int) -> Decline:
                                            "of a sum of products: the ring adds such a value only after the whole sum")
     return Decline("producer_not_dot", f"the scattered value is {describe_op(add)} of the product and {what}, which "
                                        f"differs from block to block of the scattered dim {dim} (a bias or a residual "
-                                       "along it): the ring adds per block only values the same in every block")
+                                       "along it): the ring adds such a value only to the whole sum of products")
 
 
 def not_blockwise(op: ir.OpView) -> Decline:

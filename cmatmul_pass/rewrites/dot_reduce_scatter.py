@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from .._jax_private import hlo, ir
 from ..cost import scatter_signatures
-from ..layout import path_sources
+from ..layout import apply_dag, path_sources
 from ..matchers import ReduceScatterSite
 from .builders import Builder, erase_dead, shard_type
 from .schedule import Applied, DotBarriers, RewriteContext, Round, ScheduleStats, emit_rounds, ring_position
@@ -97,17 +97,25 @@ def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> 
         return product
 
     def piece(block: ir.Value, half: int, stream: int, dots: list) -> ir.Value:
+        # each original value on the path -> its block: the dots', or the root of their sum
+        blocks = {}
         total = None
-        for term in site.terms:  # the dots of the sum, block by block, added in the same order
+        for term in site.terms:  # the dots, block by block (a sum of them added in the same order)
             product = term_piece(term, block, half, stream, dots)
-            total = product if total is None else loop_b.at(rs.location).add(total, product)
+            blocks[term.dot.result] = product
+            if site.adds:
+                total = product if total is None else loop_b.at(rs.location).add(total, product)
+        if site.adds:
+            blocks = {site.adds[0].result: total}
+
         def block_of_sliced(operand: ir.Value, dim: int, width: int) -> ir.Value:
             compute = loop_b.at(rs.location)
             return compute.dynamic_slice(operand, dim, block_offset(compute, block, half, width), width)
 
-        for step in site.path:
-            total = step.apply(total, parts, block_of_sliced)
-        return total
+        # a chain or a DAG (a norm's backward reading the product twice): every step reads its
+        # operands' blocks
+        apply_dag(site.path, blocks, parts, block_of_sliced)
+        return blocks[rs.operation.operands[0]]
 
     def round_fn(rnd: Round, accs: list[ir.Value]) -> list[ir.Value]:
         new = []

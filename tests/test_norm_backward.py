@@ -1,0 +1,160 @@
+"""A norm's backward between the dot and the scatter (issue 31 item 2, the scatter side).
+
+``jax.grad`` of a sequence-parallel layer ``all_gather -> RMS norm / layer norm -> dot`` scatters the
+input gradient (``psum_scatter``, the transpose of the gather) after the norm's backward applied to
+the cotangent ``dy = g @ w1^T``: ``dx = rs*dy - x*rs^3/n * sum_j(dy*x)`` per row, which reads the
+product twice (a DAG, not a chain).  The ring applies that map to every block it computes; these
+tests compare the rewritten program with the original on random inputs, in every ring variant,
+through the library and ``cmatmul_pass.jit``, and check what must stay declined."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import cmatmul_pass
+from cmatmul_pass import execute, ir_utils
+from cmatmul_pass.cost import VARIANTS
+
+MESH = jax.make_mesh((8,), ("model",))
+SPECS = (P("model", None), P(), P(None, "model"), P("model", None))
+SHAPES = [(64, 32), (32,), (32, 128), (128, 32)]
+
+
+def rms_norm(h, g):
+    return h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6) * g
+
+
+def layer_norm(h, g):
+    mean = h.mean(-1, keepdims=True)
+    return (h - mean) * jax.lax.rsqrt(((h - mean) ** 2).mean(-1, keepdims=True) + 1e-5) * g
+
+
+NORMS = {"rms": rms_norm, "layer": layer_norm}
+
+
+def layer(norm):
+    """An SP MLP block with the norm of the gathered rows before the up projection."""
+    def body(x, g, w1, w2):
+        h = norm(jax.lax.all_gather(x, "model", axis=0, tiled=True), g)
+        return jax.lax.psum_scatter(jax.nn.gelu(h @ w1) @ w2, "model", scatter_dimension=0, tiled=True)
+
+    return jax.shard_map(body, mesh=MESH, in_specs=SPECS, out_specs=P("model", None), check_vma=False)
+
+
+def loss_of(norm):
+    f = layer(norm)
+    return lambda x, g, w1, w2: jnp.mean(f(x, g, w1, w2) ** 2)
+
+
+def abstract_args():
+    return [jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(MESH, sp)) for s, sp in zip(SHAPES, SPECS)]
+
+
+def concrete_args(seed=0):
+    rng = np.random.default_rng(seed)
+    return [jax.device_put(rng.normal(size=s).astype(np.float32), NamedSharding(MESH, sp))
+            for s, sp in zip(SHAPES, SPECS)]
+
+
+def grad_text(norm, argnums=(0, 2, 3)):
+    """value_and_grad of the loss: the gain ``g`` left out of ``argnums`` (not trained, or the
+    norm has none) keeps its gradient's sum over the rows out of the program."""
+    return jax.jit(jax.value_and_grad(loss_of(norm), argnums=argnums)).lower(*abstract_args()).as_text()
+
+
+def norm_backward_site(report):
+    """The backward's input-gradient scatter: the one whose path holds a reduce."""
+    return [s for s in report.sites if s.kind == "dot_reduce_scatter"
+            and any("reduce" in c["look_through"] for c in s.consumers)]
+
+
+@pytest.mark.parametrize("norm", sorted(NORMS))
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_the_norm_backward_is_applied_per_block_in_every_variant(norm, variant):
+    text = grad_text(NORMS[norm])
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant=variant))
+    scatters = [s for s in result.report.sites if s.kind == "dot_reduce_scatter"]
+    assert len(scatters) == 2 and all(s.rewritten for s in scatters), [s.summary_line() for s in scatters]
+    (site,) = norm_backward_site(result.report)
+    look = site.consumers[0]["look_through"]
+    assert look.count("reduce") >= 2 and "broadcast_in_dim" in look, look
+    assert not ir_utils.ops_named(result.module, "stablehlo.reduce_scatter")["stablehlo.reduce_scatter"]
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()
+
+
+def test_the_ring_reduces_block_rows_not_the_whole_product():
+    """In the ring, the norm backward's sums over the hidden dim run on blocks of 8 rows (of 64)."""
+    result = cmatmul_pass.rewrite(grad_text(rms_norm), cmatmul_pass.Options(variant="uni"))
+    (loop,) = [w for w in ir_utils.ops_named(result.module, "stablehlo.while")["stablehlo.while"]
+               if ir_utils.ops_named(w, "stablehlo.reduce")["stablehlo.reduce"]]
+    shapes = {tuple(ir_utils.ranked_tensor(r.operation.operands[0]).shape)
+              for r in ir_utils.ops_named(loop, "stablehlo.reduce")["stablehlo.reduce"]}
+    assert shapes and all(shape[0] == 8 for shape in shapes), shapes
+
+
+@pytest.mark.parametrize("norm", sorted(NORMS))
+def test_jit_of_the_grad_matches_jax_jit(norm):
+    grad_fn = jax.value_and_grad(loss_of(NORMS[norm]), argnums=(0, 2, 3))
+    step = cmatmul_pass.jit(grad_fn, check=True)
+    args = concrete_args()
+    value, grads = step(*args)
+    want_value, want_grads = jax.jit(grad_fn)(*args)
+    np.testing.assert_allclose(float(value), float(want_value), rtol=1e-5)
+    for got, want in zip(grads, want_grads):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)
+    assert len(norm_backward_site(step.report)) == 1 and all(
+        s.rewritten for s in step.report.sites if s.kind == "dot_reduce_scatter")
+
+
+# ---------------------------------------------------------------- what stays declined
+def scatter_program(prepare):
+    """``psum_scatter(prepare(x @ w, r))`` of a row-parallel dot; ``r``: a per-row value."""
+    def body(x, w, r):
+        return jax.lax.psum_scatter(prepare(x @ w, r), "model", scatter_dimension=0, tiled=True)
+
+    f = jax.shard_map(body, mesh=MESH, in_specs=(P(None, "model"), P("model", None), P()), out_specs=P("model"),
+                      check_vma=False)
+    args = [jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(MESH, spec))
+            for shape, spec in [((64, 64), P(None, "model")), ((64, 32), P("model")), ((64,), P())]]
+    return jax.jit(f).lower(*args).as_text()
+
+
+def norm_backward(dy, x):
+    """An RMS norm's backward applied to ``dy`` (the map jax's transpose builds), with ``x`` a row
+    statistic's source."""
+    rs = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+    return rs * dy - x * rs ** 3 / x.shape[-1] * jnp.sum(dy * x, axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("variant", ["uni", "bidi-unroll2", "full"])
+def test_a_hand_written_norm_backward_of_a_row_parallel_product(variant):
+    """The map itself, written by hand on the product of a row-parallel dot, with a per-row
+    operand (a [64] vector spread over the columns) as the statistic's source."""
+    text = scatter_program(lambda y, r: norm_backward(y, jnp.broadcast_to(r[:, None], y.shape) + 1.0))
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant=variant))
+    (site,) = result.report.sites
+    assert site.rewritten, site.summary_line()
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()
+
+
+@pytest.mark.parametrize("prepare, code, says", [
+    # a sum over the scattered rows spread back over them: no block of the product gives it
+    (lambda y, r: y - jnp.mean(y, axis=0, keepdims=True), "producer_not_dot",
+     "spreads a value computed from the product along the scattered dim 0"),
+    # not linear in the product: left as written, the message naming what reads the product twice
+    (lambda y, r: y * jnp.sum(y, axis=-1, keepdims=True), "producer_not_dot", "nor are the ops from the dot to the scatter linear in the product"),
+    # a sum from a nonzero start is affine, not linear
+    (lambda y, r: y + jnp.sum(y, axis=-1, keepdims=True) * 0 + jax.lax.reduce(
+        y, 1.0, jax.lax.add, (1,))[:, None], "producer_not_dot", "not a sum from zero"),
+])
+def test_what_the_ring_cannot_apply_per_block_stays_declined(prepare, code, says):
+    text = scatter_program(prepare)
+    result = cmatmul_pass.rewrite(text)
+    (site,) = result.report.sites
+    assert not site.rewritten and site.reason_code == code, site.summary_line()
+    assert says in site.reason, site.reason
+    assert result.text == ir_utils.print_module(ir_utils.parse(text))
