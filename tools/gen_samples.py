@@ -756,6 +756,29 @@ def sp_rms_norm_before_dot() -> str:
                  arg(mesh, (128, 32), specs[3]))
 
 
+def sp_rms_norm_grad() -> str:
+    """value_and_grad of the RMS-norm-before-dot SP MLP block (``sp_rms_norm_before_dot``'s program,
+    its gain replicated and not trained): the backward scatters the input gradient after the
+    norm's backward applied to the cotangent, ``dx = rs*g*dy - x*rs^3/n * sum_j(g*dy*x)`` per row,
+    which reads the product twice."""
+    mesh = mesh_1d()
+
+    def body(x, g, w1, w2):
+        h = gather(x, "model", 0)
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6) * g
+        return jax.lax.psum_scatter(jax.nn.gelu(h @ w1) @ w2, "model", scatter_dimension=0, tiled=True)
+
+    specs = (P("model", None), P(), P(None, "model"), P("model", None))
+    f = smap(body, mesh=mesh, in_specs=specs, out_specs=P("model", None))
+
+    def loss(x, g, w1, w2):
+        return jnp.mean(f(x, g, w1, w2) ** 2)
+
+    args = (arg(mesh, (64, 32), specs[0]), arg(mesh, (32,), P()), arg(mesh, (32, 128), specs[2]),
+            arg(mesh, (128, 32), specs[3]))
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 2, 3))).lower(*args).as_text()
+
+
 def scan_stacked(sliced_dim: int = 0) -> Callable[[], str]:
     """Stacked layer weights [L, H, F] sharded on F, gathered before a ``lax.scan`` over layers
     whose body multiplies layer i (``sliced_dim`` 0); with ``sliced_dim`` 2 the body instead takes
@@ -1377,6 +1400,19 @@ SAMPLES_LIST = [
            sp_rms_norm_before_dot, "rewritten 2",
            ["CHECK: stablehlo.rsqrt", "CHECK-SAME: tensor<8x1xf32>", "CHECK: stablehlo.while",
             "CHECK-NOT: stablehlo.all_gather", "CHECK-NOT: stablehlo.reduce_scatter"]),
+    Sample("rs_norm_backward", "value_and_grad of the RMS-norm-before-dot SP MLP: the input gradient's scatter "
+           "follows the norm's backward of the cotangent (the product read twice: scaled per row, and summed over "
+           "the row then scaled); the ring applies it to each 8-row block it computes, its sums over the hidden dim "
+           "and the per-row factors taken at the block's rows. (The forward's gather, whose gathered rows are also "
+           "the backward's residual, stays.)",
+           sp_rms_norm_grad, "rewritten 3",
+           ["CHECK-NOT: stablehlo.reduce_scatter", "CHECK: stablehlo.while", "CHECK: } do {",
+            'CHECK: "stablehlo.collective_permute"', "CHECK: stablehlo.dot_general {{.*}} -> tensor<8x32xf32>",
+            "CHECK: stablehlo.dynamic_slice {{.*}} sizes = [8, 32]",
+            "CHECK: stablehlo.reduce({{.*}}) applies stablehlo.add across dimensions = [1] : "
+            "(tensor<8x32xf32>, tensor<f32>) -> tensor<8xf32>",
+            "CHECK: stablehlo.broadcast_in_dim {{.*}} : (tensor<8xf32>) -> tensor<8x32xf32>",
+            "CHECK: stablehlo.return", "CHECK-NOT: stablehlo.reduce_scatter"]),
     Sample("ag_two_stage", "a weight sharded over two mesh axes, gathered in two stages along one dim: the stages "
            "merge into one gather over both axes' groups, which becomes one ring over the 8 devices.",
            two_stage_gather, "rewritten 1",

@@ -108,9 +108,14 @@ def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> 
         if site.adds:
             blocks = {site.adds[0].result: total}
 
+        sliced: dict = {}  # one slice per operand read block by block, however many steps read it
+
         def block_of_sliced(operand: ir.Value, dim: int, width: int) -> ir.Value:
-            compute = loop_b.at(rs.location)
-            return compute.dynamic_slice(operand, dim, block_offset(compute, block, half, width), width)
+            key = (operand, dim, width)
+            if key not in sliced:
+                compute = loop_b.at(rs.location)
+                sliced[key] = compute.dynamic_slice(operand, dim, block_offset(compute, block, half, width), width)
+            return sliced[key]
 
         # a chain or a DAG (a norm's backward reading the product twice): every step reads its
         # operands' blocks
