@@ -147,7 +147,7 @@ class LayoutStep:
 
     op: ir.OpView
     in_dim: int
-    out_dim: int
+    out_dim: int | None  # None: a sum over the ring dim (:attr:`sums_rows`)
     sources: tuple[ir.OpView | Sliced | None, ...] = ()
 
     @property
@@ -159,8 +159,17 @@ class LayoutStep:
     def name(self) -> str:
         return short_name(self.op)
 
+    @property
+    def sums_rows(self) -> bool:
+        """A reduce that sums the ring dim away (a gain's gradient, read apart from the scatter):
+        applied to a block it gives that block's share of the sum (:meth:`apply`), which the ring
+        adds up over the blocks it computes."""
+        return self.out_dim is None
+
     def valid_for(self, parts: int) -> bool:
         """Do the same dims still map ``parts`` blocks (finer blocks, for split rings)?"""
+        if self.sums_rows:
+            return True
         if self.op.operation.name in ROW_OPS:  # the ring dim keeps its size through them
             return ir.RankedTensorType(self.op.result.type).shape[self.out_dim] % parts == 0
         try:
@@ -170,6 +179,8 @@ class LayoutStep:
 
     def block_type(self, parts: int) -> ir.RankedTensorType:
         t = ir.RankedTensorType(self.op.result.type)
+        if self.sums_rows:
+            return t  # the ring dim is summed away: a block's share has the whole sum's type
         return ir_utils.with_dim(t, self.out_dim, t.shape[self.out_dim] // parts)
 
     def apply(self, value: ir.Value | None, parts: int, block_of_sliced=None, blocks: dict | None = None) -> ir.Value:
@@ -189,8 +200,13 @@ class LayoutStep:
             return hlo.BroadcastInDimOp(out_t, value, op.attributes["broadcast_dimensions"], loc=loc).result
         if name == "stablehlo.reduce":  # over dims other than the ring dim: each block's rows reduced alone
             # the same reducer region, dims and init value (``sources``: the init's constant), at the op's location
+            init = op.operation.operands[1].owner
+            constant = not isinstance(init, ir.Block) and init.operation.name == "stablehlo.constant"
+            init = init.operation.clone().results[0] if constant else None  # rebuilt where the block is reduced
             clone = op.operation.clone()
             clone.operands[0] = value
+            if init is not None:
+                clone.operands[1] = init
             clone.results[0].set_type(out_t)
             return clone.results[0]
         if name == "stablehlo.convert":

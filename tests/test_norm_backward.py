@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import cmatmul_pass
 from cmatmul_pass import execute, ir_utils
+from cmatmul_pass._jax_private import ir
 from cmatmul_pass.cost import VARIANTS
 
 MESH = jax.make_mesh((8,), ("model",))
@@ -58,9 +59,12 @@ def concrete_args(seed=0):
             for s, sp in zip(SHAPES, SPECS)]
 
 
-def grad_text(norm, argnums=(0, 2, 3)):
-    """value_and_grad of the loss: the gain ``g`` left out of ``argnums`` (not trained, or the
-    norm has none) keeps its gradient's sum over the rows out of the program."""
+#: the gain trained (its gradient, a sum over the rows of the product times the normed input, is
+#: read beside the scatter: the ring adds up each block's share), or not (left out of argnums)
+ARGNUMS = {"trained_gain": (0, 1, 2, 3), "frozen_gain": (0, 2, 3)}
+
+
+def grad_text(norm, argnums=ARGNUMS["trained_gain"]):
     return jax.jit(jax.value_and_grad(loss_of(norm), argnums=argnums)).lower(*abstract_args()).as_text()
 
 
@@ -70,10 +74,11 @@ def norm_backward_site(report):
             and any("reduce" in c["look_through"] for c in s.consumers)]
 
 
+@pytest.mark.parametrize("gain", sorted(ARGNUMS))
 @pytest.mark.parametrize("norm", sorted(NORMS))
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_the_norm_backward_is_applied_per_block_in_every_variant(norm, variant):
-    text = grad_text(NORMS[norm])
+def test_the_norm_backward_is_applied_per_block_in_every_variant(norm, variant, gain):
+    text = grad_text(NORMS[norm], ARGNUMS[gain])
     result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant=variant))
     scatters = [s for s in result.report.sites if s.kind == "dot_reduce_scatter"]
     assert len(scatters) == 2 and all(s.rewritten for s in scatters), [s.summary_line() for s in scatters]
@@ -86,18 +91,32 @@ def test_the_norm_backward_is_applied_per_block_in_every_variant(norm, variant):
 
 
 def test_the_ring_reduces_block_rows_not_the_whole_product():
-    """In the ring, the norm backward's sums over the hidden dim run on blocks of 8 rows (of 64)."""
-    result = cmatmul_pass.rewrite(grad_text(rms_norm), cmatmul_pass.Options(variant="uni"))
+    """In the ring, the norm backward's sums over the hidden dim run on blocks of 8 rows (of 64),
+    and so does the gain gradient's sum over the rows: the loop carries its running total."""
+    text = grad_text(rms_norm)
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant="uni"))
     (loop,) = [w for w in ir_utils.ops_named(result.module, "stablehlo.while")["stablehlo.while"]
                if ir_utils.ops_named(w, "stablehlo.reduce")["stablehlo.reduce"]]
-    shapes = {tuple(ir_utils.ranked_tensor(r.operation.operands[0]).shape)
-              for r in ir_utils.ops_named(loop, "stablehlo.reduce")["stablehlo.reduce"]}
+    reduces = ir_utils.ops_named(loop, "stablehlo.reduce")["stablehlo.reduce"]
+    shapes = {tuple(ir_utils.ranked_tensor(r.operation.operands[0]).shape) for r in reduces}
     assert shapes and all(shape[0] == 8 for shape in shapes), shapes
+    over_rows = [r for r in reduces if 0 in list(ir.DenseI64ArrayAttr(r.attributes["dimensions"]))]
+    assert len(over_rows) == 1  # the gain's gradient: this block's share of the sum over the rows
+    assert [str(t) for t in loop.operation.results.types].count("tensor<32xf32>") == 1  # its running total
+    # the original sums the whole product over the rows, the rewrite never materialises it
+    assert not [r for r in ir_utils.ops_named(result.module, "stablehlo.reduce")["stablehlo.reduce"]
+                if list(ir_utils.ranked_tensor(r.operation.operands[0]).shape) == [64, 32]
+                and list(ir.DenseI64ArrayAttr(r.attributes["dimensions"])) == [0]]
+    module = ir_utils.parse(text)  # kept alive while its ops are read
+    original = ir_utils.ops_named(module, "stablehlo.reduce")["stablehlo.reduce"]
+    assert [r for r in original if list(ir_utils.ranked_tensor(r.operation.operands[0]).shape) == [64, 32]
+            and list(ir.DenseI64ArrayAttr(r.attributes["dimensions"])) == [0]]
 
 
+@pytest.mark.parametrize("gain", sorted(ARGNUMS))
 @pytest.mark.parametrize("norm", sorted(NORMS))
-def test_jit_of_the_grad_matches_jax_jit(norm):
-    grad_fn = jax.value_and_grad(loss_of(NORMS[norm]), argnums=(0, 2, 3))
+def test_jit_of_the_grad_matches_jax_jit(norm, gain):
+    grad_fn = jax.value_and_grad(loss_of(NORMS[norm]), argnums=ARGNUMS[gain])
     step = cmatmul_pass.jit(grad_fn, check=True)
     args = concrete_args()
     value, grads = step(*args)

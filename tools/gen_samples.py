@@ -758,9 +758,10 @@ def sp_rms_norm_before_dot() -> str:
 
 def sp_rms_norm_grad() -> str:
     """value_and_grad of the RMS-norm-before-dot SP MLP block (``sp_rms_norm_before_dot``'s program,
-    its gain replicated and not trained): the backward scatters the input gradient after the
-    norm's backward applied to the cotangent, ``dx = rs*g*dy - x*rs^3/n * sum_j(g*dy*x)`` per row,
-    which reads the product twice."""
+    its replicated gain trained too): the backward scatters the input gradient after the norm's
+    backward applied to the cotangent, ``dx = rs*g*dy - x*rs^3/n * sum_j(g*dy*x)`` per row, which
+    reads the product twice; the gain's gradient sums the product times the normed rows over the
+    rows, beside the scatter."""
     mesh = mesh_1d()
 
     def body(x, g, w1, w2):
@@ -776,7 +777,7 @@ def sp_rms_norm_grad() -> str:
 
     args = (arg(mesh, (64, 32), specs[0]), arg(mesh, (32,), P()), arg(mesh, (32, 128), specs[2]),
             arg(mesh, (128, 32), specs[3]))
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 2, 3))).lower(*args).as_text()
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).lower(*args).as_text()
 
 
 def scan_stacked(sliced_dim: int = 0) -> Callable[[], str]:
@@ -1400,15 +1401,20 @@ SAMPLES_LIST = [
            sp_rms_norm_before_dot, "rewritten 2",
            ["CHECK: stablehlo.rsqrt", "CHECK-SAME: tensor<8x1xf32>", "CHECK: stablehlo.while",
             "CHECK-NOT: stablehlo.all_gather", "CHECK-NOT: stablehlo.reduce_scatter"]),
-    Sample("rs_norm_backward", "value_and_grad of the RMS-norm-before-dot SP MLP: the input gradient's scatter "
-           "follows the norm's backward of the cotangent (the product read twice: scaled per row, and summed over "
-           "the row then scaled); the ring applies it to each 8-row block it computes, its sums over the hidden dim "
-           "and the per-row factors taken at the block's rows. (The forward's gather, whose gathered rows are also "
-           "the backward's residual, stays.)",
+    Sample("rs_norm_backward", "value_and_grad of the RMS-norm-before-dot SP MLP, its gain trained: the input "
+           "gradient's scatter follows the norm's backward of the cotangent (the product read twice: scaled per "
+           "row, and summed over the row then scaled); the ring applies it to each 8-row block it computes, its "
+           "sums over the hidden dim and the per-row factors taken at the block's rows, and carries the gain "
+           "gradient's sum over the rows, adding each block's share. (The forward's gather, whose gathered rows "
+           "are also the backward's residual, stays; so does the gain gradient's psum, of a sum over the rows, "
+           "not of a product.)",
            sp_rms_norm_grad, "rewritten 3",
-           ["CHECK-NOT: stablehlo.reduce_scatter", "CHECK: stablehlo.while", "CHECK: } do {",
+           ["CHECK-NOT: stablehlo.reduce_scatter",  # the loop carries the partial sum and the gain gradient's total
+            "CHECK: stablehlo.while{{.*}} : tensor<ui32>, tensor<8x32xf32>, tensor<32xf32>", "CHECK: } do {",
             'CHECK: "stablehlo.collective_permute"', "CHECK: stablehlo.dot_general {{.*}} -> tensor<8x32xf32>",
             "CHECK: stablehlo.dynamic_slice {{.*}} sizes = [8, 32]",
+            "CHECK: stablehlo.reduce({{.*}}) applies stablehlo.add across dimensions = [0] : "
+            "(tensor<8x32xf32>, tensor<f32>) -> tensor<32xf32>",
             "CHECK: stablehlo.reduce({{.*}}) applies stablehlo.add across dimensions = [1] : "
             "(tensor<8x32xf32>, tensor<f32>) -> tensor<8xf32>",
             "CHECK: stablehlo.broadcast_in_dim {{.*}} : (tensor<8xf32>) -> tensor<8x32xf32>",

@@ -20,8 +20,8 @@ from .. import ir_utils
 from .._jax_private import ir
 from ..errors import Decline
 from ..layout import (
-    ROW_OPS, LayoutStep, Sliced, backward_dim, elementwise_step, invariant_source, is_elementwise, is_layout_op,
-    path_operand, row_dim,
+    ELEMENTWISE_OPS, LAYOUT_OPS, ROW_OPS, LayoutStep, Sliced, backward_dim, elementwise_step, forward_dim, invariant_source, is_elementwise,
+    is_layout_op, path_operand, row_dim,
 )
 from ..ring import Ring
 from . import causes
@@ -69,6 +69,9 @@ class ReduceScatterSite:
     ring: Ring
     region: ManualRegion
     scatter_dim: int
+    #: ops before the scatter that read a sum over the rows the ring computes (a gain's gradient,
+    #: :attr:`LayoutStep.sums_rows`): moved after it, producers first, when it is rewritten
+    moved: tuple[ir.OpView, ...] = ()
 
     kind = DOT_REDUCE_SCATTER
 
@@ -114,7 +117,44 @@ def _match(rs: ir.OpView, ring: Ring, region: ManualRegion, info: ModuleInfo) ->
         terms, adds, path = trace_product(rs, operand, scatter_dim, info, ring, dag=True)
     except Decline as declined:
         raise _truer(declined, operand, scatter_dim, n) from None
-    return ReduceScatterSite(rs, terms, adds, path, ring, region, scatter_dim)
+    return ReduceScatterSite(rs, terms, adds, path, ring, region, scatter_dim, _read_early(path, rs))
+
+
+#: ops a sum's early reader may be (moved after the scatter): pure, no region of their own but a
+#: reduction's
+MOVABLE = frozenset({
+    "stablehlo.constant", "stablehlo.reduce", "stablehlo.broadcast_in_dim", "stablehlo.all_reduce",
+    "stablehlo.all_gather", "stablehlo.reduce_scatter", "stablehlo.concatenate", "stablehlo.slice",
+    "stablehlo.dot_general", "stablehlo.select", "stablehlo.compare", "stablehlo.pad",
+})
+
+
+def _read_early(path: tuple[LayoutStep, ...], rs: ir.OpView) -> tuple[ir.OpView, ...]:
+    """The ops before ``rs`` that read (through each other) a sum the ring computes
+    (:attr:`LayoutStep.sums_rows`), producers first; or Decline where one is no op the pass
+    moves, or the path reads one."""
+    block = rs.operation.block
+    found: dict[ir.Operation, ir.OpView] = {}
+    for sum_op in [step.op for step in path if step.sums_rows]:
+        stack = [u.owner for u in sum_op.result.uses]
+        while stack:
+            op = ir_utils.ancestor_in(stack.pop(), block)
+            if op is None or op in found or not op.is_before_in_block(rs.operation):
+                continue
+            if not (op.name in MOVABLE or op.name in LAYOUT_OPS or op.name in ELEMENTWISE_OPS):
+                raise Decline("producer_not_dot", f"{describe_op(sum_op)}, a sum over the scattered rows of the "
+                                                  f"product the ring computes, is read before the scatter by "
+                                                  f"{describe_op(op.opview)}, which the pass does not move after it")
+            found[op] = op.opview
+            stack += [u.owner for r in op.results for u in r.uses]
+    for step in path:
+        for value in step.op.operation.operands:
+            if not isinstance(value.owner, ir.Block) and value.owner.operation in found:
+                raise Decline("producer_not_dot", f"{describe_op(step.op)} on the way from the dot to the scatter "
+                                                  f"reads {describe_op(value.owner)}, computed from a sum over the "
+                                                  "scattered rows of the product: the ring has it only when every "
+                                                  "block is done")
+    return tuple(sorted(found.values(), key=_Position, reverse=True))
 
 
 def _truer(declined: Decline, operand: ir.Value, dim: int, n: int) -> Decline:
@@ -298,64 +338,59 @@ def trace_dag(
     ``dx = rs*g*dy - x*rs^3/n * sum_j(g*dy*x)``, the product read twice).  Valid block by block
     when every op computed from a product (the *path*) works row by row along the ring dim — an
     elementwise op, a layout op, a reduce over other dims, a broadcast_in_dim taking the ring dim
-    from its operand — its other operands read at the block's rows (or the same in every block),
-    and no value of the path is read outside it: then block ``b`` of the scattered value on each
-    device is the path applied to block ``b`` of each product.  The pass also asks that the path
-    be linear in the products (a backward pass's shape): adds of two path values, a path value
-    scaled (multiplied, divided) by another value, a negation, a sum over other dims from zero.
+    from its operand — its other operands read at the block's rows (or the same in every block):
+    then block ``b`` of the scattered value on each device is the path applied to block ``b`` of
+    each product.  The pass also asks that the path be linear in the products (a backward pass's
+    shape): adds of two path values, a path value scaled (multiplied, divided) by another value,
+    a negation, a sum over other dims from zero.
 
     The path is the ops of the *cone* (those whose every result is read, in the end, only by
-    ``operand``) computed from a dot of the cone.  ``chain``: the chain tracer's decline, raised
-    where the DAG is no better (no dot in the cone; a nonlinear op, which ``chain`` names)."""
+    ``operand``) computed from a dot of the cone, and the *branches*: ops computed from a path
+    value that lead only to sums over the ring dim from zero (a norm gain's gradient,
+    ``sum_i(x_i*rs_i*dy_i)`` over the rows), each a step that :attr:`~LayoutStep.sums_rows` (the
+    ring adds up its blocks' shares).  ``chain``: the chain tracer's decline, raised where the
+    DAG is no better (no dot in the cone; a nonlinear op, which ``chain`` names)."""
     n = ring.size
     root = operand.owner
     block = anchor.operation.block
     if isinstance(root, ir.Block) or len(list(operand.uses)) != 1 or root.operation.block != block:
         raise chain
 
-    # the cone, latest op first: an op is in it when every reader of its results is
-    cone: dict[ir.Operation, ir.OpView] = {}
-    heap, queued = [_Position(root)], {root.operation}
-    while heap:
-        op = heapq.heappop(heap).op
-        if op.operation != root.operation and not all(
-                u.owner.operation in cone for r in op.operation.results for u in r.uses):
-            continue
-        cone[op.operation] = op
-        if op.operation.name == "stablehlo.dot_general" or not _passes(op):
-            continue  # a dot's operands are the ring's; any other op's value is read as it is
-        for value in op.operation.operands:
-            owner = value.owner
-            if not isinstance(owner, ir.Block) and owner.operation not in queued and owner.operation.block == block:
-                queued.add(owner.operation)
-                heapq.heappush(heap, _Position(owner))
-    ordered = list(reversed(cone.values()))  # producers first
-
-    # the path: the cone's ops computed from one of its dots
-    path_ops: dict[ir.Operation, ir.OpView] = {}
-    for op in ordered:
-        if op.operation.name == "stablehlo.dot_general" or any(
-                not isinstance(v.owner, ir.Block) and v.owner.operation in path_ops for v in op.operation.operands):
-            path_ops[op.operation] = op
-    if root.operation not in path_ops:
-        raise _escaped(root, cone, block, anchor) or chain
+    reach = _cone(root, block, None)  # every op back from the scatter through the ops a product may pass
+    branches: dict[ir.Operation, ir.OpView] = {}  # path ops that lead only to sums over the rows
+    while True:
+        cone = _cone(root, block, set(branches) | {anchor.operation})
+        ops = {**cone, **branches}
+        path_ops = _from_dots(ops)  # the ops computed from one of the cone's dots, producers first
+        if root.operation in path_ops:
+            inside = ops
+            read = path_ops
+        else:  # a value on the way from a dot is read elsewhere too: by a branch (a gain's gradient), or Decline
+            inside = {**reach, **branches}
+            read = _from_dots(inside)
+        outside = [(op, u.owner) for op in read.values() if not _sums_away(op, branches, cone)
+                   for r in op.operation.results for u in r.uses
+                   if u.owner.operation not in inside and u.owner.operation != anchor.operation]
+        if not outside:
+            if root.operation not in path_ops:
+                raise _escaped(root, cone, block, anchor) or chain
+            break
+        for op, reader in outside:  # a value of the path read apart from the scatter: a branch, or Decline
+            _branch(op, reader, block, inside, branches, anchor)
 
     def on_path(value: ir.Value) -> bool:
         return not isinstance(value.owner, ir.Block) and value.owner.operation in path_ops
 
-    # the ring dim of every path value, from the scattered value back to the dots
+    # the ring dim of every path value: from the scattered value back to the dots, then forward
+    # from the path into the branches
     dims: dict[ir.Value, int] = {operand: dim}
-    steps: list[LayoutStep] = []
+    steps: dict[ir.Operation, LayoutStep] = {}
     terms: list[Term] = []
     for op in reversed(list(path_ops.values())):
+        if op.operation not in cone:
+            continue
         out_dim = dims[op.result]
-        result_t = ir_utils.ranked_tensor(op.result)
-        if result_t is None or not ir_utils.is_static(result_t):
-            raise Decline("dynamic_shape", f"{describe_op(op)} between the dot and the scatter is dynamically shaped")
-        size = result_t.shape[out_dim]
-        if size % n or size < n:
-            raise Decline("layout", f"{describe_op(op)} on the way from the dot to the scatter: its dim {out_dim} "
-                                    f"({size}), the scattered rows, cannot be cut in {n} blocks")
+        _cut(op, out_dim, n)
         name = op.operation.name
         if name == "stablehlo.dot_general":
             read = [v for v in op.operation.operands if on_path(v)]
@@ -374,17 +409,158 @@ def trace_dag(
         elif is_elementwise(op):
             _linear(op, on_path)
             in_dims = {v: out_dim for v in op.operation.operands if on_path(v)}
-            step = LayoutStep(op, out_dim, out_dim, tuple(_source(op, v, out_dim, on_path)
-                                                         for v in op.operation.operands))
+            step = _elementwise(op, out_dim, on_path)
         else:
             raise not_blockwise(op)
         for value, in_dim in in_dims.items():
-            if dims.setdefault(value, in_dim) != in_dim:
-                raise Decline("producer_not_dot", f"{describe_op(value.owner)} is read with the scattered rows along "
-                                                  f"its dim {dims[value]} by one op and along dim {in_dim} by "
-                                                  f"{describe_op(op)}: no block of it is a block of both")
-        steps.append(step)
-    return tuple(reversed(terms)), (), tuple(reversed(steps))
+            _agree(dims, value, in_dim, op)
+        steps[op.operation] = step
+    for op in path_ops.values():
+        if op.operation not in cone:
+            steps[op.operation] = _branch_step(op, dims, on_path, branches, n)
+    for op in path_ops.values():  # what the ring reads beside the path: there before it, and not from a sum
+        for value in op.operation.operands:
+            if on_path(value) and _sums_away(value.owner, branches, cone):
+                raise Decline("producer_not_dot", f"{describe_op(op)} on the way from the dot to the scatter reads "
+                                                  f"{describe_op(value.owner)}, a sum over the scattered rows of the "
+                                                  "product: the ring has it only when every block is done")
+            if not on_path(value):
+                _read_beside(value, op, anchor)
+    ordered = [steps[op] for op in path_ops if op in steps]
+    return tuple(reversed(terms)), (), tuple(ordered)
+
+
+def _from_dots(ops: dict) -> dict[ir.Operation, ir.OpView]:
+    """The ``ops`` that are dots or computed from one of them through ``ops``, producers first."""
+    found: dict[ir.Operation, ir.OpView] = {}
+    for op in sorted(ops.values(), key=_Position, reverse=True):
+        if op.operation.name == "stablehlo.dot_general" or any(
+                not isinstance(v.owner, ir.Block) and v.owner.operation in found for v in op.operation.operands):
+            found[op.operation] = op
+    return found
+
+
+def _cone(root: ir.OpView, block: ir.Block, inside: set | None) -> dict[ir.Operation, ir.OpView]:
+    """The ops whose every result is read only by ``root``'s cone or ``inside`` (``root`` first),
+    found from ``root`` back through the ops a product may pass, latest first; a dot's operands
+    are not followed (the ring slices them), nor any other op's (read as a whole value).
+    ``inside`` None: every op found that way, whoever reads it."""
+    cone: dict[ir.Operation, ir.OpView] = {}
+    heap, queued = [_Position(root)], {root.operation}
+    while heap:
+        op = heapq.heappop(heap).op
+        if inside is not None and op.operation != root.operation and not all(
+                u.owner.operation in cone or u.owner.operation in inside for r in op.operation.results for u in r.uses):
+            continue
+        cone[op.operation] = op
+        if op.operation.name == "stablehlo.dot_general" or not _passes(op):
+            continue
+        for value in op.operation.operands:
+            owner = value.owner
+            if not isinstance(owner, ir.Block) and owner.operation not in queued and owner.operation.block == block:
+                queued.add(owner.operation)
+                heapq.heappush(heap, _Position(owner))
+    return cone
+
+
+def _sums_away(op: ir.OpView, branches: dict, cone: dict) -> bool:
+    """Is ``op`` a branch's sum (its result read by anything: the ring hands it the whole sum)?"""
+    return op.operation in branches and op.operation not in cone and op.operation.name == "stablehlo.reduce"
+
+
+def _branch(start: ir.OpView, reader: ir.OpView, block: ir.Block, ops: dict, branches: dict,
+            anchor: ir.OpView) -> None:
+    """Add to ``branches`` the ops from ``reader`` (which reads ``start``'s value, a path value,
+    apart from the scatter) forward to the reduces they end in, or Decline: every op on the way
+    a product may pass (layout, elementwise, broadcast), every value read only on the way."""
+    stack = [reader]
+    while stack:
+        op = stack.pop()
+        if op.operation in ops or op.operation in branches or op.operation == anchor.operation:
+            continue
+        if op.operation.block != block or not (_passes(op) or op.operation.name == "stablehlo.reduce"):
+            what = (f"the product of {describe_op(start)}" if start.operation.name == "stablehlo.dot_general" else
+                    f"{describe_op(start)}, computed from the product,")
+            raise Decline("multiple_users", f"{what} is also read, through {describe_op(reader)}, by "
+                                            f"{describe_op(op)}, outside the ops that feed the scatter (and no sum "
+                                            "over the scattered rows, which the ring would add up block by block): "
+                                            "the full unscattered product is needed elsewhere")
+        branches[op.operation] = op
+        if op.operation.name == "stablehlo.reduce":
+            continue  # a sum over the rows (checked with the dims): its result is read by anything
+        stack += [u.owner for r in op.operation.results for u in r.uses]
+
+
+def _branch_step(op: ir.OpView, dims: dict, on_path, branches: dict, n: int) -> LayoutStep:
+    """The step of a branch op, its ring dim taken forward from its path operands' (producers
+    come first); a reduce must sum the ring dim away, from zero."""
+    read = [v for v in op.operation.operands if on_path(v)]
+    in_dims = {dims.get(v) for v in read}
+    if None in in_dims or len(in_dims) != 1:
+        raise Decline("producer_not_dot", f"{describe_op(op)} reads values computed from the product with the "
+                                          "scattered rows along different dims: no block of it is a block of each")
+    (in_dim,) = in_dims
+    name = op.operation.name
+    if name == "stablehlo.reduce":
+        reduced = set(ir.DenseI64ArrayAttr(op.attributes["dimensions"]))
+        if in_dim not in reduced:
+            raise Decline("multiple_users", f"{describe_op(op)} sums a value computed from the product over other "
+                                            f"dims than the scattered dim {in_dim}, outside the ops that feed the "
+                                            "scatter: its rows are needed whole elsewhere")
+        _sum_from_zero(op, on_path)
+        return LayoutStep(op, in_dim, None, (None, op.operation.operands[1].owner))
+    if is_layout_op(op):
+        out_dim = forward_dim(op, in_dim, n)
+        step = LayoutStep(op, in_dim, out_dim)
+    elif name == "stablehlo.broadcast_in_dim":
+        out_dim = list(ir.DenseI64ArrayAttr(op.attributes["broadcast_dimensions"]))[in_dim]
+        if row_dim(op, out_dim) != in_dim:
+            raise Decline("producer_not_dot", f"{describe_op(op)} spreads a value computed from the product: no "
+                                              "block of it is a block of its operand")
+        step = LayoutStep(op, in_dim, out_dim)
+    else:
+        _linear(op, on_path)
+        out_dim = in_dim
+        step = _elementwise(op, out_dim, on_path)
+    dims[op.result] = out_dim
+    _cut(op, out_dim, n)
+    return step
+
+
+def _read_beside(value: ir.Value, op: ir.OpView, anchor: ir.OpView) -> None:
+    """Decline where the ring (built where the scatter is) could not read ``value``, an operand of
+    the path op ``op`` that is not on the path: defined after the scatter (a constant is rebuilt)."""
+    owner = value.owner
+    if isinstance(owner, ir.Block) or owner.operation.block != anchor.operation.block:
+        return  # an argument, or a value of an enclosing block: there before the ring
+    if owner.operation.name == "stablehlo.constant":
+        return  # rebuilt where the ring reads it
+    if not owner.operation.is_before_in_block(anchor.operation):
+        raise Decline("producer_not_dot", f"{describe_op(op)}, computed from the product, reads "
+                                          f"{describe_op(owner)}, which comes after the scatter: the ring, built "
+                                          "where the scatter is, cannot read it")
+
+
+def _cut(op: ir.OpView, out_dim: int, n: int) -> None:
+    """Decline unless ``op``'s result is static and its ring dim cuts into ``n`` blocks."""
+    result_t = ir_utils.ranked_tensor(op.result)
+    if result_t is None or not ir_utils.is_static(result_t):
+        raise Decline("dynamic_shape", f"{describe_op(op)} between the dot and the scatter is dynamically shaped")
+    size = result_t.shape[out_dim]
+    if size % n or size < n:
+        raise Decline("layout", f"{describe_op(op)} on the way from the dot to the scatter: its dim {out_dim} "
+                                f"({size}), the scattered rows, cannot be cut in {n} blocks")
+
+
+def _agree(dims: dict, value: ir.Value, in_dim: int, op: ir.OpView) -> None:
+    if dims.setdefault(value, in_dim) != in_dim:
+        raise Decline("producer_not_dot", f"{describe_op(value.owner)} is read with the scattered rows along its dim "
+                                          f"{dims[value]} by one op and along dim {in_dim} by {describe_op(op)}: no "
+                                          "block of it is a block of both")
+
+
+def _elementwise(op: ir.OpView, dim: int, on_path) -> LayoutStep:
+    return LayoutStep(op, dim, dim, tuple(_source(op, v, dim, on_path) for v in op.operation.operands))
 
 
 def _escaped(root: ir.OpView, cone: dict, block: ir.Block, anchor: ir.OpView) -> Decline | None:
@@ -448,20 +624,24 @@ def _row_step(op: ir.OpView, out_dim: int, on_path) -> LayoutStep:
                                           "before it), which no single block of the product gives")
     if op.operation.name == "stablehlo.broadcast_in_dim":
         return LayoutStep(op, in_dim, out_dim)
+    _sum_from_zero(op, on_path)
+    return LayoutStep(op, in_dim, out_dim, (None, op.operation.operands[1].owner))
+
+
+def _sum_from_zero(op: ir.OpView, on_path) -> None:
+    """Decline (:class:`_Nonlinear`) a reduce that is not one sum from a zero constant."""
     operands = list(op.operation.operands)
     if len(operands) != 2:
         raise Decline("producer_not_dot", f"{describe_op(op)} reduces {len(operands) // 2} values at once (a "
                                           "variadic reduce) on the way from the dot to the scatter")
     init = operands[1]
-    zero = None
+    zero = False
     if not on_path(init) and not isinstance(init.owner, ir.Block) and init.owner.operation.name == "stablehlo.constant":
         value = ir.DenseElementsAttr(init.owner.attributes["value"])
-        if value.is_splat and not isinstance(ir.RankedTensorType(init.type).element_type, ir.ComplexType) \
-                and float(np.asarray(value).reshape(-1)[0]) == 0:
-            zero = init.owner
-    if zero is None or not region_is_sum(op):
+        zero = value.is_splat and not isinstance(ir.RankedTensorType(init.type).element_type, ir.ComplexType) \
+            and float(np.asarray(value).reshape(-1)[0]) == 0
+    if not zero or not region_is_sum(op):
         raise _Nonlinear(op, f"{describe_op(op)}, which is not a sum from zero, so not linear in the product")
-    return LayoutStep(op, in_dim, out_dim, (None, zero))
 
 
 def _linear(op: ir.OpView, on_path) -> None:

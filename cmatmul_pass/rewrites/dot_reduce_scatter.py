@@ -96,7 +96,9 @@ def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> 
         dots.append(product.owner)
         return product
 
-    def piece(block: ir.Value, half: int, stream: int, dots: list) -> ir.Value:
+    sums = [step for step in site.path if step.sums_rows]  # a gain's gradient: each block's share added up
+
+    def piece(block: ir.Value, half: int, stream: int, dots: list) -> tuple[ir.Value, list[ir.Value]]:
         # each original value on the path -> its block: the dots', or the root of their sum
         blocks = {}
         total = None
@@ -120,10 +122,11 @@ def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> 
         # a chain or a DAG (a norm's backward reading the product twice): every step reads its
         # operands' blocks
         apply_dag(site.path, blocks, parts, block_of_sliced)
-        return blocks[rs.operation.operands[0]]
+        return blocks[rs.operation.operands[0]], [blocks[step.op.result] for step in sums]
 
     def round_fn(rnd: Round, accs: list[ir.Value]) -> list[ir.Value]:
         new = []
+        totals = accs[len(shifts):]  # the sums over the rows, of the blocks computed so far (None: none yet)
         for i, shift in enumerate(shifts):
             dots: list = []
             received = None
@@ -132,19 +135,28 @@ def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> 
                 received = comm.collective_permute(accs[i], site.ring.shift_pairs(shift), channels[-1])
             # sums travel from position p to p+shift, so position p works on block p - shift*(r+1)
             block = ring_position(loop_b, position, rnd, n, shift=-shift, offset=-shift)
-            mine = piece(block, i, 1 + rnd.slot * len(shifts) + i, dots)
+            mine, shares = piece(block, i, 1 + rnd.slot * len(shifts) + i, dots)
             ctx.annotator.group(received.owner if received is not None else None, dots)
             new.append(comm.add(received, mine) if rnd.signature else mine)
-        return new
+            totals = [share if total is None else loop_b.at(step.op.location).add(total, share)
+                      for step, total, share in zip(sums, totals, shares)]
+        return new + totals
 
+    after = rs.operation
+    for op in site.moved:  # they read a sum over the rows, which the ring hands over when it is done
+        op.operation.move_after(after)
+        after = op.operation
     stats = ScheduleStats()
     with ir.InsertionPoint(rs.operation):
         position = loop_b.position_in_ring(site.ring, site.region)
         # round 0 creates the partial sums (it receives nothing), so it is never in the loop
         signatures = scatter_signatures(n)
-        final = emit_rounds(loop_b, signatures, [None] * len(shifts), round_fn, ctx.unroll, stats)
+        final = emit_rounds(loop_b, signatures, [None] * (len(shifts) + len(sums)), round_fn, ctx.unroll, stats)
+        final, totals = final[:len(shifts)], final[len(shifts):]
         result = final[0] if len(final) == 1 else hlo.ConcatenateOp(final, site.scatter_dim, loc=rs.location).result
 
+    for step, total in zip(sums, totals):
+        step.op.result.replace_all_uses_with(total)
     rs.result.replace_all_uses_with(result)
     rs.operation.erase()
     erase_dead([step.op for step in reversed(site.path)] + path_sources(site.path) + list(site.adds)
