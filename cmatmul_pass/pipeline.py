@@ -7,7 +7,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from . import cost, ir_utils
+from . import cost, ir_utils, replay
 from ._jax_private import hlo, ir, make_context, module_to_bytecode, module_to_hlo_text
 from .analysis.slack import SiteSlack, Slack
 from .analysis.variance import Variance
@@ -246,7 +246,7 @@ def rewrite(
 def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool) -> RewriteResult:
     # Unknown is only the default for type construction; every op gets an explicit loc.
     with module.context, ir.Location.unknown():
-        found = ir_utils.ops_named(module, "func.call", *ir_utils.CHANNEL_OPS)
+        found = ir_utils.ops_named(module, "func.call", *ir_utils.CHANNEL_OPS, replay.MANUAL, "stablehlo.while")
         info = ModuleInfo.of(module, found["func.call"])
         report = Report(source, info.num_partitions)
         channels = ChannelAllocator(module, found)
@@ -276,86 +276,124 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
             entry.notes[:0] = [f"{how} (where it stood: declined [{was.code}])", *more]
             report.sites.append(entry)
 
-        # psums of dots first: a split one leaves a reduce_scatter (ringed at once) and an
-        # all_gather, carried forward to where its value is read whole, which the gathers'
-        # pass below then finds.
-        gathers = list(found["stablehlo.all_gather"])
         variance = Variance(info)
-        if options.all_reduce_strategy != "keep" and found["stablehlo.all_reduce"]:
-            seeds: list[Seed] = []
-            for op in found["stablehlo.all_reduce"]:
-                entry, seed = _all_reduce(match_all_reduce(op, info), ctx, source, options, hw, apply, info,
-                                          predictions)
-                if seed is not None:
-                    seed.site = len(report.sites)
-                    seeds.append(seed)
-                report.sites.append(entry)
-            carried = carry_forward(seeds, variance, ctx.take_channel, ctx.constants, source)
-            gathers += carried.kept + [m.all_gather for m in carried.materialised if m.feeds_dot]
-        # Scatters first: a dot between an all_gather and a reduce_scatter becomes the
-        # scatter ring's peeled dot, which the gather's ring then computes (and the
-        # loop reads the gathered value the gather's ring assembles).  Each collective
-        # is matched against the IR as the earlier rewrites left it.
-        # (the scatter rewrites erase reduce_scatters and dots, never an all_gather)
-        for op in found["stablehlo.reduce_scatter"]:
-            site = match_reduce_scatter(op, info)
-            hoisted = _hoist_scatter(site, ctx, options)
-            if isinstance(hoisted, Hoisted):  # each layer's block scattered in the loop, ringed with its dot
-                where = ir_utils.render_location(hoisted.loop.location, source)
-                for scattered in hoisted.reduce_scatters:
-                    apply_moved(match_reduce_scatter(scattered, info), site,
-                                f"hoisted into the loop at {where}: each trip scatters the layer it computes into a "
-                                "buffer of this device's block, so the stacked gradient is never whole")
-                continue
-            entry = apply(site)
-            if hoisted:
-                entry.reason += f"; not hoisted into the loop: {hoisted}"
-            report.sites.append(entry)
-        gathers, deferred = _order_by_slack(gathers, info, options, source)
-        gathered = {}
-        merged_away: set[int] = set()  # second stages merged into their first (by index in gathers)
-        for index, op in enumerate(gathers):
-            if index in merged_away:
-                continue
-            gathered[id(op)] = len(report.sites)
-            site = match_all_gather(op, info, assemble=options.assemble)
-            merged = _merge_stages(site, info, ctx, options)
-            if isinstance(merged, tuple):
-                new, outer = merged
-                merged_away.update(j for j in range(index + 1, len(gathers)) if gathers[j].operation == outer.operation)
-                where = ir_utils.render_location(outer.location, source)
-                outer.operation.erase()
-                op.operation.erase()
-                apply_moved(match_all_gather(new, info, assemble=options.assemble), site,
-                            f"merged with the second stage at {where}: one gather over both stages' groups")
-                continue
-            moved = _move_gather(site, info, variance, ctx, source, options)
-            sunk = _sink_gather(site, ctx, options) if moved is None else None
-            if isinstance(sunk, Sunk):
-                where = ", ".join(dict.fromkeys(ir_utils.render_location(loop.location, source) for loop in sunk.loops))
-                handed = [f"the stack was also kept for {sunk.handed} later region(s) (a backward): they get the "
-                          "shard and gather each layer again, so the layers cross the wire once per loop instead of "
-                          "once (memory for bytes, as FSDP trades)"] if sunk.handed else []
-                for layer_gather in sunk.all_gathers:  # each now a gather of one layer, read by the body's dot
-                    apply_moved(match_all_gather(layer_gather, info, assemble=options.assemble), site,
-                                f"sunk into the loop{'s' if len(sunk.loops) > 1 else ''} at {where}: each trip gathers "
-                                "only the layer it reads, so one layer's gathered weight is alive instead of the whole "
-                                "stack", *handed)
-                continue
-            if moved is None:
+        # identical layers: all but three are left for replay (cmatmul_pass.replay), which needs
+        # the twin's and the probe's report entries, and the regions whose gathers compete
+        layers = replay.plan(found) if rings is not None and not verify_each else None
+        regions_of: dict[int, ir.Block] = {}  # an entry (by id) -> its region's body
+        competing: set = set()
+
+        def region_of(op: ir.OpView) -> ir.Block | None:
+            """The body of the twin or probe region holding ``op`` (asked before its site is rewritten)."""
+            return layers.checked_region(op) if layers else None
+
+        def tag(region: ir.Block | None, since: int, until: int | None = None) -> None:
+            """The report's entries from ``since`` on (to ``until``) are ``region``'s."""
+            if region is not None:
+                for entry in report.sites[since:until]:
+                    regions_of[id(entry)] = region
+
+        def rewrite_sites(found: dict[str, list]) -> None:
+            """Rewrite the sites of ``found``'s collectives: psums, then scatters, then gathers."""
+            # psums of dots first: a split one leaves a reduce_scatter (ringed at once) and an
+            # all_gather, carried forward to where its value is read whole, which the gathers'
+            # pass below then finds.
+            gathers = list(found["stablehlo.all_gather"])
+            if options.all_reduce_strategy != "keep" and found["stablehlo.all_reduce"]:
+                seeds: list[Seed] = []
+                for op in found["stablehlo.all_reduce"]:
+                    since, region = len(report.sites), region_of(op)
+                    entry, seed = _all_reduce(match_all_reduce(op, info), ctx, source, options, hw, apply, info,
+                                              predictions)
+                    if seed is not None:
+                        seed.site = len(report.sites)
+                        seeds.append(seed)
+                    report.sites.append(entry)
+                    tag(region, since)
+                carried = carry_forward(seeds, variance, ctx.take_channel, ctx.constants, source)
+                gathers += carried.kept + [m.all_gather for m in carried.materialised if m.feeds_dot]
+            # Scatters first: a dot between an all_gather and a reduce_scatter becomes the
+            # scatter ring's peeled dot, which the gather's ring then computes (and the
+            # loop reads the gathered value the gather's ring assembles).  Each collective
+            # is matched against the IR as the earlier rewrites left it.
+            # (the scatter rewrites erase reduce_scatters and dots, never an all_gather)
+            for op in found["stablehlo.reduce_scatter"]:
+                since, region = len(report.sites), region_of(op)
+                site = match_reduce_scatter(op, info)
+                hoisted = _hoist_scatter(site, ctx, options)
+                if isinstance(hoisted, Hoisted):  # each layer's block scattered in the loop, ringed with its dot
+                    where = ir_utils.render_location(hoisted.loop.location, source)
+                    for scattered in hoisted.reduce_scatters:
+                        apply_moved(match_reduce_scatter(scattered, info), site,
+                                    f"hoisted into the loop at {where}: each trip scatters the layer it computes into a "
+                                    "buffer of this device's block, so the stacked gradient is never whole")
+                    continue
                 entry = apply(site)
-                if sunk:  # a gather feeding a loop that could not take it: say what stopped it
-                    entry.reason += f"; not sunk into the loop: {sunk}"
-                if merged:
-                    entry.reason += f"; not merged with it: {merged}"
+                if hoisted:
+                    entry.reason += f"; not hoisted into the loop: {hoisted}"
                 report.sites.append(entry)
-                continue
-            for m in moved.materialised:  # each now read by dots: an all_gather → dot site
-                apply_moved(match_all_gather(m.all_gather, info, assemble=options.assemble), site,
-                            f"moved to its dot past {m.moved_ops} row-wise op(s), which now run on this device's rows")
-        _say_prefetchable(report, deferred, gathered)
-        if options.all_reduce_strategy != "keep" and found["stablehlo.all_reduce"]:
-            _say_where_gathers_went(report, carried, gathered)
+                tag(region, since)
+            gathers, deferred = _order_by_slack(gathers, info, options, source)
+            marks: list = []  # (first entry index, region) per gather processed
+            gathered = {}
+            merged_away: set[int] = set()  # second stages merged into their first (by index in gathers)
+            for index, op in enumerate(gathers):
+                if index in merged_away:
+                    continue
+                if layers:  # the entries of this gather's site are its region's (the op may go)
+                    region = region_of(op)
+                    if id(op) in deferred and region is not None:
+                        competing.add(region)
+                    marks.append((len(report.sites), region))
+                gathered[id(op)] = len(report.sites)
+                site = match_all_gather(op, info, assemble=options.assemble)
+                merged = _merge_stages(site, info, ctx, options)
+                if isinstance(merged, tuple):
+                    new, outer = merged
+                    merged_away.update(j for j in range(index + 1, len(gathers)) if gathers[j].operation == outer.operation)
+                    where = ir_utils.render_location(outer.location, source)
+                    outer.operation.erase()
+                    op.operation.erase()
+                    apply_moved(match_all_gather(new, info, assemble=options.assemble), site,
+                                f"merged with the second stage at {where}: one gather over both stages' groups")
+                    continue
+                moved = _move_gather(site, info, variance, ctx, source, options)
+                sunk = _sink_gather(site, ctx, options) if moved is None else None
+                if isinstance(sunk, Sunk):
+                    where = ", ".join(dict.fromkeys(ir_utils.render_location(loop.location, source) for loop in sunk.loops))
+                    handed = [f"the stack was also kept for {sunk.handed} later region(s) (a backward): they get the "
+                              "shard and gather each layer again, so the layers cross the wire once per loop instead of "
+                              "once (memory for bytes, as FSDP trades)"] if sunk.handed else []
+                    for layer_gather in sunk.all_gathers:  # each now a gather of one layer, read by the body's dot
+                        apply_moved(match_all_gather(layer_gather, info, assemble=options.assemble), site,
+                                    f"sunk into the loop{'s' if len(sunk.loops) > 1 else ''} at {where}: each trip gathers "
+                                    "only the layer it reads, so one layer's gathered weight is alive instead of the whole "
+                                    "stack", *handed)
+                    continue
+                if moved is None:
+                    entry = apply(site)
+                    if sunk:  # a gather feeding a loop that could not take it: say what stopped it
+                        entry.reason += f"; not sunk into the loop: {sunk}"
+                    if merged:
+                        entry.reason += f"; not merged with it: {merged}"
+                    report.sites.append(entry)
+                    continue
+                for m in moved.materialised:  # each now read by dots: an all_gather → dot site
+                    apply_moved(match_all_gather(m.all_gather, info, assemble=options.assemble), site,
+                                f"moved to its dot past {m.moved_ops} row-wise op(s), which now run on this device's rows")
+            for (since, region), (until, _) in zip(marks, [*marks[1:], (len(report.sites), None)]):
+                tag(region, since, until)
+            _say_prefetchable(report, deferred, gathered)
+            if options.all_reduce_strategy != "keep" and found["stablehlo.all_reduce"]:
+                _say_where_gathers_went(report, carried, gathered)
+
+        if layers is None:
+            rewrite_sites(found)
+        else:
+            rewrite_sites(layers.without_deferred(found))
+            leftover = layers.finish(report, regions_of, competing, ctx.take_channel, source)
+            if leftover:  # a group whose probe differed from its twin: its other regions the usual way
+                rewrite_sites(layers.only(leftover, found))
         if report.rewritten:
             ctx.annotator.finish()
             _verify(module, None)

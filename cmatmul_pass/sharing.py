@@ -227,6 +227,12 @@ def pattern_of(site: AllGatherSite | ReduceScatterSite) -> Pattern | None:
     return Pattern(ops, signature.inputs, outputs, Key((site.kind, key, tuple(leaving))), at, anchor)
 
 
+def structure(op: ir.Operation) -> tuple:
+    """``op``'s structural key, the ops nested in it included: what a pattern key holds (names,
+    attributes, types, wiring; channel handles aside), comparable within one context."""
+    return _Signature().op(op)
+
+
 class Key:
     """A pattern's structural key, hashed once: it holds hundreds of MLIR attributes and types,
     whose hashes are C++ calls, and is looked up more than once per site."""

@@ -1,0 +1,420 @@
+"""Layers that repeat: rewrite two, check the last, replay the rest.
+
+A model whose layers are a Python loop over a ``jax.shard_map``'d block lowers to one
+``sdy.manual_computation`` per layer (and one per layer again in the backward), each with the
+same body: at 32 layers the pass meets about 480 sites in 64 regions, but only two distinct
+bodies.  What the pass does to a region depends on its body, its shardings and what earlier
+regions left behind (the shared ring functions of :mod:`cmatmul_pass.sharing`, the cost
+model's cached predictions); so every region of a group of identical ones, after the second,
+comes out as the second did.
+
+A group is at least :data:`MIN_MEMBERS` top-level regions whose op prints the same without
+locations and with its outside operands anonymous.  The pipeline rewrites its first region
+(where each ring pattern first appears, inline), its second (the *twin*: its sites call the
+shared rings) and its last (the *probe*) the usual way, and leaves the others alone.  Then the
+probe must have come out as the twin did: the same ops, attributes and types (channel handles
+aside), the same region types, and the same report entries once the twin's locations are read
+as the probe's.  If it did, each region in between is replaced by a copy of the twin that reads
+the region's own operands and carries its own locations (a location the pass built from several
+of the twin's ops, fused, is rebuilt from the region's ops at the same places), with fresh
+channel handles; the twin's report entries, read the same way, become the region's.  If the
+probe differs, or a region's locations cannot be mapped one to one, those regions are rewritten
+the usual way after all.  Either way the module and the report are what the pass gives without
+replay, channel handle numbers aside (``tests/test_replay.py`` compares them).
+
+Not replayed: modules with a ``stablehlo.while`` (sinking and hoisting move collectives across
+loops and regions), groups whose gathers compete with another collective for a dot (which one
+gets the ring depends on what comes before the region: :mod:`.analysis.slack`), groups whose
+region types the pass changed, and runs that annotate streams or do not share rings.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from . import ir_utils
+from ._jax_private import hlo, ir
+from .report import Report, SiteReport
+from .sharing import structure
+
+#: the first region (each ring pattern's inline ring), the twin, at least one to replay, the probe
+MIN_MEMBERS = 4
+MANUAL = "sdy.manual_computation"
+
+
+def _body(region: ir.Operation) -> ir.Block:
+    """A region's identity for dicts and sets: its body block (an Operation's hash changes with
+    its attributes; a Block's is its address)."""
+    return region.regions[0].blocks[0]
+
+
+@dataclass(eq=False)
+class Group:
+    """Top-level regions with one body, in program order, and what the twin and the probe
+    were before the pass."""
+
+    members: list[ir.Operation]
+    before: dict = field(default_factory=dict)  # twin / probe body -> (locations in walk order, types)
+
+    @property
+    def twin(self) -> ir.Operation:
+        return self.members[1]
+
+    @property
+    def probe(self) -> ir.Operation:
+        return self.members[-1]  # the last: its context (what reads its results) the least like the twin's
+
+    @property
+    def rest(self) -> list[ir.Operation]:
+        return self.members[2:-1]
+
+
+def _locations(region: ir.Operation) -> list[ir.Location]:
+    """The locations of ``region`` and every op nested in it, in pre-order (one C++ walk)."""
+    found: list[ir.Location] = []
+
+    def visit(op: ir.Operation) -> ir.WalkResult:
+        found.append(op.location)
+        return ir.WalkResult.ADVANCE
+
+    region.walk(visit, ir.WalkOrder.PRE_ORDER)
+    return found
+
+
+def _types(region: ir.Operation) -> tuple:
+    return tuple(v.type for v in region.operands), tuple(r.type for r in region.results)
+
+
+class Plan:
+    """The groups of one module, and which regions the pipeline leaves for replay."""
+
+    def __init__(self, groups: list[Group]):
+        self.groups = groups
+        self.deferred = {_body(m) for g in groups for m in g.rest}
+        self.checked = {_body(m): m for g in groups for m in (g.twin, g.probe)}
+        for g in groups:
+            for m in (g.twin, g.probe):
+                g.before[_body(m)] = (_locations(m), _types(m))
+
+    def top_level(self, op: ir.Operation | ir.OpView) -> ir.Block | None:
+        """The body of the top-level region holding ``op`` (None: ``op`` is in none)."""
+        op = op.operation
+        body = None
+        while True:
+            parent = op.parent
+            if parent is None or parent.name == "func.func":
+                return body if op.name == MANUAL else None
+            body = op.block
+            op = parent.operation
+
+    def checked_region(self, op: ir.Operation | ir.OpView) -> ir.Block | None:
+        """The body of the twin or probe region holding ``op``, if any."""
+        top = self.top_level(op)
+        return top if top in self.checked else None
+
+    def without_deferred(self, found: dict[str, list]) -> dict[str, list]:
+        """``found`` less the ops inside the regions left for replay (kept aside for :meth:`only`)."""
+        kept: dict[str, list] = {}
+        self._held: dict[ir.Operation, dict[str, list]] = {}
+        for name, ops in found.items():
+            kept[name] = ops if name == "func.call" else []
+            if name == "func.call":
+                continue
+            for op in ops:
+                top = self.top_level(op)
+                if top in self.deferred:
+                    self._held.setdefault(top, {}).setdefault(name, []).append(op)
+                else:
+                    kept[name].append(op)
+        return kept
+
+    def only(self, regions: list[ir.Operation], found: dict[str, list]) -> dict[str, list]:
+        """The ops of ``found`` that :meth:`without_deferred` held back from ``regions``
+        (func.call: all, as the pipeline's module facts need)."""
+        out = {name: (ops if name == "func.call" else []) for name, ops in found.items()}
+        for region in regions:
+            for name, ops in self._held.get(_body(region), {}).items():
+                out[name] += ops
+        return out
+
+    def finish(self, report: Report, regions_of: dict[int, ir.Block], competing: set, take_channel: Callable[[], int],
+               source: str) -> list[ir.Operation]:
+        """Replay each group whose probe agrees with its twin into its remaining regions, adding
+        their report entries; returns the regions to rewrite the usual way instead."""
+        leftover: list[ir.Operation] = []
+        by_region: dict[ir.Block, list[int]] = {}  # a region's body -> its entries' indices
+        for index, entry in enumerate(report.sites):
+            region = regions_of.get(id(entry))
+            if region is not None:
+                by_region.setdefault(region, []).append(index)
+        inserted: dict[int, list[SiteReport]] = {}  # after report index -> entries
+        for g in self.groups:
+            twin, probe = _body(g.twin), _body(g.probe)
+            twin_entries = [report.sites[i] for i in by_region.get(twin, [])]
+            probe_indices = by_region.get(probe, [])
+            replay = _Replay.of(g, twin_entries, source) if not ({twin, probe} & competing) else None
+            if replay is None or not replay.agrees(g.probe, g.before[probe][0],
+                                                   [report.sites[i] for i in probe_indices]):
+                leftover += g.rest
+                continue
+            copies: list[list[SiteReport]] = []
+            for region in g.rest:
+                entries = replay.into(region, take_channel)
+                if entries is None:
+                    leftover.append(region)
+                else:
+                    copies.append(entries)
+            # each run of the probe's consecutive entries is preceded by the same run of every copy:
+            # where the usual order (phase by phase, in program order) puts them
+            runs: list[list[int]] = []
+            for k, index in enumerate(probe_indices):
+                if runs and index == probe_indices[k - 1] + 1:
+                    runs[-1].append(k)
+                else:
+                    runs.append([k])
+            for run in runs:
+                before = probe_indices[run[0]]
+                inserted.setdefault(before, []).extend(e for entries in copies for e in (entries[k] for k in run))
+        if inserted:
+            sites = []
+            for index, entry in enumerate(report.sites):
+                sites.extend(inserted.get(index, ()))
+                sites.append(entry)
+            report.sites[:] = sites
+        return leftover
+
+
+class _Replay:
+    """The twin's rewritten region and report entries, ready to be given another region's
+    operands and locations."""
+
+    def __init__(self, group: Group, entries: list[SiteReport], source: str):
+        self.group = group
+        self.twin = group.twin
+        self.source = source
+        self.locations, _ = group.before[_body(group.twin)]
+        self.attrs = [loc.attr for loc in self.locations]
+        # each rendered location of the twin's ops, and the first place it is at
+        self.rendered: dict[str, int] = {}
+        for position, loc in enumerate(self.locations):
+            self.rendered.setdefault(ir_utils.render_location(loc, source), position)
+        # the longest first, and never a prefix of a longer line or column number
+        pattern = re.compile("|".join(re.escape(s) for s in sorted(self.rendered, key=len, reverse=True))
+                             + r"(?![0-9])") if self.rendered else None
+        self.templates = [_template(entry, pattern) for entry in entries]
+
+    @classmethod
+    def of(cls, group: Group, entries: list[SiteReport], source: str) -> "_Replay | None":
+        twin = group.twin
+        if _types(twin) != group.before[_body(twin)][1] or _types(group.probe) != group.before[_body(group.probe)][1]:
+            return None  # the pass changed a region's types: its users outside changed too
+        return cls(group, entries, source)
+
+    def agrees(self, probe: ir.Operation, probe_locations: list[ir.Location], probe_entries: list[SiteReport]) -> bool:
+        """Did the probe come out as the twin, read with the probe's locations?"""
+        if structure(self.twin) != structure(probe):
+            return False
+        if len(probe_entries) != len(self.templates):
+            return False
+        relocation = self._relocation(probe_locations)
+        if relocation is None:
+            return False
+        handles = dict(zip(_handles(self.twin), _handles(probe)))
+        made = [template.make(relocation.text, handles) for template in self.templates]
+        return all(m is not None and _fields(m) == _fields(e) for m, e in zip(made, probe_entries))
+
+    def into(self, region: ir.Operation, take_channel: Callable[[], int]) -> list[SiteReport] | None:
+        """Replace ``region`` by a copy of the twin with its operands and locations; its report
+        entries, or None (``region`` left as it was) where a location cannot be mapped."""
+        relocation = self._relocation(_locations(region))
+        if relocation is None:
+            return None
+        copy = self.twin.clone(ir.InsertionPoint(region)).operation
+        handles: dict[int, int] = {}
+        unmapped: list[ir.Location] = []
+
+        def visit(op: ir.Operation) -> ir.WalkResult:
+            loc = relocation.ir(op.location)
+            if loc is None:
+                unmapped.append(op.location)
+                return ir.WalkResult.INTERRUPT
+            op.location = loc
+            attrs = op.attributes
+            if "channel_handle" in attrs:  # a fresh handle for every channel op
+                old = hlo.ChannelHandle(attrs["channel_handle"])
+                handles[old.handle] = take_channel()
+                attrs["channel_handle"] = hlo.ChannelHandle.get(handles[old.handle], old.channel_type)
+            return ir.WalkResult.ADVANCE
+
+        copy.walk(visit, ir.WalkOrder.PRE_ORDER)
+        if unmapped:
+            copy.erase()
+            return None
+        for index, value in enumerate(region.operands):
+            copy.operands[index] = value
+        for old, new in zip(region.results, copy.results):
+            old.replace_all_uses_with(new)
+        region.erase()
+        made = [template.make(relocation.text, handles) for template in self.templates]
+        return None if any(m is None for m in made) else made
+
+    def _relocation(self, locations: list[ir.Location]) -> "_Relocation | None":
+        if len(locations) != len(self.locations):
+            return None
+        by_attr: dict = {}
+        for attr, loc in zip(self.attrs, locations):
+            known = by_attr.setdefault(attr, loc)
+            if known != loc:
+                return None  # one twin location at two places the region locates differently
+        return _Relocation(by_attr, self, locations)
+
+
+class _Relocation:
+    """The twin's locations read as another region's: as IR locations, and as rendered text."""
+
+    def __init__(self, by_attr: dict, replay: _Replay, locations: list[ir.Location]):
+        self.by_attr = by_attr
+        self.replay = replay
+        self.locations = locations
+        self._built: dict = {}
+        self._text: dict[str, str] = {}
+
+    def ir(self, loc: ir.Location) -> ir.Location | None:
+        attr = loc.attr
+        found = self.by_attr.get(attr)
+        if found is not None:
+            return found
+        if attr in self._built:
+            return self._built[attr]
+        concrete = ir.Location.from_attr(attr)
+        if hasattr(concrete, "locations"):  # a fused location the pass built from the twin's ops
+            parts = [self.ir(part) for part in concrete.locations]
+            built = None if any(p is None for p in parts) else ir.Location.fused(parts)
+        elif str(loc) == "loc(unknown)":
+            built = loc
+        else:
+            built = None
+        self._built[attr] = built
+        return built
+
+    def text(self, rendered: str) -> str | None:
+        """The region's rendering of a location the twin renders as ``rendered``."""
+        if rendered not in self._text:
+            position = self.replay.rendered[rendered]
+            self._text[rendered] = ir_utils.render_location(self.locations[position], self.replay.source)
+        return self._text[rendered]
+
+
+class _Template:
+    """A report entry with its location strings and channel handles as holes."""
+
+    def __init__(self, data: dict, holes: list):
+        self.data = data
+        self.holes = holes  # paths into data of strings holding locations: (path, parts)
+        # the fields each entry gets its own copy of: deep where a hole is, else two levels
+        self.deep = {path[0] for path, _ in holes}
+        self.shallow = [key for key, value in data.items() if isinstance(value, (dict, list)) and key not in self.deep]
+
+    def make(self, text: Callable[[str], str | None], handles: dict[int, int]) -> SiteReport | None:
+        data = dict(self.data)
+        for key in self.shallow:
+            data[key] = _shallow(data[key])
+        for key in self.deep:
+            data[key] = _copy(data[key])
+        for path, parts in self.holes:
+            pieces = []
+            for kind, piece in parts:
+                if kind == "loc":
+                    piece = text(piece)
+                    if piece is None:
+                        return None
+                pieces.append(piece)
+            target = data
+            for key in path[:-1]:
+                target = target[key]
+            target[path[-1]] = "".join(pieces)
+        data["channel_handles"] = [handles.get(h, h) for h in data["channel_handles"]]
+        entry = SiteReport.__new__(SiteReport)
+        entry.__dict__.update(data)
+        return entry
+
+
+def _template(entry: SiteReport, pattern: re.Pattern | None) -> _Template:
+    """``entry`` with each occurrence of ``pattern`` (the twin's rendered locations) a hole."""
+    data = _copy(_fields(entry))
+    if pattern is None:
+        return _Template(data, [])
+    holes: list = []
+
+    def visit(value, path):
+        if isinstance(value, str):
+            parts, at = [], 0
+            for match in pattern.finditer(value):
+                parts.append(("text", value[at:match.start()]))
+                parts.append(("loc", match.group()))
+                at = match.end()
+            if parts:
+                parts.append(("text", value[at:]))
+                holes.append((path, parts))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                visit(item, (*path, key))
+        elif isinstance(value, list):
+            for index, item in enumerate(value):
+                visit(item, (*path, index))
+
+    visit(data, ())
+    return _Template(data, holes)
+
+
+def _copy(value):
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value
+
+
+def _shallow(value: dict | list) -> dict | list:
+    """A field without locations: its own list or dict, and their own lists and dicts one level
+    down (as the pipeline gives each entry its cost dicts)."""
+    if isinstance(value, dict):
+        return {k: v.copy() if isinstance(v, (dict, list)) else v for k, v in value.items()}
+    return [v.copy() if isinstance(v, (dict, list)) else v for v in value]
+
+
+def _fields(entry: SiteReport) -> dict:
+    """``entry``'s fields (its own dict: compare them, or copy them with :func:`_copy`)."""
+    return vars(entry)
+
+
+def _handles(region: ir.Operation) -> list[int]:
+    """The channel handles in ``region``, in pre-order."""
+    found: list[int] = []
+
+    def visit(op: ir.Operation) -> ir.WalkResult:
+        if "channel_handle" in op.attributes:
+            found.append(hlo.ChannelHandle(op.attributes["channel_handle"]).handle)
+        return ir.WalkResult.ADVANCE
+
+    region.walk(visit, ir.WalkOrder.PRE_ORDER)
+    return found
+
+
+def plan(found: dict[str, list[ir.OpView]]) -> Plan | None:
+    """The groups of identical top-level regions among ``found["sdy.manual_computation"]``, or
+    None when nothing is to be replayed (``found`` must also hold ``stablehlo.while``)."""
+    if found["stablehlo.while"]:
+        return None
+    regions = [op.operation for op in found[MANUAL]
+               if op.operation.parent is not None and op.operation.parent.name == "func.func"]
+    if len(regions) < MIN_MEMBERS:
+        return None
+    by_body: dict[bytes, list[ir.Operation]] = {}
+    for region in regions:
+        text = region.get_asm(binary=True, use_local_scope=True, assume_verified=True)
+        by_body.setdefault(text, []).append(region)
+    groups = [Group(members) for members in by_body.values() if len(members) >= MIN_MEMBERS]
+    return Plan(groups) if groups else None

@@ -1,0 +1,154 @@
+"""Identical layers: two rewritten, the last checked against the second, the rest replayed
+(cmatmul_pass.replay).  The result must be the module and report the pass gives without
+replay, channel handle numbers aside."""
+
+import pytest
+
+import cmatmul_pass
+from cmatmul_pass import execute, ir_utils, replay
+from cmatmul_pass._jax_private import hlo, ir, make_context
+from cmatmul_pass.sharing import structure
+from tools import bench
+
+
+@pytest.fixture(scope="module")
+def lowered():
+    """Six layers of each bench model, lowered once: a group of six forward regions or five
+    (the first layer's may differ), and as many backward ones."""
+    out = {}
+    for model in bench.MODELS:
+        fn, args = bench.MODELS[model](6)
+        out[model] = fn.lower(*args)
+    return out
+
+
+def _replays(monkeypatch) -> list:
+    """Record each region replay (True: replayed, False: fell back for that region)."""
+    calls = []
+    into = replay._Replay.into
+
+    def spy(self, region, take_channel):
+        entries = into(self, region, take_channel)
+        calls.append(entries is not None)
+        return entries
+
+    monkeypatch.setattr(replay._Replay, "into", spy)
+    return calls
+
+
+def _without_replay(text: str, context, options=None):
+    saved = replay.MIN_MEMBERS
+    replay.MIN_MEMBERS = 10**9
+    try:
+        return cmatmul_pass.rewrite(text, options, context=context)
+    finally:
+        replay.MIN_MEMBERS = saved
+
+
+def _facts(result):
+    """What must agree: every op (ops, attributes, types, wiring; channel handles aside), every
+    op's location, and every report entry but its channel handles."""
+    module = result.module
+    locations = []
+    module.operation.walk(lambda op: (locations.append(str(op.location)), ir.WalkResult.ADVANCE)[1],
+                          ir.WalkOrder.PRE_ORDER)
+    entries = [{k: v for k, v in vars(e).items() if k != "channel_handles"} for e in result.report.sites]
+    return structure(module.operation), locations, entries
+
+
+@pytest.mark.parametrize("model", list(bench.MODELS))
+@pytest.mark.parametrize("debug_info", [False, True])
+def test_replay_gives_what_the_pass_gives_without_it(lowered, model, debug_info, monkeypatch):
+    text = lowered[model].as_text(debug_info=debug_info)
+    context = make_context()  # one context: attributes compare by identity
+    calls = _replays(monkeypatch)
+    replayed = cmatmul_pass.rewrite(text, context=context)
+    assert calls and all(calls)  # both groups replayed into their middle layers
+    plain = _without_replay(text, context)
+    with context:
+        got, want = _facts(replayed), _facts(plain)
+    assert got[0] == want[0]
+    assert got[1] == want[1]
+    assert got[2] == want[2]  # and in the same order
+    assert len(replayed.report.rewritten) == len(replayed.report.sites)
+
+
+def test_replayed_channel_handles_are_fresh(lowered):
+    result = cmatmul_pass.rewrite(lowered["sequence_parallel"].as_text())
+    handles = [hlo.ChannelHandle(op.attributes["channel_handle"]).handle
+               for name, ops in ir_utils.ops_named(result.module, *ir_utils.CHANNEL_OPS).items()
+               for op in ops if "channel_handle" in op.attributes]
+    assert len(handles) == len(set(handles))
+    for entry in result.report.sites:  # each entry names its own permutes' handles (or its shared ring's)
+        assert set(entry.channel_handles) <= set(handles)
+
+
+def test_a_replayed_training_step_computes_what_the_original_does(monkeypatch):
+    fn, args = bench.MODELS["megatron"](5, hidden=32, ffn=64, tokens=32)
+    text = fn.lower(*args).as_text()
+    calls = _replays(monkeypatch)
+    result = cmatmul_pass.rewrite(text)
+    assert calls and all(calls)
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()
+
+
+def test_a_probe_unlike_its_twin_leaves_the_group_to_the_usual_way(lowered, monkeypatch):
+    text = lowered["sequence_parallel"].as_text()
+    context = make_context()
+    calls = _replays(monkeypatch)
+    monkeypatch.setattr(replay._Replay, "agrees", lambda self, *a: False)
+    result = cmatmul_pass.rewrite(text, context=context)
+    assert calls == []
+    plain = _without_replay(text, context)
+    with context:
+        got, want = _facts(result), _facts(plain)
+    assert got[0] == want[0] and got[1] == want[1]
+    assert sorted(map(repr, got[2])) == sorted(map(repr, want[2]))  # the group's other layers came last
+
+
+def test_a_region_whose_locations_do_not_map_is_rewritten_the_usual_way(lowered, monkeypatch):
+    text = lowered["megatron"].as_text()
+    context = make_context()
+    calls = _replays(monkeypatch)
+    relocation = replay._Replay._relocation
+    seen = []
+
+    def first_fails(self, locations):
+        seen.append(None)
+        return None if len(seen) == 2 else relocation(self, locations)  # 1: the probe's check; 2: a region
+
+    monkeypatch.setattr(replay._Replay, "_relocation", first_fails)
+    result = cmatmul_pass.rewrite(text, context=context)
+    assert False in calls and True in calls
+    plain = _without_replay(text, context)
+    with context:
+        got, want = _facts(result), _facts(plain)
+    assert got[0] == want[0] and got[1] == want[1]
+    assert sorted(map(repr, got[2])) == sorted(map(repr, want[2]))
+
+
+def test_modules_with_loops_are_not_replayed(monkeypatch):
+    """A scan over layers: one region anyway, and sinking moves gathers across loops."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("x",))
+
+    def layer(h, w):
+        return h + jax.lax.psum(h @ w, "x"), None
+
+    def block(h, w):
+        return jax.lax.scan(layer, h, w)[0]
+
+    f = jax.shard_map(block, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)
+    replicated = NamedSharding(mesh, P())
+    text = jax.jit(f).lower(jax.ShapeDtypeStruct((16, 32), jnp.float32, sharding=replicated),
+                            jax.ShapeDtypeStruct((4, 32, 32), jnp.float32, sharding=replicated)).as_text()
+    module = ir_utils.parse(text)
+    with module.context:
+        found = ir_utils.ops_named(module, replay.MANUAL, "stablehlo.while")
+        assert found["stablehlo.while"]
+        assert replay.plan(found) is None
