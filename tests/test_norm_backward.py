@@ -177,3 +177,23 @@ def test_what_the_ring_cannot_apply_per_block_stays_declined(prepare, code, says
     assert not site.rewritten and site.reason_code == code, site.summary_line()
     assert says in site.reason, site.reason
     assert result.text == ir_utils.print_module(ir_utils.parse(text))
+
+
+# ---------------------------------------------------------------- the fuzzer's programs
+@pytest.mark.parametrize("spec", [
+    # a sum of two products scaled, in a partially manual region (sharding constraints on the way),
+    # untiled (a reshape after the norm), bf16, the scatter on the rhs side's free dim with a batch dim
+    dict(mesh_shape=(2, 4), devices=(3, 1, 0, 2, 7, 5, 4, 6), axes=("y",), dim="n", side=1, batch=True, tiled=False,
+         dtype="bf16", consumers=2, partial_manual=True, sizes=(2, 3, 4, 2), scale=True),
+    # twice in a row (the second call's rings shared), a ring of 7, the batch dim scattered
+    dict(mesh_shape=(7,), devices=(1, 2, 4, 5, 7, 0, 3), axes=("x",), dim="b", side=1, batch=True, tiled=False,
+         dtype="f32", consumers=1, partial_manual=False, sizes=(2, 4, 4, 2), repeat=2),
+])
+def test_fuzz_programs_with_a_norm_backward_before_the_scatter(spec):
+    from tools import fuzz_programs
+
+    spec = fuzz_programs.Spec(kind="rs", reader=False, norm=True, **spec)
+    tally = fuzz_programs.check(spec)
+    assert not tally.crashes, tally.crashes
+    assert not tally.mismatches, tally.mismatches
+    assert tally.sites_rewritten == spec.repeat * len(fuzz_programs.VARIANTS)

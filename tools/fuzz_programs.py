@@ -7,7 +7,8 @@ dots, dot → reduce_scatter, both around one dot, a sequence-parallel MLP, Mega
 whose psum of a matmul feeds the next block through random row-wise ops), which
 dimension is gathered or scattered (free, contracting or batch), which operand side,
 tiled or untiled collectives, a dtype, several consumers and a non-dot reader,
-fully or partially manual regions.  :func:`lower` turns it into StableHLO;
+fully or partially manual regions, a norm's backward between a dot and its scatter.
+:func:`lower` turns it into StableHLO;
 :func:`check` rewrites it under every pass variant and checks each result
 (verification, the permute-ring property, numerics against the original).
 """
@@ -75,6 +76,11 @@ class Spec:
     #: step: the stack handed to the backward, the stacked gradient scattered after its loop)
     remat: bool = False
     grad: bool = False
+    #: rs: an RMS norm's backward applied to the product before the scatter (per row along the
+    #: scattered dim: ``rs*dy - x*rs^3/c * sum(dy*x)`` with sums over the other dims, the product
+    #: read twice), and the gain's gradient (the product times the normed rows, summed over the
+    #: rows) returned beside it: the ring applies the one per block and adds up the other
+    norm: bool = False
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -156,6 +162,7 @@ def specs(draw) -> Spec:
         between=tuple(draw(st.lists(st.sampled_from(POINTWISE), max_size=4))) if kind == "psum" else (),
         remat=kind == "scan" and draw(st.booleans()),
         grad=kind == "scan" and draw(st.booleans()),
+        norm=kind == "rs" and dtype in ("f32", "bf16", "f16", "f64") and draw(st.booleans()),
     )
     if spec.grad and spec.partial_manual:
         # XLA CPU (jax 0.10.2) aborts compiling the *original* backward of a bf16 scan in a
@@ -233,19 +240,29 @@ def build(spec: Spec):
         d = out.index(spec.dim)
 
         def body(*operands):
+            if spec.norm:
+                *operands, normed = operands
             prod = None
             for a, bb in zip(operands[0::2], operands[1::2]):  # a sum of products, as a backward adds gradients
                 term = _dot(spec, a, bb, expr) if spec.side == 0 else _dot(spec, bb, a, expr)
                 prod = term if prod is None else prod + term
             if spec.scale:
                 prod = prod * jnp.asarray(3, prod.dtype)
+            if spec.norm:
+                prod, gain = _norm_backward(prod, normed.astype(prod.dtype), d)
             if spec.tiled:
-                return jax.lax.psum_scatter(prod, axes, scatter_dimension=d, tiled=True)
-            split = prod.shape[:d] + (n, prod.shape[d] // n) + prod.shape[d + 1 :]
-            return jax.lax.psum_scatter(prod.reshape(split), axes, scatter_dimension=d, tiled=False)
+                scattered = jax.lax.psum_scatter(prod, axes, scatter_dimension=d, tiled=True)
+            else:
+                split = prod.shape[:d] + (n, prod.shape[d] // n) + prod.shape[d + 1 :]
+                scattered = jax.lax.psum_scatter(prod.reshape(split), axes, scatter_dimension=d, tiled=False)
+            return (scattered, gain[None]) if spec.norm else scattered
 
         args = [(a_shape, _spec_at(len(a_shape), a_labels.index("k"), axes)),
                 (b_shape, _spec_at(len(b_shape), b_labels.index("k"), axes))] * spec.consumers
+        if spec.norm:  # the normed input: the product's shape, the same on every device
+            args.append(([glob[c] for c in out], P()))
+            gain_rank = len(out)  # [devices, the product's dims but the rows]: each device's own sum
+            return body, args, (_spec_at(len(out), d, axes), _spec_at(gain_rank, 0, axes))
         return body, args, _spec_at(len(out), d, axes)
 
     if spec.kind == "chain":
@@ -320,6 +337,17 @@ def build(spec: Spec):
 
     args = [([m * n, k], _spec_at(2, 0, axes)), ([k, nn * n], _spec_at(2, 1, axes)), ([nn * n, k], _spec_at(2, 0, axes))]
     return body, args, _spec_at(2, 0, axes)
+
+
+def _norm_backward(dy, x, d: int):
+    """An RMS norm's backward (of ``x``, normalised over every dim but ``d``) applied to ``dy``,
+    and the gain's gradient: what ``jax.grad`` puts between an SP layer's input-gradient dot and
+    its scatter, written on any dims."""
+    other = tuple(i for i in range(dy.ndim) if i != d)
+    count = math.prod(dy.shape[i] for i in other)
+    rs = jax.lax.rsqrt(jnp.mean(x * x, axis=other, keepdims=True) + 1)
+    dx = rs * dy - x * rs ** 3 / count * jnp.sum(dy * x, axis=other, keepdims=True)
+    return dx, jnp.sum(dy * x * rs, axis=d)
 
 
 def _megatron(spec: Spec):
