@@ -128,6 +128,44 @@ def test_jit_of_the_grad_matches_jax_jit(norm, gain):
         s.rewritten for s in step.report.sites if s.kind == "dot_reduce_scatter")
 
 
+def residual_block(x, g, w1, w2):
+    """A pre-RMS-norm SP MLP block with its residual add (the layer's input shard)."""
+    return x + layer(rms_norm)(x, g, w1, w2)
+
+
+@pytest.mark.parametrize("shape", ["stack", "scan_remat"])
+def test_layers_of_norm_backwards(shape):
+    """Three residual blocks in a row, or a scan over three stacked layers under jax.checkpoint (the
+    backward inside the loop body): every scatter rewritten, the numbers those of the original."""
+    x, g, w1, w2 = abstract_args()
+    if shape == "stack":
+        def loss(x, layers):
+            for weights in layers:
+                x = residual_block(x, *weights)
+            return jnp.mean(x ** 2)
+
+        args = (x, [(g, w1, w2)] * 3)
+    else:
+        def loss(x, layers):
+            def step(h, weights):
+                return jax.checkpoint(residual_block)(h, *weights), None
+
+            return jnp.mean(jax.lax.scan(step, x, layers)[0] ** 2)
+
+        stacked = [jax.ShapeDtypeStruct((3, *t.shape), t.dtype, sharding=NamedSharding(MESH, P(None, *spec)))
+                   for t, spec in zip((g, w1, w2), SPECS[1:])]
+        args = (x, tuple(stacked))
+    text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).as_text()
+    result = cmatmul_pass.rewrite(text)
+    scatters = [s for s in result.report.sites if s.kind == "dot_reduce_scatter"]
+    assert len(scatters) == (6 if shape == "stack" else 2) and all(s.rewritten for s in scatters), (
+        [s.summary_line() for s in scatters])
+    assert len(norm_backward_site(result.report)) == len(scatters) // 2
+    assert not ir_utils.ops_named(result.module, "stablehlo.reduce_scatter")["stablehlo.reduce_scatter"]
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()
+
+
 # ---------------------------------------------------------------- what stays declined
 def scatter_program(prepare):
     """``psum_scatter(prepare(x @ w, r))`` of a row-parallel dot; ``r``: a per-row value."""
