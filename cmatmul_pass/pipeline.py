@@ -241,6 +241,7 @@ def rewrite(
     finally:
         ir_utils.READING.reset(reading)
         forget_types()
+        _FLOPS.clear()
 
 
 def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool) -> RewriteResult:
@@ -836,11 +837,19 @@ def _shape(site, parts, step: ir.RankedTensorType, groups: list[list[int]]) -> c
 
 def _dot_flops(dot) -> float:
     """Real FLOPs: a multiply-add of complex numbers is four real ones."""
-    lhs = ir_utils.ranked_tensor(dot.operation.operands[0])
-    out = ir_utils.ranked_tensor(dot.result)
-    contracting = hlo.DotDimensionNumbers(dot.attributes["dot_dimension_numbers"]).lhs_contracting_dimensions
-    real = 4.0 if isinstance(lhs.element_type, ir.ComplexType) else 1.0
-    return real * 2.0 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in contracting)
+    op = dot.operation
+    key = (op.operands[0].type, op.results[0].type, op.attributes["dot_dimension_numbers"])
+    flops = _FLOPS.get(key)
+    if flops is None:  # the layers repeat their dots: worked out once per kind
+        lhs, out = (ir.RankedTensorType(t) for t in key[:2])
+        contracting = hlo.DotDimensionNumbers(key[2]).lhs_contracting_dimensions
+        real = 4.0 if isinstance(lhs.element_type, ir.ComplexType) else 1.0
+        flops = _FLOPS[key] = real * 2.0 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in contracting)
+    return flops
+
+
+#: _dot_flops by (lhs type, result type, dimension numbers), for one run of the pass
+_FLOPS: dict = {}
 
 
 def _priced_element_type(dot) -> ir.Type:

@@ -196,7 +196,9 @@ def pattern_of(site: AllGatherSite | ReduceScatterSite) -> Pattern | None:
         index[op] = i
 
     signature = _Signature()
-    key = tuple([signature.op(op) for op in ops])
+    # the scatter's reduction is a sum (its match checked): the key says so instead of walking it
+    summed = anchor.operation if isinstance(site, ReduceScatterSite) else None
+    key = tuple([signature.op(op, summed=summed is not None and op == summed) for op in ops])
     if signature.captures:
         return None
     hoisted = set(getattr(site, "hoist", ()))  # moved before ``at`` when the site is rewritten
@@ -266,7 +268,9 @@ class _Signature:
         self._count = 0
         self.captures = False  # an op nested in a region reads an outside value
 
-    def op(self, op: ir.Operation, nested: bool = False) -> tuple:
+    def op(self, op: ir.Operation, nested: bool = False, summed: bool = False) -> tuple:
+        """``op``'s part of the key (``summed``: its one region is a matched sum reduction,
+        ``return add(arg0, arg1)``, which its result type determines)."""
         # an operand's type is its producer's result type, or recorded with the input's token
         tokens = self._tokens
         wiring = []
@@ -283,8 +287,11 @@ class _Signature:
         attributes = tuple(op.attributes.items())
         if name in _CHANNEL_OPS:
             attributes = tuple((n, _ANY_CHANNEL if n == "channel_handle" else a) for n, a in attributes)
-        regions = op.regions
-        inner = tuple([self._region(r) for r in regions]) if len(regions) else ()
+        if summed:
+            inner = ("sum",)
+        else:
+            regions = op.regions
+            inner = tuple([self._region(r) for r in regions]) if len(regions) else ()
         results = op.results
         for i, r in enumerate(results):
             tokens[r] = (number, i)
