@@ -167,12 +167,17 @@ def test_layers_of_norm_backwards(shape):
 
 
 # ---------------------------------------------------------------- what stays declined
-def scatter_program(prepare):
-    """``psum_scatter(prepare(x @ w, r))`` of a row-parallel dot; ``r``: a per-row value."""
+def scatter_program(prepare, beside=False):
+    """``psum_scatter(prepare(x @ w, r))`` of a row-parallel dot; ``r``: a per-row value.  ``beside``:
+    ``prepare`` returns the scattered value and another, returned as it is (each device's own)."""
     def body(x, w, r):
+        if beside:
+            scattered, other = prepare(x @ w, r)
+            return jax.lax.psum_scatter(scattered, "model", scatter_dimension=0, tiled=True), other[None]
         return jax.lax.psum_scatter(prepare(x @ w, r), "model", scatter_dimension=0, tiled=True)
 
-    f = jax.shard_map(body, mesh=MESH, in_specs=(P(None, "model"), P("model", None), P()), out_specs=P("model"),
+    out_specs = (P("model"), P("model")) if beside else P("model")
+    f = jax.shard_map(body, mesh=MESH, in_specs=(P(None, "model"), P("model", None), P()), out_specs=out_specs,
                       check_vma=False)
     args = [jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(MESH, spec))
             for shape, spec in [((64, 64), P(None, "model")), ((64, 32), P("model")), ((64,), P())]]
@@ -235,3 +240,32 @@ def test_fuzz_programs_with_a_norm_backward_before_the_scatter(spec):
     assert not tally.crashes, tally.crashes
     assert not tally.mismatches, tally.mismatches
     assert tally.sites_rewritten == spec.repeat * len(fuzz_programs.VARIANTS)
+
+
+@pytest.mark.parametrize("variant", ["uni", "bidi-full"])
+def test_a_sum_over_the_rows_beside_the_scatter_is_added_up_block_by_block(variant):
+    """The product read beside the scatter by a sum over the scattered rows (as a gain's gradient
+    reads it): the ring adds up each block's share; each device's sum is the original's."""
+    text = scatter_program(lambda y, r: (y * r[:, None], jnp.sum(y * 3.0, axis=0)), beside=True)
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant=variant))
+    (site,) = result.report.sites
+    assert site.rewritten, site.summary_line()
+    assert not [r for r in ir_utils.ops_named(result.module, "stablehlo.reduce")["stablehlo.reduce"]
+                if list(ir_utils.ranked_tensor(r.operation.operands[0]).shape) == [64, 32]]
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()
+
+
+@pytest.mark.parametrize("beside, says", [
+    # a max over the rows is no sum the ring could add up block by block
+    (lambda y: jnp.max(y, axis=0), "other than by a sum from zero"),
+    # a sum over the columns keeps the rows: the whole product's rows are needed beside the scatter
+    (lambda y: jnp.sum(y, axis=1), "over other dims than the scattered dim 0"),
+])
+def test_the_product_needed_whole_beside_the_scatter_stays_declined(beside, says):
+    text = scatter_program(lambda y, r: (y * 2.0, beside(y)), beside=True)
+    result = cmatmul_pass.rewrite(text)
+    (site,) = result.report.sites
+    assert not site.rewritten and site.reason_code == "multiple_users", site.summary_line()
+    assert says in site.reason, site.reason
+    assert result.text == ir_utils.print_module(ir_utils.parse(text))

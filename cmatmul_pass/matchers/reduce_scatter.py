@@ -381,6 +381,14 @@ def trace_dag(
     def on_path(value: ir.Value) -> bool:
         return not isinstance(value.owner, ir.Block) and value.owner.operation in path_ops
 
+    for op in path_ops.values():
+        _static(op)
+        for value in op.operation.operands:  # a sum over the rows is the ring's only when every block is done
+            if on_path(value) and _sums_away(value.owner, branches, cone):
+                raise Decline("producer_not_dot", f"{describe_op(op)}, computed from the product, reads "
+                                                  f"{describe_op(value.owner)}, a sum over the scattered rows of the "
+                                                  "product: the ring has that sum only when every block is done")
+
     # the ring dim of every path value: from the scattered value back to the dots, then forward
     # from the path into the branches
     dims: dict[ir.Value, int] = {operand: dim}
@@ -418,12 +426,8 @@ def trace_dag(
     for op in path_ops.values():
         if op.operation not in cone:
             steps[op.operation] = _branch_step(op, dims, on_path, branches, n)
-    for op in path_ops.values():  # what the ring reads beside the path: there before it, and not from a sum
+    for op in path_ops.values():  # what the ring reads beside the path: there before it
         for value in op.operation.operands:
-            if on_path(value) and _sums_away(value.owner, branches, cone):
-                raise Decline("producer_not_dot", f"{describe_op(op)} on the way from the dot to the scatter reads "
-                                                  f"{describe_op(value.owner)}, a sum over the scattered rows of the "
-                                                  "product: the ring has it only when every block is done")
             if not on_path(value):
                 _read_beside(value, op, anchor)
     ordered = [steps[op] for op in path_ops if op in steps]
@@ -507,7 +511,14 @@ def _branch_step(op: ir.OpView, dims: dict, on_path, branches: dict, n: int) -> 
             raise Decline("multiple_users", f"{describe_op(op)} sums a value computed from the product over other "
                                             f"dims than the scattered dim {in_dim}, outside the ops that feed the "
                                             "scatter: its rows are needed whole elsewhere")
-        _sum_from_zero(op, on_path)
+        try:
+            _sum_from_zero(op, on_path)
+        except _Nonlinear:
+            raise Decline("multiple_users", f"a value computed from the product is also read by {describe_op(op)}, "
+                                            "outside the ops that feed the scatter, which reduces it over the "
+                                            f"scattered dim {in_dim} other than by a sum from zero (a sum the ring "
+                                            "would add up block by block): the full unscattered product is needed "
+                                            "elsewhere") from None
         return LayoutStep(op, in_dim, None, (None, op.operation.operands[1].owner))
     if is_layout_op(op):
         out_dim = forward_dim(op, in_dim, n)
@@ -539,6 +550,18 @@ def _read_beside(value: ir.Value, op: ir.OpView, anchor: ir.OpView) -> None:
         raise Decline("producer_not_dot", f"{describe_op(op)}, computed from the product, reads "
                                           f"{describe_op(owner)}, which comes after the scatter: the ring, built "
                                           "where the scatter is, cannot read it")
+
+
+def _static(op: ir.OpView) -> None:
+    """Decline an op of the path with other than one result, or with a value not statically shaped."""
+    results = list(op.operation.results)
+    if len(results) != 1:
+        raise Decline("producer_not_dot", f"{describe_op(op)}, computed from the product, has {len(results)} results "
+                                          "(a variadic reduce): the ring applies ops of one result per block")
+    for value in [*op.operation.operands, *results]:
+        t = ir_utils.ranked_tensor(value)
+        if t is None or not ir_utils.is_static(t):
+            raise Decline("dynamic_shape", f"{describe_op(op)} between the dot and the scatter is dynamically shaped")
 
 
 def _cut(op: ir.OpView, out_dim: int, n: int) -> None:
