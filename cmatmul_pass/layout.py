@@ -17,6 +17,12 @@ Rules (``n`` equal blocks):
   ``n`` divides ``T[t]`` (row-major: both blocks are the same contiguous range of
   every outer row).  This covers ``tiled=False`` collectives, whose size-1 ring
   dimension is merged into or split from its neighbour.
+
+On the scatter side the ops between the dots and the scatter may form a DAG (a norm's
+backward reads the product twice): :data:`ROW_OPS` (a reduce over other dims, a broadcast
+back over the row) join the elementwise and layout ops there, and :func:`apply_dag` applies
+such a path to one block, each step reading its operands' blocks; a step that
+:attr:`~LayoutStep.sums_rows` gives its block's share of a sum over the ring dim.
 """
 
 from __future__ import annotations
