@@ -166,6 +166,43 @@ def test_layers_of_norm_backwards(shape):
     assert outcome.ok, outcome.format()
 
 
+def layer_norm_with_bias(h, g, b):
+    mean = h.mean(-1, keepdims=True)
+    return (h - mean) * jax.lax.rsqrt(((h - mean) ** 2).mean(-1, keepdims=True) + 1e-5) * g + b
+
+
+def rms_norm_f32_statistics(h, g, b):
+    """As models write it in bf16: the mean square in f32, the normed rows cast back."""
+    return (h * jax.lax.rsqrt(jnp.mean(h.astype(jnp.float32) ** 2, -1, keepdims=True) + 1e-6)).astype(h.dtype) * g
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("mlp", ["gelu", "swiglu"])
+@pytest.mark.parametrize("norm", [layer_norm_with_bias, rms_norm_f32_statistics], ids=["ln_bias", "rms_f32"])
+def test_model_shaped_layers(norm, mlp, dtype):
+    """A layer norm with a trained bias too (its gradient a second sum over the rows), an RMS norm
+    whose statistics are taken in f32 (casts on the way), SwiGLU (gate and up: two dots' input
+    gradients summed before the norm's backward), bf16 weights accumulating in f32."""
+    def body(x, g, b, w1, w3, w2):
+        h = norm(jax.lax.all_gather(x, "model", axis=0, tiled=True), g, b)
+        a = jnp.dot(h, w1, preferred_element_type=jnp.float32)
+        a = jax.nn.silu(a) * jnp.dot(h, w3, preferred_element_type=jnp.float32) if mlp == "swiglu" else jax.nn.gelu(a)
+        y = jnp.dot(a.astype(dtype), w2, preferred_element_type=jnp.float32)
+        return jax.lax.psum_scatter(y, "model", scatter_dimension=0, tiled=True)
+
+    specs = (P("model", None), P(), P(), P(None, "model"), P(None, "model"), P("model", None))
+    f = jax.shard_map(body, mesh=MESH, in_specs=specs, out_specs=P("model", None), check_vma=False)
+    shapes = [(64, 32), (32,), (32,), (32, 128), (32, 128), (128, 32)]
+    args = [jax.ShapeDtypeStruct(s, dtype, sharding=NamedSharding(MESH, sp)) for s, sp in zip(shapes, specs)]
+    text = jax.jit(jax.value_and_grad(lambda *a: jnp.mean(f(*a) ** 2), argnums=tuple(range(6)))).lower(*args).as_text()
+    result = cmatmul_pass.rewrite(text)
+    scatters = [s for s in result.report.sites if s.kind == "dot_reduce_scatter"]
+    assert len(scatters) == 2 and all(s.rewritten for s in scatters), [s.summary_line() for s in scatters]
+    assert len(norm_backward_site(result.report)) == 1
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()
+
+
 # ---------------------------------------------------------------- what stays declined
 def scatter_program(prepare, beside=False):
     """``psum_scatter(prepare(x @ w, r))`` of a row-parallel dot; ``r``: a per-row value.  ``beside``:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-import numpy as np
 
 from .. import ir_utils
 from .._jax_private import ir
@@ -661,10 +660,19 @@ def _sum_from_zero(op: ir.OpView, on_path) -> None:
     zero = False
     if not on_path(init) and not isinstance(init.owner, ir.Block) and init.owner.operation.name == "stablehlo.constant":
         value = ir.DenseElementsAttr(init.owner.attributes["value"])
-        zero = value.is_splat and not isinstance(ir.RankedTensorType(init.type).element_type, ir.ComplexType) \
-            and float(np.asarray(value).reshape(-1)[0]) == 0
+        zero = value.is_splat and _is_zero(value.get_splat_value())
     if not zero or not region_is_sum(op):
         raise _Nonlinear(op, f"{describe_op(op)}, which is not a sum from zero, so not linear in the product")
+
+
+def _is_zero(attr: ir.Attribute) -> bool:
+    """Is ``attr`` a float or integer zero (any width: bf16, fp8 too)?"""
+    for kind in (ir.FloatAttr, ir.IntegerAttr):
+        try:
+            return kind(attr).value == 0
+        except (ValueError, TypeError):
+            continue
+    return False  # a complex value, or another kind of element
 
 
 def _linear(op: ir.OpView, on_path) -> None:
