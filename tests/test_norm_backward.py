@@ -246,6 +246,9 @@ def test_a_hand_written_norm_backward_of_a_row_parallel_product(variant):
      "spreads a value computed from the product along the scattered dim 0"),
     # not linear in the product: left as written, the message naming what reads the product twice
     (lambda y, r: y * jnp.sum(y, axis=-1, keepdims=True), "producer_not_dot", "nor are the ops from the dot to the scatter linear in the product"),
+    # an op no block gives, on the way from a norm's backward (which alone the ring would apply)
+    (lambda y, r: jnp.cumsum(norm_backward(y, jnp.broadcast_to(r[:, None], y.shape) + 1.0), axis=0),
+     "producer_not_dot", "(@cumsum, stablehlo.reduce_window inside), which the ring cannot apply block by block"),
     # a sum from a nonzero start is affine, not linear
     (lambda y, r: y + jnp.sum(y, axis=-1, keepdims=True) * 0 + jax.lax.reduce(
         y, 1.0, jax.lax.add, (1,))[:, None], "producer_not_dot", "not a sum from zero"),

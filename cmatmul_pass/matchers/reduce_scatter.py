@@ -372,7 +372,7 @@ def trace_dag(
                    if u.owner.operation not in inside and u.owner.operation != anchor.operation]
         if not outside:
             if root.operation not in path_ops:
-                raise _escaped(root, cone, block, anchor) or chain
+                raise _escaped(root, cone, block, anchor, branches) or chain
             break
         for op, reader in outside:  # a value of the path read apart from the scatter: a branch, or Decline
             _branch(op, reader, block, inside, branches, anchor)
@@ -585,26 +585,38 @@ def _elementwise(op: ir.OpView, dim: int, on_path) -> LayoutStep:
     return LayoutStep(op, dim, dim, tuple(_source(op, v, dim, on_path) for v in op.operation.operands))
 
 
-def _escaped(root: ir.OpView, cone: dict, block: ir.Block, anchor: ir.OpView) -> Decline | None:
-    """Why no dot is in the cone of ``root``, where a dot reaches it through ops a product may
-    pass: the latest value on the way from a dot (the nearest the scatter) that something outside
-    the cone reads too; None where no dot reaches it."""
+#: how far back :func:`_escaped` looks for the dot behind an op the ring cannot apply
+_LOOK_BACK = 256
+
+
+def _escaped(root: ir.OpView, cone: dict, block: ir.Block, anchor: ir.OpView, branches: dict) -> Decline | None:
+    """Why no dot is in the cone of ``root``: an op computed from a product on the way to the
+    scatter that the ring cannot apply block by block (the latest, nearest the scatter); else the
+    latest value on the way from a dot that something outside the cone reads too; None where no
+    dot reaches the scatter (through any ops of this block but collectives)."""
     seen: dict[ir.Operation, ir.OpView] = {}
     stack = [root]
-    while stack:
+    while stack and len(seen) < _LOOK_BACK:
         op = stack.pop()
         if op.operation in seen:
             continue
         seen[op.operation] = op
-        if op.operation.name != "stablehlo.dot_general" and (_passes(op) or op.operation == root.operation):
+        if op.operation.name != "stablehlo.dot_general" and op.operation.name not in _COLLECTIVES:
             stack += [v.owner for v in op.operation.operands
                       if not isinstance(v.owner, ir.Block) and v.owner.operation.block == block]
-    from_dot: dict[ir.Operation, ir.OpView] = {}
-    for op in sorted(seen.values(), key=_Position, reverse=True):  # producers first
-        if op.operation.name == "stablehlo.dot_general" or any(
-                not isinstance(v.owner, ir.Block) and v.owner.operation in from_dot for v in op.operation.operands):
-            from_dot[op.operation] = op
-    inside = set(cone) | {anchor.operation}
+    from_dot = _from_dots({**seen, **branches})
+    if not from_dot:
+        return None
+    dot = next(iter(from_dot.values()))
+    blocking = [op for op in from_dot.values() if op.operation.name != "stablehlo.dot_general"
+                and not _passes(op) and op.operation not in branches]
+    if blocking:
+        op = blocking[-1]
+        return Decline("producer_not_dot", f"the scattered value is computed from the product of {describe_op(dot)} "
+                                           f"through {_described(op)}, which the ring cannot apply block by block "
+                                           "(it applies layout and elementwise ops, sums over other dims and "
+                                           "broadcasts back over the rows)")
+    inside = set(cone) | set(branches) | {anchor.operation}
     read_outside = [(op, [u.owner for r in op.operation.results for u in r.uses if u.owner.operation not in inside])
                     for op in from_dot.values()]
     read_outside = [(op, outside) for op, outside in read_outside if outside]
@@ -612,12 +624,24 @@ def _escaped(root: ir.OpView, cone: dict, block: ir.Block, anchor: ir.OpView) ->
         return None
     op, outside = read_outside[-1]
     readers = ", ".join(dict.fromkeys(describe_op(u) for u in outside))
-    dot = next(iter(from_dot.values()))
     what = f"the product of {describe_op(op)}" if op.operation.name == "stablehlo.dot_general" else \
         f"{describe_op(op)}, computed from the product of {describe_op(dot)},"
     return Decline("multiple_users", f"{what} is also read by {readers}, outside the ops that feed the scatter: the "
                                      "full unscattered product is needed elsewhere (the ring computes it one block "
                                      "at a time)")
+
+
+def _described(op: ir.OpView) -> str:
+    """``op`` in words; a call with its function and the ops in it that do the work."""
+    if op.operation.name != "func.call":
+        return describe_op(op)
+    inner = causes.callee_work(op)
+    callee = ir.FlatSymbolRefAttr(op.attributes["callee"]).value
+    return f"{describe_op(op)} (@{callee}" + (f", {', '.join(inner)} inside)" if inner else ")")
+
+
+_COLLECTIVES = frozenset(f"stablehlo.{name}" for name in (
+    "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "collective_permute", "collective_broadcast"))
 
 
 def _passes(op: ir.OpView) -> bool:
