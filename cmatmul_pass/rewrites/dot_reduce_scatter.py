@@ -24,6 +24,12 @@ the first round is the one peeled, so no zeros are ever sent.  The partial sum
 travels in the reduce_scatter's own element type (the bytes the reduce_scatter would
 move).
 
+The ops between the dot and the reduce_scatter (``site.path``) are applied to every block the
+ring computes, a chain or a DAG (a norm's backward reading the product twice:
+:func:`~cmatmul_pass.layout.apply_dag`), their per-row operands sliced to the block's rows.  A
+sum over the scattered rows read beside the scatter (a norm gain's gradient) is carried by the
+loop: each block adds its share, and the ops before the scatter that read the sum move after it.
+
 Bidirectional: each block is split in two halves along the scattered dim; the first
 half's partial sums travel to the previous position as above, the second half's to
 the next one (block ``p-r-1`` in round ``r``), and the halves are concatenated at the
