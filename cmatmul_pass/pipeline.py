@@ -334,6 +334,28 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
                     entry.reason += f"; not hoisted into the loop: {hoisted}"
                 report.sites.append(entry)
                 tag(region, since)
+            # A gather of stacked weights sinks into the loops that read a layer a trip before any
+            # gather is matched: each layer's gather then meets the loop body's own collectives at
+            # its dot, and the slack order decides which of them the ring takes.
+            sunk_from: dict[int, tuple[Site, list[str]]] = {}  # a layer's gather (by id) -> (stack's site, notes)
+            not_sunk: dict[int, str] = {}  # a gather feeding a loop that could not take it -> why
+            if found["stablehlo.while"] and options.policy == "all":
+                expanded = []
+                for op in gathers:
+                    sunk = None
+                    if feeds_a_loop(op):
+                        site = match_all_gather(op, info, assemble=options.assemble)
+                        sunk = _sink_gather(site, ctx, options)
+                    if isinstance(sunk, Sunk):
+                        notes = _sunk_notes(sunk, source)
+                        for layer_gather in sunk.all_gathers:  # each a gather of one layer, read by the body's dot
+                            sunk_from[id(layer_gather)] = (site, notes)
+                        expanded += sunk.all_gathers
+                        continue
+                    if sunk:
+                        not_sunk[id(op)] = sunk
+                    expanded.append(op)
+                gathers = expanded
             gathers, deferred = _order_by_slack(gathers, info, options, source)
             marks: list = []  # (first entry index, region) per gather processed
             gathered = {}
@@ -348,6 +370,10 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
                     marks.append((len(report.sites), region))
                 gathered[id(op)] = len(report.sites)
                 site = match_all_gather(op, info, assemble=options.assemble)
+                if id(op) in sunk_from:
+                    stacked, notes = sunk_from[id(op)]
+                    apply_moved(site, stacked, *notes)
+                    continue
                 merged = _merge_stages(site, info, ctx, options)
                 if isinstance(merged, tuple):
                     new, outer = merged
@@ -359,18 +385,7 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
                                 f"merged with the second stage at {where}: one gather over both stages' groups")
                     continue
                 moved = _move_gather(site, info, variance, ctx, source, options)
-                sunk = _sink_gather(site, ctx, options) if moved is None else None
-                if isinstance(sunk, Sunk):
-                    where = ", ".join(dict.fromkeys(ir_utils.render_location(loop.location, source) for loop in sunk.loops))
-                    handed = [f"the stack was also kept for {sunk.handed} later region(s) (a backward): they get the "
-                              "shard and gather each layer again, so the layers cross the wire once per loop instead of "
-                              "once (memory for bytes, as FSDP trades)"] if sunk.handed else []
-                    for layer_gather in sunk.all_gathers:  # each now a gather of one layer, read by the body's dot
-                        apply_moved(match_all_gather(layer_gather, info, assemble=options.assemble), site,
-                                    f"sunk into the loop{'s' if len(sunk.loops) > 1 else ''} at {where}: each trip gathers "
-                                    "only the layer it reads, so one layer's gathered weight is alive instead of the whole "
-                                    "stack", *handed)
-                    continue
+                sunk = not_sunk.get(id(op)) if moved is None else None
                 if moved is None:
                     entry = apply(site)
                     if sunk:  # a gather feeding a loop that could not take it: say what stopped it
@@ -586,6 +601,16 @@ def _sink_gather(site: Site, ctx: RewriteContext, options: Options) -> Sunk | st
     if isinstance(where, str):
         return where
     return sink_gather(site.anchor, where, ctx.take_channel)
+
+
+def _sunk_notes(sunk: Sunk, source: str) -> list[str]:
+    """What the report of each layer's gather says of the stack it was sunk from."""
+    where = ", ".join(dict.fromkeys(ir_utils.render_location(loop.location, source) for loop in sunk.loops))
+    handed = [f"the stack was also kept for {sunk.handed} later region(s) (a backward): they get the "
+              "shard and gather each layer again, so the layers cross the wire once per loop instead of "
+              "once (memory for bytes, as FSDP trades)"] if sunk.handed else []
+    return [f"sunk into the loop{'s' if len(sunk.loops) > 1 else ''} at {where}: each trip gathers only the layer it "
+            "reads, so one layer's gathered weight is alive instead of the whole stack", *handed]
 
 
 def _hoist_scatter(site: Site, ctx: RewriteContext, options: Options) -> Hoisted | str | None:

@@ -261,5 +261,8 @@ def test_an_fsdp_tp_lm_step_over_a_scan(remat):
     # the layer's two readers leave no single place) says why
     assert all(s.rewritten or s.reason for s in sunk)
     assert {s.kind for s in result.report.rewritten} >= {"all_gather_dot", "dot_reduce_scatter"}  # the SP rings
+    # the rows' gathers over 'model' (the critical path) have their rings: where the body is inline (jax
+    # 0.12) a sunk layer's gather meets them at their dots and, ready at the trip's start, comes second
+    assert all(s.rewritten for s in result.report.sites if s.kind == "all_gather_dot" and s.ring_size == 4)
     outcome = execute.check_numerics(ir_utils.parse(text), result.module)
     assert outcome.ok, outcome.format()

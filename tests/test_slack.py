@@ -225,3 +225,49 @@ def test_the_timeline_draws_a_prefetched_gather_ahead_of_its_dot(tmp_path, monke
     ((name, [(start, length)], _),) = lanes
     assert length == pytest.approx(site.bytes_moved / hw.bandwidth + hw.step) and start + length == pytest.approx(0)
     assert ring == site.ring_size and "prefetched" in label
+
+
+def _scan_fsdp_tp(remat: bool):
+    """A scan over layers whose step gathers its layer's weight over 'data' (FSDP, written in the
+    step) and its rows over 'model' (sequence parallel): both gathers feed one dot."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+
+    def step(h, w):
+        y = jax.lax.all_gather(h, "model", axis=0, tiled=True) @ jax.lax.all_gather(w, "data", axis=1, tiled=True)
+        return h + jax.lax.psum_scatter(y, "model", scatter_dimension=0, tiled=True), None
+
+    def block(x, ws):
+        return jax.lax.scan(jax.checkpoint(step) if remat else step, x, ws)[0]
+
+    specs = (P(("data", "model"), None), P(None, None, "data"))
+    f = jax.shard_map(block, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)
+    args = [jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=NamedSharding(mesh, specs[0])),
+            jax.ShapeDtypeStruct((3, 32, 32), jnp.float32, sharding=NamedSharding(mesh, specs[1]))]
+    return jax.jit(f).lower(*args).as_text()
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_in_a_scan_a_layers_weight_is_early_and_its_rows_are_not(remat):
+    """A scan's stacked weights pass through the loop unchanged and its counter counts trips: the
+    layer sliced from them is early (through jax's calls, a remat's barrier); the carried
+    activation is not. So the rows' gather takes the ring and the weight's says it lost the dot to
+    it, ready at the step's start (prefetchable where compute precedes the dot, lost_to_ring here)."""
+    text = _scan_fsdp_tp(remat)
+    module = ir_utils.parse(text)
+    with module.context:
+        info = ModuleInfo.of(module)
+        slack = Slack(_dot_flops)
+        gathers = ir_utils.ops_named(module, "stablehlo.all_gather")["stablehlo.all_gather"]
+        axis = {op: "data" if "data" in str(op.attributes["replica_groups"]) or
+                match_all_gather(op, info).ring.size == 2 else "model" for op in gathers}
+        assert sorted(axis.values()) == ["data", "model"]
+        for op in gathers:
+            assert slack.early(op.operation.operands[0]) == (axis[op] == "data")
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant="uni"))
+    by_ring = {s.ring_size: s for s in result.report.sites if s.kind == "all_gather_dot"}
+    assert by_ring[4].rewritten
+    assert not by_ring[2].rewritten and by_ring[2].reason_code in ("prefetchable", "lost_to_ring"), by_ring[2].reason
+    assert "this one's is ready at the step's start" in by_ring[2].reason or "prefetchable" == by_ring[2].reason_code
+    assert by_ring[2].slack["early"] and not by_ring[4].slack
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()

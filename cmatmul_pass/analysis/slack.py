@@ -14,7 +14,12 @@ entry function (into and out of ``sdy.manual_computation`` regions, through rema
 ``optimization_barrier`` operand by operand) or a constant, through cheap ops
 without regions that read nothing device- or time-dependent: a weight, cast, scaled or
 reshaped where it is used.  A value computed by a matmul (an embedding, a layer's output) is
-the step's activation, not early; so is a loop's carried value, an ``rng``'s, a custom call's.  The **hiding compute** of a collective is the FLOP count of the
+the step's activation, not early; so is an ``rng``'s, a custom call's.  A loop's carried value
+is early when its initial value is and each trip computes the next one, through such ops, only
+from early values and the loop's other early carried values: a scan's stacked weights, passed
+along unchanged, and its trip counter (its layer ``i`` of the weights is then early too); a
+carried activation is not.  A call of a private function (jax's ``@dynamic_index_in_dim``,
+``@closed_call``) is early where what the function returns there is, given the call's operands.  The **hiding compute** of a collective is the FLOP count of the
 ``dot_general`` ops of its block that come before its first dot, do not read its result
 (directly or through other ops), and — unless its operand is early — come after its operand
 is computed: the work a scheduler could run while the collective is in flight.
@@ -34,6 +39,7 @@ NOT_EARLY = frozenset({
     "stablehlo.rng", "stablehlo.rng_bit_generator", "stablehlo.custom_call", "stablehlo.infeed",
     "stablehlo.recv", "stablehlo.while", "stablehlo.if", "stablehlo.case", "func.call",
 })
+WHILE = "stablehlo.while"
 #: the step's compute: a value computed by one of these is an activation, not a prepared weight
 COMPUTE = frozenset({"stablehlo.dot_general", "stablehlo.dot", "stablehlo.convolution"})
 
@@ -62,35 +68,107 @@ class Slack:
     def __init__(self, flops: Callable[[ir.OpView], float]):
         self.flops = flops
         self._early: dict[ir.Value, bool] = {}
+        self._functions: dict[str, ir.OpView] | None = None
+        self._calls: dict[str, list[ir.Operation]] = {}
 
     def early(self, value: ir.Value) -> bool:
         """Is ``value`` computed only from the entry function's arguments and constants?"""
-        return decide(value, self._step, self._early)
+        return decide(value, lambda v: self._step(v, self._early), self._early)
 
-    def _step(self, value: ir.Value) -> tuple[list[ir.Value], bool]:
+    def _step(self, value: ir.Value, memo: dict) -> tuple[list[ir.Value], bool]:
         owner = value.owner
         if isinstance(owner, ir.Block):
             parent = owner.owner
             if parent is None:
                 return [], False
-            if parent.operation.name == "func.func":  # the entry function's argument; a private callee's is not known
+            if parent.operation.name == "func.func":  # the entry function's argument, or a private one's
                 private = "sym_visibility" in parent.attributes and \
                     ir.StringAttr(parent.attributes["sym_visibility"]).value == "private"
-                return [], not private
+                if not private:
+                    return [], True
+                calls = self._calls_of(parent.operation)  # early where every call passes an early value
+                index = ir.BlockArgument(value).arg_number
+                return all_of([call.operands[index] for call in calls], memo) if calls else ([], False)
             if parent.operation.name == "sdy.manual_computation":
-                return all_of([parent.operands[ir.BlockArgument(value).arg_number]], self._early)
-            return [], False  # a loop's carried value, a region's argument
+                return all_of([parent.operands[ir.BlockArgument(value).arg_number]], memo)
+            if parent.operation.name == WHILE and memo is self._early:
+                self._carried(parent.operation)  # decides every carried value of the loop at once
+                return [], memo[value]
+            return [], False  # a region's argument (and, deciding a loop's, another loop's)
         op = owner.operation
+        if op.name == "func.call":
+            return self._call(op, ir.OpResult(value).result_number, memo)
         if op.name == "stablehlo.optimization_barrier":  # remat's barrier: result i is operand i
-            return all_of([op.operands[ir.OpResult(value).result_number]], self._early)
+            return all_of([op.operands[ir.OpResult(value).result_number]], memo)
         if op.name == "sdy.manual_computation":  # a region's result: what its body returns there
             body = op.regions[0].blocks[0]
-            return all_of([list(body.operations)[-1].operands[ir.OpResult(value).result_number]], self._early)
+            return all_of([list(body.operations)[-1].operands[ir.OpResult(value).result_number]], memo)
         if op.name in NOT_EARLY or op.name in COMPUTE or (len(op.regions) and op.name not in ("stablehlo.all_gather", "stablehlo.all_reduce",
                                                                          "stablehlo.reduce", "stablehlo.reduce_scatter",
                                                                          "stablehlo.sort", "stablehlo.map")):
             return [], False
-        return all_of(op.operands, self._early)
+        return all_of(op.operands, memo)
+
+    def _call(self, call: ir.Operation, index: int, memo: dict) -> tuple[list[ir.Value], bool]:
+        """Result ``index`` of ``call``: what its private callee returns there, with the callee's
+        arguments as early as the call's operands (decided afresh at every call)."""
+        callee = self._callee(call)
+        if callee is None:
+            return [], False
+        pending = [v for v in call.operands if v not in memo]
+        if pending:
+            return pending, False
+        block = callee.regions[0].blocks[0]
+        inside = {argument: memo[v] for argument, v in zip(block.arguments, call.operands)}
+        returned = list(block.operations)[-1].operands[index]
+        return [], decide(returned, lambda v: self._step(v, inside), inside)
+
+    def _callee(self, call: ir.Operation) -> ir.OpView | None:
+        """The private one-block function ``call`` calls, if any."""
+        self._index(call)
+        return self._functions.get(ir.FlatSymbolRefAttr(call.attributes["callee"]).value)
+
+    def _calls_of(self, function: ir.Operation) -> list[ir.Operation]:
+        """The calls of ``function`` in the module."""
+        self._index(function)
+        return self._calls.get(ir.StringAttr(function.attributes["sym_name"]).value, [])
+
+    def _index(self, op: ir.Operation) -> None:
+        """The module's private one-block functions by name, and every function's calls (once)."""
+        if self._functions is not None:
+            return
+        module = op
+        while module.parent is not None:
+            module = module.parent.operation
+        found = ir_utils.ops_named(module, "func.func", "func.call")
+        self._functions = {}
+        for f in found["func.func"]:
+            attributes = f.operation.attributes
+            if "sym_visibility" in attributes and ir.StringAttr(attributes["sym_visibility"]).value == "private" \
+                    and len(f.operation.regions[0].blocks) == 1:
+                self._functions[ir.StringAttr(attributes["sym_name"]).value] = f
+        for call in found["func.call"]:
+            self._calls.setdefault(ir.FlatSymbolRefAttr(call.attributes["callee"]).value, []).append(call.operation)
+
+    def _carried(self, loop: ir.Operation) -> None:
+        """Decide the carried values of ``loop`` (its condition's and body's arguments): the
+        greatest set whose initial values are early and whose next values the body computes
+        from early values and that set alone (assumed early, then dropped where the body's next
+        value is not, until none is dropped)."""
+        cond, body = (region.blocks[0] for region in loop.regions)
+        following = list(body.operations)[-1].operands
+        kept = {k for k, init in enumerate(loop.operands) if self.early(init)}
+        while True:
+            trial = dict(self._early)  # what is known outside the loop, plus the assumption
+            for k in range(len(loop.operands)):
+                trial[body.arguments[k]] = k in kept
+            still = {k for k in kept if decide(following[k], lambda v: self._step(v, trial), trial)}
+            if still == kept:
+                break
+            kept = still
+        for block in (cond, body):
+            for k, argument in enumerate(block.arguments):
+                self._early[argument] = k in kept
 
     def of(self, collective: ir.OpView, dots: list[ir.OpView]) -> SiteSlack:
         """``collective``'s slack before the first of ``dots`` (module docstring)."""
