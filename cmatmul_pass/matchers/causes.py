@@ -212,6 +212,22 @@ def callee_work(call: ir.OpView) -> list[str]:
     return list(dict.fromkeys(names))[:3]
 
 
+def collectives_in(call: ir.OpView) -> list[str]:
+    """The collectives in ``call``'s function (and the functions it calls), by name."""
+    symbols, names, pending, seen = _Symbols(call), [], [call], set()
+    while pending and len(seen) < 8:
+        callee = ir.FlatSymbolRefAttr(pending.pop(0).attributes["callee"]).value
+        if callee in seen or callee not in symbols.funcs:
+            continue
+        seen.add(callee)
+        for op in ir_utils.walk(symbols.funcs[callee]):
+            if op.operation.name == "func.call":
+                pending.append(op)
+            elif op.operation.name in ir_utils.CHANNEL_OPS:
+                names.append(op.operation.name)
+    return list(dict.fromkeys(names))
+
+
 #: ops of a function body that do no work on the data (its return, index arithmetic)
 BOOKKEEPING = frozenset({"func.return", "stablehlo.iota", "stablehlo.compare", "stablehlo.select"})
 
