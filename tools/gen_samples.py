@@ -846,6 +846,48 @@ def fsdp_tp(grad: bool) -> Callable[[], str]:
     return build
 
 
+def lm_fsdp_tp_scan() -> str:
+    """A training step (value_and_grad of the mean cross-entropy loss) of a 2-layer language model on a
+    2x4 (data, model) mesh, written as a JAX user would: every weight FSDP-sharded over 'data' and
+    gathered where it is used; the token embedding gathered and looked up; the stacked per-layer
+    weights [L, ...] (RMS gains replicated, w1 [L, H, F] and w2 [L, F, H] also tensor-parallel over
+    'model') gathered over 'data' before a ``lax.scan`` over the layers, whose body is under
+    ``jax.checkpoint``; each layer a pre-RMS-norm sequence-parallel MLP (the normed rows gathered over
+    'model' before the column-parallel matmul, the row-parallel product psum_scatter'ed); then a final
+    RMS norm, the output projection and the mean cross-entropy, pmean'd over the mesh."""
+    mesh = mesh_2x4()
+    layers, vocab, hidden, ffn, batch, seq = 2, 64, 32, 64, 2, 64  # 16 tokens per device
+
+    def rms(x, g):
+        return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * g
+
+    def step(params, ids, labels):
+        embed, gains, w1s, w2s, gain_f, w_out = params
+        h = gather(embed, "data", 0)[ids]  # [b, s, H]: this device's tokens
+        w1f, w2f = gather(w1s, "data", 1), gather(w2s, "data", 2)  # [L, H, F/4], [L, F/4, H]
+
+        @jax.checkpoint
+        def layer(h, ws):
+            g, w1, w2 = ws
+            x = gather(rms(h, g), "model", 1)  # [b, 4s, H]: the rows of the 'model' group
+            y = jax.nn.gelu(x @ w1) @ w2  # partial sums over 'model'
+            return h + jax.lax.psum_scatter(y, "model", scatter_dimension=1, tiled=True), None
+
+        h, _ = jax.lax.scan(layer, h, (gains, w1f, w2f))
+        logp = jax.nn.log_softmax(rms(h, gain_f) @ gather(w_out, "data", 0))
+        nll = -jnp.sum(jax.nn.one_hot(labels, vocab) * logp, axis=-1)
+        return jax.lax.pmean(jnp.mean(nll), ("data", "model"))
+
+    specs = (P("data", None), P(), P(None, "data", "model"), P(None, "model", "data"), P(), P("data", None))
+    tokens = P("data", "model")
+    f = jax.shard_map(step, mesh=mesh, in_specs=(specs, tokens, tokens), out_specs=P())
+    shapes = [(vocab, hidden), (layers, hidden), (layers, hidden, ffn), (layers, ffn, hidden), (hidden,),
+              (hidden, vocab)]
+    params = tuple(arg(mesh, shape, spec) for shape, spec in zip(shapes, specs))
+    ids = arg(mesh, (batch, seq), tokens, jnp.int32)
+    return lower(jax.value_and_grad(f), params, ids, ids)
+
+
 def megatron_bf16() -> str:
     """bf16 weights and activations, the row-parallel product accumulated and summed in f32."""
     mesh = mesh_1d()
@@ -1444,6 +1486,66 @@ SAMPLES_LIST = [
            "backward; the weight gathers over 'data' the activations' rings took are prefetchable or lost.",
            fsdp_tp(True), "rewritten 14",
            ["CHECK-NOT: stablehlo.reduce_scatter", "CHECK: stablehlo.while"]),
+    Sample("lm_fsdp_tp_scan", "value_and_grad of a 2-layer LM on a 2x4 (data, model) mesh: embedding and output "
+           "projection FSDP over 'data', stacked layer weights gathered over 'data' before a lax.scan with "
+           "jax.checkpoint, pre-RMS-norm sequence-parallel MLP layers. Rings: every row gather and psum_scatter "
+           "over 'model' inside the layer's functions (forward, remat's recompute and backward), the output "
+           "projection's gather over 'data', the split psum over 'model' of its gradient. The stacked gathers sink "
+           "into both loops and the stacked gradients' scatters move into the backward's, one layer per trip, but "
+           "stay plain collectives: the layer's dots are in jax's @closed_call, which holds collectives and is not "
+           "inlined (reported user_not_dot / producer_not_dot). Left: the embedding's gather (read by a gather, "
+           "not a dot) and its gradient's psum and scatter, the reduce_scatter over 'data' after the split psum, "
+           "the norm gains' and the loss's psums.",
+           lm_fsdp_tp_scan, "rewritten 7",
+           ["CHECK: sdy.manual_computation",
+            # the embedding's gather stays: a gather (the lookup) reads it, not a dot
+            'CHECK: "stablehlo.all_gather"', "CHECK-SAME: (tensor<32x32xf32>) -> tensor<64x32xf32>",
+            'CHECK: "stablehlo.gather"',
+            # the forward's loop gathers only its layer of each stacked weight, a plain gather per trip
+            "CHECK: stablehlo.while", "CHECK: } do {",
+            "CHECK: stablehlo.dynamic_slice {{.*}} sizes = [1, 16, 16]", 'CHECK-NEXT: "stablehlo.all_gather"',
+            "CHECK-SAME: all_gather_dim = 1", "CHECK-SAME: (tensor<1x16x16xf32>) -> tensor<1x32x16xf32>",
+            "CHECK: stablehlo.dynamic_slice {{.*}} sizes = [1, 16, 16]", 'CHECK-NEXT: "stablehlo.all_gather"',
+            "CHECK-SAME: all_gather_dim = 2", "CHECK-SAME: (tensor<1x16x16xf32>) -> tensor<1x16x32xf32>",
+            "CHECK: func.call @closed_call(", "CHECK: stablehlo.return",
+            # the output projection's gather over 'data': a ring of 2, straight-line
+            "CHECK-NOT: stablehlo.all_gather", PERMUTE, pairs_same(PAIRS_2X4_DATA),
+            "CHECK: stablehlo.dot_general {{.*}} -> tensor<1x16x64xf32>",
+            "CHECK: stablehlo.dot_general {{.*}} -> tensor<1x16x64xf32>",
+            'CHECK: "stablehlo.all_reduce"', "CHECK: sdy.return",
+            # the backward: the output projection gradient's psum over 'model' split into a ring, its gather
+            # materialised before the reduce_scatter over 'data', which stays
+            "CHECK: sdy.manual_computation", "CHECK: stablehlo.while", "CHECK: } do {", PERMUTE,
+            pairs_same(PAIRS_2X4_MODEL), 'CHECK: "stablehlo.all_gather"',
+            "CHECK-SAME: (tensor<32x16xf32>) -> tensor<32x64xf32>", 'CHECK-NEXT: "stablehlo.reduce_scatter"',
+            f"CHECK-SAME: replica_groups = dense<{escape('[[0, 4], [1, 5], [2, 6], [3, 7]]')}>",
+            # the backward's loop gathers its layer too, and scatters each layer's weight gradients
+            "CHECK: stablehlo.while", "CHECK: } do {", 'CHECK: "stablehlo.all_gather"',
+            "CHECK-SAME: (tensor<1x16x16xf32>) -> tensor<1x32x16xf32>", 'CHECK: "stablehlo.all_gather"',
+            "CHECK-SAME: (tensor<1x16x16xf32>) -> tensor<1x16x32xf32>", "CHECK: func.call @closed_call_4(",
+            'CHECK: "stablehlo.reduce_scatter"', "CHECK: (tensor<1x32x16xf32>) -> tensor<1x16x16xf32>",
+            "CHECK-NEXT: stablehlo.dynamic_update_slice",
+            'CHECK: "stablehlo.reduce_scatter"', "CHECK: (tensor<1x16x32xf32>) -> tensor<1x16x16xf32>",
+            "CHECK-NEXT: stablehlo.dynamic_update_slice", "CHECK: stablehlo.return",
+            # the embedding's gradient: a scatter-add, psum'd over 'model' and scattered over 'data'
+            'CHECK: "stablehlo.scatter"', 'CHECK: "stablehlo.all_reduce"', 'CHECK: "stablehlo.reduce_scatter"',
+            "CHECK: sdy.return",
+            # the layer: the normed rows' gather and the product's scatter over 'model' are rings
+            "CHECK: func.func private @closed_call(", "CHECK-NOT: stablehlo.all_gather",
+            "CHECK-NOT: stablehlo.reduce_scatter", "CHECK: stablehlo.while", PERMUTE, pairs_same(PAIRS_2X4_MODEL),
+            "CHECK-NOT: stablehlo.all_gather", "CHECK-NOT: stablehlo.reduce_scatter",
+            "CHECK: stablehlo.while", PERMUTE, pairs_same(PAIRS_2X4_MODEL),
+            "CHECK-NOT: stablehlo.all_gather", "CHECK-NOT: stablehlo.reduce_scatter",
+            # its backward under remat: the recomputed gather, the cotangent's gather (two dots) and the
+            # input gradient's scatter are rings; the gain gradient's psum stays
+            "CHECK: func.func private @closed_call_4(", "CHECK: stablehlo.optimization_barrier",
+            "CHECK-NOT: stablehlo.all_gather", "CHECK-NOT: stablehlo.reduce_scatter",
+            "CHECK: stablehlo.while", PERMUTE, "CHECK: stablehlo.while", PERMUTE,
+            "CHECK: stablehlo.dot_general {{.*}} contracting_dims = [0, 1] x [0, 1]",
+            "CHECK: stablehlo.dot_general {{.*}} contracting_dims = [2] x [1]", "CHECK: stablehlo.while", PERMUTE,
+            "CHECK-NOT: stablehlo.all_gather", "CHECK-NOT: stablehlo.reduce_scatter",
+            'CHECK: "stablehlo.all_reduce"', "CHECK-NOT: stablehlo.all_gather", "CHECK-NOT: stablehlo.reduce_scatter",
+            "CHECK: func.func private @dynamic_update_index_in_dim_5("]),
     Sample("neg_ar_not_divisible", "psum of a [12, 12] product on a ring of 8: no dim splits evenly.",
            megatron_not_divisible, "unchanged no_dim", ['CHECK: "stablehlo.all_reduce"', "CHECK-NOT: stablehlo.while"]),
     # ---- declined
