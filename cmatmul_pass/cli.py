@@ -412,7 +412,11 @@ def cmd_explain(args) -> int:
             for reader in site.assembled_for:
                 print(f"  assembles the gathered value for: {reader}")
         else:
-            print(f"  decision: left unchanged: {site.reason} [{site.reason_code}]")
+            # a declined site with notes was moved first (sunk into a loop, hoisted, merged): say so
+            print(f"  decision: {'moved, then not rewritten' if site.notes else 'left unchanged'}: {site.reason} "
+                  f"[{site.reason_code}]")
+            for note in site.notes:
+                print(f"  note: {note}")
             if reasons.hint(site.reason_code):
                 print(f"  to have it rewritten: {reasons.hint(site.reason_code)}")
         if site.cost:

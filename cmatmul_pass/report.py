@@ -63,7 +63,8 @@ class SiteReport:
                 f"{self.location}: {self.kind}: rewritten{ring} "
                 f"({self.operand} operand, {self.dim_role} dim {self.collective_dim}{dots}{kept}{shared})"
             )
-        return f"{self.location}: {self.kind}: left unchanged{ring}: {self.reason} [{self.reason_code}]"
+        left = "moved, then not rewritten" if self.notes else "left unchanged"  # notes: where the pass moved it
+        return f"{self.location}: {self.kind}: {left}{ring}: {self.reason} [{self.reason_code}]"
 
 
 @dataclass

@@ -97,6 +97,16 @@ def test_explain_says_why_a_slice_along_the_gathered_dim_is_not_sunk(capsys):
     assert "not sunk into the loop: the loop slices it along the gathered dim 2 [user_not_dot]" in out
 
 
+def test_explain_says_a_moved_collective_was_moved_where_no_ring_formed(capsys):
+    """The LM sample (jax 0.10's scan body in @closed_call): the stacked gathers sink and the stacked
+    gradients' scatters move into the loops, but no ring forms there; explain says both."""
+    assert run_cli("explain", sample("lm_fsdp_tp_scan")) == 0
+    out = capsys.readouterr().out
+    assert out.count("decision: moved, then not rewritten: ") == 6
+    assert out.count("  note: sunk into the loops at ") == 4 and out.count("  note: hoisted into the loop at ") == 2
+    assert "left unchanged: the gathered value reaches its dot inside @" not in out
+
+
 def test_policy_auto_never_sinks_what_it_then_leaves():
     """Sinking changes the module before the ring's verdict: only the default policy does it."""
     text = sample("ag_scan_stacked").read_text()
