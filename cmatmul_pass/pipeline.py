@@ -32,7 +32,7 @@ from .rewrites.sequence_parallel import Seed, carry_forward, move_gather_forward
 from .rewrites.sink import Hoisted, Sunk
 from .rewrites.stages import merge as merge_stages
 from .rewrites.sink import hoist as hoist_scatter
-from .rewrites.sink import feeds_a_loop, hoist_plan
+from .rewrites.sink import feeds_a_loop, hoist_plan, inline_scan_bodies
 from .rewrites.sink import plan as sink_plan
 from .rewrites.sink import sink as sink_gather
 from .sharing import RingLibrary
@@ -247,7 +247,11 @@ def rewrite(
 def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool) -> RewriteResult:
     # Unknown is only the default for type construction; every op gets an explicit loc.
     with module.context, ir.Location.unknown():
-        found = ir_utils.ops_named(module, "func.call", *ir_utils.CHANNEL_OPS, replay.MANUAL, "stablehlo.while")
+        names = ("func.call", *ir_utils.CHANNEL_OPS, replay.MANUAL, "stablehlo.while")
+        found = ir_utils.ops_named(module, *names)
+        # jax 0.10's scan bodies in functions holding collectives: inline, as later jax lowers them
+        if options.policy == "all" and found["stablehlo.while"] and inline_scan_bodies(found):
+            found = ir_utils.ops_named(module, *names)
         info = ModuleInfo.of(module, found["func.call"])
         report = Report(source, info.num_partitions)
         channels = ChannelAllocator(module, found)

@@ -222,6 +222,26 @@ def bias_inside_a_sum():
                  arg(m, (32,), P()))
 
 
+def dot_in_a_function_with_collectives(side: str):
+    """A nested ``jax.jit`` (a private function the pass does not inline) holding a dot and a
+    collective of its own (a psum of a statistic), fed by a gather or scattered after."""
+    m = mesh()
+
+    @jax.jit
+    def layer(x, w):
+        y = x @ w
+        return y * jax.lax.psum(jnp.sum(y * y), "m")
+
+    def build():
+        if side == "gather":
+            f = smap(lambda x, w: layer(ag(x), w), m, (P("m", None), P(None, "m")), P(None, "m"))
+            return lower(f, arg(m, (64, 32), P("m", None)), arg(m, (32, 64), P(None, "m")))
+        f = smap(lambda x, w: rs(layer(x, w)), m, (P(None, "m"), P("m", None)), P("m", None))
+        return lower(f, arg(m, (64, 64), P(None, "m")), arg(m, (64, 32), P("m", None)))
+
+    return build
+
+
 def layernorm(h, g):
     return (h - h.mean(-1, keepdims=True)) * g
 
@@ -259,6 +279,10 @@ CASES = [
     (bias_inside_a_sum, {}, "dot_reduce_scatter", "producer_not_dot",
      "the same in every block, to one product of a sum of products"),
     (product_read_twice, {}, "dot_reduce_scatter", "multiple_users", "read by stablehlo.reduce at"),
+    (dot_in_a_function_with_collectives("gather"), {}, "all_gather_dot", "user_not_dot",
+     "reaches its dot inside @layer (func.call at"),
+    (dot_in_a_function_with_collectives("scatter"), {}, "dot_reduce_scatter", "producer_not_dot",
+     "computed by a dot inside @layer (func.call at"),
     # the fact behind a new code does not hold: the old code stays
     (gathered_returned_unused, {}, "all_gather_dot", "user_not_dot", "feeds sdy.return, no stablehlo.dot_general"),
     (scatter_of_argument, {}, "dot_reduce_scatter", "producer_not_dot",

@@ -269,13 +269,13 @@ def _no_dot(tree: _Tree, ag: ir.OpView, n: int) -> Decline:
     if dot is None:
         return Decline("user_not_dot", f"the gathered value feeds {names}, no stablehlo.dot_general")
     held = causes.collectives_in(dot) if dot.operation.name == "func.call" else []
-    if held:  # a scan's body as jax 0.10 lowers it: the layer's dot inside a function with its own collectives
+    if held:  # a nested jit's function holding collectives of its own (a scan's step under jax 0.10 is inlined first)
         callee = ir.FlatSymbolRefAttr(dot.attributes["callee"]).value
         return Decline("user_not_dot", f"the gathered value reaches its dot inside @{callee} ({describe_op(dot)}), "
                                        f"a function that holds collectives of its own ({', '.join(held)}): the pass "
                                        "rewrites those where they stand and does not inline such a function, so no "
-                                       "dot is in this block for a ring (a body lowered inline, as jax 0.11 and later "
-                                       "lower a scan's, puts the dot and its collectives in one block)")
+                                       "dot is in this block for a ring (its body written where it is called, a nested "
+                                       "jax.jit's body say, would put the dot here)")
     return Decline("user_not_dot", f"the gathered value feeds {names}, which the ring cannot apply block by block "
                                    f"(only layout ops and elementwise ops do), and reaches {describe_op(dot)} only "
                                    "through it")

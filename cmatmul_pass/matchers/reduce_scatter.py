@@ -763,13 +763,14 @@ def not_blockwise(op: ir.OpView) -> Decline:
         return Decline("producer_not_dot", f"the scattered value comes from {describe_op(op)}, not from a "
                                            "stablehlo.dot_general")
     held = causes.collectives_in(op) if op.operation.name == "func.call" else []
-    if held:  # a scan's body as jax 0.10 lowers it: the layer's dot inside a function with its own collectives
+    if held:  # a nested jit's function holding collectives of its own (a scan's step under jax 0.10 is inlined first)
         callee = ir.FlatSymbolRefAttr(op.attributes["callee"]).value
         return Decline("producer_not_dot", f"the scattered value is computed by a dot inside @{callee} "
                                            f"({describe_op(op)}), a function that holds collectives of its own "
                                            f"({', '.join(held)}): the pass rewrites those where they stand and does "
-                                           "not inline such a function, so no dot is in this block for a ring (a body "
-                                           "lowered inline, as jax 0.11 and later lower a scan's, puts them in one block)")
+                                           "not inline such a function, so no dot is in this block for a ring (its "
+                                           "body written where it is called, a nested jax.jit's body say, would put the "
+                                           "dot here)")
     return Decline("producer_not_dot", f"the scattered value comes from {describe_op(op)}, which the ring cannot "
                                        f"apply block by block (only layout ops and elementwise ops do), of "
                                        f"{describe_op(product.owner)}")

@@ -182,17 +182,23 @@ class _Functions:
     def callee(self, call: ir.OpView) -> ir.OpView | None:
         """The private one-block function ``call`` calls, if it holds no collective: inlining
         one would erase ops the pass has already collected (and met again as clones)."""
-        name = ir.FlatSymbolRefAttr(call.attributes["callee"]).value
-        f = self.by_name.get(name)
+        f = self.private(call)
+        return None if f is None or self.holds_collectives(f) else f
+
+    def private(self, call: ir.OpView) -> ir.OpView | None:
+        """The private one-block function ``call`` calls, if it is one."""
+        f = self.by_name.get(ir.FlatSymbolRefAttr(call.attributes["callee"]).value)
         if f is None or len(f.regions[0].blocks) != 1:
             return None
         visibility = f.attributes["sym_visibility"] if "sym_visibility" in f.attributes else None
-        if visibility is None or ir.StringAttr(visibility).value != "private":
-            return None
+        return f if visibility is not None and ir.StringAttr(visibility).value == "private" else None
+
+    def holds_collectives(self, f: ir.OpView) -> bool:
+        name = ir_utils.symbol_name(f)
         if name not in self._collectives:
             found = ir_utils.ops_named(f, *ir_utils.CHANNEL_OPS)
             self._collectives[name] = any(found[n] for n in ir_utils.CHANNEL_OPS)
-        return None if self._collectives[name] else f
+        return self._collectives[name]
 
 
 def _read_by_slices(value: ir.Value, dim: int, full: int, functions: _Functions,
@@ -338,10 +344,35 @@ def _call_reached(value: ir.Value, functions: _Functions) -> ir.OpView | None:
     return None
 
 
-def inline(call: ir.OpView, functions: _Functions) -> str:
+def inline_scan_bodies(found: dict[str, list]) -> list[str]:
+    """jax 0.10 lowers a scan's step as a call of a private function (``@closed_call``) from the
+    loop's body.  Where such a function holds collectives of its own and a gather of stacked
+    weights feeds a loop (what :func:`sink` moves in), inline those calls, as jax 0.11 and later
+    lower the body: the layer's dots, its own collectives and the gathers sunk into the loop then
+    share one block, where rings form and the slack order chooses between them.  To run before
+    the pipeline collects the module's collectives (``found``: its ``stablehlo.all_gather`` and
+    ``stablehlo.while`` ops).  Returns the names of the functions inlined."""
+    loops = found["stablehlo.while"]
+    if not loops or not any(feeds_a_loop(op) for op in found["stablehlo.all_gather"]):
+        return []
+    functions = _Functions(loops[0])
+    names = []
+    for loop in loops:
+        body = loop.operation.regions[1].blocks[0]
+        for _ in range(8):  # a remat'd step calls its own function again: inline it too
+            calls = [op for op in body.operations if op.operation.name == CALL and
+                     (f := functions.private(op)) is not None and functions.holds_collectives(f)]
+            if not calls:
+                break
+            names += [inline(call, functions, functions.private(call)) for call in calls]
+    return list(dict.fromkeys(names))
+
+
+def inline(call: ir.OpView, functions: _Functions, callee: ir.OpView | None = None) -> str:
     """Replace ``call`` by a copy of its callee's body (the callee stays while others call it;
-    erased once none does).  Returns the callee's name."""
-    callee = functions.callee(call)
+    erased once none does).  Returns the callee's name.  ``callee``: the function, where it may
+    hold collectives (by default only one that holds none)."""
+    callee = callee or functions.callee(call)
     name = ir_utils.symbol_name(callee)
     block = callee.regions[0].blocks[0]
     mapping = dict(zip(block.arguments, call.operation.operands))
