@@ -740,18 +740,23 @@ def megatron_rms_stack() -> str:
     return lower(f, *megatron_args(mesh, layers=2))
 
 
+def _sp_rms_block(x, g, w1, w2):
+    """A sequence-parallel MLP block whose gathered rows are RMS-normalised (with a gain) first."""
+    h = gather(x, "model", 0)
+    h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6) * g
+    return jax.lax.psum_scatter(jax.nn.gelu(h @ w1) @ w2, "model", scatter_dimension=0, tiled=True)
+
+
+#: _sp_rms_block's in_specs: rows, a replicated gain, column- and row-parallel weights
+SP_RMS_SPECS = (P("model", None), P(), P(None, "model"), P("model", None))
+
+
 def sp_rms_norm_before_dot() -> str:
     """A sequence-parallel MLP block whose gathered rows are RMS-normalised (with a replicated
     gain) before the up projection: the norm runs on the shard's rows, the gather moves to the dot."""
     mesh = mesh_1d()
-
-    def body(x, g, w1, w2):
-        h = gather(x, "model", 0)
-        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6) * g
-        return jax.lax.psum_scatter(jax.nn.gelu(h @ w1) @ w2, "model", scatter_dimension=0, tiled=True)
-
-    specs = (P("model", None), P(), P(None, "model"), P("model", None))
-    f = smap(body, mesh=mesh, in_specs=specs, out_specs=P("model", None))
+    specs = SP_RMS_SPECS
+    f = smap(_sp_rms_block, mesh=mesh, in_specs=specs, out_specs=P("model", None))
     return lower(f, arg(mesh, (64, 32), specs[0]), arg(mesh, (32,), P()), arg(mesh, (32, 128), specs[2]),
                  arg(mesh, (128, 32), specs[3]))
 
@@ -763,14 +768,8 @@ def sp_rms_norm_grad() -> str:
     reads the product twice; the gain's gradient sums the product times the normed rows over the
     rows, beside the scatter."""
     mesh = mesh_1d()
-
-    def body(x, g, w1, w2):
-        h = gather(x, "model", 0)
-        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6) * g
-        return jax.lax.psum_scatter(jax.nn.gelu(h @ w1) @ w2, "model", scatter_dimension=0, tiled=True)
-
-    specs = (P("model", None), P(), P(None, "model"), P("model", None))
-    f = smap(body, mesh=mesh, in_specs=specs, out_specs=P("model", None))
+    specs = SP_RMS_SPECS
+    f = smap(_sp_rms_block, mesh=mesh, in_specs=specs, out_specs=P("model", None))
 
     def loss(x, g, w1, w2):
         return jnp.mean(f(x, g, w1, w2) ** 2)

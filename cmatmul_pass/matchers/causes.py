@@ -194,38 +194,35 @@ def is_partition_id(op: ir.OpView) -> bool:
     return op.operation.name == "stablehlo.partition_id"
 
 
-def callee_work(call: ir.OpView) -> list[str]:
-    """The names of the ops in a called function (and the functions it calls) that are neither
-    layout, elementwise nor plain copies: what the call does (``stablehlo.sort``), at most three."""
-    symbols, names, pending, seen = _Symbols(call), [], [call], set()
+def _called_ops(call: ir.OpView, nested: bool):
+    """The ops of ``call``'s function and of the functions it calls (eight at most), calls aside;
+    ``nested``: the ops inside their regions too."""
+    symbols, pending, seen = _Symbols(call), [call], set()
     while pending and len(seen) < 8:
         callee = ir.FlatSymbolRefAttr(pending.pop(0).attributes["callee"]).value
         if callee in seen or callee not in symbols.funcs:
             continue
         seen.add(callee)
-        for op in list(symbols.funcs[callee].regions[0].blocks[0].operations):
-            name = op.operation.name
-            if name == "func.call":
+        function = symbols.funcs[callee]
+        for op in ir_utils.walk(function) if nested else list(function.regions[0].blocks[0].operations):
+            if op.operation.name == "func.call":
                 pending.append(op)
-            elif name not in PLAIN | BOOKKEEPING and not is_layout_op(op) and not is_elementwise(op):
-                names.append(name)
+            else:
+                yield op
+
+
+def callee_work(call: ir.OpView) -> list[str]:
+    """The names of the ops in a called function (and the functions it calls) that are neither
+    layout, elementwise nor plain copies: what the call does (``stablehlo.sort``), at most three."""
+    names = [op.operation.name for op in _called_ops(call, nested=False)
+             if op.operation.name not in PLAIN | BOOKKEEPING and not is_layout_op(op) and not is_elementwise(op)]
     return list(dict.fromkeys(names))[:3]
 
 
 def collectives_in(call: ir.OpView) -> list[str]:
     """The collectives in ``call``'s function (and the functions it calls), by name."""
-    symbols, names, pending, seen = _Symbols(call), [], [call], set()
-    while pending and len(seen) < 8:
-        callee = ir.FlatSymbolRefAttr(pending.pop(0).attributes["callee"]).value
-        if callee in seen or callee not in symbols.funcs:
-            continue
-        seen.add(callee)
-        for op in ir_utils.walk(symbols.funcs[callee]):
-            if op.operation.name == "func.call":
-                pending.append(op)
-            elif op.operation.name in ir_utils.CHANNEL_OPS:
-                names.append(op.operation.name)
-    return list(dict.fromkeys(names))
+    return list(dict.fromkeys(op.operation.name for op in _called_ops(call, nested=True)
+                              if op.operation.name in ir_utils.CHANNEL_OPS))
 
 
 #: ops of a function body that do no work on the data (its return, index arithmetic)
