@@ -242,6 +242,13 @@ def dot_in_a_function_with_collectives(side: str):
     return build
 
 
+def psum_of_a_mean():
+    """A loss: the mean of a product, psum'd (a reduce, then divided by a constant)."""
+    m = mesh()
+    f = smap(lambda x, w: jax.lax.psum(jnp.mean(x @ w), "m"), m, (P(None, "m"), P("m", None)), P())
+    return lower(f, arg(m, (64, 64), P(None, "m")), arg(m, (64, 32), P("m", None)))
+
+
 def layernorm(h, g):
     return (h - h.mean(-1, keepdims=True)) * g
 
@@ -279,6 +286,7 @@ CASES = [
     (bias_inside_a_sum, {}, "dot_reduce_scatter", "producer_not_dot",
      "the same in every block, to one product of a sum of products"),
     (product_read_twice, {}, "dot_reduce_scatter", "multiple_users", "read by stablehlo.reduce at"),
+    (psum_of_a_mean, {}, "dot_all_reduce", "producer_not_dot", "the summed value comes from stablehlo.reduce at"),
     (dot_in_a_function_with_collectives("gather"), {}, "all_gather_dot", "user_not_dot",
      "reaches its dot inside @layer (func.call at"),
     (dot_in_a_function_with_collectives("scatter"), {}, "dot_reduce_scatter", "producer_not_dot",

@@ -132,6 +132,8 @@ def _reaches_a_dot(value: ir.Value) -> None:
     if not stops:
         raise Decline("producer_not_dot", "the summed value comes from region arguments (computed outside this "
                                           "shard_map region), not from a stablehlo.dot_general")
+    # name what computes the value, not a constant it is scaled by (a mean's divisor)
+    stops = [op for op in stops if op.operation.name != "stablehlo.constant"] or stops
     raise Decline("producer_not_dot", not_blockwise(stops[0]).message.replace("scattered", "summed"))
 
 
