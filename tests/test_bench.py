@@ -379,10 +379,10 @@ def test_the_readme_summary_quotes_the_stored_bench_run():
     summary = _readme_performance_summary()
     rows = {line.split(" | ")[0].lstrip("| "): line for line in summary.splitlines() if line.startswith("| ")}
     by_layers = {r["layers"]: r for r in results["pass_cost"]["per_layers"]}
-    share = rows["pass time ≤ 5 % of `jax.jit`'s lower + compile, 32 layers (255 sites)"]
+    share = rows["pass time ≤ 5 % of `jax.jit`'s lower + compile, 32 layers (479 sites)"]
     assert f"{100 * by_layers[32]['pass_over_lower_compile']:.2f} %" in share
     assert f"parse + print {100 * by_layers[32]['parse_print_over_lower_compile']:.2f} %" in share
-    assert by_layers[32]["sites"] == 255
+    assert by_layers[32]["sites"] == 479
     assert f"| {results['pass_cost']['scaling_32_over_8']:.2f} |" in rows["pass time(32 layers) / time(8) ≤ 4.4 (linear)"]
 
     def span(values: dict) -> str:  # "low (`name`) to high (`name`)"
