@@ -282,6 +282,40 @@ def symbol_name(op: ir.OpView | ir.Operation) -> str | None:
     return ir.StringAttr(attrs["sym_name"]).value
 
 
+def is_private(function: ir.OpView | ir.Operation) -> bool:
+    """Is ``function`` (a ``func.func``) private to its module?"""
+    attributes = function.operation.attributes
+    return "sym_visibility" in attributes and ir.StringAttr(attributes["sym_visibility"]).value == "private"
+
+
+class Symbols:
+    """The functions and calls of the module holding ``op``, looked up once (by name)."""
+
+    def __init__(self, op: ir.OpView | ir.Operation):
+        module = op.operation
+        while module.parent is not None:
+            module = module.parent.operation
+        found = ops_named(module, "func.func", "func.call")
+        self.funcs = {symbol_name(f): f for f in found["func.func"]}
+        self.calls: dict[str, list[ir.OpView]] = {}
+        for call in found["func.call"]:
+            self.calls.setdefault(ir.FlatSymbolRefAttr(call.attributes["callee"]).value, []).append(call)
+
+    def callee(self, call: ir.OpView | ir.Operation) -> ir.OpView | None:
+        """The function ``call`` calls, if the module defines it."""
+        return self.funcs.get(ir.FlatSymbolRefAttr(call.operation.attributes["callee"]).value)
+
+    def entry_args(self, call: ir.OpView) -> list[ir.Value]:
+        func = self.callee(call)
+        return list(func.regions[0].blocks[0].arguments) if func is not None else []
+
+    def returned(self, call: ir.OpView, index: int) -> list[ir.Value]:
+        func = self.callee(call)
+        if func is None:
+            return []
+        return [list(block.operations)[-1].operands[index] for block in func.regions[0].blocks]
+
+
 def copy_module(module: ir.Module, context: ir.Context) -> ir.Module:
     """An independent copy of ``module`` in ``context`` (through bytecode: locations kept,
     no printing or parsing of text; ``module`` itself is only read)."""

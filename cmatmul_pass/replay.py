@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from . import ir_utils
 from ._jax_private import hlo, ir
@@ -56,7 +56,9 @@ class Group:
     were before the pass."""
 
     members: list[ir.Operation]
-    before: dict = field(default_factory=dict)  # twin / probe body -> (locations in walk order, types)
+    # the twin's and the probe's (locations in walk order, types) before the pass
+    twin_before: tuple = ()
+    probe_before: tuple = ()
 
     @property
     def twin(self) -> ir.Operation:
@@ -93,10 +95,10 @@ class Plan:
     def __init__(self, groups: list[Group]):
         self.groups = groups
         self.deferred = {_body(m) for g in groups for m in g.rest}
-        self.checked = {_body(m): m for g in groups for m in (g.twin, g.probe)}
+        self.checked = {_body(m) for g in groups for m in (g.twin, g.probe)}
         for g in groups:
-            for m in (g.twin, g.probe):
-                g.before[_body(m)] = (_locations(m), _types(m))
+            g.twin_before = (_locations(g.twin), _types(g.twin))
+            g.probe_before = (_locations(g.probe), _types(g.probe))
 
     def top_level(self, op: ir.Operation | ir.OpView) -> ir.Block | None:
         """The body of the top-level region holding ``op`` (None: ``op`` is in none)."""
@@ -155,7 +157,7 @@ class Plan:
             twin_entries = [report.sites[i] for i in by_region.get(twin, [])]
             probe_indices = by_region.get(probe, [])
             replay = _Replay.of(g, twin_entries, source) if not ({twin, probe} & competing) else None
-            if replay is None or not replay.agrees(g.probe, g.before[probe][0],
+            if replay is None or not replay.agrees(g.probe, g.probe_before[0],
                                                    [report.sites[i] for i in probe_indices]):
                 leftover += g.rest
                 continue
@@ -194,7 +196,7 @@ class _Replay:
         self.group = group
         self.twin = group.twin
         self.source = source
-        self.locations, _ = group.before[_body(group.twin)]
+        self.locations, _ = group.twin_before
         self.attrs = [loc.attr for loc in self.locations]
         # each rendered location of the twin's ops, and the first place it is at
         self.rendered: dict[str, int] = {}
@@ -208,7 +210,7 @@ class _Replay:
     @classmethod
     def of(cls, group: Group, entries: list[SiteReport], source: str) -> "_Replay | None":
         twin = group.twin
-        if _types(twin) != group.before[_body(twin)][1] or _types(group.probe) != group.before[_body(group.probe)][1]:
+        if _types(twin) != group.twin_before[1] or _types(group.probe) != group.probe_before[1]:
             return None  # the pass changed a region's types: its users outside changed too
         return cls(group, entries, source)
 
@@ -222,8 +224,8 @@ class _Replay:
         if relocation is None:
             return False
         handles = dict(zip(_handles(self.twin), _handles(probe)))
-        made = [template.make(relocation.text, handles) for template in self.templates]
-        return all(m is not None and _fields(m) == _fields(e) for m, e in zip(made, probe_entries))
+        return all(vars(template.make(relocation.text, handles)) == vars(entry)
+                   for template, entry in zip(self.templates, probe_entries))
 
     def into(self, region: ir.Operation, take_channel: Callable[[], int]) -> list[SiteReport] | None:
         """Replace ``region`` by a copy of the twin with its operands and locations; its report
@@ -257,8 +259,7 @@ class _Replay:
         for old, new in zip(region.results, copy.results):
             old.replace_all_uses_with(new)
         region.erase()
-        made = [template.make(relocation.text, handles) for template in self.templates]
-        return None if any(m is None for m in made) else made
+        return [template.make(relocation.text, handles) for template in self.templates]
 
     def _relocation(self, locations: list[ir.Location]) -> "_Relocation | None":
         if len(locations) != len(self.locations):
@@ -292,14 +293,14 @@ class _Relocation:
         if hasattr(concrete, "locations"):  # a fused location the pass built from the twin's ops
             parts = [self.ir(part) for part in concrete.locations]
             built = None if any(p is None for p in parts) else ir.Location.fused(parts)
-        elif str(loc) == "loc(unknown)":
+        elif attr == ir.Location.unknown().attr:
             built = loc
         else:
             built = None
         self._built[attr] = built
         return built
 
-    def text(self, rendered: str) -> str | None:
+    def text(self, rendered: str) -> str:
         """The region's rendering of a location the twin renders as ``rendered``."""
         if rendered not in self._text:
             position = self.replay.rendered[rendered]
@@ -317,24 +318,17 @@ class _Template:
         self.deep = {path[0] for path, _ in holes}
         self.shallow = [key for key, value in data.items() if isinstance(value, (dict, list)) and key not in self.deep]
 
-    def make(self, text: Callable[[str], str | None], handles: dict[int, int]) -> SiteReport | None:
+    def make(self, text: Callable[[str], str], handles: dict[int, int]) -> SiteReport:
         data = dict(self.data)
         for key in self.shallow:
             data[key] = _shallow(data[key])
         for key in self.deep:
             data[key] = _copy(data[key])
         for path, parts in self.holes:
-            pieces = []
-            for kind, piece in parts:
-                if kind == "loc":
-                    piece = text(piece)
-                    if piece is None:
-                        return None
-                pieces.append(piece)
             target = data
             for key in path[:-1]:
                 target = target[key]
-            target[path[-1]] = "".join(pieces)
+            target[path[-1]] = "".join(text(piece) if kind == "loc" else piece for kind, piece in parts)
         data["channel_handles"] = [handles.get(h, h) for h in data["channel_handles"]]
         entry = SiteReport.__new__(SiteReport)
         entry.__dict__.update(data)
@@ -343,7 +337,7 @@ class _Template:
 
 def _template(entry: SiteReport, pattern: re.Pattern | None) -> _Template:
     """``entry`` with each occurrence of ``pattern`` (the twin's rendered locations) a hole."""
-    data = _copy(_fields(entry))
+    data = _copy(vars(entry))
     if pattern is None:
         return _Template(data, [])
     holes: list = []
@@ -383,11 +377,6 @@ def _shallow(value: dict | list) -> dict | list:
     if isinstance(value, dict):
         return {k: v.copy() if isinstance(v, (dict, list)) else v for k, v in value.items()}
     return [v.copy() if isinstance(v, (dict, list)) else v for v in value]
-
-
-def _fields(entry: SiteReport) -> dict:
-    """``entry``'s fields (its own dict: compare them, or copy them with :func:`_copy`)."""
-    return vars(entry)
 
 
 def _handles(region: ir.Operation) -> list[int]:

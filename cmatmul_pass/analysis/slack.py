@@ -68,8 +68,7 @@ class Slack:
     def __init__(self, flops: Callable[[ir.OpView], float]):
         self.flops = flops
         self._early: dict[ir.Value, bool] = {}
-        self._functions: dict[str, ir.OpView] | None = None
-        self._calls: dict[str, list[ir.Operation]] = {}
+        self._symbols: ir_utils.Symbols | None = None  # the module's functions and calls, once asked
 
     def early(self, value: ir.Value) -> bool:
         """Is ``value`` computed only from the entry function's arguments and constants?"""
@@ -82,12 +81,10 @@ class Slack:
             if parent is None:
                 return [], False
             if parent.operation.name == "func.func":  # the entry function's argument, or a private one's
-                private = "sym_visibility" in parent.attributes and \
-                    ir.StringAttr(parent.attributes["sym_visibility"]).value == "private"
-                if not private:
+                if not ir_utils.is_private(parent):
                     return [], True
-                calls = self._calls_of(parent.operation)  # early where every call passes an early value
-                index = ir.BlockArgument(value).arg_number
+                calls = self._symbols_of(parent).calls.get(ir_utils.symbol_name(parent), [])
+                index = ir.BlockArgument(value).arg_number  # early where every call passes an early value
                 return all_of([call.operands[index] for call in calls], memo) if calls else ([], False)
             if parent.operation.name == "sdy.manual_computation":
                 return all_of([parent.operands[ir.BlockArgument(value).arg_number]], memo)
@@ -112,8 +109,8 @@ class Slack:
     def _call(self, call: ir.Operation, index: int, memo: dict) -> tuple[list[ir.Value], bool]:
         """Result ``index`` of ``call``: what its private callee returns there, with the callee's
         arguments as early as the call's operands (decided afresh at every call)."""
-        callee = self._callee(call)
-        if callee is None:
+        callee = self._symbols_of(call).callee(call)
+        if callee is None or not ir_utils.is_private(callee) or len(callee.regions[0].blocks) != 1:
             return [], False
         pending = [v for v in call.operands if v not in memo]
         if pending:
@@ -123,32 +120,10 @@ class Slack:
         returned = list(block.operations)[-1].operands[index]
         return [], decide(returned, lambda v: self._step(v, inside), inside)
 
-    def _callee(self, call: ir.Operation) -> ir.OpView | None:
-        """The private one-block function ``call`` calls, if any."""
-        self._index(call)
-        return self._functions.get(ir.FlatSymbolRefAttr(call.attributes["callee"]).value)
-
-    def _calls_of(self, function: ir.Operation) -> list[ir.Operation]:
-        """The calls of ``function`` in the module."""
-        self._index(function)
-        return self._calls.get(ir.StringAttr(function.attributes["sym_name"]).value, [])
-
-    def _index(self, op: ir.Operation) -> None:
-        """The module's private one-block functions by name, and every function's calls (once)."""
-        if self._functions is not None:
-            return
-        module = op
-        while module.parent is not None:
-            module = module.parent.operation
-        found = ir_utils.ops_named(module, "func.func", "func.call")
-        self._functions = {}
-        for f in found["func.func"]:
-            attributes = f.operation.attributes
-            if "sym_visibility" in attributes and ir.StringAttr(attributes["sym_visibility"]).value == "private" \
-                    and len(f.operation.regions[0].blocks) == 1:
-                self._functions[ir.StringAttr(attributes["sym_name"]).value] = f
-        for call in found["func.call"]:
-            self._calls.setdefault(ir.FlatSymbolRefAttr(call.attributes["callee"]).value, []).append(call.operation)
+    def _symbols_of(self, op: ir.OpView | ir.Operation) -> ir_utils.Symbols:
+        if self._symbols is None:
+            self._symbols = ir_utils.Symbols(op)
+        return self._symbols
 
     def _carried(self, loop: ir.Operation) -> None:
         """Decide the carried values of ``loop`` (its condition's and body's arguments): the

@@ -52,30 +52,6 @@ def _in_manual_region(op: ir.OpView | ir.Operation) -> bool:
     return False
 
 
-class _Symbols:
-    """The module's functions and calls, looked up once (by name)."""
-
-    def __init__(self, op: ir.OpView | ir.Operation):
-        module = op.operation if isinstance(op, ir.OpView) else op
-        while module.parent is not None:
-            module = module.parent
-        found = ir_utils.ops_named(module, "func.func", "func.call")
-        self.funcs = {ir_utils.symbol_name(f): f for f in found["func.func"]}
-        self.calls: dict[str, list[ir.OpView]] = {}
-        for call in found["func.call"]:
-            self.calls.setdefault(ir.FlatSymbolRefAttr(call.attributes["callee"]).value, []).append(call)
-
-    def entry_args(self, call: ir.OpView) -> list[ir.Value]:
-        func = self.funcs.get(ir.FlatSymbolRefAttr(call.attributes["callee"]).value)
-        return list(func.regions[0].blocks[0].arguments) if func is not None else []
-
-    def returned(self, call: ir.OpView, index: int) -> list[ir.Value]:
-        func = self.funcs.get(ir.FlatSymbolRefAttr(call.attributes["callee"]).value)
-        if func is None:
-            return []
-        return [list(block.operations)[-1].operands[index] for block in func.regions[0].blocks]
-
-
 def _terminator(region: ir.Region) -> ir.Operation:
     return list(region.blocks[0].operations)[-1].operation
 
@@ -113,7 +89,7 @@ def dot_in_later_region(returned: ir.Value, region: ir.Operation) -> ir.OpView |
                 if op.operation.block == loop.regions[1].blocks[0]:  # the body: the next trip's state
                     pending += [loop.regions[1].blocks[0].arguments[i], loop.results[i]]
             elif name in ("func.call", "func.return"):
-                symbols = symbols or _Symbols(region)
+                symbols = symbols or ir_utils.Symbols(region)
                 if name == "func.call":
                     pending += symbols.entry_args(op)[i:i + 1]
                 else:
@@ -142,7 +118,7 @@ def dot_in_earlier_region(argument: ir.Value) -> tuple[ir.OpView, list[str]] | N
             elif parent.name == "stablehlo.while" and owner == parent.regions[1].blocks[0]:
                 pending += [parent.operands[i], _terminator(parent.regions[1]).operands[i]]
             elif parent.name == "func.func":
-                symbols = symbols or _Symbols(parent)
+                symbols = symbols or ir_utils.Symbols(parent)
                 pending += [call.operands[i] for call in symbols.calls.get(ir_utils.symbol_name(parent), [])]
             continue
         name, i = owner.operation.name, value.result_number
@@ -158,7 +134,7 @@ def dot_in_earlier_region(argument: ir.Value) -> tuple[ir.OpView, list[str]] | N
         elif name == "stablehlo.while":
             pending += [owner.operation.operands[i], _terminator(owner.operation.regions[1]).operands[i]]
         elif name == "func.call":
-            symbols = symbols or _Symbols(owner)
+            symbols = symbols or ir_utils.Symbols(owner)
             pending += symbols.returned(owner, i)
     return None
 
@@ -182,8 +158,8 @@ def find_near(start: ir.Value, forward: bool, match) -> ir.OpView | None:
             if op.operation.name == DOT:
                 continue
             if op.operation.name == "func.call":
-                symbols = symbols or _Symbols(op)
-                callee = symbols.funcs.get(ir.FlatSymbolRefAttr(op.attributes["callee"]).value)
+                symbols = symbols or ir_utils.Symbols(op)
+                callee = symbols.callee(op)
                 if callee is not None and any(match(inner) for inner in ir_utils.walk(callee)):
                     return op
             pending += list(op.operation.results) if forward else list(op.operation.operands)
@@ -197,7 +173,7 @@ def is_partition_id(op: ir.OpView) -> bool:
 def _called_ops(call: ir.OpView, nested: bool):
     """The ops of ``call``'s function and of the functions it calls (eight at most), calls aside;
     ``nested``: the ops inside their regions too."""
-    symbols, pending, seen = _Symbols(call), [call], set()
+    symbols, pending, seen = ir_utils.Symbols(call), [call], set()
     while pending and len(seen) < 8:
         callee = ir.FlatSymbolRefAttr(pending.pop(0).attributes["callee"]).value
         if callee in seen or callee not in symbols.funcs:

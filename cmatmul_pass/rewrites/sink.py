@@ -188,10 +188,7 @@ class _Functions:
     def private(self, call: ir.OpView) -> ir.OpView | None:
         """The private one-block function ``call`` calls, if it is one."""
         f = self.by_name.get(ir.FlatSymbolRefAttr(call.attributes["callee"]).value)
-        if f is None or len(f.regions[0].blocks) != 1:
-            return None
-        visibility = f.attributes["sym_visibility"] if "sym_visibility" in f.attributes else None
-        return f if visibility is not None and ir.StringAttr(visibility).value == "private" else None
+        return f if f is not None and len(f.regions[0].blocks) == 1 and ir_utils.is_private(f) else None
 
     def holds_collectives(self, f: ir.OpView) -> bool:
         name = ir_utils.symbol_name(f)
