@@ -30,6 +30,7 @@ region types the pass changed, and runs that annotate streams or do not share ri
 
 from __future__ import annotations
 
+import marshal
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -190,14 +191,26 @@ class Plan:
 
 class _Replay:
     """The twin's rewritten region and report entries, ready to be given another region's
-    operands and locations."""
+    operands and locations.
 
-    def __init__(self, group: Group, entries: list[SiteReport], source: str):
+    Read once from the twin: where each op of its rewritten copy takes its location from
+    (:meth:`_recipe`: a place among the twin's locations before the pass, or several such
+    places fused), and which ops hold a channel handle; a region then costs one walk of its
+    own locations and one of its copy."""
+
+    def __init__(self, group: Group, entries: list[SiteReport], source: str, recipe: list | None):
         self.group = group
         self.twin = group.twin
         self.source = source
         self.locations, _ = group.twin_before
-        self.attrs = [loc.attr for loc in self.locations]
+        self.recipe = recipe
+        first: dict = {}  # a twin location -> the first place it is at
+        # places locating like an earlier place in the twin: a region must locate them alike too
+        self.alike: list[tuple[int, int]] = []
+        for position, loc in enumerate(self.locations):
+            at = first.setdefault(loc.attr, position)
+            if at != position:
+                self.alike.append((at, position))
         # each rendered location of the twin's ops, and the first place it is at
         self.rendered: dict[str, int] = {}
         for position, loc in enumerate(self.locations):
@@ -212,7 +225,7 @@ class _Replay:
         twin = group.twin
         if _types(twin) != group.twin_before[1] or _types(group.probe) != group.probe_before[1]:
             return None  # the pass changed a region's types: its users outside changed too
-        return cls(group, entries, source)
+        return cls(group, entries, source, _recipe(twin, group.twin_before[0]))
 
     def agrees(self, probe: ir.Operation, probe_locations: list[ir.Location], probe_entries: list[SiteReport]) -> bool:
         """Did the probe come out as the twin, read with the probe's locations?"""
@@ -231,29 +244,25 @@ class _Replay:
         """Replace ``region`` by a copy of the twin with its operands and locations; its report
         entries, or None (``region`` left as it was) where a location cannot be mapped."""
         relocation = self._relocation(_locations(region))
-        if relocation is None:
+        if relocation is None or self.recipe is None:
             return None
         copy = self.twin.clone(ir.InsertionPoint(region)).operation
         handles: dict[int, int] = {}
-        unmapped: list[ir.Location] = []
+        steps = iter(self.recipe)
+        locate = relocation.ir
 
         def visit(op: ir.Operation) -> ir.WalkResult:
-            loc = relocation.ir(op.location)
-            if loc is None:
-                unmapped.append(op.location)
-                return ir.WalkResult.INTERRUPT
-            op.location = loc
-            attrs = op.attributes
-            if "channel_handle" in attrs:  # a fresh handle for every channel op
+            where, channel = next(steps)
+            if where is not None:
+                op.location = locate(where)
+            if channel:  # a fresh handle for every channel op
+                attrs = op.attributes
                 old = hlo.ChannelHandle(attrs["channel_handle"])
                 handles[old.handle] = take_channel()
                 attrs["channel_handle"] = hlo.ChannelHandle.get(handles[old.handle], old.channel_type)
             return ir.WalkResult.ADVANCE
 
         copy.walk(visit, ir.WalkOrder.PRE_ORDER)
-        if unmapped:
-            copy.erase()
-            return None
         for index, value in enumerate(region.operands):
             copy.operands[index] = value
         for old, new in zip(region.results, copy.results):
@@ -264,40 +273,68 @@ class _Replay:
     def _relocation(self, locations: list[ir.Location]) -> "_Relocation | None":
         if len(locations) != len(self.locations):
             return None
-        by_attr: dict = {}
-        for attr, loc in zip(self.attrs, locations):
-            known = by_attr.setdefault(attr, loc)
-            if known != loc:
-                return None  # one twin location at two places the region locates differently
-        return _Relocation(by_attr, self, locations)
+        if any(locations[at] != locations[position] for at, position in self.alike):
+            return None  # one twin location at two places the region locates differently
+        return _Relocation(self, locations)
+
+
+def _recipe(twin: ir.Operation, before: list[ir.Location]) -> list | None:
+    """Per op of the rewritten ``twin`` (pre-order): where its location comes from (a place
+    among ``before``, a tuple of such for a location fused from several, or None: unknown,
+    kept), and whether it holds a channel handle.  None where a location is none of these."""
+    first: dict = {}
+    for position, loc in enumerate(before):
+        first.setdefault(loc.attr, position)
+    unknown = ir.Location.unknown().attr
+    resolved: dict = {}
+
+    def where(attr) -> object:
+        if attr in resolved:
+            return resolved[attr]
+        found = first.get(attr)
+        if found is None and attr != unknown:
+            concrete = ir.Location.from_attr(attr)
+            if hasattr(concrete, "locations"):  # a fused location the pass built from the twin's ops
+                parts = tuple(where(part.attr) for part in concrete.locations)
+                found = _UNMAPPED if any(p is _UNMAPPED for p in parts) else parts
+            else:
+                found = _UNMAPPED
+        resolved[attr] = found
+        return found
+
+    recipe: list = []
+
+    def visit(op: ir.Operation) -> ir.WalkResult:
+        recipe.append((where(op.location.attr), "channel_handle" in op.attributes))
+        return ir.WalkResult.ADVANCE
+
+    twin.walk(visit, ir.WalkOrder.PRE_ORDER)
+    return None if any(step is _UNMAPPED for step, _ in recipe) else recipe
+
+
+#: a location :func:`_recipe` cannot read as the twin's
+_UNMAPPED = object()
 
 
 class _Relocation:
     """The twin's locations read as another region's: as IR locations, and as rendered text."""
 
-    def __init__(self, by_attr: dict, replay: _Replay, locations: list[ir.Location]):
-        self.by_attr = by_attr
+    def __init__(self, replay: _Replay, locations: list[ir.Location]):
         self.replay = replay
         self.locations = locations
-        self._built: dict = {}
+        self._fused: dict[tuple, ir.Location] = {}
         self._text: dict[str, str] = {}
 
-    def ir(self, loc: ir.Location) -> ir.Location | None:
-        attr = loc.attr
-        found = self.by_attr.get(attr)
-        if found is not None:
-            return found
-        if attr in self._built:
-            return self._built[attr]
-        concrete = ir.Location.from_attr(attr)
-        if hasattr(concrete, "locations"):  # a fused location the pass built from the twin's ops
-            parts = [self.ir(part) for part in concrete.locations]
-            built = None if any(p is None for p in parts) else ir.Location.fused(parts)
-        elif attr == ir.Location.unknown().attr:
-            built = loc
-        else:
-            built = None
-        self._built[attr] = built
+    def ir(self, where: int | tuple | None) -> ir.Location:
+        """The region's location at place ``where`` of the twin's (a tuple: those places fused;
+        None: unknown)."""
+        if isinstance(where, int):
+            return self.locations[where]
+        if where is None:
+            return ir.Location.unknown()
+        built = self._fused.get(where)
+        if built is None:
+            built = self._fused[where] = ir.Location.fused([self.ir(part) for part in where])
         return built
 
     def text(self, rendered: str) -> str:
@@ -312,18 +349,12 @@ class _Template:
     """A report entry with its location strings and channel handles as holes."""
 
     def __init__(self, data: dict, holes: list):
-        self.data = data
+        # kept serialised: each entry gets its own copy of every list and dict, in one C call
+        self.data = marshal.dumps(data)
         self.holes = holes  # paths into data of strings holding locations: (path, parts)
-        # the fields each entry gets its own copy of: deep where a hole is, else two levels
-        self.deep = {path[0] for path, _ in holes}
-        self.shallow = [key for key, value in data.items() if isinstance(value, (dict, list)) and key not in self.deep]
 
     def make(self, text: Callable[[str], str], handles: dict[int, int]) -> SiteReport:
-        data = dict(self.data)
-        for key in self.shallow:
-            data[key] = _shallow(data[key])
-        for key in self.deep:
-            data[key] = _copy(data[key])
+        data = marshal.loads(self.data)
         for path, parts in self.holes:
             target = data
             for key in path[:-1]:
@@ -337,7 +368,7 @@ class _Template:
 
 def _template(entry: SiteReport, pattern: re.Pattern | None) -> _Template:
     """``entry`` with each occurrence of ``pattern`` (the twin's rendered locations) a hole."""
-    data = _copy(vars(entry))
+    data = marshal.loads(marshal.dumps(vars(entry)))  # its own lists and dicts
     if pattern is None:
         return _Template(data, [])
     holes: list = []
@@ -361,22 +392,6 @@ def _template(entry: SiteReport, pattern: re.Pattern | None) -> _Template:
 
     visit(data, ())
     return _Template(data, holes)
-
-
-def _copy(value):
-    if isinstance(value, dict):
-        return {k: _copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_copy(v) for v in value]
-    return value
-
-
-def _shallow(value: dict | list) -> dict | list:
-    """A field without locations: its own list or dict, and their own lists and dicts one level
-    down (as the pipeline gives each entry its cost dicts)."""
-    if isinstance(value, dict):
-        return {k: v.copy() if isinstance(v, (dict, list)) else v for k, v in value.items()}
-    return [v.copy() if isinstance(v, (dict, list)) else v for v in value]
 
 
 def _handles(region: ir.Operation) -> list[int]:
