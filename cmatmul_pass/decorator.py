@@ -29,11 +29,11 @@ import jax
 import numpy as np
 
 from . import execute, ir_utils
-from ._jax_private import ir, lowered_arguments, lowered_module, lowered_with_module, make_context, under_trace
+from ._jax_private import ir, lowered_arguments, lowered_module, lowered_with_module, under_trace
 from .cost import VARIANTS
 from .errors import InternalError, NumericsMismatch
 from .transform import Overlap
-from .pipeline import Options, rewrite
+from .pipeline import Options, RewriteResult, rewrite
 from .report import Report, duration
 
 
@@ -235,6 +235,13 @@ class _Entry:
     lowered: Lowered
 
 
+def rewrite_lowered(lowered: Any, options: Options, source: str) -> RewriteResult:
+    """The pass on a ``jax.stages.Lowered``'s program, as :func:`jit` runs it: on a copy in
+    jax's own context (the rewritten module is compiled there anyway, and a C++ clone costs a
+    tenth of a copy into a context of the pass's own), never touching jax's cached module."""
+    return rewrite(ir_utils.clone_module(lowered_module(lowered)), options, source=source)
+
+
 class JittedFunction:
     """The wrapped function.  ``.report``: the report of the latest signature lowered or
     called; ``.stats``: how often it traced+lowered, rewrote, compiled, checked and measured;
@@ -291,10 +298,9 @@ class JittedFunction:
         return self._jitted.lower(*args, **kwargs)
 
     def _lower(self, original: Any, options: Options) -> Lowered:
-        module = ir_utils.copy_module(lowered_module(original), make_context())
         source = getattr(self._fun, "__qualname__", "<jit>")
         try:
-            result = rewrite(module, options, source=source)
+            result = rewrite_lowered(original, options, source)
         except InternalError as failure:
             self._fall_back(failure, f"the pass failed on {source}")
             return Lowered(original, Report(source, None), original)

@@ -316,6 +316,24 @@ class Symbols:
         return [list(block.operations)[-1].operands[index] for block in func.regions[0].blocks]
 
 
+def clone_module(module: ir.Module) -> ir.Module:
+    """An independent copy of ``module`` in its own context (one C++ deep clone: no bytecode
+    written or read; ``module`` itself is only read)."""
+    with module.context, module.operation.location:
+        copy = ir.Module.create()
+        attributes = module.operation.attributes
+        for index in range(len(attributes)):
+            named = attributes[index]
+            copy.operation.attributes[named.name] = named.attr
+        clone = module.operation.clone(False)  # a detached builtin.module: its ops move into ``copy``
+        at = ir.InsertionPoint(copy.body)
+        for op in list(clone.regions[0].blocks[0].operations):
+            op.detach_from_parent()
+            at.insert(op)
+        clone.erase()
+    return copy
+
+
 def copy_module(module: ir.Module, context: ir.Context) -> ir.Module:
     """An independent copy of ``module`` in ``context`` (through bytecode: locations kept,
     no printing or parsing of text; ``module`` itself is only read)."""
