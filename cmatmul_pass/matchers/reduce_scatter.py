@@ -116,7 +116,7 @@ def _match(rs: ir.OpView, ring: Ring, region: ManualRegion, info: ModuleInfo) ->
         terms, adds, path = trace_product(rs, operand, scatter_dim, info, ring, dag=True)
     except Decline as declined:
         raise _truer(declined, operand, scatter_dim, n) from None
-    return ReduceScatterSite(rs, terms, adds, path, ring, region, scatter_dim, _read_early(path, rs))
+    return ReduceScatterSite(rs, terms, adds, path, ring, region, scatter_dim, read_early(path, rs))
 
 
 #: ops a sum's early reader may be (moved after the scatter): pure, no region of their own but a
@@ -128,7 +128,7 @@ MOVABLE = frozenset({
 })
 
 
-def _read_early(path: tuple[LayoutStep, ...], rs: ir.OpView) -> tuple[ir.OpView, ...]:
+def read_early(path: tuple[LayoutStep, ...], rs: ir.OpView) -> tuple[ir.OpView, ...]:
     """The ops before ``rs`` that read (through each other) a sum the ring computes
     (:attr:`LayoutStep.sums_rows`), producers first; or Decline where one is no op the pass
     moves, or the path reads one."""
@@ -207,7 +207,8 @@ def _path_source(value: ir.Value, dim: int, n: int) -> ir.Value:
 
 
 def trace_product(
-    anchor: ir.OpView, operand: ir.Value, dim: int, info: ModuleInfo, ring: Ring, dag: bool = False
+    anchor: ir.OpView, operand: ir.Value, dim: int, info: ModuleInfo, ring: Ring, dag: bool = False,
+    affine: bool = False,
 ) -> tuple[tuple[Term, ...], tuple[ir.OpView, ...], tuple[LayoutStep, ...]]:
     """The dots whose (summed) product a sum-collective ``anchor`` reduces, split into the ring's
     blocks along ``dim`` of ``operand``: (terms, the sum's adds root first, the path from the
@@ -218,14 +219,15 @@ def trace_product(
     With ``dag``, where the ops from the dots to ``operand`` are no chain (a norm's backward
     reads the product twice), they are traced as a DAG (:func:`trace_dag`): then ``adds`` is
     empty, ``path`` holds every op computed from the products, producers first, and a step may
-    read several earlier steps' results (:func:`~cmatmul_pass.layout.apply_dag` applies it)."""
+    read several earlier steps' results (:func:`~cmatmul_pass.layout.apply_dag` applies it);
+    ``affine``: the DAG may also add a value computed apart from the products (:func:`_linear`)."""
     try:
         return _trace_chain(anchor, operand, dim, info, ring)
     except Decline as chain:
         if not dag or chain.code not in ("producer_not_dot", "multiple_users"):
             raise
         try:
-            return trace_dag(anchor, operand, dim, info, ring, chain)
+            return trace_dag(anchor, operand, dim, info, ring, chain, affine)
         except _Nonlinear as nonlinear:
             if chain.code != "producer_not_dot":
                 raise Decline("producer_not_dot", nonlinear.message) from None
@@ -331,7 +333,8 @@ class _Nonlinear(Decline):
 
 
 def trace_dag(
-    anchor: ir.OpView, operand: ir.Value, dim: int, info: ModuleInfo, ring: Ring, chain: Decline
+    anchor: ir.OpView, operand: ir.Value, dim: int, info: ModuleInfo, ring: Ring, chain: Decline,
+    affine: bool = False,
 ) -> tuple[tuple[Term, ...], tuple[ir.OpView, ...], tuple[LayoutStep, ...]]:
     """The ops from the dots to ``operand`` as a DAG (a norm's backward applied to the cotangent:
     ``dx = rs*g*dy - x*rs^3/n * sum_j(g*dy*x)``, the product read twice).  Valid block by block
@@ -348,7 +351,8 @@ def trace_dag(
     value that lead only to sums over the ring dim from zero (a norm gain's gradient,
     ``sum_i(x_i*rs_i*dy_i)`` over the rows), each a step that :attr:`~LayoutStep.sums_rows` (the
     ring adds up its blocks' shares).  ``chain``: the chain tracer's decline, raised where the
-    DAG is no better (no dot in the cone; a nonlinear op, which ``chain`` names)."""
+    DAG is no better (no dot in the cone; a nonlinear op, which ``chain`` names).  ``affine``:
+    an add of a path value and a value computed apart from the product is taken (:func:`_linear`)."""
     n = ring.size
     root = operand.owner
     block = anchor.operation.block
@@ -414,7 +418,7 @@ def trace_dag(
             step = _row_step(op, out_dim, on_path)
             in_dims = {op.operation.operands[0]: step.in_dim}
         elif is_elementwise(op):
-            _linear(op, on_path)
+            _linear(op, on_path, affine)
             in_dims = {v: out_dim for v in op.operation.operands if on_path(v)}
             step = _elementwise(op, out_dim, on_path)
         else:
@@ -424,7 +428,7 @@ def trace_dag(
         steps[op.operation] = step
     for op in path_ops.values():
         if op.operation not in cone:
-            steps[op.operation] = _branch_step(op, dims, on_path, branches, n)
+            steps[op.operation] = _branch_step(op, dims, on_path, branches, n, affine)
     for op in path_ops.values():  # what the ring reads beside the path: there before it
         for value in op.operation.operands:
             if not on_path(value):
@@ -494,7 +498,7 @@ def _branch(start: ir.OpView, reader: ir.OpView, block: ir.Block, ops: dict, bra
         stack += [u.owner for r in op.operation.results for u in r.uses]
 
 
-def _branch_step(op: ir.OpView, dims: dict, on_path, branches: dict, n: int) -> LayoutStep:
+def _branch_step(op: ir.OpView, dims: dict, on_path, branches: dict, n: int, affine: bool = False) -> LayoutStep:
     """The step of a branch op, its ring dim taken forward from its path operands' (producers
     come first); a reduce must sum the ring dim away, from zero."""
     read = [v for v in op.operation.operands if on_path(v)]
@@ -529,7 +533,7 @@ def _branch_step(op: ir.OpView, dims: dict, on_path, branches: dict, n: int) -> 
                                               "block of it is a block of its operand")
         step = LayoutStep(op, in_dim, out_dim)
     else:
-        _linear(op, on_path)
+        _linear(op, on_path, affine)
         out_dim = in_dim
         step = _elementwise(op, out_dim, on_path)
     dims[op.result] = out_dim
@@ -699,11 +703,15 @@ def _is_zero(attr: ir.Attribute) -> bool:
     return False  # a complex value, or another kind of element
 
 
-def _linear(op: ir.OpView, on_path) -> None:
-    """Decline (:class:`_Nonlinear`) an elementwise DAG step that is not linear in its path operands."""
+def _linear(op: ir.OpView, on_path, affine: bool = False) -> None:
+    """Decline (:class:`_Nonlinear`) an elementwise DAG step that is not linear in its path operands;
+    with ``affine``, an add (subtract) of a path value and a value computed apart from the product
+    is taken too (a residual's cotangent added to a norm's backward: a psum's operand in the
+    backward of ``x + psum(f(norm(x)))`` under ``check_vma=False``), read at the block's rows
+    as a chain reads a residual: each device adds its own before the sum."""
     read = [on_path(v) for v in op.operation.operands]
     name = op.operation.name
-    if name in ("stablehlo.add", "stablehlo.subtract") and all(read):
+    if name in ("stablehlo.add", "stablehlo.subtract") and (all(read) or affine):
         return
     if name == "stablehlo.multiply" and read.count(True) == 1:
         return

@@ -64,6 +64,38 @@ def halves_blocker(site: ReduceScatterSite) -> str | None:
     return None
 
 
+def path_block(site, products, parts: int, block_of_sliced, add) -> tuple[ir.Value, list[ir.Value]]:
+    """One block of the value ``site``'s collective sums (a :class:`ReduceScatterSite`, an
+    :class:`~cmatmul_pass.matchers.all_reduce.AllReduceSite`: ``terms``, ``adds``, ``path``), built
+    at the current insertion point, and the block's shares of the path's sums over the rows
+    (:attr:`~cmatmul_pass.layout.LayoutStep.sums_rows`, in path order).  ``products``: each term's
+    block of its dot, in term order (made as it is read); ``block_of_sliced(operand, dim, width)``:
+    that block of a value the path reads at the block's rows (asked once per operand, however many
+    steps read it); ``add(a, b)``: an add of two products' blocks (a sum of dots)."""
+    # each original value on the path -> its block: the dots', or the root of their sum
+    blocks = {}
+    total = None
+    for term, product in zip(site.terms, products):  # a sum of dots added in the same order
+        blocks[term.dot.result] = product
+        if site.adds:
+            total = product if total is None else add(total, product)
+    if site.adds:
+        blocks = {site.adds[0].result: total}
+
+    sliced: dict = {}  # one slice per operand read block by block, however many steps read it
+
+    def once(operand: ir.Value, dim: int, width: int) -> ir.Value:
+        key = (operand, dim, width)
+        if key not in sliced:
+            sliced[key] = block_of_sliced(operand, dim, width)
+        return sliced[key]
+
+    # a chain or a DAG (a norm's backward reading the product twice): every step reads its
+    # operands' blocks
+    apply_dag(site.path, blocks, parts, once)
+    return blocks[site.anchor.operation.operands[0]], [blocks[step.op.result] for step in site.path if step.sums_rows]
+
+
 def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> Applied:
     rs, n = site.reduce_scatter, site.ring.size
     notes = []
@@ -105,30 +137,12 @@ def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> 
     sums = [step for step in site.path if step.sums_rows]  # a gain's gradient: each block's share added up
 
     def piece(block: ir.Value, half: int, stream: int, dots: list) -> tuple[ir.Value, list[ir.Value]]:
-        # each original value on the path -> its block: the dots', or the root of their sum
-        blocks = {}
-        total = None
-        for term in site.terms:  # the dots, block by block (a sum of them added in the same order)
-            product = term_piece(term, block, half, stream, dots)
-            blocks[term.dot.result] = product
-            if site.adds:
-                total = product if total is None else loop_b.at(rs.location).add(total, product)
-        if site.adds:
-            blocks = {site.adds[0].result: total}
-
-        sliced: dict = {}  # one slice per operand read block by block, however many steps read it
-
         def block_of_sliced(operand: ir.Value, dim: int, width: int) -> ir.Value:
-            key = (operand, dim, width)
-            if key not in sliced:
-                compute = loop_b.at(rs.location)
-                sliced[key] = compute.dynamic_slice(operand, dim, block_offset(compute, block, half, width), width)
-            return sliced[key]
+            compute = loop_b.at(rs.location)
+            return compute.dynamic_slice(operand, dim, block_offset(compute, block, half, width), width)
 
-        # a chain or a DAG (a norm's backward reading the product twice): every step reads its
-        # operands' blocks
-        apply_dag(site.path, blocks, parts, block_of_sliced)
-        return blocks[rs.operation.operands[0]], [blocks[step.op.result] for step in sums]
+        products = (term_piece(term, block, half, stream, dots) for term in site.terms)
+        return path_block(site, products, parts, block_of_sliced, loop_b.at(rs.location).add)
 
     def round_fn(rnd: Round, accs: list[ir.Value]) -> list[ir.Value]:
         new = []
