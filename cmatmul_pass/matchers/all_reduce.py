@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from .. import ir_utils
 from .._jax_private import ir
 from ..errors import Decline
-from ..layout import LayoutStep, is_elementwise, is_layout_op
+from ..layout import ROW_OPS, LayoutStep, is_elementwise, is_layout_op
 from ..ring import Ring
 from .common import DeclinedSite, ManualRegion, ModuleInfo, collective_ring, static_tensor
-from .reduce_scatter import Term, not_blockwise, ragged_producer, region_is_sum, trace_product
+from .reduce_scatter import Term, not_blockwise, ragged_producer, read_early, region_is_sum, trace_product
 
 DOT_ALL_REDUCE = "dot_all_reduce"
 #: declines that do not depend on the dim tried (the product has other readers, is no dot, ...)
@@ -30,7 +30,8 @@ STRUCTURAL = frozenset({"multiple_users", "other_block", "dynamic_shape"})
 @dataclass(frozen=True, eq=False)
 class AllReduceSite:
     """``all_reduce(path(d1 + d2 + ...))`` reducible block by block along ``dim`` of its result:
-    ``terms``, ``adds`` and ``path`` as a :class:`.reduce_scatter.ReduceScatterSite`'s."""
+    ``terms``, ``adds``, ``path`` (a chain, or a DAG: a norm's backward) and ``moved`` as a
+    :class:`.reduce_scatter.ReduceScatterSite`'s."""
 
     all_reduce: ir.OpView
     terms: tuple[Term, ...]
@@ -39,6 +40,10 @@ class AllReduceSite:
     ring: Ring
     region: ManualRegion
     dim: int
+    #: ops before the all_reduce that read a sum over the rows computed from the product (a
+    #: norm gain's gradient, :attr:`LayoutStep.sums_rows`), producers first: the rewrite moves
+    #: them after the all_reduce's place, where the sum is whole
+    moved: tuple[ir.OpView, ...] = ()
 
     kind = DOT_ALL_REDUCE
 
@@ -89,31 +94,44 @@ def _match(ar: ir.OpView, ring: Ring, region: ManualRegion, info: ModuleInfo) ->
             reasons.append(f"dim {dim} ({size}) is not a multiple of {n}")
             continue
         try:
-            traced = trace_product(ar, operand, dim, info, ring)
+            # a chain, or a DAG (a norm's backward, a residual's cotangent added to it: affine): the
+            # scatter side's tracer, its checks and moves
+            traced = trace_product(ar, operand, dim, info, ring, dag=True, affine=True)
+            moved = read_early(traced[2], ar)
         except Decline as d:
+            d = Decline(d.code, as_psum(d.message))
             declines.append(d)
             reasons.append(f"dim {dim}: {d.message}")
             continue
-        found.append((_preference(traced[0], dim), dim, traced))
+        found.append((_preference(traced[0], dim), dim, traced, moved))
     if not found:
         structural = [d for d in declines if d.code in STRUCTURAL]
         if not structural and len(declines) == len(shape) and len({d.code for d in declines}) == 1:
             structural = declines  # every dim declined alike (the product is no dot, say)
         if structural:
-            raise Decline(structural[0].code, structural[0].message.replace("scattered", "summed"))
+            raise Decline(structural[0].code, structural[0].message)
         raise Decline(
             "no_dim",
             f"no dim of the summed product {shape} can be split over the {n} devices ({'; '.join(reasons)}); "
             f"a row (token) count that is a multiple of {n} would make it eligible",
         )
-    _, dim, (terms, adds, path) = min(found, key=lambda item: item[0])
-    return AllReduceSite(ar, terms, adds, path, ring, region, dim)
+    _, dim, (terms, adds, path), moved = min(found, key=lambda item: item[:2])
+    return AllReduceSite(ar, terms, adds, path, ring, region, dim, moved)
+
+
+def as_psum(message: str) -> str:
+    """A message of the scatter side's tracer, said of the all_reduce (no scatter stands there)."""
+    for scatter, psum in (("unscattered", "unsummed"), ("scattered value", "summed value"), ("scattered", "split"),
+                          ("the scatter", "the all_reduce")):
+        message = message.replace(scatter, psum)
+    return message
 
 
 def _reaches_a_dot(value: ir.Value) -> None:
     """Decline (``producer_not_dot``) a sum whose value is computed from no dot_general through
-    the ops a product may pass (layout and elementwise ops, adds): a psum of a loss, of a norm's
-    statistics.  Which dim to split along does not matter then."""
+    the ops a product may pass (layout and elementwise ops, adds; a norm backward's sums over
+    other dims and broadcasts back over the rows, which keep a dim to split along): a psum of a
+    loss, of a norm's statistics.  Which dim to split along does not matter then."""
     seen, stack, stops = set(), [value], []
     while stack:
         owner = stack.pop().owner
@@ -122,7 +140,8 @@ def _reaches_a_dot(value: ir.Value) -> None:
         seen.add(owner.operation)
         if owner.operation.name == "stablehlo.dot_general":
             return
-        if is_layout_op(owner) or is_elementwise(owner):
+        if is_layout_op(owner) or is_elementwise(owner) or (
+                owner.operation.name in ROW_OPS and _keeps_a_dim(owner)):
             stack.extend(owner.operation.operands)
         else:
             stops.append(owner)
@@ -135,6 +154,14 @@ def _reaches_a_dot(value: ir.Value) -> None:
     # name what computes the value, not a constant it is scaled by (a mean's divisor)
     stops = [op for op in stops if op.operation.name != "stablehlo.constant"] or stops
     raise Decline("producer_not_dot", not_blockwise(stops[0]).message.replace("scattered", "summed"))
+
+
+def _keeps_a_dim(op: ir.OpView) -> bool:
+    """Does ``op`` (a reduce, a broadcast) give a value of one ranked result with a dim to split
+    along (a sum to a scalar, a loss, has none)?"""
+    results = list(op.operation.results)
+    t = ir_utils.ranked_tensor(results[0]) if len(results) == 1 else None
+    return t is not None and t.rank > 0
 
 
 def _preference(terms: tuple[Term, ...], dim: int) -> tuple:

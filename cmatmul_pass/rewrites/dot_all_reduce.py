@@ -31,6 +31,7 @@ from .._jax_private import hlo, ir
 from ..layout import path_sources
 from ..matchers.all_reduce import AllReduceSite
 from .builders import Builder, erase_dead, shard_type
+from .dot_reduce_scatter import path_block
 from .schedule import Applied, RewriteContext, ScheduleStats
 
 
@@ -62,7 +63,16 @@ def split_all_reduce(site: AllReduceSite, take_channel) -> tuple[ir.OpView, ir.O
                              use_global_device_ids=True, loc=loc)
     ar.result.replace_all_uses_with(ag.results[0])
     ar.operation.erase()
+    move_after(site.moved, ag.operation)
     return rs, ag
+
+
+def move_after(ops, after: ir.Operation) -> None:
+    """Move ``ops`` (producers first: the readers of a sum over the rows the rewrite computes
+    with the product, :attr:`AllReduceSite.moved`) after ``after``, keeping their order."""
+    for op in ops:
+        op.operation.move_after(after)
+        after = op.operation
 
 
 def sum_region(op: ir.OpView, loc: ir.Location) -> None:
@@ -88,28 +98,38 @@ def chunk_all_reduce(site: AllReduceSite, ctx: RewriteContext, chunks: int) -> A
     channels: list[int] = []
     pieces: list[ir.Value] = []
     previous = None
+    sums = [step for step in site.path if step.sums_rows]  # a gain's gradient: each chunk's share added up
+    totals: list = [None] * len(sums)
     with ir.InsertionPoint(ar.operation):
         for i in range(chunks):
             dots: list = []
-            total = None
-            for term in site.terms:
+
+            def product(term, i=i, dots=dots) -> ir.Value:
                 compute = b.at(term.dot.location)
                 args = list(term.dot.operation.operands)
                 for index, dim in term.sliced():
                     width = ir.RankedTensorType(args[index].type).shape[dim] // chunks
                     args[index] = compute.slice(args[index], dim, i * width, width)
                 piece_t = shard_type(ir.RankedTensorType(term.dot.result.type), term.result_dim, chunks)
-                product = ctx.annotator.dot(compute, term.dot, piece_t, args[0], args[1], 1)
-                dots.append(product.owner)
-                total = product if total is None else b.add(total, product)
-            for step in site.path:  # a per-row factor: this chunk's rows of it
-                total = step.apply(total, chunks, lambda v, d, w, i=i: b.slice(v, d, i * w, w))
+                value = ctx.annotator.dot(compute, term.dot, piece_t, args[0], args[1], 1)
+                dots.append(value.owner)
+                return value
+
+            # the path (a chain, or a DAG: a norm's backward) applied to this chunk's rows, a
+            # per-row operand read at them
+            total, shares = path_block(site, (product(term) for term in site.terms), chunks,
+                                       lambda v, d, w, i=i: b.slice(v, d, i * w, w), b.add)
+            totals = [share if t is None else b.at(step.op.location).add(t, share)
+                      for step, t, share in zip(sums, totals, shares)]
             ctx.annotator.group(previous, dots)  # the previous chunk's sum overlaps these dots
             channels.append(ctx.take_channel())
             previous = all_reduce_like(ar, total, channels[-1], ar.location)
             pieces.append(previous.result)
         result = b.concatenate(pieces, site.dim)
+    for step, total in zip(sums, totals):  # each device's sum over all its rows, as the original's
+        step.op.result.replace_all_uses_with(total)
     ar.result.replace_all_uses_with(result)
+    move_after(site.moved, ar.operation)  # they read those sums, now computed where the all_reduce is
     ar.operation.erase()
     erase_dead([step.op for step in reversed(site.path)] + path_sources(site.path) + list(site.adds)
                + [t.dot for t in site.terms])
