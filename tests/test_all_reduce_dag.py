@@ -221,3 +221,50 @@ def test_three_megatron_layers(strategy):
     through its norm backward is rewritten (the identical regions are replayed from the second)."""
     options = cmatmul_pass.Options(all_reduce=strategy, chunks=2 if strategy == "chunk" else None)
     check(grad_text("rms", "trained_gain", layers=3), options, layers=3)
+
+
+@pytest.mark.parametrize("strategy", ["split", "chunk"])
+def test_the_cli_rewrites_the_norm_backward_psum(tmp_path, strategy):
+    """``--all-reduce split|chunk`` (Options.all_reduce) on the command line: the written module
+    holds no psum of the norm backward's product and computes what the original does."""
+    from conftest import run_cli
+
+    text = grad_text("layer", "trained_gain")
+    source, out = tmp_path / "step.mlir", tmp_path / "step.cm.mlir"
+    source.write_text(text)
+    extra = ["--chunks", "2"] if strategy == "chunk" else []
+    assert run_cli("rewrite", source, "--all-reduce", strategy, *extra, "--quiet", "-o", out) == 0
+    rewritten = ir_utils.parse(out.read_text())
+    assert not norm_backward_sites(rewritten) or strategy == "chunk"
+    assert reduces(rewritten, [ROWS, HIDDEN], [0]) == 0  # the gain's sum: by pieces of the rows
+    outcome = execute.check_numerics(ir_utils.parse(text), rewritten)
+    assert outcome.ok, outcome.format()
+
+
+# ---------------------------------------------------------------- what stays declined
+def row_parallel_psum(prepare) -> str:
+    """``psum(prepare(x @ w))`` of a row-parallel dot on the 8 devices."""
+    def body(x, w):
+        return jax.lax.psum(prepare(x @ w), "model")
+
+    specs = (P(None, "model"), P("model", None))
+    f = jax.shard_map(body, mesh=MESH, in_specs=specs, out_specs=P(), check_vma=False)
+    return jax.jit(f).lower(*[jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(MESH, sp))
+                              for s, sp in zip([(ROWS, 64), (64, HIDDEN)], specs)]).as_text()
+
+
+@pytest.mark.parametrize("prepare, says", [
+    # not linear (nor affine) in the product: a function of each device's partial sum
+    (lambda y: y * jnp.sum(y, axis=-1, keepdims=True), "linear in the product"),
+    # a sum over the rows (every dim the psum could split) spread back over them: no piece gives it
+    (lambda y: y - jnp.mean(y, axis=0, keepdims=True) - jnp.mean(y, axis=1, keepdims=True),
+     "spreads a value computed from the product along the split dim"),
+])
+def test_what_no_piece_of_the_rows_gives_stays_a_psum(prepare, says):
+    text = row_parallel_psum(prepare)
+    for strategy in ("split", "chunk"):
+        result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(all_reduce=strategy))
+        (entry,) = result.report.sites
+        assert not entry.rewritten and entry.reason_code in ("producer_not_dot", "no_dim"), entry.summary_line()
+        assert says in entry.reason and "scatter" not in entry.reason, entry.reason
+        assert result.text == ir_utils.print_module(ir_utils.parse(text))
