@@ -64,6 +64,28 @@ def test_second_call_with_the_same_signature_does_no_work():
     assert dict(g.stats) == {"lowerings": 2, "rewrites": 2, "compiles": 2}
 
 
+def test_each_thing_jax_jit_specialises_on_gets_its_own_program():
+    """A weak-typed argument, another dtype, another sharding, a NumPy array and a Python
+    scalar each compile their own program, as under jax.jit; equal ones reuse it."""
+    mesh = jax.make_mesh((8,), ("x",))
+    sharded, replicated = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
+    g = cmatmul_pass.jit(lambda a, b: a * b)
+    calls = [
+        (jax.device_put(jnp.ones(8), sharded), jnp.float32(2)),
+        (jax.device_put(jnp.ones(8), sharded), jnp.asarray(2.0, dtype=jnp.float32)),  # same signature
+        (jax.device_put(jnp.ones(8), sharded), 2.0),  # a Python float: weak-typed
+        (jax.device_put(jnp.ones(8), sharded), jnp.asarray(2.0)),  # weak-typed jax array
+        (jax.device_put(jnp.ones(8), replicated), jnp.float32(2)),  # another sharding
+        (jax.device_put(jnp.ones(8, jnp.int32), sharded), jnp.int32(2)),  # another dtype
+        (np.ones(8, np.float32), np.float32(2)),  # NumPy
+    ]
+    compiles = []
+    for a, b in calls:
+        np.testing.assert_array_equal(np.asarray(g(a, b)), np.asarray(jax.jit(lambda a, b: a * b)(a, b)))
+        compiles.append(g.stats["compiles"])
+    assert compiles == [1, 1, 2, 3, 4, 5, 6]
+
+
 def test_lower_gives_the_rewritten_text_executable_and_report(tmp_path):
     x, w = inputs()
     lowered = cmatmul_pass.jit(F).lower(x, w)
