@@ -420,9 +420,12 @@ def test_the_readme_summary_quotes_the_stored_bench_run():
             in " ".join(summary.split()))
     # the verdicts are the run's own
     verdicts = [row["met"] for row in results["targets"]]  # in bench.TARGETS' order, as the table's rows
-    assert len(verdicts) == 5
-    names = list(rows)[list(rows).index("target (issue 7)") + 1:][:5]
+    assert len(verdicts) == len(bench.TARGETS) == 7
+    names = list(rows)[list(rows).index("target (issues 7 and 35)") + 1:][:7]
     assert names[0].startswith("pass time ≤ 5 %") and names[4].startswith("CPU run time ≤ 1.0 of the hand-written")
+    assert names[5].startswith("issue 35: pass time ≤ 3 %") and names[6].startswith("issue 35: the same, as `cmatmul_pass.jit`")
+    assert f"| {100 * by_layers[32]['pass_over_lower_compile']:.2f} % |" in rows[names[5]]
+    assert f"| {100 * by_layers[32]['jit_pass_over_lower_compile']:.2f} % |" in rows[names[6]]
     stated = [rows[name].rstrip(" |").rsplit("| ", 1)[1].startswith("yes") for name in names]
     assert stated == verdicts
 
