@@ -663,6 +663,160 @@ def predict(shape: SiteShape, hw: Hardware, bidirectional: bool = False, unroll:
     return prediction
 
 
+def picked_variant(prediction: Prediction, shape: SiteShape, hw: Hardware, variant: str) -> str:
+    """The variant a site of ``shape`` is emitted with: ``variant`` as the options name it, or,
+    for ``"auto"``, the one predicted fastest (:func:`fallback_variant` where ``hw`` is assumed),
+    as the pipeline picks it."""
+    if variant != "auto":
+        return variant
+    return fallback_variant(shape.kind, shape.ring) if hw.assumed else prediction.best
+
+
+# ---------------------------------------------------------------------------- two-stage gathers
+#: the options of a weight gathered in two stages (:func:`predict_two_stage`)
+TWO_STAGE_OPTIONS = ("merged", "second", "neither")
+
+
+def readable_seconds(seconds: float) -> str:
+    """``seconds`` in ns, µs, ms or s, three significant digits (as report.duration)."""
+    seconds = float(f"{seconds:.3g}")
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if abs(seconds) >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 1e-9:.3g} ns"
+
+
+def gather_seconds(shard_bytes: float, n: int, hw: Hardware) -> float:
+    """A plain all_gather of ``shard_bytes`` per device over ``n`` devices, nothing hiding it: the
+    ring's ``n - 1`` transfers and one round's synchronisation, as :func:`predict` prices the
+    original collective."""
+    return shard_bytes * (n - 1) / hw.bandwidth + hw.step
+
+
+@dataclass
+class TwoStagePrediction:
+    """A weight gathered over one group (``first_ring`` devices), then over another (the second
+    stage, whose value the dot reads), priced three ways (per device, seconds):
+
+    * ``merged``: one ring over both stages' groups (``first_ring · second ring`` devices,
+      moving the first stage's shard each step): ``merged.overlapped_s[merged_variant]``;
+    * ``second``: the first stage a plain all_gather, exposed, then the second stage's ring
+      (moving the first stage's result each step): ``first_s + second.overlapped_s[...]``;
+    * ``neither``: both plain gathers, then the dot: ``original_s = first_s + second.serial_s``.
+
+    ``merged`` is None where the stages cannot merge."""
+
+    hardware: str
+    first_ring: int
+    second_ring: int
+    first_s: float
+    second: Prediction
+    second_variant: str
+    merged: Prediction | None = None
+    merged_variant: str | None = None
+    #: the merged ring's own baseline: one plain gather over both groups, then the dot (one
+    #: synchronisation less than the two stages'); its site is judged against it
+    merged_serial_s: float | None = None
+    #: why an option is not available beyond its time (--min-bytes), by option
+    excluded: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def original_s(self) -> float:
+        return self.first_s + self.second.serial_s
+
+    def seconds(self, option: str) -> float | None:
+        if option == "merged":
+            return self.merged.overlapped_s[self.merged_variant] if self.merged else None
+        if option == "second":
+            return self.first_s + self.second.overlapped_s[self.second_variant]
+        return self.original_s
+
+    def speedup(self, option: str) -> float | None:
+        t = self.seconds(option)
+        return self.original_s / t if t else None
+
+    def pays(self, option: str, margin: float) -> bool:
+        """Whether ``option`` beats the original by more than ``margin`` (``--policy auto``'s
+        test); the merged ring also against its own baseline (one gather over both groups), as
+        its site is then judged, and the second stage's ring passing this passes its own."""
+        t = self.seconds(option)
+        if t is None or option == "neither" or option in self.excluded:
+            return False
+        base = self.original_s if option == "second" else min(self.original_s, self.merged_serial_s)
+        return base / t >= 1 + margin
+
+    def choice(self, policy: str, margin: float) -> str:
+        """``--policy auto``: the fastest option that pays (:meth:`pays`; the merge on a tie),
+        else ``"neither"``.  ``--policy all``: the merge wherever the stages can merge (one ring
+        over every transfer, as that policy rewrites every legal site; :meth:`preferred` says
+        when the model would rather ring the second stage alone), else the second stage's ring
+        (``"neither"`` only where --min-bytes excludes both)."""
+        if policy == "auto":
+            paying = [o for o in ("merged", "second") if self.pays(o, margin)]
+            return min(paying, key=self.seconds) if paying else "neither"
+        usable = [o for o in ("merged", "second") if self.seconds(o) is not None and o not in self.excluded]
+        return usable[0] if usable else "neither"
+
+    def preferred(self) -> str:
+        """The option predicted fastest of the three, whatever the margin (the merge on a tie)."""
+        return min((o for o in TWO_STAGE_OPTIONS if self.seconds(o) is not None), key=self.seconds)
+
+    def why_neither(self) -> str:
+        """Why no ring pays: the dot too short to hide the transfer, or the rings' own costs."""
+        transfer = self.original_s - self.second.compute_s
+        if self.second.compute_s < transfer:
+            return (f"the dot ({readable_seconds(self.second.compute_s)} of compute) is too small to hide the two "
+                    f"gathers ({readable_seconds(transfer)}, their synchronisation included): a ring hides at most "
+                    "the compute")
+        return ("the rings' own costs (a synchronisation per round, loop trips, the smaller dots' lost throughput) "
+                "outweigh the transfer they hide")
+
+    def describe(self) -> str:
+        """Each option's predicted time and speed-up against the original, on one line."""
+        def one(option: str, what: str, variant: str | None) -> str:
+            t = self.seconds(option)
+            if t is None:
+                return f"{what}: cannot merge"
+            extra = f"; {self.excluded[option]}" if option in self.excluded else ""
+            return f"{what} {readable_seconds(t)} ({variant}, {self.speedup(option):.2f}x{extra})"
+        n2 = self.second_ring
+        merged = one("merged", f"merged ring over {self.first_ring * n2} devices", self.merged_variant)
+        second = one("second", f"second stage's ring over {n2} devices after this gather "
+                               f"({readable_seconds(self.first_s)} exposed)", self.second_variant)
+        return (f"on {self.hardware}: {merged}; {second}; both plain gathers then the dot "
+                f"{readable_seconds(self.original_s)}")
+
+    def to_dict(self) -> dict:
+        return {"hardware": self.hardware, "first_ring": self.first_ring, "second_ring": self.second_ring,
+                "first_s": self.first_s, "original_s": self.original_s,
+                "seconds": {o: self.seconds(o) for o in TWO_STAGE_OPTIONS},
+                "variants": {"merged": self.merged_variant, "second": self.second_variant},
+                "excluded": dict(self.excluded)}
+
+
+def predict_two_stage(second: SiteShape, first_ring: int, first_step_bytes: int, hw: Hardware, variant: str = "auto",
+                      mergeable: bool = True, min_bytes: int = 0) -> TwoStagePrediction:
+    """Price a two-stage gather (:class:`TwoStagePrediction`): ``second`` is the second stage's
+    site (its ring over the second group, each step moving the first stage's result),
+    ``first_ring`` and ``first_step_bytes`` the first stage's group size and shard; ``variant``
+    as Options.variant; ``mergeable``: whether the stages can be one gather."""
+    bidi, unroll = VARIANTS.get(variant, (False, 1))
+    ringed = predict(second, hw, bidi, unroll)
+    ringed.variant = picked_variant(ringed, second, hw, variant)
+    out = TwoStagePrediction(hw.name, first_ring, second.ring, gather_seconds(first_step_bytes, first_ring, hw),
+                             ringed, ringed.variant)
+    if second.transfer_bytes < min_bytes:
+        out.excluded["second"] = f"moves {second.transfer_bytes} B, under --min-bytes {min_bytes}"
+    if mergeable:
+        shape = replace(second, ring=first_ring * second.ring, step_bytes=first_step_bytes)
+        merged = predict(shape, hw, bidi, unroll)
+        merged.variant = picked_variant(merged, shape, hw, variant)
+        out.merged, out.merged_variant, out.merged_serial_s = merged, merged.variant, merged.serial_s
+        if shape.transfer_bytes < min_bytes:
+            out.excluded["merged"] = f"moves {shape.transfer_bytes} B, under --min-bytes {min_bytes}"
+    return out
+
+
 # ---------------------------------------------------------------------------- sanity numbers
 def mlp_block(hw: Hardware, hidden: int, ffn: int, tokens: int, n: int = 8, dtype: str = "bf16",
               bidirectional: bool = False, unroll: int | None = 1, element_bytes: int = 2,

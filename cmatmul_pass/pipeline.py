@@ -30,7 +30,7 @@ from .rewrites.dot_reduce_scatter import halves_blocker, rewrite_dot_reduce_scat
 from .rewrites.schedule import Annotator, Applied, RewriteContext
 from .rewrites.sequence_parallel import Seed, carry_forward, move_gather_forward
 from .rewrites.sink import Hoisted, Sunk
-from .rewrites.stages import merge as merge_stages
+from .rewrites import stages
 from .rewrites.sink import hoist as hoist_scatter
 from .rewrites.sink import feeds_a_loop, hoist_plan, inline_scan_bodies
 from .rewrites.sink import plan as sink_plan
@@ -364,6 +364,7 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
             marks: list = []  # (first entry index, region) per gather processed
             gathered = {}
             merged_away: set[int] = set()  # second stages merged into their first (by index in gathers)
+            held: list = []  # (second stage's operation, why): left with a first stage whose pair neither ring pays
             for index, op in enumerate(gathers):
                 if index in merged_away:
                     continue
@@ -378,15 +379,25 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
                     stacked, notes = sunk_from[id(op)]
                     apply_moved(site, stacked, *notes)
                     continue
-                merged = _merge_stages(site, info, ctx, options)
+                left = next((why for stage, why in held if stage == op.operation), None)
+                if left is not None and not isinstance(site, DeclinedSite):  # a second stage whose pair neither ring pays
+                    entry = apply(site, replace(options, margin=math.inf))  # priced, and left as it is
+                    if entry.reason_code == "policy":
+                        entry.reason = left
+                    report.sites.append(entry)
+                    continue
+                merged = _merge_stages(site, info, ctx, options, hw, source, held)
                 if isinstance(merged, tuple):
-                    new, outer = merged
+                    new, outer, choice = merged
                     merged_away.update(j for j in range(index + 1, len(gathers)) if gathers[j].operation == outer.operation)
                     where = ir_utils.render_location(outer.location, source)
                     outer.operation.erase()
                     op.operation.erase()
                     apply_moved(match_all_gather(new, info, assemble=options.assemble), site,
-                                f"merged with the second stage at {where}: one gather over both stages' groups")
+                                f"merged with the second stage at {where}: one gather over both stages' groups",
+                                *([choice.note] if choice else []))
+                    if choice and report.sites[-1].cost:  # the options' times beside the merged ring's
+                        report.sites[-1].cost["two_stage"] = choice.pricing.to_dict()
                     continue
                 moved = _move_gather(site, info, variance, ctx, source, options)
                 sunk = not_sunk.get(id(op)) if moved is None else None
@@ -394,8 +405,8 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
                     entry = apply(site)
                     if sunk:  # a gather feeding a loop that could not take it: say what stopped it
                         entry.reason += f"; not sunk into the loop: {sunk}"
-                    if merged:
-                        entry.reason += f"; not merged with it: {merged}"
+                    if isinstance(merged, _TwoStage):  # the cost model's choice, or why the stages cannot merge
+                        entry.reason = merged.reason
                     report.sites.append(entry)
                     continue
                 for m in moved.materialised:  # each now read by dots: an all_gather → dot site
@@ -582,13 +593,77 @@ def _move_gather(site: Site, info: ModuleInfo, variance: Variance, ctx: RewriteC
     return move_gather_forward(seed, variance, ctx.take_channel, ctx.constants, source)
 
 
-def _merge_stages(site: Site, info: ModuleInfo, ctx: RewriteContext, options: Options):
-    """The first stage of a two-stage gather: merge the stages into one gather
-    (:mod:`.rewrites.stages`), whose ring then covers both.  (new gather, second stage), why not,
-    or None.  Only under ``policy="all"``."""
-    if not isinstance(site, DeclinedSite) or site.code != "two_stage" or options.policy != "all":
+@dataclass
+class _TwoStage:
+    """What :func:`_merge_stages` decided for a first stage: the merge's note (merged), or the
+    first stage's whole reason (left); ``pricing``: the options' predicted times, where priced."""
+
+    pricing: cost.TwoStagePrediction | None
+    note: str = ""
+    reason: str = ""
+
+
+def _merge_stages(site: Site, info: ModuleInfo, ctx: RewriteContext, options: Options, hw: cost.Hardware,
+                  source: str, held: list):
+    """The first stage of a two-stage gather (:mod:`.rewrites.stages`): merge the stages into one
+    gather, whose ring then covers both, or leave this stage a plain gather ahead of the second
+    stage's ring, or (``--policy auto``) leave both, as the cost model prices the three
+    (:func:`.cost.predict_two_stage`, :meth:`.cost.TwoStagePrediction.choice`).  Returns (new
+    gather, second stage, :class:`_TwoStage` or None) when merged, a :class:`_TwoStage` saying
+    why this stage stays, or None (not a first stage).  A second stage left too goes on ``held``
+    with its reason."""
+    if not isinstance(site, DeclinedSite) or site.code != "two_stage":
         return None
-    return merge_stages(site.anchor, info, ctx.take_channel)
+    planned = stages.plan(site.anchor, info)
+    if planned is None:
+        return None
+    if isinstance(planned, str):
+        return _TwoStage(None, reason=f"{site.message}; not merged with it: {planned}")
+    outer, groups = planned
+    where = ir_utils.render_location(outer.location, source)
+    head = (f"the gathered value feeds the second stage of a two-stage gather (a weight sharded over two mesh axes, "
+            f"gathered over one, then the other), the all_gather at {where}")
+    second = match_all_gather(outer, info, assemble=options.assemble)
+    if isinstance(second, DeclinedSite):  # no ring for the second stage: nothing to price
+        if options.policy == "all":  # one gather for two all the same, as ever
+            return stages.build(site.anchor, outer, groups, ctx.take_channel), outer, None
+        return _TwoStage(None, reason=f"{head}, which no ring can take either ([{second.code}] {second.message}): "
+                                      "not merged (--policy auto merges only for a ring that pays; --policy all "
+                                      "would merge them into one plain gather)")
+    first_ring = len(groups[0]) // second.ring.size
+    shard = tensor_bytes(ir_utils.ranked_tensor(site.anchor.operation.operands[0]))
+    pricing = cost.predict_two_stage(site_shape(second, options.merge_dots), first_ring, shard, hw, options.variant,
+                                     min_bytes=options.min_bytes)
+    choice = pricing.choice(options.policy, options.margin)
+    numbers = pricing.describe()
+    if choice == "merged":
+        best = pricing.preferred()
+        if best == "merged":
+            verdict = "merged, the fastest"
+        else:  # only --policy all merges against the model's preference
+            other = {"second": "ringing only the second stage", "neither": "leaving both plain gathers"}[best]
+            verdict = (f"merged as --policy all merges every pair it can, although the model predicts {other} faster"
+                       f" ({cost.readable_seconds(pricing.seconds(best))} against {cost.readable_seconds(pricing.seconds('merged'))}); "
+                       "--policy auto follows the model")
+        return (stages.build(site.anchor, outer, groups, ctx.take_channel), outer,
+                _TwoStage(pricing, note=f"two-stage choice {numbers}: {verdict}"))
+    if choice == "second":
+        if options.policy == "all":  # the merged ring excluded (--min-bytes)
+            why = f"the merged ring {pricing.excluded.get('merged', 'is not available')}"
+        elif pricing.pays("merged", options.margin):
+            why = "the second stage's ring alone is predicted faster than the merged ring"
+        else:
+            why = (f"the second stage's ring pays and the merge does not (under 1 + {options.margin:g} against the "
+                   "original)")
+        return _TwoStage(pricing, reason=f"{head}, which has the ring; this stage stays a plain gather ahead of it: "
+                                         f"{why}; {numbers}")
+    if set(pricing.excluded) >= {"merged", "second"}:
+        why = "both rings move fewer bytes than --min-bytes"
+    else:
+        why = f"neither ring is predicted {options.margin:g} faster than the original: {pricing.why_neither()}"
+    held.append((outer.operation, f"the second stage of a two-stage gather, left a plain gather with its first stage "
+                                   f"at {ir_utils.render_location(site.anchor.location, source)}: {why}; {numbers}"))
+    return _TwoStage(pricing, reason=f"{head}; both stay plain gathers: {why}; {numbers}")
 
 
 def _sink_gather(site: Site, ctx: RewriteContext, options: Options) -> Sunk | str | None:

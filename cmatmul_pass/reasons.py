@@ -73,11 +73,15 @@ REASONS: dict[str, Reason] = {r.code: r for r in (
            "before the gather (apply it to the shard), or inline the called function",
            ("hlo_samples/neg_user_not_dot.mlir",)),
     Reason("two_stage", "the gathered value feeds a second all_gather over other device groups (a weight sharded "
-                        "over two mesh axes, gathered in two stages) and the two were not merged into one (under "
-                        "`--policy auto`, or the stages gather along different dims): the second stage, whose value "
-                        "the dot reads, has the ring, and this one stays a plain gather ahead of it",
-           "the default `--policy all` merges two stages along one dim into one gather and one ring; by hand, "
-           "gather over both axes at once (`jax.lax.all_gather(w, ('model', 'data'), axis=..., tiled=True)`)",
+                        "over two mesh axes, gathered in two stages) and the two were not merged into one: this one "
+                        "stays a plain gather ahead of the second stage, whose value the dot reads and which has the "
+                        "ring (the stages gather along different dims and cannot merge, or `--policy auto` predicts "
+                        "that ring alone faster than the merged one), or under `--policy auto` stays a plain gather "
+                        "too (no ring pays); the reason gives each option's predicted time",
+           "the default `--policy all` merges two stages along one dim into one gather and one ring (`--policy "
+           "auto` merges where the merged ring pays); by hand, gather over both axes at once "
+           "(`jax.lax.all_gather(w, ('model', 'data'), axis=..., tiled=True)`), the weight sharded over both along "
+           "that dim",
            ("hlo_samples/ag_two_stage.mlir", "--policy", "auto")),
     Reason("both_operands", "the gathered value reaches both operands of the dot (`g @ g.T`)",
            "gather the two operands separately (two `lax.all_gather` calls) or compute the product from the shard",
