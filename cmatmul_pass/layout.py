@@ -59,10 +59,10 @@ def row_dim(op: ir.OpView, dim: int) -> int | None:
     keeps it; a broadcast_in_dim must take it from its operand at full size, not spread one
     value along it."""
     if op.operation.name == "stablehlo.reduce":
-        reduced = set(ir.DenseI64ArrayAttr(op.attributes["dimensions"]))
+        reduced = set(ir_utils.i64s(op, "dimensions"))
         rank = ir.RankedTensorType(op.operation.operands[0].type).rank
         return [d for d in range(rank) if d not in reduced][dim]
-    dims = list(ir.DenseI64ArrayAttr(op.attributes["broadcast_dimensions"]))
+    dims = ir_utils.i64s(op, "broadcast_dimensions")
     source_t = ir.RankedTensorType(op.operation.operands[0].type)
     if dim not in dims or source_t.shape[dims.index(dim)] != ir.RankedTensorType(op.result.type).shape[dim]:
         return None
@@ -90,7 +90,7 @@ def _shapes(op: ir.OpView) -> tuple[list[int], list[int]]:
 
 
 def _permutation(op: ir.OpView) -> list[int]:
-    return list(ir.DenseI64ArrayAttr(op.attributes["permutation"]))
+    return ir_utils.i64s(op, "permutation")
 
 
 def _reshape_dim(src: list[int], dim: int, dst: list[int], parts: int) -> int | None:
@@ -292,7 +292,7 @@ def invariant_source(op: ir.OpView, operand: ir.Value, dim: int) -> ir.OpView:
     if not isinstance(owner, ir.Block):
         name = owner.operation.name
         if name == "stablehlo.broadcast_in_dim":
-            dims = list(ir.DenseI64ArrayAttr(owner.attributes["broadcast_dimensions"]))
+            dims = ir_utils.i64s(owner, "broadcast_dimensions")
             source_t = ir_utils.ranked_tensor(owner.operation.operands[0])
             if source_t is not None and ir_utils.is_static(source_t) and (
                     dim not in dims or source_t.shape[dims.index(dim)] == 1):

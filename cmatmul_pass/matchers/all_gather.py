@@ -316,7 +316,7 @@ def _reshard(leaves: list[_Use], n: int) -> Decline | None:
         t = ir_utils.ranked_tensor(use.value)
         if t is None:
             return None
-        shape, sizes = list(t.shape), list(ir.DenseI64ArrayAttr(op.attributes["slice_sizes"]))
+        shape, sizes = list(t.shape), ir_utils.i64s(op, "slice_sizes")
         cut = [k for k, (size, full) in enumerate(zip(sizes, shape)) if k != use.dim and size * n == full
                and causes.find_near(op.operation.operands[1 + k], False, causes.is_partition_id)]
         if sizes[use.dim] != shape[use.dim] or not cut:

@@ -266,7 +266,7 @@ def why_varies(operand: ir.Value, dim: int, origin: ir.Value | None, what: str) 
         how = (f"through {describe_op(through)}: a statistic of each row, as a norm's" if through is not None
                else "elementwise: an activation of it")
         return f"{describe_op(owner)}, computed from {what} itself ({how})"
-    dims = list(ir.DenseI64ArrayAttr(owner.attributes["broadcast_dimensions"])) \
+    dims = ir_utils.i64s(owner, "broadcast_dimensions") \
         if owner.operation.name == "stablehlo.broadcast_in_dim" else []
     source = ir_utils.ranked_tensor(owner.operation.operands[0]) if dims else None
     if dim in dims and (source is None or source.shape[dims.index(dim)] > 1):

@@ -509,7 +509,7 @@ def _branch_step(op: ir.OpView, dims: dict, on_path, branches: dict, n: int, aff
     (in_dim,) = in_dims
     name = op.operation.name
     if name == "stablehlo.reduce":
-        reduced = set(ir.DenseI64ArrayAttr(op.attributes["dimensions"]))
+        reduced = set(ir_utils.i64s(op, "dimensions"))
         if in_dim not in reduced:
             raise Decline("multiple_users", f"{describe_op(op)} sums a value computed from the product over other "
                                             f"dims than the scattered dim {in_dim}, outside the ops that feed the "
@@ -527,7 +527,7 @@ def _branch_step(op: ir.OpView, dims: dict, on_path, branches: dict, n: int, aff
         out_dim = forward_dim(op, in_dim, n)
         step = LayoutStep(op, in_dim, out_dim)
     elif name == "stablehlo.broadcast_in_dim":
-        out_dim = list(ir.DenseI64ArrayAttr(op.attributes["broadcast_dimensions"]))[in_dim]
+        out_dim = ir_utils.i64s(op, "broadcast_dimensions")[in_dim]
         if row_dim(op, out_dim) != in_dim:
             raise Decline("producer_not_dot", f"{describe_op(op)} spreads a value computed from the product: no "
                                               "block of it is a block of its operand")

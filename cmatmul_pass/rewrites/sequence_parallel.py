@@ -259,16 +259,16 @@ def _rowwise(op: ir.OpView, dims: dict[int, int], ring: Ring, variance: Variance
         return dim, roles
     if name == "stablehlo.broadcast_in_dim":
         dim = dims[0]
-        target = list(ir.DenseI64ArrayAttr(op.attributes["broadcast_dimensions"]))[dim]
+        target = ir_utils.i64s(op, "broadcast_dimensions")[dim]
         if ir.RankedTensorType(operands[0].type).shape[dim] != result_t.shape[target]:
             raise Decline("layout", "broadcast along the carried dim")
         return target, ["carried"]
     if name == "stablehlo.transpose":
-        return list(ir.DenseI64ArrayAttr(op.attributes["permutation"])).index(dims[0]), ["carried"]
+        return ir_utils.i64s(op, "permutation").index(dims[0]), ["carried"]
     if name == "stablehlo.reshape":
         return forward_dim(op, dims[0], ring.size), ["carried"]
     if name == "stablehlo.reduce" and len(operands) == 2 and set(dims) == {0}:
-        reduced = list(ir.DenseI64ArrayAttr(op.attributes["dimensions"]))
+        reduced = ir_utils.i64s(op, "dimensions")
         dim = dims[0]
         if dim in reduced:
             raise Decline("layout", "reduces the carried dim")

@@ -428,7 +428,7 @@ def _gathered_slice(slice_op: ir.OpView, carried: ir.Value, all_gather: ir.OpVie
 
 
 def _sizes(slice_op: ir.Operation) -> list[int]:
-    return list(ir.DenseI64ArrayAttr(slice_op.attributes["slice_sizes"]))
+    return ir_utils.i64s(slice_op, "slice_sizes")
 
 
 def _terminator(block: ir.Block) -> ir.Operation:
@@ -574,8 +574,7 @@ def _as_reshape(value: ir.Value) -> ir.Value:
     source = owner.operation.operands[0]
     before, after = ir.RankedTensorType(source.type), ir.RankedTensorType(value.type)
     if [d for d in after.shape if d != 1] != [d for d in before.shape if d != 1] or \
-            list(ir.DenseI64ArrayAttr(owner.attributes["broadcast_dimensions"])) != sorted(
-                ir.DenseI64ArrayAttr(owner.attributes["broadcast_dimensions"])):
+            (dims := ir_utils.i64s(owner, "broadcast_dimensions")) != sorted(dims):
         return value
     with ir.InsertionPoint(owner.operation):
         return hlo.ReshapeOp(after, source, loc=owner.location).result
