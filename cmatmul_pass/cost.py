@@ -243,21 +243,21 @@ DEVICE_KINDS = (("h200", "h200"), ("h100", "h100"), ("a100", "a100"), ("tpu v5 l
 FALLBACK_PROFILE = "h100"
 
 
-#: ``variant="auto"`` (the default) where no profile describes the machine: two rounds per loop
-#: trip, and for a gather on a ring of up to :data:`FALLBACK_FULL_UP_TO` the straight-line ring.
-#: Measured on the 8 CPU devices (``tools/bench.py --only-rings``, docs/performance.md): a gather
-#: loop copies the shard it sends in every trip, so the straight-line ring (the program a ring
-#: written by hand compiles to) is the fastest gather; a scatter loop copies nothing, and
-#: ``unroll2`` is its steadiest variant.  A straight-line ring's code grows with the ring.
-FALLBACK_VARIANT, FALLBACK_GATHER_VARIANT, FALLBACK_FULL_UP_TO = "unroll2", "full", 8
+#: ``variant="auto"`` (the default) where no profile describes the machine: on a ring of up to
+#: :data:`FALLBACK_FULL_UP_TO` devices the straight-line ring, gathers and scatters alike, and two
+#: rounds per loop trip on longer rings, where a straight-line ring's code grows with the ring.
+#: On the 8 CPU devices the straight-line ring compiles to the program a ring written by hand with
+#: ``ppermute`` compiles to (the same dots, slices, permutes and fusions, lighter index arithmetic:
+#: tests/test_default_program.py), and a gather loop copies the shard it sends in every trip.  The
+#: timings (``tools/bench.py --only-rings``, docs/variants.md) put ``full`` and ``unroll2`` within
+#: a run's noise of each other for scatters, in either order from run to run.
+FALLBACK_VARIANT, FALLBACK_SHORT_RING_VARIANT, FALLBACK_FULL_UP_TO = "unroll2", "full", 8
 
 
 def fallback_variant(kind: str, ring: int) -> str:
     """The variant ``"auto"`` gives a site of ``kind`` (SiteShape.kind) on a ring of ``ring``
-    devices where no profile describes the machine."""
-    if kind == "all_gather_dot" and ring <= FALLBACK_FULL_UP_TO:
-        return FALLBACK_GATHER_VARIANT
-    return FALLBACK_VARIANT
+    devices where no profile describes the machine (the same for every kind, today)."""
+    return FALLBACK_SHORT_RING_VARIANT if ring <= FALLBACK_FULL_UP_TO else FALLBACK_VARIANT
 
 
 def profile_for(device_kind: str) -> str | None:

@@ -55,8 +55,8 @@ class Options:
     is an error); or ``"auto"`` (the default when neither ``bidirectional`` nor ``unroll`` is
     given): per site, the variant the cost model predicts fastest on ``hardware`` (sites of one
     shape get the same one), or, where no profile describes the machine (``hardware="auto"`` on
-    a CPU, say), ``cost.fallback_variant``: ``full`` for a gather on a ring of up to 8,
-    ``unroll2`` otherwise.  ``bidirectional`` / ``unroll`` alone name a variant as well (the other taking one
+    a CPU, say), ``cost.fallback_variant``: ``full`` on a ring of up to 8 devices,
+    ``unroll2`` on longer ones.  ``bidirectional`` / ``unroll`` alone name a variant as well (the other taking one
     direction, one round per trip): ``Options(unroll=1)`` is ``uni``.
     ``annotate_streams``: outline each round's dots onto compute streams
     (``_xla_stream_annotation``) and group each permute with the dots it overlaps
