@@ -268,3 +268,43 @@ def test_what_no_piece_of_the_rows_gives_stays_a_psum(prepare, says):
         assert not entry.rewritten and entry.reason_code in ("producer_not_dot", "no_dim"), entry.summary_line()
         assert says in entry.reason and "scatter" not in entry.reason, entry.reason
         assert result.text == ir_utils.print_module(ir_utils.parse(text))
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_the_gains_psum_says_it_sums_rows_whatever_became_of_the_input_gradients(norm):
+    """The gain's gradient psum (a psum of a sum over the rows) stays a psum beside the input
+    gradient's, and its decline says what it sums, the same words under every strategy and ring
+    variant (it used to name the op that happened to read the product first: the split ring's
+    stablehlo.while or collective_permute, or the chunks' all_reduce)."""
+    text = grad_text(norm, "trained_gain")
+    reasons = set()
+    for strategy in ("split", "chunk"):
+        for variant in ("uni", "bidi", "unroll2", "full"):
+            result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(all_reduce=strategy, variant=variant))
+            gains = [s for s in result.report.sites if s.kind == "dot_all_reduce" and not s.rewritten
+                     and "region arguments" not in s.reason]  # the gain's psum; not the forward's of x
+            assert len(gains) == 1, [s.summary_line() for s in result.report.sites]
+            (gain,) = gains
+            assert gain.reason_code == "producer_not_dot", gain.summary_line()
+            reasons.add(gain.reason)
+    (reason,) = reasons
+    assert reason.startswith("the summed value is a sum over rows, not a matmul's rows: stablehlo.reduce at ")
+    assert "sums dim 0 of a value computed from the rows" in reason and "(of 32 elements per device)" in reason
+    for variant_word in ("stablehlo.while", "collective_permute", "stablehlo.all_reduce"):
+        assert variant_word not in reason
+
+
+def test_a_psum_of_a_row_sum_that_a_column_split_serves_is_still_rewritten():
+    """The other side: a psum of a sum over a product's rows whose columns the ring can split (no
+    other reader) is rewritten, and one whose columns do not divide keeps its no_dim reason."""
+    def text(n):
+        f = jax.shard_map(lambda x, w: jax.lax.psum(jnp.sum(x @ w, axis=0), "model"), mesh=MESH,
+                          in_specs=(P(None, "model"), P("model", None)), out_specs=P(), check_vma=False)
+        args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(MESH, sp))
+                for s, sp in [((32, 64), P(None, "model")), ((64, n), P("model", None))]]
+        return jax.jit(f).lower(*args).as_text()
+
+    (site,) = cmatmul_pass.rewrite(text(64)).report.sites
+    assert site.rewritten, site.summary_line()
+    (site,) = cmatmul_pass.rewrite(text(12)).report.sites
+    assert site.reason_code == "no_dim", site.summary_line()

@@ -19,7 +19,7 @@ from .._jax_private import ir
 from ..errors import Decline
 from ..layout import ROW_OPS, LayoutStep, is_elementwise, is_layout_op
 from ..ring import Ring
-from .common import DeclinedSite, ManualRegion, ModuleInfo, collective_ring, static_tensor
+from .common import DeclinedSite, ManualRegion, ModuleInfo, collective_ring, describe_op, static_tensor
 from .reduce_scatter import Term, not_blockwise, ragged_producer, read_early, region_is_sum, trace_product
 
 DOT_ALL_REDUCE = "dot_all_reduce"
@@ -78,11 +78,34 @@ def match_all_reduce(op: ir.OpView, info: ModuleInfo) -> AllReduceSite | Decline
 
 
 def _match(ar: ir.OpView, ring: Ring, region: ManualRegion, info: ModuleInfo) -> AllReduceSite:
-    n = ring.size
     if not region_is_sum(ar):
         raise Decline("not_sum", "the all_reduce's reduction is not a sum (stablehlo.add of its two arguments)")
     operand = ar.operation.operands[0]
     shape = list(static_tensor(operand, "the all_reduce operand").shape)
+    try:
+        return _match_sum(ar, operand, shape, ring, region, info)
+    except Decline as declined:
+        # a psum of a sum over the rows (a norm gain's gradient) whose product has other readers
+        # (the psum of the rows beside it, or the ring or chunks that psum became, which then
+        # compute the product: the decline's words depended on which): say what it sums
+        summed = _row_sum(operand) if shape and declined.code in ("multiple_users", "producer_not_dot") else None
+        if not summed:
+            raise
+        reduce, dims, _ = summed
+        in_ring = reduce.operation.parent.name == "stablehlo.while"
+        if declined.code == "producer_not_dot" and not in_ring:  # no dot at all, or a map the ring cannot apply
+            raise
+        raise Decline("producer_not_dot", (
+            f"the summed value is a sum over rows, not a matmul's rows: {describe_op(reduce)} sums dim"
+            f"{'s' if len(dims) > 1 else ''} {', '.join(map(str, dims))} of a value computed from the rows (a norm "
+            "gain's gradient, say), so no block of the rows gives a block of it, only a partial sum of all of it; "
+            "and what it is computed from is also read outside this sum, so it is not split along its own dims "
+            f"either: it stays a psum (of {'x'.join(map(str, shape))} elements per device)")) from None
+
+
+def _match_sum(ar: ir.OpView, operand: ir.Value, shape: list[int], ring: Ring, region: ManualRegion,
+               info: ModuleInfo) -> AllReduceSite:
+    n = ring.size
     _reaches_a_dot(operand)
     if not shape:
         raise Decline("no_dim", "the all_reduce sums a scalar: there is no dim to split it along")
@@ -154,6 +177,49 @@ def _reaches_a_dot(value: ir.Value) -> None:
     # name what computes the value, not a constant it is scaled by (a mean's divisor)
     stops = [op for op in stops if op.operation.name != "stablehlo.constant"] or stops
     raise Decline("producer_not_dot", not_blockwise(stops[0]).message.replace("scattered", "summed"))
+
+
+#: :func:`_row_sum`'s answer for a loop's accumulator (the sum so far, itself a sum over rows)
+_CARRIED = ()
+
+
+def _row_sum(value: ir.Value, depth: int = 0, carried: ir.Value | None = None):
+    """The sum over rows ``value`` is, through layout ops, sums over size-1 dims, adds of such
+    sums (a chunked psum adds its chunks' shares) and a ring loop's accumulator of them (``acc +
+    a block's sum``; ``carried``: that accumulator inside its body): (a reduce summing dims of
+    more than one element, those dims, its operand's shape), or None when ``value`` is no such
+    sum (a reduce whose body is not an add is none)."""
+    while depth < 64:
+        if carried is not None and value == carried:
+            return _CARRIED
+        if isinstance(value.owner, ir.Block):
+            return None
+        op, depth = value.owner, depth + 1
+        name = op.operation.name
+        if is_layout_op(op):
+            value = op.operation.operands[0]
+            continue
+        if name == "stablehlo.add":  # shares of one sum, each a sum over rows (or the sum so far)
+            parts = [_row_sum(v, depth, carried) for v in op.operation.operands]
+            if any(p is None for p in parts):
+                return None
+            return next((p for p in parts if p), _CARRIED)
+        if name == "stablehlo.while":  # a ring adding up the sum block by block
+            index = ir.OpResult(value).result_number
+            body = op.operation.regions[1].blocks[0]
+            found = _row_sum(list(body.operations)[-1].operands[index], depth, body.arguments[index])
+            return found or None
+        if name != "stablehlo.reduce" or len(op.operation.operands) != 2:
+            return None
+        body = [o.operation.name for o in op.operation.regions[0].blocks[0].operations]
+        source = ir_utils.ranked_tensor(op.operation.operands[0])
+        if body[:1] != ["stablehlo.add"] or source is None or not source.has_static_shape:
+            return None
+        dims = [int(d) for d in ir.DenseI64ArrayAttr(op.operation.attributes["dimensions"])]
+        if any(source.shape[d] > 1 for d in dims):
+            return op, dims, list(source.shape)
+        value = op.operation.operands[0]
+    return None
 
 
 def _keeps_a_dim(op: ir.OpView) -> bool:
