@@ -21,6 +21,7 @@ from cmatmul_pass._jax_private import ir
 from cmatmul_pass.matchers.all_reduce import AllReduceSite, find_dot_all_reduce
 from cmatmul_pass.matchers.common import DeclinedSite
 from cmatmul_pass.rewrites.dot_all_reduce import chunk_dims_ok
+from test_norm_backward import NORMS  # the scatter side's RMS and layer norms
 
 MESH = jax.make_mesh((8,), ("model",))
 SPECS = (P(), P(), P(None, "model"), P("model", None))
@@ -28,16 +29,6 @@ ROWS, HIDDEN, FFN = 64, 32, 128
 SHAPES = [(ROWS, HIDDEN), (HIDDEN,), (HIDDEN, FFN), (FFN, HIDDEN)]
 
 
-def rms_norm(h, g):
-    return h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6) * g
-
-
-def layer_norm(h, g):
-    mean = h.mean(-1, keepdims=True)
-    return (h - mean) * jax.lax.rsqrt(((h - mean) ** 2).mean(-1, keepdims=True) + 1e-5) * g
-
-
-NORMS = {"rms": rms_norm, "layer": layer_norm}
 #: the gain trained (its gradient read beside the psum, a sum over the rows) or not
 ARGNUMS = {"trained_gain": (0, 1, 2, 3), "frozen_gain": (0, 2, 3)}
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
