@@ -606,7 +606,8 @@ def _signature(tree) -> tuple:
 
 def _leaf_key(x) -> tuple:
     if isinstance(x, jax.Array):  # a concrete array's aval is its shape, dtype and weak type
-        return (x.shape, x.dtype, x.weak_type, x.sharding)
+        # (typed PRNG key arrays have no weak type: their dtype is the key's)
+        return (x.shape, x.dtype, getattr(x, "weak_type", False), x.sharding)
     if isinstance(x, np.ndarray | np.generic):
         return ("numpy", x.shape, x.dtype)
     return ("python", type(x))

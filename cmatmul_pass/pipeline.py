@@ -215,7 +215,7 @@ def rewrite(
     given = module
     snapshot = None
     if isinstance(module, ir.Module):
-        snapshot = module_to_bytecode(module)  # to give the caller's module back as it was on a bug
+        snapshot = ir_utils.clone_module(module)  # to give the caller's module back as it was on a bug
     else:
         module = ir_utils.parse(module, source=source, context=context or make_context())
     reading = ir_utils.READING.set(source)  # messages built deep in the matchers name this file
@@ -882,9 +882,9 @@ def _verify(module: ir.Module, entry: SiteReport | None) -> None:
         ) from exc
 
 
-def _restore(module: ir.Module, snapshot: bytes) -> None:
-    """Put ``module``'s body back as it was (from its bytecode), in place."""
-    original = ir.Module.parse(snapshot, context=module.context)
+def _restore(module: ir.Module, snapshot: ir.Module) -> None:
+    """Put ``module``'s body back as it was (a copy of ``snapshot``'s, which stays as it is), in place."""
+    original = ir_utils.clone_module(snapshot)
     body = module.body
     for op in reversed(list(body.operations)):
         op.operation.erase()
