@@ -194,7 +194,7 @@ class _Replay:
     operands and locations.
 
     Read once from the twin: where each op of its rewritten copy takes its location from
-    (:meth:`_recipe`: a place among the twin's locations before the pass, or several such
+    (:func:`_recipe`: a place among the twin's locations before the pass, or several such
     places fused), and which ops hold a channel handle; a region then costs one walk of its
     own locations and one of its copy."""
 
