@@ -8,6 +8,9 @@ every pass variant: the result must verify, its permutes must form the groups' r
 must be rewritten (but for the declines a kind allows), and it must compute the original's numbers.
 """
 
+from dataclasses import replace
+
+import pytest
 from hypothesis import HealthCheck, given, settings
 
 from tools import fuzz_programs
@@ -97,3 +100,61 @@ def test_the_oracle_catches_rows_carried_past_a_per_device_factor(monkeypatch):
                               sizes=(2, 3, 2, 1), between=("vary",))
     tally = fuzz_programs.check(spec, variants={"uni": fuzz_programs.VARIANTS["uni"]})
     assert len(tally.mismatches) == 1
+
+
+#: psum programs with an RMS norm's backward between each block's product and its psum (the DAG
+#: reading the product twice), as value_and_grad of a pre-norm Megatron block puts it there
+NORM_PSUMS = {
+    # f32, two blocks on a ring of 4 in a 2-D mesh, called twice (the second call's rings shared):
+    # the residual's cotangent added (affine), each gain's gradient returned, row-wise ops between
+    "f32-cotangent-gain": fuzz_programs.Spec(
+        mesh_shape=(2, 4), devices=(3, 1, 0, 2, 7, 5, 4, 6), axes=("y",), kind="psum", dim="m", side=0, batch=False,
+        tiled=True, dtype="f32", consumers=2, reader=False, partial_manual=False, sizes=(2, 3, 2, 1), repeat=2,
+        between=("residual", "rms"), norm=True, cotangent=True, gain=True),
+    # f16 over two mesh axes at once (a ring of 4 of a 2x2x2 mesh) in a partially manual region
+    # (sharding constraints on the path), three blocks, the gain frozen, a per-device factor between
+    "f16-two-axes-partial-manual": fuzz_programs.Spec(
+        mesh_shape=(2, 2, 2), devices=(6, 2, 7, 0, 4, 1, 5, 3), axes=("z", "x"), kind="psum", dim="m", side=1,
+        batch=False, tiled=True, dtype="f16", consumers=3, reader=False, partial_manual=True, sizes=(3, 2, 4, 1),
+        between=("vary", "ln"), norm=True, cotangent=True, gain=False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NORM_PSUMS))
+def test_a_norm_backward_before_the_psum_is_rewritten_and_matches(name):
+    """Every block's psum rewritten under every variant (split's rings and chunk's row chunks), each
+    result the original's numbers."""
+    spec = NORM_PSUMS[name]
+    tally = fuzz_programs.check(spec)
+    assert not tally.crashes and not tally.mismatches, tally.crashes + tally.mismatches
+    assert tally.runs == len(fuzz_programs.VARIANTS)
+    # every block's psum of every call, in every variant but the one that skips the check (noassemble)
+    assert tally.sites_rewritten >= spec.consumers * spec.repeat * (len(fuzz_programs.VARIANTS) - 1)
+    assert set(tally.declined) <= {"multiple_users"}, tally.declined  # noassemble's gathers only
+
+
+def test_a_norm_backward_before_a_psum_of_rows_that_do_not_divide_stays_a_psum():
+    """Rows (9) no ring of 4 divides and a norm over the features (which the split cannot cut
+    either): every psum is declined no_dim, unchanged, and the program still matches."""
+    spec = replace(NORM_PSUMS["f32-cotangent-gain"], dim="k", repeat=1)
+    tally = fuzz_programs.check(spec)
+    assert not tally.crashes and not tally.mismatches, tally.crashes + tally.mismatches
+    assert tally.sites_rewritten == 0 and set(tally.declined) == {"no_dim"}
+
+
+def test_the_oracle_catches_a_norm_backward_psum_reading_a_wrong_normed_block(monkeypatch):
+    """With each block's (chunk's) rows of the norm's input read doubled, split and chunk each
+    report a mismatch: the fixed programs above fail if the psum path miscompiles."""
+    from cmatmul_pass.rewrites import dot_all_reduce, dot_reduce_scatter
+
+    original = dot_reduce_scatter.path_block
+
+    def wrong(site, products, parts, block_of_sliced, add):
+        return original(site, products, parts, lambda v, d, w: (lambda x: add(x, x))(block_of_sliced(v, d, w)), add)
+
+    monkeypatch.setattr(dot_reduce_scatter, "path_block", wrong)
+    monkeypatch.setattr(dot_all_reduce, "path_block", wrong)
+    spec = replace(NORM_PSUMS["f32-cotangent-gain"], repeat=1)
+    variants = {name: fuzz_programs.VARIANTS[name] for name in ("uni", "chunk")}
+    tally = fuzz_programs.check(spec, variants=variants)
+    assert not tally.crashes and [m[1] for m in tally.mismatches] == ["uni", "chunk"], tally.crashes

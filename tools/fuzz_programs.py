@@ -7,7 +7,8 @@ dots, dot → reduce_scatter, both around one dot, a sequence-parallel MLP, Mega
 whose psum of a matmul feeds the next block through random row-wise ops), which
 dimension is gathered or scattered (free, contracting or batch), which operand side,
 tiled or untiled collectives, a dtype, several consumers and a non-dot reader,
-fully or partially manual regions, a norm's backward between a dot and its scatter.
+fully or partially manual regions, a norm's backward between a dot and its scatter or psum
+(the residual's cotangent added, the gain's gradient returned beside it).
 :func:`lower` turns it into StableHLO;
 :func:`check` rewrites it under every pass variant and checks each result
 (verification, the permute-ring property, numerics against the original).
@@ -79,8 +80,17 @@ class Spec:
     #: rs: an RMS norm's backward applied to the product before the scatter (per row along the
     #: scattered dim: ``rs*dy - x*rs^3/c * sum(dy*x)`` with sums over the other dims, the product
     #: read twice), and the gain's gradient (the product times the normed rows, summed over the
-    #: rows) returned beside it: the ring applies the one per block and adds up the other
+    #: rows) returned beside it: the ring applies the one per block and adds up the other.
+    #: psum: each block's product goes through an RMS norm's backward (over the features, of a
+    #: normed input the same on every device) before its psum, as ``value_and_grad`` of a pre-norm
+    #: Megatron block puts it there; the split ring applies it per block, chunk per row chunk
     norm: bool = False
+    #: psum with ``norm``: the residual's cotangent (the block's input) added to the norm's
+    #: backward before the psum (affine in the product: ``psum(dy + norm_backward(...))``)
+    cotangent: bool = False
+    #: rs, psum with ``norm``: the gain's gradient (a sum over the rows) returned beside the sum,
+    #: each device's own (no collective); False: the gain frozen, only the input gradient
+    gain: bool = True
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -100,6 +110,9 @@ class Spec:
         if self.kind == "scan" and self.grad:  # the input gradient's psum of the whole loop; under
             # remat the backward's layer behind remat's optimization_barrier (sunk, not ringed)
             return frozenset({"producer_not_dot", "user_not_dot", "layout", "multiple_users"})
+        if self.kind == "psum" and self.norm and self.dim == "k":
+            # the norm's sums over the features need whole rows, and the rows do not divide: no dim
+            return frozenset({"no_dim"})
         return frozenset({"schedule"}) if self.kind == "ag2" else frozenset()
 
     def may_decline_under(self, options) -> frozenset[str]:
@@ -162,8 +175,10 @@ def specs(draw) -> Spec:
         between=tuple(draw(st.lists(st.sampled_from(POINTWISE), max_size=4))) if kind == "psum" else (),
         remat=kind == "scan" and draw(st.booleans()),
         grad=kind == "scan" and draw(st.booleans()),
-        norm=kind == "rs" and dtype in ("f32", "bf16", "f16", "f64") and draw(st.booleans()),
+        norm=kind in ("rs", "psum") and dtype in ("f32", "bf16", "f16", "f64") and draw(st.booleans()),
     )
+    if spec.norm:
+        spec = replace(spec, gain=draw(st.booleans()), cotangent=kind == "psum" and draw(st.booleans()))
     if spec.grad and spec.partial_manual:
         # XLA CPU (jax 0.10.2) aborts compiling the *original* backward of a bf16 scan in a
         # partially manual region ("Invalid binary instruction opcode copy"): not a program to fuzz with
@@ -255,12 +270,13 @@ def build(spec: Spec):
             else:
                 split = prod.shape[:d] + (n, prod.shape[d] // n) + prod.shape[d + 1 :]
                 scattered = jax.lax.psum_scatter(prod.reshape(split), axes, scatter_dimension=d, tiled=False)
-            return (scattered, gain[None]) if spec.norm else scattered
+            return (scattered, gain[None]) if spec.norm and spec.gain else scattered
 
         args = [(a_shape, _spec_at(len(a_shape), a_labels.index("k"), axes)),
                 (b_shape, _spec_at(len(b_shape), b_labels.index("k"), axes))] * spec.consumers
         if spec.norm:  # the normed input: the product's shape, the same on every device
             args.append(([glob[c] for c in out], P()))
+        if spec.norm and spec.gain:
             gain_rank = len(out)  # [devices, the product's dims but the rows]: each device's own sum
             return body, args, (_spec_at(len(out), d, axes), _spec_at(gain_rank, 0, axes))
         return body, args, _spec_at(len(out), d, axes)
@@ -378,19 +394,31 @@ def _megatron(spec: Spec):
         return y
 
     def body(x, bias, *weights):
-        y = x
+        if spec.norm:
+            *weights, normed = weights
+        y, gains = x, []
         for w1, w2 in zip(weights[0::2], weights[1::2]):
             # weights scaled by 1/sqrt(fan-in) where used, as models initialise them: activations stay
             # near 1 (unit-normal weights grow them by sqrt(fan-in) a block, and the check's fixed
             # tolerance then sees the rounding of reordered sums grow with them)
             w1, w2 = w1 * (features ** -0.5), w2 * ((nn * n) ** -0.5)
             h = jax.nn.gelu(_dot(spec, y, w1, "mk,kn->mn")).astype(x.dtype)
-            y = between(jax.lax.psum(_dot(spec, h, w2, "mn,nk->mk"), axes), y, bias).astype(x.dtype)
-        return y
+            prod = _dot(spec, h, w2, "mn,nk->mk")
+            if spec.norm:  # an RMS norm's backward over the features (the rows, dim 0, kept)
+                prod, gain = _norm_backward(prod, normed.astype(prod.dtype), 0)
+                gains.append(gain[None])
+                if spec.cotangent:  # the residual's cotangent, the same on every device
+                    prod = prod + y.astype(prod.dtype)
+            y = between(jax.lax.psum(prod, axes), y, bias).astype(x.dtype)
+        return (y, *gains) if spec.norm and spec.gain else y
 
     args = [([rows, features], P()), ([features], P())]
     args += [([features, nn * n], _spec_at(2, 1, spec.axes)), ([nn * n, features], _spec_at(2, 0, spec.axes))] * \
         spec.consumers
+    if spec.norm:  # the norm's input (saved by the forward): the same on every device
+        args.append(([rows, features], P()))
+    if spec.norm and spec.gain:  # [devices, features]: each device's own sum over the rows, per block
+        return body, args, (P(), *[_spec_at(2, 0, spec.axes)] * spec.consumers)
     return body, args, P()
 
 
