@@ -117,6 +117,16 @@ NORM_PSUMS = {
         mesh_shape=(2, 2, 2), devices=(6, 2, 7, 0, 4, 1, 5, 3), axes=("z", "x"), kind="psum", dim="m", side=1,
         batch=False, tiled=True, dtype="f16", consumers=3, reader=False, partial_manual=True, sizes=(3, 2, 4, 1),
         between=("vary", "ln"), norm=True, cotangent=True, gain=False),
+    # found by the campaign of seed 307 (every split variant crashed with a KeyError in
+    # sequence_parallel._build): carried forward, the first block's rows would be gathered twice,
+    # in bf16 for the next block's dot and, through the cotangent's convert, in f32 for the second
+    # psum's ring: more bytes than that psum moved, so its gather stays after its ring (dropped
+    # from the plan) while the second block's is carried to the return; the dropped one's readers
+    # were still handed to the build
+    "bf16-cotangent-over-budget": fuzz_programs.Spec(
+        mesh_shape=(2, 4), devices=(2, 0, 3, 6, 1, 7, 4, 5), axes=("y",), kind="psum", dim="m", side=1, batch=False,
+        tiled=False, dtype="bf16", consumers=2, reader=False, partial_manual=False, sizes=(2, 1, 3, 2),
+        between=("bias",), norm=True, cotangent=True, gain=False),
 }
 
 

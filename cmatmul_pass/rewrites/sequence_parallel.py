@@ -143,6 +143,8 @@ def _carry_block(block: ir.Block, seeds: list[Seed], variance: Variance, take_ch
                 "than the all_reduce moved")
             carry.stayed.add(seed.site)
     plan.drop(kept)
+    # the dropped components' values stay where they are, and so do their readers
+    readers = {value: reader for value, reader in readers.items() if value in plan.carried}
     carry.kept += [seed.all_gather for seed in seeds
                    if seed.all_gather.result not in plan.carried and _feeds_dot(seed.all_gather)]
     if not plan.carried:
