@@ -146,8 +146,9 @@ REASONS: dict[str, Reason] = {r.code: r for r in (
            ("hlo_samples/fsdp_tp.mlir", "--variant", "uni")),
     Reason("lost_to_ring", "the dot's other collective has the ring (the larger transfer); no compute precedes the dot "
                            "that could hide this one",
-           "compute something before the dot (in a model, an earlier layer does), or use a bidirectional `--variant` "
-           "(bidi-full), whose rings can often serve both collectives",
+           "none needed for the larger transfer, which the other ring hides; which collective gets the ring is "
+           "decided by slack, not by the ring `--variant` (bidi-full leaves this one too). With compute before the dot "
+           "(in a model, an earlier layer's), this one would be `prefetchable`: issued early behind that compute",
            ("hlo_samples/fsdp_tp.mlir",)),
     # ---- the options' verdict
     Reason("policy", "`--policy auto`: the cost model predicts too small a gain on `--hardware`",

@@ -166,6 +166,9 @@ def _truer(declined: Decline, operand: ir.Value, dim: int, n: int) -> Decline:
     if ragged is not None:
         return ragged
     source = _path_source(operand, dim, n)
+    two_stage = _two_stage(source, operand, dim, n)
+    if two_stage is not None:
+        return two_stage
     if isinstance(source.owner, ir.Block) and source.owner.owner.name == causes.MANUAL:
         found = causes.dot_in_earlier_region(source)
         if found is not None:
@@ -176,6 +179,122 @@ def _truer(declined: Decline, operand: ir.Value, dim: int, n: int) -> Decline:
                                            "already scatters it apart from its matmul, so the transfer is off that "
                                            "matmul's critical path")
     return declined
+
+
+def _groups(op: ir.OpView) -> list[list[int]]:
+    return ir_utils.dense_ints(op.attributes["replica_groups"]).tolist()
+
+
+def _permutes_ring(op: ir.OpView, groups: list[list[int]]) -> bool:
+    """Do ``op``'s source-target pairs run one cycle through each of ``groups``?"""
+    pairs = ir_utils.dense_ints(op.attributes["source_target_pairs"]).tolist()
+    members = {tuple(sorted(g)) for g in groups}
+    following = dict(map(tuple, pairs))
+    cycles = set()
+    for start in following:
+        cycle, at = [start], following[start]
+        while at != start and at in following and len(cycle) <= len(following):
+            cycle.append(at)
+            at = following[at]
+        cycles.add(tuple(sorted(cycle)))
+    return cycles == members
+
+
+def _first_stage_sum(op: ir.OpView) -> tuple[list[list[int]], str] | None:
+    """The devices ``op`` (the scattered value's source) already sums over, and how, when it is a
+    sum across devices: a psum (an all_reduce of adds), or an all_gather of a value a ring of
+    collective_permutes over the gather's own groups sums (a psum split into a reduce-scatter ring
+    and that all_gather, as the pass splits one)."""
+    name = op.operation.name
+    if name == "stablehlo.all_reduce" and region_is_sum(op):
+        return _groups(op), f"{describe_op(op)} (a psum)"
+    if name == "stablehlo.concatenate":  # a psum in row chunks, each chunk's own all_reduce
+        parts = [v.owner for v in op.operation.operands]
+        if all(not isinstance(p, ir.Block) and p.operation.name == "stablehlo.all_reduce" and region_is_sum(p)
+               for p in parts) and len({str(p.attributes["replica_groups"]) for p in parts}) == 1:
+            return _groups(parts[0]), (f"{describe_op(op)} of {len(parts)} all_reduces (a psum in row chunks, as "
+                                       "the pass chunks one)")
+        return None
+    if name != "stablehlo.all_gather":
+        return None
+    groups = _groups(op)
+    seen, stack = set(), [op.operation.operands[0]]
+    while stack and len(seen) < 2000:
+        owner = stack.pop().owner
+        if isinstance(owner, ir.Block) or owner.operation in seen:
+            continue
+        seen.add(owner.operation)
+        if owner.operation.name == "stablehlo.collective_permute" and _permutes_ring(owner, groups) and any(
+                u.operation.name == "stablehlo.add" for u in ir_utils.users(owner.result)):  # a partial sum passed on
+            return groups, (f"{describe_op(op)}, the all_gather of a sum a ring of collective_permutes takes over its "
+                            "devices (a psum split into a reduce-scatter ring and an all_gather, as the pass splits "
+                            "one)")
+        for region in owner.operation.regions:  # a ring's loop: its body's permutes
+            for block in region.blocks:
+                stack.extend(o.result for o in block.operations if len(o.results) == 1)
+        if owner.operation.name not in ("stablehlo.all_reduce", "stablehlo.all_gather", "stablehlo.reduce_scatter",
+                                        "stablehlo.dot_general"):  # the sum's own ops, not what its dots read
+            stack.extend(owner.operation.operands)
+    return None
+
+
+def _first_dot(value: ir.Value) -> ir.OpView | None:
+    """The dot_general ``value`` is computed from through layout and elementwise ops (and a split
+    psum's ring: its loop, permutes, slices), if one is."""
+    seen, stack = set(), [value]
+    while stack and len(seen) < 2000:
+        owner = stack.pop().owner
+        if isinstance(owner, ir.Block) or owner.operation in seen:
+            continue
+        seen.add(owner.operation)
+        name = owner.operation.name
+        if name == "stablehlo.dot_general":
+            return owner
+        if is_layout_op(owner) or is_elementwise(owner) or name in (
+                "stablehlo.collective_permute", "stablehlo.optimization_barrier", "stablehlo.dynamic_slice",
+                "stablehlo.concatenate", "stablehlo.while", "stablehlo.all_gather", "stablehlo.all_reduce"):
+            stack.extend(owner.operation.operands)
+            for region in owner.operation.regions if name == "stablehlo.while" else ():
+                for block in region.blocks:
+                    stack.extend(o.result for o in block.operations if len(o.results) == 1)
+    return None
+
+
+def _two_stage(source: ir.Value, operand: ir.Value, dim: int, n: int) -> Decline | None:
+    """A scatter of a value already summed across other devices (``psum_scatter`` over one mesh
+    axis of a ``psum`` over another: a reduction in two stages), said as such, with what would be
+    one ring: one psum_scatter over both axes of the product, where its dim divides."""
+    owner = source.owner
+    if isinstance(owner, ir.Block):
+        return None
+    first = _first_stage_sum(owner)
+    if first is None:
+        return None
+    groups, how = first
+    rs = next(iter(ir_utils.users(operand)), None)  # the reduce_scatter, for its groups
+    scatter_groups = _groups(rs) if rs is not None and rs.operation.name == "stablehlo.reduce_scatter" else None
+    if scatter_groups is not None and {tuple(sorted(g)) for g in groups} == {tuple(sorted(g)) for g in scatter_groups}:
+        return Decline("producer_not_dot", f"the scattered value is already summed over the same devices: {how} sums "
+                                           f"it over {groups} before this reduce_scatter sums it over them again; "
+                                           "the ring takes a dot's product, not the result of another collective")
+    total = n * len(groups[0])
+    said = (f"the scattered value is already summed across devices: {how} sums it over {groups} before this "
+            f"reduce_scatter sums it over {scatter_groups}, so it is reduced in two stages over two mesh axes, and "
+            "the ring takes a dot's product, not the result of another collective")
+    dot = _first_dot(owner.operation.operands[0])
+    width = ir_utils.ranked_tensor(operand).shape[dim]
+    if dot is None:
+        stop = owner.operation.operands[0].owner
+        what = "region arguments" if isinstance(stop, ir.Block) else describe_op(stop)
+        said += f"; the first stage sums {what}, not a matmul's product, so no ring applies to either stage"
+    elif width % total:
+        said += (f"; one psum_scatter over both axes at once of the product of {describe_op(dot)} would be one ring "
+                 f"over all {total} devices if the scattered dim ({width}) were a multiple of {total}")
+    else:
+        said += (f"; one psum_scatter over both axes at once (a tuple of axis names) of the product of "
+                 f"{describe_op(dot)} would be one ring over all {total} devices (its rows then split {total} ways; "
+                 "an all_gather over the first axis gives back this layout where it is needed)")
+    return Decline("producer_not_dot", said)
 
 
 def ragged_producer(value: ir.Value, what: str) -> Decline | None:

@@ -1,0 +1,131 @@
+"""Decline reasons checked against the IR: the op a reason names is what stops the rewrite, and
+what its hint says would change it does (the samples lm_fsdp_tp_scan and fsdp_tp_grad).
+
+A reduction in two stages (``psum_scatter`` over one mesh axis of a ``psum`` over another) was
+declined as a scatter of "stablehlo.all_gather ... which the ring cannot apply block by block":
+the all_gather the pass had made itself when it split the psum.  It now says the value is already
+summed over the other axis's devices, and what would be one ring: one psum_scatter over both
+axes (checked below: that program is rewritten, one ring over every device).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import cmatmul_pass
+from cmatmul_pass import execute, ir_utils
+from conftest import sample
+
+MESH = jax.make_mesh((2, 4), ("data", "model"))
+
+
+def two_stage(one_collective: bool = False, scatter_rows: int = 32) -> str:
+    """A row-parallel dot's product summed over 'model', then sum-scattered over 'data' (FSDP x TP:
+    a gradient's two reductions), or (``one_collective``) sum-scattered over both axes at once."""
+    def body(x, w):
+        y = x @ w
+        if one_collective:
+            return jax.lax.psum_scatter(y, ("data", "model"), scatter_dimension=0, tiled=True)
+        return jax.lax.psum_scatter(jax.lax.psum(y, "model"), "data", scatter_dimension=0, tiled=True)
+
+    specs = (P(None, ("data", "model")), P(("data", "model"), None))
+    out = P(("data", "model")) if one_collective else P("data")
+    f = jax.shard_map(body, mesh=MESH, in_specs=specs, out_specs=out, check_vma=False)
+    args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(MESH, sp))
+            for s, sp in zip([(scatter_rows, 64), (64, 16)], specs)]
+    return jax.jit(f).lower(*args).as_text()
+
+
+def scatter_entry(result):
+    (entry,) = [s for s in result.report.sites if s.kind == "dot_reduce_scatter"]
+    return entry
+
+
+@pytest.mark.parametrize("strategy, variant", [("split", "uni"), ("split", "unroll2"), ("split", "bidi-full"),
+                                               ("chunk", "auto"), ("keep", "auto")])
+def test_a_scatter_of_a_psum_says_the_value_is_reduced_in_two_stages(strategy, variant):
+    """Whether the psum was split (the scatter then reads the pass's own all_gather), chunked or
+    kept, the scatter's reason names the first stage and its devices, and the one psum_scatter
+    over both axes that would be one ring; the split psum's ring in a loop or unrolled alike."""
+    text = two_stage()
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(all_reduce=strategy, chunks=2, variant=variant))
+    entry = scatter_entry(result)
+    assert not entry.rewritten and entry.reason_code == "producer_not_dot", entry.summary_line()
+    reason = entry.reason
+    assert reason.startswith("the scattered value is already summed across devices: "), reason
+    assert "sums it over [[0, 1, 2, 3], [4, 5, 6, 7]] before this reduce_scatter sums it over " \
+           "[[0, 4], [1, 5], [2, 6], [3, 7]]" in reason, reason
+    assert "reduced in two stages over two mesh axes" in reason
+    assert "one psum_scatter over both axes at once" in reason and "one ring over all 8 devices" in reason
+    assert "which the ring cannot apply block by block" not in reason  # the old words
+    first = {"split": "stablehlo.all_gather at ", "keep": "stablehlo.all_reduce at ",
+             "chunk": "stablehlo.concatenate at <input>:6:12 of 2 all_reduces (a psum in row chunks"}[strategy]
+    assert first in reason, reason
+    if strategy == "split":
+        assert "a psum split into a reduce-scatter ring and an all_gather" in reason
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()
+
+
+def test_the_hint_of_a_two_stage_reduction_is_true():
+    """The one psum_scatter over both axes the reason suggests is rewritten: one ring over 8."""
+    result = cmatmul_pass.rewrite(two_stage(one_collective=True))
+    entry = scatter_entry(result)
+    assert entry.rewritten and len(entry.replica_groups[0]) == 8, entry.summary_line()
+
+
+def test_a_two_stage_reduction_whose_rows_do_not_divide_says_so():
+    """12 rows: the scatter over 'data' divides them, one over all 8 devices would not."""
+    result = cmatmul_pass.rewrite(two_stage(scatter_rows=12), cmatmul_pass.Options(all_reduce="keep"))
+    reason = scatter_entry(result).reason
+    assert "if the scattered dim (12) were a multiple of 8" in reason, reason
+
+
+def test_the_sample_two_stage_scatters_say_what_they_are():
+    """lm_fsdp_tp_scan: the scatter at :803:13 reads the all_gather of the psum at :798:13 the pass
+    split (a dot's product: one psum_scatter over both axes would be one ring); the scatter at
+    :889:13 reads the psum at :884:13 of an embedding gradient's stablehlo.scatter (no dot: no
+    ring for either stage)."""
+    text = sample("lm_fsdp_tp_scan").read_text()
+    result = cmatmul_pass.rewrite(text)
+    by_line = {s.location.rsplit(":", 2)[-2]: s for s in result.report.sites if s.kind == "dot_reduce_scatter"}
+    first, second = by_line["803"], by_line["889"]
+    assert first.reason_code == second.reason_code == "producer_not_dot"
+    assert ":798:13, the all_gather of a sum a ring of collective_permutes takes" in first.reason, first.reason
+    assert "of the product of stablehlo.dot_general at <input>:795:13 would be one ring over all 8 devices" \
+        in first.reason, first.reason
+    assert "stablehlo.all_reduce at <input>:884:13 (a psum)" in second.reason, second.reason
+    assert "the first stage sums stablehlo.scatter at <input>:879:13, not a matmul's product, so no ring applies " \
+           "to either stage" in second.reason, second.reason
+
+
+def test_a_scatter_of_a_psum_over_the_same_devices_says_so():
+    """psum then psum_scatter over one axis: no second axis to name."""
+    m = jax.make_mesh((8,), ("m",))
+    f = jax.shard_map(lambda x, w: jax.lax.psum_scatter(jax.lax.psum(x @ w, "m"), "m", scatter_dimension=0,
+                                                        tiled=True),
+                      mesh=m, in_specs=(P(None, "m"), P("m", None)), out_specs=P("m"), check_vma=False)
+    args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(m, sp))
+            for s, sp in [((32, 64), P(None, "m")), ((64, 16), P("m", None))]]
+    result = cmatmul_pass.rewrite(jax.jit(f).lower(*args).as_text(), cmatmul_pass.Options(all_reduce="keep"))
+    reason = scatter_entry(result).reason
+    assert reason.startswith("the scattered value is already summed over the same devices: "), reason
+    assert "two mesh axes" not in reason
+
+
+@pytest.mark.parametrize("variant", ["auto", "bidi-full"])
+def test_lost_to_ring_does_not_depend_on_the_ring_variant(variant):
+    """lost_to_ring's hint said a bidirectional variant 'can often serve both collectives': which
+    collective gets the ring is decided by slack before any variant applies, and bidi-full leaves
+    the same sites lost_to_ring in both samples; the hint no longer says so."""
+    from cmatmul_pass.reasons import REASONS
+
+    for name, line in (("fsdp_tp", "218:12"), ("fsdp_tp_grad", "524:13")):
+        result = cmatmul_pass.rewrite(sample(name).read_text(), cmatmul_pass.Options(variant=variant))
+        (entry,) = [s for s in result.report.sites if s.location.endswith(line)]
+        assert entry.reason_code == "lost_to_ring", entry.summary_line()
+    hint = REASONS["lost_to_ring"].hint
+    assert "serve both" not in hint and "prefetchable" in hint
