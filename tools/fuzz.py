@@ -6,7 +6,7 @@ checked for the permute-ring property and run against the original on the CPU de
 counts — programs, variant runs, sites rewritten, sites declined by reason, mismatches, crashes — and
 every failing program; exits 1 if any run mismatched or crashed.
 
-    python tools/fuzz.py [--examples 1000] [--seed 0]
+    python tools/fuzz.py [--examples 1000] [--seed 0] [--kind psum --norm]
 """
 
 from __future__ import annotations
@@ -29,13 +29,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kind", action="append", help="only programs of this kind (repeatable): ag, rs, psum, ...")
+    parser.add_argument("--norm", action="store_true", help="a norm's backward wherever the kind takes one (rs, psum)")
     args = parser.parse_args(argv)
     tally = fuzz_programs.Tally()
     start = time.perf_counter()
 
     @seed(args.seed)
     @settings(max_examples=args.examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(fuzz_programs.specs())
+    @given(fuzz_programs.specs(tuple(args.kind or ()), args.norm or None))
     def campaign(spec):
         try:
             fuzz_programs.check(spec, tally)

@@ -135,7 +135,9 @@ POINTWISE = ("residual", "bias", "rms", "ln", "tanh", "vary")
 
 
 @st.composite
-def specs(draw) -> Spec:
+def specs(draw, kinds: tuple[str, ...] | None = None, norm: bool | None = None) -> Spec:
+    """A random program; ``kinds``: only those kinds (a targeted campaign, ``fuzz.py --kind``);
+    ``norm=True``: a norm's backward wherever the kind and dtype take one (``fuzz.py --norm``)."""
     mesh_shape = draw(st.sampled_from(MESHES))
     size = math.prod(mesh_shape)
     devices = tuple(draw(st.permutations(range(8)))[:size])
@@ -144,7 +146,8 @@ def specs(draw) -> Spec:
         axes = tuple(draw(st.permutations(names))[:2])
     else:
         axes = (draw(st.sampled_from(names)),)
-    kind = draw(st.sampled_from(["ag", "ag", "rs", "rs", "chain", "mlp", "ag2", "psum", "psum", "fsdp", "scan", "scan"]))
+    kind = draw(st.sampled_from(list(kinds) if kinds else
+                                ["ag", "ag", "rs", "rs", "chain", "mlp", "ag2", "psum", "psum", "fsdp", "scan", "scan"]))
     if kind == "fsdp" and len(mesh_shape) < 2:
         kind = "ag2"  # a weight's and an activation's gathers over two mesh axes need two
     dtype = draw(st.sampled_from(["f32", "f32", "f32", "bf16", "bf16", "i32", "i32", "f16", "f64", "c64"]))
@@ -175,7 +178,7 @@ def specs(draw) -> Spec:
         between=tuple(draw(st.lists(st.sampled_from(POINTWISE), max_size=4))) if kind == "psum" else (),
         remat=kind == "scan" and draw(st.booleans()),
         grad=kind == "scan" and draw(st.booleans()),
-        norm=kind in ("rs", "psum") and dtype in ("f32", "bf16", "f16", "f64") and draw(st.booleans()),
+        norm=kind in ("rs", "psum") and dtype in ("f32", "bf16", "f16", "f64") and (norm or draw(st.booleans())),
     )
     if spec.norm:
         spec = replace(spec, gain=draw(st.booleans()), cotangent=kind == "psum" and draw(st.booleans()))
