@@ -62,8 +62,10 @@ def test_a_scatter_of_a_psum_says_the_value_is_reduced_in_two_stages(strategy, v
     assert "one psum_scatter over both axes at once" in reason and "one ring over all 8 devices" in reason
     assert "which the ring cannot apply block by block" not in reason  # the old words
     first = {"split": "stablehlo.all_gather at ", "keep": "stablehlo.all_reduce at ",
-             "chunk": "stablehlo.concatenate at <input>:6:12 of 2 all_reduces (a psum in row chunks"}[strategy]
+             "chunk": "stablehlo.concatenate at "}[strategy]
     assert first in reason, reason
+    if strategy == "chunk":  # (its line differs between jax releases' module texts)
+        assert " of 2 all_reduces (a psum in row chunks" in reason, reason
     if strategy == "split":
         assert "a psum split into a reduce-scatter ring and an all_gather" in reason
     outcome = execute.check_numerics(ir_utils.parse(text), result.module)

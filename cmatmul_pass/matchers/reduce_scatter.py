@@ -24,7 +24,8 @@ from ..layout import (
 )
 from ..ring import Ring
 from . import causes
-from .common import DeclinedSite, DotDims, ManualRegion, ModuleInfo, collective_ring, describe_op, static_tensor
+from .common import (DeclinedSite, DotDims, ManualRegion, ModuleInfo, collective_ring, describe_op, replica_groups,
+                     static_tensor)
 
 DOT_REDUCE_SCATTER = "dot_reduce_scatter"
 SHARDING_CONSTRAINT = "sdy.sharding_constraint"
@@ -115,7 +116,7 @@ def _match(rs: ir.OpView, ring: Ring, region: ManualRegion, info: ModuleInfo) ->
     try:
         terms, adds, path = trace_product(rs, operand, scatter_dim, info, ring, dag=True)
     except Decline as declined:
-        raise _truer(declined, operand, scatter_dim, n) from None
+        raise _truer(declined, operand, scatter_dim, n, info) from None
     return ReduceScatterSite(rs, terms, adds, path, ring, region, scatter_dim, read_early(path, rs))
 
 
@@ -156,7 +157,7 @@ def read_early(path: tuple[LayoutStep, ...], rs: ir.OpView) -> tuple[ir.OpView, 
     return tuple(sorted(found.values(), key=_Position, reverse=True))
 
 
-def _truer(declined: Decline, operand: ir.Value, dim: int, n: int) -> Decline:
+def _truer(declined: Decline, operand: ir.Value, dim: int, n: int, info: ModuleInfo) -> Decline:
     """A ``producer_not_dot`` decline, or what is truer: the scattered value is a grouped
     matmul's, or a dot's in an earlier shard_map region (the program already keeps the scatter
     apart from its matmul)."""
@@ -166,7 +167,7 @@ def _truer(declined: Decline, operand: ir.Value, dim: int, n: int) -> Decline:
     if ragged is not None:
         return ragged
     source = _path_source(operand, dim, n)
-    two_stage = _two_stage(source, operand, dim, n)
+    two_stage = _two_stage(source, operand, dim, n, info)
     if two_stage is not None:
         return two_stage
     if isinstance(source.owner, ir.Block) and source.owner.owner.name == causes.MANUAL:
@@ -181,8 +182,10 @@ def _truer(declined: Decline, operand: ir.Value, dim: int, n: int) -> Decline:
     return declined
 
 
-def _groups(op: ir.OpView) -> list[list[int]]:
-    return ir_utils.dense_ints(op.attributes["replica_groups"]).tolist()
+def _groups(op: ir.OpView, info: ModuleInfo) -> list[list[int]]:
+    """``op``'s replica groups, in either form jax writes them (a dense list, or mesh axes from
+    jax 0.11 on); :class:`Decline` where they cannot be read."""
+    return replica_groups(op.attributes["replica_groups"], info).tolist()
 
 
 def _permutes_ring(op: ir.OpView, groups: list[list[int]]) -> bool:
@@ -200,24 +203,24 @@ def _permutes_ring(op: ir.OpView, groups: list[list[int]]) -> bool:
     return cycles == members
 
 
-def _first_stage_sum(op: ir.OpView) -> tuple[list[list[int]], str] | None:
+def _first_stage_sum(op: ir.OpView, info: ModuleInfo) -> tuple[list[list[int]], str] | None:
     """The devices ``op`` (the scattered value's source) already sums over, and how, when it is a
     sum across devices: a psum (an all_reduce of adds), or an all_gather of a value a ring of
     collective_permutes over the gather's own groups sums (a psum split into a reduce-scatter ring
     and that all_gather, as the pass splits one)."""
     name = op.operation.name
     if name == "stablehlo.all_reduce" and region_is_sum(op):
-        return _groups(op), f"{describe_op(op)} (a psum)"
+        return _groups(op, info), f"{describe_op(op)} (a psum)"
     if name == "stablehlo.concatenate":  # a psum in row chunks, each chunk's own all_reduce
         parts = [v.owner for v in op.operation.operands]
         if all(not isinstance(p, ir.Block) and p.operation.name == "stablehlo.all_reduce" and region_is_sum(p)
                for p in parts) and len({str(p.attributes["replica_groups"]) for p in parts}) == 1:
-            return _groups(parts[0]), (f"{describe_op(op)} of {len(parts)} all_reduces (a psum in row chunks, as "
+            return _groups(parts[0], info), (f"{describe_op(op)} of {len(parts)} all_reduces (a psum in row chunks, as "
                                        "the pass chunks one)")
         return None
     if name != "stablehlo.all_gather":
         return None
-    groups = _groups(op)
+    groups = _groups(op, info)
     seen, stack = set(), [op.operation.operands[0]]
     while stack and len(seen) < 2000:
         owner = stack.pop().owner
@@ -260,19 +263,22 @@ def _first_dot(value: ir.Value) -> ir.OpView | None:
     return None
 
 
-def _two_stage(source: ir.Value, operand: ir.Value, dim: int, n: int) -> Decline | None:
+def _two_stage(source: ir.Value, operand: ir.Value, dim: int, n: int, info: ModuleInfo) -> Decline | None:
     """A scatter of a value already summed across other devices (``psum_scatter`` over one mesh
     axis of a ``psum`` over another: a reduction in two stages), said as such, with what would be
     one ring: one psum_scatter over both axes of the product, where its dim divides."""
     owner = source.owner
     if isinstance(owner, ir.Block):
         return None
-    first = _first_stage_sum(owner)
-    if first is None:
+    try:
+        first = _first_stage_sum(owner, info)
+        if first is None:
+            return None
+        groups, how = first
+        rs = next(iter(ir_utils.users(operand)), None)  # the reduce_scatter, for its groups
+        scatter_groups = _groups(rs, info) if rs is not None and rs.operation.name == "stablehlo.reduce_scatter" else None
+    except Decline:  # groups the pass cannot read: no truer account than the decline's own
         return None
-    groups, how = first
-    rs = next(iter(ir_utils.users(operand)), None)  # the reduce_scatter, for its groups
-    scatter_groups = _groups(rs) if rs is not None and rs.operation.name == "stablehlo.reduce_scatter" else None
     if scatter_groups is not None and {tuple(sorted(g)) for g in groups} == {tuple(sorted(g)) for g in scatter_groups}:
         return Decline("producer_not_dot", f"the scattered value is already summed over the same devices: {how} sums "
                                            f"it over {groups} before this reduce_scatter sums it over them again; "
