@@ -214,7 +214,8 @@ def _first_stage_sum(op: ir.OpView, info: ModuleInfo) -> tuple[list[list[int]], 
     if name == "stablehlo.concatenate":  # a psum in row chunks, each chunk's own all_reduce
         parts = [v.owner for v in op.operation.operands]
         if all(not isinstance(p, ir.Block) and p.operation.name == "stablehlo.all_reduce" and region_is_sum(p)
-               for p in parts) and len({str(p.attributes["replica_groups"]) for p in parts}) == 1:
+               for p in parts) and all(p.attributes["replica_groups"] == parts[0].attributes["replica_groups"]
+                                       for p in parts):  # one group attribute (attributes are uniqued)
             return _groups(parts[0], info), (f"{describe_op(op)} of {len(parts)} all_reduces (a psum in row chunks, as "
                                        "the pass chunks one)")
         return None
