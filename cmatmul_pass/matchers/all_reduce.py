@@ -211,11 +211,10 @@ def _row_sum(value: ir.Value, depth: int = 0, carried: ir.Value | None = None):
             return found or None
         if name != "stablehlo.reduce" or len(op.operation.operands) != 2:
             return None
-        body = [o.operation.name for o in op.operation.regions[0].blocks[0].operations]
         source = ir_utils.ranked_tensor(op.operation.operands[0])
-        if body[:1] != ["stablehlo.add"] or source is None or not source.has_static_shape:
+        if not region_is_sum(op) or source is None or not source.has_static_shape:
             return None
-        dims = [int(d) for d in ir.DenseI64ArrayAttr(op.operation.attributes["dimensions"])]
+        dims = ir_utils.i64s(op, "dimensions")
         if any(source.shape[d] > 1 for d in dims):
             return op, dims, list(source.shape)
         value = op.operation.operands[0]
