@@ -304,9 +304,25 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
             # all_gather, carried forward to where its value is read whole, which the gathers'
             # pass below then finds.
             gathers = list(found["stablehlo.all_gather"])
-            if options.all_reduce_strategy != "keep" and found["stablehlo.all_reduce"]:
+            scatters, all_reduces = list(found["stablehlo.reduce_scatter"]), list(found["stablehlo.all_reduce"])
+            # a scatter of a psum over another mesh axis moves before it, onto the product, and is
+            # ringed there (first: the psum would otherwise be split, its ring and gather ahead
+            # of the scatter)
+
+            def ring_moved(scatter: ir.OpView, note: str) -> str | None:
+                since, region = len(report.sites), region_of(scatter)
+                entry = apply(match_reduce_scatter(scatter, info))
+                if not entry.rewritten:
+                    return entry.reason
+                entry.notes.insert(0, note)
+                report.sites.append(entry)
+                tag(region, since)
+                return None
+
+            not_swapped = stages.swap_reductions(scatters, all_reduces, info, source, ring_moved)
+            if options.all_reduce_strategy != "keep" and all_reduces:
                 seeds: list[Seed] = []
-                for op in found["stablehlo.all_reduce"]:
+                for op in all_reduces:
                     since, region = len(report.sites), region_of(op)
                     entry, seed = _all_reduce(match_all_reduce(op, info), ctx, source, options, hw, apply, info,
                                               predictions)
@@ -322,7 +338,7 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
             # loop reads the gathered value the gather's ring assembles).  Each collective
             # is matched against the IR as the earlier rewrites left it.
             # (the scatter rewrites erase reduce_scatters and dots, never an all_gather)
-            for op in found["stablehlo.reduce_scatter"]:
+            for op in scatters:
                 since, region = len(report.sites), region_of(op)
                 site = match_reduce_scatter(op, info)
                 hoisted = _hoist_scatter(site, ctx, options)
@@ -336,6 +352,8 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
                 entry = apply(site)
                 if hoisted:
                     entry.reason += f"; not hoisted into the loop: {hoisted}"
+                if id(op) in not_swapped and not entry.rewritten:
+                    entry.reason += f"; not moved before the psum: {not_swapped[id(op)]}"
                 report.sites.append(entry)
                 tag(region, since)
             # A gather of stacked weights sinks into the loops that read a layer a trip before any
@@ -415,7 +433,7 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
             for (since, region), (until, _) in zip(marks, [*marks[1:], (len(report.sites), None)]):
                 tag(region, since, until)
             _say_prefetchable(report, deferred, gathered)
-            if options.all_reduce_strategy != "keep" and found["stablehlo.all_reduce"]:
+            if options.all_reduce_strategy != "keep" and all_reduces:
                 _say_where_gathers_went(report, carried, gathered)
 
         if layers is None:

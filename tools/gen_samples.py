@@ -1490,13 +1490,14 @@ SAMPLES_LIST = [
            "jax.checkpoint, pre-RMS-norm sequence-parallel MLP layers. jax 0.10 puts the scan's step in "
            "@closed_call, holding the layer's collectives: the pass inlines it into the loops (as jax 0.11 "
            "lowers it). Rings: every row gather and psum_scatter over 'model' in both loops (forward, remat's "
-           "recompute and backward), the output projection's gather over 'data', the split psum over 'model' of "
-           "its gradient, the stacked gradients' scatters moved into the backward's loop (one layer per trip). "
+           "recompute and backward), the output projection's gather over 'data', its gradient's psum_scatter over "
+           "'data' moved before the psum over 'model' (the two commute: the psum then sums half the bytes), "
+           "the stacked gradients' scatters moved into the backward's loop (one layer per trip). "
            "The stacked gathers sink into both loops (one layer per trip); their gathers meet the rows' rings at "
            "the layer's dots and stay plain there under --variant uni (the rows' gather, computed in the trip, has "
            "the ring; auto's straight-line rings let one ring the rounds' dots). Left: "
            "the embedding's gather (read by a gather, not a dot) and its gradient's psum and scatter, the "
-           "reduce_scatter over 'data' after the split psum, the norm gains' and the loss's psums.",
+           "norm gains' and the loss's psums.",
            lm_fsdp_tp_scan, "rewritten 9",
            ["CHECK: sdy.manual_computation",
             # the embedding's gather stays: a gather (the lookup) reads it, not a dot
@@ -1513,11 +1514,11 @@ SAMPLES_LIST = [
             "CHECK: stablehlo.while", PERMUTE, pairs_same(PAIRS_2X4_MODEL),
             # the output projection's gather over 'data': a ring of 2
             PERMUTE, pairs_same(PAIRS_2X4_DATA), 'CHECK: "stablehlo.all_reduce"', "CHECK: sdy.return",
-            # the backward: the output projection gradient's psum over 'model' split into a ring, its gather
-            # materialised before the reduce_scatter over 'data', which stays
-            "CHECK: sdy.manual_computation", "CHECK: stablehlo.while", "CHECK: } do {", PERMUTE,
-            pairs_same(PAIRS_2X4_MODEL), 'CHECK: "stablehlo.all_gather"',
-            "CHECK-SAME: (tensor<32x16xf32>) -> tensor<32x64xf32>", 'CHECK-NEXT: "stablehlo.reduce_scatter"',
+            # the backward: the output projection gradient's psum_scatter over 'data' moved before its psum
+            # over 'model', onto the dot: a ring of 2, then the psum of the scattered half (16 of 32 rows)
+            "CHECK: sdy.manual_computation", "CHECK-NOT: stablehlo.while", PERMUTE, pairs_same(PAIRS_2X4_DATA),
+            'CHECK: "stablehlo.all_reduce"', "CHECK-SAME: replica_groups = dense<{{\\[\\[}}0, 1, 2, 3], [4, 5, 6, 7]]>",
+            "CHECK: }) : (tensor<16x64xf32>) -> tensor<16x64xf32>",
             # the backward's loop gathers its layer too; its three row rings over 'model', the gain
             # gradient's psum, then each layer's weight gradients scattered over 'data' by rings of 2
             "CHECK: stablehlo.while", "CHECK: } do {",

@@ -1,5 +1,7 @@
-"""Two-stage gathers merged into one: a weight sharded over two mesh axes and gathered over one,
-then the other, along the same dim (issue 31, item 4).
+"""Collectives in two stages over two mesh axes, made into one the ring can take (issue 31).
+
+**Gathers merged** (item 4): a weight sharded over two mesh axes and gathered over one, then
+the other, along the same dim.
 
 ``all_gather(all_gather(w, groups A, dim d), groups B, dim d)``: the outer gather on device
 ``o_b`` (position ``b`` of its B-group) contributes block ``b``, which is the inner gather there:
@@ -14,14 +16,21 @@ one gather, :func:`build` writes it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from .. import ir_utils
 from .._jax_private import hlo, ir
 from ..errors import Decline
-from ..matchers.common import ModuleInfo, replica_groups
+from ..matchers.common import DeclinedSite, ModuleInfo, replica_groups
+from ..matchers.reduce_scatter import match_reduce_scatter, region_is_sum
+from ..report import tensor_bytes
+from .builders import zeros_attr
+from .dot_all_reduce import sum_region
 
 GATHER = "stablehlo.all_gather"
+ALL_REDUCE = "stablehlo.all_reduce"
 
 
 def merged_groups(inner: ir.OpView, outer: ir.OpView, info: ModuleInfo) -> np.ndarray | str:
@@ -96,3 +105,134 @@ def merge(inner: ir.OpView, info: ModuleInfo, take_channel) -> tuple[ir.OpView, 
         return planned
     outer, groups = planned
     return build(inner, outer, groups, take_channel), outer
+
+
+# ---- two-stage reductions: the scatter moved before the psum
+#
+# ``reduce_scatter(all_reduce(x, groups A), groups B)`` (``psum_scatter(psum(x, 'model'), 'data')``,
+# as an FSDP x TP gradient lowers): device ``d`` gets block ``pos_B(d)`` of
+# ``sum_{b in B(d)} sum_{a in A(b)} x_a``.  Scattered first, ``all_reduce(reduce_scatter(x, B), A)``
+# gives ``d`` the sum over ``e in A(d)`` of block ``pos_B(e)`` of ``sum_{b in B(e)} x_b``.  The two
+# agree when every ``e`` of ``A(d)`` holds the same position in its B-group as ``d`` (the block
+# summed is one block) and ``A(d)``'s B-groups cover the devices ``B(d)``'s A-groups do, each as
+# often: both hold for two mesh axes' groups, and :func:`commuting_groups` checks them device by
+# device.  The scatter then reads the product, where a ring can take it with its dot, and the psum
+# sums 1/|B| of the bytes it summed before.
+
+
+def commuting_groups(a: np.ndarray, b: np.ndarray) -> str | None:
+    """Why a sum over groups ``a`` followed by a scatter over groups ``b`` is not the scatter
+    followed by the sum (None: it is)."""
+    group_a = {int(d): [int(x) for x in row] for row in a for d in row}
+    group_b = {int(d): [int(x) for x in row] for row in b for d in row}
+    if set(group_a) != set(group_b):
+        return "the psum's groups and the scatter's do not cover the same devices"
+    for d in group_a:
+        position = group_b[d].index(d)
+        if any(group_b[e].index(e) != position for e in group_a[d]):
+            return (f"device {d}'s psum group {group_a[d]} holds devices at other positions of their scatter groups, "
+                    "so the psum would add different blocks")
+        before = sorted(x for e in group_b[d] for x in group_a[e])
+        after = sorted(x for e in group_a[d] for x in group_b[e])
+        if before != after:
+            return f"the two orders sum device {d}'s result over different devices"
+    return None
+
+
+def swap_plan(rs: ir.OpView, info: ModuleInfo) -> ir.OpView | str | None:
+    """The psum a reduce_scatter ``rs`` may move before (the all_reduce it reads, whose only
+    reader it is), why it may not, or None (``rs`` does not read a psum).  Builds nothing."""
+    owner = rs.operation.operands[0].owner
+    if isinstance(owner, ir.Block) or owner.operation.name != ALL_REDUCE:
+        return None
+    ar = owner.operation.opview
+    if len(ar.operation.operands) != 1 or not region_is_sum(ar) or not region_is_sum(rs):
+        return None
+    if len(list(ar.result.uses)) != 1:
+        return "the psum's result is also read elsewhere, so it must stay whole"
+    if ar.operation.block != rs.operation.block:
+        return "the psum and the scatter are in different blocks"
+    if any("use_global_device_ids" not in op.operation.attributes for op in (ar, rs)):
+        return "a stage does not name its groups by global device ids"
+    try:
+        a = replica_groups(ar.attributes["replica_groups"], info)
+        b = replica_groups(rs.attributes["replica_groups"], info)
+    except Decline as declined:
+        return declined.message
+    why = commuting_groups(a, b)
+    return why if why else ar
+
+
+def swap(rs: ir.OpView, ar: ir.OpView) -> tuple[ir.OpView, ir.OpView, ir.OpView]:
+    """Build ``all_reduce(reduce_scatter(x))`` for ``rs`` = ``reduce_scatter(all_reduce(x))``
+    (as :func:`swap_plan` found them) before ``rs``, each with its original's groups, channel
+    handle and location.  Nothing reads the pair yet, and ``ar`` reads a zero placeholder instead
+    of ``x`` meanwhile, so that the new scatter is ``x``'s one reader, as it will be: returns
+    (scatter, psum, placeholder), for :func:`commit` or :func:`undo`."""
+    x = ar.operation.operands[0]
+    dim = ir_utils.int_attr(rs.operation, "scatter_dimension")
+    with ir.InsertionPoint(rs.operation):
+        scatter = hlo.ReduceScatterOp(rs.result.type, x, dim, rs.attributes["replica_groups"],
+                                      channel_handle=rs.attributes["channel_handle"],
+                                      use_global_device_ids=True, loc=rs.location)
+        sum_region(scatter, rs.location)
+        psum = hlo.AllReduceOp([rs.result.type], [scatter.result], ar.attributes["replica_groups"],
+                               channel_handle=ar.attributes["channel_handle"],
+                               use_global_device_ids=True, loc=ar.location)
+        sum_region(psum, ar.location)
+    with ir.InsertionPoint(ar.operation):
+        placeholder = hlo.ConstantOp(zeros_attr(ir.RankedTensorType(x.type)), loc=ar.location)
+    ar.operation.operands[0] = placeholder.result
+    return scatter, psum, placeholder
+
+
+def undo(ar: ir.OpView, scatter: ir.OpView, psum: ir.OpView, placeholder: ir.OpView) -> None:
+    """Put the module back as it was (``rs``'s readers still read it): ``ar`` reads ``x`` again;
+    the unread pair and the placeholder are erased."""
+    ar.operation.operands[0] = scatter.operation.operands[0]
+    psum.operation.erase()
+    scatter.operation.erase()
+    placeholder.operation.erase()
+
+
+def swap_reductions(scatters: list, all_reduces: list, info: ModuleInfo, source: str | None,
+                    ring: Callable[[ir.OpView, str], str | None]) -> dict[int, str]:
+    """Move each scatter of ``scatters`` that reads a psum before it, where the two commute and
+    the moved scatter's ring is built: ``ring(scatter, note)`` matches and rewrites the moved
+    scatter (reporting it with ``note``), and returns None, or why it did not.  Where it did not, or the moved
+    scatter is no dot → reduce_scatter site at all, the module is put back as it was.  The lists
+    lose the moved pairs (their sites are done); returns why each other scatter of a psum was not
+    moved (by id: the scatter's own site is then matched as it stands)."""
+    kept: dict[int, str] = {}
+    for rs in list(scatters):
+        planned = swap_plan(rs, info)
+        if planned is None:
+            continue
+        if isinstance(planned, str):
+            kept[id(rs)] = planned
+            continue
+        ar = planned
+        scatter, psum, placeholder = swap(rs, ar)
+        if isinstance(match_reduce_scatter(scatter, info), DeclinedSite):
+            undo(ar, scatter, psum, placeholder)  # no ring for the product either way: the program stays as written
+            continue
+        where = ir_utils.render_location(ar.location, source)
+        groups = replica_groups(ar.attributes["replica_groups"], info).tolist()
+        parts = len(replica_groups(rs.attributes["replica_groups"], info)[0])
+        before, after = tensor_bytes(ar.result.type), tensor_bytes(rs.result.type)
+        note = (f"moved before the psum at {where} (over {groups}): a sum over one set of devices and a scatter over "
+                f"another commute, so this scatter takes the product and the psum then sums this device's 1/{parts} "
+                f"of it ({after} B instead of {before} B per device)")
+        rs.result.replace_all_uses_with(psum.result)  # as it will stay if the ring is built
+        why = ring(scatter, note)
+        if why is None:
+            all_reduces[:] = [op for op in all_reduces if op.operation != ar.operation]
+            scatters[:] = [op for op in scatters if op.operation != rs.operation]
+            rs.operation.erase()
+            ar.operation.erase()
+            placeholder.operation.erase()
+        else:
+            psum.result.replace_all_uses_with(rs.result)
+            undo(ar, scatter, psum, placeholder)
+            kept[id(rs)] = f"its ring there would not be built either: {why}"
+    return kept
