@@ -98,3 +98,38 @@ def test_lost_to_ring_does_not_depend_on_the_ring_variant(variant):
         assert entry.reason_code == "lost_to_ring", entry.summary_line()
     hint = REASONS["lost_to_ring"].hint
     assert "serve both" not in hint and "prefetchable" in hint
+
+
+def _lookup(one_hot: bool) -> str:
+    """An embedding table sharded by vocabulary over 'm', gathered whole, then looked up in (or,
+    ``one_hot``, multiplied by the ids' one-hot rows), and the rows projected by a matmul."""
+    m = jax.make_mesh((8,), ("m",))
+
+    def body(ids, table, w):
+        full = jax.lax.all_gather(table, "m", axis=0, tiled=True)
+        rows = jax.nn.one_hot(ids, 64, dtype=full.dtype) @ full if one_hot else full[ids]
+        return rows @ w
+
+    f = jax.shard_map(body, mesh=m, in_specs=(P(), P("m", None), P()), out_specs=P(), check_vma=False)
+    args = [jax.ShapeDtypeStruct((16,), jnp.int32, sharding=NamedSharding(m, P())),
+            jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=NamedSharding(m, P("m", None))),
+            jax.ShapeDtypeStruct((32, 8), jnp.float32, sharding=NamedSharding(m, P()))]
+    return jax.jit(f).lower(*args).as_text()
+
+
+def test_a_gathered_table_looked_up_in_says_so_and_its_one_hot_form_is_rewritten():
+    """The embedding lookup's decline (sample lm_fsdp_tp_scan, :682) names the lookup and what
+    avoids gathering the table; the one-hot matmul it offers is a contracting-dim ring."""
+    result = cmatmul_pass.rewrite(sample("lm_fsdp_tp_scan").read_text())
+    (entry,) = [s for s in result.report.sites if s.location.endswith(":682:12")]
+    assert entry.reason_code == "user_not_dot"
+    assert entry.reason.startswith("the gathered value is a table that stablehlo.gather at <input>:691:13 looks rows "
+                                   "up in (an embedding lookup)"), entry.reason
+    (entry,) = [s for s in cmatmul_pass.rewrite(_lookup(False)).report.sites if s.kind == "all_gather_dot"]
+    assert "(an embedding lookup)" in entry.reason and "one-hot matmul" in entry.reason, entry.reason
+    text = _lookup(True)
+    result = cmatmul_pass.rewrite(text)
+    (entry,) = [s for s in result.report.sites if s.kind == "all_gather_dot"]
+    assert entry.rewritten and "contracting" in entry.summary_line(), entry.summary_line()
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()

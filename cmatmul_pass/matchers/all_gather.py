@@ -276,6 +276,17 @@ def _no_dot(tree: _Tree, ag: ir.OpView, n: int) -> Decline:
                                        "rewrites those where they stand and does not inline such a function, so no "
                                        "dot is in this block for a ring (its body written where it is called, a nested "
                                        "jax.jit's body say, would put the dot here)")
+    lookup = next((u.op for u in leaves if u.op.operation.name == "stablehlo.gather"
+                   and u.op.operation.operands[0] == u.value), None)
+    if lookup is not None:  # an embedding table gathered whole, then looked up in
+        return Decline("user_not_dot", f"the gathered value is a table that {describe_op(lookup)} looks rows up in (an "
+                                       f"embedding lookup), and reaches {describe_op(dot)} only through the rows it "
+                                       "picks: a ring splits a matmul, not a lookup. Gathering the table is avoidable: "
+                                       "look the ids up in this device's shard of it and combine the rows (a vocabulary "
+                                       "shard: zero the rows of ids outside it and psum them; a feature shard: gather "
+                                       "the rows), so rows cross the wire, not the table; or write the lookup as a "
+                                       "one-hot matmul (jax.nn.one_hot(ids, vocab) @ table), whose gather the ring "
+                                       "takes, at vocab times the lookup's work")
     return Decline("user_not_dot", f"the gathered value feeds {names}, which the ring cannot apply block by block "
                                    f"(only layout ops and elementwise ops do), and reaches {describe_op(dot)} only "
                                    "through it")
