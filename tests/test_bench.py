@@ -445,3 +445,15 @@ def test_bench_megatron_smoke(tmp_path):
     assert set(results["runtime"]["over_original"]) == {
         "split-uni", "split-unroll2", "split-bidi", "chunk-2", "chunk-4", "chunk-8"}
     assert all(v > 0 for v in results["runtime"]["over_original"].values())
+
+
+def test_the_pass_profile_names_where_the_time_goes(tmp_path):
+    """``make bench`` saves the pass's cProfile (issue 35): the decorator's entry point and the
+    rewrite's phases appear, sorted both ways."""
+    from tools.bench import profile_pass
+
+    out = profile_pass(1, out=tmp_path / "profile.txt")
+    text = out.read_text()
+    assert text.startswith("# the pass on the sequence_parallel model at L = 1")
+    assert "rewrite_lowered" in text and "rewrite_sites" in text
+    assert "Ordered by: cumulative time" in text and "Ordered by: internal time" in text

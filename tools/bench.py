@@ -546,6 +546,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="timed runs per program for the layers against a hand-written ring (0: skip them)")
     parser.add_argument("--only-rings", action="store_true",
                         help="only the layers against a hand-written ring (default out: bench/results_rings.json)")
+    parser.add_argument("--only-profile", action="store_true",
+                        help="only the pass's profile at the largest --layers (bench/profile_*.txt)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     if args.quick:
@@ -557,6 +559,9 @@ def main(argv: list[str] | None = None) -> int:
         results["rings"] = ring_runtime(args.ring_runs)
         write_results(args.out or ROOT / "bench" / "results_rings.json", results)
         return 0
+    if args.only_profile:
+        profile_pass(max(args.layers))
+        return 0
     if args.only_megatron:  # with the sequence-parallel model's pass cost beside it, from the same run
         print("1. pass cost (sequence parallel)", flush=True)
         results["pass_cost"] = pass_cost(args.layers, [], args.repeats)
@@ -565,6 +570,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print("1. pass cost", flush=True)
     results["pass_cost"] = pass_cost(args.layers, args.variant_layers, args.repeats)
+    results["pass_cost"]["profile"] = str(profile_pass(max(args.layers)).relative_to(ROOT))
     print("2. CPU run time, rewritten / original (median of runs)", flush=True)
     results["samples"] = samples_runtime(args.runs, args.samples)
     results["layer"] = layer_runtime(args.layer_runs, *args.layer)
@@ -585,6 +591,33 @@ def main(argv: list[str] | None = None) -> int:
     print_targets(results["targets"])
     write_results(args.out or ROOT / "bench" / "results.json", results)
     return 0
+
+
+def profile_pass(layers: int, model: str = "sequence_parallel", out: Path | None = None) -> Path:
+    """cProfile of the pass as ``cmatmul_pass.jit`` runs it (a clone of jax's module, nothing
+    parsed or printed) on ``model`` at ``layers`` layers, after one warm-up run: where its time
+    goes, by cumulative and by own time (the profiler's overhead inflates the Python-heavy
+    functions; the totals are :func:`pass_cost`'s). Written as text to ``out``."""
+    import cProfile
+    import io
+    import pstats
+
+    fn, args = MODELS[model](layers)
+    lowered = fn.lower(*args)
+    rewrite_lowered(lowered, Options(), "bench")
+    profiler = cProfile.Profile()
+    profiler.enable()
+    rewrite_lowered(lowered, Options(), "bench")
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text).strip_dirs()
+    text.write(f"# the pass on the {model} model at L = {layers}, as cmatmul_pass.jit runs it; jax {jax.__version__}\n")
+    stats.sort_stats("cumulative").print_stats(40)
+    stats.sort_stats("tottime").print_stats(30)
+    out = out or ROOT / "bench" / f"profile_{model}_L{layers}.txt"
+    out.write_text(text.getvalue())
+    print(f"wrote {out}", flush=True)
+    return out
 
 
 def megatron(args) -> dict:
