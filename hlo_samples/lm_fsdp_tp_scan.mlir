@@ -186,7 +186,7 @@
 // GOLDEN-NEXT: %c_53 = stablehlo.constant dense<16> : tensor<ui32>
 // GOLDEN-NEXT: %c_54 = stablehlo.constant dense<4> : tensor<ui32>
 // GOLDEN-NEXT: %c_55 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %108 = "stablehlo.collective_permute"(%iterArg_50) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<1x16x32xf32>) -> tensor<1x16x32xf32>
+// GOLDEN-NEXT: %108 = "stablehlo.collective_permute"(%iterArg_50) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<1x16x32xf32>) -> tensor<1x16x32xf32>
 // GOLDEN-NEXT: %109 = stablehlo.add %iterArg_49, %c_55 : tensor<ui32>
 // GOLDEN-NEXT: %110 = stablehlo.add %59, %109 : tensor<ui32>
 // GOLDEN-NEXT: %111 = stablehlo.remainder %110, %c_54 : tensor<ui32>
@@ -287,7 +287,7 @@
 // GOLDEN-NEXT: %20 = stablehlo.dynamic_slice %arg21, %c, %c, %19, sizes = [1, 16, 16] : (tensor<1x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x16xf32>
 // GOLDEN-NEXT: %21 = stablehlo.dot_general %15, %20, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<1x16x64xf32>, tensor<1x16x16xf32>) -> tensor<64x16xf32>
 // GOLDEN-NEXT: %22 = stablehlo.transpose %21, dims = [1, 0] : (tensor<64x16xf32>) -> tensor<16x64xf32>
-// GOLDEN-NEXT: %23 = "stablehlo.collective_permute"(%22) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// GOLDEN-NEXT: %23 = "stablehlo.collective_permute"(%22) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
 // GOLDEN-NEXT: %24 = stablehlo.multiply %5, %c_0 : tensor<ui32>
 // GOLDEN-NEXT: %25 = stablehlo.dynamic_slice %arg21, %c, %c, %24, sizes = [1, 16, 16] : (tensor<1x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x16xf32>
 // GOLDEN-NEXT: %26 = stablehlo.dot_general %15, %25, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<1x16x64xf32>, tensor<1x16x16xf32>) -> tensor<64x16xf32>
