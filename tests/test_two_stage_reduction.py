@@ -142,3 +142,49 @@ def test_under_policy_auto_a_ring_that_pays_is_moved():
                                   cmatmul_pass.Options(policy="auto", hardware="h100"))
     entry = scatter_entry(result)
     assert entry.rewritten and entry.notes[0].startswith("moved before the psum"), entry.summary_line()
+
+
+def _simulate(a: np.ndarray, b: np.ndarray, psum_first: bool) -> dict[int, np.ndarray]:
+    """Each device's result of ``reduce_scatter(all_reduce(x, a), b)`` (``psum_first``) or of
+    ``all_reduce(reduce_scatter(x, b), a)``, on symbolic inputs: device d's x holds a one-hot
+    row per block, so the result counts which device's which block was summed."""
+    n, parts = int(a.size), b.shape[1]
+    x = {d: np.stack([np.eye(n * parts)[d * parts + k] for k in range(parts)]) for d in range(n)}
+    group_a = {int(d): [int(e) for e in row] for row in a for d in row}
+    group_b = {int(d): [int(e) for e in row] for row in b for d in row}
+
+    def psum(v, groups):
+        return {d: sum(v[e] for e in groups[d]) for d in v}
+
+    def scatter(v, groups):
+        return {d: sum(v[e] for e in groups[d])[groups[d].index(d)] for d in v}
+
+    return scatter(psum(x, group_a), group_b) if psum_first else psum(scatter(x, group_b), group_a)
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([(2, 4), (4, 2), (2, 2, 2), (8,), (1, 8), (2, 3)]), st.data())
+def test_the_groups_check_agrees_with_both_orders_computed(mesh_shape, data):
+    """For groups over random mesh axes (devices permuted at random, and each group's order
+    shuffled at times), ``commuting_groups`` says the two orders agree exactly when a simulation
+    of both gives every device the same sum."""
+    ids = np.array(data.draw(st.permutations(range(int(np.prod(mesh_shape)))))).reshape(mesh_shape)
+    axes = list(range(len(mesh_shape)))
+    pick_a = data.draw(st.lists(st.sampled_from(axes), min_size=1, max_size=len(axes), unique=True))
+    pick_b = data.draw(st.lists(st.sampled_from(axes), min_size=1, max_size=len(axes), unique=True))
+
+    def groups(picked):
+        rest = [ax for ax in axes if ax not in picked]
+        rows = np.transpose(ids, rest + picked).reshape(-1, int(np.prod([mesh_shape[ax] for ax in picked])))
+        if data.draw(st.booleans()):  # one group listed in another order
+            rows = rows.copy()
+            rows[0] = rows[0][::-1]
+        return rows
+
+    a, b = groups(pick_a), groups(pick_b)
+    before, after = _simulate(a, b, True), _simulate(a, b, False)
+    agree = all(np.array_equal(before[d], after[d]) for d in before)
+    assert (commuting_groups(a, b) is None) == agree, (a.tolist(), b.tolist())
