@@ -188,3 +188,25 @@ def test_the_groups_check_agrees_with_both_orders_computed(mesh_shape, data):
     before, after = _simulate(a, b, True), _simulate(a, b, False)
     agree = all(np.array_equal(before[d], after[d]) for d in before)
     assert (commuting_groups(a, b) is None) == agree, (a.tolist(), b.tolist())
+
+
+def test_a_reshape_between_the_psum_and_the_scatter_moves_with_the_scatter():
+    """``psum_scatter(..., tiled=False)`` lowers with a reshape between the psum and the scatter
+    (the rows split into [devices, rows / devices]): the reshape is the same on every device, so
+    it moves along, applied to the product, and the scatter still rings with the dot."""
+    def untiled(x, w):
+        y = jax.lax.psum(x @ w, "model")
+        return jax.lax.psum_scatter(y.reshape(2, 16, 16), "data", scatter_dimension=0, tiled=False)
+
+    f = jax.shard_map(untiled, mesh=MESH, in_specs=SPECS, out_specs=P("data"), check_vma=False)
+    args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(MESH, sp))
+            for s, sp in zip([(32, 64), (64, 16)], SPECS)]
+    text = jax.jit(f).lower(*args).as_text()
+    assert "stablehlo.reshape" in text
+    result = cmatmul_pass.rewrite(text)
+    entry = scatter_entry(result)
+    assert entry.rewritten and entry.notes[0].startswith("moved before the psum"), entry.summary_line()
+    (psum,) = ops(result.module, "stablehlo.all_reduce")
+    assert psum.operation.operands[0].owner.operation.name != "stablehlo.dot_general"
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()

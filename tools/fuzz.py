@@ -31,13 +31,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kind", action="append", help="only programs of this kind (repeatable): ag, rs, psum, ...")
     parser.add_argument("--norm", action="store_true", help="a norm's backward wherever the kind takes one (rs, psum)")
+    parser.add_argument("--two-stage", action="store_true",
+                        help="only scatters of a psum over another mesh axis (a reduction in two stages)")
     args = parser.parse_args(argv)
     tally = fuzz_programs.Tally()
     start = time.perf_counter()
 
     @seed(args.seed)
     @settings(max_examples=args.examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(fuzz_programs.specs(tuple(args.kind or ()), args.norm or None))
+    @given(fuzz_programs.specs(tuple(args.kind or ()), args.norm or None, args.two_stage))
     def campaign(spec):
         try:
             fuzz_programs.check(spec, tally)

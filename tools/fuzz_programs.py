@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import networkx as nx
 import numpy as np
-from hypothesis import strategies as st
+from hypothesis import assume, strategies as st
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import cmatmul_pass
@@ -91,6 +91,10 @@ class Spec:
     #: rs, psum with ``norm``: the gain's gradient (a sum over the rows) returned beside the sum,
     #: each device's own (no collective); False: the gain frozen, only the input gradient
     gain: bool = True
+    #: rs: a mesh axis the product is first psum'd over (the contraction sharded over it too), then
+    #: sum-scattered over ``axes``: a reduction in two stages, as an FSDP x TP gradient lowers;
+    #: the pass moves the scatter before the psum, onto the product ("": one stage)
+    first: str = ""
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -135,9 +139,12 @@ POINTWISE = ("residual", "bias", "rms", "ln", "tanh", "vary")
 
 
 @st.composite
-def specs(draw, kinds: tuple[str, ...] | None = None, norm: bool | None = None) -> Spec:
+def specs(draw, kinds: tuple[str, ...] | None = None, norm: bool | None = None, two_stage: bool = False) -> Spec:
     """A random program; ``kinds``: only those kinds (a targeted campaign, ``fuzz.py --kind``);
-    ``norm=True``: a norm's backward wherever the kind and dtype take one (``fuzz.py --norm``)."""
+    ``norm=True``: a norm's backward wherever the kind and dtype take one (``fuzz.py --norm``);
+    ``two_stage``: only scatters of a psum over another mesh axis (``fuzz.py --two-stage``)."""
+    if two_stage:
+        kinds = ("rs",)
     mesh_shape = draw(st.sampled_from(MESHES))
     size = math.prod(mesh_shape)
     devices = tuple(draw(st.permutations(range(8)))[:size])
@@ -182,6 +189,12 @@ def specs(draw, kinds: tuple[str, ...] | None = None, norm: bool | None = None) 
     )
     if spec.norm:
         spec = replace(spec, gain=draw(st.booleans()), cotangent=kind == "psum" and draw(st.booleans()))
+    others = [a for a in names if a not in axes]
+    if two_stage:
+        assume(others)
+        spec = replace(spec, partial_manual=False)
+    if kind == "rs" and others and not spec.partial_manual and (two_stage or draw(st.booleans())):
+        spec = replace(spec, first=draw(st.sampled_from(others)))
     if spec.grad and spec.partial_manual:
         # XLA CPU (jax 0.10.2) aborts compiling the *original* backward of a bf16 scan in a
         # partially manual region ("Invalid binary instruction opcode copy"): not a program to fuzz with
@@ -251,7 +264,9 @@ def build(spec: Spec):
         a_labels, b_labels = bl + "mk", bl + "kn"
         out = bl + ("mn" if spec.side == 0 else "nm")
         expr = _einsum(a_labels, b_labels, spec.side, out)
-        glob = dict(sizes, k=k * n)
+        contraction = ((spec.first,) if spec.first else ()) + axes  # the k dim's axes
+        first_size = spec.mesh_shape[spec.names.index(spec.first)] if spec.first else 1
+        glob = dict(sizes, k=k * n * first_size)
         glob[spec.dim] = sizes[spec.dim] * n
         a_shape = [glob[c] for c in a_labels]
         b_shape = [glob[c] for c in b_labels]
@@ -268,6 +283,8 @@ def build(spec: Spec):
                 prod = prod * jnp.asarray(3, prod.dtype)
             if spec.norm:
                 prod, gain = _norm_backward(prod, normed.astype(prod.dtype), d)
+            if spec.first:
+                prod = jax.lax.psum(prod, spec.first)
             if spec.tiled:
                 scattered = jax.lax.psum_scatter(prod, axes, scatter_dimension=d, tiled=True)
             else:
@@ -275,13 +292,13 @@ def build(spec: Spec):
                 scattered = jax.lax.psum_scatter(prod.reshape(split), axes, scatter_dimension=d, tiled=False)
             return (scattered, gain[None]) if spec.norm and spec.gain else scattered
 
-        args = [(a_shape, _spec_at(len(a_shape), a_labels.index("k"), axes)),
-                (b_shape, _spec_at(len(b_shape), b_labels.index("k"), axes))] * spec.consumers
+        args = [(a_shape, _spec_at(len(a_shape), a_labels.index("k"), contraction)),
+                (b_shape, _spec_at(len(b_shape), b_labels.index("k"), contraction))] * spec.consumers
         if spec.norm:  # the normed input: the product's shape, the same on every device
             args.append(([glob[c] for c in out], P()))
         if spec.norm and spec.gain:
             gain_rank = len(out)  # [devices, the product's dims but the rows]: each device's own sum
-            return body, args, (_spec_at(len(out), d, axes), _spec_at(gain_rank, 0, axes))
+            return body, args, (_spec_at(len(out), d, axes), _spec_at(gain_rank, 0, contraction))
         return body, args, _spec_at(len(out), d, axes)
 
     if spec.kind == "chain":

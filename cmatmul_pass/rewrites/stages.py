@@ -139,10 +139,22 @@ def commuting_groups(a: np.ndarray, b: np.ndarray) -> str | None:
     return None
 
 
-def swap_plan(rs: ir.OpView, info: ModuleInfo) -> ir.OpView | str | None:
-    """The psum a reduce_scatter ``rs`` may move before (the all_reduce it reads, whose only
-    reader it is), why it may not, or None (``rs`` does not read a psum).  Builds nothing."""
+#: ops between the psum and the scatter that the move carries along: the same permutation of
+#: elements on every device, so they commute with a sum across devices
+_CARRIED = frozenset({"stablehlo.reshape", "stablehlo.transpose"})
+
+
+def swap_plan(rs: ir.OpView, info: ModuleInfo) -> tuple[ir.OpView, list[ir.OpView]] | str | None:
+    """The psum a reduce_scatter ``rs`` may move before (the all_reduce it reads, through
+    reshapes and transposes, each read only on the way), with those ops in program order; why
+    it may not; or None (``rs`` does not read a psum).  Builds nothing."""
+    chain: list[ir.OpView] = []
     owner = rs.operation.operands[0].owner
+    while not isinstance(owner, ir.Block) and owner.operation.name in _CARRIED:
+        if len(list(owner.operation.results[0].uses)) != 1:
+            return None
+        chain.insert(0, owner.operation.opview)
+        owner = owner.operation.operands[0].owner
     if isinstance(owner, ir.Block) or owner.operation.name != ALL_REDUCE:
         return None
     ar = owner.operation.opview
@@ -150,7 +162,7 @@ def swap_plan(rs: ir.OpView, info: ModuleInfo) -> ir.OpView | str | None:
         return None
     if len(list(ar.result.uses)) != 1:
         return "the psum's result is also read elsewhere, so it must stay whole"
-    if ar.operation.block != rs.operation.block:
+    if any(op.operation.block != rs.operation.block for op in (ar, *chain)):
         return "the psum and the scatter are in different blocks"
     if any("use_global_device_ids" not in op.operation.attributes for op in (ar, rs)):
         return "a stage does not name its groups by global device ids"
@@ -160,39 +172,52 @@ def swap_plan(rs: ir.OpView, info: ModuleInfo) -> ir.OpView | str | None:
     except Decline as declined:
         return declined.message
     why = commuting_groups(a, b)
-    return why if why else ar
+    return why if why else (ar, chain)
 
 
-def swap(rs: ir.OpView, ar: ir.OpView) -> tuple[ir.OpView, ir.OpView, ir.OpView]:
-    """Build ``all_reduce(reduce_scatter(x))`` for ``rs`` = ``reduce_scatter(all_reduce(x))``
-    (as :func:`swap_plan` found them) before ``rs``, each with its original's groups, channel
-    handle and location.  Nothing reads the pair yet, and ``ar`` reads a zero placeholder instead
-    of ``x`` meanwhile, so that the new scatter is ``x``'s one reader, as it will be: returns
-    (scatter, psum, placeholder), for :func:`commit` or :func:`undo`."""
-    x = ar.operation.operands[0]
-    dim = ir_utils.int_attr(rs.operation, "scatter_dimension")
-    with ir.InsertionPoint(rs.operation):
-        scatter = hlo.ReduceScatterOp(rs.result.type, x, dim, rs.attributes["replica_groups"],
-                                      channel_handle=rs.attributes["channel_handle"],
-                                      use_global_device_ids=True, loc=rs.location)
-        sum_region(scatter, rs.location)
-        psum = hlo.AllReduceOp([rs.result.type], [scatter.result], ar.attributes["replica_groups"],
-                               channel_handle=ar.attributes["channel_handle"],
-                               use_global_device_ids=True, loc=ar.location)
-        sum_region(psum, ar.location)
-    with ir.InsertionPoint(ar.operation):
-        placeholder = hlo.ConstantOp(zeros_attr(ir.RankedTensorType(x.type)), loc=ar.location)
-    ar.operation.operands[0] = placeholder.result
-    return scatter, psum, placeholder
+class Swap:
+    """``all_reduce(reduce_scatter(L(x)))`` built beside ``rs`` = ``reduce_scatter(L(all_reduce(x)))``
+    (as :func:`swap_plan` found them; ``L``: its reshapes and transposes, cloned), each collective
+    with its original's groups, channel handle and location.  Nothing reads the new pair yet,
+    and ``ar`` reads a zero placeholder instead of ``x`` meanwhile, so that ``x``'s one reader is
+    the moved chain, as it will be; then :meth:`keep` or :meth:`undo`."""
 
+    def __init__(self, rs: ir.OpView, ar: ir.OpView, chain: list[ir.OpView]):
+        self.rs, self.ar, self.chain = rs, ar, chain
+        x = ar.operation.operands[0]
+        dim = ir_utils.int_attr(rs.operation, "scatter_dimension")
+        with ir.InsertionPoint(rs.operation):
+            self.clones = ir_utils.clone_mapped(chain, {ar.result: x})
+            read = self.clones[-1].results[0] if self.clones else x
+            self.scatter = hlo.ReduceScatterOp(rs.result.type, read, dim, rs.attributes["replica_groups"],
+                                               channel_handle=rs.attributes["channel_handle"],
+                                               use_global_device_ids=True, loc=rs.location)
+            sum_region(self.scatter, rs.location)
+            self.psum = hlo.AllReduceOp([rs.result.type], [self.scatter.result], ar.attributes["replica_groups"],
+                                        channel_handle=ar.attributes["channel_handle"],
+                                        use_global_device_ids=True, loc=ar.location)
+            sum_region(self.psum, ar.location)
+        with ir.InsertionPoint(ar.operation):
+            self.placeholder = hlo.ConstantOp(zeros_attr(ir.RankedTensorType(x.type)), loc=ar.location)
+        self.x = x
+        ar.operation.operands[0] = self.placeholder.result
 
-def undo(ar: ir.OpView, scatter: ir.OpView, psum: ir.OpView, placeholder: ir.OpView) -> None:
-    """Put the module back as it was (``rs``'s readers still read it): ``ar`` reads ``x`` again;
-    the unread pair and the placeholder are erased."""
-    ar.operation.operands[0] = scatter.operation.operands[0]
-    psum.operation.erase()
-    scatter.operation.erase()
-    placeholder.operation.erase()
+    def redirect(self) -> None:
+        """``rs``'s readers read the moved pair's psum (as they will if it is kept)."""
+        self.rs.result.replace_all_uses_with(self.psum.result)
+
+    def keep(self) -> None:
+        """The moved pair stays (holding the original's channel handles): the original goes."""
+        for op in [self.rs, *reversed(self.chain), self.ar, self.placeholder]:
+            op.operation.erase()
+
+    def undo(self) -> None:
+        """Put the module back as it was: ``rs``'s readers read it again, ``ar`` reads ``x``,
+        and the moved ops and the placeholder are erased."""
+        self.psum.result.replace_all_uses_with(self.rs.result)
+        self.ar.operation.operands[0] = self.x
+        for op in [self.psum, self.scatter, *reversed(self.clones), self.placeholder]:
+            op.operation.erase()
 
 
 def swap_reductions(scatters: list, all_reduces: list, info: ModuleInfo, source: str | None,
@@ -211,10 +236,10 @@ def swap_reductions(scatters: list, all_reduces: list, info: ModuleInfo, source:
         if isinstance(planned, str):
             kept[id(rs)] = planned
             continue
-        ar = planned
-        scatter, psum, placeholder = swap(rs, ar)
-        if isinstance(match_reduce_scatter(scatter, info), DeclinedSite):
-            undo(ar, scatter, psum, placeholder)  # no ring for the product either way: the program stays as written
+        ar, chain = planned
+        moved = Swap(rs, ar, chain)
+        if isinstance(match_reduce_scatter(moved.scatter, info), DeclinedSite):
+            moved.undo()  # no ring for the product either way: the program stays as written
             continue
         where = ir_utils.render_location(ar.location, source)
         groups = replica_groups(ar.attributes["replica_groups"], info).tolist()
@@ -223,16 +248,13 @@ def swap_reductions(scatters: list, all_reduces: list, info: ModuleInfo, source:
         note = (f"moved before the psum at {where} (over {groups}): a sum over one set of devices and a scatter over "
                 f"another commute, so this scatter takes the product and the psum then sums this device's 1/{parts} "
                 f"of it ({after} B instead of {before} B per device)")
-        rs.result.replace_all_uses_with(psum.result)  # as it will stay if the ring is built
-        why = ring(scatter, note)
+        moved.redirect()
+        why = ring(moved.scatter, note)
         if why is None:
             all_reduces[:] = [op for op in all_reduces if op.operation != ar.operation]
             scatters[:] = [op for op in scatters if op.operation != rs.operation]
-            rs.operation.erase()
-            ar.operation.erase()
-            placeholder.operation.erase()
+            moved.keep()
         else:
-            psum.result.replace_all_uses_with(rs.result)
-            undo(ar, scatter, psum, placeholder)
+            moved.undo()
             kept[id(rs)] = f"its ring there would not be built either: {why}"
     return kept
