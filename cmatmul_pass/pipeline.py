@@ -418,11 +418,15 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
                         report.sites[-1].cost["two_stage"] = choice.pricing.to_dict()
                     continue
                 moved = _move_gather(site, info, variance, ctx, source, options)
+                unmoved = moved if isinstance(moved, str) else None  # why the row-wise ops were not moved past
+                moved = None if unmoved else moved
                 sunk = not_sunk.get(id(op)) if moved is None else None
                 if moved is None:
                     entry = apply(site)
                     if sunk:  # a gather feeding a loop that could not take it: say what stopped it
                         entry.reason += f"; not sunk into the loop: {sunk}"
+                    if unmoved and not entry.rewritten:
+                        entry.reason += f"; not moved to its dot: {unmoved}"
                     if isinstance(merged, _TwoStage):  # the cost model's choice, or why the stages cannot merge
                         entry.reason = merged.reason
                     report.sites.append(entry)

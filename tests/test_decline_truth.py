@@ -133,3 +133,35 @@ def test_a_gathered_table_looked_up_in_says_so_and_its_one_hot_form_is_rewritten
     assert entry.rewritten and "contracting" in entry.summary_line(), entry.summary_line()
     outcome = execute.check_numerics(ir_utils.parse(text), result.module)
     assert outcome.ok, outcome.format()
+
+
+def test_a_gather_not_moved_past_its_norm_says_why():
+    """rs_norm_backward: the forward's row gather reaches its dot through an RMS norm; the pass
+    would move it past the norm, but the gathered rows also leave the region whole (the
+    backward's residual), so they would cross the wire twice: the reason says that, where it
+    said only what the ring cannot apply."""
+    result = cmatmul_pass.rewrite(sample("rs_norm_backward").read_text())
+    (entry,) = [s for s in result.report.sites if s.location.endswith(":287:13")]
+    assert entry.reason_code == "layout"
+    assert entry.reason.endswith("; not moved to its dot: moved past the row-wise ops to its dot, it would still be "
+                                 "gathered whole for sdy.return at <input>:343:7 (not a dot), so the rows would "
+                                 "cross the wire twice"), entry.reason
+
+
+def test_a_gather_whose_move_would_gather_more_bytes_says_so():
+    """The norm of the gathered rows and its tanh each feed a dot: moved past them, both results
+    would need a gather, twice the bytes, so the gather stays and says so."""
+    m = jax.make_mesh((8,), ("m",))
+
+    def body(x, w1, w2):
+        h = jax.lax.all_gather(x, "m", axis=0, tiled=True)
+        a = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6)
+        return a @ w1 + jnp.tanh(a) @ w2
+
+    f = jax.shard_map(body, mesh=m, in_specs=(P("m"), P(), P()), out_specs=P(), check_vma=False)
+    args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(m, sp))
+            for s, sp in [((64, 32), P("m")), ((32, 16), P()), ((32, 16), P())]]
+    (entry,) = cmatmul_pass.rewrite(jax.jit(f).lower(*args).as_text()).report.sites
+    assert not entry.rewritten
+    assert entry.reason.endswith("; not moved to its dot: moved past the row-wise ops, 2 of their results would each "
+                                 "be gathered for its dots, more bytes than the one gather moves now"), entry.reason

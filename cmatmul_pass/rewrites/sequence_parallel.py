@@ -110,22 +110,30 @@ def carry_forward(seeds: list[Seed], variance: Variance, take_channel, constants
 
 
 def move_gather_forward(seed: Seed, variance: Variance, take_channel, constants: dict, source: str | None
-                        ) -> Carry | None:
+                        ) -> Carry | str | None:
     """A program's own all_gather whose value reaches its dots only through row-wise ops (a norm
     of the gathered rows, a convert, a bias): run those ops on this device's rows and gather
     their results just before the dots, ``op(all_gather(x)) == all_gather(op(x))`` for an op that
     works row by row along the gathered dim and reads nothing else that differs between the
     group's devices.  Built only when some op moves, every gather left is read by a
     ``dot_general`` (an all_gather → dot site) and no more bytes are gathered than before;
-    otherwise None, and the module is untouched."""
+    otherwise why not (None: no row-wise op to move past), and the module is untouched."""
     block = seed.all_gather.operation.block
     plan = _Plan.of(block, [seed], variance)
     if not plan.roles:
         return None
     readers = plan.outside_readers(block)
-    if not readers or plan.over_budget(readers) or \
-            any(reader.name != "stablehlo.dot_general" for reader in readers.values()):
+    if not readers:
         return None
+    others = [reader for reader in readers.values() if reader.name != "stablehlo.dot_general"]
+    if others:
+        where = ", ".join(dict.fromkeys(f"{r.name} at {ir_utils.render_location(r.location, source)}"
+                                        for r in others))
+        return (f"moved past the row-wise ops to its dot, it would still be gathered whole for {where} (not a "
+                "dot), so the rows would cross the wire twice")
+    if plan.over_budget(readers):
+        return (f"moved past the row-wise ops, {len(readers)} of their results would each be gathered for its dots, "
+                "more bytes than the one gather moves now")
     carry = Carry()
     _build(plan, readers, block, take_channel, constants, source, carry)
     return carry
