@@ -204,6 +204,8 @@ class _Replay:
         self.source = source
         self.locations, _ = group.twin_before
         self.recipe = recipe
+        #: how many ops of the twin's copy hold a channel handle
+        self.channels = sum(1 for _, channel in recipe if channel) if recipe else 0
         first: dict = {}  # a twin location -> the first place it is at
         # places locating like an earlier place in the twin: a region must locate them alike too
         self.alike: list[tuple[int, int]] = []
@@ -242,33 +244,47 @@ class _Replay:
 
     def into(self, region: ir.Operation, take_channel: Callable[[], int]) -> list[SiteReport] | None:
         """Replace ``region`` by a copy of the twin with its operands and locations; its report
-        entries, or None (``region`` left as it was) where a location cannot be mapped."""
-        relocation = self._relocation(_locations(region))
-        if relocation is None or self.recipe is None:
+        entries, or None (``region`` left as it was) where a location cannot be mapped.
+
+        A region located exactly as the twin (layers written as a Python loop over one block
+        function: every layer's ops come from the same source lines) keeps the copy's locations
+        as they are, and its entries are the twin's but for channel handles."""
+        locations = _locations(region)
+        same = locations == self.locations
+        relocation = None if same else self._relocation(locations)
+        if (relocation is None and not same) or self.recipe is None:
             return None
         copy = self.twin.clone(ir.InsertionPoint(region)).operation
         handles: dict[int, int] = {}
         steps = iter(self.recipe)
-        locate = relocation.ir
+        locate = relocation.ir if relocation else None
+        left = [self.channels]  # channel ops still to come: a located-alike copy's walk stops after the last
 
         def visit(op: ir.Operation) -> ir.WalkResult:
             where, channel = next(steps)
-            if where is not None:
+            if where is not None and locate is not None:
                 op.location = locate(where)
             if channel:  # a fresh handle for every channel op
                 attrs = op.attributes
                 old = hlo.ChannelHandle(attrs["channel_handle"])
                 handles[old.handle] = take_channel()
                 attrs["channel_handle"] = hlo.ChannelHandle.get(handles[old.handle], old.channel_type)
+                left[0] -= 1
+                if locate is None and not left[0]:
+                    return ir.WalkResult.INTERRUPT
             return ir.WalkResult.ADVANCE
 
-        copy.walk(visit, ir.WalkOrder.PRE_ORDER)
+        if locate is not None or self.channels:
+            copy.walk(visit, ir.WalkOrder.PRE_ORDER)
         for index, value in enumerate(region.operands):
             copy.operands[index] = value
         for old, new in zip(region.results, copy.results):
             old.replace_all_uses_with(new)
         region.erase()
+        if same:
+            return [template.make_same(handles) for template in self.templates]
         return [template.make(relocation.text, handles) for template in self.templates]
+
 
     def _relocation(self, locations: list[ir.Location]) -> "_Relocation | None":
         if len(locations) != len(self.locations):
@@ -352,6 +368,17 @@ class _Template:
         # kept serialised: each entry gets its own copy of every list and dict, in one C call
         self.data = marshal.dumps(data)
         self.holes = holes  # paths into data of strings holding locations: (path, parts)
+        self.same: bytes | None = None  # the entry with the twin's own strings (make_same), once made
+
+    def make_same(self, handles: dict[int, int]) -> SiteReport:
+        """:meth:`make` for a region located as the twin: its strings are the twin's."""
+        if self.same is None:
+            self.same = marshal.dumps(vars(self.make(lambda rendered: rendered, {})))
+        data = marshal.loads(self.same)
+        data["channel_handles"] = [handles.get(h, h) for h in data["channel_handles"]]
+        entry = SiteReport.__new__(SiteReport)
+        entry.__dict__.update(data)
+        return entry
 
     def make(self, text: Callable[[str], str], handles: dict[int, int]) -> SiteReport:
         data = marshal.loads(self.data)
