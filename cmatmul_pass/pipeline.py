@@ -309,9 +309,9 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
             # ringed there (first: the psum would otherwise be split, its ring and gather ahead
             # of the scatter)
 
-            def ring_moved(scatter: ir.OpView, note: str) -> str | None:
-                since, region = len(report.sites), region_of(scatter)
-                entry = apply(match_reduce_scatter(scatter, info))
+            def ring_moved(site: ReduceScatterSite, note: str) -> str | None:
+                since, region = len(report.sites), region_of(site.anchor)
+                entry = apply(site)
                 if not entry.rewritten:
                     return entry.reason
                 entry.notes.insert(0, note)

@@ -285,7 +285,6 @@ class _Replay:
             return [template.make_same(handles) for template in self.templates]
         return [template.make(relocation.text, handles) for template in self.templates]
 
-
     def _relocation(self, locations: list[ir.Location]) -> "_Relocation | None":
         if len(locations) != len(self.locations):
             return None
@@ -374,11 +373,7 @@ class _Template:
         """:meth:`make` for a region located as the twin: its strings are the twin's."""
         if self.same is None:
             self.same = marshal.dumps(vars(self.make(lambda rendered: rendered, {})))
-        data = marshal.loads(self.same)
-        data["channel_handles"] = [handles.get(h, h) for h in data["channel_handles"]]
-        entry = SiteReport.__new__(SiteReport)
-        entry.__dict__.update(data)
-        return entry
+        return _entry(marshal.loads(self.same), handles)
 
     def make(self, text: Callable[[str], str], handles: dict[int, int]) -> SiteReport:
         data = marshal.loads(self.data)
@@ -387,10 +382,15 @@ class _Template:
             for key in path[:-1]:
                 target = target[key]
             target[path[-1]] = "".join(text(piece) if kind == "loc" else piece for kind, piece in parts)
-        data["channel_handles"] = [handles.get(h, h) for h in data["channel_handles"]]
-        entry = SiteReport.__new__(SiteReport)
-        entry.__dict__.update(data)
-        return entry
+        return _entry(data, handles)
+
+
+def _entry(data: dict, handles: dict[int, int]) -> SiteReport:
+    """The report entry of ``data`` (a template's fields), its channel handles renamed by ``handles``."""
+    data["channel_handles"] = [handles.get(h, h) for h in data["channel_handles"]]
+    entry = SiteReport.__new__(SiteReport)
+    entry.__dict__.update(data)
+    return entry
 
 
 def _template(entry: SiteReport, pattern: re.Pattern | None) -> _Template:

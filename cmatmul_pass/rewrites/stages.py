@@ -24,7 +24,7 @@ from .. import ir_utils
 from .._jax_private import hlo, ir
 from ..errors import Decline
 from ..matchers.common import DeclinedSite, ModuleInfo, replica_groups
-from ..matchers.reduce_scatter import match_reduce_scatter, region_is_sum
+from ..matchers.reduce_scatter import ReduceScatterSite, match_reduce_scatter, region_is_sum
 from ..report import tensor_bytes
 from .builders import zeros_attr
 from .dot_all_reduce import sum_region
@@ -144,10 +144,12 @@ def commuting_groups(a: np.ndarray, b: np.ndarray) -> str | None:
 _CARRIED = frozenset({"stablehlo.reshape", "stablehlo.transpose"})
 
 
-def swap_plan(rs: ir.OpView, info: ModuleInfo) -> tuple[ir.OpView, list[ir.OpView]] | str | None:
+def swap_plan(rs: ir.OpView, info: ModuleInfo
+              ) -> tuple[ir.OpView, list[ir.OpView], np.ndarray, np.ndarray] | str | None:
     """The psum a reduce_scatter ``rs`` may move before (the all_reduce it reads, through
-    reshapes and transposes, each read only on the way), with those ops in program order; why
-    it may not; or None (``rs`` does not read a psum).  Builds nothing."""
+    reshapes and transposes, each read only on the way), with those ops in program order and
+    the psum's and the scatter's groups; why it may not; or None (``rs`` does not read a psum).
+    Builds nothing."""
     chain: list[ir.OpView] = []
     owner = rs.operation.operands[0].owner
     while not isinstance(owner, ir.Block) and owner.operation.name in _CARRIED:
@@ -172,7 +174,7 @@ def swap_plan(rs: ir.OpView, info: ModuleInfo) -> tuple[ir.OpView, list[ir.OpVie
     except Decline as declined:
         return declined.message
     why = commuting_groups(a, b)
-    return why if why else (ar, chain)
+    return why if why else (ar, chain, a, b)
 
 
 class Swap:
@@ -221,11 +223,11 @@ class Swap:
 
 
 def swap_reductions(scatters: list, all_reduces: list, info: ModuleInfo, source: str | None,
-                    ring: Callable[[ir.OpView, str], str | None]) -> dict[int, str]:
+                    ring: Callable[[ReduceScatterSite, str], str | None]) -> dict[int, str]:
     """Move each scatter of ``scatters`` that reads a psum before it, where the two commute and
-    the moved scatter's ring is built: ``ring(scatter, note)`` matches and rewrites the moved
-    scatter (reporting it with ``note``), and returns None, or why it did not.  Where it did not, or the moved
-    scatter is no dot → reduce_scatter site at all, the module is put back as it was.  The lists
+    the moved scatter's ring is built: ``ring(site, note)`` rewrites the moved scatter's site
+    (reporting it with ``note``), and returns None, or why it did not.  Where it did not, or
+    the moved scatter is no dot → reduce_scatter site at all, the module is put back as it was.  The lists
     lose the moved pairs (their sites are done); returns why each other scatter of a psum was not
     moved (by id: the scatter's own site is then matched as it stands)."""
     kept: dict[int, str] = {}
@@ -236,20 +238,20 @@ def swap_reductions(scatters: list, all_reduces: list, info: ModuleInfo, source:
         if isinstance(planned, str):
             kept[id(rs)] = planned
             continue
-        ar, chain = planned
+        ar, chain, groups, scatter_groups = planned
         moved = Swap(rs, ar, chain)
-        if isinstance(match_reduce_scatter(moved.scatter, info), DeclinedSite):
+        site = match_reduce_scatter(moved.scatter, info)
+        if isinstance(site, DeclinedSite):
             moved.undo()  # no ring for the product either way: the program stays as written
             continue
         where = ir_utils.render_location(ar.location, source)
-        groups = replica_groups(ar.attributes["replica_groups"], info).tolist()
-        parts = len(replica_groups(rs.attributes["replica_groups"], info)[0])
+        groups, parts = groups.tolist(), len(scatter_groups[0])
         before, after = tensor_bytes(ar.result.type), tensor_bytes(rs.result.type)
         note = (f"moved before the psum at {where} (over {groups}): a sum over one set of devices and a scatter over "
                 f"another commute, so this scatter takes the product and the psum then sums this device's 1/{parts} "
                 f"of it ({after} B instead of {before} B per device)")
         moved.redirect()
-        why = ring(moved.scatter, note)
+        why = ring(site, note)
         if why is None:
             all_reduces[:] = [op for op in all_reduces if op.operation != ar.operation]
             scatters[:] = [op for op in scatters if op.operation != rs.operation]
