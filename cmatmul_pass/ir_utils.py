@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import contextvars
 import io
 
@@ -139,9 +141,12 @@ def clone_mapped(ops, mapping: dict) -> list[ir.Operation]:
     return clones
 
 
-def ops_named(op: ir.Operation | ir.OpView, *names: str) -> dict[str, list[ir.OpView]]:
-    """The operations of ``op``'s tree (``op`` included) with each of ``names``, in pre-order:
-    one walk for all."""
+def ops_named(op: ir.Operation | ir.OpView, *names: str,
+              skip: Callable[[ir.Operation], bool] | None = None) -> dict[str, list[ir.OpView]]:
+    """The operations of ``op``'s tree (``op`` included) with each of ``names``: one walk for
+    all.  In MLIR's walk order (post-order: the ops nested in an op before it); with ``skip``,
+    in pre-order, and the ops nested in an op for which ``skip`` is true are left out (the op
+    itself is not)."""
     found: dict[str, list[ir.OpView]] = {name: [] for name in names}
 
     def visit(child: ir.Operation) -> ir.WalkResult:
@@ -150,7 +155,14 @@ def ops_named(op: ir.Operation | ir.OpView, *names: str) -> dict[str, list[ir.Op
             bucket.append(child.opview)
         return ir.WalkResult.ADVANCE
 
-    op.operation.walk(visit)
+    def visit_or_skip(child: ir.Operation) -> ir.WalkResult:
+        visit(child)
+        return ir.WalkResult.SKIP if skip(child) else ir.WalkResult.ADVANCE
+
+    if skip is None:
+        op.operation.walk(visit)
+    else:
+        op.operation.walk(visit_or_skip, ir.WalkOrder.PRE_ORDER)
     return found
 
 

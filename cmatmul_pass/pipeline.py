@@ -248,7 +248,10 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
     # Unknown is only the default for type construction; every op gets an explicit loc.
     with module.context, ir.Location.unknown():
         names = ("func.call", *ir_utils.CHANNEL_OPS, replay.MANUAL, "stablehlo.while")
-        found = ir_utils.ops_named(module, *names)
+        # identical layers: all but three are left for replay (cmatmul_pass.replay), and not walked;
+        # it needs ring sharing (the copies call the twin's ring functions) and one verification
+        replayable = options.share_rings and not options.annotate_streams and not verify_each
+        found, layers = replay.walk(module, names, replayable)
         # jax 0.10's scan bodies in functions holding collectives: inline, as later jax lowers them
         if options.policy == "all" and found["stablehlo.while"] and inline_scan_bodies(found):
             found = ir_utils.ops_named(module, *names)
@@ -282,9 +285,7 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
             report.sites.append(entry)
 
         variance = Variance(info)
-        # identical layers: all but three are left for replay (cmatmul_pass.replay), which needs
-        # the twin's and the probe's report entries, and the regions whose gathers compete
-        layers = replay.plan(found) if rings is not None and not verify_each else None
+        # replay needs the twin's and the probe's report entries, and the regions whose gathers compete
         regions_of: dict[int, ir.Block] = {}  # an entry (by id) -> its region's body
         competing: set = set()
 
@@ -443,10 +444,10 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
         if layers is None:
             rewrite_sites(found)
         else:
-            rewrite_sites(layers.without_deferred(found))
+            rewrite_sites(found)
             leftover = layers.finish(report, regions_of, competing, ctx.take_channel, source)
             if leftover:  # a group whose probe differed from its twin: its other regions the usual way
-                rewrite_sites(layers.only(leftover, found))
+                rewrite_sites(layers.only(leftover, names))
         if report.rewritten:
             ctx.annotator.finish()
             _verify(module, None)

@@ -117,28 +117,12 @@ class Plan:
         top = self.top_level(op)
         return top if top in self.checked else None
 
-    def without_deferred(self, found: dict[str, list]) -> dict[str, list]:
-        """``found`` less the ops inside the regions left for replay (kept aside for :meth:`only`)."""
-        kept: dict[str, list] = {}
-        self._held: dict[ir.Operation, dict[str, list]] = {}
-        for name, ops in found.items():
-            kept[name] = ops if name == "func.call" else []
-            if name == "func.call":
-                continue
-            for op in ops:
-                top = self.top_level(op)
-                if top in self.deferred:
-                    self._held.setdefault(top, {}).setdefault(name, []).append(op)
-                else:
-                    kept[name].append(op)
-        return kept
-
-    def only(self, regions: list[ir.Operation], found: dict[str, list]) -> dict[str, list]:
-        """The ops of ``found`` that :meth:`without_deferred` held back from ``regions``
-        (func.call: all, as the pipeline's module facts need)."""
-        out = {name: (ops if name == "func.call" else []) for name, ops in found.items()}
+    def only(self, regions: list[ir.Operation], names: tuple[str, ...]) -> dict[str, list]:
+        """The ops named ``names`` in ``regions`` (left for replay, so not walked before), in
+        pre-order, region by region."""
+        out: dict[str, list] = {name: [] for name in names}
         for region in regions:
-            for name, ops in self._held.get(_body(region), {}).items():
+            for name, ops in ir_utils.ops_named(region, *names).items():
                 out[name] += ops
         return out
 
@@ -434,13 +418,35 @@ def _handles(region: ir.Operation) -> list[int]:
     return found
 
 
-def plan(found: dict[str, list[ir.OpView]]) -> Plan | None:
-    """The groups of identical top-level regions among ``found["sdy.manual_computation"]``, or
-    None when nothing is to be replayed (``found`` must also hold ``stablehlo.while``)."""
+def walk(module: ir.Module, names: tuple[str, ...], replayable: bool) -> tuple[dict[str, list[ir.OpView]], Plan | None]:
+    """The ops named ``names`` (which must hold ``stablehlo.while``), as
+    :func:`ir_utils.ops_named` gives them, and the plan.  With ``replayable``, identical top-level regions are grouped first and the walk
+    skips those left for replay: they print as their twin does, so they hold the same ops,
+    channel handles and callees, and the pipeline never reads them before they are replaced
+    (:meth:`Plan.only` walks them where the probe disagrees).  A module with a loop is not
+    replayed, and is walked whole."""
+    layers = plan(_top_level_regions(module)) if replayable else None
+    if layers is None:
+        return ir_utils.ops_named(module, *names), None
+    deferred = layers.deferred
+    # a loop aside, the ops asked for never nest in one another: their lists come out as a whole walk's
+    found = ir_utils.ops_named(module, *names, skip=lambda op: op.name == MANUAL and _body(op) in deferred)
     if found["stablehlo.while"]:
-        return None
-    regions = [op.operation for op in found[MANUAL]
-               if op.operation.parent is not None and op.operation.parent.name == "func.func"]
+        return ir_utils.ops_named(module, *names), None
+    return found, layers
+
+
+def _top_level_regions(module: ir.Module) -> list[ir.Operation]:
+    """The ``sdy.manual_computation`` ops directly in a function's body, in program order."""
+    return [op.operation
+            for f in module.body.operations if f.operation.name == "func.func"
+            for block in f.regions[0].blocks
+            for op in block.operations if op.operation.name == MANUAL]
+
+
+def plan(regions: list[ir.Operation]) -> Plan | None:
+    """The groups of identical regions among ``regions`` (top-level, in program order), or None
+    when nothing is to be replayed."""
     if len(regions) < MIN_MEMBERS:
         return None
     by_body: dict[bytes, list[ir.Operation]] = {}

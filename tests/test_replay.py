@@ -129,7 +129,8 @@ def test_a_region_whose_locations_do_not_map_is_rewritten_the_usual_way(lowered,
 
 
 def test_modules_with_loops_are_not_replayed(monkeypatch):
-    """A scan over layers: one region anyway, and sinking moves gathers across loops."""
+    """Sinking and hoisting move collectives across loops and regions: identical regions each
+    holding a scan are not replayed, and are walked whole."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -143,12 +144,35 @@ def test_modules_with_loops_are_not_replayed(monkeypatch):
     def block(h, w):
         return jax.lax.scan(layer, h, w)[0]
 
-    f = jax.shard_map(block, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)
+    region = jax.shard_map(block, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)
+
+    def f(h, w):
+        for _ in range(replay.MIN_MEMBERS + 1):  # a group, were it not for the loops
+            h = region(h, w)
+        return h
+
     replicated = NamedSharding(mesh, P())
     text = jax.jit(f).lower(jax.ShapeDtypeStruct((16, 32), jnp.float32, sharding=replicated),
                             jax.ShapeDtypeStruct((4, 32, 32), jnp.float32, sharding=replicated)).as_text()
     module = ir_utils.parse(text)
     with module.context:
-        found = ir_utils.ops_named(module, replay.MANUAL, "stablehlo.while")
-        assert found["stablehlo.while"]
-        assert replay.plan(found) is None
+        names = (replay.MANUAL, "stablehlo.while")
+        regions = replay._top_level_regions(module)
+        assert len(regions) == replay.MIN_MEMBERS + 1 and replay.plan(regions) is not None
+        found, layers = replay.walk(module, names, replayable=True)
+        assert layers is None
+        assert len(found["stablehlo.while"]) == len(regions)  # walked whole
+        assert found == ir_utils.ops_named(module, *names)
+
+
+@pytest.mark.parametrize("model", list(bench.MODELS))
+def test_the_walk_leaves_out_only_the_regions_left_for_replay(lowered, model):
+    module = ir_utils.parse(lowered[model].as_text())
+    names = ("func.call", *ir_utils.CHANNEL_OPS, replay.MANUAL, "stablehlo.while")
+    with module.context:
+        found, layers = replay.walk(module, names, replayable=True)
+        assert layers is not None and layers.deferred
+        whole = ir_utils.ops_named(module, *names)
+        for name in names:  # the same ops in the same order, less those inside a deferred region
+            assert found[name] == [op for op in whole[name] if layers.top_level(op) not in layers.deferred], name
+        assert sum(map(len, found.values())) < sum(map(len, whole.values()))
