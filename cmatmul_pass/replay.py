@@ -97,6 +97,7 @@ class Plan:
         self.groups = groups
         self.deferred = {_body(m) for g in groups for m in g.rest}
         self.checked = {_body(m) for g in groups for m in (g.twin, g.probe)}
+        self.leading = {_body(g.members[0]) for g in groups}
         for g in groups:
             g.twin_before = (_locations(g.twin), _types(g.twin))
             g.probe_before = (_locations(g.probe), _types(g.probe))
@@ -111,6 +112,10 @@ class Plan:
                 return body if op.name == MANUAL else None
             body = op.block
             op = parent.operation
+
+    def leads(self, op: ir.Operation | ir.OpView) -> bool:
+        """Is ``op`` in a group's first region (whose twin, identical, comes next)?"""
+        return self.top_level(op) in self.leading
 
     def checked_region(self, op: ir.Operation | ir.OpView) -> ir.Block | None:
         """The body of the twin or probe region holding ``op``, if any."""
@@ -188,8 +193,8 @@ class _Replay:
         self.source = source
         self.locations, _ = group.twin_before
         self.recipe = recipe
-        #: how many ops of the twin's copy hold a channel handle
-        self.channels = sum(1 for _, channel in recipe if channel) if recipe else 0
+        #: the op classes of the twin's ops holding a channel handle
+        self.channel_kinds = list(dict.fromkeys(type(op.opview) for op in _channel_ops(group.twin)))
         first: dict = {}  # a twin location -> the first place it is at
         # places locating like an earlier place in the twin: a region must locate them alike too
         self.alike: list[tuple[int, int]] = []
@@ -240,26 +245,31 @@ class _Replay:
             return None
         copy = self.twin.clone(ir.InsertionPoint(region)).operation
         handles: dict[int, int] = {}
-        steps = iter(self.recipe)
-        locate = relocation.ir if relocation else None
-        left = [self.channels]  # channel ops still to come: a located-alike copy's walk stops after the last
 
-        def visit(op: ir.Operation) -> ir.WalkResult:
-            where, channel = next(steps)
-            if where is not None and locate is not None:
-                op.location = locate(where)
-            if channel:  # a fresh handle for every channel op
-                attrs = op.attributes
-                old = hlo.ChannelHandle(attrs["channel_handle"])
-                handles[old.handle] = take_channel()
-                attrs["channel_handle"] = hlo.ChannelHandle.get(handles[old.handle], old.channel_type)
-                left[0] -= 1
-                if locate is None and not left[0]:
-                    return ir.WalkResult.INTERRUPT
-            return ir.WalkResult.ADVANCE
+        def renew(op: ir.Operation) -> None:  # a fresh handle for every channel op
+            attrs = op.attributes
+            if "channel_handle" not in attrs:
+                return
+            old = hlo.ChannelHandle(attrs["channel_handle"])
+            handles[old.handle] = take_channel()
+            attrs["channel_handle"] = hlo.ChannelHandle.get(handles[old.handle], old.channel_type)
 
-        if locate is not None or self.channels:
+        if relocation is not None:
+            steps = iter(self.recipe)
+            locate = relocation.ir
+
+            def visit(op: ir.Operation) -> ir.WalkResult:
+                where, channel = next(steps)
+                if where is not None:
+                    op.location = locate(where)
+                if channel:
+                    renew(op)
+                return ir.WalkResult.ADVANCE
+
             copy.walk(visit, ir.WalkOrder.PRE_ORDER)
+        else:  # located as the twin: only the channel ops are visited (MLIR picks them by class)
+            for kind in self.channel_kinds:
+                copy.walk(lambda op: (renew(op), ir.WalkResult.ADVANCE)[1], ir.WalkOrder.PRE_ORDER, op_class=kind)
         for index, value in enumerate(region.operands):
             copy.operands[index] = value
         for old, new in zip(region.results, copy.results):
@@ -405,17 +415,22 @@ def _template(entry: SiteReport, pattern: re.Pattern | None) -> _Template:
     return _Template(data, holes)
 
 
-def _handles(region: ir.Operation) -> list[int]:
-    """The channel handles in ``region``, in pre-order."""
-    found: list[int] = []
+def _channel_ops(region: ir.Operation) -> list[ir.Operation]:
+    """The ops in ``region`` holding a channel handle, in pre-order."""
+    found: list[ir.Operation] = []
 
     def visit(op: ir.Operation) -> ir.WalkResult:
         if "channel_handle" in op.attributes:
-            found.append(hlo.ChannelHandle(op.attributes["channel_handle"]).handle)
+            found.append(op)
         return ir.WalkResult.ADVANCE
 
     region.walk(visit, ir.WalkOrder.PRE_ORDER)
     return found
+
+
+def _handles(region: ir.Operation) -> list[int]:
+    """The channel handles in ``region``, in pre-order."""
+    return [hlo.ChannelHandle(op.attributes["channel_handle"]).handle for op in _channel_ops(region)]
 
 
 def walk(module: ir.Module, names: tuple[str, ...], replayable: bool) -> tuple[dict[str, list[ir.OpView]], Plan | None]:

@@ -11,6 +11,10 @@ second site, and called by every later one.  That is the form JAX gives a nested
 compiled program is the one the inline rings give, and the pass builds (and prints) a
 few rings instead of hundreds.
 
+Where the pass knows that a site's region repeats (one of several identical layers'
+regions, :mod:`cmatmul_pass.replay`), the first site of a pattern there calls the function
+too: the ring is built once, in the function, instead of once inline and once again there.
+
 The function is made the plain way: the site's ops are cloned into it (their operands
 become its arguments, the results read outside its results), and the ordinary matcher
 and rewrite run there.  Sharing is therefore exactly as safe as the pattern's key is
@@ -77,6 +81,9 @@ class RingLibrary:
         self._by_key: dict[Key, SharedRing | str] = {}
         self._keys: dict[Key, Key] = {}
         self._names: set[str] | None = None
+        #: whether a site's anchor sits where its pattern is sure to come again (a replay group's
+        #: first region, whose twin follows): its first site calls the function at once
+        self.repeats: Callable[[ir.OpView], bool] | None = None
 
     def pattern(self, site: AllGatherSite | ReduceScatterSite) -> Pattern | None:
         pattern = pattern_of(site) if self.shardy else None
@@ -100,8 +107,10 @@ class RingLibrary:
         """
         entry = self._by_key.get(pattern.key)
         if entry is None:
-            self._by_key[pattern.key] = _FIRST
-            return None
+            if not (self.repeats and self.repeats(pattern.anchor)):
+                self._by_key[pattern.key] = _FIRST
+                return None
+            entry = _FIRST
         if entry is _FIRST:
             entry = self._by_key[pattern.key] = self._outline(site, pattern, match, rewrite)
         if not isinstance(entry, SharedRing):

@@ -37,12 +37,19 @@ def _replays(monkeypatch) -> list:
 
 
 def _without_replay(text: str, context, options=None):
-    saved = replay.MIN_MEMBERS
-    replay.MIN_MEMBERS = 10**9
+    """The pass with the same groups (a group's first region calls the rings its twin will) but
+    every region rewritten the usual way."""
+    init, finish = replay.Plan.__init__, replay.Plan.finish
+
+    def no_deferred(self, groups):
+        init(self, groups)
+        self.deferred = set()
+
+    replay.Plan.__init__, replay.Plan.finish = no_deferred, lambda self, *args: []
     try:
         return cmatmul_pass.rewrite(text, options, context=context)
     finally:
-        replay.MIN_MEMBERS = saved
+        replay.Plan.__init__, replay.Plan.finish = init, finish
 
 
 def _facts(result):
@@ -71,6 +78,16 @@ def test_replay_gives_what_the_pass_gives_without_it(lowered, model, debug_info,
     assert got[1] == want[1]
     assert got[2] == want[2]  # and in the same order
     assert len(replayed.report.rewritten) == len(replayed.report.sites)
+    # and without any group, the first region's first sites get their rings inline
+    saved = replay.MIN_MEMBERS
+    replay.MIN_MEMBERS = 10**9
+    try:
+        alone = cmatmul_pass.rewrite(text, context=context)
+    finally:
+        replay.MIN_MEMBERS = saved
+    shared = sum(1 for s in replayed.report.sites if s.shared_ring)
+    assert sum(1 for s in alone.report.sites if s.shared_ring) < shared
+    assert [vars(s)["location"] for s in alone.report.sites] == [vars(s)["location"] for s in replayed.report.sites]
 
 
 def test_replayed_channel_handles_are_fresh(lowered):
