@@ -361,13 +361,15 @@ class _Template:
         # kept serialised: each entry gets its own copy of every list and dict, in one C call
         self.data = marshal.dumps(data)
         self.holes = holes  # paths into data of strings holding locations: (path, parts)
-        self.same: bytes | None = None  # the entry with the twin's own strings (make_same), once made
+        self.same: dict | None = None  # the entry with the twin's own strings (make_same), once made
 
     def make_same(self, handles: dict[int, int]) -> SiteReport:
-        """:meth:`make` for a region located as the twin: its strings are the twin's."""
+        """:meth:`make` for a region located as the twin: its strings are the twin's, and its
+        lists and dicts (but its channel handles) are one copy shared by every such region's
+        entry (a report is read, not edited: :class:`~cmatmul_pass.report.SiteReport`)."""
         if self.same is None:
-            self.same = marshal.dumps(vars(self.make(lambda rendered: rendered, {})))
-        return _entry(marshal.loads(self.same), handles)
+            self.same = vars(self.make(lambda rendered: rendered, {}))
+        return _entry(dict(self.same), handles)
 
     def make(self, text: Callable[[str], str], handles: dict[int, int]) -> SiteReport:
         data = marshal.loads(self.data)

@@ -11,6 +11,10 @@ from ._jax_private import ir
 
 @dataclass
 class SiteReport:
+    """One site: what the pass found, did and predicted.  Read it, do not edit it: the entries of
+    identical layers' regions that the pass replayed (:mod:`cmatmul_pass.replay`) share their
+    lists and dicts, channel handles aside."""
+
     kind: str
     location: str
     function: str
