@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import contextvars
 import io
+from collections.abc import Callable
 
 import numpy as np
 

@@ -123,8 +123,8 @@ class Plan:
         return top if top in self.checked else None
 
     def only(self, regions: list[ir.Operation], names: tuple[str, ...]) -> dict[str, list]:
-        """The ops named ``names`` in ``regions`` (left for replay, so not walked before), in
-        pre-order, region by region."""
+        """The ops named ``names`` in ``regions`` (left for replay, so not walked before), region
+        by region, each as :func:`ir_utils.ops_named` gives them."""
         out: dict[str, list] = {name: [] for name in names}
         for region in regions:
             for name, ops in ir_utils.ops_named(region, *names).items():
@@ -437,8 +437,8 @@ def _handles(region: ir.Operation) -> list[int]:
 
 def walk(module: ir.Module, names: tuple[str, ...], replayable: bool) -> tuple[dict[str, list[ir.OpView]], Plan | None]:
     """The ops named ``names`` (which must hold ``stablehlo.while``), as
-    :func:`ir_utils.ops_named` gives them, and the plan.  With ``replayable``, identical top-level regions are grouped first and the walk
-    skips those left for replay: they print as their twin does, so they hold the same ops,
+    :func:`ir_utils.ops_named` gives them, and the plan.  With ``replayable``, identical
+    top-level regions are grouped first and the walk skips those left for replay: they print as their twin does, so they hold the same ops,
     channel handles and callees, and the pipeline never reads them before they are replaced
     (:meth:`Plan.only` walks them where the probe disagrees).  A module with a loop is not
     replayed, and is walked whole."""
