@@ -443,10 +443,8 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
             if options.all_reduce_strategy != "keep" and all_reduces:
                 _say_where_gathers_went(report, carried, gathered)
 
-        if layers is None:
-            rewrite_sites(found)
-        else:
-            rewrite_sites(found)
+        rewrite_sites(found)  # (the regions left for replay are not in it)
+        if layers is not None:
             leftover = layers.finish(report, regions_of, competing, ctx.take_channel, source)
             if leftover:  # a group whose probe differed from its twin: its other regions the usual way
                 rewrite_sites(layers.only(leftover, names))

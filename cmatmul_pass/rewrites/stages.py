@@ -227,9 +227,9 @@ def swap_reductions(scatters: list, all_reduces: list, info: ModuleInfo, source:
     """Move each scatter of ``scatters`` that reads a psum before it, where the two commute and
     the moved scatter's ring is built: ``ring(site, note)`` rewrites the moved scatter's site
     (reporting it with ``note``), and returns None, or why it did not.  Where it did not, or
-    the moved scatter is no dot → reduce_scatter site at all, the module is put back as it was.  The lists
-    lose the moved pairs (their sites are done); returns why each other scatter of a psum was not
-    moved (by id: the scatter's own site is then matched as it stands)."""
+    the moved scatter is no dot → reduce_scatter site at all, the module is put back as it was.
+    The lists lose the moved pairs (their sites are done); returns why each other scatter of a
+    psum was not moved (by id: the scatter's own site is then matched as it stands)."""
     kept: dict[int, str] = {}
     for rs in list(scatters):
         planned = swap_plan(rs, info)
