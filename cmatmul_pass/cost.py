@@ -181,6 +181,13 @@ def variant_name(bidirectional: bool, unroll: int | None) -> str:
 #: permute, so that ``variant="auto"`` does not favour it for being unmeasured.
 H100_OVERLAP = {"full": 202 / 210, "bidi": 98 / 108, "bidi-unroll2": 177 / 196, "bidi-full": 177 / 196}
 
+#: The same, read from the 8B and 70B steps compiled for 8 H200s (2026-11-26,
+#: bench/gpu/h200_topology_{8b,70b}.json, the same flags), both models pooled: uni and unroll2 hid
+#: every permute, and bidi-full, compiled this time, hid all 154 of each model's (absent here: a
+#: variant the table leaves out hides every permute; the H100 figure above still assumes
+#: bidi-unroll2's for it)
+H200_OVERLAP = {"full": 202 / 210, "bidi": 298 / 308, "bidi-unroll2": 289 / 308}
+
 #: FLOPs of one ring step's dot at the MLP-block shapes tools/gpu_calibrate.py measures on 8
 #: devices (one weight of the gather, the scatter's one dot): 70B-like 2·1024·8192·3584, 8B-like
 #: 2·1024·4096·1792
@@ -197,11 +204,13 @@ PROFILES: dict[str, Hardware] = {
     # straight-line dots keep 0.851 of it (gather) and 0.922 (scatter) at 70B-like shapes, 0.741
     # and 0.813 at 8B-like ones (docs/gpu.md discusses why); a while-loop trip costs 11.0 and
     # 10.7 µs (gather), 4.72 and 8.74 µs (scatter: the smaller steps' trips cost more, on the
-    # H200 and in a second H100 run too).  f32/f8/f64/i8/i32 are not measured: f8 and f64 are
-    # the published dense peaks (1979 and 67 TFLOP/s) scaled by the 0.68 of its peak that bf16
-    # reached.  NVLink 4: 450 GB/s per direction.  Overlap: H100_OVERLAP.
-    "h100": Hardware("H100 SXM (NVLink 4)", {"bf16": 676e12, "f16": 676e12, "f32": 400e12, "f8": 1350e12,
-                                            "f64": 46e12, "i8": 1600e12, "i32": 60e12, "default": 676e12},
+    # H200 and in a second H100 run too).  f32/f8/f64/i8/i32 were not timed on an H100: each is
+    # bf16's rate times the ratio XLA's dot reached on the H200 (the same GH100 die, SM count and
+    # clocks; 2026-11-26: f32 0.51, f8 1.18, f64 0.089, i8 1.11, i32 0.0064), which replaced the
+    # published peaks (fp8 twice bf16) that the measurement refuted.  NVLink 4: 450 GB/s per
+    # direction.  Overlap: H100_OVERLAP.
+    "h100": Hardware("H100 SXM (NVLink 4)", {"bf16": 676e12, "f16": 676e12, "f32": 344e12, "f8": 800e12,
+                                            "f64": 60.3e12, "i8": 750e12, "i32": 4.35e12, "default": 676e12},
                      450e9,
                      loop_trip={"all_gather_dot": ((STEP_8B, 10.7e-6), (STEP_70B, 11.0e-6)),
                                 "dot_reduce_scatter": ((STEP_8B, 8.74e-6), (STEP_70B, 4.72e-6))},
@@ -209,19 +218,31 @@ PROFILES: dict[str, Hardware] = {
                      split_efficiency={"all_gather_dot": ((STEP_8B, 0.741), (STEP_70B, 0.851)),
                                        "dot_reduce_scatter": ((STEP_8B, 0.813), (STEP_70B, 0.922))},
                      all_reduce_bandwidth=NVLS_ALL_REDUCE * 450e9),
-    # Calibrated on an H200 the same way (bench/gpu/h200_calibrate_*.json): 686-687 TFLOP/s,
-    # split 0.840 (gather) and 0.925 (scatter) at 70B-like shapes, 0.725 and 0.838 at 8B-like,
-    # loop trips 10.3 and 10.9 µs (gather), 3.53 and 8.25 µs (scatter): the H100's GH100 die and
-    # SM count, so nearly the H100's numbers (f8 and f64 as the H100's, scaled by bf16's 0.69).
-    # Faster HBM; NVLink 4 as H100.  Overlap: assumed the H100's (the same XLA scheduler; no
-    # H200 compile was read).
-    "h200": Hardware("H200 (NVLink 4)", {"bf16": 686e12, "f16": 686e12, "f32": 410e12, "f8": 1370e12,
-                                        "f64": 46e12, "i8": 1640e12, "i32": 60e12, "default": 686e12}, 450e9,
-                     loop_trip={"all_gather_dot": ((STEP_8B, 10.9e-6), (STEP_70B, 10.3e-6)),
-                                "dot_reduce_scatter": ((STEP_8B, 8.25e-6), (STEP_70B, 3.53e-6))},
-                     overlap=H100_OVERLAP,
-                     split_efficiency={"all_gather_dot": ((STEP_8B, 0.725), (STEP_70B, 0.840)),
-                                       "dot_reduce_scatter": ((STEP_8B, 0.838), (STEP_70B, 0.925))},
+    # Calibrated on an H200 (tools/gpu_checks.sh calibrate + extras, jax 0.11.2, 2026-11-26;
+    # bench/gpu/h200_calibrate_{70b,8b,3b}.json, merged by tools/gpu_profile.py): the straight-line
+    # splits at each step's FLOPs, the gate and up dots merged at their own step (12.9, 30.1 and
+    # 120 GFLOP), the contracting and batch roles' own points, loop trips per kind, and every
+    # element type's rate measured as XLA's dot (the medians over the three runs): fp8 reached
+    # only 1.2x bf16, i32 a hundredth of it (no integer tensor-core path for i32 dots).  NVLink 4 as
+    # H100 (not measured: one GPU).  Overlap: read from XLA's schedule of the 8B and 70B steps
+    # compiled for 8 H200s (bench/gpu/h200_topology_{8b,70b}.json), H200_OVERLAP.
+    "h200": Hardware("H200 (NVLink 4)", {"bf16": 6.68e14, "f16": 6.68e14, "f32": 3.4e14, "f8": 7.91e14,
+                                        "f64": 5.96e13, "i8": 7.41e14, "i32": 4.3e12, "default": 6.68e14}, 450e9,
+                     loop_trip={"all_gather_dot": ((6442450944.0, 1.02e-05), (12884901888.0, 4.19e-06),
+                                                   (15032385536.0, 8.87e-06), (30064771072.0, 8.08e-06),
+                                                   (60129542144.0, 1.1e-05), (120259084288.0, 1.93e-05)),
+                                "dot_reduce_scatter": ((6442450944.0, 1.71e-05), (15032385536.0, 5.04e-06),
+                                                       (60129542144.0, 4.39e-06))},
+                     overlap=H200_OVERLAP,
+                     split_efficiency={"all_gather_dot": ((6442450944.0, 0.74), (12884901888.0, 0.681),
+                                                          (15032385536.0, 0.737), (30064771072.0, 0.738),
+                                                          (60129542144.0, 0.779), (120259084288.0, 0.858)),
+                                       "dot_reduce_scatter": ((6442450944.0, 0.786), (15032385536.0, 0.777),
+                                                              (60129542144.0, 0.867)),
+                                       "all_gather_dot/contracting": ((6442450944.0, 0.571), (15032385536.0, 0.541),
+                                                                      (60129542144.0, 0.622)),
+                                       "all_gather_dot/batch": ((6442450944.0, 0.453), (15032385536.0, 0.48),
+                                                                (60129542144.0, 0.624))},
                      all_reduce_bandwidth=NVLS_ALL_REDUCE * 450e9),
     # 312 TFLOP/s bf16 peak (~250 achieved), 19.5 f64 (~15.6); no f8 units: f8 dots run
     # converted, at bf16's rate.  NVLink 3: 300 GB/s per direction.

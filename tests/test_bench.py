@@ -2,6 +2,7 @@
 performance numbers come from `make bench`)."""
 
 import json
+import statistics
 from pathlib import Path
 
 import numpy as np
@@ -172,21 +173,29 @@ def test_gpu_calibration_runs_on_any_backend(tmp_path):
 
 @pytest.mark.parametrize("profile", ["h100", "h200"])
 def test_merging_the_stored_runs_gives_the_profiles_points(profile):
-    """gpu_calibrate --merge over the stored 70B and 8B runs (bench/gpu/) gives exactly the split
-    and loop-trip points the profile holds, and its throughput is the runs' median."""
+    """gpu_calibrate --merge over the stored 70B, 8B (and, for the H200, 3B) runs (bench/gpu/)
+    gives exactly the split and loop-trip points the profile holds, its throughput is the median
+    of the runs' free sites' full dots, and its element rates the runs' medians."""
     from cmatmul_pass import cost
     from tools import gpu_calibrate
 
     root = bench.ROOT / "bench" / "gpu"
-    paths = [str(root / f"{profile}_calibrate_{model}.json") for model in ("70b", "8b")]
+    paths = [str(root / f"{profile}_calibrate_{model}.json") for model in ("70b", "8b", "3b")
+             if (root / f"{profile}_calibrate_{model}.json").exists()]
     merged = gpu_calibrate.merge(paths, profile)
     stored = cost.PROFILES[profile]
     assert merged["fields"] == {"split_efficiency": stored.split_efficiency, "loop_trip": stored.loop_trip}
     hw = cost.hardware(merged["hardware_override"])
     assert hw.split_efficiency == stored.split_efficiency and hw.loop_trip == stored.loop_trip
     runs = [json.loads(Path(p).read_text()) for p in paths]
-    assert merged["throughput"] == float(np.median([s["full_throughput"] for r in runs for s in r["sites"]]))
-    assert merged["rates"] == {} and merged["rates_override"] is None  # these runs timed no element types
+    assert merged["throughput"] == float(np.median([s["full_throughput"] for r in runs for s in r["sites"]
+                                                    if s.get("role", "free") == "free"]))
+    if profile == "h100":  # these runs timed no element types
+        assert merged["rates"] == {} and merged["rates_override"] is None
+    else:  # each type's median over the runs that timed it
+        for key, rate in merged["rates"].items():
+            assert rate == statistics.median(r["element_rates"]["rates"][key]["throughput"] for r in runs)
+        assert {"f8", "f64", "i8", "i32"} <= set(merged["rates"]) and merged["rates_override"].startswith("h200:")
 
 
 def test_merging_adds_a_runs_roles_and_replaces_a_point_at_its_step(tmp_path):

@@ -228,3 +228,34 @@ def test_a_slow_element_type_is_timed_alone(monkeypatch):
     assert [k for k, r in rates.items() if r.get("timing") != "alone"] == ["f32"]
     assert rates["bf16"]["seconds"] == 1e-3  # its first call's, the fastest of its SLOW_CALLS
     assert len(calls) == len(rates) + (gpu_calibrate.SLOW_CALLS - 1) * (len(rates) - 1)
+
+
+H200_SOURCES = ["bench/gpu/h200_calibrate_70b.json", "bench/gpu/h200_calibrate_8b.json", "bench/gpu/h200_calibrate_3b.json",
+                "bench/gpu/h200_topology_8b.json", "bench/gpu/h200_topology_70b.json"]
+
+
+def test_the_stored_runs_rebuild_the_h200_profile():
+    """The H200 runs of 2026-11-26 (the whole script on a lent H200: calibrate, topology, extras)
+    imply exactly the h200 profile: docs/gpu.md's line exits 0, every split, loop-trip point,
+    element rate and overlap unmoved, bidi-full hiding every permute it was compiled with."""
+    line = next(body.strip() for _, lang, body, _ in blocks(ROOT / "docs" / "gpu.md")
+                if lang == "text" and "--profile h200" in body and "--check" in body)
+    argv = shlex.split(line)
+    assert argv[:2] == ["python", "tools/gpu_profile.py"] and argv[-1] == "--check"
+    assert [a for a in argv if a.endswith(".json")] == H200_SOURCES
+    proc = subprocess.run([sys.executable, *argv[1:]], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "against cost.PROFILES['h200']: unchanged" in proc.stdout
+    result = gpu_profile.regenerate([str(ROOT / p) for p in H200_SOURCES], "h200")
+    h200 = cost.PROFILES["h200"]
+    assert result["moved"] == []
+    assert result["fields"]["split_efficiency"] == h200.split_efficiency
+    assert result["fields"]["loop_trip"] == h200.loop_trip
+    assert result["fields"]["overlap"] == cost.H200_OVERLAP == h200.overlap
+    assert result["overlap_counts"]["bidi-full"]["fraction"] == 1.0 == h200.hidden("bidi-full")
+    assert "assumed" not in result["overlap_counts"]["bidi-full"]
+    # without the 3B run the element rates are medians of two runs, not three: the check says so
+    proc = subprocess.run([sys.executable, "tools/gpu_profile.py", "--profile", "h200",
+                           *[p for p in H200_SOURCES if "3b" not in p], "--check"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "moved: flops['f8']: 791000000000000.0 -> 8.35e+14" in proc.stdout, proc.stdout

@@ -88,7 +88,7 @@ extras() {
   step 180 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" "$py" tools/gpu_calibrate.py \
     --model 70b --profile "$profile" --out "$out/${profile}_calibrate_70b_dsf.json"
   # what XLA does by default, and what cmatmul_pass.jit's own compiler options add
-  step 110 "$py" tools/gpu_topology.py --model 8b --no-flags --repeats 1 \
+  step 110 "$py" tools/gpu_topology.py --model 8b --no-flags --repeats 1 --profile "$profile" \
     --programs uni uni-no-gpu-options bidi bidi-no-gpu-options uni-streams --out "$out/${profile}_topology_8b_no_flags.json"
 }
 
