@@ -158,23 +158,32 @@ def test_the_profile_step_runs_on_the_copied_runs(tmp_path):
     assert "moved: overlap['full']: 0.9619 -> 0.7952" in written
 
 
+def rebuilds(line: str, profile: str, sources: list[str]) -> dict:
+    """Run the documented ``gpu_profile.py ... --check`` line (it must name ``sources``) and
+    expect exit 0 with ``profile`` unchanged; then the same regeneration in process, whose
+    split and loop-trip points must be the profile's.  Returns that regeneration."""
+    argv = shlex.split(line)
+    assert argv[:2] == ["python", "tools/gpu_profile.py"] and argv[-1] == "--check"
+    assert [a for a in argv if a.endswith(".json")] == sources
+    proc = subprocess.run([sys.executable, *argv[1:]], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"against cost.PROFILES[{profile!r}]: unchanged" in proc.stdout
+    result = gpu_profile.regenerate([str(ROOT / p) for p in sources], profile)
+    hw = cost.PROFILES[profile]
+    assert result["moved"] == []
+    assert result["fields"]["split_efficiency"] == hw.split_efficiency
+    assert result["fields"]["loop_trip"] == hw.loop_trip
+    return result
+
+
 def test_the_stored_runs_rebuild_the_h100_profile():
     """The documented line (docs/gpu.md) exits 0: the stored runs imply exactly the h100 profile's
     split and loop-trip points and overlap (202 of 210 permutes hidden for full, ...), its
     throughput within the runs' noise.  With the older 8B topology run in place of the later
     one, full's overlap moves and --check fails."""
     _, (line,) = procedure()
-    argv = shlex.split(line)
-    assert argv[:2] == ["python", "tools/gpu_profile.py"] and argv[-1] == "--check"
-    assert [a for a in argv if a.endswith(".json")] == STORED_SOURCES
-    proc = subprocess.run([sys.executable, *argv[1:]], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "against cost.PROFILES['h100']: unchanged" in proc.stdout
-    result = gpu_profile.regenerate([str(ROOT / p) for p in STORED_SOURCES], "h100")
+    result = rebuilds(line, "h100", STORED_SOURCES)
     h100 = cost.PROFILES["h100"]
-    assert result["moved"] == []
-    assert result["fields"]["split_efficiency"] == h100.split_efficiency
-    assert result["fields"]["loop_trip"] == h100.loop_trip
     assert result["fields"]["overlap"] == cost.H100_OVERLAP == {
         "full": 202 / 210, "bidi": 98 / 108, "bidi-unroll2": 177 / 196, "bidi-full": 177 / 196}
     assert result["overlap_counts"]["bidi-full"]["assumed"] == "bidi-unroll2"
@@ -240,17 +249,8 @@ def test_the_stored_runs_rebuild_the_h200_profile():
     element rate and overlap unmoved, bidi-full hiding every permute it was compiled with."""
     line = next(body.strip() for _, lang, body, _ in blocks(ROOT / "docs" / "gpu.md")
                 if lang == "text" and "--profile h200" in body and "--check" in body)
-    argv = shlex.split(line)
-    assert argv[:2] == ["python", "tools/gpu_profile.py"] and argv[-1] == "--check"
-    assert [a for a in argv if a.endswith(".json")] == H200_SOURCES
-    proc = subprocess.run([sys.executable, *argv[1:]], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "against cost.PROFILES['h200']: unchanged" in proc.stdout
-    result = gpu_profile.regenerate([str(ROOT / p) for p in H200_SOURCES], "h200")
+    result = rebuilds(line, "h200", H200_SOURCES)
     h200 = cost.PROFILES["h200"]
-    assert result["moved"] == []
-    assert result["fields"]["split_efficiency"] == h200.split_efficiency
-    assert result["fields"]["loop_trip"] == h200.loop_trip
     assert result["fields"]["overlap"] == cost.H200_OVERLAP == h200.overlap
     assert result["overlap_counts"]["bidi-full"]["fraction"] == 1.0 == h200.hidden("bidi-full")
     assert "assumed" not in result["overlap_counts"]["bidi-full"]
