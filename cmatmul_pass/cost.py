@@ -172,20 +172,17 @@ def variant_name(bidirectional: bool, unroll: int | None) -> str:
     raise ValueError((bidirectional, unroll))
 
 
-#: Read from XLA's schedule of the 8B and 70B training steps compiled for 8 H100s
-#: (tools/gpu_topology.py, jax 0.11.2, ring_compiler_options; bench/gpu/h100_topology_8b_final.json,
-#: *_send_after_dot.json): permutes overlapped with a dot, both models pooled.  uni and unroll2
-#: hid every permute (15 and 45 of each model's).  bidi-full was not compiled: it is assumed to
-#: hide what bidi-unroll2 hides (two directions, rounds tied by barriers, in a straight line
-#: rather than a loop; the one-way straight-line ring hid less than the loops did), not every
-#: permute, so that ``variant="auto"`` does not favour it for being unmeasured.
-H100_OVERLAP = {"full": 202 / 210, "bidi": 98 / 108, "bidi-unroll2": 177 / 196, "bidi-full": 177 / 196}
+#: Read from XLA's schedule of the training steps compiled for 8 H100s (tools/gpu_topology.py,
+#: jax 0.11.2, ring_compiler_options): the 8B step of 2026-11-26
+#: (bench/gpu/h100_topology_8b_20261126.json, every variant, bidi-full compiled for the first time
+#: on an H100) and the 70B step of 2026-11-23 (h100_topology_70b_send_after_dot.json), permutes
+#: overlapped with a dot, pooled.  uni and unroll2 hid every permute.
+H100_OVERLAP = {"full": 202 / 210, "bidi": 198 / 208, "bidi-unroll2": 233 / 252, "bidi-full": 150 / 154}
 
 #: The same, read from the 8B and 70B steps compiled for 8 H200s (2026-11-26,
 #: bench/gpu/h200_topology_{8b,70b}.json, the same flags), both models pooled: uni and unroll2 hid
-#: every permute, and bidi-full, compiled this time, hid all 154 of each model's (absent here: a
-#: variant the table leaves out hides every permute; the H100 figure above still assumes
-#: bidi-unroll2's for it)
+#: every permute, and bidi-full hid all 154 of each model's (absent here: a variant the table
+#: leaves out hides every permute)
 H200_OVERLAP = {"full": 202 / 210, "bidi": 298 / 308, "bidi-unroll2": 289 / 308}
 
 #: FLOPs of one ring step's dot at the MLP-block shapes tools/gpu_calibrate.py measures on 8
@@ -199,24 +196,27 @@ STEP_70B, STEP_8B = 2 * 1024 * 8192 * 3584, 2 * 1024 * 4096 * 1792
 NVLS_ALL_REDUCE = 480 / 370
 
 PROFILES: dict[str, Hardware] = {
-    # Calibrated on an H100 SXM (tools/gpu_calibrate.py, jax 0.11.2, bench/gpu/h100_calibrate_*.json):
-    # XLA's bf16 dot at MLP-block shapes 676-679 TFLOP/s (989 peak); the ring's 1/8-sized
-    # straight-line dots keep 0.851 of it (gather) and 0.922 (scatter) at 70B-like shapes, 0.741
-    # and 0.813 at 8B-like ones (docs/gpu.md discusses why); a while-loop trip costs 11.0 and
-    # 10.7 µs (gather), 4.72 and 8.74 µs (scatter: the smaller steps' trips cost more, on the
-    # H200 and in a second H100 run too).  f32/f8/f64/i8/i32 were not timed on an H100: each is
-    # bf16's rate times the ratio XLA's dot reached on the H200 (the same GH100 die, SM count and
-    # clocks; 2026-11-26: f32 0.51, f8 1.18, f64 0.089, i8 1.11, i32 0.0064), which replaced the
-    # published peaks (fp8 twice bf16) that the measurement refuted.  NVLink 4: 450 GB/s per
-    # direction.  Overlap: H100_OVERLAP.
-    "h100": Hardware("H100 SXM (NVLink 4)", {"bf16": 676e12, "f16": 676e12, "f32": 344e12, "f8": 800e12,
-                                            "f64": 60.3e12, "i8": 750e12, "i32": 4.35e12, "default": 676e12},
+    # Calibrated on an H100 SXM (tools/gpu_checks.sh calibrate, jax 0.11.2, 2026-11-26;
+    # bench/gpu/h100_calibrate_{70b,8b}.json, merged by tools/gpu_profile.py): XLA's bf16 dot at
+    # 685 TFLOP/s (989 peak); the straight-line splits at each step's FLOPs (the gate and up dots
+    # merged at 30 and 120 GFLOP), the contracting and batch roles' own points, loop trips per
+    # kind, and every element type's rate measured as XLA's dot (medians of the two runs: fp8
+    # 1.1x bf16, i32 a two-hundredth).  The full dot, loop and straight line are timed in turn
+    # now; the runs of 2026-11-23, timed in blocks, had put the 70B splits at 0.851 (gather) and
+    # 0.922 (scatter), against 0.774 and 0.821 now (the H200 agrees: 0.779, 0.867).  NVLink 4:
+    # 450 GB/s per direction.  Overlap: H100_OVERLAP.
+    "h100": Hardware("H100 SXM (NVLink 4)", {"bf16": 6.85e14, "f16": 6.85e14, "f32": 3.56e14, "f8": 7.56e14,
+                                            "f64": 5.89e13, "i8": 7.11e14, "i32": 3.8e12, "default": 6.85e14},
                      450e9,
-                     loop_trip={"all_gather_dot": ((STEP_8B, 10.7e-6), (STEP_70B, 11.0e-6)),
-                                "dot_reduce_scatter": ((STEP_8B, 8.74e-6), (STEP_70B, 4.72e-6))},
+                     loop_trip={"all_gather_dot": ((15032385536.0, 1.23e-05), (30064771072.0, 7.72e-06),
+                                                   (60129542144.0, 1.44e-05), (120259084288.0, 2.81e-05)),
+                                "dot_reduce_scatter": ((15032385536.0, 8.21e-06), (60129542144.0, 3.1e-06))},
                      overlap=H100_OVERLAP,
-                     split_efficiency={"all_gather_dot": ((STEP_8B, 0.741), (STEP_70B, 0.851)),
-                                       "dot_reduce_scatter": ((STEP_8B, 0.813), (STEP_70B, 0.922))},
+                     split_efficiency={"all_gather_dot": ((15032385536.0, 0.756), (30064771072.0, 0.707),
+                                                          (60129542144.0, 0.774), (120259084288.0, 0.828)),
+                                       "dot_reduce_scatter": ((15032385536.0, 0.757), (60129542144.0, 0.821)),
+                                       "all_gather_dot/contracting": ((15032385536.0, 0.486), (60129542144.0, 0.519)),
+                                       "all_gather_dot/batch": ((15032385536.0, 0.489), (60129542144.0, 0.591))},
                      all_reduce_bandwidth=NVLS_ALL_REDUCE * 450e9),
     # Calibrated on an H200 (tools/gpu_checks.sh calibrate + extras, jax 0.11.2, 2026-11-26;
     # bench/gpu/h200_calibrate_{70b,8b,3b}.json, merged by tools/gpu_profile.py): the straight-line

@@ -129,7 +129,7 @@ def test_auto_rings_only_the_second_stage_where_the_merge_does_not_pay():
     assert not first.rewritten and first.reason_code == "two_stage"
     assert "which has the ring; this stage stays a plain gather ahead of it: the second stage's ring pays and the " \
            "merge does not (under 1 + 0.02 against the original)" in first.reason
-    assert "merged ring over 8 devices" in first.reason and "(bidi-full, 0.99x)" in first.reason
+    assert "merged ring over 8 devices" in first.reason and "(bidi-full, 1.00x)" in first.reason
     assert second.rewritten and second.ring_size == 4
     assert len(ir_utils.ops_named(result.module, "stablehlo.all_gather")["stablehlo.all_gather"]) == 1
 

@@ -12,13 +12,14 @@ in any mix, and prints what they imply for ``cmatmul_pass.cost.PROFILES[profile]
   timed it (``element_rates``);
 * ``overlap``: per variant, the permutes overlapped over those executed, pooled over the models
   (:func:`tools.gpu_topology.pooled_overlap`); a variant no run compiled keeps the profile's
-  value, except ``bidi-full``, which takes ``bidi-unroll2``'s as ``cost.H100_OVERLAP`` assumes;
+  value, except ``bidi-full``, which takes ``bidi-unroll2``'s (as ``cost.H100_OVERLAP`` did until
+  an H100 compiled it);
 
 then the one ``--hardware`` override that sets all of it, and what moved against the profile as
 it stands.  ``--check`` exits 1 if anything moved (rates by more than ``RATE_TOLERANCE``)::
 
     python tools/gpu_profile.py --profile h100 bench/gpu/h100_calibrate_70b.json \\
-        bench/gpu/h100_calibrate_8b.json bench/gpu/h100_topology_8b_send_after_dot.json \\
+        bench/gpu/h100_calibrate_8b.json bench/gpu/h100_topology_8b_20261126.json \\
         bench/gpu/h100_topology_70b_send_after_dot.json --check
 
 (the runs the ``h100`` profile was built from).  ``tools/gpu_checks.sh DIR h100 profile`` runs it
@@ -40,7 +41,8 @@ from cmatmul_pass import cost  # noqa: E402
 from tools import gpu_calibrate, gpu_topology  # noqa: E402
 
 #: a variant no topology run compiled, and the measured variant whose overlap it is assumed to
-#: have (cost.H100_OVERLAP: two directions, rounds tied by barriers, straight-line)
+#: have (two directions, rounds tied by barriers, straight-line; compiled on an H100 and an H200
+#: since 2026-11-26, it hid more)
 ASSUMED = {"bidi-full": "bidi-unroll2"}
 #: relative difference of a throughput from the profile's that --check accepts: the profiles
 #: round to 3 digits, and the same dot's throughput moves by about 2 % between runs (docs/gpu.md)
