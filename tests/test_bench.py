@@ -33,6 +33,9 @@ def test_bench_smoke(tmp_path):
                        "--samples", "ag_dot_1d", "rs_dot_1d",
                        "--layer", "64", "32", "64", "--ring-runs", "0", "--out", str(out)]) == 0
     results = json.loads(out.read_text())
+    # the pass's profile lands beside the results, not in the repository's bench/
+    assert results["pass_cost"]["profile"] == str(tmp_path / "profile_sequence_parallel_L1.txt")
+    assert (tmp_path / "profile_sequence_parallel_L1.txt").stat().st_size > 0
     assert "rings" not in results  # --ring-runs 0 skips them (test_rings_against_a_hand_written_ring runs them)
     (row,) = results["pass_cost"]["per_layers"]
     assert row["layers"] == 1 and row["rewritten"] == row["sites"] > 0

@@ -570,7 +570,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print("1. pass cost", flush=True)
     results["pass_cost"] = pass_cost(args.layers, args.variant_layers, args.repeats)
-    results["pass_cost"]["profile"] = str(profile_pass(max(args.layers)).relative_to(ROOT))
+    # the profile beside the results: a run written elsewhere (--out) leaves bench/ as it is
+    beside = Path(args.out).parent / f"profile_sequence_parallel_L{max(args.layers)}.txt" if args.out else None
+    written = profile_pass(max(args.layers), out=beside)
+    results["pass_cost"]["profile"] = str(written.relative_to(ROOT) if written.is_relative_to(ROOT) else written)
     print("2. CPU run time, rewritten / original (median of runs)", flush=True)
     results["samples"] = samples_runtime(args.runs, args.samples)
     results["layer"] = layer_runtime(args.layer_runs, *args.layer)
