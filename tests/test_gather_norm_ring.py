@@ -183,3 +183,35 @@ def test_per_row_operand_is_read_at_the_block_s_rows():
     (piece,) = [s for s in slices if list(ir_utils.ranked_tensor(s.result).shape) == [ROWS // 8, HIDDEN]]
     factor = piece.operation.operands[0].owner
     assert factor.operation.name == "stablehlo.broadcast_in_dim" and factor.operation.block != piece.operation.block
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_repeated_layers_share_the_norm_ring(share):
+    """Three SP MLP blocks (norm of the gathered rows, gelu, scatter), each returning its raw rows:
+    every gather rings through its norm; the later blocks call one shared ring function."""
+    def body(x, g, w):
+        h = jax.lax.all_gather(x, "model", axis=0, tiled=True)
+        y = jax.nn.gelu(rms_norm(h, g, None) @ w) @ w.T
+        return jax.lax.psum_scatter(y, "model", scatter_dimension=0, tiled=True), h
+
+    specs = (P("model", None), P(), P())
+    f = jax.shard_map(body, mesh=MESH, in_specs=specs, out_specs=(P("model", None), P("model", None)),
+                      check_vma=False)
+
+    def blocks(x, g, w):
+        rows = []
+        for _ in range(3):
+            x, h = f(x, g, w)
+            rows.append(h)
+        return x, rows
+
+    args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(MESH, sp))
+            for s, sp in zip([(ROWS, HIDDEN), (HIDDEN,), (HIDDEN, HIDDEN)], specs)]
+    text = jax.jit(blocks).lower(*args).as_text()
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant="bidi-full", share_rings=share))
+    gathers = [s for s in result.report.sites if s.kind == "all_gather_dot"]
+    assert len(gathers) == 3 and all(s.rewritten for s in gathers), [s.summary_line() for s in gathers]
+    assert all("reduce" in s.consumers[0]["look_through"] for s in gathers)
+    assert [bool(s.shared_ring) for s in gathers] == [False, share, share]
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()
