@@ -508,7 +508,6 @@ def _row_dag(ag: ir.OpView, ring: Ring, region: ManualRegion, gather_dim: int, i
     n = ring.size
     block = ag.operation.block
     g = ag.result
-    tainted = _computed_from(g, block)
     passable: set[ir.Operation] = set()  # ops reached from the rows through row-wise candidates only
     dots: dict[ir.Operation, ir.OpView] = {}
     pending = [g]
@@ -526,10 +525,12 @@ def _row_dag(ag: ir.OpView, ring: Ring, region: ManualRegion, gather_dim: int, i
     def on_path(value: ir.Value) -> bool:
         return value == g or (not isinstance(value.owner, ir.Block) and value.owner.operation in passable)
 
-    targets = [dot for dot in dots.values() if [on_path(v) for v in dot.operation.operands].count(True) == 1
-               and not any(_owner_in(v, tainted) for v in dot.operation.operands if not on_path(v))]
+    targets = [dot for dot in dots.values() if [on_path(v) for v in dot.operation.operands].count(True) == 1]
     if not targets:
         return None
+    tainted = _computed_from(g, block)  # (the rest of the block at most: only once a dot is in reach)
+    targets = [dot for dot in targets if not any(_owner_in(v, tainted) for v in dot.operation.operands
+                                                 if not on_path(v))]
     # the DAG: the row-wise ops some target dot reads through, in block order (producers first)
     chain: dict[ir.Operation, ir.OpView] = {}
     pending = [v for dot in targets for v in dot.operation.operands if on_path(v) and v != g]
