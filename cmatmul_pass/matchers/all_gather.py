@@ -16,6 +16,11 @@ computed later, a dot in another region) is *kept*: the loop also assembles the
 gathered value from the shards it sees, as XLA's windowed einsum caches it, and those
 readers get the assembled copy — never a second all_gather.  With
 ``assemble=False`` such sites are declined instead.
+
+Where no dot is reached through layout and elementwise ops alone, but through a DAG of ops that
+work row by row along the gathered dim (a norm of the gathered rows: a statistic of each row,
+broadcast back), and something besides those dots reads the rows (a residual), the ring applies
+the DAG to each block before its dot and assembles the raw rows (:func:`_row_dag`).
 """
 
 from __future__ import annotations
