@@ -495,8 +495,8 @@ def _row_dag(ag: ir.OpView, ring: Ring, region: ManualRegion, gather_dim: int, i
              ) -> AllGatherSite | None:
     """The gathered rows reach their dots through ops that work row by row along the gathered dim
     and read them more than once (a norm: ``x * rsqrt(mean(x*x, other dims))`` broadcast back),
-    while the raw rows (or values of the norm) are also read elsewhere (a backward's residual,
-    through ``sdy.return``): the ring applies the DAG to each block it receives before that
+    while the raw rows are also read elsewhere (a backward's residual, through ``sdy.return``;
+    values of the norm may be too): the ring applies the DAG to each block it receives before that
     block's dot, ``f(all_gather(x))[block k] == f(x_k)``, and assembles the raw blocks for the
     other readers, which compute what they read from the assembled value as before.
 
@@ -507,9 +507,9 @@ def _row_dag(ag: ir.OpView, ring: Ring, region: ManualRegion, gather_dim: int, i
     broadcast_in_dim taking the ring dim from its operand at full size.  Anything else — an op
     reading other rows of the gathered dim (a reduce over it, a value computed from the gathered
     value by an op outside the DAG, such as a cumulative sum) — and None: the caller's decline
-    stands.  None too where nothing but the dots reads the rows (the gather then moves to its
+    stands.  None too where nothing but the DAG reads the raw rows (the gather then moves to its
     dots, :func:`.rewrites.sequence_parallel.move_gather_forward`, which runs the norm on 1/n of
-    the rows)."""
+    the rows and gathers its result once, also for its other readers)."""
     n = ring.size
     block = ag.operation.block
     g = ag.result
@@ -547,6 +547,12 @@ def _row_dag(ag: ir.OpView, ring: Ring, region: ManualRegion, gather_dim: int, i
         pending += [v for v in owner.operation.operands if on_path(v) and v != g]
     if not chain:
         return None  # the dots read the rows themselves: the tree's decline stands
+    target_ops = {dot.operation for dot in targets}
+    if all(user.operation in chain or user.operation in target_ops for user in ir_utils.users(g)):
+        # only the DAG reads the raw rows: where its values are read elsewhere too, moving the gather
+        # past it (--policy all) gathers them once for the dots and those readers, the norm on 1/n
+        # of the rows; the ring here is for raw rows read elsewhere (a residual)
+        return None
     ordered = sorted(chain.values(), key=lambda op: _OpOrder(op.operation))
     steps: dict[ir.Value, LayoutStep] = {}  # by the value each step computes
     dims: dict[ir.Value, int] = {g: gather_dim}
