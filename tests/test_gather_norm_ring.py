@@ -225,3 +225,30 @@ def test_repeated_layers_share_the_norm_ring(share, layers):
     assert [bool(s.shared_ring) for s in gathers[1:]] == [share] * (layers - 1)
     outcome = execute.check_numerics(ir_utils.parse(text), result.module)
     assert outcome.ok, outcome.format()
+
+
+@pytest.mark.parametrize("merge", [True, False])
+@pytest.mark.parametrize("variant", ["uni", "bidi-full"])
+def test_two_dots_through_one_norm(variant, merge):
+    """Gate and up projections of one normalised value (the raw rows returned too): one ring
+    computes both dots, the norm applied once per block for the two."""
+    def body(x, g, wg, wu):
+        h = jax.lax.all_gather(x, "model", axis=0, tiled=True)
+        n = rms_norm(h, g, None)
+        return jax.nn.silu(n @ wg) * (n @ wu), h
+
+    specs = (P("model", None), P(), P(), P())
+    f = jax.shard_map(body, mesh=MESH, in_specs=specs, out_specs=(P(), P("model", None)), check_vma=False)
+    args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(MESH, sp))
+            for s, sp in zip([(ROWS, HIDDEN), (HIDDEN,), (HIDDEN, OUT), (HIDDEN, OUT)], specs)]
+    text = jax.jit(f).lower(*args).as_text()
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant=variant, merge_dots=merge))
+    entry = gather_entry(result)
+    assert entry.rewritten and len(entry.consumers) == 2, entry.summary_line()
+    (loop,) = ir_utils.ops_named(result.module, "stablehlo.while")["stablehlo.while"] or [None]
+    if variant == "uni":  # one norm per block: one reduce over the hidden dim in the loop's body
+        assert len(ir_utils.ops_named(loop, "stablehlo.reduce")["stablehlo.reduce"]) == 1
+        # merged: one dot of the block against both weights concatenated; else one dot each
+        assert len(ir_utils.ops_named(loop, "stablehlo.dot_general")["stablehlo.dot_general"]) == (1 if merge else 2)
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()
