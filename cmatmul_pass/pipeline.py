@@ -828,7 +828,10 @@ def hoist(site: Site) -> list[str]:
         return []
     counts = Counter(op.name for op in ops)
     names = ", ".join(f"{name}" + (f" x{count}" if count > 1 else "") for name, count in counts.items())
-    return [f"moved {len(ops)} op(s) computing its dots' other operands up to the ring: {names}"]
+    # a norm applied per block (Consumer.dag): what moved are the values its ops read (a gain, constants)
+    what = "what the ring reads beside the shards" if any(c.dag for c in site.consumers) else \
+        "its dots' other operands"
+    return [f"moved {len(ops)} op(s) computing {what} up to the ring: {names}"]
 
 
 def _guarded(entry: SiteReport, step, *args):

@@ -93,7 +93,8 @@ REASONS: dict[str, Reason] = {r.code: r for r in (
                      "reshape that splits it, an elementwise op whose other operand varies along it)",
            "reshape before the gather or after the dot, and scale per row after the dot rather than before it; a "
            "row-wise op after a gather (a norm of the gathered rows) is moved past by `--policy all` (the default), "
-           "the gather then ringing with the dot",
+           "the gather then ringing with the dot; where the gathered rows are also read elsewhere (a residual), the "
+           "ring applies the norm to each block and assembles the rows, unless `--no-assemble`",
            ("hlo_samples/neg_reshape_splits_ring_dim.mlir",)),
     Reason("schedule", "the dots reading the gathered value need values computed after another reader of it: no "
                        "single place for the ring",

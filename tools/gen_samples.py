@@ -1446,11 +1446,20 @@ SAMPLES_LIST = [
            "gradient's scatter follows the norm's backward of the cotangent (the product read twice: scaled per "
            "row, and summed over the row then scaled); the ring applies it to each 8-row block it computes, its "
            "sums over the hidden dim and the per-row factors taken at the block's rows, and carries the gain "
-           "gradient's sum over the rows, adding each block's share. (The forward's gather, whose gathered rows "
-           "are also the backward's residual, stays; so does the gain gradient's psum, of a sum over the rows, "
-           "not of a product.)",
-           sp_rms_norm_grad, "rewritten 3",
-           ["CHECK-NOT: stablehlo.reduce_scatter",  # the loop carries the partial sum and the gain gradient's total
+           "gradient's sum over the rows, adding each block's share. The forward's gather, whose gathered rows "
+           "are also the backward's residual, rings with its dot through the RMS norm: the ring normalises each "
+           "block it receives before its dot and assembles the raw rows for the residual. (The gain gradient's "
+           "psum stays: it sums a sum over the rows, not a product.)",
+           sp_rms_norm_grad, "rewritten 4",
+           ["CHECK-NOT: stablehlo.reduce_scatter", "CHECK-NOT: stablehlo.all_gather",
+            # the forward's gather ring: the shard, the product's blocks and the raw rows assembled
+            "CHECK: stablehlo.while{{.*}} : tensor<ui32>, tensor<8x32xf32>, tensor<64x16xf32>, tensor<64x32xf32>",
+            "CHECK: } do {", 'CHECK: "stablehlo.collective_permute"',
+            # the norm's sum over the hidden dim, of the block's 8 rows, before the block's dot
+            "CHECK: stablehlo.reduce({{.*}}) applies stablehlo.add across dimensions = [1] : "
+            "(tensor<8x32xf32>, tensor<f32>) -> tensor<8xf32>",
+            "CHECK: stablehlo.dot_general {{.*}} -> tensor<8x16xf32>",
+            # the loop carries the partial sum and the gain gradient's total
             "CHECK: stablehlo.while{{.*}} : tensor<ui32>, tensor<8x32xf32>, tensor<32xf32>", "CHECK: } do {",
             'CHECK: "stablehlo.collective_permute"', "CHECK: stablehlo.dot_general {{.*}} -> tensor<8x32xf32>",
             "CHECK: stablehlo.dynamic_slice {{.*}} sizes = [8, 32]",
@@ -1459,7 +1468,7 @@ SAMPLES_LIST = [
             "CHECK: stablehlo.reduce({{.*}}) applies stablehlo.add across dimensions = [1] : "
             "(tensor<8x32xf32>, tensor<f32>) -> tensor<8xf32>",
             "CHECK: stablehlo.broadcast_in_dim {{.*}} : (tensor<8xf32>) -> tensor<8x32xf32>",
-            "CHECK: stablehlo.return", "CHECK-NOT: stablehlo.reduce_scatter"]),
+            "CHECK: stablehlo.return", "CHECK-NOT: stablehlo.reduce_scatter", "CHECK-NOT: stablehlo.all_gather"]),
     Sample("ag_two_stage", "a weight sharded over two mesh axes, gathered in two stages along one dim: the stages "
            "merge into one gather over both axes' groups, which becomes one ring over the 8 devices.",
            two_stage_gather, "rewritten 1",

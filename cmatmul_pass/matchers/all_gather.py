@@ -16,16 +16,32 @@ computed later, a dot in another region) is *kept*: the loop also assembles the
 gathered value from the shards it sees, as XLA's windowed einsum caches it, and those
 readers get the assembled copy — never a second all_gather.  With
 ``assemble=False`` such sites are declined instead.
+
+Where no dot is reached through layout and elementwise ops alone, but through a DAG of ops that
+work row by row along the gathered dim (a norm of the gathered rows: a statistic of each row,
+broadcast back), and something besides those dots reads the rows (a residual), the ring applies
+the DAG to each block before its dot and assembles the raw rows (:func:`_row_dag`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .. import ir_utils
 from .._jax_private import ir
 from ..errors import Decline
-from ..layout import LayoutStep, elementwise_step, forward_dim, is_elementwise, is_layout_op, path_sources
+from ..layout import (
+    ROW_OPS,
+    LayoutStep,
+    Sliced,
+    elementwise_step,
+    forward_dim,
+    invariant_source,
+    is_elementwise,
+    is_layout_op,
+    path_sources,
+    row_dim,
+)
 from ..ring import Ring
 from . import causes
 from .common import (
@@ -59,6 +75,9 @@ class Consumer:
     role: str
     result_dim: int | None = None
     other_dim: int | None = None
+    #: ``path`` is a DAG (a norm of the gathered rows: steps in block order, each reading the
+    #: gathered value or earlier steps' results), applied to each block by :func:`.layout.apply_dag`
+    dag: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -179,7 +198,12 @@ def _match(ag: ir.OpView, ring: Ring, region: ManualRegion, assemble: bool, info
     tree.roots = _visit(tree, ag.result, gather_dim, (), block, ring.size)
     _drop_dots_reading_twice(tree)
     if not tree.candidates:
-        raise _no_dot(tree, ag, ring.size)
+        declined = _no_dot(tree, ag, ring.size)
+        site = _row_dag(ag, ring, region, gather_dim, info) if assemble and declined.code in ("layout", "user_not_dot") \
+            else None
+        if site is None:
+            raise declined
+        return site
 
     consumers, first, hoisted = _schedulable(tree, block, ag)
     if not consumers:
@@ -462,3 +486,223 @@ class _OpOrder:
 
 def _BlockOrder(consumer: Consumer) -> _OpOrder:
     return _OpOrder(consumer.dot.operation)
+
+
+# ------------------------------------------------------------------ a row-wise DAG before the dots
+
+
+def _row_dag(ag: ir.OpView, ring: Ring, region: ManualRegion, gather_dim: int, info: ModuleInfo
+             ) -> AllGatherSite | None:
+    """The gathered rows reach their dots through ops that work row by row along the gathered dim
+    and read them more than once (a norm: ``x * rsqrt(mean(x*x, other dims))`` broadcast back),
+    while the raw rows are also read elsewhere (a backward's residual, through ``sdy.return``;
+    values of the norm may be too): the ring applies the DAG to each block it receives before that
+    block's dot, ``f(all_gather(x))[block k] == f(x_k)``, and assembles the raw blocks for the
+    other readers, which compute what they read from the assembled value as before.
+
+    Legal only where every op on the way is row-wise along the ring dim: an elementwise op whose
+    other operands are the same in every block (rebuilt at block size) or computed apart from
+    the gathered value (read at the block's rows: every device computes every block with its own
+    operands, as the original does), a layout op that keeps blocks, a reduce over other dims, a
+    broadcast_in_dim taking the ring dim from its operand at full size.  Anything else — an op
+    reading other rows of the gathered dim (a reduce over it, a value computed from the gathered
+    value by an op outside the DAG, such as a cumulative sum) — and None: the caller's decline
+    stands.  None too where nothing but the DAG reads the raw rows (the gather then moves to its
+    dots, :func:`.rewrites.sequence_parallel.move_gather_forward`, which runs the norm on 1/n of
+    the rows and gathers its result once, also for its other readers)."""
+    n = ring.size
+    block = ag.operation.block
+    g = ag.result
+    passable: set[ir.Operation] = set()  # ops reached from the rows through row-wise candidates only
+    dots: dict[ir.Operation, ir.OpView] = {}
+    pending = [g]
+    while pending:
+        for user in ir_utils.users(pending.pop()):
+            op = user.operation
+            if op.block != block or op in passable:
+                continue
+            if op.name == DOT:
+                dots[op] = user
+            elif _row_candidate(user):
+                passable.add(op)
+                pending.append(user.result)
+
+    def on_path(value: ir.Value) -> bool:
+        return value == g or (not isinstance(value.owner, ir.Block) and value.owner.operation in passable)
+
+    targets = [dot for dot in dots.values() if [on_path(v) for v in dot.operation.operands].count(True) == 1]
+    if not targets:
+        return None
+    tainted = _computed_from(g, block)  # (the rest of the block at most: only once a dot is in reach)
+    targets = [dot for dot in targets if not any(_owner_in(v, tainted) for v in dot.operation.operands
+                                                 if not on_path(v))]
+    # the DAG: the row-wise ops some target dot reads through, in block order (producers first)
+    chain: dict[ir.Operation, ir.OpView] = {}
+    pending = [v for dot in targets for v in dot.operation.operands if on_path(v) and v != g]
+    while pending:
+        owner = pending.pop().owner
+        if owner.operation in chain:
+            continue
+        chain[owner.operation] = owner
+        pending += [v for v in owner.operation.operands if on_path(v) and v != g]
+    if not chain:
+        return None  # the dots read the rows themselves: the tree's decline stands
+    target_ops = {dot.operation for dot in targets}
+    if all(user.operation in chain or user.operation in target_ops for user in ir_utils.users(g)):
+        # only the DAG reads the raw rows: where its values are read elsewhere too, moving the gather
+        # past it (--policy all) gathers them once for the dots and those readers, the norm on 1/n
+        # of the rows; the ring here is for raw rows read elsewhere (a residual)
+        return None
+    ordered = sorted(chain.values(), key=lambda op: _OpOrder(op.operation))
+    steps: dict[ir.Value, LayoutStep] = {}  # by the value each step computes
+    dims: dict[ir.Value, int] = {g: gather_dim}
+    for op in ordered:
+        step = _dag_step(op, on_path, dims, tainted, n)
+        if step is None:
+            return None
+        steps[op.result] = step
+        dims[op.result] = step.out_dim
+
+    def path_of(value: ir.Value) -> tuple[LayoutStep, ...]:
+        """The steps computing ``value`` from the rows, in block order."""
+        found: set[ir.Value] = set()
+        pending = [value]
+        while pending:
+            v = pending.pop()
+            if v in steps and v not in found:
+                found.add(v)
+                pending += list(v.owner.operation.operands)
+        return tuple(steps[op.result] for op in ordered if op.result in found)
+
+    included = sorted(targets, key=lambda dot: _OpOrder(dot.operation))
+    in_tree = {ag.operation, *tainted}
+    while included:
+        chosen = {dot.operation for dot in included}
+        dead: set[ir.Operation] = set()  # DAG ops read only by the chosen dots and dead DAG ops
+        for op in reversed(ordered):
+            if all(u.owner.operation in chosen or u.owner.operation in dead for u in op.result.uses):
+                dead.add(op.operation)
+        kept = [user for user in ir_utils.users(g) if user.operation not in dead and user.operation not in chosen]
+        if not kept:
+            return None  # nothing else reads the rows: moving the gather to its dots does better
+        readers = [ir_utils.ancestor_in(user, block) for user in kept]
+        first = min([dot.operation for dot in included] + readers, key=_OpOrder)
+        keep, hoisted = [], {}
+        for dot in included:
+            index = next(i for i, v in enumerate(dot.operation.operands) if on_path(v))
+            path = path_of(dot.operation.operands[index])
+            needed = [dot.operation.operands[1 - index]] + _dag_reads(path)
+            missing = [v for v in needed if not ir_utils.defined_before(v, first)]
+            moves = [_hoistable(v, first, in_tree, HOIST_LIMIT - len(hoisted)) for v in missing]
+            if all(ops is not None for ops in moves):
+                keep.append(dot)
+                hoisted.update(dict.fromkeys(op for ops in moves for op in ops))
+        if len(keep) == len(included):
+            break
+        included = keep
+    if not included:
+        return None
+    consumers = []
+    for dot in included:
+        index = next(i for i, v in enumerate(dot.operation.operands) if on_path(v))
+        value = dot.operation.operands[index]
+        try:
+            consumer = _consumer(dot, value, dims[value], path_of(value), info)
+        except Decline:
+            return None
+        consumers.append(replace(consumer, dag=True))
+    nodes = tuple(steps[op.result] for op in ordered)
+    return AllGatherSite(ag, ring, region, gather_dim, tuple(consumers), nodes, tuple(kept), first,
+                         tuple(sorted(hoisted, key=_OpOrder)))
+
+
+def _row_candidate(op: ir.OpView) -> bool:
+    """An op the rows may pass on their way to a dot in a DAG (checked row-wise by :func:`_dag_step`)."""
+    return (is_layout_op(op) or is_elementwise(op) or op.operation.name in ROW_OPS) and len(op.operation.results) == 1
+
+
+def _computed_from(value: ir.Value, block: ir.Block) -> set[ir.Operation]:
+    """Every op of ``block`` computed from ``value`` (an op holding a reader in a region counts)."""
+    found: set[ir.Operation] = set()
+    pending = [value]
+    while pending:
+        for use in pending.pop().uses:
+            op = ir_utils.ancestor_in(use.owner, block)
+            if op is None or op in found:
+                continue
+            found.add(op)
+            pending += list(op.results)
+    return found
+
+
+def _owner_in(value: ir.Value, ops: set) -> bool:
+    return not isinstance(value.owner, ir.Block) and value.owner.operation in ops
+
+
+def _dag_step(op: ir.OpView, on_path, dims: dict, tainted: set, n: int) -> LayoutStep | None:
+    """``op`` as a step of the DAG, its ring dim carried forward from its operands on the path;
+    None where it does not work row by row along it or reads a value computed from the rows by
+    ops outside the DAG (which may mix them)."""
+    for value in [*op.operation.operands, op.result]:
+        t = ir_utils.ranked_tensor(value)
+        if t is None or not ir_utils.is_static(t):
+            return None
+    read = [v for v in op.operation.operands if on_path(v)]
+    in_dims = {dims.get(v) for v in read}
+    if None in in_dims or len(in_dims) != 1:
+        return None  # rows along different dims
+    (in_dim,) = in_dims
+    others = [v for v in op.operation.operands if not on_path(v)]
+    if any(_owner_in(v, tainted) for v in others):
+        return None
+    name = op.operation.name
+    if is_layout_op(op):
+        try:
+            out_dim = forward_dim(op, in_dim, n)
+        except Decline:
+            return None
+        step = LayoutStep(op, in_dim, out_dim)
+    elif name == "stablehlo.reduce":
+        operands = list(op.operation.operands)
+        if len(operands) != 2 or in_dim in ir_utils.i64s(op, "dimensions"):
+            return None  # variadic, or a reduce over the gathered rows: it mixes them
+        rank = ir.RankedTensorType(operands[0].type).rank
+        out_dim = [d for d in range(rank) if d not in ir_utils.i64s(op, "dimensions")].index(in_dim)
+        init = operands[1].owner
+        constant = not isinstance(init, ir.Block) and init.operation.name == "stablehlo.constant"
+        step = LayoutStep(op, in_dim, out_dim, (None, init if constant else None))
+    elif name == "stablehlo.broadcast_in_dim":
+        out_dim = ir_utils.i64s(op, "broadcast_dimensions")[in_dim]
+        if row_dim(op, out_dim) != in_dim:
+            return None  # spreads one value along the gathered dim
+        step = LayoutStep(op, in_dim, out_dim)
+    elif is_elementwise(op):
+        sources = []
+        for value in op.operation.operands:
+            if on_path(value):
+                sources.append(None)
+                continue
+            try:
+                sources.append(invariant_source(op, value, in_dim))
+            except Decline:
+                sources.append(Sliced(value))  # each block reads its rows of it (checked not from the rows above)
+        step = LayoutStep(op, in_dim, in_dim, tuple(sources))
+    else:
+        return None
+    size = ir.RankedTensorType(op.result.type).shape[step.out_dim]
+    return step if size % n == 0 else None
+
+
+def _dag_reads(path: tuple[LayoutStep, ...]) -> list[ir.Value]:
+    """What the ring reads beside the rows to apply ``path`` to a block: the rebuilt sources'
+    operands, the values read block by block, a reduce's init that is no constant."""
+    reads: list[ir.Value] = []
+    for step in path:
+        for value, source in zip(step.op.operation.operands, step.sources or (None,) * len(step.op.operation.operands)):
+            if isinstance(source, Sliced):
+                reads.append(source.value)
+            elif source is not None:
+                reads += list(source.operation.operands)
+        if step.op.operation.name == "stablehlo.reduce" and step.sources[1] is None:
+            reads.append(step.op.operation.operands[1])
+    return reads

@@ -50,7 +50,7 @@ from __future__ import annotations
 from .. import ir_utils
 from .._jax_private import ir
 from ..cost import gather_signatures, gather_streams
-from ..layout import LayoutStep, path_sources
+from ..layout import LayoutStep, apply_dag, path_sources
 from ..matchers import AllGatherSite, Consumer
 from ..matchers.common import DotDims
 from .builders import TRANSIENT_MARK_PREFIX, Builder, erase_dead, shard_type
@@ -227,16 +227,25 @@ def rewrite_all_gather_dot(site: AllGatherSite, ctx: RewriteContext) -> Applied:
 
     def compute(held: ir.Value, k: ir.Value, state: list[ir.Value], stream: int, dots: list) -> list[ir.Value]:
         blocks: dict[LayoutStep, ir.Value] = {}
+        values: dict[ir.Value, ir.Value] = {ag.result: held}  # a DAG's values' blocks (shard k's rows)
 
-        def through(path: tuple[LayoutStep, ...]) -> ir.Value:
+        def through(c: Consumer) -> ir.Value:
+            if c.dag:  # a norm of the rows: each step reads its operands' blocks, once per shard
+                b = loop_b.at(c.dot.location)
+
+                def rows_of(value: ir.Value, at: int, width: int) -> ir.Value:  # shard k's rows of a value
+                    return b.dynamic_slice(value, at, b.scaled(k, width), width)
+
+                apply_dag(tuple(step for step in c.path if step.op.result not in values), values, n, rows_of)
+                return values[c.dot.operation.operands[c.operand_index]]
             value = held
-            for node in path:  # shared path prefixes are applied once per shard
+            for node in c.path:  # shared path prefixes are applied once per shard
                 if node not in blocks:
                     blocks[node] = node.apply(value, n)
                 value = blocks[node]
             return value
 
-        new = [group.accumulate(acc, through(group.lead.c.path), k, stream, dots, barriers)
+        new = [group.accumulate(acc, through(group.lead.c), k, stream, dots, barriers)
                for group, acc in zip(groups, state)]
         if site.assembles:
             new.append(comm.dynamic_update_slice(state[-1], held, dim, comm.scaled(k, shard_rows)))
