@@ -193,8 +193,10 @@ class _Replay:
         self.source = source
         self.locations, _ = group.twin_before
         self.recipe = recipe
-        #: the op classes of the twin's ops holding a channel handle
-        self.channel_kinds = list(dict.fromkeys(type(op.opview) for op in _channel_ops(group.twin)))
+        #: the twin's ops holding a channel handle, as a copy located as the twin renews them: by
+        #: op class (in the order the classes first appear), each class's in pre-order; each as
+        #: its place in the copy (:func:`_channel_places`), its handle and its channel type
+        self.channels = _channel_places(group.twin)
         first: dict = {}  # a twin location -> the first place it is at
         # places locating like an earlier place in the twin: a region must locate them alike too
         self.alike: list[tuple[int, int]] = []
@@ -267,9 +269,13 @@ class _Replay:
                 return ir.WalkResult.ADVANCE
 
             copy.walk(visit, ir.WalkOrder.PRE_ORDER)
-        else:  # located as the twin: only the channel ops are visited (MLIR picks them by class)
-            for kind in self.channel_kinds:
-                copy.walk(lambda op: (renew(op), ir.WalkResult.ADVANCE)[1], ir.WalkOrder.PRE_ORDER, op_class=kind)
+        else:  # located as the twin: only the channel ops are visited, found by their places
+            for place, handle, channel_type in self.channels:
+                op = copy
+                for r, b, i in place:
+                    op = op.regions[r].blocks[b].operations[i]
+                handles[handle] = take_channel()
+                op.operation.attributes["channel_handle"] = hlo.ChannelHandle.get(handles[handle], channel_type)
         for index, value in enumerate(region.operands):
             copy.operands[index] = value
         for old, new in zip(region.results, copy.results):
@@ -428,6 +434,32 @@ def _channel_ops(region: ir.Operation) -> list[ir.Operation]:
 
     region.walk(visit, ir.WalkOrder.PRE_ORDER)
     return found
+
+
+def _channel_places(region: ir.Operation) -> list[tuple[tuple, int, int]]:
+    """The ops in ``region`` holding a channel handle, grouped by op class (the classes in the
+    order they first appear, each class's ops in pre-order): each as its place (the (region,
+    block, op) indices leading to it from ``region``), its handle and its channel type.  One
+    Python pass over ``region``'s ops (once per group: a copy then reaches its few channel ops
+    by their places instead of walking)."""
+    found: list[tuple[type, tuple, int, int]] = []
+
+    def visit(op: ir.Operation, place: tuple) -> None:
+        for r, inner in enumerate(op.regions):
+            for b, block in enumerate(inner.blocks):
+                for i, child in enumerate(block.operations):
+                    child = child.operation
+                    at = (*place, (r, b, i))
+                    attributes = child.attributes
+                    if "channel_handle" in attributes:
+                        old = hlo.ChannelHandle(attributes["channel_handle"])
+                        found.append((type(child.opview), at, old.handle, old.channel_type))
+                    visit(child, at)
+
+    visit(region, ())  # (``region`` itself, a manual computation, holds no handle)
+    rank = {kind: k for k, kind in enumerate(dict.fromkeys(kind for kind, *_ in found))}
+    return [(place, handle, channel_type)
+            for _, place, handle, channel_type in sorted(found, key=lambda f: rank[f[0]])]
 
 
 def _handles(region: ir.Operation) -> list[int]:
