@@ -364,25 +364,36 @@ class _Template:
     """A report entry with its location strings and channel handles as holes."""
 
     def __init__(self, data: dict, holes: list):
-        # kept serialised: each entry gets its own copy of every list and dict, in one C call
-        self.data = marshal.dumps(data)
+        self.data = marshal.dumps(data)  # the twin's own fields, read back once (_shared)
         self.holes = holes  # paths into data of strings holding locations: (path, parts)
-        self.same: dict | None = None  # the entry with the twin's own strings (make_same), once made
+        self.shared: dict | None = None  # the twin's fields, read back: shared by every entry made
+
+    def _base(self) -> dict:
+        if self.shared is None:
+            self.shared = marshal.loads(self.data)
+        return self.shared
 
     def make_same(self, handles: dict[int, int]) -> SiteReport:
         """:meth:`make` for a region located as the twin: its strings are the twin's, and its
         lists and dicts (but its channel handles) are one copy shared by every such region's
         entry (a report is read, not edited: :class:`~cmatmul_pass.report.SiteReport`)."""
-        if self.same is None:
-            self.same = vars(self.make(lambda rendered: rendered, {}))
-        return _entry(dict(self.same), handles)
+        return _entry(dict(self._base()), handles)
 
     def make(self, text: Callable[[str], str], handles: dict[int, int]) -> SiteReport:
-        data = marshal.loads(self.data)
+        """The entry with each location string rendered by ``text``: the lists and dicts on the
+        way to a hole are its own, the others shared with every entry made from this template
+        (as :meth:`make_same`'s)."""
+        data = dict(self._base())
+        own: dict[tuple, object] = {}  # a path -> the entry's own copy of the container there
         for path, parts in self.holes:
             target = data
-            for key in path[:-1]:
-                target = target[key]
+            for depth in range(1, len(path)):
+                inner = own.get(path[:depth])
+                if inner is None:
+                    inner = target[path[depth - 1]]
+                    inner = own[path[:depth]] = dict(inner) if isinstance(inner, dict) else list(inner)
+                    target[path[depth - 1]] = inner
+                target = inner
             target[path[-1]] = "".join(text(piece) if kind == "loc" else piece for kind, piece in parts)
         return _entry(data, handles)
 
