@@ -364,26 +364,20 @@ class _Template:
     """A report entry with its location strings and channel handles as holes."""
 
     def __init__(self, data: dict, holes: list):
-        self.data = marshal.dumps(data)  # the twin's own fields, read back once (_shared)
+        self.shared = data  # the twin's fields, a copy of its own never edited: shared by every entry made
         self.holes = holes  # paths into data of strings holding locations: (path, parts)
-        self.shared: dict | None = None  # the twin's fields, read back: shared by every entry made
-
-    def _base(self) -> dict:
-        if self.shared is None:
-            self.shared = marshal.loads(self.data)
-        return self.shared
 
     def make_same(self, handles: dict[int, int]) -> SiteReport:
         """:meth:`make` for a region located as the twin: its strings are the twin's, and its
         lists and dicts (but its channel handles) are one copy shared by every such region's
         entry (a report is read, not edited: :class:`~cmatmul_pass.report.SiteReport`)."""
-        return _entry(dict(self._base()), handles)
+        return _entry(dict(self.shared), handles)
 
     def make(self, text: Callable[[str], str], handles: dict[int, int]) -> SiteReport:
         """The entry with each location string rendered by ``text``: the lists and dicts on the
         way to a hole are its own, the others shared with every entry made from this template
         (as :meth:`make_same`'s)."""
-        data = dict(self._base())
+        data = dict(self.shared)
         own: dict[tuple, object] = {}  # a path -> the entry's own copy of the container there
         for path, parts in self.holes:
             target = data
@@ -406,6 +400,10 @@ def _entry(data: dict, handles: dict[int, int]) -> SiteReport:
     return entry
 
 
+#: what :func:`_template` looks into for location strings
+_CONTAINERS = frozenset({str, dict, list})
+
+
 def _template(entry: SiteReport, pattern: re.Pattern | None) -> _Template:
     """``entry`` with each occurrence of ``pattern`` (the twin's rendered locations) a hole."""
     data = marshal.loads(marshal.dumps(vars(entry)))  # its own lists and dicts
@@ -413,8 +411,9 @@ def _template(entry: SiteReport, pattern: re.Pattern | None) -> _Template:
         return _Template(data, [])
     holes: list = []
 
-    def visit(value, path):
-        if isinstance(value, str):
+    def visit(value, path):  # (marshal's copy: exact str, dict and list; numbers skipped unvisited)
+        kind = type(value)
+        if kind is str:
             parts, at = [], 0
             for match in pattern.finditer(value):
                 parts.append(("text", value[at:match.start()]))
@@ -423,12 +422,14 @@ def _template(entry: SiteReport, pattern: re.Pattern | None) -> _Template:
             if parts:
                 parts.append(("text", value[at:]))
                 holes.append((path, parts))
-        elif isinstance(value, dict):
+        elif kind is dict:
             for key, item in value.items():
-                visit(item, (*path, key))
-        elif isinstance(value, list):
+                if type(item) in _CONTAINERS:
+                    visit(item, (*path, key))
+        elif kind is list:
             for index, item in enumerate(value):
-                visit(item, (*path, index))
+                if type(item) in _CONTAINERS:
+                    visit(item, (*path, index))
 
     visit(data, ())
     return _Template(data, holes)
