@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import marshal
 import re
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -510,8 +511,14 @@ def plan(regions: list[ir.Operation]) -> Plan | None:
     when nothing is to be replayed."""
     if len(regions) < MIN_MEMBERS:
         return None
+    # a region prints its operands and its results' count, so regions that print alike have as many
+    # of each: regions whose counts fewer than MIN_MEMBERS share are in no group, and not printed
+    counts = [(len(region.operands), len(region.results)) for region in regions]
+    shared = Counter(counts)
     by_body: dict[bytes, list[ir.Operation]] = {}
-    for region in regions:
+    for region, count in zip(regions, counts):
+        if shared[count] < MIN_MEMBERS:
+            continue
         text = region.get_asm(binary=True, use_local_scope=True, assume_verified=True)
         by_body.setdefault(text, []).append(region)
     groups = [Group(members) for members in by_body.values() if len(members) >= MIN_MEMBERS]

@@ -3,6 +3,9 @@
 
     python tools/same_output.py save DIR     # the outputs of the pass as it is now, into DIR
     python tools/same_output.py check DIR    # the same outputs again, compared with DIR's
+    SAME_OUTPUT_PACKAGE=FOLDER python tools/same_output.py save DIR   # FOLDER/cmatmul_pass's outputs
+
+(Save and check with the same tools/: the bench models' locations name its lines.)
 
 Outputs: for every ``hlo_samples/*.mlir`` under a few option sets, and for the bench models
 (``tools.bench.MODELS``) at L = 1, 4, 8, 32 on both paths (the text path, ``rewrite`` on
@@ -22,6 +25,8 @@ from pathlib import Path
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+if os.environ.get("SAME_OUTPUT_PACKAGE"):  # a folder holding another copy of cmatmul_pass (the one before a change)
+    sys.path.insert(0, os.environ["SAME_OUTPUT_PACKAGE"])
 
 import cmatmul_pass  # noqa: E402
 from cmatmul_pass import ir_utils  # noqa: E402
@@ -82,6 +87,7 @@ def main(argv=None) -> int:
     parser.add_argument("dir")
     parser.add_argument("--no-models", action="store_true", help="the samples only")
     args = parser.parse_args(argv)
+    print(f"cmatmul_pass from {Path(cmatmul_pass.__file__).parent}", flush=True)
     out = Path(args.dir)
     out.mkdir(parents=True, exist_ok=True)
     differ = checked = 0
