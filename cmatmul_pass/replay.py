@@ -367,6 +367,12 @@ class _Template:
     def __init__(self, data: dict, holes: list):
         self.shared = data  # the twin's fields, a copy of its own never edited: shared by every entry made
         self.holes = holes  # paths into data of strings holding locations: (path, parts)
+        # what make does, worked out once: the containers on the way to a hole (parents first),
+        # which the entry gets its own copies of; and per hole, its container's path, its key, its
+        # pieces and which of them are location strings
+        self.copies = sorted({path[:depth] for path, _ in holes for depth in range(1, len(path))}, key=len)
+        self.fills = [(path[:-1], path[-1], [piece for _, piece in parts],
+                       [i for i, (kind, _) in enumerate(parts) if kind == "loc"]) for path, parts in holes]
 
     def make_same(self, handles: dict[int, int]) -> SiteReport:
         """:meth:`make` for a region located as the twin: its strings are the twin's, and its
@@ -379,17 +385,16 @@ class _Template:
         way to a hole are its own, the others shared with every entry made from this template
         (as :meth:`make_same`'s)."""
         data = dict(self.shared)
-        own: dict[tuple, object] = {}  # a path -> the entry's own copy of the container there
-        for path, parts in self.holes:
-            target = data
-            for depth in range(1, len(path)):
-                inner = own.get(path[:depth])
-                if inner is None:
-                    inner = target[path[depth - 1]]
-                    inner = own[path[:depth]] = dict(inner) if isinstance(inner, dict) else list(inner)
-                    target[path[depth - 1]] = inner
-                target = inner
-            target[path[-1]] = "".join(text(piece) if kind == "loc" else piece for kind, piece in parts)
+        own: dict[tuple, object] = {(): data}  # a path -> the entry's own copy of the container there
+        for path in self.copies:
+            parent = own[path[:-1]]
+            inner = parent[path[-1]]
+            own[path] = parent[path[-1]] = dict(inner) if type(inner) is dict else list(inner)
+        for where, key, pieces, locations in self.fills:
+            pieces = pieces.copy()
+            for i in locations:
+                pieces[i] = text(pieces[i])
+            own[where][key] = "".join(pieces)
         return _entry(data, handles)
 
 
