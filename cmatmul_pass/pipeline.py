@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from . import cost, ir_utils, replay
@@ -236,7 +237,8 @@ def rewrite_copy(module: ir.Module, options: Options, source: str) -> RewriteRes
     return _rewrite(ir_utils.clone_module(module), options, source, lambda: ir_utils.clone_module(module), None)
 
 
-def _rewrite(module: ir.Module, options: Options, source: str, again, restore) -> RewriteResult:
+def _rewrite(module: ir.Module, options: Options, source: str, again: Callable[[], ir.Module],
+             restore: Callable[[], None] | None) -> RewriteResult:
     """The pass on ``module``; on a failure, the pass again on ``again()`` (the input as it
     was), verifying after every site to name the one that broke the module, then
     ``restore()`` (when given: put the caller's module back as it was)."""
