@@ -594,14 +594,20 @@ def _variant_of(plan: list[Round], unroll: int | None) -> str:
     return variant_name(any(len(rnd.transfers) > 1 for rnd in plan), unroll)
 
 
-def schedule(shape: SiteShape, hw: Hardware, bidirectional: bool, unroll: int | None) -> list[Slot]:
+def schedule(shape: SiteShape, hw: Hardware, bidirectional: bool, unroll: int | None, *,
+             plan: list[Round] | None = None, efficiency: float | None = None) -> list[Slot]:
     """The ring's rounds as the model times them (:func:`overlapped_time` is the last one's end).
 
     A round whose permute is hidden costs ``max(compute, transfer)``, an exposed one
     ``compute + transfer``; with the variant's ``overlap`` ``h`` the round costs
-    ``h·max + (1-h)·sum``: its dots start after ``(1-h)`` of the transfer."""
-    t_c = shape.flops / hw.throughput(shape.dtype) / split_efficiency(shape, hw, bidirectional)  # smaller dots
-    plan = rounds(shape, bidirectional)
+    ``h·max + (1-h)·sum``: its dots start after ``(1-h)`` of the transfer.  ``plan`` and
+    ``efficiency``: :func:`rounds` and :func:`split_efficiency` of ``shape`` one way or both,
+    where the caller has them already."""
+    if efficiency is None:
+        efficiency = split_efficiency(shape, hw, bidirectional)
+    t_c = shape.flops / hw.throughput(shape.dtype) / efficiency  # smaller dots
+    if plan is None:
+        plan = rounds(shape, bidirectional)
     hidden = hw.hidden(_variant_of(plan, unroll))
     lo, hi = loop_run([rnd.signature for rnd in plan], unroll)
     per_trip = unroll or 1
@@ -676,11 +682,16 @@ def predict(shape: SiteShape, hw: Hardware, bidirectional: bool = False, unroll:
     serial = t_c + t_m + hw.step
     prediction = Prediction(hw.name, t_c, t_m, serial, variant=variant_name(bidirectional, unroll),
                             throughput=rate, throughput_assumed=not hw.knows(shape.dtype))
+    plans: dict[bool, tuple[list[Round], float]] = {}  # one way, both ways: the rounds and their dots' efficiency
     for name, (bidi, unr) in VARIANTS.items():
-        prediction.overlapped_s[name] = overlapped_time(shape, hw, bidi, unr)
+        if bidi not in plans:
+            plans[bidi] = rounds(shape, bidi), split_efficiency(shape, hw, bidi)
+        plan, efficiency = plans[bidi]
+        slots = schedule(shape, hw, bidi, unr, plan=plan, efficiency=efficiency)  # as overlapped_time
+        prediction.overlapped_s[name] = slots[-1].end if slots else 0.0
         prediction.speedup[name] = serial / prediction.overlapped_s[name]
-        prediction.overlap[name] = hw.hidden(emitted_variant(shape, bidi, unr))
-        prediction.split_efficiency[name] = split_efficiency(shape, hw, bidi)
+        prediction.overlap[name] = hw.hidden(_variant_of(plan, unr))  # as emitted_variant
+        prediction.split_efficiency[name] = efficiency
     return prediction
 
 

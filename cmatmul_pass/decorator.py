@@ -33,7 +33,7 @@ from ._jax_private import ir, lowered_arguments, lowered_module, lowered_with_mo
 from .cost import VARIANTS
 from .errors import InternalError, NumericsMismatch
 from .transform import Overlap
-from .pipeline import Options, RewriteResult, rewrite
+from .pipeline import Options, RewriteResult, rewrite_copy
 from .report import Report, duration
 
 
@@ -239,7 +239,7 @@ def rewrite_lowered(lowered: Any, options: Options, source: str) -> RewriteResul
     """The pass on a ``jax.stages.Lowered``'s program, as :func:`jit` runs it: on a copy in
     jax's own context (the rewritten module is compiled there anyway, and a C++ clone costs a
     tenth of a copy into a context of the pass's own), never touching jax's cached module."""
-    return rewrite(ir_utils.clone_module(lowered_module(lowered)), options, source=source)
+    return rewrite_copy(lowered_module(lowered), options, source)
 
 
 class JittedFunction:

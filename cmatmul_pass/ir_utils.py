@@ -276,6 +276,11 @@ def first_file_location(loc: ir.Location):
 READING: contextvars.ContextVar[str | None] = contextvars.ContextVar("cmatmul_pass_reading", default=None)
 
 
+#: render_location's answers while the pipeline runs (it sets a dict here, with :data:`READING`),
+#: by (location attribute, ``source``): a model's layers render the same locations again and again
+RENDERED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("cmatmul_pass_rendered", default=None)
+
+
 def render_location(loc: ir.Location, source: str | None = None) -> str:
     """``file:line:col`` of the op for a human.
 
@@ -283,6 +288,17 @@ def render_location(loc: ir.Location, source: str | None = None) -> str:
     locations; those are shown against ``source`` (the file that was read; by default
     :data:`READING`'s).
     """
+    rendered = RENDERED.get()
+    if rendered is None:
+        return _render_location(loc, source)
+    key = (loc.attr, source)
+    text = rendered.get(key)
+    if text is None:
+        text = rendered[key] = _render_location(loc, source)
+    return text
+
+
+def _render_location(loc: ir.Location, source: str | None) -> str:
     found = first_file_location(loc)
     if found is None:
         return str(loc)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from . import cost, ir_utils, replay
@@ -212,34 +213,55 @@ def rewrite(
     :class:`~cmatmul_pass.errors.InputError` for unreadable input.
     """
     options = options or Options()
-    given = module
-    snapshot = None
     if isinstance(module, ir.Module):
         snapshot = ir_utils.clone_module(module)  # to give the caller's module back as it was on a bug
-    else:
-        module = ir_utils.parse(module, source=source, context=context or make_context())
+        given = module
+
+        def restore() -> None:
+            _restore(given, snapshot)
+
+        def again() -> ir.Module:
+            restore()
+            return given
+
+        return _rewrite(module, options, source, again, restore)
+    text = module
+    module = ir_utils.parse(text, source=source, context=context or make_context())
+    return _rewrite(module, options, source,
+                    lambda: ir_utils.parse(text, source=source, context=context or make_context()), None)
+
+
+def rewrite_copy(module: ir.Module, options: Options, source: str) -> RewriteResult:
+    """:func:`rewrite` on a copy of ``module``, which stays as it is (``cmatmul_pass.jit`` on
+    jax's module): no snapshot is kept, since a failure is retried on a fresh copy."""
+    return _rewrite(ir_utils.clone_module(module), options, source, lambda: ir_utils.clone_module(module), None)
+
+
+def _rewrite(module: ir.Module, options: Options, source: str, again: Callable[[], ir.Module],
+             restore: Callable[[], None] | None) -> RewriteResult:
+    """The pass on ``module``; on a failure, the pass again on ``again()`` (the input as it
+    was), verifying after every site to name the one that broke the module, then
+    ``restore()`` (when given: put the caller's module back as it was)."""
     reading = ir_utils.READING.set(source)  # messages built deep in the matchers name this file
+    rendered = ir_utils.RENDERED.set({})  # (and render the same locations again and again)
     try:
         with _no_cyclic_gc():
             return _run(module, options, source, verify_each=False)
     except InternalError as failure:
         # The fast path verifies once, at the end.  On a failure, run again from the input,
         # verifying after every site, to name the site that broke the module.
-        if snapshot is not None:
-            _restore(module, snapshot)
-            again = module
-        else:
-            again = ir_utils.parse(given, source=source, context=context or make_context())
+        fresh = again()
         try:
-            _run(again, options, source, verify_each=True)
+            _run(fresh, options, source, verify_each=True)
         except InternalError as pinpointed:
             failure = pinpointed
         finally:
-            if snapshot is not None:
-                _restore(module, snapshot)
+            if restore is not None:
+                restore()
         raise failure from failure.__cause__
     finally:
         ir_utils.READING.reset(reading)
+        ir_utils.RENDERED.reset(rendered)
         forget_types()
         _FLOPS.clear()
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import marshal
 import re
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -193,8 +194,10 @@ class _Replay:
         self.source = source
         self.locations, _ = group.twin_before
         self.recipe = recipe
-        #: the op classes of the twin's ops holding a channel handle
-        self.channel_kinds = list(dict.fromkeys(type(op.opview) for op in _channel_ops(group.twin)))
+        #: the twin's ops holding a channel handle, as a copy located as the twin renews them: by
+        #: op class (in the order the classes first appear), each class's in pre-order; each as
+        #: its place in the copy (:func:`_channel_places`), its handle and its channel type
+        self.channels = _channel_places(group.twin)
         first: dict = {}  # a twin location -> the first place it is at
         # places locating like an earlier place in the twin: a region must locate them alike too
         self.alike: list[tuple[int, int]] = []
@@ -267,9 +270,13 @@ class _Replay:
                 return ir.WalkResult.ADVANCE
 
             copy.walk(visit, ir.WalkOrder.PRE_ORDER)
-        else:  # located as the twin: only the channel ops are visited (MLIR picks them by class)
-            for kind in self.channel_kinds:
-                copy.walk(lambda op: (renew(op), ir.WalkResult.ADVANCE)[1], ir.WalkOrder.PRE_ORDER, op_class=kind)
+        else:  # located as the twin: only the channel ops are visited, found by their places
+            for place, handle, channel_type in self.channels:
+                op = copy
+                for r, b, i in place:
+                    op = op.regions[r].blocks[b].operations[i]
+                handles[handle] = take_channel()
+                op.operation.attributes["channel_handle"] = hlo.ChannelHandle.get(handles[handle], channel_type)
         for index, value in enumerate(region.operands):
             copy.operands[index] = value
         for old, new in zip(region.results, copy.results):
@@ -358,26 +365,36 @@ class _Template:
     """A report entry with its location strings and channel handles as holes."""
 
     def __init__(self, data: dict, holes: list):
-        # kept serialised: each entry gets its own copy of every list and dict, in one C call
-        self.data = marshal.dumps(data)
+        self.shared = data  # the twin's fields, a copy of its own never edited: shared by every entry made
         self.holes = holes  # paths into data of strings holding locations: (path, parts)
-        self.same: dict | None = None  # the entry with the twin's own strings (make_same), once made
+        # what make does, worked out once: the containers on the way to a hole (parents first),
+        # which the entry gets its own copies of; and per hole, its container's path, its key, its
+        # pieces and which of them are location strings
+        self.copies = sorted({path[:depth] for path, _ in holes for depth in range(1, len(path))}, key=len)
+        self.fills = [(path[:-1], path[-1], [piece for _, piece in parts],
+                       [i for i, (kind, _) in enumerate(parts) if kind == "loc"]) for path, parts in holes]
 
     def make_same(self, handles: dict[int, int]) -> SiteReport:
         """:meth:`make` for a region located as the twin: its strings are the twin's, and its
         lists and dicts (but its channel handles) are one copy shared by every such region's
         entry (a report is read, not edited: :class:`~cmatmul_pass.report.SiteReport`)."""
-        if self.same is None:
-            self.same = vars(self.make(lambda rendered: rendered, {}))
-        return _entry(dict(self.same), handles)
+        return _entry(dict(self.shared), handles)
 
     def make(self, text: Callable[[str], str], handles: dict[int, int]) -> SiteReport:
-        data = marshal.loads(self.data)
-        for path, parts in self.holes:
-            target = data
-            for key in path[:-1]:
-                target = target[key]
-            target[path[-1]] = "".join(text(piece) if kind == "loc" else piece for kind, piece in parts)
+        """The entry with each location string rendered by ``text``: the lists and dicts on the
+        way to a hole are its own, the others shared with every entry made from this template
+        (as :meth:`make_same`'s)."""
+        data = dict(self.shared)
+        own: dict[tuple, object] = {(): data}  # a path -> the entry's own copy of the container there
+        for path in self.copies:
+            parent = own[path[:-1]]
+            inner = parent[path[-1]]
+            own[path] = parent[path[-1]] = dict(inner) if type(inner) is dict else list(inner)
+        for where, key, pieces, locations in self.fills:
+            pieces = pieces.copy()
+            for i in locations:
+                pieces[i] = text(pieces[i])
+            own[where][key] = "".join(pieces)
         return _entry(data, handles)
 
 
@@ -389,6 +406,10 @@ def _entry(data: dict, handles: dict[int, int]) -> SiteReport:
     return entry
 
 
+#: what :func:`_template` looks into for location strings
+_CONTAINERS = frozenset({str, dict, list})
+
+
 def _template(entry: SiteReport, pattern: re.Pattern | None) -> _Template:
     """``entry`` with each occurrence of ``pattern`` (the twin's rendered locations) a hole."""
     data = marshal.loads(marshal.dumps(vars(entry)))  # its own lists and dicts
@@ -396,8 +417,9 @@ def _template(entry: SiteReport, pattern: re.Pattern | None) -> _Template:
         return _Template(data, [])
     holes: list = []
 
-    def visit(value, path):
-        if isinstance(value, str):
+    def visit(value, path):  # (marshal's copy: exact str, dict and list; numbers skipped unvisited)
+        kind = type(value)
+        if kind is str:
             parts, at = [], 0
             for match in pattern.finditer(value):
                 parts.append(("text", value[at:match.start()]))
@@ -406,12 +428,14 @@ def _template(entry: SiteReport, pattern: re.Pattern | None) -> _Template:
             if parts:
                 parts.append(("text", value[at:]))
                 holes.append((path, parts))
-        elif isinstance(value, dict):
+        elif kind is dict:
             for key, item in value.items():
-                visit(item, (*path, key))
-        elif isinstance(value, list):
+                if type(item) in _CONTAINERS:
+                    visit(item, (*path, key))
+        elif kind is list:
             for index, item in enumerate(value):
-                visit(item, (*path, index))
+                if type(item) in _CONTAINERS:
+                    visit(item, (*path, index))
 
     visit(data, ())
     return _Template(data, holes)
@@ -428,6 +452,32 @@ def _channel_ops(region: ir.Operation) -> list[ir.Operation]:
 
     region.walk(visit, ir.WalkOrder.PRE_ORDER)
     return found
+
+
+def _channel_places(region: ir.Operation) -> list[tuple[tuple, int, int]]:
+    """The ops in ``region`` holding a channel handle, grouped by op class (the classes in the
+    order they first appear, each class's ops in pre-order): each as its place (the (region,
+    block, op) indices leading to it from ``region``), its handle and its channel type.  One
+    Python pass over ``region``'s ops (once per group: a copy then reaches its few channel ops
+    by their places instead of walking)."""
+    found: list[tuple[type, tuple, int, int]] = []
+
+    def visit(op: ir.Operation, place: tuple) -> None:
+        for r, inner in enumerate(op.regions):
+            for b, block in enumerate(inner.blocks):
+                for i, child in enumerate(block.operations):
+                    child = child.operation
+                    at = (*place, (r, b, i))
+                    attributes = child.attributes
+                    if "channel_handle" in attributes:
+                        old = hlo.ChannelHandle(attributes["channel_handle"])
+                        found.append((type(child.opview), at, old.handle, old.channel_type))
+                    visit(child, at)
+
+    visit(region, ())  # (``region`` itself, a manual computation, holds no handle)
+    rank = {kind: k for k, kind in enumerate(dict.fromkeys(kind for kind, *_ in found))}
+    return [(place, handle, channel_type)
+            for _, place, handle, channel_type in sorted(found, key=lambda f: rank[f[0]])]
 
 
 def _handles(region: ir.Operation) -> list[int]:
@@ -466,8 +516,14 @@ def plan(regions: list[ir.Operation]) -> Plan | None:
     when nothing is to be replayed."""
     if len(regions) < MIN_MEMBERS:
         return None
+    # a region prints its operands and its results' count, so regions that print alike have as many
+    # of each: regions whose counts fewer than MIN_MEMBERS share are in no group, and not printed
+    counts = [(len(region.operands), len(region.results)) for region in regions]
+    shared = Counter(counts)
     by_body: dict[bytes, list[ir.Operation]] = {}
-    for region in regions:
+    for region, count in zip(regions, counts):
+        if shared[count] < MIN_MEMBERS:
+            continue
         text = region.get_asm(binary=True, use_local_scope=True, assume_verified=True)
         by_body.setdefault(text, []).append(region)
     groups = [Group(members) for members in by_body.values() if len(members) >= MIN_MEMBERS]

@@ -301,10 +301,11 @@ class _Signature:
         else:
             regions = op.regions
             inner = tuple([self._region(r) for r in regions]) if len(regions) else ()
-        results = op.results
-        for i, r in enumerate(results):
+        types = []
+        for i, r in enumerate(op.results):
             tokens[r] = (number, i)
-        return (name, attributes, tuple(wiring), inner, tuple([r.type for r in results]))
+            types.append(r.type)
+        return (name, attributes, tuple(wiring), inner, tuple(types))
 
     def _region(self, region: ir.Region) -> tuple:
         blocks = []

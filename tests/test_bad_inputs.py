@@ -101,6 +101,21 @@ def test_an_internal_error_leaves_a_parsed_module_unchanged(monkeypatch):
     module.operation.verify()
 
 
+def test_an_internal_error_on_a_copy_names_the_site_and_leaves_the_module(monkeypatch):
+    """``cmatmul_pass.jit``'s way (pipeline.rewrite_copy, no snapshot kept): the same error, naming
+    the site (found again on a fresh copy), and the module copied from never touched."""
+    from cmatmul_pass.pipeline import Options, rewrite_copy
+    from cmatmul_pass.rewrites import builders
+
+    module = ir_utils.parse((ROOT / "hlo_samples" / "sp_mlp.mlir").read_text())
+    before = ir_utils.print_module(module)
+    monkeypatch.setattr(builders.Builder, "index", lambda self, v: builders.Builder.zeros(
+        self, builders.ir.RankedTensorType.get([], builders.ir.IntegerType.get_signless(64))))
+    with pytest.raises(cmatmul_pass.InternalError, match=r"rewriting the dot_reduce_scatter site at .*sp_mlp"):
+        rewrite_copy(module, Options(), "sp_mlp.mlir")
+    assert ir_utils.print_module(module) == before
+
+
 COMMAND_CASES = sorted((name, command) for name, case in MANIFEST.items() for command in case.get("commands", {}))
 
 

@@ -459,6 +459,19 @@ def test_bench_megatron_smoke(tmp_path):
     assert all(v > 0 for v in results["runtime"]["over_original"].values())
 
 
+def test_bench_pass_cost_alone(tmp_path):
+    """``--only-pass-cost``: the pass's share of lower + compile on both models, both paths, nothing else."""
+    out = tmp_path / "pass_cost.json"
+    assert bench.main(["--only-pass-cost", "--layers", "1", "--repeats", "1", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert {key for key in results if key.startswith("pass_cost")} == {f"pass_cost_{m}" for m in bench.MODELS}
+    for model in bench.MODELS:
+        (row,) = results[f"pass_cost_{model}"]["per_layers"]
+        assert results[f"pass_cost_{model}"]["model"] == model and row["layers"] == 1
+        assert row["pass_over_lower_compile"] > 0 and row["jit_pass_over_lower_compile"] > 0
+    assert "samples" not in results and "megatron" not in results
+
+
 def test_the_pass_profile_names_where_the_time_goes(tmp_path):
     """``make bench`` saves the pass's cProfile (issue 35): the decorator's entry point and the
     rewrite's phases appear, sorted both ways."""

@@ -27,6 +27,7 @@ Everything is measured in one process and reported as ratios (results in bench/r
    runs just this part into bench/results_megatron.json).
 
     python tools/bench.py [--layers 1 4 16 32] [--runs 7] [--layer-runs 51] [--quick] [--only-megatron]
+    python tools/bench.py --only-pass-cost [--layers 1 4 8 16 32] [--repeats 5]   # 1. alone, both models
 """
 
 from __future__ import annotations
@@ -548,6 +549,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the layers against a hand-written ring (default out: bench/results_rings.json)")
     parser.add_argument("--only-profile", action="store_true",
                         help="only the pass's profile at the largest --layers (bench/profile_*.txt)")
+    parser.add_argument("--only-pass-cost", action="store_true",
+                        help="only the pass's cost over lower + compile, on both models (sequence parallel and "
+                             "Megatron) at each --layers, --repeats cold starts each, both paths (default out: "
+                             "bench/results_pass_cost.json)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     if args.quick:
@@ -561,6 +566,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.only_profile:
         profile_pass(max(args.layers))
+        return 0
+    if args.only_pass_cost:
+        for model in MODELS:
+            print(f"pass cost ({model})", flush=True)
+            results[f"pass_cost_{model}"] = pass_cost(args.layers, [], args.repeats, model=model)
+        write_results(args.out or ROOT / "bench" / "results_pass_cost.json", results)
         return 0
     if args.only_megatron:  # with the sequence-parallel model's pass cost beside it, from the same run
         print("1. pass cost (sequence parallel)", flush=True)
