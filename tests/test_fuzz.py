@@ -224,16 +224,21 @@ def test_a_chain_mixing_the_gathered_rows_stays_declined(mixing):
     assert tally.sites_rewritten == 0 and tally.declined, tally.declined
 
 
-def test_an_untiled_gather_of_normalised_rows_stays_declined():
-    """Found by the campaign of seed 2711 (a capability gap, not a miscompile): an untiled gather
-    lowers to a gather on a new dim and a reshape; the norm and the other reader share the reshape,
-    not the gather, so the DAG ring (which assembles rows read straight from the gather) is not
-    tried and the tree's 'layout' decline stands; the program is unchanged and matches."""
-    spec = _ag_norm(tiled=False)
-    assert spec.may_decline() == {"layout"}
+@pytest.mark.parametrize("partial_manual", [False, True])
+def test_an_untiled_gather_of_normalised_rows_rings(partial_manual):
+    """Found by the campaign of seed 2711 (every untiled program declined 'layout', unchanged, no
+    miscompile): an untiled gather lowers to a gather on a new dim and a reshape merging it into
+    the rows (then, in a partially manual region, a sharding constraint); the norm and the other
+    reader share the reshape, not the gather, so the DAG ring, which looked for raw rows read
+    straight from the gather, was not tried.  The reshape and the constraint count as the raw rows
+    now: rewritten under every variant that assembles, and the program matches."""
+    spec = _ag_norm(tiled=False, dtype="f16", consumers=2, raw="residual", sizes=(2, 4, 2, 1))
+    if partial_manual:
+        spec = replace(spec, mesh_shape=(2, 4), devices=(3, 1, 0, 2, 7, 5, 4, 6), axes=("y",), partial_manual=True)
     tally = fuzz_programs.check(spec)
     assert not tally.crashes and not tally.mismatches, tally.crashes + tally.mismatches
-    assert tally.sites_rewritten == 0 and set(tally.declined) == {"layout"}
+    assert tally.sites_rewritten == len(fuzz_programs.VARIANTS) - 1  # all but noassemble
+    assert set(tally.declined) == {"layout"}  # noassemble: the raw rows cannot be assembled
 
 
 @settings(max_examples=40, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck))

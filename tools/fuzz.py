@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kind", action="append", help="only programs of this kind (repeatable): ag, rs, psum, ..., ag_norm")
+    parser.add_argument("--kind", action="append",
+                        help="only programs of this kind (repeatable): ag, rs, psum, ..., ag_norm")
     parser.add_argument("--norm", action="store_true", help="a norm's backward wherever the kind takes one (rs, psum)")
     parser.add_argument("--two-stage", action="store_true",
                         help="only scatters of a psum over another mesh axis (a reduction in two stages)")

@@ -135,11 +135,6 @@ class Spec:
         if self.kind == "psum" and self.norm and self.dim == "k":
             # the norm's sums over the features need whole rows, and the rows do not divide: no dim
             return frozenset({"no_dim"})
-        if self.kind == "ag_norm" and not self.tiled and self.dim == ("b" if self.batch else "m"):
-            # an untiled gather: the rows the norm and the other readers share are the gather's
-            # reshape, not the gather itself, and the DAG ring takes only raw rows read straight
-            # from the gather (the tree's decline stands: found by the campaign of seed 2711)
-            return frozenset({"layout"})
         return frozenset({"schedule"}) if self.kind == "ag2" else frozenset()
 
     def may_decline_under(self, options) -> frozenset[str]:
