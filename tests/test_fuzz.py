@@ -226,8 +226,8 @@ def test_a_chain_mixing_the_gathered_rows_stays_declined(mixing):
 
 @pytest.mark.parametrize("partial_manual", [False, True])
 def test_an_untiled_gather_of_normalised_rows_rings(partial_manual):
-    """Found by the campaign of seed 2711 (every untiled program declined 'layout', unchanged, no
-    miscompile): an untiled gather lowers to a gather on a new dim and a reshape merging it into
+    """Found by the first gather-norm run (seed 1, 6 programs: every untiled program declined
+    'layout', unchanged, no miscompile): an untiled gather lowers to a gather on a new dim and a reshape merging it into
     the rows (then, in a partially manual region, a sharding constraint); the norm and the other
     reader share the reshape, not the gather, so the DAG ring, which looked for raw rows read
     straight from the gather, was not tried.  The reshape and the constraint count as the raw rows
