@@ -6,6 +6,8 @@ tiled/untiled, f32/bf16/f16/f64/complex64/int32, several consumers and non-dot r
 SP MLP blocks, matmuls of two gathered operands, partial-manual regions — each rewritten under
 every pass variant: the result must verify, its permutes must form the groups' rings, every site
 must be rewritten (but for the declines a kind allows), and it must compute the original's numbers.
+Fixed programs pin what campaigns found, and the targeted kinds' shapes (norms' backwards before a
+scatter or psum; a norm of gathered rows whose raw rows are read elsewhere, ``--gather-norm``).
 """
 
 from dataclasses import replace
@@ -168,3 +170,91 @@ def test_the_oracle_catches_a_norm_backward_psum_reading_a_wrong_normed_block(mo
     variants = {name: fuzz_programs.VARIANTS[name] for name in ("uni", "chunk")}
     tally = fuzz_programs.check(spec, variants=variants)
     assert not tally.crashes and [m[1] for m in tally.mismatches] == ["uni", "chunk"], tally.crashes
+
+
+def _ag_norm(**kw):
+    """An ag_norm program (tools/fuzz_programs.py, ``fuzz.py --gather-norm``): rows gathered,
+    normalised over the hidden dim into their dots, the raw rows read elsewhere too."""
+    base = dict(mesh_shape=(4,), devices=(2, 0, 3, 1), axes=("x",), kind="ag_norm", dim="m", side=0, batch=False,
+                tiled=True, dtype="f32", consumers=1, reader=False, partial_manual=False, sizes=(2, 3, 2, 1),
+                norm_kind="rms", raw="return")
+    return fuzz_programs.Spec(**{**base, **kw})
+
+
+#: gathers whose rows reach their dots through a norm while the raw rows are read elsewhere: the
+#: ring applies the norm per block and assembles the raw rows (docs/patterns.md)
+GATHER_NORMS = {
+    # a data x model mesh (the batch sharded over x, the rows gathered over y), a layer norm with a
+    # per-device gain and a bias, gate and up projections, the raw rows added after them; called twice
+    "f32-ln-gate-residual-data-model": _ag_norm(
+        mesh_shape=(2, 4), devices=(3, 1, 0, 2, 7, 5, 4, 6), axes=("y",), batch=True, data=True, consumers=2,
+        sizes=(2, 4, 2, 2), repeat=2, norm_kind="ln", gain_mode="dev", bias=True, raw="residual"),
+    # bf16 rows gathered along the batch dim (dim 0 of [b, m, k]) on a ring of 5, normalised in f32
+    # with a replicated gain, the raw rows returned
+    "bf16-rms-batch-dim-upcast": _ag_norm(
+        mesh_shape=(5,), devices=(4, 1, 0, 3, 2), dim="b", batch=True, dtype="bf16", sizes=(3, 4, 2, 2),
+        gain_mode="rep", upcast=True),
+    # f16 in a partially manual region of a 4x2 mesh (sharding constraints on the path), gate and up
+    "f16-rms-gate-partial-manual": _ag_norm(
+        mesh_shape=(4, 2), devices=(6, 2, 7, 0, 4, 1, 5, 3), axes=("y",), partial_manual=True, dtype="f16",
+        consumers=2, sizes=(3, 4, 3, 1)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GATHER_NORMS))
+def test_a_norm_of_the_gathered_rows_rings_and_matches(name):
+    """Every gather rewritten with every dot through the norm in its ring, under every variant that
+    assembles (the oracle asserts it), each result the original's numbers."""
+    spec = GATHER_NORMS[name]
+    tally = fuzz_programs.check(spec)
+    assert not tally.crashes and not tally.mismatches, tally.crashes + tally.mismatches
+    assert tally.runs == len(fuzz_programs.VARIANTS)
+    assert tally.sites_rewritten >= spec.repeat * (len(fuzz_programs.VARIANTS) - 1)
+
+
+@pytest.mark.parametrize("mixing", ["mean_rows", "cumsum"])
+def test_a_chain_mixing_the_gathered_rows_stays_declined(mixing):
+    """The norm's statistic over the gathered dim, or a cumulative sum over the gathered rows: the
+    ring cannot apply them per block; the gather is declined (unchanged) in every variant and the
+    program still matches."""
+    spec = replace(GATHER_NORMS["f32-ln-gate-residual-data-model"], norm_kind=mixing, repeat=1)
+    assert not spec.expect_rewrite()
+    tally = fuzz_programs.check(spec)
+    assert not tally.crashes and not tally.mismatches, tally.crashes + tally.mismatches
+    assert tally.sites_rewritten == 0 and tally.declined, tally.declined
+
+
+@pytest.mark.parametrize("partial_manual", [False, True])
+def test_an_untiled_gather_of_normalised_rows_rings(partial_manual):
+    """Found by the first gather-norm run (seed 1, 6 programs: every untiled program declined
+    'layout', unchanged, no miscompile): an untiled gather lowers to a gather on a new dim and a reshape merging it into
+    the rows (then, in a partially manual region, a sharding constraint); the norm and the other
+    reader share the reshape, not the gather, so the DAG ring, which looked for raw rows read
+    straight from the gather, was not tried.  The reshape and the constraint count as the raw rows
+    now: rewritten under every variant that assembles, and the program matches."""
+    spec = _ag_norm(tiled=False, dtype="f16", consumers=2, raw="residual", sizes=(2, 4, 2, 1))
+    if partial_manual:
+        spec = replace(spec, mesh_shape=(2, 4), devices=(3, 1, 0, 2, 7, 5, 4, 6), axes=("y",), partial_manual=True)
+    tally = fuzz_programs.check(spec)
+    assert not tally.crashes and not tally.mismatches, tally.crashes + tally.mismatches
+    assert tally.sites_rewritten == len(fuzz_programs.VARIANTS) - 1  # all but noassemble
+    assert set(tally.declined) == {"layout"}  # noassemble: the raw rows cannot be assembled
+
+
+@settings(max_examples=40, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(fuzz_programs.specs())
+def test_the_default_campaign_draws_no_gather_norm_programs(spec):
+    """ag_norm programs are drawn only when named (--gather-norm): a seed's default programs are
+    the ones it drew before they existed."""
+    assert spec.kind != "ag_norm" and not spec.norm_kind
+
+
+def test_the_oracle_catches_a_norm_ring_sent_the_wrong_way(monkeypatch):
+    """A gather-norm ring receiving from the wrong neighbour (each block normalised and multiplied
+    at another block's rows) is reported as a mismatch: the fixed programs above fail if it miscompiles."""
+    from cmatmul_pass.rewrites import all_gather_dot
+
+    monkeypatch.setattr(all_gather_dot, "RECEIVE_FROM_NEXT", +1)
+    tally = fuzz_programs.check(GATHER_NORMS["f32-ln-gate-residual-data-model"],
+                                variants={"uni": fuzz_programs.VARIANTS["uni"]})
+    assert len(tally.mismatches) == 1, tally.crashes

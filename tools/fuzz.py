@@ -6,7 +6,7 @@ checked for the permute-ring property and run against the original on the CPU de
 counts — programs, variant runs, sites rewritten, sites declined by reason, mismatches, crashes — and
 every failing program; exits 1 if any run mismatched or crashed.
 
-    python tools/fuzz.py [--examples 1000] [--seed 0] [--kind psum --norm]
+    python tools/fuzz.py [--examples 1000] [--seed 0] [--kind psum --norm] [--gather-norm]
 """
 
 from __future__ import annotations
@@ -29,11 +29,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kind", action="append", help="only programs of this kind (repeatable): ag, rs, psum, ...")
+    parser.add_argument("--kind", action="append",
+                        help="only programs of this kind (repeatable): ag, rs, psum, ..., ag_norm")
     parser.add_argument("--norm", action="store_true", help="a norm's backward wherever the kind takes one (rs, psum)")
     parser.add_argument("--two-stage", action="store_true",
                         help="only scatters of a psum over another mesh axis (a reduction in two stages)")
+    parser.add_argument("--gather-norm", action="store_true",
+                        help="only gathers whose rows are normalised before their dots while the raw rows are read "
+                             "elsewhere (kind ag_norm, which the default campaign does not draw)")
     args = parser.parse_args(argv)
+    if args.gather_norm:
+        args.kind = ["ag_norm"]
     tally = fuzz_programs.Tally()
     start = time.perf_counter()
 

@@ -50,7 +50,9 @@ class Spec:
     axes: tuple[str, ...]  # the collectives' mesh axes
     #: "ag" | "rs" | "chain" | "mlp" | "ag2" (both dot operands gathered) | "psum" (Megatron blocks) |
     #: "fsdp" (the activation's rows gathered over axes[0], the weight over another mesh axis along ``dim``) |
-    #: "scan" (stacked layer weights gathered before a scan over the layers, along ``dim``)
+    #: "scan" (stacked layer weights gathered before a scan over the layers, along ``dim``) |
+    #: "ag_norm" (gathered rows normalised into one or two dots, the raw rows read elsewhere too;
+    #: drawn only when named: ``fuzz.py --gather-norm``)
     kind: str
     #: gathered / scattered label: "m" (free, lhs-side), "n" (free, rhs-side), "k" (contracting), "b" (batch);
     #: psum: "m" the rows divide by the ring (split along them), "k" they do not (split along the features)
@@ -95,6 +97,22 @@ class Spec:
     #: sum-scattered over ``axes``: a reduction in two stages, as an FSDP x TP gradient lowers;
     #: the pass moves the scatter before the psum, onto the product ("": one stage)
     first: str = ""
+    #: ag_norm: what the gathered rows go through before their dots: "rms" or "ln" (row-wise: a
+    #: statistic over the hidden dim only, the ring applies it per block), or a chain that mixes
+    #: rows, which the pass must decline or compute right: "mean_rows" (the RMS statistic taken
+    #: over the gathered dim), "cumsum" (a cumulative sum over the gathered rows, then an RMS norm)
+    norm_kind: str = ""
+    #: ag_norm: the norm's gain: "" none, "rep" the same on every device, "dev" each device's own
+    #: (a [ring, hidden] input sharded over the ring); ``bias``: a bias added after it (replicated)
+    gain_mode: str = ""
+    bias: bool = False
+    #: ag_norm: the raw gathered rows' other reader: "return" (returned beside the dots' result, as
+    #: a backward's residual) or "residual" (added to the dots' result, whose width is the hidden's)
+    raw: str = ""
+    #: ag_norm, 16-bit types: the norm computed in f32 (converts on the way in and back out)
+    upcast: bool = False
+    #: ag_norm on a 2-D mesh: the batch dim sharded over the other ("data") axis (a data x model mesh)
+    data: bool = False
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -131,6 +149,8 @@ class Spec:
             return self.dim in ("m", "k", "b")
         if self.kind == "rs":
             return self.dim in ("m", "n", "b")
+        if self.kind == "ag_norm":  # a row-wise norm: the ring applies it per block
+            return self.norm_kind in ("rms", "ln")
         return self.kind in ("chain", "mlp", "ag2", "psum", "fsdp", "scan")
 
 
@@ -161,7 +181,8 @@ def specs(draw, kinds: tuple[str, ...] | None = None, norm: bool | None = None, 
     if kind in ("mlp", "psum", "scan"):
         dtype = "f32" if dtype in ("i32", "c64") else dtype  # gelu, norms, tanh
     dims = {"ag": ["m", "k", "b"], "rs": ["m", "n", "b"], "chain": ["m", "k"], "mlp": ["m"], "ag2": ["m"],
-            "psum": ["m", "m", "k"], "fsdp": ["k", "n"], "scan": ["k", "n"]}[kind]
+            "psum": ["m", "m", "k"], "fsdp": ["k", "n"], "scan": ["k", "n"],
+            "ag_norm": ["m"]}[kind]  # ag_norm redraws its own (_gather_norm)
     dim = draw(st.sampled_from(dims))
     batch = dim == "b" or draw(st.booleans())
     spec = Spec(
@@ -195,11 +216,38 @@ def specs(draw, kinds: tuple[str, ...] | None = None, norm: bool | None = None, 
         spec = replace(spec, partial_manual=False)
     if kind == "rs" and others and not spec.partial_manual and (two_stage or draw(st.booleans())):
         spec = replace(spec, first=draw(st.sampled_from(others)))
+    if kind == "ag_norm":
+        spec = _gather_norm(draw, spec)
     if spec.grad and spec.partial_manual:
         # XLA CPU (jax 0.10.2) aborts compiling the *original* backward of a bf16 scan in a
         # partially manual region ("Invalid binary instruction opcode copy"): not a program to fuzz with
         spec = replace(spec, partial_manual=False)
     return spec
+
+
+#: ag_norm's chains from the gathered rows to the dots: two row-wise norms, two that mix rows
+GATHER_NORMS = ("rms", "ln", "rms", "ln", "mean_rows", "cumsum")
+
+
+def _gather_norm(draw, spec: Spec) -> Spec:
+    """``spec`` (drawn as any kind's) made an ag_norm program: a 1-D mesh, or a data x model 2-D
+    one gathered over its model axis (``y``); the gathered row dim ("m", or "b" of a [b, m, k]
+    value), a float type, the norm and what else reads the raw rows.  Only ag_norm programs draw
+    here: the other kinds' programs for a seed are the ones they were."""
+    mesh_shape = {(2, 2, 2): (2, 4)}.get(spec.mesh_shape, spec.mesh_shape)
+    axes = ("y",) if len(mesh_shape) == 2 else ("x",)
+    dim = draw(st.sampled_from(["m", "m", "b"]))
+    batch = dim == "b" or draw(st.booleans())
+    data = len(mesh_shape) == 2 and batch and dim == "m" and draw(st.booleans())
+    dtype = draw(st.sampled_from(["f32", "bf16", "f16"]))
+    return replace(
+        spec, mesh_shape=mesh_shape, axes=axes, dim=dim, side=0, batch=batch, dtype=dtype,
+        consumers=draw(st.integers(1, 2)),  # 2: gate and up projections of the same normalised rows
+        reader=False, prep=False, scale=False, data=data,
+        partial_manual=len(mesh_shape) == 2 and not data and draw(st.booleans()),
+        norm_kind=draw(st.sampled_from(GATHER_NORMS)), gain_mode=draw(st.sampled_from(["", "rep", "dev"])),
+        bias=draw(st.booleans()), raw=draw(st.sampled_from(["return", "residual"])),
+        upcast=dtype != "f32" and draw(st.booleans()))
 
 
 # ---------------------------------------------------------------------------- programs
@@ -328,6 +376,9 @@ def build(spec: Spec):
     if spec.kind == "psum":
         return _megatron(spec)
 
+    if spec.kind == "ag_norm":
+        return _gather_norm_program(spec)
+
     if spec.kind == "scan":
         # stacked [L, K, K] weights sharded on their contracting (k) or free (n) dim, gathered before a
         # scan over the L layers whose step multiplies layer i (the pass sinks the gather into the loop)
@@ -384,6 +435,77 @@ def _norm_backward(dy, x, d: int):
     rs = jax.lax.rsqrt(jnp.mean(x * x, axis=other, keepdims=True) + 1)
     dx = rs * dy - x * rs ** 3 / count * jnp.sum(dy * x, axis=other, keepdims=True)
     return dx, jnp.sum(dy * x * rs, axis=d)
+
+
+def _gather_norm_program(spec: Spec):
+    """Rows gathered over the ring (dim 0 of [m, k] or 0/1 of [b, m, k]), normalised over the
+    hidden dim k (``spec.norm_kind``; the negatives mix rows), into one or two dots (gate and up:
+    ``silu(n @ wg) * (n @ wu)``); the raw gathered rows returned or added after the dots."""
+    n = spec.ring
+    m, k, nn, b = spec.sizes
+    axes = spec.axes
+    names = spec.names
+    data = names[0] if spec.data else None  # the batch dim's axis on a data x model mesh
+    data_size = spec.mesh_shape[0] if spec.data else 1
+    labels = ("b" if spec.batch else "") + "mk"
+    g = labels.index(spec.dim)
+    glob = {"b": b * data_size, "m": m, "k": k}
+    glob[spec.dim] *= n
+    x_parts: list = [None] * len(labels)
+    x_parts[g] = axes if len(axes) > 1 else axes[0]
+    if data:
+        x_parts[0] = data
+    residual = spec.raw == "residual"
+    width = k if residual else nn * n  # the dots' output width (column-parallel when returned beside)
+    dtype = DTYPES[spec.dtype]
+    eps = 1e-3
+
+    def norm(h, gain, bias):
+        src = h.astype(jnp.float32) if spec.upcast else h
+        if spec.norm_kind == "cumsum":  # a cumulative sum over the gathered rows: mixes rows
+            src = jnp.cumsum(src, axis=g)
+        if spec.norm_kind == "ln":
+            src = src - jnp.mean(src, axis=-1, keepdims=True)
+        # the statistic over the hidden dim, but over the gathered dim for "mean_rows" (mixes rows)
+        over = g if spec.norm_kind == "mean_rows" else -1
+        out = src * jax.lax.rsqrt(jnp.mean(src * src, axis=over, keepdims=True) + eps)
+        if gain is not None:
+            out = out * gain.astype(out.dtype)
+        if bias is not None:
+            out = out + bias.astype(out.dtype)
+        return out.astype(h.dtype)
+
+    def body(x, *rest):
+        rest = list(rest)
+        gain = rest.pop(0) if spec.gain_mode else None
+        if spec.gain_mode == "dev":
+            gain = gain[0]  # [1, k]: this device's own gain
+        bias = rest.pop(0) if spec.bias else None
+        if spec.tiled or g != 0:
+            h = jax.lax.all_gather(x, axes, axis=g, tiled=True)
+        else:
+            h = jax.lax.all_gather(x, axes, axis=0, tiled=False).reshape((-1,) + x.shape[1:])
+        normed = norm(h, gain, bias)
+        expr = f"{labels},kn->{labels[:-1]}n"
+        outs = [_dot(spec, normed, w, expr) for w in rest]
+        y = jax.nn.silu(outs[0]) * outs[1] if len(outs) == 2 else outs[0]
+        if residual:
+            return y + h.astype(y.dtype)
+        return y, h
+
+    args = [([glob[c] for c in labels], P(*x_parts))]
+    if spec.gain_mode == "rep":
+        args.append(([k], P()))
+    elif spec.gain_mode == "dev":
+        args.append(([n, k], _spec_at(2, 0, axes)))
+    if spec.bias:
+        args.append(([k], P()))
+    w_spec = P() if residual else _spec_at(2, 1, axes)
+    args += [([k, width], w_spec)] * spec.consumers
+    # the results: the gathered rows on every device of the ring (the batch dim sharded over data)
+    rows = [data] + [None] * (len(labels) - 1)
+    y_spec = P(*rows) if residual else P(*rows[:-1], axes if len(axes) > 1 else axes[0])
+    return body, args, y_spec if residual else (y_spec, P(*rows))
 
 
 def _megatron(spec: Spec):
@@ -527,7 +649,7 @@ def check(spec: Spec, tally: Tally | None = None, variants=VARIANTS) -> Tally:
                 excused = len(result.report.declined) > 0  # only for reasons the kind allows
                 assert (len(result.report.rewritten) >= spec.repeat or excused) and not unexpected, (
                     f"not every site rewritten: {[s.summary_line() for s in result.report.sites]}")
-                if spec.kind == "ag":  # every dot in the ring, its weight prepared where it is used or not
+                if spec.kind in ("ag", "ag_norm"):  # every dot in the ring (through the norm, or prepared)
                     assert all(len(s.consumers) == spec.consumers for s in result.report.rewritten), (
                         f"a dot left out of its ring: {[s.summary_line() for s in result.report.sites]}")
             outcome = reference.check(result.module)

@@ -507,9 +507,11 @@ def _row_dag(ag: ir.OpView, ring: Ring, region: ManualRegion, gather_dim: int, i
     broadcast_in_dim taking the ring dim from its operand at full size.  Anything else — an op
     reading other rows of the gathered dim (a reduce over it, a value computed from the gathered
     value by an op outside the DAG, such as a cumulative sum) — and None: the caller's decline
-    stands.  None too where nothing but the DAG reads the raw rows (the gather then moves to its
-    dots, :func:`.rewrites.sequence_parallel.move_gather_forward`, which runs the norm on 1/n of
-    the rows and gathers its result once, also for its other readers)."""
+    stands.  The raw rows are the gathered value and its reshapes and sharding constraints in
+    the DAG (an untiled gather's rows are the reshape merging its new dim into the rows, which the
+    DAG and the other readers share).  None too where nothing but the DAG reads the raw rows (the
+    gather then moves to its dots, :func:`.rewrites.sequence_parallel.move_gather_forward`, which
+    runs the norm on 1/n of the rows and gathers its result once, also for its other readers)."""
     n = ring.size
     block = ag.operation.block
     g = ag.result
@@ -548,7 +550,16 @@ def _row_dag(ag: ir.OpView, ring: Ring, region: ManualRegion, gather_dim: int, i
     if not chain:
         return None  # the dots read the rows themselves: the tree's decline stands
     target_ops = {dot.operation for dot in targets}
-    if all(user.operation in chain or user.operation in target_ops for user in ir_utils.users(g)):
+    # the raw rows: the gathered value, and its reshapes and sharding constraints in the DAG (an
+    # untiled gather's: the gather on a new dim, then a reshape merging it into the rows, which both
+    # the DAG and the other readers read; in a partially manual region, constrained)
+    raw, pending = [g], [g]
+    while pending:
+        for user in ir_utils.users(pending.pop()):
+            if user.operation in chain and user.operation.name in ("stablehlo.reshape", "sdy.sharding_constraint"):
+                raw.append(user.result)
+                pending.append(user.result)
+    if all(user.operation in chain or user.operation in target_ops for value in raw for user in ir_utils.users(value)):
         # only the DAG reads the raw rows: where its values are read elsewhere too, moving the gather
         # past it (--policy all) gathers them once for the dots and those readers, the norm on 1/n
         # of the rows; the ring here is for raw rows read elsewhere (a residual)
