@@ -15,6 +15,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+import cmatmul_pass
 from tools import fuzz_programs
 
 
@@ -258,3 +259,15 @@ def test_the_oracle_catches_a_norm_ring_sent_the_wrong_way(monkeypatch):
     tally = fuzz_programs.check(GATHER_NORMS["f32-ln-gate-residual-data-model"],
                                 variants={"uni": fuzz_programs.VARIANTS["uni"]})
     assert len(tally.mismatches) == 1, tally.crashes
+
+
+def test_a_decline_through_a_dot_does_not_call_it_a_norms_statistic():
+    """Under --no-assemble the untiled gather of normalised rows stays declined 'layout'; its
+    reason names what the residual add's other operand is computed through, the dot's product,
+    not "a statistic of each row, as a norm's" (which the message said of any non-elementwise op)."""
+    spec = _ag_norm(tiled=False, dtype="f16", consumers=2, raw="residual", sizes=(2, 4, 2, 1))
+    result = cmatmul_pass.rewrite(fuzz_programs.lower(spec), cmatmul_pass.Options(assemble=False))
+    (site,) = [s for s in result.report.sites if s.kind == "all_gather_dot"]
+    assert not site.rewritten and site.reason_code == "layout"
+    assert "through stablehlo.dot_general" in site.reason and "a matmul's product of it" in site.reason
+    assert "a statistic of each row" not in site.reason

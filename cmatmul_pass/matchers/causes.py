@@ -263,8 +263,14 @@ def why_varies(operand: ir.Value, dim: int, origin: ir.Value | None, what: str) 
         return f"region argument #{operand.arg_number} {list(t.shape) if t is not None else ''}".rstrip()
     derived, through = computed_from(operand, origin)
     if derived:
-        how = (f"through {describe_op(through)}: a statistic of each row, as a norm's" if through is not None
-               else "elementwise: an activation of it")
+        if through is None:
+            how = "elementwise: an activation of it"
+        elif through.operation.name == "stablehlo.reduce":
+            how = f"through {describe_op(through)}: a statistic of each row, as a norm's"
+        elif through.operation.name == "stablehlo.dot_general":
+            how = f"through {describe_op(through)}: a matmul's product of it"
+        else:
+            how = f"through {describe_op(through)}, which is neither elementwise nor a layout op"
         return f"{describe_op(owner)}, computed from {what} itself ({how})"
     dims = ir_utils.i64s(owner, "broadcast_dimensions") \
         if owner.operation.name == "stablehlo.broadcast_in_dim" else []
