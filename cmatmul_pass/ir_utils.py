@@ -212,6 +212,20 @@ def ancestor_in(op: ir.Operation | ir.OpView, block: ir.Block) -> ir.Operation |
     return op
 
 
+def dependents(values, block: ir.Block) -> set[ir.Operation]:
+    """The ops of ``block`` that read ``values``, directly or through other ops (a use inside a
+    nested region counts as its ancestor in ``block``)."""
+    seen: set[ir.Operation] = set()
+    pending = list(values)
+    while pending:
+        for use in pending.pop().uses:
+            reader = ancestor_in(use.owner, block)
+            if reader is not None and reader not in seen:
+                seen.add(reader)
+                pending += list(reader.results)
+    return seen
+
+
 def defined_before(value: ir.Value, anchor: ir.Operation) -> bool:
     """Is ``value`` available just before ``anchor`` (a value ``anchor``'s block can read)?"""
     owner = value.owner

@@ -150,7 +150,7 @@ class Slack:
         operand = collective.operation.operands[0]
         early = self.early(operand)
         block = collective.operation.block
-        dependent = _dependents(collective.operation, block)
+        dependent = ir_utils.dependents(collective.operation.results, block)
         firsts = [ir_utils.ancestor_in(d.operation, block) for d in dots]
         firsts = [f for f in firsts if f is not None]
         start = None if early or isinstance(operand.owner, ir.Block) else operand.owner.operation
@@ -186,19 +186,3 @@ class Slack:
                 for op in block.operations:
                     total += self._flops_within(op.operation)
         return total
-
-
-def _dependents(op: ir.Operation, block: ir.Block) -> set:
-    """The ops of ``block`` that read ``op``'s results, directly or through other ops (a use inside
-    a nested region counts as its ancestor in ``block``)."""
-    seen: set = set()
-    stack = [op]
-    while stack:
-        top = stack.pop()
-        for result in top.results:
-            for use in result.uses:
-                reader = ir_utils.ancestor_in(use.owner, block)
-                if reader is not None and reader not in seen:
-                    seen.add(reader)
-                    stack.append(reader)
-    return seen

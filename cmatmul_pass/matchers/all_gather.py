@@ -535,7 +535,8 @@ def _row_dag(ag: ir.OpView, ring: Ring, region: ManualRegion, gather_dim: int, i
     targets = [dot for dot in dots.values() if [on_path(v) for v in dot.operation.operands].count(True) == 1]
     if not targets:
         return None
-    tainted = _computed_from(g, block)  # (the rest of the block at most: only once a dot is in reach)
+    # every op computed from the rows (the rest of the block at most: only once a dot is in reach)
+    tainted = ir_utils.dependents([g], block)
     targets = [dot for dot in targets if not any(_owner_in(v, tainted) for v in dot.operation.operands
                                                  if not on_path(v))]
     # the DAG: the row-wise ops some target dot reads through, in block order (producers first)
@@ -630,20 +631,6 @@ def _row_dag(ag: ir.OpView, ring: Ring, region: ManualRegion, gather_dim: int, i
 def _row_candidate(op: ir.OpView) -> bool:
     """An op the rows may pass on their way to a dot in a DAG (checked row-wise by :func:`_dag_step`)."""
     return (is_layout_op(op) or is_elementwise(op) or op.operation.name in ROW_OPS) and len(op.operation.results) == 1
-
-
-def _computed_from(value: ir.Value, block: ir.Block) -> set[ir.Operation]:
-    """Every op of ``block`` computed from ``value`` (an op holding a reader in a region counts)."""
-    found: set[ir.Operation] = set()
-    pending = [value]
-    while pending:
-        for use in pending.pop().uses:
-            op = ir_utils.ancestor_in(use.owner, block)
-            if op is None or op in found:
-                continue
-            found.add(op)
-            pending += list(op.results)
-    return found
 
 
 def _owner_in(value: ir.Value, ops: set) -> bool:
