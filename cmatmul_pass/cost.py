@@ -664,8 +664,10 @@ class Prediction:
         return max(VARIANTS, key=self.speedup.__getitem__)
 
 
-def overlapped_time(shape: SiteShape, hw: Hardware, bidirectional: bool, unroll: int | None) -> float:
-    slots = schedule(shape, hw, bidirectional, unroll)
+def overlapped_time(shape: SiteShape, hw: Hardware, bidirectional: bool, unroll: int | None, *,
+                    plan: list[Round] | None = None, efficiency: float | None = None) -> float:
+    """The end of :func:`schedule`'s last round (``plan``, ``efficiency``: as it takes them)."""
+    slots = schedule(shape, hw, bidirectional, unroll, plan=plan, efficiency=efficiency)
     return slots[-1].end if slots else 0.0
 
 
@@ -687,8 +689,7 @@ def predict(shape: SiteShape, hw: Hardware, bidirectional: bool = False, unroll:
         if bidi not in plans:
             plans[bidi] = rounds(shape, bidi), split_efficiency(shape, hw, bidi)
         plan, efficiency = plans[bidi]
-        slots = schedule(shape, hw, bidi, unr, plan=plan, efficiency=efficiency)  # as overlapped_time
-        prediction.overlapped_s[name] = slots[-1].end if slots else 0.0
+        prediction.overlapped_s[name] = overlapped_time(shape, hw, bidi, unr, plan=plan, efficiency=efficiency)
         prediction.speedup[name] = serial / prediction.overlapped_s[name]
         prediction.overlap[name] = hw.hidden(_variant_of(plan, unr))  # as emitted_variant
         prediction.split_efficiency[name] = efficiency
