@@ -270,8 +270,9 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
     # Unknown is only the default for type construction; every op gets an explicit loc.
     with module.context, ir.Location.unknown():
         names = ("func.call", *ir_utils.CHANNEL_OPS, replay.MANUAL, "stablehlo.while")
-        # identical layers: all but three are left for replay (cmatmul_pass.replay), and not walked;
-        # it needs ring sharing (the copies call the twin's ring functions) and one verification
+        # identical layers: all but two are left for replay (cmatmul_pass.replay), and not walked;
+        # it needs ring sharing (the layers become calls of one function, as the rings do) and one
+        # verification
         replayable = options.share_rings and not options.annotate_streams and not verify_each
         found, layers = replay.walk(module, names, replayable)
         # jax 0.10's scan bodies in functions holding collectives: inline, as later jax lowers them
@@ -290,7 +291,7 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
         verify = module if verify_each else None
         predictions: dict = {}  # SiteShape or pattern key -> (SiteShape, Prediction, its report entry)
         rings = RingLibrary(module, bool(info.meshes)) if options.share_rings and not options.annotate_streams else None
-        if rings is not None and layers is not None:  # a group's first region calls the rings its twin will
+        if rings is not None and layers is not None:  # a group's first region (its twin) calls the rings at once
             rings.repeats = layers.leads
 
         def rematch(op: ir.OpView) -> Site:  # a site's copy, in its ring function
@@ -467,7 +468,7 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
 
         rewrite_sites(found)  # (the regions left for replay are not in it)
         if layers is not None:
-            leftover = layers.finish(report, regions_of, competing, ctx.take_channel, source)
+            leftover = layers.finish(report, regions_of, competing, source)
             if leftover:  # a group whose probe differed from its twin: its other regions the usual way
                 rewrite_sites(layers.only(leftover, names))
         if report.rewritten:

@@ -1,26 +1,30 @@
-"""Layers that repeat: rewrite two, check the last, replay the rest.
+"""Layers that repeat: rewrite the first, check the last, call it from the rest.
 
 A model whose layers are a Python loop over a ``jax.shard_map``'d block lowers to one
 ``sdy.manual_computation`` per layer (and one per layer again in the backward), each with the
 same body: at 32 layers the pass meets about 480 sites in 64 regions, but only two distinct
 bodies.  What the pass does to a region depends on its body, its shardings and what earlier
 regions left behind (the shared ring functions of :mod:`cmatmul_pass.sharing`, the cost
-model's cached predictions); so every region of a group of identical ones, after the second,
-comes out as the second did.
+model's cached predictions); so every region of a group of identical ones comes out as the
+first did.
 
 A group is at least :data:`MIN_MEMBERS` top-level regions whose op prints the same without
-locations and with its outside operands anonymous.  The pipeline rewrites its first region
-(where each ring pattern first appears, inline), its second (the *twin*: its sites call the
-shared rings) and its last (the *probe*) the usual way, and leaves the others alone.  Then the
-probe must have come out as the twin did: the same ops, attributes and types (channel handles
-aside), the same region types, and the same report entries once the twin's locations are read
-as the probe's.  If it did, each region in between is replaced by a copy of the twin that reads
-the region's own operands and carries its own locations (a location the pass built from several
-of the twin's ops, fused, is rebuilt from the region's ops at the same places), with fresh
-channel handles; the twin's report entries, read the same way, become the region's.  If the
-probe differs, or a region's locations cannot be mapped one to one, those regions are rewritten
-the usual way after all.  Either way the module and the report are what the pass gives without
-replay, channel handle numbers aside (``tests/test_replay.py`` compares them).
+locations and with its outside operands anonymous.  The pipeline rewrites its first region (the
+*twin*; its sites call the shared rings at once) and its last (the *probe*) the usual way, and
+leaves the others alone.  Then the probe must have come out as the twin did: the same ops,
+attributes and types (channel handles aside), the same region types, and the same report
+entries once the twin's locations are read as the probe's.  If it did, the twin's rewritten
+region moves into a private function ``@cmatmul_layer_<k>`` (its operands become the
+function's arguments), and the twin, the probe and every region between them become a
+``func.call`` of it, carrying the region's own location; each region's report entries are the
+twin's, its locations read as the region's (and its channel handles the function's).  That is
+the form JAX itself gives a nested ``jax.jit`` called once per layer; XLA inlines calls before
+it optimises, so the compiled program is the one copies would give, and the pass builds,
+verifies and prints one rewritten layer instead of thirty.  The ops in the function carry the
+twin's locations.  If the probe differs, or a region's locations cannot be mapped one to one,
+those regions are rewritten the usual way after all.  Either way the program and the report
+are what the pass gives without replay, the layer function inlined and channel handle numbers
+aside (``tests/test_replay.py`` compares them).
 
 Not replayed: modules with a ``stablehlo.while`` (sinking and hoisting move collectives across
 loops and regions), groups whose gathers compete with another collective for a dot (which one
@@ -37,12 +41,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import ir_utils
-from ._jax_private import hlo, ir
+from ._jax_private import func, hlo, ir
 from .report import Report, SiteReport
-from .sharing import structure
 
-#: the first region (each ring pattern's inline ring), the twin, at least one to replay, the probe
+#: the twin, the probe and at least two regions between them (at three, replay would save one region's rewrite
+#: and turn the layers into calls: small programs keep their layers inline)
 MIN_MEMBERS = 4
+#: the functions holding a replayed layer
+LAYER_PREFIX = "cmatmul_layer_"
 MANUAL = "sdy.manual_computation"
 
 
@@ -64,7 +70,7 @@ class Group:
 
     @property
     def twin(self) -> ir.Operation:
-        return self.members[1]
+        return self.members[0]
 
     @property
     def probe(self) -> ir.Operation:
@@ -72,7 +78,7 @@ class Group:
 
     @property
     def rest(self) -> list[ir.Operation]:
-        return self.members[2:-1]
+        return self.members[1:-1]
 
 
 def _locations(region: ir.Operation) -> list[ir.Location]:
@@ -132,10 +138,10 @@ class Plan:
                 out[name] += ops
         return out
 
-    def finish(self, report: Report, regions_of: dict[int, ir.Block], competing: set, take_channel: Callable[[], int],
-               source: str) -> list[ir.Operation]:
-        """Replay each group whose probe agrees with its twin into its remaining regions, adding
-        their report entries; returns the regions to rewrite the usual way instead."""
+    def finish(self, report: Report, regions_of: dict[int, ir.Block], competing: set, source: str) -> list[ir.Operation]:
+        """Replace the regions of each group whose probe agrees with its twin by calls of the
+        twin's rewritten region, adding their report entries; returns the regions to rewrite the
+        usual way instead."""
         leftover: list[ir.Operation] = []
         by_region: dict[ir.Block, list[int]] = {}  # a region's body -> its entries' indices
         for index, entry in enumerate(report.sites):
@@ -145,22 +151,27 @@ class Plan:
         inserted: dict[int, list[SiteReport]] = {}  # after report index -> entries
         for g in self.groups:
             twin, probe = _body(g.twin), _body(g.probe)
-            twin_entries = [report.sites[i] for i in by_region.get(twin, [])]
-            probe_indices = by_region.get(probe, [])
-            replay = _Replay.of(g, twin_entries, source) if not ({twin, probe} & competing) else None
-            if replay is None or not replay.agrees(g.probe, g.probe_before[0],
-                                                   [report.sites[i] for i in probe_indices]):
+            probe_entries = [report.sites[i] for i in by_region.get(probe, [])]
+            replay = (_Replay.of(g, [report.sites[i] for i in by_region.get(twin, [])], source)
+                      if not ({twin, probe} & competing) else None)
+            if replay is None or not replay.agrees(g.probe, g.probe_before[0], probe_entries):
                 leftover += g.rest
                 continue
             copies: list[list[SiteReport]] = []
+            called = [g.twin, g.probe]
             for region in g.rest:
-                entries = replay.into(region, take_channel)
+                entries = replay.entries(region)
                 if entries is None:
                     leftover.append(region)
                 else:
                     copies.append(entries)
+                    called.append(region)
+            name = _outline(g.twin)
+            for region in called:
+                _call(region, name)
             # each run of the probe's consecutive entries is preceded by the same run of every copy:
             # where the usual order (phase by phase, in program order) puts them
+            probe_indices = by_region.get(probe, [])
             runs: list[list[int]] = []
             for k, index in enumerate(probe_indices):
                 if runs and index == probe_indices[k - 1] + 1:
@@ -180,24 +191,14 @@ class Plan:
 
 
 class _Replay:
-    """The twin's rewritten region and report entries, ready to be given another region's
-    operands and locations.
+    """The twin's rewritten region and report entries, ready to be read with another region's
+    locations: a region then costs one walk of its own locations."""
 
-    Read once from the twin: where each op of its rewritten copy takes its location from
-    (:func:`_recipe`: a place among the twin's locations before the pass, or several such
-    places fused), and which ops hold a channel handle; a region then costs one walk of its
-    own locations and one of its copy."""
-
-    def __init__(self, group: Group, entries: list[SiteReport], source: str, recipe: list | None):
+    def __init__(self, group: Group, entries: list[SiteReport], source: str):
         self.group = group
         self.twin = group.twin
         self.source = source
         self.locations, _ = group.twin_before
-        self.recipe = recipe
-        #: the twin's ops holding a channel handle, as a copy located as the twin renews them: by
-        #: op class (in the order the classes first appear), each class's in pre-order; each as
-        #: its place in the copy (:func:`_channel_places`), its handle and its channel type
-        self.channels = _channel_places(group.twin)
         first: dict = {}  # a twin location -> the first place it is at
         # places locating like an earlier place in the twin: a region must locate them alike too
         self.alike: list[tuple[int, int]] = []
@@ -216,75 +217,47 @@ class _Replay:
 
     @classmethod
     def of(cls, group: Group, entries: list[SiteReport], source: str) -> "_Replay | None":
-        twin = group.twin
-        if _types(twin) != group.twin_before[1] or _types(group.probe) != group.probe_before[1]:
+        if _types(group.twin) != group.twin_before[1] or _types(group.probe) != group.probe_before[1]:
             return None  # the pass changed a region's types: its users outside changed too
-        return cls(group, entries, source, _recipe(twin, group.twin_before[0]))
+        return cls(group, entries, source)
 
     def agrees(self, probe: ir.Operation, probe_locations: list[ir.Location], probe_entries: list[SiteReport]) -> bool:
-        """Did the probe come out as the twin, read with the probe's locations?"""
-        if structure(self.twin) != structure(probe):
-            return False
+        """Did the probe come out as the twin, read with the probe's locations?  If it did, its
+        channel handles (and its entries') are the twin's from here on: the probe is about to
+        become a call of the twin's function."""
         if len(probe_entries) != len(self.templates):
             return False
         relocation = self._relocation(probe_locations)
         if relocation is None:
             return False
-        handles = dict(zip(_handles(self.twin), _handles(probe)))
-        return all(vars(template.make(relocation.text, handles)) == vars(entry)
-                   for template, entry in zip(self.templates, probe_entries))
+        ours, theirs = _channel_ops(self.twin), _channel_ops(probe)
+        if len(ours) != len(theirs):
+            return False
+        handles = {}  # the probe's handle -> the twin's
+        saved = [op.attributes["channel_handle"] for op in theirs]
+        for mine, other, attr in zip(ours, theirs, saved):
+            handles[hlo.ChannelHandle(attr).handle] = hlo.ChannelHandle(mine.attributes["channel_handle"]).handle
+            other.attributes["channel_handle"] = mine.attributes["channel_handle"]
+        if _printed(self.twin) != _printed(probe) or any(
+                vars(template.make(relocation.text)) != vars(_entry(vars(entry).copy(), handles))
+                for template, entry in zip(self.templates, probe_entries)):
+            for op, attr in zip(theirs, saved):  # left as it was, for the usual way
+                op.attributes["channel_handle"] = attr
+            return False
+        for entry in probe_entries:
+            entry.channel_handles = [handles.get(h, h) for h in entry.channel_handles]
+        return True
 
-    def into(self, region: ir.Operation, take_channel: Callable[[], int]) -> list[SiteReport] | None:
-        """Replace ``region`` by a copy of the twin with its operands and locations; its report
-        entries, or None (``region`` left as it was) where a location cannot be mapped.
-
-        A region located exactly as the twin (layers written as a Python loop over one block
-        function: every layer's ops come from the same source lines) keeps the copy's locations
-        as they are, and its entries are the twin's but for channel handles."""
+    def entries(self, region: ir.Operation) -> list[SiteReport] | None:
+        """``region``'s report entries (the twin's, read with its locations), or None where a
+        location cannot be mapped."""
         locations = _locations(region)
-        same = locations == self.locations
-        relocation = None if same else self._relocation(locations)
-        if (relocation is None and not same) or self.recipe is None:
+        if locations == self.locations:  # located as the twin (layers written as a Python loop over one block)
+            return [template.make_same() for template in self.templates]
+        relocation = self._relocation(locations)
+        if relocation is None:
             return None
-        copy = self.twin.clone(ir.InsertionPoint(region)).operation
-        handles: dict[int, int] = {}
-
-        def renew(op: ir.Operation) -> None:  # a fresh handle for every channel op
-            attrs = op.attributes
-            if "channel_handle" not in attrs:
-                return
-            old = hlo.ChannelHandle(attrs["channel_handle"])
-            handles[old.handle] = take_channel()
-            attrs["channel_handle"] = hlo.ChannelHandle.get(handles[old.handle], old.channel_type)
-
-        if relocation is not None:
-            steps = iter(self.recipe)
-            locate = relocation.ir
-
-            def visit(op: ir.Operation) -> ir.WalkResult:
-                where, channel = next(steps)
-                if where is not None:
-                    op.location = locate(where)
-                if channel:
-                    renew(op)
-                return ir.WalkResult.ADVANCE
-
-            copy.walk(visit, ir.WalkOrder.PRE_ORDER)
-        else:  # located as the twin: only the channel ops are visited, found by their places
-            for place, handle, channel_type in self.channels:
-                op = copy
-                for r, b, i in place:
-                    op = op.regions[r].blocks[b].operations[i]
-                handles[handle] = take_channel()
-                op.operation.attributes["channel_handle"] = hlo.ChannelHandle.get(handles[handle], channel_type)
-        for index, value in enumerate(region.operands):
-            copy.operands[index] = value
-        for old, new in zip(region.results, copy.results):
-            old.replace_all_uses_with(new)
-        region.erase()
-        if same:
-            return [template.make_same(handles) for template in self.templates]
-        return [template.make(relocation.text, handles) for template in self.templates]
+        return [template.make(relocation.text) for template in self.templates]
 
     def _relocation(self, locations: list[ir.Location]) -> "_Relocation | None":
         if len(locations) != len(self.locations):
@@ -294,64 +267,13 @@ class _Replay:
         return _Relocation(self, locations)
 
 
-def _recipe(twin: ir.Operation, before: list[ir.Location]) -> list | None:
-    """Per op of the rewritten ``twin`` (pre-order): where its location comes from (a place
-    among ``before``, a tuple of such for a location fused from several, or None: unknown,
-    kept), and whether it holds a channel handle.  None where a location is none of these."""
-    first: dict = {}
-    for position, loc in enumerate(before):
-        first.setdefault(loc.attr, position)
-    unknown = ir.Location.unknown().attr
-    resolved: dict = {}
-
-    def where(attr) -> object:
-        if attr in resolved:
-            return resolved[attr]
-        found = first.get(attr)
-        if found is None and attr != unknown:
-            concrete = ir.Location.from_attr(attr)
-            if hasattr(concrete, "locations"):  # a fused location the pass built from the twin's ops
-                parts = tuple(where(part.attr) for part in concrete.locations)
-                found = _UNMAPPED if any(p is _UNMAPPED for p in parts) else parts
-            else:
-                found = _UNMAPPED
-        resolved[attr] = found
-        return found
-
-    recipe: list = []
-
-    def visit(op: ir.Operation) -> ir.WalkResult:
-        recipe.append((where(op.location.attr), "channel_handle" in op.attributes))
-        return ir.WalkResult.ADVANCE
-
-    twin.walk(visit, ir.WalkOrder.PRE_ORDER)
-    return None if any(step is _UNMAPPED for step, _ in recipe) else recipe
-
-
-#: a location :func:`_recipe` cannot read as the twin's
-_UNMAPPED = object()
-
-
 class _Relocation:
-    """The twin's locations read as another region's: as IR locations, and as rendered text."""
+    """The twin's rendered locations read as another region's."""
 
     def __init__(self, replay: _Replay, locations: list[ir.Location]):
         self.replay = replay
         self.locations = locations
-        self._fused: dict[tuple, ir.Location] = {}
         self._text: dict[str, str] = {}
-
-    def ir(self, where: int | tuple | None) -> ir.Location:
-        """The region's location at place ``where`` of the twin's (a tuple: those places fused;
-        None: unknown)."""
-        if isinstance(where, int):
-            return self.locations[where]
-        if where is None:
-            return ir.Location.unknown()
-        built = self._fused.get(where)
-        if built is None:
-            built = self._fused[where] = ir.Location.fused([self.ir(part) for part in where])
-        return built
 
     def text(self, rendered: str) -> str:
         """The region's rendering of a location the twin renders as ``rendered``."""
@@ -374,13 +296,13 @@ class _Template:
         self.fills = [(path[:-1], path[-1], [piece for _, piece in parts],
                        [i for i, (kind, _) in enumerate(parts) if kind == "loc"]) for path, parts in holes]
 
-    def make_same(self, handles: dict[int, int]) -> SiteReport:
+    def make_same(self) -> SiteReport:
         """:meth:`make` for a region located as the twin: its strings are the twin's, and its
-        lists and dicts (but its channel handles) are one copy shared by every such region's
-        entry (a report is read, not edited: :class:`~cmatmul_pass.report.SiteReport`)."""
-        return _entry(dict(self.shared), handles)
+        lists and dicts are one copy shared by every such region's entry (a report is read, not
+        edited: :class:`~cmatmul_pass.report.SiteReport`)."""
+        return _entry(dict(self.shared), {})
 
-    def make(self, text: Callable[[str], str], handles: dict[int, int]) -> SiteReport:
+    def make(self, text: Callable[[str], str]) -> SiteReport:
         """The entry with each location string rendered by ``text``: the lists and dicts on the
         way to a hole are its own, the others shared with every entry made from this template
         (as :meth:`make_same`'s)."""
@@ -395,7 +317,7 @@ class _Template:
             for i in locations:
                 pieces[i] = text(pieces[i])
             own[where][key] = "".join(pieces)
-        return _entry(data, handles)
+        return _entry(data, {})
 
 
 def _entry(data: dict, handles: dict[int, int]) -> SiteReport:
@@ -454,37 +376,6 @@ def _channel_ops(region: ir.Operation) -> list[ir.Operation]:
     return found
 
 
-def _channel_places(region: ir.Operation) -> list[tuple[tuple, int, int]]:
-    """The ops in ``region`` holding a channel handle, grouped by op class (the classes in the
-    order they first appear, each class's ops in pre-order): each as its place (the (region,
-    block, op) indices leading to it from ``region``), its handle and its channel type.  One
-    Python pass over ``region``'s ops (once per group: a copy then reaches its few channel ops
-    by their places instead of walking)."""
-    found: list[tuple[type, tuple, int, int]] = []
-
-    def visit(op: ir.Operation, place: tuple) -> None:
-        for r, inner in enumerate(op.regions):
-            for b, block in enumerate(inner.blocks):
-                for i, child in enumerate(block.operations):
-                    child = child.operation
-                    at = (*place, (r, b, i))
-                    attributes = child.attributes
-                    if "channel_handle" in attributes:
-                        old = hlo.ChannelHandle(attributes["channel_handle"])
-                        found.append((type(child.opview), at, old.handle, old.channel_type))
-                    visit(child, at)
-
-    visit(region, ())  # (``region`` itself, a manual computation, holds no handle)
-    rank = {kind: k for k, kind in enumerate(dict.fromkeys(kind for kind, *_ in found))}
-    return [(place, handle, channel_type)
-            for _, place, handle, channel_type in sorted(found, key=lambda f: rank[f[0]])]
-
-
-def _handles(region: ir.Operation) -> list[int]:
-    """The channel handles in ``region``, in pre-order."""
-    return [hlo.ChannelHandle(op.attributes["channel_handle"]).handle for op in _channel_ops(region)]
-
-
 def walk(module: ir.Module, names: tuple[str, ...], replayable: bool) -> tuple[dict[str, list[ir.OpView]], Plan | None]:
     """The ops named ``names`` (which must hold ``stablehlo.while``), as
     :func:`ir_utils.ops_named` gives them, and the plan.  With ``replayable``, identical
@@ -524,7 +415,49 @@ def plan(regions: list[ir.Operation]) -> Plan | None:
     for region, count in zip(regions, counts):
         if shared[count] < MIN_MEMBERS:
             continue
-        text = region.get_asm(binary=True, use_local_scope=True, assume_verified=True)
-        by_body.setdefault(text, []).append(region)
+        by_body.setdefault(_printed(region), []).append(region)
     groups = [Group(members) for members in by_body.values() if len(members) >= MIN_MEMBERS]
     return Plan(groups) if groups else None
+
+
+
+def _printed(region: ir.Operation) -> bytes:
+    """``region`` as :func:`plan` compares regions: without locations, its outside operands anonymous."""
+    return region.get_asm(binary=True, use_local_scope=True, assume_verified=True)
+
+
+def _outline(twin: ir.Operation) -> str:
+    """Move ``twin`` (a top-level region) into a new private function of its operands, named
+    ``LAYER_PREFIX<k>``, which returns its results; ``twin`` itself stays, for the caller to
+    replace by a call."""
+    body = twin.parent
+    while body.name != "builtin.module":
+        body = body.parent
+    body = body.regions[0].blocks[0]
+    names = {ir.StringAttr(op.operation.attributes["sym_name"]).value
+             for op in body.operations if "sym_name" in op.operation.attributes}
+    index = 0
+    while f"{LAYER_PREFIX}{index}" in names:
+        index += 1
+    name = f"{LAYER_PREFIX}{index}"
+    loc = twin.location
+    with ir.InsertionPoint(body):
+        f = func.FuncOp(name, ir.FunctionType.get([v.type for v in twin.operands], [r.type for r in twin.results]),
+                        visibility="private", loc=loc)
+        entry = f.add_entry_block()
+    with ir.InsertionPoint(entry):
+        copy = twin.clone().operation
+        func.ReturnOp(list(copy.results), loc=loc)
+    for index, argument in enumerate(entry.arguments):  # by position: two operands may be one value
+        copy.operands[index] = argument
+    return name
+
+
+def _call(region: ir.Operation, name: str) -> None:
+    """Replace ``region`` by a call of ``name`` with its operands, at its location."""
+    with ir.InsertionPoint(region):
+        call = func.CallOp([r.type for r in region.results], ir.FlatSymbolRefAttr.get(name), list(region.operands),
+                           loc=region.location)
+    for old, new in zip(region.results, call.results):
+        old.replace_all_uses_with(new)
+    region.erase()

@@ -1,6 +1,7 @@
-"""Identical layers: two rewritten, the last checked against the second, the rest replayed
-(cmatmul_pass.replay).  The result must be the module and report the pass gives without
-replay, channel handle numbers aside."""
+"""Identical layers: the first rewritten, the last checked against it, all of them calls of
+the first's rewritten region (cmatmul_pass.replay).  The result must be the module and
+report the pass gives without replay, once the calls are inlined: channel handle numbers
+aside, and the called layers' ops located as the first layer's."""
 
 import pytest
 
@@ -25,14 +26,14 @@ def lowered():
 def _replays(monkeypatch) -> list:
     """Record each region replay (True: replayed, False: fell back for that region)."""
     calls = []
-    into = replay._Replay.into
+    entries_of = replay._Replay.entries
 
-    def spy(self, region, take_channel):
-        entries = into(self, region, take_channel)
+    def spy(self, region):
+        entries = entries_of(self, region)
         calls.append(entries is not None)
         return entries
 
-    monkeypatch.setattr(replay._Replay, "into", spy)
+    monkeypatch.setattr(replay._Replay, "entries", spy)
     return calls
 
 
@@ -52,15 +53,70 @@ def _without_replay(text: str, context, options=None):
         replay.Plan.__init__, replay.Plan.finish = init, finish
 
 
-def _facts(result):
+def _inline_layers(module) -> dict:
+    """Inline every call of a replayed layer's function (a copy of its region at the call, at
+    the call's location) and erase the functions; returns each copy's body -> its function."""
+    functions = {ir.StringAttr(f.attributes["sym_name"]).value: f for f in module.body.operations
+                 if f.operation.name == "func.func"
+                 and ir.StringAttr(f.attributes["sym_name"]).value.startswith(replay.LAYER_PREFIX)}
+    copies = {}
+    for call in ir_utils.ops_named(module, "func.call")["func.call"]:
+        callee = ir.FlatSymbolRefAttr(call.attributes["callee"]).value
+        if callee not in functions:
+            continue
+        with ir.InsertionPoint(call):
+            copy = functions[callee].regions[0].blocks[0].operations[0].operation.clone().operation
+        copy.location = call.location
+        for index, value in enumerate(call.operands):
+            copy.operands[index] = value
+        for old, new in zip(call.results, copy.results):
+            old.replace_all_uses_with(new)
+        call.operation.erase()
+        copies[replay._body(copy)] = callee
+    for f in functions.values():
+        f.operation.erase()
+    return copies
+
+
+def _facts(result, copies=None, hidden=None):
     """What must agree: every op (ops, attributes, types, wiring; channel handles aside), every
-    op's location, and every report entry but its channel handles."""
+    op's location (but inside the regions at the indices ``hidden``, among the top-level ones),
+    and every report entry but its channel handles.  ``copies`` (from :func:`_inline_layers`):
+    each copy's ops must be located as the first region calling its function.  Returns the
+    facts and the indices of the copies."""
     module = result.module
-    locations = []
-    module.operation.walk(lambda op: (locations.append(str(op.location)), ir.WalkResult.ADVANCE)[1],
-                          ir.WalkOrder.PRE_ORDER)
+    regions = replay._top_level_regions(module)
+    index = {replay._body(r): i for i, r in enumerate(regions)}
+    copies = copies or {}
+    hide = {index[body] for body in copies} | set(hidden or ())
+    locations, inside = [], {}
+    for f in module.body.operations:
+        if f.operation.name != "func.func":
+            continue
+        for op in f.regions[0].blocks[0].operations:
+            at = index.get(replay._body(op)) if op.operation.name == replay.MANUAL else None
+            found = []
+            op.operation.walk(lambda o: (found.append(str(o.location)), ir.WalkResult.ADVANCE)[1],
+                              ir.WalkOrder.PRE_ORDER)
+            if at is not None:
+                inside[at] = found[1:]
+            locations += found[:1] if at in hide else found
+    first: dict = {}  # a function -> the interior of the first region calling it
+    for body, callee in sorted(copies.items(), key=lambda item: index[item[0]]):
+        want = first.setdefault(callee, inside[index[body]])
+        assert inside[index[body]] == want  # the function's ops carry the first layer's locations
     entries = [{k: v for k, v in vars(e).items() if k != "channel_handles"} for e in result.report.sites]
-    return structure(module.operation), locations, entries
+    return (structure(module.operation), locations, entries), sorted(hide)
+
+
+def _compare(replayed, plain, context):
+    """:func:`_facts` of both, the replayed one's layers inlined."""
+    with context:
+        copies = _inline_layers(replayed.module)
+        assert copies  # some layers were calls
+        got, hidden = _facts(replayed, copies)
+        want, _ = _facts(plain, hidden=hidden)
+    return got, want
 
 
 @pytest.mark.parametrize("model", list(bench.MODELS))
@@ -72,8 +128,7 @@ def test_replay_gives_what_the_pass_gives_without_it(lowered, model, debug_info,
     replayed = cmatmul_pass.rewrite(text, context=context)
     assert calls and all(calls)  # both groups replayed into their middle layers
     plain = _without_replay(text, context)
-    with context:
-        got, want = _facts(replayed), _facts(plain)
+    got, want = _compare(replayed, plain, context)
     assert got[0] == want[0]
     assert got[1] == want[1]
     assert got[2] == want[2]  # and in the same order
@@ -119,7 +174,10 @@ def test_a_probe_unlike_its_twin_leaves_the_group_to_the_usual_way(lowered, monk
     assert calls == []
     plain = _without_replay(text, context)
     with context:
-        got, want = _facts(result), _facts(plain)
+        (got, _), (want, _) = _facts(result), _facts(plain)
+        assert not any(
+            ir.StringAttr(f.attributes["sym_name"]).value.startswith(replay.LAYER_PREFIX)
+            for f in result.module.body.operations if f.operation.name == "func.func")  # no layer function
     assert got[0] == want[0] and got[1] == want[1]
     assert sorted(map(repr, got[2])) == sorted(map(repr, want[2]))  # the group's other layers came last
 
@@ -139,8 +197,7 @@ def test_a_region_whose_locations_do_not_map_is_rewritten_the_usual_way(lowered,
     result = cmatmul_pass.rewrite(text, context=context)
     assert False in calls and True in calls
     plain = _without_replay(text, context)
-    with context:
-        got, want = _facts(result), _facts(plain)
+    got, want = _compare(result, plain, context)
     assert got[0] == want[0] and got[1] == want[1]
     assert sorted(map(repr, got[2])) == sorted(map(repr, want[2]))
 
