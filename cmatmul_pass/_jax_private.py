@@ -293,6 +293,19 @@ def lift_inlined_meshes(module: ir.Module) -> None:
         passmanager.PassManager.parse("builtin.module(sdy-lift-inlined-meshes)").run(module.operation)
 
 
+def location_stripper(context: ir.Context):
+    """MLIR's ``strip-debuginfo`` as a function of a module of ``context``: every location in it
+    becomes unknown (in C++; the module is not verified, so it may hold symbol references it
+    does not define).  Build it once for many modules: parsing the pipeline costs more than
+    running it on a small module."""
+    from jax._src.lib.mlir import passmanager
+
+    with context:
+        manager = passmanager.PassManager.parse("builtin.module(strip-debuginfo)")
+    manager.enable_verifier(False)
+    return lambda module: manager.run(module.operation)
+
+
 def traced_call_jaxpr(fun, flat_args: Sequence[Any]) -> tuple[Any, list, Any]:
     """``fun``'s jaxpr on ``flat_args`` for a call primitive: a ClosedJaxpr without constants
     (they become its first inputs: closed-over tracers of an enclosing trace may be among them),

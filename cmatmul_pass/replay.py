@@ -8,8 +8,8 @@ regions left behind (the shared ring functions of :mod:`cmatmul_pass.sharing`, t
 model's cached predictions); so every region of a group of identical ones comes out as the
 first did.
 
-A group is at least :data:`MIN_MEMBERS` top-level regions whose op prints the same without
-locations and with its outside operands anonymous.  The pipeline rewrites its first region (the
+A group is at least :data:`MIN_MEMBERS` top-level regions whose ops are the same but for their
+locations and the outside values they read (:class:`_Fingerprint`).  The pipeline rewrites its first region (the
 *twin*; its sites call the shared rings at once) and its last (the *probe*) the usual way, and
 leaves the others alone.  Then the probe must have come out as the twin did: the same ops,
 attributes and types (channel handles aside), the same region types, and the same report
@@ -34,14 +34,15 @@ region types the pass changed, and runs that annotate streams or do not share ri
 
 from __future__ import annotations
 
+import io
 import marshal
 import re
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from . import ir_utils
-from ._jax_private import func, hlo, ir
+from ._jax_private import func, hlo, ir, location_stripper
 from .report import Report, SiteReport
 
 #: the twin, the probe and at least two regions between them (at three, replay would save one region's rewrite
@@ -67,6 +68,8 @@ class Group:
     # the twin's and the probe's (locations in walk order, types) before the pass
     twin_before: tuple = ()
     probe_before: tuple = ()
+    # where each of the twin's ops was before the pass, in walk order: (region, block, op) indices from the twin
+    twin_places: list = field(default_factory=list)
 
     @property
     def twin(self) -> ir.Operation:
@@ -93,6 +96,33 @@ def _locations(region: ir.Operation) -> list[ir.Location]:
     return found
 
 
+def _located_places(region: ir.Operation) -> tuple[list[ir.Location], list[tuple]]:
+    """:func:`_locations` of ``region``, and each op's place: the (region, block, op) indices
+    leading to it from ``region`` (``region`` itself: ())."""
+    locations, places = [region.location], [()]
+
+    def visit(op: ir.Operation, place: tuple) -> None:
+        for r, inner in enumerate(op.regions):
+            for b, block in enumerate(inner.blocks):
+                for i, child in enumerate(block.operations):
+                    child = child.operation
+                    at = (*place, (r, b, i))
+                    locations.append(child.location)
+                    places.append(at)
+                    visit(child, at)
+
+    visit(region, ())
+    return locations, places
+
+
+def _at(region: ir.Operation, place: tuple) -> ir.Operation:
+    """The op at ``place`` (:func:`_located_places`) in ``region``."""
+    op = region
+    for r, b, i in place:
+        op = op.regions[r].blocks[b].operations[i].operation
+    return op
+
+
 def _types(region: ir.Operation) -> tuple:
     return tuple(v.type for v in region.operands), tuple(r.type for r in region.results)
 
@@ -106,7 +136,8 @@ class Plan:
         self.checked = {_body(m) for g in groups for m in (g.twin, g.probe)}
         self.leading = {_body(g.members[0]) for g in groups}
         for g in groups:
-            g.twin_before = (_locations(g.twin), _types(g.twin))
+            locations, g.twin_places = _located_places(g.twin)
+            g.twin_before = (locations, _types(g.twin))
             g.probe_before = (_locations(g.probe), _types(g.probe))
 
     def top_level(self, op: ir.Operation | ir.OpView) -> ir.Block | None:
@@ -192,28 +223,33 @@ class Plan:
 
 class _Replay:
     """The twin's rewritten region and report entries, ready to be read with another region's
-    locations: a region then costs one walk of its own locations."""
+    locations.
+
+    Read once from the twin: which of its locations its report entries render (a location
+    string of an entry is a hole, :func:`_template`), and at which places among its ops before
+    the pass each such string is rendered; a region then costs a visit of the ops at those
+    places (in a layer of a few hundred ops, a few dozen), not a walk of all of its ops."""
 
     def __init__(self, group: Group, entries: list[SiteReport], source: str):
         self.group = group
         self.twin = group.twin
         self.source = source
-        self.locations, _ = group.twin_before
-        first: dict = {}  # a twin location -> the first place it is at
-        # places locating like an earlier place in the twin: a region must locate them alike too
-        self.alike: list[tuple[int, int]] = []
-        for position, loc in enumerate(self.locations):
-            at = first.setdefault(loc.attr, position)
-            if at != position:
-                self.alike.append((at, position))
-        # each rendered location of the twin's ops, and the first place it is at
-        self.rendered: dict[str, int] = {}
-        for position, loc in enumerate(self.locations):
-            self.rendered.setdefault(ir_utils.render_location(loc, source), position)
+        locations, _ = group.twin_before
+        # each rendered location of the twin's ops, and the places it is rendered at
+        rendered: dict[str, list[int]] = {}
+        for position, loc in enumerate(locations):
+            rendered.setdefault(ir_utils.render_location(loc, source), []).append(position)
         # the longest first, and never a prefix of a longer line or column number
-        pattern = re.compile("|".join(re.escape(s) for s in sorted(self.rendered, key=len, reverse=True))
-                             + r"(?![0-9])") if self.rendered else None
+        pattern = re.compile("|".join(re.escape(s) for s in sorted(rendered, key=len, reverse=True))
+                             + r"(?![0-9])") if rendered else None
         self.templates = [_template(entry, pattern) for entry in entries]
+        used = {piece for template in self.templates for *_, pieces, holes in template.fills for piece in
+                (pieces[i] for i in holes)}
+        #: each location string the entries hold -> the positions (walk order) of the twin's ops rendering it
+        self.needed = {text: rendered[text] for text in used}
+        self.positions = sorted({p for positions in self.needed.values() for p in positions})
+        self.places = [group.twin_places[p] for p in self.positions]
+        self.locations = [locations[p] for p in self.positions]
 
     @classmethod
     def of(cls, group: Group, entries: list[SiteReport], source: str) -> "_Replay | None":
@@ -225,10 +261,10 @@ class _Replay:
         """Did the probe come out as the twin, read with the probe's locations?  If it did, its
         channel handles (and its entries') are the twin's from here on: the probe is about to
         become a call of the twin's function."""
-        if len(probe_entries) != len(self.templates):
+        if len(probe_entries) != len(self.templates) or len(probe_locations) != len(self.group.twin_before[0]):
             return False
-        relocation = self._relocation(probe_locations)
-        if relocation is None:
+        text = self._text([probe_locations[p] for p in self.positions])
+        if text is None:
             return False
         ours, theirs = _channel_ops(self.twin), _channel_ops(probe)
         if len(ours) != len(theirs):
@@ -238,8 +274,9 @@ class _Replay:
         for mine, other, attr in zip(ours, theirs, saved):
             handles[hlo.ChannelHandle(attr).handle] = hlo.ChannelHandle(mine.attributes["channel_handle"]).handle
             other.attributes["channel_handle"] = mine.attributes["channel_handle"]
-        if _printed(self.twin) != _printed(probe) or any(
-                vars(template.make(relocation.text)) != vars(_entry(vars(entry).copy(), handles))
+        fingerprint = _Fingerprint(probe.context)
+        if fingerprint(self.twin) != fingerprint(probe) or any(
+                vars(template.make(text)) != vars(_entry(vars(entry).copy(), handles))
                 for template, entry in zip(self.templates, probe_entries)):
             for op, attr in zip(theirs, saved):  # left as it was, for the usual way
                 op.attributes["channel_handle"] = attr
@@ -250,37 +287,26 @@ class _Replay:
 
     def entries(self, region: ir.Operation) -> list[SiteReport] | None:
         """``region``'s report entries (the twin's, read with its locations), or None where a
-        location cannot be mapped."""
-        locations = _locations(region)
+        location string cannot be read one way (two of the twin's ops render it, and the
+        region's two render differently).  ``region`` is the twin's op for op (it prints as the
+        twin did before the pass), so a place leads to the same op in both."""
+        locations = [_at(region, place).location for place in self.places]
         if locations == self.locations:  # located as the twin (layers written as a Python loop over one block)
             return [template.make_same() for template in self.templates]
-        relocation = self._relocation(locations)
-        if relocation is None:
-            return None
-        return [template.make(relocation.text) for template in self.templates]
+        text = self._text(locations)
+        return None if text is None else [template.make(text) for template in self.templates]
 
-    def _relocation(self, locations: list[ir.Location]) -> "_Relocation | None":
-        if len(locations) != len(self.locations):
-            return None
-        if any(locations[at] != locations[position] for at, position in self.alike):
-            return None  # one twin location at two places the region locates differently
-        return _Relocation(self, locations)
-
-
-class _Relocation:
-    """The twin's rendered locations read as another region's."""
-
-    def __init__(self, replay: _Replay, locations: list[ir.Location]):
-        self.replay = replay
-        self.locations = locations
-        self._text: dict[str, str] = {}
-
-    def text(self, rendered: str) -> str:
-        """The region's rendering of a location the twin renders as ``rendered``."""
-        if rendered not in self._text:
-            position = self.replay.rendered[rendered]
-            self._text[rendered] = ir_utils.render_location(self.locations[position], self.replay.source)
-        return self._text[rendered]
+    def _text(self, locations: list[ir.Location]) -> "Callable[[str], str] | None":
+        """How a region located ``locations`` (at :attr:`positions`) renders each location
+        string of the twin's entries; None where one string would render two ways."""
+        at = dict(zip(self.positions, locations))
+        texts: dict[str, str] = {}
+        for text, positions in self.needed.items():
+            found = {ir_utils.render_location(at[p], self.source) for p in positions}
+            if len(found) != 1:
+                return None
+            texts[text] = found.pop()
+        return texts.__getitem__
 
 
 class _Template:
@@ -412,18 +438,41 @@ def plan(regions: list[ir.Operation]) -> Plan | None:
     counts = [(len(region.operands), len(region.results)) for region in regions]
     shared = Counter(counts)
     by_body: dict[bytes, list[ir.Operation]] = {}
+    fingerprint = _Fingerprint(regions[0].context)
     for region, count in zip(regions, counts):
         if shared[count] < MIN_MEMBERS:
             continue
-        by_body.setdefault(_printed(region), []).append(region)
+        by_body.setdefault(fingerprint(region), []).append(region)
     groups = [Group(members) for members in by_body.values() if len(members) >= MIN_MEMBERS]
     return Plan(groups) if groups else None
 
 
 
-def _printed(region: ir.Operation) -> bytes:
-    """``region`` as :func:`plan` compares regions: without locations, its outside operands anonymous."""
-    return region.get_asm(binary=True, use_local_scope=True, assume_verified=True)
+class _Fingerprint:
+    """A region's identity without its locations and outside operands: the MLIR bytecode of a
+    copy of it, alone in a function of its operand types whose arguments it reads in their
+    place, every location unknown.  Bytecode is lossless (it reads back as the module it was
+    written from), so two regions write the same bytes exactly when they are the same ops,
+    attributes, types and wiring: what printing them without locations, with their outside
+    operands anonymous, tells apart, at less than half the cost (a copy is one C++ clone, the
+    locations go in C++, and bytecode writes each type and attribute once)."""
+
+    def __init__(self, context: ir.Context):
+        self.strip = location_stripper(context)
+
+    def __call__(self, region: ir.Operation) -> bytes:
+        with region.context, ir.Location.unknown():
+            module = ir.Module.create()
+            with ir.InsertionPoint(module.body):
+                entry = func.FuncOp("region", ir.FunctionType.get([v.type for v in region.operands], [])).add_entry_block()
+            with ir.InsertionPoint(entry):
+                copy = region.clone().operation
+        for index, argument in enumerate(entry.arguments):  # by position: two operands may be one value
+            copy.operands[index] = argument
+        self.strip(module)
+        written = io.BytesIO()
+        module.operation.write_bytecode(written)
+        return written.getvalue()
 
 
 def _outline(twin: ir.Operation) -> str:

@@ -186,14 +186,14 @@ def test_a_region_whose_locations_do_not_map_is_rewritten_the_usual_way(lowered,
     text = lowered["megatron"].as_text()
     context = make_context()
     calls = _replays(monkeypatch)
-    relocation = replay._Replay._relocation
+    read = replay._Replay._text
     seen = []
 
-    def first_fails(self, locations):
+    def second_fails(self, locations):
         seen.append(None)
-        return None if len(seen) == 2 else relocation(self, locations)  # 1: the probe's check; 2: a region
+        return None if len(seen) == 2 else read(self, locations)  # 1: the probe's check; 2: a region
 
-    monkeypatch.setattr(replay._Replay, "_relocation", first_fails)
+    monkeypatch.setattr(replay._Replay, "_text", second_fails)
     result = cmatmul_pass.rewrite(text, context=context)
     assert False in calls and True in calls
     plain = _without_replay(text, context)
