@@ -444,6 +444,10 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
                         report.sites[-1].cost["two_stage"] = choice.pricing.to_dict()
                     continue
                 moved = _move_gather(site, info, variance, ctx, source, options)
+                if isinstance(moved, _RingedInstead):  # the move refused: the ring applies the ops per block
+                    apply_moved(moved.site, site, "rung with the row-wise ops before its dots applied to each block it "
+                                f"receives, not moved past them: {moved.why}")
+                    continue
                 unmoved = moved if isinstance(moved, str) else None  # why the row-wise ops were not moved past
                 moved = None if unmoved else moved
                 sunk = not_sunk.get(id(op)) if moved is None else None
@@ -628,7 +632,9 @@ MOVABLE_DECLINES = frozenset({"layout", "user_not_dot"})
 def _move_gather(site: Site, info: ModuleInfo, variance: Variance, ctx: RewriteContext, source: str,
                  options: Options):
     """A gather declined because row-wise ops stand between it and its dots: move it past them
-    (:func:`.rewrites.sequence_parallel.move_gather_forward`); None when it cannot move.  Only
+    (:func:`.rewrites.sequence_parallel.move_gather_forward`); None when it cannot move; where the
+    move is refused, the ring that applies those ops per block (:class:`_RingedInstead`), or why
+    not (a string).  Only
     under ``policy="all"``: a site the cost model then leaves must leave the module as it was."""
     if not isinstance(site, DeclinedSite) or site.code not in MOVABLE_DECLINES or site.ring is None \
             or options.policy != "all":
@@ -636,7 +642,21 @@ def _move_gather(site: Site, info: ModuleInfo, variance: Variance, ctx: RewriteC
     ring, region = collective_ring(site.anchor, info)
     dim = ir_utils.int_attr(site.anchor.operation, "all_gather_dim")
     seed = Seed(site.anchor, ring, region, dim, -1)
-    return move_gather_forward(seed, variance, ctx.take_channel, ctx.constants, source)
+    moved = move_gather_forward(seed, variance, ctx.take_channel, ctx.constants, source)
+    if isinstance(moved, str):  # refused (the module untouched): a ring applying the ops per block instead?
+        ringed = match_all_gather(site.anchor, info, assemble=options.assemble, dag_alone=True)
+        if isinstance(ringed, AllGatherSite):
+            return _RingedInstead(ringed, moved)
+    return moved
+
+
+@dataclass
+class _RingedInstead:
+    """A gather :func:`_move_gather` could not move past the row-wise ops before its dots (``why``),
+    matched as a ring applying them to each block it receives (:func:`.matchers.all_gather._row_dag`)."""
+
+    site: AllGatherSite
+    why: str
 
 
 @dataclass

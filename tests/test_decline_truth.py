@@ -155,7 +155,8 @@ def test_a_gather_not_moved_past_its_norm_says_why():
 
 def test_a_gather_whose_move_would_gather_more_bytes_says_so():
     """The norm of the gathered rows and its tanh each feed a dot: moved past them, both results
-    would need a gather, twice the bytes, so the gather stays and says so."""
+    would need a gather, twice the bytes, so the gather does not move; the ring applies the norm
+    and the tanh to each block it receives instead, and its note says why it did not move."""
     m = jax.make_mesh((8,), ("m",))
 
     def body(x, w1, w2):
@@ -166,7 +167,11 @@ def test_a_gather_whose_move_would_gather_more_bytes_says_so():
     f = jax.shard_map(body, mesh=m, in_specs=(P("m"), P(), P()), out_specs=P(), check_vma=False)
     args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(m, sp))
             for s, sp in [((64, 32), P("m")), ((32, 16), P()), ((32, 16), P())]]
-    (entry,) = cmatmul_pass.rewrite(jax.jit(f).lower(*args).as_text()).report.sites
-    assert not entry.rewritten
-    assert entry.reason.endswith("; not moved to its dot: moved past the row-wise ops, 2 of their results would each "
-                                 "be gathered for its dots, more bytes than the one gather moves now"), entry.reason
+    text = jax.jit(f).lower(*args).as_text()
+    for assemble in (True, False):  # (nothing is assembled: the raw rows feed the two dots only)
+        (entry,) = cmatmul_pass.rewrite(text, cmatmul_pass.Options(assemble=assemble)).report.sites
+        assert entry.rewritten and len(entry.consumers) == 2 and not entry.assembled_for, entry.summary_line()
+        assert entry.notes[0] == ("rung with the row-wise ops before its dots applied to each block it receives, not "
+                                  "moved past them: moved past the row-wise ops, 2 of their results would each be "
+                                  "gathered for its dots, more bytes than the one gather moves now (where it stood: "
+                                  "declined [layout])"), entry.notes

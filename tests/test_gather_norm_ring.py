@@ -252,3 +252,90 @@ def test_two_dots_through_one_norm(variant, merge):
         assert len(ir_utils.ops_named(loop, "stablehlo.dot_general")["stablehlo.dot_general"]) == (1 if merge else 2)
     outcome = execute.check_numerics(ir_utils.parse(text), result.module)
     assert outcome.ok, outcome.format()
+
+
+# ------------------------------------------- the move refused: the ring applies the DAG on its own
+def refused_program(case: str) -> str:
+    """Gathered rows whose move past the row-wise ops to the dots is refused (issue 31's
+    remaining shapes), nothing returned raw:
+
+    * ``two_gains``: one norm, two dots reading it through two different gains: moved, two
+      normalised values would each be gathered, twice the bytes of the rows;
+    * ``f32_norm``: bf16 rows normalised in f32 into an f32 dot: moved, the gather would carry f32,
+      twice the bytes;
+
+    and one whose move is not refused: ``mixed_reader``, the normalised rows also read by an op
+    that mixes rows (a cumulative sum over them), gathered once, after the norm, for the dot's
+    ring to assemble for that op."""
+    dtype = jnp.bfloat16 if case == "f32_norm" else jnp.float32
+
+    def body(x, g, w1, w2):
+        h = jax.lax.all_gather(x, "model", axis=0, tiled=True)
+        if case == "two_gains":
+            n = rms_norm(h, 1.0, None)
+            return (n * g) @ w1 + (n * (g + 1)) @ w2
+        if case == "f32_norm":
+            return rms_norm(h.astype(jnp.float32), g, None) @ w1
+        n = rms_norm(h, g, None)
+        return n @ w1, jnp.cumsum(n, axis=0)
+
+    specs = (P("model", None), P(), P(), P())
+    outs = (P(), P()) if case == "mixed_reader" else P()
+    f = jax.shard_map(body, mesh=MESH, in_specs=specs, out_specs=outs, check_vma=False)
+    shapes = [((ROWS, HIDDEN), dtype), ((HIDDEN,), jnp.float32), ((HIDDEN, OUT), jnp.float32),
+              ((HIDDEN, OUT), jnp.float32)]
+    args = [jax.ShapeDtypeStruct(s, t, sharding=NamedSharding(MESH, sp)) for (s, t), sp in zip(shapes, specs)]
+    return jax.jit(f).lower(*args).as_text()
+
+
+REFUSED = {"two_gains": 2, "f32_norm": 1}  # -> the dots the ring computes
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+@pytest.mark.parametrize("variant", ["uni", "unroll2", "bidi-full"])
+def test_a_refused_move_rings_with_the_ops_per_block(case, variant):
+    text = refused_program(case)
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant=variant))
+    entry = gather_entry(result)
+    assert entry.rewritten and entry.schedule["variant"] == variant, entry.summary_line()
+    (note,) = [n for n in entry.notes if n.startswith("rung with the row-wise ops")]
+    assert "more bytes than the one gather moves now" in note and "(where it stood: declined [layout])" in note, note
+    assert len(entry.consumers) == REFUSED[case] and not entry.assembled_for, entry.summary_line()
+    # the rows cross the wire once, raw: no gather is left, and none was added
+    assert not ir_utils.ops_named(result.module, "stablehlo.all_gather")["stablehlo.all_gather"]
+    (loop,) = ir_utils.ops_named(result.module, "stablehlo.while")["stablehlo.while"] or [None]
+    if variant == "uni":  # the norm applied to each block of rows in the loop, once for both dots
+        reduces = ir_utils.ops_named(loop, "stablehlo.reduce")["stablehlo.reduce"]
+        assert len(reduces) == 1 and list(ir_utils.ranked_tensor(reduces[0].operation.operands[0]).shape)[0] == ROWS // 8
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()
+
+
+def test_normalised_rows_read_by_a_row_mixing_op_move_and_are_assembled_for_it():
+    text = refused_program("mixed_reader")
+    result = cmatmul_pass.rewrite(text)
+    entry = gather_entry(result)
+    assert entry.rewritten and any(n.startswith("moved to its dot past") for n in entry.notes), entry.notes
+    assert [r.split(" at ")[0] for r in entry.assembled_for] == ["func.call"], entry.assembled_for
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()
+
+
+def test_a_refused_move_stays_declined_without_its_ring_when_the_chain_mixes_rows():
+    """The fallback is the DAG's own matcher: a chain that mixes rows before the dot (a statistic
+    over the gathered dim) keeps its decline, which names the op, and the module its gather."""
+    def body(x, g, w1, w2):
+        h = jax.lax.all_gather(x, "model", axis=0, tiled=True)
+        n = h * jax.lax.rsqrt(jnp.mean(h * h, axis=0, keepdims=True) + 1e-6)  # a statistic over the rows
+        return (n * g) @ w1 + (n * (g + 1)) @ w2
+
+    specs = (P("model", None), P(), P(), P())
+    f = jax.shard_map(body, mesh=MESH, in_specs=specs, out_specs=P(), check_vma=False)
+    args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(MESH, sp))
+            for s, sp in zip([(ROWS, HIDDEN), (HIDDEN,), (HIDDEN, OUT), (HIDDEN, OUT)], specs)]
+    text = jax.jit(f).lower(*args).as_text()
+    result = cmatmul_pass.rewrite(text)
+    entry = gather_entry(result)
+    assert not entry.rewritten and entry.reason_code in ("layout", "schedule"), entry.summary_line()
+    assert "computed from the gathered value itself" in entry.reason, entry.reason
+    assert ir_utils.ops_named(result.module, "stablehlo.all_gather")["stablehlo.all_gather"]

@@ -20,7 +20,10 @@ readers get the assembled copy — never a second all_gather.  With
 Where no dot is reached through layout and elementwise ops alone, but through a DAG of ops that
 work row by row along the gathered dim (a norm of the gathered rows: a statistic of each row,
 broadcast back), and something besides those dots reads the rows (a residual), the ring applies
-the DAG to each block before its dot and assembles the raw rows (:func:`_row_dag`).
+the DAG to each block before its dot and assembles the raw rows (:func:`_row_dag`).  With
+``dag_alone`` (asked once moving the gather past the DAG was refused: it would gather more
+bytes, or gather a value whole for a reader that is not a dot) the ring applies the DAG even
+where only the DAG reads the raw rows.
 """
 
 from __future__ import annotations
@@ -121,11 +124,12 @@ def all_gathers(module: ir.Module) -> list[ir.OpView]:
     return ir_utils.ops_named(module, "stablehlo.all_gather")["stablehlo.all_gather"]
 
 
-def match_all_gather(op: ir.OpView, info: ModuleInfo, *, assemble: bool = True) -> AllGatherSite | DeclinedSite:
+def match_all_gather(op: ir.OpView, info: ModuleInfo, *, assemble: bool = True, dag_alone: bool = False
+                     ) -> AllGatherSite | DeclinedSite:
     ring = None
     try:
         ring, region = collective_ring(op, info)
-        return _match(op, ring, region, assemble, info)
+        return _match(op, ring, region, assemble, info, dag_alone)
     except Decline as d:
         return DeclinedSite(ALL_GATHER_DOT, op, d.code, d.message, ring)
 
@@ -184,7 +188,8 @@ class _Tree:
     blocked: tuple[Consumer, ir.Value, ir.Operation] | None = None
 
 
-def _match(ag: ir.OpView, ring: Ring, region: ManualRegion, assemble: bool, info: ModuleInfo) -> AllGatherSite:
+def _match(ag: ir.OpView, ring: Ring, region: ManualRegion, assemble: bool, info: ModuleInfo,
+           dag_alone: bool = False) -> AllGatherSite:
     shard_t = static_tensor(ag.operation.operands[0], "the all_gather operand")
     result_t = static_tensor(ag.result, "the all_gather result")
     gather_dim = ir_utils.int_attr(ag, "all_gather_dim")
@@ -199,8 +204,8 @@ def _match(ag: ir.OpView, ring: Ring, region: ManualRegion, assemble: bool, info
     _drop_dots_reading_twice(tree)
     if not tree.candidates:
         declined = _no_dot(tree, ag, ring.size)
-        site = _row_dag(ag, ring, region, gather_dim, info) if assemble and declined.code in ("layout", "user_not_dot") \
-            else None
+        site = _row_dag(ag, ring, region, gather_dim, info, dag_alone, assemble) \
+            if (assemble or dag_alone) and declined.code in ("layout", "user_not_dot") else None
         if site is None:
             raise declined
         return site
@@ -491,8 +496,8 @@ def _BlockOrder(consumer: Consumer) -> _OpOrder:
 # ------------------------------------------------------------------ a row-wise DAG before the dots
 
 
-def _row_dag(ag: ir.OpView, ring: Ring, region: ManualRegion, gather_dim: int, info: ModuleInfo
-             ) -> AllGatherSite | None:
+def _row_dag(ag: ir.OpView, ring: Ring, region: ManualRegion, gather_dim: int, info: ModuleInfo,
+             alone: bool = False, assemble: bool = True) -> AllGatherSite | None:
     """The gathered rows reach their dots through ops that work row by row along the gathered dim
     and read them more than once (a norm: ``x * rsqrt(mean(x*x, other dims))`` broadcast back),
     while the raw rows are also read elsewhere (a backward's residual, through ``sdy.return``;
@@ -511,7 +516,10 @@ def _row_dag(ag: ir.OpView, ring: Ring, region: ManualRegion, gather_dim: int, i
     the DAG (an untiled gather's rows are the reshape merging its new dim into the rows, which the
     DAG and the other readers share).  None too where nothing but the DAG reads the raw rows (the
     gather then moves to its dots, :func:`.rewrites.sequence_parallel.move_gather_forward`, which
-    runs the norm on 1/n of the rows and gathers its result once, also for its other readers)."""
+    runs the norm on 1/n of the rows and gathers its result once, also for its other readers),
+    unless ``alone``: the caller found that move refused, and the ring then gathers the raw rows
+    once for every dot the DAG reaches and assembles nothing (where the DAG's values are read
+    by other ops, the raw rows are assembled for them as above; without ``assemble``, None)."""
     n = ring.size
     block = ag.operation.block
     g = ag.result
@@ -560,7 +568,8 @@ def _row_dag(ag: ir.OpView, ring: Ring, region: ManualRegion, gather_dim: int, i
             if user.operation in chain and user.operation.name in ("stablehlo.reshape", "sdy.sharding_constraint"):
                 raw.append(user.result)
                 pending.append(user.result)
-    if all(user.operation in chain or user.operation in target_ops for value in raw for user in ir_utils.users(value)):
+    if not alone and all(user.operation in chain or user.operation in target_ops
+                         for value in raw for user in ir_utils.users(value)):
         # only the DAG reads the raw rows: where its values are read elsewhere too, moving the gather
         # past it (--policy all) gathers them once for the dots and those readers, the norm on 1/n
         # of the rows; the ring here is for raw rows read elsewhere (a residual)
@@ -595,8 +604,10 @@ def _row_dag(ag: ir.OpView, ring: Ring, region: ManualRegion, gather_dim: int, i
             if all(u.owner.operation in chosen or u.owner.operation in dead for u in op.result.uses):
                 dead.add(op.operation)
         kept = [user for user in ir_utils.users(g) if user.operation not in dead and user.operation not in chosen]
-        if not kept:
+        if not kept and not alone:
             return None  # nothing else reads the rows: moving the gather to its dots does better
+        if kept and not assemble:
+            return None
         readers = [ir_utils.ancestor_in(user, block) for user in kept]
         first = min([dot.operation for dot in included] + readers, key=_OpOrder)
         keep, hoisted = [], {}
