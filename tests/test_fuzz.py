@@ -182,8 +182,9 @@ def _ag_norm(**kw):
     return fuzz_programs.Spec(**{**base, **kw})
 
 
-#: gathers whose rows reach their dots through a norm while the raw rows are read elsewhere: the
-#: ring applies the norm per block and assembles the raw rows (docs/patterns.md)
+#: gathers whose rows reach their dots through a norm while the raw rows are read elsewhere (the
+#: ring applies the norm per block and assembles the raw rows), or whose move past the norm is
+#: refused (the ring applies it alone; docs/patterns.md)
 GATHER_NORMS = {
     # a data x model mesh (the batch sharded over x, the rows gathered over y), a layer norm with a
     # per-device gain and a bias, gate and up projections, the raw rows added after them; called twice
@@ -199,6 +200,10 @@ GATHER_NORMS = {
     "f16-rms-gate-partial-manual": _ag_norm(
         mesh_shape=(4, 2), devices=(6, 2, 7, 0, 4, 1, 5, 3), axes=("y",), partial_manual=True, dtype="f16",
         consumers=2, sizes=(3, 4, 3, 1)),
+    # nothing but the norm reads the rows, and each device has its own gain, which may not move
+    # onto the rows: the move is refused and the ring applies the norm on its own, assembling
+    # nothing (so under --no-assemble too)
+    "f32-rms-device-gain-alone": _ag_norm(gain_mode="dev", raw="none", consumers=2, sizes=(2, 4, 2, 1)),
 }
 
 

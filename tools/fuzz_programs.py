@@ -107,7 +107,9 @@ class Spec:
     gain_mode: str = ""
     bias: bool = False
     #: ag_norm: the raw gathered rows' other reader: "return" (returned beside the dots' result, as
-    #: a backward's residual) or "residual" (added to the dots' result, whose width is the hidden's)
+    #: a backward's residual), "residual" (added to the dots' result, whose width is the hidden's)
+    #: or "none" (only the norm reads them: the gather moves past it, or, where that move is
+    #: refused — a device's own gain, a norm kept in f32 — the ring applies the norm alone)
     raw: str = ""
     #: ag_norm, 16-bit types: the norm computed in f32 (converts on the way in and back out)
     upcast: bool = False
@@ -246,7 +248,7 @@ def _gather_norm(draw, spec: Spec) -> Spec:
         reader=False, prep=False, scale=False, data=data,
         partial_manual=len(mesh_shape) == 2 and not data and draw(st.booleans()),
         norm_kind=draw(st.sampled_from(GATHER_NORMS)), gain_mode=draw(st.sampled_from(["", "rep", "dev"])),
-        bias=draw(st.booleans()), raw=draw(st.sampled_from(["return", "residual"])),
+        bias=draw(st.booleans()), raw=draw(st.sampled_from(["return", "residual", "none"])),
         upcast=dtype != "f32" and draw(st.booleans()))
 
 
@@ -491,7 +493,7 @@ def _gather_norm_program(spec: Spec):
         y = jax.nn.silu(outs[0]) * outs[1] if len(outs) == 2 else outs[0]
         if residual:
             return y + h.astype(y.dtype)
-        return y, h
+        return y if spec.raw == "none" else (y, h)
 
     args = [([glob[c] for c in labels], P(*x_parts))]
     if spec.gain_mode == "rep":
@@ -505,7 +507,7 @@ def _gather_norm_program(spec: Spec):
     # the results: the gathered rows on every device of the ring (the batch dim sharded over data)
     rows = [data] + [None] * (len(labels) - 1)
     y_spec = P(*rows) if residual else P(*rows[:-1], axes if len(axes) > 1 else axes[0])
-    return body, args, y_spec if residual else (y_spec, P(*rows))
+    return body, args, y_spec if residual or spec.raw == "none" else (y_spec, P(*rows))
 
 
 def _megatron(spec: Spec):
