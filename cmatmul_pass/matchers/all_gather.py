@@ -520,123 +520,166 @@ def _row_dag(ag: ir.OpView, ring: Ring, region: ManualRegion, gather_dim: int, i
     unless ``alone``: the caller found that move refused, and the ring then gathers the raw rows
     once for every dot the DAG reaches and assembles nothing (where the DAG's values are read
     by other ops, the raw rows are assembled for them as above; without ``assemble``, None)."""
-    n = ring.size
-    block = ag.operation.block
-    g = ag.result
-    passable: set[ir.Operation] = set()  # ops reached from the rows through row-wise candidates only
-    dots: dict[ir.Operation, ir.OpView] = {}
-    pending = [g]
-    while pending:
-        for user in ir_utils.users(pending.pop()):
-            op = user.operation
-            if op.block != block or op in passable:
-                continue
-            if op.name == DOT:
-                dots[op] = user
-            elif _row_candidate(user):
-                passable.add(op)
-                pending.append(user.result)
-
-    def on_path(value: ir.Value) -> bool:
-        return value == g or (not isinstance(value.owner, ir.Block) and value.owner.operation in passable)
-
-    targets = [dot for dot in dots.values() if [on_path(v) for v in dot.operation.operands].count(True) == 1]
-    if not targets:
+    dag = _RowDag.trace(ag)
+    if dag is None or not (alone or dag.raw_rows_read_elsewhere()) or not dag.check_steps(gather_dim, ring.size):
         return None
-    # every op computed from the rows (the rest of the block at most: only once a dot is in reach)
-    tainted = ir_utils.dependents([g], block)
-    targets = [dot for dot in targets if not any(_owner_in(v, tainted) for v in dot.operation.operands
-                                                 if not on_path(v))]
-    # the DAG: the row-wise ops some target dot reads through, in block order (producers first)
-    chain: dict[ir.Operation, ir.OpView] = {}
-    pending = [v for dot in targets for v in dot.operation.operands if on_path(v) and v != g]
-    while pending:
-        owner = pending.pop().owner
-        if owner.operation in chain:
-            continue
-        chain[owner.operation] = owner
-        pending += [v for v in owner.operation.operands if on_path(v) and v != g]
-    if not chain:
-        return None  # the dots read the rows themselves: the tree's decline stands
-    target_ops = {dot.operation for dot in targets}
-    # the raw rows: the gathered value, and its reshapes and sharding constraints in the DAG (an
-    # untiled gather's: the gather on a new dim, then a reshape merging it into the rows, which both
-    # the DAG and the other readers read; in a partially manual region, constrained)
-    raw, pending = [g], [g]
-    while pending:
-        for user in ir_utils.users(pending.pop()):
-            if user.operation in chain and user.operation.name in ("stablehlo.reshape", "sdy.sharding_constraint"):
-                raw.append(user.result)
-                pending.append(user.result)
-    if not alone and all(user.operation in chain or user.operation in target_ops
-                         for value in raw for user in ir_utils.users(value)):
-        # only the DAG reads the raw rows: where its values are read elsewhere too, moving the gather
-        # past it (--policy all) gathers them once for the dots and those readers, the norm on 1/n
-        # of the rows; the ring here is for raw rows read elsewhere (a residual)
+    chosen = dag.choose(alone, assemble)
+    if chosen is None:
         return None
-    ordered = sorted(chain.values(), key=lambda op: _OpOrder(op.operation))
-    steps: dict[ir.Value, LayoutStep] = {}  # by the value each step computes
-    dims: dict[ir.Value, int] = {g: gather_dim}
-    for op in ordered:
-        step = _dag_step(op, on_path, dims, tainted, n)
-        if step is None:
+    included, kept, first, hoisted = chosen
+    consumers = []
+    for dot in included:
+        value = dot.operation.operands[dag.operand_index(dot)]
+        try:
+            consumer = _consumer(dot, value, dag.dims[value], dag.path_of(value), info)
+        except Decline:
             return None
-        steps[op.result] = step
-        dims[op.result] = step.out_dim
+        consumers.append(replace(consumer, dag=True))
+    nodes = tuple(dag.steps[op.result] for op in dag.ordered)
+    return AllGatherSite(ag, ring, region, gather_dim, tuple(consumers), nodes, tuple(kept), first,
+                         tuple(sorted(hoisted, key=_OpOrder)))
 
-    def path_of(value: ir.Value) -> tuple[LayoutStep, ...]:
+
+class _RowDag:
+    """The ops from a gathered value ``g`` to the dots it reaches through row-wise candidates
+    (:func:`_row_dag`): traced (:meth:`trace`), checked step by step (:meth:`check_steps`), and the
+    dots the ring can compute chosen (:meth:`choose`)."""
+
+    def __init__(self, ag: ir.OpView, passable: set, targets: list, chain: dict, tainted: set):
+        self.ag = ag
+        self.g = ag.result
+        self.block = ag.operation.block
+        self.passable = passable  # ops reached from the rows through row-wise candidates only
+        self.targets = targets  # the dots reading exactly one value on the way, and nothing computed from the rows
+        self.chain = chain  # the row-wise ops some target reads through
+        self.tainted = tainted  # every op computed from the rows
+        self.ordered = sorted(chain.values(), key=lambda op: _OpOrder(op.operation))  # producers first
+        self.steps: dict[ir.Value, LayoutStep] = {}  # by the value each step computes
+        self.dims: dict[ir.Value, int] = {}
+
+    @classmethod
+    def trace(cls, ag: ir.OpView) -> "_RowDag | None":
+        """The DAG from ``ag``'s rows to its dots; None where no dot reads the rows through a row-wise op."""
+        block, g = ag.operation.block, ag.result
+        passable: set[ir.Operation] = set()
+        dots: dict[ir.Operation, ir.OpView] = {}
+        pending = [g]
+        while pending:
+            for user in ir_utils.users(pending.pop()):
+                op = user.operation
+                if op.block != block or op in passable:
+                    continue
+                if op.name == DOT:
+                    dots[op] = user
+                elif _row_candidate(user):
+                    passable.add(op)
+                    pending.append(user.result)
+
+        def on_path(value: ir.Value) -> bool:
+            return value == g or _owner_in(value, passable)
+
+        targets = [dot for dot in dots.values() if [on_path(v) for v in dot.operation.operands].count(True) == 1]
+        if not targets:
+            return None
+        # every op computed from the rows (the rest of the block at most: only once a dot is in reach)
+        tainted = ir_utils.dependents([g], block)
+        targets = [dot for dot in targets if not any(_owner_in(v, tainted) for v in dot.operation.operands
+                                                     if not on_path(v))]
+        # the DAG: the row-wise ops some target dot reads through
+        chain: dict[ir.Operation, ir.OpView] = {}
+        pending = [v for dot in targets for v in dot.operation.operands if on_path(v) and v != g]
+        while pending:
+            owner = pending.pop().owner
+            if owner.operation in chain:
+                continue
+            chain[owner.operation] = owner
+            pending += [v for v in owner.operation.operands if on_path(v) and v != g]
+        if not chain:
+            return None  # the dots read the rows themselves: the tree's decline stands
+        return cls(ag, passable, targets, chain, tainted)
+
+    def on_path(self, value: ir.Value) -> bool:
+        return value == self.g or _owner_in(value, self.passable)
+
+    def operand_index(self, dot: ir.OpView) -> int:
+        """Which of ``dot``'s operands is on the way from the rows (exactly one is)."""
+        return next(i for i, v in enumerate(dot.operation.operands) if self.on_path(v))
+
+    def raw_rows_read_elsewhere(self) -> bool:
+        """Is the gathered value, or its reshape or sharding constraint in the DAG (an untiled
+        gather's: the gather on a new dim, then a reshape merging it into the rows, which both the
+        DAG and the other readers read; in a partially manual region, constrained), read by
+        anything but the DAG and its dots?  If not, moving the gather past the DAG (``--policy
+        all``) gathers its values once for the dots and their other readers, the norm on 1/n of
+        the rows: the ring here is for raw rows read elsewhere (a residual), or for a refused move."""
+        raw, pending = [self.g], [self.g]
+        while pending:
+            for user in ir_utils.users(pending.pop()):
+                if user.operation in self.chain and user.operation.name in ("stablehlo.reshape",
+                                                                            "sdy.sharding_constraint"):
+                    raw.append(user.result)
+                    pending.append(user.result)
+        targets = {dot.operation for dot in self.targets}
+        return not all(user.operation in self.chain or user.operation in targets
+                       for value in raw for user in ir_utils.users(value))
+
+    def check_steps(self, gather_dim: int, n: int) -> bool:
+        """Each op of the DAG as a step applied per block (:func:`_dag_step`); False where one is not row-wise."""
+        self.dims = {self.g: gather_dim}
+        for op in self.ordered:
+            step = _dag_step(op, self.on_path, self.dims, self.tainted, n)
+            if step is None:
+                return False
+            self.steps[op.result] = step
+            self.dims[op.result] = step.out_dim
+        return True
+
+    def path_of(self, value: ir.Value) -> tuple[LayoutStep, ...]:
         """The steps computing ``value`` from the rows, in block order."""
         found: set[ir.Value] = set()
         pending = [value]
         while pending:
             v = pending.pop()
-            if v in steps and v not in found:
+            if v in self.steps and v not in found:
                 found.add(v)
                 pending += list(v.owner.operation.operands)
-        return tuple(steps[op.result] for op in ordered if op.result in found)
+        return tuple(self.steps[op.result] for op in self.ordered if op.result in found)
 
-    included = sorted(targets, key=lambda dot: _OpOrder(dot.operation))
-    in_tree = {ag.operation, *tainted}
-    while included:
-        chosen = {dot.operation for dot in included}
-        dead: set[ir.Operation] = set()  # DAG ops read only by the chosen dots and dead DAG ops
-        for op in reversed(ordered):
-            if all(u.owner.operation in chosen or u.owner.operation in dead for u in op.result.uses):
-                dead.add(op.operation)
-        kept = [user for user in ir_utils.users(g) if user.operation not in dead and user.operation not in chosen]
-        if not kept and not alone:
-            return None  # nothing else reads the rows: moving the gather to its dots does better
-        if kept and not assemble:
-            return None
-        readers = [ir_utils.ancestor_in(user, block) for user in kept]
-        first = min([dot.operation for dot in included] + readers, key=_OpOrder)
-        keep, hoisted = [], {}
-        for dot in included:
-            index = next(i for i, v in enumerate(dot.operation.operands) if on_path(v))
-            path = path_of(dot.operation.operands[index])
-            needed = [dot.operation.operands[1 - index]] + _dag_reads(path)
-            missing = [v for v in needed if not ir_utils.defined_before(v, first)]
-            moves = [_hoistable(v, first, in_tree, HOIST_LIMIT - len(hoisted)) for v in missing]
-            if all(ops is not None for ops in moves):
-                keep.append(dot)
-                hoisted.update(dict.fromkeys(op for ops in moves for op in ops))
-        if len(keep) == len(included):
-            break
-        included = keep
-    if not included:
+    def choose(self, alone: bool, assemble: bool) -> tuple | None:
+        """The dots the ring computes (those that can all run where the ring goes), the rows'
+        other readers it assembles them for, where it goes, and the ops hoisted up to it; None
+        where none can (or, unless ``alone``, nothing else reads the rows; without ``assemble``,
+        something does)."""
+        g, block = self.g, self.block
+        included = sorted(self.targets, key=lambda dot: _OpOrder(dot.operation))
+        in_tree = {self.ag.operation, *self.tainted}
+        while included:
+            chosen = {dot.operation for dot in included}
+            dead: set[ir.Operation] = set()  # DAG ops read only by the chosen dots and dead DAG ops
+            for op in reversed(self.ordered):
+                if all(u.owner.operation in chosen or u.owner.operation in dead for u in op.result.uses):
+                    dead.add(op.operation)
+            kept = [user for user in ir_utils.users(g) if user.operation not in dead and user.operation not in chosen]
+            if not kept and not alone:
+                return None  # nothing else reads the rows: moving the gather to its dots does better
+            if kept and not assemble:
+                return None
+            readers = [ir_utils.ancestor_in(user, block) for user in kept]
+            first = min([dot.operation for dot in included] + readers, key=_OpOrder)
+            keep, hoisted = [], {}
+            for dot in included:
+                index = self.operand_index(dot)
+                path = self.path_of(dot.operation.operands[index])
+                needed = [dot.operation.operands[1 - index]] + _dag_reads(path)
+                missing = [v for v in needed if not ir_utils.defined_before(v, first)]
+                moves = [_hoistable(v, first, in_tree, HOIST_LIMIT - len(hoisted)) for v in missing]
+                if all(ops is not None for ops in moves):
+                    keep.append(dot)
+                    hoisted.update(dict.fromkeys(op for ops in moves for op in ops))
+            if len(keep) == len(included):
+                return included, kept, first, hoisted
+            included = keep
         return None
-    consumers = []
-    for dot in included:
-        index = next(i for i, v in enumerate(dot.operation.operands) if on_path(v))
-        value = dot.operation.operands[index]
-        try:
-            consumer = _consumer(dot, value, dims[value], path_of(value), info)
-        except Decline:
-            return None
-        consumers.append(replace(consumer, dag=True))
-    nodes = tuple(steps[op.result] for op in ordered)
-    return AllGatherSite(ag, ring, region, gather_dim, tuple(consumers), nodes, tuple(kept), first,
-                         tuple(sorted(hoisted, key=_OpOrder)))
 
 
 def _row_candidate(op: ir.OpView) -> bool:
