@@ -339,3 +339,28 @@ def test_a_refused_move_stays_declined_without_its_ring_when_the_chain_mixes_row
     assert not entry.rewritten and entry.reason_code in ("layout", "schedule"), entry.summary_line()
     assert "computed from the gathered value itself" in entry.reason, entry.reason
     assert ir_utils.ops_named(result.module, "stablehlo.all_gather")["stablehlo.all_gather"]
+
+
+@pytest.mark.parametrize("assemble", [True, False])
+@pytest.mark.parametrize("variant", ["uni", "unroll2", "bidi-full"])
+def test_a_dot_of_the_raw_rows_and_one_of_their_norm_share_the_ring(variant, assemble):
+    """One dot reads the gathered rows, another their norm: the ring computes both, applying the
+    norm to each block for the second, and assembles nothing (before: the first dot's ring
+    assembled the rows for the norm, whose dot waited for them; under --no-assemble, declined)."""
+    def body(x, g, w1, w2):
+        h = jax.lax.all_gather(x, "model", axis=0, tiled=True)
+        return h @ w1 + rms_norm(h, g, None) @ w2
+
+    specs = (P("model", None), P(), P(), P())
+    f = jax.shard_map(body, mesh=MESH, in_specs=specs, out_specs=P(), check_vma=False)
+    args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(MESH, sp))
+            for s, sp in zip([(ROWS, HIDDEN), (HIDDEN,), (HIDDEN, OUT), (HIDDEN, OUT)], specs)]
+    text = jax.jit(f).lower(*args).as_text()
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant=variant, assemble=assemble))
+    entry = gather_entry(result)
+    assert entry.rewritten and len(entry.consumers) == 2 and not entry.assembled_for, entry.summary_line()
+    looks = sorted(len(c["look_through"]) for c in entry.consumers)
+    assert looks[0] == 0 and looks[1] > 0, entry.consumers  # the raw dot reads the block itself
+    assert not ir_utils.ops_named(result.module, "stablehlo.all_gather")["stablehlo.all_gather"]
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()

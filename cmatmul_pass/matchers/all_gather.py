@@ -20,7 +20,9 @@ readers get the assembled copy — never a second all_gather.  With
 Where no dot is reached through layout and elementwise ops alone, but through a DAG of ops that
 work row by row along the gathered dim (a norm of the gathered rows: a statistic of each row,
 broadcast back), and something besides those dots reads the rows (a residual), the ring applies
-the DAG to each block before its dot and assembles the raw rows (:func:`_row_dag`).  With
+the DAG to each block before its dot and assembles the raw rows (:func:`_row_dag`); so it does
+where some dots read the rows directly and others through such a DAG (the DAG's ring then
+computes them all, where it computes more dots than the tree's).  With
 ``dag_alone`` (asked once moving the gather past the DAG was refused: it would gather more
 bytes, or gather a value whole for a reader that is not a dot) the ring applies the DAG even
 where only the DAG reads the raw rows.
@@ -215,6 +217,10 @@ def _match(ag: ir.OpView, ring: Ring, region: ManualRegion, assemble: bool, info
         raise _unschedulable(tree, block, ag)
     included = set(consumers)
     kept = [op for r in tree.roots for op in r.readers(included)]
+    if kept:  # a reader of the rows may lead, row by row, to more dots (a norm into another projection)
+        wider = _row_dag(ag, ring, region, gather_dim, info, True, assemble)
+        if wider is not None and len(wider.consumers) > len(consumers):
+            return wider
     if kept and not assemble:
         names = ", ".join(describe_op(u) for u in kept)
         raise Decline(
