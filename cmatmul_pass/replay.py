@@ -189,7 +189,7 @@ class Plan:
                 leftover += g.rest
                 continue
             copies: list[list[SiteReport]] = []
-            called = [g.twin, g.probe]
+            called = [g.twin]  # in program order
             for region in g.rest:
                 entries = replay.entries(region)
                 if entries is None:
@@ -197,7 +197,9 @@ class Plan:
                 else:
                     copies.append(entries)
                     called.append(region)
+            called.append(g.probe)
             name = _outline(g.twin)
+            report.layers[f"@{name}"] = [ir_utils.render_location(region.location, source) for region in called]
             for region in called:
                 _call(region, name)
             # each run of the probe's consecutive entries is preceded by the same run of every copy:

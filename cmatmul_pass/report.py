@@ -76,6 +76,9 @@ class Report:
     source: str
     num_partitions: int | None
     sites: list[SiteReport] = field(default_factory=list)
+    #: identical layers' regions rewritten once: each function holding a rewritten layer
+    #: (``@cmatmul_layer_<k>``, :mod:`cmatmul_pass.replay`) -> the locations of the regions calling it
+    layers: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def rewritten(self) -> list[SiteReport]:
@@ -90,6 +93,7 @@ class Report:
             "source": self.source,
             "num_partitions": self.num_partitions,
             "sites": [asdict(s) for s in self.sites],
+            "layers": self.layers,
         }
 
     def to_json(self) -> str:
@@ -100,6 +104,9 @@ class Report:
         shared = [s.shared_ring for s in self.rewritten if s.shared_ring]
         if shared:
             line += f" ({len(shared)} calling {len(set(shared))} shared ring function(s))"
+        if self.layers:
+            calls = sum(map(len, self.layers.values()))
+            line += f"; {calls} identical layers are calls of {len(self.layers)} rewritten one(s)"
         return line
 
 

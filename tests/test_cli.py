@@ -465,7 +465,7 @@ def test_check_with_nothing_rewritten_writes_its_report(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out == "cmatmul_pass: nothing to check: no site was rewritten, so the rewritten module is the original\n"
     report = json.loads((tmp_path / "r.json").read_text())
-    assert report == {"source": str(one), "num_partitions": 1, "sites": [], "numerics": None,
+    assert report == {"source": str(one), "num_partitions": 1, "sites": [], "layers": {}, "numerics": None,
                       "nothing_to_run": out.strip().removeprefix("cmatmul_pass: ")}
     assert run_cli("check", NEG, "--report-json", tmp_path / "r.json", "-q") == 0  # every site declined
     report = json.loads((tmp_path / "r.json").read_text())

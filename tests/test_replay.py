@@ -128,6 +128,16 @@ def test_replay_gives_what_the_pass_gives_without_it(lowered, model, debug_info,
     replayed = cmatmul_pass.rewrite(text, context=context)
     assert calls and all(calls)  # both groups replayed into their middle layers
     plain = _without_replay(text, context)
+    with context:  # the report names each layer function and the regions that call it, in program order
+        calls = [c for c in ir_utils.ops_named(replayed.module, "func.call")["func.call"]
+                 if ir.FlatSymbolRefAttr(c.attributes["callee"]).value.startswith(replay.LAYER_PREFIX)]
+        named = {}
+        for c in calls:
+            named.setdefault("@" + ir.FlatSymbolRefAttr(c.attributes["callee"]).value, []).append(
+                ir_utils.render_location(c.location, "<input>"))
+    assert replayed.report.layers == named and len(named) == 2, (replayed.report.layers, named)
+    assert f"{len(calls)} identical layers are calls of 2 rewritten one(s)" in replayed.report.summary()
+    assert replayed.report.to_dict()["layers"] == named and not plain.report.layers
     got, want = _compare(replayed, plain, context)
     assert got[0] == want[0]
     assert got[1] == want[1]
