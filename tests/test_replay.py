@@ -3,6 +3,8 @@ the first's rewritten region (cmatmul_pass.replay).  The result must be the modu
 report the pass gives without replay, once the calls are inlined: channel handle numbers
 aside, and the called layers' ops located as the first layer's."""
 
+import jax
+import numpy as np
 import pytest
 
 import cmatmul_pass
@@ -165,14 +167,25 @@ def test_replayed_channel_handles_are_fresh(lowered):
         assert set(entry.channel_handles) <= set(handles)
 
 
-def test_a_replayed_training_step_computes_what_the_original_does(monkeypatch):
-    fn, args = bench.MODELS["megatron"](5, hidden=32, ffn=64, tokens=32)
-    text = fn.lower(*args).as_text()
+@pytest.mark.parametrize("model", list(bench.MODELS))
+def test_a_replayed_training_step_computes_what_the_original_does(model, monkeypatch):
+    """On the text path and as ``cmatmul_pass.jit`` compiles it (jax's own module, rewritten on a
+    clone: the layers as calls of one function, compiled by jax)."""
+    fn, args = bench.MODELS[model](5, hidden=32, ffn=64, tokens=32)
+    lowered = fn.lower(*args)
+    text = lowered.as_text()
     calls = _replays(monkeypatch)
     result = cmatmul_pass.rewrite(text)
-    assert calls and all(calls)
+    assert calls and all(calls) and result.report.layers
     outcome = execute.check_numerics(ir_utils.parse(text), result.module)
     assert outcome.ok, outcome.format()
+    jitted = cmatmul_pass.jit(fn)
+    assert jitted.lower(*args).report.layers  # the decorator's path replays too
+    concrete = jax.tree_util.tree_map(
+        lambda s: jax.device_put(np.random.default_rng(0).normal(size=s.shape).astype(s.dtype), s.sharding), args)
+    want, got = fn(*concrete), jitted(*concrete)
+    for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=2e-5 * float(np.abs(w).max()))
 
 
 def test_a_probe_unlike_its_twin_leaves_the_group_to_the_usual_way(lowered, monkeypatch):
