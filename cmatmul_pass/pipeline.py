@@ -359,6 +359,11 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
                     tag(region, since)
                 carried = carry_forward(seeds, variance, ctx.take_channel, ctx.constants, source)
                 gathers += carried.kept + [m.all_gather for m in carried.materialised if m.feeds_dot]
+                # a gather left before row-wise ops into dots (a residual add and a norm) is rung with
+                # them per block where the gathers' turn finds that ring (else left as it is, no entry)
+                left = carried.left + [m.all_gather for m in carried.materialised if not m.feeds_dot]
+                optional = {id(op) for op in left}
+                gathers += left
             # Scatters first: a dot between an all_gather and a reduce_scatter becomes the
             # scatter ring's peeled dot, which the gather's ring then computes (and the
             # loop reads the gathered value the gather's ring assembles).  Each collective
@@ -404,6 +409,7 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
                         not_sunk[id(op)] = sunk
                     expanded.append(op)
                 gathers = expanded
+            optional = optional if options.all_reduce_strategy != "keep" and all_reduces else set()
             gathers, deferred = _order_by_slack(gathers, info, options, source)
             marks: list = []  # (first entry index, region) per gather processed
             gathered = {}
@@ -412,6 +418,10 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
             for index, op in enumerate(gathers):
                 if index in merged_away:
                     continue
+                if id(op) in optional and not any(
+                        isinstance(match_all_gather(op, info, assemble=options.assemble, dag_alone=alone), AllGatherSite)
+                        for alone in (False, True)):
+                    continue  # no ring reaches its dots: it stays where the split left it (said there)
                 if layers:  # the entries of this gather's site are its region's (the op may go)
                     region = region_of(op)
                     if id(op) in deferred and region is not None:

@@ -323,3 +323,23 @@ def test_the_chunk_pipeline_ends_where_the_model_says():
     assert reduces == [(2.0, 3.0), (5.0, 3.0), (8.0, 3.0)]  # collective-bound: piece + k * reduce
     dots, reduces = cost.chunk_pipeline(3.0, 1.0, 3)
     assert reduces[-1] == (9.0, 1.0)  # compute-bound: k * piece + reduce
+
+
+@pytest.mark.parametrize("model", ["megatron", "sequence_parallel"])
+def test_a_second_run_of_the_pass_finds_nothing_left_to_ring(model):
+    """The pass's output, rewritten again, has no site left to rewrite: in the Megatron step the
+    split psums' gathers that stay before the residual add and the norm feeding the gate and up
+    projections (the move would gather the rows whole for the region's return too) are rung with
+    those ops applied per block in the first run (they had been left plain, and a second run rang
+    them); and the output computes what the original does."""
+    from tools import bench
+
+    fn, args = bench.MODELS[model](5, hidden=32, ffn=64, tokens=32)
+    text = fn.lower(*args).as_text()
+    first = cmatmul_pass.rewrite(text)
+    again = cmatmul_pass.rewrite(first.text)
+    assert not again.report.rewritten, [s.summary_line() for s in again.report.rewritten]
+    ringed = [s for s in first.report.rewritten if any(n.startswith("rung with the row-wise ops") for n in s.notes)]
+    assert bool(ringed) == (model == "megatron"), [s.summary_line() for s in ringed]
+    outcome = execute.check_numerics(ir_utils.parse(text), first.module)
+    assert outcome.ok, outcome.format()

@@ -81,8 +81,10 @@ class Carry:
     """What :func:`carry_forward` did."""
 
     materialised: list[Materialised] = field(default_factory=list)
-    #: the seeds' all_gathers left where the split put them
+    #: the seeds' all_gathers left where the split put them, read by a dot
     kept: list[ir.OpView] = field(default_factory=list)
+    #: the others left where the split put them (no dot reads them: their dots may lie past a norm)
+    left: list[ir.OpView] = field(default_factory=list)
     #: the seed sites whose gather stayed right after their reduce-scatter ring
     stayed: set[int] = field(default_factory=set)
     #: per seed site: a note (kept in place, and why; or how many ops now run on rows, what was sliced)
@@ -153,8 +155,9 @@ def _carry_block(block: ir.Block, seeds: list[Seed], variance: Variance, take_ch
     plan.drop(kept)
     # the dropped components' values stay where they are, and so do their readers
     readers = {value: reader for value, reader in readers.items() if value in plan.carried}
-    carry.kept += [seed.all_gather for seed in seeds
-                   if seed.all_gather.result not in plan.carried and _feeds_dot(seed.all_gather)]
+    stays = [seed.all_gather for seed in seeds if seed.all_gather.result not in plan.carried]
+    carry.kept += [op for op in stays if _feeds_dot(op)]
+    carry.left += [op for op in stays if not _feeds_dot(op)]
     if not plan.carried:
         return
     _build(plan, readers, block, take_channel, constants, source, carry)
