@@ -418,10 +418,21 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
             for index, op in enumerate(gathers):
                 if index in merged_away:
                     continue
-                if id(op) in optional and not any(
-                        isinstance(match_all_gather(op, info, assemble=options.assemble, dag_alone=alone), AllGatherSite)
-                        for alone in (False, True)):
-                    continue  # no ring reaches its dots: it stays where the split left it (said there)
+                if id(op) in optional:  # left by a split: a site only where a ring reaches its dots
+                    site = match_all_gather(op, info, assemble=options.assemble)
+                    ringed = site if isinstance(site, AllGatherSite) else \
+                        match_all_gather(op, info, assemble=options.assemble, dag_alone=True)
+                    if not isinstance(ringed, AllGatherSite):
+                        continue  # it stays where the split left it (said there)
+                    if layers:
+                        marks.append((len(report.sites), region_of(op)))
+                    gathered[id(op)] = len(report.sites)
+                    if ringed is site:
+                        report.sites.append(apply(site))
+                    else:
+                        apply_moved(ringed, site, "rung with the row-wise ops before its dots applied to each block it "
+                                    "receives: a gather the psum split left short of its dots")
+                    continue
                 if layers:  # the entries of this gather's site are its region's (the op may go)
                     region = region_of(op)
                     if id(op) in deferred and region is not None:
