@@ -22,6 +22,7 @@ from .matchers import (
     match_all_gather,
     match_reduce_scatter,
 )
+from .matchers.all_gather import reaches_a_dot_row_wise
 from .matchers.all_reduce import DOT_ALL_REDUCE, AllReduceSite, match_all_reduce
 from .matchers.common import collective_ring
 from .report import Report, SiteReport, describe_shard, element_bits, forget_types, tensor_bytes
@@ -361,7 +362,8 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
                 gathers += carried.kept + [m.all_gather for m in carried.materialised if m.feeds_dot]
                 # a gather left before row-wise ops into dots (a residual add and a norm) is rung with
                 # them per block where the gathers' turn finds that ring (else left as it is, no entry)
-                left = carried.left + [m.all_gather for m in carried.materialised if not m.feeds_dot]
+                left = [op for op in carried.left + [m.all_gather for m in carried.materialised if not m.feeds_dot]
+                        if reaches_a_dot_row_wise(op)]
                 optional = {id(op) for op in left}
                 gathers += left
             # Scatters first: a dot between an all_gather and a reduce_scatter becomes the

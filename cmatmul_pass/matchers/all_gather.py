@@ -546,6 +546,26 @@ def _row_dag(ag: ir.OpView, ring: Ring, region: ManualRegion, gather_dim: int, i
                          tuple(sorted(hoisted, key=_OpOrder)))
 
 
+def reaches_a_dot_row_wise(ag: ir.OpView) -> bool:
+    """Does a ``dot_general`` in ``ag``'s block read its gathered value through row-wise
+    candidates only (layout, elementwise, a norm's reduce and broadcast)?  A cheap walk forward,
+    without the matcher's messages: where not, no ring of :func:`match_all_gather` can reach a dot."""
+    block = ag.operation.block
+    seen: set[ir.Operation] = set()
+    pending = [ag.result]
+    while pending:
+        for user in ir_utils.users(pending.pop()):
+            op = user.operation
+            if op.block != block or op in seen:
+                continue
+            if op.name == DOT:
+                return True
+            if _row_candidate(user):
+                seen.add(op)
+                pending.append(user.result)
+    return False
+
+
 class _RowDag:
     """The ops from a gathered value ``g`` to the dots it reaches through row-wise candidates
     (:func:`_row_dag`): traced (:meth:`trace`), checked step by step (:meth:`check_steps`), and the
