@@ -332,6 +332,7 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
             # pass below then finds.
             gathers = list(found["stablehlo.all_gather"])
             scatters, all_reduces = list(found["stablehlo.reduce_scatter"]), list(found["stablehlo.all_reduce"])
+            optional: set[int] = set()  # gathers a psum split left short of their dots (by id)
             # a scatter of a psum over another mesh axis moves before it, onto the product, and is
             # ringed there (first: the psum would otherwise be split, its ring and gather ahead
             # of the scatter)
@@ -411,7 +412,6 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
                         not_sunk[id(op)] = sunk
                     expanded.append(op)
                 gathers = expanded
-            optional = optional if options.all_reduce_strategy != "keep" and all_reduces else set()
             gathers, deferred = _order_by_slack(gathers, info, options, source)
             marks: list = []  # (first entry index, region) per gather processed
             gathered = {}
@@ -432,8 +432,7 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
                     if ringed is site:
                         report.sites.append(apply(site))
                     else:
-                        apply_moved(ringed, site, "rung with the row-wise ops before its dots applied to each block it "
-                                    "receives: a gather the psum split left short of its dots")
+                        apply_moved(ringed, site, f"{RINGED_WITH_ROW_OPS}: a gather the psum split left short of its dots")
                     continue
                 if layers:  # the entries of this gather's site are its region's (the op may go)
                     region = region_of(op)
@@ -468,8 +467,7 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
                     continue
                 moved = _move_gather(site, info, variance, ctx, source, options)
                 if isinstance(moved, _RingedInstead):  # the move refused: the ring applies the ops per block
-                    apply_moved(moved.site, site, "rung with the row-wise ops before its dots applied to each block it "
-                                f"receives, not moved past them: {moved.why}")
+                    apply_moved(moved.site, site, f"{RINGED_WITH_ROW_OPS}, not moved past them: {moved.why}")
                     continue
                 unmoved = moved if isinstance(moved, str) else None  # why the row-wise ops were not moved past
                 moved = None if unmoved else moved
@@ -650,6 +648,8 @@ def _say_prefetchable(report: Report, deferred: dict[int, _Deferred], gathered: 
 
 #: declines of a gather whose value may reach its dots through row-wise ops (a norm, a bias)
 MOVABLE_DECLINES = frozenset({"layout", "user_not_dot"})
+#: the note of a gather rung with the row-wise ops before its dots (matchers.all_gather._row_dag)
+RINGED_WITH_ROW_OPS = "rung with the row-wise ops before its dots applied to each block it receives"
 
 
 def _move_gather(site: Site, info: ModuleInfo, variance: Variance, ctx: RewriteContext, source: str,

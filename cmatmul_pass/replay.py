@@ -22,9 +22,10 @@ the form JAX itself gives a nested ``jax.jit`` called once per layer; XLA inline
 it optimises, so the compiled program is the one copies would give, and the pass builds,
 verifies and prints one rewritten layer instead of thirty.  The ops in the function carry the
 twin's locations.  If the probe differs, or a region's locations cannot be mapped one to one,
-those regions are rewritten the usual way after all.  Either way the program and the report
-are what the pass gives without replay, the layer function inlined and channel handle numbers
-aside (``tests/test_replay.py`` compares them).
+those regions are rewritten the usual way after all.  Either way the program and the report's
+entries are what the pass gives without replay, the layer function inlined and channel handle
+numbers aside (``tests/test_replay.py`` compares them); the report also names each layer
+function and the regions calling it (``Report.layers``).
 
 Not replayed: modules with a ``stablehlo.while`` (sinking and hoisting move collectives across
 loops and regions), groups whose gathers compete with another collective for a dot (which one
@@ -130,11 +131,12 @@ def _types(region: ir.Operation) -> tuple:
 class Plan:
     """The groups of one module, and which regions the pipeline leaves for replay."""
 
-    def __init__(self, groups: list[Group]):
+    def __init__(self, groups: list[Group], fingerprint: "_Fingerprint"):
         self.groups = groups
+        self.fingerprint = fingerprint  # how the groups were found: the probe's check compares the same way
         self.deferred = {_body(m) for g in groups for m in g.rest}
         self.checked = {_body(m) for g in groups for m in (g.twin, g.probe)}
-        self.leading = {_body(g.members[0]) for g in groups}
+        self.leading = {_body(g.twin) for g in groups}
         for g in groups:
             locations, g.twin_places = _located_places(g.twin)
             g.twin_before = (locations, _types(g.twin))
@@ -152,7 +154,7 @@ class Plan:
             op = parent.operation
 
     def leads(self, op: ir.Operation | ir.OpView) -> bool:
-        """Is ``op`` in a group's first region (whose twin, identical, comes next)?"""
+        """Is ``op`` in a group's first region (its twin: the regions after it are sure to repeat it)?"""
         return self.top_level(op) in self.leading
 
     def checked_region(self, op: ir.Operation | ir.OpView) -> ir.Block | None:
@@ -185,7 +187,7 @@ class Plan:
             probe_entries = [report.sites[i] for i in by_region.get(probe, [])]
             replay = (_Replay.of(g, [report.sites[i] for i in by_region.get(twin, [])], source)
                       if not ({twin, probe} & competing) else None)
-            if replay is None or not replay.agrees(g.probe, g.probe_before[0], probe_entries):
+            if replay is None or not replay.agrees(g.probe, g.probe_before[0], probe_entries, self.fingerprint):
                 leftover += g.rest
                 continue
             copies: list[list[SiteReport]] = []
@@ -259,7 +261,8 @@ class _Replay:
             return None  # the pass changed a region's types: its users outside changed too
         return cls(group, entries, source)
 
-    def agrees(self, probe: ir.Operation, probe_locations: list[ir.Location], probe_entries: list[SiteReport]) -> bool:
+    def agrees(self, probe: ir.Operation, probe_locations: list[ir.Location], probe_entries: list[SiteReport],
+               fingerprint: "_Fingerprint") -> bool:
         """Did the probe come out as the twin, read with the probe's locations?  If it did, its
         channel handles (and its entries') are the twin's from here on: the probe is about to
         become a call of the twin's function."""
@@ -276,7 +279,6 @@ class _Replay:
         for mine, other, attr in zip(ours, theirs, saved):
             handles[hlo.ChannelHandle(attr).handle] = hlo.ChannelHandle(mine.attributes["channel_handle"]).handle
             other.attributes["channel_handle"] = mine.attributes["channel_handle"]
-        fingerprint = _Fingerprint(probe.context)
         if fingerprint(self.twin) != fingerprint(probe) or any(
                 vars(template.make(text)) != vars(_entry(vars(entry).copy(), handles))
                 for template, entry in zip(self.templates, probe_entries)):
@@ -312,7 +314,7 @@ class _Replay:
 
 
 class _Template:
-    """A report entry with its location strings and channel handles as holes."""
+    """A report entry with its location strings as holes."""
 
     def __init__(self, data: dict, holes: list):
         self.shared = data  # the twin's fields, a copy of its own never edited: shared by every entry made
@@ -446,7 +448,7 @@ def plan(regions: list[ir.Operation]) -> Plan | None:
             continue
         by_body.setdefault(fingerprint(region), []).append(region)
     groups = [Group(members) for members in by_body.values() if len(members) >= MIN_MEMBERS]
-    return Plan(groups) if groups else None
+    return Plan(groups, fingerprint) if groups else None
 
 
 

@@ -40,12 +40,12 @@ def _replays(monkeypatch) -> list:
 
 
 def _without_replay(text: str, context, options=None):
-    """The pass with the same groups (a group's first region calls the rings its twin will) but
-    every region rewritten the usual way."""
+    """The pass with the same groups (a group's first region, its twin, calls the rings at once)
+    but every region rewritten the usual way."""
     init, finish = replay.Plan.__init__, replay.Plan.finish
 
-    def no_deferred(self, groups):
-        init(self, groups)
+    def no_deferred(self, groups, fingerprint):
+        init(self, groups, fingerprint)
         self.deferred = set()
 
     replay.Plan.__init__, replay.Plan.finish = no_deferred, lambda self, *args: []

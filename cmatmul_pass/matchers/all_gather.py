@@ -550,20 +550,27 @@ def reaches_a_dot_row_wise(ag: ir.OpView) -> bool:
     """Does a ``dot_general`` in ``ag``'s block read its gathered value through row-wise
     candidates only (layout, elementwise, a norm's reduce and broadcast)?  A cheap walk forward,
     without the matcher's messages: where not, no ring of :func:`match_all_gather` can reach a dot."""
+    return bool(_row_reach(ag)[1])
+
+
+def _row_reach(ag: ir.OpView) -> tuple[set[ir.Operation], dict[ir.Operation, ir.OpView]]:
+    """The ops of ``ag``'s block reached from its gathered value through row-wise candidates only,
+    and the dots they (or the gathered value) feed."""
     block = ag.operation.block
-    seen: set[ir.Operation] = set()
+    passable: set[ir.Operation] = set()
+    dots: dict[ir.Operation, ir.OpView] = {}
     pending = [ag.result]
     while pending:
         for user in ir_utils.users(pending.pop()):
             op = user.operation
-            if op.block != block or op in seen:
+            if op.block != block or op in passable:
                 continue
             if op.name == DOT:
-                return True
-            if _row_candidate(user):
-                seen.add(op)
+                dots[op] = user
+            elif _row_candidate(user):
+                passable.add(op)
                 pending.append(user.result)
-    return False
+    return passable, dots
 
 
 class _RowDag:
@@ -587,19 +594,7 @@ class _RowDag:
     def trace(cls, ag: ir.OpView) -> "_RowDag | None":
         """The DAG from ``ag``'s rows to its dots; None where no dot reads the rows through a row-wise op."""
         block, g = ag.operation.block, ag.result
-        passable: set[ir.Operation] = set()
-        dots: dict[ir.Operation, ir.OpView] = {}
-        pending = [g]
-        while pending:
-            for user in ir_utils.users(pending.pop()):
-                op = user.operation
-                if op.block != block or op in passable:
-                    continue
-                if op.name == DOT:
-                    dots[op] = user
-                elif _row_candidate(user):
-                    passable.add(op)
-                    pending.append(user.result)
+        passable, dots = _row_reach(ag)
 
         def on_path(value: ir.Value) -> bool:
             return value == g or _owner_in(value, passable)
