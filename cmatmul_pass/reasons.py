@@ -113,8 +113,9 @@ REASONS: dict[str, Reason] = {r.code: r for r in (
            ("hlo_samples/neg_rs_producer_not_dot.mlir",)),
     Reason("ragged_dot", "the collective's value comes from or goes to a grouped matmul (`jax.lax.ragged_dot`: "
                          "`chlo.ragged_dot`, an MoE block's expert matmul), not a dot_general",
-           "nothing yet: MoE grouped matmuls are not rewritten; the pass rewrites dense matmuls "
-           "(`jnp.dot`, `jnp.einsum`) next to their collective",
+           "grouped matmuls are not rewritten yet; the capacity-padded dense form of the block (GShard, "
+           "Switch: a one-hot dispatch einsum of the tokens into [experts, capacity, hidden], the experts' "
+           "einsums, a combine einsum back) puts dense matmuls next to the collectives, and the rings take them",
            ("hlo_samples/neg_rs_ragged_dot.mlir",)),
     Reason("reshard", "the all_gather's value is only sliced by `dynamic_slice` along another dim, each device "
                       "keeping its own part: a reshard (an all_to_all in disguise), no matmul input",

@@ -31,6 +31,13 @@ def sample(name: str) -> Path:
     return ROOT / "hlo_samples" / f"{name}.mlir"
 
 
+def module_line(name: str, offset: int) -> int:
+    """The line of a sample ``offset`` lines below its ``module`` line: a location that stays put
+    when the golden block above the module grows or shrinks."""
+    lines = sample(name).read_text().splitlines()
+    return 1 + next(i for i, line in enumerate(lines) if line.startswith("module")) + offset
+
+
 @pytest.fixture
 def sample_text():
     return lambda name: sample(name).read_text()

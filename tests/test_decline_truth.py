@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import cmatmul_pass
 from cmatmul_pass import execute, ir_utils
-from conftest import sample
+from conftest import module_line, sample
 
 MESH = jax.make_mesh((2, 4), ("data", "model"))
 
@@ -54,20 +54,21 @@ def test_the_hint_of_a_two_stage_reduction_is_true():
 
 
 def test_the_sample_two_stage_scatters_say_what_they_are():
-    """lm_fsdp_tp_scan: the scatter at :784:13 of the psum at :779:13 of a dot's product moves
-    before the psum and rings with the dot (tests/test_two_stage_reduction.py); the scatter at
-    :870:13 reads the psum at :865:13 of an embedding gradient's stablehlo.scatter (no dot: no
-    ring for either stage, and nothing moves)."""
+    """lm_fsdp_tp_scan: the scatter at module line +106 of the psum at +101 of a dot's product
+    moves before the psum and rings with the dot (tests/test_two_stage_reduction.py); the scatter
+    at +192 reads the psum at +187 of an embedding gradient's stablehlo.scatter (no dot: no ring
+    for either stage, and nothing moves)."""
     text = sample("lm_fsdp_tp_scan").read_text()
     result = cmatmul_pass.rewrite(text)
+    line = {k: module_line("lm_fsdp_tp_scan", k) for k in (101, 106, 182, 187, 192)}
     by_line = {s.location.rsplit(":", 2)[-2]: s for s in result.report.sites if s.kind == "dot_reduce_scatter"}
-    first, second = by_line["784"], by_line["870"]
-    assert first.rewritten and first.notes[0].startswith("moved before the psum at <input>:779:13"), first.notes
-    assert not any(s.location.endswith(":779:13") for s in result.report.sites)  # no longer a psum of a dot
+    first, second = by_line[str(line[106])], by_line[str(line[192])]
+    assert first.rewritten and first.notes[0].startswith(f"moved before the psum at <input>:{line[101]}:13"), first.notes
+    assert not any(s.location.endswith(f":{line[101]}:13") for s in result.report.sites)  # no longer a psum of a dot
     assert second.reason_code == "producer_not_dot"
-    assert "stablehlo.all_reduce at <input>:865:13 (a psum)" in second.reason, second.reason
-    assert "the first stage sums stablehlo.scatter at <input>:860:13, not a matmul's product, so no ring applies " \
-           "to either stage" in second.reason, second.reason
+    assert f"stablehlo.all_reduce at <input>:{line[187]}:13 (a psum)" in second.reason, second.reason
+    assert f"the first stage sums stablehlo.scatter at <input>:{line[182]}:13, not a matmul's product, so no ring " \
+           "applies to either stage" in second.reason, second.reason
     assert "not moved" not in second.reason  # the move was tried and undone: nothing to say of it
 
 
@@ -118,13 +119,14 @@ def _lookup(one_hot: bool) -> str:
 
 
 def test_a_gathered_table_looked_up_in_says_so_and_its_one_hot_form_is_rewritten():
-    """The embedding lookup's decline (sample lm_fsdp_tp_scan, :682) names the lookup and what
-    avoids gathering the table; the one-hot matmul it offers is a contracting-dim ring."""
+    """The embedding lookup's decline (sample lm_fsdp_tp_scan, module line +4) names the lookup and
+    what avoids gathering the table; the one-hot matmul it offers is a contracting-dim ring."""
     result = cmatmul_pass.rewrite(sample("lm_fsdp_tp_scan").read_text())
-    (entry,) = [s for s in result.report.sites if s.location.endswith(":682:12")]
+    (entry,) = [s for s in result.report.sites if s.location.endswith(f":{module_line('lm_fsdp_tp_scan', 4)}:12")]
     assert entry.reason_code == "user_not_dot"
-    assert entry.reason.startswith("the gathered value is a table that stablehlo.gather at <input>:691:13 looks rows "
-                                   "up in (an embedding lookup)"), entry.reason
+    assert entry.reason.startswith(f"the gathered value is a table that stablehlo.gather at "
+                                   f"<input>:{module_line('lm_fsdp_tp_scan', 13)}:13 looks rows up in (an embedding "
+                                   "lookup)"), entry.reason
     (entry,) = [s for s in cmatmul_pass.rewrite(_lookup(False)).report.sites if s.kind == "all_gather_dot"]
     assert "(an embedding lookup)" in entry.reason and "one-hot matmul" in entry.reason, entry.reason
     text = _lookup(True)
@@ -175,3 +177,31 @@ def test_a_gather_whose_move_would_gather_more_bytes_says_so():
                                   "moved past them: moved past the row-wise ops, 2 of their results would each be "
                                   "gathered for its dots, more bytes than the one gather moves now (where it stood: "
                                   "declined [layout])"), entry.notes
+
+
+def test_an_moe_block_in_the_dense_form_the_ragged_dot_hint_names_is_rewritten():
+    """The ragged_dot decline's hint: the capacity-padded dense form of an MoE block (a one-hot
+    dispatch einsum, the experts' einsums, a combine einsum) puts dense matmuls next to the
+    tokens' gather and the output's psum_scatter, and both ring."""
+    from cmatmul_pass.reasons import REASONS
+
+    assert "dense form" in REASONS["ragged_dot"].hint
+    mesh = jax.make_mesh((8,), ("m",))
+    tokens, hidden, ffn, experts, capacity = 64, 32, 128, 4, 32
+
+    def block(x, dispatch, w1, w2):
+        xs = jax.lax.all_gather(x, "m", axis=0, tiled=True)
+        xe = jnp.einsum("tec,th->ech", dispatch, xs)
+        ye = jnp.einsum("ecf,efh->ech", jax.nn.gelu(jnp.einsum("ech,ehf->ecf", xe, w1)), w2)
+        return jax.lax.psum_scatter(jnp.einsum("tec,ech->th", dispatch, ye), "m", scatter_dimension=0, tiled=True)
+
+    specs = (P("m", None), P(), P(None, None, "m"), P(None, "m", None))
+    f = jax.shard_map(block, mesh=mesh, in_specs=specs, out_specs=P("m", None), check_vma=False)
+    shapes = [(tokens, hidden), (tokens, experts, capacity), (experts, hidden, ffn), (experts, ffn, hidden)]
+    args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(mesh, sp)) for s, sp in zip(shapes, specs)]
+    text = jax.jit(f).lower(*args).as_text()
+    result = cmatmul_pass.rewrite(text)
+    assert sorted(s.kind for s in result.report.rewritten) == ["all_gather_dot", "dot_reduce_scatter"]
+    assert len(result.report.sites) == 2
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()

@@ -3,6 +3,7 @@ only through row-wise ops (a norm of the gathered rows) is moved past them, the 
 shard's rows, and the gather becomes the dot's ring.  What may not move stays as it was."""
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -211,3 +212,50 @@ def test_repeated_sites_with_a_per_row_factor_share_a_ring():
     assert len(result.report.rewritten) == 3 and sum(1 for s in result.report.rewritten if s.shared_ring) == 2
     outcome = execute.check_numerics(ir_utils.parse(text), result.module)
     assert outcome.ok, outcome.format()
+
+
+def weight_reshaped_before_its_dot(x, g, w1, w2, scaled=False):
+    """The gathered weight is transposed (for a later dot) before the first dot's other operand
+    exists: that operand comes from a cumulative sum, which no ring may move up. ``scaled``: the
+    gathered weight is scaled first (a dequantisation's scale), an elementwise op on the way."""
+    w = jax.lax.all_gather(w2, "model", axis=0, tiled=True)  # [128, 32]: rows = the dot's contracting dim
+    w = w * 0.5 if scaled else w
+    wt = w.T  # read by the second dot, which needs the first's result
+    h = jnp.cumsum(jnp.tile(x, (1, 4)), axis=1)  # [8, 128]
+    y = jnp.tanh(h @ w)
+    return y @ wt
+
+
+@pytest.mark.parametrize("variant,scaled", [("uni", False), ("bidi-full", False), ("uni", True)])
+def test_a_layout_op_of_the_gathered_value_follows_the_ring(variant, scaled):
+    """A transpose of the gathered weight stood before the first dot's other operand: the ring once
+    had no place (it must precede every reader of the assembled value). The transpose only relabels
+    the value (a scaling only computes from it and a constant), so it moves after the ring, which
+    assembles the weight for it (the remat'd backward of a scanned FSDP layer reshapes its layer's
+    weight this way, sample lm_fsdp_tp_scan)."""
+    text = lower(lambda *a: weight_reshaped_before_its_dot(*a, scaled=scaled), out_specs=P("model", None))
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant=variant))
+    (site,) = result.report.sites
+    assert site.rewritten, site.summary_line()
+    assert site.dim_role == "contracting" and len(site.assembled_for) == 1
+    assert not ir_utils.ops_named(result.module, "stablehlo.all_gather")["stablehlo.all_gather"]
+    (transpose,) = [op for op in ir_utils.ops_named(result.module, "stablehlo.transpose")["stablehlo.transpose"]
+                    if list(ir_utils.ranked_tensor(op.result).shape) == [32, 128]]
+    loops = ir_utils.ops_named(result.module, "stablehlo.while")["stablehlo.while"]
+    assert all(loop.operation.is_before_in_block(transpose.operation) for loop in loops
+               if loop.operation.block == transpose.operation.block)
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()
+
+
+def test_a_layout_op_following_the_ring_through_the_decorator():
+    mesh = jax.make_mesh((8,), ("model",))
+    f = jax.shard_map(weight_reshaped_before_its_dot, mesh=mesh, in_specs=SPECS, out_specs=P("model", None),
+                      check_vma=False)
+    rng = np.random.default_rng(0)
+    args = [jax.device_put(rng.normal(size=s).astype(np.float32) / 4, NamedSharding(mesh, sp))
+            for s, sp in zip(SHAPES, SPECS)]
+    ours = cmatmul_pass.jit(f)
+    got, want = ours(*args), jax.jit(f)(*args)
+    assert [s.rewritten for s in ours.report.sites] == [True]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))

@@ -69,6 +69,11 @@ class Spec:
     #: ag: each weight prepared where it is used (scaled just before its dot, as a cast to the
     #: compute type would be): the ring computes every dot only by moving those ops up
     prep: bool = False
+    #: ag: a transpose of the whole gathered value taken before the dots' weights are computed
+    #: (each by a cumulative sum, which no ring moves up; all before the first dot) and read after
+    #: the dots: the ring goes at the first dot and the transpose follows it, reading the value the
+    #: ring assembles
+    early: bool = False
     #: ag: the gathered value scaled before its dots (a dequantisation's per-tensor scale); rs:
     #: the product scaled before the scatter: an elementwise op the ring applies per block
     scale: bool = False
@@ -204,6 +209,7 @@ def specs(draw, kinds: tuple[str, ...] | None = None, norm: bool | None = None, 
         sizes=tuple(draw(st.sampled_from([1, 2, 3, 4])) for _ in range(4)),
         repeat=draw(st.sampled_from([1, 1, 2, 3])),
         prep=kind == "ag" and draw(st.booleans()),
+        early=kind == "ag" and draw(st.booleans()),
         scale=kind in ("ag", "rs") and draw(st.booleans()),
         between=tuple(draw(st.lists(st.sampled_from(POINTWISE), max_size=4))) if kind == "psum" else (),
         remat=kind == "scan" and draw(st.booleans()),
@@ -296,6 +302,9 @@ def build(spec: Spec):
                 gathered = jax.lax.all_gather(x, axes, axis=g, tiled=True)
             if spec.scale:  # by 3, which rounds in bf16/f16: the check compiles without excess precision
                 gathered = gathered * jnp.asarray(3, gathered.dtype)
+            early = jnp.swapaxes(gathered, -1, -2) if spec.early else None
+            if spec.early:  # every weight through a cumulative sum after it, before the first dot
+                ws = [jnp.cumsum(w, axis=-1) for w in ws]
 
             def prepared(w):  # traced just before its dot
                 return w * jnp.asarray(2, w.dtype) if spec.prep else w
@@ -304,10 +313,12 @@ def build(spec: Spec):
                     for w in ws]
             if spec.reader:
                 outs.append(jnp.tanh(gathered) if spec.dtype != "i32" else gathered * 2)
+            if spec.early:
+                outs.append(early)
             return tuple(outs)
 
         args = [(x_shape, _spec_at(len(x_shape), g, axes))] + [(w_shape, P())] * spec.consumers
-        return body, args, tuple(P() for _ in range(spec.consumers + spec.reader))
+        return body, args, tuple(P() for _ in range(spec.consumers + spec.reader + spec.early))
 
     if spec.kind == "rs":
         # row-parallel: the contraction k is split over the axes; the product is sum-scattered on dim

@@ -96,7 +96,8 @@ class AllGatherSite:
     nodes: tuple[LayoutStep, ...] = ()
     #: ops that still read the gathered value (or a layout of it) after the rewrite
     kept_users: tuple[ir.OpView, ...] = field(default_factory=tuple)
-    #: where the ring goes: the first of its dots and of the readers of the assembled value
+    #: where the ring goes: the first of its dots and of the readers of the assembled value (the
+    #: ``nodes`` before it move after the ring, reading the value it assembles)
     insert_before: ir.Operation | None = None
     #: pure ops after ``insert_before`` computing a later dot's other operand (a weight cast to
     #: the compute type where it is used), in block order: moved just before it when the site is
@@ -164,6 +165,19 @@ class _Use:
 
     def leaves(self):
         return (use for use in self.walk() if use.step is None)
+
+    def last_readers(self, included: set[Consumer]):
+        """The ops past every layout and elementwise node along this use that will read (what
+        is computed from) the assembled value once ``included`` dots are in the loop: the nodes
+        themselves are pure ops of the gathered value and block-invariant operands, which may
+        run anywhere between the ring and these readers (the rewrite moves them after the ring)."""
+        if not self.alive(included):
+            return
+        if self.step is None:
+            yield self.op
+            return
+        for child in self.children:
+            yield from child.last_readers(included)
 
     def readers(self, included: set[Consumer]):
         """The ops that will read the assembled value along this use, once ``included`` dots
@@ -333,7 +347,8 @@ def _unschedulable(tree: _Tree, block: ir.Block, ag: ir.OpView) -> Decline:
     what = "a region argument" if isinstance(needed.owner, ir.Block) else describe_op(needed.owner)
     derived, through = causes.computed_from(needed, ag.result)
     if derived:
-        how = f" through {describe_op(through)}" if through is not None else ""
+        how = f" through {describe_op(through)}" if through is not None and through.operation != needed.owner.operation \
+            else ""  # (not the op that computes it: named already)
         return Decline("schedule", f"{describe_op(consumer.dot)} needs {what}, computed from the gathered value "
                                    f"itself{how}: it exists only once the whole value is gathered, so no ring can "
                                    "compute that dot")
@@ -421,10 +436,10 @@ def _schedulable(tree: _Tree, block: ir.Block, ag: ir.OpView) -> tuple[list[Cons
     """The dots the loop computes, in block order, the op the loop goes before, and the pure
     ops to move before that op (:func:`_hoistable`, in block order).
 
-    The loop must also precede every op that will read the assembled gathered value,
-    and a dot joins only if its other operand exists at that point, or can be computed there
-    by moving a few pure ops up (a weight cast to the compute type just before its dot); a
-    weight gradient needs the backward's incoming gradient, computed later from the dots'
+    The loop must also precede every op that will read the assembled gathered value (the
+    layout and elementwise nodes on the way to those readers follow the loop), and a dot joins
+    only if its other operand exists at that point, or can be computed there by moving a few
+    pure ops up (a weight cast to the compute type just before its dot); a weight gradient needs the backward's incoming gradient, computed later from the dots'
     results: it reads the assembled value instead.  Dropping a dot can only move the loop
     earlier, so iterate to a fixed point.
     """
@@ -432,7 +447,9 @@ def _schedulable(tree: _Tree, block: ir.Block, ag: ir.OpView) -> tuple[list[Cons
     included = sorted(tree.candidates, key=_BlockOrder)
     while included:
         chosen = set(included)
-        readers = [ir_utils.ancestor_in(u.op, block) for u in tree.roots if u.alive(chosen)]
+        # the ops that will read the assembled value: the pure nodes between the gather and them
+        # follow the ring (rewrite_all_gather_dot moves them after it)
+        readers = [ir_utils.ancestor_in(op, block) for u in tree.roots for op in u.last_readers(chosen)]
         first = min([c.dot.operation for c in included] + readers, key=_OpOrder)
         kept, hoisted = [], {}
         for c in included:

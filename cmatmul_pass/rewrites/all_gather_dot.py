@@ -289,6 +289,12 @@ def rewrite_all_gather_dot(site: AllGatherSite, ctx: RewriteContext) -> Applied:
         final = emit_rounds(loop_b, signatures, [shard] * len(streams) + inits, round_fn, ctx.unroll, stats)
         state = final[len(streams) :]
         results = [result for group, acc in zip(groups, state) for result in group.finish(acc)]
+    # nodes of the gathered value that stood before the ring's place (a reshape or a scaling of
+    # the whole value that a later op reads) now read the assembled value: they follow the ring
+    # (parents before children: the order they keep)
+    for node in site.nodes:
+        if node.op.operation.is_before_in_block(site.insert_before):
+            node.op.operation.move_before(site.insert_before)
 
     for plan, result in zip([plan for group in groups for plan in group.plans], results):
         plan.c.dot.result.replace_all_uses_with(result)
