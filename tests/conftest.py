@@ -98,3 +98,31 @@ def assert_only_split_gathers_left(result):
     split = sum(1 for s in result.report.rewritten if s.kind == "dot_all_reduce")
     assert len(left["stablehlo.all_gather"]) <= split
     assert not any(u.name == "stablehlo.dot_general" for g in left["stablehlo.all_gather"] for u in ir_utils.users(g.result))
+
+
+def inline_layers(module) -> dict:
+    """Inline every call of a replayed layer's function (a copy of its region at the call, at
+    the call's location) and erase the functions; returns each copy's body -> its function."""
+    from cmatmul_pass import ir_utils, replay
+    from cmatmul_pass._jax_private import ir
+
+    functions = {ir.StringAttr(f.attributes["sym_name"]).value: f for f in module.body.operations
+                 if f.operation.name == "func.func"
+                 and ir.StringAttr(f.attributes["sym_name"]).value.startswith(replay.LAYER_PREFIX)}
+    copies = {}
+    for call in ir_utils.ops_named(module, "func.call")["func.call"]:
+        callee = ir.FlatSymbolRefAttr(call.attributes["callee"]).value
+        if callee not in functions:
+            continue
+        with ir.InsertionPoint(call):
+            copy = functions[callee].regions[0].blocks[0].operations[0].operation.clone().operation
+        copy.location = call.location
+        for index, value in enumerate(call.operands):
+            copy.operands[index] = value
+        for old, new in zip(call.results, copy.results):
+            old.replace_all_uses_with(new)
+        call.operation.erase()
+        copies[replay._body(copy)] = callee
+    for f in functions.values():
+        f.operation.erase()
+    return copies

@@ -11,6 +11,7 @@ import cmatmul_pass
 from cmatmul_pass import execute, ir_utils, replay
 from cmatmul_pass._jax_private import hlo, ir, make_context
 from cmatmul_pass.sharing import structure
+from conftest import inline_layers
 from tools import bench
 
 
@@ -55,35 +56,10 @@ def _without_replay(text: str, context, options=None):
         replay.Plan.__init__, replay.Plan.finish = init, finish
 
 
-def _inline_layers(module) -> dict:
-    """Inline every call of a replayed layer's function (a copy of its region at the call, at
-    the call's location) and erase the functions; returns each copy's body -> its function."""
-    functions = {ir.StringAttr(f.attributes["sym_name"]).value: f for f in module.body.operations
-                 if f.operation.name == "func.func"
-                 and ir.StringAttr(f.attributes["sym_name"]).value.startswith(replay.LAYER_PREFIX)}
-    copies = {}
-    for call in ir_utils.ops_named(module, "func.call")["func.call"]:
-        callee = ir.FlatSymbolRefAttr(call.attributes["callee"]).value
-        if callee not in functions:
-            continue
-        with ir.InsertionPoint(call):
-            copy = functions[callee].regions[0].blocks[0].operations[0].operation.clone().operation
-        copy.location = call.location
-        for index, value in enumerate(call.operands):
-            copy.operands[index] = value
-        for old, new in zip(call.results, copy.results):
-            old.replace_all_uses_with(new)
-        call.operation.erase()
-        copies[replay._body(copy)] = callee
-    for f in functions.values():
-        f.operation.erase()
-    return copies
-
-
 def _facts(result, copies=None, hidden=None):
     """What must agree: every op (ops, attributes, types, wiring; channel handles aside), every
     op's location (but inside the regions at the indices ``hidden``, among the top-level ones),
-    and every report entry but its channel handles.  ``copies`` (from :func:`_inline_layers`):
+    and every report entry but its channel handles.  ``copies`` (from :func:`inline_layers`):
     each copy's ops must be located as the first region calling its function.  Returns the
     facts and the indices of the copies."""
     module = result.module
@@ -114,7 +90,7 @@ def _facts(result, copies=None, hidden=None):
 def _compare(replayed, plain, context):
     """:func:`_facts` of both, the replayed one's layers inlined."""
     with context:
-        copies = _inline_layers(replayed.module)
+        copies = inline_layers(replayed.module)
         assert copies  # some layers were calls
         got, hidden = _facts(replayed, copies)
         want, _ = _facts(plain, hidden=hidden)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import cmatmul_pass
-from cmatmul_pass import cost, execute, ir_utils
+from cmatmul_pass import cost, execute, ir_utils, replay
 from cmatmul_pass._jax_private import ir
 from cmatmul_pass.pipeline import Options, variant_options
 from cmatmul_pass.sharing import FUNCTION_PREFIX
@@ -33,7 +33,10 @@ def collectives_left(module) -> int:
     return sum(len(v) for v in found.values())
 
 
-def test_repeated_layers_call_one_ring_per_pattern():
+def test_repeated_layers_call_one_ring_per_pattern(monkeypatch):
+    """Replay off (the three blocks are identical: by default they become calls of one rewritten
+    block, next test): each block's sites share the rings."""
+    monkeypatch.setattr(replay, "MIN_MEMBERS", 10**9)
     result = cmatmul_pass.rewrite(sample("sp_mlp_layers").read_text())
     sites = result.report.rewritten
     assert len(sites) == 6
@@ -48,6 +51,21 @@ def test_repeated_layers_call_one_ring_per_pattern():
     first, shared = sites[0], sites[1]
     assert shared.schedule == first.schedule and shared.channel_handles
     assert shared.channel_handles == sites[2].channel_handles != first.channel_handles
+
+
+def test_identical_blocks_are_calls_of_one_block_whose_rings_are_shared():
+    result = cmatmul_pass.rewrite(sample("sp_mlp_layers").read_text())
+    sites = result.report.rewritten
+    assert len(sites) == 6 and all(s.shared_ring for s in sites)  # the first block calls the rings at once
+    (regions,) = result.report.layers.values()  # the three blocks' regions, one call each
+    assert list(result.report.layers) == ["@cmatmul_layer_0"] and len(set(regions)) == 3
+    main = next(f for f in result.module.body.operations if ir.StringAttr(f.attributes["sym_name"]).value == "main")
+    calls = [op for op in main.regions[0].blocks[0].operations if op.operation.name == "func.call"]
+    assert [ir.FlatSymbolRefAttr(c.attributes["callee"]).value for c in calls] == ["cmatmul_layer_0"] * 3
+    assert ring_functions(result.module) == {"cmatmul_ring_0": 1, "cmatmul_ring_1": 1}
+    assert collectives_left(result.module) == 0
+    assert result.report.summary() == ("6 of 6 candidate site(s) rewritten (6 calling 2 shared ring function(s)); "
+                                       "3 identical layers are calls of 1 rewritten one(s)")
 
 
 @pytest.fixture(scope="module")

@@ -1376,16 +1376,18 @@ SAMPLES_LIST = [
     Sample("ag_dot_permuted_groups_jax011", "jax 0.11: gather over ('model', 'data'), groups by mesh axes in that "
            "order; the ring is [0,4,1,5,2,6,3,7].",
            permuted_groups, "rewritten 1", ring_checks(PAIRS_MODEL_DATA, 7), jax="0.11"),
-    Sample("sp_mlp_layers", "three SP MLP blocks of one shape: the first block's rings inline, the later blocks "
-           "call one shared ring function per pattern.",
+    Sample("sp_mlp_layers", "three SP MLP blocks of one shape: identical regions, so the first is rewritten, the "
+           "last checked against it, and all three become calls of one rewritten block (@cmatmul_layer_0, as a "
+           "nested jax.jit lowers), whose rings call one shared ring function per pattern; without ring sharing "
+           "each block keeps its own rings inline.",
            sp_mlp_layers, "rewritten 6",
            gone("all_gather", "reduce_scatter")
-           + ["CHECK: stablehlo.while", "CHECK: stablehlo.while",
-              "CHECK: call @cmatmul_ring_1(", "CHECK: call @cmatmul_ring_0(",
-              "CHECK: call @cmatmul_ring_1(", "CHECK: call @cmatmul_ring_0(",
+           + ["CHECK: call @cmatmul_layer_0(", "CHECK: call @cmatmul_layer_0(", "CHECK: call @cmatmul_layer_0(",
               "CHECK: func.func private @cmatmul_ring_0(", "CHECK: stablehlo.while",
               "CHECK: stablehlo.collective_permute", "CHECK: func.func private @cmatmul_ring_1(",
-              "CHECK: stablehlo.while", "CHECK: stablehlo.collective_permute"],
+              "CHECK: stablehlo.while", "CHECK: stablehlo.collective_permute",
+              "CHECK: func.func private @cmatmul_layer_0(", "CHECK: sdy.manual_computation",
+              "CHECK: call @cmatmul_ring_1(", "CHECK: call @cmatmul_ring_0("],
            [Variant("OWN", ["--no-share-rings", "--variant", "uni"], ["CHECK-NOT: call @cmatmul_ring"]),
             Variant("STREAMS", STREAMS, ["CHECK-NOT: call @cmatmul_ring"])]),
     # ---- a psum after a matmul (Megatron without sequence parallelism)

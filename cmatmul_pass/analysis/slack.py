@@ -150,7 +150,7 @@ class Slack:
         operand = collective.operation.operands[0]
         early = self.early(operand)
         block = collective.operation.block
-        dependent = ir_utils.dependents(collective.operation.results, block)
+        dependent = ir_utils.Dependents(collective.operation.results, block)
         firsts = [ir_utils.ancestor_in(d.operation, block) for d in dots]
         firsts = [f for f in firsts if f is not None]
         start = None if early or isinstance(operand.owner, ir.Block) else operand.owner.operation

@@ -595,14 +595,14 @@ class _RowDag:
     (:func:`_row_dag`): traced (:meth:`trace`), checked step by step (:meth:`check_steps`), and the
     dots the ring can compute chosen (:meth:`choose`)."""
 
-    def __init__(self, ag: ir.OpView, passable: set, targets: list, chain: dict, tainted: set):
+    def __init__(self, ag: ir.OpView, passable: set, targets: list, chain: dict, tainted):
         self.ag = ag
         self.g = ag.result
         self.block = ag.operation.block
         self.passable = passable  # ops reached from the rows through row-wise candidates only
         self.targets = targets  # the dots reading exactly one value on the way, and nothing computed from the rows
         self.chain = chain  # the row-wise ops some target reads through
-        self.tainted = tainted  # every op computed from the rows
+        self.tainted = tainted  # every op computed from the rows, and the all_gather (ir_utils.Dependents)
         self.ordered = sorted(chain.values(), key=lambda op: _OpOrder(op.operation))  # producers first
         self.steps: dict[ir.Value, LayoutStep] = {}  # by the value each step computes
         self.dims: dict[ir.Value, int] = {}
@@ -620,7 +620,7 @@ class _RowDag:
         if not targets:
             return None
         # every op computed from the rows (the rest of the block at most: only once a dot is in reach)
-        tainted = ir_utils.dependents([g], block)
+        tainted = ir_utils.Dependents([g], block, also=[ag])
         targets = [dot for dot in targets if not any(_owner_in(v, tainted) for v in dot.operation.operands
                                                      if not on_path(v))]
         # the DAG: the row-wise ops some target dot reads through
@@ -690,7 +690,7 @@ class _RowDag:
         something does)."""
         g, block = self.g, self.block
         included = sorted(self.targets, key=lambda dot: _OpOrder(dot.operation))
-        in_tree = {self.ag.operation, *self.tainted}
+        in_tree = self.tainted  # (the all_gather itself included)
         while included:
             chosen = {dot.operation for dot in included}
             dead: set[ir.Operation] = set()  # DAG ops read only by the chosen dots and dead DAG ops
@@ -729,7 +729,7 @@ def _owner_in(value: ir.Value, ops: set) -> bool:
     return not isinstance(value.owner, ir.Block) and value.owner.operation in ops
 
 
-def _dag_step(op: ir.OpView, on_path, dims: dict, tainted: set, n: int) -> LayoutStep | None:
+def _dag_step(op: ir.OpView, on_path, dims: dict, tainted, n: int) -> LayoutStep | None:
     """``op`` as a step of the DAG, its ring dim carried forward from its operands on the path;
     None where it does not work row by row along it or reads a value computed from the rows by
     ops outside the DAG (which may mix them)."""
