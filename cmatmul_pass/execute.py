@@ -10,6 +10,7 @@ rewrite that is right on one device and wrong on another cannot hide.
 from __future__ import annotations
 
 import math
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -331,12 +332,18 @@ def run(module: ir.Module, inputs: Sequence[np.ndarray], devices: Sequence) -> l
 def interleaved_medians(programs: dict[str, Callable], runs: int, warmup: int = 1,
                         prepare: Callable[[], object] | None = None) -> dict[str, float]:
     """Median wall time of each program (each call must wait for its results), timed round
-    by round: every round runs each program once, starting one place further each round.
+    by round: every round runs each program once, in an order drawn afresh each round.
     A drift of the machine's speed (other load, frequency) then falls on all programs alike,
-    which separate blocks of runs would charge to whichever ran at the time.  ``prepare``:
-    called untimed before every call, its result passed to the program (fresh copies of
-    inputs a program donates, say); without it programs take no argument."""
+    which separate blocks of runs would charge to whichever ran at the time; and no program
+    always follows the same one (a rotation keeps each program's predecessor: on 8 CPU
+    devices the program after the plain collective ran 3-7 % slower than itself timed after
+    another, bench/results.json's A/A control of 2026-11-27).  The orders come from a fixed
+    seed: every process of a multi-process run times the programs in the same order (their
+    collectives must be issued alike).  ``prepare``: called untimed before every call, its
+    result passed to the program (fresh copies of inputs a program donates, say); without it
+    programs take no argument."""
     names = list(programs)
+    orders = random.Random(0)
 
     def call(name: str) -> float:
         given = () if prepare is None else (prepare(),)
@@ -348,9 +355,8 @@ def interleaved_medians(programs: dict[str, Callable], runs: int, warmup: int = 
         for _ in range(warmup):
             call(name)
     samples: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(runs):
-        for i in range(len(names)):
-            name = names[(r + i) % len(names)]
+    for _ in range(runs):
+        for name in orders.sample(names, len(names)):
             samples[name].append(call(name))
     return {name: statistics.median(samples[name]) for name in names}
 

@@ -356,15 +356,25 @@ def test_hand_written_rings_compute_the_same_training_step():
 
 
 def test_interleaved_medians_time_every_program_in_turn():
-    """Each round runs every program once, starting one place later each round (no timing asserted)."""
+    """Each round runs every program once, in an order drawn afresh (so no program always runs
+    after the same one), the same orders on every call (every process of a multi-process run
+    issues its collectives alike); no timing asserted."""
     from cmatmul_pass.execute import interleaved_medians
 
-    calls = []
-    programs = {name: (lambda name=name: calls.append(name)) for name in "abc"}
-    medians = interleaved_medians(programs, runs=3, warmup=2)
-    assert set(medians) == set("abc") and all(t >= 0 for t in medians.values())
-    assert calls[:6] == list("aabbcc")  # the warm-ups, untimed
-    assert calls[6:] == list("abc" "bca" "cab")
+    def orders():
+        calls = []
+        programs = {name: (lambda name=name: calls.append(name)) for name in "abcd"}
+        medians = interleaved_medians(programs, runs=12, warmup=2)
+        assert set(medians) == set("abcd") and all(t >= 0 for t in medians.values())
+        assert calls[:8] == list("aabbccdd")  # the warm-ups, untimed
+        rounds = [calls[i:i + 4] for i in range(8, len(calls), 4)]
+        assert len(rounds) == 12 and all(sorted(r) == list("abcd") for r in rounds)
+        return rounds
+
+    rounds = orders()
+    assert orders() == rounds
+    before = {r[r.index(name) - 1] for r in rounds for name in "b" if r.index(name) > 0}
+    assert len(before) > 1  # "b" follows more than one program
 
 
 @pytest.mark.parametrize("model, expected_ms", [("70b", (1.002, 0.945)), ("8b", (0.378, 0.329))])

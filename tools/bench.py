@@ -543,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only-megatron", action="store_true",
                         help="only the psum-after-matmul measurements (pass cost, beside the sequence-parallel "
                              "model's, and run time; default out: bench/results_megatron.json)")
-    parser.add_argument("--ring-runs", type=int, default=15,
+    parser.add_argument("--ring-runs", type=int, default=101,
                         help="timed runs per program for the layers against a hand-written ring (0: skip them)")
     parser.add_argument("--only-rings", action="store_true",
                         help="only the layers against a hand-written ring (default out: bench/results_rings.json)")
