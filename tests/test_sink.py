@@ -277,7 +277,8 @@ def test_an_fsdp_tp_lm_step_over_a_scan(remat):
     f = jax.shard_map(block, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)
     args = [jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
             for shape, spec in zip([(tokens * 2, hidden), (layers, hidden, ffn), (layers, ffn, hidden)], specs)]
-    text = jax.jit(jax.value_and_grad(lambda x, a, b: jnp.mean(f(x, a, b) ** 2), argnums=(1, 2))).lower(*args).as_text()
+    step = jax.value_and_grad(lambda x, a, b: jnp.mean(f(x, a, b) ** 2), argnums=(1, 2))
+    text = jax.jit(step).lower(*args).as_text()
     result = cmatmul_pass.rewrite(text)
     sunk = [s for s in result.report.sites if s.notes and s.notes[0].startswith("sunk into the loops")]
     assert len(sunk) == 4  # two stacked weights, each gathered in the forward's and the backward's loop
@@ -295,3 +296,12 @@ def test_an_fsdp_tp_lm_step_over_a_scan(remat):
     assert sum(s.rewritten for s in moved if s.kind == "dot_reduce_scatter") == 2
     outcome = execute.check_numerics(ir_utils.parse(text), result.module)
     assert outcome.ok, outcome.format()
+    # and as a user runs it: cmatmul_pass.jit (jax's own module, rewritten and compiled) against jax.jit
+    keys = jax.random.split(jax.random.key(0), 3)
+    values = [jax.device_put(jax.random.normal(k, a.shape, a.dtype) / 4, a.sharding) for k, a in zip(keys, args)]
+    ours = cmatmul_pass.jit(step)
+    (loss, grads), (want_loss, want_grads) = ours(*values), jax.jit(step)(*values)
+    assert len(ours.report.rewritten) == len(result.report.rewritten)  # what the text path rewrote
+    assert jnp.allclose(loss, want_loss, rtol=1e-5)
+    for got, want in zip(grads, want_grads):
+        assert jnp.allclose(got, want, rtol=1e-4, atol=1e-5 * float(jnp.abs(want).max()))
