@@ -156,6 +156,16 @@ def tokens_gathered_into_ragged_dot():
                  arg(m, (4,), P(), jnp.int32), arg(m, (64,), P(), jnp.int32), platform="cuda")
 
 
+def scan_input_gradient():
+    """value_and_grad of a scan over stacked gathered weights, by the replicated input too: its
+    gradient is the backward loop's carry, psum'd once after the loop."""
+    from tools.fuzz_programs import Spec, lower as lower_spec
+
+    return lower_spec(Spec(mesh_shape=(8,), devices=tuple(range(8)), axes=("x",), kind="scan", dim="k", side=0,
+                           batch=False, tiled=True, dtype="f32", consumers=1, reader=False, partial_manual=False,
+                           sizes=(2, 2, 2, 2), grad=True))
+
+
 def reshard(then_dot: bool):
     """Sequence to features: gather the rows, keep this device's columns."""
     def build():
@@ -355,3 +365,15 @@ def test_two_stages_along_different_dims_stay_apart_and_say_why():
     assert first.reason_code == "two_stage" and (
         "not merged with it: the two stages gather along different dims (this one dim 0, the second dim 1); they "
         "would merge if both gathered along one dim") in first.reason
+
+
+def test_a_psum_of_a_loops_result_says_the_dot_is_in_the_loop():
+    """The scan's input gradient: the psum after the backward loop is declined, naming the loop and
+    why (its dot is in the body), while the stacked weights' gather and scatter ring in the loops."""
+    text = scan_input_gradient()
+    result = cmatmul_pass.rewrite(text)
+    (psum,) = [s for s in result.report.sites if s.kind == "dot_all_reduce"]
+    assert psum.reason_code == "producer_not_dot"
+    assert psum.reason.startswith("the summed value is a result of stablehlo.while at <input>:"), psum.reason
+    assert "a loop's carry (a scan's input gradient, say): the dot computing it runs in the loop's body" in psum.reason
+    assert all(s.rewritten for s in result.report.sites if s is not psum)

@@ -892,6 +892,11 @@ def _added(add: ir.OpView, value: ir.Value, dim: int) -> Decline:
 
 def not_blockwise(op: ir.OpView) -> Decline:
     """The scattered value comes from an op the ring cannot apply block by block."""
+    if op.operation.name == "stablehlo.while":  # a loop's carry: the dot computing it is in the body
+        return Decline("producer_not_dot", f"the scattered value is a result of {describe_op(op)}, a loop's carry "
+                                           "(a scan's input gradient, say): the dot computing it runs in the loop's "
+                                           "body, trip by trip, so the collective can run only after the last trip "
+                                           "and has no dot beside it to split")
     product = _product_of(op)
     if product is None:
         return Decline("producer_not_dot", f"the scattered value comes from {describe_op(op)}, not from a "
