@@ -147,6 +147,10 @@ def test_the_ln_stack_gathers_into_the_next_ring_and_once_at_the_return():
     assert kinds == [("dot_all_reduce", True), ("dot_all_reduce", True), ("all_gather_dot", True)]
     first = result.report.sites[0].all_reduce["gathers"]
     assert first[0].startswith("into the ring of stablehlo.dot_general") and first[1].startswith("before sdy.return")
+    # the second block's psum reaches only the return's gather: the next ring's gather reads the
+    # residual before that psum (both psums' rows are one carried stream after it)
+    second = result.report.sites[1].all_reduce["gathers"]
+    assert len(second) == 1 and second[0].startswith("before sdy.return"), second
     assert ops(result, "stablehlo.all_reduce") == 0 and ops(result, "stablehlo.all_gather") == 1
     # the second block's layer norm runs on 8 of the 64 rows
     reduces = ir_utils.ops_named(result.module, "stablehlo.reduce")["stablehlo.reduce"]

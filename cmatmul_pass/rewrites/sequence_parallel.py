@@ -312,6 +312,24 @@ def _slice_role(op: ir.OpView, value: ir.Value, dim: int) -> str:
         return "slice"
 
 
+def _seeds_in(plan: _Plan, value: ir.Value) -> frozenset[int]:
+    """The split sites whose rows ``value`` holds: the seeds it is computed from through carried
+    ops (its component may hold more: a residual stream joins every block's psum, but the value
+    before the second block's psum holds only the first's)."""
+    found, pending, seen = set(), [value], set()
+    while pending:
+        v = pending.pop()
+        c = plan.carried.get(v)
+        if c is None or v in seen:
+            continue
+        seen.add(v)
+        if c.op is None:
+            found.add(plan.seeds[v].site)
+        else:
+            pending += list(c.op.operation.operands)
+    return frozenset(found)
+
+
 def _build(plan: _Plan, readers: dict[ir.Value, ir.Operation], block: ir.Block, take_channel, constants: dict,
            source: str | None, carry: Carry) -> None:
     rows: dict[ir.Value, ir.Value] = {}  # carried value -> this device's rows of it
@@ -342,7 +360,7 @@ def _build(plan: _Plan, readers: dict[ir.Value, ir.Operation], block: ir.Block, 
         for use in list(value.uses):
             if use.owner not in keep:
                 use.owner.operands[use.operand_number] = ag.results[0]
-        seeds = frozenset(s.site for i, s in plan.seed_of_component.items() if plan.find(i) == plan.find(c.component))
+        seeds = _seeds_in(plan, value)
         carry.materialised.append(Materialised(
             ag, f"{reader.name} at {ir_utils.render_location(reader.location, source)}",
             _feeds_dot(ag), seeds, moved.get(plan.find(c.component), 0)))
