@@ -109,7 +109,8 @@ REASONS: dict[str, Reason] = {r.code: r for r in (
     # ---- dot → reduce_scatter, dot → all_reduce
     Reason("producer_not_dot", "the scattered or summed value is not a dot_general's (or a sum of dots')",
            "scatter or psum the matmul's result itself; a per-row op along the scattered dim goes after the "
-           "collective",
+           "collective. A sum of what no matmul computes in this block (a loss, a norm's statistics, a loop's "
+           "carry) has no ring: it stays as written",
            ("hlo_samples/neg_rs_producer_not_dot.mlir",)),
     Reason("ragged_dot", "the collective's value comes from or goes to a grouped matmul (`jax.lax.ragged_dot`: "
                          "`chlo.ragged_dot`, an MoE block's expert matmul), not a dot_general",
