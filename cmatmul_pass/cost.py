@@ -603,27 +603,51 @@ def schedule(shape: SiteShape, hw: Hardware, bidirectional: bool, unroll: int | 
     ``h·max + (1-h)·sum``: its dots start after ``(1-h)`` of the transfer.  ``plan`` and
     ``efficiency``: :func:`rounds` and :func:`split_efficiency` of ``shape`` one way or both,
     where the caller has them already."""
-    if efficiency is None:
-        efficiency = split_efficiency(shape, hw, bidirectional)
-    t_c = shape.flops / hw.throughput(shape.dtype) / efficiency  # smaller dots
-    if plan is None:
-        plan = rounds(shape, bidirectional)
-    hidden = hw.hidden(_variant_of(plan, unroll))
-    lo, hi = loop_run([rnd.signature for rnd in plan], unroll)
-    per_trip = unroll or 1
-    trip = hw.trip(shape.kind, shape.flops / shape.ring)
-    slots: list[Slot] = []
-    now = 0.0
-    for r, rnd in enumerate(plan):
-        transfer = max((bytes_ / hw.bandwidth for bytes_ in rnd.transfers), default=0.0)
-        compute = rnd.compute * t_c
-        length = hidden * max(compute, transfer) + (1 - hidden) * (compute + transfer)
-        overhead = hw.step if rnd.transfers else 0.0
-        if lo <= r < hi and (r - lo) % per_trip == per_trip - 1:  # the last round of a loop trip
-            overhead += trip
-        slots.append(Slot(now, transfer, now + (1 - hidden) * transfer, compute, now + length + overhead))
-        now = slots[-1].end
-    return slots
+    layout = _Layout.of(shape, hw, bidirectional, unroll, plan, efficiency)
+    return [Slot(start, transfer, start + (1 - layout.hidden) * transfer, compute, end)
+            for start, transfer, compute, end in layout.rounds(hw)]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What :func:`schedule` times a ring's rounds by: the plan, a round's full compute time, the
+    share of its permutes hidden, the loop's rounds and its trips' cost."""
+
+    plan: list[Round]
+    t_c: float
+    hidden: float
+    lo: int
+    hi: int
+    per_trip: int
+    trip: float
+
+    @classmethod
+    def of(cls, shape: SiteShape, hw: Hardware, bidirectional: bool, unroll: int | None,
+           plan: list[Round] | None, efficiency: float | None, trip: float | None = None) -> "_Layout":
+        if efficiency is None:
+            efficiency = split_efficiency(shape, hw, bidirectional)
+        t_c = shape.flops / hw.throughput(shape.dtype) / efficiency  # smaller dots
+        if plan is None:
+            plan = rounds(shape, bidirectional)
+        lo, hi = loop_run([rnd.signature for rnd in plan], unroll)
+        if trip is None:
+            trip = hw.trip(shape.kind, shape.flops / shape.ring)
+        return cls(plan, t_c, hw.hidden(_variant_of(plan, unroll)), lo, hi, unroll or 1, trip)
+
+    def rounds(self, hw: Hardware):
+        """Per round: (start, transfer, compute, end), each round starting where the last ended."""
+        hidden, lo, hi, per_trip = self.hidden, self.lo, self.hi, self.per_trip
+        now = 0.0
+        for r, rnd in enumerate(self.plan):
+            transfer = max((bytes_ / hw.bandwidth for bytes_ in rnd.transfers), default=0.0)
+            compute = rnd.compute * self.t_c
+            length = hidden * max(compute, transfer) + (1 - hidden) * (compute + transfer)
+            overhead = hw.step if rnd.transfers else 0.0
+            if lo <= r < hi and (r - lo) % per_trip == per_trip - 1:  # the last round of a loop trip
+                overhead += self.trip
+            end = now + length + overhead
+            yield now, transfer, compute, end
+            now = end
 
 
 @dataclass
@@ -665,10 +689,14 @@ class Prediction:
 
 
 def overlapped_time(shape: SiteShape, hw: Hardware, bidirectional: bool, unroll: int | None, *,
-                    plan: list[Round] | None = None, efficiency: float | None = None) -> float:
-    """The end of :func:`schedule`'s last round (``plan``, ``efficiency``: as it takes them)."""
-    slots = schedule(shape, hw, bidirectional, unroll, plan=plan, efficiency=efficiency)
-    return slots[-1].end if slots else 0.0
+                    plan: list[Round] | None = None, efficiency: float | None = None,
+                    trip: float | None = None) -> float:
+    """The end of :func:`schedule`'s last round (``plan``, ``efficiency``: as it takes them;
+    ``trip``: the loop trip's cost, :meth:`Hardware.trip`, where the caller has it)."""
+    end = 0.0
+    for _, _, _, end in _Layout.of(shape, hw, bidirectional, unroll, plan, efficiency, trip).rounds(hw):
+        pass
+    return end
 
 
 def loop_trips(shape: SiteShape, bidirectional: bool, unroll: int | None) -> int:
@@ -685,11 +713,13 @@ def predict(shape: SiteShape, hw: Hardware, bidirectional: bool = False, unroll:
     prediction = Prediction(hw.name, t_c, t_m, serial, variant=variant_name(bidirectional, unroll),
                             throughput=rate, throughput_assumed=not hw.knows(shape.dtype))
     plans: dict[bool, tuple[list[Round], float]] = {}  # one way, both ways: the rounds and their dots' efficiency
+    trip = hw.trip(shape.kind, shape.flops / shape.ring)
     for name, (bidi, unr) in VARIANTS.items():
         if bidi not in plans:
             plans[bidi] = rounds(shape, bidi), split_efficiency(shape, hw, bidi)
         plan, efficiency = plans[bidi]
-        prediction.overlapped_s[name] = overlapped_time(shape, hw, bidi, unr, plan=plan, efficiency=efficiency)
+        prediction.overlapped_s[name] = overlapped_time(shape, hw, bidi, unr, plan=plan, efficiency=efficiency,
+                                                        trip=trip)
         prediction.speedup[name] = serial / prediction.overlapped_s[name]
         prediction.overlap[name] = hw.hidden(_variant_of(plan, unr))  # as emitted_variant
         prediction.split_efficiency[name] = efficiency
