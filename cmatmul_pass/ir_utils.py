@@ -212,73 +212,29 @@ def ancestor_in(op: ir.Operation | ir.OpView, block: ir.Block) -> ir.Operation |
     return op
 
 
-class Dependents:
-    """The ops of ``block`` that read ``values``, directly or through other ops (a use inside a
-    nested region counts as its ancestor in ``block``), and ``also``: asked op by op (``op in
-    dependents``), each answer walking back from the op only through ops after the first of
-    ``values``' producers, and remembered.  Far cheaper than the forward closure where a few ops
-    are asked about and the values are read by the rest of a long block (a layer's gathered rows)."""
-
-    def __init__(self, values, block: ir.Block, also=()):
-        self.values = set(values)
-        self.block = block
-        self.memo: dict[ir.Operation, bool] = {op.operation: True for op in also}
-        producers = [v.owner.operation for v in self.values
-                     if not isinstance(v.owner, ir.Block) and v.owner.operation.block == block]
-        # ops up to the first producer read none of the values (block arguments: no such bound)
-        self.start = min(producers, key=_BlockPosition) if len(producers) == len(self.values) else None
-
-    def __contains__(self, op: ir.Operation | ir.OpView) -> bool:
-        op = op.operation
-        if op.block != self.block:
-            return False
-        memo = self.memo
-        stack = [op]
-        while stack:
-            top = stack[-1]
-            if top in memo:
-                stack.pop()
-                continue
-            found, pending = False, []
-            for value in _read_by(top):
-                if value in self.values:
-                    found = True
-                    break
-                owner = value.owner
-                if isinstance(owner, ir.Block):
-                    continue
-                owner = owner.operation
-                if owner.block != self.block or (self.start is not None and not self.start.is_before_in_block(owner)):
-                    continue  # outside the block, or not after the first producer
-                known = memo.get(owner)
-                if known:
-                    found = True
-                    break
-                if known is None:
-                    pending.append(owner)
-            if found or not pending:
-                memo[top] = found
-                stack.pop()
-            else:
-                stack += pending
-        return memo[op]
+def captured(op: ir.Operation | ir.OpView) -> list[ir.Value]:
+    """The values that ops nested in ``op``'s regions read and that are defined outside ``op``
+    (a loop body's captures), in walk order."""
+    op = op.operation
+    nested = [inner.operation for inner in walk(op)]
+    inside = {op, *nested}
+    found = []
+    for inner in nested:
+        for value in inner.operands:
+            owner = value.owner
+            definer = owner.owner.operation if isinstance(owner, ir.Block) else owner.operation
+            if definer not in inside:
+                found.append(value)
+    return found
 
 
-def _read_by(op: ir.Operation) -> list[ir.Value]:
-    """The values ``op`` reads: its operands, and those ops nested in its regions read from outside."""
-    values = list(op.operands)
-    if len(op.regions):
-        inside = {nested.operation for nested in walk(op)}
-        values += [v for nested in inside for v in nested.operands
-                   if isinstance(v.owner, ir.Block) or v.owner.operation not in inside]
-    return values
+class BlockOrder:
+    """Sort key: an op's position in its block (``min(ops, key=BlockOrder)``: the first)."""
 
+    def __init__(self, op: ir.Operation | ir.OpView):
+        self.op = op.operation
 
-class _BlockPosition:
-    def __init__(self, op: ir.Operation):
-        self.op = op
-
-    def __lt__(self, other: "_BlockPosition") -> bool:
+    def __lt__(self, other: "BlockOrder") -> bool:
         return self.op.is_before_in_block(other.op)
 
 

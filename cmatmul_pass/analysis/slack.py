@@ -32,7 +32,7 @@ from typing import Callable
 
 from .._jax_private import ir
 from .. import ir_utils
-from .dataflow import all_of, decide
+from .dataflow import Dependents, all_of, decide
 
 #: ops whose result is not known at the start of the step, or that the analysis does not see into
 NOT_EARLY = frozenset({
@@ -150,7 +150,7 @@ class Slack:
         operand = collective.operation.operands[0]
         early = self.early(operand)
         block = collective.operation.block
-        dependent = ir_utils.Dependents(collective.operation.results, block)
+        dependent = Dependents(collective.operation.results, block)
         firsts = [ir_utils.ancestor_in(d.operation, block) for d in dots]
         firsts = [f for f in firsts if f is not None]
         start = None if early or isinstance(operand.owner, ir.Block) else operand.owner.operation

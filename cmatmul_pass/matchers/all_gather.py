@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from .. import ir_utils
+from ..analysis.dataflow import Dependents
 from .._jax_private import ir
 from ..errors import Decline
 from ..layout import (
@@ -166,30 +167,21 @@ class _Use:
     def leaves(self):
         return (use for use in self.walk() if use.step is None)
 
-    def last_readers(self, included: set[Consumer]):
-        """The ops past every layout and elementwise node along this use that will read (what
-        is computed from) the assembled value once ``included`` dots are in the loop: the nodes
-        themselves are pure ops of the gathered value and block-invariant operands, which may
-        run anywhere between the ring and these readers (the rewrite moves them after the ring)."""
-        if not self.alive(included):
-            return
-        if self.step is None:
-            yield self.op
-            return
-        for child in self.children:
-            yield from child.last_readers(included)
-
-    def readers(self, included: set[Consumer]):
+    def readers(self, included: set[Consumer], past_elementwise: bool = False):
         """The ops that will read the assembled value along this use, once ``included`` dots
         are in the loop: the readers past layout ops (which only relabel it), and an
-        elementwise node itself (it computes from it: the tanh, not whatever reads the tanh)."""
+        elementwise node itself (it computes from it: the tanh, not whatever reads the tanh).
+        ``past_elementwise``: the ops past the elementwise nodes too, which read what is computed
+        from the value: where the ring may go, since every node is a pure op of the gathered value
+        and block-invariant operands and can run anywhere between the ring and those ops (the
+        rewrite moves the nodes standing before the ring after it)."""
         if not self.alive(included):
             return
-        if self.step is None or is_elementwise(self.op):
+        if self.step is None or (is_elementwise(self.op) and not past_elementwise):
             yield self.op
             return
         for child in self.children:
-            yield from child.readers(included)
+            yield from child.readers(included, past_elementwise)
 
 
 @dataclass
@@ -439,18 +431,17 @@ def _schedulable(tree: _Tree, block: ir.Block, ag: ir.OpView) -> tuple[list[Cons
     The loop must also precede every op that will read the assembled gathered value (the
     layout and elementwise nodes on the way to those readers follow the loop), and a dot joins
     only if its other operand exists at that point, or can be computed there by moving a few
-    pure ops up (a weight cast to the compute type just before its dot); a weight gradient needs the backward's incoming gradient, computed later from the dots'
-    results: it reads the assembled value instead.  Dropping a dot can only move the loop
+    pure ops up (a weight cast to the compute type just before its dot); a weight gradient
+    needs the backward's incoming gradient, computed later from the dots' results: it reads the
+    assembled value instead.  Dropping a dot can only move the loop
     earlier, so iterate to a fixed point.
     """
     in_tree = {ag.operation, *(u.op.operation for r in tree.roots for u in r.walk())}
-    included = sorted(tree.candidates, key=_BlockOrder)
+    included = sorted(tree.candidates, key=_dot_order)
     while included:
         chosen = set(included)
-        # the ops that will read the assembled value: the pure nodes between the gather and them
-        # follow the ring (rewrite_all_gather_dot moves them after it)
-        readers = [ir_utils.ancestor_in(op, block) for u in tree.roots for op in u.last_readers(chosen)]
-        first = min([c.dot.operation for c in included] + readers, key=_OpOrder)
+        readers = [ir_utils.ancestor_in(op, block) for u in tree.roots for op in u.readers(chosen, True)]
+        first = min([c.dot.operation for c in included] + readers, key=ir_utils.BlockOrder)
         kept, hoisted = [], {}
         for c in included:
             # what the ring reads besides the shards: the dot's other operand, and the operands
@@ -465,7 +456,7 @@ def _schedulable(tree: _Tree, block: ir.Block, ag: ir.OpView) -> tuple[list[Cons
             elif tree.blocked is None:
                 tree.blocked = c, next(v for v, ops in zip(missing, moves) if ops is None), first
         if len(kept) == len(included):
-            return included, first, tuple(sorted(hoisted, key=_OpOrder))
+            return included, first, tuple(sorted(hoisted, key=ir_utils.BlockOrder))
         included = kept
     return [], None, ()
 
@@ -502,18 +493,8 @@ def _hoistable(value: ir.Value, first: ir.Operation, in_tree: set, limit: int) -
     return list(found)
 
 
-class _OpOrder:
-    """Sort key: position of an op in its block."""
-
-    def __init__(self, op: ir.Operation):
-        self.op = op
-
-    def __lt__(self, other: "_OpOrder") -> bool:
-        return self.op.is_before_in_block(other.op)
-
-
-def _BlockOrder(consumer: Consumer) -> _OpOrder:
-    return _OpOrder(consumer.dot.operation)
+def _dot_order(consumer: Consumer) -> ir_utils.BlockOrder:
+    return ir_utils.BlockOrder(consumer.dot.operation)
 
 
 # ------------------------------------------------------------------ a row-wise DAG before the dots
@@ -560,7 +541,7 @@ def _row_dag(ag: ir.OpView, ring: Ring, region: ManualRegion, gather_dim: int, i
         consumers.append(replace(consumer, dag=True))
     nodes = tuple(dag.steps[op.result] for op in dag.ordered)
     return AllGatherSite(ag, ring, region, gather_dim, tuple(consumers), nodes, tuple(kept), first,
-                         tuple(sorted(hoisted, key=_OpOrder)))
+                         tuple(sorted(hoisted, key=ir_utils.BlockOrder)))
 
 
 def reaches_a_dot_row_wise(ag: ir.OpView) -> bool:
@@ -602,8 +583,8 @@ class _RowDag:
         self.passable = passable  # ops reached from the rows through row-wise candidates only
         self.targets = targets  # the dots reading exactly one value on the way, and nothing computed from the rows
         self.chain = chain  # the row-wise ops some target reads through
-        self.tainted = tainted  # every op computed from the rows, and the all_gather (ir_utils.Dependents)
-        self.ordered = sorted(chain.values(), key=lambda op: _OpOrder(op.operation))  # producers first
+        self.tainted = tainted  # every op computed from the rows, and the all_gather (analysis.dataflow.Dependents)
+        self.ordered = sorted(chain.values(), key=ir_utils.BlockOrder)  # producers first
         self.steps: dict[ir.Value, LayoutStep] = {}  # by the value each step computes
         self.dims: dict[ir.Value, int] = {}
 
@@ -614,13 +595,13 @@ class _RowDag:
         passable, dots = _row_reach(ag)
 
         def on_path(value: ir.Value) -> bool:
-            return value == g or _owner_in(value, passable)
+            return _on_rows(value, g, passable)
 
         targets = [dot for dot in dots.values() if [on_path(v) for v in dot.operation.operands].count(True) == 1]
         if not targets:
             return None
         # every op computed from the rows (the rest of the block at most: only once a dot is in reach)
-        tainted = ir_utils.Dependents([g], block, also=[ag])
+        tainted = Dependents([g], block, also=[ag])
         targets = [dot for dot in targets if not any(_owner_in(v, tainted) for v in dot.operation.operands
                                                      if not on_path(v))]
         # the DAG: the row-wise ops some target dot reads through
@@ -637,7 +618,7 @@ class _RowDag:
         return cls(ag, passable, targets, chain, tainted)
 
     def on_path(self, value: ir.Value) -> bool:
-        return value == self.g or _owner_in(value, self.passable)
+        return _on_rows(value, self.g, self.passable)
 
     def operand_index(self, dot: ir.OpView) -> int:
         """Which of ``dot``'s operands is on the way from the rows (exactly one is)."""
@@ -689,7 +670,7 @@ class _RowDag:
         where none can (or, unless ``alone``, nothing else reads the rows; without ``assemble``,
         something does)."""
         g, block = self.g, self.block
-        included = sorted(self.targets, key=lambda dot: _OpOrder(dot.operation))
+        included = sorted(self.targets, key=ir_utils.BlockOrder)
         in_tree = self.tainted  # (the all_gather itself included)
         while included:
             chosen = {dot.operation for dot in included}
@@ -703,7 +684,7 @@ class _RowDag:
             if kept and not assemble:
                 return None
             readers = [ir_utils.ancestor_in(user, block) for user in kept]
-            first = min([dot.operation for dot in included] + readers, key=_OpOrder)
+            first = min([dot.operation for dot in included] + readers, key=ir_utils.BlockOrder)
             keep, hoisted = [], {}
             for dot in included:
                 index = self.operand_index(dot)
@@ -723,6 +704,11 @@ class _RowDag:
 def _row_candidate(op: ir.OpView) -> bool:
     """An op the rows may pass on their way to a dot in a DAG (checked row-wise by :func:`_dag_step`)."""
     return (is_layout_op(op) or is_elementwise(op) or op.operation.name in ROW_OPS) and len(op.operation.results) == 1
+
+
+def _on_rows(value: ir.Value, g: ir.Value, passable: set) -> bool:
+    """Is ``value`` the gathered rows ``g``, or computed from them by row-wise candidates only?"""
+    return value == g or _owner_in(value, passable)
 
 
 def _owner_in(value: ir.Value, ops: set) -> bool:

@@ -243,20 +243,8 @@ def computed_from(value: ir.Value, origin: ir.Value | None) -> tuple[bool, ir.Op
             through = op
         pending += [(operand, through) for operand in op.operation.operands]
         if len(op.operation.regions):  # a loop reads values of its block inside its body too
-            pending += [(captured, through) for captured in _captured(op.operation)]
+            pending += [(captured, through) for captured in ir_utils.captured(op)]
     return False, None
-
-
-def _captured(op: ir.Operation) -> list[ir.Value]:
-    """The values of ``op``'s block that ops nested in ``op`` read (a loop body's captures)."""
-    found = []
-    for inner in ir_utils.walk(op):
-        for operand in inner.operation.operands:
-            owner = operand.owner
-            block = owner if isinstance(owner, ir.Block) else owner.operation.block
-            if block == op.block:
-                found.append(operand)
-    return found
 
 
 #: ops that only copy values around (a statistic broadcast back over its row)
