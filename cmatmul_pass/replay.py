@@ -27,6 +27,14 @@ entries are what the pass gives without replay, the layer function inlined and c
 numbers aside (``tests/test_replay.py`` compares them); the report also names each layer
 function and the regions calling it (``Report.layers``).
 
+A *joiner* is the region just before a group's twin when its body is the twin's but for the
+inputs it returns unchanged (:func:`pass_through`): JAX's layers return some inputs for the
+backward, and the first layer fewer, since its caller holds them.  It becomes a call of the
+twin's function too (which returns the inputs it does not, unread); it needs no check of its
+own, since the function computes from any operands what the twin's region computes from them,
+and its report entries come first in each run of the twin's.  A group needs two regions of one
+body (the twin and the probe) and, with its joiner, :data:`MIN_MEMBERS` regions.
+
 Not replayed: modules with a ``stablehlo.while`` (sinking and hoisting move collectives across
 loops and regions), groups whose gathers compete with another collective for a dot (which one
 gets the ring depends on what comes before the region: :mod:`.analysis.slack`), groups whose
@@ -43,11 +51,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import ir_utils
-from ._jax_private import func, hlo, ir, location_stripper
+from ._jax_private import func, hlo, ir, location_stripper, sdy
 from .report import Report, SiteReport
 
-#: the twin, the probe and at least one region between them: at three, replay saves one region's rewrite of three
-#: (at 4 layers, where each training step's group has three, the pass took 15 % less time, both bench models)
+#: the twin, the probe and at least one other region (between them, or a joiner): at three, replay saves one
+#: region's rewrite of three (at 4 layers, where each training step's group has three, the pass took 15 % less
+#: time, both bench models)
 MIN_MEMBERS = 3
 #: the functions holding a replayed layer
 LAYER_PREFIX = "cmatmul_layer_"
@@ -66,6 +75,11 @@ class Group:
     were before the pass."""
 
     members: list[ir.Operation]
+    #: the region just before the twin, when its body is the twin's but it returns fewer of its
+    #: own inputs (:func:`pass_through`): a model's first layer, whose inputs the caller holds
+    joiners: list[ir.Operation] = field(default_factory=list)
+    #: each joiner's results as the twin's: result index -> the twin's result index (by body)
+    result_maps: dict = field(default_factory=dict)
     # the twin's and the probe's (locations in walk order, types) before the pass
     twin_before: tuple = ()
     probe_before: tuple = ()
@@ -83,6 +97,11 @@ class Group:
     @property
     def rest(self) -> list[ir.Operation]:
         return self.members[1:-1]
+
+    @property
+    def copies(self) -> list[ir.Operation]:
+        """The regions that become calls of the twin's function without being rewritten."""
+        return self.joiners + self.rest
 
 
 def _locations(region: ir.Operation) -> list[ir.Location]:
@@ -134,9 +153,10 @@ class Plan:
     def __init__(self, groups: list[Group], fingerprint: "_Fingerprint"):
         self.groups = groups
         self.fingerprint = fingerprint  # how the groups were found: the probe's check compares the same way
-        self.deferred = {_body(m) for g in groups for m in g.rest}
+        self.deferred = {_body(m) for g in groups for m in g.copies}
         self.checked = {_body(m) for g in groups for m in (g.twin, g.probe)}
-        self.leading = {_body(g.twin) for g in groups}
+        # (a joiner is rewritten only when replay is off, and then as the twin it repeats)
+        self.leading = {_body(m) for g in groups for m in (g.twin, *g.joiners)}
         for g in groups:
             locations, g.twin_places = _located_places(g.twin)
             g.twin_before = (locations, _types(g.twin))
@@ -188,34 +208,30 @@ class Plan:
             replay = (_Replay.of(g, [report.sites[i] for i in by_region.get(twin, [])], source)
                       if not ({twin, probe} & competing) else None)
             if replay is None or not replay.agrees(g.probe, g.probe_before[0], probe_entries, self.fingerprint):
-                leftover += g.rest
+                leftover += g.copies
                 continue
-            copies: list[list[SiteReport]] = []
-            called = [g.twin]  # in program order
-            for region in g.rest:
+            copies: dict[ir.Block, list[SiteReport]] = {}  # a region's body -> its entries
+            for region in g.copies:
                 entries = replay.entries(region)
                 if entries is None:
                     leftover.append(region)
                 else:
-                    copies.append(entries)
-                    called.append(region)
-            called.append(g.probe)
+                    copies[_body(region)] = entries
+            called = [m for m in (*g.joiners, g.twin, *g.rest, g.probe) if _body(m) in copies or m in (g.twin, g.probe)]
+            # each run of the twin's (the probe's) consecutive entries is preceded by the same run of
+            # every joiner (every other copy): where the usual order (phase by phase, in program
+            # order) puts them
+            for anchor, regions in ((twin, g.joiners), (probe, g.rest)):
+                made = [copies[_body(r)] for r in regions if _body(r) in copies]
+                indices = by_region.get(anchor, [])
+                for run in _runs(indices):
+                    inserted.setdefault(indices[run[0]], []).extend(e for entries in made for e in (entries[k] for k in run))
             name = _outline(g.twin)
             report.layers[f"@{name}"] = [ir_utils.render_location(region.location, source) for region in called]
+            returns = [r.type for r in g.twin.results]  # the function's
             for region in called:
-                _call(region, name)
-            # each run of the probe's consecutive entries is preceded by the same run of every copy:
-            # where the usual order (phase by phase, in program order) puts them
-            probe_indices = by_region.get(probe, [])
-            runs: list[list[int]] = []
-            for k, index in enumerate(probe_indices):
-                if runs and index == probe_indices[k - 1] + 1:
-                    runs[-1].append(k)
-                else:
-                    runs.append([k])
-            for run in runs:
-                before = probe_indices[run[0]]
-                inserted.setdefault(before, []).extend(e for entries in copies for e in (entries[k] for k in run))
+                result_map = g.result_maps.get(_body(region))
+                _call(region, name, returns if result_map else None, result_map)
         if inserted:
             sites = []
             for index, entry in enumerate(report.sites):
@@ -223,6 +239,17 @@ class Plan:
                 sites.append(entry)
             report.sites[:] = sites
         return leftover
+
+
+def _runs(indices: list[int]) -> list[list[int]]:
+    """The runs of consecutive numbers in ``indices`` (ascending), as lists of positions in it."""
+    runs: list[list[int]] = []
+    for k, index in enumerate(indices):
+        if runs and index == indices[k - 1] + 1:
+            runs[-1].append(k)
+        else:
+            runs.append([k])
+    return runs
 
 
 class _Replay:
@@ -438,17 +465,92 @@ def plan(regions: list[ir.Operation]) -> Plan | None:
     if len(regions) < MIN_MEMBERS:
         return None
     # a region prints its operands and its results' count, so regions that print alike have as many
-    # of each: regions whose counts fewer than MIN_MEMBERS share are in no group, and not printed
+    # of each: regions whose counts no other region shares are in no group (but as a joiner), and
+    # not printed
     counts = [(len(region.operands), len(region.results)) for region in regions]
     shared = Counter(counts)
     by_body: dict[bytes, list[ir.Operation]] = {}
     fingerprint = _Fingerprint(regions[0].context)
     for region, count in zip(regions, counts):
-        if shared[count] < MIN_MEMBERS:
+        if shared[count] < 2:
             continue
         by_body.setdefault(fingerprint(region), []).append(region)
-    groups = [Group(members) for members in by_body.values() if len(members) >= MIN_MEMBERS]
+    paired = {_body(m) for members in by_body.values() if len(members) > 1 for m in members}
+    place = {_body(region): index for index, region in enumerate(regions)}
+    groups = []
+    for members in by_body.values():
+        if len(members) < 2:
+            continue
+        group = Group(members)
+        before = place[_body(group.twin)] - 1
+        if before >= 0 and _body(regions[before]) not in paired:
+            result_map = _joins(regions[before], group.twin, fingerprint)
+            if result_map is not None:
+                group.joiners.append(regions[before])
+                group.result_maps[_body(regions[before])] = result_map
+        if len(group.members) + len(group.joiners) >= MIN_MEMBERS:
+            groups.append(group)
     return Plan(groups, fingerprint) if groups else None
+
+
+def pass_through(region: ir.Operation) -> dict[int, int]:
+    """The results of ``region`` that return one of its block arguments as it came in: result
+    index -> argument index.  JAX returns a layer's inputs this way for the backward (each
+    device's block, stacked), but for the inputs the caller already holds (a first layer's)."""
+    body = _body(region)
+    terminator = body.operations[len(body.operations) - 1]
+    return {index: ir.BlockArgument(value).arg_number for index, value in enumerate(terminator.operands)
+            if isinstance(value.owner, ir.Block) and value.owner == body}
+
+
+def _joins(region: ir.Operation, twin: ir.Operation, fingerprint: "_Fingerprint") -> list[int] | None:
+    """Where the twin's function returns each result of ``region`` (its index among the twin's
+    results), when ``region`` is the twin but for returning fewer of its own inputs; else None.
+    Then a call of the function, reading ``region``'s operands, computes what ``region`` does (and
+    returns the other inputs too, which no one reads)."""
+    if len(region.results) >= len(twin.results) or _types(region)[0] != _types(twin)[0]:
+        return None
+    mine, theirs = pass_through(region), pass_through(twin)
+    if not theirs:
+        return None
+    with region.context:
+        outs = sdy.TensorShardingPerValueAttr(region.attributes["out_shardings"]).shardings
+        twin_outs = sdy.TensorShardingPerValueAttr(twin.attributes["out_shardings"]).shardings
+    returned = {(argument, twin_outs[j], twin.results[j].type): j for j, argument in theirs.items()}
+    core, twin_core = ([i for i in range(len(r.results)) if i not in through]
+                       for r, through in ((region, mine), (twin, theirs)))
+    if len(core) != len(twin_core):
+        return None
+    where = dict(zip(core, twin_core))
+    for i, argument in mine.items():
+        j = returned.get((argument, outs[i], region.results[i].type))
+        if j is None:
+            return None
+        where[i] = j
+    if fingerprint(region, mine) != fingerprint(twin, theirs):
+        return None
+    return [where[i] for i in range(len(region.results))]
+
+
+def without_pass_through(region: ir.Operation, through: dict[int, int]) -> ir.Operation:
+    """``region`` without the results ``through`` (:func:`pass_through`): a new op before it with
+    the same operands, attributes and body (moved out of ``region``, which is left empty for the
+    caller to erase once its results are read no more), and the other results, in order."""
+    kept = [i for i in range(len(region.results)) if i not in through]
+    with region.context, region.location:
+        attributes = {named.name: named.attr for named in (region.attributes[i] for i in range(len(region.attributes)))}
+        outs = sdy.TensorShardingPerValueAttr(attributes["out_shardings"]).shardings
+        attributes["out_shardings"] = sdy.TensorShardingPerValueAttr.get([outs[i] for i in kept])
+        with ir.InsertionPoint(region):
+            core = ir.Operation.create(MANUAL, results=[region.results[i].type for i in kept],
+                                       operands=list(region.operands), attributes=attributes, regions=1)
+        body = region.regions[0].blocks[0]
+        body.append_to(core.regions[0])
+        terminator = body.operations[len(body.operations) - 1]
+        with ir.InsertionPoint(terminator):
+            sdy.ReturnOp([terminator.operands[i] for i in kept], loc=terminator.location)
+        terminator.erase()
+    return core
 
 
 
@@ -464,7 +566,9 @@ class _Fingerprint:
     def __init__(self, context: ir.Context):
         self.strip = location_stripper(context)
 
-    def __call__(self, region: ir.Operation) -> bytes:
+    def __call__(self, region: ir.Operation, through: dict[int, int] | None = None) -> bytes:
+        """The fingerprint of ``region``; with ``through`` (:func:`pass_through`), of ``region``
+        without those results."""
         with region.context, ir.Location.unknown():
             module = ir.Module.create()
             with ir.InsertionPoint(module.body):
@@ -473,6 +577,9 @@ class _Fingerprint:
                 copy = region.clone().operation
         for index, argument in enumerate(entry.arguments):  # by position: two operands may be one value
             copy.operands[index] = argument
+        if through:
+            without_pass_through(copy, through)
+            copy.erase()
         self.strip(module)
         written = io.BytesIO()
         module.operation.write_bytecode(written)
@@ -506,11 +613,14 @@ def _outline(twin: ir.Operation) -> str:
     return name
 
 
-def _call(region: ir.Operation, name: str) -> None:
-    """Replace ``region`` by a call of ``name`` with its operands, at its location."""
+def _call(region: ir.Operation, name: str, types: list[ir.Type] | None = None,
+          result_map: list[int] | None = None) -> None:
+    """Replace ``region`` by a call of ``name`` with its operands, at its location; for a joiner,
+    the function's result ``types`` and ``result_map``: the call's result standing for each of
+    ``region``'s."""
+    types = types or [r.type for r in region.results]
     with ir.InsertionPoint(region):
-        call = func.CallOp([r.type for r in region.results], ir.FlatSymbolRefAttr.get(name), list(region.operands),
-                           loc=region.location)
-    for old, new in zip(region.results, call.results):
-        old.replace_all_uses_with(new)
+        call = func.CallOp(types, ir.FlatSymbolRefAttr.get(name), list(region.operands), loc=region.location)
+    for index, old in enumerate(region.results):
+        old.replace_all_uses_with(call.results[result_map[index] if result_map else index])
     region.erase()

@@ -9,8 +9,8 @@ import pytest
 
 import cmatmul_pass
 from cmatmul_pass import execute, ir_utils, replay
-from cmatmul_pass._jax_private import hlo, ir, make_context
-from cmatmul_pass.sharing import structure
+from cmatmul_pass._jax_private import hlo, ir, make_context, sdy
+from cmatmul_pass.sharing import FUNCTION_PREFIX, structure
 from conftest import inline_layers
 from tools import bench
 
@@ -60,16 +60,21 @@ def _facts(result, copies=None, hidden=None):
     """What must agree: every op (ops, attributes, types, wiring; channel handles aside), every
     op's location (but inside the regions at the indices ``hidden``, among the top-level ones),
     and every report entry but its channel handles.  ``copies`` (from :func:`inline_layers`):
-    each copy's ops must be located as the first region calling its function.  Returns the
-    facts and the indices of the copies."""
+    each copy's ops must be located as the first region calling its function.  The ring
+    functions' locations come apart (the fourth fact): their ops are located as the site each was
+    built from, the first of its pattern to call it (with replay the twin's; without it a joiner's
+    where a group has one).  Returns the facts and the indices of the copies."""
     module = result.module
     regions = replay._top_level_regions(module)
     index = {replay._body(r): i for i, r in enumerate(regions)}
     copies = copies or {}
     hide = {index[body] for body in copies} | set(hidden or ())
-    locations, inside = [], {}
+    locations, inside, rings = [], {}, []
     for f in module.body.operations:
         if f.operation.name != "func.func":
+            continue
+        if ir.StringAttr(f.attributes["sym_name"]).value.startswith(FUNCTION_PREFIX):
+            f.operation.walk(lambda o: (rings.append(str(o.location)), ir.WalkResult.ADVANCE)[1])
             continue
         for op in f.regions[0].blocks[0].operations:
             at = index.get(replay._body(op)) if op.operation.name == replay.MANUAL else None
@@ -84,13 +89,28 @@ def _facts(result, copies=None, hidden=None):
         want = first.setdefault(callee, inside[index[body]])
         assert inside[index[body]] == want  # the function's ops carry the first layer's locations
     entries = [{k: v for k, v in vars(e).items() if k != "channel_handles"} for e in result.report.sites]
-    return (structure(module.operation), locations, entries), sorted(hide)
+    return (structure(module.operation), locations, entries, rings), sorted(hide)
+
+
+def _unread_inputs_dropped(module) -> None:
+    """Each top-level region without the results that return one of its inputs and that no one
+    reads (a joiner's call returns the twin's: :func:`replay._joins`)."""
+    for region in replay._top_level_regions(module):
+        through = {i: a for i, a in replay.pass_through(region).items() if not list(region.results[i].uses)}
+        if through:
+            core = replay.without_pass_through(region, through)
+            for old, new in zip((r for i, r in enumerate(region.results) if i not in through), core.results):
+                old.replace_all_uses_with(new)
+            region.erase()
 
 
 def _compare(replayed, plain, context):
-    """:func:`_facts` of both, the replayed one's layers inlined."""
+    """:func:`_facts` of both, the replayed one's layers inlined; in both, no region returns an
+    input no one reads."""
     with context:
         copies = inline_layers(replayed.module)
+        for result in (replayed, plain):
+            _unread_inputs_dropped(result.module)
         assert copies  # some layers were calls
         got, hidden = _facts(replayed, copies)
         want, _ = _facts(plain, hidden=hidden)
@@ -120,6 +140,13 @@ def test_replay_gives_what_the_pass_gives_without_it(lowered, model, debug_info,
     assert got[0] == want[0]
     assert got[1] == want[1]
     assert got[2] == want[2]  # and in the same order
+    source = ir_utils.parse(text, context=context)  # (kept: its regions are read below)
+    if any(layer.joiners for layer in replay.plan(replay._top_level_regions(source)).groups):
+        # the ring functions' ops are located as the twin's sites, not the joiner's: one to one
+        pairs = set(zip(got[3], want[3]))
+        assert len(got[3]) == len(want[3]) and len({a for a, _ in pairs}) == len(pairs) == len({b for _, b in pairs})
+    else:
+        assert got[3] == want[3]
     assert len(replayed.report.rewritten) == len(replayed.report.sites)
     # and without any group, the first region's first sites get their rings inline
     saved = replay.MIN_MEMBERS
@@ -141,6 +168,53 @@ def test_replayed_channel_handles_are_fresh(lowered):
     assert len(handles) == len(set(handles))
     for entry in result.report.sites:  # each entry names its own permutes' handles (or its shared ring's)
         assert set(entry.channel_handles) <= set(handles)
+
+
+def test_the_first_layer_joins_though_it_returns_fewer_of_its_inputs(lowered):
+    """JAX's forward regions return some of their inputs as they came in (each device's block,
+    stacked, for the backward), the first layer three fewer (its caller holds them).  Their bodies
+    are one, so the first layer joins the group: a call of the twin's function, the three results
+    it does not have unread."""
+    text = lowered["sequence_parallel"].as_text()
+    context = make_context()
+    with context:
+        module = ir_utils.parse(text, context=context)
+        regions = replay._top_level_regions(module)
+        through = [replay.pass_through(r) for r in regions[:6]]
+        assert all(len(t) == len(through[0]) + 3 for t in through[1:])
+        layers = replay.plan(regions)
+        forward = layers.groups[0]
+        assert forward.joiners == [regions[0]] and forward.twin == regions[1] and len(forward.members) == 5
+        assert not any(g.joiners for g in layers.groups[1:])  # the backward's last region computes less
+        first = ir_utils.render_location(regions[0].location, "<input>")
+    result = cmatmul_pass.rewrite(text, context=context)
+    called = next(iter(result.report.layers.values()))
+    assert len(called) == 6 and called[0] == first
+    with context:
+        calls = [c for c in ir_utils.ops_named(result.module, "func.call")["func.call"]
+                 if ir_utils.render_location(c.location, "<input>") == first]
+        assert len(calls) == 1
+        unread = [r for r in calls[0].results if not list(r.uses)]
+        assert len(unread) == 3 and len(calls[0].results) == len(regions[1].results)
+
+
+def test_a_region_returning_an_input_sharded_otherwise_does_not_join(lowered):
+    """A joiner's returned inputs must be the twin's as they are returned (argument, sharding and
+    type): the call hands over the twin's results."""
+    context = make_context()
+    with context:
+        module = ir_utils.parse(lowered["sequence_parallel"].as_text(), context=context)
+        regions = replay._top_level_regions(module)
+        joiner, twin = regions[0], regions[1]
+        fingerprint = replay._Fingerprint(context)
+        assert replay._joins(joiner, twin, fingerprint) is not None
+        index = next(iter(replay.pass_through(joiner)))
+        outs = list(sdy.TensorShardingPerValueAttr(joiner.attributes["out_shardings"]).shardings)
+        ins = sdy.TensorShardingPerValueAttr(joiner.attributes["in_shardings"]).shardings
+        other = next(o for o in ins if o != outs[index])
+        outs[index] = other
+        joiner.attributes["out_shardings"] = sdy.TensorShardingPerValueAttr.get(outs)
+        assert replay._joins(joiner, twin, fingerprint) is None
 
 
 @pytest.mark.parametrize("model", list(bench.MODELS))
