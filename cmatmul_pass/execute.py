@@ -329,10 +329,11 @@ def run(module: ir.Module, inputs: Sequence[np.ndarray], devices: Sequence) -> l
     return Program(module, inputs, devices).outputs()
 
 
-def interleaved_medians(programs: dict[str, Callable], runs: int, warmup: int = 1,
-                        prepare: Callable[[], object] | None = None) -> dict[str, float]:
-    """Median wall time of each program (each call must wait for its results), timed round
-    by round: every round runs each program once, in an order drawn afresh each round.
+def interleaved_samples(programs: dict[str, Callable], runs: int, warmup: int = 1,
+                        prepare: Callable[[], object] | None = None) -> dict[str, list[float]]:
+    """Wall times of each program (each call must wait for its results), timed round by round:
+    every round runs each program once, in an order drawn afresh each round, so that the k-th
+    time of every program comes from the same round.
     A drift of the machine's speed (other load, frequency) then falls on all programs alike,
     which separate blocks of runs would charge to whichever ran at the time; and no program
     always follows the same one (a rotation keeps each program's predecessor: on 8 CPU
@@ -358,7 +359,31 @@ def interleaved_medians(programs: dict[str, Callable], runs: int, warmup: int = 
     for _ in range(runs):
         for name in orders.sample(names, len(names)):
             samples[name].append(call(name))
-    return {name: statistics.median(samples[name]) for name in names}
+    return samples
+
+
+def interleaved_medians(programs: dict[str, Callable], runs: int, warmup: int = 1,
+                        prepare: Callable[[], object] | None = None) -> dict[str, float]:
+    """The median of each program's :func:`interleaved_samples`."""
+    samples = interleaved_samples(programs, runs, warmup, prepare)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def ratio_interval(numerator: list[float], denominator: list[float], level: float = 0.95,
+                   resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A bootstrap interval of the median of the per-round ratios ``numerator[k] /
+    denominator[k]``, two programs' :func:`interleaved_samples` (the k-th times of both come
+    from one round, one state of the machine, whose drift the ratio cancels): the rounds are
+    drawn with replacement, and the ``level`` percentile interval is returned.  It holds 1.0
+    where the run cannot tell the two programs apart."""
+    top, bottom = np.asarray(numerator, dtype=float), np.asarray(denominator, dtype=float)
+    if top.shape != bottom.shape or top.size == 0:
+        raise ValueError("the two programs' times must come from the same rounds")
+    ratios = top / bottom
+    rounds = np.random.default_rng(seed).integers(0, ratios.size, size=(resamples, ratios.size))
+    tail = 100 * (1 - level) / 2
+    low, high = np.percentile(np.median(ratios[rounds], axis=1), [tail, 100 - tail])
+    return float(low), float(high)
 
 
 def reduction_tolerance(module: ir.Module) -> float:

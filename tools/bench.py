@@ -52,7 +52,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import cmatmul_pass  # noqa: E402
 from cmatmul_pass import cost, execute, ir_utils  # noqa: E402
-from cmatmul_pass.execute import interleaved_medians  # noqa: E402
+from cmatmul_pass.execute import interleaved_medians, interleaved_samples, ratio_interval  # noqa: E402
 from cmatmul_pass.decorator import rewrite_lowered  # noqa: E402
 from cmatmul_pass.pipeline import Options, variant_options  # noqa: E402
 from cmatmul_pass._jax_private import compile_module  # noqa: E402
@@ -412,7 +412,11 @@ def ring_runtime(runs: int, shapes=RING_SHAPES) -> list[dict]:
     (``cmatmul_pass.jit(f)``, no options) and every named variant, each over a ring written by hand
     with ``ppermute`` (the JAX docs' technique) and over the plain collective; interleaved medians
     of ``runs`` (issue 35: the default at most 1.0x the hand-written ring at every shape).  Where
-    the default's module is a named variant's (``default_is``), that one program is timed once."""
+    the default's module is a named variant's (``default_is``), that one program is timed once.
+    Each shape's default, its program called as jax's ``Compiled`` (``default_program``: without
+    cmatmul_pass.jit's per-call work) and the A/A control get a 95 % interval of their per-round
+    ratio to the hand-written ring (``execute.ratio_interval``) and a verdict: faster, level
+    (the interval holds 1.0) or slower."""
     mesh = jax.make_mesh((8,), ("model",))
     rng = np.random.default_rng(0)
     rows_out = []
@@ -450,21 +454,42 @@ def ring_runtime(runs: int, shapes=RING_SHAPES) -> list[dict]:
         same = next((name for name, text in texts.items() if text == default.lower(x, w).as_text()), None)
         if same is None:
             programs["default"] = timed(default)
-        seconds = interleaved_medians(programs, runs)
-        seconds["default"] = seconds[same or "default"]
+        # the default's program as jax's own ``Compiled`` calls it: the program apart from
+        # cmatmul_pass.jit's per-call work (its signature, its cache)
+        programs["default_program"] = timed(default.lower(x, w).compile())
+        samples = interleaved_samples(programs, runs)
+        samples["default"] = samples[same or "default"]
+        seconds = {name: statistics.median(times) for name, times in samples.items()}
         hand = seconds["hand_written"]
+        # 95 % intervals of the default's per-round ratio to the hand-written ring and of the A/A
+        # control's (rounds resampled): a ratio whose interval holds 1.0 is level with it in this run
+        default_ci = ratio_interval(samples["default"], samples["hand_written"])
+        program_ci = ratio_interval(samples["default_program"], samples["hand_written"])
+        again_ci = ratio_interval(samples["hand_written_again"], samples["hand_written"])
         picked = sorted({site.schedule["variant"] for site in default.report.rewritten})
         row = {"kind": kind, "shape": [rows, hidden, out], "runs": runs, "hand_written_s": hand,
                "default_variant": picked, "default_is": same, "hand_written_over_plain": hand / seconds["plain"],
                "hand_written_again": seconds["hand_written_again"] / hand,
-               "over_hand_written": {name: seconds[name] / hand for name in ["default", *VARIANTS]}}
+               "over_hand_written": {name: seconds[name] / hand for name in ["default", *VARIANTS]},
+               "default_interval": list(default_ci), "hand_written_again_interval": list(again_ci),
+               "default_verdict": _verdict(default_ci),
+               "default_program": seconds["default_program"] / hand, "default_program_interval": list(program_ci),
+               "default_program_verdict": _verdict(program_ci)}
         rows_out.append(row)
         print(f"  {kind}-parallel {rows}x{hidden}x{out}: over the hand-written ring: default ({'/'.join(picked)}) "
-              f"{row['over_hand_written']['default']:.3f}; "
+              f"{row['over_hand_written']['default']:.3f} [{default_ci[0]:.3f}, {default_ci[1]:.3f}]: "
+              f"{row['default_verdict']} (its program alone {row['default_program']:.3f} [{program_ci[0]:.3f}, "
+              f"{program_ci[1]:.3f}]: {row['default_program_verdict']}); "
               + ", ".join(f"{k} {v:.3f}" for k, v in row["over_hand_written"].items() if k != "default")
               + f"; the ring / plain {row['hand_written_over_plain']:.2f}; the same ring timed again "
-              f"(noise) {row['hand_written_again']:.3f}", flush=True)
+              f"(noise) {row['hand_written_again']:.3f} [{again_ci[0]:.3f}, {again_ci[1]:.3f}]", flush=True)
     return rows_out
+
+
+def _verdict(interval: tuple[float, float]) -> str:
+    """What a 95 % interval of a time ratio over the hand-written ring's says."""
+    low, high = interval
+    return "faster" if high < 1.0 else "slower" if low > 1.0 else "level"
 
 
 # ---------------------------------------------------------------------------- 3. issue 7's targets
