@@ -369,6 +369,12 @@ def interleaved_medians(programs: dict[str, Callable], runs: int, warmup: int = 
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
+def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
+    """The median of the per-round ratios ``numerator[k] / denominator[k]`` of two programs'
+    :func:`interleaved_samples` (the estimate :func:`ratio_interval` brackets)."""
+    return float(np.median(np.asarray(numerator, dtype=float) / np.asarray(denominator, dtype=float)))
+
+
 def ratio_interval(numerator: list[float], denominator: list[float], level: float = 0.95,
                    resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
     """A bootstrap interval of the median of the per-round ratios ``numerator[k] /

@@ -20,10 +20,10 @@ def test_rings_against_a_hand_written_ring():
         assert set(row["over_hand_written"]) == {"default", *bench.VARIANTS}
         assert all(v > 0 for v in row["over_hand_written"].values()) and row["hand_written_s"] > 0
         assert row["hand_written_again"] > 0  # the A/A control: the same ring timed as another program
-        for name in ("default", "hand_written_again", "default_program"):  # each ratio's 95 % interval
+        for name in ("default", "hand_written_again", "default_program"):  # per-round ratio, its 95 % interval
             low, high = row[f"{name}_interval"]
-            assert 0 < low <= high
-        assert row["default_verdict"] in ("faster", "level", "slower") and row["default_program"] > 0
+            assert 0 < low <= row[f"{name}_paired"] <= high
+            assert row[f"{name}_verdict"] in ("faster", "level", "slower")
     # on the CPU (no profile) the default is auto's fallback, full on a ring of 8 for both kinds: the
     # very module that variant gives, so one program timed once
     assert [r["default_variant"] for r in rows] == [["full"], ["full"]]
@@ -385,7 +385,7 @@ def test_a_ratio_interval_holds_one_only_where_the_run_cannot_tell_two_programs_
     """Synthetic paired rounds: a drift shared by both programs (the machine's speed) widens
     neither program's lead; one program 3 % slower in every round is told apart, two draws of
     one program are not."""
-    from cmatmul_pass.execute import ratio_interval
+    from cmatmul_pass.execute import paired_ratio, ratio_interval
 
     rng = np.random.default_rng(1)
     drift = 1.0 + 0.2 * np.sin(np.linspace(0, 6, 101))  # shared by both programs, round by round
@@ -393,6 +393,7 @@ def test_a_ratio_interval_holds_one_only_where_the_run_cannot_tell_two_programs_
     same = drift * (1.0 + 0.01 * rng.standard_normal(101))
     slower = 1.03 * drift * (1.0 + 0.01 * rng.standard_normal(101))
     low, high = ratio_interval(list(same), list(a))
+    assert low < paired_ratio(list(same), list(a)) < high
     assert low < 1.0 < high and high - low < 0.02
     low, high = ratio_interval(list(slower), list(a))
     assert 1.0 < low < 1.03 < high

@@ -52,7 +52,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import cmatmul_pass  # noqa: E402
 from cmatmul_pass import cost, execute, ir_utils  # noqa: E402
-from cmatmul_pass.execute import interleaved_medians, interleaved_samples, ratio_interval  # noqa: E402
+from cmatmul_pass.execute import interleaved_medians, interleaved_samples, paired_ratio, ratio_interval  # noqa: E402
 from cmatmul_pass.decorator import rewrite_lowered  # noqa: E402
 from cmatmul_pass.pipeline import Options, variant_options  # noqa: E402
 from cmatmul_pass._jax_private import compile_module  # noqa: E402
@@ -463,27 +463,31 @@ def ring_runtime(runs: int, shapes=RING_SHAPES) -> list[dict]:
         hand = seconds["hand_written"]
         # 95 % intervals of the default's per-round ratio to the hand-written ring and of the A/A
         # control's (rounds resampled): a ratio whose interval holds 1.0 is level with it in this run
-        default_ci = ratio_interval(samples["default"], samples["hand_written"])
-        program_ci = ratio_interval(samples["default_program"], samples["hand_written"])
-        again_ci = ratio_interval(samples["hand_written_again"], samples["hand_written"])
+        paired = {name: (paired_ratio(samples[name], samples["hand_written"]),
+                         ratio_interval(samples[name], samples["hand_written"]))
+                  for name in ("default", "default_program", "hand_written_again")}
         picked = sorted({site.schedule["variant"] for site in default.report.rewritten})
         row = {"kind": kind, "shape": [rows, hidden, out], "runs": runs, "hand_written_s": hand,
                "default_variant": picked, "default_is": same, "hand_written_over_plain": hand / seconds["plain"],
                "hand_written_again": seconds["hand_written_again"] / hand,
                "over_hand_written": {name: seconds[name] / hand for name in ["default", *VARIANTS]},
-               "default_interval": list(default_ci), "hand_written_again_interval": list(again_ci),
-               "default_verdict": _verdict(default_ci),
-               "default_program": seconds["default_program"] / hand, "default_program_interval": list(program_ci),
-               "default_program_verdict": _verdict(program_ci)}
+               # the median of the per-round ratios, its interval and what that says
+               **{f"{name}_paired": ratio for name, (ratio, _) in paired.items()},
+               **{f"{name}_interval": list(ci) for name, (_, ci) in paired.items()},
+               **{f"{name}_verdict": _verdict(ci) for name, (_, ci) in paired.items()}}
         rows_out.append(row)
         print(f"  {kind}-parallel {rows}x{hidden}x{out}: over the hand-written ring: default ({'/'.join(picked)}) "
-              f"{row['over_hand_written']['default']:.3f} [{default_ci[0]:.3f}, {default_ci[1]:.3f}]: "
-              f"{row['default_verdict']} (its program alone {row['default_program']:.3f} [{program_ci[0]:.3f}, "
-              f"{program_ci[1]:.3f}]: {row['default_program_verdict']}); "
+              f"{row['over_hand_written']['default']:.3f} (per round {_paired(row, 'default')}; its program "
+              f"alone {_paired(row, 'default_program')}); "
               + ", ".join(f"{k} {v:.3f}" for k, v in row["over_hand_written"].items() if k != "default")
               + f"; the ring / plain {row['hand_written_over_plain']:.2f}; the same ring timed again "
-              f"(noise) {row['hand_written_again']:.3f} [{again_ci[0]:.3f}, {again_ci[1]:.3f}]", flush=True)
+              f"(noise) {row['hand_written_again']:.3f} (per round {_paired(row, 'hand_written_again')})", flush=True)
     return rows_out
+
+
+def _paired(row: dict, name: str) -> str:
+    low, high = row[f"{name}_interval"]
+    return f"{row[f'{name}_paired']:.3f} [{low:.3f}, {high:.3f}]: {row[f'{name}_verdict']}"
 
 
 def _verdict(interval: tuple[float, float]) -> str:
