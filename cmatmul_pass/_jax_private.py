@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from jax._src import compiler as _compiler
+from jax._src import core as _core
 from jax._src import xla_bridge as _xla_bridge
 from jax._src.interpreters import mlir as _jmlir
 from jax._src.lib import xla_client as _xla_client
@@ -165,9 +166,7 @@ def hlo_module_from_text(text: str):
 def under_trace() -> bool:
     """Whether a JAX transformation (jit, grad, vmap, scan, eval_shape, shard_map, ...) is
     tracing the caller: a call then has to be staged, not run."""
-    from jax._src import core
-
-    return not core.trace_state_clean()
+    return not _core.trace_state_clean()
 
 
 def make_call_primitive(name: str, rewrite_callee) -> Any:

@@ -578,6 +578,8 @@ class _StaticArgs:
                     self.argnums.add(i)
 
     def split(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, tuple]:
+        if not self.argnums and not self.argnames:  # the usual case, on every call: nothing to split
+            return args, kwargs, ((), ())
         nums = {i % len(args) if i < 0 else i for i in self.argnums} if args else set()
         dynamic_args = tuple(a for i, a in enumerate(args) if i not in nums)
         dynamic_kwargs = {k: v for k, v in kwargs.items() if k not in self.argnames}
