@@ -369,10 +369,18 @@ def interleaved_medians(programs: dict[str, Callable], runs: int, warmup: int = 
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
+def _round_ratios(numerator: list[float], denominator: list[float]) -> np.ndarray:
+    """``numerator[k] / denominator[k]``: two programs' times from the same rounds."""
+    top, bottom = np.asarray(numerator, dtype=float), np.asarray(denominator, dtype=float)
+    if top.shape != bottom.shape or top.size == 0:
+        raise ValueError("the two programs' times must come from the same rounds")
+    return top / bottom
+
+
 def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
     """The median of the per-round ratios ``numerator[k] / denominator[k]`` of two programs'
     :func:`interleaved_samples` (the estimate :func:`ratio_interval` brackets)."""
-    return float(np.median(np.asarray(numerator, dtype=float) / np.asarray(denominator, dtype=float)))
+    return float(np.median(_round_ratios(numerator, denominator)))
 
 
 def ratio_interval(numerator: list[float], denominator: list[float], level: float = 0.95,
@@ -382,10 +390,7 @@ def ratio_interval(numerator: list[float], denominator: list[float], level: floa
     from one round, one state of the machine, whose drift the ratio cancels): the rounds are
     drawn with replacement, and the ``level`` percentile interval is returned.  It holds 1.0
     where the run cannot tell the two programs apart."""
-    top, bottom = np.asarray(numerator, dtype=float), np.asarray(denominator, dtype=float)
-    if top.shape != bottom.shape or top.size == 0:
-        raise ValueError("the two programs' times must come from the same rounds")
-    ratios = top / bottom
+    ratios = _round_ratios(numerator, denominator)
     rounds = np.random.default_rng(seed).integers(0, ratios.size, size=(resamples, ratios.size))
     tail = 100 * (1 - level) / 2
     low, high = np.percentile(np.median(ratios[rounds], axis=1), [tail, 100 - tail])

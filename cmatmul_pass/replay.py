@@ -230,8 +230,7 @@ class Plan:
             report.layers[f"@{name}"] = [ir_utils.render_location(region.location, source) for region in called]
             returns = [r.type for r in g.twin.results]  # the function's
             for region in called:
-                result_map = g.result_maps.get(_body(region))
-                _call(region, name, returns if result_map else None, result_map)
+                _call(region, name, returns, g.result_maps.get(_body(region)))
         if inserted:
             sites = []
             for index, entry in enumerate(report.sites):
@@ -613,12 +612,10 @@ def _outline(twin: ir.Operation) -> str:
     return name
 
 
-def _call(region: ir.Operation, name: str, types: list[ir.Type] | None = None,
-          result_map: list[int] | None = None) -> None:
-    """Replace ``region`` by a call of ``name`` with its operands, at its location; for a joiner,
-    the function's result ``types`` and ``result_map``: the call's result standing for each of
-    ``region``'s."""
-    types = types or [r.type for r in region.results]
+def _call(region: ir.Operation, name: str, types: list[ir.Type], result_map: list[int] | None = None) -> None:
+    """Replace ``region`` by a call of ``name`` (returning ``types``) with its operands, at its
+    location; ``result_map`` (a joiner's): the call's result standing for each of ``region``'s
+    (else the call's results are its own, in order)."""
     with ir.InsertionPoint(region):
         call = func.CallOp(types, ir.FlatSymbolRefAttr.get(name), list(region.operands), loc=region.location)
     for index, old in enumerate(region.results):
