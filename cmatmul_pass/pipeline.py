@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 from collections import Counter
@@ -29,6 +30,7 @@ from .report import Report, SiteReport, describe_shard, element_bits, forget_typ
 from .rewrites.all_gather_dot import merge_groups, rewrite_all_gather_dot
 from .rewrites.dot_all_reduce import chunk_all_reduce, chunk_dims_ok, split_all_reduce
 from .rewrites.dot_reduce_scatter import halves_blocker, rewrite_dot_reduce_scatter
+from .rewrites.builders import SHARED
 from .rewrites.schedule import Annotator, Applied, RewriteContext
 from .rewrites.sequence_parallel import Seed, carry_forward, move_gather_forward
 from .rewrites.sink import Hoisted, Sunk
@@ -269,7 +271,7 @@ def _rewrite(module: ir.Module, options: Options, source: str, again: Callable[[
 
 def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool) -> RewriteResult:
     # Unknown is only the default for type construction; every op gets an explicit loc.
-    with module.context, ir.Location.unknown():
+    with module.context, ir.Location.unknown(), _shared_per_block() as constants:
         names = ("func.call", *ir_utils.CHANNEL_OPS, replay.MANUAL, "stablehlo.while")
         # identical layers: all but two are left for replay (cmatmul_pass.replay), and not walked;
         # it needs ring sharing (the layers become calls of one function, as the rings do) and one
@@ -288,6 +290,7 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
             Annotator(module, enabled=options.annotate_streams),
             merge_dots=options.merge_dots,
             tie_rounds=options.tie_rounds,
+            constants=constants,
         )
         verify = module if verify_each else None
         predictions: dict = {}  # SiteShape or pattern key -> (SiteShape, Prediction, its report entry)
@@ -311,12 +314,12 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
             report.sites.append(entry)
 
         variance = Variance(info)
-        # replay needs the twin's and the probe's report entries, and the regions whose gathers compete
+        # replay needs the twin's (and the probe's) report entries, and the regions whose gathers compete
         regions_of: dict[int, ir.Block] = {}  # an entry (by id) -> its region's body
         competing: set = set()
 
         def region_of(op: ir.OpView) -> ir.Block | None:
-            """The body of the twin or probe region holding ``op`` (asked before its site is rewritten)."""
+            """The body of the twin (or probe) region holding ``op`` (asked before its site is rewritten)."""
             return layers.checked_region(op) if layers else None
 
         def tag(region: ir.Block | None, since: int, until: int | None = None) -> None:
@@ -494,7 +497,10 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
         rewrite_sites(found)  # (the regions left for replay are not in it)
         if layers is not None:
             leftover = layers.finish(report, regions_of, competing, source)
-            if leftover:  # a group whose probe differed from its twin: its other regions the usual way
+            # replay erased the regions that became calls (a twin's blocks among them), and the
+            # leftover never built in one: no value shared per block is needed again (forget_inside)
+            ctx.constants.clear()
+            if leftover:  # regions whose locations do not map, or a group whose probe differed: the usual way
                 rewrite_sites(layers.only(leftover, names))
         if report.rewritten:
             ctx.annotator.finish()
@@ -1054,6 +1060,18 @@ def _priced_element_type(dot) -> ir.Type:
     types = [ir_utils.ranked_tensor(v).element_type for v in dot.operation.operands]
     element = max(types, key=element_bits)  # the lhs's on a tie
     return ir.ComplexType(element).element_type if isinstance(element, ir.ComplexType) else element
+
+
+@contextlib.contextmanager
+def _shared_per_block():
+    """The values one run's builders share per block (``RewriteContext.constants``), published
+    for :func:`.rewrites.builders.forget_inside` while the run lasts."""
+    constants: dict = {}
+    token = SHARED.set(constants)
+    try:
+        yield constants
+    finally:
+        SHARED.reset(token)
 
 
 class _no_cyclic_gc:

@@ -1,4 +1,4 @@
-"""Layers that repeat: rewrite the first, check the last, call it from the rest.
+"""Layers that repeat: rewrite the first, call it from the rest.
 
 A model whose layers are a Python loop over a ``jax.shard_map``'d block lowers to one
 ``sdy.manual_computation`` per layer (and one per layer again in the backward), each with the
@@ -9,31 +9,39 @@ model's cached predictions); so every region of a group of identical ones comes 
 first did.
 
 A group is at least :data:`MIN_MEMBERS` top-level regions whose ops are the same but for their
-locations and the outside values they read (:class:`_Fingerprint`).  The pipeline rewrites its first region (the
-*twin*; its sites call the shared rings at once) and its last (the *probe*) the usual way, and
-leaves the others alone.  Then the probe must have come out as the twin did: the same ops,
-attributes and types (channel handles aside), the same region types, and the same report
-entries once the twin's locations are read as the probe's.  If it did, the twin's rewritten
-region moves into a private function ``@cmatmul_layer_<k>`` (its operands become the
-function's arguments), and the twin, the probe and every region between them become a
-``func.call`` of it, carrying the region's own location; each region's report entries are the
-twin's, its locations read as the region's (and its channel handles the function's).  That is
-the form JAX itself gives a nested ``jax.jit`` called once per layer; XLA inlines calls before
-it optimises, so the compiled program is the one copies would give, and the pass builds,
-verifies and prints one rewritten layer instead of thirty.  The ops in the function carry the
-twin's locations.  If the probe differs, or a region's locations cannot be mapped one to one,
-those regions are rewritten the usual way after all.  Either way the program and the report's
-entries are what the pass gives without replay, the layer function inlined and channel handle
-numbers aside (``tests/test_replay.py`` compares them); the report also names each layer
-function and the regions calling it (``Report.layers``).
+locations and the outside values they read (:class:`_Fingerprint`).  The pipeline rewrites its
+first region (the *twin*; its sites call the shared rings at once) the usual way and leaves the
+others alone.  Then the twin's rewritten region moves into a private function
+``@cmatmul_layer_<k>`` (its operands become the function's arguments), and every region of the
+group becomes a ``func.call`` of it, carrying the region's own location; each region's report
+entries are the twin's, its locations read as the region's (and its channel handles the
+function's).  That is the form JAX itself gives a nested ``jax.jit`` called once per layer; XLA
+inlines calls before it optimises, so the compiled program is the one copies would give, and
+the pass builds, verifies and prints one rewritten layer instead of thirty.  The ops in the
+function carry the twin's locations.  If a region's locations cannot be mapped one to one, that
+region is rewritten the usual way after all.
+
+Why a call is sound without rewriting the region itself: the twin's rewritten region computes
+what the twin's body computed from any operands its in-shardings allow (every rewrite keeps a
+region's values; none reads outside the region but the module's meshes, which every region
+shares), and a copy's body is the twin's, op for op.  Whether the pass *would* have made the
+same choices in the copy (its report) is a further claim: the pass reads nothing outside a
+region but the gathers that compete for a dot (:mod:`.analysis.slack`, whose groups are not
+replayed), and :data:`CHECK` tests it (``tests/test_replay.py``, fuzz campaigns): the group's
+last region (the *probe*, its context the least like the twin's) is rewritten the usual way
+too, and must come out as the twin did: the same ops, attributes and types (channel handles
+aside), the same region types, and the same report entries once the twin's locations are read
+as the probe's; if it does not, the group's other regions are rewritten the usual way.  Either
+way the program and the report's entries are what the pass gives without replay, the layer
+function inlined and channel handle numbers aside (``tests/test_replay.py`` compares them); the
+report also names each layer function and the regions calling it (``Report.layers``).
 
 A *joiner* is the region just before a group's twin when its body is the twin's but for the
 inputs it returns unchanged (:func:`pass_through`): JAX's layers return some inputs for the
 backward, and the first layer fewer, since its caller holds them.  It becomes a call of the
-twin's function too (which returns the inputs it does not, unread); it needs no check of its
-own, since the function computes from any operands what the twin's region computes from them,
-and its report entries come first in each run of the twin's.  A group needs two regions of one
-body (the twin and the probe) and, with its joiner, :data:`MIN_MEMBERS` regions.
+twin's function too (which returns the inputs it does not, unread), and its report entries come
+first in each run of the twin's.  A group needs two regions of one body (the twin and a copy, or
+the probe), and with its joiner :data:`MIN_MEMBERS` regions.
 
 Not replayed: modules with a ``stablehlo.while`` (sinking and hoisting move collectives across
 loops and regions), groups whose gathers compete with another collective for a dot (which one
@@ -45,6 +53,7 @@ from __future__ import annotations
 
 import io
 import marshal
+import os
 import re
 from collections import Counter
 from collections.abc import Callable
@@ -54,10 +63,16 @@ from . import ir_utils
 from ._jax_private import func, hlo, ir, location_stripper, sdy
 from .report import Report, SiteReport
 
-#: the twin, the probe and at least one other region (between them, or a joiner): at three, replay saves one
-#: region's rewrite of three (at 4 layers, where each training step's group has three, the pass took 15 % less
-#: time, both bench models)
+#: the twin and at least two regions more (with :data:`CHECK`, the probe among them): below that replay would
+#: save one region's rewrite, and two identical regions are common in small programs, whose output the twin's
+#: calling of its rings at once (:mod:`.sharing`) changes even where the group is then not replayed (competing
+#: gathers)
 MIN_MEMBERS = 3
+#: rewrite each group's last region (the probe) the usual way too and replay the group only where it comes out
+#: as the twin did: the check that the pass made the same choices in every region of a group (tests and fuzz
+#: campaigns set it; ``CMATMUL_PASS_CHECK_REPLAY=1``).  Off, the pass saves a region's rewrite per group
+#: (at 32 layers about 5 ms of 39, both bench models)
+CHECK = os.environ.get("CMATMUL_PASS_CHECK_REPLAY", "") not in ("", "0")
 #: the functions holding a replayed layer
 LAYER_PREFIX = "cmatmul_layer_"
 MANUAL = "sdy.manual_computation"
@@ -75,6 +90,8 @@ class Group:
     were before the pass."""
 
     members: list[ir.Operation]
+    #: whether the last member is the probe (:data:`CHECK`), rewritten the usual way to check the group
+    checked: bool = False
     #: the region just before the twin, when its body is the twin's but it returns fewer of its
     #: own inputs (:func:`pass_through`): a model's first layer, whose inputs the caller holds
     joiners: list[ir.Operation] = field(default_factory=list)
@@ -83,20 +100,25 @@ class Group:
     # the twin's and the probe's (locations in walk order, types) before the pass
     twin_before: tuple = ()
     probe_before: tuple = ()
-    # where each of the twin's ops was before the pass, in walk order: (region, block, op) indices from the twin
-    twin_places: list = field(default_factory=list)
 
     @property
     def twin(self) -> ir.Operation:
         return self.members[0]
 
     @property
-    def probe(self) -> ir.Operation:
-        return self.members[-1]  # the last: its context (what reads its results) the least like the twin's
+    def probe(self) -> ir.Operation | None:
+        # the last: its context (what reads its results) the least like the twin's
+        return self.members[-1] if self.checked else None
+
+    @property
+    def rewritten(self) -> list[ir.Operation]:
+        """The regions the pipeline rewrites the usual way: the twin, and the probe if any."""
+        return self.members[:1] + self.members[-1:] if self.checked else self.members[:1]
 
     @property
     def rest(self) -> list[ir.Operation]:
-        return self.members[1:-1]
+        """The group's regions after the twin (before the probe, if any)."""
+        return self.members[1:-1] if self.checked else self.members[1:]
 
     @property
     def copies(self) -> list[ir.Operation]:
@@ -116,33 +138,6 @@ def _locations(region: ir.Operation) -> list[ir.Location]:
     return found
 
 
-def _located_places(region: ir.Operation) -> tuple[list[ir.Location], list[tuple]]:
-    """:func:`_locations` of ``region``, and each op's place: the (region, block, op) indices
-    leading to it from ``region`` (``region`` itself: ())."""
-    locations, places = [region.location], [()]
-
-    def visit(op: ir.Operation, place: tuple) -> None:
-        for r, inner in enumerate(op.regions):
-            for b, block in enumerate(inner.blocks):
-                for i, child in enumerate(block.operations):
-                    child = child.operation
-                    at = (*place, (r, b, i))
-                    locations.append(child.location)
-                    places.append(at)
-                    visit(child, at)
-
-    visit(region, ())
-    return locations, places
-
-
-def _at(region: ir.Operation, place: tuple) -> ir.Operation:
-    """The op at ``place`` (:func:`_located_places`) in ``region``."""
-    op = region
-    for r, b, i in place:
-        op = op.regions[r].blocks[b].operations[i].operation
-    return op
-
-
 def _types(region: ir.Operation) -> tuple:
     return tuple(v.type for v in region.operands), tuple(r.type for r in region.results)
 
@@ -154,13 +149,13 @@ class Plan:
         self.groups = groups
         self.fingerprint = fingerprint  # how the groups were found: the probe's check compares the same way
         self.deferred = {_body(m) for g in groups for m in g.copies}
-        self.checked = {_body(m) for g in groups for m in (g.twin, g.probe)}
+        self.checked = {_body(m) for g in groups for m in g.rewritten}
         # (a joiner is rewritten only when replay is off, and then as the twin it repeats)
         self.leading = {_body(m) for g in groups for m in (g.twin, *g.joiners)}
         for g in groups:
-            locations, g.twin_places = _located_places(g.twin)
-            g.twin_before = (locations, _types(g.twin))
-            g.probe_before = (_locations(g.probe), _types(g.probe))
+            g.twin_before = (_locations(g.twin), _types(g.twin))
+            if g.checked:
+                g.probe_before = (_locations(g.probe), _types(g.probe))
 
     def top_level(self, op: ir.Operation | ir.OpView) -> ir.Block | None:
         """The body of the top-level region holding ``op`` (None: ``op`` is in none)."""
@@ -178,7 +173,7 @@ class Plan:
         return self.top_level(op) in self.leading
 
     def checked_region(self, op: ir.Operation | ir.OpView) -> ir.Block | None:
-        """The body of the twin or probe region holding ``op``, if any."""
+        """The body of the region holding ``op`` if the pipeline rewrites it for a group (a twin, a probe)."""
         top = self.top_level(op)
         return top if top in self.checked else None
 
@@ -192,22 +187,28 @@ class Plan:
         return out
 
     def finish(self, report: Report, regions_of: dict[int, ir.Block], competing: set, source: str) -> list[ir.Operation]:
-        """Replace the regions of each group whose probe agrees with its twin by calls of the
-        twin's rewritten region, adding their report entries; returns the regions to rewrite the
-        usual way instead."""
+        """Replace the regions of each group (whose probe, if any, agrees with its twin) by calls
+        of the twin's rewritten region, adding their report entries; returns the regions to
+        rewrite the usual way instead."""
         leftover: list[ir.Operation] = []
         by_region: dict[ir.Block, list[int]] = {}  # a region's body -> its entries' indices
         for index, entry in enumerate(report.sites):
             region = regions_of.get(id(entry))
             if region is not None:
                 by_region.setdefault(region, []).append(index)
-        inserted: dict[int, list[SiteReport]] = {}  # after report index -> entries
+        inserted: dict[int, list[SiteReport]] = {}  # report index -> the entries that go before it
         for g in self.groups:
-            twin, probe = _body(g.twin), _body(g.probe)
-            probe_entries = [report.sites[i] for i in by_region.get(probe, [])]
-            replay = (_Replay.of(g, [report.sites[i] for i in by_region.get(twin, [])], source)
-                      if not ({twin, probe} & competing) else None)
-            if replay is None or not replay.agrees(g.probe, g.probe_before[0], probe_entries, self.fingerprint):
+            rewritten = [_body(m) for m in g.rewritten]
+            replay = (_Replay.of(g, [report.sites[i] for i in by_region.get(rewritten[0], [])], source)
+                      if not (set(rewritten) & competing) else None)
+            if replay is not None and g.checked:
+                agreed = replay.agrees(g.probe, g.probe_before[0],
+                                       [report.sites[i] for i in by_region.get(rewritten[-1], [])], self.fingerprint)
+                report.layer_checks.append({"first": ir_utils.render_location(g.twin.location, source),
+                                            "last": ir_utils.render_location(g.probe.location, source),
+                                            "agreed": agreed})
+                replay = replay if agreed else None
+            if replay is None:
                 leftover += g.copies
                 continue
             copies: dict[ir.Block, list[SiteReport]] = {}  # a region's body -> its entries
@@ -217,15 +218,16 @@ class Plan:
                     leftover.append(region)
                 else:
                     copies[_body(region)] = entries
-            called = [m for m in (*g.joiners, g.twin, *g.rest, g.probe) if _body(m) in copies or m in (g.twin, g.probe)]
-            # each run of the twin's (the probe's) consecutive entries is preceded by the same run of
-            # every joiner (every other copy): where the usual order (phase by phase, in program
-            # order) puts them
-            for anchor, regions in ((twin, g.joiners), (probe, g.rest)):
+            called = [m for m in (*g.joiners, *g.members) if _body(m) in copies or _body(m) in rewritten]
+            # each run of the twin's consecutive entries is preceded by the same run of every
+            # joiner, and followed by that of every other copy (or, with a probe, the probe's run
+            # is preceded by it): where the usual order (phase by phase, in program order) puts them
+            for anchor, regions, after in ((rewritten[0], g.joiners, False), (rewritten[-1], g.rest, not g.checked)):
                 made = [copies[_body(r)] for r in regions if _body(r) in copies]
                 indices = by_region.get(anchor, [])
                 for run in _runs(indices):
-                    inserted.setdefault(indices[run[0]], []).extend(e for entries in made for e in (entries[k] for k in run))
+                    at = indices[run[-1]] + 1 if after else indices[run[0]]
+                    inserted.setdefault(at, []).extend(e for entries in made for e in (entries[k] for k in run))
             name = _outline(g.twin)
             report.layers[f"@{name}"] = [ir_utils.render_location(region.location, source) for region in called]
             returns = [r.type for r in g.twin.results]  # the function's
@@ -236,6 +238,7 @@ class Plan:
             for index, entry in enumerate(report.sites):
                 sites.extend(inserted.get(index, ()))
                 sites.append(entry)
+            sites.extend(inserted.get(len(report.sites), ()))
             report.sites[:] = sites
         return leftover
 
@@ -256,9 +259,10 @@ class _Replay:
     locations.
 
     Read once from the twin: which of its locations its report entries render (a location
-    string of an entry is a hole, :func:`_template`), and at which places among its ops before
-    the pass each such string is rendered; a region then costs a visit of the ops at those
-    places (in a layer of a few hundred ops, a few dozen), not a walk of all of its ops."""
+    string of an entry is a hole, :func:`_template`), and at which positions among its ops
+    before the pass (in walk order) each such string is rendered; a region then costs one walk
+    of its locations (one C++ walk: cheaper than reaching the few dozen ops at those positions
+    one by one) and the rendering of those positions' locations."""
 
     def __init__(self, group: Group, entries: list[SiteReport], source: str):
         self.group = group
@@ -278,12 +282,12 @@ class _Replay:
         #: each location string the entries hold -> the positions (walk order) of the twin's ops rendering it
         self.needed = {text: rendered[text] for text in used}
         self.positions = sorted({p for positions in self.needed.values() for p in positions})
-        self.places = [group.twin_places[p] for p in self.positions]
         self.locations = [locations[p] for p in self.positions]
 
     @classmethod
     def of(cls, group: Group, entries: list[SiteReport], source: str) -> "_Replay | None":
-        if _types(group.twin) != group.twin_before[1] or _types(group.probe) != group.probe_before[1]:
+        if _types(group.twin) != group.twin_before[1] or (
+                group.checked and _types(group.probe) != group.probe_before[1]):
             return None  # the pass changed a region's types: its users outside changed too
         return cls(group, entries, source)
 
@@ -319,8 +323,9 @@ class _Replay:
         """``region``'s report entries (the twin's, read with its locations), or None where a
         location string cannot be read one way (two of the twin's ops render it, and the
         region's two render differently).  ``region`` is the twin's op for op (it prints as the
-        twin did before the pass), so a place leads to the same op in both."""
-        locations = [_at(region, place).location for place in self.places]
+        twin did before the pass), so a position is the same op's in both."""
+        walked = _locations(region)
+        locations = [walked[p] for p in self.positions]
         if locations == self.locations:  # located as the twin (layers written as a Python loop over one block)
             return [template.make_same() for template in self.templates]
         text = self._text(locations)
@@ -439,7 +444,7 @@ def walk(module: ir.Module, names: tuple[str, ...], replayable: bool) -> tuple[d
     channel handles and callees, and the pipeline never reads them before they are replaced
     (:meth:`Plan.only` walks them where the probe disagrees).  A module with a loop is not
     replayed, and is walked whole."""
-    layers = plan(_top_level_regions(module)) if replayable else None
+    layers = plan(_top_level_regions(module), CHECK) if replayable else None
     if layers is None:
         return ir_utils.ops_named(module, *names), None
     deferred = layers.deferred
@@ -458,9 +463,10 @@ def _top_level_regions(module: ir.Module) -> list[ir.Operation]:
             for op in block.operations if op.operation.name == MANUAL]
 
 
-def plan(regions: list[ir.Operation]) -> Plan | None:
+def plan(regions: list[ir.Operation], check: bool = False) -> Plan | None:
     """The groups of identical regions among ``regions`` (top-level, in program order), or None
-    when nothing is to be replayed."""
+    when nothing is to be replayed; ``check``: each group's last region is its probe
+    (:data:`CHECK`)."""
     if len(regions) < MIN_MEMBERS:
         return None
     # a region prints its operands and its results' count, so regions that print alike have as many
@@ -480,7 +486,7 @@ def plan(regions: list[ir.Operation]) -> Plan | None:
     for members in by_body.values():
         if len(members) < 2:
             continue
-        group = Group(members)
+        group = Group(members, check)
         before = place[_body(group.twin)] - 1
         if before >= 0 and _body(regions[before]) not in paired:
             result_map = _joins(regions[before], group.twin, fingerprint)

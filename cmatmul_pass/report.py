@@ -79,6 +79,10 @@ class Report:
     #: identical layers' regions rewritten once: each function holding a rewritten layer
     #: (``@cmatmul_layer_<k>``, :mod:`cmatmul_pass.replay`) -> the locations of the regions calling it
     layers: dict[str, list[str]] = field(default_factory=dict)
+    #: with ``replay.CHECK``: each group's check, ``{"first": location, "last": location, "agreed": bool}``
+    #: (the last region rewritten the usual way too, against the first; not agreed: the group's
+    #: regions are rewritten the usual way)
+    layer_checks: list[dict] = field(default_factory=list)
 
     @property
     def rewritten(self) -> list[SiteReport]:
@@ -94,6 +98,7 @@ class Report:
             "num_partitions": self.num_partitions,
             "sites": [asdict(s) for s in self.sites],
             "layers": self.layers,
+            **({"layer_checks": self.layer_checks} if self.layer_checks else {}),
         }
 
     def to_json(self) -> str:
@@ -107,6 +112,9 @@ class Report:
         if self.layers:
             calls = sum(map(len, self.layers.values()))
             line += f"; {calls} identical layers are calls of {len(self.layers)} rewritten one(s)"
+        if self.layer_checks:
+            differed = sum(1 for check in self.layer_checks if not check["agreed"])
+            line += f"; {len(self.layer_checks)} group(s) checked against their last layer, {differed} differed"
         return line
 
 

@@ -6,7 +6,10 @@ checked for the permute-ring property and run against the original on the CPU de
 counts — programs, variant runs, sites rewritten, sites declined by reason, mismatches, crashes — and
 every failing program; exits 1 if any run mismatched or crashed.
 
-    python tools/fuzz.py [--examples 1000] [--seed 0] [--kind psum --norm] [--gather-norm]
+    python tools/fuzz.py [--examples 1000] [--seed 0] [--kind psum --norm] [--gather-norm] [--check-replay]
+
+``--check-replay`` (``replay.CHECK``): each group of identical regions is rewritten in its last
+region too, which must come out as its first; a program where one does not fails the campaign.
 """
 
 from __future__ import annotations
@@ -37,7 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gather-norm", action="store_true",
                         help="only gathers whose rows are normalised before their dots while the raw rows are read "
                              "elsewhere (kind ag_norm, which the default campaign does not draw)")
+    parser.add_argument("--check-replay", action="store_true",
+                        help="rewrite each group of identical regions' last region too and fail where it comes out "
+                             "unlike the first (replay.CHECK)")
     args = parser.parse_args(argv)
+    if args.check_replay:
+        from cmatmul_pass import replay
+
+        replay.CHECK = True
     if args.gather_norm:
         args.kind = ["ag_norm"]
     tally = fuzz_programs.Tally()
@@ -56,9 +66,9 @@ def main(argv: list[str] | None = None) -> int:
 
     campaign()
     print(tally.summary())
-    for spec, variant, message in tally.crashes + tally.mismatches:
+    for spec, variant, message in tally.crashes + tally.mismatches + tally.differed:
         print(f"--- {variant}: {spec}\n{message}")
-    return 1 if tally.crashes or tally.mismatches else 0
+    return 1 if tally.crashes or tally.mismatches or tally.differed else 0
 
 
 if __name__ == "__main__":

@@ -609,6 +609,9 @@ class Tally:
     runs: int = 0
     sites_rewritten: int = 0
     sites_shared: int = 0  # rewritten sites that call a shared ring function
+    layer_calls: int = 0  # regions that became calls of a replayed layer (cmatmul_pass.replay)
+    layer_checks: int = 0  # groups of identical regions checked against their last (replay.CHECK)
+    differed: list = field(default_factory=list)  # (spec, variant, message): a last region unlike the first
     declined: Counter = field(default_factory=Counter)
     dtypes: Counter = field(default_factory=Counter)  # programs per element type
     mismatches: list = field(default_factory=list)
@@ -619,8 +622,9 @@ class Tally:
         dtypes = ", ".join(f"{name} {count}" for name, count in sorted(self.dtypes.items()))
         return (
             f"programs {self.programs} ({dtypes}), variant runs {self.runs}, sites rewritten {self.sites_rewritten} "
-            f"({self.sites_shared} calling a shared ring), "
-            f"sites declined by reason: {reasons}; mismatches {len(self.mismatches)}, crashes {len(self.crashes)}"
+            f"({self.sites_shared} calling a shared ring), regions replayed as layer calls {self.layer_calls}"
+            + (f" (groups checked {self.layer_checks}, differed {len(self.differed)})" if self.layer_checks else "")
+            + f", sites declined by reason: {reasons}; mismatches {len(self.mismatches)}, crashes {len(self.crashes)}"
         )
 
 
@@ -671,6 +675,12 @@ def check(spec: Spec, tally: Tally | None = None, variants=VARIANTS) -> Tally:
             continue
         tally.sites_rewritten += len(result.report.rewritten)
         tally.sites_shared += sum(1 for s in result.report.rewritten if s.shared_ring)
+        tally.layer_calls += sum(map(len, result.report.layers.values()))
+        tally.layer_checks += len(result.report.layer_checks)
+        differed = [c for c in result.report.layer_checks if not c["agreed"]]
+        if differed:
+            tally.differed.append((spec, name, "a group's last region came out unlike its first: "
+                                   + "; ".join(f"{c['first']} vs {c['last']}" for c in differed)))
         tally.declined.update(s.reason_code for s in result.report.declined)
         if not outcome.ok:
             tally.mismatches.append((spec, name, outcome.format()))

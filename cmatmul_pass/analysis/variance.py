@@ -42,13 +42,19 @@ GROUP_COLLECTIVES = frozenset({"stablehlo.all_reduce", "stablehlo.all_gather"})
 
 
 class Variance:
-    """Answers :meth:`identical` for one module, remembering every answer (values do not
-    change while a rewrite asks; new values it builds are never asked about)."""
+    """Answers :meth:`identical` for one module, remembering every answer until :meth:`forget`
+    (values do not change while a rewrite asks; new values it builds are never asked about)."""
 
     def __init__(self, info: ModuleInfo):
         self.info = info
         self._memo: dict[tuple, dict[ir.Value, bool]] = {}  # per ring's groups: value -> identical
         self._axes: dict[tuple, frozenset[str] | None] = {}
+
+    def forget(self) -> None:
+        """Drop the answers about values (call it before the questions of a rewrite that follows
+        another): the memo is by value, a value by its address, and an erased op's address may
+        be a new op's, which would inherit the erased one's answer."""
+        self._memo.clear()
 
     def identical(self, value: ir.Value, ring: Ring) -> bool:
         """Is ``value`` the same array on every device of each of ``ring``'s groups?"""

@@ -6,6 +6,7 @@ so new ops carry the matched ops' source locations.
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -18,6 +19,31 @@ from ..ring import Ring
 
 #: Attributes the pass puts on its ops while it runs and removes before it returns.
 TRANSIENT_MARK_PREFIX = "_cmatmul_"
+
+#: the values the builders of the running pass share per block (``RewriteContext.constants``: the
+#: pipeline sets it), which :func:`forget_inside` keeps clear of erased blocks
+SHARED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("cmatmul_pass_shared", default=None)
+
+
+def forget_inside(op: ir.Operation | ir.OpView) -> None:
+    """Call before erasing ``op``: the values shared per block (:class:`Builder`) drop those of
+    the blocks inside it.  They are found by block, a block by its address, and once ``op`` is
+    erased its blocks' addresses may be new blocks', which would be handed values that no longer
+    exist.  (The blocks are found from ``op`` down: a Python block's ``owner`` is the op it was
+    first read from, not the one a move gave it.)"""
+    shared = SHARED.get()
+    if not shared:
+        return
+    inside: set[ir.Block] = set()
+
+    def visit(nested: ir.Operation) -> ir.WalkResult:
+        for region in nested.regions:
+            inside.update(region.blocks)
+        return ir.WalkResult.ADVANCE
+
+    op.operation.walk(visit)
+    for key in [key for key in shared if key[0] in inside]:
+        del shared[key]
 
 
 def index_element_type() -> ir.IntegerType:

@@ -180,7 +180,9 @@ class _Plan:
 
     @classmethod
     def of(cls, block: ir.Block, seeds: list[Seed], variance: Variance) -> "_Plan":
-        """The plan of ``block``: every op visited in order."""
+        """The plan of ``block``: every op visited in order (the variance's answers from before
+        are forgotten: they may name values a rewrite since erased, whose addresses new values take)."""
+        variance.forget()
         plan = cls(seeds, variance)
         for op in block.operations:
             plan.visit(op)

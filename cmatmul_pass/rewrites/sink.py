@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from .. import ir_utils
 from .._jax_private import hlo, ir
 from ..layout import is_layout_op
-from .builders import zeros_attr
+from .builders import forget_inside, zeros_attr
 from .dot_all_reduce import sum_region
 
 WHILE, CALL, SLICE = "stablehlo.while", "func.call", "stablehlo.dynamic_slice"
@@ -382,6 +382,7 @@ def inline(call: ir.OpView, functions: _Functions, callee: ir.OpView | None = No
     call.operation.erase()
     if not any(ir.FlatSymbolRefAttr(c.attributes["callee"]).value == name
                for c in ir_utils.ops_named(functions.module, CALL)[CALL]):
+        forget_inside(callee)
         callee.operation.erase()
         del functions.by_name[name]
     return name
