@@ -100,6 +100,8 @@ class Group:
     # the twin's and the probe's (locations in walk order, types) before the pass
     twin_before: tuple = ()
     probe_before: tuple = ()
+    # where each of the twin's ops was before the pass, in walk order: (region, block, op) indices from the twin
+    twin_places: list = field(default_factory=list)
 
     @property
     def twin(self) -> ir.Operation:
@@ -138,6 +140,47 @@ def _locations(region: ir.Operation) -> list[ir.Location]:
     return found
 
 
+def _located_places(region: ir.Operation) -> tuple[list[ir.Location], list[tuple]]:
+    """:func:`_locations` of ``region``, and each op's place: the (region, block, op) indices
+    leading to it from ``region`` (``region`` itself: ())."""
+    locations, places = [region.location], [()]
+
+    def visit(op: ir.Operation, place: tuple) -> None:
+        for r, inner in enumerate(op.regions):
+            for b, block in enumerate(inner.blocks):
+                for i, child in enumerate(block.operations):
+                    child = child.operation
+                    at = (*place, (r, b, i))
+                    locations.append(child.location)
+                    places.append(at)
+                    visit(child, at)
+
+    visit(region, ())
+    return locations, places
+
+
+def _locations_at(region: ir.Operation, places: list[tuple]) -> list[ir.Location]:
+    """The locations of the ops at ``places`` (:func:`_located_places`) in ``region``: each
+    reached by its indices (a layer's report reads 7 to 28 of its 45 to 131 ops: fewer
+    steps than a walk of them all), each block on the way read once."""
+    blocks: dict[tuple, ir.Block] = {}  # (place of the op holding it, region, block) -> the block
+    ops: dict[tuple, ir.Operation] = {(): region}
+    found = []
+    for place in places:
+        op = region
+        for depth in range(len(place)):
+            r, b, i = place[depth]
+            key = (place[:depth], r, b)
+            block = blocks.get(key)
+            if block is None:
+                block = blocks[key] = op.regions[r].blocks[b]
+            op = ops.get(place[:depth + 1])
+            if op is None:
+                op = ops[place[:depth + 1]] = block.operations[i].operation
+        found.append(op.location)
+    return found
+
+
 def _types(region: ir.Operation) -> tuple:
     return tuple(v.type for v in region.operands), tuple(r.type for r in region.results)
 
@@ -153,7 +196,8 @@ class Plan:
         # (a joiner is rewritten only when replay is off, and then as the twin it repeats)
         self.leading = {_body(m) for g in groups for m in (g.twin, *g.joiners)}
         for g in groups:
-            g.twin_before = (_locations(g.twin), _types(g.twin))
+            locations, g.twin_places = _located_places(g.twin)
+            g.twin_before = (locations, _types(g.twin))
             if g.checked:
                 g.probe_before = (_locations(g.probe), _types(g.probe))
 
@@ -259,10 +303,9 @@ class _Replay:
     locations.
 
     Read once from the twin: which of its locations its report entries render (a location
-    string of an entry is a hole, :func:`_template`), and at which positions among its ops
-    before the pass (in walk order) each such string is rendered; a region then costs one walk
-    of its locations (one C++ walk: cheaper than reaching the few dozen ops at those positions
-    one by one) and the rendering of those positions' locations."""
+    string of an entry is a hole, :func:`_template`), and at which places among its ops before
+    the pass each such string is rendered; a region then costs a visit of the ops at those
+    places (in a layer of a few hundred ops, a few dozen), not a walk of all of its ops."""
 
     def __init__(self, group: Group, entries: list[SiteReport], source: str):
         self.group = group
@@ -282,6 +325,10 @@ class _Replay:
         #: each location string the entries hold -> the positions (walk order) of the twin's ops rendering it
         self.needed = {text: rendered[text] for text in used}
         self.positions = sorted({p for positions in self.needed.values() for p in positions})
+        self.places = [group.twin_places[p] for p in self.positions]
+        # each needed string and the indices into positions of the ops rendering it
+        index = {p: k for k, p in enumerate(self.positions)}
+        self._reads = [(text, [index[p] for p in positions]) for text, positions in self.needed.items()]
         self.locations = [locations[p] for p in self.positions]
 
     @classmethod
@@ -323,9 +370,8 @@ class _Replay:
         """``region``'s report entries (the twin's, read with its locations), or None where a
         location string cannot be read one way (two of the twin's ops render it, and the
         region's two render differently).  ``region`` is the twin's op for op (it prints as the
-        twin did before the pass), so a position is the same op's in both."""
-        walked = _locations(region)
-        locations = [walked[p] for p in self.positions]
+        twin did before the pass), so a place leads to the same op in both."""
+        locations = _locations_at(region, self.places)
         if locations == self.locations:  # located as the twin (layers written as a Python loop over one block)
             return [template.make_same() for template in self.templates]
         text = self._text(locations)
@@ -334,13 +380,13 @@ class _Replay:
     def _text(self, locations: list[ir.Location]) -> "Callable[[str], str] | None":
         """How a region located ``locations`` (at :attr:`positions`) renders each location
         string of the twin's entries; None where one string would render two ways."""
-        at = dict(zip(self.positions, locations))
+        render, source = ir_utils.render_location, self.source
         texts: dict[str, str] = {}
-        for text, positions in self.needed.items():
-            found = {ir_utils.render_location(at[p], self.source) for p in positions}
-            if len(found) != 1:
-                return None
-            texts[text] = found.pop()
+        for text, indices in self._reads:
+            first = texts[text] = render(locations[indices[0]], source)
+            for k in indices[1:]:
+                if locations[k] != locations[indices[0]] and render(locations[k], source) != first:
+                    return None
         return texts.__getitem__
 
 
@@ -570,24 +616,37 @@ class _Fingerprint:
 
     def __init__(self, context: ir.Context):
         self.strip = location_stripper(context)
+        # per operand types: a module holding one function of them, whose entry block takes each
+        # copy in turn (a module and a function made once, not per region)
+        self._scratch: dict[tuple, tuple[ir.Module, ir.Block]] = {}
+
+    def _scratch_for(self, region: ir.Operation) -> tuple[ir.Module, ir.Block]:
+        types = tuple(v.type for v in region.operands)
+        held = self._scratch.get(types)
+        if held is None:
+            with region.context, ir.Location.unknown():
+                module = ir.Module.create()
+                with ir.InsertionPoint(module.body):
+                    entry = func.FuncOp("region", ir.FunctionType.get(list(types), [])).add_entry_block()
+            held = self._scratch[types] = module, entry  # (the module owns the block: kept with it)
+        return held
 
     def __call__(self, region: ir.Operation, through: dict[int, int] | None = None) -> bytes:
         """The fingerprint of ``region``; with ``through`` (:func:`pass_through`), of ``region``
         without those results."""
-        with region.context, ir.Location.unknown():
-            module = ir.Module.create()
-            with ir.InsertionPoint(module.body):
-                entry = func.FuncOp("region", ir.FunctionType.get([v.type for v in region.operands], [])).add_entry_block()
-            with ir.InsertionPoint(entry):
-                copy = region.clone().operation
+        module, entry = self._scratch_for(region)
+        with region.context, ir.InsertionPoint(entry):
+            copy = region.clone().operation
         for index, argument in enumerate(entry.arguments):  # by position: two operands may be one value
             copy.operands[index] = argument
         if through:
-            without_pass_through(copy, through)
+            core = without_pass_through(copy, through)
             copy.erase()
+            copy = core
         self.strip(module)
         written = io.BytesIO()
         module.operation.write_bytecode(written)
+        copy.erase()  # the block is empty again, for the next region of these types
         return written.getvalue()
 
 
