@@ -307,6 +307,10 @@ READING: contextvars.ContextVar[str | None] = contextvars.ContextVar("cmatmul_pa
 RENDERED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("cmatmul_pass_rendered", default=None)
 
 
+#: the bindings' class of a ``file:line:col`` location (None where they have none of its own)
+_FILE_LINE_COL = getattr(ir, "FileLineColLoc", None)
+
+
 def render_location(loc: ir.Location, source: str | None = None) -> str:
     """``file:line:col`` of the op for a human.
 
@@ -314,6 +318,11 @@ def render_location(loc: ir.Location, source: str | None = None) -> str:
     locations; those are shown against ``source`` (the file that was read; by default
     :data:`READING`'s).
     """
+    if type(loc) is _FILE_LINE_COL:  # the usual kind (text parsed without debug info): read at once
+        filename = loc.filename
+        if filename in ("-", ""):
+            filename = source or READING.get() or filename
+        return f"{filename}:{loc.start_line}:{loc.start_col}"
     rendered = RENDERED.get()
     if rendered is None:
         return _render_location(loc, source)
