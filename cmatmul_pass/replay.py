@@ -163,6 +163,10 @@ def _locations_at(region: ir.Operation, places: list[tuple]) -> list[ir.Location
     """The locations of the ops at ``places`` (:func:`_located_places`) in ``region``: each
     reached by its indices (a layer's report reads 7 to 28 of its 45 to 131 ops: fewer
     steps than a walk of them all), each block on the way read once."""
+    if places and all(len(place) == 1 and place[0][:2] == places[0][0][:2] for place in places):
+        r, b, _ = places[0][0]  # (the usual case: every op in the region's body, one block)
+        ops = region.regions[r].blocks[b].operations
+        return [ops[place[0][2]].location for place in places]
     blocks: dict[tuple, ir.Block] = {}  # (place of the op holding it, region, block) -> the block
     ops: dict[tuple, ir.Operation] = {(): region}
     found = []
@@ -683,6 +687,7 @@ def _call(region: ir.Operation, name: str, types: list[ir.Type], result_map: lis
     (else the call's results are its own, in order)."""
     with ir.InsertionPoint(region):
         call = func.CallOp(types, ir.FlatSymbolRefAttr.get(name), list(region.operands), loc=region.location)
+    new = list(call.results)
     for index, old in enumerate(region.results):
-        old.replace_all_uses_with(call.results[result_map[index] if result_map else index])
+        old.replace_all_uses_with(new[result_map[index] if result_map else index])
     region.erase()
