@@ -223,12 +223,13 @@ class Builder:
     def dot_like(self, template: ir.OpView, result_type: ir.Type, lhs: ir.Value, rhs: ir.Value) -> ir.Value:
         """A dot_general with every attribute of ``template`` (dims, precision, algorithm, ...),
         except the pass's own transient marks (``_cmatmul_*``)."""
-        attrs = template.attributes
-        op = hlo.DotGeneralOp(result_type, lhs, rhs, attrs["dot_dimension_numbers"], loc=self.loc)
-        for name, value in attrs.items():
-            if not name.startswith(TRANSIENT_MARK_PREFIX):
-                op.attributes[name] = value
-        return op.result
+        key = ("dot attributes", template.operation)  # (a site's rounds repeat its few dots)
+        attrs = self._site.get(key)
+        if attrs is None:
+            attrs = self._site[key] = {name: value for name, value in template.operation.attributes.items()
+                                       if not name.startswith(TRANSIENT_MARK_PREFIX)}
+        return ir.Operation.create("stablehlo.dot_general", results=[result_type], operands=[lhs, rhs],
+                                   attributes=attrs, loc=self.loc).result
 
 
 def counted_loop(

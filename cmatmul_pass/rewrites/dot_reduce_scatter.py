@@ -120,16 +120,23 @@ def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> 
         offset = compute.scaled(block, width * (parts // n))
         return compute.add(offset, compute.index(width)) if half else offset
 
+    # what every round's piece of a term reads: its builder, the dot's operands, the block's width
+    # along the scattered dim, the piece's type (worked out once per term, not per round)
+    term_facts = {}
+    for term in site.terms:
+        operands = list(term.dot.operation.operands)
+        width = ir.RankedTensorType(operands[term.operand_index].type).shape[term.operand_dim] // parts
+        piece_t = shard_type(ir.RankedTensorType(term.dot.result.type), term.result_dim, parts)
+        term_facts[id(term)] = (loop_b.at(term.dot.location), operands, width, piece_t, term.sliced())
+
     def term_piece(term, block: ir.Value, half: int, stream: int, dots: list) -> ir.Value:
-        compute = loop_b.at(term.dot.location)
-        args = list(term.dot.operation.operands)
-        width = ir.RankedTensorType(args[term.operand_index].type).shape[term.operand_dim] // parts
+        compute, operands, width, piece_t, sliced = term_facts[id(term)]
+        args = list(operands)
         offset = block_offset(compute, block, half, width)
-        for index, dim in term.sliced():  # a batch dim's block is that block of both operands
+        for index, dim in sliced:  # a batch dim's block is that block of both operands
             args[index] = compute.dynamic_slice(args[index], dim, offset, width)
         if barriers.tied():  # the other operand is every round's: keep XLA from merging the rounds' dots
             args = compute.tied(args)
-        piece_t = shard_type(ir.RankedTensorType(term.dot.result.type), term.result_dim, parts)
         product = ctx.annotator.dot(compute, term.dot, piece_t, args[0], args[1], stream)
         dots.append(product.owner)
         return product
