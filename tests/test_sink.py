@@ -305,3 +305,31 @@ def test_an_fsdp_tp_lm_step_over_a_scan(remat):
     assert jnp.allclose(loss, want_loss, rtol=1e-5)
     for got, want in zip(grads, want_grads):
         assert jnp.allclose(got, want, rtol=1e-4, atol=1e-5 * float(jnp.abs(want).max()))
+
+
+def test_a_function_inlined_and_erased_takes_its_shared_values_with_it():
+    """The values builders share per block are found by block, a block by its address: before a
+    function is erased (sinking and hoisting inline the functions they read through), the values
+    of its blocks go, and only theirs, so a new block at an erased one's address is handed none."""
+    from cmatmul_pass._jax_private import func, ir, make_context
+    from cmatmul_pass.rewrites.builders import SHARED, Builder, forget_inside
+
+    with make_context(), ir.Location.unknown() as loc:
+        module = ir.Module.parse(
+            "func.func @inner(%a: tensor<f32>) -> tensor<f32> {\n  return %a : tensor<f32>\n}\n"
+            "func.func @main(%a: tensor<f32>) -> tensor<f32> {\n  return %a : tensor<f32>\n}")
+        inner, main = (f for f in module.body.operations if isinstance(f, func.FuncOp))
+        shared: dict = {}
+        token = SHARED.set(shared)
+        try:
+            for f in (inner, main):
+                block = f.regions[0].blocks[0]
+                with ir.InsertionPoint.at_block_terminator(block):
+                    Builder(loc, shared).index(3)
+                    Builder(loc, shared).index(4)
+            assert len(shared) == 4
+            forget_inside(inner)
+            assert [key[1:] for key in shared] == [("index", 3), ("index", 4)]
+            assert all(key[0] == main.regions[0].blocks[0] for key in shared)
+        finally:
+            SHARED.reset(token)
