@@ -497,9 +497,6 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
         rewrite_sites(found)  # (the regions left for replay are not in it)
         if layers is not None:
             leftover = layers.finish(report, regions_of, competing, source)
-            # replay erased the regions that became calls (a twin's blocks among them), and the
-            # leftover never built in one: no value shared per block is needed again (forget_inside)
-            ctx.constants.clear()
             if leftover:  # regions whose locations do not map, or a group whose probe differed: the usual way
                 rewrite_sites(layers.only(leftover, names))
         if report.rewritten:

@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 from . import ir_utils
 from ._jax_private import func, hlo, ir, location_stripper, sdy
 from .report import Report, SiteReport
+from .rewrites.builders import forget_inside
 
 #: the twin and at least two regions more (with :data:`CHECK`, the probe among them): below that replay would
 #: save one region's rewrite, and two identical regions are common in small programs, whose output the twin's
@@ -159,30 +160,24 @@ def _located_places(region: ir.Operation) -> tuple[list[ir.Location], list[tuple
     return locations, places
 
 
-def _locations_at(region: ir.Operation, places: list[tuple]) -> list[ir.Location]:
-    """The locations of the ops at ``places`` (:func:`_located_places`) in ``region``: each
-    reached by its indices (a layer's report reads 7 to 28 of its 45 to 131 ops: fewer
-    steps than a walk of them all), each block on the way read once."""
-    if places and all(len(place) == 1 and place[0][:2] == places[0][0][:2] for place in places):
-        r, b, _ = places[0][0]  # (the usual case: every op in the region's body, one block)
+def _at(region: ir.Operation, place: tuple) -> ir.Operation:
+    """The op at ``place`` (:func:`_located_places`) in ``region``."""
+    op = region
+    for r, b, i in place:
+        op = op.regions[r].blocks[b].operations[i].operation
+    return op
+
+
+def _locations_at(region: ir.Operation, places: list[tuple], flat: bool) -> list[ir.Location]:
+    """The locations of the ops at ``places`` (:func:`_located_places`) in ``region``, each
+    reached by its indices (a layer's report reads 7 to 28 of its 45 to 131 ops: fewer steps
+    than a walk of them all); ``flat``: every place is in one block of ``region`` itself, whose
+    op list is read once."""
+    if flat:
+        r, b, _ = places[0][0]
         ops = region.regions[r].blocks[b].operations
         return [ops[place[0][2]].location for place in places]
-    blocks: dict[tuple, ir.Block] = {}  # (place of the op holding it, region, block) -> the block
-    ops: dict[tuple, ir.Operation] = {(): region}
-    found = []
-    for place in places:
-        op = region
-        for depth in range(len(place)):
-            r, b, i = place[depth]
-            key = (place[:depth], r, b)
-            block = blocks.get(key)
-            if block is None:
-                block = blocks[key] = op.regions[r].blocks[b]
-            op = ops.get(place[:depth + 1])
-            if op is None:
-                op = ops[place[:depth + 1]] = block.operations[i].operation
-        found.append(op.location)
-    return found
+    return [_at(region, place).location for place in places]
 
 
 def _types(region: ir.Operation) -> tuple:
@@ -279,6 +274,8 @@ class Plan:
             name = _outline(g.twin)
             report.layers[f"@{name}"] = [ir_utils.render_location(region.location, source) for region in called]
             returns = [r.type for r in g.twin.results]  # the function's
+            for region in g.rewritten:  # the regions built in, about to be erased (copies never were)
+                forget_inside(region)
             for region in called:
                 _call(region, name, returns, g.result_maps.get(_body(region)))
         if inserted:
@@ -327,12 +324,15 @@ class _Replay:
         used = {piece for template in self.templates for *_, pieces, holes in template.fills for piece in
                 (pieces[i] for i in holes)}
         #: each location string the entries hold -> the positions (walk order) of the twin's ops rendering it
-        self.needed = {text: rendered[text] for text in used}
-        self.positions = sorted({p for positions in self.needed.values() for p in positions})
+        needed = {text: rendered[text] for text in used}
+        self.positions = sorted({p for positions in needed.values() for p in positions})
         self.places = [group.twin_places[p] for p in self.positions]
+        # the usual case: every op read is in the region's body (one block)
+        self.flat = bool(self.places) and all(len(place) == 1 and place[0][:2] == self.places[0][0][:2]
+                                              for place in self.places)
         # each needed string and the indices into positions of the ops rendering it
         index = {p: k for k, p in enumerate(self.positions)}
-        self._reads = [(text, [index[p] for p in positions]) for text, positions in self.needed.items()]
+        self._reads = [(text, [index[p] for p in positions]) for text, positions in needed.items()]
         self.locations = [locations[p] for p in self.positions]
 
     @classmethod
@@ -375,7 +375,7 @@ class _Replay:
         location string cannot be read one way (two of the twin's ops render it, and the
         region's two render differently).  ``region`` is the twin's op for op (it prints as the
         twin did before the pass), so a place leads to the same op in both."""
-        locations = _locations_at(region, self.places)
+        locations = _locations_at(region, self.places, self.flat)
         if locations == self.locations:  # located as the twin (layers written as a Python loop over one block)
             return [template.make_same() for template in self.templates]
         text = self._text(locations)
