@@ -154,6 +154,36 @@ def lowered_arguments(lowered: Any) -> tuple[set[int] | None, list | None]:
     return (set(kept) if kept is not None else None), devices
 
 
+# ------------------------------------------------------------------ dispatch (cmatmul_pass.jit's calls)
+
+
+def cpp_dispatcher(name: str, fun: Any, cache_miss: Any, jitted: Any) -> Any:
+    """jax.jit's own C++ dispatcher around ``cache_miss``: a call whose signature (the
+    arguments' avals, shardings and static values, jax's configuration) it has seen runs the
+    executable ``cache_miss`` returned fast-path data for, with no Python on the way; any other
+    call (a new signature, tracers, an executable without a fast path) calls
+    ``cache_miss(*args, **kwargs)``, which returns ``(outputs, fast-path data or None, False)``.
+    The static arguments are ``jitted``'s (a ``jax.jit`` of the same function and options), as
+    jax resolved them; under ``jax.disable_jit()`` it calls ``fun`` itself, as jax.jit does.
+    Its cache is its own (as for an AOT-compiled function's call)."""
+    from jax._src import tree_util
+    from jax._src.interpreters import pxla
+    from jax._src.lib import _jax
+
+    info = jitted._jit_info
+    return _jax.pjit(name, fun, cache_miss, list(info.static_argnums), list(info.static_argnames),
+                     pxla.JitGlobalCppCacheKeys(), tree_util.dispatch_registry, pxla.cc_shard_arg)
+
+
+def executable_cache_miss(compiled: Any) -> Any:
+    """A ``jax.stages.Compiled``'s own cache miss, for :func:`cpp_dispatcher`: called with the
+    executable's (dynamic) arguments it runs it and returns ``(outputs, fast-path data or None,
+    False)``; None where jax gives the executable no C++ call (unordered effects, host
+    callbacks)."""
+    call = compiled._executable.create_cpp_call(compiled._params)
+    return None if call is None else call._cache_miss
+
+
 def _jax_version() -> str:
     import jax
 

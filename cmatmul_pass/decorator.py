@@ -29,7 +29,8 @@ import jax
 import numpy as np
 
 from . import execute, ir_utils
-from ._jax_private import ir, lowered_arguments, lowered_module, lowered_with_module, under_trace
+from ._jax_private import (cpp_dispatcher, executable_cache_miss, ir, lowered_arguments, lowered_module,
+                           lowered_with_module, under_trace)
 from .cost import VARIANTS
 from .errors import InternalError, NumericsMismatch
 from .transform import Overlap
@@ -233,6 +234,17 @@ class Traced:
 class _Entry:
     compiled: Any
     lowered: Lowered
+    _miss: Any = None
+
+    def run(self, args: tuple, kwargs: dict) -> tuple:
+        """Run the executable: ``(outputs, fast-path data or None, False)``, what jax's C++
+        dispatcher caches (:func:`~cmatmul_pass._jax_private.cpp_dispatcher`)."""
+        if self._miss is None:
+            self._miss = executable_cache_miss(self.compiled) or self._without_fast_path
+        return self._miss(*args, **kwargs)
+
+    def _without_fast_path(self, *args: Any, **kwargs: Any) -> tuple:
+        return self.compiled(*args, **kwargs), None, False
 
 
 def rewrite_lowered(lowered: Any, options: Options, source: str) -> RewriteResult:
@@ -243,8 +255,12 @@ def rewrite_lowered(lowered: Any, options: Options, source: str) -> RewriteResul
 
 
 class JittedFunction:
-    """The wrapped function.  ``.report``: the report of the latest signature lowered or
-    called; ``.stats``: how often it traced+lowered, rewrote, compiled, checked and measured;
+    """The wrapped function.  Called, it runs in jax.jit's C++ dispatcher: a signature called
+    before runs its executable with no Python work.  ``.report``: the report of the latest
+    signature lowered or compiled (later calls leave it; ``.lower(*args).report`` is any
+    signature's); ``.stats``: how often it traced+lowered, rewrote, compiled, checked and
+    measured, and ``"misses"``, how many calls the dispatcher sent to Python (a signature's
+    first call, calls under a JAX transformation, an executable without a fast path);
     ``.measurement`` (``variant="measure"``): the latest measured signature's times, noise and
     pick (:class:`Measurement`); ``.measured`` its median seconds per variant and for the
     original, and ``.picked`` the variant kept or ``"original"``."""
@@ -274,6 +290,8 @@ class JittedFunction:
         self.measurement: Measurement | None = None
         #: ``check=True``: the latest check's :class:`execute.CheckResult`
         self.checked: execute.CheckResult | None = None
+        #: jax.jit's C++ dispatcher: a signature called before runs its executable with no Python
+        self._dispatch = cpp_dispatcher(getattr(fun, "__name__", "jit"), fun, self._cache_miss, self._jitted)
         functools.update_wrapper(self, fun)
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
@@ -338,8 +356,17 @@ class JittedFunction:
             return lowered.original.compile()
 
     def __call__(self, *args: Any, **kwargs: Any):
+        return self._dispatch(*args, **kwargs)
+
+    def _cache_miss(self, *args: Any, **kwargs: Any) -> tuple:
+        """What the C++ dispatcher calls where it has no executable for a call: under a JAX
+        transformation, the staged call; else the signature's entry (lowered, rewritten,
+        compiled, measured and checked on its first call) run, with its fast-path data, which
+        the dispatcher keeps for the next call of the signature (``(outputs, fast-path data or
+        None, False)``)."""
+        self.stats["misses"] += 1
         if under_trace():
-            return self._staged(*args, **kwargs)
+            return self._staged(*args, **kwargs), None, False
         key, dynamic_args, dynamic_kwargs = self._key(args, kwargs)
         entry = self._cache.get(key)
         if entry is None:
@@ -354,9 +381,9 @@ class JittedFunction:
             self._cache[key] = entry
             self.report = entry.lowered.report
             if self.check:
-                return self._checked(entry, dynamic_args, dynamic_kwargs)
+                return self._checked(entry, dynamic_args, dynamic_kwargs), None, False
         self.report = entry.lowered.report
-        return entry.compiled(*dynamic_args, **dynamic_kwargs)
+        return entry.run(dynamic_args, dynamic_kwargs)
 
     def _measure(self, key: tuple, args: tuple, kwargs: dict, dynamic_args: tuple, dynamic_kwargs: dict) -> _Entry:
         """Compile every variant and the original, time them in turn on this call's inputs, keep
@@ -418,7 +445,7 @@ class JittedFunction:
         leaves = [comparable(x) for x in jax.tree.leaves((args, kwargs))]
         given = [x for i, x in enumerate(leaves) if kept is None or i in kept]
         if any(x is None for x in given):  # its devices' values are not one array
-            warnings.warn("check=True skipped: an argument has a reduced or unreduced sharding", stacklevel=3)
+            warnings.warn("check=True skipped: an argument has a reduced or unreduced sharding", stacklevel=4)
             self.checked = None
             return entry.compiled(*args, **kwargs)
         name = getattr(self._fun, "__qualname__", "function")
