@@ -85,7 +85,15 @@ def test_targets_name_the_variants_above_each_limit():
         (True, []),  # 1.0 is within a limit of 1.0
         (False, []),  # issue 35's 3 %: 0.048 > 0.03
         (None, []),  # the pass as cmatmul_pass.jit runs it: not in these results
+        (None, []),  # the rings against the hand-written one: not run
     ]
+    # issue 35's ring target: per shape, the low end of the default's interval (not measurably slower)
+    rings = [{"kind": "column", "shape": [8, 4, 8], "default_interval": [0.97, 1.02]},
+             {"kind": "row", "shape": [8, 4, 8], "default_interval": [1.01, 1.04]}]
+    ring_row = bench.targets({"rings": rings})[-1]
+    assert ring_row["value"] == {"column 8x4x8": 0.97, "row 8x4x8": 1.01}
+    assert (ring_row["met"], ring_row["above"]) == (False, ["row 8x4x8"])
+    assert bench.targets({"rings": rings[:1]})[-1]["met"] is True
     assert bench.targets({})[0]["met"] is None
     # compile ratios at several L: each variant's worst
     by_layers = {"4": {name: 1.1 for name in bench.VARIANTS}, "32": {name: 1.1 for name in bench.VARIANTS}}
@@ -469,12 +477,15 @@ def test_the_readme_summary_quotes_the_stored_bench_run():
             in " ".join(summary.split()))
     # the verdicts are the run's own
     verdicts = [row["met"] for row in results["targets"]]  # in bench.TARGETS' order, as the table's rows
-    assert len(verdicts) == len(bench.TARGETS) == 7
-    names = list(rows)[list(rows).index("target (issues 7 and 35)") + 1:][:7]
+    assert len(verdicts) == len(bench.TARGETS) == 8
+    names = list(rows)[list(rows).index("target (issues 7 and 35)") + 1:][:8]
     assert names[0].startswith("pass time ≤ 5 %") and names[4].startswith("CPU run time ≤ 1.0 of the hand-written")
     assert names[5].startswith("issue 35: pass time ≤ 3 %") and names[6].startswith("issue 35: the same, as `cmatmul_pass.jit`")
     assert f"| {100 * by_layers[32]['pass_over_lower_compile']:.2f} % |" in rows[names[5]]
     assert f"| {100 * by_layers[32]['jit_pass_over_lower_compile']:.2f} % |" in rows[names[6]]
+    assert names[7].startswith("issue 35: the default's CPU run time ≤ 1.0 of the hand-written ring")
+    lows = [row["default_interval"][0] for row in results["rings"]]
+    assert f"low ends {min(lows):.3f}–{max(lows):.3f}" in rows[names[7]]
     stated = [rows[name].rstrip(" |").rsplit("| ", 1)[1].startswith("yes") for name in names]
     assert stated == verdicts
 
