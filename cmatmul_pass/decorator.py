@@ -311,6 +311,16 @@ class JittedFunction:
     def eval_shape(self, *args: Any, **kwargs: Any):
         return self._staged.eval_shape(*args, **kwargs)
 
+    def clear_cache(self) -> None:
+        """As ``jax.jit``'s: forget every signature's executable (the dispatcher's, the
+        decorator's, and jax's lowerings of ``fun``); the next call of each lowers, rewrites and
+        compiles again."""
+        self._dispatch._clear_cache()
+        self._cache.clear()
+        self._picked.clear()
+        self._jitted.clear_cache()
+        self._staged.clear_cache()
+
     def _jax_lower(self, args: tuple, kwargs: dict):
         self.stats["lowerings"] += 1
         return self._jitted.lower(*args, **kwargs)

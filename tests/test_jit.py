@@ -69,6 +69,24 @@ def test_second_call_with_the_same_signature_does_no_work():
     assert g.stats["misses"] == 2
 
 
+def test_clear_cache_and_disable_jit_behave_as_under_jax_jit():
+    """``clear_cache()`` forgets the executables (the next call compiles again); under
+    ``jax.disable_jit()`` the function runs as Python, nothing lowered or compiled."""
+    g = cmatmul_pass.jit(F)
+    x, w = inputs()
+    expected = np.asarray(jax.jit(F)(x, w))
+    g(x, w)
+    g.clear_cache()
+    np.testing.assert_array_equal(np.asarray(g(x, w)), expected)
+    assert (g.stats["misses"], g.stats["compiles"]) == (2, 2)
+    g(x, w)
+    assert g.stats["misses"] == 2  # the dispatcher has it again
+    with jax.disable_jit():
+        eager = g(x, w)
+    np.testing.assert_allclose(np.asarray(eager), expected, rtol=1e-5, atol=1e-5)
+    assert (g.stats["misses"], g.stats["compiles"]) == (2, 2)
+
+
 def test_calls_under_a_transformation_are_staged_every_time():
     """Tracers never take the dispatcher's fast path: each call under jax.grad goes to the
     decorator and is staged (cmatmul_pass.overlap's rewrite, not the cached executable)."""
