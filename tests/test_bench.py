@@ -31,6 +31,20 @@ def test_rings_against_a_hand_written_ring():
     assert all(r["over_hand_written"]["default"] == r["over_hand_written"][r["default_is"]] for r in rows)
 
 
+def test_dispatch_against_jax_jit():
+    """The dispatch benchmark times cmatmul_pass.jit, jax.jit and the Python dispatch it replaced on
+    the same calls; every timed call of the decorator hit the C++ dispatcher (one miss: the first)."""
+    rows = bench.dispatch_runtime(2, leaves=(1, 3), calls=2)
+    assert [r["leaves"] for r in rows] == [1, 3]
+    for row in rows:
+        assert set(row["us_per_call"]) == {"jax_jit", "cmatmul_pass_jit", "python_dispatch"}
+        assert all(v > 0 for v in row["us_per_call"].values())
+        assert row["misses"] == 1
+        for name in ("cmatmul_pass_jit", "python_dispatch"):
+            low, high = row[f"{name}_interval"]
+            assert 0 < low <= row[f"{name}_over_jax_jit"] <= high
+
+
 def test_bench_smoke(tmp_path):
     out = tmp_path / "results.json"
     assert bench.main(["--layers", "1", "--variant-layers", "1", "--runs", "1", "--layer-runs", "1", "--repeats", "1",

@@ -489,6 +489,58 @@ def ring_runtime(runs: int, shapes=RING_SHAPES) -> list[dict]:
     return rows_out
 
 
+#: a call's argument leaves in the dispatch benchmark: one array, a small model's parameters, a large one's
+DISPATCH_LEAVES = (1, 64, 1024)
+#: calls per timed round of the dispatch benchmark (one call takes microseconds)
+DISPATCH_CALLS = 20
+
+
+def dispatch_runtime(runs: int, leaves=DISPATCH_LEAVES, calls: int = DISPATCH_CALLS) -> list[dict]:
+    """What a call of ``cmatmul_pass.jit`` costs against ``jax.jit``'s of the same function, by
+    the number of argument leaves: a pytree of ``n`` small arrays, of which the function doubles
+    one (so the time is dispatch, not compute).  Beside them, the dispatch the decorator used
+    until 2026-11-27 (the arguments' signature computed in Python and looked up, then the
+    executable called as jax's ``Compiled``), rebuilt from the decorator's pieces.  Per program,
+    microseconds per call: interleaved medians of ``runs`` rounds of ``calls`` calls, and the
+    per-round ratio to ``jax.jit`` with its 95 % interval."""
+    rows = []
+    for n in leaves:
+        tree = {f"w{i:04d}": jnp.full((8,), float(i), jnp.float32) for i in range(n)}
+        fun = lambda t: t["w0000"] * 2.0  # noqa: E731
+        plain, ours = jax.jit(fun), cmatmul_pass.jit(fun)
+        np.testing.assert_array_equal(np.asarray(plain(tree)), np.asarray(ours(tree)))
+        (entry,) = ours._cache.values()
+
+        def python_dispatch():  # the decorator's call before it went through jax's C++ dispatcher
+            key, dynamic_args, dynamic_kwargs = ours._key((tree,), {})
+            return ours._cache[key].compiled(*dynamic_args, **dynamic_kwargs)
+
+        np.testing.assert_array_equal(np.asarray(python_dispatch()), np.asarray(plain(tree)))
+
+        def repeated(call):
+            def run():
+                for _ in range(calls - 1):
+                    call()
+                call().block_until_ready()
+            return run
+
+        programs = {"jax_jit": repeated(lambda: plain(tree)), "cmatmul_pass_jit": repeated(lambda: ours(tree)),
+                    "python_dispatch": repeated(python_dispatch)}
+        samples = interleaved_samples(programs, runs)
+        row = {"leaves": n, "runs": runs, "calls_per_round": calls,
+               "us_per_call": {name: 1e6 * statistics.median(times) / calls for name, times in samples.items()},
+               "misses": ours.stats["misses"]}
+        for name in ("cmatmul_pass_jit", "python_dispatch"):
+            row[f"{name}_over_jax_jit"] = paired_ratio(samples[name], samples["jax_jit"])
+            row[f"{name}_interval"] = list(ratio_interval(samples[name], samples["jax_jit"]))
+        rows.append(row)
+        us = row["us_per_call"]
+        print(f"  {n:>5} leaves: jax.jit {us['jax_jit']:.1f} us a call, cmatmul_pass.jit {us['cmatmul_pass_jit']:.1f} "
+              f"(per round {row['cmatmul_pass_jit_over_jax_jit']:.3f} of jax.jit), the Python dispatch it replaced "
+              f"{us['python_dispatch']:.1f} ({row['python_dispatch_over_jax_jit']:.2f})", flush=True)
+    return rows
+
+
 def _paired(row: dict, name: str) -> str:
     low, high = row[f"{name}_interval"]
     return f"{row[f'{name}_paired']:.3f} [{low:.3f}, {high:.3f}]: {row[f'{name}_verdict']}"
@@ -632,6 +684,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.ring_runs:
         print("the default and every variant against a hand-written ring (issue 35)", flush=True)
         results["rings"] = ring_runtime(args.ring_runs)
+        print("a call's dispatch: cmatmul_pass.jit against jax.jit, by argument leaves", flush=True)
+        results["dispatch"] = dispatch_runtime(args.ring_runs)
     ratios = {name: statistics.median(row[name] for row in results["samples"].values()) for name in VARIANTS}
     results["samples_median_ratio"] = ratios
     fastest = results["fastest_variant"] = min(ratios, key=ratios.get)
