@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import cmatmul_pass
@@ -67,6 +68,39 @@ def test_second_call_with_the_same_signature_does_no_work():
     assert dict(g.stats) == {"misses": 2, "lowerings": 2, "rewrites": 2, "compiles": 2}
     g(x, w)  # the first signature again: still the dispatcher's
     assert g.stats["misses"] == 2
+
+
+def _argument_kinds():
+    """Arguments jax.jit specialises on differently: dtypes, shapes, weak types, shardings, NumPy
+    arrays and Python scalars (built once: a draw picks among them by index)."""
+    sharded = NamedSharding(jax.make_mesh((8,), ("x",)), P("x"))
+    first = [jnp.ones(8), jnp.ones(8, jnp.int32), jnp.ones(16), jax.device_put(jnp.ones(8), sharded),
+             np.ones(8, np.float32), jnp.ones((2, 8))]
+    second = [2.0, 3, jnp.float32(2), jnp.asarray(2.0), np.float32(2), jnp.int32(2)]
+    return first, second
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5), st.booleans()), min_size=1, max_size=8))
+def test_any_sequence_of_calls_is_dispatched_as_jax_jit_would(calls):
+    """A random sequence of calls (argument kinds, a static flag): every output is jax.jit's, and
+    the same sequence called again runs wholly in jax's C++ dispatcher (no miss, no compile)."""
+    first, second = _argument_kinds()
+    fun = lambda a, b, double: a * b * (2 if double else 1)  # noqa: E731
+    ours, theirs = cmatmul_pass.jit(fun, static_argnames="double"), jax.jit(fun, static_argnames="double")
+
+    def run_all():
+        for i, j, double in calls:
+            got, want = ours(first[i], second[j], double=double), theirs(first[i], second[j], double=double)
+            assert got.dtype == want.dtype and got.shape == want.shape
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+    run_all()
+    misses, compiles = ours.stats["misses"], ours.stats["compiles"]
+    # each kind is its own signature to jax.jit (the kinds above): one compile per distinct call
+    assert compiles == len(set(calls)) <= misses <= len(calls)
+    run_all()
+    assert (ours.stats["misses"], ours.stats["compiles"]) == (misses, compiles)
 
 
 def test_clear_cache_and_disable_jit_behave_as_under_jax_jit():
