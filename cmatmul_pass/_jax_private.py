@@ -175,6 +175,15 @@ def cpp_dispatcher(name: str, fun: Any, cache_miss: Any, jitted: Any) -> Any:
                      pxla.JitGlobalCppCacheKeys(), tree_util.dispatch_registry, pxla.cc_shard_arg)
 
 
+def trace_context() -> tuple:
+    """The part of jax's configuration a trace depends on (x64, the default matmul precision, the
+    context mesh, ...), as jax.jit's own caches key on it: a call under ``jax.enable_x64()`` or
+    ``jax.default_matmul_precision(...)`` is another program."""
+    from jax._src import config
+
+    return config.trace_context()
+
+
 def executable_cache_miss(compiled: Any) -> Any:
     """A ``jax.stages.Compiled``'s own cache miss, for :func:`cpp_dispatcher`: called with the
     executable's (dynamic) arguments it runs it and returns ``(outputs, fast-path data or None,

@@ -30,7 +30,7 @@ import numpy as np
 
 from . import execute, ir_utils
 from ._jax_private import (cpp_dispatcher, executable_cache_miss, ir, lowered_arguments, lowered_module,
-                           lowered_with_module, under_trace)
+                           lowered_with_module, trace_context, under_trace)
 from .cost import VARIANTS
 from .errors import InternalError, NumericsMismatch
 from .transform import Overlap
@@ -342,7 +342,8 @@ class JittedFunction:
 
     def _key(self, args: tuple, kwargs: dict) -> tuple:
         dynamic_args, dynamic_kwargs, statics = self._static.split(args, kwargs)
-        return (statics, _signature((dynamic_args, dynamic_kwargs))), dynamic_args, dynamic_kwargs
+        # (jax's configuration too: under jax.enable_x64() a call is another program, as under jax.jit)
+        return (statics, _signature((dynamic_args, dynamic_kwargs)), trace_context()), dynamic_args, dynamic_kwargs
 
     def _fall_back(self, failure: Exception, what: str) -> None:
         """The original program runs instead of the rewrite (``strict``: raise ``failure``)."""

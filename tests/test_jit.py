@@ -103,6 +103,25 @@ def test_any_sequence_of_calls_is_dispatched_as_jax_jit_would(calls):
     assert (ours.stats["misses"], ours.stats["compiles"]) == (misses, compiles)
 
 
+def test_a_call_under_another_jax_configuration_is_another_program():
+    """jax.jit specialises on its configuration (x64, the default matmul precision): so does
+    cmatmul_pass.jit, and each program's outputs are jax.jit's (a Python float is f64 under x64)."""
+    fun = lambda x: jnp.asarray(x) * 2  # noqa: E731
+    ours, theirs = cmatmul_pass.jit(fun), jax.jit(fun)
+    assert ours(1.0).dtype == theirs(1.0).dtype == jnp.float32
+    with jax.enable_x64():
+        got, want = ours(1.0), theirs(1.0)
+        assert got.dtype == want.dtype == jnp.float64 and float(got) == float(want) == 2.0
+    assert ours(1.0).dtype == jnp.float32
+    assert ours.stats["compiles"] == 2
+    a = jnp.ones((4, 4))
+    square = cmatmul_pass.jit(lambda a: a @ a)
+    square(a)
+    with jax.default_matmul_precision("highest"):
+        square(a)
+    assert square.stats["lowerings"] == 2
+
+
 def test_clear_cache_and_disable_jit_behave_as_under_jax_jit():
     """``clear_cache()`` forgets the executables (the next call compiles again); under
     ``jax.disable_jit()`` the function runs as Python, nothing lowered or compiled."""
