@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                 choices=[*VARIANT_NAMES, "auto"],
                 help="a ring variant by name, instead of --bidirectional/--unroll; 'auto' (the default): per "
                      "site, the variant the cost model predicts fastest on --hardware (with --hardware auto "
-                     "on a machine no profile describes: full on a ring of up to 8, else unroll2)",
+                     "on a machine no profile describes: full on a ring of up to 8 (uni for a scatter of 8 MiB "
+                     "of partial sums or more), else unroll2)",
             )
         p.add_argument(
             "--annotate-streams",

@@ -265,20 +265,30 @@ FALLBACK_PROFILE = "h100"
 
 
 #: ``variant="auto"`` (the default) where no profile describes the machine: on a ring of up to
-#: :data:`FALLBACK_FULL_UP_TO` devices the straight-line ring, gathers and scatters alike, and two
-#: rounds per loop trip on longer rings, where a straight-line ring's code grows with the ring.
-#: On the 8 CPU devices the straight-line ring compiles to the program a ring written by hand with
-#: ``ppermute`` compiles to (the same dots, slices, permutes and fusions, lighter index arithmetic:
-#: tests/test_default_program.py), and a gather loop copies the shard it sends in every trip.  The
-#: timings (``tools/bench.py --only-rings``, docs/variants.md) put ``full`` and ``unroll2`` within
-#: a run's noise of each other for scatters, in either order from run to run.
+#: :data:`FALLBACK_FULL_UP_TO` devices the straight-line ring, gathers and scatters alike, but a
+#: one-way loop for a scatter whose partial sums add up to :data:`FALLBACK_LOOPED_SCATTER_BYTES`
+#: or more per device; two rounds per loop trip on longer rings, where a straight-line ring's code
+#: grows with the ring.  On the 8 CPU devices the straight-line ring compiles to the program a ring
+#: written by hand with ``ppermute`` compiles to (the same dots, slices, permutes and fusions,
+#: lighter index arithmetic: tests/test_default_program.py), and a gather loop copies the shard it
+#: sends in every trip; the timings (``tools/bench.py --only-rings``, docs/variants.md) put
+#: ``full`` as fast as or faster than the loops for scatters of up to 4 MiB of partial sums (``uni``
+#: 0.97-1.09 of the hand-written ring, ``full`` 0.96-1.01), but a scatter of 8 MiB or more runs
+#: faster as a one-way loop (``uni`` 0.86-1.005 at 8 MiB, median 0.92 over seven runs; 0.63-0.85
+#: at 16 MiB, 0.59 at 32; ``full``, the hand-written ring's program, 0.97-1.01): the straight
+#: line holds every round's partial product at once.  Gathers keep ``full`` at every size
+#: measured (``uni`` 1.05-1.24 at 16-32 MiB).
 FALLBACK_VARIANT, FALLBACK_SHORT_RING_VARIANT, FALLBACK_FULL_UP_TO = "unroll2", "full", 8
+FALLBACK_LOOPED_SCATTER_VARIANT, FALLBACK_LOOPED_SCATTER_BYTES = "uni", 8 * 2**20
 
 
-def fallback_variant(kind: str, ring: int) -> str:
-    """The variant ``"auto"`` gives a site of ``kind`` (SiteShape.kind) on a ring of ``ring``
-    devices where no profile describes the machine (the same for every kind, today)."""
-    return FALLBACK_SHORT_RING_VARIANT if ring <= FALLBACK_FULL_UP_TO else FALLBACK_VARIANT
+def fallback_variant(shape: "SiteShape") -> str:
+    """The variant ``"auto"`` gives a site of ``shape`` where no profile describes the machine."""
+    if shape.ring > FALLBACK_FULL_UP_TO:
+        return FALLBACK_VARIANT
+    if shape.kind == "dot_reduce_scatter" and shape.step_bytes * shape.ring >= FALLBACK_LOOPED_SCATTER_BYTES:
+        return FALLBACK_LOOPED_SCATTER_VARIANT
+    return FALLBACK_SHORT_RING_VARIANT
 
 
 def profile_for(device_kind: str) -> str | None:
@@ -732,7 +742,7 @@ def picked_variant(prediction: Prediction, shape: SiteShape, hw: Hardware, varia
     as the pipeline picks it."""
     if variant != "auto":
         return variant
-    return fallback_variant(shape.kind, shape.ring) if hw.assumed else prediction.best
+    return fallback_variant(shape) if hw.assumed else prediction.best
 
 
 # ---------------------------------------------------------------------------- two-stage gathers

@@ -65,8 +65,9 @@ def jit(
     Usable as ``@cmatmul_pass.jit`` and ``@cmatmul_pass.jit(bidirectional=True, ...)``.
     ``variant``: a ring variant by name (``"bidi-unroll2"``), or ``"auto"`` (the default,
     unless ``bidirectional`` or ``unroll`` name one): per site, the one the cost model predicts
-    fastest on ``hardware``, or on a machine no profile describes (a CPU) ``full`` for a gather
-    on a ring of up to 8 and ``unroll2`` otherwise (see :class:`~cmatmul_pass.Options`),
+    fastest on ``hardware``, or on a machine no profile describes (a CPU) ``full`` on a ring of
+    up to 8 (``uni`` for a scatter of 8 MiB of partial sums or more) and ``unroll2`` on longer
+    ones (``cost.fallback_variant``, :class:`~cmatmul_pass.Options`),
     or ``"measure"``: on the first call of each input signature, compile every variant and
     the original, time each on that call's inputs (median of ``measure_runs`` after a
     warm-up, in turn, on copies of donated inputs) and keep the fastest variant if it beats

@@ -59,8 +59,8 @@ class Options:
     is an error); or ``"auto"`` (the default when neither ``bidirectional`` nor ``unroll`` is
     given): per site, the variant the cost model predicts fastest on ``hardware`` (sites of one
     shape get the same one), or, where no profile describes the machine (``hardware="auto"`` on
-    a CPU, say), ``cost.fallback_variant``: ``full`` on a ring of up to 8 devices,
-    ``unroll2`` on longer ones.  ``bidirectional`` / ``unroll`` alone name a variant as well (the other taking one
+    a CPU, say), ``cost.fallback_variant``: ``full`` on a ring of up to 8 devices (``uni``
+    for a scatter of 8 MiB of partial sums or more), ``unroll2`` on longer ones.  ``bidirectional`` / ``unroll`` alone name a variant as well (the other taking one
     direction, one round per trip): ``Options(unroll=1)`` is ``uni``.
     ``annotate_streams``: outline each round's dots onto compute streams
     (``_xla_stream_annotation``) and group each permute with the dots it overlaps
@@ -526,7 +526,7 @@ def _apply(
         if cached is None:
             prediction = cost.predict(shape, hw, options.bidirectional, options.rounds_per_trip)
             if options.variant == "auto":
-                prediction.variant = cost.fallback_variant(shape.kind, shape.ring) if hw.assumed else prediction.best
+                prediction.variant = cost.fallback_variant(shape) if hw.assumed else prediction.best
             cached = predictions[shape] = shape, prediction, {**prediction.to_dict(), "site": shape.to_dict()}
         if pattern:
             predictions[pattern.key] = cached
@@ -807,7 +807,7 @@ def _all_reduce(site, ctx: RewriteContext, source: str, options: Options, hw: co
     shape = all_reduce_shape(site)
     variant = cost.variant_name(options.bidirectional, options.rounds_per_trip)
     if options.variant == "auto" and hw.assumed:
-        variant = cost.fallback_variant(shape.kind, shape.ring)
+        variant = cost.fallback_variant(shape)
     elif options.variant == "auto":
         if ("best", shape) not in predictions:
             predictions[("best", shape)] = cost.predict(shape, hw).best

@@ -654,8 +654,8 @@ def test_hardware_auto_follows_the_device_kind(monkeypatch):
 
 def test_the_default_variant_is_the_model_pick_or_the_fallback_without_a_profile(monkeypatch):
     """Issue 35: no variant named is ``auto``: the model's pick on a profiled machine; on one no
-    profile describes, the fallback (full on a ring of up to 8, unroll2 on longer ones), not
-    the assumed profile's pick."""
+    profile describes, the fallback (full on a ring of up to 8, but uni for a scatter of 8 MiB
+    of partial sums or more; unroll2 on longer rings), not the assumed profile's pick."""
     text = sample("sp_mlp").read_text()
     h100 = cost.hardware("h100")
     default = cmatmul_pass.rewrite(text)
@@ -667,8 +667,17 @@ def test_the_default_variant_is_the_model_pick_or_the_fallback_without_a_profile
     picked = {site.kind: site.schedule["variant"] for site in unprofiled.report.rewritten}
     assert picked == {"all_gather_dot": "full", "dot_reduce_scatter": "full"}
     assert picked != {site.kind: site.schedule["variant"] for site in default.report.rewritten}
+    def shape(kind, ring, step_bytes):
+        return cost.SiteShape(kind, ring, 1e9, step_bytes, "f32")
+
+    big = cost.FALLBACK_LOOPED_SCATTER_BYTES // 8  # a block of a scatter whose partial sums are 8 MiB
     for kind in ("all_gather_dot", "dot_reduce_scatter"):  # straight-line code grows with the ring
-        assert cost.fallback_variant(kind, 8) == "full" and cost.fallback_variant(kind, 16) == "unroll2"
+        assert cost.fallback_variant(shape(kind, 8, 1 << 10)) == "full"
+        assert cost.fallback_variant(shape(kind, 16, 1 << 10)) == cost.fallback_variant(shape(kind, 16, big)) == "unroll2"
+    # a scatter's straight line holds every round's partial product at once: from 8 MiB, a loop
+    assert cost.fallback_variant(shape("dot_reduce_scatter", 8, big)) == "uni"
+    assert cost.fallback_variant(shape("dot_reduce_scatter", 8, big - 1)) == "full"
+    assert cost.fallback_variant(shape("all_gather_dot", 8, big)) == "full"
     # a variant named (or bidirectional / unroll alone) is what runs
     assert cmatmul_pass.Options(unroll=1).variant == "uni" and cmatmul_pass.Options(bidirectional=True).variant == "bidi"
     uni = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant="uni"))
@@ -684,7 +693,8 @@ def test_the_decorator_picks_for_the_device_it_runs_on(monkeypatch):
     here = cmatmul_pass.jit(F, variant="auto")  # hardware="auto" by default: the CPU has no profile
     here(x, w)
     assert here.report.sites[0].cost["hardware"].endswith("assumed: no profile for cpu")
-    assert here.report.sites[0].schedule["variant"] == cost.fallback_variant("all_gather_dot", 4)  # not the H100's pick
+    assert here.report.sites[0].schedule["variant"] == cost.fallback_variant(  # not the H100's pick
+        cost.SiteShape.from_dict(here.report.sites[0].cost["site"]))
     monkeypatch.setattr(cost, "_device_kind", lambda: "TPU v5 lite")
     g = cmatmul_pass.jit(F, variant="auto")
     np.testing.assert_allclose(np.asarray(g(x, w)), np.asarray(here(x, w)), rtol=1e-5)

@@ -46,3 +46,21 @@ def test_the_default_compiles_to_the_ring_a_user_writes_by_hand(kind, rows, hidd
     assert {op: ours.get(op, 0) for op in WORK} == {op: hand.get(op, 0) for op in WORK}
     assert ours["collective-permute"] == 7 and ours["dot"] == 8
     assert sum(ours.values()) <= sum(hand.values())
+
+
+
+@pytest.mark.parametrize("kind, out, variant, loops", [("row", 1024, "uni", 1), ("row", 512, "full", 0),
+                                                      ("column", 1024, "full", 0)])
+def test_a_large_scatters_default_is_the_one_way_loop(kind, out, variant, loops):
+    """From 8 MiB of partial sums per device (cost.FALLBACK_LOOPED_SCATTER_BYTES: 2048 x 1024 f32)
+    the CPU default scatters in a one-way loop, which the benchmark times faster than the straight
+    line the hand-written ring compiles to (docs/variants.md); at 4 MiB a scatter, and a gather of
+    any size, stay straight-line."""
+    mesh = jax.make_mesh((8,), ("model",))
+    plain, _, specs = _layer(kind, mesh)
+    x = jax.ShapeDtypeStruct((2048, 1024), np.float32, sharding=NamedSharding(mesh, specs["in_specs"][0]))
+    w = jax.ShapeDtypeStruct((1024, out), np.float32, sharding=NamedSharding(mesh, specs["in_specs"][1]))
+    default = cmatmul_pass.jit(jax.shard_map(plain, mesh=mesh, **specs))
+    lowered = default.lower(x, w)
+    assert [s.schedule["variant"] for s in default.report.rewritten] == [variant]
+    assert _opcodes(lowered.compile()).get("while", 0) == loops

@@ -381,7 +381,9 @@ def megatron_runtime(runs: int, rows: int = 1024, hidden: int = 512, ffn: int = 
 #: (kind, rows, hidden, out) of the layers ``ring_runtime`` times: the column-parallel layer
 #: (all_gather of row-sharded x, then x @ w) and the row-parallel one (x @ w, then psum_scatter)
 RING_SHAPES = (("column", 512, 512, 512), ("column", 1024, 512, 1024), ("column", 2048, 1024, 1024),
-               ("row", 512, 512, 512), ("row", 1024, 1024, 512), ("row", 2048, 1024, 1024))
+               ("row", 512, 512, 512), ("row", 1024, 1024, 512), ("row", 2048, 1024, 1024),
+               # 16 MiB of partial sums per device: the CPU default's scatter loops (cost.fallback_variant)
+               ("row", 4096, 1024, 1024))
 
 
 def hand_written_scatter(mesh, axis: str):
