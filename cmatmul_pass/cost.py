@@ -274,7 +274,7 @@ FALLBACK_PROFILE = "h100"
 #: sends in every trip; the timings (``tools/bench.py --only-rings``, docs/variants.md) put
 #: ``full`` as fast as or faster than the loops for scatters of up to 4 MiB of partial sums (``uni``
 #: 0.97-1.09 of the hand-written ring, ``full`` 0.96-1.01), but a scatter of 8 MiB or more runs
-#: faster as a one-way loop (``uni`` 0.86-1.005 at 8 MiB, median 0.92 over seven runs; 0.63-0.85
+#: faster as a one-way loop (``uni`` 0.86-1.005 at 8 MiB, median 0.91 over eight runs; 0.63-0.85
 #: at 16 MiB, 0.59 at 32; ``full``, the hand-written ring's program, 0.97-1.01): the straight
 #: line holds every round's partial product at once.  Gathers keep ``full`` at every size
 #: measured (``uni`` 1.05-1.24 at 16-32 MiB).
