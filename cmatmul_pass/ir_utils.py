@@ -319,10 +319,7 @@ def render_location(loc: ir.Location, source: str | None = None) -> str:
     :data:`READING`'s).
     """
     if type(loc) is _FILE_LINE_COL:  # the usual kind (text parsed without debug info): read at once
-        filename = loc.filename
-        if filename in ("-", ""):
-            filename = source or READING.get() or filename
-        return f"{filename}:{loc.start_line}:{loc.start_col}"
+        return _file_line_col(loc, source)
     rendered = RENDERED.get()
     if rendered is None:
         return _render_location(loc, source)
@@ -335,13 +332,16 @@ def render_location(loc: ir.Location, source: str | None = None) -> str:
 
 def _render_location(loc: ir.Location, source: str | None) -> str:
     found = first_file_location(loc)
-    if found is None:
-        return str(loc)
-    filename = found.filename
-    source = source or READING.get()
-    if filename in ("-", "") and source:
-        filename = source
-    return f"{filename}:{found.start_line}:{found.start_col}"
+    return str(loc) if found is None else _file_line_col(found, source)
+
+
+def _file_line_col(loc: ir.Location, source: str | None) -> str:
+    """A ``file:line:col`` location as text, the parser's ``"-"`` file shown as ``source``
+    (by default :data:`READING`'s)."""
+    filename = loc.filename
+    if filename in ("-", ""):
+        filename = source or READING.get() or filename
+    return f"{filename}:{loc.start_line}:{loc.start_col}"
 
 
 def symbol_name(op: ir.OpView | ir.Operation) -> str | None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import math
 from collections import Counter
@@ -30,7 +29,7 @@ from .report import Report, SiteReport, describe_shard, element_bits, forget_typ
 from .rewrites.all_gather_dot import merge_groups, rewrite_all_gather_dot
 from .rewrites.dot_all_reduce import chunk_all_reduce, chunk_dims_ok, split_all_reduce
 from .rewrites.dot_reduce_scatter import halves_blocker, rewrite_dot_reduce_scatter
-from .rewrites.builders import SHARED
+from .rewrites.builders import shared_per_block
 from .rewrites.schedule import Annotator, Applied, RewriteContext
 from .rewrites.sequence_parallel import Seed, carry_forward, move_gather_forward
 from .rewrites.sink import Hoisted, Sunk
@@ -271,7 +270,7 @@ def _rewrite(module: ir.Module, options: Options, source: str, again: Callable[[
 
 def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool) -> RewriteResult:
     # Unknown is only the default for type construction; every op gets an explicit loc.
-    with module.context, ir.Location.unknown(), _shared_per_block() as constants:
+    with module.context, ir.Location.unknown(), shared_per_block() as constants:
         names = ("func.call", *ir_utils.CHANNEL_OPS, replay.MANUAL, "stablehlo.while")
         # identical layers: all but two are left for replay (cmatmul_pass.replay), and not walked;
         # it needs ring sharing (the layers become calls of one function, as the rings do) and one
@@ -1057,18 +1056,6 @@ def _priced_element_type(dot) -> ir.Type:
     types = [ir_utils.ranked_tensor(v).element_type for v in dot.operation.operands]
     element = max(types, key=element_bits)  # the lhs's on a tie
     return ir.ComplexType(element).element_type if isinstance(element, ir.ComplexType) else element
-
-
-@contextlib.contextmanager
-def _shared_per_block():
-    """The values one run's builders share per block (``RewriteContext.constants``), published
-    for :func:`.rewrites.builders.forget_inside` while the run lasts."""
-    constants: dict = {}
-    token = SHARED.set(constants)
-    try:
-        yield constants
-    finally:
-        SHARED.reset(token)
 
 
 class _no_cyclic_gc:

@@ -312,16 +312,14 @@ def test_a_function_inlined_and_erased_takes_its_shared_values_with_it():
     function is erased (sinking and hoisting inline the functions they read through), the values
     of its blocks go, and only theirs, so a new block at an erased one's address is handed none."""
     from cmatmul_pass._jax_private import func, ir, make_context
-    from cmatmul_pass.rewrites.builders import SHARED, Builder, forget_inside
+    from cmatmul_pass.rewrites.builders import Builder, forget_inside, shared_per_block
 
     with make_context(), ir.Location.unknown() as loc:
         module = ir.Module.parse(
             "func.func @inner(%a: tensor<f32>) -> tensor<f32> {\n  return %a : tensor<f32>\n}\n"
             "func.func @main(%a: tensor<f32>) -> tensor<f32> {\n  return %a : tensor<f32>\n}")
         inner, main = (f for f in module.body.operations if isinstance(f, func.FuncOp))
-        shared: dict = {}
-        token = SHARED.set(shared)
-        try:
+        with shared_per_block() as shared:
             for f in (inner, main):
                 block = f.regions[0].blocks[0]
                 with ir.InsertionPoint.at_block_terminator(block):
@@ -331,5 +329,3 @@ def test_a_function_inlined_and_erased_takes_its_shared_values_with_it():
             forget_inside(inner)
             assert [key[1:] for key in shared] == [("index", 3), ("index", 4)]
             assert all(key[0] == main.regions[0].blocks[0] for key in shared)
-        finally:
-            SHARED.reset(token)

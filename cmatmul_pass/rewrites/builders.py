@@ -6,8 +6,9 @@ so new ops carry the matched ops' source locations.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -23,6 +24,18 @@ TRANSIENT_MARK_PREFIX = "_cmatmul_"
 #: the values the builders of the running pass share per block (``RewriteContext.constants``: the
 #: pipeline sets it), which :func:`forget_inside` keeps clear of erased blocks
 SHARED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("cmatmul_pass_shared", default=None)
+
+
+@contextlib.contextmanager
+def shared_per_block() -> Iterator[dict]:
+    """The values one run's builders share per block (``RewriteContext.constants``), published
+    in :data:`SHARED` for :func:`forget_inside` while the run lasts."""
+    constants: dict = {}
+    token = SHARED.set(constants)
+    try:
+        yield constants
+    finally:
+        SHARED.reset(token)
 
 
 def forget_inside(op: ir.Operation | ir.OpView) -> None:
