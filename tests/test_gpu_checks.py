@@ -6,6 +6,7 @@ h100 profile from the stored runs (bench/gpu) run for real."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -259,3 +260,45 @@ def test_the_stored_runs_rebuild_the_h200_profile():
                            *[p for p in H200_SOURCES if "3b" not in p], "--check"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "moved: flops['f8']: 791000000000000.0 -> 8.35e+14" in proc.stdout, proc.stdout
+
+
+def test_the_h200_rerun_of_2026_11_27_keeps_the_profile():
+    """docs/gpu.md section 7: the rerun's profile moves the split points by at most 0.031 and the
+    overlap not at all; with it the MLP-block predictions move by at most 0.033 and auto's picks
+    are the same but for the 70B scatter at 8192 tokens; its log has the layer-call form compiled
+    for 8 GPUs with every permute overlapped.  (If the h200 profile is ever regenerated, this
+    test's numbers are the new comparison's to write.)"""
+    rerun = [str(ROOT / p.replace(".json", "_20261127.json")) for p in H200_SOURCES]
+    result = gpu_profile.regenerate(rerun, "h200")
+    h200, fields = cost.PROFILES["h200"], result["fields"]
+    assert fields["overlap"] == cost.H200_OVERLAP
+    moves = {}
+    for key, points in h200.split_efficiency.items():
+        new = dict(fields["split_efficiency"][key])
+        assert set(new) == {flops for flops, _ in points}, key
+        moves.update({(key, flops): abs(new[flops] - value) for flops, value in points})
+    assert max(moves.values()) == pytest.approx(0.031) == moves[("all_gather_dot", 12884901888.0)]
+    assert round(fields["flops"]["bf16"] / 1e12) == 678 and round(h200.flops["bf16"] / 1e12) == 668
+    f8 = [json.loads((Path(p)).read_text())["element_rates"]["rates"]["f8"]["over_bf16"] for p in rerun[:3]]
+    assert [round(r, 2) for r in f8] == [1.19, 1.14, 0.88]
+
+    old, new = cost.hardware("h200"), cost.hardware(result["hardware_override"])
+    largest, changed = 0.0, []
+    for hidden, ffn in [(4096, 14336), (8192, 28672), (3072, 8192)]:
+        for tokens in (8192, 16384):
+            for bidirectional, unroll in cost.VARIANTS.values():
+                before, after = (cost.mlp_block(hw, hidden, ffn, tokens, bidirectional=bidirectional, unroll=unroll)
+                                 for hw in (old, new))
+                largest = max(largest, abs(before["speedup"] - after["speedup"]))
+            picks = [cost.mlp_block(hw, hidden, ffn, tokens, variant="auto")["variants"] for hw in (old, new)]
+            if picks[0] != picks[1]:
+                changed.append((hidden, tokens, *picks))
+    assert round(largest, 3) == 0.033
+    assert changed == [(8192, 8192, ["bidi-full", "full"], ["bidi-full", "unroll2"])]
+
+    log = (ROOT / "bench" / "gpu" / "h200_gpu_checks_topology_20261127.log").read_text()
+    tiny = log.split("--model tiny --layers 4", 1)[1].split("== ", 1)[0]
+    assert re.search(r"\n  uni +compile .*while 31;.*collective-permute 31 async \(31 overlapped\) 0 sync", tiny)
+    assert re.search(r"\n  auto +compile .*collective-permute 322 async \(322 overlapped\) 0 sync.*'bidi-full': 31", tiny)
+    assert re.search(r"\n  original +compile .*all-gather 9 async \(1 overlapped\) 7 sync, reduce-scatter 0 async "
+                     r"\(0 overlapped\) 15 sync", tiny)

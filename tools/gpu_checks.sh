@@ -68,7 +68,7 @@ topology() {
   setup
   # a tiny model first (is the mocked topology working?), at 4 layers: each step's three identical
   # regions become calls of one rewritten layer (replay.py), a form otherwise compiled only on CPU
-  step 60 "$py" tools/gpu_topology.py --model tiny --layers 4 --repeats 1 --programs uni auto \
+  step 60 "$py" tools/gpu_topology.py --model tiny --layers 4 --repeats 1 --profile "$profile" --programs uni auto \
     --out /tmp/gpu_checks_topology_tiny.json
   # every variant of cost.VARIANTS, auto's picks for the profile, and the A/B programs; two
   # compiles each (the first autotunes new GEMM shapes; the second is the warm compile time)
