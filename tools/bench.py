@@ -22,9 +22,10 @@ Everything is measured in one process and reported as ratios (results in bench/r
 
 4. **psum after a matmul (Megatron without sequence parallelism).**  The pass cost on a Megatron
    training step (pre-norm attention projections and a SwiGLU MLP per layer, each ending in a
-   psum) at the same L, and two Megatron MLP blocks' CPU run time: "split" per variant and
-   "chunk" with 2, 4, 8 chunks over the original (``results["megatron"]``; ``--only-megatron``
-   runs just this part into bench/results_megatron.json).
+   psum) at the same L, and two Megatron MLP blocks' CPU run time over the original: "split" per
+   variant, "chunk" with 2, 4, 8 chunks, and cmatmul_pass.jit's own module ("default";
+   ``results["megatron"]``; ``--only-megatron`` runs just this part into
+   bench/results_megatron.json).
 
     python tools/bench.py [--layers 1 4 16 32] [--runs 7] [--layer-runs 51] [--quick] [--only-megatron]
     python tools/bench.py --only-pass-cost [--layers 1 4 8 16 32] [--repeats 5]   # 1. alone, both models
@@ -345,7 +346,9 @@ def megatron_runtime(runs: int, rows: int = 1024, hidden: int = 512, ffn: int = 
     """Two pre-norm Megatron MLP blocks (psum after the row-parallel matmul, rows replicated over
     the 8 devices): the original against "split" in each variant (the first psum's rows carried
     through the residual add and the norm into the second block's gather ring, the output gathered
-    once) and "chunk" with 2, 4 and 8 chunks; rewritten / original, interleaved medians."""
+    once) and "chunk" with 2, 4 and 8 chunks, and what cmatmul_pass.jit makes of the blocks on this
+    machine ("default", which strategy and variant each psum got: ``default_sites``, and the named
+    strategy whose module it is: ``default_is``); rewritten / original, interleaved medians."""
     mesh = jax.make_mesh((8,), ("model",))
     col, row = P(None, "model"), P("model", None)
 
@@ -364,14 +367,23 @@ def megatron_runtime(runs: int, rows: int = 1024, hidden: int = 512, ffn: int = 
     original = ir_utils.parse(text)
     devices = jax.devices("cpu")[:8]
     inputs = execute.random_inputs(original, 0)
-    strategies = {f"split-{name}": variant_options(name) for name in ("uni", "unroll2", "bidi")}
+    strategies = {f"split-{name}": variant_options(name) for name in ("uni", "unroll2", "full", "bidi")}
     strategies.update({f"chunk-{k}": cmatmul_pass.Options(all_reduce="chunk", chunks=k) for k in (2, 4, 8)})
     programs = {"original": execute.Program(original, inputs, devices)}
     for name, options in strategies.items():
         programs[name] = execute.Program(cmatmul_pass.rewrite(text, options).module, inputs, devices)
+    # what a user gets: cmatmul_pass.jit's module on this machine (each lowering runs the pass)
+    default = cmatmul_pass.jit(f)
+    default_text = default.lower(*structs).as_text()
+    programs["default"] = execute.Program(ir_utils.parse(default_text), inputs, devices)
     seconds = interleaved_medians(programs, runs)
     result = {"shape": {"rows": rows, "hidden": hidden, "ffn": ffn, "blocks": 2}, "original_s": seconds["original"],
-              "over_original": {name: seconds[name] / seconds["original"] for name in strategies}}
+              "over_original": {name: seconds[name] / seconds["original"] for name in [*strategies, "default"]},
+              "default_is": next((name for name in strategies if name.startswith("split-") and default_text ==
+                                  cmatmul_pass.rewrite(text, strategies[name]).text), None),
+              # each psum site as the default left it: its strategy and ring variant
+              "default_sites": sorted({(site.all_reduce["strategy"], (site.schedule or {}).get("variant"))
+                                       for site in default.report.sites if site.all_reduce})}
     print(f"  Megatron 2 blocks {rows}x{hidden}x{ffn}: "
           + ", ".join(f"{k} {v:.2f}" for k, v in result["over_original"].items()), flush=True)
     return result
