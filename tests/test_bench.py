@@ -547,3 +547,16 @@ def test_the_pass_profile_names_where_the_time_goes(tmp_path):
     assert text.startswith("# the pass on the sequence_parallel model at L = 1")
     assert "rewrite_lowered" in text and "rewrite_sites" in text
     assert "Ordered by: cumulative time" in text and "Ordered by: internal time" in text
+
+
+def test_the_megatron_table_quotes_the_stored_bench_run():
+    """docs/performance.md's "psum after a matmul, measured" row is `bench/results.json`'s Megatron
+    run time, and the default it names is the one the run found."""
+    runtime = json.loads((bench.ROOT / "bench" / "results.json").read_text())["megatron"]["runtime"]
+    doc = (bench.ROOT / "docs" / "performance.md").read_text()
+    section = doc[doc.index("**psum after a matmul, measured**"):doc.index("**Megatron blocks without sequence")]
+    order = ["split-uni", "split-unroll2", "split-full", "split-bidi", "chunk-2", "chunk-4", "chunk-8", "default"]
+    assert set(order) == set(runtime["over_original"])
+    assert "| " + " | ".join(f"{runtime['over_original'][name]:.2f}" for name in order) + " |" in section
+    assert runtime["default_is"] == "split-full" and "The default is split `full` here" in section
+    assert runtime["shape"] == {"rows": 1024, "hidden": 512, "ffn": 1024, "blocks": 2}
