@@ -379,8 +379,8 @@ def megatron_runtime(runs: int, rows: int = 1024, hidden: int = 512, ffn: int = 
     seconds = interleaved_medians(programs, runs)
     result = {"shape": {"rows": rows, "hidden": hidden, "ffn": ffn, "blocks": 2}, "original_s": seconds["original"],
               "over_original": {name: seconds[name] / seconds["original"] for name in [*strategies, "default"]},
-              "default_is": next((name for name in strategies if name.startswith("split-") and default_text ==
-                                  cmatmul_pass.rewrite(text, strategies[name]).text), None),
+              "default_is": next((name for name in strategies
+                                  if default_text == cmatmul_pass.rewrite(text, strategies[name]).text), None),
               # each psum site as the default left it: its strategy and ring variant
               "default_sites": sorted({(site.all_reduce["strategy"], (site.schedule or {}).get("variant"))
                                        for site in default.report.sites if site.all_reduce})}
