@@ -66,7 +66,7 @@ def tool_call(argv: list[str]) -> tuple[str, list[str]] | None:
         argv = argv[1:]
         while "=" in argv[0]:
             argv = argv[1:]
-    if argv[0] != "python3" or argv[1] == "-c":
+    if not Path(argv[0]).name.startswith("python") or argv[1] == "-c":  # python3 there, .venv's here
         return None
     return argv[1], argv[2:]
 
@@ -302,3 +302,20 @@ def test_the_h200_rerun_of_2026_11_27_keeps_the_profile():
     assert re.search(r"\n  auto +compile .*collective-permute 322 async \(322 overlapped\) 0 sync.*'bidi-full': 31", tiny)
     assert re.search(r"\n  original +compile .*all-gather 9 async \(1 overlapped\) 7 sync, reduce-scatter 0 async "
                      r"\(0 overlapped\) 15 sync", tiny)
+
+
+def test_the_profile_part_runs_with_the_repos_venv(tmp_path):
+    """The profile part runs here, where python3 may lack jax: without PYTHON it takes the repo's
+    .venv (make test's), with PYTHON that one; the GPU parts keep python3 (the GPU machine's)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+
+    def first_argv(part: str, **extra) -> str:
+        proc = subprocess.run(["bash", str(SCRIPT), str(tmp_path), "h100", part], capture_output=True, text=True,
+                              env=dict(env, GPU_CHECKS_DRY_RUN="1", **extra), timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return shlex.split(proc.stdout.splitlines()[-1].split("\t")[2])[0]
+
+    venv = ROOT / ".venv" / "bin" / "python"
+    assert first_argv("profile") == (str(venv) if venv.exists() else "python3")
+    assert first_argv("profile", PYTHON="python3.11") == "python3.11"
+    assert first_argv("calibrate") == "python3"

@@ -33,6 +33,11 @@ out=${1:?usage: gpu_checks.sh OUTDIR [h100|h200] calibrate|topology|extras|profi
 profile=${2:-h100}
 part=${3:-all}
 py=${PYTHON:-python3}
+# the profile part runs on the development machine, whose python3 may lack jax: the repo's .venv
+# (make test's) when there is one
+if [ "$part" = profile ] && [ -z "${PYTHON:-}" ] && [ -x "$(dirname "$0")/../.venv/bin/python" ]; then
+  py=$(cd "$(dirname "$0")/.." && pwd -P)/.venv/bin/python
+fi
 case "$part" in calibrate|topology|extras|profile|all) ;; *) echo "unknown part $part" >&2; exit 2;; esac
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
