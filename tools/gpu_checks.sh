@@ -7,7 +7,7 @@
 # PART        limit  what it runs                                                   writes under OUTDIR
 # calibrate   480 s  tools/gpu_calibrate.py at 70B and 8B MLP shapes: split        P_calibrate_{70b,8b}.json,
 #                    efficiency, loop trips, the rings, element types' rates        gpu_checks_calibrate.log
-# topology    525 s  tools/gpu_topology.py: a tiny model (is the mocked topology    P_topology_{8b,70b}.json,
+# topology    525 s  tools/gpu_topology.py: a tiny model (is the mocked topology    P_topology_{tiny,8b,70b}.json,
 #                    working?), then the 8B and 70B training steps compiled for 8   hlo/8b_{original,uni}.hlo.txt,
 #                    GPUs: the original and every variant (uni, unroll2, full,      gpu_checks_topology.log
 #                    bidi, bidi-unroll2, bidi-full, auto, streams, no-share,
@@ -72,9 +72,9 @@ calibrate() {
 topology() {
   setup
   # a tiny model first (is the mocked topology working?), at 4 layers: each step's three identical
-  # regions become calls of one rewritten layer (replay.py), a form otherwise compiled only on CPU
+  # regions become calls of one rewritten layer (replay.py; first compiled for GPUs on 2026-11-27)
   step 60 "$py" tools/gpu_topology.py --model tiny --layers 4 --repeats 1 --profile "$profile" --programs uni auto \
-    --out /tmp/gpu_checks_topology_tiny.json
+    --out "$out/${profile}_topology_tiny.json"
   # every variant of cost.VARIANTS, auto's picks for the profile, and the A/B programs; two
   # compiles each (the first autotunes new GEMM shapes; the second is the warm compile time)
   local model dump
