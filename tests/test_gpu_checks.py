@@ -281,6 +281,11 @@ def test_the_h200_rerun_of_2026_11_27_keeps_the_profile():
     assert round(fields["flops"]["bf16"] / 1e12) == 678 and round(h200.flops["bf16"] / 1e12) == 668
     f8 = [json.loads((Path(p)).read_text())["element_rates"]["rates"]["f8"]["over_bf16"] for p in rerun[:3]]
     assert [round(r, 2) for r in f8] == [1.19, 1.14, 0.88]
+    i8_3b = json.loads(Path(rerun[2]).read_text())["element_rates"]["rates"]["i8"]["over_bf16"]
+    assert round(i8_3b, 2) == 0.93
+    scatter_70b = dict(fields["split_efficiency"]["dot_reduce_scatter"])[60129542144.0]
+    assert (dict(h200.split_efficiency["dot_reduce_scatter"])[60129542144.0], scatter_70b) == (0.867, 0.845)
+    assert round(max(move for (key, _), move in moves.items() if "/" in key), 3) == 0.026  # the roles'
 
     old, new = cost.hardware("h200"), cost.hardware(result["hardware_override"])
     largest, changed = 0.0, []
