@@ -560,3 +560,37 @@ def test_the_megatron_table_quotes_the_stored_bench_run():
     assert "| " + " | ".join(f"{runtime['over_original'][name]:.2f}" for name in order) + " |" in section
     assert runtime["default_is"] == "split-full" and "The default is split `full` here" in section
     assert runtime["shape"] == {"rows": 1024, "hidden": 512, "ffn": 1024, "blocks": 2}
+
+
+def test_bench_warm_pass_cost(tmp_path):
+    """``--only-warm``: the pass warm on both paths and the decorator's share per phase, each
+    phase's functions really called (a share above zero where the step has rings to build)."""
+    out = tmp_path / "warm.json"
+    real = bench.warm_pass_cost
+    try:
+        bench.warm_pass_cost = lambda layers, runs=15, model="sequence_parallel": real(layers, 1, model)
+        assert bench.main(["--only-warm", "--layers", "1", "--out", str(out)]) == 0
+    finally:
+        bench.warm_pass_cost = real
+    (row,) = json.loads(out.read_text())["pass_warm"]["per_layers"]
+    assert row["layers"] == 1 and row["jit_pass_s"] > 0 and row["pass_s"] > 0
+    assert set(row["shares"]) == set(bench.WARM_PHASES)
+    assert 0 < row["shares"]["building rings"] < 1 and 0 < row["shares"]["matching"] < 1
+    assert sum(row["shares"].values()) < 1
+    # the functions timed are the ones the pipeline calls (patched back afterwards)
+    from cmatmul_pass import pipeline
+    assert pipeline.rewrite_dot_reduce_scatter.__module__ == "cmatmul_pass.rewrites.dot_reduce_scatter"
+
+
+def test_the_fixed_cost_paragraph_quotes_the_stored_warm_run():
+    """docs/performance.md's "Where the fixed cost goes" is `bench/results_warm.json`."""
+    rows = json.loads((bench.ROOT / "bench" / "results_warm.json").read_text())["pass_warm"]["per_layers"]
+    doc = " ".join((bench.ROOT / "docs" / "performance.md").read_text().split())
+    section = doc[doc.index("**Where the fixed cost goes**"):doc.index("**2026-11-27, fifth session")]
+    assert [r["layers"] for r in rows] == [1, 4, 8, 16, 32]
+    assert "takes " + ", ".join(f"{1e3 * r['jit_pass_s']:.1f}" for r in rows[:4]) + " ms" in section
+    assert "(" + ", ".join(f"{1e3 * r['pass_s']:.1f}" for r in rows[:4]) + " on the text)" in section
+    for phase, words in (("building rings", "building the rings is"), ("matching", "matching"),
+                         ("walking and replaying", "identical regions")):
+        shares = [round(100 * rows[i]["shares"][phase]) for i in (0, 1, 4)]
+        assert f"{words} {shares[0]}, {shares[1]} and {shares[2]} %" in section, phase

@@ -29,6 +29,7 @@ Everything is measured in one process and reported as ratios (results in bench/r
 
     python tools/bench.py [--layers 1 4 16 32] [--runs 7] [--layer-runs 51] [--quick] [--only-megatron]
     python tools/bench.py --only-pass-cost [--layers 1 4 8 16 32] [--repeats 5]   # 1. alone, both models
+    python tools/bench.py --only-warm [--layers 1 4 8 16 32]   # the pass warm, where its fixed cost goes
 """
 
 from __future__ import annotations
@@ -660,6 +661,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the pass's cost over lower + compile, on both models (sequence parallel and "
                              "Megatron) at each --layers, --repeats cold starts each, both paths (default out: "
                              "bench/results_pass_cost.json)")
+    parser.add_argument("--only-warm", action="store_true",
+                        help="only the pass warm in one process at each --layers, both paths, and its share spent "
+                             "building rings (default out: bench/results_warm.json)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     if args.quick:
@@ -670,6 +674,11 @@ def main(argv: list[str] | None = None) -> int:
         print("the default and every variant against a hand-written ring", flush=True)
         results["rings"] = ring_runtime(args.ring_runs)
         write_results(args.out or ROOT / "bench" / "results_rings.json", results)
+        return 0
+    if args.only_warm:
+        print("the pass, warm (sequence parallel)", flush=True)
+        results["pass_warm"] = warm_pass_cost(args.layers)
+        write_results(args.out or ROOT / "bench" / "results_warm.json", results)
         return 0
     if args.only_profile:
         profile_pass(max(args.layers))
@@ -741,6 +750,72 @@ def profile_pass(layers: int, model: str = "sequence_parallel", out: Path | None
     out.write_text(text.getvalue())
     print(f"wrote {out}", flush=True)
     return out
+
+
+#: what :func:`warm_pass_cost` times apart, each the functions (module, name) the pipeline calls for it
+WARM_PHASES = {
+    "building rings": [("pipeline", "rewrite_dot_reduce_scatter"), ("pipeline", "rewrite_all_gather_dot")],
+    "matching": [("pipeline", "match_all_gather"), ("pipeline", "match_reduce_scatter"),
+                 ("pipeline", "match_all_reduce")],
+    # the walk for the sites with the grouping of identical regions, and the replay of the groups
+    "walking and replaying": [("replay", "walk"), ("replay.Plan", "finish")],
+}
+
+
+def warm_pass_cost(layers_list: list[int], runs: int = 15, model: str = "sequence_parallel") -> dict:
+    """The pass warm, in one process (medians of ``runs`` after two warm-up runs), at each L: on
+    the text (parse, rewrite, print) and as ``cmatmul_pass.jit`` runs it, and the latter's share
+    spent in each of :data:`WARM_PHASES` (timed around each call).  Where :func:`pass_cost`'s cold
+    figures spend their time, without XLA's compile between runs; what docs/performance.md's
+    "Where the fixed cost goes" quotes."""
+    from contextlib import ExitStack
+    from unittest import mock
+
+    from cmatmul_pass import pipeline, replay
+
+    owners = {"pipeline": pipeline, "replay": replay, "replay.Plan": replay.Plan}
+    spent = dict.fromkeys(WARM_PHASES, 0.0)
+
+    def timed(fn, phase):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[phase] += time.perf_counter() - start
+        return run
+
+    rows = []
+    for layers in layers_list:
+        fn, args = MODELS[model](layers)
+        lowered = fn.lower(*args)
+        text = lowered.as_text()
+        jit_s, text_s, shares = [], [], {phase: [] for phase in WARM_PHASES}
+        with ExitStack() as patches:
+            for phase, names in WARM_PHASES.items():
+                for owner, name in names:
+                    target = owners[owner]
+                    patches.enter_context(mock.patch.object(target, name, timed(getattr(target, name), phase)))
+            for i in range(runs + 2):
+                spent.update(dict.fromkeys(spent, 0.0))
+                t0 = time.perf_counter()
+                rewrite_lowered(lowered, Options(), "bench")
+                t1 = time.perf_counter()
+                phases = dict(spent)
+                _ = cmatmul_pass.rewrite(text).text
+                t2 = time.perf_counter()
+                if i >= 2:
+                    jit_s.append(t1 - t0)
+                    text_s.append(t2 - t1)
+                    for phase, seconds in phases.items():
+                        shares[phase].append(seconds / (t1 - t0))
+        row = {"layers": layers, "jit_pass_s": statistics.median(jit_s), "pass_s": statistics.median(text_s),
+               "shares": {phase: statistics.median(v) for phase, v in shares.items()}}
+        rows.append(row)
+        print(f"  L={layers:>2}: warm, as cmatmul_pass.jit runs it {1e3 * row['jit_pass_s']:.1f} ms ("
+              + ", ".join(f"{phase} {100 * v:.0f} %" for phase, v in row["shares"].items())
+              + f"), on the text {1e3 * row['pass_s']:.1f} ms", flush=True)
+    return {"model": model, "runs": runs, "per_layers": rows}
 
 
 def megatron(args) -> dict:
