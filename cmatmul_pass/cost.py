@@ -175,9 +175,10 @@ def variant_name(bidirectional: bool, unroll: int | None) -> str:
 #: Read from XLA's schedule of the training steps compiled for 8 H100s (tools/gpu_topology.py,
 #: jax 0.11.2, ring_compiler_options): the 8B step of 2026-11-26
 #: (bench/gpu/h100_topology_8b_20261126.json, every variant, bidi-full compiled for the first time
-#: on an H100) and the 70B step of 2026-11-23 (h100_topology_70b_send_after_dot.json), permutes
-#: overlapped with a dot, pooled.  uni and unroll2 hid every permute.
-H100_OVERLAP = {"full": 202 / 210, "bidi": 198 / 208, "bidi-unroll2": 233 / 252, "bidi-full": 150 / 154}
+#: on an H100) and the 70B step of 2026-11-27 (h100_topology_70b_20261127.json; it replaced the
+#: run of 2026-11-23, whose rings were the code of then), permutes overlapped with a dot, pooled.
+#: uni and unroll2 hid every permute.
+H100_OVERLAP = {"full": 202 / 210, "bidi": 298 / 308, "bidi-unroll2": 289 / 308, "bidi-full": 304 / 308}
 
 #: The same, read from the 8B and 70B steps compiled for 8 H200s (2026-11-26,
 #: bench/gpu/h200_topology_{8b,70b}.json, the same flags), both models pooled: uni and unroll2 hid
