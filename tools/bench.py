@@ -371,8 +371,11 @@ def megatron_runtime(runs: int, rows: int = 1024, hidden: int = 512, ffn: int = 
     strategies = {f"split-{name}": variant_options(name) for name in ("uni", "unroll2", "full", "bidi")}
     strategies.update({f"chunk-{k}": cmatmul_pass.Options(all_reduce="chunk", chunks=k) for k in (2, 4, 8)})
     programs = {"original": execute.Program(original, inputs, devices)}
+    texts = {}  # each strategy's module as text, for default_is below
     for name, options in strategies.items():
-        programs[name] = execute.Program(cmatmul_pass.rewrite(text, options).module, inputs, devices)
+        rewritten = cmatmul_pass.rewrite(text, options)
+        texts[name] = rewritten.text
+        programs[name] = execute.Program(rewritten.module, inputs, devices)
     # what a user gets: cmatmul_pass.jit's module on this machine (each lowering runs the pass)
     default = cmatmul_pass.jit(f)
     default_text = default.lower(*structs).as_text()
@@ -380,8 +383,7 @@ def megatron_runtime(runs: int, rows: int = 1024, hidden: int = 512, ffn: int = 
     seconds = interleaved_medians(programs, runs)
     result = {"shape": {"rows": rows, "hidden": hidden, "ffn": ffn, "blocks": 2}, "original_s": seconds["original"],
               "over_original": {name: seconds[name] / seconds["original"] for name in [*strategies, "default"]},
-              "default_is": next((name for name in strategies
-                                  if default_text == cmatmul_pass.rewrite(text, strategies[name]).text), None),
+              "default_is": next((name for name in strategies if default_text == texts[name]), None),
               # each psum site as the default left it: its strategy and ring variant
               "default_sites": sorted({(site.all_reduce["strategy"], (site.schedule or {}).get("variant"))
                                        for site in default.report.sites if site.all_reduce})}
