@@ -309,6 +309,41 @@ def test_the_h200_rerun_of_2026_11_27_keeps_the_profile():
                      r"\(0 overlapped\) 15 sync", tiny)
 
 
+def test_the_summary_quotes_what_the_gpu_runs_measured():
+    """docs/performance-summary.md's GPU statements are the stored runs': the roles' split points
+    (the H200 calibrations of 2026-11-26), the slice kernels `uni` runs in the 8-GPU compiles
+    (and that dynamic slice fusion leaves them), and the profiles' overlap counted per executed
+    permute."""
+    summary = (ROOT / "docs" / "performance-summary.md").read_text()
+    roles: dict[str, list[float]] = {"contracting": [], "batch": [], "free": []}
+    for path in H200_SOURCES[:3]:
+        for key, role in json.loads((ROOT / path).read_text())["roles"].items():
+            roles[key.split()[1]].append(role["split"])
+            roles["free"].append(role["split_from_points"])
+    span = {name: f"{min(v):.2f}–{max(v):.2f}" for name, v in roles.items()}
+    assert f"on the H200 {span['contracting']} and {span['batch']} against {span['free']}" in summary, span
+
+    mib = {}
+    for model, run in (("8b", "h100_topology_8b_20261126"), ("70b", "h100_topology_70b_20261127"),
+                       ("8b", "h200_topology_8b_20261127"), ("70b", "h200_topology_70b_20261127")):
+        programs = json.loads((ROOT / "bench" / "gpu" / f"{run}.json").read_text())["programs"]
+        copies = programs["uni"]["slice_copies"]
+        assert programs["uni-dsf"]["slice_copies"] == copies  # the fusion removes none of them
+        assert copies["executed"] == 116
+        assert mib.setdefault(model, copies["bytes_executed"] / 2**20) == copies["bytes_executed"] / 2**20
+    assert f"`uni` runs 116, {mib['8b']:.0f} MiB\n  at 8B and {mib['70b']:.0f} MiB at 70B" in summary
+
+    # the overlap the profiles hold is per executed permute: the 8B and 70B steps' counts, pooled
+    executed = {name: [0, 0] for name in cost.H100_OVERLAP}
+    for path in STORED_SOURCES[2:]:
+        for name, counts in executed.items():
+            permutes = json.loads((ROOT / path).read_text())["programs"][name]["collectives"]["collective-permute"]
+            counts[0] += permutes["overlapped_executed"]
+            counts[1] += permutes["executed"]
+    assert {name: a / b for name, (a, b) in executed.items()} == cost.H100_OVERLAP
+    assert "counted per executed permute" in summary and "per permute op" not in summary
+
+
 def test_the_profile_part_runs_with_the_repos_venv(tmp_path):
     """The profile part runs here, where python3 may lack jax: without PYTHON it takes the repo's
     .venv (make test's), with PYTHON that one; the GPU parts keep python3 (the GPU machine's)."""
