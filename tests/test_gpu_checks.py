@@ -20,7 +20,7 @@ import pytest
 from cmatmul_pass import cost
 from conftest import ROOT
 from test_docs import blocks
-from tools import gpu_calibrate, gpu_profile, gpu_topology
+from tools import bench, gpu_calibrate, gpu_profile, gpu_topology
 
 SCRIPT = ROOT / "tools" / "gpu_checks.sh"
 #: the device tool: one command's limit, and what comes back from $OUT
@@ -31,7 +31,7 @@ PART_LIMIT_S = 540
 GPU_PARTS_S = 25 * 60
 KILL_S = 5  # the script's --kill-after
 PARSERS = {"tools/gpu_calibrate.py": gpu_calibrate.build_parser, "tools/gpu_topology.py": gpu_topology.build_parser,
-           "tools/gpu_profile.py": gpu_profile.build_parser}
+           "tools/gpu_profile.py": gpu_profile.build_parser, "tools/bench.py": bench.build_parser}
 STORED_SOURCES = ["bench/gpu/h100_calibrate_70b.json", "bench/gpu/h100_calibrate_8b.json",
                   "bench/gpu/h100_topology_8b_20261126.json", "bench/gpu/h100_topology_70b_20261127.json"]
 
@@ -342,6 +342,50 @@ def test_the_summary_quotes_what_the_gpu_runs_measured():
             counts[1] += permutes["executed"]
     assert {name: a / b for name, (a, b) in executed.items()} == cost.H100_OVERLAP
     assert "counted per executed permute" in summary and "per permute op" not in summary
+
+
+def test_the_passcost_part_fits_a_call_and_writes_what_comes_back():
+    """The optional `passcost` part (docs/gpu.md's table and section 8): its steps' limits as the
+    table says and inside a call, the bench's pass cost for 8 mocked GPUs at make bench's layer
+    counts, one JSON under $OUT beside the part's log."""
+    outdir = "/device/out"
+    steps = dry_run(outdir, "h100", "passcost")
+    limit = sum(seconds + KILL_S for seconds, _ in steps)
+    assert limit <= PART_LIMIT_S
+    row = next(line for line in (ROOT / "docs" / "gpu.md").read_text().splitlines() if line.startswith("| `passcost` |"))
+    assert row.split(" | ")[1] == f"{limit} s"
+    calls = [tool_call(argv) for _, argv in steps if tool_call(argv)]
+    assert [tool for tool, _ in calls] == ["tools/bench.py"]
+    args = bench.build_parser().parse_args(calls[0][1])
+    defaults = bench.build_parser().parse_args([])
+    assert args.only_pass_cost and args.platform == "gpu" and args.layers == defaults.layers
+    assert str(Path(args.out).relative_to(outdir)) == "h100_pass_cost.json" in row
+
+
+def test_section_8_quotes_the_stored_pass_cost_run():
+    """docs/gpu.md section 8 quotes bench/gpu/h200_pass_cost.json: its table row for row, the
+    Megatron step's ends, and how much longer compile and pass took than in make bench's run."""
+    run = json.loads((ROOT / "bench" / "gpu" / "h200_pass_cost.json").read_text())
+    assert run["devices"] == "8 GPUs mocked on one NVIDIA H200" and run["jax"] == "0.11.2"
+    text = (ROOT / "docs" / "gpu.md").read_text()
+    section = text[text.index("## 8. The pass's cost compiled for 8 GPUs"):]
+    rows = run["pass_cost_sequence_parallel"]["per_layers"]
+    for r in rows:
+        assert (f"| {r['layers']} | {r['sites']} | {r['lower_s'] + r['compile_s']:.2f} s | "
+                f"{100 * r['jit_pass_over_lower_compile']:.2f} % | {100 * r['pass_over_lower_compile']:.2f} % |") in section
+    megatron = run["pass_cost_megatron"]["per_layers"]
+    assert (f"{100 * megatron[0]['jit_pass_over_lower_compile']:.2f} % at 1 layer to "
+            f"{100 * megatron[-1]['jit_pass_over_lower_compile']:.2f} % at 32") in section
+    cpu = {r["layers"]: r for r in json.loads((ROOT / "bench" / "results.json").read_text())["pass_cost"]["per_layers"]}
+    compile_ratio = [(r["lower_s"] + r["compile_s"]) / (cpu[r["layers"]]["lower_s"] + cpu[r["layers"]]["compile_s"])
+                     for r in rows]
+    pass_ratio = [r["jit_pass_s"] / cpu[r["layers"]]["jit_pass_s"] for r in rows]
+    assert (f"took {min(compile_ratio):.1f}–{max(compile_ratio):.1f}× as long as in `make bench`'s stored CPU run, "
+            f"and the pass {min(pass_ratio):.1f}–{max(pass_ratio):.1f}× as long") in " ".join(section.split())
+    shares = [row["pass_over_lower_compile"] for path in sorted((ROOT / "bench" / "gpu").glob("h*_topology_*b_2026112*.json"))
+              if "no_flags" not in path.name for row in json.loads(path.read_text())["programs"].values()
+              if "pass_over_lower_compile" in row]
+    assert f"costs {100 * min(shares):.1f}–{100 * max(shares):.1f} % of lower + compile" in " ".join(section.split())
 
 
 def test_the_profile_part_runs_with_the_repos_venv(tmp_path):

@@ -29,6 +29,7 @@ Everything is measured in one process and reported as ratios (results in bench/r
 
     python tools/bench.py [--layers 1 4 16 32] [--runs 7] [--layer-runs 51] [--quick] [--only-megatron]
     python tools/bench.py --only-pass-cost [--layers 1 4 8 16 32] [--repeats 5]   # 1. alone, both models
+    python tools/bench.py --only-pass-cost --platform gpu   # the same compiled for 8 GPUs (a lent GPU)
     python tools/bench.py --only-warm [--layers 1 4 8 16 32]   # the pass warm, where its fixed cost goes
 """
 
@@ -637,7 +638,7 @@ def print_targets(rows: list[dict]) -> None:
 NEAR = 0.05
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     parser.add_argument("--variant-layers", type=int, nargs="+", default=[4],
@@ -666,12 +667,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only-warm", action="store_true",
                         help="only the pass warm in one process at each --layers, both paths, and its share spent "
                              "building rings (default out: bench/results_warm.json)")
+    parser.add_argument("--platform", choices=("cpu", "gpu"), default="cpu",
+                        help="gpu (with --only-pass-cost): lower and compile for 8 GPUs, a topology mocked on this "
+                             "machine's one (tools/gpu_topology.py), what a GPU user's jax.jit spends before the first "
+                             "call (default out: bench/gpu/pass_cost.json)")
     parser.add_argument("--out")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.quick:
         args.layers, args.runs, args.layer_runs, args.repeats = [1, 4], 5, 5, 1
-    results = {"jax": jax.__version__, "devices": "8 virtual CPU devices", "runs": args.runs,
-               "layer_runs": args.layer_runs}
+    devices = "8 virtual CPU devices"
+    if args.platform == "gpu":
+        if not args.only_pass_cost:
+            parser.error("--platform gpu times the pass's cost only: add --only-pass-cost")
+        from tools.gpu_topology import configure_environment
+
+        configure_environment("gpu", 8)  # before jax starts a backend
+        devices = f"8 GPUs mocked on one {jax.devices()[0].device_kind}"
+    results = {"jax": jax.__version__, "devices": devices, "runs": args.runs, "layer_runs": args.layer_runs}
     if args.only_rings:
         print("the default and every variant against a hand-written ring", flush=True)
         results["rings"] = ring_runtime(args.ring_runs)
@@ -686,10 +703,11 @@ def main(argv: list[str] | None = None) -> int:
         profile_pass(max(args.layers))
         return 0
     if args.only_pass_cost:
-        for model in MODELS:
+        out = args.out or ROOT / "bench" / ("gpu/pass_cost.json" if args.platform == "gpu" else "results_pass_cost.json")
+        for model in MODELS:  # each model's written as it ends (a run stopped in the second keeps the first)
             print(f"pass cost ({model})", flush=True)
             results[f"pass_cost_{model}"] = pass_cost(args.layers, [], args.repeats, model=model)
-        write_results(args.out or ROOT / "bench" / "results_pass_cost.json", results)
+            write_results(out, results)
         return 0
     if args.only_megatron:  # with the sequence-parallel model's pass cost beside it, from the same run
         print("1. pass cost (sequence parallel)", flush=True)

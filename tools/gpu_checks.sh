@@ -16,6 +16,9 @@
 #                    fusion, and the 8B step compiled with no XLA flags             P_calibrate_70b_dsf.json,
 #                                                                                   P_topology_8b_no_flags.json,
 #                                                                                   gpu_checks_extras.log
+# passcost    395 s  tools/bench.py --only-pass-cost compiled for 8 GPUs: the       P_pass_cost.json,
+#                    pass's share of lower + compile at each of make bench's        gpu_checks_passcost.log
+#                    layer counts, both models (not in the profile)
 # profile     120 s  on any machine, no GPU: tools/gpu_profile.py over the JSONs    P_profile.txt
 #                    above in OUTDIR: the cost.PROFILES fields and --hardware
 #                    override they imply, and what moved against the profile
@@ -29,7 +32,7 @@
 # ("step", its limit, the command) instead of running it (tests/test_gpu_checks.py reads it).
 # Exit status: the number of steps that failed or ran out of time.
 set -uo pipefail
-out=${1:?usage: gpu_checks.sh OUTDIR [h100|h200] calibrate|topology|extras|profile|all}
+out=${1:?usage: gpu_checks.sh OUTDIR [h100|h200] calibrate|topology|extras|passcost|profile|all}
 profile=${2:-h100}
 part=${3:-all}
 py=${PYTHON:-python3}
@@ -38,7 +41,7 @@ py=${PYTHON:-python3}
 if [ "$part" = profile ] && [ -z "${PYTHON:-}" ] && [ -x "$(dirname "$0")/../.venv/bin/python" ]; then
   py=$(cd "$(dirname "$0")/.." && pwd -P)/.venv/bin/python
 fi
-case "$part" in calibrate|topology|extras|profile|all) ;; *) echo "unknown part $part" >&2; exit 2;; esac
+case "$part" in calibrate|topology|extras|passcost|profile|all) ;; *) echo "unknown part $part" >&2; exit 2;; esac
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 failed=0
@@ -100,6 +103,13 @@ extras() {
     --programs uni uni-no-gpu-options bidi bidi-no-gpu-options uni-streams --out "$out/${profile}_topology_8b_no_flags.json"
 }
 
+passcost() {
+  setup
+  # what the pass costs beside what a GPU user's jax.jit spends before the first call (lower and a
+  # compile for 8 GPUs), at make bench's layer counts (its table's CPU figures: docs/performance.md)
+  step 340 "$py" tools/bench.py --only-pass-cost --platform gpu --repeats 3 --out "$out/${profile}_pass_cost.json"
+}
+
 profile_part() {  # the profile the runs in $out imply; a 3B run where extras wrote one
   local runs=("$out/${profile}_calibrate_70b.json" "$out/${profile}_calibrate_8b.json")
   [ -e "$out/${profile}_calibrate_3b.json" ] && runs+=("$out/${profile}_calibrate_3b.json")
@@ -112,6 +122,7 @@ run_part() {
     calibrate) calibrate ;;
     topology) topology ;;
     extras) extras ;;
+    passcost) passcost ;;
     profile) profile_part ;;
     all) calibrate; topology; extras; profile_part ;;
   esac
