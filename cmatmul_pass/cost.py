@@ -29,8 +29,8 @@ is exposed, weighted by the variant's ``overlap``, plus ``step`` when it sends (
 compute when it sends nothing), plus ``loop_trip`` per loop trip.  :func:`schedule` lays
 the rounds out in time (the timeline draws it).  The ratio is the predicted speed-up of the
 site.  The H100 and H200 profiles' throughput, split efficiency and loop-trip cost were
-measured on one GPU of each (``tools/gpu_calibrate.py``), their overlap in an H100 compile
-for 8 GPUs (``tools/gpu_topology.py``); bandwidths, ``step`` and the other profiles are
+measured on one GPU of each (``tools/gpu_calibrate.py``), their overlap in each GPU's own
+compile for 8 GPUs (``tools/gpu_topology.py``); bandwidths, ``step`` and the other profiles are
 published numbers scaled by achievable fractions (see each profile).
 """
 
