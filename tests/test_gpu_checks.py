@@ -386,6 +386,10 @@ def test_section_8_quotes_the_stored_pass_cost_run():
               if "no_flags" not in path.name for row in json.loads(path.read_text())["programs"].values()
               if "pass_over_lower_compile" in row]
     assert f"costs {100 * min(shares):.1f}–{100 * max(shares):.1f} % of lower + compile" in " ".join(section.split())
+    performance = " ".join((ROOT / "docs" / "performance.md").read_text().split())  # "Where the fixed cost goes"
+    assert (f"the pass {100 * rows[0]['jit_pass_over_lower_compile']:.2f} % at 1 layer to "
+            f"{100 * rows[-1]['jit_pass_over_lower_compile']:.2f} % at 32 through the decorator") in performance
+    assert f"it is {100 * min(shares):.1f}–{100 * max(shares):.1f} %." in performance
 
 
 def test_the_profile_part_runs_with_the_repos_venv(tmp_path):
