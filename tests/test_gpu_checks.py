@@ -392,6 +392,42 @@ def test_section_8_quotes_the_stored_pass_cost_run():
     assert f"it is {100 * min(shares):.1f}–{100 * max(shares):.1f} %." in performance
 
 
+def test_section_9_quotes_the_h100_extras_and_keeps_the_profile():
+    """docs/gpu.md section 9: the three H100 runs at 3B shapes (and the H200's two) as its table
+    gives them, the spread it names, the dynamic-slice-fusion deltas; the `h100` profile has no
+    3B point (its smallest step is the 8B one's), so the stored runs rebuild it unchanged."""
+    gpu = ROOT / "bench" / "gpu"
+    section = (ROOT / "docs" / "gpu.md").read_text().split("## 9. ", 1)[1]
+    h100 = [json.loads((gpu / f"h100_calibrate_3b_20261127{s}.json").read_text()) for s in ("", "_rerun1", "_rerun2")]
+    h200 = [json.loads((gpu / f"h200_calibrate_3b{s}.json").read_text()) for s in ("", "_20261127")]
+    names = {("all_gather_dot", "free", 6): "gather", ("dot_reduce_scatter", "free", 6): "scatter",
+             ("all_gather_dot", "free", 12): "gate and up merged", ("all_gather_dot", "contracting", 6): "contracting",
+             ("all_gather_dot", "batch", 6): "batch"}
+
+    def splits(runs):
+        out: dict[str, list[float]] = {}
+        for run in runs:
+            for site in run["sites"]:
+                key = (site["kind"], site.get("role") or "free", int(site["flops"] / run["ring"] / 1e9))
+                out.setdefault(names[key], []).append(site["efficiency_unrolled"])
+        return out
+
+    ours, theirs = splits(h100), splits(h200)
+    for name in names.values():
+        row = f"| {name} | {', '.join(f'{v:.3f}' for v in ours[name])} | {', '.join(f'{v:.3f}' for v in theirs[name])} |"
+        assert row in section, row
+    assert f"disagree by up to {max(max(v) - min(v) for v in ours.values()):.2f}" in (ROOT / "docs" / "gpu.md").read_text()
+    dsf, plain = (json.loads((gpu / f"h100_calibrate_70b{s}.json").read_text())["sites"] for s in ("_dsf_20261127", ""))
+    moves = [abs(a["efficiency_unrolled"] - b["efficiency_unrolled"]) for a, b in zip(dsf, plain)]
+    assert f"at most {max(moves):.3f}" in section
+    smallest = {kind: points[0][0] for kind, points in cost.PROFILES["h100"].split_efficiency.items()}
+    assert min(smallest.values()) == 15032385536.0  # the 8B step: no 3B point
+    programs = json.loads((gpu / "h100_topology_8b_no_flags_20261127.json").read_text())["programs"]
+    permutes = {name: programs[name]["collectives"]["collective-permute"] for name in ("bidi", "bidi-no-gpu-options", "uni")}
+    assert (permutes["bidi"]["overlapped"], permutes["bidi-no-gpu-options"]["overlapped"],
+            permutes["bidi"]["async"] + permutes["bidi"]["sync"], permutes["uni"]["overlapped"]) == (49, 36, 54, 15)
+
+
 def test_the_profile_part_runs_with_the_repos_venv(tmp_path):
     """The profile part runs here, where python3 may lack jax: without PYTHON it takes the repo's
     .venv (make test's), with PYTHON that one; the GPU parts keep python3 (the GPU machine's)."""
