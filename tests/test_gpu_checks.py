@@ -417,6 +417,7 @@ def test_section_9_quotes_the_h100_extras_and_keeps_the_profile():
         row = f"| {name} | {', '.join(f'{v:.3f}' for v in ours[name])} | {', '.join(f'{v:.3f}' for v in theirs[name])} |"
         assert row in section, row
     assert f"disagree by up to {max(max(v) - min(v) for v in ours.values()):.2f}" in (ROOT / "docs" / "gpu.md").read_text()
+    assert f"two runs agree within\n  {max(max(v) - min(v) for v in theirs.values()):.3f}" in section
     dsf, plain = (json.loads((gpu / f"h100_calibrate_70b{s}.json").read_text())["sites"] for s in ("_dsf_20261127", ""))
     moves = [abs(a["efficiency_unrolled"] - b["efficiency_unrolled"]) for a, b in zip(dsf, plain)]
     assert f"at most {max(moves):.3f}" in section
