@@ -6,11 +6,13 @@ h100 profile from the stored runs (bench/gpu) run for real."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -418,6 +420,27 @@ def test_section_9_quotes_the_h100_extras_and_keeps_the_profile():
         assert row in section, row
     assert f"disagree by up to {max(max(v) - min(v) for v in ours.values()):.2f}" in (ROOT / "docs" / "gpu.md").read_text()
     assert f"two runs agree within\n  {max(max(v) - min(v) for v in theirs.values()):.3f}" in section
+    medians = {name: statistics.median(v) for name, v in ours.items()}
+    quoted = ", ".join(f"{name} {value:.3f}" for name, value in medians.items())
+    assert f"medians ({quoted})" in " ".join(section.split())
+    # what those medians would do to the model, as the section says
+    steps = {"gather": 6442450944.0, "scatter": 6442450944.0, "gate and up merged": 12884901888.0,
+             "contracting": 6442450944.0, "batch": 6442450944.0}
+    keys = {"gather": "all_gather_dot", "scatter": "dot_reduce_scatter", "gate and up merged": "all_gather_dot",
+            "contracting": "all_gather_dot/contracting", "batch": "all_gather_dot/batch"}
+    h100 = cost.PROFILES["h100"]
+    split = {key: dict(points) for key, points in h100.split_efficiency.items()}
+    for name, value in medians.items():
+        split[keys[name]][steps[name]] = round(value, 3)
+    with_3b = dataclasses.replace(h100, split_efficiency={k: tuple(sorted(v.items())) for k, v in split.items()})
+    largest = max(abs(cost.mlp_block(a, hidden, ffn, tokens, bidirectional=bi, unroll=un)["speedup"]
+                      - cost.mlp_block(b, hidden, ffn, tokens, bidirectional=bi, unroll=un)["speedup"])
+                  for a, b in [(h100, with_3b)] for hidden, ffn in [(4096, 14336), (8192, 28672)]
+                  for tokens in (8192, 16384) for bi, un in cost.VARIANTS.values())
+    assert f"would move by at most {largest:.3f}" in " ".join(section.split())
+    scatter = cost.SiteShape("dot_reduce_scatter", 8, 2 * 8192 * (14336 // 8) * 4096, (8192 // 8) * 4096 * 2, "bf16")
+    best = [max(cost.predict(scatter, hw).speedup.values()) for hw in (h100, with_3b)]
+    assert f"from {best[0]:.2f}× to {best[1]:.2f}×" in " ".join(section.split())
     dsf, plain = (json.loads((gpu / f"h100_calibrate_70b{s}.json").read_text())["sites"] for s in ("_dsf_20261127", ""))
     moves = [abs(a["efficiency_unrolled"] - b["efficiency_unrolled"]) for a, b in zip(dsf, plain)]
     assert f"at most {max(moves):.3f}" in section
