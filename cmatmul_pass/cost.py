@@ -197,27 +197,35 @@ STEP_70B, STEP_8B = 2 * 1024 * 8192 * 3584, 2 * 1024 * 4096 * 1792
 NVLS_ALL_REDUCE = 480 / 370
 
 PROFILES: dict[str, Hardware] = {
-    # Calibrated on an H100 SXM (tools/gpu_checks.sh calibrate, jax 0.11.2, 2026-11-26;
-    # bench/gpu/h100_calibrate_{70b,8b}.json, merged by tools/gpu_profile.py): XLA's bf16 dot at
-    # 685 TFLOP/s (989 peak); the straight-line splits at each step's FLOPs (the gate and up dots
-    # merged at 30 and 120 GFLOP), the contracting and batch roles' own points, loop trips per
-    # kind, and every element type's rate measured as XLA's dot (medians of the two runs: fp8
-    # 1.1x bf16, i32 a two-hundredth).  The full dot, loop and straight line are timed in turn
-    # now; the runs of 2026-11-23, timed in blocks, had put the 70B splits at 0.851 (gather) and
-    # 0.922 (scatter), against 0.774 and 0.821 now (the H200 agrees: 0.779, 0.867).  NVLink 4:
-    # 450 GB/s per direction.  Overlap: H100_OVERLAP.
-    "h100": Hardware("H100 SXM (NVLink 4)", {"bf16": 6.85e14, "f16": 6.85e14, "f32": 3.56e14, "f8": 7.56e14,
-                                            "f64": 5.89e13, "i8": 7.11e14, "i32": 3.8e12, "default": 6.85e14},
+    # Calibrated on an H100 SXM (tools/gpu_checks.sh calibrate, jax 0.11.2, 2026-11-26, and the 3B
+    # shapes three times on 2026-11-27; bench/gpu/h100_calibrate_{70b,8b}.json and
+    # h100_calibrate_3b_20261127*.json, merged by tools/gpu_profile.py, the 3B runs by their
+    # medians): XLA's bf16 dot at 634 TFLOP/s (989 peak; the median of the models' full dots, the
+    # 8B's); the straight-line splits at each step's FLOPs (the gate and up dots merged at 12.9, 30
+    # and 120 GFLOP), the contracting and batch roles' own points, loop trips per kind, and every
+    # element type's rate measured as XLA's dot (medians over the models: fp8 1.1x bf16, i32 a
+    # hundred-and-fiftieth).  The full dot, loop and straight line are timed in turn now; the runs
+    # of 2026-11-23, timed in blocks, had put the 70B splits at 0.851 (gather) and 0.922 (scatter),
+    # against 0.774 and 0.821 now (the H200 agrees: 0.779, 0.867).  NVLink 4: 450 GB/s per
+    # direction.  Overlap: H100_OVERLAP.
+    "h100": Hardware("H100 SXM (NVLink 4)", {"bf16": 6.34e14, "f16": 6.34e14, "f32": 3.26e14, "f8": 6.84e14,
+                                            "f64": 5.97e13, "i8": 5.79e14, "i32": 4.12e12, "default": 6.34e14},
                      450e9,
-                     loop_trip={"all_gather_dot": ((15032385536.0, 1.23e-05), (30064771072.0, 7.72e-06),
+                     loop_trip={"all_gather_dot": ((6442450944.0, 1.15e-05), (12884901888.0, 4.58e-06),
+                                                   (15032385536.0, 1.23e-05), (30064771072.0, 7.72e-06),
                                                    (60129542144.0, 1.44e-05), (120259084288.0, 2.81e-05)),
-                                "dot_reduce_scatter": ((15032385536.0, 8.21e-06), (60129542144.0, 3.1e-06))},
+                                "dot_reduce_scatter": ((6442450944.0, 2.43e-05), (15032385536.0, 8.21e-06),
+                                                       (60129542144.0, 3.1e-06))},
                      overlap=H100_OVERLAP,
-                     split_efficiency={"all_gather_dot": ((15032385536.0, 0.756), (30064771072.0, 0.707),
+                     split_efficiency={"all_gather_dot": ((6442450944.0, 0.744), (12884901888.0, 0.653),
+                                                          (15032385536.0, 0.756), (30064771072.0, 0.707),
                                                           (60129542144.0, 0.774), (120259084288.0, 0.828)),
-                                       "dot_reduce_scatter": ((15032385536.0, 0.757), (60129542144.0, 0.821)),
-                                       "all_gather_dot/contracting": ((15032385536.0, 0.486), (60129542144.0, 0.519)),
-                                       "all_gather_dot/batch": ((15032385536.0, 0.489), (60129542144.0, 0.591))},
+                                       "dot_reduce_scatter": ((6442450944.0, 0.817), (15032385536.0, 0.757),
+                                                              (60129542144.0, 0.821)),
+                                       "all_gather_dot/contracting": ((6442450944.0, 0.564), (15032385536.0, 0.486),
+                                                                      (60129542144.0, 0.519)),
+                                       "all_gather_dot/batch": ((6442450944.0, 0.468), (15032385536.0, 0.489),
+                                                                (60129542144.0, 0.591))},
                      all_reduce_bandwidth=NVLS_ALL_REDUCE * 450e9),
     # Calibrated on an H200 (tools/gpu_checks.sh calibrate + extras, jax 0.11.2, 2026-11-26;
     # bench/gpu/h200_calibrate_{70b,8b,3b}.json, merged by tools/gpu_profile.py): the straight-line

@@ -208,19 +208,24 @@ def test_merging_the_stored_runs_gives_the_profiles_points(profile):
     from cmatmul_pass import cost
     from tools import gpu_calibrate
 
-    root = bench.ROOT / "bench" / "gpu"
-    paths = [str(root / f"{profile}_calibrate_{model}.json") for model in ("70b", "8b", "3b")
-             if (root / f"{profile}_calibrate_{model}.json").exists()]
+    from test_gpu_checks import calibration_runs
+
+    paths = [str(path) for path in calibration_runs(profile)]
     merged = gpu_calibrate.merge(paths, profile)
     stored = cost.PROFILES[profile]
     assert merged["fields"] == {"split_efficiency": stored.split_efficiency, "loop_trip": stored.loop_trip}
     hw = cost.hardware(merged["hardware_override"])
     assert hw.split_efficiency == stored.split_efficiency and hw.loop_trip == stored.loop_trip
-    runs = [json.loads(Path(p).read_text()) for p in paths]
-    assert merged["throughput"] == float(np.median([s["full_throughput"] for r in runs for s in r["sites"]
-                                                    if s.get("role", "free") == "free"]))
-    for key, rate in merged["rates"].items():  # each type's median over the runs that timed it
-        assert rate == statistics.median(r["element_rates"]["rates"][key]["throughput"] for r in runs)
+    by_model: dict[str, list[dict]] = {}  # repeated runs of a model count as one: their medians
+    for p in paths:
+        run = json.loads(Path(p).read_text())
+        by_model.setdefault(run["model"], []).append(run)
+    full_dots = [statistics.median(site["full_throughput"] for site in sites) for runs in by_model.values()
+                 for sites in zip(*[[s for s in r["sites"] if s.get("role", "free") == "free"] for r in runs])]
+    assert merged["throughput"] == statistics.median(full_dots)
+    for key, rate in merged["rates"].items():  # each type's median over the models, a model's over its runs
+        assert rate == statistics.median(statistics.median(r["element_rates"]["rates"][key]["throughput"] for r in runs)
+                                         for runs in by_model.values())
     assert {"f8", "f64", "i8", "i32"} <= set(merged["rates"]) and merged["rates_override"].startswith(f"{profile}:")
 
 
@@ -249,8 +254,9 @@ def test_merging_adds_a_runs_roles_and_replaces_a_point_at_its_step(tmp_path):
     hw, stored = cost.hardware(merged["hardware_override"]), cost.PROFILES["h100"]
     gather = stored.split_efficiency["all_gather_dot"]
     # the later run's point at that step, the merged dot's at twice it
-    assert hw.split_efficiency["all_gather_dot"] == ((step, 0.65), (2 * step, 0.62), *gather)
-    assert hw.loop_trip["all_gather_dot"] == ((step, 1.5e-5), (2 * step, 2.5e-5), *stored.loop_trip["all_gather_dot"])
+    assert hw.split_efficiency["all_gather_dot"] == tuple(sorted({**dict(gather), step: 0.65, 2 * step: 0.62}.items()))
+    assert hw.loop_trip["all_gather_dot"] == tuple(sorted({**dict(stored.loop_trip["all_gather_dot"]), step: 1.5e-5,
+                                                           2 * step: 2.5e-5}.items()))
     assert hw.split_efficiency["dot_reduce_scatter"] == ((step, 0.7), *stored.split_efficiency["dot_reduce_scatter"])
     # roles: the run's points among the profile's own role points (the gather's stand-ins are
     # not kept), and no loop trips of their own
@@ -272,6 +278,38 @@ def test_merging_adds_a_runs_roles_and_replaces_a_point_at_its_step(tmp_path):
     Path(paths[1]).write_text(json.dumps({**again, "dtype": "f32"}))
     with pytest.raises(SystemExit, match="different dtypes"):
         gpu_calibrate.merge(paths, "h100")
+
+
+def test_merging_takes_the_median_of_a_models_repeated_runs(tmp_path):
+    """Three runs of one model (the same ``model``) count as one run of their medians, point by
+    point, full dot by full dot and rate by rate; another model's run at the same step still
+    replaces it (a later model's point wins)."""
+    from tools import gpu_calibrate
+
+    def run(model, split, trip, full, f8):
+        return {"dtype": "bf16", "ring": 8, "model": model, "element_rates": {"rates": {"f8": {"throughput": f8}}},
+                "sites": [{"kind": "dot_reduce_scatter", "role": "free", "flops": 8 * 4e9, "efficiency_unrolled": split,
+                           "loop_trip_s": trip, "full_throughput": full}]}
+
+    paths = []
+    for i, r in enumerate([run("3b", 0.91, 2e-5, 5e14, 4e14), run("3b", 0.77, 3e-5, 6e14, 5e14),
+                           run("3b", 0.82, 1e-5, 7e14, 9e14)]):
+        paths.append(str(tmp_path / f"r{i}.json"))
+        Path(paths[-1]).write_text(json.dumps(r))
+    merged = gpu_calibrate.merge(paths, "h100")
+    hw = cost_hardware(merged["hardware_override"])
+    assert hw.split("dot_reduce_scatter", 4e9) == 0.82 and hw.trip("dot_reduce_scatter", 4e9) == 2e-5
+    assert merged["throughput"] == 6e14 and merged["rates"] == {"f8": 5e14}
+    Path(tmp_path / "other.json").write_text(json.dumps(run("other", 0.7, 4e-5, 8e14, 1e15)))
+    merged = gpu_calibrate.merge([*paths, str(tmp_path / "other.json")], "h100")
+    assert cost_hardware(merged["hardware_override"]).split("dot_reduce_scatter", 4e9) == 0.7
+    assert merged["throughput"] == 7e14 and merged["rates"] == {"f8": 7.5e14}  # the medians of two models
+
+
+def cost_hardware(override: str):
+    from cmatmul_pass import cost
+
+    return cost.hardware(override)
 
 
 @pytest.mark.parametrize("site", ["all_gather_dot free", "dot_reduce_scatter free", "all_gather_dot contracting",

@@ -628,33 +628,44 @@ def summarise(sites: list[dict], profile: str, dtype: str, target: float, n: int
 
 
 def merge(paths: list[str], profile: str) -> dict:
-    """Several calibration runs (their JSONs, one per model) as one profile: every run's points
-    (:func:`measured_points`, each at its own ring size) among ``profile``'s, a later run's
-    replacing an earlier one's at the same step size, and the median throughput of all the runs'
-    free sites' full dots.  Returns the ``--hardware`` override and the points by field, ready
-    for ``cost.PROFILES`` (``fields``: {field: {point key: ((FLOPs, value), ...)}})."""
+    """Several calibration runs (their JSONs) as one profile: every run's points
+    (:func:`measured_points`, each at its own ring size) among ``profile``'s, a later model's
+    replacing an earlier one's at the same step size, and the median throughput of the runs'
+    free sites' full dots.  Repeated runs of one model (the same ``model`` in their JSONs) count
+    as one: each point, full dot and element rate the median of theirs (at small steps one run's
+    noise is large: docs/gpu.md, section 9).  Returns the ``--hardware`` override and the points
+    by field, ready for ``cost.PROFILES`` (``fields``: {field: {point key: ((FLOPs, value), ...)}})."""
     runs = [json.loads(Path(path).read_text()) for path in paths]
     dtypes = {run["dtype"] for run in runs}
     if len(dtypes) != 1:
         raise SystemExit(f"the runs measured different dtypes ({', '.join(sorted(dtypes))}): merge one dtype's")
+    models: dict[object, list[dict]] = {}  # runs of a model, in the order the models first come
+    for index, run in enumerate(runs):
+        models.setdefault(run.get("model", index), []).append(run)
     points: dict[tuple[str, str, str], dict[float, float]] = {}
-    for run in runs:
-        for key, measured in measured_points(run["sites"], run["ring"]).items():
-            points.setdefault(key, {}).update(measured)
-    throughput = statistics.median(s["full_throughput"] for run in runs for s in run["sites"]
-                                   if s.get("role", "free") == "free")
+    full_dots: list[float] = []
+    timed: dict[str, list[float]] = {}  # each element type's rate, one per model that timed it
+    for group in models.values():
+        measured = [measured_points(run["sites"], run["ring"]) for run in group]
+        for key in dict.fromkeys(k for m in measured for k in m):
+            steps = dict.fromkeys(step for m in measured for step in m.get(key, {}))
+            points.setdefault(key, {}).update(
+                {step: statistics.median(m[key][step] for m in measured if step in m.get(key, {})) for step in steps})
+        free = [[s["full_throughput"] for s in run["sites"] if s.get("role", "free") == "free"] for run in group]
+        full_dots += [statistics.median(site) for site in zip(*free)]  # each site's median over the runs
+        rates: dict[str, list[float]] = {}
+        for run in group:  # (runs before element_rates timed none)
+            for key, r in run.get("element_rates", {}).get("rates", {}).items():
+                rates.setdefault(key, []).append(r["throughput"])
+        for key, values in rates.items():
+            timed.setdefault(key, []).append(statistics.median(values))
+    throughput = statistics.median(full_dots)
     override = override_for(profile, dtypes.pop(), throughput, points)
     hw = cost.hardware(override)
     fields = {}
     for prefix, kind, role in points:
         field_name = cost.POINT_FIELDS[prefix]
         fields.setdefault(field_name, {})[cost.point_key(kind, role)] = hw.kind_points(field_name, kind, role)
-    # each element type's throughput: the median over the runs that timed it (runs before
-    # element_rates timed none)
-    timed: dict[str, list[float]] = {}
-    for run in runs:
-        for key, r in run.get("element_rates", {}).get("rates", {}).items():
-            timed.setdefault(key, []).append(r["throughput"])
     rates = {key: statistics.median(values) for key, values in timed.items()}
     return {"runs": [str(p) for p in paths], "hardware_override": override, "throughput": throughput,
             "fields": fields, "rates": rates, "rates_override": rates_override(profile, rates) if rates else None}

@@ -6,9 +6,10 @@ throughput) and ``tools/gpu_topology.py`` (the 8-GPU compile: permutes overlappe
 in any mix, and prints what they imply for ``cmatmul_pass.cost.PROFILES[profile]``:
 
 * ``split_efficiency`` and ``loop_trip``: the calibration runs' points among the profile's, a later
-  run's replacing an earlier one's at the same step (:func:`tools.gpu_calibrate.merge`);
+  model's replacing an earlier one's at the same step, repeated runs of one model counting as one
+  run of their medians (:func:`tools.gpu_calibrate.merge`);
 * ``flops``: ``bf16`` (and ``f16``, ``default``: the profiles price them alike) the median of the
-  runs' full dots at MLP-block shapes, the other element types each the median of the runs that
+  runs' full dots at MLP-block shapes, the other element types each the median of the models that
   timed it (``element_rates``);
 * ``overlap``: per variant, the permutes overlapped over those executed, pooled over the models
   (:func:`tools.gpu_topology.pooled_overlap`); a variant no run compiled keeps the profile's
@@ -19,10 +20,10 @@ then the one ``--hardware`` override that sets all of it, and what moved against
 it stands.  ``--check`` exits 1 if anything moved (rates by more than ``RATE_TOLERANCE``)::
 
     python tools/gpu_profile.py --profile h100 bench/gpu/h100_calibrate_70b.json \\
-        bench/gpu/h100_calibrate_8b.json bench/gpu/h100_topology_8b_20261126.json \\
-        bench/gpu/h100_topology_70b_send_after_dot.json --check
+        bench/gpu/h100_calibrate_8b.json bench/gpu/h100_calibrate_3b_20261127*.json \\
+        bench/gpu/h100_topology_8b_20261126.json bench/gpu/h100_topology_70b_20261127.json --check
 
-(the runs the ``h100`` profile was built from).  ``tools/gpu_checks.sh DIR h100 profile`` runs it
+(the runs the ``h100`` profile was built from; docs/gpu.md names each).  ``tools/gpu_checks.sh DIR h100 profile`` runs it
 over what the script's GPU parts wrote.
 """
 
@@ -160,8 +161,9 @@ def render(result: dict, profile: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", metavar="RUN.json",
-                        help="gpu_calibrate.py and gpu_topology.py results; a later run replaces an earlier one's "
-                             "point at the same step, or count of the same variant and model")
+                        help="gpu_calibrate.py and gpu_topology.py results; a later model's run replaces an earlier "
+                             "one's point at the same step (repeated runs of one model: their medians), a later "
+                             "topology run its model's count of the same variant")
     parser.add_argument("--profile", default="h100", help="the cost-model profile to regenerate")
     parser.add_argument("--out", help="also write what is printed to this file")
     parser.add_argument("--check", action="store_true", help="exit 1 if the runs move anything in the profile")
