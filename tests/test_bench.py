@@ -208,7 +208,7 @@ def test_merging_the_stored_runs_gives_the_profiles_points(profile):
     from cmatmul_pass import cost
     from tools import gpu_calibrate
 
-    from test_gpu_checks import calibration_runs
+    from test_gpu_checks import calibration_runs, free_full_dots, runs_by_model
 
     paths = [str(path) for path in calibration_runs(profile)]
     merged = gpu_calibrate.merge(paths, profile)
@@ -216,13 +216,8 @@ def test_merging_the_stored_runs_gives_the_profiles_points(profile):
     assert merged["fields"] == {"split_efficiency": stored.split_efficiency, "loop_trip": stored.loop_trip}
     hw = cost.hardware(merged["hardware_override"])
     assert hw.split_efficiency == stored.split_efficiency and hw.loop_trip == stored.loop_trip
-    by_model: dict[str, list[dict]] = {}  # repeated runs of a model count as one: their medians
-    for p in paths:
-        run = json.loads(Path(p).read_text())
-        by_model.setdefault(run["model"], []).append(run)
-    full_dots = [statistics.median(site["full_throughput"] for site in sites) for runs in by_model.values()
-                 for sites in zip(*[[s for s in r["sites"] if s.get("role", "free") == "free"] for r in runs])]
-    assert merged["throughput"] == statistics.median(full_dots)
+    by_model = runs_by_model(paths)  # repeated runs of a model count as one: their medians
+    assert merged["throughput"] == statistics.median(free_full_dots(by_model))
     for key, rate in merged["rates"].items():  # each type's median over the models, a model's over its runs
         assert rate == statistics.median(statistics.median(r["element_rates"]["rates"][key]["throughput"] for r in runs)
                                          for runs in by_model.values())
@@ -284,6 +279,7 @@ def test_merging_takes_the_median_of_a_models_repeated_runs(tmp_path):
     """Three runs of one model (the same ``model``) count as one run of their medians, point by
     point, full dot by full dot and rate by rate; another model's run at the same step still
     replaces it (a later model's point wins)."""
+    from cmatmul_pass import cost
     from tools import gpu_calibrate
 
     def run(model, split, trip, full, f8):
@@ -297,19 +293,13 @@ def test_merging_takes_the_median_of_a_models_repeated_runs(tmp_path):
         paths.append(str(tmp_path / f"r{i}.json"))
         Path(paths[-1]).write_text(json.dumps(r))
     merged = gpu_calibrate.merge(paths, "h100")
-    hw = cost_hardware(merged["hardware_override"])
+    hw = cost.hardware(merged["hardware_override"])
     assert hw.split("dot_reduce_scatter", 4e9) == 0.82 and hw.trip("dot_reduce_scatter", 4e9) == 2e-5
     assert merged["throughput"] == 6e14 and merged["rates"] == {"f8": 5e14}
     Path(tmp_path / "other.json").write_text(json.dumps(run("other", 0.7, 4e-5, 8e14, 1e15)))
     merged = gpu_calibrate.merge([*paths, str(tmp_path / "other.json")], "h100")
-    assert cost_hardware(merged["hardware_override"]).split("dot_reduce_scatter", 4e9) == 0.7
+    assert cost.hardware(merged["hardware_override"]).split("dot_reduce_scatter", 4e9) == 0.7
     assert merged["throughput"] == 7e14 and merged["rates"] == {"f8": 7.5e14}  # the medians of two models
-
-
-def cost_hardware(override: str):
-    from cmatmul_pass import cost
-
-    return cost.hardware(override)
 
 
 @pytest.mark.parametrize("site", ["all_gather_dot free", "dot_reduce_scatter free", "all_gather_dot contracting",

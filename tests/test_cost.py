@@ -170,15 +170,12 @@ def test_the_profiles_split_is_what_the_gpu_measured():
     that tools/gpu_calibrate.py measured (bench/gpu/), at each run's step size: a free role's
     split and loop trip are its kind's points, another role's split is that role's own (runs
     before 2026-11-23 measured free roles only and name none)."""
-    from test_gpu_checks import calibration_runs
+    from test_gpu_checks import calibration_runs, runs_by_model
 
     for profile in ("h100", "h200"):
         hw = cost.PROFILES[profile]
-        by_model: dict[str, list[dict]] = {}  # the H100's 3B shapes were run three times: their medians
-        for path in calibration_runs(profile):
-            run = json.loads(path.read_text())
-            by_model.setdefault(run["model"], []).append(run)
-        for model, runs in by_model.items():
+        # the H100's 3B shapes were run three times: their medians
+        for model, runs in runs_by_model(calibration_runs(profile)).items():
             for sites in zip(*[run["sites"] for run in runs]):
                 site = sites[0]
                 step, role = site["flops"] / runs[0]["ring"], site.get("role", "free")
@@ -372,17 +369,12 @@ def test_the_gpus_rates_by_element_type():
     as tools/gpu_profile.py merges them).  What the measurement refuted stays refuted: fp8 is
     not twice bf16 under XLA, and an i32 dot runs at a hundredth of it or less.  On A100 and TPU
     v5e, which have no fp8 units, fp8 is at bf16's rate."""
-    from test_gpu_checks import calibration_runs
+    from test_gpu_checks import calibration_runs, free_full_dots, runs_by_model
 
     for name in ("h100", "h200"):
-        by_model: dict[str, list[dict]] = {}  # a model's repeated runs count as one: their medians
-        for path in calibration_runs(name):
-            run = json.loads(path.read_text())
-            by_model.setdefault(run["model"], []).append(run)
+        by_model = runs_by_model(calibration_runs(name))  # a model's repeated runs count as one: their medians
         hw = cost.PROFILES[name]
-        full_dots = statistics.median(
-            statistics.median(site["full_throughput"] for site in sites) for runs in by_model.values()
-            for sites in zip(*[[s for s in r["sites"] if s.get("role", "free") == "free"] for r in runs]))
+        full_dots = statistics.median(free_full_dots(by_model))
         for key in ("bf16", "f16", "f32", "f8", "f64", "i8", "i32"):
             measured = full_dots if key in ("bf16", "f16") else statistics.median(
                 statistics.median(run["element_rates"]["rates"][key]["throughput"] for run in runs)

@@ -254,6 +254,22 @@ def calibration_runs(profile: str) -> list[Path]:
     return [ROOT / path for path in sources if "_calibrate_" in path]
 
 
+def runs_by_model(paths: list) -> dict[str, list[dict]]:
+    """The calibration runs at ``paths`` (JSONs) by model, in order: a model's repeated runs count
+    as one run of their medians (tools/gpu_calibrate.merge)."""
+    by_model: dict[str, list[dict]] = {}
+    for path in paths:
+        run = json.loads(Path(path).read_text())
+        by_model.setdefault(run["model"], []).append(run)
+    return by_model
+
+
+def free_full_dots(by_model: dict[str, list[dict]]) -> list[float]:
+    """Each model's free sites' full-dot throughputs, each site's the median over the model's runs."""
+    return [statistics.median(site["full_throughput"] for site in sites) for runs in by_model.values()
+            for sites in zip(*[[s for s in r["sites"] if s.get("role", "free") == "free"] for r in runs])]
+
+
 def test_the_stored_runs_rebuild_the_h200_profile():
     """The H200 runs of 2026-11-26 (the whole script on a lent H200: calibrate, topology, extras)
     imply exactly the h200 profile: docs/gpu.md's line exits 0, every split, loop-trip point,

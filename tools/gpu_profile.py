@@ -23,8 +23,8 @@ it stands.  ``--check`` exits 1 if anything moved (rates by more than ``RATE_TOL
         bench/gpu/h100_calibrate_8b.json bench/gpu/h100_calibrate_3b_20261127*.json \\
         bench/gpu/h100_topology_8b_20261126.json bench/gpu/h100_topology_70b_20261127.json --check
 
-(the runs the ``h100`` profile was built from; docs/gpu.md names each).  ``tools/gpu_checks.sh DIR h100 profile`` runs it
-over what the script's GPU parts wrote.
+(the runs the ``h100`` profile was built from; docs/gpu.md names each).  ``tools/gpu_checks.sh DIR
+h100 profile`` runs it over what the script's GPU parts wrote.
 """
 
 from __future__ import annotations
