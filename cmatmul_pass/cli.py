@@ -98,9 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--min-bytes", type=int, default=0, help="leave sites moving fewer bytes per device")
         p.add_argument("--all-reduce", choices=["split", "chunk", "auto", "keep"],
                        help="a psum of a matmul (dot -> all_reduce): split into a reduce-scatter ring whose gather "
-                            "moves forward to the next matmul's ring (default), chunk the rows so each chunk's "
-                            "all_reduce overlaps the next chunk's dot, auto: the faster by the cost model (the "
-                            "default under --policy auto), keep: leave them")
+                            "moves forward to the next matmul's ring, chunk the rows so each chunk's all_reduce "
+                            "overlaps the next chunk's dot, auto (default): the faster of the two by the cost model "
+                            "(chunk in two where no profile describes the machine), keep: leave them")
         p.add_argument("--chunks", type=int, choices=range(2, 9), metavar="K",
                        help="chunks for --all-reduce chunk, 2 to 8 (default: the cost model's pick of 2, 4, 8)")
         p.add_argument(
@@ -217,6 +217,11 @@ def _options(args, variant: str | None = None):
     # neither --bidirectional nor --unroll: the default, --variant auto
     unroll = None if args.unroll is None else "full" if args.unroll == "full" else int(args.unroll)
     return Options(bidirectional=args.bidirectional or None, unroll=unroll, **common)
+
+
+def options_from_argv(argv: list[str]):
+    """The Options ``cmatmul_pass rewrite <argv>`` runs the pass with."""
+    return _options(build_parser().parse_args(["rewrite", *argv, "-"]))
 
 
 def render_with_args(text: str, argv: list[str], source: str = "<input>") -> str:
@@ -464,8 +469,10 @@ def _explain_all_reduce(site) -> None:
     p = a["prediction"]
     chunks = f", {p['chunks']} chunks: {duration(p['chunk_s'][str(p['chunks'])])} ({p['speedup']['chunk']:.2f}x)" \
         if p.get("chunks") else ""
+    picked = {"model": " (the cost model's pick)",
+              "fallback": " (auto's fallback: no profile describes this machine)"}.get(a.get("picked"), "")
     print(f"  all_reduce: {a['strategy']} along dim {a['dim']}"
-          + (f" into {a['chunks']} chunks" if a["strategy"] == "chunk" and site.rewritten else ""))
+          + (f" into {a['chunks']} chunks" if a["strategy"] == "chunk" and site.rewritten else "") + picked)
     print(f"  predicted on {p['hardware']}: dots + all_reduce {duration(p['serial_s'])} (the all_reduce "
           f"{duration(p['all_reduce_s'])}); split {duration(p['split_s'])} ({p['speedup']['split']:.2f}x){chunks}")
     if site.rewritten and a["strategy"] == "split":

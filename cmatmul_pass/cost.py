@@ -291,6 +291,23 @@ FALLBACK_VARIANT, FALLBACK_SHORT_RING_VARIANT, FALLBACK_FULL_UP_TO = "unroll2", 
 FALLBACK_LOOPED_SCATTER_VARIANT, FALLBACK_LOOPED_SCATTER_BYTES = "uni", 8 * 2**20
 
 
+#: What ``all_reduce="auto"`` makes of a psum of a matmul where no profile describes the machine:
+#: chunk it in two where its rows cut so (else split).  On the 8 CPU devices, which run every
+#: collective synchronously, two pre-norm Megatron MLP blocks (``make bench``'s Megatron run,
+#: docs/performance.md) ran chunk 2 at 1.05 of the plain psum, chunk 4 at 1.16, chunk 8 at 1.27,
+#: and split at 1.25-1.41 in every variant; on the profiled GPUs the model predicts chunk faster
+#: than split too, in every row of docs/performance.md's 8xH100 Megatron table.
+FALLBACK_CHUNKS = 2
+
+
+def fallback_all_reduce(prediction: "AllReducePrediction") -> tuple[str, int | None]:
+    """(strategy, chunk count) ``all_reduce="auto"`` gives a psum site where no profile
+    describes the machine (:data:`FALLBACK_CHUNKS`)."""
+    if not prediction.chunk_s:
+        return "split", None
+    return "chunk", FALLBACK_CHUNKS if FALLBACK_CHUNKS in prediction.chunk_s else min(prediction.chunk_s)
+
+
 def fallback_variant(shape: "SiteShape") -> str:
     """The variant ``"auto"`` gives a site of ``shape`` where no profile describes the machine."""
     if shape.ring > FALLBACK_FULL_UP_TO:
@@ -954,13 +971,16 @@ class AllReducePrediction:
         return self.serial_s / self.seconds(strategy, chunks)
 
     @property
+    def fastest(self) -> str:
+        """The faster strategy, whether or not it beats the original (split on a tie)."""
+        if self.chunk_s and self.speedup("chunk") > self.speedup("split"):
+            return "chunk"
+        return "split"
+
+    @property
     def best(self) -> str | None:
         """The faster strategy (split on a tie); None where neither beats the original."""
-        options = {"split": self.speedup("split")}
-        if self.chunk_s:
-            options["chunk"] = self.speedup("chunk")
-        name = max(options, key=options.__getitem__)
-        return name if options[name] > 1 else None
+        return self.fastest if self.speedup(self.fastest) > 1 else None
 
     def to_dict(self) -> dict:
         return {"hardware": self.hardware, "serial_s": self.serial_s, "all_reduce_s": self.all_reduce_s,

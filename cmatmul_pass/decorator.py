@@ -82,7 +82,8 @@ def jit(
     which ``policy="auto"`` uses and the report's ``cost.hardware`` says was assumed), or a
     profile by name.
     ``all_reduce`` and ``chunks``: what becomes of a psum of a matmul (``Options.all_reduce``:
-    ``"split"``, ``"chunk"``, ``"auto"``, ``"keep"``).
+    ``"split"``, ``"chunk"``, ``"keep"``, or by default ``"auto"``: the cost model's pick, two
+    chunks where no profile describes the machine).
     ``check=True`` also runs the unrewritten program on the first call of each input
     signature and raises :class:`~cmatmul_pass.errors.NumericsMismatch` (naming the
     rewritten sites and the outputs that differ) where the rewrite is less accurate than the

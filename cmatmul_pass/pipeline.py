@@ -87,9 +87,10 @@ class Options:
     ``"split"`` (a reduce-scatter ring, then the gather carried forward to the next matmul's
     ring or to where the whole value is read: :mod:`.rewrites.sequence_parallel`),
     ``"chunk"`` (the rows in ``chunks`` pieces, each piece's all_reduce overlapping the next
-    piece's dot), ``"auto"`` (per site, the one the cost model predicts faster), ``"keep"``
-    (left as they are).  None (the default): ``"split"``, or ``"auto"`` under
-    ``policy="auto"``, which also leaves a site where neither beats the all_reduce.
+    piece's dot), ``"auto"`` (per site, the one the cost model predicts faster on
+    ``hardware``; where no profile describes the machine, ``cost.fallback_all_reduce``: two
+    chunks), ``"keep"`` (left as they are).  None (the default): ``"auto"``; under
+    ``policy="auto"`` it also leaves a site where neither beats the all_reduce.
     ``chunks``: the chunk count (2 to 8); None: the cost model's pick of 2, 4 or 8.
     """
 
@@ -141,8 +142,8 @@ class Options:
 
     @property
     def all_reduce_strategy(self) -> str:
-        """What becomes of dot → all_reduce sites: split, chunk, auto or keep."""
-        return self.all_reduce or ("auto" if self.policy == "auto" else "split")
+        """What becomes of dot → all_reduce sites: split, chunk, auto (the default) or keep."""
+        return self.all_reduce or "auto"
 
     @property
     def rounds_per_trip(self) -> int | None:
@@ -816,9 +817,9 @@ def _all_reduce(site, ctx: RewriteContext, source: str, options: Options, hw: co
     if key not in predictions:
         predictions[key] = cost.predict_all_reduce(shape, hw, variant, counts)
     prediction = predictions[key]
-    strategy, chunks, declined = _all_reduce_strategy(options, shape, prediction)
+    strategy, chunks, declined = _all_reduce_strategy(options, shape, prediction, hw.assumed)
     entry.all_reduce = {"strategy": strategy, "dim": site.dim, "chunks": chunks, "gathers": [],
-                        "prediction": prediction.to_dict()}
+                        "picked": _all_reduce_pick(options, hw), "prediction": prediction.to_dict()}
     if declined:
         entry.reason_code, entry.reason = declined
         return entry, None
@@ -841,13 +842,26 @@ def _all_reduce(site, ctx: RewriteContext, source: str, options: Options, hw: co
     return ringed, Seed(all_gather, site.ring, site.region, site.dim, -1)
 
 
-def _all_reduce_strategy(options: Options, shape: cost.SiteShape, prediction: cost.AllReducePrediction
-                         ) -> tuple[str, int | None, tuple[str, str] | None]:
-    """(strategy, chunk count, (code, reason) when the site stays as it is)."""
+def _all_reduce_pick(options: Options, hw: cost.Hardware) -> str:
+    """Who chose a psum site's strategy: ``"named"`` (``all_reduce=`` named it), ``"model"``
+    (auto: the cost model's pick) or ``"fallback"`` (auto where no profile describes the
+    machine: ``cost.fallback_all_reduce``)."""
+    if options.all_reduce_strategy != "auto":
+        return "named"
+    return "fallback" if hw.assumed else "model"
+
+
+def _all_reduce_strategy(options: Options, shape: cost.SiteShape, prediction: cost.AllReducePrediction,
+                         assumed: bool = False) -> tuple[str, int | None, tuple[str, str] | None]:
+    """(strategy, chunk count, (code, reason) when the site stays as it is); ``assumed``: no
+    profile describes the machine (auto then takes ``cost.fallback_all_reduce``)."""
     asked = options.all_reduce_strategy
     chunks = options.chunks or prediction.chunks
-    if asked == "auto":
-        asked = prediction.best or "split"
+    if asked == "auto" and assumed:
+        asked, fallback_chunks = cost.fallback_all_reduce(prediction)
+        chunks = options.chunks or fallback_chunks or chunks
+    elif asked == "auto":
+        asked = prediction.fastest
     if asked == "chunk" and not prediction.chunk_s:
         return asked, None, ("chunks", f"the rows cannot be cut into {options.chunks or '2, 4 or 8'} equal chunks "
                                        "that every op after the dot keeps whole")

@@ -135,6 +135,11 @@ REASONS: dict[str, Reason] = {r.code: r for r in (
                      "keeps whole",
            "pick a `--chunks` K that divides the rows, or use `--all-reduce split`",
            ("hlo_samples/ar_megatron_mlp.mlir", "--all-reduce", "chunk", "--chunks", "3")),
+    Reason("chunked", "the psum is already in row chunks: its all_reduce is one of several whose sums are "
+                      "concatenated (the chunk strategy's output, or chunked by hand), each already overlapping "
+                      "the next chunk's dot",
+           "none needed (a second run of the pass leaves its own chunks); to ring it instead, rewrite the "
+           "original with `--all-reduce split`"),
     Reason("varies", "a row-wise op after a split psum reads a value that may differ between the group's devices: "
                      "the gather cannot move past it",
            "none needed: the gather is placed before that op (explain's `gathered:` line says where)"),

@@ -69,7 +69,7 @@ def test_the_backward_psum_is_split_along_the_input_gradient_rows():
 def test_rows_that_do_not_divide_fall_back_to_another_free_dim():
     """12 tokens on a ring of 8: the features (32) split instead, with the same numbers."""
     text = lower_smap(mlp, MLP_SPECS, [(12, 32), (32, 128), (128, 32)])
-    result = rewrite(text)
+    result = rewrite(text, all_reduce="split")
     (entry,) = result.report.sites
     assert entry.rewritten and entry.all_reduce["dim"] == 1 and ops(result, "stablehlo.all_reduce") == 0
     numerics_ok(text, result)
@@ -142,7 +142,7 @@ def test_a_device_varying_operand_stops_the_move():
 # ---------------------------------------------------------------- split: gathers carried forward
 def test_the_ln_stack_gathers_into_the_next_ring_and_once_at_the_return():
     text = sample("ar_megatron_ln_stack").read_text()
-    result = rewrite(text)
+    result = rewrite(text, all_reduce="split")
     kinds = [(s.kind, s.rewritten) for s in result.report.sites]
     assert kinds == [("dot_all_reduce", True), ("dot_all_reduce", True), ("all_gather_dot", True)]
     first = result.report.sites[0].all_reduce["gathers"]
@@ -166,7 +166,7 @@ def test_carrying_never_gathers_more_bytes_than_the_psums_moved():
         return x + mlp(jnp.tanh(x), w1b, w2b)
 
     text = lower_smap(stack, MLP_SPECS + MLP_SPECS[1:], MLP_SHAPES + MLP_SHAPES[1:], grad=True)
-    result = rewrite(text)
+    result = rewrite(text, all_reduce="split")
     # the forward's two psums of a dot are split, and the backward's psum of a product plus a value
     # other readers need whole (read block by block since issue 31 item 2); check_vma=False's
     # backward sums other values too, which stay
@@ -190,7 +190,7 @@ def execute_bytes(op):
 @pytest.mark.parametrize("name", ["ar_megatron_mlp_grad", "ar_megatron_ln_stack", "ar_megatron_mesh2x4"])
 def test_split_matches_the_original_in_every_variant(name, variant):
     text = sample(name).read_text()
-    result = rewrite(text, variant=variant)
+    result = rewrite(text, variant=variant, all_reduce="split")
     assert any(s.kind == "dot_all_reduce" and s.rewritten for s in result.report.sites)
     assert ops(result, "stablehlo.all_reduce") == 0
     numerics_ok(text, result)
@@ -245,6 +245,47 @@ def test_the_default_says_when_the_model_predicts_a_slowdown():
     assert entry.rewritten and any("policy all rewrites it anyway" in n for n in entry.notes)
 
 
+def test_the_default_takes_the_strategy_the_model_predicts_faster():
+    """No all_reduce= named: the faster of split and chunk by the model, even where neither beats
+    the psum (policy all rewrites it); where the all_reduce is slow, split (no all_reduce at all)."""
+    text = sample("ar_megatron_mlp").read_text()
+    (tiny,) = rewrite(text).report.sites
+    speedup = tiny.all_reduce["prediction"]["speedup"]
+    assert tiny.rewritten and tiny.all_reduce["picked"] == "model"
+    assert tiny.all_reduce["strategy"] == "chunk" and speedup["chunk"] > speedup["split"] and speedup["chunk"] < 1
+    (slow,) = rewrite(text, hardware="h100:all_reduce_bandwidth=4.5e6").report.sites
+    speedup = slow.all_reduce["prediction"]["speedup"]
+    assert slow.all_reduce["strategy"] == "split" and speedup["split"] > speedup["chunk"]
+    (named,) = rewrite(text, all_reduce="split").report.sites
+    assert named.all_reduce["strategy"] == "split" and named.all_reduce["picked"] == "named"
+
+
+def test_without_a_profile_the_default_chunks_in_two(capsys):
+    """hardware="auto" on this CPU: no profile describes it, so auto takes cost.fallback_all_reduce
+    (as the ring variant takes its fallback), and explain says so."""
+    text = sample("ar_megatron_ln_stack").read_text()
+    result = rewrite(text, hardware="auto")
+    psums = [s for s in result.report.sites if s.kind == "dot_all_reduce"]
+    assert len(psums) == 2
+    assert all(s.rewritten and s.all_reduce["strategy"] == "chunk" and s.all_reduce["chunks"] == cost.FALLBACK_CHUNKS
+               and s.all_reduce["picked"] == "fallback" for s in psums)
+    numerics_ok(text, result)
+    assert run_cli("explain", sample("ar_megatron_ln_stack"), "--hardware", "auto") == 0
+    assert "all_reduce: chunk along dim 0 into 2 chunks (auto's fallback: no profile describes this machine)" in \
+        capsys.readouterr().out
+
+
+def test_a_second_run_leaves_the_chunks():
+    """The chunk strategy's output is a fixed point: each chunk's all_reduce, concatenated with the
+    others, is declined as already chunked (a psum chunked by hand too)."""
+    text = sample("ar_megatron_mlp").read_text()
+    for options in ({}, {"all_reduce": "chunk", "chunks": 4}):
+        once = rewrite(text, **options)
+        twice = rewrite(once.text, **options)
+        assert twice.text == once.text and not twice.report.rewritten
+        assert [s.reason_code for s in twice.report.sites] == ["chunked"] * (options.get("chunks") or 2)
+
+
 def test_the_all_reduce_costs_less_on_nvls_hardware():
     h100, a100 = cost.hardware("h100"), cost.hardware("a100")
     assert h100.all_reduce_seconds(1e9, 8) < 2 * 7 / 8 * 1e9 / h100.bandwidth
@@ -261,9 +302,9 @@ def test_chunking_pays_where_the_dot_and_the_all_reduce_are_alike():
 
 # ---------------------------------------------------------------- the CLI and the decorator
 def test_explain_says_where_every_gather_went(capsys):
-    assert run_cli("explain", sample("ar_megatron_ln_stack")) == 0
+    assert run_cli("explain", sample("ar_megatron_ln_stack"), "--all-reduce", "split") == 0
     out = capsys.readouterr().out
-    assert "all_reduce: split along dim 0" in out
+    assert "all_reduce: split along dim 0\n" in out  # named, so no pick is credited
     assert "gathered: into the ring of stablehlo.dot_general at" in out and "gathered: before sdy.return at" in out
 
 
@@ -274,7 +315,7 @@ def test_the_cli_takes_the_strategy(tmp_path):
     assert ops(result, "stablehlo.all_reduce") == 2
 
 
-def test_the_decorator_splits_a_megatron_layer():
+def test_the_decorator_rewrites_a_megatron_layer():
     mesh = jax.make_mesh((8,), ("model",))
     f = jax.shard_map(mlp, mesh=mesh, in_specs=MLP_SPECS, out_specs=P())
     rng = np.random.default_rng(0)
@@ -282,7 +323,9 @@ def test_the_decorator_splits_a_megatron_layer():
             for s, spec in zip(MLP_SHAPES, MLP_SPECS)]
     ours = cmatmul_pass.jit(f, check=True)
     np.testing.assert_allclose(np.asarray(ours(*args)), np.asarray(jax.jit(f)(*args)), rtol=1e-5, atol=1e-5)
-    assert [s.kind for s in ours.report.rewritten] == ["dot_all_reduce"]
+    (site,) = ours.report.rewritten
+    # on this CPU no profile describes the machine: the default's fallback, two chunks
+    assert site.kind == "dot_all_reduce" and (site.all_reduce["strategy"], site.all_reduce["picked"]) == ("chunk", "fallback")
 
 
 def test_megatron_training_parity_with_jax_jit():
@@ -340,8 +383,8 @@ def test_a_second_run_of_the_pass_finds_nothing_left_to_ring(model):
 
     fn, args = bench.MODELS[model](5, hidden=32, ffn=64, tokens=32)
     text = fn.lower(*args).as_text()
-    first = cmatmul_pass.rewrite(text)
-    again = cmatmul_pass.rewrite(first.text)
+    first = cmatmul_pass.rewrite(text, cmatmul_pass.Options(all_reduce="split"))
+    again = cmatmul_pass.rewrite(first.text, cmatmul_pass.Options(all_reduce="split"))
     assert not again.report.rewritten, [s.summary_line() for s in again.report.rewritten]
     ringed = [s for s in first.report.rewritten if any(n.startswith("rung with the row-wise ops") for n in s.notes)]
     assert bool(ringed) == (model == "megatron"), [s.summary_line() for s in ringed]

@@ -534,7 +534,8 @@ def test_the_readme_summary_quotes_the_stored_bench_run():
 
 def test_bench_megatron_smoke(tmp_path):
     """The psum-after-matmul part of the benchmark: a Megatron training step's pass cost (every
-    psum of a matmul split, the carried gathers ringed) and the blocks' run time per strategy."""
+    psum of a matmul rewritten, in the strategy the default picks) and the blocks' run time per
+    strategy."""
     out = tmp_path / "megatron.json"
     assert bench.main(["--only-megatron", "--layers", "1", "--repeats", "1", "--layer-runs", "1",
                        "--megatron", "64", "32", "64", "--out", str(out)]) == 0
@@ -542,14 +543,13 @@ def test_bench_megatron_smoke(tmp_path):
     (row,) = results["pass_cost"]["per_layers"]
     assert results["pass_cost"]["model"] == "megatron"
     assert row["rewritten"] == row["sites"] and row["kinds"]["dot_all_reduce"] >= 4
-    assert row["kinds"].get("all_gather_dot", 0) >= 1  # a carried gather reached the next projections' ring
     runtime = results["runtime"]
     assert set(runtime["over_original"]) == {
         "split-uni", "split-unroll2", "split-full", "split-bidi", "chunk-2", "chunk-4", "chunk-8", "default"}
     assert all(v > 0 for v in runtime["over_original"].values())
-    # cmatmul_pass.jit's own module on this CPU: every psum split, its reduce-scatter ring the
-    # fallback's straight line (cost.fallback_variant: a ring of 8, partial sums far under 8 MiB)
-    assert runtime["default_sites"] == [["split", "full"]] and runtime["default_is"] == "split-full"
+    # cmatmul_pass.jit's own module on this CPU, which no profile describes: every psum in two
+    # chunks (cost.fallback_all_reduce), the chunk-2 strategy's very module
+    assert runtime["default_sites"] == [["chunk", None]] and runtime["default_is"] == "chunk-2"
 
 
 def test_bench_pass_cost_alone(tmp_path):

@@ -391,7 +391,7 @@ def test_a_site_predicted_slower_is_rewritten_with_a_warning(tmp_path, capsys):
         warnings = [line for line in err.splitlines() if line.startswith("cmatmul_pass: warning: ")]
         assert len(warnings) == len(result.report.rewritten) > 0
         assert all("rewritten although the cost model predicts" in w and "--policy auto" in w for w in warnings)
-    assert "(split)" in warnings[0]  # the psum's strategy
+    assert "(chunk)" in warnings[0]  # the psum's strategy: the default's, the model's pick
     assert run_cli("rewrite", ar, "-o", tmp_path / "o.mlir", "-q") == 0
     assert capsys.readouterr().err == ""
     assert run_cli("rewrite", ar, "-o", tmp_path / "o.mlir", "--policy", "auto") == 0

@@ -11,13 +11,14 @@ import pytest
 import cmatmul_pass
 from cmatmul_pass import ir_utils
 from conftest import NEGATIVE, POSITIVE, SAMPLES
-from cmatmul_pass.cli import render_with_args
-from cmatmul_pass.pipeline import variant_options
+from cmatmul_pass.cli import options_from_argv, render_with_args
 from tools.golden import (
     GOLDEN_BEGIN,
     GOLDEN_END,
+    GOLDEN_PREFIX,
     HLO_GOLDENS_JAX,
     MAIN_ARGS,
+    SPLIT_ARGS,
     begin_marker,
     dead_directives,
     expectation,
@@ -86,9 +87,10 @@ def test_variant_block_markers_round_trip():
 @pytest.mark.parametrize("path", POSITIVE, ids=lambda p: p.stem)
 def test_positive_sample_rewrites_the_expected_sites(path):
     text = path.read_text()
-    _, count = expectation(text)  # under the main block's options (MAIN_ARGS: the uni ring)
-    result = cmatmul_pass.rewrite(text, variant_options(MAIN_ARGS[1]), source=str(path))
-    assert MAIN_ARGS[0] == "--variant"
+    _, count = expectation(text)  # under the main block's options (MAIN_ARGS: the uni ring; SPLIT_ARGS)
+    args = dict(golden_blocks(text))[GOLDEN_PREFIX]
+    assert tuple(args) in (MAIN_ARGS, SPLIT_ARGS)
+    result = cmatmul_pass.rewrite(text, options_from_argv(args), source=str(path))
     assert len(result.report.rewritten) == int(count)
     assert result.changed
 

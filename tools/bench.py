@@ -61,7 +61,8 @@ from cmatmul_pass.pipeline import Options, variant_options  # noqa: E402
 from cmatmul_pass._jax_private import compile_module  # noqa: E402
 from tools.golden import expectation, sample_paths  # noqa: E402
 
-VARIANTS = {name: variant_options(name) for name in cost.VARIANTS}
+#: each ring variant, a psum of a matmul split (its reduce-scatter ring in that variant)
+VARIANTS = {name: variant_options(name, all_reduce="split") for name in cost.VARIANTS}
 
 
 # ---------------------------------------------------------------------------- 1. pass cost
@@ -369,7 +370,7 @@ def megatron_runtime(runs: int, rows: int = 1024, hidden: int = 512, ffn: int = 
     original = ir_utils.parse(text)
     devices = jax.devices("cpu")[:8]
     inputs = execute.random_inputs(original, 0)
-    strategies = {f"split-{name}": variant_options(name) for name in ("uni", "unroll2", "full", "bidi")}
+    strategies = {f"split-{name}": variant_options(name, all_reduce="split") for name in ("uni", "unroll2", "full", "bidi")}
     strategies.update({f"chunk-{k}": cmatmul_pass.Options(all_reduce="chunk", chunks=k) for k in (2, 4, 8)})
     programs = {"original": execute.Program(original, inputs, devices)}
     texts = {}  # each strategy's module as text, for default_is below

@@ -31,10 +31,11 @@ import cmatmul_pass
 from cmatmul_pass import cost, execute, ir_utils
 from cmatmul_pass.pipeline import variant_options
 
-VARIANTS = {name: variant_options(name) for name in cost.VARIANTS}
-VARIANTS["streams-unroll2"] = variant_options("unroll2", annotate_streams=True)
-VARIANTS["streams-bidi-noassemble"] = variant_options("bidi", annotate_streams=True, assemble=False)
-# each site the variant the cost model picks: a program's gathers and scatters get different ones
+# each ring variant; a psum of a matmul split (its reduce-scatter ring in that variant)
+VARIANTS = {name: variant_options(name, all_reduce="split") for name in cost.VARIANTS}
+VARIANTS["streams-unroll2"] = variant_options("unroll2", annotate_streams=True, all_reduce="split")
+VARIANTS["streams-bidi-noassemble"] = variant_options("bidi", annotate_streams=True, assemble=False, all_reduce="split")
+# the defaults: each site the variant (and each psum the strategy) the cost model picks
 VARIANTS["auto"] = variant_options("auto")
 # a psum of a matmul in row chunks, each chunk's all_reduce behind the next chunk's dot
 VARIANTS["chunk"] = variant_options("uni", all_reduce="chunk")

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "hlo_samples"
 sys.path.insert(0, str(ROOT))
 
-from tools.golden import GOLDEN_END, GOLDEN_PREFIX, MAIN_ARGS, begin_marker, escape  # noqa: E402
+from tools.golden import GOLDEN_END, GOLDEN_PREFIX, MAIN_ARGS, SPLIT_ARGS, begin_marker, escape  # noqa: E402
 
 
 @dataclass
@@ -56,6 +56,8 @@ class Sample:
     #: the jax release series whose lowering the sample records ("0.11": collectives name their groups
     #: by mesh axes); "" for samples any supported jax lowers alike enough
     jax: str = ""
+    #: the main block's options (the uni ring; a psum sample's split, SPLIT_ARGS, which it is written for)
+    main_args: tuple[str, ...] = MAIN_ARGS
 
     def lowerable(self) -> bool:
         """Does the installed jax lower this sample the way it records?"""
@@ -1362,11 +1364,11 @@ SAMPLES_LIST = [
                      "CHECK-NOT: stablehlo.while"] + gone("all_gather", "reduce_scatter"))]),
     Sample("sp_mlp_grad", "value_and_grad of the SP MLP: forward and backward gathers and scatters, all rewritten; "
            "the weight gradients' psums over 'data' split (a scatter ring each, gathered at the return).",
-           sp_mlp_grad, "rewritten 6", SP_MLP_GRAD_CHECKS),
+           sp_mlp_grad, "rewritten 6", SP_MLP_GRAD_CHECKS, main_args=SPLIT_ARGS),
     # jax >= 0.11 names a collective's groups by mesh axes (#stablehlo.replica_group_mesh_axes)
     Sample("sp_mlp_grad_jax011", "value_and_grad of the SP MLP as jax 0.11 lowers it: every collective's groups "
            "name the mesh axis 'model' instead of listing devices.",
-           sp_mlp_grad, "rewritten 6", SP_MLP_GRAD_CHECKS, jax="0.11"),
+           sp_mlp_grad, "rewritten 6", SP_MLP_GRAD_CHECKS, jax="0.11", main_args=SPLIT_ARGS),
     Sample("ag_dot_mesh2x4_data_strided_jax011", "jax 0.11: gather over the non-minor mesh axis 'data', groups "
            "by mesh axes; the ring is the strided one [[0,4],...].",
            mesh2x4_data_strided, "rewritten 1",
@@ -1403,11 +1405,18 @@ SAMPLES_LIST = [
                          "CHECK: stablehlo.slice", "CHECK: stablehlo.dot_general",
                          "CHECK-SAME: -> tensor<16x32xf32>", 'CHECK: "stablehlo.all_reduce"')],
                      "CHECK: stablehlo.concatenate", "CHECK-SAME: dim = 0", "CHECK-NEXT: sdy.return"]),
-            Variant("KEEP", ["--all-reduce", "keep", "--variant", "uni"], ['CHECK: "stablehlo.all_reduce"', "CHECK-NOT: stablehlo.while"])]),
+            Variant("KEEP", ["--all-reduce", "keep", "--variant", "uni"], ['CHECK: "stablehlo.all_reduce"', "CHECK-NOT: stablehlo.while"]),
+            # the default (--all-reduce auto): the cost model's pick on the h100 profile, two chunks
+            Variant("AUTO", ["--variant", "auto"],
+                    ["CHECK-NOT: stablehlo.while",
+                     *[line for _ in range(2) for line in (
+                         "CHECK: stablehlo.slice", "CHECK: stablehlo.dot_general",
+                         "CHECK-SAME: -> tensor<32x32xf32>", 'CHECK: "stablehlo.all_reduce"')],
+                     "CHECK: stablehlo.concatenate", "CHECK-SAME: dim = 0", "CHECK-NEXT: sdy.return"])], main_args=SPLIT_ARGS),
     Sample("ar_megatron_mlp_grad", "value_and_grad of the Megatron MLP: the forward's psum and the backward's psum of "
            "the input gradient, both split into reduce-scatter rings.",
            megatron_mlp_grad, "rewritten 2", ["CHECK-NOT: stablehlo.all_reduce", "CHECK: stablehlo.while",
-                                              "CHECK: stablehlo.while", "CHECK-NOT: stablehlo.all_reduce"]),
+                                              "CHECK: stablehlo.while", "CHECK-NOT: stablehlo.all_reduce"], main_args=SPLIT_ARGS),
     Sample("ar_megatron_ln_stack", "two pre-LN residual Megatron MLP blocks: block 1's psum rows carried through the "
            "residual add and block 2's layer norm into block 2's gather ring; the output gathered once.",
            megatron_ln_stack, "rewritten 3",
@@ -1418,27 +1427,27 @@ SAMPLES_LIST = [
             "CHECK: stablehlo.while",  # block 2's gather ring
             "CHECK-NOT: stablehlo.all_gather",
             "CHECK: call @cmatmul_ring_0",  # block 2's reduce-scatter ring: block 1's pattern, shared
-            'CHECK: "stablehlo.all_gather"', "CHECK-NEXT: sdy.return", "CHECK-NOT: stablehlo.all_reduce"]),
+            'CHECK: "stablehlo.all_gather"', "CHECK-NEXT: sdy.return", "CHECK-NOT: stablehlo.all_reduce"], main_args=SPLIT_ARGS),
     Sample("ar_megatron_rms_stack", "two pre-RMS-norm residual Megatron MLP blocks (RMS norm on the carried rows).",
            megatron_rms_stack, "rewritten 3",
            ["CHECK-NOT: stablehlo.all_reduce", "CHECK: stablehlo.rsqrt", "CHECK: stablehlo.while",
-            'CHECK: "stablehlo.all_gather"', "CHECK-NEXT: sdy.return"]),
+            'CHECK: "stablehlo.all_gather"', "CHECK-NEXT: sdy.return"], main_args=SPLIT_ARGS),
     Sample("ar_megatron_bf16", "bf16 Megatron MLP accumulating in f32: the f32 product's rows are summed round the "
            "ring in f32.",
            megatron_bf16, "rewritten 1",
            ["CHECK-NOT: stablehlo.all_reduce", "CHECK: stablehlo.while", "CHECK: stablehlo.dot_general",
-            "CHECK-SAME: (tensor<8x16xbf16>, tensor<16x32xbf16>) -> tensor<8x32xf32>", 'CHECK: "stablehlo.all_gather"']),
+            "CHECK-SAME: (tensor<8x16xbf16>, tensor<16x32xbf16>) -> tensor<8x32xf32>", 'CHECK: "stablehlo.all_gather"'], main_args=SPLIT_ARGS),
     Sample("ar_megatron_mesh2x4", "2x4 (data, model) mesh, pre-LN residual block, psum over 'model' only: rings over "
            "the 'model' groups, the rows of the batch-sharded input sliced per device.",
            megatron_mesh2x4, "rewritten 1",
            ["CHECK-NOT: stablehlo.all_reduce", *loop_checks(PAIRS_2X4_MODEL, 3),
             'CHECK: "stablehlo.all_gather"', f"CHECK-SAME: replica_groups = dense<{escape('[[0, 1, 2, 3], [4, 5, 6, 7]]')}>",
-            "CHECK-NEXT: sdy.return"]),
+            "CHECK-NEXT: sdy.return"], main_args=SPLIT_ARGS),
     Sample("ar_megatron_row_mixing", "psum, residual add, then a cumulative sum over the tokens: the add runs on rows "
            "and the gather is materialised before the cumsum (not declined).",
            megatron_row_mixing, "rewritten 1",
            ["CHECK-NOT: stablehlo.all_reduce", "CHECK: stablehlo.while", "CHECK: stablehlo.dynamic_slice",
-            "CHECK: stablehlo.add", 'CHECK: "stablehlo.all_gather"', "CHECK: stablehlo.reduce_window"]),
+            "CHECK: stablehlo.add", 'CHECK: "stablehlo.all_gather"', "CHECK: stablehlo.reduce_window"], main_args=SPLIT_ARGS),
     Sample("ag_norm_dot", "gather, RMS norm of the gathered rows (a replicated gain), then the dot: the norm runs on "
            "the shard's rows and the gather moves to the dot, whose ring it becomes.",
            sp_rms_norm_before_dot, "rewritten 2",
@@ -1470,7 +1479,7 @@ SAMPLES_LIST = [
             "CHECK: stablehlo.reduce({{.*}}) applies stablehlo.add across dimensions = [1] : "
             "(tensor<8x32xf32>, tensor<f32>) -> tensor<8xf32>",
             "CHECK: stablehlo.broadcast_in_dim {{.*}} : (tensor<8xf32>) -> tensor<8x32xf32>",
-            "CHECK: stablehlo.return", "CHECK-NOT: stablehlo.reduce_scatter", "CHECK-NOT: stablehlo.all_gather"]),
+            "CHECK: stablehlo.return", "CHECK-NOT: stablehlo.reduce_scatter", "CHECK-NOT: stablehlo.all_gather"], main_args=SPLIT_ARGS),
     Sample("ag_two_stage", "a weight sharded over two mesh axes, gathered in two stages along one dim: the stages "
            "merge into one gather over both axes' groups, which becomes one ring over the 8 devices.",
            two_stage_gather, "rewritten 1",
@@ -1544,7 +1553,7 @@ SAMPLES_LIST = [
             "CHECK: stablehlo.dynamic_update_slice", "CHECK: stablehlo.return",
             # the embedding's gradient: a scatter-add, psum'd over 'model' and scattered over 'data'
             'CHECK: "stablehlo.scatter"', 'CHECK: "stablehlo.all_reduce"', 'CHECK: "stablehlo.reduce_scatter"',
-            "CHECK: sdy.return", "CHECK-NOT: func.func private @closed_call"]),
+            "CHECK: sdy.return", "CHECK-NOT: func.func private @closed_call"], main_args=SPLIT_ARGS),
     Sample("neg_ar_not_divisible", "psum of a [12, 12] product on a ring of 8: no dim splits evenly.",
            megatron_not_divisible, "unchanged no_dim", ['CHECK: "stablehlo.all_reduce"', "CHECK-NOT: stablehlo.while"]),
     # ---- declined
@@ -1591,7 +1600,7 @@ def render(sample: Sample, module_text: str, lowered_by: str | None = None) -> s
     header = [
         f"// {sample.doc}",
         "// Generated by tools/gen_samples.py from a JAX program; do not edit (`make samples` regenerates).",
-        f"// RUN: python -m cmatmul_pass rewrite {' '.join(MAIN_ARGS)} %s | filecheck %s --check-prefixes CHECK,GOLDEN",
+        f"// RUN: python -m cmatmul_pass rewrite {' '.join(sample.main_args)} %s | filecheck %s --check-prefixes CHECK,GOLDEN",
         *(
             f"// RUN: python -m cmatmul_pass rewrite {' '.join(v.args)} %s | filecheck %s "
             f"--check-prefixes {v.prefix},{v.prefix}_GOLDEN"
@@ -1603,7 +1612,7 @@ def render(sample: Sample, module_text: str, lowered_by: str | None = None) -> s
         "",
         *(f"// {c}" for c in sample.checks),
         "",
-        begin_marker(GOLDEN_PREFIX, MAIN_ARGS),
+        begin_marker(GOLDEN_PREFIX, sample.main_args),
         GOLDEN_END,
         "",
     ]

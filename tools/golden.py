@@ -29,6 +29,9 @@ GOLDEN_PREFIX = "GOLDEN"
 #: the main block's options: the ``uni`` ring, for which the samples' intent lines (loops of one
 #: round per trip) are written.  The default variant (``auto``) has blocks of its own (``AUTO``).
 MAIN_ARGS = ("--variant", "uni")
+#: the main block's options in a sample written for a psum's split (the default, ``--all-reduce
+#: auto``, takes what the cost model predicts faster: on the ``h100`` profile, mostly chunk)
+SPLIT_ARGS = ("--all-reduce", "split", *MAIN_ARGS)
 CHECK_PREFIXES = ("CHECK", GOLDEN_PREFIX)
 
 

@@ -80,6 +80,11 @@ def match_all_reduce(op: ir.OpView, info: ModuleInfo) -> AllReduceSite | Decline
 def _match(ar: ir.OpView, ring: Ring, region: ManualRegion, info: ModuleInfo) -> AllReduceSite:
     if not region_is_sum(ar):
         raise Decline("not_sum", "the all_reduce's reduction is not a sum (stablehlo.add of its two arguments)")
+    chunks = _chunks_of(ar)
+    if chunks:
+        raise Decline("chunked", f"the all_reduce is one of {chunks} sums whose results are concatenated (a psum "
+                                 "already in row chunks: the chunk strategy's output, or chunked by hand): each "
+                                 "chunk's all_reduce already overlaps the next chunk's dot")
     operand = ar.operation.operands[0]
     shape = list(static_tensor(operand, "the all_reduce operand").shape)
     try:
@@ -101,6 +106,22 @@ def _match(ar: ir.OpView, ring: Ring, region: ManualRegion, info: ModuleInfo) ->
             "gain's gradient, say), so no block of the rows gives a block of it, only a partial sum of all of it; "
             "and what it is computed from is also read outside this sum, so it is not split along its own dims "
             f"either: it stays a psum (of {'x'.join(map(str, shape))} elements per device)")) from None
+
+
+def _chunks_of(ar: ir.OpView) -> int:
+    """How many sum all_reduces over ``ar``'s groups are concatenated with ``ar``'s result (its only
+    reader), ``ar`` included; 0 where it is not so concatenated."""
+    uses = list(ar.result.uses)
+    if len(uses) != 1 or uses[0].owner.operation.name != "stablehlo.concatenate":
+        return 0
+    concat = uses[0].owner.operation
+    groups = ar.operation.attributes["replica_groups"]
+    for value in concat.operands:
+        owner = value.owner
+        if isinstance(owner, ir.Block) or owner.operation.name != "stablehlo.all_reduce" \
+                or owner.operation.attributes["replica_groups"] != groups or not region_is_sum(owner):
+            return 0
+    return len(concat.operands) if len(concat.operands) > 1 else 0
 
 
 def _match_sum(ar: ir.OpView, operand: ir.Value, shape: list[int], ring: Ring, region: ManualRegion,
