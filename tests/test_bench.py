@@ -586,7 +586,7 @@ def test_the_megatron_table_quotes_the_stored_bench_run():
     order = ["split-uni", "split-unroll2", "split-full", "split-bidi", "chunk-2", "chunk-4", "chunk-8", "default"]
     assert set(order) == set(runtime["over_original"])
     assert "| " + " | ".join(f"{runtime['over_original'][name]:.2f}" for name in order) + " |" in section
-    assert runtime["default_is"] == "split-full" and "The default is split `full` here" in section
+    assert runtime["default_is"] == "chunk-2" and "The default is chunk 2 here" in section
     assert runtime["shape"] == {"rows": 1024, "hidden": 512, "ffn": 1024, "blocks": 2}
 
 
