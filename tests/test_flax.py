@@ -160,7 +160,8 @@ def test_a_flax_model_trains_alike_under_cmatmul_pass_jit(build):
         of_kind = [s for s in sites if s.kind == kind]
         assert len(of_kind) == 2 * LAYERS and all(s.rewritten for s in of_kind), [s.summary_line() for s in of_kind]
     # the psums over the mesh of each block's parameter gradients: the projections' (a matmul's
-    # rows summed) are split into rings; the norm's scale and bias (sums over the rows of the
+    # rows summed) are rewritten (the default's strategy; two chunks on this CPU);
+    # the norm's scale and bias (sums over the rows of the
     # scattered cotangent, no matmul's rows) stay psums, saying what produced them
     psums = [s for s in sites if s.kind == "dot_all_reduce"]
     assert len(psums) == 4 * LAYERS

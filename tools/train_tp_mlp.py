@@ -9,8 +9,9 @@ The same train step runs twice from the same seeds — once under ``jax.jit``, o
 report (every forward and backward gather/scatter rewritten).
 
 ``--megatron`` writes the blocks as Megatron does without sequence parallelism: rows split over
-'data' only, each block ``psum(gelu(h @ w1) @ w2, 'model')``; the pass splits every psum of a
-matmul (forward and backward) into a reduce-scatter ring and a gather.
+'data' only, each block ``psum(gelu(h @ w1) @ w2, 'model')``; the pass rewrites every psum of a
+matmul (forward and backward) in the default strategy (on a CPU, which no cost profile describes,
+two chunks each; ``all_reduce="split"`` would make each a reduce-scatter ring and a gather).
 
     python tools/train_tp_mlp.py [--steps 20] [--bidirectional] [--unroll 2] [--variant auto] [--megatron]
 """
