@@ -138,8 +138,9 @@ REASONS: dict[str, Reason] = {r.code: r for r in (
     Reason("chunked", "the psum is already in row chunks: its all_reduce is one of several whose sums are "
                       "concatenated (the chunk strategy's output, or chunked by hand), each already overlapping "
                       "the next chunk's dot",
-           "none needed (a second run of the pass leaves its own chunks); to ring it instead, rewrite the "
-           "original with `--all-reduce split`"),
+           "none needed (a second run of the pass leaves its own chunks); for a ring instead, psum the whole "
+           "product once and use `--all-reduce split`",
+           ("hlo_samples/neg_ar_chunked.mlir",)),
     Reason("varies", "a row-wise op after a split psum reads a value that may differ between the group's devices: "
                      "the gather cannot move past it",
            "none needed: the gather is placed before that op (explain's `gathered:` line says where)"),

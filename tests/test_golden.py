@@ -102,7 +102,7 @@ def test_negative_sample_is_unchanged_with_its_reason(path):
     result = cmatmul_pass.rewrite(text, source=str(path))
     assert result.text == ir_utils.print_module(ir_utils.parse(text))
     assert not result.report.rewritten
-    assert [s.reason_code for s in result.report.sites] == [code]
+    assert result.report.sites and {s.reason_code for s in result.report.sites} == {code}  # (a psum's chunks: two)
     assert all(s.reason for s in result.report.sites)
 
 

@@ -920,6 +920,20 @@ def megatron_not_divisible() -> str:
     return lower(f, *megatron_args(mesh, tokens=12, hidden=12))
 
 
+def megatron_chunked_by_hand() -> str:
+    """The Megatron MLP with its psum already in two row chunks, concatenated (as the chunk
+    strategy writes it): each chunk's all_reduce is left as it is."""
+    mesh = mesh_1d()
+
+    def body(x, w1, w2):
+        h = jax.nn.gelu(x @ w1)
+        half = h.shape[0] // 2
+        return jnp.concatenate([jax.lax.psum(h[:half] @ w2, "model"), jax.lax.psum(h[half:] @ w2, "model")])
+
+    f = smap(body, mesh=mesh, in_specs=MEGATRON_SPECS, out_specs=P())
+    return lower(f, *megatron_args(mesh))
+
+
 def megatron_row_mixing() -> str:
     """After the psum and a residual add, a causal cumulative sum over the tokens mixes rows: the
     carried rows are gathered just before it (and the add still runs on rows)."""
@@ -1556,6 +1570,11 @@ SAMPLES_LIST = [
             "CHECK: sdy.return", "CHECK-NOT: func.func private @closed_call"], main_args=SPLIT_ARGS),
     Sample("neg_ar_not_divisible", "psum of a [12, 12] product on a ring of 8: no dim splits evenly.",
            megatron_not_divisible, "unchanged no_dim", ['CHECK: "stablehlo.all_reduce"', "CHECK-NOT: stablehlo.while"]),
+    Sample("neg_ar_chunked", "a psum already in two row chunks, concatenated (chunked by hand, or the chunk "
+           "strategy's output): each chunk's all_reduce stays.",
+           megatron_chunked_by_hand, "unchanged chunked",
+           ['CHECK: "stablehlo.all_reduce"', 'CHECK: "stablehlo.all_reduce"', "CHECK: stablehlo.concatenate",
+            "CHECK-NOT: stablehlo.while"]),
     # ---- declined
     Sample("neg_both_operands_transposed", "g @ transpose(g): the gathered value reaches both dot operands.",
            both_operands_transposed, "unchanged both_operands", NEG),
