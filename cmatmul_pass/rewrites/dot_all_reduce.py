@@ -22,7 +22,9 @@ all_reduce moves.
 
 Chunk ``i``'s all_reduce can run while chunk ``i+1``'s dot computes (with
 ``--annotate-streams`` the pair shares a ``_scheduling_group_id``); the all_reduce
-primitive stays, which NVLink-SHARP hardware runs faster than a ring.
+primitive stays, which NVLink-SHARP hardware runs faster than a ring.  A second run of the
+pass leaves the chunks: the matcher declines an all_reduce concatenated with other sums
+(``chunked``).
 """
 
 from __future__ import annotations
