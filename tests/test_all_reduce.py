@@ -260,6 +260,21 @@ def test_the_default_takes_the_strategy_the_model_predicts_faster():
     assert named.all_reduce["strategy"] == "split" and named.all_reduce["picked"] == "named"
 
 
+def test_the_samples_default_picks_are_what_patterns_md_says():
+    """docs/patterns.md: on the h100 profile the default chunks every ar_* sample's psums, and
+    splits sp_mlp_grad's data-parallel gradient psums (rings of 2), where the two tie."""
+    doc = " ".join((sample("sp_mlp_grad").parent.parent / "docs" / "patterns.md").read_text().split())
+    assert "chunk at every shape of docs/performance.md's Megatron table and in every `ar_*` sample" in doc
+    for path in sorted(sample("ar_megatron_mlp").parent.glob("ar_*.mlir")):
+        psums = [s for s in rewrite(path.read_text()).report.sites if s.kind == "dot_all_reduce"]
+        assert psums and all(s.rewritten and s.all_reduce["strategy"] == "chunk" for s in psums), path.name
+    psums = [s for s in rewrite(sample("sp_mlp_grad").read_text()).report.sites if s.kind == "dot_all_reduce"]
+    assert len(psums) == 2 and all(s.all_reduce["strategy"] == "split" and s.ring_size == 2 for s in psums)
+    for s in psums:
+        speedup = s.all_reduce["prediction"]["speedup"]
+        assert 0 < speedup["split"] / speedup["chunk"] - 1 < 1e-4  # "tie within 0.01 %"
+
+
 def test_without_a_profile_the_default_chunks_in_two(capsys):
     """hardware="auto" on this CPU: no profile describes it, so auto takes cost.fallback_all_reduce
     (as the ring variant takes its fallback), and explain says so."""

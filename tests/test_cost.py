@@ -742,6 +742,33 @@ def test_the_docs_quote_the_models_megatron_table():
     assert rows == expected
 
 
+def test_the_psum_default_per_profile_is_what_variants_md_says():
+    """docs/variants.md's "A psum's strategy is `auto` too": per site (the default's choice, the
+    ring in the model's variant), chunk on the h100 at every shape of the Megatron table, and on
+    the h200 and a100; on the a100 a stack's split edges ahead by 1-2 % at 32k tokens; split on
+    the tpu-v5e at the 8B-like shapes."""
+    doc = " ".join((ROOT / "docs" / "variants.md").read_text().split())
+    assert "split edges ahead of chunk by 1–2 % at 32k tokens" in doc and "`tpu-v5e` picks split at the 8B-like" in doc
+
+    def picks(profile, hidden, ffn, tokens, n=8):
+        hw = cost.PROFILES[profile]
+        shape = cost.SiteShape("dot_reduce_scatter", n, 2 * tokens * (ffn // n) * hidden, tokens // n * hidden * 2, "bf16")
+        variant = cost.predict(shape, hw).best
+        return cost.predict_all_reduce(shape, hw, variant).fastest, cost.megatron_mlp_block(hw, hidden, ffn, tokens,
+                                                                                            variant=variant)
+
+    shapes = {"70B": (8192, 28672), "8B": (4096, 14336)}
+    for tokens in (1024, 2048, 4096, 8192, 16384, 32768):
+        assert all(picks("h100", *shape, tokens)[0] == "chunk" for shape in shapes.values())
+    for tokens in (1024, 4096, 32768):
+        for name, shape in shapes.items():
+            assert picks("h200", *shape, tokens)[0] == picks("a100", *shape, tokens)[0] == "chunk"
+            assert picks("tpu-v5e", *shape, tokens)[0] == ("split" if name == "8B" else "chunk")
+        for shape in shapes.values():
+            block = picks("a100", *shape, 32768)[1]
+            assert 1.005 <= block["split_stack"] / block["chunk"] <= 1.025
+
+
 def test_a_megatron_block_chunked_hides_its_all_reduce_behind_the_dots():
     """At a 70B-like shape the chunks beat the all_reduce; a split block alone pays its gather, and
     in a stack it is the sequence-parallel block."""
