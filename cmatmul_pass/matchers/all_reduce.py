@@ -111,7 +111,8 @@ def _match(ar: ir.OpView, ring: Ring, region: ManualRegion, info: ModuleInfo) ->
 def _chunks_of(ar: ir.OpView) -> int:
     """How many sum all_reduces over ``ar``'s groups are concatenated with ``ar``'s result (its only
     reader), ``ar`` included; 0 where it is not so concatenated."""
-    uses = list(ar.result.uses)
+    results = list(ar.operation.results)
+    uses = list(results[0].uses) if len(results) == 1 else []
     if len(uses) != 1 or uses[0].owner.operation.name != "stablehlo.concatenate":
         return 0
     concat = uses[0].owner.operation
