@@ -127,7 +127,8 @@ def sample_paths(root: Path) -> list[Path]:
 
 
 def expectation(file_text: str) -> tuple[str, str]:
-    """The sample's ``// EXPECT:`` line as (verb, argument): ("rewritten", "2") or ("unchanged", code)."""
+    """The sample's ``// EXPECT:`` line as (verb, argument): ("rewritten", "2") or ("unchanged", "code ..."),
+    one reason code per candidate site."""
     for line in file_text.splitlines():
         if line.startswith("// EXPECT:"):
             verb, _, rest = line[len("// EXPECT:") :].strip().partition(" ")
