@@ -817,9 +817,10 @@ def _all_reduce(site, ctx: RewriteContext, source: str, options: Options, hw: co
     if key not in predictions:
         predictions[key] = cost.predict_all_reduce(shape, hw, variant, counts)
     prediction = predictions[key]
-    strategy, chunks, declined = _all_reduce_strategy(options, shape, prediction, hw.assumed)
+    picked = _all_reduce_pick(options, hw)
+    strategy, chunks, declined = _all_reduce_strategy(options, shape, prediction, picked)
     entry.all_reduce = {"strategy": strategy, "dim": site.dim, "chunks": chunks, "gathers": [],
-                        "picked": _all_reduce_pick(options, hw), "prediction": prediction.to_dict()}
+                        "picked": picked, "prediction": prediction.to_dict()}
     if declined:
         entry.reason_code, entry.reason = declined
         return entry, None
@@ -852,15 +853,15 @@ def _all_reduce_pick(options: Options, hw: cost.Hardware) -> str:
 
 
 def _all_reduce_strategy(options: Options, shape: cost.SiteShape, prediction: cost.AllReducePrediction,
-                         assumed: bool = False) -> tuple[str, int | None, tuple[str, str] | None]:
-    """(strategy, chunk count, (code, reason) when the site stays as it is); ``assumed``: no
-    profile describes the machine (auto then takes ``cost.fallback_all_reduce``)."""
+                         picked: str) -> tuple[str, int | None, tuple[str, str] | None]:
+    """(strategy, chunk count, (code, reason) when the site stays as it is); ``picked``: who
+    chooses it (:func:`_all_reduce_pick`)."""
     asked = options.all_reduce_strategy
     chunks = options.chunks or prediction.chunks
-    if asked == "auto" and assumed:
+    if picked == "fallback":
         asked, fallback_chunks = cost.fallback_all_reduce(prediction)
         chunks = options.chunks or fallback_chunks or chunks
-    elif asked == "auto":
+    elif picked == "model":
         asked = prediction.fastest
     if asked == "chunk" and not prediction.chunk_s:
         return asked, None, ("chunks", f"the rows cannot be cut into {options.chunks or '2, 4 or 8'} equal chunks "
