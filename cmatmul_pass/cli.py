@@ -463,6 +463,7 @@ def cmd_explain(args) -> int:
 
 def _explain_all_reduce(site) -> None:
     """A dot → all_reduce site: the strategy, the cost model's view of it, where its gathers went."""
+    from .cost import TIE
     from .report import duration
 
     a = site.all_reduce
@@ -471,6 +472,8 @@ def _explain_all_reduce(site) -> None:
         if p.get("chunks") else ""
     picked = {"model": " (the cost model's pick)",
               "fallback": " (auto's fallback: no profile describes this machine)"}.get(a.get("picked"), "")
+    if a.get("picked") == "model" and p.get("tied"):
+        picked = f" (the cost model's pick: split and chunk tie within {TIE:.0%}, and chunk takes a tie)"
     print(f"  all_reduce: {a['strategy']} along dim {a['dim']}"
           + (f" into {a['chunks']} chunks" if a["strategy"] == "chunk" and site.rewritten else "") + picked)
     print(f"  predicted on {p['hardware']}: dots + all_reduce {duration(p['serial_s'])} (the all_reduce "

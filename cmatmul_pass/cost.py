@@ -938,6 +938,11 @@ def mlp_block(hw: Hardware, hidden: int, ffn: int, tokens: int, n: int = 8, dtyp
 #: the chunk counts the "chunk" strategy considers
 CHUNK_COUNTS = (2, 4, 8)
 ALL_REDUCE_STRATEGIES = ("split", "chunk")
+#: split and chunk predicted within this fraction of each other's time tie, and chunk takes the
+#: tie: below the model's resolution the lighter rewrite wins (no ring: fewer ops for the pass
+#: to build and for XLA to compile; docs/variants.md).  Every pick of docs/variants.md's profile
+#: table is 5 % or more from a tie.
+TIE = 0.01
 
 
 @dataclass
@@ -972,14 +977,21 @@ class AllReducePrediction:
 
     @property
     def fastest(self) -> str:
-        """The faster strategy, whether or not it beats the original (split on a tie)."""
-        if self.chunk_s and self.speedup("chunk") > self.speedup("split"):
+        """The faster strategy, whether or not it beats the original: split only where it is
+        predicted faster than chunk by more than :data:`TIE` (chunk takes a tie)."""
+        if self.chunk_s and self.seconds("split") * (1 + TIE) >= self.seconds("chunk"):
             return "chunk"
         return "split"
 
     @property
+    def tied(self) -> bool:
+        """Are split and chunk predicted within :data:`TIE` of each other (chunk takes it)?"""
+        return bool(self.chunk_s) and abs(self.seconds("split") - self.seconds("chunk")) <= TIE * min(
+            self.seconds("split"), self.seconds("chunk"))
+
+    @property
     def best(self) -> str | None:
-        """The faster strategy (split on a tie); None where neither beats the original."""
+        """:attr:`fastest`; None where it does not beat the original."""
         return self.fastest if self.speedup(self.fastest) > 1 else None
 
     def to_dict(self) -> dict:
@@ -987,7 +999,8 @@ class AllReducePrediction:
                 "split_s": self.split_s, "chunk_s": {str(k): v for k, v in self.chunk_s.items()},
                 "variant": self.variant, "speedup": {"split": self.speedup("split"),
                                                      **({"chunk": self.speedup("chunk")} if self.chunk_s else {})},
-                "chunks": self.chunks, "chunk_stages": {str(k): list(v) for k, v in self.chunk_stages.items()}}
+                "chunks": self.chunks, "tied": self.tied,
+                "chunk_stages": {str(k): list(v) for k, v in self.chunk_stages.items()}}
 
 
 def chunk_pipeline(piece: float, reduce: float, chunks: int) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:

@@ -778,3 +778,22 @@ def test_a_megatron_block_chunked_hides_its_all_reduce_behind_the_dots():
     sp = cost.mlp_block(hw, 8192, 28672, 8192)
     assert block["split_stack_s"] == pytest.approx(sp["overlapped_s"])
     assert block["split_s"] > block["serial_s"] - block["all_reduce_share"] * block["serial_s"]
+
+
+def test_split_and_chunk_within_the_tie_go_to_chunk():
+    """AllReducePrediction.fastest: split only where it is predicted faster than chunk by more than
+    cost.TIE; within it the two tie and chunk (the lighter rewrite) takes the tie."""
+    ring = cost.predict(cost.SiteShape("dot_reduce_scatter", 8, 1e12, 1 << 24, "bf16"), cost.PROFILES["h100"])
+
+    def prediction(split_s, chunk_s):
+        return cost.AllReducePrediction("h", 2.0, 1.0, split_s, {2: chunk_s}, "uni", ring)
+
+    for split_s, chunk_s, fastest, tied in ((1.0, 1.0, "chunk", True),
+                                            (1.0, 1.0 + 0.9 * cost.TIE, "chunk", True),
+                                            (1.0, 1.0 + 1.1 * cost.TIE, "split", False),
+                                            (1.0 + 0.9 * cost.TIE, 1.0, "chunk", True),
+                                            (2.0, 1.0, "chunk", False)):
+        p = prediction(split_s, chunk_s)
+        assert (p.fastest, p.tied, p.to_dict()["tied"]) == (fastest, tied, tied), (split_s, chunk_s)
+    assert cost.AllReducePrediction("h", 2.0, 1.0, 1.0, {}, "uni", ring).fastest == "split"  # no chunks: split
+    assert prediction(1.0, 1.0).best == "chunk" and prediction(3.0, 3.0).best is None  # best: fastest if it pays

@@ -63,6 +63,8 @@ from tools.golden import expectation, sample_paths  # noqa: E402
 
 #: each ring variant, a psum of a matmul split (its reduce-scatter ring in that variant)
 VARIANTS = {name: variant_options(name, all_reduce="split") for name in cost.VARIANTS}
+#: the default but for its psums, every one split (the default's auto chunks where the two tie: cost.TIE)
+SPLIT_PSUMS = Options(all_reduce="split")
 
 
 # ---------------------------------------------------------------------------- 1. pass cost
@@ -203,7 +205,8 @@ def pass_cost(layers_list: list[int], variant_layers: list[int], repeats: int = 
     ``variant_layers``, every variant's compile time over the original's
     (``compile_ratio_by_layers``; ``compile_ratio``: at the first such L, with the hand-written
     rings' beside it; the sequence-parallel model only)."""
-    out = {"model": model, "per_layers": [], "compile_ratio": {}, "compile_ratio_by_layers": {}, "repeats": repeats}
+    out = {"model": model, "per_layers": [], "compile_ratio": {}, "compile_ratio_by_layers": {},
+           "compile_ratio_default_by_layers": {}, "repeats": repeats}
     for layers in layers_list:
         samples = []
         for _ in range(repeats):  # each a cold start: fresh functions, jax's caches cleared
@@ -224,9 +227,11 @@ def pass_cost(layers_list: list[int], variant_layers: list[int], repeats: int = 
             t6 = time.perf_counter()
             rewrite_lowered(lowered, Options(), "bench")  # the pass as cmatmul_pass.jit runs it: no text
             t7 = time.perf_counter()
-            samples.append((t1 - t0, t2 - t1, t5 - t3, (t6 - t5) + (t5 - t4), t7 - t6))
-        lower_s, compile_s, pass_s, parse_print_s, jit_pass_s = (statistics.median(s[i] for s in samples)
-                                                                 for i in range(5))
+            rewrite_lowered(lowered, SPLIT_PSUMS, "bench")  # the same with every psum split (no tie to chunk)
+            t8 = time.perf_counter()
+            samples.append((t1 - t0, t2 - t1, t5 - t3, (t6 - t5) + (t5 - t4), t7 - t6, t8 - t7))
+        lower_s, compile_s, pass_s, parse_print_s, jit_pass_s, split_psums_s = (
+            statistics.median(s[i] for s in samples) for i in range(6))
         shared = [s.shared_ring for s in result.report.rewritten if s.shared_ring]
         row = {
             "layers": layers,
@@ -247,11 +252,14 @@ def pass_cost(layers_list: list[int], variant_layers: list[int], repeats: int = 
         # the pass as cmatmul_pass.jit runs it (on a clone of jax's module: no text parsed or printed)
         row["jit_pass_s"] = jit_pass_s
         row["jit_pass_over_lower_compile"] = jit_pass_s / (row["lower_s"] + row["compile_s"])
+        # the same, with every psum split (where the default's auto chunks a tie: cost.TIE)
+        row["jit_pass_split_psums_s"] = split_psums_s
         out["per_layers"].append(row)
         print(f"  L={layers:>2}: {row['sites']} sites ({row['shared']} calling {row['ring_functions']} shared rings), lower {row['lower_s']:.2f} s, compile {row['compile_s']:.2f} s, "
               f"pass {row['pass_s']:.3f} s ({100 * row['pass_over_lower_compile']:.2f} %; parse + print "
               f"{100 * row['parse_print_over_lower_compile']:.2f} %); as cmatmul_pass.jit runs it {row['jit_pass_s']:.3f} s "
-              f"({100 * row['jit_pass_over_lower_compile']:.2f} %)", flush=True)
+              f"({100 * row['jit_pass_over_lower_compile']:.2f} %; every psum split {row['jit_pass_split_psums_s']:.3f} s)",
+              flush=True)
         if layers in variant_layers and model == "sequence_parallel":
             def compile_median(make) -> float:
                 return statistics.median(compile_seconds(make()) for _ in range(repeats))
@@ -259,6 +267,9 @@ def pass_cost(layers_list: list[int], variant_layers: list[int], repeats: int = 
             original = compile_median(lambda: ir_utils.parse(text))
             ratios = {name: compile_median(lambda: cmatmul_pass.rewrite(text, options).module) / original
                       for name, options in VARIANTS.items()}
+            out["compile_ratio_default_by_layers"][layers] = {
+                name: compile_median(lambda: cmatmul_pass.rewrite(text, options).module) / original
+                for name, options in (("default", Options()), ("default, psums split", SPLIT_PSUMS))}
             fn, args = transformer_step(layers, hand_written=True)
             by_hand = fn.lower(*args).as_text()
             hand_written = compile_median(lambda: ir_utils.parse(by_hand)) / original
@@ -267,7 +278,9 @@ def pass_cost(layers_list: list[int], variant_layers: list[int], repeats: int = 
                 out["compile_ratio"], out["compile_ratio_hand_written_rings"] = ratios, hand_written
             print("  compile time, rewritten / original at L="
                   f"{layers}: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items())
-                  + f"; the same model with hand-written ppermute rings: {hand_written:.2f}", flush=True)
+                  + f"; the same model with hand-written ppermute rings: {hand_written:.2f}; the default "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in out["compile_ratio_default_by_layers"][layers].items()),
+                  flush=True)
     times = {r["layers"]: r["pass_s"] for r in out["per_layers"]}
     if 32 in times and 8 in times:
         out["scaling_32_over_8"] = times[32] / times[8]
