@@ -940,8 +940,8 @@ CHUNK_COUNTS = (2, 4, 8)
 ALL_REDUCE_STRATEGIES = ("split", "chunk")
 #: split and chunk predicted within this fraction of each other's time tie, and chunk takes the
 #: tie: below the model's resolution the lighter rewrite wins (no ring: fewer ops for the pass
-#: to build and for XLA to compile; docs/variants.md).  Every pick of docs/variants.md's profile
-#: table is 5 % or more from a tie.
+#: to build; docs/variants.md).  Every pick of docs/variants.md's profile table is 5 % or more
+#: from a tie.
 TIE = 0.01
 
 

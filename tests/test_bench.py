@@ -622,3 +622,16 @@ def test_the_fixed_cost_paragraph_quotes_the_stored_warm_run():
                          ("walking and replaying", "identical regions")):
         shares = [round(100 * rows[i]["shares"][phase]) for i in (0, 1, 4)]
         assert f"{words} {shares[0]}, {shares[1]} and {shares[2]} %" in section, phase
+
+
+def test_the_tie_paragraph_quotes_the_stored_bench_run():
+    """docs/variants.md's tie paragraph (cost.TIE): the pass on the text at 4 and 32 layers with the
+    default's chunks and with every psum split, and the compile ratios, are `bench/results.json`'s."""
+    pass_cost = json.loads((bench.ROOT / "bench" / "results.json").read_text())["pass_cost"]
+    doc = " ".join((bench.ROOT / "docs" / "variants.md").read_text().split())
+    rows = {r["layers"]: r for r in pass_cost["per_layers"]}
+    assert (f"{rows[4]['pass_s']:.3f} s at 4 layers and {rows[32]['pass_s']:.3f} s at 32, against "
+            f"{rows[4]['pass_split_psums_s']:.3f} and {rows[32]['pass_split_psums_s']:.3f} s with every psum split"
+            in doc)
+    ratios = pass_cost["compile_ratio_default_by_layers"]["4"]
+    assert f"{ratios['default']:.2f} against {ratios['default, psums split']:.2f} times the original's" in doc
