@@ -317,9 +317,7 @@ class _Replay:
         rendered: dict[str, list[int]] = {}
         for position, loc in enumerate(locations):
             rendered.setdefault(ir_utils.render_location(loc, source), []).append(position)
-        # the longest first, and never a prefix of a longer line or column number
-        pattern = re.compile("|".join(re.escape(s) for s in sorted(rendered, key=len, reverse=True))
-                             + r"(?![0-9])") if rendered else None
+        pattern = _location_pattern(rendered)
         self.templates = [_template(entry, pattern) for entry in entries]
         used = {piece for template in self.templates for *_, pieces, holes in template.fills for piece in
                 (pieces[i] for i in holes)}
@@ -437,6 +435,15 @@ def _entry(data: dict, handles: dict[int, int]) -> SiteReport:
     entry = SiteReport.__new__(SiteReport)
     entry.__dict__.update(data)
     return entry
+
+
+def _location_pattern(rendered) -> re.Pattern | None:
+    """A pattern matching each of the location strings ``rendered`` (file:line:col), the longest
+    first, and none where it is only the start of a longer line or column number (``f.py:3:1``
+    in ``f.py:3:12``, a location outside the twin); None where there are none."""
+    if not rendered:
+        return None
+    return re.compile("(?:" + "|".join(re.escape(s) for s in sorted(rendered, key=len, reverse=True)) + r")(?![0-9])")
 
 
 #: what :func:`_template` looks into for location strings

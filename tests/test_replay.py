@@ -358,3 +358,17 @@ def test_a_region_left_over_is_rewritten_after_the_calls_under_every_variant(mon
         assert len(leftover.pop()) == 1 and result.report.layers, name
         outcome = execute.check_numerics(original, result.module)
         assert outcome.ok, (name, outcome.format())
+
+
+def test_a_location_string_is_a_hole_only_where_it_is_whole():
+    """A report string naming a location outside the twin whose text starts with one of the
+    twin's (``f.py:3:12`` beside ``f.py:3:1``) keeps it: only whole location strings are holes, each
+    alternative of the pattern (the longest first) checked against a longer number after it."""
+    pattern = replay._location_pattern({"f.py:3:1": [0], "g.py:10:5": [1]})
+    entry = cmatmul_pass.report.SiteReport(kind="dot_reduce_scatter", location="f.py:3:1", function="main",
+                                           rewritten=True)
+    entry.notes = ["reads f.py:3:12 and g.py:10:50, then f.py:3:1 and g.py:10:5"]
+    made = replay._template(entry, pattern).make({"f.py:3:1": "h.py:7:2", "g.py:10:5": "h.py:8:4"}.__getitem__)
+    assert made.location == "h.py:7:2"
+    assert made.notes == ["reads f.py:3:12 and g.py:10:50, then h.py:7:2 and h.py:8:4"]
+    assert replay._location_pattern({}) is None
