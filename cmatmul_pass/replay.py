@@ -168,16 +168,21 @@ def _at(region: ir.Operation, place: tuple) -> ir.Operation:
     return op
 
 
-def _locations_at(region: ir.Operation, places: list[tuple], flat: bool) -> list[ir.Location]:
+def _locations_at(region: ir.Operation, places: list[tuple]) -> list[ir.Location]:
     """The locations of the ops at ``places`` (:func:`_located_places`) in ``region``, each
-    reached by its indices (a layer's report reads 7 to 28 of its 45 to 131 ops: fewer steps
-    than a walk of them all); ``flat``: every place is in one block of ``region`` itself, whose
-    op list is read once."""
-    if flat:
-        r, b, _ = places[0][0]
-        ops = region.regions[r].blocks[b].operations
-        return [ops[place[0][2]].location for place in places]
-    return [_at(region, place).location for place in places]
+    reached by its indices, each block's op list read once (a layer's report reads 6 to 55 of its
+    45 to 131 ops, most in the region's body, the rest a collective's reduction: fewer steps than
+    a walk of them all)."""
+    lists: dict[tuple, object] = {}  # (the place of an op, region, block) -> that block's op list
+    found = []
+    for place in places:
+        r, b, i = place[-1]
+        key = (place[:-1], r, b)
+        ops = lists.get(key)
+        if ops is None:
+            ops = lists[key] = _at(region, place[:-1]).regions[r].blocks[b].operations
+        found.append(ops[i].location)
+    return found
 
 
 def _types(region: ir.Operation) -> tuple:
@@ -325,9 +330,6 @@ class _Replay:
         needed = {text: rendered[text] for text in used}
         self.positions = sorted({p for positions in needed.values() for p in positions})
         self.places = [group.twin_places[p] for p in self.positions]
-        # the usual case: every op read is in the region's body (one block)
-        self.flat = bool(self.places) and all(len(place) == 1 and place[0][:2] == self.places[0][0][:2]
-                                              for place in self.places)
         # each needed string and the indices into positions of the ops rendering it
         index = {p: k for k, p in enumerate(self.positions)}
         self._reads = [(text, [index[p] for p in positions]) for text, positions in needed.items()]
@@ -373,7 +375,7 @@ class _Replay:
         location string cannot be read one way (two of the twin's ops render it, and the
         region's two render differently).  ``region`` is the twin's op for op (it prints as the
         twin did before the pass), so a place leads to the same op in both."""
-        locations = _locations_at(region, self.places, self.flat)
+        locations = _locations_at(region, self.places)
         if locations == self.locations:  # located as the twin (layers written as a Python loop over one block)
             return [template.make_same() for template in self.templates]
         text = self._text(locations)
