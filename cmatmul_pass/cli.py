@@ -99,8 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--all-reduce", choices=["split", "chunk", "auto", "keep"],
                        help="a psum of a matmul (dot -> all_reduce): split into a reduce-scatter ring whose gather "
                             "moves forward to the next matmul's ring, chunk the rows so each chunk's all_reduce "
-                            "overlaps the next chunk's dot, auto (default): the faster of the two by the cost model "
-                            "(chunk in two where no profile describes the machine), keep: leave them")
+                            "overlaps the next chunk's dot, auto (default): the faster of the two by the cost model, "
+                            "chunk where they tie within 1%% (chunk in two where no profile describes the "
+                            "machine), keep: leave them")
         p.add_argument("--chunks", type=int, choices=range(2, 9), metavar="K",
                        help="chunks for --all-reduce chunk, 2 to 8 (default: the cost model's pick of 2, 4, 8)")
         p.add_argument(

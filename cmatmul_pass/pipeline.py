@@ -88,8 +88,8 @@ class Options:
     ring or to where the whole value is read: :mod:`.rewrites.sequence_parallel`),
     ``"chunk"`` (the rows in ``chunks`` pieces, each piece's all_reduce overlapping the next
     piece's dot), ``"auto"`` (per site, the one the cost model predicts faster on
-    ``hardware``; where no profile describes the machine, ``cost.fallback_all_reduce``: two
-    chunks), ``"keep"`` (left as they are).  None (the default): ``"auto"``; under
+    ``hardware``, chunk where the two tie within ``cost.TIE``; where no profile describes the
+    machine, ``cost.fallback_all_reduce``: two chunks), ``"keep"`` (left as they are).  None (the default): ``"auto"``; under
     ``policy="auto"`` it also leaves a site where neither beats the all_reduce.
     ``chunks``: the chunk count (2 to 8); None: the cost model's pick of 2, 4 or 8.
     """
