@@ -100,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a psum of a matmul (dot -> all_reduce): split into a reduce-scatter ring whose gather "
                             "moves forward to the next matmul's ring, chunk the rows so each chunk's all_reduce "
                             "overlaps the next chunk's dot, auto (default): the faster of the two by the cost model, "
-                            "chunk where they tie within 1%% (chunk in two where no profile describes the "
-                            "machine), keep: leave them")
+                            "on a tie within 1%% chunk, or split where the value goes on to a matmul (chunk in two "
+                            "where no profile describes the machine), keep: leave them")
         p.add_argument("--chunks", type=int, choices=range(2, 9), metavar="K",
                        help="chunks for --all-reduce chunk, 2 to 8 (default: the cost model's pick of 2, 4, 8)")
         p.add_argument(
@@ -474,7 +474,9 @@ def _explain_all_reduce(site) -> None:
     picked = {"model": " (the cost model's pick)",
               "fallback": " (auto's fallback: no profile describes this machine)"}.get(a.get("picked"), "")
     if a.get("picked") == "model" and p.get("tied"):
-        picked = f" (the cost model's pick: split and chunk tie within {TIE:.0%}, and chunk takes a tie)"
+        picked = f" (the cost model's pick: split and chunk tie within {TIE:.0%}, and " + (
+            "split takes this one: its gather goes on to a matmul, whose ring hides it)" if a.get("tie_to_split")
+            else "chunk takes a tie)")
     print(f"  all_reduce: {a['strategy']} along dim {a['dim']}"
           + (f" into {a['chunks']} chunks" if a["strategy"] == "chunk" and site.rewritten else "") + picked)
     print(f"  predicted on {p['hardware']}: dots + all_reduce {duration(p['serial_s'])} (the all_reduce "

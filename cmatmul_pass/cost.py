@@ -940,8 +940,9 @@ CHUNK_COUNTS = (2, 4, 8)
 ALL_REDUCE_STRATEGIES = ("split", "chunk")
 #: split and chunk predicted within this fraction of each other's time tie, and chunk takes the
 #: tie: below the model's resolution the lighter rewrite wins (no ring: fewer ops for the pass
-#: to build; docs/variants.md).  Every pick of docs/variants.md's profile table is 5 % or more
-#: from a tie.
+#: to build; docs/variants.md), unless split's gather goes on to the next matmul's ring, which
+#: hides it where the per-site prediction counts it whole (:meth:`AllReducePrediction.pick`).
+#: Every pick of docs/variants.md's profile table is 5 % or more from a tie.
 TIE = 0.01
 
 
@@ -979,7 +980,15 @@ class AllReducePrediction:
     def fastest(self) -> str:
         """The faster strategy, whether or not it beats the original: split only where it is
         predicted faster than chunk by more than :data:`TIE` (chunk takes a tie)."""
-        if self.chunk_s and self.seconds("split") * (1 + TIE) >= self.seconds("chunk"):
+        return self.pick(gather_hidden=False)
+
+    def pick(self, gather_hidden: bool) -> str:
+        """:attr:`fastest`, but a tie goes to split where ``gather_hidden``: the psum's value goes
+        on to a matmul through row-wise ops, where split's gather rings with it (hidden there;
+        ``split_s`` counts it whole, so split is the faster of two that tie)."""
+        if self.tied:
+            return "split" if gather_hidden else "chunk"
+        if self.chunk_s and self.seconds("split") >= self.seconds("chunk"):
             return "chunk"
         return "split"
 

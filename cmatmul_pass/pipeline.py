@@ -88,8 +88,9 @@ class Options:
     ring or to where the whole value is read: :mod:`.rewrites.sequence_parallel`),
     ``"chunk"`` (the rows in ``chunks`` pieces, each piece's all_reduce overlapping the next
     piece's dot), ``"auto"`` (per site, the one the cost model predicts faster on
-    ``hardware``, chunk where the two tie within ``cost.TIE``; where no profile describes the
-    machine, ``cost.fallback_all_reduce``: two chunks), ``"keep"`` (left as they are).  None (the default): ``"auto"``; under
+    ``hardware``; on a tie within ``cost.TIE`` chunk, or split where the value goes on to a
+    matmul, whose ring hides split's gather; where no profile describes the machine,
+    ``cost.fallback_all_reduce``: two chunks), ``"keep"`` (left as they are).  None (the default): ``"auto"``; under
     ``policy="auto"`` it also leaves a site where neither beats the all_reduce.
     ``chunks``: the chunk count (2 to 8); None: the cost model's pick of 2, 4 or 8.
     """
@@ -818,9 +819,13 @@ def _all_reduce(site, ctx: RewriteContext, source: str, options: Options, hw: co
         predictions[key] = cost.predict_all_reduce(shape, hw, variant, counts)
     prediction = predictions[key]
     picked = _all_reduce_pick(options, hw)
-    strategy, chunks, declined = _all_reduce_strategy(options, shape, prediction, picked)
+    # a tie goes to split where its gather would go on to a matmul's ring (cost.TIE)
+    onward = picked == "model" and prediction.tied and reaches_a_dot_row_wise(site.all_reduce)
+    strategy, chunks, declined = _all_reduce_strategy(options, shape, prediction, picked, onward)
     entry.all_reduce = {"strategy": strategy, "dim": site.dim, "chunks": chunks, "gathers": [],
                         "picked": picked, "prediction": prediction.to_dict()}
+    if prediction.tied and picked == "model":
+        entry.all_reduce["tie_to_split"] = onward
     if declined:
         entry.reason_code, entry.reason = declined
         return entry, None
@@ -853,16 +858,17 @@ def _all_reduce_pick(options: Options, hw: cost.Hardware) -> str:
 
 
 def _all_reduce_strategy(options: Options, shape: cost.SiteShape, prediction: cost.AllReducePrediction,
-                         picked: str) -> tuple[str, int | None, tuple[str, str] | None]:
+                         picked: str, onward: bool = False) -> tuple[str, int | None, tuple[str, str] | None]:
     """(strategy, chunk count, (code, reason) when the site stays as it is); ``picked``: who
-    chooses it (:func:`_all_reduce_pick`)."""
+    chooses it (:func:`_all_reduce_pick`); ``onward``: the psum's value goes on to a matmul
+    through row-wise ops (a tie then goes to split: :meth:`cost.AllReducePrediction.pick`)."""
     asked = options.all_reduce_strategy
     chunks = options.chunks or prediction.chunks
     if picked == "fallback":
         asked, fallback_chunks = cost.fallback_all_reduce(prediction)
         chunks = options.chunks or fallback_chunks or chunks
     elif picked == "model":
-        asked = prediction.fastest
+        asked = prediction.pick(onward)
     if asked == "chunk" and not prediction.chunk_s:
         return asked, None, ("chunks", f"the rows cannot be cut into {options.chunks or '2, 4 or 8'} equal chunks "
                                        "that every op after the dot keeps whole")

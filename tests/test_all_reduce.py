@@ -418,3 +418,27 @@ def test_explain_says_when_chunk_took_a_tie(capsys):
     assert run_cli("explain", sample("ar_megatron_mlp")) == 0  # chunk ahead by more: the plain words
     out = capsys.readouterr().out
     assert "(the cost model's pick)" in out and "tie within" not in out
+
+
+def test_a_tie_goes_to_split_where_its_gather_goes_on_to_a_matmul(monkeypatch, capsys):
+    """cost.TIE: chunk takes a tie, but where the psum's value goes on through row-wise ops to a
+    matmul (a stacked block's residual and norm, then the next block's dot), split takes it: its
+    gather rings with that dot, which the per-site prediction does not count.  Every psum made a
+    tie here (TIE widened); the stack's first psum goes on, its last is returned."""
+    monkeypatch.setattr(cost, "TIE", 10.0)
+    text = sample("ar_megatron_ln_stack").read_text()
+    result = rewrite(text)
+    psums = [s for s in result.report.sites if s.kind == "dot_all_reduce"]
+    assert [(s.all_reduce["strategy"], s.all_reduce["tie_to_split"], s.all_reduce["prediction"]["tied"])
+            for s in psums] == [("split", True, True), ("chunk", False, True)]
+    # the split's gather rings with the next block's dot (here left after the scatter ring, then
+    # rung with the residual's and the norm's ops applied to each block)
+    assert [s.location for s in result.report.sites if s.kind == "all_gather_dot" and s.rewritten] == [psums[0].location]
+    numerics_ok(text, result)
+    assert run_cli("explain", sample("ar_megatron_ln_stack")) == 0
+    out = capsys.readouterr().out
+    assert "split takes this one: its gather goes on to a matmul, whose ring hides it)" in out
+    assert "split and chunk tie within 1000%, and chunk takes a tie)" in out
+    # named strategies and the fallback pay no heed to ties
+    assert all(s.all_reduce["strategy"] == "chunk" and "tie_to_split" not in s.all_reduce
+               for s in rewrite(text, hardware="auto").report.sites if s.kind == "dot_all_reduce")

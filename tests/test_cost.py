@@ -800,3 +800,17 @@ def test_split_and_chunk_within_the_tie_go_to_chunk():
         assert (p.fastest, p.tied, p.to_dict()["tied"]) == (fastest, tied, tied), (split_s, chunk_s)
     assert cost.AllReducePrediction("h", 2.0, 1.0, 1.0, {}, "uni", ring).fastest == "split"  # no chunks: split
     assert prediction(1.0, 1.0).best == "chunk" and prediction(3.0, 3.0).best is None  # best: fastest if it pays
+
+
+def test_a_tie_goes_to_split_where_its_gather_is_hidden():
+    """AllReducePrediction.pick: a tie goes to split where split's gather is hidden (the next
+    matmul's ring), to chunk elsewhere; outside a tie the faster wins either way."""
+    ring = cost.predict(cost.SiteShape("dot_reduce_scatter", 8, 1e12, 1 << 24, "bf16"), cost.PROFILES["h100"])
+
+    def prediction(split_s, chunk_s):
+        return cost.AllReducePrediction("h", 2.0, 1.0, split_s, {2: chunk_s}, "uni", ring)
+
+    tie, chunk_ahead, split_ahead = prediction(1.0, 1.0), prediction(2.0, 1.0), prediction(1.0, 2.0)
+    assert [p.pick(False) for p in (tie, chunk_ahead, split_ahead)] == ["chunk", "chunk", "split"]
+    assert [p.pick(True) for p in (tie, chunk_ahead, split_ahead)] == ["split", "chunk", "split"]
+    assert all(p.fastest == p.pick(False) for p in (tie, chunk_ahead, split_ahead))
