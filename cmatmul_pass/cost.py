@@ -994,7 +994,7 @@ class AllReducePrediction:
 
     @property
     def tied(self) -> bool:
-        """Are split and chunk predicted within :data:`TIE` of each other (chunk takes it)?"""
+        """Are split and chunk predicted within :data:`TIE` of each other (:meth:`pick` says which takes it)?"""
         return bool(self.chunk_s) and abs(self.seconds("split") - self.seconds("chunk")) <= TIE * min(
             self.seconds("split"), self.seconds("chunk"))
 

@@ -819,12 +819,12 @@ def _all_reduce(site, ctx: RewriteContext, source: str, options: Options, hw: co
         predictions[key] = cost.predict_all_reduce(shape, hw, variant, counts)
     prediction = predictions[key]
     picked = _all_reduce_pick(options, hw)
-    # a tie goes to split where its gather would go on to a matmul's ring (cost.TIE)
-    onward = picked == "model" and prediction.tied and reaches_a_dot_row_wise(site.all_reduce)
+    tie = picked == "model" and prediction.tied  # the model's tie (cost.TIE): split where its gather goes on
+    onward = tie and reaches_a_dot_row_wise(site.all_reduce)
     strategy, chunks, declined = _all_reduce_strategy(options, shape, prediction, picked, onward)
     entry.all_reduce = {"strategy": strategy, "dim": site.dim, "chunks": chunks, "gathers": [],
                         "picked": picked, "prediction": prediction.to_dict()}
-    if prediction.tied and picked == "model":
+    if tie:
         entry.all_reduce["tie_to_split"] = onward
     if declined:
         entry.reason_code, entry.reason = declined
