@@ -216,11 +216,12 @@ class LayoutStep:
             clone.results[0].set_type(out_t)
             return clone.results[0]
         if name == "stablehlo.convert":
-            return hlo.ConvertOp(out_t, value, loc=loc).result
-        if name == "stablehlo.transpose":
-            return hlo.TransposeOp(value, _permutation(op), results=[out_t], loc=loc).result
+            return ir.Operation.create(name, results=[out_t], operands=[value], loc=loc).result
+        if name == "stablehlo.transpose":  # (the op's own permutation attribute)
+            return ir.Operation.create(name, results=[out_t], operands=[value],
+                                       attributes={"permutation": op.attributes["permutation"]}, loc=loc).result
         if name == "stablehlo.reshape":
-            return hlo.ReshapeOp(out_t, value, loc=loc).result
+            return ir.Operation.create(name, results=[out_t], operands=[value], loc=loc).result
         if name in ELEMENTWISE_OPS:
             width = ir.RankedTensorType(op.result.type).shape[self.out_dim] // parts
             operands = []

@@ -111,8 +111,19 @@ class Builder:
                 self._constants[key] = make()
         return self._constants[key]
 
+    def create(self, name: str, results: Sequence[ir.Type], operands: Sequence[ir.Value],
+               attributes: dict | None = None) -> ir.Operation:
+        """The op ``name`` built generically, its result types given: half the cost of the
+        dialect's generated builder, which infers them and wraps every attribute anew (the
+        rings build hundreds of ops per layer; the verifier checks them once the pass is done)."""
+        return ir.Operation.create(name, results=results, operands=operands, attributes=attributes, loc=self.loc)
+
+    def constant_of(self, attr: ir.Attribute) -> ir.Value:
+        return ir.Operation.create("stablehlo.constant", results=[attr.type], attributes={"value": attr},
+                                   loc=self.loc).result
+
     def constant(self, array: np.ndarray) -> ir.Value:
-        return hlo.ConstantOp(ir.DenseElementsAttr.get(np.ascontiguousarray(array)), loc=self.loc).result
+        return self.constant_of(ir.DenseElementsAttr.get(np.ascontiguousarray(array)))
 
     def index(self, value: int) -> ir.Value:
         """A ui32 index scalar (ring positions, offsets, loop counters: never negative)."""
@@ -120,21 +131,21 @@ class Builder:
             attr = ir.DenseElementsAttr.get_splat(
                 index_scalar_type(), ir.IntegerAttr.get(index_element_type(), int(value))
             )
-            return hlo.ConstantOp(attr, loc=self.loc).result
+            return self.constant_of(attr)
 
         return self._cached(("index", int(value)), make)
 
     def zeros(self, t: ir.RankedTensorType) -> ir.Value:
         def make() -> ir.Value:
-            return hlo.ConstantOp(zeros_attr(t), loc=self.loc).result
+            return self.constant_of(zeros_attr(t))
 
         return self._cached(("zeros", str(t)), make)
 
     def add(self, a: ir.Value, b: ir.Value) -> ir.Value:
-        return hlo.AddOp(a, b, loc=self.loc).result
+        return self.create("stablehlo.add", [a.type], [a, b]).result
 
     def mul(self, a: ir.Value, b: ir.Value) -> ir.Value:
-        return hlo.MulOp(a, b, loc=self.loc).result
+        return self.create("stablehlo.multiply", [a.type], [a, b]).result
 
     def scaled(self, index: ir.Value, factor: int) -> ir.Value:
         """``index * factor``, built once per (block, index, factor) within one site: the dots
@@ -146,7 +157,7 @@ class Builder:
         return self._site[key]
 
     def rem(self, a: ir.Value, b: ir.Value) -> ir.Value:
-        return hlo.RemOp(a, b, loc=self.loc).result
+        return self.create("stablehlo.remainder", [a.type], [a, b]).result
 
     def ring_index(self, position: ir.Value, step: ir.Value, ring_size: int, shift: int = 1, offset: int = 0) -> ir.Value:
         """``(position + shift * step + offset) mod ring_size`` for ``step >= 0`` (never negative)."""
@@ -199,39 +210,48 @@ class Builder:
         return hlo.ConvertOp(ir.RankedTensorType.get(t.shape, element_type), value, loc=self.loc).result
 
     def collective_permute(self, value: ir.Value, pairs: np.ndarray, channel: int) -> ir.Value:
-        op = hlo.CollectivePermuteOp(
-            value, pairs.astype(np.int64), channel_handle=hlo.ChannelHandle.get(channel, 1), loc=self.loc
-        )
-        return op.result
+        attributes = {"source_target_pairs": ir.DenseIntElementsAttr.get(pairs.astype(np.int64)),
+                      "channel_handle": hlo.ChannelHandle.get(channel, 1)}
+        return self.create("stablehlo.collective_permute", [value.type], [value], attributes).result
 
     def dynamic_update_slice(self, into: ir.Value, update: ir.Value, dim: int, offset: ir.Value) -> ir.Value:
         rank = ir.RankedTensorType(into.type).rank
         zero = self.index(0) if rank > 1 else None
         starts = [offset if d == dim else zero for d in range(rank)]
-        return hlo.DynamicUpdateSliceOp(into, update, starts, loc=self.loc).result
+        return self.create("stablehlo.dynamic_update_slice", [into.type], [into, update, *starts]).result
 
     def dynamic_slice(self, value: ir.Value, dim: int, offset: ir.Value, size: int) -> ir.Value:
         t = ir.RankedTensorType(value.type)
         zero = self.index(0) if t.rank > 1 else None
         starts = [offset if d == dim else zero for d in range(t.rank)]
         sizes = [size if d == dim else s for d, s in enumerate(t.shape)]
-        return hlo.DynamicSliceOp(value, starts, sizes, loc=self.loc).result
+        return self.create("stablehlo.dynamic_slice", [ir.RankedTensorType.get(sizes, t.element_type)],
+                           [value, *starts], {"slice_sizes": ir.DenseI64ArrayAttr.get(sizes)}).result
 
     def slice(self, value: ir.Value, dim: int, start: int, size: int) -> ir.Value:
         """Elements ``[start, start + size)`` of ``value`` along ``dim`` (static)."""
-        shape = ir.RankedTensorType(value.type).shape
+        t = ir.RankedTensorType(value.type)
+        shape = t.shape
         starts = [start if d == dim else 0 for d in range(len(shape))]
         limits = [start + size if d == dim else s for d, s in enumerate(shape)]
-        return hlo.SliceOp(value, starts, limits, [1] * len(shape), loc=self.loc).result
+        sizes = [size if d == dim else s for d, s in enumerate(shape)]
+        attributes = {"start_indices": ir.DenseI64ArrayAttr.get(starts), "limit_indices": ir.DenseI64ArrayAttr.get(limits),
+                      "strides": ir.DenseI64ArrayAttr.get([1] * len(shape))}
+        return self.create("stablehlo.slice", [ir.RankedTensorType.get(sizes, t.element_type)], [value], attributes).result
 
     def concatenate(self, values: Sequence[ir.Value], dim: int) -> ir.Value:
-        return values[0] if len(values) == 1 else hlo.ConcatenateOp(list(values), dim, loc=self.loc).result
+        if len(values) == 1:
+            return values[0]
+        types = [ir.RankedTensorType(v.type) for v in values]
+        result = ir_utils.with_dim(types[0], dim, sum(t.shape[dim] for t in types))
+        return self.create("stablehlo.concatenate", [result], list(values),
+                           {"dimension": ir.IntegerAttr.get(ir.IntegerType.get_signless(64), dim)}).result
 
     def tied(self, values: Sequence[ir.Value]) -> list[ir.Value]:
         """``values`` through one ``stablehlo.optimization_barrier``: the same values, but each a
         result of this op, so ops reading them here read none of the values other rounds read
         (XLA's dot merger merges only dots that share an operand) and wait for all of them."""
-        return list(hlo.OptimizationBarrierOp(list(values), loc=self.loc).results)
+        return list(self.create("stablehlo.optimization_barrier", [v.type for v in values], list(values)).results)
 
     def dot_like(self, template: ir.OpView, result_type: ir.Type, lhs: ir.Value, rhs: ir.Value) -> ir.Value:
         """A dot_general with every attribute of ``template`` (dims, precision, algorithm, ...),
