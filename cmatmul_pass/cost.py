@@ -644,7 +644,7 @@ def schedule(shape: SiteShape, hw: Hardware, bidirectional: bool, unroll: int | 
             for start, transfer, compute, end in layout.rounds(hw)]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Layout:
     """What :func:`schedule` times a ring's rounds by: the plan, a round's full compute time, the
     share of its permutes hidden, the loop's rounds and its trips' cost."""
@@ -659,7 +659,8 @@ class _Layout:
 
     @classmethod
     def of(cls, shape: SiteShape, hw: Hardware, bidirectional: bool, unroll: int | None,
-           plan: list[Round] | None, efficiency: float | None, trip: float | None = None) -> "_Layout":
+           plan: list[Round] | None, efficiency: float | None, trip: float | None = None,
+           hidden: float | None = None) -> "_Layout":
         if efficiency is None:
             efficiency = split_efficiency(shape, hw, bidirectional)
         t_c = shape.flops / hw.throughput(shape.dtype) / efficiency  # smaller dots
@@ -668,14 +669,16 @@ class _Layout:
         lo, hi = loop_run([rnd.signature for rnd in plan], unroll)
         if trip is None:
             trip = hw.trip(shape.kind, shape.flops / shape.ring)
-        return cls(plan, t_c, hw.hidden(_variant_of(plan, unroll)), lo, hi, unroll or 1, trip)
+        if hidden is None:
+            hidden = hw.hidden(_variant_of(plan, unroll))
+        return cls(plan, t_c, hidden, lo, hi, unroll or 1, trip)
 
     def rounds(self, hw: Hardware):
         """Per round: (start, transfer, compute, end), each round starting where the last ended."""
         hidden, lo, hi, per_trip = self.hidden, self.lo, self.hi, self.per_trip
         now = 0.0
         for r, rnd in enumerate(self.plan):
-            transfer = max((bytes_ / hw.bandwidth for bytes_ in rnd.transfers), default=0.0)
+            transfer = max(rnd.transfers) / hw.bandwidth if rnd.transfers else 0.0
             compute = rnd.compute * self.t_c
             length = hidden * max(compute, transfer) + (1 - hidden) * (compute + transfer)
             overhead = hw.step if rnd.transfers else 0.0
@@ -726,11 +729,12 @@ class Prediction:
 
 def overlapped_time(shape: SiteShape, hw: Hardware, bidirectional: bool, unroll: int | None, *,
                     plan: list[Round] | None = None, efficiency: float | None = None,
-                    trip: float | None = None) -> float:
+                    trip: float | None = None, hidden: float | None = None) -> float:
     """The end of :func:`schedule`'s last round (``plan``, ``efficiency``: as it takes them;
-    ``trip``: the loop trip's cost, :meth:`Hardware.trip`, where the caller has it)."""
+    ``trip``: the loop trip's cost, :meth:`Hardware.trip`, ``hidden``: the variant's
+    :meth:`Hardware.hidden`, where the caller has them)."""
     end = 0.0
-    for _, _, _, end in _Layout.of(shape, hw, bidirectional, unroll, plan, efficiency, trip).rounds(hw):
+    for _, _, _, end in _Layout.of(shape, hw, bidirectional, unroll, plan, efficiency, trip, hidden).rounds(hw):
         pass
     return end
 
@@ -754,10 +758,10 @@ def predict(shape: SiteShape, hw: Hardware, bidirectional: bool = False, unroll:
         if bidi not in plans:
             plans[bidi] = rounds(shape, bidi), split_efficiency(shape, hw, bidi)
         plan, efficiency = plans[bidi]
+        hidden = prediction.overlap[name] = hw.hidden(_variant_of(plan, unr))  # as emitted_variant
         prediction.overlapped_s[name] = overlapped_time(shape, hw, bidi, unr, plan=plan, efficiency=efficiency,
-                                                        trip=trip)
+                                                        trip=trip, hidden=hidden)
         prediction.speedup[name] = serial / prediction.overlapped_s[name]
-        prediction.overlap[name] = hw.hidden(_variant_of(plan, unr))  # as emitted_variant
         prediction.split_efficiency[name] = efficiency
     return prediction
 

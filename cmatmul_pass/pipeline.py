@@ -1046,7 +1046,7 @@ def _scatter_shape(site, block: ir.RankedTensorType) -> cost.SiteShape:
 def _shape(site, parts, step: ir.RankedTensorType, groups: list[list[int]]) -> cost.SiteShape:
     dots = [part.dot for part in parts]
     each = [_dot_flops(d) for d in dots]
-    dtype = str(_priced_element_type(dots[0]))
+    dtype = _priced_dtype(dots[0])
     halvable = isinstance(site, AllGatherSite) or halves_blocker(site) is None
     kind = "dot_reduce_scatter" if site.kind == DOT_ALL_REDUCE else site.kind  # a split psum: a scatter ring
     return cost.SiteShape(kind, site.ring.size, sum(each), tensor_bytes(step), dtype, halvable,
@@ -1067,8 +1067,18 @@ def _dot_flops(dot) -> float:
     return flops
 
 
-#: _dot_flops by (lhs type, result type, dimension numbers), for one run of the pass
+#: _dot_flops by (lhs type, result type, dimension numbers), and _priced_dtype by operand types,
+#: for one run of the pass
 _FLOPS: dict = {}
+
+
+def _priced_dtype(dot) -> str:
+    """:func:`_priced_element_type`'s name (worked out once per pair of operand types)."""
+    key = tuple(v.type for v in dot.operation.operands)
+    name = _FLOPS.get(key)
+    if name is None:
+        name = _FLOPS[key] = str(_priced_element_type(dot))
+    return name
 
 
 def _priced_element_type(dot) -> ir.Type:

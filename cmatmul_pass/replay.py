@@ -308,32 +308,48 @@ class _Replay:
     """The twin's rewritten region and report entries, ready to be read with another region's
     locations.
 
-    Read once from the twin: which of its locations its report entries render (a location
-    string of an entry is a hole, :func:`_template`), and at which places among its ops before
-    the pass each such string is rendered; a region then costs a visit of the ops at those
-    places (in a layer of a few hundred ops, a few dozen), not a walk of all of its ops."""
+    A region located as the twin at every op (layers written as a Python loop over one block)
+    takes the twin's entries as they are: one walk of its ops' locations.  For any other, the
+    entries are read once from the twin (:meth:`_read`): which of its locations they render (a
+    location string of an entry is a hole, :func:`_template`), and at which places among its ops
+    before the pass each such string is rendered; such a region then costs a visit of the ops at
+    those places (in a layer of a few hundred ops, a few dozen), not a walk of all of its ops."""
 
     def __init__(self, group: Group, entries: list[SiteReport], source: str):
         self.group = group
         self.twin = group.twin
         self.source = source
-        locations, _ = group.twin_before
+        self._entries = entries
+        self._shared: list[dict] | None = None  # the twin's entries' fields, copied once
+        self._templates: list[_Template] | None = None
+
+    def _read(self) -> None:
+        """Read the twin's entries as templates (once)."""
+        if self._templates is not None:
+            return
+        locations, _ = self.group.twin_before
+        source = self.source
         # each rendered location of the twin's ops, and the places it is rendered at
         rendered: dict[str, list[int]] = {}
         for position, loc in enumerate(locations):
             rendered.setdefault(ir_utils.render_location(loc, source), []).append(position)
         pattern = _location_pattern(rendered)
-        self.templates = [_template(entry, pattern) for entry in entries]
-        used = {piece for template in self.templates for *_, pieces, holes in template.fills for piece in
+        self._templates = [_template(entry, pattern) for entry in self._entries]
+        used = {piece for template in self._templates for *_, pieces, holes in template.fills for piece in
                 (pieces[i] for i in holes)}
         #: each location string the entries hold -> the positions (walk order) of the twin's ops rendering it
         needed = {text: rendered[text] for text in used}
         self.positions = sorted({p for positions in needed.values() for p in positions})
-        self.places = [group.twin_places[p] for p in self.positions]
+        self.places = [self.group.twin_places[p] for p in self.positions]
         # each needed string and the indices into positions of the ops rendering it
         index = {p: k for k, p in enumerate(self.positions)}
         self._reads = [(text, [index[p] for p in positions]) for text, positions in needed.items()]
         self.locations = [locations[p] for p in self.positions]
+
+    @property
+    def templates(self) -> list[_Template]:
+        self._read()
+        return self._templates
 
     @classmethod
     def of(cls, group: Group, entries: list[SiteReport], source: str) -> "_Replay | None":
@@ -375,11 +391,17 @@ class _Replay:
         location string cannot be read one way (two of the twin's ops render it, and the
         region's two render differently).  ``region`` is the twin's op for op (it prints as the
         twin did before the pass), so a place leads to the same op in both."""
+        if self._templates is None and _locations(region) == self.group.twin_before[0]:
+            # located as the twin at every op (layers written as a Python loop over one block)
+            if self._shared is None:
+                self._shared = [marshal.loads(marshal.dumps(vars(entry))) for entry in self._entries]
+            return [_entry(dict(data), {}) for data in self._shared]
+        templates = self.templates
         locations = _locations_at(region, self.places)
-        if locations == self.locations:  # located as the twin (layers written as a Python loop over one block)
-            return [template.make_same() for template in self.templates]
+        if locations == self.locations:  # located as the twin where the entries read it
+            return [template.make_same() for template in templates]
         text = self._text(locations)
-        return None if text is None else [template.make(text) for template in self.templates]
+        return None if text is None else [template.make(text) for template in templates]
 
     def _text(self, locations: list[ir.Location]) -> "Callable[[str], str] | None":
         """How a region located ``locations`` (at :attr:`positions`) renders each location

@@ -149,6 +149,8 @@ def _match_sum(ar: ir.OpView, operand: ir.Value, shape: list[int], ring: Ring, r
             reasons.append(f"dim {dim}: {d.message}")
             continue
         found.append((_preference(traced[0], dim), dim, traced, moved))
+        if not any(found[-1][0][:-1]):  # the best a dim can be, and later dims lose the tie: none is traced
+            break
     if not found:
         structural = [d for d in declines if d.code in STRUCTURAL]
         if not structural and len(declines) == len(shape) and len({d.code for d in declines}) == 1:

@@ -36,7 +36,7 @@ class ModuleInfo:
     regions: dict = field(default_factory=dict, compare=False, repr=False)
     #: replica_groups attribute -> its Ring, or the Decline it raised: built once per distinct groups
     rings: dict = field(default_factory=dict, compare=False, repr=False)
-    #: dot_dimension_numbers attribute -> its (batch, contracting) dims per operand: read once
+    #: (dot_dimension_numbers, lhs type, rhs type) -> its DotDims: read once
     dot_numbers: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -283,20 +283,25 @@ class DotDims:
 
     @classmethod
     def of(cls, dot: ir.OpView, info: ModuleInfo | None = None) -> "DotDims":
-        """Declines a dot whose operands are not statically shaped tensors.  ``info`` caches the
-        numbers per distinct attribute (the matchers read many dots)."""
-        attr = dot.attributes["dot_dimension_numbers"]
-        numbers = info.dot_numbers.get(attr) if info is not None else None
-        if numbers is None:
-            d = hlo.DotDimensionNumbers(attr)
-            numbers = (
-                (tuple(d.lhs_batching_dimensions), tuple(d.rhs_batching_dimensions)),
-                (tuple(d.lhs_contracting_dimensions), tuple(d.rhs_contracting_dimensions)),
-            )
-            if info is not None:
-                info.dot_numbers[attr] = numbers
-        lhs, rhs = (static_tensor(v, "a dot operand") for v in dot.operation.operands)
-        return cls(*numbers, (lhs.rank, rhs.rank))
+        """Declines a dot whose operands are not statically shaped tensors.  ``info`` caches them
+        per distinct attribute and operand types (the matchers read many dots)."""
+        op = dot.operation
+        attr = op.attributes["dot_dimension_numbers"]
+        lhs, rhs = op.operands
+        key = (attr, lhs.type, rhs.type)  # (uniqued: equal exactly when the same objects)
+        found = info.dot_numbers.get(key) if info is not None else None
+        if found is not None:
+            return found
+        d = hlo.DotDimensionNumbers(attr)
+        numbers = (
+            (tuple(d.lhs_batching_dimensions), tuple(d.rhs_batching_dimensions)),
+            (tuple(d.lhs_contracting_dimensions), tuple(d.rhs_contracting_dimensions)),
+        )
+        lhs_t, rhs_t = (static_tensor(v, "a dot operand") for v in (lhs, rhs))
+        found = cls(*numbers, (lhs_t.rank, rhs_t.rank))
+        if info is not None:  # (a dynamic shape declined above: never kept)
+            info.dot_numbers[key] = found
+        return found
 
     def free(self, operand_index: int) -> list[int]:
         batch, contracting = self.batch[operand_index], self.contracting[operand_index]

@@ -175,10 +175,11 @@ def _merge_key(c: Consumer) -> tuple[tuple, int, int] | None:
     if len(free) != 1:
         return None
     masked = tuple(-1 if d == free[0] else size for d, size in enumerate(other_t.shape))
-    attributes = tuple(sorted((name, str(value)) for name, value in dot.attributes.items()
-                              if not name.startswith(TRANSIENT_MARK_PREFIX)))
+    # (attributes and types are uniqued in their context: equal exactly when the same object)
+    attributes = tuple(sorted(((name, value) for name, value in dot.attributes.items()
+                               if not name.startswith(TRANSIENT_MARK_PREFIX)), key=lambda item: item[0]))
     key = (c.path, c.operand_index, c.role, c.dim, c.result_dim, c.other_dim, attributes,
-           str(_partial_element_type(c)), str(other_t.element_type), masked)
+           _partial_element_type(c), other_t.element_type, masked)
     return key, free[0], dims.free_result_offset(side)
 
 

@@ -127,13 +127,16 @@ class Builder:
 
     def index(self, value: int) -> ir.Value:
         """A ui32 index scalar (ring positions, offsets, loop counters: never negative)."""
-        def make() -> ir.Value:
+        block = ir.InsertionPoint.current.block
+        key = (block, "index", int(value))  # (as _cached keys it: asked for often, so inline)
+        found = self._constants.get(key)
+        if found is None:
             attr = ir.DenseElementsAttr.get_splat(
                 index_scalar_type(), ir.IntegerAttr.get(index_element_type(), int(value))
             )
-            return self.constant_of(attr)
-
-        return self._cached(("index", int(value)), make)
+            with ir.InsertionPoint.at_block_begin(block):
+                found = self._constants[key] = self.constant_of(attr)
+        return found
 
     def zeros(self, t: ir.RankedTensorType) -> ir.Value:
         def make() -> ir.Value:
