@@ -9,6 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import cmatmul_pass
 from cmatmul_pass import cost, execute, ir_utils
+from cmatmul_pass._jax_private import ir
 from cmatmul_pass.analysis.variance import Variance, varying_axes
 from cmatmul_pass.matchers import ModuleInfo
 from cmatmul_pass.matchers.all_reduce import AllReduceSite, find_dot_all_reduce
@@ -205,6 +206,39 @@ def test_chunk_matches_the_original(name, chunks):
     entries = [s for s in result.report.sites if s.kind == "dot_all_reduce"]
     assert entries and all(s.rewritten and s.all_reduce["chunks"] == chunks for s in entries)
     assert ops(result, "stablehlo.all_reduce") == chunks * len(entries)
+    numerics_ok(text, result)
+
+
+@pytest.mark.parametrize("annotated", [False, True])
+def test_each_chunk_sums_its_rows_on_a_channel_of_its_own(annotated):
+    """A chunk's all_reduce is a copy of the matched psum (its groups and sum), reading the
+    chunk; a psum carrying more than that (a frontend attribute) gets chunks built anew,
+    without it (two collectives would share the psum's scheduling group)."""
+    text = sample("ar_megatron_mlp").read_text()
+    if annotated:
+        module = ir_utils.parse(text)
+        with module.context:
+            for op in ir_utils.ops_named(module, "stablehlo.all_reduce")["stablehlo.all_reduce"]:
+                op.operation.attributes["mhlo.frontend_attributes"] = ir.DictAttr.get(
+                    {"_scheduling_group_id": ir.StringAttr.get("0")})
+        text = str(module)
+    before = ir_utils.parse(text)
+    groups = {str(op.attributes["replica_groups"])
+              for op in ir_utils.ops_named(before, "stablehlo.all_reduce")["stablehlo.all_reduce"]}
+    result = rewrite(text, all_reduce="chunk", chunks=4)
+    chunks = ir_utils.ops_named(result.module, "stablehlo.all_reduce")["stablehlo.all_reduce"]
+    assert len(chunks) == 4
+    handles = set()
+    for op in chunks:
+        assert str(op.attributes["replica_groups"]) in groups
+        assert "mhlo.frontend_attributes" not in op.operation.attributes
+        assert sorted(name for name, _ in op.operation.attributes.items()) == ["channel_handle", "replica_groups",
+                                                                   "use_global_device_ids"]
+        assert op.operation.operands[0].type == op.operation.results[0].type
+        body = op.operation.regions[0].blocks[0]
+        assert [o.operation.name for o in body.operations] == ["stablehlo.add", "stablehlo.return"]
+        handles.add(str(op.attributes["channel_handle"]))
+    assert len(handles) == 4
     numerics_ok(text, result)
 
 

@@ -87,14 +87,16 @@ def sum_region(op: ir.OpView, loc: ir.Location) -> None:
 
 def all_reduce_like(template: ir.OpView, value: ir.Value, channel: int, loc: ir.Location) -> ir.OpView:
     """A sum all_reduce of ``value`` over ``template``'s groups, with a fresh channel: a copy of
-    ``template`` (a matched sum of one operand: its attributes and reduction, one C++ clone)
-    reading ``value``, of its type."""
-    if len(template.operation.operands) != 1 or template.location != loc:
+    ``template`` (a matched sum of one operand: its reduction, one C++ clone) reading ``value``, of
+    its type; built anew where ``template`` carries more than its groups, channel and device-id
+    flag (a frontend attribute, say, which the chunks do not inherit)."""
+    op = template.operation
+    if len(op.operands) != 1 or len(op.attributes) != 3 or template.location != loc:
         op = hlo.AllReduceOp([value.type], [value], template.attributes["replica_groups"],
                              channel_handle=hlo.ChannelHandle.get(channel, 1), use_global_device_ids=True, loc=loc)
         sum_region(op, loc)
         return op
-    op = template.operation.clone()  # at the insertion point
+    op = op.clone()  # at the insertion point
     op.operands[0] = value
     op.results[0].set_type(value.type)
     op.attributes["channel_handle"] = hlo.ChannelHandle.get(channel, 1)
