@@ -101,8 +101,9 @@ class Group:
     # the twin's and the probe's (locations in walk order, types) before the pass
     twin_before: tuple = ()
     probe_before: tuple = ()
-    # where each of the twin's ops was before the pass, in walk order: (region, block, op) indices from the twin
-    twin_places: list = field(default_factory=list)
+    # where each of the twin's ops was before the pass, in walk order: (region, block, op) indices from the
+    # twin (None until read: a copy's are the twin's, op for op)
+    twin_places: list | None = None
 
     @property
     def twin(self) -> ir.Operation:
@@ -200,7 +201,10 @@ class Plan:
         # (a joiner is rewritten only when replay is off, and then as the twin it repeats)
         self.leading = {_body(m) for g in groups for m in (g.twin, *g.joiners)}
         for g in groups:
-            locations, g.twin_places = _located_places(g.twin)
+            if g.checked:  # (the probe's check reads the places; else a copy gives them if needed)
+                locations, g.twin_places = _located_places(g.twin)
+            else:
+                locations = _locations(g.twin)
             g.twin_before = (locations, _types(g.twin))
             if g.checked:
                 g.probe_before = (_locations(g.probe), _types(g.probe))
@@ -276,13 +280,15 @@ class Plan:
                 for run in _runs(indices):
                     at = indices[run[-1]] + 1 if after else indices[run[0]]
                     inserted.setdefault(at, []).extend(e for entries in made for e in (entries[k] for k in run))
-            name = _outline(g.twin)
+            name = _layer_name(g.twin)
             report.layers[f"@{name}"] = [ir_utils.render_location(region.location, source) for region in called]
             returns = [r.type for r in g.twin.results]  # the function's
-            for region in g.rewritten:  # the regions built in, about to be erased (copies never were)
+            for region in g.rewritten[1:]:  # the probe, built in, about to be erased (copies never were)
                 forget_inside(region)
             for region in called:
-                _call(region, name, returns, g.result_maps.get(_body(region)))
+                if region is not g.twin:
+                    _call(region, name, returns, g.result_maps.get(_body(region)))
+            _outline(g.twin, name)
         if inserted:
             sites = []
             for index, entry in enumerate(report.sites):
@@ -323,10 +329,13 @@ class _Replay:
         self._shared: list[dict] | None = None  # the twin's entries' fields, copied once
         self._templates: list[_Template] | None = None
 
-    def _read(self) -> None:
-        """Read the twin's entries as templates (once)."""
+    def _read(self, copy: ir.Operation | None = None) -> None:
+        """Read the twin's entries as templates (once); ``copy``: a region left for replay (the
+        twin before the pass, op for op), whose places are the twin's."""
         if self._templates is not None:
             return
+        if self.group.twin_places is None:
+            self.group.twin_places = _located_places(copy)[1]
         locations, _ = self.group.twin_before
         source = self.source
         # each rendered location of the twin's ops, and the places it is rendered at
@@ -396,7 +405,8 @@ class _Replay:
             if self._shared is None:
                 self._shared = [marshal.loads(marshal.dumps(vars(entry))) for entry in self._entries]
             return [_entry(dict(data), {}) for data in self._shared]
-        templates = self.templates
+        self._read(region)
+        templates = self._templates
         locations = _locations_at(region, self.places)
         if locations == self.locations:  # located as the twin where the entries read it
             return [template.make_same() for template in templates]
@@ -685,31 +695,45 @@ class _Fingerprint:
         return written.getvalue()
 
 
-def _outline(twin: ir.Operation) -> str:
-    """Move ``twin`` (a top-level region) into a new private function of its operands, named
-    ``LAYER_PREFIX<k>``, which returns its results; ``twin`` itself stays, for the caller to
-    replace by a call."""
+def _layer_name(twin: ir.Operation) -> str:
+    """The name of the function :func:`_outline` moves ``twin`` into: ``LAYER_PREFIX<k>``, the
+    first ``k`` no symbol of the module holds (the same until it is outlined)."""
+    body = twin.parent
+    while body.name != "builtin.module":
+        body = body.parent
+    names = {ir.StringAttr(op.operation.attributes["sym_name"]).value
+             for op in body.regions[0].blocks[0].operations if "sym_name" in op.operation.attributes}
+    index = 0
+    while f"{LAYER_PREFIX}{index}" in names:
+        index += 1
+    return f"{LAYER_PREFIX}{index}"
+
+
+def _outline(twin: ir.Operation, name: str) -> None:
+    """Move ``twin`` (a top-level region) into a new private function ``name`` of its operands
+    (:func:`_layer_name`), which returns its results, and call the function where ``twin`` stood
+    (its results' readers read the call's).  Moved, not copied: the values the pass's builders
+    share per block (:mod:`.rewrites.builders`) stay where they are, valid."""
     body = twin.parent
     while body.name != "builtin.module":
         body = body.parent
     body = body.regions[0].blocks[0]
-    names = {ir.StringAttr(op.operation.attributes["sym_name"]).value
-             for op in body.operations if "sym_name" in op.operation.attributes}
-    index = 0
-    while f"{LAYER_PREFIX}{index}" in names:
-        index += 1
-    name = f"{LAYER_PREFIX}{index}"
     loc = twin.location
+    returns = [r.type for r in twin.results]
     with ir.InsertionPoint(body):
-        f = func.FuncOp(name, ir.FunctionType.get([v.type for v in twin.operands], [r.type for r in twin.results]),
+        f = func.FuncOp(name, ir.FunctionType.get([v.type for v in twin.operands], returns),
                         visibility="private", loc=loc)
         entry = f.add_entry_block()
+    with ir.InsertionPoint(twin):
+        call = func.CallOp(returns, ir.FlatSymbolRefAttr.get(name), list(twin.operands), loc=loc)
+    for old, new in zip(twin.results, call.results):
+        old.replace_all_uses_with(new)
+    twin.detach_from_parent()
+    ir.InsertionPoint(entry).insert(twin)
     with ir.InsertionPoint(entry):
-        copy = twin.clone().operation
-        func.ReturnOp(list(copy.results), loc=loc)
+        func.ReturnOp(list(twin.results), loc=loc)
     for index, argument in enumerate(entry.arguments):  # by position: two operands may be one value
-        copy.operands[index] = argument
-    return name
+        twin.operands[index] = argument
 
 
 def _call(region: ir.Operation, name: str, types: list[ir.Type], result_map: list[int] | None = None) -> None:

@@ -201,10 +201,11 @@ class Builder:
 
     def _table_lookup(self, ring: Ring) -> ir.Value:
         table_type = ir.RankedTensorType.get([ring.num_partitions], index_element_type())
-        table = hlo.ConstantOp(ir.DenseElementsAttr.get(ring.position_table(), type=table_type), loc=self.loc).result
-        pid = hlo.PartitionIdOp(loc=self.loc).result
-        entry = hlo.DynamicSliceOp(table, [pid], [1], loc=self.loc).result
-        return hlo.ReshapeOp(index_scalar_type(), entry, loc=self.loc).result
+        table = self.constant_of(ir.DenseElementsAttr.get(ring.position_table(), type=table_type))
+        pid = self.create("stablehlo.partition_id", [index_scalar_type()], []).result
+        entry = self.create("stablehlo.dynamic_slice", [ir.RankedTensorType.get([1], index_element_type())],
+                            [table, pid], {"slice_sizes": ir.DenseI64ArrayAttr.get([1])}).result
+        return self.create("stablehlo.reshape", [index_scalar_type()], [entry]).result
 
     def convert(self, value: ir.Value, element_type: ir.Type) -> ir.Value:
         t = ir.RankedTensorType(value.type)
