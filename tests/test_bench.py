@@ -666,3 +666,22 @@ def test_the_eleventh_session_paragraph_quotes_its_pass_cost_runs():
     assert (f"went from {share['before'][4]} to {share['after'][4]} at 4 layers and from {share['before'][8]} to "
             f"{share['after'][8]} at 8") in summary
     assert f"measured on a slower machine: {share['after'][4]} and {share['after'][8]}" in doc
+
+
+def test_ab_pass_times_an_earlier_commit_beside_this_checkout(tmp_path):
+    """tools/ab_pass.py: the earlier commit's package, out of git under another name, run
+    alternately with this checkout's on one lowered program; paired ratios; nothing left behind."""
+    import sys
+
+    from tools import ab_pass
+
+    out = tmp_path / "ab.json"
+    path = list(sys.path)
+    assert ab_pass.main(["HEAD", "--layers", "1", "--runs", "3", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["base"] == "HEAD" and results["runs"] == 3
+    (row,) = results["per_layers"]
+    assert row["layers"] == 1 and row["base_median_s"] > 0 and row["head_median_s"] > 0
+    assert row["ratio_q25"] <= row["ratio_median"] <= row["ratio_q75"]
+    assert not any(name.startswith(ab_pass.BASE_PACKAGE) for name in sys.modules)
+    assert sys.path == path
