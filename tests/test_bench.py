@@ -656,6 +656,14 @@ def test_the_eleventh_session_paragraph_quotes_its_pass_cost_runs():
     assert f"({share[4]} and {share[8]} in its stored run" in summary
     assert (f"its pass took {1e3 * sp['after'][8]['jit_pass_s']:.0f} ms cold where the \"before\" run's took "
             f"{1e3 * sp['before'][8]['jit_pass_s']:.0f}") in doc
+    more = [{r["layers"]: r for r in json.loads((bench.ROOT / "bench" / f"results_pass_cost_2026-11-28_after_{i}.json")
+                                            .read_text())["pass_cost_sequence_parallel"]["per_layers"]} for i in (2, 3, 4)]
+    assert all(sorted(run) == [4, 8] for run in more)
+    shares = {layers: [100 * run[layers]["jit_pass_over_lower_compile"] for run in [sp["after"], *more]] for layers in (4, 8)}
+    assert (", ".join(f"{v:.2f}" for v in shares[4][1:]) + " % and " + ", ".join(f"{v:.2f}" for v in shares[8][1:])
+            + " %") in doc
+    assert (f"(4 layers {min(shares[4]):.2f}–{max(shares[4]):.2f} %, 8 layers {min(shares[8]):.2f}–"
+            f"{max(shares[8]):.2f} % in the four)") in doc
     ab = json.loads((bench.ROOT / "bench" / "ab_pass_2026-11-28.json").read_text())
     rows = ab["per_layers"]
     assert ab["base"] == "4991bae" and not ab["dirty"] and ab["runs"] == 30
