@@ -201,13 +201,12 @@ class Plan:
         # (a joiner is rewritten only when replay is off, and then as the twin it repeats)
         self.leading = {_body(m) for g in groups for m in (g.twin, *g.joiners)}
         for g in groups:
-            if g.checked:  # (the probe's check reads the places; else a copy gives them if needed)
+            if g.checked:  # the probe's check reads the twin's places (else a copy gives them, if needed)
                 locations, g.twin_places = _located_places(g.twin)
+                g.probe_before = (_locations(g.probe), _types(g.probe))
             else:
                 locations = _locations(g.twin)
             g.twin_before = (locations, _types(g.twin))
-            if g.checked:
-                g.probe_before = (_locations(g.probe), _types(g.probe))
 
     def top_level(self, op: ir.Operation | ir.OpView) -> ir.Block | None:
         """The body of the top-level region holding ``op`` (None: ``op`` is in none)."""
@@ -695,14 +694,18 @@ class _Fingerprint:
         return written.getvalue()
 
 
+def _module_body(op: ir.Operation) -> ir.Block:
+    """The body of the module holding ``op``."""
+    while op.name != "builtin.module":
+        op = op.parent
+    return op.regions[0].blocks[0]
+
+
 def _layer_name(twin: ir.Operation) -> str:
     """The name of the function :func:`_outline` moves ``twin`` into: ``LAYER_PREFIX<k>``, the
     first ``k`` no symbol of the module holds (the same until it is outlined)."""
-    body = twin.parent
-    while body.name != "builtin.module":
-        body = body.parent
     names = {ir.StringAttr(op.operation.attributes["sym_name"]).value
-             for op in body.regions[0].blocks[0].operations if "sym_name" in op.operation.attributes}
+             for op in _module_body(twin).operations if "sym_name" in op.operation.attributes}
     index = 0
     while f"{LAYER_PREFIX}{index}" in names:
         index += 1
@@ -714,10 +717,7 @@ def _outline(twin: ir.Operation, name: str) -> None:
     (:func:`_layer_name`), which returns its results, and call the function where ``twin`` stood
     (its results' readers read the call's).  Moved, not copied: the values the pass's builders
     share per block (:mod:`.rewrites.builders`) stay where they are, valid."""
-    body = twin.parent
-    while body.name != "builtin.module":
-        body = body.parent
-    body = body.regions[0].blocks[0]
+    body = _module_body(twin)
     loc = twin.location
     returns = [r.type for r in twin.results]
     with ir.InsertionPoint(body):

@@ -106,10 +106,11 @@ class Builder:
     def _cached(self, key: tuple, make: Callable[[], ir.Value]) -> ir.Value:
         block = ir.InsertionPoint.current.block
         key = (block, *key)
-        if key not in self._constants:
+        found = self._constants.get(key)
+        if found is None:
             with ir.InsertionPoint.at_block_begin(block):
-                self._constants[key] = make()
-        return self._constants[key]
+                found = self._constants[key] = make()
+        return found
 
     def create(self, name: str, results: Sequence[ir.Type], operands: Sequence[ir.Value],
                attributes: dict | None = None) -> ir.Operation:
@@ -119,24 +120,20 @@ class Builder:
         return ir.Operation.create(name, results=results, operands=operands, attributes=attributes, loc=self.loc)
 
     def constant_of(self, attr: ir.Attribute) -> ir.Value:
-        return ir.Operation.create("stablehlo.constant", results=[attr.type], attributes={"value": attr},
-                                   loc=self.loc).result
+        return self.create("stablehlo.constant", [attr.type], [], {"value": attr}).result
 
     def constant(self, array: np.ndarray) -> ir.Value:
         return self.constant_of(ir.DenseElementsAttr.get(np.ascontiguousarray(array)))
 
     def index(self, value: int) -> ir.Value:
         """A ui32 index scalar (ring positions, offsets, loop counters: never negative)."""
-        block = ir.InsertionPoint.current.block
-        key = (block, "index", int(value))  # (as _cached keys it: asked for often, so inline)
-        found = self._constants.get(key)
-        if found is None:
+        def make() -> ir.Value:
             attr = ir.DenseElementsAttr.get_splat(
                 index_scalar_type(), ir.IntegerAttr.get(index_element_type(), int(value))
             )
-            with ir.InsertionPoint.at_block_begin(block):
-                found = self._constants[key] = self.constant_of(attr)
-        return found
+            return self.constant_of(attr)
+
+        return self._cached(("index", int(value)), make)
 
     def zeros(self, t: ir.RankedTensorType) -> ir.Value:
         def make() -> ir.Value:
