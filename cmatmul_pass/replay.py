@@ -60,7 +60,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import ir_utils
-from ._jax_private import func, hlo, ir, location_stripper, sdy
+from ._jax_private import hlo, ir, location_stripper, sdy
 from .report import Report, SiteReport
 from .rewrites.builders import forget_inside
 
@@ -668,10 +668,9 @@ class _Fingerprint:
         types = tuple(v.type for v in region.operands)
         held = self._scratch.get(types)
         if held is None:
-            with region.context, ir.Location.unknown():
+            with region.context, ir.Location.unknown() as unknown:
                 module = ir.Module.create()
-                with ir.InsertionPoint(module.body):
-                    entry = func.FuncOp("region", ir.FunctionType.get(list(types), [])).add_entry_block()
+                _, entry = ir_utils.private_function(module.body, "region", list(types), [], unknown)
             held = self._scratch[types] = module, entry  # (the module owns the block: kept with it)
         return held
 
@@ -720,18 +719,15 @@ def _outline(twin: ir.Operation, name: str) -> None:
     body = _module_body(twin)
     loc = twin.location
     returns = [r.type for r in twin.results]
-    with ir.InsertionPoint(body):
-        f = func.FuncOp(name, ir.FunctionType.get([v.type for v in twin.operands], returns),
-                        visibility="private", loc=loc)
-        entry = f.add_entry_block()
+    _, entry = ir_utils.private_function(body, name, [v.type for v in twin.operands], returns, loc)
     with ir.InsertionPoint(twin):
-        call = func.CallOp(returns, ir.FlatSymbolRefAttr.get(name), list(twin.operands), loc=loc)
+        call = ir_utils.call(name, list(twin.operands), returns, loc)
     for old, new in zip(twin.results, call.results):
         old.replace_all_uses_with(new)
     twin.detach_from_parent()
     ir.InsertionPoint(entry).insert(twin)
     with ir.InsertionPoint(entry):
-        func.ReturnOp(list(twin.results), loc=loc)
+        ir_utils.function_return(list(twin.results), loc)
     for index, argument in enumerate(entry.arguments):  # by position: two operands may be one value
         twin.operands[index] = argument
 
@@ -741,7 +737,7 @@ def _call(region: ir.Operation, name: str, types: list[ir.Type], result_map: lis
     location; ``result_map`` (a joiner's): the call's result standing for each of ``region``'s
     (else the call's results are its own, in order)."""
     with ir.InsertionPoint(region):
-        call = func.CallOp(types, ir.FlatSymbolRefAttr.get(name), list(region.operands), loc=region.location)
+        call = ir_utils.call(name, list(region.operands), types, region.location)
     new = list(call.results)
     for index, old in enumerate(region.results):
         old.replace_all_uses_with(new[result_map[index] if result_map else index])

@@ -34,16 +34,24 @@ need their own scheduling groups.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import ir_utils
-from ._jax_private import func, ir
+from ._jax_private import ir
 from .layout import is_layout_op, path_sources
+from .errors import InternalError
 from .matchers import FULLY_MANUAL, AllGatherSite, ReduceScatterSite, Site
+from .matchers.common import ManualRegion
+from .ring import Ring
 from .rewrites.schedule import Applied
 
 FUNCTION_PREFIX = "cmatmul_ring_"
+#: match each site's copy in its ring function too, and fail (InternalError) where it is not the
+#: site :func:`mapped` gives (the test suite and fuzz campaigns set it; ``CMATMUL_PASS_CHECK_SHARING=1``)
+CHECK = os.environ.get("CMATMUL_PASS_CHECK_SHARING", "") not in ("", "0")
 
 
 @dataclass(eq=False)
@@ -121,22 +129,21 @@ class RingLibrary:
     def _outline(self, site, pattern: Pattern, match, rewrite) -> SharedRing | str:
         name = self._fresh_name()
         loc = pattern.anchor.location
-        with ir.InsertionPoint(self.module.body):
-            f = func.FuncOp(
-                name,
-                ir.FunctionType.get([v.type for v in pattern.inputs], [v.type for v in pattern.outputs]),
-                visibility="private",
-                loc=loc,
-            )
-            entry = f.add_entry_block()
+        f, entry = ir_utils.private_function(self.module.body, name, [v.type for v in pattern.inputs],
+                                             [v.type for v in pattern.outputs], loc)
         mapping = dict(zip(pattern.inputs, entry.arguments))
         with ir.InsertionPoint(entry):
             clones = dict(zip(pattern.ops, ir_utils.clone_mapped(pattern.ops, mapping)))
-            func.ReturnOp([mapping[v] for v in pattern.outputs], loc=loc)
-        inner = match(clones[pattern.anchor.operation].opview)
-        if _shape(inner) != _shape(site):  # defensive: the function must hold the same site
-            f.operation.erase()
-            return _UNSHAREABLE
+            returned = ir_utils.function_return([mapping[v] for v in pattern.outputs], loc)
+        inner = mapped(site, clones, mapping, returned)
+        if inner is None:  # the ordinary matcher finds the copy's site
+            inner = match(clones[pattern.anchor.operation].opview)
+            if _shape(inner) != _shape(site):  # defensive: the function must hold the same site
+                f.erase()
+                return _UNSHAREABLE
+        elif CHECK and canonical(inner) != canonical(match(clones[pattern.anchor.operation].opview)):
+            raise InternalError(f"the {site.kind} site at {loc} mapped into @{name} is not the site matching its "
+                                "copy there finds (sharing.CHECK)")
         return SharedRing(name, rewrite(inner))
 
     def _fresh_name(self) -> str:
@@ -154,6 +161,126 @@ class RingLibrary:
         return name
 
 
+class _Outside(Exception):
+    """A site's field refers to an op or value its pattern's copy does not hold."""
+
+
+#: classes of a site's fields that hold no op or value (kept as they are)
+_PLAIN = (int, float, str, bool, type(None), Ring, ManualRegion)
+
+
+def mapped(site: AllGatherSite | ReduceScatterSite, ops: dict, values: dict, returned: ir.Operation) -> Site | None:
+    """``site`` as it reads among its pattern's copies in a ring function: each op and value
+    it refers to replaced by its copy (``ops``: each pattern op's clone; ``values``: each value
+    the pattern reads or computes -> the function's; ``returned``: the function's return);
+    None where it refers to anything else (ops moved after a scatter's ring, or an op the
+    pattern does not hold where the function holds none in its place: the ordinary matcher
+    then finds the copy's site).  The readers of a gathered value outside the pattern are the
+    function's return there, and the ops hoisted before the ring its arguments.  Objects shared between fields (a layout step
+    on the paths of several dots) stay shared.  This is what matching the copy finds, without
+    matching it again: the copy holds the same ops, and each value read outside the pattern is
+    read there by the function's return, as it was by readers the site did not count."""
+    if getattr(site, "moved", ()) or any(op in ops for op in getattr(site, "hoist", ())):
+        return None
+    memo: dict[int, object] = {}
+    kept = getattr(site, "kept_users", ())
+    if kept:
+        if any(user.operation in ops for user in kept):
+            return None
+        # read outside the pattern: in the function, by its return (which reads each output once)
+        memo[id(kept)] = (kept, (returned.opview,))
+    hoisted = getattr(site, "hoist", ())
+    if hoisted:  # computed before the call: the function's arguments
+        memo[id(hoisted)] = (hoisted, ())
+    try:
+        return _map(site, ops, values, memo)
+    except _Outside:
+        return None
+
+
+def _map(obj, ops: dict, values: dict, memo: dict):
+    kind = _KINDS.get(type(obj))
+    if kind is None:
+        kind = _KINDS[type(obj)] = _kind(type(obj))
+    if kind is _PLAIN_KIND:
+        return obj
+    if kind is _VALUE:
+        found = values.get(obj)
+    elif kind is _OPVIEW:
+        found = ops.get(obj.operation)
+        found = found.opview if found is not None else None
+    elif kind is _OPERATION:
+        found = ops.get(obj)
+    elif kind is _OTHER:
+        raise _Outside
+    else:
+        held = memo.get(id(obj))
+        if held is not None:
+            return held[1]
+        if kind is _SEQUENCE:
+            found = type(obj)([_map(item, ops, values, memo) for item in obj])
+        else:  # a dataclass holding its fields (``kind``: their names) in its __dict__, and nothing else
+            state = obj.__dict__
+            if state.keys() != kind:
+                raise _Outside
+            found = object.__new__(type(obj))
+            found.__dict__.update({name: _map(value, ops, values, memo) for name, value in state.items()})
+        memo[id(obj)] = (obj, found)  # (the original kept alive: its id is not reused)
+    if found is None:
+        raise _Outside
+    return found
+
+
+_PLAIN_KIND, _VALUE, _OPVIEW, _OPERATION, _SEQUENCE, _OTHER = "plain", "value", "opview", "operation", "sequence", "other"
+#: how :func:`_map` treats objects of a class: one of the kinds above, or a dataclass's field names
+_KINDS: dict[type, object] = {}
+
+
+def _kind(cls: type):
+    if issubclass(cls, _PLAIN):
+        return _PLAIN_KIND
+    if issubclass(cls, ir.Value):
+        return _VALUE
+    if issubclass(cls, ir.OpView):
+        return _OPVIEW
+    if issubclass(cls, ir.Operation):
+        return _OPERATION
+    if cls in (tuple, list):
+        return _SEQUENCE
+    if dataclasses.is_dataclass(cls) and "__slots__" not in vars(cls):
+        return frozenset(f.name for f in dataclasses.fields(cls))
+    return _OTHER
+
+
+def canonical(obj, order: dict | None = None, seen: dict | None = None):
+    """``obj`` (a site) with its ops and values as their places in the function holding them,
+    and objects it holds several times numbered: equal for two sites of one function exactly
+    when they are the same site (:data:`CHECK`)."""
+    if order is None:
+        anchor = obj.anchor.operation
+        order, seen = {}, {}
+        for index, op in enumerate(anchor.block.operations):
+            order[op.operation] = index
+    if isinstance(obj, _PLAIN):
+        return obj
+    if isinstance(obj, ir.OpView):
+        obj = obj.operation
+    if isinstance(obj, ir.Operation):
+        return ("op", order.get(obj), obj.name)
+    if isinstance(obj, ir.Value):
+        owner = obj.owner
+        if isinstance(owner, ir.Block):
+            return ("arg", ir.BlockArgument(obj).arg_number)
+        return ("result", order.get(owner.operation), ir.OpResult(obj).result_number)
+    if id(obj) in seen:
+        return ("again", seen[id(obj)])
+    if type(obj) not in (tuple, list):
+        seen[id(obj)] = len(seen)
+    if type(obj) in (tuple, list):
+        return tuple(canonical(item, order, seen) for item in obj)
+    return (type(obj).__name__, *(canonical(getattr(obj, f.name), order, seen) for f in dataclasses.fields(obj)))
+
+
 def _shape(site: Site) -> tuple:
     """What must agree between a site and its copy in a ring function."""
     if isinstance(site, AllGatherSite):
@@ -167,10 +294,7 @@ def _shape(site: Site) -> tuple:
 
 def _replace_by_call(pattern: Pattern, name: str) -> None:
     with ir.InsertionPoint(pattern.insert_before):
-        call = func.CallOp(
-            [v.type for v in pattern.outputs], ir.FlatSymbolRefAttr.get(name), pattern.inputs,
-            loc=pattern.anchor.location,
-        )
+        call = ir_utils.call(name, pattern.inputs, [v.type for v in pattern.outputs], pattern.anchor.location)
     for old, new in zip(pattern.outputs, call.results):
         old.replace_all_uses_with(new)
     for op in reversed(pattern.ops):

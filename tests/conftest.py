@@ -1,4 +1,4 @@
-"""8 virtual CPU devices for every test: must be set before jax is imported."""
+"""8 virtual CPU devices for every test: must be set before jax is imported; and sharing.CHECK on."""
 
 import os
 import sys
@@ -7,6 +7,8 @@ from pathlib import Path
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+# every site mapped into a ring function is checked against matching its copy there (sharing.CHECK)
+os.environ.setdefault("CMATMUL_PASS_CHECK_SHARING", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # tools/ helpers (golden blocks, sample metadata)

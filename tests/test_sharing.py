@@ -285,3 +285,56 @@ def test_legacy_partitioner_modules_keep_every_ring_inline():
     assert not any(s.shared_ring for s in result.report.sites) and not ring_functions(result.module)
     outcome = execute.check_numerics(ir_utils.parse(text), result.module)
     assert outcome.ok, outcome.format()
+
+
+def test_a_ring_function_builds_on_the_site_mapped_into_it(monkeypatch):
+    """The site in a ring function is the matched site with its ops and values read as their
+    copies there (sharing.mapped), not a second match: with the check off, no collective is
+    matched again in a ring function; with it on (the suite's default), each mapped site is what
+    matching the copy finds (the forward's gathers, whose values the region also returns, and the
+    backward's, whose weights' casts were hoisted, included)."""
+    from cmatmul_pass import pipeline, sharing
+
+    fn, args = bench.transformer_step(2)
+    text = fn.lower(*args).as_text()
+    matched = []
+
+    def counting(match):
+        def run(op, *rest, **options):
+            matched.append(op.operation.name)
+            return match(op, *rest, **options)
+        return run
+
+    for name in ("match_all_gather", "match_reduce_scatter"):
+        monkeypatch.setattr(pipeline, name, counting(getattr(pipeline, name)))
+    checked = cmatmul_pass.rewrite(text)
+    assert sharing.CHECK
+    with_check = len(matched)
+    matched.clear()
+    monkeypatch.setattr(sharing, "CHECK", False)
+    result = cmatmul_pass.rewrite(text)
+    functions = ring_functions(result.module)
+    assert len(functions) == 7  # the gathers' and scatters' patterns of the forward and the backward
+    assert with_check - len(matched) == len(functions)  # the check's matches: one per function
+    assert ir_utils.print_module(result.module) == ir_utils.print_module(checked.module)
+    assert [vars(s) for s in result.report.sites] == [vars(s) for s in checked.report.sites]
+
+
+def test_a_site_mapped_wrongly_into_its_ring_function_fails_the_check(monkeypatch):
+    """sharing.CHECK compares the mapped site with the copy's match, field by field: a site that
+    maps to another dim (a mapping bug) is an internal error, not a wrong ring."""
+    import dataclasses
+
+    from cmatmul_pass import sharing
+    from cmatmul_pass.errors import InternalError
+
+    mapped = sharing.mapped
+
+    def wrong(site, *args):
+        site = mapped(site, *args)
+        return dataclasses.replace(site, scatter_dim=1 - site.scatter_dim) if site.kind == "dot_reduce_scatter" else site
+
+    monkeypatch.setattr(sharing, "mapped", wrong)
+    monkeypatch.setattr(replay, "MIN_MEMBERS", 10**9)
+    with pytest.raises(InternalError, match="sharing.CHECK"):
+        cmatmul_pass.rewrite(sample("sp_mlp_layers").read_text())

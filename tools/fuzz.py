@@ -10,6 +10,8 @@ every failing program; exits 1 if any run mismatched or crashed.
 
 ``--check-replay`` (``replay.CHECK``): each group of identical regions is rewritten in its last
 region too, which must come out as its first; a program where one does not fails the campaign.
+Every campaign checks each site mapped into a ring function against matching its copy there
+(``sharing.CHECK``).
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="rewrite each group of identical regions' last region too and fail where it comes out "
                              "unlike the first (replay.CHECK)")
     args = parser.parse_args(argv)
+    from cmatmul_pass import sharing
+
+    sharing.CHECK = True
     if args.check_replay:
         from cmatmul_pass import replay
 
