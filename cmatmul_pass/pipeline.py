@@ -816,14 +816,15 @@ def _all_reduce(site, ctx: RewriteContext, source: str, options: Options, hw: co
     counts = [k for k in ([options.chunks] if options.chunks else cost.CHUNK_COUNTS) if chunk_dims_ok(site, k)]
     key = ("all_reduce", shape, variant, tuple(counts))  # layers repeat their shapes: predict once per shape
     if key not in predictions:
-        predictions[key] = cost.predict_all_reduce(shape, hw, variant, counts)
-    prediction = predictions[key]
+        made = cost.predict_all_reduce(shape, hw, variant, counts)
+        predictions[key] = made, made.to_dict()  # (the dict: shared by the entries, which are read, not edited)
+    prediction, described = predictions[key]
     picked = _all_reduce_pick(options, hw)
     tie = picked == "model" and prediction.tied  # the model's tie (cost.TIE): split where its gather goes on
     onward = tie and reaches_a_dot_row_wise(site.all_reduce)
     strategy, chunks, declined = _all_reduce_strategy(options, shape, prediction, picked, onward)
     entry.all_reduce = {"strategy": strategy, "dim": site.dim, "chunks": chunks, "gathers": [],
-                        "picked": picked, "prediction": prediction.to_dict()}
+                        "picked": picked, "prediction": described}
     if tie:
         entry.all_reduce["tie_to_split"] = onward
     if declined:

@@ -89,7 +89,9 @@ class Builder:
     use in it whichever site asks first; builders made with :meth:`at`, and all the
     builders of one pass run when they are given the same ``constants`` dict, share
     them.  The pass only caches values in blocks it inserts into, and never erases
-    those (it erases reduce_scatter regions, which it never inserts into).
+    those (it erases reduce_scatter regions, which it never inserts into).  The same dict
+    holds the result types and attributes its slices and permutes repeat (uniqued in the
+    context: one run's).
     """
 
     def __init__(self, loc: ir.Location, _constants: dict | None = None, _site: dict | None = None):
@@ -177,7 +179,7 @@ class Builder:
         lowers to; the position is the same along those axes (checked by the matcher),
         so the nested computation returns it replicated.
         """
-        return self._cached(("position", ring.position_table().tobytes(), region), lambda: self._position(ring, region))
+        return self._cached(("position", ring, region), lambda: self._position(ring, region))
 
     def _position(self, ring: Ring, region: ManualRegion) -> ir.Value:
         if not region.free_axes:
@@ -211,8 +213,11 @@ class Builder:
         return hlo.ConvertOp(ir.RankedTensorType.get(t.shape, element_type), value, loc=self.loc).result
 
     def collective_permute(self, value: ir.Value, pairs: np.ndarray, channel: int) -> ir.Value:
-        attributes = {"source_target_pairs": ir.DenseIntElementsAttr.get(pairs.astype(np.int64)),
-                      "channel_handle": hlo.ChannelHandle.get(channel, 1)}
+        key = ("pairs", pairs.shape, pairs.tobytes())  # (a ring's permutes repeat their pairs)
+        held = self._constants.get(key)
+        if held is None:
+            held = self._constants[key] = ir.DenseIntElementsAttr.get(pairs.astype(np.int64))
+        attributes = {"source_target_pairs": held, "channel_handle": hlo.ChannelHandle.get(channel, 1)}
         return self.create("stablehlo.collective_permute", [value.type], [value], attributes).result
 
     def dynamic_update_slice(self, into: ir.Value, update: ir.Value, dim: int, offset: ir.Value) -> ir.Value:
@@ -222,23 +227,34 @@ class Builder:
         return self.create("stablehlo.dynamic_update_slice", [into.type], [into, update, *starts]).result
 
     def dynamic_slice(self, value: ir.Value, dim: int, offset: ir.Value, size: int) -> ir.Value:
-        t = ir.RankedTensorType(value.type)
-        zero = self.index(0) if t.rank > 1 else None
-        starts = [offset if d == dim else zero for d in range(t.rank)]
-        sizes = [size if d == dim else s for d, s in enumerate(t.shape)]
-        return self.create("stablehlo.dynamic_slice", [ir.RankedTensorType.get(sizes, t.element_type)],
-                           [value, *starts], {"slice_sizes": ir.DenseI64ArrayAttr.get(sizes)}).result
+        key = ("dynamic_slice", value.type, dim, size)  # (result type, attributes): the rounds repeat them
+        held = self._constants.get(key)
+        if held is None:
+            t = ir.RankedTensorType(value.type)
+            sizes = [size if d == dim else s for d, s in enumerate(t.shape)]
+            held = self._constants[key] = (ir.RankedTensorType.get(sizes, t.element_type),
+                                           {"slice_sizes": ir.DenseI64ArrayAttr.get(sizes)}, t.rank)
+        result, attributes, rank = held
+        zero = self.index(0) if rank > 1 else None
+        starts = [offset if d == dim else zero for d in range(rank)]
+        return self.create("stablehlo.dynamic_slice", [result], [value, *starts], attributes).result
 
     def slice(self, value: ir.Value, dim: int, start: int, size: int) -> ir.Value:
         """Elements ``[start, start + size)`` of ``value`` along ``dim`` (static)."""
-        t = ir.RankedTensorType(value.type)
-        shape = t.shape
-        starts = [start if d == dim else 0 for d in range(len(shape))]
-        limits = [start + size if d == dim else s for d, s in enumerate(shape)]
-        sizes = [size if d == dim else s for d, s in enumerate(shape)]
-        attributes = {"start_indices": ir.DenseI64ArrayAttr.get(starts), "limit_indices": ir.DenseI64ArrayAttr.get(limits),
-                      "strides": ir.DenseI64ArrayAttr.get([1] * len(shape))}
-        return self.create("stablehlo.slice", [ir.RankedTensorType.get(sizes, t.element_type)], [value], attributes).result
+        key = ("slice", value.type, dim, start, size)  # (result type, attributes): chunks and sites repeat them
+        held = self._constants.get(key)
+        if held is None:
+            t = ir.RankedTensorType(value.type)
+            shape = t.shape
+            starts = [start if d == dim else 0 for d in range(len(shape))]
+            limits = [start + size if d == dim else s for d, s in enumerate(shape)]
+            sizes = [size if d == dim else s for d, s in enumerate(shape)]
+            held = self._constants[key] = (
+                ir.RankedTensorType.get(sizes, t.element_type),
+                {"start_indices": ir.DenseI64ArrayAttr.get(starts), "limit_indices": ir.DenseI64ArrayAttr.get(limits),
+                 "strides": ir.DenseI64ArrayAttr.get([1] * len(shape))})
+        result, attributes = held
+        return self.create("stablehlo.slice", [result], [value], attributes).result
 
     def concatenate(self, values: Sequence[ir.Value], dim: int) -> ir.Value:
         if len(values) == 1:
