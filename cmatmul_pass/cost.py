@@ -675,18 +675,27 @@ class _Layout:
 
     def rounds(self, hw: Hardware):
         """Per round: (start, transfer, compute, end), each round starting where the last ended."""
-        hidden, lo, hi, per_trip = self.hidden, self.lo, self.hi, self.per_trip
-        now = 0.0
-        for r, rnd in enumerate(self.plan):
-            transfer = max(rnd.transfers) / hw.bandwidth if rnd.transfers else 0.0
-            compute = rnd.compute * self.t_c
-            length = hidden * max(compute, transfer) + (1 - hidden) * (compute + transfer)
-            overhead = hw.step if rnd.transfers else 0.0
-            if lo <= r < hi and (r - lo) % per_trip == per_trip - 1:  # the last round of a loop trip
-                overhead += self.trip
-            end = now + length + overhead
-            yield now, transfer, compute, end
-            now = end
+        return _timed(_round_costs(self.plan, self.t_c, hw), self.hidden, self.lo, self.hi, self.per_trip, self.trip)
+
+
+def _round_costs(plan: list[Round], t_c: float, hw: Hardware) -> list[tuple[float, float, float]]:
+    """Per round of ``plan``: its transfer's seconds, its dots' (``t_c``: all rounds' dots) and
+    its synchronisation's."""
+    return [(max(rnd.transfers) / hw.bandwidth if rnd.transfers else 0.0, rnd.compute * t_c,
+             hw.step if rnd.transfers else 0.0) for rnd in plan]
+
+
+def _timed(costs: list[tuple[float, float, float]], hidden: float, lo: int, hi: int, per_trip: int, trip: float):
+    """:meth:`_Layout.rounds` of rounds costing ``costs`` (:func:`_round_costs`)."""
+    now = 0.0
+    for r, (transfer, compute, step) in enumerate(costs):
+        length = hidden * max(compute, transfer) + (1 - hidden) * (compute + transfer)
+        overhead = step
+        if lo <= r < hi and (r - lo) % per_trip == per_trip - 1:  # the last round of a loop trip
+            overhead += trip
+        end = now + length + overhead
+        yield now, transfer, compute, end
+        now = end
 
 
 @dataclass
@@ -752,16 +761,22 @@ def predict(shape: SiteShape, hw: Hardware, bidirectional: bool = False, unroll:
     serial = t_c + t_m + hw.step
     prediction = Prediction(hw.name, t_c, t_m, serial, variant=variant_name(bidirectional, unroll),
                             throughput=rate, throughput_assumed=not hw.knows(shape.dtype))
-    plans: dict[bool, tuple[list[Round], float]] = {}  # one way, both ways: the rounds and their dots' efficiency
+    # one way, both ways: the rounds, their dots' efficiency, each round's costs and signatures
+    plans: dict[bool, tuple] = {}
     trip = hw.trip(shape.kind, shape.flops / shape.ring)
     for name, (bidi, unr) in VARIANTS.items():
         if bidi not in plans:
-            plans[bidi] = rounds(shape, bidi), split_efficiency(shape, hw, bidi)
-        plan, efficiency = plans[bidi]
+            plan, efficiency = rounds(shape, bidi), split_efficiency(shape, hw, bidi)
+            t_c = shape.flops / hw.throughput(shape.dtype) / efficiency  # as _Layout.of
+            plans[bidi] = plan, efficiency, _round_costs(plan, t_c, hw), [rnd.signature for rnd in plan]
+        plan, efficiency, costs, signatures = plans[bidi]
         hidden = prediction.overlap[name] = hw.hidden(_variant_of(plan, unr))  # as emitted_variant
-        prediction.overlapped_s[name] = overlapped_time(shape, hw, bidi, unr, plan=plan, efficiency=efficiency,
-                                                        trip=trip, hidden=hidden)
-        prediction.speedup[name] = serial / prediction.overlapped_s[name]
+        lo, hi = loop_run(signatures, unr)
+        end = 0.0
+        for _, _, _, end in _timed(costs, hidden, lo, hi, unr or 1, trip):  # as overlapped_time
+            pass
+        prediction.overlapped_s[name] = end
+        prediction.speedup[name] = serial / end
         prediction.split_efficiency[name] = efficiency
     return prediction
 
