@@ -325,7 +325,7 @@ class _Replay:
         self.twin = group.twin
         self.source = source
         self._entries = entries
-        self._shared: list[dict] | None = None  # the twin's entries' fields, copied once
+        self._shared: list[dict] | None = None  # the twin's entries' fields (their lists and dicts shared)
         self._templates: list[_Template] | None = None
 
     def _read(self, copy: ir.Operation | None = None) -> None:
@@ -401,8 +401,8 @@ class _Replay:
         twin did before the pass), so a place leads to the same op in both."""
         if self._templates is None and _locations(region) == self.group.twin_before[0]:
             # located as the twin at every op (layers written as a Python loop over one block)
-            if self._shared is None:
-                self._shared = [marshal.loads(marshal.dumps(vars(entry))) for entry in self._entries]
+            if self._shared is None:  # the twin's fields as they are: its entries are done, and read from here on
+                self._shared = [vars(entry) for entry in self._entries]
             return [_entry(dict(data), {}) for data in self._shared]
         self._read(region)
         templates = self._templates
