@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -21,6 +21,8 @@ from .errors import Decline
 class Ring:
     groups: tuple[tuple[int, ...], ...]
     num_partitions: int
+    #: shift_pairs by shift (not part of the ring's identity)
+    _pairs: dict = field(default_factory=dict, init=False, compare=False, hash=False, repr=False)
 
     @property
     def size(self) -> int:
@@ -35,14 +37,19 @@ class Ring:
         return table
 
     def shift_pairs(self, shift: int) -> np.ndarray:
-        """Source→target pairs sending position ``k`` to position ``k + shift`` in every group."""
-        n = self.size
-        pairs = [
-            (group[k], group[(k + shift) % n])
-            for group in self.groups
-            for k in range(n)
-        ]
-        return np.array(pairs, dtype=np.int64).reshape(-1, 2)
+        """Source→target pairs sending position ``k`` to position ``k + shift`` in every group
+        (read-only: a ring's permutes ask for the same few, so each is made once)."""
+        made = self._pairs.get(shift)
+        if made is None:
+            n = self.size
+            pairs = [
+                (group[k], group[(k + shift) % n])
+                for group in self.groups
+                for k in range(n)
+            ]
+            made = self._pairs[shift] = np.array(pairs, dtype=np.int64).reshape(-1, 2)
+            made.setflags(write=False)
+        return made
 
 
 def ring_from_replica_groups(groups: np.ndarray, num_partitions: int) -> Ring:

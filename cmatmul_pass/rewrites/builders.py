@@ -141,7 +141,7 @@ class Builder:
         def make() -> ir.Value:
             return self.constant_of(zeros_attr(t))
 
-        return self._cached(("zeros", str(t)), make)
+        return self._cached(("zeros", t), make)
 
     def add(self, a: ir.Value, b: ir.Value) -> ir.Value:
         return self.create("stablehlo.add", [a.type], [a, b]).result
