@@ -691,3 +691,48 @@ def test_ab_pass_times_an_earlier_commit_beside_this_checkout(tmp_path):
     assert row["ratio_q25"] <= row["ratio_median"] <= row["ratio_q75"]
     assert not any(name.startswith(ab_pass.BASE_PACKAGE) for name in sys.modules)
     assert sys.path == path
+
+
+def test_the_twelfth_session_paragraph_quotes_its_runs():
+    """docs/performance.md's twelfth-session paragraph: its table is the stored `--only-pass-cost`
+    run's, its further runs and ratios the stored ones', its shares the stored profile's; the summary
+    quotes the ratios and the ranges."""
+    doc = " ".join((bench.ROOT / "docs" / "performance.md").read_text().split())
+    summary = " ".join((bench.ROOT / "docs" / "performance-summary.md").read_text().split())
+    section = doc[doc.index("**2026-11-28, twelfth session"):doc.index("**2026-11-27, fifth session")]
+    stored = json.loads((bench.ROOT / "bench" / "results_pass_cost_2026-11-28_twelfth.json").read_text())
+    for model, name in (("sequence_parallel", "sequence-parallel step"), ("megatron", "Megatron step")):
+        rows = stored[f"pass_cost_{model}"]["per_layers"]
+        assert [r["layers"] for r in rows] == [1, 4, 8, 16, 32]
+        cells = " | ".join(f"{100 * r['jit_pass_over_lower_compile']:.2f} %" for r in rows)
+        assert f"| {name} | {cells} |" in section, model
+    first = {r["layers"]: r for r in stored["pass_cost_sequence_parallel"]["per_layers"]}
+    more = [{r["layers"]: r for r in json.loads((bench.ROOT / "bench" / f"results_pass_cost_2026-11-28_twelfth_{i}.json")
+                                            .read_text())["pass_cost_sequence_parallel"]["per_layers"]} for i in (2, 3)]
+    assert all(sorted(run) == [4, 8] for run in more)
+    assert f"compiled the 4-layer step in {first[4]['compile_s']:.2f} s, against " \
+           f"{more[1][4]['compile_s']:.2f} and {more[0][4]['compile_s']:.2f} s" in section
+    shares = {layers: [100 * run[layers]["jit_pass_over_lower_compile"] for run in [first, *more]] for layers in (4, 8)}
+    assert (", ".join(f"{v:.2f}" for v in shares[4][1:]) + " % and " + ", ".join(f"{v:.2f}" for v in shares[8][1:])
+            + " %") in section
+    ranges = (f"{min(shares[4]):.2f}–{max(shares[4]):.2f} %", f"{min(shares[8]):.2f}–{max(shares[8]):.2f} %")
+    assert f"at 4 layers {ranges[0]} and at 8 layers {ranges[1]} in the three" in section
+    assert f"({ranges[0]} and {ranges[1]} in three runs)" in summary
+    ab = json.loads((bench.ROOT / "bench" / "ab_pass_2026-11-28_twelfth.json").read_text())
+    rows = ab["per_layers"]
+    assert ab["base"] == "cdc2f6c" and not ab["dirty"] and ab["runs"] == 60
+    ratios = [f"{r['ratio_median']:.3f}" for r in rows]
+    assert (f"the pass takes {', '.join(ratios[:-1])} and {ratios[-1]} of its time at "
+            f"{', '.join(str(r['layers']) for r in rows[:-1])} and {rows[-1]['layers']} layers") in section
+    by_layers = {r["layers"]: f"{r['ratio_median']:.3f}" for r in rows}
+    assert f"to {by_layers[4]} and {by_layers[8]} of that" in summary
+    profile = (bench.ROOT / "bench" / "profile_sequence_parallel_L4_pyspy.txt").read_text().splitlines()
+    measured = {line.split("%", 1)[1].strip(): line.split("%")[0].strip() for line in profile if not line.startswith("#")}
+    for words, key in (("rings", "building the 8 ring functions' rings"), ("the 14 psums", "the 14 psums"),
+                       ("matching", "matching them"), ("chunking", "chunking them"),
+                       ("identical regions", "grouping the identical regions and replaying them"),
+                       ("matching the gathers and scatters", "matching the gathers and scatters"),
+                       ("their keys", "their pattern keys"), ("predictions", "their shapes and predictions"),
+                       ("verification", "verification")):
+        found = next(v for k, v in measured.items() if k.startswith(key))
+        assert f"{words} {found} %" in section, words
