@@ -664,14 +664,20 @@ def test_the_eleventh_session_paragraph_quotes_its_pass_cost_runs():
             + " %") in doc
     assert (f"(4 layers {min(shares[4]):.2f}–{max(shares[4]):.2f} %, 8 layers {min(shares[8]):.2f}–"
             f"{max(shares[8]):.2f} % in the four)") in doc
-    ab = json.loads((bench.ROOT / "bench" / "ab_pass_2026-11-28.json").read_text())
+    by_layers = _ab_ratios_quoted("ab_pass_2026-11-28.json", "4991bae", 30, doc)
+    assert f"to {by_layers[4]} and {by_layers[8]} of its time at 4 and 8 layers" in summary
+
+
+def _ab_ratios_quoted(name: str, base: str, runs: int, text: str) -> dict[int, str]:
+    """The stored `tools/ab_pass.py` run ``name`` (against ``base``, ``runs`` pairs, a clean tree):
+    its median ratios as ``text`` quotes them; returns them by layers."""
+    ab = json.loads((bench.ROOT / "bench" / name).read_text())
     rows = ab["per_layers"]
-    assert ab["base"] == "4991bae" and not ab["dirty"] and ab["runs"] == 30
+    assert ab["base"] == base and not ab["dirty"] and ab["runs"] == runs
     ratios = [f"{r['ratio_median']:.3f}" for r in rows]
     assert (f"the pass takes {', '.join(ratios[:-1])} and {ratios[-1]} of its time at "
-            f"{', '.join(str(r['layers']) for r in rows[:-1])} and {rows[-1]['layers']} layers") in doc
-    by_layers = {r["layers"]: f"{r['ratio_median']:.3f}" for r in rows}
-    assert f"to {by_layers[4]} and {by_layers[8]} of its time at 4 and 8 layers" in summary
+            f"{', '.join(str(r['layers']) for r in rows[:-1])} and {rows[-1]['layers']} layers") in text
+    return {r["layers"]: f"{r['ratio_median']:.3f}" for r in rows}
 
 
 def test_ab_pass_times_an_earlier_commit_beside_this_checkout(tmp_path):
@@ -718,13 +724,7 @@ def test_the_twelfth_session_paragraph_quotes_its_runs():
     ranges = (f"{min(shares[4]):.2f}–{max(shares[4]):.2f} %", f"{min(shares[8]):.2f}–{max(shares[8]):.2f} %")
     assert f"at 4 layers {ranges[0]} and at 8 layers {ranges[1]} in the three" in section
     assert f"({ranges[0]} and {ranges[1]} in three runs)" in summary
-    ab = json.loads((bench.ROOT / "bench" / "ab_pass_2026-11-28_twelfth.json").read_text())
-    rows = ab["per_layers"]
-    assert ab["base"] == "cdc2f6c" and not ab["dirty"] and ab["runs"] == 60
-    ratios = [f"{r['ratio_median']:.3f}" for r in rows]
-    assert (f"the pass takes {', '.join(ratios[:-1])} and {ratios[-1]} of its time at "
-            f"{', '.join(str(r['layers']) for r in rows[:-1])} and {rows[-1]['layers']} layers") in section
-    by_layers = {r["layers"]: f"{r['ratio_median']:.3f}" for r in rows}
+    by_layers = _ab_ratios_quoted("ab_pass_2026-11-28_twelfth.json", "cdc2f6c", 60, section)
     assert f"to {by_layers[4]} and {by_layers[8]} of that" in summary
     profile = (bench.ROOT / "bench" / "profile_sequence_parallel_L4_pyspy.txt").read_text().splitlines()
     measured = {line.split("%", 1)[1].strip(): line.split("%")[0].strip() for line in profile if not line.startswith("#")}
