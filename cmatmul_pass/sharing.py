@@ -16,11 +16,15 @@ regions, :mod:`cmatmul_pass.replay`), the first site of a pattern there calls th
 too: the ring is built once, in the function, instead of once inline and once again there.
 
 The function is made the plain way: the site's ops are cloned into it (their operands
-become its arguments, the results read outside its results), and the ordinary matcher
-and rewrite run there.  Sharing is therefore exactly as safe as the pattern's key is
-complete: ops, attributes, operand and result types (Attribute and Type objects are
-uniqued by MLIR, so equal means identical), the wiring, nested regions, and which
-results leave the pattern.
+become its arguments, the results read outside its results), and the rewrite runs there on
+the site as the pass matched it, its ops and values read as their copies (:func:`mapped`; a
+site referring to something else is matched again in the function).  Sharing is therefore
+exactly as safe as the pattern's key is complete: ops, attributes, operand and result types
+(Attribute and Type objects are uniqued by MLIR, so equal means identical), the wiring,
+nested regions, and which results leave the pattern.  :data:`CHECK` matches every copy
+too and fails where the mapped site is not what the matcher finds (or, for a site another
+matcher found, a psum's split, where the matcher does not decline the original as it
+declines the copy).
 
 A site keeps its own ring (no call) when the call could not stand where the ring
 would: in a partial-manual region (its ring reads its position through a nested
@@ -44,7 +48,7 @@ from ._jax_private import ir
 from .layout import is_layout_op, path_sources
 from .errors import InternalError
 from .matchers import FULLY_MANUAL, AllGatherSite, ReduceScatterSite, Site
-from .matchers.common import ManualRegion
+from .matchers.common import DeclinedSite, ManualRegion
 from .ring import Ring
 from .rewrites.schedule import Applied
 
@@ -141,7 +145,7 @@ class RingLibrary:
             if _shape(inner) != _shape(site):  # defensive: the function must hold the same site
                 f.erase()
                 return _UNSHAREABLE
-        elif CHECK and canonical(inner) != canonical(match(clones[pattern.anchor.operation].opview)):
+        elif CHECK and not _agrees(inner, match(clones[pattern.anchor.operation].opview), pattern.anchor, match):
             raise InternalError(f"the {site.kind} site at {loc} mapped into @{name} is not the site matching its "
                                 "copy there finds (sharing.CHECK)")
         return SharedRing(name, rewrite(inner))
@@ -250,6 +254,17 @@ def _kind(cls: type):
     if dataclasses.is_dataclass(cls) and "__slots__" not in vars(cls):
         return frozenset(f.name for f in dataclasses.fields(cls))
     return _OTHER
+
+
+def _agrees(inner: Site, again: Site, anchor: ir.OpView, match: Callable[[ir.OpView], Site]) -> bool:
+    """:data:`CHECK`'s verdict on ``inner`` (a site mapped into its ring function), given ``again``
+    (matching its copy there): the same site; or, where the matcher declines the copy, a site the
+    pass matched another way (a psum's split, its scatter traced by the psum's matcher, which also
+    passes an affine norm backward), which the matcher then declines at ``anchor`` alike."""
+    if not isinstance(again, DeclinedSite):
+        return canonical(inner) == canonical(again)
+    original = match(anchor)
+    return isinstance(original, DeclinedSite) and original.code == again.code
 
 
 def canonical(obj, order: dict | None = None, seen: dict | None = None):

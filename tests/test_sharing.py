@@ -338,3 +338,36 @@ def test_a_site_mapped_wrongly_into_its_ring_function_fails_the_check(monkeypatc
     monkeypatch.setattr(replay, "MIN_MEMBERS", 10**9)
     with pytest.raises(InternalError, match="sharing.CHECK"):
         cmatmul_pass.rewrite(sample("sp_mlp_layers").read_text())
+
+
+def test_a_split_psum_whose_scatter_only_its_own_tracer_passes_shares_its_ring(monkeypatch):
+    """A psum of a norm's backward with a cotangent added (traced by the psum's matcher, which
+    passes that affine DAG; the scatter matcher declines it), split: the later layers' scatter
+    rings call one function built from the site mapped into it (it used to stay inline, its copy
+    declined there). sharing.CHECK accepts it because the scatter matcher declines the original
+    alike; the numbers match (a program from fuzz campaign 2771)."""
+    from cmatmul_pass import sharing
+    from cmatmul_pass.matchers import DeclinedSite
+    from tools import fuzz_programs
+
+    spec = fuzz_programs.Spec(
+        mesh_shape=(2,), devices=(6, 4), axes=("x",), kind="psum", dim="m", side=0, batch=True, tiled=True,
+        dtype="f16", consumers=1, reader=False, partial_manual=False, sizes=(2, 1, 4, 2), repeat=3, prep=False,
+        early=False, scale=False, between=("tanh",), remat=False, grad=False, norm=True, cotangent=True, gain=True,
+        first="", norm_kind="", gain_mode="", bias=False, raw="", upcast=False, data=False)
+    text = fuzz_programs.lower(spec)
+    verdicts = []
+    agrees = sharing._agrees
+
+    def spy(inner, again, anchor, match):
+        verdicts.append((isinstance(again, DeclinedSite), agrees(inner, again, anchor, match)))
+        return verdicts[-1][1]
+
+    monkeypatch.setattr(sharing, "_agrees", spy)
+    monkeypatch.setattr(replay, "MIN_MEMBERS", 10**9)  # the three layers rewritten one by one: sharing alone
+    result = cmatmul_pass.rewrite(text, variant_options("uni", all_reduce="split"))
+    split = [s for s in result.report.rewritten if s.kind == "dot_all_reduce"]
+    assert len(split) == 3 and [s.shared_ring is not None for s in split] == [False, True, True]
+    assert (True, True) in verdicts  # the copy declined by the scatter matcher, as the original is
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()
