@@ -742,8 +742,13 @@ def overlapped_time(shape: SiteShape, hw: Hardware, bidirectional: bool, unroll:
     """The end of :func:`schedule`'s last round (``plan``, ``efficiency``: as it takes them;
     ``trip``: the loop trip's cost, :meth:`Hardware.trip`, ``hidden``: the variant's
     :meth:`Hardware.hidden`, where the caller has them)."""
+    return _last_end(_Layout.of(shape, hw, bidirectional, unroll, plan, efficiency, trip, hidden).rounds(hw))
+
+
+def _last_end(timed) -> float:
+    """The end of the last of ``timed``'s rounds (:func:`_timed`); 0 for none."""
     end = 0.0
-    for _, _, _, end in _Layout.of(shape, hw, bidirectional, unroll, plan, efficiency, trip, hidden).rounds(hw):
+    for _, _, _, end in timed:
         pass
     return end
 
@@ -772,10 +777,7 @@ def predict(shape: SiteShape, hw: Hardware, bidirectional: bool = False, unroll:
         plan, efficiency, costs, signatures = plans[bidi]
         hidden = prediction.overlap[name] = hw.hidden(_variant_of(plan, unr))  # as emitted_variant
         lo, hi = loop_run(signatures, unr)
-        end = 0.0
-        for _, _, _, end in _timed(costs, hidden, lo, hi, unr or 1, trip):  # as overlapped_time
-            pass
-        prediction.overlapped_s[name] = end
+        end = prediction.overlapped_s[name] = _last_end(_timed(costs, hidden, lo, hi, unr or 1, trip))
         prediction.speedup[name] = serial / end
         prediction.split_efficiency[name] = efficiency
     return prediction

@@ -178,22 +178,19 @@ def mapped(site: AllGatherSite | ReduceScatterSite, ops: dict, values: dict, ret
     it refers to replaced by its copy (``ops``: each pattern op's clone; ``values``: each value
     the pattern reads or computes -> the function's; ``returned``: the function's return);
     None where it refers to anything else (ops moved after a scatter's ring, or an op the
-    pattern does not hold where the function holds none in its place: the ordinary matcher
-    then finds the copy's site).  The readers of a gathered value outside the pattern are the
-    function's return there, and the ops hoisted before the ring its arguments.  Objects shared between fields (a layout step
-    on the paths of several dots) stay shared.  This is what matching the copy finds, without
+    function holds no copy of: the ordinary matcher then finds the copy's site).  The readers
+    of a gathered value outside the pattern are the function's return there, and the ops
+    hoisted before the ring its arguments.  Objects shared between fields (a layout step on
+    the paths of several dots) stay shared.  This is what matching the copy finds, without
     matching it again: the copy holds the same ops, and each value read outside the pattern is
     read there by the function's return, as it was by readers the site did not count."""
-    if getattr(site, "moved", ()) or any(op in ops for op in getattr(site, "hoist", ())):
+    kept, hoisted = getattr(site, "kept_users", ()), getattr(site, "hoist", ())
+    if getattr(site, "moved", ()) or any(op in ops for op in hoisted) or \
+            any(user.operation in ops for user in kept):
         return None
     memo: dict[int, object] = {}
-    kept = getattr(site, "kept_users", ())
-    if kept:
-        if any(user.operation in ops for user in kept):
-            return None
-        # read outside the pattern: in the function, by its return (which reads each output once)
+    if kept:  # read outside the pattern: in the function, by its return (which reads each output once)
         memo[id(kept)] = (kept, (returned.opview,))
-    hoisted = getattr(site, "hoist", ())
     if hoisted:  # computed before the call: the function's arguments
         memo[id(hoisted)] = (hoisted, ())
     try:
@@ -287,12 +284,11 @@ def canonical(obj, order: dict | None = None, seen: dict | None = None):
         if isinstance(owner, ir.Block):
             return ("arg", ir.BlockArgument(obj).arg_number)
         return ("result", order.get(owner.operation), ir.OpResult(obj).result_number)
-    if id(obj) in seen:
-        return ("again", seen[id(obj)])
-    if type(obj) not in (tuple, list):
-        seen[id(obj)] = len(seen)
     if type(obj) in (tuple, list):
         return tuple(canonical(item, order, seen) for item in obj)
+    if id(obj) in seen:
+        return ("again", seen[id(obj)])
+    seen[id(obj)] = len(seen)
     return (type(obj).__name__, *(canonical(getattr(obj, f.name), order, seen) for f in dataclasses.fields(obj)))
 
 

@@ -114,6 +114,14 @@ class Builder:
                 found = self._constants[key] = make()
         return found
 
+    def _once(self, key: tuple, make: Callable[[], tuple]) -> tuple:
+        """``make()``'s types and attributes, made once per pass run (not per block: they are
+        values of the context, read by no op)."""
+        found = self._constants.get(key)
+        if found is None:
+            found = self._constants[key] = make()
+        return found
+
     def create(self, name: str, results: Sequence[ir.Type], operands: Sequence[ir.Value],
                attributes: dict | None = None) -> ir.Operation:
         """The op ``name`` built generically, its result types given: half the cost of the
@@ -213,10 +221,8 @@ class Builder:
         return hlo.ConvertOp(ir.RankedTensorType.get(t.shape, element_type), value, loc=self.loc).result
 
     def collective_permute(self, value: ir.Value, pairs: np.ndarray, channel: int) -> ir.Value:
-        key = ("pairs", pairs.shape, pairs.tobytes())  # (a ring's permutes repeat their pairs)
-        held = self._constants.get(key)
-        if held is None:
-            held = self._constants[key] = ir.DenseIntElementsAttr.get(pairs.astype(np.int64))
+        (held,) = self._once(("pairs", pairs.shape, pairs.tobytes()),  # (a ring's permutes repeat their pairs)
+                             lambda: (ir.DenseIntElementsAttr.get(pairs.astype(np.int64)),))
         attributes = {"source_target_pairs": held, "channel_handle": hlo.ChannelHandle.get(channel, 1)}
         return self.create("stablehlo.collective_permute", [value.type], [value], attributes).result
 
@@ -227,33 +233,31 @@ class Builder:
         return self.create("stablehlo.dynamic_update_slice", [into.type], [into, update, *starts]).result
 
     def dynamic_slice(self, value: ir.Value, dim: int, offset: ir.Value, size: int) -> ir.Value:
-        key = ("dynamic_slice", value.type, dim, size)  # (result type, attributes): the rounds repeat them
-        held = self._constants.get(key)
-        if held is None:
+        def make() -> tuple:
             t = ir.RankedTensorType(value.type)
             sizes = [size if d == dim else s for d, s in enumerate(t.shape)]
-            held = self._constants[key] = (ir.RankedTensorType.get(sizes, t.element_type),
-                                           {"slice_sizes": ir.DenseI64ArrayAttr.get(sizes)}, t.rank)
-        result, attributes, rank = held
+            return ir.RankedTensorType.get(sizes, t.element_type), {"slice_sizes": ir.DenseI64ArrayAttr.get(sizes)}, t.rank
+
+        # (result type, attributes): the rounds repeat them
+        result, attributes, rank = self._once(("dynamic_slice", value.type, dim, size), make)
         zero = self.index(0) if rank > 1 else None
         starts = [offset if d == dim else zero for d in range(rank)]
         return self.create("stablehlo.dynamic_slice", [result], [value, *starts], attributes).result
 
     def slice(self, value: ir.Value, dim: int, start: int, size: int) -> ir.Value:
         """Elements ``[start, start + size)`` of ``value`` along ``dim`` (static)."""
-        key = ("slice", value.type, dim, start, size)  # (result type, attributes): chunks and sites repeat them
-        held = self._constants.get(key)
-        if held is None:
+        def make() -> tuple:
             t = ir.RankedTensorType(value.type)
             shape = t.shape
             starts = [start if d == dim else 0 for d in range(len(shape))]
             limits = [start + size if d == dim else s for d, s in enumerate(shape)]
             sizes = [size if d == dim else s for d, s in enumerate(shape)]
-            held = self._constants[key] = (
-                ir.RankedTensorType.get(sizes, t.element_type),
-                {"start_indices": ir.DenseI64ArrayAttr.get(starts), "limit_indices": ir.DenseI64ArrayAttr.get(limits),
-                 "strides": ir.DenseI64ArrayAttr.get([1] * len(shape))})
-        result, attributes = held
+            return ir.RankedTensorType.get(sizes, t.element_type), {
+                "start_indices": ir.DenseI64ArrayAttr.get(starts), "limit_indices": ir.DenseI64ArrayAttr.get(limits),
+                "strides": ir.DenseI64ArrayAttr.get([1] * len(shape))}
+
+        # (result type, attributes): chunks and sites repeat them
+        result, attributes = self._once(("slice", value.type, dim, start, size), make)
         return self.create("stablehlo.slice", [result], [value], attributes).result
 
     def concatenate(self, values: Sequence[ir.Value], dim: int) -> ir.Value:
