@@ -201,45 +201,36 @@
 // AUTO_GOLDEN-NEXT: %60 = stablehlo.dot_general %59#0, %59#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
 // AUTO_GOLDEN-NEXT: %61 = stablehlo.add %54, %60 : tensor<2x4x16xf32>
 // AUTO_GOLDEN-NEXT: %62 = "stablehlo.collective_permute"(%53) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %63 = stablehlo.add %3, %c : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %64 = stablehlo.remainder %63, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %65 = stablehlo.multiply %64, %c_2 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %66 = stablehlo.add %65, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %67 = stablehlo.dynamic_slice %41, %c_1, %66, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %68:2 = stablehlo.optimization_barrier %67, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
-// AUTO_GOLDEN-NEXT: %69 = stablehlo.dot_general %68#0, %68#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %70 = stablehlo.add %62, %69 : tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %71 = "stablehlo.collective_permute"(%61) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %72 = stablehlo.add %3, %c_0 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %73 = stablehlo.remainder %72, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %74 = stablehlo.multiply %73, %c_2 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %63 = stablehlo.add %57, %c_3 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %64 = stablehlo.dynamic_slice %41, %c_1, %63, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %65:2 = stablehlo.optimization_barrier %64, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
+// AUTO_GOLDEN-NEXT: %66 = stablehlo.dot_general %65#0, %65#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %67 = stablehlo.add %62, %66 : tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %68 = "stablehlo.collective_permute"(%61) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %69 = stablehlo.dynamic_slice %41, %c_1, %49, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %70:2 = stablehlo.optimization_barrier %69, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
+// AUTO_GOLDEN-NEXT: %71 = stablehlo.dot_general %70#0, %70#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %72 = stablehlo.add %68, %71 : tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %73 = "stablehlo.collective_permute"(%67) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %74 = stablehlo.add %44, %c_3 : tensor<ui32>
 // AUTO_GOLDEN-NEXT: %75 = stablehlo.dynamic_slice %41, %c_1, %74, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
 // AUTO_GOLDEN-NEXT: %76:2 = stablehlo.optimization_barrier %75, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
 // AUTO_GOLDEN-NEXT: %77 = stablehlo.dot_general %76#0, %76#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %78 = stablehlo.add %71, %77 : tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %79 = "stablehlo.collective_permute"(%70) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %80 = stablehlo.add %3, %c_4 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %81 = stablehlo.remainder %80, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %82 = stablehlo.multiply %81, %c_2 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %83 = stablehlo.add %82, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %84 = stablehlo.dynamic_slice %41, %c_1, %83, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %85:2 = stablehlo.optimization_barrier %84, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
-// AUTO_GOLDEN-NEXT: %86 = stablehlo.dot_general %85#0, %85#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %87 = stablehlo.add %79, %86 : tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %88 = "stablehlo.collective_permute"(%78) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %89 = stablehlo.multiply %3, %c_2 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %90 = stablehlo.dynamic_slice %41, %c_1, %89, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %91:2 = stablehlo.optimization_barrier %90, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
-// AUTO_GOLDEN-NEXT: %92 = stablehlo.dot_general %91#0, %91#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %93 = stablehlo.add %88, %92 : tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %94 = "stablehlo.collective_permute"(%87) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %95 = stablehlo.add %89, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %96 = stablehlo.dynamic_slice %41, %c_1, %95, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %97:2 = stablehlo.optimization_barrier %96, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
-// AUTO_GOLDEN-NEXT: %98 = stablehlo.dot_general %97#0, %97#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %99 = stablehlo.add %94, %98 : tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %100 = stablehlo.concatenate %93, %99, dim = 1 : (tensor<2x4x16xf32>, tensor<2x4x16xf32>) -> tensor<2x8x16xf32>
-// AUTO_GOLDEN-NEXT: sdy.return %100 : tensor<2x8x16xf32>
+// AUTO_GOLDEN-NEXT: %78 = stablehlo.add %73, %77 : tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %79 = "stablehlo.collective_permute"(%72) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %80 = stablehlo.multiply %3, %c_2 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %81 = stablehlo.dynamic_slice %41, %c_1, %80, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %82:2 = stablehlo.optimization_barrier %81, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
+// AUTO_GOLDEN-NEXT: %83 = stablehlo.dot_general %82#0, %82#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %84 = stablehlo.add %79, %83 : tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %85 = "stablehlo.collective_permute"(%78) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %86 = stablehlo.add %80, %c_3 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %87 = stablehlo.dynamic_slice %41, %c_1, %86, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %88:2 = stablehlo.optimization_barrier %87, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
+// AUTO_GOLDEN-NEXT: %89 = stablehlo.dot_general %88#0, %88#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %90 = stablehlo.add %85, %89 : tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %91 = stablehlo.concatenate %84, %90, dim = 1 : (tensor<2x4x16xf32>, tensor<2x4x16xf32>) -> tensor<2x8x16xf32>
+// AUTO_GOLDEN-NEXT: sdy.return %91 : tensor<2x8x16xf32>
 // AUTO_GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<4x32x16xf32>
 // AUTO_GOLDEN-NEXT: return %0 : tensor<4x32x16xf32>
 // AUTO_GOLDEN-NEXT: }

@@ -166,6 +166,17 @@ class Builder:
             self._site[key] = self.mul(index, self.index(factor))
         return self._site[key]
 
+    def per_site(self, key: tuple, make: Callable[[], ir.Value]) -> ir.Value:
+        """``make()``, built once per (``key``, insertion point) within one site: the ops a site
+        builds at one insertion point follow each other in block order, so the first one built
+        dominates the later uses (an insertion point elsewhere builds its own)."""
+        at = ir.InsertionPoint.current
+        key = (at.block, at.ref_operation, *key)
+        found = self._site.get(key)
+        if found is None:
+            found = self._site[key] = make()
+        return found
+
     def rem(self, a: ir.Value, b: ir.Value) -> ir.Value:
         return self.create("stablehlo.remainder", [a.type], [a, b]).result
 

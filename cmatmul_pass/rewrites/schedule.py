@@ -235,13 +235,16 @@ class DotBarriers:
 
 
 def ring_position(b: Builder, position: ir.Value, rnd: Round, n: int, shift: int = 1, offset: int = 0) -> ir.Value:
-    """``(position + shift * r + offset) mod n`` for round ``r``; constants folded."""
+    """``(position + shift * r + offset) mod n`` for round ``r``; constants folded.  Built once
+    per site and insertion point: a bidirectional ring's two directions, and a straight-line
+    ring's rounds, meet the same positions (a 4-device ring's eight blocks read four)."""
     moved = (shift * rnd.offset + offset) % n
-    if rnd.trip is None:
-        if moved == 0:
-            return position
-        return b.rem(b.add(position, b.index(moved)), b.index(n))
-    return b.ring_index(position, rnd.trip, n, shift=shift * rnd.per_trip, offset=moved)
+    if rnd.trip is None and moved == 0:
+        return position
+    stride = None if rnd.trip is None else shift * rnd.per_trip
+    return b.per_site(("ring position", position, rnd.trip, stride, moved, n), lambda: (
+        b.rem(b.add(position, b.index(moved)), b.index(n)) if rnd.trip is None
+        else b.ring_index(position, rnd.trip, n, shift=stride, offset=moved)))
 
 
 @dataclass
