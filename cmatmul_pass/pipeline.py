@@ -278,7 +278,9 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
         # it needs ring sharing (the layers become calls of one function, as the rings do) and one
         # verification
         replayable = options.share_rings and not options.annotate_streams and not verify_each
-        found, layers = replay.walk(module, names, replayable)
+        # (a layer trimmed from a twin, replay.Trim, only where psums are not all split: a split carries
+        # its gather past the ops after it, which such a layer has fewer of)
+        found, layers = replay.walk(module, names, replayable, options.all_reduce_strategy != "split")
         # jax 0.10's scan bodies in functions holding collectives: inline, as later jax lowers them
         if options.policy == "all" and found["stablehlo.while"] and inline_scan_bodies(found):
             found = ir_utils.ops_named(module, *names)
@@ -311,23 +313,33 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
             """A collective the pass moved to its matmul (where ``was`` declined it), rewritten
             there; its report says ``how``, and what more."""
             entry = apply(new)
-            entry.notes[:0] = [f"{how} (where it stood: declined [{was.code}])", *more]
+            entry.notes[:0] = [f"{how} {replay.MOVED_NOTE}{was.code}])", *more]
             report.sites.append(entry)
 
         variance = Variance(info)
         # replay needs the twin's (and the probe's) report entries, and the regions whose gathers compete
         regions_of: dict[int, ir.Block] = {}  # an entry (by id) -> its region's body
+        lacking: dict[int, bool] = {}  # a twin's entry (by id) -> whether the region trimmed from it lacks its site
+        # an entry (by id) -> the phase that made it (moved scatters, psums, scatters, gathers: each region's
+        # entries of one phase are one run, which replay's copies follow)
+        phase_of: dict[int, int] = {}
+        phase = [0]
         competing: set = set()
 
-        def region_of(op: ir.OpView) -> ir.Block | None:
-            """The body of the twin (or probe) region holding ``op`` (asked before its site is rewritten)."""
-            return layers.checked_region(op) if layers else None
+        def place_of(op: ir.OpView) -> tuple:
+            """(the body of the twin (or probe) region holding ``op``, whether the region trimmed from
+            that twin lacks ``op`` (None: no such region)), asked before its site is rewritten."""
+            return (layers.checked_region(op), layers.lacked(op)) if layers else (None, None)
 
-        def tag(region: ir.Block | None, since: int, until: int | None = None) -> None:
-            """The report's entries from ``since`` on (to ``until``) are ``region``'s."""
+        def tag(place: tuple, since: int, until: int | None = None) -> None:
+            """The report's entries from ``since`` on (to ``until``) are the region's at ``place`` (:func:`place_of`)."""
+            region, lacked = place
             if region is not None:
                 for entry in report.sites[since:until]:
                     regions_of[id(entry)] = region
+                    phase_of[id(entry)] = phase[0]
+                    if lacked is not None:
+                        lacking[id(entry)] = lacked
 
         def rewrite_sites(found: dict[str, list]) -> None:
             """Rewrite the sites of ``found``'s collectives: psums, then scatters, then gathers."""
@@ -342,27 +354,29 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
             # of the scatter)
 
             def ring_moved(site: ReduceScatterSite, note: str) -> str | None:
-                since, region = len(report.sites), region_of(site.anchor)
+                since, place = len(report.sites), place_of(site.anchor)
                 entry = apply(site)
                 if not entry.rewritten:
                     return entry.reason
                 entry.notes.insert(0, note)
                 report.sites.append(entry)
-                tag(region, since)
+                tag(place, since)
                 return None
 
+            phase[0] += 1
             not_swapped = stages.swap_reductions(scatters, all_reduces, info, source, ring_moved)
+            phase[0] += 1
             if options.all_reduce_strategy != "keep" and all_reduces:
                 seeds: list[Seed] = []
                 for op in all_reduces:
-                    since, region = len(report.sites), region_of(op)
+                    since, place = len(report.sites), place_of(op)
                     entry, seed = _all_reduce(match_all_reduce(op, info), ctx, source, options, hw, apply, info,
                                               predictions)
                     if seed is not None:
                         seed.site = len(report.sites)
                         seeds.append(seed)
                     report.sites.append(entry)
-                    tag(region, since)
+                    tag(place, since)
                 carried = carry_forward(seeds, variance, ctx.take_channel, ctx.constants, source)
                 gathers += carried.kept + [m.all_gather for m in carried.materialised if m.feeds_dot]
                 # a gather left before row-wise ops into dots (a residual add and a norm) is rung with
@@ -376,8 +390,9 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
             # loop reads the gathered value the gather's ring assembles).  Each collective
             # is matched against the IR as the earlier rewrites left it.
             # (the scatter rewrites erase reduce_scatters and dots, never an all_gather)
+            phase[0] += 1
             for op in scatters:
-                since, region = len(report.sites), region_of(op)
+                since, place = len(report.sites), place_of(op)
                 site = match_reduce_scatter(op, info)
                 hoisted = _hoist_scatter(site, ctx, options)
                 if isinstance(hoisted, Hoisted):  # each layer's block scattered in the loop, ringed with its dot
@@ -393,7 +408,7 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
                 if id(op) in not_swapped and not entry.rewritten:
                     entry.reason += f"; not moved before the psum: {not_swapped[id(op)]}"
                 report.sites.append(entry)
-                tag(region, since)
+                tag(place, since)
             # A gather of stacked weights sinks into the loops that read a layer a trip before any
             # gather is matched: each layer's gather then meets the loop body's own collectives at
             # its dot, and the slack order decides which of them the ring takes.
@@ -417,7 +432,8 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
                     expanded.append(op)
                 gathers = expanded
             gathers, deferred = _order_by_slack(gathers, info, options, source)
-            marks: list = []  # (first entry index, region) per gather processed
+            phase[0] += 1
+            marks: list = []  # (first entry index, place_of(op)) per gather processed
             gathered = {}
             merged_away: set[int] = set()  # second stages merged into their first (by index in gathers)
             held: list = []  # (second stage's operation, why): left with a first stage whose pair neither ring pays
@@ -431,7 +447,7 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
                     if not isinstance(ringed, AllGatherSite):
                         continue  # it stays where the split left it (said there)
                     if layers:
-                        marks.append((len(report.sites), region_of(op)))
+                        marks.append((len(report.sites), place_of(op)))
                     gathered[id(op)] = len(report.sites)
                     if ringed is site:
                         report.sites.append(apply(site))
@@ -439,10 +455,10 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
                         apply_moved(ringed, site, f"{RINGED_WITH_ROW_OPS}: a gather the psum split left short of its dots")
                     continue
                 if layers:  # the entries of this gather's site are its region's (the op may go)
-                    region = region_of(op)
-                    if id(op) in deferred and region is not None:
-                        competing.add(region)
-                    marks.append((len(report.sites), region))
+                    place = place_of(op)
+                    if id(op) in deferred and place[0] is not None:
+                        competing.add(place[0])
+                    marks.append((len(report.sites), place))
                 gathered[id(op)] = len(report.sites)
                 site = match_all_gather(op, info, assemble=options.assemble)
                 if id(op) in sunk_from:
@@ -489,15 +505,15 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
                 for m in moved.materialised:  # each now read by dots: an all_gather → dot site
                     apply_moved(match_all_gather(m.all_gather, info, assemble=options.assemble), site,
                                 f"moved to its dot past {m.moved_ops} row-wise op(s), which now run on this device's rows")
-            for (since, region), (until, _) in zip(marks, [*marks[1:], (len(report.sites), None)]):
-                tag(region, since, until)
+            for (since, place), (until, _) in zip(marks, [*marks[1:], (len(report.sites), None)]):
+                tag(place, since, until)
             _say_prefetchable(report, deferred, gathered)
             if options.all_reduce_strategy != "keep" and all_reduces:
                 _say_where_gathers_went(report, carried, gathered)
 
         rewrite_sites(found)  # (the regions left for replay are not in it)
         if layers is not None:
-            leftover = layers.finish(report, regions_of, competing, source)
+            leftover = layers.finish(report, regions_of, competing, source, lacking, channels.take, phase_of)
             if leftover:  # regions whose locations do not map, or a group whose probe differed: the usual way
                 rewrite_sites(layers.only(leftover, names))
         if report.rewritten:

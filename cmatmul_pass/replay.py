@@ -43,6 +43,22 @@ twin's function too (which returns the inputs it does not, unread), and its repo
 first in each run of the twin's.  A group needs two regions of one body (the twin and a copy, or
 the probe), and with its joiner :data:`MIN_MEMBERS` regions.
 
+A *trimmed* region (:class:`Trim`) is the region just after a group when its body is the twin's
+without some of its results and the ops and operands only those need (:func:`_trims`: the twin's
+copy trimmed so, by bytecode): JAX's backward of a model's first layer, which returns no gradient
+for the model's input.  It becomes a call of a function of its own holding the twin's rewritten
+region trimmed alike (:func:`_trimmed_function`: the dropped results' ops erased where no one reads
+them and they are pure), with fresh channel handles; its report entries are the twin's for the
+collectives it holds (:meth:`Plan.lacked`), read with its locations.  Sound as a call is: the
+rewritten twin computes what its body computes, and trimming keeps the rest.  That the pass
+would have chosen the same in it is the further claim again, and weaker: a site's rewrite may
+read the ops around it, which the trimmed region has fewer of, so a twin with a split psum (its
+gather carried past the ops after it) or a collective moved to its matmul is not trimmed
+(:func:`_reads_around`: the region is then rewritten the usual way after the calls, its entries
+last), nor any under ``all_reduce="split"``, nor a region whose lacking ops read a gathered value
+it holds (:func:`_reads_a_gather`: the twin's ring assembles it for them); with :data:`CHECK` the
+region is rewritten the usual way too and must come out as the trimmed copy.
+
 Not replayed: modules with a ``stablehlo.while`` (sinking and hoisting move collectives across
 loops and regions), groups whose gathers compete with another collective for a dot (which one
 gets the ring depends on what comes before the region: :mod:`.analysis.slack`), groups whose
@@ -63,6 +79,8 @@ from . import ir_utils
 from ._jax_private import hlo, ir, location_stripper, sdy
 from .report import Report, SiteReport
 from .rewrites.builders import forget_inside
+from .layout import LAYOUT_OPS
+from .sharing import FUNCTION_PREFIX
 
 #: the twin and at least two regions more (with :data:`CHECK`, the probe among them): below that replay would
 #: save one region's rewrite, and two identical regions are common in small programs, whose output the twin's
@@ -104,6 +122,10 @@ class Group:
     # where each of the twin's ops was before the pass, in walk order: (region, block, op) indices from the
     # twin (None until read: a copy's are the twin's, op for op)
     twin_places: list | None = None
+    #: the region just after the group, when its body is the twin's without some results and the
+    #: ops only they need (:func:`_trims`): a model's first layer's backward, which returns no
+    #: gradient for the model's input
+    trims: list["Trim"] = field(default_factory=list)
 
     @property
     def twin(self) -> ir.Operation:
@@ -128,6 +150,19 @@ class Group:
     def copies(self) -> list[ir.Operation]:
         """The regions that become calls of the twin's function without being rewritten."""
         return self.joiners + self.rest
+
+
+@dataclass(eq=False)
+class Trim:
+    """A region that is its group's twin trimmed: some of the twin's results dropped, with the ops
+    and arguments only they need (:func:`_trims`)."""
+
+    region: ir.Operation
+    results: list[int]  # the twin's result standing for each of the region's, ascending
+    arguments: list[int]  # the twin's operand standing for each of the region's, ascending
+    dropped: frozenset  # the twin's ops it lacks: their positions in the twin's pre-order walk
+    #: with :data:`CHECK` (the region rewritten the usual way and checked): its locations and places before the pass
+    before: tuple = ()
 
 
 def _locations(region: ir.Operation) -> list[ir.Location]:
@@ -196,8 +231,10 @@ class Plan:
     def __init__(self, groups: list[Group], fingerprint: "_Fingerprint"):
         self.groups = groups
         self.fingerprint = fingerprint  # how the groups were found: the probe's check compares the same way
-        self.deferred = {_body(m) for g in groups for m in g.copies}
-        self.checked = {_body(m) for g in groups for m in g.rewritten}
+        # a trimmed twin is left for replay too; with the check on, it is rewritten and checked like a probe
+        trimmed = {_body(t.region): g.checked for g in groups for t in g.trims}
+        self.deferred = {_body(m) for g in groups for m in g.copies} | {r for r, checked in trimmed.items() if not checked}
+        self.checked = {_body(m) for g in groups for m in g.rewritten} | {r for r, checked in trimmed.items() if checked}
         # (a joiner is rewritten only when replay is off, and then as the twin it repeats)
         self.leading = {_body(m) for g in groups for m in (g.twin, *g.joiners)}
         for g in groups:
@@ -207,6 +244,89 @@ class Plan:
             else:
                 locations = _locations(g.twin)
             g.twin_before = (locations, _types(g.twin))
+            for trim in g.trims if g.checked else ():  # rewritten the usual way: read it before
+                trim.before = _located_places(trim.region)
+        #: (name, location, result types) of each op of a twin with a trimmed region -> whether that region
+        #: lacks it (None: ops it lacks and ops it holds are both so); read by those, not by
+        #: the op, whose address (which the bindings compare) an op the pass makes may take once it is erased
+        self._lacked: dict[tuple, bool | None] = {}
+        for g in groups:
+            for trim in g.trims:  # (a site's anchor is a collective)
+                at = 0
+                for op in _body(g.twin).operations:
+                    op = op.operation
+                    at += 1
+                    name = op.name
+                    if name in _COLLECTIVES:
+                        key, lost = (name, op.location.attr, *(r.type for r in op.results)), at in trim.dropped
+                        self._lacked[key] = lost if self._lacked.get(key, lost) == lost else None
+                    if len(op.regions):
+                        at += _nested_count(op)
+
+    def lacked(self, op: ir.Operation | ir.OpView) -> bool | None:
+        """Whether the region trimmed from a twin lacks the collective so named, located and typed
+        (None: no collective of a twin with a trimmed region is, or ops it holds and ops it lacks
+        both are)."""
+        if not self._lacked:
+            return None
+        op = op.operation
+        return self._lacked.get((op.name, op.location.attr, *(r.type for r in op.results)))
+
+    def _trim(self, g: Group, trim: Trim, name: str, twin_entries: list[SiteReport], indices: list[int],
+              report: Report, by_region: dict, inserted: dict, source: str, lacking: dict[int, bool],
+              take_channel: Callable[[], int] | None, phases: dict[int, int]) -> bool:
+        """Make ``trim.region`` a call of the group's rewritten twin (``name``'s) trimmed, in a function
+        of its own; its report entries are the twin's for the sites it holds (each a site whose
+        collective it holds: ``lacking``, by entry), read with its locations (with :data:`CHECK`: it
+        was rewritten the usual way, and must have come out so).  False where it cannot be (nothing
+        changed)."""
+        region = trim.region
+        locations = g.twin_before[0]
+        held = []  # the twin's entries for sites the region holds
+        for k, entry in enumerate(twin_entries):
+            lost = lacking.get(id(entry))
+            if lost is None or _reads_around(entry):
+                return False  # a site of a collective the pass made (which region's is it), or one whose rewrite
+                # depends on the ops around it, which the region has fewer of
+            if not lost:
+                held.append(k)
+        trimmed_name = _layer_name(g.twin)
+        final = _trimmed_function(g.twin, trim, trimmed_name)
+        if final is None or take_channel is None:
+            if final is not None:
+                final.parent.operation.erase()
+            return False
+        handles = {}  # the twin's channel handles -> the trimmed copy's own
+        for op in _channel_ops(final):
+            old = hlo.ChannelHandle(op.attributes["channel_handle"])
+            handles[old.handle] = fresh = take_channel()
+            op.attributes["channel_handle"] = hlo.ChannelHandle.get(fresh, old.channel_type)
+        held_entries = [_entry(vars(twin_entries[k]).copy(), handles) for k in held]  # with the copy's handles
+        view = Group([final])  # the trimmed twin, as the region's entries are read from it
+        view.twin_before = ([loc for p, loc in enumerate(locations) if p not in trim.dropped], g.twin_before[1])
+        if g.checked:  # rewritten the usual way: the region must have come out as the trimmed twin
+            view.twin_places = trim.before[1]
+            reading = _Replay(view, held_entries, source)
+            agreed = reading.agrees(region, trim.before[0], [report.sites[i] for i in by_region.get(_body(region), [])],
+                                    self.fingerprint)
+            report.layer_checks.append({"first": ir_utils.render_location(g.twin.location, source),
+                                        "last": ir_utils.render_location(region.location, source),
+                                        "agreed": agreed, "trimmed": True})
+            if not agreed:
+                final.parent.operation.erase()  # (the function)
+                return False
+            forget_inside(region)
+        else:
+            entries = _Replay(view, held_entries, source).entries(region)
+            if entries is None:
+                final.parent.operation.erase()
+                return False
+            made = dict(zip(held, entries))
+            for run in _runs(indices, [phases.get(id(report.sites[i])) for i in indices]):  # after the twin's (and copies')
+                inserted.setdefault(indices[run[-1]] + 1, ([], []))[0].extend(made[k] for k in run if k in made)
+        report.trimmed[f"@{trimmed_name}"] = {"of": f"@{name}", "called_at": ir_utils.render_location(region.location, source)}
+        _call(region, trimmed_name, [r.type for r in region.results])
+        return True
 
     def top_level(self, op: ir.Operation | ir.OpView) -> ir.Block | None:
         """The body of the top-level region holding ``op`` (None: ``op`` is in none)."""
@@ -237,17 +357,23 @@ class Plan:
                 out[name] += ops
         return out
 
-    def finish(self, report: Report, regions_of: dict[int, ir.Block], competing: set, source: str) -> list[ir.Operation]:
+    def finish(self, report: Report, regions_of: dict[int, ir.Block], competing: set, source: str,
+               lacking: dict[int, bool] | None = None, take_channel: Callable[[], int] | None = None,
+               phase_of: dict[int, int] | None = None) -> list[ir.Operation]:
         """Replace the regions of each group (whose probe, if any, agrees with its twin) by calls
         of the twin's rewritten region, adding their report entries; returns the regions to
         rewrite the usual way instead."""
         leftover: list[ir.Operation] = []
+        phases = phase_of or {}
         by_region: dict[ir.Block, list[int]] = {}  # a region's body -> its entries' indices
         for index, entry in enumerate(report.sites):
             region = regions_of.get(id(entry))
             if region is not None:
                 by_region.setdefault(region, []).append(index)
-        inserted: dict[int, list[SiteReport]] = {}  # report index -> the entries that go before it
+        # report index -> the entries that go before it: those following the run just before it
+        # (a twin's, then its copies'), then those preceding the run it starts (a joiner's, a copy's
+        # before a probe's)
+        inserted: dict[int, tuple[list[SiteReport], list[SiteReport]]] = {}
         for g in self.groups:
             rewritten = [_body(m) for m in g.rewritten]
             replay = (_Replay.of(g, [report.sites[i] for i in by_region.get(rewritten[0], [])], source)
@@ -260,7 +386,7 @@ class Plan:
                                             "agreed": agreed})
                 replay = replay if agreed else None
             if replay is None:
-                leftover += g.copies
+                leftover += g.copies + [t.region for t in g.trims if not g.checked]
                 continue
             copies: dict[ir.Block, list[SiteReport]] = {}  # a region's body -> its entries
             for region in g.copies:
@@ -276,9 +402,10 @@ class Plan:
             for anchor, regions, after in ((rewritten[0], g.joiners, False), (rewritten[-1], g.rest, not g.checked)):
                 made = [copies[_body(r)] for r in regions if _body(r) in copies]
                 indices = by_region.get(anchor, [])
-                for run in _runs(indices):
+                for run in _runs(indices, [phases.get(id(report.sites[i])) for i in indices]):
                     at = indices[run[-1]] + 1 if after else indices[run[0]]
-                    inserted.setdefault(at, []).extend(e for entries in made for e in (entries[k] for k in run))
+                    inserted.setdefault(at, ([], []))[0 if after else 1].extend(
+                        e for entries in made for e in (entries[k] for k in run))
             name = _layer_name(g.twin)
             report.layers[f"@{name}"] = [ir_utils.render_location(region.location, source) for region in called]
             returns = [r.type for r in g.twin.results]  # the function's
@@ -288,21 +415,63 @@ class Plan:
                 if region is not g.twin:
                     _call(region, name, returns, g.result_maps.get(_body(region)))
             _outline(g.twin, name)
+            for trim in g.trims:
+                if not self._trim(g, trim, name, [report.sites[i] for i in by_region.get(rewritten[0], [])],
+                                  by_region.get(rewritten[0], []), report, by_region, inserted, source, lacking or {},
+                                  take_channel, phases) \
+                        and not g.checked:
+                    leftover.append(trim.region)
         if inserted:
             sites = []
             for index, entry in enumerate(report.sites):
-                sites.extend(inserted.get(index, ()))
+                for entries in inserted.get(index, ()):
+                    sites.extend(entries)
                 sites.append(entry)
-            sites.extend(inserted.get(len(report.sites), ()))
+            for entries in inserted.get(len(report.sites), ()):
+                sites.extend(entries)
             report.sites[:] = sites
         return leftover
 
 
-def _runs(indices: list[int]) -> list[list[int]]:
-    """The runs of consecutive numbers in ``indices`` (ascending), as lists of positions in it."""
+def _reads_around(entry: SiteReport) -> bool:
+    """Was ``entry``'s site rewritten in a way that depends on more than its own ops: a psum split
+    (its gather carried forward past the row-wise ops after it, to where its value is read whole),
+    or a collective moved to its matmul (past the row-wise ops before it)?"""
+    split = entry.all_reduce is not None and entry.all_reduce.get("strategy") == "split"
+    return split or any(MOVED_NOTE in note for note in entry.notes)
+
+
+#: what the notes of a site the pipeline moved, merged, hoisted or sank say (pipeline.apply_moved)
+MOVED_NOTE = "(where it stood: declined ["
+
+
+def _trimmed_function(twin: ir.Operation, trim: Trim, name: str) -> ir.Operation | None:
+    """A private function ``name`` of ``trim.region``'s operands holding the twin's rewritten
+    region trimmed as ``trim`` says (its results, without the ops no one then reads); returns the
+    trimmed region in it, or None (no function made) where what is left reads other operands."""
+    region = trim.region
+    module_body = _module_body(twin)
+    function, entry = ir_utils.private_function(module_body, name, [v.type for v in region.operands],
+                                                [r.type for r in region.results], region.location)
+    with ir.InsertionPoint(entry):
+        copy = twin.clone().operation
+    _erase_unread(copy, _return_only(_body(copy), trim.results), module_body)
+    if [i for i, a in enumerate(_body(copy).arguments) if any(True for _ in a.uses)] != trim.arguments:
+        function.erase()
+        return None
+    final = _reshaped(copy, trim.results, trim.arguments, list(entry.arguments), returning=False)
+    copy.erase()
+    with ir.InsertionPoint(entry):
+        ir_utils.function_return(list(final.results), region.location)
+    return final
+
+
+def _runs(indices: list[int], phases: list | None = None) -> list[list[int]]:
+    """The runs of consecutive numbers in ``indices`` (ascending), as lists of positions in it;
+    with ``phases`` (each index's), a run is of one phase too."""
     runs: list[list[int]] = []
     for k, index in enumerate(indices):
-        if runs and index == indices[k - 1] + 1:
+        if runs and index == indices[k - 1] + 1 and (phases is None or phases[k] == phases[k - 1]):
             runs[-1].append(k)
         else:
             runs.append([k])
@@ -527,14 +696,15 @@ def _channel_ops(region: ir.Operation) -> list[ir.Operation]:
     return found
 
 
-def walk(module: ir.Module, names: tuple[str, ...], replayable: bool) -> tuple[dict[str, list[ir.OpView]], Plan | None]:
+def walk(module: ir.Module, names: tuple[str, ...], replayable: bool,
+         trims: bool = True) -> tuple[dict[str, list[ir.OpView]], Plan | None]:
     """The ops named ``names`` (which must hold ``stablehlo.while``), as
     :func:`ir_utils.ops_named` gives them, and the plan.  With ``replayable``, identical
     top-level regions are grouped first and the walk skips those left for replay: they print as their twin does, so they hold the same ops,
     channel handles and callees, and the pipeline never reads them before they are replaced
     (:meth:`Plan.only` walks them where the probe disagrees).  A module with a loop is not
     replayed, and is walked whole."""
-    layers = plan(_top_level_regions(module), CHECK) if replayable else None
+    layers = plan(_top_level_regions(module), CHECK, trims) if replayable else None
     if layers is None:
         return ir_utils.ops_named(module, *names), None
     deferred = layers.deferred
@@ -553,7 +723,7 @@ def _top_level_regions(module: ir.Module) -> list[ir.Operation]:
             for op in block.operations if op.operation.name == MANUAL]
 
 
-def plan(regions: list[ir.Operation], check: bool = False) -> Plan | None:
+def plan(regions: list[ir.Operation], check: bool = False, trims: bool = True) -> Plan | None:
     """The groups of identical regions among ``regions`` (top-level, in program order), or None
     when nothing is to be replayed; ``check``: each group's last region is its probe
     (:data:`CHECK`)."""
@@ -585,6 +755,13 @@ def plan(regions: list[ir.Operation], check: bool = False) -> Plan | None:
                 group.result_maps[_body(regions[before])] = result_map
         if len(group.members) + len(group.joiners) >= MIN_MEMBERS:
             groups.append(group)
+    joining = {_body(j) for g in groups for j in g.joiners}
+    for group in groups if trims else ():
+        after = place[_body(group.members[-1])] + 1
+        if after < len(regions) and _body(regions[after]) not in paired | joining:
+            trim = _trims(regions[after], group.twin, fingerprint)
+            if trim is not None:
+                group.trims.append(trim)
     return Plan(groups, fingerprint) if groups else None
 
 
@@ -627,26 +804,175 @@ def _joins(region: ir.Operation, twin: ir.Operation, fingerprint: "_Fingerprint"
     return [where[i] for i in range(len(region.results))]
 
 
+def _trims(region: ir.Operation, twin: ir.Operation, fingerprint: "_Fingerprint") -> Trim | None:
+    """``region`` as ``twin`` trimmed (:class:`Trim`), when it is the twin but for returning fewer
+    results (the twin's, in order, of the same types and shardings), without the ops and operands
+    only those need; else None.  A call of the twin's rewritten region, trimmed alike, then
+    computes what ``region`` does."""
+    if len(region.results) >= len(twin.results) or len(region.operands) > len(twin.operands):
+        return None
+    with region.context:
+        outs = sdy.TensorShardingPerValueAttr(region.attributes["out_shardings"]).shardings
+        twin_outs = sdy.TensorShardingPerValueAttr(twin.attributes["out_shardings"]).shardings
+    results, j = [], 0
+    for i, result in enumerate(region.results):  # the first of the twin's results alike, in order
+        while j < len(twin_outs) and (twin.results[j].type != result.type or twin_outs[j] != outs[i]):
+            j += 1
+        if j == len(twin_outs):
+            return None
+        results.append(j)
+        j += 1
+    trimmed = fingerprint.trimmed(twin, results)
+    if trimmed is None:
+        return None
+    data, arguments, dropped = trimmed
+    if len(arguments) != len(region.operands) or fingerprint(region) != data or _reads_a_gather(twin, dropped):
+        return None
+    return Trim(region, results, arguments, dropped)
+
+
+def _reads_a_gather(twin: ir.Operation, dropped: frozenset) -> bool:
+    """Does an op the trimmed region lacks read a gathered value it holds (an all_gather's result,
+    or one through layout ops)?  The twin's ring then assembles the gathered value for it, which
+    the trimmed region's ring would not (so trimming the twin would keep that work)."""
+    ops, lost, at = [], [], 0
+    for op in _body(twin).operations:
+        op = op.operation
+        at += 1
+        ops.append(op)
+        lost.append(at in dropped)
+        if len(op.regions):
+            at += _nested_count(op)
+    held = {hash(op) for op, gone in zip(ops, lost) if not gone}  # (by address: no op is made meanwhile)
+    for op, gone in zip(ops, lost):
+        for value in op.operands if gone else ():
+            while not isinstance(value.owner, ir.Block) and hash(value.owner.operation) in held:
+                producer = value.owner.operation
+                if producer.name == "stablehlo.all_gather":
+                    return True
+                if producer.name not in LAYOUT_OPS:
+                    break
+                value = producer.operands[0]
+    return False
+
+
 def without_pass_through(region: ir.Operation, through: dict[int, int]) -> ir.Operation:
     """``region`` without the results ``through`` (:func:`pass_through`): a new op before it with
     the same operands, attributes and body (moved out of ``region``, which is left empty for the
     caller to erase once its results are read no more), and the other results, in order."""
-    kept = [i for i in range(len(region.results)) if i not in through]
+    return _reshaped(region, [i for i in range(len(region.results)) if i not in through])
+
+
+def _reshaped(region: ir.Operation, results: list[int], arguments: list[int] | None = None,
+              operands: list[ir.Value] | None = None, at: ir.InsertionPoint | None = None,
+              returning: bool = True) -> ir.Operation:
+    """``region`` (a top-level region) returning only its results ``results``, and taking only its
+    operands ``arguments`` (None: all; the body must read no other block argument), which read
+    ``operands`` (None: the region's own): a new op (at ``at``; by default before ``region``) with
+    the same attributes, their shardings for those, and the body, moved out of ``region`` (left
+    empty for the caller to erase once its results are read no more).  ``returning`` false: the
+    body returns those results already (:func:`_return_only`)."""
+    kept = range(len(region.operands)) if arguments is None else arguments
     with region.context, region.location:
         attributes = {named.name: named.attr for named in (region.attributes[i] for i in range(len(region.attributes)))}
-        outs = sdy.TensorShardingPerValueAttr(attributes["out_shardings"]).shardings
-        attributes["out_shardings"] = sdy.TensorShardingPerValueAttr.get([outs[i] for i in kept])
-        with ir.InsertionPoint(region):
-            core = ir.Operation.create(MANUAL, results=[region.results[i].type for i in kept],
-                                       operands=list(region.operands), attributes=attributes, regions=1)
+        for key, indices in (("out_shardings", results), ("in_shardings", None if arguments is None else arguments)):
+            if indices is not None:
+                shardings = sdy.TensorShardingPerValueAttr(attributes[key]).shardings
+                attributes[key] = sdy.TensorShardingPerValueAttr.get([shardings[i] for i in indices])
+        if operands is None:
+            operands = [region.operands[i] for i in kept]
+        with at or ir.InsertionPoint(region):
+            core = ir.Operation.create(MANUAL, results=[region.results[i].type for i in results],
+                                       operands=operands, attributes=attributes, regions=1)
         body = region.regions[0].blocks[0]
         body.append_to(core.regions[0])
-        terminator = body.operations[len(body.operations) - 1]
-        with ir.InsertionPoint(terminator):
-            sdy.ReturnOp([terminator.operands[i] for i in kept], loc=terminator.location)
-        terminator.erase()
+        if returning:
+            _return_only(body, results)
+        if arguments is not None:
+            for index in sorted(set(range(len(body.arguments))) - set(arguments), reverse=True):
+                body.erase_argument(index)
     return core
 
+
+#: the ops a site is anchored on
+_COLLECTIVES = frozenset(ir_utils.CHANNEL_OPS)
+#: ops with effects beyond their results: never erased for being unread
+_EFFECTS = frozenset({"stablehlo.custom_call", "stablehlo.send", "stablehlo.recv", "stablehlo.infeed",
+                      "stablehlo.outfeed"})
+
+
+def _pure(op: ir.Operation, module_body: ir.Block, memo: dict) -> bool:
+    """Does ``op`` only compute its results (a StableHLO or Shardy op but a custom call, send,
+    recv, infeed or outfeed, and whatever it nests or calls likewise)?  Collectives count: every
+    device runs the trimmed layer, so none waits for one the others left out."""
+    name = op.name
+    if name in _EFFECTS:
+        return False
+    if name == "func.call":
+        callee = ir.FlatSymbolRefAttr(op.attributes["callee"]).value
+        if callee.startswith(FUNCTION_PREFIX):
+            return True  # a ring function (cmatmul_pass.sharing): the ring of a site's collective and dots
+        if callee not in memo:
+            memo[callee] = False  # (a recursive call: not pure, until shown)
+            function = next((f.operation for f in module_body.operations if f.operation.name == "func.func"
+                             and ir.StringAttr(f.operation.attributes["sym_name"]).value == callee), None)
+            memo[callee] = function is not None and all(
+                _pure(inner.operation, module_body, memo) for block in function.regions[0].blocks
+                for inner in block.operations)
+        return memo[callee]
+    if not name.startswith(("stablehlo.", "sdy.")) and name != "func.return":
+        return False
+    return all(_pure(inner.operation, module_body, memo) for region in op.regions for block in region.blocks
+               for inner in block.operations)
+
+
+def _erase_unread(region: ir.Operation, dropped: list[ir.Value], module_body: ir.Block,
+                  positions: bool = False) -> set[int]:
+    """Erase the ops of ``region``'s body that no one reads once its return no longer reads
+    ``dropped`` (the ops computing them, then the ops only those read, and so on; pure ones only);
+    with ``positions``, returns the positions of the erased ops, and of the ops nested in them, in
+    ``region``'s pre-order walk."""
+    body = _body(region)
+    starts: dict[int, int] = {}  # a body op (by its hash: its address) -> its position in the walk
+    if positions:
+        at = 1
+        for op in body.operations:
+            op = op.operation
+            starts[hash(op)] = at
+            at += 1 + (_nested_count(op) if len(op.regions) else 0)
+    memo: dict = {}
+    erased: set[int] = set()
+    gone: set[int] = set()  # the erased ops, by address (no op is made meanwhile: none takes one)
+    stack = [v.owner for v in dropped if not isinstance(v.owner, ir.Block)]
+    while stack:
+        op = stack.pop().operation
+        key = hash(op)
+        if key in gone or not len(op.results) or any(True for r in op.results for _ in r.uses) \
+                or not _pure(op, module_body, memo):
+            continue
+        if positions:
+            erased.update(range(starts[key], starts[key] + 1 + (_nested_count(op) if len(op.regions) else 0)))
+        operands = list(op.operands)
+        gone.add(key)
+        op.erase()
+        stack.extend(v.owner for v in operands if not isinstance(v.owner, ir.Block))
+    return erased
+
+
+def _return_only(body: ir.Block, results: list[int]) -> list[ir.Value]:
+    """Make ``body``'s return return only its values for ``results``; returns the others."""
+    terminator = body.operations[len(body.operations) - 1]
+    returned = list(terminator.operands)
+    with ir.InsertionPoint(terminator):
+        sdy.ReturnOp([returned[i] for i in results], loc=terminator.location)
+    terminator.erase()
+    kept = set(results)
+    return [value for i, value in enumerate(returned) if i not in kept]
+
+
+def _nested_count(op: ir.Operation) -> int:
+    return sum(1 + _nested_count(inner.operation) for region in op.regions for block in region.blocks
+               for inner in block.operations)
 
 
 class _Fingerprint:
@@ -664,8 +990,8 @@ class _Fingerprint:
         # copy in turn (a module and a function made once, not per region)
         self._scratch: dict[tuple, tuple[ir.Module, ir.Block]] = {}
 
-    def _scratch_for(self, region: ir.Operation) -> tuple[ir.Module, ir.Block]:
-        types = tuple(v.type for v in region.operands)
+    def _scratch_for(self, region: ir.Operation, types: tuple | None = None) -> tuple[ir.Module, ir.Block]:
+        types = tuple(v.type for v in region.operands) if types is None else types
         held = self._scratch.get(types)
         if held is None:
             with region.context, ir.Location.unknown() as unknown:
@@ -691,6 +1017,28 @@ class _Fingerprint:
         module.operation.write_bytecode(written)
         copy.erase()  # the block is empty again, for the next region of these types
         return written.getvalue()
+
+    def trimmed(self, twin: ir.Operation, results: list[int]) -> tuple[bytes, list[int], frozenset] | None:
+        """The fingerprint of ``twin`` returning only its results ``results``, without the ops no
+        one then reads (:func:`_erase_unread`) and the operands only they read; and those operands
+        (the twin's indices), and the positions of the ops left out in the twin's pre-order walk."""
+        module, entry = self._scratch_for(twin)
+        with twin.context, ir.InsertionPoint(entry):
+            copy = twin.clone().operation
+        for index, argument in enumerate(entry.arguments):
+            copy.operands[index] = argument
+        dropped = _erase_unread(copy, _return_only(_body(copy), results), _module_body(twin), positions=True)
+        body = _body(copy)
+        arguments = [i for i, a in enumerate(body.arguments) if any(True for _ in a.uses)]
+        trimmed_module, trimmed_entry = self._scratch_for(twin, tuple(twin.operands[i].type for i in arguments))
+        final = _reshaped(copy, results, arguments, list(trimmed_entry.arguments), ir.InsertionPoint(trimmed_entry),
+                          returning=False)
+        copy.erase()
+        self.strip(trimmed_module)
+        written = io.BytesIO()
+        trimmed_module.operation.write_bytecode(written)
+        final.erase()
+        return written.getvalue(), arguments, frozenset(dropped)
 
 
 def _module_body(op: ir.Operation) -> ir.Block:

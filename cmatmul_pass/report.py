@@ -83,6 +83,9 @@ class Report:
     #: (the last region rewritten the usual way too, against the first; not agreed: the group's
     #: regions are rewritten the usual way)
     layer_checks: list[dict] = field(default_factory=list)
+    #: layers rewritten as a trimmed copy of another (``replay.Trim``: a first layer's backward, which
+    #: returns no input gradient): each such function -> {"of": the function it trims, "called_at": location}
+    trimmed: dict[str, dict] = field(default_factory=dict)
 
     @property
     def rewritten(self) -> list[SiteReport]:
@@ -99,6 +102,7 @@ class Report:
             "sites": [asdict(s) for s in self.sites],
             "layers": self.layers,
             **({"layer_checks": self.layer_checks} if self.layer_checks else {}),
+            **({"trimmed": self.trimmed} if self.trimmed else {}),
         }
 
     def to_json(self) -> str:
@@ -112,9 +116,16 @@ class Report:
         if self.layers:
             calls = sum(map(len, self.layers.values()))
             line += f"; {calls} identical layers are calls of {len(self.layers)} rewritten one(s)"
-        if self.layer_checks:
-            differed = sum(1 for check in self.layer_checks if not check["agreed"])
-            line += f"; {len(self.layer_checks)} group(s) checked against their last layer, {differed} differed"
+        if self.trimmed:
+            line += f"; {len(self.trimmed)} more a trimmed copy of one (fewer results, no ops only those need)"
+        groups = [check for check in self.layer_checks if not check.get("trimmed")]
+        if groups:
+            differed = sum(1 for check in groups if not check["agreed"])
+            line += f"; {len(groups)} group(s) checked against their last layer, {differed} differed"
+        trims = [check for check in self.layer_checks if check.get("trimmed")]
+        if trims:
+            differed = sum(1 for check in trims if not check["agreed"])
+            line += f"; {len(trims)} trimmed layer(s) checked against a rewrite of their own, {differed} differed"
         return line
 
 

@@ -138,8 +138,12 @@ def test_replay_gives_what_the_pass_gives_without_it(lowered, model, debug_info,
     monkeypatch.setattr(replay._Replay, "agrees", lambda self, *a: checks.append(agrees(self, *a)) or checks[-1])
     replayed = cmatmul_pass.rewrite(text, options, context=context)
     assert calls and all(calls)  # both groups replayed into their other layers
-    assert checks == ([True, True] if check else [])  # each group's probe agreed (or there was none)
+    trimmed = replayed.report.trimmed  # the backward's first layer, which returns no input gradient
+    assert len(trimmed) == (psums == "default"), trimmed  # (split psums: none, see replay.Trim)
+    # each group's probe agreed, and each trimmed layer (or there was none)
+    assert checks == ([True] * (2 + len(trimmed)) if check else [])
     assert [c["agreed"] for c in replayed.report.layer_checks] == checks
+    assert [bool(c.get("trimmed")) for c in replayed.report.layer_checks] == [False, False, *[True] * len(trimmed)][:len(checks)]
     assert ("layer_checks" in replayed.report.to_dict()) == check
     assert ("2 group(s) checked against their last layer, 0 differed" in replayed.report.summary()) == check
     plain = _without_replay(text, context, options)
@@ -150,9 +154,12 @@ def test_replay_gives_what_the_pass_gives_without_it(lowered, model, debug_info,
         for c in calls:
             named.setdefault("@" + ir.FlatSymbolRefAttr(c.attributes["callee"]).value, []).append(
                 ir_utils.render_location(c.location, "<input>"))
-    assert replayed.report.layers == named and len(named) == 2, (replayed.report.layers, named)
-    assert f"{len(calls)} identical layers are calls of 2 rewritten one(s)" in replayed.report.summary()
-    assert replayed.report.to_dict()["layers"] == named and not plain.report.layers
+    trims = {name: [t["called_at"]] for name, t in trimmed.items()}
+    assert {**replayed.report.layers, **trims} == named and len(replayed.report.layers) == 2, (replayed.report.layers, named)
+    assert all(t["of"] in replayed.report.layers for t in trimmed.values())
+    assert f"{len(calls) - len(trims)} identical layers are calls of 2 rewritten one(s)" in replayed.report.summary()
+    assert replayed.report.to_dict()["layers"] == replayed.report.layers and not plain.report.layers
+    assert replayed.report.to_dict().get("trimmed", {}) == trimmed and not plain.report.trimmed
     got, want = _compare(replayed, plain, context)
     assert got[0] == want[0]
     assert got[1] == want[1]
@@ -246,10 +253,12 @@ def test_a_replayed_training_step_computes_what_the_original_does(model, monkeyp
     calls = _replays(monkeypatch)
     result = cmatmul_pass.rewrite(text)
     assert calls and all(calls) and result.report.layers
+    assert result.report.trimmed  # the first layer's backward: a trimmed copy of the others'
     outcome = execute.check_numerics(ir_utils.parse(text), result.module)
     assert outcome.ok, outcome.format()
     jitted = cmatmul_pass.jit(fn)
-    assert jitted.lower(*args).report.layers  # the decorator's path replays too
+    report = jitted.lower(*args).report
+    assert report.layers and report.trimmed  # the decorator's path replays and trims too
     concrete = jax.tree_util.tree_map(
         lambda s: jax.device_put(np.random.default_rng(0).normal(size=s.shape).astype(s.dtype), s.sharding), args)
     want, got = fn(*concrete), jitted(*concrete)
@@ -379,3 +388,128 @@ def test_a_location_string_is_a_hole_only_where_it_is_whole():
     assert made.location == "h.py:7:2"
     assert made.notes == ["reads f.py:3:12 and g.py:10:50, then h.py:7:2 and h.py:8:4"]
     assert replay._location_pattern({}) is None
+
+
+def _layer_functions(module) -> list[str]:
+    return [name for f in module.body.operations if f.operation.name == "func.func"
+            for name in [ir.StringAttr(f.attributes["sym_name"]).value] if name.startswith(replay.LAYER_PREFIX)]
+
+
+def test_the_first_layers_backward_is_a_trimmed_copy_and_saves_its_sites(monkeypatch):
+    """At 4 layers the backward's first layer returns no input gradient: it is the others' region
+    without that result and its ops, so it calls a trimmed copy of their rewritten region; its 7
+    weight-gradient psums are not matched again (14 matched without it)."""
+    from cmatmul_pass import pipeline
+    fn, args = bench.MODELS["sequence_parallel"](4)
+    text = fn.lower(*args).as_text()
+    matched = []
+    match = pipeline.match_all_reduce
+    monkeypatch.setattr(pipeline, "match_all_reduce", lambda op, info: matched.append(op) or match(op, info))
+    trimmed = cmatmul_pass.rewrite(text)
+    (name, what), = trimmed.report.trimmed.items()
+    assert what["of"] in trimmed.report.layers and name not in trimmed.report.layers
+    assert "; 1 more a trimmed copy of one" in trimmed.report.summary()
+    assert len(matched) == 7
+    with trimmed.module.context:
+        assert name[1:] in _layer_functions(trimmed.module)
+    matched.clear()
+    monkeypatch.setattr(replay, "_trims", lambda *a: None)
+    plain = cmatmul_pass.rewrite(text)
+    assert len(matched) == 14 and not plain.report.trimmed
+    assert [vars(e)["location"] for e in plain.report.sites] == [vars(e)["location"] for e in trimmed.report.sites]
+
+
+def test_a_region_unlike_the_twin_trimmed_is_not_trimmed(lowered):
+    """The backward's first layer with one op changed (a negate of its norm's backward made an
+    abs): not the twin trimmed, so rewritten the usual way."""
+    text = lowered["sequence_parallel"].as_text()
+    regions = text.split("sdy.manual_computation")
+    assert "stablehlo.negate" in regions[-1]
+    changed = "sdy.manual_computation".join(regions[:-1] + [regions[-1].replace("stablehlo.negate", "stablehlo.abs", 1)])
+    assert cmatmul_pass.rewrite(text).report.trimmed
+    result = cmatmul_pass.rewrite(changed)
+    assert result.report.layers and not result.report.trimmed
+    assert execute.check_numerics(ir_utils.parse(changed), result.module).ok
+
+
+def test_a_trimmed_layer_unlike_its_own_rewrite_is_left_as_rewritten(lowered, monkeypatch):
+    """With the check on, the trimmed region is rewritten the usual way too; where that differs
+    from the trimmed copy (forced here), it stays as rewritten and the report says it differed."""
+    text = lowered["megatron"].as_text()
+    context = make_context()
+    monkeypatch.setattr(replay, "CHECK", True)
+    agrees = replay._Replay.agrees
+    monkeypatch.setattr(replay._Replay, "agrees",
+                        lambda self, probe, *a: False if probe.name == replay.MANUAL and len(self.group.members) == 1
+                        and self.twin.parent.name == "func.func" else agrees(self, probe, *a))
+    result = cmatmul_pass.rewrite(text, context=context)
+    assert not result.report.trimmed
+    assert [(c["agreed"], c.get("trimmed", False)) for c in result.report.layer_checks] == [(True, False), (True, False),
+                                                                                          (False, True)]
+    assert "1 trimmed layer(s) checked against a rewrite of their own, 1 differed" in result.report.summary()
+    with context:
+        assert len(_layer_functions(result.module)) == 2  # the groups' functions: the trimmed one erased
+    plain = _without_replay(text, context)
+    got, want = _compare(result, plain, context)
+    assert got[0] == want[0] and got[2] == want[2]
+
+
+def test_only_pure_ops_are_erased_for_being_unread():
+    """What trimming may drop: StableHLO ops (collectives too), calls of functions of such ops; not
+    a custom call, nor a call of a function holding one."""
+    module = ir_utils.parse("""
+      func.func private @effect(%x: tensor<2xf32>) -> tensor<2xf32> {
+        %0 = stablehlo.custom_call @host_callback(%x) {has_side_effect = true} : (tensor<2xf32>) -> tensor<2xf32>
+        return %0 : tensor<2xf32>
+      }
+      func.func private @plain(%x: tensor<2xf32>) -> tensor<2xf32> {
+        %0 = stablehlo.add %x, %x : tensor<2xf32>
+        return %0 : tensor<2xf32>
+      }
+      func.func @main(%x: tensor<2xf32>) -> tensor<2xf32> {
+        %0 = func.call @effect(%x) : (tensor<2xf32>) -> tensor<2xf32>
+        %1 = func.call @plain(%x) : (tensor<2xf32>) -> tensor<2xf32>
+        %2 = stablehlo.custom_call @host_callback(%x) {has_side_effect = true} : (tensor<2xf32>) -> tensor<2xf32>
+        %3 = "stablehlo.all_reduce"(%x) ({
+        ^bb0(%a: tensor<f32>, %b: tensor<f32>):
+          %s = stablehlo.add %a, %b : tensor<f32>
+          stablehlo.return %s : tensor<f32>
+        }) {replica_groups = dense<[[0, 1]]> : tensor<1x2xi64>} : (tensor<2xf32>) -> tensor<2xf32>
+        return %x : tensor<2xf32>
+      }""")
+    with module.context:
+        main = module.body.operations[2]
+        ops = [op.operation for op in main.regions[0].blocks[0].operations]
+        assert [replay._pure(op, module.body, {}) for op in ops[:4]] == [False, True, False, True]
+
+
+_GATHERED = """
+module {
+  sdy.mesh @mesh = <["x"=2]>
+  func.func @main(%a: tensor<4x2xf32>, %w: tensor<2x2xf32>) -> (tensor<4x2xf32>, tensor<2x4xf32>) {
+    %0:2 = sdy.manual_computation(%a, %w) in_shardings=[<@mesh, [{"x"}, {}]>, <@mesh, [{}, {}]>]
+        out_shardings=[<@mesh, [{}, {}]>, <@mesh, [{}, {}]>] manual_axes={"x"}
+        (%x: tensor<2x2xf32>, %v: tensor<2x2xf32>) {
+      %g = "stablehlo.all_gather"(%x) {all_gather_dim = 0 : i64, replica_groups = dense<[[0, 1]]> : tensor<1x2xi64>}
+          : (tensor<2x2xf32>) -> tensor<4x2xf32>
+      %d = stablehlo.dot_general %g, %v, contracting_dims = [1] x [0] : (tensor<4x2xf32>, tensor<2x2xf32>) -> tensor<4x2xf32>
+      %r = stablehlo.reshape READ : (tensor<4x2xf32>) -> tensor<4x2xf32>
+      %t = stablehlo.transpose %r, dims = [1, 0] : (tensor<4x2xf32>) -> tensor<2x4xf32>
+      sdy.return %d, %t : tensor<4x2xf32>, tensor<2x4xf32>
+    } : (tensor<4x2xf32>, tensor<2x2xf32>) -> (tensor<4x2xf32>, tensor<2x4xf32>)
+    return %0#0, %0#1 : tensor<4x2xf32>, tensor<2x4xf32>
+  }
+}"""
+
+
+@pytest.mark.parametrize("read, reads_gather", [("%g", True), ("%d", False)])
+def test_a_region_lacking_a_reader_of_a_gathered_value_is_not_trimmed(read, reads_gather):
+    """A trimmed region whose lacking ops read a gathered value it holds (through a reshape here)
+    would leave the twin's ring assembling that value for them: not trimmed.  Reading the dot's
+    result instead is fine.  (Positions: the region 0, the gather 1, the dot 2, reshape 3, transpose 4.)"""
+    module = ir_utils.parse(_GATHERED.replace("READ", read))
+    with module.context:
+        (region,) = replay._top_level_regions(module)
+        assert replay._reads_a_gather(region, frozenset({3, 4})) is reads_gather
+        assert replay._reads_a_gather(region, frozenset({4})) is reads_gather  # (the reshape held: followed)
+        assert replay._reads_a_gather(region, frozenset()) is False

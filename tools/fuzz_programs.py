@@ -611,7 +611,7 @@ class Tally:
     sites_rewritten: int = 0
     sites_shared: int = 0  # rewritten sites that call a shared ring function
     layer_calls: int = 0  # regions that became calls of a replayed layer (cmatmul_pass.replay)
-    layer_checks: int = 0  # groups of identical regions checked against their last (replay.CHECK)
+    layer_checks: int = 0  # groups of identical regions checked against their last, trimmed regions too (replay.CHECK)
     differed: list = field(default_factory=list)  # (spec, variant, message): a last region unlike the first
     declined: Counter = field(default_factory=Counter)
     dtypes: Counter = field(default_factory=Counter)  # programs per element type
@@ -680,8 +680,9 @@ def check(spec: Spec, tally: Tally | None = None, variants=VARIANTS) -> Tally:
         tally.layer_checks += len(result.report.layer_checks)
         differed = [c for c in result.report.layer_checks if not c["agreed"]]
         if differed:
-            tally.differed.append((spec, name, "a group's last region came out unlike its first: "
-                                   + "; ".join(f"{c['first']} vs {c['last']}" for c in differed)))
+            tally.differed.append((spec, name, "a group's last region (or a trimmed one) came out unlike its first: "
+                                   + "; ".join(f"{c['first']} vs {c['last']}{' (trimmed)' if c.get('trimmed') else ''}"
+                                               for c in differed)))
         tally.declined.update(s.reason_code for s in result.report.declined)
         if not outcome.ok:
             tally.mismatches.append((spec, name, outcome.format()))
