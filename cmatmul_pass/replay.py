@@ -56,7 +56,7 @@ read the ops around it, which the trimmed region has fewer of, so a twin with a 
 gather carried past the ops after it) or a collective moved to its matmul is not trimmed
 (:func:`_reads_around`: the region is then rewritten the usual way after the calls, its entries
 last), nor any under ``all_reduce="split"``, nor a region whose lacking ops read a gathered value
-it holds (:func:`_reads_a_gather`: the twin's ring assembles it for them); with :data:`CHECK` the
+it holds (:func:`_gathered`: the twin's ring assembles it for them); with :data:`CHECK` the
 region is rewritten the usual way too and must come out as the trimmed copy.
 
 Not replayed: modules with a ``stablehlo.while`` (sinking and hoisting move collectives across
@@ -161,6 +161,7 @@ class Trim:
     results: list[int]  # the twin's result standing for each of the region's, ascending
     arguments: list[int]  # the twin's operand standing for each of the region's, ascending
     dropped: frozenset  # the twin's ops it lacks: their positions in the twin's pre-order walk
+    lacked: dict  # each of the twin's collectives (Plan.lacked's key) -> whether it lacks it (None: both)
     #: with :data:`CHECK` (the region rewritten the usual way and checked): its locations and places before the pass
     before: tuple = ()
 
@@ -251,17 +252,9 @@ class Plan:
         #: the op, whose address (which the bindings compare) an op the pass makes may take once it is erased
         self._lacked: dict[tuple, bool | None] = {}
         for g in groups:
-            for trim in g.trims:  # (a site's anchor is a collective)
-                at = 0
-                for op in _body(g.twin).operations:
-                    op = op.operation
-                    at += 1
-                    name = op.name
-                    if name in _COLLECTIVES:
-                        key, lost = (name, op.location.attr, *(r.type for r in op.results)), at in trim.dropped
-                        self._lacked[key] = lost if self._lacked.get(key, lost) == lost else None
-                    if len(op.regions):
-                        at += _nested_count(op)
+            for trim in g.trims:
+                for key, lost in trim.lacked.items():
+                    self._lacked[key] = lost if self._lacked.get(key, lost) == lost else None
 
     def lacked(self, op: ir.Operation | ir.OpView) -> bool | None:
         """Whether the region trimmed from a twin lacks the collective so named, located and typed
@@ -825,35 +818,10 @@ def _trims(region: ir.Operation, twin: ir.Operation, fingerprint: "_Fingerprint"
     trimmed = fingerprint.trimmed(twin, results)
     if trimmed is None:
         return None
-    data, arguments, dropped = trimmed
-    if len(arguments) != len(region.operands) or fingerprint(region) != data or _reads_a_gather(twin, dropped):
+    data, arguments, erased = trimmed
+    if erased.reads_a_gather or len(arguments) != len(region.operands) or fingerprint(region) != data:
         return None
-    return Trim(region, results, arguments, dropped)
-
-
-def _reads_a_gather(twin: ir.Operation, dropped: frozenset) -> bool:
-    """Does an op the trimmed region lacks read a gathered value it holds (an all_gather's result,
-    or one through layout ops)?  The twin's ring then assembles the gathered value for it, which
-    the trimmed region's ring would not (so trimming the twin would keep that work)."""
-    ops, lost, at = [], [], 0
-    for op in _body(twin).operations:
-        op = op.operation
-        at += 1
-        ops.append(op)
-        lost.append(at in dropped)
-        if len(op.regions):
-            at += _nested_count(op)
-    held = {hash(op) for op, gone in zip(ops, lost) if not gone}  # (by address: no op is made meanwhile)
-    for op, gone in zip(ops, lost):
-        for value in op.operands if gone else ():
-            while not isinstance(value.owner, ir.Block) and hash(value.owner.operation) in held:
-                producer = value.owner.operation
-                if producer.name == "stablehlo.all_gather":
-                    return True
-                if producer.name not in LAYOUT_OPS:
-                    break
-                value = producer.operands[0]
-    return False
+    return Trim(region, results, arguments, erased.positions, erased.lacked)
 
 
 def without_pass_through(region: ir.Operation, through: dict[int, int]) -> ir.Operation:
@@ -927,21 +895,26 @@ def _pure(op: ir.Operation, module_body: ir.Block, memo: dict) -> bool:
 
 
 def _erase_unread(region: ir.Operation, dropped: list[ir.Value], module_body: ir.Block,
-                  positions: bool = False) -> set[int]:
+                  plan: bool = False) -> "_Erased | None":
     """Erase the ops of ``region``'s body that no one reads once its return no longer reads
-    ``dropped`` (the ops computing them, then the ops only those read, and so on; pure ones only);
-    with ``positions``, returns the positions of the erased ops, and of the ops nested in them, in
-    ``region``'s pre-order walk."""
+    ``dropped`` (the ops computing them, then the ops only those read, and so on; pure ones only).
+    With ``plan`` (a copy of a twin, trimmed to compare with a region), returns what
+    :class:`_Erased` says."""
     body = _body(region)
     starts: dict[int, int] = {}  # a body op (by its hash: its address) -> its position in the walk
-    if positions:
+    collectives = []  # (hash, key) of each collective in the body (:meth:`Plan.lacked`)
+    if plan:
         at = 1
         for op in body.operations:
             op = op.operation
             starts[hash(op)] = at
+            name = op.name
+            if name in _COLLECTIVES:
+                collectives.append((hash(op), (name, op.location.attr, *(r.type for r in op.results))))
             at += 1 + (_nested_count(op) if len(op.regions) else 0)
     memo: dict = {}
     erased: set[int] = set()
+    read: list = []  # (hash, op) of each op an erased op read
     gone: set[int] = set()  # the erased ops, by address (no op is made meanwhile: none takes one)
     stack = [v.owner for v in dropped if not isinstance(v.owner, ir.Block)]
     while stack:
@@ -950,13 +923,44 @@ def _erase_unread(region: ir.Operation, dropped: list[ir.Value], module_body: ir
         if key in gone or not len(op.results) or any(True for r in op.results for _ in r.uses) \
                 or not _pure(op, module_body, memo):
             continue
-        if positions:
+        producers = [v.owner.operation for v in op.operands if not isinstance(v.owner, ir.Block)]
+        if plan:
             erased.update(range(starts[key], starts[key] + 1 + (_nested_count(op) if len(op.regions) else 0)))
-        operands = list(op.operands)
+            read += [(hash(p), p) for p in producers]
         gone.add(key)
         op.erase()
-        stack.extend(v.owner for v in operands if not isinstance(v.owner, ir.Block))
-    return erased
+        stack.extend(producers)
+    if not plan:
+        return None
+    lacked: dict = {}
+    for key, name in collectives:
+        lost = key in gone
+        lacked[name] = lost if lacked.get(name, lost) == lost else None
+    return _Erased(frozenset(erased), lacked, any(_gathered(p) for key, p in read if key not in gone))
+
+
+@dataclass(frozen=True)
+class _Erased:
+    """What trimming a copy of a twin erased: the positions of the erased ops (and of the ops nested
+    in them) in its pre-order walk; each collective's :meth:`Plan.lacked` key -> whether it was
+    erased (None: one erased, one kept); and whether an erased op read a gathered value that was kept
+    (:func:`_gathered`)."""
+
+    positions: frozenset
+    lacked: dict
+    reads_a_gather: bool
+
+
+def _gathered(op: ir.Operation) -> bool:
+    """Is ``op``'s result a gathered value: an all_gather, or layout ops of one?  The twin's ring then
+    assembles it for the ops a trimmed region lacks, which its own ring would not (so trimming the
+    twin would keep that work)."""
+    while op.name in LAYOUT_OPS:
+        owner = op.operands[0].owner
+        if isinstance(owner, ir.Block):
+            return False
+        op = owner.operation
+    return op.name == "stablehlo.all_gather"
 
 
 def _return_only(body: ir.Block, results: list[int]) -> list[ir.Value]:
@@ -1018,16 +1022,16 @@ class _Fingerprint:
         copy.erase()  # the block is empty again, for the next region of these types
         return written.getvalue()
 
-    def trimmed(self, twin: ir.Operation, results: list[int]) -> tuple[bytes, list[int], frozenset] | None:
+    def trimmed(self, twin: ir.Operation, results: list[int]) -> "tuple[bytes, list[int], _Erased]":
         """The fingerprint of ``twin`` returning only its results ``results``, without the ops no
         one then reads (:func:`_erase_unread`) and the operands only they read; and those operands
-        (the twin's indices), and the positions of the ops left out in the twin's pre-order walk."""
+        (the twin's indices), and what trimming erased (:class:`_Erased`)."""
         module, entry = self._scratch_for(twin)
         with twin.context, ir.InsertionPoint(entry):
             copy = twin.clone().operation
         for index, argument in enumerate(entry.arguments):
             copy.operands[index] = argument
-        dropped = _erase_unread(copy, _return_only(_body(copy), results), _module_body(twin), positions=True)
+        erased = _erase_unread(copy, _return_only(_body(copy), results), _module_body(twin), plan=True)
         body = _body(copy)
         arguments = [i for i, a in enumerate(body.arguments) if any(True for _ in a.uses)]
         trimmed_module, trimmed_entry = self._scratch_for(twin, tuple(twin.operands[i].type for i in arguments))
@@ -1038,7 +1042,7 @@ class _Fingerprint:
         written = io.BytesIO()
         trimmed_module.operation.write_bytecode(written)
         final.erase()
-        return written.getvalue(), arguments, frozenset(dropped)
+        return written.getvalue(), arguments, erased
 
 
 def _module_body(op: ir.Operation) -> ir.Block:

@@ -504,12 +504,14 @@ module {
 
 @pytest.mark.parametrize("read, reads_gather", [("%g", True), ("%d", False)])
 def test_a_region_lacking_a_reader_of_a_gathered_value_is_not_trimmed(read, reads_gather):
-    """A trimmed region whose lacking ops read a gathered value it holds (through a reshape here)
-    would leave the twin's ring assembling that value for them: not trimmed.  Reading the dot's
-    result instead is fine.  (Positions: the region 0, the gather 1, the dot 2, reshape 3, transpose 4.)"""
+    """Trimmed of its second result, the region lacks the transpose and the reshape it reads; where
+    that reshape reads a gathered value the trimmed region holds, the twin's ring would assemble it
+    for them: not trimmed.  Reading the dot's result instead is fine."""
     module = ir_utils.parse(_GATHERED.replace("READ", read))
     with module.context:
         (region,) = replay._top_level_regions(module)
-        assert replay._reads_a_gather(region, frozenset({3, 4})) is reads_gather
-        assert replay._reads_a_gather(region, frozenset({4})) is reads_gather  # (the reshape held: followed)
-        assert replay._reads_a_gather(region, frozenset()) is False
+        _, arguments, erased = replay._Fingerprint(module.context).trimmed(region, [0])
+        assert erased.reads_a_gather is reads_gather
+        assert erased.positions == {3, 4} and arguments == [0, 1]  # (the region 0, gather 1, dot 2)
+        assert erased.lacked == {("stablehlo.all_gather", region.regions[0].blocks[0].operations[0].location.attr,
+                                  region.regions[0].blocks[0].operations[0].results[0].type): False}
