@@ -699,30 +699,40 @@ def test_ab_pass_times_an_earlier_commit_beside_this_checkout(tmp_path):
     assert sys.path == path
 
 
-def test_the_thirteenth_session_paragraph_quotes_its_runs():
-    """docs/performance.md's thirteenth-session paragraph: its table is the stored `--only-pass-cost`
-    run's, its further runs, ranges and ratios the stored ones'; the summary quotes the ratios and
-    the ranges."""
+def _session_runs(session: str, until: str) -> tuple:
+    """docs/performance.md's ``session`` paragraph (up to the ``until`` one) and the summary, with
+    the paragraph's table checked against the stored `--only-pass-cost` run
+    (``results_pass_cost_2026-11-28_<session>.json``) and its further runs at 4 and 8 layers
+    (``..._{2,3}.json``) and the ranges of the three quoted: returns (section, summary, the first
+    run's and the further runs' rows by layers, the ranges' texts)."""
     doc = " ".join((bench.ROOT / "docs" / "performance.md").read_text().split())
     summary = " ".join((bench.ROOT / "docs" / "performance-summary.md").read_text().split())
-    section = doc[doc.index("**2026-11-28, thirteenth session"):doc.index("**2026-11-28, twelfth session")]
-    stored = json.loads((bench.ROOT / "bench" / "results_pass_cost_2026-11-28_thirteenth.json").read_text())
+    section = doc[doc.index(f"**2026-11-28, {session} session"):doc.index(until)]
+    stored = json.loads((bench.ROOT / "bench" / f"results_pass_cost_2026-11-28_{session}.json").read_text())
     for model, name in (("sequence_parallel", "sequence-parallel step"), ("megatron", "Megatron step")):
         rows = stored[f"pass_cost_{model}"]["per_layers"]
         assert [r["layers"] for r in rows] == [1, 4, 8, 16, 32]
         cells = " | ".join(f"{100 * r['jit_pass_over_lower_compile']:.2f} %" for r in rows)
         assert f"| {name} | {cells} |" in section, model
     first = {r["layers"]: r for r in stored["pass_cost_sequence_parallel"]["per_layers"]}
-    more = [{r["layers"]: r for r in json.loads((bench.ROOT / "bench" / f"results_pass_cost_2026-11-28_thirteenth_{i}.json")
+    more = [{r["layers"]: r for r in json.loads((bench.ROOT / "bench" / f"results_pass_cost_2026-11-28_{session}_{i}.json")
                                             .read_text())["pass_cost_sequence_parallel"]["per_layers"]} for i in (2, 3)]
     assert all(sorted(run) == [4, 8] for run in more)
-    assert f"compiled the 4-layer step in {first[4]['compile_s']:.2f} s there, in " \
-           f"{more[0][4]['compile_s']:.2f} and {more[1][4]['compile_s']:.2f} s" in section
     shares = {layers: [100 * run[layers]["jit_pass_over_lower_compile"] for run in [first, *more]] for layers in (4, 8)}
     assert (", ".join(f"{v:.2f}" for v in shares[4][1:]) + " % and " + ", ".join(f"{v:.2f}" for v in shares[8][1:])
             + " %") in section
     ranges = (f"{min(shares[4]):.2f}–{max(shares[4]):.2f} %", f"{min(shares[8]):.2f}–{max(shares[8]):.2f} %")
     assert f"at 4 layers {ranges[0]} and at 8 layers {ranges[1]} in the three" in section
+    return section, summary, first, more, shares, ranges
+
+
+def test_the_thirteenth_session_paragraph_quotes_its_runs():
+    """docs/performance.md's thirteenth-session paragraph: its table is the stored `--only-pass-cost`
+    run's, its further runs, ranges and ratios the stored ones'; the summary quotes the ratios and
+    the ranges."""
+    section, summary, first, more, shares, ranges = _session_runs("thirteenth", "**2026-11-28, twelfth session")
+    assert f"compiled the 4-layer step in {first[4]['compile_s']:.2f} s there, in " \
+           f"{more[0][4]['compile_s']:.2f} and {more[1][4]['compile_s']:.2f} s" in section
     assert f"{ranges[0]} and {ranges[1]} in three runs." in summary
     assert sum(v <= 3 for v in shares[4]) == 2  # "under the line in two runs of three at 4 layers"
     _ab_ratios_quoted("ab_pass_2026-11-28_thirteenth.json", "43daf1e", 60, section)
@@ -738,26 +748,9 @@ def test_the_twelfth_session_paragraph_quotes_its_runs():
     """docs/performance.md's twelfth-session paragraph: its table is the stored `--only-pass-cost`
     run's, its further runs and ratios the stored ones', its shares the stored profile's; the summary
     quotes the ratios and the ranges."""
-    doc = " ".join((bench.ROOT / "docs" / "performance.md").read_text().split())
-    summary = " ".join((bench.ROOT / "docs" / "performance-summary.md").read_text().split())
-    section = doc[doc.index("**2026-11-28, twelfth session"):doc.index("**2026-11-27, fifth session")]
-    stored = json.loads((bench.ROOT / "bench" / "results_pass_cost_2026-11-28_twelfth.json").read_text())
-    for model, name in (("sequence_parallel", "sequence-parallel step"), ("megatron", "Megatron step")):
-        rows = stored[f"pass_cost_{model}"]["per_layers"]
-        assert [r["layers"] for r in rows] == [1, 4, 8, 16, 32]
-        cells = " | ".join(f"{100 * r['jit_pass_over_lower_compile']:.2f} %" for r in rows)
-        assert f"| {name} | {cells} |" in section, model
-    first = {r["layers"]: r for r in stored["pass_cost_sequence_parallel"]["per_layers"]}
-    more = [{r["layers"]: r for r in json.loads((bench.ROOT / "bench" / f"results_pass_cost_2026-11-28_twelfth_{i}.json")
-                                            .read_text())["pass_cost_sequence_parallel"]["per_layers"]} for i in (2, 3)]
-    assert all(sorted(run) == [4, 8] for run in more)
+    section, summary, first, more, shares, ranges = _session_runs("twelfth", "**2026-11-27, fifth session")
     assert f"compiled the 4-layer step in {first[4]['compile_s']:.2f} s, against " \
            f"{more[1][4]['compile_s']:.2f} and {more[0][4]['compile_s']:.2f} s" in section
-    shares = {layers: [100 * run[layers]["jit_pass_over_lower_compile"] for run in [first, *more]] for layers in (4, 8)}
-    assert (", ".join(f"{v:.2f}" for v in shares[4][1:]) + " % and " + ", ".join(f"{v:.2f}" for v in shares[8][1:])
-            + " %") in section
-    ranges = (f"{min(shares[4]):.2f}–{max(shares[4]):.2f} %", f"{min(shares[8]):.2f}–{max(shares[8]):.2f} %")
-    assert f"at 4 layers {ranges[0]} and at 8 layers {ranges[1]} in the three" in section
     assert f"({ranges[0]} and {ranges[1]} in three runs)" in summary
     by_layers = _ab_ratios_quoted("ab_pass_2026-11-28_twelfth.json", "cdc2f6c", 60, section)
     assert f"to {by_layers[4]} and {by_layers[8]} of that" in summary
