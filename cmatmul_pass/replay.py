@@ -53,11 +53,12 @@ collectives it holds (:meth:`Plan.lacked`), read with its locations.  Sound as a
 rewritten twin computes what its body computes, and trimming keeps the rest.  That the pass
 would have chosen the same in it is the further claim again, and weaker: a site's rewrite may
 read the ops around it, which the trimmed region has fewer of, so a twin with a split psum (its
-gather carried past the ops after it) or a collective moved to its matmul is not trimmed
-(:func:`_reads_around`: the region is then rewritten the usual way after the calls, its entries
-last), nor any under ``all_reduce="split"``, nor a region whose lacking ops read a gathered value
-it holds (:func:`_gathered`: the twin's ring assembles it for them); with :data:`CHECK` the
-region is rewritten the usual way too and must come out as the trimmed copy.
+gather carried past the ops after it), a collective moved to its matmul or a site declined for
+what reads it is not trimmed (:func:`_reads_around`: the region is then rewritten the usual way
+after the calls, its entries last), nor any under ``all_reduce="split"``, nor a region whose
+lacking ops read a gathered value it holds (:func:`_gathered`: the twin's ring assembles it for
+them); with :data:`CHECK` the region is rewritten the usual way too and must come out as the
+trimmed copy.
 
 Not replayed: modules with a ``stablehlo.while`` (sinking and hoisting move collectives across
 loops and regions), groups whose gathers compete with another collective for a dot (which one
@@ -427,11 +428,18 @@ class Plan:
 
 
 def _reads_around(entry: SiteReport) -> bool:
-    """Was ``entry``'s site rewritten in a way that depends on more than its own ops: a psum split
-    (its gather carried forward past the row-wise ops after it, to where its value is read whole),
-    or a collective moved to its matmul (past the row-wise ops before it)?"""
+    """Did the pass decide ``entry``'s site by more than its own ops and what computes them: a psum
+    split (its gather carried forward past the row-wise ops after it, to where its value is read
+    whole), a collective moved to its matmul (past the row-wise ops before it), or a site declined
+    for what reads it (another reader of the product, a reader that is no dot, ...), which a
+    trimmed region may lack?"""
     split = entry.all_reduce is not None and entry.all_reduce.get("strategy") == "split"
-    return split or any(MOVED_NOTE in note for note in entry.notes)
+    declined = not entry.rewritten and entry.reason_code not in OWN_DECLINES
+    return split or declined or any(MOVED_NOTE in note for note in entry.notes)
+
+
+#: the declines that read only the site's own ops, what computes them and its shape
+OWN_DECLINES = frozenset({"producer_not_dot", "not_sum", "no_dim", "dynamic_shape", "policy", "min_bytes"})
 
 
 #: what the notes of a site the pipeline moved, merged, hoisted or sank say (pipeline.apply_moved)

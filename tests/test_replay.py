@@ -515,3 +515,18 @@ def test_a_region_lacking_a_reader_of_a_gathered_value_is_not_trimmed(read, read
         assert erased.positions == {3, 4} and arguments == [0, 1]  # (the region 0, gather 1, dot 2)
         assert erased.lacked == {("stablehlo.all_gather", region.regions[0].blocks[0].operations[0].location.attr,
                                   region.regions[0].blocks[0].operations[0].results[0].type): False}
+
+
+@pytest.mark.parametrize("code, refused", [("multiple_users", True), ("user_not_dot", True),
+                                           ("producer_not_dot", False), ("policy", False)])
+def test_a_twin_site_declined_for_its_readers_refuses_the_trim(code, refused):
+    """A site of the twin declined for what reads it (which the trimmed region may lack) would have
+    been rewritten in that region: the trim is refused.  A decline read off the site's own ops and
+    what computes them stands in both."""
+    from cmatmul_pass.report import SiteReport
+
+    entry = SiteReport(kind="dot_all_reduce", location="f.py:1:1", function="main", rewritten=False)
+    entry.reason_code = code
+    assert replay._reads_around(entry) is refused
+    entry.rewritten, entry.reason_code = True, ""
+    assert replay._reads_around(entry) is False
