@@ -266,15 +266,16 @@ class Plan:
         op = op.operation
         return self._lacked.get((op.name, op.location.attr, *(r.type for r in op.results)))
 
-    def _trim(self, g: Group, trim: Trim, name: str, twin_entries: list[SiteReport], indices: list[int],
-              report: Report, by_region: dict, inserted: dict, source: str, lacking: dict[int, bool],
-              take_channel: Callable[[], int] | None, phases: dict[int, int]) -> bool:
+    def _trim(self, g: Group, trim: Trim, name: str, indices: list[int], report: Report, by_region: dict,
+              inserted: dict, source: str, lacking: dict[int, bool], take_channel: Callable[[], int],
+              phases: list) -> bool:
         """Make ``trim.region`` a call of the group's rewritten twin (``name``'s) trimmed, in a function
-        of its own; its report entries are the twin's for the sites it holds (each a site whose
-        collective it holds: ``lacking``, by entry), read with its locations (with :data:`CHECK`: it
-        was rewritten the usual way, and must have come out so).  False where it cannot be (nothing
-        changed)."""
+        of its own; its report entries are the twin's (at ``indices`` in the report) for the sites it
+        holds (each a site whose collective it holds: ``lacking``, by entry), read with its locations
+        (with :data:`CHECK`: it was rewritten the usual way, and must have come out so).  False where
+        it cannot be (nothing changed)."""
         region = trim.region
+        twin_entries = [report.sites[i] for i in indices]
         locations = g.twin_before[0]
         held = []  # the twin's entries for sites the region holds
         for k, entry in enumerate(twin_entries):
@@ -286,9 +287,7 @@ class Plan:
                 held.append(k)
         trimmed_name = _layer_name(g.twin)
         final = _trimmed_function(g.twin, trim, trimmed_name)
-        if final is None or take_channel is None:
-            if final is not None:
-                final.parent.operation.erase()
+        if final is None:
             return False
         handles = {}  # the twin's channel handles -> the trimmed copy's own
         for op in _channel_ops(final):
@@ -316,7 +315,7 @@ class Plan:
                 final.parent.operation.erase()
                 return False
             made = dict(zip(held, entries))
-            for run in _runs(indices, [phases.get(id(report.sites[i])) for i in indices]):  # after the twin's (and copies')
+            for run in _runs(indices, phases):  # after the twin's (and copies')
                 inserted.setdefault(indices[run[-1]] + 1, ([], []))[0].extend(made[k] for k in run if k in made)
         report.trimmed[f"@{trimmed_name}"] = {"of": f"@{name}", "called_at": ir_utils.render_location(region.location, source)}
         _call(region, trimmed_name, [r.type for r in region.results])
@@ -352,13 +351,14 @@ class Plan:
         return out
 
     def finish(self, report: Report, regions_of: dict[int, ir.Block], competing: set, source: str,
-               lacking: dict[int, bool] | None = None, take_channel: Callable[[], int] | None = None,
-               phase_of: dict[int, int] | None = None) -> list[ir.Operation]:
+               lacking: dict[int, bool], take_channel: Callable[[], int], phase_of: dict[int, int]) -> list[ir.Operation]:
         """Replace the regions of each group (whose probe, if any, agrees with its twin) by calls
-        of the twin's rewritten region, adding their report entries; returns the regions to
-        rewrite the usual way instead."""
+        of the twin's rewritten region, and its trimmed region by a call of a trimmed copy, adding
+        their report entries; returns the regions to rewrite the usual way instead.  ``lacking``:
+        each twin entry (by id) -> whether the trimmed region lacks its site; ``phase_of``: each
+        entry (by id) -> the pipeline's phase that made it; ``take_channel``: a fresh handle."""
         leftover: list[ir.Operation] = []
-        phases = phase_of or {}
+        phases = [phase_of.get(id(entry)) for entry in report.sites]  # by report index (the report stays until the end)
         by_region: dict[ir.Block, list[int]] = {}  # a region's body -> its entries' indices
         for index, entry in enumerate(report.sites):
             region = regions_of.get(id(entry))
@@ -396,7 +396,7 @@ class Plan:
             for anchor, regions, after in ((rewritten[0], g.joiners, False), (rewritten[-1], g.rest, not g.checked)):
                 made = [copies[_body(r)] for r in regions if _body(r) in copies]
                 indices = by_region.get(anchor, [])
-                for run in _runs(indices, [phases.get(id(report.sites[i])) for i in indices]):
+                for run in _runs(indices, phases):
                     at = indices[run[-1]] + 1 if after else indices[run[0]]
                     inserted.setdefault(at, ([], []))[0 if after else 1].extend(
                         e for entries in made for e in (entries[k] for k in run))
@@ -410,10 +410,8 @@ class Plan:
                     _call(region, name, returns, g.result_maps.get(_body(region)))
             _outline(g.twin, name)
             for trim in g.trims:
-                if not self._trim(g, trim, name, [report.sites[i] for i in by_region.get(rewritten[0], [])],
-                                  by_region.get(rewritten[0], []), report, by_region, inserted, source, lacking or {},
-                                  take_channel, phases) \
-                        and not g.checked:
+                if not self._trim(g, trim, name, by_region.get(rewritten[0], []), report, by_region, inserted, source,
+                                  lacking, take_channel, phases) and not g.checked:
                     leftover.append(trim.region)
         if inserted:
             sites = []
@@ -467,12 +465,12 @@ def _trimmed_function(twin: ir.Operation, trim: Trim, name: str) -> ir.Operation
     return final
 
 
-def _runs(indices: list[int], phases: list | None = None) -> list[list[int]]:
-    """The runs of consecutive numbers in ``indices`` (ascending), as lists of positions in it;
-    with ``phases`` (each index's), a run is of one phase too."""
+def _runs(indices: list[int], phases: list) -> list[list[int]]:
+    """The runs of consecutive numbers in ``indices`` (ascending) of one phase (``phases``: by
+    number), as lists of positions in it."""
     runs: list[list[int]] = []
     for k, index in enumerate(indices):
-        if runs and index == indices[k - 1] + 1 and (phases is None or phases[k] == phases[k - 1]):
+        if runs and index == indices[k - 1] + 1 and phases[index] == phases[index - 1]:
             runs[-1].append(k)
         else:
             runs.append([k])
@@ -823,10 +821,7 @@ def _trims(region: ir.Operation, twin: ir.Operation, fingerprint: "_Fingerprint"
             return None
         results.append(j)
         j += 1
-    trimmed = fingerprint.trimmed(twin, results)
-    if trimmed is None:
-        return None
-    data, arguments, erased = trimmed
+    data, arguments, erased = fingerprint.trimmed(twin, results)
     if erased.reads_a_gather or len(arguments) != len(region.operands) or fingerprint(region) != data:
         return None
     return Trim(region, results, arguments, erased.positions, erased.lacked)
@@ -891,7 +886,7 @@ def _pure(op: ir.Operation, module_body: ir.Block, memo: dict) -> bool:
         if callee not in memo:
             memo[callee] = False  # (a recursive call: not pure, until shown)
             function = next((f.operation for f in module_body.operations if f.operation.name == "func.func"
-                             and ir.StringAttr(f.operation.attributes["sym_name"]).value == callee), None)
+                             and ir_utils.symbol_name(f) == callee), None)
             memo[callee] = function is not None and all(
                 _pure(inner.operation, module_body, memo) for block in function.regions[0].blocks
                 for inner in block.operations)
