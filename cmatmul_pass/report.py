@@ -118,14 +118,11 @@ class Report:
             line += f"; {calls} identical layers are calls of {len(self.layers)} rewritten one(s)"
         if self.trimmed:
             line += f"; {len(self.trimmed)} more a trimmed copy of one (fewer results, no ops only those need)"
-        groups = [check for check in self.layer_checks if not check.get("trimmed")]
-        if groups:
-            differed = sum(1 for check in groups if not check["agreed"])
-            line += f"; {len(groups)} group(s) checked against their last layer, {differed} differed"
-        trims = [check for check in self.layer_checks if check.get("trimmed")]
-        if trims:
-            differed = sum(1 for check in trims if not check["agreed"])
-            line += f"; {len(trims)} trimmed layer(s) checked against a rewrite of their own, {differed} differed"
+        for trimmed, what in ((False, "group(s) checked against their last layer"),
+                              (True, "trimmed layer(s) checked against a rewrite of their own")):
+            checks = [check for check in self.layer_checks if bool(check.get("trimmed")) == trimmed]
+            if checks:
+                line += f"; {len(checks)} {what}, {sum(1 for check in checks if not check['agreed'])} differed"
         return line
 
 
