@@ -36,6 +36,7 @@ published numbers scaled by achievable fractions (see each profile).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field, replace
 
@@ -546,6 +547,12 @@ def scatter_signatures(n: int) -> list[bool]:
     return [r > 0 for r in range(n)]
 
 
+@functools.lru_cache(maxsize=1024)
+def _loop_run(signatures: tuple, unroll: int | None) -> tuple[int, int]:
+    """:func:`loop_run` of a :func:`_ring_plan`'s signatures (once per ring and unroll)."""
+    return loop_run(list(signatures), unroll)
+
+
 def loop_run(signatures: list, unroll: int | None) -> tuple[int, int]:
     """The rounds ``[lo, hi)`` the rewrite loops over, ``unroll`` per trip: the longest run of
     equal signatures (the first on ties), less the remainder, which goes before the loop;
@@ -571,16 +578,24 @@ def loop_run(signatures: list, unroll: int | None) -> tuple[int, int]:
 
 def rounds(shape: SiteShape, bidirectional: bool) -> list[Round]:
     """The rounds the rewrite emits (rewrites/all_gather_dot and dot_reduce_scatter)."""
-    n, b = shape.ring, shape.step_bytes
+    return list(_ring_plan(shape.kind, shape.ring, shape.step_bytes, _halves(shape, bidirectional), bidirectional)[0])
+
+
+@functools.lru_cache(maxsize=1024)
+def _ring_plan(kind: str, n: int, b: float, halves: bool, bidirectional: bool) -> tuple[tuple[Round, ...], tuple, bool]:
+    """:func:`rounds` of a ring of ``n`` moving ``b`` bytes a step (``halves``: a scatter's blocks
+    split, :func:`_halves`), their signatures, and whether a round sends both ways: worked out once
+    per geometry (a model's layers repeat them; the rounds are frozen)."""
     block = 1.0 / n
-    if shape.kind == "all_gather_dot":
+    if kind == "all_gather_dot":
         streams = gather_streams(n, bidirectional)
-        return [
+        plan = tuple(
             Round(block * sum(s.computes(r) for s in streams), tuple(b for s in streams if s.sends(r)), signature)
-            for r, signature in enumerate(gather_signatures(streams))
-        ]
-    sends = (b / 2, b / 2) if _halves(shape, bidirectional) else (b,)
-    return [Round(block, sends if receives else (), receives) for receives in scatter_signatures(n)]
+            for r, signature in enumerate(gather_signatures(streams)))
+    else:
+        sends = (b / 2, b / 2) if halves else (b,)
+        plan = tuple(Round(block, sends if receives else (), receives) for receives in scatter_signatures(n))
+    return plan, tuple(rnd.signature for rnd in plan), any(len(rnd.transfers) > 1 for rnd in plan)
 
 
 def _halves(shape: SiteShape, bidirectional: bool) -> bool:
@@ -771,12 +786,13 @@ def predict(shape: SiteShape, hw: Hardware, bidirectional: bool = False, unroll:
     trip = hw.trip(shape.kind, shape.flops / shape.ring)
     for name, (bidi, unr) in VARIANTS.items():
         if bidi not in plans:
-            plan, efficiency = rounds(shape, bidi), split_efficiency(shape, hw, bidi)
-            t_c = shape.flops / hw.throughput(shape.dtype) / efficiency  # as _Layout.of
-            plans[bidi] = plan, efficiency, _round_costs(plan, t_c, hw), [rnd.signature for rnd in plan]
-        plan, efficiency, costs, signatures = plans[bidi]
-        hidden = prediction.overlap[name] = hw.hidden(_variant_of(plan, unr))  # as emitted_variant
-        lo, hi = loop_run(signatures, unr)
+            plan, signatures, two_way = _ring_plan(shape.kind, shape.ring, shape.step_bytes, _halves(shape, bidi), bidi)
+            efficiency = split_efficiency(shape, hw, bidi)
+            t_c = shape.flops / rate / efficiency  # as _Layout.of
+            plans[bidi] = efficiency, _round_costs(plan, t_c, hw), signatures, two_way
+        efficiency, costs, signatures, two_way = plans[bidi]
+        hidden = prediction.overlap[name] = hw.hidden(variant_name(two_way, unr))  # as emitted_variant
+        lo, hi = _loop_run(signatures, unr)
         end = prediction.overlapped_s[name] = _last_end(_timed(costs, hidden, lo, hi, unr or 1, trip))
         prediction.speedup[name] = serial / end
         prediction.split_efficiency[name] = efficiency

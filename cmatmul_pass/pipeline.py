@@ -537,8 +537,11 @@ def _apply(
     pattern = _guarded(entry, rings.pattern, site) if rings else None
     # the layers of a model repeat their sites: predict once per pattern, or per site shape
     cached = predictions.get(pattern.key) if pattern else None
+    merged = None  # a gather's merge groups, where the cost model needed them too (the ring reads the same)
     if cached is None:
-        shape = site_shape(site, options.merge_dots)
+        if isinstance(site, AllGatherSite):
+            merged = merge_groups(site.consumers, options.merge_dots)
+        shape = site_shape(site, options.merge_dots, merged)
         cached = predictions.get(shape)
         if cached is None:
             prediction = cost.predict(shape, hw, options.bidirectional, options.rounds_per_trip)
@@ -560,7 +563,7 @@ def _apply(
     def build(site: Site) -> Applied:
         if isinstance(site, ReduceScatterSite):
             return rewrite_dot_reduce_scatter(site, ctx)
-        return rewrite_all_gather_dot(site, ctx)
+        return rewrite_all_gather_dot(site, ctx, merged if options.merge_dots == ctx.merge_dots else None)
 
     moved = _guarded(entry, hoist, site)
     shared = _guarded(entry, rings.share, site, pattern, rematch, build) if pattern else None
@@ -1042,13 +1045,17 @@ def _policy(options: Options, shape: cost.SiteShape, prediction: cost.Prediction
     return None
 
 
-def site_shape(site: AllGatherSite | ReduceScatterSite, merge_dots: bool = True) -> cost.SiteShape:
+def site_shape(site: AllGatherSite | ReduceScatterSite, merge_dots: bool = True,
+               merged: list | None = None) -> cost.SiteShape:
     """The cost model's view of a matched site (per device); ``merge_dots``: as the rewrite
-    will merge the gather's dots (Options.merge_dots), which sizes the ring's dots."""
+    will merge the gather's dots (Options.merge_dots), which sizes the ring's dots (``merged``:
+    a gather's :func:`merge_groups` so, where the caller has them)."""
     if isinstance(site, AllGatherSite):
         parts = site.consumers
         step = ir_utils.ranked_tensor(site.all_gather.operation.operands[0])
-        groups = [members for members, _ in merge_groups(site.consumers, merge_dots)]  # merged: one role
+        if merged is None:
+            merged = merge_groups(site.consumers, merge_dots)
+        groups = [members for members, _ in merged]  # merged: one role
     else:
         return _scatter_shape(site, ir_utils.ranked_tensor(site.reduce_scatter.result))
     return _shape(site, parts, step, groups)

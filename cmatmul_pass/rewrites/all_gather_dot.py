@@ -202,14 +202,19 @@ def merge_groups(consumers: list[Consumer], merge: bool) -> list[tuple[list[int]
     return order
 
 
-def _dot_groups(plans: list[_Plan], merge: bool) -> list[_DotGroup]:
-    """The plans grouped as :func:`merge_groups` groups their consumers."""
+def _dot_groups(plans: list[_Plan], merge: bool, merged: list | None = None) -> list[_DotGroup]:
+    """The plans grouped as :func:`merge_groups` groups their consumers (``merged``: its answer
+    for them, where the caller has it)."""
+    if merged is None:
+        merged = merge_groups([p.c for p in plans], merge)
     return [_DotGroup([plans[i] for i in members], *dims) if len(members) > 1 else _DotGroup([plans[members[0]]])
-            for members, dims in merge_groups([p.c for p in plans], merge)]
+            for members, dims in merged]
 
 
-def rewrite_all_gather_dot(site: AllGatherSite, ctx: RewriteContext) -> Applied:
-    """Replace ``site``'s all_gather and its consumer dots by one ring."""
+def rewrite_all_gather_dot(site: AllGatherSite, ctx: RewriteContext, merged: list | None = None) -> Applied:
+    """Replace ``site``'s all_gather and its consumer dots by one ring (``merged``: its consumers'
+    :func:`merge_groups` under ``ctx.merge_dots``, where the caller worked them out; a copy of the
+    site in a ring function groups as the site does)."""
     ag, n, dim = site.all_gather, site.ring.size, site.gather_dim
     shard = ag.operation.operands[0]
     shard_rows = ir.RankedTensorType(shard.type).shape[dim]
@@ -221,7 +226,7 @@ def rewrite_all_gather_dot(site: AllGatherSite, ctx: RewriteContext) -> Applied:
     loop_b = Builder(ir.Location.fused([ag.location] + [c.dot.location for c in site.consumers]), ctx.constants)
     comm = loop_b.at(ag.location)
     plans = [_Plan(c, n, loop_b, ctx) for c in site.consumers]
-    groups = _dot_groups(plans, ctx.merge_dots)
+    groups = _dot_groups(plans, ctx.merge_dots, merged)
     # more than one round or direction computing in one block: keep their dots apart
     tie = ctx.tie_rounds and (len(streams) > 1 or ctx.unroll != 1)
     barriers = DotBarriers(tie, site.insert_before.block)

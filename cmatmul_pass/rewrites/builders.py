@@ -135,15 +135,18 @@ class Builder:
     def constant(self, array: np.ndarray) -> ir.Value:
         return self.constant_of(ir.DenseElementsAttr.get(np.ascontiguousarray(array)))
 
+    def _index_types(self) -> tuple[ir.IntegerType, ir.RankedTensorType]:
+        """ui32 and tensor<ui32>, made once per pass run."""
+        return self._once(("index types",), lambda: (index_element_type(), index_scalar_type()))
+
     def index(self, value: int) -> ir.Value:
         """A ui32 index scalar (ring positions, offsets, loop counters: never negative)."""
-        def make() -> ir.Value:
-            attr = ir.DenseElementsAttr.get_splat(
-                index_scalar_type(), ir.IntegerAttr.get(index_element_type(), int(value))
-            )
-            return self.constant_of(attr)
+        def attribute() -> tuple[ir.DenseElementsAttr]:  # (each block's constant: one attribute per run)
+            element, scalar = self._index_types()
+            return (ir.DenseElementsAttr.get_splat(scalar, ir.IntegerAttr.get(element, int(value))),)
 
-        return self._cached(("index", int(value)), make)
+        return self._cached(("index", int(value)),
+                            lambda: self.constant_of(self._once(("index attribute", int(value)), attribute)[0]))
 
     def zeros(self, t: ir.RankedTensorType) -> ir.Value:
         def make() -> ir.Value:
@@ -218,12 +221,18 @@ class Builder:
         return nested.results[0]
 
     def _table_lookup(self, ring: Ring) -> ir.Value:
-        table_type = ir.RankedTensorType.get([ring.num_partitions], index_element_type())
-        table = self.constant_of(ir.DenseElementsAttr.get(ring.position_table(), type=table_type))
-        pid = self.create("stablehlo.partition_id", [index_scalar_type()], []).result
-        entry = self.create("stablehlo.dynamic_slice", [ir.RankedTensorType.get([1], index_element_type())],
-                            [table, pid], {"slice_sizes": ir.DenseI64ArrayAttr.get([1])}).result
-        return self.create("stablehlo.reshape", [index_scalar_type()], [entry]).result
+        def make() -> tuple:  # the table, an entry's type and the slice's attributes: once per ring and run
+            element, _ = self._index_types()
+            table_type = ir.RankedTensorType.get([ring.num_partitions], element)
+            return (ir.DenseElementsAttr.get(ring.position_table(), type=table_type),
+                    ir.RankedTensorType.get([1], element), {"slice_sizes": ir.DenseI64ArrayAttr.get([1])})
+
+        table_attr, entry_t, attributes = self._once(("position table", ring), make)
+        scalar = self._index_types()[1]
+        table = self.constant_of(table_attr)
+        pid = self.create("stablehlo.partition_id", [scalar], []).result
+        entry = self.create("stablehlo.dynamic_slice", [entry_t], [table, pid], attributes).result
+        return self.create("stablehlo.reshape", [scalar], [entry]).result
 
     def convert(self, value: ir.Value, element_type: ir.Type) -> ir.Value:
         t = ir.RankedTensorType(value.type)
