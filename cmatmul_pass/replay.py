@@ -127,6 +127,9 @@ class Group:
     #: ops only they need (:func:`_trims`): a model's first layer's backward, which returns no
     #: gradient for the model's input
     trims: list["Trim"] = field(default_factory=list)
+    #: the members located as the twin at every op before the pass (their bodies; their bytecode with
+    #: locations is the twin's: :func:`plan`)
+    located_as_twin: set = field(default_factory=set)
 
     @property
     def twin(self) -> ir.Operation:
@@ -482,7 +485,9 @@ class _Replay:
     locations.
 
     A region located as the twin at every op (layers written as a Python loop over one block)
-    takes the twin's entries as they are: one walk of its ops' locations.  For any other, the
+    takes the twin's entries as they are: its bytecode with locations, written when the groups
+    were found, is the twin's (:attr:`Group.located_as_twin`), or else one walk of its ops'
+    locations shows so.  For any other, the
     entries are read once from the twin (:meth:`_read`): which of its locations they render (a
     location string of an entry is a hole, :func:`_template`), and at which places among its ops
     before the pass each such string is rendered; such a region then costs a visit of the ops at
@@ -567,7 +572,8 @@ class _Replay:
         location string cannot be read one way (two of the twin's ops render it, and the
         region's two render differently).  ``region`` is the twin's op for op (it prints as the
         twin did before the pass), so a place leads to the same op in both."""
-        if self._templates is None and _locations(region) == self.group.twin_before[0]:
+        if self._templates is None and (_body(region) in self.group.located_as_twin
+                                        or _locations(region) == self.group.twin_before[0]):
             # located as the twin at every op (layers written as a Python loop over one block)
             if self._shared is None:  # the twin's fields as they are: its entries are done, and read from here on
                 self._shared = [vars(entry) for entry in self._entries]
@@ -733,12 +739,23 @@ def plan(regions: list[ir.Operation], check: bool = False, trims: bool = True) -
     # not printed
     counts = [(len(region.operands), len(region.results)) for region in regions]
     shared = Counter(counts)
-    by_body: dict[bytes, list[ir.Operation]] = {}
     fingerprint = _Fingerprint(regions[0].context)
+    # each region's bytecode with its locations (:meth:`_Fingerprint.located`): regions writing the same
+    # bytes are one body, located alike op for op (a Python loop's layers); only where regions of one
+    # count write two or more ways does the body without locations (:meth:`_Fingerprint.__call__`, one
+    # per way) tell which are one body
+    located: dict[ir.Block, bytes] = {}  # a region's body -> its bytecode with locations
+    ways: dict[tuple, dict[bytes, ir.Operation]] = {}  # a count -> each way its regions write -> the first
     for region, count in zip(regions, counts):
-        if shared[count] < 2:
-            continue
-        by_body.setdefault(fingerprint(region), []).append(region)
+        if shared[count] >= 2:
+            written = located[_body(region)] = fingerprint.located(region)
+            ways.setdefault(count, {}).setdefault(written, region)
+    body_of = {(count, written): written if len(firsts) == 1 else fingerprint(first)
+               for count, firsts in ways.items() for written, first in firsts.items()}
+    by_body: dict[bytes, list[ir.Operation]] = {}
+    for region, count in zip(regions, counts):
+        if shared[count] >= 2:
+            by_body.setdefault(body_of[count, located[_body(region)]], []).append(region)
     paired = {_body(m) for members in by_body.values() if len(members) > 1 for m in members}
     place = {_body(region): index for index, region in enumerate(regions)}
     groups = []
@@ -746,6 +763,7 @@ def plan(regions: list[ir.Operation], check: bool = False, trims: bool = True) -
         if len(members) < 2:
             continue
         group = Group(members, check)
+        group.located_as_twin = {_body(m) for m in members if located[_body(m)] == located[_body(group.twin)]}
         before = place[_body(group.twin)] - 1
         if before >= 0 and _body(regions[before]) not in paired:
             result_map = _joins(regions[before], group.twin, fingerprint)
@@ -1010,6 +1028,15 @@ class _Fingerprint:
     def __call__(self, region: ir.Operation, through: dict[int, int] | None = None) -> bytes:
         """The fingerprint of ``region``; with ``through`` (:func:`pass_through`), of ``region``
         without those results."""
+        return self._written(region, through, strip=True)
+
+    def located(self, region: ir.Operation) -> bytes:
+        """The fingerprint of ``region`` with its locations kept: two regions write the same bytes
+        exactly when they are one body (as :meth:`__call__` tells) and every op of one, and every
+        block argument, is located as the same one of the other."""
+        return self._written(region, None, strip=False)
+
+    def _written(self, region: ir.Operation, through: dict[int, int] | None, strip: bool) -> bytes:
         module, entry = self._scratch_for(region)
         with region.context, ir.InsertionPoint(entry):
             copy = region.clone().operation
@@ -1019,7 +1046,8 @@ class _Fingerprint:
             core = without_pass_through(copy, through)
             copy.erase()
             copy = core
-        self.strip(module)
+        if strip:
+            self.strip(module)
         written = io.BytesIO()
         module.operation.write_bytecode(written)
         copy.erase()  # the block is empty again, for the next region of these types
