@@ -740,22 +740,34 @@ def plan(regions: list[ir.Operation], check: bool = False, trims: bool = True) -
     counts = [(len(region.operands), len(region.results)) for region in regions]
     shared = Counter(counts)
     fingerprint = _Fingerprint(regions[0].context)
-    # each region's bytecode with its locations (:meth:`_Fingerprint.located`): regions writing the same
-    # bytes are one body, located alike op for op (a Python loop's layers); only where regions of one
-    # count write two or more ways does the body without locations (:meth:`_Fingerprint.__call__`, one
-    # per way) tell which are one body
+    # each region's bytecode with its locations (:meth:`_Fingerprint.located`): regions writing the
+    # same bytes are one body, located alike op for op (a Python loop's layers).  Only where a count's
+    # regions write two or more ways does the body without locations (:meth:`_Fingerprint.__call__`,
+    # once per way) tell which are one body; where a count's first two regions are located apart (a
+    # text parsed without debug info: each op at its own line), each of its regions is written
+    # without locations only
+    by_count: dict[tuple, list[ir.Operation]] = {}
+    for region, count in zip(regions, counts):
+        if shared[count] >= 2:
+            by_count.setdefault(count, []).append(region)
     located: dict[ir.Block, bytes] = {}  # a region's body -> its bytecode with locations
-    ways: dict[tuple, dict[bytes, ir.Operation]] = {}  # a count -> each way its regions write -> the first
-    for region, count in zip(regions, counts):
-        if shared[count] >= 2:
-            written = located[_body(region)] = fingerprint.located(region)
-            ways.setdefault(count, {}).setdefault(written, region)
-    body_of = {(count, written): written if len(firsts) == 1 else fingerprint(first)
-               for count, firsts in ways.items() for written, first in firsts.items()}
-    by_body: dict[bytes, list[ir.Operation]] = {}
-    for region, count in zip(regions, counts):
-        if shared[count] >= 2:
-            by_body.setdefault(body_of[count, located[_body(region)]], []).append(region)
+    keys: dict[ir.Block, tuple] = {}  # a region's body -> its group's (one body's)
+    for count, members in by_count.items():
+        first_two = [fingerprint.located(m) for m in members[:2]]
+        if first_two[0] != first_two[1]:
+            keys.update((_body(m), (count, fingerprint(m))) for m in members)
+            continue
+        firsts: dict[bytes, ir.Operation] = {}  # each way the count's regions write -> the first
+        for m, written in zip(members, first_two + [fingerprint.located(m) for m in members[2:]]):
+            located[_body(m)] = written
+            firsts.setdefault(written, m)
+        body_of = {written: written if len(firsts) == 1 else fingerprint(first) for written, first in firsts.items()}
+        keys.update((_body(m), (count, body_of[located[_body(m)]])) for m in members)
+    by_body: dict[tuple, list[ir.Operation]] = {}
+    for region in regions:
+        key = keys.get(_body(region))
+        if key is not None:
+            by_body.setdefault(key, []).append(region)
     paired = {_body(m) for members in by_body.values() if len(members) > 1 for m in members}
     place = {_body(region): index for index, region in enumerate(regions)}
     groups = []
@@ -763,7 +775,9 @@ def plan(regions: list[ir.Operation], check: bool = False, trims: bool = True) -
         if len(members) < 2:
             continue
         group = Group(members, check)
-        group.located_as_twin = {_body(m) for m in members if located[_body(m)] == located[_body(group.twin)]}
+        twin_written = located.get(_body(group.twin))
+        group.located_as_twin = {_body(m) for m in members
+                                 if twin_written is not None and located.get(_body(m)) == twin_written}
         before = place[_body(group.twin)] - 1
         if before >= 0 and _body(regions[before]) not in paired:
             result_map = _joins(regions[before], group.twin, fingerprint)
