@@ -28,6 +28,23 @@ def test_random_programs_under_every_variant(spec):
     assert tally.runs == len(fuzz_programs.VARIANTS)
 
 
+def test_a_chained_training_step_trims_its_first_layers_backward(monkeypatch):
+    """SP MLP layers called in a row under ``value_and_grad`` over the weights (``Spec.chained``):
+    the layers become calls of one rewritten forward and one rewritten backward, and the first
+    layer's backward, which returns no input gradient, a call of a trimmed copy (replay.Trim).
+    With ``replay.CHECK`` each group's last region and the trimmed one are rewritten the usual
+    way too and must come out as the calls do; every variant computes the original's numbers."""
+    from cmatmul_pass import replay
+
+    monkeypatch.setattr(replay, "CHECK", True)
+    spec = fuzz_programs.Spec(mesh_shape=(2, 4), devices=(3, 1, 0, 2, 7, 5, 4, 6), axes=("y",), kind="mlp", dim="m",
+                              side=0, batch=False, tiled=True, dtype="f32", consumers=1, reader=False,
+                              partial_manual=False, sizes=(2, 3, 2, 1), repeat=4, grad=True, chained=True)
+    tally = fuzz_programs.check(spec)
+    assert not tally.crashes and not tally.mismatches and not tally.differed, (tally.crashes, tally.mismatches)
+    assert tally.trimmed > 0 and tally.layer_calls > 0 and tally.layer_checks > 0
+
+
 def test_the_oracle_catches_a_miscompile(monkeypatch):
     """A ring sent the wrong way is reported as a mismatch, not passed."""
     from cmatmul_pass.rewrites import all_gather_dot

@@ -85,6 +85,11 @@ class Spec:
     #: step: the stack handed to the backward, the stacked gradient scattered after its loop)
     remat: bool = False
     grad: bool = False
+    #: mlp: the block called ``repeat`` times in a row, each call reading the last one's output (the
+    #: same weights), and the program ``value_and_grad`` of its loss over the weights only: a training
+    #: step of identical layers, whose first layer's backward returns no input gradient (the pass
+    #: calls a trimmed copy of the others' rewritten backward there: replay.Trim)
+    chained: bool = False
     #: rs: an RMS norm's backward applied to the product before the scatter (per row along the
     #: scattered dim: ``rs*dy - x*rs^3/c * sum(dy*x)`` with sums over the other dims, the product
     #: read twice), and the gain's gradient (the product times the normed rows, summed over the
@@ -140,6 +145,8 @@ class Spec:
         if self.kind == "scan" and self.grad:  # the input gradient's psum of the whole loop; under
             # remat the backward's layer behind remat's optimization_barrier (sunk, not ringed)
             return frozenset({"producer_not_dot", "user_not_dot", "layout", "multiple_users"})
+        if self.chained:  # a weight gradient's psum over a mesh axis the block does not shard, reading a scatter
+            return frozenset({"producer_not_dot"})
         if self.kind == "psum" and self.norm and self.dim == "k":
             # the norm's sums over the features need whole rows, and the rows do not divide: no dim
             return frozenset({"no_dim"})
@@ -219,6 +226,8 @@ def specs(draw, kinds: tuple[str, ...] | None = None, norm: bool | None = None, 
     )
     if spec.norm:
         spec = replace(spec, gain=draw(st.booleans()), cotangent=kind == "psum" and draw(st.booleans()))
+    if kind == "mlp" and draw(st.booleans()):  # a training step of chained layers (4 or more: a group and a trim)
+        spec = replace(spec, chained=True, grad=True, repeat=draw(st.sampled_from([3, 4, 5])))
     others = [a for a in names if a not in axes]
     if two_stage:
         assume(others)
@@ -586,7 +595,14 @@ def lower(spec: Spec) -> str:
     f = jax.shard_map(body, mesh=mesh, in_specs=tuple(s for _, s in args), out_specs=out_specs, check_vma=False, **kwargs)
     dtype = DTYPES[spec.dtype]
     structs = [jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=NamedSharding(mesh, s)) for shape, s in args]
-    if spec.repeat > 1:
+    if spec.chained:
+        single = f
+
+        def f(x, *weights):
+            for _ in range(spec.repeat):
+                x = single(x, *weights)
+            return x
+    elif spec.repeat > 1:
         single = f
 
         def f(*operands):
@@ -597,7 +613,8 @@ def lower(spec: Spec) -> str:
         def loss(*operands):
             return sum(jnp.sum(jnp.square(out.astype(jnp.float32))) for out in jax.tree.leaves(forward(*operands)))
 
-        f = jax.value_and_grad(loss, argnums=tuple(range(len(args))))
+        # a chain's gradient over the weights only: the first layer's backward returns none for its input
+        f = jax.value_and_grad(loss, argnums=tuple(range(1 if spec.chained else 0, len(args))))
 
     with jax.enable_x64(DTYPES[spec.dtype] == jnp.float64):
         return jax.jit(f).lower(*structs).as_text()
@@ -612,6 +629,7 @@ class Tally:
     sites_shared: int = 0  # rewritten sites that call a shared ring function
     layer_calls: int = 0  # regions that became calls of a replayed layer (cmatmul_pass.replay)
     layer_checks: int = 0  # groups of identical regions checked against their last, trimmed regions too (replay.CHECK)
+    trimmed: int = 0  # regions that became calls of a trimmed copy of a replayed layer (replay.Trim)
     differed: list = field(default_factory=list)  # (spec, variant, message): a last region unlike the first
     declined: Counter = field(default_factory=Counter)
     dtypes: Counter = field(default_factory=Counter)  # programs per element type
@@ -624,6 +642,7 @@ class Tally:
         return (
             f"programs {self.programs} ({dtypes}), variant runs {self.runs}, sites rewritten {self.sites_rewritten} "
             f"({self.sites_shared} calling a shared ring), regions replayed as layer calls {self.layer_calls}"
+            + (f" and as trimmed copies {self.trimmed}" if self.trimmed else "")
             + (f" (groups checked {self.layer_checks}, differed {len(self.differed)})" if self.layer_checks else "")
             + f", sites declined by reason: {reasons}; mismatches {len(self.mismatches)}, crashes {len(self.crashes)}"
         )
@@ -678,6 +697,7 @@ def check(spec: Spec, tally: Tally | None = None, variants=VARIANTS) -> Tally:
         tally.sites_shared += sum(1 for s in result.report.rewritten if s.shared_ring)
         tally.layer_calls += sum(map(len, result.report.layers.values()))
         tally.layer_checks += len(result.report.layer_checks)
+        tally.trimmed += len(result.report.trimmed)
         differed = [c for c in result.report.layer_checks if not c["agreed"]]
         if differed:
             tally.differed.append((spec, name, "a group's last region (or a trimmed one) came out unlike its first: "
