@@ -695,8 +695,15 @@ def test_ab_pass_times_an_earlier_commit_beside_this_checkout(tmp_path):
     (row,) = results["per_layers"]
     assert row["layers"] == 1 and row["base_median_s"] > 0 and row["head_median_s"] > 0
     assert row["ratio_q25"] <= row["ratio_median"] <= row["ratio_q75"]
+    assert results["path"] == "jit"
     assert not any(name.startswith(ab_pass.BASE_PACKAGE) for name in sys.modules)
     assert sys.path == path
+    # on the text (parse, rewrite, print): the same, the text's pass is timed
+    assert ab_pass.main(["HEAD", "--layers", "1", "--runs", "3", "--path", "text", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    (row,) = results["per_layers"]
+    assert results["path"] == "text" and row["base_median_s"] > 0 and row["head_median_s"] > 0
+    assert not any(name.startswith(ab_pass.BASE_PACKAGE) for name in sys.modules)
 
 
 def _session_runs(session: str, until: str) -> tuple:

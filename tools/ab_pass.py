@@ -8,6 +8,7 @@ module, the decorator's own options): each pair of runs sees the same machine, a
 of the paired ratios (this checkout's time over the earlier one's) is the change.
 
     python tools/ab_pass.py 4991bae --layers 4 8 --runs 30 --out bench/ab_pass.json
+    python tools/ab_pass.py 4991bae --path text    # the pass on the lowered text: parse, rewrite, print
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -50,16 +52,24 @@ def load_base(rev: str, into: Path):
     return importlib.import_module(BASE_PACKAGE)
 
 
-def compare(rev: str, layers_list: list[int], runs: int, model: str = "sequence_parallel") -> dict:
+#: what each run times: the pass as ``cmatmul_pass.jit`` runs it (a clone of jax's module, the
+#: decorator's options), or on the lowered program's text as the CLI and ``rewrite`` take it
+#: (parsed, rewritten with the default options, printed)
+PATHS = ("jit", "text")
+
+
+def compare(rev: str, layers_list: list[int], runs: int, model: str = "sequence_parallel",
+            path: str = "jit") -> dict:
     """Per L: both versions' median seconds and the paired ratios' median and quartiles."""
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], check=True,
                           capture_output=True, text=True).stdout.strip()
     out = {"base": rev, "head": head, "dirty": bool(subprocess.run(
         ["git", "-C", str(ROOT), "status", "--porcelain", "cmatmul_pass"], check=True, capture_output=True,
-        text=True).stdout.strip()), "model": model, "runs": runs, "jax": jax.__version__, "per_layers": []}
+        text=True).stdout.strip()), "model": model, "path": path, "runs": runs, "jax": jax.__version__,
+        "per_layers": []}
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            _compare(load_base(rev, Path(tmp)), rev, head, layers_list, runs, model, out)
+            _compare(load_base(rev, Path(tmp)), rev, head, layers_list, runs, model, path, out)
         finally:  # the earlier package goes with its directory
             if tmp in sys.path:
                 sys.path.remove(tmp)
@@ -68,24 +78,32 @@ def compare(rev: str, layers_list: list[int], runs: int, model: str = "sequence_
     return out
 
 
-def _compare(base, rev: str, head: str, layers_list: list[int], runs: int, model: str, out: dict) -> None:
-    """Time ``base``'s pass and this checkout's, alternately, at each L (rows into ``out``)."""
-    from cmatmul_pass.decorator import rewrite_lowered as new
+def _runner(package, path: str, lowered) -> Callable[[], object]:
+    """One run of ``package``'s pass on ``lowered`` along ``path`` (:data:`PATHS`)."""
+    if path == "text":
+        text = lowered.as_text()
+        return lambda: package.rewrite(text).text
+    rewrite_lowered = importlib.import_module(f"{package.__name__}.decorator").rewrite_lowered
+    options = package.jit(lambda x: x).options
+    return lambda: rewrite_lowered(lowered, options, "ab")
 
-    old = importlib.import_module(f"{BASE_PACKAGE}.decorator").rewrite_lowered
-    new_options, old_options = cmatmul_pass.jit(lambda x: x).options, base.jit(lambda x: x).options
+
+def _compare(base, rev: str, head: str, layers_list: list[int], runs: int, model: str, path: str,
+             out: dict) -> None:
+    """Time ``base``'s pass and this checkout's, alternately, at each L (rows into ``out``)."""
     for layers in layers_list:
         fn, args = bench.MODELS[model](layers)
         lowered = fn.lower(*args)
+        old, new = _runner(base, path, lowered), _runner(cmatmul_pass, path, lowered)
         for _ in range(2):  # warm-up
-            old(lowered, old_options, "ab")
-            new(lowered, new_options, "ab")
+            old()
+            new()
         before, after = [], []
         for _ in range(runs):
             t0 = time.perf_counter()
-            old(lowered, old_options, "ab")
+            old()
             t1 = time.perf_counter()
-            new(lowered, new_options, "ab")
+            new()
             t2 = time.perf_counter()
             before.append(t1 - t0)
             after.append(t2 - t1)
@@ -106,9 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--runs", type=int, default=30, help="pairs of runs per L")
     parser.add_argument("--model", choices=sorted(bench.MODELS), default="sequence_parallel")
+    parser.add_argument("--path", choices=PATHS, default="jit",
+                        help="jit: the pass as cmatmul_pass.jit runs it (default); text: parse, rewrite, print")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
-    results = compare(args.rev, args.layers, args.runs, args.model)
+    results = compare(args.rev, args.layers, args.runs, args.model, args.path)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
         print(f"wrote {args.out}")
