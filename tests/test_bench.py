@@ -706,23 +706,23 @@ def test_ab_pass_times_an_earlier_commit_beside_this_checkout(tmp_path):
     assert not any(name.startswith(ab_pass.BASE_PACKAGE) for name in sys.modules)
 
 
-def _session_runs(session: str, until: str) -> tuple:
+def _session_runs(session: str, until: str, date: str = "2026-11-28") -> tuple:
     """docs/performance.md's ``session`` paragraph (up to the ``until`` one) and the summary, with
     the paragraph's table checked against the stored `--only-pass-cost` run
-    (``results_pass_cost_2026-11-28_<session>.json``) and its further runs at 4 and 8 layers
+    (``results_pass_cost_<date>_<session>.json``) and its further runs at 4 and 8 layers
     (``..._{2,3}.json``) and the ranges of the three quoted: returns (section, summary, the first
     run's and the further runs' rows by layers, the ranges' texts)."""
     doc = " ".join((bench.ROOT / "docs" / "performance.md").read_text().split())
     summary = " ".join((bench.ROOT / "docs" / "performance-summary.md").read_text().split())
-    section = doc[doc.index(f"**2026-11-28, {session} session"):doc.index(until)]
-    stored = json.loads((bench.ROOT / "bench" / f"results_pass_cost_2026-11-28_{session}.json").read_text())
+    section = doc[doc.index(f"**{date}, {session} session"):doc.index(until)]
+    stored = json.loads((bench.ROOT / "bench" / f"results_pass_cost_{date}_{session}.json").read_text())
     for model, name in (("sequence_parallel", "sequence-parallel step"), ("megatron", "Megatron step")):
         rows = stored[f"pass_cost_{model}"]["per_layers"]
         assert [r["layers"] for r in rows] == [1, 4, 8, 16, 32]
         cells = " | ".join(f"{100 * r['jit_pass_over_lower_compile']:.2f} %" for r in rows)
         assert f"| {name} | {cells} |" in section, model
     first = {r["layers"]: r for r in stored["pass_cost_sequence_parallel"]["per_layers"]}
-    more = [{r["layers"]: r for r in json.loads((bench.ROOT / "bench" / f"results_pass_cost_2026-11-28_{session}_{i}.json")
+    more = [{r["layers"]: r for r in json.loads((bench.ROOT / "bench" / f"results_pass_cost_{date}_{session}_{i}.json")
                                             .read_text())["pass_cost_sequence_parallel"]["per_layers"]} for i in (2, 3)]
     assert all(sorted(run) == [4, 8] for run in more)
     shares = {layers: [100 * run[layers]["jit_pass_over_lower_compile"] for run in [first, *more]] for layers in (4, 8)}
@@ -731,6 +731,26 @@ def _session_runs(session: str, until: str) -> tuple:
     ranges = (f"{min(shares[4]):.2f}–{max(shares[4]):.2f} %", f"{min(shares[8]):.2f}–{max(shares[8]):.2f} %")
     assert f"at 4 layers {ranges[0]} and at 8 layers {ranges[1]} in the three" in section
     return section, summary, first, more, shares, ranges
+
+
+def test_the_fourteenth_session_paragraph_quotes_its_runs():
+    """docs/performance.md's fourteenth-session paragraph: its table is the stored `--only-pass-cost`
+    run's, its further runs, ranges, pass times, compile times and both paths' ratios the stored
+    ones'; the summary quotes the ratios and the ranges."""
+    section, summary, first, more, shares, ranges = _session_runs(
+        "fourteenth", "**2026-11-28, thirteenth session", date="2026-11-29")
+    assert f"On the text at 32 layers: {100 * first[32]['pass_over_lower_compile']:.2f} %." in section
+    assert (f"the pass took {1e3 * more[1][4]['jit_pass_s']:.1f} and {1e3 * more[1][8]['jit_pass_s']:.1f} ms at 4 "
+            f"and 8 layers, against {1e3 * first[4]['jit_pass_s']:.1f} and {1e3 * first[8]['jit_pass_s']:.1f} ms in "
+            f"the first run, while XLA compiled in {more[1][4]['compile_s']:.2f} and {more[1][8]['compile_s']:.2f} s, "
+            f"as in the second ({more[0][4]['compile_s']:.2f} and {more[0][8]['compile_s']:.2f} s)") in section
+    assert sum(v <= 3 for v in shares[4]) == 2  # "under the line in two runs of three at 4 layers"
+    by_layers = _ab_ratios_quoted("ab_pass_2026-11-29_fourteenth.json", "f8cc19b", 60, section)
+    assert f"took it to {by_layers[4]} and {by_layers[8]} of that ({by_layers[32]} at 32" in summary
+    assert f"{ranges[0]} and {ranges[1]} in three runs." in summary
+    text = json.loads((bench.ROOT / "bench" / "ab_pass_2026-11-29_fourteenth_text.json").read_text())
+    assert text["path"] == "text"
+    _ab_ratios_quoted("ab_pass_2026-11-29_fourteenth_text.json", "f8cc19b", 40, section)
 
 
 def test_the_thirteenth_session_paragraph_quotes_its_runs():
