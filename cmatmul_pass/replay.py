@@ -487,8 +487,8 @@ class _Replay:
     A region located as the twin at every op (layers written as a Python loop over one block)
     takes the twin's entries as they are: its bytecode with locations, written when the groups
     were found, is the twin's (:attr:`Group.located_as_twin`), or else one walk of its ops'
-    locations shows so.  For any other, the
-    entries are read once from the twin (:meth:`_read`): which of its locations they render (a
+    locations shows so.  For any other, the entries are read once from the twin
+    (:meth:`_read`): which of its locations they render (a
     location string of an entry is a hole, :func:`_template`), and at which places among its ops
     before the pass each such string is rendered; such a region then costs a visit of the ops at
     those places (in a layer of a few hundred ops, a few dozen), not a walk of all of its ops."""

@@ -360,6 +360,30 @@ def test_layers_located_alike_are_told_by_their_bytecode(lowered, debug_info):
             assert len(g.located_as_twin) == (len(g.members) if debug_info else 0)
 
 
+def test_a_layer_located_apart_among_layers_located_alike_joins_their_group(lowered, monkeypatch):
+    """Where a count's regions write their bytecode with locations two ways, the bodies without
+    locations (one per way) tell the groups: a layer located apart from the others (as if its
+    bytes differed) is still in their group, but not among those located as the twin."""
+    module = ir_utils.parse(lowered["sequence_parallel"].as_text(debug_info=True))
+    with module.context:
+        regions = replay._top_level_regions(module)
+        want = replay.plan(regions)
+        members = [[replay._body(m) for m in g.members] for g in want.groups]
+        assert all(g.located_as_twin == set(b) for g, b in zip(want.groups, members))
+        apart = members[0][2]  # the first group's third region
+        located = replay._Fingerprint.located
+
+        def one_apart(self, region):
+            written = located(self, region)
+            return written + b"apart" if replay._body(region) == apart else written
+
+        monkeypatch.setattr(replay._Fingerprint, "located", one_apart)
+        got = replay.plan(regions)
+        assert [[replay._body(m) for m in g.members] for g in got.groups] == members
+        assert got.groups[0].located_as_twin == set(members[0]) - {apart}
+        assert [g.located_as_twin for g in got.groups[1:]] == [set(b) for b in members[1:]]
+
+
 @pytest.mark.parametrize("model", list(bench.MODELS))
 def test_the_walk_leaves_out_only_the_regions_left_for_replay(lowered, model):
     module = ir_utils.parse(lowered[model].as_text())
