@@ -145,8 +145,8 @@ class Spec:
         if self.kind == "scan" and self.grad:  # the input gradient's psum of the whole loop; under
             # remat the backward's layer behind remat's optimization_barrier (sunk, not ringed)
             return frozenset({"producer_not_dot", "user_not_dot", "layout", "multiple_users"})
-        if self.chained:  # a weight gradient's psum over a mesh axis the block does not shard, reading a scatter
-            return frozenset({"producer_not_dot"})
+        if self.chained:  # a weight gradient's psum over mesh axes the block does not shard: of a scatter, or not dividing
+            return frozenset({"producer_not_dot", "no_dim"})
         if self.kind == "psum" and self.norm and self.dim == "k":
             # the norm's sums over the features need whole rows, and the rows do not divide: no dim
             return frozenset({"no_dim"})
