@@ -5,7 +5,10 @@
     python tools/same_output.py check DIR    # the same outputs again, compared with DIR's
     SAME_OUTPUT_PACKAGE=FOLDER python tools/same_output.py save DIR   # FOLDER/cmatmul_pass's outputs
 
-(Save and check with the same tools/: the bench models' locations name its lines.)
+(Save and check with the same tools/: the bench models' locations name its lines and its path.
+So FOLDER holds only the package, say a symlink to another checkout's ``cmatmul_pass``: a whole
+checkout there, ``git worktree add`` say, would lend its tools/ too, and every output through
+``cmatmul_pass.jit`` would differ by that path.)
 
 Outputs: for every ``hlo_samples/*.mlir`` under a few option sets, and for the bench models
 (``tools.bench.MODELS``) at L = 1, 4, 8, 32 on both paths (the text path, ``rewrite`` on
