@@ -419,8 +419,9 @@ def cmd_explain(args) -> int:
             for reader in site.assembled_for:
                 print(f"  assembles the gathered value for: {reader}")
         else:
-            # a declined site with notes was moved first (sunk into a loop, hoisted, merged): say so
-            print(f"  decision: {'moved, then not rewritten' if site.notes else 'left unchanged'}: {site.reason} "
+            # a site moved first (sunk into a loop, hoisted, merged), then declined: say so
+            moved = site.moved_from is not None
+            print(f"  decision: {'moved, then not rewritten' if moved else 'left unchanged'}: {site.reason} "
                   f"[{site.reason_code}]")
             for note in site.notes:
                 print(f"  note: {note}")

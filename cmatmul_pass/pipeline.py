@@ -313,7 +313,8 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
             """A collective the pass moved to its matmul (where ``was`` declined it), rewritten
             there; its report says ``how``, and what more."""
             entry = apply(new)
-            entry.notes[:0] = [f"{how} {replay.MOVED_NOTE}{was.code}])", *more]
+            entry.moved_from = was.code
+            entry.notes[:0] = [f"{how} (where it stood: declined [{was.code}])", *more]
             report.sites.append(entry)
 
         variance = Variance(info)

@@ -436,15 +436,11 @@ def _reads_around(entry: SiteReport) -> bool:
     trimmed region may lack?"""
     split = entry.all_reduce is not None and entry.all_reduce.get("strategy") == "split"
     declined = not entry.rewritten and entry.reason_code not in OWN_DECLINES
-    return split or declined or any(MOVED_NOTE in note for note in entry.notes)
+    return split or declined or entry.moved_from is not None
 
 
 #: the declines that read only the site's own ops, what computes them and its shape
 OWN_DECLINES = frozenset({"producer_not_dot", "not_sum", "no_dim", "dynamic_shape", "policy", "min_bytes"})
-
-
-#: what the notes of a site the pipeline moved, merged, hoisted or sank say (pipeline.apply_moved)
-MOVED_NOTE = "(where it stood: declined ["
 
 
 def _trimmed_function(twin: ir.Operation, trim: Trim, name: str) -> ir.Operation | None:

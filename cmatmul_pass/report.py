@@ -51,6 +51,10 @@ class SiteReport:
     # a gather another collective competed with for its dot (analysis.slack): {early, hiding_flops,
     # competes_with: that collective's location}; empty where none did
     slack: dict = field(default_factory=dict)
+    # a collective the pass moved to its matmul (merged with a second stage, hoisted, sunk into a
+    # loop, carried past row-wise ops): the reason code it was declined for where it stood; None
+    # for any other
+    moved_from: str | None = None
 
     def summary_line(self) -> str:
         ring = f" ring={self.ring_size}" if self.ring_size else ""
@@ -67,7 +71,7 @@ class SiteReport:
                 f"{self.location}: {self.kind}: rewritten{ring} "
                 f"({self.operand} operand, {self.dim_role} dim {self.collective_dim}{dots}{kept}{shared})"
             )
-        left = "moved, then not rewritten" if self.notes else "left unchanged"  # notes: where the pass moved it
+        left = "moved, then not rewritten" if self.moved_from is not None else "left unchanged"
         return f"{self.location}: {self.kind}: {left}{ring}: {self.reason} [{self.reason_code}]"
 
 

@@ -300,6 +300,8 @@ def test_a_refused_move_rings_with_the_ops_per_block(case, variant):
     assert entry.rewritten and entry.schedule["variant"] == variant, entry.summary_line()
     (note,) = [n for n in entry.notes if n.startswith("rung with the row-wise ops")]
     assert "more bytes than the one gather moves now" in note and "(where it stood: declined [layout])" in note, note
+    assert entry.moved_from == "layout"  # (the report's field, which replay's trims read)
+    assert all(e.moved_from is None for e in result.report.sites if e is not entry)
     assert len(entry.consumers) == REFUSED[case] and not entry.assembled_for, entry.summary_line()
     # the rows cross the wire once, raw: no gather is left, and none was added
     assert not ir_utils.ops_named(result.module, "stablehlo.all_gather")["stablehlo.all_gather"]

@@ -571,3 +571,5 @@ def test_a_twin_site_declined_for_its_readers_refuses_the_trim(code, refused):
     assert replay._reads_around(entry) is refused
     entry.rewritten, entry.reason_code = True, ""
     assert replay._reads_around(entry) is False
+    entry.moved_from = "layout"  # moved to its matmul past the ops before it (which the region may lack)
+    assert replay._reads_around(entry) is True
