@@ -926,26 +926,12 @@ def _pure(op: ir.Operation, module_body: ir.Block, memo: dict) -> bool:
 
 
 def _erase_unread(region: ir.Operation, dropped: list[ir.Value], module_body: ir.Block,
-                  plan: bool = False) -> "_Erased | None":
+                  erasing: Callable[[int, ir.Operation, list[ir.Operation]], None] | None = None) -> set[int]:
     """Erase the ops of ``region``'s body that no one reads once its return no longer reads
-    ``dropped`` (the ops computing them, then the ops only those read, and so on; pure ones only).
-    With ``plan`` (a copy of a twin, trimmed to compare with a region), returns what
-    :class:`_Erased` says."""
-    body = _body(region)
-    starts: dict[int, int] = {}  # a body op (by its hash: its address) -> its position in the walk
-    collectives = []  # (hash, key) of each collective in the body (:meth:`Plan.lacked`)
-    if plan:
-        at = 1
-        for op in body.operations:
-            op = op.operation
-            starts[hash(op)] = at
-            name = op.name
-            if name in _COLLECTIVES:
-                collectives.append((hash(op), (name, op.location.attr, *(r.type for r in op.results))))
-            at += 1 + (_nested_count(op) if len(op.regions) else 0)
+    ``dropped`` (the ops computing them, then the ops only those read, and so on; pure ones only);
+    returns the erased ops (by address).  ``erasing(address, op, producers)`` is told of each op
+    just before it goes."""
     memo: dict = {}
-    erased: set[int] = set()
-    read: list = []  # (hash, op) of each op an erased op read
     gone: set[int] = set()  # the erased ops, by address (no op is made meanwhile: none takes one)
     stack = [v.owner for v in dropped if not isinstance(v.owner, ir.Block)]
     while stack:
@@ -955,14 +941,35 @@ def _erase_unread(region: ir.Operation, dropped: list[ir.Value], module_body: ir
                 or not _pure(op, module_body, memo):
             continue
         producers = [v.owner.operation for v in op.operands if not isinstance(v.owner, ir.Block)]
-        if plan:
-            erased.update(range(starts[key], starts[key] + 1 + (_nested_count(op) if len(op.regions) else 0)))
-            read += [(hash(p), p) for p in producers]
+        if erasing is not None:
+            erasing(key, op, producers)
         gone.add(key)
         op.erase()
         stack.extend(producers)
-    if not plan:
-        return None
+    return gone
+
+
+def _trimmed_copy(copy: ir.Operation, dropped: list[ir.Value], module_body: ir.Block) -> "_Erased":
+    """:func:`_erase_unread` on ``copy`` (a copy of a twin, trimmed to compare with a region),
+    and what :class:`_Erased` says of it."""
+    starts: dict[int, int] = {}  # a body op (by its hash: its address) -> its position in the walk
+    collectives = []  # (hash, key) of each collective in the body (:meth:`Plan.lacked`)
+    at = 1
+    for op in _body(copy).operations:
+        op = op.operation
+        starts[hash(op)] = at
+        name = op.name
+        if name in _COLLECTIVES:
+            collectives.append((hash(op), (name, op.location.attr, *(r.type for r in op.results))))
+        at += 1 + (_nested_count(op) if len(op.regions) else 0)
+    erased: set[int] = set()
+    read: list = []  # (hash, op) of each op an erased op read
+
+    def erasing(key: int, op: ir.Operation, producers: list[ir.Operation]) -> None:
+        erased.update(range(starts[key], starts[key] + 1 + (_nested_count(op) if len(op.regions) else 0)))
+        read.extend((hash(p), p) for p in producers)
+
+    gone = _erase_unread(copy, dropped, module_body, erasing)
     lacked: dict = {}
     for key, name in collectives:
         lost = key in gone
@@ -1065,14 +1072,14 @@ class _Fingerprint:
 
     def trimmed(self, twin: ir.Operation, results: list[int]) -> "tuple[bytes, list[int], _Erased]":
         """The fingerprint of ``twin`` returning only its results ``results``, without the ops no
-        one then reads (:func:`_erase_unread`) and the operands only they read; and those operands
+        one then reads (:func:`_trimmed_copy`) and the operands only they read; and those operands
         (the twin's indices), and what trimming erased (:class:`_Erased`)."""
         module, entry = self._scratch_for(twin)
         with twin.context, ir.InsertionPoint(entry):
             copy = twin.clone().operation
         for index, argument in enumerate(entry.arguments):
             copy.operands[index] = argument
-        erased = _erase_unread(copy, _return_only(_body(copy), results), _module_body(twin), plan=True)
+        erased = _trimmed_copy(copy, _return_only(_body(copy), results), _module_body(twin))
         body = _body(copy)
         arguments = [i for i, a in enumerate(body.arguments) if any(True for _ in a.uses)]
         trimmed_module, trimmed_entry = self._scratch_for(twin, tuple(twin.operands[i].type for i in arguments))
