@@ -578,7 +578,12 @@ def loop_run(signatures: list, unroll: int | None) -> tuple[int, int]:
 
 def rounds(shape: SiteShape, bidirectional: bool) -> list[Round]:
     """The rounds the rewrite emits (rewrites/all_gather_dot and dot_reduce_scatter)."""
-    return list(_ring_plan(shape.kind, shape.ring, shape.step_bytes, _halves(shape, bidirectional), bidirectional)[0])
+    return list(_plan_of(shape, bidirectional)[0])
+
+
+def _plan_of(shape: SiteShape, bidirectional: bool) -> tuple[tuple[Round, ...], tuple, bool]:
+    """:func:`_ring_plan` of ``shape``'s ring, one way or both."""
+    return _ring_plan(shape.kind, shape.ring, shape.step_bytes, _halves(shape, bidirectional), bidirectional)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -638,7 +643,7 @@ class Slot:
 def emitted_variant(shape: SiteShape, bidirectional: bool, unroll: int | None) -> str:
     """The variant the rewrite emits for ``shape``: asked for both directions, a ring of 2 and a
     scatter whose blocks cannot be halved still go one way."""
-    return _variant_of(rounds(shape, bidirectional), unroll)
+    return variant_name(_plan_of(shape, bidirectional)[2], unroll)
 
 
 def _variant_of(plan: list[Round], unroll: int | None) -> str:
@@ -770,7 +775,7 @@ def _last_end(timed) -> float:
 
 def loop_trips(shape: SiteShape, bidirectional: bool, unroll: int | None) -> int:
     """The loop trips the rewrite emits for ``shape`` (the report's ``schedule.loop_trips``)."""
-    lo, hi = loop_run([rnd.signature for rnd in rounds(shape, bidirectional)], unroll)
+    lo, hi = _loop_run(_plan_of(shape, bidirectional)[1], unroll)
     return (hi - lo) // (unroll or 1)
 
 
@@ -786,7 +791,7 @@ def predict(shape: SiteShape, hw: Hardware, bidirectional: bool = False, unroll:
     trip = hw.trip(shape.kind, shape.flops / shape.ring)
     for name, (bidi, unr) in VARIANTS.items():
         if bidi not in plans:
-            plan, signatures, two_way = _ring_plan(shape.kind, shape.ring, shape.step_bytes, _halves(shape, bidi), bidi)
+            plan, signatures, two_way = _plan_of(shape, bidi)
             efficiency = split_efficiency(shape, hw, bidi)
             t_c = shape.flops / rate / efficiency  # as _Layout.of
             plans[bidi] = efficiency, _round_costs(plan, t_c, hw), signatures, two_way

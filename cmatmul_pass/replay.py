@@ -952,21 +952,22 @@ def _erase_unread(region: ir.Operation, dropped: list[ir.Value], module_body: ir
 def _trimmed_copy(copy: ir.Operation, dropped: list[ir.Value], module_body: ir.Block) -> "_Erased":
     """:func:`_erase_unread` on ``copy`` (a copy of a twin, trimmed to compare with a region),
     and what :class:`_Erased` says of it."""
-    starts: dict[int, int] = {}  # a body op (by its hash: its address) -> its position in the walk
+    spans: dict[int, range] = {}  # a body op (by its hash: its address) -> its and its nested ops' positions in the walk
     collectives = []  # (hash, key) of each collective in the body (:meth:`Plan.lacked`)
     at = 1
     for op in _body(copy).operations:
         op = op.operation
-        starts[hash(op)] = at
+        end = at + 1 + (_nested_count(op) if len(op.regions) else 0)
+        spans[hash(op)] = range(at, end)
         name = op.name
         if name in _COLLECTIVES:
             collectives.append((hash(op), (name, op.location.attr, *(r.type for r in op.results))))
-        at += 1 + (_nested_count(op) if len(op.regions) else 0)
+        at = end
     erased: set[int] = set()
     read: list = []  # (hash, op) of each op an erased op read
 
     def erasing(key: int, op: ir.Operation, producers: list[ir.Operation]) -> None:
-        erased.update(range(starts[key], starts[key] + 1 + (_nested_count(op) if len(op.regions) else 0)))
+        erased.update(spans[key])
         read.extend((hash(p), p) for p in producers)
 
     gone = _erase_unread(copy, dropped, module_body, erasing)
@@ -1053,44 +1054,48 @@ class _Fingerprint:
         block argument, is located as the same one of the other."""
         return self._written(region, None, strip=False)
 
-    def _written(self, region: ir.Operation, through: dict[int, int] | None, strip: bool) -> bytes:
+    def _copy(self, region: ir.Operation) -> tuple[ir.Module, ir.Operation]:
+        """A copy of ``region`` alone in the scratch function of its operand types, reading its
+        arguments by position (two operands may be one value); and the scratch module."""
         module, entry = self._scratch_for(region)
         with region.context, ir.InsertionPoint(entry):
             copy = region.clone().operation
-        for index, argument in enumerate(entry.arguments):  # by position: two operands may be one value
+        for index, argument in enumerate(entry.arguments):
             copy.operands[index] = argument
-        if through:
-            core = without_pass_through(copy, through)
-            copy.erase()
-            copy = core
+        return module, copy
+
+    def _bytes(self, module: ir.Module, strip: bool = True) -> bytes:
+        """``module``'s bytecode (``strip``: every location unknown first)."""
         if strip:
             self.strip(module)
         written = io.BytesIO()
         module.operation.write_bytecode(written)
-        copy.erase()  # the block is empty again, for the next region of these types
         return written.getvalue()
+
+    def _written(self, region: ir.Operation, through: dict[int, int] | None, strip: bool) -> bytes:
+        module, copy = self._copy(region)
+        if through:
+            core = without_pass_through(copy, through)
+            copy.erase()
+            copy = core
+        written = self._bytes(module, strip)
+        copy.erase()  # the block is empty again, for the next region of these types
+        return written
 
     def trimmed(self, twin: ir.Operation, results: list[int]) -> "tuple[bytes, list[int], _Erased]":
         """The fingerprint of ``twin`` returning only its results ``results``, without the ops no
         one then reads (:func:`_trimmed_copy`) and the operands only they read; and those operands
         (the twin's indices), and what trimming erased (:class:`_Erased`)."""
-        module, entry = self._scratch_for(twin)
-        with twin.context, ir.InsertionPoint(entry):
-            copy = twin.clone().operation
-        for index, argument in enumerate(entry.arguments):
-            copy.operands[index] = argument
+        _, copy = self._copy(twin)
         erased = _trimmed_copy(copy, _return_only(_body(copy), results), _module_body(twin))
-        body = _body(copy)
-        arguments = [i for i, a in enumerate(body.arguments) if any(True for _ in a.uses)]
+        arguments = [i for i, a in enumerate(_body(copy).arguments) if any(True for _ in a.uses)]
         trimmed_module, trimmed_entry = self._scratch_for(twin, tuple(twin.operands[i].type for i in arguments))
         final = _reshaped(copy, results, arguments, list(trimmed_entry.arguments), ir.InsertionPoint(trimmed_entry),
                           returning=False)
         copy.erase()
-        self.strip(trimmed_module)
-        written = io.BytesIO()
-        trimmed_module.operation.write_bytecode(written)
+        written = self._bytes(trimmed_module)
         final.erase()
-        return written.getvalue(), arguments, erased
+        return written, arguments, erased
 
 
 def _module_body(op: ir.Operation) -> ir.Block:
