@@ -933,10 +933,13 @@ def _erase_unread(region: ir.Operation, dropped: list[ir.Value], module_body: ir
     just before it goes."""
     memo: dict = {}
     gone: set[int] = set()  # the erased ops, by address (no op is made meanwhile: none takes one)
-    stack = [v.owner for v in dropped if not isinstance(v.owner, ir.Block)]
+    # each op by its address, taken when it is pushed: an op read twice (``multiply %x, %x``, or two
+    # results of one op) is pushed twice, and the bindings may hand out two objects for it, of which
+    # erasing one leaves the other dangling (its hash, and anything read from it, garbage): so the
+    # second is looked up by the address it had, never touched
+    stack = [(hash(owner), owner) for owner in (v.owner.operation for v in dropped if not isinstance(v.owner, ir.Block))]
     while stack:
-        op = stack.pop().operation
-        key = hash(op)
+        key, op = stack.pop()
         if key in gone or not len(op.results) or any(True for r in op.results for _ in r.uses) \
                 or not _pure(op, module_body, memo):
             continue
@@ -944,8 +947,9 @@ def _erase_unread(region: ir.Operation, dropped: list[ir.Value], module_body: ir
         if erasing is not None:
             erasing(key, op, producers)
         gone.add(key)
+        pushed = [(hash(p), p) for p in producers]  # (alive: ``op``, their reader, still is)
         op.erase()
-        stack.extend(producers)
+        stack.extend(pushed)
     return gone
 
 

@@ -436,6 +436,41 @@ def _layer_functions(module) -> list[str]:
             for name in [ir.StringAttr(f.attributes["sym_name"]).value] if name.startswith(replay.LAYER_PREFIX)]
 
 
+def test_erasing_an_op_read_twice_by_an_erased_op_touches_it_once():
+    """A trim erases the ops only the dropped results need; one such op may read a value twice
+    (``multiply %0, %0``) or one op's value may be read by two erased ops.  The op is then met
+    twice, and the bindings may hand out two objects for it: the second must be known by the
+    address the op had, not read after the first has erased it (it segfaulted)."""
+    context = make_context()
+    module = ir_utils.parse("""
+      func.func @f(%a: tensor<4xf32>) -> (tensor<4xf32>, tensor<4xf32>) {
+        %0 = stablehlo.exponential %a : tensor<4xf32>
+        %1 = stablehlo.multiply %0, %0 : tensor<4xf32>
+        %2 = stablehlo.negate %1 : tensor<4xf32>
+        %3 = stablehlo.negate %2 : tensor<4xf32>
+        %4 = stablehlo.add %3, %2 : tensor<4xf32>
+        %5 = stablehlo.sine %a : tensor<4xf32>
+        return %5, %4 : tensor<4xf32>, tensor<4xf32>
+      }""", context=context)
+    function = module.body.operations[0]
+    block = function.regions[0].blocks[0]
+    ret = block.operations[len(block.operations) - 1]
+    kept, dropped = ret.operands[0], ret.operands[1]
+    with context, ir.Location.unknown() as unknown:
+        with ir.InsertionPoint(ret):
+            ir_utils.function_return([kept], unknown)
+        ret.erase()
+        function.operation.attributes["function_type"] = ir.TypeAttr.get(
+            ir.FunctionType.get([kept.type], [kept.type]))
+    erased = []
+    gone = replay._erase_unread(function, [dropped], module.body, lambda key, op, read: erased.append(op.name))
+    assert sorted(erased) == sorted(["stablehlo.add", "stablehlo.negate", "stablehlo.negate", "stablehlo.multiply",
+                                     "stablehlo.exponential"])
+    assert len(gone) == 5
+    assert module.operation.verify()
+    assert [op.operation.name for op in block.operations] == ["stablehlo.sine", "func.return"]
+
+
 def test_the_first_layers_backward_is_a_trimmed_copy_and_saves_its_sites(monkeypatch):
     """At 4 layers the backward's first layer returns no input gradient: it is the others' region
     without that result and its ops, so it calls a trimmed copy of their rewritten region; its 7
