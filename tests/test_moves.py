@@ -261,3 +261,24 @@ def test_a_layout_op_following_the_ring_through_the_decorator():
     got, want = ours(*args), jax.jit(f)(*args)
     assert [s.rewritten for s in ours.report.sites] == [True]
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+@pytest.mark.parametrize("strategy", ["moved", "split"])
+def test_an_op_reading_one_broadcast_twice_moves_with_the_gather(strategy):
+    """``clamp(b, h, b)``, one broadcast read twice, between the collective and its dot: the
+    carried op and then the broadcast only it read are erased once each (the broadcast was met
+    twice, and read again after it was erased: a segfault)."""
+    def bounded(h):
+        b = jnp.full(h.shape, 0.5, h.dtype)
+        return jax.lax.clamp(b, h, b) * h
+
+    if strategy == "moved":
+        text = lower(lambda x, g, w1, w2: scattered(jax.nn.gelu(bounded(gathered(x)) @ w1) @ w2))
+        options = None
+    else:
+        text = lower(lambda x, g, w1, w2: bounded(jax.lax.psum(x.T @ x, "model")) @ w1, out_specs=P())
+        options = cmatmul_pass.Options(all_reduce="split")
+    result = cmatmul_pass.rewrite(text, options)
+    assert result.report.rewritten
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()

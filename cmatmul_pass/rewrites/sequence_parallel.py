@@ -425,10 +425,12 @@ def _describe(value: ir.Value, source: str | None) -> str:
 def _erase_with_dead_sources(op: ir.OpView, carried: set) -> None:
     """Erase ``op`` (unused now) and the broadcasts and constants only it read (not ``carried``
     ops: they are erased in their turn)."""
-    sources = [v.owner for v in op.operation.operands if not isinstance(v.owner, ir.Block)]
+    # each source once, told apart while all are alive: ``op`` may read one twice (``clamp %b, %x, %b``),
+    # and the bindings may hand out two objects for it, the second dangling once the first erases it
+    sources = list({hash(owner): owner for owner in
+                    (v.owner.operation for v in op.operation.operands if not isinstance(v.owner, ir.Block))}.values())
     op.operation.erase()
     for owner in sources:
-        if owner.operation not in carried and \
-                owner.operation.name in ("stablehlo.broadcast_in_dim", "stablehlo.constant") and \
-                not any(list(r.uses) for r in owner.operation.results):
-            owner.operation.erase()
+        if owner not in carried and owner.name in ("stablehlo.broadcast_in_dim", "stablehlo.constant") and \
+                not any(list(r.uses) for r in owner.results):
+            owner.erase()

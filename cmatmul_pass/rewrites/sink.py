@@ -87,6 +87,12 @@ def plan(all_gather: ir.OpView) -> Plan | str:
     loops = _loops_reading(all_gather.result, dim, full, handoffs)
     if isinstance(loops, str):
         return loops
+    # one loop reached twice (a later region taking the stack as two arguments, both carried by one
+    # loop) would be rebuilt twice, the second time from the loop the first erased
+    every = [hash(loop.op.operation) for loop in loops] + \
+        [hash(loop.op.operation) for h in handoffs for _, _, reached in h.targets for loop in reached]
+    if len(set(every)) < len(every):
+        return "a loop takes it twice"
     return Plan(loops, handoffs) if loops or handoffs else "nothing reads it"
 
 
@@ -353,8 +359,13 @@ def inline_scan_bodies(found: dict[str, list]) -> list[str]:
     if not loops or not any(feeds_a_loop(op) for op in found["stablehlo.all_gather"]):
         return []
     functions = _Functions(loops[0])
+    # the function each loop is in (named while all are alive): a loop in a function erased once its
+    # last call is inlined is gone (its object dangling), and its body's calls with it
+    home = [ir_utils.symbol_name(_function_of(loop.operation)) for loop in loops]
     names = []
-    for loop in loops:
+    for loop, where in zip(loops, home):
+        if where not in functions.by_name:
+            continue
         body = loop.operation.regions[1].blocks[0]
         for _ in range(8):  # a remat'd step calls its own function again: inline it too
             calls = [op for op in body.operations if op.operation.name == CALL and
@@ -363,6 +374,13 @@ def inline_scan_bodies(found: dict[str, list]) -> list[str]:
                 break
             names += [inline(call, functions, functions.private(call)) for call in calls]
     return list(dict.fromkeys(names))
+
+
+def _function_of(op: ir.Operation) -> ir.OpView:
+    """The function holding ``op``."""
+    while op.name != "func.func":
+        op = op.parent
+    return op.opview
 
 
 def inline(call: ir.OpView, functions: _Functions, callee: ir.OpView | None = None) -> str:
