@@ -298,8 +298,8 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
         verify = module if verify_each else None
         predictions: dict = {}  # SiteShape or pattern key -> (SiteShape, Prediction, its report entry)
         rings = RingLibrary(module, bool(info.meshes)) if options.share_rings and not options.annotate_streams else None
-        if rings is not None and layers is not None:  # a group's first region (its twin) calls the rings at once
-            rings.repeats = layers.leads
+        if rings is not None and layers is not None:  # a group's twin keeps its rings inline (it becomes the
+            rings.inline = layers.inline_rings         # layer function, the one copy), and its probe likewise
 
         def rematch(op: ir.OpView) -> Site:  # a site's copy, in its ring function
             if op.operation.name == "stablehlo.reduce_scatter":

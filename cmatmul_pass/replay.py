@@ -10,8 +10,8 @@ first did.
 
 A group is at least :data:`MIN_MEMBERS` top-level regions whose ops are the same but for their
 locations and the outside values they read (:class:`_Fingerprint`).  The pipeline rewrites its
-first region (the *twin*; its sites call the shared rings at once) the usual way and leaves the
-others alone.  Then the twin's rewritten region moves into a private function
+first region (the *twin*; its rings stay inline, unshared: it becomes the one copy) the usual
+way and leaves the others alone.  Then the twin's rewritten region moves into a private function
 ``@cmatmul_layer_<k>`` (its operands become the function's arguments), and every region of the
 group becomes a ``func.call`` of it, carrying the region's own location; each region's report
 entries are the twin's, its locations read as the region's (and its channel handles the
@@ -85,8 +85,8 @@ from .sharing import FUNCTION_PREFIX
 
 #: the twin and at least two regions more (with :data:`CHECK`, the probe among them): below that replay would
 #: save one region's rewrite, and two identical regions are common in small programs, whose output the twin's
-#: calling of its rings at once (:mod:`.sharing`) changes even where the group is then not replayed (competing
-#: gathers)
+#: inline, unrecorded rings (:mod:`.sharing`) change even where the group is then not replayed (competing
+#: gathers: the copies' rings are shared from the second on)
 MIN_MEMBERS = 3
 #: rewrite each group's last region (the probe) the usual way too and replay the group only where it comes out
 #: as the twin did: the check that the pass made the same choices in every region of a group (tests and fuzz
@@ -240,8 +240,6 @@ class Plan:
         trimmed = {_body(t.region): g.checked for g in groups for t in g.trims}
         self.deferred = {_body(m) for g in groups for m in g.copies} | {r for r, checked in trimmed.items() if not checked}
         self.checked = {_body(m) for g in groups for m in g.rewritten} | {r for r, checked in trimmed.items() if checked}
-        # (a joiner is rewritten only when replay is off, and then as the twin it repeats)
-        self.leading = {_body(m) for g in groups for m in (g.twin, *g.joiners)}
         for g in groups:
             if g.checked:  # the probe's check reads the twin's places (else a copy gives them, if needed)
                 locations, g.twin_places = _located_places(g.twin)
@@ -335,9 +333,11 @@ class Plan:
             body = op.block
             op = parent.operation
 
-    def leads(self, op: ir.Operation | ir.OpView) -> bool:
-        """Is ``op`` in a group's first region (its twin: the regions after it are sure to repeat it)?"""
-        return self.top_level(op) in self.leading
+    def inline_rings(self, op: ir.Operation | ir.OpView) -> bool:
+        """Does ``op``'s ring stay inline, unshared (:mod:`.sharing`)?  So it does in the regions the
+        pipeline rewrites for a group (a twin, which becomes the function its copies call; a probe, a
+        checked trimmed region, each checked against a copy of the twin)."""
+        return self.top_level(op) in self.checked
 
     def checked_region(self, op: ir.Operation | ir.OpView) -> ir.Block | None:
         """The body of the region holding ``op`` if the pipeline rewrites it for a group (a twin, a probe)."""

@@ -11,9 +11,11 @@ second site, and called by every later one.  That is the form JAX gives a nested
 compiled program is the one the inline rings give, and the pass builds (and prints) a
 few rings instead of hundreds.
 
-Where the pass knows that a site's region repeats (one of several identical layers'
-regions, :mod:`cmatmul_pass.replay`), the first site of a pattern there calls the function
-too: the ring is built once, in the function, instead of once inline and once again there.
+Where a site's region is itself to become a function that every copy of it calls (the first
+of several identical layers' regions, :mod:`cmatmul_pass.replay`'s twin), its sites keep
+their rings inline and their patterns are not recorded: the layer function is already the one
+copy, and a ring function there would be one more function, clone and call per site, called
+once.
 
 The function is made the plain way: the site's ops are cloned into it (their operands
 become its arguments, the results read outside its results), and the rewrite runs there on
@@ -93,12 +95,15 @@ class RingLibrary:
         self._by_key: dict[Key, SharedRing | str] = {}
         self._keys: dict[Key, Key] = {}
         self._names: set[str] | None = None
-        #: whether a site's anchor sits where its pattern is sure to come again (a replay group's
-        #: first region, whose twin follows): its first site calls the function at once
-        self.repeats: Callable[[ir.OpView], bool] | None = None
+        #: whether a site's anchor sits in a region that is itself to become the function every copy
+        #: of it calls (a replay group's twin): its ring stays inline, its pattern unrecorded
+        self.inline: Callable[[ir.OpView], bool] | None = None
 
     def pattern(self, site: AllGatherSite | ReduceScatterSite) -> Pattern | None:
-        pattern = pattern_of(site) if self.shardy else None
+        """``site``'s pattern (:func:`pattern_of`), or None: its ring stays inline, unshared."""
+        if not self.shardy or (self.inline is not None and self.inline(site.anchor)):
+            return None
+        pattern = pattern_of(site)
         if pattern is not None:
             # one key object per pattern: later dict lookups with it compare by identity,
             # not element by element
@@ -119,10 +124,8 @@ class RingLibrary:
         """
         entry = self._by_key.get(pattern.key)
         if entry is None:
-            if not (self.repeats and self.repeats(pattern.anchor)):
-                self._by_key[pattern.key] = _FIRST
-                return None
-            entry = _FIRST
+            self._by_key[pattern.key] = _FIRST
+            return None
         if entry is _FIRST:
             entry = self._by_key[pattern.key] = self._outline(site, pattern, match, rewrite)
         if not isinstance(entry, SharedRing):

@@ -29,39 +29,39 @@
 // GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<128x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<128x128xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>] manual_axes={"model"} (%arg2: tensor<16x64xf32>, %arg3: tensor<64x16xf32>) {
-// GOLDEN-NEXT: %c = stablehlo.constant dense<16> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<7> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<7> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<16> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<128x16xf32>
 // GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
 // GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %4:3 = stablehlo.while(%iterArg = %c_2, %iterArg_4 = %arg2, %iterArg_5 = %cst) : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
+// GOLDEN-NEXT: %4:3 = stablehlo.while(%iterArg = %c, %iterArg_4 = %arg2, %iterArg_5 = %cst) : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_6 = stablehlo.constant dense<7> : tensor<ui32>
 // GOLDEN-NEXT: %10 = stablehlo.compare LT, %iterArg, %c_6, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %10 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<16> : tensor<ui32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<ui32>
 // GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
 // GOLDEN-NEXT: %11 = stablehlo.add %3, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_9 : tensor<ui32>
+// GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_8 : tensor<ui32>
 // GOLDEN-NEXT: %13 = stablehlo.dot_general %iterArg_4, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %14 = stablehlo.multiply %12, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %iterArg_5, %13, %14, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// GOLDEN-NEXT: %16 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
+// GOLDEN-NEXT: %14 = stablehlo.multiply %12, %c_9 : tensor<ui32>
+// GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %iterArg_5, %13, %14, %c_6 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// GOLDEN-NEXT: %16 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %16, %10, %15 : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %5 = stablehlo.add %3, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %6 = stablehlo.remainder %5, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %5 = stablehlo.add %3, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %6 = stablehlo.remainder %5, %c_1 : tensor<ui32>
 // GOLDEN-NEXT: %7 = stablehlo.dot_general %4#1, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %8 = stablehlo.multiply %6, %c : tensor<ui32>
-// GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %4#2, %7, %8, %c_2 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// GOLDEN-NEXT: %8 = stablehlo.multiply %6, %c_2 : tensor<ui32>
+// GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %4#2, %7, %8, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
 // GOLDEN-NEXT: sdy.return %9 : tensor<128x16xf32>
 // GOLDEN-NEXT: } : (tensor<128x64xf32>, tensor<64x128xf32>) -> tensor<128x128xf32>
 // GOLDEN-NEXT: return %0 : tensor<128x128xf32>
@@ -94,11 +94,11 @@
 // BIDI_GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // BIDI_GOLDEN-NEXT: func.func public @main(%arg0: tensor<128x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<128x128xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // BIDI_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>] manual_axes={"model"} (%arg2: tensor<16x64xf32>, %arg3: tensor<64x16xf32>) {
-// BIDI_GOLDEN-NEXT: %c = stablehlo.constant dense<4> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<5> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<3> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<3> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<5> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<8> : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<16> : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<128x16xf32>
 // BIDI_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
@@ -109,57 +109,57 @@
 // BIDI_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 4], [4, 5], [5, 6], [6, 7], [7, 0]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
 // BIDI_GOLDEN-NEXT: %6 = stablehlo.dot_general %arg2, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
 // BIDI_GOLDEN-NEXT: %7 = stablehlo.multiply %3, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %cst, %6, %7, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// BIDI_GOLDEN-NEXT: %9:4 = stablehlo.while(%iterArg = %c_3, %iterArg_6 = %4, %iterArg_7 = %5, %iterArg_8 = %8) : tensor<ui32>, tensor<16x64xf32>, tensor<16x64xf32>, tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %cst, %6, %7, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %9:4 = stablehlo.while(%iterArg = %c, %iterArg_6 = %4, %iterArg_7 = %5, %iterArg_8 = %8) : tensor<ui32>, tensor<16x64xf32>, tensor<16x64xf32>, tensor<128x16xf32>
 // BIDI_GOLDEN-NEXT: cond {
 // BIDI_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<2> : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %29 = stablehlo.compare LT, %iterArg, %c_9, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // BIDI_GOLDEN-NEXT: stablehlo.return %29 : tensor<i1>
 // BIDI_GOLDEN-NEXT: } do {
-// BIDI_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<7> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<16> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<0> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<1> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<7> : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<8> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<1> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<16> : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %29 = "stablehlo.collective_permute"(%iterArg_6) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
 // BIDI_GOLDEN-NEXT: %30 = "stablehlo.collective_permute"(%iterArg_7) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 4], [4, 5], [5, 6], [6, 7], [7, 0]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// BIDI_GOLDEN-NEXT: %31 = stablehlo.add %iterArg, %c_13 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %31 = stablehlo.add %iterArg, %c_10 : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %32 = stablehlo.add %3, %31 : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %33 = stablehlo.remainder %32, %c_12 : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %34:2 = stablehlo.optimization_barrier %iterArg_6, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
 // BIDI_GOLDEN-NEXT: %35 = stablehlo.dot_general %34#0, %34#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %36 = stablehlo.multiply %33, %c_11 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %37 = stablehlo.dynamic_update_slice %iterArg_8, %35, %36, %c_10 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// BIDI_GOLDEN-NEXT: %38 = stablehlo.multiply %iterArg, %c_9 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %39 = stablehlo.add %38, %c_9 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %36 = stablehlo.multiply %33, %c_13 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %37 = stablehlo.dynamic_update_slice %iterArg_8, %35, %36, %c_9 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %38 = stablehlo.multiply %iterArg, %c_11 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %39 = stablehlo.add %38, %c_11 : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %40 = stablehlo.add %3, %39 : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %41 = stablehlo.remainder %40, %c_12 : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %42:2 = stablehlo.optimization_barrier %iterArg_7, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
 // BIDI_GOLDEN-NEXT: %43 = stablehlo.dot_general %42#0, %42#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %44 = stablehlo.multiply %41, %c_11 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %45 = stablehlo.dynamic_update_slice %37, %43, %44, %c_10 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// BIDI_GOLDEN-NEXT: %46 = stablehlo.add %iterArg, %c_13 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %44 = stablehlo.multiply %41, %c_13 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %45 = stablehlo.dynamic_update_slice %37, %43, %44, %c_9 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %46 = stablehlo.add %iterArg, %c_10 : tensor<ui32>
 // BIDI_GOLDEN-NEXT: stablehlo.return %46, %29, %30, %45 : tensor<ui32>, tensor<16x64xf32>, tensor<16x64xf32>, tensor<128x16xf32>
 // BIDI_GOLDEN-NEXT: }
 // BIDI_GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%9#1) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// BIDI_GOLDEN-NEXT: %11 = stablehlo.add %3, %c_2 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_1 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %11 = stablehlo.add %3, %c_0 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_3 : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %13:2 = stablehlo.optimization_barrier %9#1, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
 // BIDI_GOLDEN-NEXT: %14 = stablehlo.dot_general %13#0, %13#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
 // BIDI_GOLDEN-NEXT: %15 = stablehlo.multiply %12, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %9#3, %14, %15, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// BIDI_GOLDEN-NEXT: %17 = stablehlo.add %3, %c_0 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %18 = stablehlo.remainder %17, %c_1 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %9#3, %14, %15, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %17 = stablehlo.add %3, %c_2 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %18 = stablehlo.remainder %17, %c_3 : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %19:2 = stablehlo.optimization_barrier %9#2, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
 // BIDI_GOLDEN-NEXT: %20 = stablehlo.dot_general %19#0, %19#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
 // BIDI_GOLDEN-NEXT: %21 = stablehlo.multiply %18, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %22 = stablehlo.dynamic_update_slice %16, %20, %21, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// BIDI_GOLDEN-NEXT: %23 = stablehlo.add %3, %c : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %24 = stablehlo.remainder %23, %c_1 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %22 = stablehlo.dynamic_update_slice %16, %20, %21, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %23 = stablehlo.add %3, %c_1 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %24 = stablehlo.remainder %23, %c_3 : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %25:2 = stablehlo.optimization_barrier %10, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
 // BIDI_GOLDEN-NEXT: %26 = stablehlo.dot_general %25#0, %25#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
 // BIDI_GOLDEN-NEXT: %27 = stablehlo.multiply %24, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %28 = stablehlo.dynamic_update_slice %22, %26, %27, %c_3 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %28 = stablehlo.dynamic_update_slice %22, %26, %27, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
 // BIDI_GOLDEN-NEXT: sdy.return %28 : tensor<128x16xf32>
 // BIDI_GOLDEN-NEXT: } : (tensor<128x64xf32>, tensor<64x128xf32>) -> tensor<128x128xf32>
 // BIDI_GOLDEN-NEXT: return %0 : tensor<128x128xf32>
@@ -189,9 +189,9 @@
 // UNROLL2_GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // UNROLL2_GOLDEN-NEXT: func.func public @main(%arg0: tensor<128x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<128x128xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // UNROLL2_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>] manual_axes={"model"} (%arg2: tensor<16x64xf32>, %arg3: tensor<64x16xf32>) {
-// UNROLL2_GOLDEN-NEXT: %c = stablehlo.constant dense<8> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<7> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<0> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<16> : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<128x16xf32>
 // UNROLL2_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
@@ -201,46 +201,46 @@
 // UNROLL2_GOLDEN-NEXT: %4 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
 // UNROLL2_GOLDEN-NEXT: %5 = stablehlo.dot_general %arg2, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
 // UNROLL2_GOLDEN-NEXT: %6 = stablehlo.multiply %3, %c_2 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %7 = stablehlo.dynamic_update_slice %cst, %5, %6, %c_1 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// UNROLL2_GOLDEN-NEXT: %8:3 = stablehlo.while(%iterArg = %c_1, %iterArg_4 = %4, %iterArg_5 = %7) : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %7 = stablehlo.dynamic_update_slice %cst, %5, %6, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %8:3 = stablehlo.while(%iterArg = %c, %iterArg_4 = %4, %iterArg_5 = %7) : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
 // UNROLL2_GOLDEN-NEXT: cond {
 // UNROLL2_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<3> : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %15 = stablehlo.compare LT, %iterArg, %c_6, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // UNROLL2_GOLDEN-NEXT: stablehlo.return %15 : tensor<i1>
 // UNROLL2_GOLDEN-NEXT: } do {
 // UNROLL2_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<16> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<8> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<2> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<2> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<8> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<16> : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %15 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// UNROLL2_GOLDEN-NEXT: %16 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %17 = stablehlo.add %16, %c_9 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %16 = stablehlo.multiply %iterArg, %c_8 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %17 = stablehlo.add %16, %c_7 : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %18 = stablehlo.add %3, %17 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_8 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_9 : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %20:2 = stablehlo.optimization_barrier %iterArg_4, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
 // UNROLL2_GOLDEN-NEXT: %21 = stablehlo.dot_general %20#0, %20#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %22 = stablehlo.multiply %19, %c_7 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %22 = stablehlo.multiply %19, %c_10 : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %iterArg_5, %21, %22, %c_6 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
 // UNROLL2_GOLDEN-NEXT: %24:2 = stablehlo.optimization_barrier %15, %21 : tensor<16x64xf32>, tensor<16x16xf32>
 // UNROLL2_GOLDEN-NEXT: %25 = "stablehlo.collective_permute"(%24#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// UNROLL2_GOLDEN-NEXT: %26 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %27 = stablehlo.add %26, %c_10 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %26 = stablehlo.multiply %iterArg, %c_8 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %27 = stablehlo.add %26, %c_8 : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %28 = stablehlo.add %3, %27 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_8 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_9 : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %30:2 = stablehlo.optimization_barrier %15, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
 // UNROLL2_GOLDEN-NEXT: %31 = stablehlo.dot_general %30#0, %30#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.multiply %29, %c_7 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.multiply %29, %c_10 : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %33 = stablehlo.dynamic_update_slice %23, %31, %32, %c_6 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// UNROLL2_GOLDEN-NEXT: %34 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %34 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: stablehlo.return %34, %25, %33 : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
 // UNROLL2_GOLDEN-NEXT: }
 // UNROLL2_GOLDEN-NEXT: %9 = stablehlo.add %3, %c_0 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %10 = stablehlo.remainder %9, %c : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %10 = stablehlo.remainder %9, %c_1 : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %11:2 = stablehlo.optimization_barrier %8#1, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
 // UNROLL2_GOLDEN-NEXT: %12 = stablehlo.dot_general %11#0, %11#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
 // UNROLL2_GOLDEN-NEXT: %13 = stablehlo.multiply %10, %c_2 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %14 = stablehlo.dynamic_update_slice %8#2, %12, %13, %c_1 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %14 = stablehlo.dynamic_update_slice %8#2, %12, %13, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
 // UNROLL2_GOLDEN-NEXT: sdy.return %14 : tensor<128x16xf32>
 // UNROLL2_GOLDEN-NEXT: } : (tensor<128x64xf32>, tensor<64x128xf32>) -> tensor<128x128xf32>
 // UNROLL2_GOLDEN-NEXT: return %0 : tensor<128x128xf32>
@@ -265,15 +265,15 @@
 // FULL_GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // FULL_GOLDEN-NEXT: func.func public @main(%arg0: tensor<128x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<128x128xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // FULL_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>] manual_axes={"model"} (%arg2: tensor<16x64xf32>, %arg3: tensor<64x16xf32>) {
-// FULL_GOLDEN-NEXT: %c = stablehlo.constant dense<7> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<6> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<5> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<4> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<3> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<2> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<8> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<0> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<2> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<3> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<4> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<5> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<6> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<7> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<8> : tensor<ui32>
 // FULL_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<16> : tensor<ui32>
 // FULL_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<128x16xf32>
 // FULL_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
@@ -283,61 +283,61 @@
 // FULL_GOLDEN-NEXT: %4 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
 // FULL_GOLDEN-NEXT: %5 = stablehlo.dot_general %arg2, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
 // FULL_GOLDEN-NEXT: %6 = stablehlo.multiply %3, %c_8 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %7 = stablehlo.dynamic_update_slice %cst, %5, %6, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %7 = stablehlo.dynamic_update_slice %cst, %5, %6, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
 // FULL_GOLDEN-NEXT: %8:2 = stablehlo.optimization_barrier %4, %5 : tensor<16x64xf32>, tensor<16x16xf32>
 // FULL_GOLDEN-NEXT: %9 = "stablehlo.collective_permute"(%8#0) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %10 = stablehlo.add %3, %c_6 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c_5 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %10 = stablehlo.add %3, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c_7 : tensor<ui32>
 // FULL_GOLDEN-NEXT: %12:2 = stablehlo.optimization_barrier %4, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
 // FULL_GOLDEN-NEXT: %13 = stablehlo.dot_general %12#0, %12#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
 // FULL_GOLDEN-NEXT: %14 = stablehlo.multiply %11, %c_8 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %7, %13, %14, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %7, %13, %14, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
 // FULL_GOLDEN-NEXT: %16:2 = stablehlo.optimization_barrier %9, %13 : tensor<16x64xf32>, tensor<16x16xf32>
 // FULL_GOLDEN-NEXT: %17 = "stablehlo.collective_permute"(%16#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %18 = stablehlo.add %3, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_5 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %18 = stablehlo.add %3, %c_1 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_7 : tensor<ui32>
 // FULL_GOLDEN-NEXT: %20:2 = stablehlo.optimization_barrier %9, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
 // FULL_GOLDEN-NEXT: %21 = stablehlo.dot_general %20#0, %20#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
 // FULL_GOLDEN-NEXT: %22 = stablehlo.multiply %19, %c_8 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %15, %21, %22, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %15, %21, %22, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
 // FULL_GOLDEN-NEXT: %24:2 = stablehlo.optimization_barrier %17, %21 : tensor<16x64xf32>, tensor<16x16xf32>
 // FULL_GOLDEN-NEXT: %25 = "stablehlo.collective_permute"(%24#0) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %26 = stablehlo.add %3, %c_3 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %27 = stablehlo.remainder %26, %c_5 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %26 = stablehlo.add %3, %c_2 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %27 = stablehlo.remainder %26, %c_7 : tensor<ui32>
 // FULL_GOLDEN-NEXT: %28:2 = stablehlo.optimization_barrier %17, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
 // FULL_GOLDEN-NEXT: %29 = stablehlo.dot_general %28#0, %28#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
 // FULL_GOLDEN-NEXT: %30 = stablehlo.multiply %27, %c_8 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %31 = stablehlo.dynamic_update_slice %23, %29, %30, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %31 = stablehlo.dynamic_update_slice %23, %29, %30, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
 // FULL_GOLDEN-NEXT: %32:2 = stablehlo.optimization_barrier %25, %29 : tensor<16x64xf32>, tensor<16x16xf32>
 // FULL_GOLDEN-NEXT: %33 = "stablehlo.collective_permute"(%32#0) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %34 = stablehlo.add %3, %c_2 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %35 = stablehlo.remainder %34, %c_5 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %34 = stablehlo.add %3, %c_3 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %35 = stablehlo.remainder %34, %c_7 : tensor<ui32>
 // FULL_GOLDEN-NEXT: %36:2 = stablehlo.optimization_barrier %25, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
 // FULL_GOLDEN-NEXT: %37 = stablehlo.dot_general %36#0, %36#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
 // FULL_GOLDEN-NEXT: %38 = stablehlo.multiply %35, %c_8 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %39 = stablehlo.dynamic_update_slice %31, %37, %38, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %39 = stablehlo.dynamic_update_slice %31, %37, %38, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
 // FULL_GOLDEN-NEXT: %40:2 = stablehlo.optimization_barrier %33, %37 : tensor<16x64xf32>, tensor<16x16xf32>
 // FULL_GOLDEN-NEXT: %41 = "stablehlo.collective_permute"(%40#0) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %42 = stablehlo.add %3, %c_1 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %43 = stablehlo.remainder %42, %c_5 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %42 = stablehlo.add %3, %c_4 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %43 = stablehlo.remainder %42, %c_7 : tensor<ui32>
 // FULL_GOLDEN-NEXT: %44:2 = stablehlo.optimization_barrier %33, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
 // FULL_GOLDEN-NEXT: %45 = stablehlo.dot_general %44#0, %44#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
 // FULL_GOLDEN-NEXT: %46 = stablehlo.multiply %43, %c_8 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %47 = stablehlo.dynamic_update_slice %39, %45, %46, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %47 = stablehlo.dynamic_update_slice %39, %45, %46, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
 // FULL_GOLDEN-NEXT: %48:2 = stablehlo.optimization_barrier %41, %45 : tensor<16x64xf32>, tensor<16x16xf32>
 // FULL_GOLDEN-NEXT: %49 = "stablehlo.collective_permute"(%48#0) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %50 = stablehlo.add %3, %c_0 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %51 = stablehlo.remainder %50, %c_5 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %50 = stablehlo.add %3, %c_5 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %51 = stablehlo.remainder %50, %c_7 : tensor<ui32>
 // FULL_GOLDEN-NEXT: %52:2 = stablehlo.optimization_barrier %41, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
 // FULL_GOLDEN-NEXT: %53 = stablehlo.dot_general %52#0, %52#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
 // FULL_GOLDEN-NEXT: %54 = stablehlo.multiply %51, %c_8 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %55 = stablehlo.dynamic_update_slice %47, %53, %54, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: %56 = stablehlo.add %3, %c : tensor<ui32>
-// FULL_GOLDEN-NEXT: %57 = stablehlo.remainder %56, %c_5 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %55 = stablehlo.dynamic_update_slice %47, %53, %54, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %56 = stablehlo.add %3, %c_6 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %57 = stablehlo.remainder %56, %c_7 : tensor<ui32>
 // FULL_GOLDEN-NEXT: %58:2 = stablehlo.optimization_barrier %49, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
 // FULL_GOLDEN-NEXT: %59 = stablehlo.dot_general %58#0, %58#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
 // FULL_GOLDEN-NEXT: %60 = stablehlo.multiply %57, %c_8 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %61 = stablehlo.dynamic_update_slice %55, %59, %60, %c_7 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %61 = stablehlo.dynamic_update_slice %55, %59, %60, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
 // FULL_GOLDEN-NEXT: sdy.return %61 : tensor<128x16xf32>
 // FULL_GOLDEN-NEXT: } : (tensor<128x64xf32>, tensor<64x128xf32>) -> tensor<128x128xf32>
 // FULL_GOLDEN-NEXT: return %0 : tensor<128x128xf32>
@@ -363,9 +363,9 @@
 // STREAMS_GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // STREAMS_GOLDEN-NEXT: func.func public @main(%arg0: tensor<128x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<128x128xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // STREAMS_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>] manual_axes={"model"} (%arg2: tensor<16x64xf32>, %arg3: tensor<64x16xf32>) {
-// STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<8> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<7> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<0> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<16> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<128x16xf32>
 // STREAMS_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
@@ -375,46 +375,46 @@
 // STREAMS_GOLDEN-NEXT: %4 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<16x64xf32>) -> tensor<16x64xf32>
 // STREAMS_GOLDEN-NEXT: %5 = func.call @cmatmul_dot_0(%arg2, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: %6 = stablehlo.multiply %3, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %7 = stablehlo.dynamic_update_slice %cst, %5, %6, %c_1 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// STREAMS_GOLDEN-NEXT: %8:3 = stablehlo.while(%iterArg = %c_1, %iterArg_4 = %4, %iterArg_5 = %7) : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %7 = stablehlo.dynamic_update_slice %cst, %5, %6, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %8:3 = stablehlo.while(%iterArg = %c, %iterArg_4 = %4, %iterArg_5 = %7) : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
 // STREAMS_GOLDEN-NEXT: cond {
 // STREAMS_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<3> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %15 = stablehlo.compare LT, %iterArg, %c_6, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // STREAMS_GOLDEN-NEXT: stablehlo.return %15 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
 // STREAMS_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<16> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<8> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<2> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<2> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<8> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<16> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %15 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// STREAMS_GOLDEN-NEXT: %16 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %17 = stablehlo.add %16, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %16 = stablehlo.multiply %iterArg, %c_8 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %17 = stablehlo.add %16, %c_7 : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %18 = stablehlo.add %3, %17 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_8 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_9 : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %20:2 = stablehlo.optimization_barrier %iterArg_4, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
 // STREAMS_GOLDEN-NEXT: %21 = func.call @cmatmul_dot_0(%20#0, %20#1) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %22 = stablehlo.multiply %19, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %22 = stablehlo.multiply %19, %c_10 : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %iterArg_5, %21, %22, %c_6 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
 // STREAMS_GOLDEN-NEXT: %24:2 = stablehlo.optimization_barrier %15, %21 : tensor<16x64xf32>, tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: %25 = "stablehlo.collective_permute"(%24#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// STREAMS_GOLDEN-NEXT: %26 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %27 = stablehlo.add %26, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %26 = stablehlo.multiply %iterArg, %c_8 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %27 = stablehlo.add %26, %c_8 : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %28 = stablehlo.add %3, %27 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_8 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_9 : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %30:2 = stablehlo.optimization_barrier %15, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
 // STREAMS_GOLDEN-NEXT: %31 = func.call @cmatmul_dot_0(%30#0, %30#1) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %32 = stablehlo.multiply %29, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %32 = stablehlo.multiply %29, %c_10 : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %33 = stablehlo.dynamic_update_slice %23, %31, %32, %c_6 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// STREAMS_GOLDEN-NEXT: %34 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %34 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: stablehlo.return %34, %25, %33 : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
 // STREAMS_GOLDEN-NEXT: }
 // STREAMS_GOLDEN-NEXT: %9 = stablehlo.add %3, %c_0 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %10 = stablehlo.remainder %9, %c : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %10 = stablehlo.remainder %9, %c_1 : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %11:2 = stablehlo.optimization_barrier %8#1, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
 // STREAMS_GOLDEN-NEXT: %12 = func.call @cmatmul_dot_0(%11#0, %11#1) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: %13 = stablehlo.multiply %10, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %14 = stablehlo.dynamic_update_slice %8#2, %12, %13, %c_1 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %14 = stablehlo.dynamic_update_slice %8#2, %12, %13, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
 // STREAMS_GOLDEN-NEXT: sdy.return %14 : tensor<128x16xf32>
 // STREAMS_GOLDEN-NEXT: } : (tensor<128x64xf32>, tensor<64x128xf32>) -> tensor<128x128xf32>
 // STREAMS_GOLDEN-NEXT: return %0 : tensor<128x128xf32>
@@ -494,7 +494,7 @@
 // HLO_GOLDEN-NEXT: ROOT compare.1 = pred[] compare(get-tuple-element.29, constant.17), direction=LT
 // HLO_GOLDEN-NEXT: }
 // HLO_GOLDEN: xla.sdy.manual_computation_body.4 {
-// HLO_GOLDEN-NEXT: constant.20 = u32[] constant(0)
+// HLO_GOLDEN-NEXT: constant.18 = u32[] constant(0)
 // HLO_GOLDEN-NEXT: Arg_0.4 = f32[16,64]{1,0} parameter(0)
 // HLO_GOLDEN-NEXT: collective-permute.5 = f32[16,64]{1,0} collective-permute(Arg_0.4), channel_id=2, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="0"}
 // HLO_GOLDEN-NEXT: constant.22 = f32[] constant(0)
@@ -507,8 +507,8 @@
 // HLO_GOLDEN-NEXT: reshape.1 = u32[] reshape(dynamic-slice.1)
 // HLO_GOLDEN-NEXT: constant.21 = u32[] constant(16)
 // HLO_GOLDEN-NEXT: multiply.10 = u32[] multiply(reshape.1, constant.21)
-// HLO_GOLDEN-NEXT: dynamic-update-slice.6 = f32[128,16]{1,0} dynamic-update-slice(broadcast.1, call.6, multiply.10, constant.20)
-// HLO_GOLDEN-NEXT: tuple.10 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) tuple(constant.20, collective-permute.5, dynamic-update-slice.6, reshape.1, Arg_1.4)
+// HLO_GOLDEN-NEXT: dynamic-update-slice.6 = f32[128,16]{1,0} dynamic-update-slice(broadcast.1, call.6, multiply.10, constant.18)
+// HLO_GOLDEN-NEXT: tuple.10 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) tuple(constant.18, collective-permute.5, dynamic-update-slice.6, reshape.1, Arg_1.4)
 // HLO_GOLDEN-NEXT: while.1 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) while(tuple.10), condition=region_1.3, body=region_0.2
 // HLO_GOLDEN-NEXT: get-tuple-element.39 = u32[] get-tuple-element(while.1), index=0
 // HLO_GOLDEN-NEXT: get-tuple-element.41 = f32[128,16]{1,0} get-tuple-element(while.1), index=2
@@ -520,10 +520,10 @@
 // HLO_GOLDEN-NEXT: call.7 = f32[16,16]{1,0} call(get-tuple-element.42, get-tuple-element.43), to_apply=cmatmul_dot_0.1, frontend_attributes={_xla_stream_annotation="1",inlineable="false"}
 // HLO_GOLDEN-NEXT: constant.19 = u32[] constant(7)
 // HLO_GOLDEN-NEXT: add.11 = u32[] add(reshape.1, constant.19)
-// HLO_GOLDEN-NEXT: constant.18 = u32[] constant(8)
-// HLO_GOLDEN-NEXT: remainder.5 = u32[] remainder(add.11, constant.18)
+// HLO_GOLDEN-NEXT: constant.20 = u32[] constant(8)
+// HLO_GOLDEN-NEXT: remainder.5 = u32[] remainder(add.11, constant.20)
 // HLO_GOLDEN-NEXT: multiply.11 = u32[] multiply(remainder.5, constant.21)
-// HLO_GOLDEN-NEXT: ROOT dynamic-update-slice.7 = f32[128,16]{1,0} dynamic-update-slice(get-tuple-element.41, call.7, multiply.11, constant.20)
+// HLO_GOLDEN-NEXT: ROOT dynamic-update-slice.7 = f32[128,16]{1,0} dynamic-update-slice(get-tuple-element.41, call.7, multiply.11, constant.18)
 // HLO_GOLDEN-NEXT: }
 // HLO_GOLDEN: ENTRY main.5 {
 // HLO_GOLDEN-NEXT: Arg_0.5 = f32[128,64]{1,0} parameter(0), sharding={devices=[8,1]<=[8]}, frontend_attributes={xla.sdy.sharding="#sdy.sharding<@mesh, [{\"model\"}, {}]>"}

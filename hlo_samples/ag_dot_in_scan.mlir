@@ -50,39 +50,39 @@
 // GOLDEN-NEXT: return %1 : tensor<16x16xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: func.func private @closed_call(%arg0: tensor<8x16xf32>, %arg1: tensor<16x16xf32>) -> tensor<8x16xf32> {
-// GOLDEN-NEXT: %c = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<32x16xf32>
 // GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %0 = stablehlo.partition_id : tensor<ui32>
 // GOLDEN-NEXT: %1 = stablehlo.dynamic_slice %c_3, %0, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %2 = stablehlo.reshape %1 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %3:3 = stablehlo.while(%iterArg = %c_2, %iterArg_10 = %arg0, %iterArg_11 = %cst) : tensor<ui32>, tensor<8x16xf32>, tensor<32x16xf32>
+// GOLDEN-NEXT: %3:3 = stablehlo.while(%iterArg = %c, %iterArg_10 = %arg0, %iterArg_11 = %cst) : tensor<ui32>, tensor<8x16xf32>, tensor<32x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_12 = stablehlo.constant dense<3> : tensor<ui32>
 // GOLDEN-NEXT: %19 = stablehlo.compare LT, %iterArg, %c_12, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %19 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %19 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x16xf32>) -> tensor<8x16xf32>
 // GOLDEN-NEXT: %20 = stablehlo.add %2, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %21 = stablehlo.remainder %20, %c_15 : tensor<ui32>
+// GOLDEN-NEXT: %21 = stablehlo.remainder %20, %c_14 : tensor<ui32>
 // GOLDEN-NEXT: %22 = stablehlo.dot_general %iterArg_10, %arg1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %23 = stablehlo.multiply %21, %c_14 : tensor<ui32>
-// GOLDEN-NEXT: %24 = stablehlo.dynamic_update_slice %iterArg_11, %22, %23, %c_13 : (tensor<32x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<32x16xf32>
-// GOLDEN-NEXT: %25 = stablehlo.add %iterArg, %c_12 : tensor<ui32>
+// GOLDEN-NEXT: %23 = stablehlo.multiply %21, %c_15 : tensor<ui32>
+// GOLDEN-NEXT: %24 = stablehlo.dynamic_update_slice %iterArg_11, %22, %23, %c_12 : (tensor<32x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<32x16xf32>
+// GOLDEN-NEXT: %25 = stablehlo.add %iterArg, %c_13 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %25, %19, %24 : tensor<ui32>, tensor<8x16xf32>, tensor<32x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %4 = stablehlo.add %2, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %4 = stablehlo.add %2, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_1 : tensor<ui32>
 // GOLDEN-NEXT: %6 = stablehlo.dot_general %3#1, %arg1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %7 = stablehlo.multiply %5, %c : tensor<ui32>
-// GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %3#2, %6, %7, %c_2 : (tensor<32x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<32x16xf32>
+// GOLDEN-NEXT: %7 = stablehlo.multiply %5, %c_2 : tensor<ui32>
+// GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %3#2, %6, %7, %c : (tensor<32x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<32x16xf32>
 // GOLDEN-NEXT: %9 = stablehlo.tanh %8 : tensor<32x16xf32>
 // GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_5 = stablehlo.constant dense<4> : tensor<ui32>

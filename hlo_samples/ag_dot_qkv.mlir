@@ -24,40 +24,40 @@
 // GOLDEN-NEXT: sdy.mesh @mesh = <["data"=2, "model"=4]> {stablehlo.mesh = {axes = [{name = "data", size = 2 : i64}, {name = "model", size = 4 : i64}]}}
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg3: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<64x64xf32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x64xf32> {jax.result_info = "result[1]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x64xf32> {jax.result_info = "result[2]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // GOLDEN-NEXT: %0:3 = sdy.manual_computation(%arg0, %arg1, %arg2, %arg3) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] manual_axes={"data", "model"} (%arg4: tensor<16x32xf32>, %arg5: tensor<32x16xf32>, %arg6: tensor<32x16xf32>, %arg7: tensor<32x16xf32>) {
-// GOLDEN-NEXT: %c = stablehlo.constant dense<16> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<16> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<64x48xf32>
 // GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
 // GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
 // GOLDEN-NEXT: %4 = stablehlo.concatenate %arg5, %arg6, %arg7, dim = 1 : (tensor<32x16xf32>, tensor<32x16xf32>, tensor<32x16xf32>) -> tensor<32x48xf32>
-// GOLDEN-NEXT: %5:3 = stablehlo.while(%iterArg = %c_2, %iterArg_4 = %arg4, %iterArg_5 = %cst) : tensor<ui32>, tensor<16x32xf32>, tensor<64x48xf32>
+// GOLDEN-NEXT: %5:3 = stablehlo.while(%iterArg = %c, %iterArg_4 = %arg4, %iterArg_5 = %cst) : tensor<ui32>, tensor<16x32xf32>, tensor<64x48xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_6 = stablehlo.constant dense<3> : tensor<ui32>
 // GOLDEN-NEXT: %14 = stablehlo.compare LT, %iterArg, %c_6, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %14 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<16> : tensor<ui32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<ui32>
 // GOLDEN-NEXT: %14 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
 // GOLDEN-NEXT: %15 = stablehlo.add %3, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %16 = stablehlo.remainder %15, %c_9 : tensor<ui32>
+// GOLDEN-NEXT: %16 = stablehlo.remainder %15, %c_8 : tensor<ui32>
 // GOLDEN-NEXT: %17 = stablehlo.dot_general %iterArg_4, %4, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
-// GOLDEN-NEXT: %18 = stablehlo.multiply %16, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %19 = stablehlo.dynamic_update_slice %iterArg_5, %17, %18, %c_7 : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
-// GOLDEN-NEXT: %20 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
+// GOLDEN-NEXT: %18 = stablehlo.multiply %16, %c_9 : tensor<ui32>
+// GOLDEN-NEXT: %19 = stablehlo.dynamic_update_slice %iterArg_5, %17, %18, %c_6 : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
+// GOLDEN-NEXT: %20 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %20, %14, %19 : tensor<ui32>, tensor<16x32xf32>, tensor<64x48xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %6 = stablehlo.add %3, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %7 = stablehlo.remainder %6, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %6 = stablehlo.add %3, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %7 = stablehlo.remainder %6, %c_1 : tensor<ui32>
 // GOLDEN-NEXT: %8 = stablehlo.dot_general %5#1, %4, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
-// GOLDEN-NEXT: %9 = stablehlo.multiply %7, %c : tensor<ui32>
-// GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %5#2, %8, %9, %c_2 : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
+// GOLDEN-NEXT: %9 = stablehlo.multiply %7, %c_2 : tensor<ui32>
+// GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %5#2, %8, %9, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
 // GOLDEN-NEXT: %11 = stablehlo.slice %10 [0:64, 0:16] : (tensor<64x48xf32>) -> tensor<64x16xf32>
 // GOLDEN-NEXT: %12 = stablehlo.slice %10 [0:64, 16:32] : (tensor<64x48xf32>) -> tensor<64x16xf32>
 // GOLDEN-NEXT: %13 = stablehlo.slice %10 [0:64, 32:48] : (tensor<64x48xf32>) -> tensor<64x16xf32>
@@ -87,11 +87,11 @@
 // BIDI_GOLDEN-NEXT: sdy.mesh @mesh = <["data"=2, "model"=4]> {stablehlo.mesh = {axes = [{name = "data", size = 2 : i64}, {name = "model", size = 4 : i64}]}}
 // BIDI_GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg3: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<64x64xf32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x64xf32> {jax.result_info = "result[1]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x64xf32> {jax.result_info = "result[2]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // BIDI_GOLDEN-NEXT: %0:3 = sdy.manual_computation(%arg0, %arg1, %arg2, %arg3) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] manual_axes={"data", "model"} (%arg4: tensor<16x32xf32>, %arg5: tensor<32x16xf32>, %arg6: tensor<32x16xf32>, %arg7: tensor<32x16xf32>) {
-// BIDI_GOLDEN-NEXT: %c = stablehlo.constant dense<2> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<3> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<1> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<2> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<3> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<4> : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<16> : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<64x48xf32>
 // BIDI_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
@@ -103,27 +103,27 @@
 // BIDI_GOLDEN-NEXT: %6 = "stablehlo.collective_permute"(%arg4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
 // BIDI_GOLDEN-NEXT: %7 = stablehlo.dot_general %arg4, %4, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
 // BIDI_GOLDEN-NEXT: %8 = stablehlo.multiply %3, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %cst, %7, %8, %c_3 : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
+// BIDI_GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %cst, %7, %8, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
 // BIDI_GOLDEN-NEXT: %10:2 = stablehlo.optimization_barrier %5, %7 : tensor<16x32xf32>, tensor<16x48xf32>
 // BIDI_GOLDEN-NEXT: %11 = "stablehlo.collective_permute"(%10#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// BIDI_GOLDEN-NEXT: %12 = stablehlo.add %3, %c_2 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_1 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %12 = stablehlo.add %3, %c_0 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_3 : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %14:2 = stablehlo.optimization_barrier %5, %4 : tensor<16x32xf32>, tensor<32x48xf32>
 // BIDI_GOLDEN-NEXT: %15 = stablehlo.dot_general %14#0, %14#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
 // BIDI_GOLDEN-NEXT: %16 = stablehlo.multiply %13, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %17 = stablehlo.dynamic_update_slice %9, %15, %16, %c_3 : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
-// BIDI_GOLDEN-NEXT: %18 = stablehlo.add %3, %c_0 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_1 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %17 = stablehlo.dynamic_update_slice %9, %15, %16, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
+// BIDI_GOLDEN-NEXT: %18 = stablehlo.add %3, %c_2 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_3 : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %20:2 = stablehlo.optimization_barrier %6, %4 : tensor<16x32xf32>, tensor<32x48xf32>
 // BIDI_GOLDEN-NEXT: %21 = stablehlo.dot_general %20#0, %20#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
 // BIDI_GOLDEN-NEXT: %22 = stablehlo.multiply %19, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %17, %21, %22, %c_3 : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
-// BIDI_GOLDEN-NEXT: %24 = stablehlo.add %3, %c : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %25 = stablehlo.remainder %24, %c_1 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %17, %21, %22, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
+// BIDI_GOLDEN-NEXT: %24 = stablehlo.add %3, %c_1 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %25 = stablehlo.remainder %24, %c_3 : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %26:2 = stablehlo.optimization_barrier %11, %4 : tensor<16x32xf32>, tensor<32x48xf32>
 // BIDI_GOLDEN-NEXT: %27 = stablehlo.dot_general %26#0, %26#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
 // BIDI_GOLDEN-NEXT: %28 = stablehlo.multiply %25, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %29 = stablehlo.dynamic_update_slice %23, %27, %28, %c_3 : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
+// BIDI_GOLDEN-NEXT: %29 = stablehlo.dynamic_update_slice %23, %27, %28, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
 // BIDI_GOLDEN-NEXT: %30 = stablehlo.slice %29 [0:64, 0:16] : (tensor<64x48xf32>) -> tensor<64x16xf32>
 // BIDI_GOLDEN-NEXT: %31 = stablehlo.slice %29 [0:64, 16:32] : (tensor<64x48xf32>) -> tensor<64x16xf32>
 // BIDI_GOLDEN-NEXT: %32 = stablehlo.slice %29 [0:64, 32:48] : (tensor<64x48xf32>) -> tensor<64x16xf32>
@@ -156,9 +156,9 @@
 // UNROLL2_GOLDEN-NEXT: sdy.mesh @mesh = <["data"=2, "model"=4]> {stablehlo.mesh = {axes = [{name = "data", size = 2 : i64}, {name = "model", size = 4 : i64}]}}
 // UNROLL2_GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg3: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<64x64xf32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x64xf32> {jax.result_info = "result[1]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x64xf32> {jax.result_info = "result[2]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // UNROLL2_GOLDEN-NEXT: %0:3 = sdy.manual_computation(%arg0, %arg1, %arg2, %arg3) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] manual_axes={"data", "model"} (%arg4: tensor<16x32xf32>, %arg5: tensor<32x16xf32>, %arg6: tensor<32x16xf32>, %arg7: tensor<32x16xf32>) {
-// UNROLL2_GOLDEN-NEXT: %c = stablehlo.constant dense<4> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<3> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<0> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<16> : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<64x48xf32>
 // UNROLL2_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
@@ -169,46 +169,46 @@
 // UNROLL2_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%arg4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
 // UNROLL2_GOLDEN-NEXT: %6 = stablehlo.dot_general %arg4, %4, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
 // UNROLL2_GOLDEN-NEXT: %7 = stablehlo.multiply %3, %c_2 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %cst, %6, %7, %c_1 : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
-// UNROLL2_GOLDEN-NEXT: %9:3 = stablehlo.while(%iterArg = %c_1, %iterArg_4 = %5, %iterArg_5 = %8) : tensor<ui32>, tensor<16x32xf32>, tensor<64x48xf32>
+// UNROLL2_GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %cst, %6, %7, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
+// UNROLL2_GOLDEN-NEXT: %9:3 = stablehlo.while(%iterArg = %c, %iterArg_4 = %5, %iterArg_5 = %8) : tensor<ui32>, tensor<16x32xf32>, tensor<64x48xf32>
 // UNROLL2_GOLDEN-NEXT: cond {
 // UNROLL2_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %19 = stablehlo.compare LT, %iterArg, %c_6, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // UNROLL2_GOLDEN-NEXT: stablehlo.return %19 : tensor<i1>
 // UNROLL2_GOLDEN-NEXT: } do {
 // UNROLL2_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<16> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<4> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<2> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<2> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<4> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<16> : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %19 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// UNROLL2_GOLDEN-NEXT: %20 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %21 = stablehlo.add %20, %c_9 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %20 = stablehlo.multiply %iterArg, %c_8 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %21 = stablehlo.add %20, %c_7 : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %22 = stablehlo.add %3, %21 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %23 = stablehlo.remainder %22, %c_8 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %23 = stablehlo.remainder %22, %c_9 : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %24:2 = stablehlo.optimization_barrier %iterArg_4, %4 : tensor<16x32xf32>, tensor<32x48xf32>
 // UNROLL2_GOLDEN-NEXT: %25 = stablehlo.dot_general %24#0, %24#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
-// UNROLL2_GOLDEN-NEXT: %26 = stablehlo.multiply %23, %c_7 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %26 = stablehlo.multiply %23, %c_10 : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %27 = stablehlo.dynamic_update_slice %iterArg_5, %25, %26, %c_6 : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
 // UNROLL2_GOLDEN-NEXT: %28:2 = stablehlo.optimization_barrier %19, %25 : tensor<16x32xf32>, tensor<16x48xf32>
 // UNROLL2_GOLDEN-NEXT: %29 = "stablehlo.collective_permute"(%28#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// UNROLL2_GOLDEN-NEXT: %30 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %31 = stablehlo.add %30, %c_10 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %30 = stablehlo.multiply %iterArg, %c_8 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %31 = stablehlo.add %30, %c_8 : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %32 = stablehlo.add %3, %31 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %33 = stablehlo.remainder %32, %c_8 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %33 = stablehlo.remainder %32, %c_9 : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %34:2 = stablehlo.optimization_barrier %19, %4 : tensor<16x32xf32>, tensor<32x48xf32>
 // UNROLL2_GOLDEN-NEXT: %35 = stablehlo.dot_general %34#0, %34#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
-// UNROLL2_GOLDEN-NEXT: %36 = stablehlo.multiply %33, %c_7 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %36 = stablehlo.multiply %33, %c_10 : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %37 = stablehlo.dynamic_update_slice %27, %35, %36, %c_6 : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
-// UNROLL2_GOLDEN-NEXT: %38 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %38 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: stablehlo.return %38, %29, %37 : tensor<ui32>, tensor<16x32xf32>, tensor<64x48xf32>
 // UNROLL2_GOLDEN-NEXT: }
 // UNROLL2_GOLDEN-NEXT: %10 = stablehlo.add %3, %c_0 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c_1 : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %12:2 = stablehlo.optimization_barrier %9#1, %4 : tensor<16x32xf32>, tensor<32x48xf32>
 // UNROLL2_GOLDEN-NEXT: %13 = stablehlo.dot_general %12#0, %12#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
 // UNROLL2_GOLDEN-NEXT: %14 = stablehlo.multiply %11, %c_2 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %9#2, %13, %14, %c_1 : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
+// UNROLL2_GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %9#2, %13, %14, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
 // UNROLL2_GOLDEN-NEXT: %16 = stablehlo.slice %15 [0:64, 0:16] : (tensor<64x48xf32>) -> tensor<64x16xf32>
 // UNROLL2_GOLDEN-NEXT: %17 = stablehlo.slice %15 [0:64, 16:32] : (tensor<64x48xf32>) -> tensor<64x16xf32>
 // UNROLL2_GOLDEN-NEXT: %18 = stablehlo.slice %15 [0:64, 32:48] : (tensor<64x48xf32>) -> tensor<64x16xf32>
@@ -232,11 +232,11 @@
 // FULL_GOLDEN-NEXT: sdy.mesh @mesh = <["data"=2, "model"=4]> {stablehlo.mesh = {axes = [{name = "data", size = 2 : i64}, {name = "model", size = 4 : i64}]}}
 // FULL_GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg3: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<64x64xf32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x64xf32> {jax.result_info = "result[1]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x64xf32> {jax.result_info = "result[2]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // FULL_GOLDEN-NEXT: %0:3 = sdy.manual_computation(%arg0, %arg1, %arg2, %arg3) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] manual_axes={"data", "model"} (%arg4: tensor<16x32xf32>, %arg5: tensor<32x16xf32>, %arg6: tensor<32x16xf32>, %arg7: tensor<32x16xf32>) {
-// FULL_GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<2> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<1> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<2> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<3> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<4> : tensor<ui32>
 // FULL_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<16> : tensor<ui32>
 // FULL_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<64x48xf32>
 // FULL_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
@@ -247,29 +247,29 @@
 // FULL_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%arg4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
 // FULL_GOLDEN-NEXT: %6 = stablehlo.dot_general %arg4, %4, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
 // FULL_GOLDEN-NEXT: %7 = stablehlo.multiply %3, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %cst, %6, %7, %c_3 : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
+// FULL_GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %cst, %6, %7, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
 // FULL_GOLDEN-NEXT: %9:2 = stablehlo.optimization_barrier %5, %6 : tensor<16x32xf32>, tensor<16x48xf32>
 // FULL_GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%9#0) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// FULL_GOLDEN-NEXT: %11 = stablehlo.add %3, %c_2 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_1 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %11 = stablehlo.add %3, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_3 : tensor<ui32>
 // FULL_GOLDEN-NEXT: %13:2 = stablehlo.optimization_barrier %5, %4 : tensor<16x32xf32>, tensor<32x48xf32>
 // FULL_GOLDEN-NEXT: %14 = stablehlo.dot_general %13#0, %13#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
 // FULL_GOLDEN-NEXT: %15 = stablehlo.multiply %12, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %8, %14, %15, %c_3 : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
+// FULL_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %8, %14, %15, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
 // FULL_GOLDEN-NEXT: %17:2 = stablehlo.optimization_barrier %10, %14 : tensor<16x32xf32>, tensor<16x48xf32>
 // FULL_GOLDEN-NEXT: %18 = "stablehlo.collective_permute"(%17#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// FULL_GOLDEN-NEXT: %19 = stablehlo.add %3, %c_0 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_1 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %19 = stablehlo.add %3, %c_1 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_3 : tensor<ui32>
 // FULL_GOLDEN-NEXT: %21:2 = stablehlo.optimization_barrier %10, %4 : tensor<16x32xf32>, tensor<32x48xf32>
 // FULL_GOLDEN-NEXT: %22 = stablehlo.dot_general %21#0, %21#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
 // FULL_GOLDEN-NEXT: %23 = stablehlo.multiply %20, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %24 = stablehlo.dynamic_update_slice %16, %22, %23, %c_3 : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
-// FULL_GOLDEN-NEXT: %25 = stablehlo.add %3, %c : tensor<ui32>
-// FULL_GOLDEN-NEXT: %26 = stablehlo.remainder %25, %c_1 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %24 = stablehlo.dynamic_update_slice %16, %22, %23, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
+// FULL_GOLDEN-NEXT: %25 = stablehlo.add %3, %c_2 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %26 = stablehlo.remainder %25, %c_3 : tensor<ui32>
 // FULL_GOLDEN-NEXT: %27:2 = stablehlo.optimization_barrier %18, %4 : tensor<16x32xf32>, tensor<32x48xf32>
 // FULL_GOLDEN-NEXT: %28 = stablehlo.dot_general %27#0, %27#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
 // FULL_GOLDEN-NEXT: %29 = stablehlo.multiply %26, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %30 = stablehlo.dynamic_update_slice %24, %28, %29, %c_3 : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
+// FULL_GOLDEN-NEXT: %30 = stablehlo.dynamic_update_slice %24, %28, %29, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
 // FULL_GOLDEN-NEXT: %31 = stablehlo.slice %30 [0:64, 0:16] : (tensor<64x48xf32>) -> tensor<64x16xf32>
 // FULL_GOLDEN-NEXT: %32 = stablehlo.slice %30 [0:64, 16:32] : (tensor<64x48xf32>) -> tensor<64x16xf32>
 // FULL_GOLDEN-NEXT: %33 = stablehlo.slice %30 [0:64, 32:48] : (tensor<64x48xf32>) -> tensor<64x16xf32>
@@ -298,9 +298,9 @@
 // STREAMS_GOLDEN-NEXT: sdy.mesh @mesh = <["data"=2, "model"=4]> {stablehlo.mesh = {axes = [{name = "data", size = 2 : i64}, {name = "model", size = 4 : i64}]}}
 // STREAMS_GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg3: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<64x64xf32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x64xf32> {jax.result_info = "result[1]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x64xf32> {jax.result_info = "result[2]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // STREAMS_GOLDEN-NEXT: %0:3 = sdy.manual_computation(%arg0, %arg1, %arg2, %arg3) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] manual_axes={"data", "model"} (%arg4: tensor<16x32xf32>, %arg5: tensor<32x16xf32>, %arg6: tensor<32x16xf32>, %arg7: tensor<32x16xf32>) {
-// STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<4> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<3> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<0> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<16> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<64x48xf32>
 // STREAMS_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
@@ -311,46 +311,46 @@
 // STREAMS_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%arg4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<16x32xf32>) -> tensor<16x32xf32>
 // STREAMS_GOLDEN-NEXT: %6 = func.call @cmatmul_dot_0(%arg4, %4) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
 // STREAMS_GOLDEN-NEXT: %7 = stablehlo.multiply %3, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %cst, %6, %7, %c_1 : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
-// STREAMS_GOLDEN-NEXT: %9:3 = stablehlo.while(%iterArg = %c_1, %iterArg_4 = %5, %iterArg_5 = %8) : tensor<ui32>, tensor<16x32xf32>, tensor<64x48xf32>
+// STREAMS_GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %cst, %6, %7, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
+// STREAMS_GOLDEN-NEXT: %9:3 = stablehlo.while(%iterArg = %c, %iterArg_4 = %5, %iterArg_5 = %8) : tensor<ui32>, tensor<16x32xf32>, tensor<64x48xf32>
 // STREAMS_GOLDEN-NEXT: cond {
 // STREAMS_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %19 = stablehlo.compare LT, %iterArg, %c_6, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // STREAMS_GOLDEN-NEXT: stablehlo.return %19 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
 // STREAMS_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<16> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<4> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<2> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<2> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<4> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<16> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %19 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// STREAMS_GOLDEN-NEXT: %20 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %21 = stablehlo.add %20, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %20 = stablehlo.multiply %iterArg, %c_8 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %21 = stablehlo.add %20, %c_7 : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %22 = stablehlo.add %3, %21 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %23 = stablehlo.remainder %22, %c_8 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %23 = stablehlo.remainder %22, %c_9 : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %24:2 = stablehlo.optimization_barrier %iterArg_4, %4 : tensor<16x32xf32>, tensor<32x48xf32>
 // STREAMS_GOLDEN-NEXT: %25 = func.call @cmatmul_dot_0(%24#0, %24#1) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
-// STREAMS_GOLDEN-NEXT: %26 = stablehlo.multiply %23, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %26 = stablehlo.multiply %23, %c_10 : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %27 = stablehlo.dynamic_update_slice %iterArg_5, %25, %26, %c_6 : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
 // STREAMS_GOLDEN-NEXT: %28:2 = stablehlo.optimization_barrier %19, %25 : tensor<16x32xf32>, tensor<16x48xf32>
 // STREAMS_GOLDEN-NEXT: %29 = "stablehlo.collective_permute"(%28#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// STREAMS_GOLDEN-NEXT: %30 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %31 = stablehlo.add %30, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %30 = stablehlo.multiply %iterArg, %c_8 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %31 = stablehlo.add %30, %c_8 : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %32 = stablehlo.add %3, %31 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %33 = stablehlo.remainder %32, %c_8 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %33 = stablehlo.remainder %32, %c_9 : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %34:2 = stablehlo.optimization_barrier %19, %4 : tensor<16x32xf32>, tensor<32x48xf32>
 // STREAMS_GOLDEN-NEXT: %35 = func.call @cmatmul_dot_0(%34#0, %34#1) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
-// STREAMS_GOLDEN-NEXT: %36 = stablehlo.multiply %33, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %36 = stablehlo.multiply %33, %c_10 : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %37 = stablehlo.dynamic_update_slice %27, %35, %36, %c_6 : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
-// STREAMS_GOLDEN-NEXT: %38 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %38 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: stablehlo.return %38, %29, %37 : tensor<ui32>, tensor<16x32xf32>, tensor<64x48xf32>
 // STREAMS_GOLDEN-NEXT: }
 // STREAMS_GOLDEN-NEXT: %10 = stablehlo.add %3, %c_0 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c_1 : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %12:2 = stablehlo.optimization_barrier %9#1, %4 : tensor<16x32xf32>, tensor<32x48xf32>
 // STREAMS_GOLDEN-NEXT: %13 = func.call @cmatmul_dot_0(%12#0, %12#1) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
 // STREAMS_GOLDEN-NEXT: %14 = stablehlo.multiply %11, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %9#2, %13, %14, %c_1 : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
+// STREAMS_GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %9#2, %13, %14, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
 // STREAMS_GOLDEN-NEXT: %16 = stablehlo.slice %15 [0:64, 0:16] : (tensor<64x48xf32>) -> tensor<64x16xf32>
 // STREAMS_GOLDEN-NEXT: %17 = stablehlo.slice %15 [0:64, 16:32] : (tensor<64x48xf32>) -> tensor<64x16xf32>
 // STREAMS_GOLDEN-NEXT: %18 = stablehlo.slice %15 [0:64, 32:48] : (tensor<64x48xf32>) -> tensor<64x16xf32>

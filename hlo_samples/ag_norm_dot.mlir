@@ -14,11 +14,11 @@
 // GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}]>}, %arg2: tensor<32x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg3: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<64x32xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1, %arg2, %arg3) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"model"}, {}]>] manual_axes={"model"} (%arg4: tensor<8x32xf32>, %arg5: tensor<32xf32>, %arg6: tensor<32x16xf32>, %arg7: tensor<16x32xf32>) {
-// GOLDEN-NEXT: %c = stablehlo.constant dense<7> : tensor<ui32>
+// GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<7> : tensor<ui32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<64x16xf32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
 // GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
@@ -39,29 +39,29 @@
 // GOLDEN-NEXT: %14 = stablehlo.broadcast_in_dim %arg5, dims = [1] : (tensor<32xf32>) -> tensor<1x32xf32>
 // GOLDEN-NEXT: %15 = stablehlo.broadcast_in_dim %14, dims = [0, 1] : (tensor<1x32xf32>) -> tensor<8x32xf32>
 // GOLDEN-NEXT: %16 = stablehlo.multiply %13, %15 : tensor<8x32xf32>
-// GOLDEN-NEXT: %17:3 = stablehlo.while(%iterArg = %c_0, %iterArg_11 = %16, %iterArg_12 = %cst) : tensor<ui32>, tensor<8x32xf32>, tensor<64x16xf32>
+// GOLDEN-NEXT: %17:3 = stablehlo.while(%iterArg = %c, %iterArg_11 = %16, %iterArg_12 = %cst) : tensor<ui32>, tensor<8x32xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_13 = stablehlo.constant dense<7> : tensor<ui32>
 // GOLDEN-NEXT: %42 = stablehlo.compare LT, %iterArg, %c_13, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %42 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_15 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %42 = "stablehlo.collective_permute"(%iterArg_11) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
 // GOLDEN-NEXT: %43 = stablehlo.add %3, %iterArg : tensor<ui32>
 // GOLDEN-NEXT: %44 = stablehlo.remainder %43, %c_15 : tensor<ui32>
 // GOLDEN-NEXT: %45 = stablehlo.dot_general %iterArg_11, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<32x16xf32>) -> tensor<8x16xf32>
 // GOLDEN-NEXT: %46 = stablehlo.multiply %44, %c_15 : tensor<ui32>
-// GOLDEN-NEXT: %47 = stablehlo.dynamic_update_slice %iterArg_12, %45, %46, %c_14 : (tensor<64x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %48 = stablehlo.add %iterArg, %c_13 : tensor<ui32>
+// GOLDEN-NEXT: %47 = stablehlo.dynamic_update_slice %iterArg_12, %45, %46, %c_13 : (tensor<64x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %48 = stablehlo.add %iterArg, %c_14 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %48, %42, %47 : tensor<ui32>, tensor<8x32xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %18 = stablehlo.add %3, %c : tensor<ui32>
-// GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_1 : tensor<ui32>
+// GOLDEN-NEXT: %18 = stablehlo.add %3, %c_1 : tensor<ui32>
+// GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_2 : tensor<ui32>
 // GOLDEN-NEXT: %20 = stablehlo.dot_general %17#1, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<32x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %21 = stablehlo.multiply %19, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %22 = stablehlo.dynamic_update_slice %17#2, %20, %21, %c_0 : (tensor<64x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %21 = stablehlo.multiply %19, %c_2 : tensor<ui32>
+// GOLDEN-NEXT: %22 = stablehlo.dynamic_update_slice %17#2, %20, %21, %c : (tensor<64x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
 // GOLDEN-NEXT: %23 = stablehlo.multiply %22, %22 : tensor<64x16xf32>
 // GOLDEN-NEXT: %24 = stablehlo.multiply %23, %22 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
@@ -79,30 +79,30 @@
 // GOLDEN-NEXT: %33 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
 // GOLDEN-NEXT: %34 = stablehlo.multiply %33, %32 : tensor<64x16xf32>
 // GOLDEN-NEXT: %35 = stablehlo.multiply %22, %34 : tensor<64x16xf32>
-// GOLDEN-NEXT: %36 = stablehlo.add %3, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %37 = stablehlo.remainder %36, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %38 = stablehlo.multiply %37, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %39 = stablehlo.dynamic_slice %35, %38, %c_0, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %36 = stablehlo.add %3, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %37 = stablehlo.remainder %36, %c_2 : tensor<ui32>
+// GOLDEN-NEXT: %38 = stablehlo.multiply %37, %c_2 : tensor<ui32>
+// GOLDEN-NEXT: %39 = stablehlo.dynamic_slice %35, %38, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
 // GOLDEN-NEXT: %40 = stablehlo.dot_general %39, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %41:2 = stablehlo.while(%iterArg = %c_0, %iterArg_11 = %40) : tensor<ui32>, tensor<8x32xf32>
+// GOLDEN-NEXT: %41:2 = stablehlo.while(%iterArg = %c, %iterArg_11 = %40) : tensor<ui32>, tensor<8x32xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_12 = stablehlo.constant dense<7> : tensor<ui32>
 // GOLDEN-NEXT: %42 = stablehlo.compare LT, %iterArg, %c_12, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %42 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %42 = "stablehlo.collective_permute"(%iterArg_11) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %43 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
+// GOLDEN-NEXT: %43 = stablehlo.add %iterArg, %c_14 : tensor<ui32>
 // GOLDEN-NEXT: %44 = stablehlo.add %3, %43 : tensor<ui32>
-// GOLDEN-NEXT: %45 = stablehlo.remainder %44, %c_14 : tensor<ui32>
-// GOLDEN-NEXT: %46 = stablehlo.multiply %45, %c_14 : tensor<ui32>
-// GOLDEN-NEXT: %47 = stablehlo.dynamic_slice %35, %46, %c_13, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %45 = stablehlo.remainder %44, %c_15 : tensor<ui32>
+// GOLDEN-NEXT: %46 = stablehlo.multiply %45, %c_15 : tensor<ui32>
+// GOLDEN-NEXT: %47 = stablehlo.dynamic_slice %35, %46, %c_12, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
 // GOLDEN-NEXT: %48 = stablehlo.dot_general %47, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // GOLDEN-NEXT: %49 = stablehlo.add %42, %48 : tensor<8x32xf32>
-// GOLDEN-NEXT: %50 = stablehlo.add %iterArg, %c_12 : tensor<ui32>
+// GOLDEN-NEXT: %50 = stablehlo.add %iterArg, %c_13 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %50, %49 : tensor<ui32>, tensor<8x32xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: sdy.return %41#1 : tensor<8x32xf32>

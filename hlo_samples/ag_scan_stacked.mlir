@@ -23,10 +23,10 @@
 // GOLDEN-NEXT: %3 = stablehlo.compare LT, %iterArg_1, %c_3, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %3 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<4> : tensor<ui32>
 // GOLDEN-NEXT: %c_5 = stablehlo.constant dense<7> : tensor<ui32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<16x32xf32>
 // GOLDEN-NEXT: %c_7 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // GOLDEN-NEXT: %3 = stablehlo.partition_id : tensor<ui32>
@@ -41,14 +41,14 @@
 // GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<i32>
 // GOLDEN-NEXT: %c_11 = stablehlo.constant dense<0> : tensor<i32>
 // GOLDEN-NEXT: %10 = stablehlo.dynamic_slice %iterArg_0, %9, %c_10, %c_11, sizes = [1, 32, 4] : (tensor<3x32x4xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<1x32x4xf32>
-// GOLDEN-NEXT: %11:3 = stablehlo.while(%iterArg_13 = %c_6, %iterArg_14 = %10, %iterArg_15 = %cst) : tensor<ui32>, tensor<1x32x4xf32>, tensor<16x32xf32>
+// GOLDEN-NEXT: %11:3 = stablehlo.while(%iterArg_13 = %c_3, %iterArg_14 = %10, %iterArg_15 = %cst) : tensor<ui32>, tensor<1x32x4xf32>, tensor<16x32xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_16 = stablehlo.constant dense<7> : tensor<ui32>
 // GOLDEN-NEXT: %20 = stablehlo.compare LT, %iterArg_13, %c_16, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %20 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_16 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_16 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_18 = stablehlo.constant dense<4> : tensor<ui32>
 // GOLDEN-NEXT: %c_19 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %20 = "stablehlo.collective_permute"(%iterArg_14) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<1x32x4xf32>) -> tensor<1x32x4xf32>
@@ -57,16 +57,16 @@
 // GOLDEN-NEXT: %23 = stablehlo.reshape %iterArg_14 : (tensor<1x32x4xf32>) -> tensor<32x4xf32>
 // GOLDEN-NEXT: %24 = stablehlo.dot_general %iterArg_2, %23, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x4xf32>) -> tensor<16x4xf32>
 // GOLDEN-NEXT: %25 = stablehlo.multiply %22, %c_18 : tensor<ui32>
-// GOLDEN-NEXT: %26 = stablehlo.dynamic_update_slice %iterArg_15, %24, %c_17, %25 : (tensor<16x32xf32>, tensor<16x4xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %27 = stablehlo.add %iterArg_13, %c_16 : tensor<ui32>
+// GOLDEN-NEXT: %26 = stablehlo.dynamic_update_slice %iterArg_15, %24, %c_16, %25 : (tensor<16x32xf32>, tensor<16x4xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %27 = stablehlo.add %iterArg_13, %c_17 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %27, %20, %26 : tensor<ui32>, tensor<1x32x4xf32>, tensor<16x32xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: %12 = stablehlo.add %5, %c_5 : tensor<ui32>
-// GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_6 : tensor<ui32>
 // GOLDEN-NEXT: %14 = stablehlo.reshape %11#1 : (tensor<1x32x4xf32>) -> tensor<32x4xf32>
 // GOLDEN-NEXT: %15 = stablehlo.dot_general %iterArg_2, %14, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x4xf32>) -> tensor<16x4xf32>
-// GOLDEN-NEXT: %16 = stablehlo.multiply %13, %c_3 : tensor<ui32>
-// GOLDEN-NEXT: %17 = stablehlo.dynamic_update_slice %11#2, %15, %c_6, %16 : (tensor<16x32xf32>, tensor<16x4xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %16 = stablehlo.multiply %13, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %17 = stablehlo.dynamic_update_slice %11#2, %15, %c_3, %16 : (tensor<16x32xf32>, tensor<16x4xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x32xf32>
 // GOLDEN-NEXT: %18 = stablehlo.tanh %17 : tensor<16x32xf32>
 // GOLDEN-NEXT: %c_12 = stablehlo.constant dense<1> : tensor<i32>
 // GOLDEN-NEXT: %19 = stablehlo.add %iterArg_1, %c_12 : tensor<i32>

@@ -19,11 +19,11 @@
 // GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, %arg1: tensor<32x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg3: tensor<32x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg4: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<64x32xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1, %arg2, %arg3, %arg4) in_shardings=[<@mesh, [{}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{}, {}]>] manual_axes={"model"} (%arg5: tensor<64x32xf32>, %arg6: tensor<32x16xf32>, %arg7: tensor<16x32xf32>, %arg8: tensor<32x16xf32>, %arg9: tensor<16x32xf32>) {
-// GOLDEN-NEXT: %c = stablehlo.constant dense<7> : tensor<ui32>
+// GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<7> : tensor<ui32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<64x16xf32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
 // GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
@@ -69,34 +69,34 @@
 // GOLDEN-NEXT: %33 = stablehlo.broadcast_in_dim %cst_12, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
 // GOLDEN-NEXT: %34 = stablehlo.multiply %33, %32 : tensor<64x16xf32>
 // GOLDEN-NEXT: %35 = stablehlo.multiply %22, %34 : tensor<64x16xf32>
-// GOLDEN-NEXT: %36 = stablehlo.add %3, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %37 = stablehlo.remainder %36, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %38 = stablehlo.multiply %37, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %39 = stablehlo.dynamic_slice %35, %38, %c_0, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %36 = stablehlo.add %3, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %37 = stablehlo.remainder %36, %c_2 : tensor<ui32>
+// GOLDEN-NEXT: %38 = stablehlo.multiply %37, %c_2 : tensor<ui32>
+// GOLDEN-NEXT: %39 = stablehlo.dynamic_slice %35, %38, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
 // GOLDEN-NEXT: %40 = stablehlo.dot_general %39, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %41:2 = stablehlo.while(%iterArg = %c_0, %iterArg_22 = %40) : tensor<ui32>, tensor<8x32xf32>
+// GOLDEN-NEXT: %41:2 = stablehlo.while(%iterArg = %c, %iterArg_22 = %40) : tensor<ui32>, tensor<8x32xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_23 = stablehlo.constant dense<7> : tensor<ui32>
 // GOLDEN-NEXT: %85 = stablehlo.compare LT, %iterArg, %c_23, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %85 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_23 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_24 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_25 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_26 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_23 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_24 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_25 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_26 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %85 = "stablehlo.collective_permute"(%iterArg_22) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %86 = stablehlo.add %iterArg, %c_26 : tensor<ui32>
+// GOLDEN-NEXT: %86 = stablehlo.add %iterArg, %c_25 : tensor<ui32>
 // GOLDEN-NEXT: %87 = stablehlo.add %3, %86 : tensor<ui32>
-// GOLDEN-NEXT: %88 = stablehlo.remainder %87, %c_25 : tensor<ui32>
-// GOLDEN-NEXT: %89 = stablehlo.multiply %88, %c_25 : tensor<ui32>
-// GOLDEN-NEXT: %90 = stablehlo.dynamic_slice %35, %89, %c_24, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %88 = stablehlo.remainder %87, %c_26 : tensor<ui32>
+// GOLDEN-NEXT: %89 = stablehlo.multiply %88, %c_26 : tensor<ui32>
+// GOLDEN-NEXT: %90 = stablehlo.dynamic_slice %35, %89, %c_23, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
 // GOLDEN-NEXT: %91 = stablehlo.dot_general %90, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // GOLDEN-NEXT: %92 = stablehlo.add %85, %91 : tensor<8x32xf32>
-// GOLDEN-NEXT: %93 = stablehlo.add %iterArg, %c_23 : tensor<ui32>
+// GOLDEN-NEXT: %93 = stablehlo.add %iterArg, %c_24 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %93, %92 : tensor<ui32>, tensor<8x32xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %42 = stablehlo.multiply %3, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %43 = stablehlo.dynamic_slice %arg5, %42, %c_0, sizes = [8, 32] : (tensor<64x32xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %42 = stablehlo.multiply %3, %c_2 : tensor<ui32>
+// GOLDEN-NEXT: %43 = stablehlo.dynamic_slice %arg5, %42, %c, sizes = [8, 32] : (tensor<64x32xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x32xf32>
 // GOLDEN-NEXT: %44 = stablehlo.add %43, %41#1 : tensor<8x32xf32>
 // GOLDEN-NEXT: %cst_13 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
 // GOLDEN-NEXT: %45 = stablehlo.reduce(%44 init: %cst_13) applies stablehlo.add across dimensions = [1] : (tensor<8x32xf32>, tensor<f32>) -> tensor<8xf32>
@@ -121,29 +121,29 @@
 // GOLDEN-NEXT: %60 = stablehlo.rsqrt %59 : tensor<8x1xf32>
 // GOLDEN-NEXT: %61 = stablehlo.broadcast_in_dim %60, dims = [0, 1] : (tensor<8x1xf32>) -> tensor<8x32xf32>
 // GOLDEN-NEXT: %62 = stablehlo.multiply %57, %61 : tensor<8x32xf32>
-// GOLDEN-NEXT: %63:3 = stablehlo.while(%iterArg = %c_0, %iterArg_22 = %62, %iterArg_23 = %cst) : tensor<ui32>, tensor<8x32xf32>, tensor<64x16xf32>
+// GOLDEN-NEXT: %63:3 = stablehlo.while(%iterArg = %c, %iterArg_22 = %62, %iterArg_23 = %cst) : tensor<ui32>, tensor<8x32xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_24 = stablehlo.constant dense<7> : tensor<ui32>
 // GOLDEN-NEXT: %85 = stablehlo.compare LT, %iterArg, %c_24, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %85 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_24 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_25 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_24 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_25 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_26 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %85 = "stablehlo.collective_permute"(%iterArg_22) <{channel_handle = #stablehlo.channel_handle<handle = 10, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
 // GOLDEN-NEXT: %86 = stablehlo.add %3, %iterArg : tensor<ui32>
 // GOLDEN-NEXT: %87 = stablehlo.remainder %86, %c_26 : tensor<ui32>
 // GOLDEN-NEXT: %88 = stablehlo.dot_general %iterArg_22, %arg8, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<32x16xf32>) -> tensor<8x16xf32>
 // GOLDEN-NEXT: %89 = stablehlo.multiply %87, %c_26 : tensor<ui32>
-// GOLDEN-NEXT: %90 = stablehlo.dynamic_update_slice %iterArg_23, %88, %89, %c_25 : (tensor<64x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %91 = stablehlo.add %iterArg, %c_24 : tensor<ui32>
+// GOLDEN-NEXT: %90 = stablehlo.dynamic_update_slice %iterArg_23, %88, %89, %c_24 : (tensor<64x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %91 = stablehlo.add %iterArg, %c_25 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %91, %85, %90 : tensor<ui32>, tensor<8x32xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %64 = stablehlo.add %3, %c : tensor<ui32>
-// GOLDEN-NEXT: %65 = stablehlo.remainder %64, %c_1 : tensor<ui32>
+// GOLDEN-NEXT: %64 = stablehlo.add %3, %c_1 : tensor<ui32>
+// GOLDEN-NEXT: %65 = stablehlo.remainder %64, %c_2 : tensor<ui32>
 // GOLDEN-NEXT: %66 = stablehlo.dot_general %63#1, %arg8, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<32x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %67 = stablehlo.multiply %65, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %68 = stablehlo.dynamic_update_slice %63#2, %66, %67, %c_0 : (tensor<64x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %67 = stablehlo.multiply %65, %c_2 : tensor<ui32>
+// GOLDEN-NEXT: %68 = stablehlo.dynamic_update_slice %63#2, %66, %67, %c : (tensor<64x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
 // GOLDEN-NEXT: %69 = stablehlo.multiply %68, %68 : tensor<64x16xf32>
 // GOLDEN-NEXT: %70 = stablehlo.multiply %69, %68 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_18 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
@@ -170,15 +170,15 @@
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: func.func private @cmatmul_ring_0(%arg0: tensor<64x16xf32>, %arg1: tensor<16x32xf32>) -> tensor<8x32xf32> {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // GOLDEN-NEXT: %0 = stablehlo.partition_id : tensor<ui32>
 // GOLDEN-NEXT: %1 = stablehlo.dynamic_slice %c_2, %0, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %2 = stablehlo.reshape %1 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %3 = stablehlo.add %2, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %4 = stablehlo.remainder %3, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %5 = stablehlo.multiply %4, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %3 = stablehlo.add %2, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %4 = stablehlo.remainder %3, %c_1 : tensor<ui32>
+// GOLDEN-NEXT: %5 = stablehlo.multiply %4, %c_1 : tensor<ui32>
 // GOLDEN-NEXT: %6 = stablehlo.dynamic_slice %arg0, %5, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
 // GOLDEN-NEXT: %7 = stablehlo.dot_general %6, %arg1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // GOLDEN-NEXT: %8:2 = stablehlo.while(%iterArg = %c, %iterArg_3 = %7) : tensor<ui32>, tensor<8x32xf32>
@@ -187,19 +187,19 @@
 // GOLDEN-NEXT: %9 = stablehlo.compare LT, %iterArg, %c_4, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %9 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %9 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %10 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %10 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
 // GOLDEN-NEXT: %11 = stablehlo.add %2, %10 : tensor<ui32>
-// GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %13 = stablehlo.multiply %12, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %14 = stablehlo.dynamic_slice %arg0, %13, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %13 = stablehlo.multiply %12, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %14 = stablehlo.dynamic_slice %arg0, %13, %c_4, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
 // GOLDEN-NEXT: %15 = stablehlo.dot_general %14, %arg1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // GOLDEN-NEXT: %16 = stablehlo.add %9, %15 : tensor<8x32xf32>
-// GOLDEN-NEXT: %17 = stablehlo.add %iterArg, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %17 = stablehlo.add %iterArg, %c_5 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %17, %16 : tensor<ui32>, tensor<8x32xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: return %8#1 : tensor<8x32xf32>

@@ -21,8 +21,8 @@
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<4x16x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {}, {}]>}, %arg1: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<4x16x32xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {}, {}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1, %arg2) in_shardings=[<@mesh, [{"data"}, {}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"data"}, {}, {}]>] manual_axes={"data", "model"} (%arg3: tensor<2x16x32xf32>, %arg4: tensor<32x16xf32>, %arg5: tensor<16x32xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
 // GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
 // GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_2, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
@@ -68,9 +68,9 @@
 // GOLDEN-NEXT: %33 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<2x16x16xf32>
 // GOLDEN-NEXT: %34 = stablehlo.multiply %33, %32 : tensor<2x16x16xf32>
 // GOLDEN-NEXT: %35 = stablehlo.multiply %22, %34 : tensor<2x16x16xf32>
-// GOLDEN-NEXT: %36 = stablehlo.add %3, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %37 = stablehlo.remainder %36, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %38 = stablehlo.multiply %37, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %36 = stablehlo.add %3, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %37 = stablehlo.remainder %36, %c_1 : tensor<ui32>
+// GOLDEN-NEXT: %38 = stablehlo.multiply %37, %c_1 : tensor<ui32>
 // GOLDEN-NEXT: %39 = stablehlo.dynamic_slice %35, %c, %38, %c, sizes = [2, 4, 16] : (tensor<2x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
 // GOLDEN-NEXT: %40 = stablehlo.dot_general %39, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x32xf32>) -> tensor<2x4x32xf32>
 // GOLDEN-NEXT: %41:2 = stablehlo.while(%iterArg = %c, %iterArg_11 = %40) : tensor<ui32>, tensor<2x4x32xf32>
@@ -79,22 +79,22 @@
 // GOLDEN-NEXT: %46 = stablehlo.compare LT, %iterArg, %c_12, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %46 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<4> : tensor<ui32>
 // GOLDEN-NEXT: %46 = "stablehlo.collective_permute"(%iterArg_11) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x4x32xf32>) -> tensor<2x4x32xf32>
-// GOLDEN-NEXT: %47 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
+// GOLDEN-NEXT: %47 = stablehlo.add %iterArg, %c_14 : tensor<ui32>
 // GOLDEN-NEXT: %48 = stablehlo.add %3, %47 : tensor<ui32>
-// GOLDEN-NEXT: %49 = stablehlo.remainder %48, %c_14 : tensor<ui32>
-// GOLDEN-NEXT: %50 = stablehlo.multiply %49, %c_14 : tensor<ui32>
-// GOLDEN-NEXT: %51 = stablehlo.dynamic_slice %35, %c_13, %50, %c_13, sizes = [2, 4, 16] : (tensor<2x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// GOLDEN-NEXT: %49 = stablehlo.remainder %48, %c_15 : tensor<ui32>
+// GOLDEN-NEXT: %50 = stablehlo.multiply %49, %c_15 : tensor<ui32>
+// GOLDEN-NEXT: %51 = stablehlo.dynamic_slice %35, %c_12, %50, %c_12, sizes = [2, 4, 16] : (tensor<2x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
 // GOLDEN-NEXT: %52 = stablehlo.dot_general %51, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x32xf32>) -> tensor<2x4x32xf32>
 // GOLDEN-NEXT: %53 = stablehlo.add %46, %52 : tensor<2x4x32xf32>
-// GOLDEN-NEXT: %54 = stablehlo.add %iterArg, %c_12 : tensor<ui32>
+// GOLDEN-NEXT: %54 = stablehlo.add %iterArg, %c_13 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %54, %53 : tensor<ui32>, tensor<2x4x32xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %42 = stablehlo.multiply %3, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %42 = stablehlo.multiply %3, %c_1 : tensor<ui32>
 // GOLDEN-NEXT: %43 = stablehlo.dynamic_slice %arg3, %c, %42, %c, sizes = [2, 4, 32] : (tensor<2x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x32xf32>
 // GOLDEN-NEXT: %44 = stablehlo.add %43, %41#1 : tensor<2x4x32xf32>
 // GOLDEN-NEXT: %45 = "stablehlo.all_gather"(%44) <{all_gather_dim = 1 : i64, channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3], [4, 5, 6, 7]]> : tensor<2x4xi64>, use_global_device_ids}> : (tensor<2x4x32xf32>) -> tensor<2x16x32xf32>

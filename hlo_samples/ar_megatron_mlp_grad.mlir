@@ -14,8 +14,8 @@
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, %arg1: tensor<32x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<f32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, []>}, tensor<64x32xf32> {jax.result_info = "result[1][0]", sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, tensor<32x128xf32> {jax.result_info = "result[1][1]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<128x32xf32> {jax.result_info = "result[1][2]", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) {
 // GOLDEN-NEXT: %0:11 = sdy.manual_computation(%arg0, %arg1, %arg2) in_shardings=[<@mesh, [{}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}]>, <@mesh, [{"model"}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{}, {}]>] manual_axes={"model"} (%arg3: tensor<64x32xf32>, %arg4: tensor<32x16xf32>, %arg5: tensor<16x32xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %c_6 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // GOLDEN-NEXT: %21 = stablehlo.partition_id : tensor<ui32>
 // GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %c_6, %21, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
@@ -45,9 +45,9 @@
 // GOLDEN-NEXT: %40 = stablehlo.broadcast_in_dim %cst_12, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
 // GOLDEN-NEXT: %41 = stablehlo.multiply %40, %39 : tensor<64x16xf32>
 // GOLDEN-NEXT: %42 = stablehlo.multiply %24, %41 : tensor<64x16xf32>
-// GOLDEN-NEXT: %43 = stablehlo.add %23, %c_5 : tensor<ui32>
-// GOLDEN-NEXT: %44 = stablehlo.remainder %43, %c_4 : tensor<ui32>
-// GOLDEN-NEXT: %45 = stablehlo.multiply %44, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %43 = stablehlo.add %23, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %44 = stablehlo.remainder %43, %c_5 : tensor<ui32>
+// GOLDEN-NEXT: %45 = stablehlo.multiply %44, %c_5 : tensor<ui32>
 // GOLDEN-NEXT: %46 = stablehlo.dynamic_slice %42, %45, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
 // GOLDEN-NEXT: %47 = stablehlo.dot_general %46, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // GOLDEN-NEXT: %48:2 = stablehlo.while(%iterArg = %c, %iterArg_13 = %47) : tensor<ui32>, tensor<8x32xf32>
@@ -56,19 +56,19 @@
 // GOLDEN-NEXT: %53 = stablehlo.compare LT, %iterArg, %c_14, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %53 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_16 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_16 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %53 = "stablehlo.collective_permute"(%iterArg_13) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %54 = stablehlo.add %iterArg, %c_17 : tensor<ui32>
+// GOLDEN-NEXT: %54 = stablehlo.add %iterArg, %c_16 : tensor<ui32>
 // GOLDEN-NEXT: %55 = stablehlo.add %23, %54 : tensor<ui32>
-// GOLDEN-NEXT: %56 = stablehlo.remainder %55, %c_16 : tensor<ui32>
-// GOLDEN-NEXT: %57 = stablehlo.multiply %56, %c_16 : tensor<ui32>
-// GOLDEN-NEXT: %58 = stablehlo.dynamic_slice %42, %57, %c_15, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %56 = stablehlo.remainder %55, %c_17 : tensor<ui32>
+// GOLDEN-NEXT: %57 = stablehlo.multiply %56, %c_17 : tensor<ui32>
+// GOLDEN-NEXT: %58 = stablehlo.dynamic_slice %42, %57, %c_14, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
 // GOLDEN-NEXT: %59 = stablehlo.dot_general %58, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // GOLDEN-NEXT: %60 = stablehlo.add %53, %59 : tensor<8x32xf32>
-// GOLDEN-NEXT: %61 = stablehlo.add %iterArg, %c_14 : tensor<ui32>
+// GOLDEN-NEXT: %61 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %61, %60 : tensor<ui32>, tensor<8x32xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: %49 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<1xf32>
@@ -103,8 +103,8 @@
 // GOLDEN-NEXT: %19 = sdy.sharding_constraint %18 <@mesh, [{}, {}]> : tensor<64x32xf32>
 // GOLDEN-NEXT: %20:3 = sdy.manual_computation(%19, %arg1, %0#0, %0#1, %0#2, %0#3, %0#4, %0#5, %0#6, %0#7, %0#8, %arg2, %0#9) in_shardings=[<@mesh, [{}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}]>, <@mesh, [{"model"}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] manual_axes={"model"} (%arg3: tensor<64x32xf32>, %arg4: tensor<32x16xf32>, %arg5: tensor<64x32xf32>, %arg6: tensor<64x16xf32>, %arg7: tensor<1xf32>, %arg8: tensor<1xf32>, %arg9: tensor<64x16xf32>, %arg10: tensor<64x16xf32>, %arg11: tensor<1xf32>, %arg12: tensor<64x16xf32>, %arg13: tensor<64x16xf32>, %arg14: tensor<16x32xf32>, %arg15: tensor<64x16xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %c_6 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // GOLDEN-NEXT: %21 = stablehlo.partition_id : tensor<ui32>
 // GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %c_6, %21, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
@@ -131,9 +131,9 @@
 // GOLDEN-NEXT: %43 = stablehlo.add %39, %42 : tensor<64x16xf32>
 // GOLDEN-NEXT: %44 = stablehlo.dot_general %43, %arg5, contracting_dims = [0] x [0], precision = [DEFAULT, DEFAULT] : (tensor<64x16xf32>, tensor<64x32xf32>) -> tensor<16x32xf32>
 // GOLDEN-NEXT: %45 = stablehlo.transpose %44, dims = [1, 0] : (tensor<16x32xf32>) -> tensor<32x16xf32>
-// GOLDEN-NEXT: %46 = stablehlo.add %23, %c_5 : tensor<ui32>
-// GOLDEN-NEXT: %47 = stablehlo.remainder %46, %c_4 : tensor<ui32>
-// GOLDEN-NEXT: %48 = stablehlo.multiply %47, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %46 = stablehlo.add %23, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %47 = stablehlo.remainder %46, %c_5 : tensor<ui32>
+// GOLDEN-NEXT: %48 = stablehlo.multiply %47, %c_5 : tensor<ui32>
 // GOLDEN-NEXT: %49 = stablehlo.dynamic_slice %43, %48, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
 // GOLDEN-NEXT: %50 = stablehlo.dot_general %49, %arg4, contracting_dims = [1] x [1], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<32x16xf32>) -> tensor<8x32xf32>
 // GOLDEN-NEXT: %51:2 = stablehlo.while(%iterArg = %c, %iterArg_7 = %50) : tensor<ui32>, tensor<8x32xf32>
@@ -142,19 +142,19 @@
 // GOLDEN-NEXT: %53 = stablehlo.compare LT, %iterArg, %c_8, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %53 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %53 = "stablehlo.collective_permute"(%iterArg_7) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %54 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
+// GOLDEN-NEXT: %54 = stablehlo.add %iterArg, %c_10 : tensor<ui32>
 // GOLDEN-NEXT: %55 = stablehlo.add %23, %54 : tensor<ui32>
-// GOLDEN-NEXT: %56 = stablehlo.remainder %55, %c_10 : tensor<ui32>
-// GOLDEN-NEXT: %57 = stablehlo.multiply %56, %c_10 : tensor<ui32>
-// GOLDEN-NEXT: %58 = stablehlo.dynamic_slice %43, %57, %c_9, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %56 = stablehlo.remainder %55, %c_11 : tensor<ui32>
+// GOLDEN-NEXT: %57 = stablehlo.multiply %56, %c_11 : tensor<ui32>
+// GOLDEN-NEXT: %58 = stablehlo.dynamic_slice %43, %57, %c_8, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
 // GOLDEN-NEXT: %59 = stablehlo.dot_general %58, %arg4, contracting_dims = [1] x [1], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<32x16xf32>) -> tensor<8x32xf32>
 // GOLDEN-NEXT: %60 = stablehlo.add %53, %59 : tensor<8x32xf32>
-// GOLDEN-NEXT: %61 = stablehlo.add %iterArg, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: %61 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %61, %60 : tensor<ui32>, tensor<8x32xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: %52 = "stablehlo.all_gather"(%51#1) <{all_gather_dim = 0 : i64, channel_handle = #stablehlo.channel_handle<handle = 9, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3, 4, 5, 6, 7]]> : tensor<1x8xi64>, use_global_device_ids}> : (tensor<8x32xf32>) -> tensor<64x32xf32>

@@ -14,11 +14,11 @@
 // GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, %arg1: tensor<32x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg3: tensor<32x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg4: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<64x32xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1, %arg2, %arg3, %arg4) in_shardings=[<@mesh, [{}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{}, {}]>] manual_axes={"model"} (%arg5: tensor<64x32xf32>, %arg6: tensor<32x16xf32>, %arg7: tensor<16x32xf32>, %arg8: tensor<32x16xf32>, %arg9: tensor<16x32xf32>) {
-// GOLDEN-NEXT: %c = stablehlo.constant dense<7> : tensor<ui32>
+// GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<7> : tensor<ui32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<64x16xf32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
 // GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
@@ -54,34 +54,34 @@
 // GOLDEN-NEXT: %25 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
 // GOLDEN-NEXT: %26 = stablehlo.multiply %25, %24 : tensor<64x16xf32>
 // GOLDEN-NEXT: %27 = stablehlo.multiply %14, %26 : tensor<64x16xf32>
-// GOLDEN-NEXT: %28 = stablehlo.add %3, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %30 = stablehlo.multiply %29, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %31 = stablehlo.dynamic_slice %27, %30, %c_0, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %28 = stablehlo.add %3, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_2 : tensor<ui32>
+// GOLDEN-NEXT: %30 = stablehlo.multiply %29, %c_2 : tensor<ui32>
+// GOLDEN-NEXT: %31 = stablehlo.dynamic_slice %27, %30, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
 // GOLDEN-NEXT: %32 = stablehlo.dot_general %31, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %33:2 = stablehlo.while(%iterArg = %c_0, %iterArg_18 = %32) : tensor<ui32>, tensor<8x32xf32>
+// GOLDEN-NEXT: %33:2 = stablehlo.while(%iterArg = %c, %iterArg_18 = %32) : tensor<ui32>, tensor<8x32xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_19 = stablehlo.constant dense<7> : tensor<ui32>
 // GOLDEN-NEXT: %69 = stablehlo.compare LT, %iterArg, %c_19, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %69 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_21 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_22 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_21 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_22 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %69 = "stablehlo.collective_permute"(%iterArg_18) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %70 = stablehlo.add %iterArg, %c_22 : tensor<ui32>
+// GOLDEN-NEXT: %70 = stablehlo.add %iterArg, %c_21 : tensor<ui32>
 // GOLDEN-NEXT: %71 = stablehlo.add %3, %70 : tensor<ui32>
-// GOLDEN-NEXT: %72 = stablehlo.remainder %71, %c_21 : tensor<ui32>
-// GOLDEN-NEXT: %73 = stablehlo.multiply %72, %c_21 : tensor<ui32>
-// GOLDEN-NEXT: %74 = stablehlo.dynamic_slice %27, %73, %c_20, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %72 = stablehlo.remainder %71, %c_22 : tensor<ui32>
+// GOLDEN-NEXT: %73 = stablehlo.multiply %72, %c_22 : tensor<ui32>
+// GOLDEN-NEXT: %74 = stablehlo.dynamic_slice %27, %73, %c_19, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
 // GOLDEN-NEXT: %75 = stablehlo.dot_general %74, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // GOLDEN-NEXT: %76 = stablehlo.add %69, %75 : tensor<8x32xf32>
-// GOLDEN-NEXT: %77 = stablehlo.add %iterArg, %c_19 : tensor<ui32>
+// GOLDEN-NEXT: %77 = stablehlo.add %iterArg, %c_20 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %77, %76 : tensor<ui32>, tensor<8x32xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %34 = stablehlo.multiply %3, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %35 = stablehlo.dynamic_slice %arg5, %34, %c_0, sizes = [8, 32] : (tensor<64x32xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %34 = stablehlo.multiply %3, %c_2 : tensor<ui32>
+// GOLDEN-NEXT: %35 = stablehlo.dynamic_slice %arg5, %34, %c, sizes = [8, 32] : (tensor<64x32xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x32xf32>
 // GOLDEN-NEXT: %36 = stablehlo.add %35, %33#1 : tensor<8x32xf32>
 // GOLDEN-NEXT: %37 = stablehlo.multiply %36, %36 : tensor<8x32xf32>
 // GOLDEN-NEXT: %cst_11 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
@@ -96,29 +96,29 @@
 // GOLDEN-NEXT: %44 = stablehlo.rsqrt %43 : tensor<8x1xf32>
 // GOLDEN-NEXT: %45 = stablehlo.broadcast_in_dim %44, dims = [0, 1] : (tensor<8x1xf32>) -> tensor<8x32xf32>
 // GOLDEN-NEXT: %46 = stablehlo.multiply %36, %45 : tensor<8x32xf32>
-// GOLDEN-NEXT: %47:3 = stablehlo.while(%iterArg = %c_0, %iterArg_18 = %46, %iterArg_19 = %cst) : tensor<ui32>, tensor<8x32xf32>, tensor<64x16xf32>
+// GOLDEN-NEXT: %47:3 = stablehlo.while(%iterArg = %c, %iterArg_18 = %46, %iterArg_19 = %cst) : tensor<ui32>, tensor<8x32xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_20 = stablehlo.constant dense<7> : tensor<ui32>
 // GOLDEN-NEXT: %69 = stablehlo.compare LT, %iterArg, %c_20, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %69 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_21 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_21 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_22 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %69 = "stablehlo.collective_permute"(%iterArg_18) <{channel_handle = #stablehlo.channel_handle<handle = 10, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
 // GOLDEN-NEXT: %70 = stablehlo.add %3, %iterArg : tensor<ui32>
 // GOLDEN-NEXT: %71 = stablehlo.remainder %70, %c_22 : tensor<ui32>
 // GOLDEN-NEXT: %72 = stablehlo.dot_general %iterArg_18, %arg8, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<32x16xf32>) -> tensor<8x16xf32>
 // GOLDEN-NEXT: %73 = stablehlo.multiply %71, %c_22 : tensor<ui32>
-// GOLDEN-NEXT: %74 = stablehlo.dynamic_update_slice %iterArg_19, %72, %73, %c_21 : (tensor<64x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %75 = stablehlo.add %iterArg, %c_20 : tensor<ui32>
+// GOLDEN-NEXT: %74 = stablehlo.dynamic_update_slice %iterArg_19, %72, %73, %c_20 : (tensor<64x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %75 = stablehlo.add %iterArg, %c_21 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %75, %69, %74 : tensor<ui32>, tensor<8x32xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %48 = stablehlo.add %3, %c : tensor<ui32>
-// GOLDEN-NEXT: %49 = stablehlo.remainder %48, %c_1 : tensor<ui32>
+// GOLDEN-NEXT: %48 = stablehlo.add %3, %c_1 : tensor<ui32>
+// GOLDEN-NEXT: %49 = stablehlo.remainder %48, %c_2 : tensor<ui32>
 // GOLDEN-NEXT: %50 = stablehlo.dot_general %47#1, %arg8, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<32x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %51 = stablehlo.multiply %49, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %52 = stablehlo.dynamic_update_slice %47#2, %50, %51, %c_0 : (tensor<64x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %51 = stablehlo.multiply %49, %c_2 : tensor<ui32>
+// GOLDEN-NEXT: %52 = stablehlo.dynamic_update_slice %47#2, %50, %51, %c : (tensor<64x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
 // GOLDEN-NEXT: %53 = stablehlo.multiply %52, %52 : tensor<64x16xf32>
 // GOLDEN-NEXT: %54 = stablehlo.multiply %53, %52 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_14 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
@@ -145,15 +145,15 @@
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: func.func private @cmatmul_ring_0(%arg0: tensor<64x16xf32>, %arg1: tensor<16x32xf32>) -> tensor<8x32xf32> {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // GOLDEN-NEXT: %0 = stablehlo.partition_id : tensor<ui32>
 // GOLDEN-NEXT: %1 = stablehlo.dynamic_slice %c_2, %0, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %2 = stablehlo.reshape %1 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %3 = stablehlo.add %2, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %4 = stablehlo.remainder %3, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %5 = stablehlo.multiply %4, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %3 = stablehlo.add %2, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %4 = stablehlo.remainder %3, %c_1 : tensor<ui32>
+// GOLDEN-NEXT: %5 = stablehlo.multiply %4, %c_1 : tensor<ui32>
 // GOLDEN-NEXT: %6 = stablehlo.dynamic_slice %arg0, %5, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
 // GOLDEN-NEXT: %7 = stablehlo.dot_general %6, %arg1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // GOLDEN-NEXT: %8:2 = stablehlo.while(%iterArg = %c, %iterArg_3 = %7) : tensor<ui32>, tensor<8x32xf32>
@@ -162,19 +162,19 @@
 // GOLDEN-NEXT: %9 = stablehlo.compare LT, %iterArg, %c_4, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %9 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %9 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %10 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %10 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
 // GOLDEN-NEXT: %11 = stablehlo.add %2, %10 : tensor<ui32>
-// GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %13 = stablehlo.multiply %12, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %14 = stablehlo.dynamic_slice %arg0, %13, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %13 = stablehlo.multiply %12, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %14 = stablehlo.dynamic_slice %arg0, %13, %c_4, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
 // GOLDEN-NEXT: %15 = stablehlo.dot_general %14, %arg1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // GOLDEN-NEXT: %16 = stablehlo.add %9, %15 : tensor<8x32xf32>
-// GOLDEN-NEXT: %17 = stablehlo.add %iterArg, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %17 = stablehlo.add %iterArg, %c_5 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %17, %16 : tensor<ui32>, tensor<8x32xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: return %8#1 : tensor<8x32xf32>

@@ -11,32 +11,32 @@
 // GOLDEN-NEXT: sdy.mesh @mesh = <["data"=2, "model"=4]> {stablehlo.mesh = {axes = [{name = "data", size = 2 : i64}, {name = "model", size = 4 : i64}]}}
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<4x32x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}, {}]>}, %arg1: tensor<16x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}, %arg2: tensor<64x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {"data"}]>}, %arg3: tensor<16x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}, %arg4: tensor<64x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {"data"}]>}) -> (tensor<4x32x16xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}, {}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1, %arg2) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{"data"}, {"model"}]>, <@mesh, [{"model"}, {"data"}]>] out_shardings=[<@mesh, [{"data"}, {"model"}, {}]>] manual_axes={"data", "model"} (%arg5: tensor<2x8x16xf32>, %arg6: tensor<8x16xf32>, %arg7: tensor<16x8xf32>) {
+// GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<16x16xf32>
-// GOLDEN-NEXT: %cst_0 = stablehlo.constant dense<0.000000e+00> : tensor<2x8x16xf32>
-// GOLDEN-NEXT: %c = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %cst_1 = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
+// GOLDEN-NEXT: %cst_4 = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<0.000000e+00> : tensor<2x8x16xf32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %6 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %c_2, %6, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %c_6, %6, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %8 = stablehlo.reshape %7 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
 // GOLDEN-NEXT: %9 = stablehlo.partition_id : tensor<ui32>
 // GOLDEN-NEXT: %10 = stablehlo.dynamic_slice %c_7, %9, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %11 = stablehlo.reshape %10 : (tensor<1xui32>) -> tensor<ui32>
 // GOLDEN-NEXT: %12 = "stablehlo.all_gather"(%arg5) <{all_gather_dim = 1 : i64, channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3], [4, 5, 6, 7]]> : tensor<2x4xi64>, use_global_device_ids}> : (tensor<2x8x16xf32>) -> tensor<2x32x16xf32>
 // GOLDEN-NEXT: %13 = "stablehlo.collective_permute"(%arg6) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<8x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %14 = stablehlo.multiply %8, %c_4 : tensor<ui32>
-// GOLDEN-NEXT: %15 = stablehlo.dynamic_slice %12, %c_3, %c_3, %14, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
+// GOLDEN-NEXT: %14 = stablehlo.multiply %11, %c_3 : tensor<ui32>
+// GOLDEN-NEXT: %15 = stablehlo.dynamic_slice %12, %c, %c, %14, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
 // GOLDEN-NEXT: %16 = stablehlo.dot_general %15, %arg6, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<8x16xf32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %17 = stablehlo.add %cst_1, %16 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %18 = stablehlo.add %8, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c : tensor<ui32>
-// GOLDEN-NEXT: %20 = stablehlo.multiply %19, %c_4 : tensor<ui32>
-// GOLDEN-NEXT: %21 = stablehlo.dynamic_slice %12, %c_3, %c_3, %20, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
+// GOLDEN-NEXT: %17 = stablehlo.add %cst_4, %16 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %18 = stablehlo.add %11, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_1 : tensor<ui32>
+// GOLDEN-NEXT: %20 = stablehlo.multiply %19, %c_3 : tensor<ui32>
+// GOLDEN-NEXT: %21 = stablehlo.dynamic_slice %12, %c, %c, %20, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
 // GOLDEN-NEXT: %22 = stablehlo.dot_general %21, %13, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<8x16xf32>) -> tensor<2x32x16xf32>
 // GOLDEN-NEXT: %23 = stablehlo.add %17, %22 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %24 = stablehlo.multiply %23, %23 : tensor<2x32x16xf32>
@@ -56,41 +56,41 @@
 // GOLDEN-NEXT: %34 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
 // GOLDEN-NEXT: %35 = stablehlo.multiply %34, %33 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %36 = stablehlo.multiply %23, %35 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %37 = stablehlo.add %11, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %38 = stablehlo.remainder %37, %c_5 : tensor<ui32>
-// GOLDEN-NEXT: %39 = stablehlo.multiply %38, %c_4 : tensor<ui32>
-// GOLDEN-NEXT: %40 = stablehlo.dynamic_slice %36, %c_3, %39, %c_3, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %37 = stablehlo.add %8, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %38 = stablehlo.remainder %37, %c_2 : tensor<ui32>
+// GOLDEN-NEXT: %39 = stablehlo.multiply %38, %c_3 : tensor<ui32>
+// GOLDEN-NEXT: %40 = stablehlo.dynamic_slice %36, %c, %39, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %41 = "stablehlo.collective_permute"(%arg7) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<16x8xf32>) -> tensor<16x8xf32>
 // GOLDEN-NEXT: %42 = stablehlo.dot_general %40, %arg7, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x8xf32>) -> tensor<2x8x8xf32>
-// GOLDEN-NEXT: %43 = stablehlo.multiply %8, %c_4 : tensor<ui32>
-// GOLDEN-NEXT: %44 = stablehlo.dynamic_update_slice %cst_0, %42, %c_3, %c_3, %43 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %45 = stablehlo.dynamic_update_slice %cst, %arg7, %c_3, %43 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %46 = stablehlo.add %8, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %47 = stablehlo.remainder %46, %c : tensor<ui32>
+// GOLDEN-NEXT: %43 = stablehlo.multiply %11, %c_3 : tensor<ui32>
+// GOLDEN-NEXT: %44 = stablehlo.dynamic_update_slice %cst_5, %42, %c, %c, %43 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %45 = stablehlo.dynamic_update_slice %cst, %arg7, %c, %43 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %46 = stablehlo.add %11, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %47 = stablehlo.remainder %46, %c_1 : tensor<ui32>
 // GOLDEN-NEXT: %48 = stablehlo.dot_general %40, %41, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x8xf32>) -> tensor<2x8x8xf32>
-// GOLDEN-NEXT: %49 = stablehlo.multiply %47, %c_4 : tensor<ui32>
-// GOLDEN-NEXT: %50 = stablehlo.dynamic_update_slice %44, %48, %c_3, %c_3, %49 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %51 = stablehlo.dynamic_update_slice %45, %41, %c_3, %49 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %52:2 = stablehlo.while(%iterArg = %c_3, %iterArg_12 = %50) : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %49 = stablehlo.multiply %47, %c_3 : tensor<ui32>
+// GOLDEN-NEXT: %50 = stablehlo.dynamic_update_slice %44, %48, %c, %c, %49 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %51 = stablehlo.dynamic_update_slice %45, %41, %c, %49 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %52:2 = stablehlo.while(%iterArg = %c, %iterArg_12 = %50) : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_13 = stablehlo.constant dense<3> : tensor<ui32>
 // GOLDEN-NEXT: %53 = stablehlo.compare LT, %iterArg, %c_13, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %53 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<2> : tensor<ui32>
 // GOLDEN-NEXT: %c_16 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %53 = "stablehlo.collective_permute"(%iterArg_12) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %54 = stablehlo.add %iterArg, %c_17 : tensor<ui32>
-// GOLDEN-NEXT: %55 = stablehlo.add %11, %54 : tensor<ui32>
+// GOLDEN-NEXT: %54 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
+// GOLDEN-NEXT: %55 = stablehlo.add %8, %54 : tensor<ui32>
 // GOLDEN-NEXT: %56 = stablehlo.remainder %55, %c_16 : tensor<ui32>
-// GOLDEN-NEXT: %57 = stablehlo.multiply %56, %c_15 : tensor<ui32>
-// GOLDEN-NEXT: %58 = stablehlo.dynamic_slice %36, %c_14, %57, %c_14, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %57 = stablehlo.multiply %56, %c_17 : tensor<ui32>
+// GOLDEN-NEXT: %58 = stablehlo.dynamic_slice %36, %c_13, %57, %c_13, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %59 = stablehlo.dot_general %58, %51, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %60 = stablehlo.add %53, %59 : tensor<2x8x16xf32>
-// GOLDEN-NEXT: %61 = stablehlo.add %iterArg, %c_13 : tensor<ui32>
+// GOLDEN-NEXT: %61 = stablehlo.add %iterArg, %c_14 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %61, %60 : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: sdy.return %52#1 : tensor<2x8x16xf32>
@@ -98,41 +98,41 @@
 // GOLDEN-NEXT: %1 = stablehlo.add %arg0, %0 : tensor<4x32x16xf32>
 // GOLDEN-NEXT: %2 = sdy.sharding_constraint %1 <@mesh, [{"data"}, {"model"}, {}]> : tensor<4x32x16xf32>
 // GOLDEN-NEXT: %3 = sdy.manual_computation(%2, %arg3, %arg4) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{"data"}, {"model"}]>, <@mesh, [{"model"}, {"data"}]>] out_shardings=[<@mesh, [{"data"}, {"model"}, {}]>] manual_axes={"data", "model"} (%arg5: tensor<2x8x16xf32>, %arg6: tensor<8x16xf32>, %arg7: tensor<16x8xf32>) {
-// GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<3> : tensor<ui32>
 // GOLDEN-NEXT: %c_2 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %6 = stablehlo.partition_id : tensor<ui32>
 // GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %c_4, %6, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %8 = stablehlo.reshape %7 : (tensor<1xui32>) -> tensor<ui32>
 // GOLDEN-NEXT: %9 = "stablehlo.all_gather"(%arg6) <{all_gather_dim = 0 : i64, channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 4], [1, 5], [2, 6], [3, 7]]> : tensor<4x2xi64>, use_global_device_ids}> : (tensor<8x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %10:3 = stablehlo.while(%iterArg = %c_0, %iterArg_9 = %arg5, %iterArg_10 = %cst) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
+// GOLDEN-NEXT: %10:3 = stablehlo.while(%iterArg = %c, %iterArg_9 = %arg5, %iterArg_10 = %cst) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_11 = stablehlo.constant dense<3> : tensor<ui32>
 // GOLDEN-NEXT: %35 = stablehlo.compare LT, %iterArg, %c_11, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %35 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %35 = "stablehlo.collective_permute"(%iterArg_9) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %36 = stablehlo.add %8, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %37 = stablehlo.remainder %36, %c_14 : tensor<ui32>
+// GOLDEN-NEXT: %37 = stablehlo.remainder %36, %c_13 : tensor<ui32>
 // GOLDEN-NEXT: %38 = stablehlo.dot_general %iterArg_9, %9, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %39 = stablehlo.multiply %37, %c_13 : tensor<ui32>
-// GOLDEN-NEXT: %40 = stablehlo.dynamic_update_slice %iterArg_10, %38, %c_12, %39, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %41 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
+// GOLDEN-NEXT: %39 = stablehlo.multiply %37, %c_14 : tensor<ui32>
+// GOLDEN-NEXT: %40 = stablehlo.dynamic_update_slice %iterArg_10, %38, %c_11, %39, %c_11 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %41 = stablehlo.add %iterArg, %c_12 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %41, %35, %40 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %11 = stablehlo.add %8, %c : tensor<ui32>
+// GOLDEN-NEXT: %11 = stablehlo.add %8, %c_1 : tensor<ui32>
 // GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_2 : tensor<ui32>
 // GOLDEN-NEXT: %13 = stablehlo.dot_general %10#1, %9, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %14 = stablehlo.multiply %12, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %10#2, %13, %c_0, %14, %c_0 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %14 = stablehlo.multiply %12, %c_3 : tensor<ui32>
+// GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %10#2, %13, %c, %14, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
 // GOLDEN-NEXT: %16 = stablehlo.multiply %15, %15 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %17 = stablehlo.multiply %16, %15 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
@@ -150,31 +150,31 @@
 // GOLDEN-NEXT: %26 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
 // GOLDEN-NEXT: %27 = stablehlo.multiply %26, %25 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %28 = stablehlo.multiply %15, %27 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %29 = stablehlo.add %8, %c_3 : tensor<ui32>
+// GOLDEN-NEXT: %29 = stablehlo.add %8, %c_0 : tensor<ui32>
 // GOLDEN-NEXT: %30 = stablehlo.remainder %29, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %31 = stablehlo.multiply %30, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %32 = stablehlo.dynamic_slice %28, %c_0, %31, %c_0, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %31 = stablehlo.multiply %30, %c_3 : tensor<ui32>
+// GOLDEN-NEXT: %32 = stablehlo.dynamic_slice %28, %c, %31, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %33:2 = func.call @cmatmul_ring_0(%arg7, %32) : (tensor<16x8xf32>, tensor<2x8x16xf32>) -> (tensor<16x16xf32>, tensor<2x8x16xf32>)
-// GOLDEN-NEXT: %34:2 = stablehlo.while(%iterArg = %c_0, %iterArg_9 = %33#1) : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %34:2 = stablehlo.while(%iterArg = %c, %iterArg_9 = %33#1) : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_10 = stablehlo.constant dense<3> : tensor<ui32>
 // GOLDEN-NEXT: %35 = stablehlo.compare LT, %iterArg, %c_10, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %35 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<2> : tensor<ui32>
 // GOLDEN-NEXT: %c_13 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %35 = "stablehlo.collective_permute"(%iterArg_9) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %36 = stablehlo.add %iterArg, %c_14 : tensor<ui32>
+// GOLDEN-NEXT: %36 = stablehlo.add %iterArg, %c_12 : tensor<ui32>
 // GOLDEN-NEXT: %37 = stablehlo.add %8, %36 : tensor<ui32>
 // GOLDEN-NEXT: %38 = stablehlo.remainder %37, %c_13 : tensor<ui32>
-// GOLDEN-NEXT: %39 = stablehlo.multiply %38, %c_12 : tensor<ui32>
-// GOLDEN-NEXT: %40 = stablehlo.dynamic_slice %28, %c_11, %39, %c_11, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %39 = stablehlo.multiply %38, %c_14 : tensor<ui32>
+// GOLDEN-NEXT: %40 = stablehlo.dynamic_slice %28, %c_10, %39, %c_10, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %41 = stablehlo.dot_general %40, %33#0, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %42 = stablehlo.add %35, %41 : tensor<2x8x16xf32>
-// GOLDEN-NEXT: %43 = stablehlo.add %iterArg, %c_10 : tensor<ui32>
+// GOLDEN-NEXT: %43 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %43, %42 : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: sdy.return %34#1 : tensor<2x8x16xf32>
@@ -184,9 +184,9 @@
 // GOLDEN-NEXT: return %5 : tensor<4x32x16xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: func.func private @cmatmul_ring_0(%arg0: tensor<16x8xf32>, %arg1: tensor<2x8x16xf32>) -> (tensor<16x16xf32>, tensor<2x8x16xf32>) {
-// GOLDEN-NEXT: %c = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<2> : tensor<ui32>
 // GOLDEN-NEXT: %c_2 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<16x16xf32>
 // GOLDEN-NEXT: %cst_3 = stablehlo.constant dense<0.000000e+00> : tensor<2x8x16xf32>
@@ -197,14 +197,14 @@
 // GOLDEN-NEXT: %3 = "stablehlo.collective_permute"(%arg0) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<16x8xf32>) -> tensor<16x8xf32>
 // GOLDEN-NEXT: %4 = stablehlo.dot_general %arg1, %arg0, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x8xf32>) -> tensor<2x8x8xf32>
 // GOLDEN-NEXT: %5 = stablehlo.multiply %2, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %6 = stablehlo.dynamic_update_slice %cst_3, %4, %c_1, %c_1, %5 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %7 = stablehlo.dynamic_update_slice %cst, %arg0, %c_1, %5 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %6 = stablehlo.dynamic_update_slice %cst_3, %4, %c, %c, %5 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %7 = stablehlo.dynamic_update_slice %cst, %arg0, %c, %5 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: %8 = stablehlo.add %2, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %9 = stablehlo.remainder %8, %c : tensor<ui32>
+// GOLDEN-NEXT: %9 = stablehlo.remainder %8, %c_1 : tensor<ui32>
 // GOLDEN-NEXT: %10 = stablehlo.dot_general %arg1, %3, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x8xf32>) -> tensor<2x8x8xf32>
 // GOLDEN-NEXT: %11 = stablehlo.multiply %9, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %12 = stablehlo.dynamic_update_slice %6, %10, %c_1, %c_1, %11 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %13 = stablehlo.dynamic_update_slice %7, %3, %c_1, %11 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %12 = stablehlo.dynamic_update_slice %6, %10, %c, %c, %11 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %13 = stablehlo.dynamic_update_slice %7, %3, %c, %11 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: return %13, %12 : tensor<16x16xf32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: }

@@ -11,36 +11,36 @@
 // GOLDEN-NEXT: sdy.mesh @mesh = <["data"=2, "model"=4]> {stablehlo.mesh = {axes = [{name = "data", size = 2 : i64}, {name = "model", size = 4 : i64}]}}
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<4x32x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}, {}]>}, %arg1: tensor<16x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}, %arg2: tensor<64x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {"data"}]>}, %arg3: tensor<16x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}, %arg4: tensor<64x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {"data"}]>}) -> (tensor<f32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, []>}, tensor<4x32x16xf32> {jax.result_info = "result[1][0]", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}, {}]>}, tensor<16x64xf32> {jax.result_info = "result[1][1]", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}, tensor<64x16xf32> {jax.result_info = "result[1][2]", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {"data"}]>}, tensor<16x64xf32> {jax.result_info = "result[1][3]", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}, tensor<64x16xf32> {jax.result_info = "result[1][4]", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {"data"}]>}) {
 // GOLDEN-NEXT: %0:13 = sdy.manual_computation(%arg0, %arg1, %arg2) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{"data"}, {"model"}]>, <@mesh, [{"model"}, {"data"}]>] out_shardings=[<@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data"}, {"model"}, {}]>] manual_axes={"data", "model"} (%arg5: tensor<2x8x16xf32>, %arg6: tensor<8x16xf32>, %arg7: tensor<16x8xf32>) {
-// GOLDEN-NEXT: %cst_4 = stablehlo.constant dense<0.000000e+00> : tensor<2x8x16xf32>
-// GOLDEN-NEXT: %c = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<0.000000e+00> : tensor<16x16xf32>
-// GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
+// GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<0.000000e+00> : tensor<16x16xf32>
+// GOLDEN-NEXT: %cst_9 = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_10 = stablehlo.constant dense<0.000000e+00> : tensor<2x8x16xf32>
+// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %31 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %32 = stablehlo.dynamic_slice %c_7, %31, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %32 = stablehlo.dynamic_slice %c_11, %31, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %33 = stablehlo.reshape %32 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
 // GOLDEN-NEXT: %34 = stablehlo.partition_id : tensor<ui32>
 // GOLDEN-NEXT: %35 = stablehlo.dynamic_slice %c_12, %34, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %36 = stablehlo.reshape %35 : (tensor<1xui32>) -> tensor<ui32>
 // GOLDEN-NEXT: %37 = "stablehlo.all_gather"(%arg5) <{all_gather_dim = 1 : i64, channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3], [4, 5, 6, 7]]> : tensor<2x4xi64>, use_global_device_ids}> : (tensor<2x8x16xf32>) -> tensor<2x32x16xf32>
 // GOLDEN-NEXT: %38 = "stablehlo.collective_permute"(%arg6) <{channel_handle = #stablehlo.channel_handle<handle = 10, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<8x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %39 = stablehlo.multiply %33, %c_9 : tensor<ui32>
-// GOLDEN-NEXT: %40 = stablehlo.dynamic_slice %37, %c_8, %c_8, %39, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
+// GOLDEN-NEXT: %39 = stablehlo.multiply %36, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %40 = stablehlo.dynamic_slice %37, %c, %c, %39, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
 // GOLDEN-NEXT: %41 = stablehlo.dot_general %40, %arg6, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<8x16xf32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %42 = stablehlo.add %cst_6, %41 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %43 = stablehlo.dynamic_update_slice %cst_5, %arg6, %39, %c_8 : (tensor<16x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %44 = stablehlo.add %33, %c_11 : tensor<ui32>
-// GOLDEN-NEXT: %45 = stablehlo.remainder %44, %c : tensor<ui32>
-// GOLDEN-NEXT: %46 = stablehlo.multiply %45, %c_9 : tensor<ui32>
-// GOLDEN-NEXT: %47 = stablehlo.dynamic_slice %37, %c_8, %c_8, %46, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
+// GOLDEN-NEXT: %42 = stablehlo.add %cst_9, %41 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %43 = stablehlo.dynamic_update_slice %cst_8, %arg6, %39, %c : (tensor<16x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %44 = stablehlo.add %36, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %45 = stablehlo.remainder %44, %c_5 : tensor<ui32>
+// GOLDEN-NEXT: %46 = stablehlo.multiply %45, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %47 = stablehlo.dynamic_slice %37, %c, %c, %46, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
 // GOLDEN-NEXT: %48 = stablehlo.dot_general %47, %38, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<8x16xf32>) -> tensor<2x32x16xf32>
 // GOLDEN-NEXT: %49 = stablehlo.add %42, %48 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %50 = stablehlo.dynamic_update_slice %43, %38, %46, %c_8 : (tensor<16x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %50 = stablehlo.dynamic_update_slice %43, %38, %46, %c : (tensor<16x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: %51 = stablehlo.multiply %49, %49 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %52 = stablehlo.multiply %51, %49 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %53 = stablehlo.multiply %49, %49 : tensor<2x32x16xf32>
@@ -65,41 +65,41 @@
 // GOLDEN-NEXT: %66 = stablehlo.broadcast_in_dim %cst_18, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
 // GOLDEN-NEXT: %67 = stablehlo.multiply %66, %65 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %68 = stablehlo.multiply %49, %67 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %69 = stablehlo.add %36, %c_11 : tensor<ui32>
-// GOLDEN-NEXT: %70 = stablehlo.remainder %69, %c_10 : tensor<ui32>
-// GOLDEN-NEXT: %71 = stablehlo.multiply %70, %c_9 : tensor<ui32>
-// GOLDEN-NEXT: %72 = stablehlo.dynamic_slice %68, %c_8, %71, %c_8, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %69 = stablehlo.add %33, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %70 = stablehlo.remainder %69, %c_6 : tensor<ui32>
+// GOLDEN-NEXT: %71 = stablehlo.multiply %70, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %72 = stablehlo.dynamic_slice %68, %c, %71, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %73 = "stablehlo.collective_permute"(%arg7) <{channel_handle = #stablehlo.channel_handle<handle = 11, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<16x8xf32>) -> tensor<16x8xf32>
 // GOLDEN-NEXT: %74 = stablehlo.dot_general %72, %arg7, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x8xf32>) -> tensor<2x8x8xf32>
-// GOLDEN-NEXT: %75 = stablehlo.multiply %33, %c_9 : tensor<ui32>
-// GOLDEN-NEXT: %76 = stablehlo.dynamic_update_slice %cst_4, %74, %c_8, %c_8, %75 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %77 = stablehlo.dynamic_update_slice %cst_5, %arg7, %c_8, %75 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %78 = stablehlo.add %33, %c_11 : tensor<ui32>
-// GOLDEN-NEXT: %79 = stablehlo.remainder %78, %c : tensor<ui32>
+// GOLDEN-NEXT: %75 = stablehlo.multiply %36, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %76 = stablehlo.dynamic_update_slice %cst_10, %74, %c, %c, %75 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %77 = stablehlo.dynamic_update_slice %cst_8, %arg7, %c, %75 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %78 = stablehlo.add %36, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %79 = stablehlo.remainder %78, %c_5 : tensor<ui32>
 // GOLDEN-NEXT: %80 = stablehlo.dot_general %72, %73, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x8xf32>) -> tensor<2x8x8xf32>
-// GOLDEN-NEXT: %81 = stablehlo.multiply %79, %c_9 : tensor<ui32>
-// GOLDEN-NEXT: %82 = stablehlo.dynamic_update_slice %76, %80, %c_8, %c_8, %81 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %83 = stablehlo.dynamic_update_slice %77, %73, %c_8, %81 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %84:2 = stablehlo.while(%iterArg = %c_8, %iterArg_19 = %82) : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %81 = stablehlo.multiply %79, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %82 = stablehlo.dynamic_update_slice %76, %80, %c, %c, %81 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %83 = stablehlo.dynamic_update_slice %77, %73, %c, %81 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %84:2 = stablehlo.while(%iterArg = %c, %iterArg_19 = %82) : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_20 = stablehlo.constant dense<3> : tensor<ui32>
 // GOLDEN-NEXT: %88 = stablehlo.compare LT, %iterArg, %c_20, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %88 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_21 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_22 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_21 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_22 = stablehlo.constant dense<2> : tensor<ui32>
 // GOLDEN-NEXT: %c_23 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_24 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_24 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %88 = "stablehlo.collective_permute"(%iterArg_19) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %89 = stablehlo.add %iterArg, %c_24 : tensor<ui32>
-// GOLDEN-NEXT: %90 = stablehlo.add %36, %89 : tensor<ui32>
+// GOLDEN-NEXT: %89 = stablehlo.add %iterArg, %c_22 : tensor<ui32>
+// GOLDEN-NEXT: %90 = stablehlo.add %33, %89 : tensor<ui32>
 // GOLDEN-NEXT: %91 = stablehlo.remainder %90, %c_23 : tensor<ui32>
-// GOLDEN-NEXT: %92 = stablehlo.multiply %91, %c_22 : tensor<ui32>
-// GOLDEN-NEXT: %93 = stablehlo.dynamic_slice %68, %c_21, %92, %c_21, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %92 = stablehlo.multiply %91, %c_24 : tensor<ui32>
+// GOLDEN-NEXT: %93 = stablehlo.dynamic_slice %68, %c_20, %92, %c_20, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %94 = stablehlo.dot_general %93, %83, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %95 = stablehlo.add %88, %94 : tensor<2x8x16xf32>
-// GOLDEN-NEXT: %96 = stablehlo.add %iterArg, %c_20 : tensor<ui32>
+// GOLDEN-NEXT: %96 = stablehlo.add %iterArg, %c_21 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %96, %95 : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: %85 = stablehlo.broadcast_in_dim %cst_14, dims = [] : (tensor<f32>) -> tensor<1xf32>
@@ -110,43 +110,43 @@
 // GOLDEN-NEXT: %1 = stablehlo.add %arg0, %0#12 : tensor<4x32x16xf32>
 // GOLDEN-NEXT: %2 = sdy.sharding_constraint %1 <@mesh, [{"data"}, {"model"}, {}]> : tensor<4x32x16xf32>
 // GOLDEN-NEXT: %3:13 = sdy.manual_computation(%2, %arg3, %arg4) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{"data"}, {"model"}]>, <@mesh, [{"model"}, {"data"}]>] out_shardings=[<@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data"}, {"model"}, {}]>] manual_axes={"data", "model"} (%arg5: tensor<2x8x16xf32>, %arg6: tensor<8x16xf32>, %arg7: tensor<16x8xf32>) {
-// GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %cst_4 = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %c_9 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %31 = stablehlo.partition_id : tensor<ui32>
 // GOLDEN-NEXT: %32 = stablehlo.dynamic_slice %c_9, %31, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %33 = stablehlo.reshape %32 : (tensor<1xui32>) -> tensor<ui32>
 // GOLDEN-NEXT: %34 = "stablehlo.all_gather"(%arg6) <{all_gather_dim = 0 : i64, channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 4], [1, 5], [2, 6], [3, 7]]> : tensor<4x2xi64>, use_global_device_ids}> : (tensor<8x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %35:4 = stablehlo.while(%iterArg = %c_5, %iterArg_16 = %arg5, %iterArg_17 = %cst_4, %iterArg_18 = %cst_4) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
+// GOLDEN-NEXT: %35:4 = stablehlo.while(%iterArg = %c, %iterArg_16 = %arg5, %iterArg_17 = %cst_8, %iterArg_18 = %cst_8) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_19 = stablehlo.constant dense<3> : tensor<ui32>
 // GOLDEN-NEXT: %69 = stablehlo.compare LT, %iterArg, %c_19, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %69 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_21 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_22 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_21 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_22 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %69 = "stablehlo.collective_permute"(%iterArg_16) <{channel_handle = #stablehlo.channel_handle<handle = 13, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %70 = stablehlo.add %33, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %71 = stablehlo.remainder %70, %c_22 : tensor<ui32>
+// GOLDEN-NEXT: %71 = stablehlo.remainder %70, %c_21 : tensor<ui32>
 // GOLDEN-NEXT: %72 = stablehlo.dot_general %iterArg_16, %34, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %73 = stablehlo.multiply %71, %c_21 : tensor<ui32>
-// GOLDEN-NEXT: %74 = stablehlo.dynamic_update_slice %iterArg_17, %72, %c_20, %73, %c_20 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %75 = stablehlo.dynamic_update_slice %iterArg_18, %iterArg_16, %c_20, %73, %c_20 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %76 = stablehlo.add %iterArg, %c_19 : tensor<ui32>
+// GOLDEN-NEXT: %73 = stablehlo.multiply %71, %c_22 : tensor<ui32>
+// GOLDEN-NEXT: %74 = stablehlo.dynamic_update_slice %iterArg_17, %72, %c_19, %73, %c_19 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %75 = stablehlo.dynamic_update_slice %iterArg_18, %iterArg_16, %c_19, %73, %c_19 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %76 = stablehlo.add %iterArg, %c_20 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %76, %69, %74, %75 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %36 = stablehlo.add %33, %c : tensor<ui32>
-// GOLDEN-NEXT: %37 = stablehlo.remainder %36, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %36 = stablehlo.add %33, %c_5 : tensor<ui32>
+// GOLDEN-NEXT: %37 = stablehlo.remainder %36, %c_6 : tensor<ui32>
 // GOLDEN-NEXT: %38 = stablehlo.dot_general %35#1, %34, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %39 = stablehlo.multiply %37, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %40 = stablehlo.dynamic_update_slice %35#2, %38, %c_5, %39, %c_5 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %41 = stablehlo.dynamic_update_slice %35#3, %35#1, %c_5, %39, %c_5 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %39 = stablehlo.multiply %37, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %40 = stablehlo.dynamic_update_slice %35#2, %38, %c, %39, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %41 = stablehlo.dynamic_update_slice %35#3, %35#1, %c, %39, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
 // GOLDEN-NEXT: %42 = stablehlo.multiply %40, %40 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %43 = stablehlo.multiply %42, %40 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %44 = stablehlo.multiply %40, %40 : tensor<2x32x16xf32>
@@ -171,31 +171,31 @@
 // GOLDEN-NEXT: %57 = stablehlo.broadcast_in_dim %cst_15, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
 // GOLDEN-NEXT: %58 = stablehlo.multiply %57, %56 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %59 = stablehlo.multiply %40, %58 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %60 = stablehlo.add %33, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %61 = stablehlo.remainder %60, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %62 = stablehlo.multiply %61, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %63 = stablehlo.dynamic_slice %59, %c_5, %62, %c_5, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %60 = stablehlo.add %33, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %61 = stablehlo.remainder %60, %c_6 : tensor<ui32>
+// GOLDEN-NEXT: %62 = stablehlo.multiply %61, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %63 = stablehlo.dynamic_slice %59, %c, %62, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %64:2 = func.call @cmatmul_ring_2(%arg7, %63) : (tensor<16x8xf32>, tensor<2x8x16xf32>) -> (tensor<16x16xf32>, tensor<2x8x16xf32>)
-// GOLDEN-NEXT: %65:2 = stablehlo.while(%iterArg = %c_5, %iterArg_16 = %64#1) : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %65:2 = stablehlo.while(%iterArg = %c, %iterArg_16 = %64#1) : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_17 = stablehlo.constant dense<3> : tensor<ui32>
 // GOLDEN-NEXT: %69 = stablehlo.compare LT, %iterArg, %c_17, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %69 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_18 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_18 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<2> : tensor<ui32>
 // GOLDEN-NEXT: %c_20 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_21 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_21 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %69 = "stablehlo.collective_permute"(%iterArg_16) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %70 = stablehlo.add %iterArg, %c_21 : tensor<ui32>
+// GOLDEN-NEXT: %70 = stablehlo.add %iterArg, %c_19 : tensor<ui32>
 // GOLDEN-NEXT: %71 = stablehlo.add %33, %70 : tensor<ui32>
 // GOLDEN-NEXT: %72 = stablehlo.remainder %71, %c_20 : tensor<ui32>
-// GOLDEN-NEXT: %73 = stablehlo.multiply %72, %c_19 : tensor<ui32>
-// GOLDEN-NEXT: %74 = stablehlo.dynamic_slice %59, %c_18, %73, %c_18, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %73 = stablehlo.multiply %72, %c_21 : tensor<ui32>
+// GOLDEN-NEXT: %74 = stablehlo.dynamic_slice %59, %c_17, %73, %c_17, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %75 = stablehlo.dot_general %74, %64#0, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %76 = stablehlo.add %69, %75 : tensor<2x8x16xf32>
-// GOLDEN-NEXT: %77 = stablehlo.add %iterArg, %c_17 : tensor<ui32>
+// GOLDEN-NEXT: %77 = stablehlo.add %iterArg, %c_18 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %77, %76 : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: %66 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<1xf32>
@@ -230,50 +230,50 @@
 // GOLDEN-NEXT: %23 = stablehlo.multiply %22, %11 : tensor<4x32x16xf32>
 // GOLDEN-NEXT: %24 = sdy.sharding_constraint %23 <@mesh, [{"data"}, {"model"}, {}]> : tensor<4x32x16xf32>
 // GOLDEN-NEXT: %25:3 = sdy.manual_computation(%24, %3#0, %3#1, %3#2, %3#3, %3#4, %3#5, %3#6, %3#7, %3#8, %3#9, %3#10, %3#11) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>] out_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{"data"}, {"model"}]>, <@mesh, [{"model"}, {"data"}]>] manual_axes={"data", "model"} (%arg5: tensor<2x8x16xf32>, %arg6: tensor<16x16xf32>, %arg7: tensor<2x32x16xf32>, %arg8: tensor<2x32x16xf32>, %arg9: tensor<1xf32>, %arg10: tensor<1xf32>, %arg11: tensor<2x32x16xf32>, %arg12: tensor<2x32x16xf32>, %arg13: tensor<1xf32>, %arg14: tensor<2x32x16xf32>, %arg15: tensor<2x32x16xf32>, %arg16: tensor<16x16xf32>, %arg17: tensor<2x32x16xf32>) {
-// GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %cst_4 = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_5 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
-// GOLDEN-NEXT: %31 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %32 = stablehlo.dynamic_slice %c_6, %31, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
-// GOLDEN-NEXT: %33 = stablehlo.reshape %32 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<4> : tensor<ui32>
 // GOLDEN-NEXT: %c_8 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %cst_9 = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %31 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %32 = stablehlo.dynamic_slice %c_10, %31, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %33 = stablehlo.reshape %32 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
 // GOLDEN-NEXT: %34 = stablehlo.partition_id : tensor<ui32>
 // GOLDEN-NEXT: %35 = stablehlo.dynamic_slice %c_11, %34, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %36 = stablehlo.reshape %35 : (tensor<1xui32>) -> tensor<ui32>
 // GOLDEN-NEXT: %37 = stablehlo.reshape %arg9 : (tensor<1xf32>) -> tensor<f32>
 // GOLDEN-NEXT: %38 = stablehlo.reshape %arg10 : (tensor<1xf32>) -> tensor<f32>
 // GOLDEN-NEXT: %39 = stablehlo.reshape %arg13 : (tensor<1xf32>) -> tensor<f32>
-// GOLDEN-NEXT: %40:4 = stablehlo.while(%iterArg = %c_7, %iterArg_12 = %arg5, %iterArg_13 = %cst_4, %iterArg_14 = %cst_4) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
+// GOLDEN-NEXT: %40:4 = stablehlo.while(%iterArg = %c, %iterArg_12 = %arg5, %iterArg_13 = %cst_9, %iterArg_14 = %cst_9) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_15 = stablehlo.constant dense<3> : tensor<ui32>
 // GOLDEN-NEXT: %91 = stablehlo.compare LT, %iterArg, %c_15, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %91 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_16 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_18 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_16 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_18 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %91 = "stablehlo.collective_permute"(%iterArg_12) <{channel_handle = #stablehlo.channel_handle<handle = 14, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %92 = stablehlo.add %36, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %93 = stablehlo.remainder %92, %c_18 : tensor<ui32>
+// GOLDEN-NEXT: %92 = stablehlo.add %33, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %93 = stablehlo.remainder %92, %c_17 : tensor<ui32>
 // GOLDEN-NEXT: %94 = stablehlo.dot_general %iterArg_12, %arg16, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %95 = stablehlo.multiply %93, %c_17 : tensor<ui32>
-// GOLDEN-NEXT: %96 = stablehlo.dynamic_update_slice %iterArg_13, %94, %c_16, %95, %c_16 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %97 = stablehlo.dynamic_update_slice %iterArg_14, %iterArg_12, %c_16, %95, %c_16 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %98 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
+// GOLDEN-NEXT: %95 = stablehlo.multiply %93, %c_18 : tensor<ui32>
+// GOLDEN-NEXT: %96 = stablehlo.dynamic_update_slice %iterArg_13, %94, %c_15, %95, %c_15 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %97 = stablehlo.dynamic_update_slice %iterArg_14, %iterArg_12, %c_15, %95, %c_15 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %98 = stablehlo.add %iterArg, %c_16 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %98, %91, %96, %97 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %41 = stablehlo.add %36, %c : tensor<ui32>
-// GOLDEN-NEXT: %42 = stablehlo.remainder %41, %c_9 : tensor<ui32>
+// GOLDEN-NEXT: %41 = stablehlo.add %33, %c_6 : tensor<ui32>
+// GOLDEN-NEXT: %42 = stablehlo.remainder %41, %c_7 : tensor<ui32>
 // GOLDEN-NEXT: %43 = stablehlo.dot_general %40#1, %arg16, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %44 = stablehlo.multiply %42, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %45 = stablehlo.dynamic_update_slice %40#2, %43, %c_7, %44, %c_7 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %46 = stablehlo.dynamic_update_slice %40#3, %40#1, %c_7, %44, %c_7 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %45 = stablehlo.dynamic_update_slice %40#2, %43, %c, %44, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %46 = stablehlo.dynamic_update_slice %40#3, %40#1, %c, %44, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
 // GOLDEN-NEXT: %47 = stablehlo.multiply %arg15, %45 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %48 = stablehlo.multiply %45, %arg14 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %49 = stablehlo.broadcast_in_dim %39, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
@@ -288,54 +288,54 @@
 // GOLDEN-NEXT: %58 = stablehlo.multiply %57, %55 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %59 = stablehlo.multiply %58, %arg8 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %60 = stablehlo.add %56, %59 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %61 = stablehlo.add %36, %c_10 : tensor<ui32>
-// GOLDEN-NEXT: %62 = stablehlo.remainder %61, %c_9 : tensor<ui32>
+// GOLDEN-NEXT: %61 = stablehlo.add %33, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %62 = stablehlo.remainder %61, %c_7 : tensor<ui32>
 // GOLDEN-NEXT: %63 = stablehlo.multiply %62, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %64 = stablehlo.dynamic_slice %60, %c_7, %63, %c_7, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %64 = stablehlo.dynamic_slice %60, %c, %63, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %65 = stablehlo.dot_general %64, %arg6, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %66:2 = stablehlo.while(%iterArg = %c_7, %iterArg_12 = %65) : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %66:2 = stablehlo.while(%iterArg = %c, %iterArg_12 = %65) : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_13 = stablehlo.constant dense<3> : tensor<ui32>
 // GOLDEN-NEXT: %91 = stablehlo.compare LT, %iterArg, %c_13, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %91 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<2> : tensor<ui32>
 // GOLDEN-NEXT: %c_16 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %91 = "stablehlo.collective_permute"(%iterArg_12) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %92 = stablehlo.add %iterArg, %c_17 : tensor<ui32>
-// GOLDEN-NEXT: %93 = stablehlo.add %36, %92 : tensor<ui32>
+// GOLDEN-NEXT: %92 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
+// GOLDEN-NEXT: %93 = stablehlo.add %33, %92 : tensor<ui32>
 // GOLDEN-NEXT: %94 = stablehlo.remainder %93, %c_16 : tensor<ui32>
-// GOLDEN-NEXT: %95 = stablehlo.multiply %94, %c_15 : tensor<ui32>
-// GOLDEN-NEXT: %96 = stablehlo.dynamic_slice %60, %c_14, %95, %c_14, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %95 = stablehlo.multiply %94, %c_17 : tensor<ui32>
+// GOLDEN-NEXT: %96 = stablehlo.dynamic_slice %60, %c_13, %95, %c_13, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %97 = stablehlo.dot_general %96, %arg6, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %98 = stablehlo.add %91, %97 : tensor<2x8x16xf32>
-// GOLDEN-NEXT: %99 = stablehlo.add %iterArg, %c_13 : tensor<ui32>
+// GOLDEN-NEXT: %99 = stablehlo.add %iterArg, %c_14 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %99, %98 : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %67 = stablehlo.add %33, %c_10 : tensor<ui32>
+// GOLDEN-NEXT: %67 = stablehlo.add %36, %c_4 : tensor<ui32>
 // GOLDEN-NEXT: %68 = stablehlo.remainder %67, %c_5 : tensor<ui32>
 // GOLDEN-NEXT: %69 = stablehlo.multiply %68, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %70 = stablehlo.dynamic_slice %46, %c_7, %c_7, %69, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
+// GOLDEN-NEXT: %70 = stablehlo.dynamic_slice %46, %c, %c, %69, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
 // GOLDEN-NEXT: %71 = stablehlo.dot_general %70, %arg17, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<2x32x16xf32>) -> tensor<8x16xf32>
 // GOLDEN-NEXT: %72 = stablehlo.transpose %71, dims = [1, 0] : (tensor<8x16xf32>) -> tensor<16x8xf32>
 // GOLDEN-NEXT: %73 = "stablehlo.collective_permute"(%72) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<16x8xf32>) -> tensor<16x8xf32>
-// GOLDEN-NEXT: %74 = stablehlo.multiply %33, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %75 = stablehlo.dynamic_slice %46, %c_7, %c_7, %74, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
+// GOLDEN-NEXT: %74 = stablehlo.multiply %36, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: %75 = stablehlo.dynamic_slice %46, %c, %c, %74, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
 // GOLDEN-NEXT: %76 = stablehlo.dot_general %75, %arg17, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<2x32x16xf32>) -> tensor<8x16xf32>
 // GOLDEN-NEXT: %77 = stablehlo.transpose %76, dims = [1, 0] : (tensor<8x16xf32>) -> tensor<16x8xf32>
 // GOLDEN-NEXT: %78 = stablehlo.add %73, %77 : tensor<16x8xf32>
-// GOLDEN-NEXT: %79 = stablehlo.add %33, %c_10 : tensor<ui32>
+// GOLDEN-NEXT: %79 = stablehlo.add %36, %c_4 : tensor<ui32>
 // GOLDEN-NEXT: %80 = stablehlo.remainder %79, %c_5 : tensor<ui32>
 // GOLDEN-NEXT: %81 = stablehlo.multiply %80, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %82 = stablehlo.dynamic_slice %arg7, %c_7, %c_7, %81, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
+// GOLDEN-NEXT: %82 = stablehlo.dynamic_slice %arg7, %c, %c, %81, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
 // GOLDEN-NEXT: %83 = stablehlo.dot_general %60, %82, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x16xf32>, tensor<2x32x8xf32>) -> tensor<16x8xf32>
 // GOLDEN-NEXT: %84 = stablehlo.transpose %83, dims = [1, 0] : (tensor<16x8xf32>) -> tensor<8x16xf32>
 // GOLDEN-NEXT: %85 = "stablehlo.collective_permute"(%84) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<8x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %86 = stablehlo.multiply %33, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %87 = stablehlo.dynamic_slice %arg7, %c_7, %c_7, %86, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
+// GOLDEN-NEXT: %86 = stablehlo.multiply %36, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: %87 = stablehlo.dynamic_slice %arg7, %c, %c, %86, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
 // GOLDEN-NEXT: %88 = stablehlo.dot_general %60, %87, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x16xf32>, tensor<2x32x8xf32>) -> tensor<16x8xf32>
 // GOLDEN-NEXT: %89 = stablehlo.transpose %88, dims = [1, 0] : (tensor<16x8xf32>) -> tensor<8x16xf32>
 // GOLDEN-NEXT: %90 = stablehlo.add %85, %89 : tensor<8x16xf32>
@@ -345,9 +345,9 @@
 // GOLDEN-NEXT: %27 = sdy.sharding_constraint %26 <@mesh, [{"data"}, {"model"}, {}]> : tensor<4x32x16xf32>
 // GOLDEN-NEXT: %28:3 = sdy.manual_computation(%27, %0#0, %0#1, %0#2, %0#3, %0#4, %0#5, %0#6, %0#7, %0#8, %0#9, %0#10, %0#11) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>] out_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{"data"}, {"model"}]>, <@mesh, [{"model"}, {"data"}]>] manual_axes={"data", "model"} (%arg5: tensor<2x8x16xf32>, %arg6: tensor<16x16xf32>, %arg7: tensor<2x32x16xf32>, %arg8: tensor<2x32x16xf32>, %arg9: tensor<1xf32>, %arg10: tensor<1xf32>, %arg11: tensor<2x32x16xf32>, %arg12: tensor<2x32x16xf32>, %arg13: tensor<1xf32>, %arg14: tensor<2x32x16xf32>, %arg15: tensor<2x32x16xf32>, %arg16: tensor<16x16xf32>, %arg17: tensor<2x32x16xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_5 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %c_7 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
 // GOLDEN-NEXT: %31 = stablehlo.partition_id : tensor<ui32>
 // GOLDEN-NEXT: %32 = stablehlo.dynamic_slice %c_7, %31, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
@@ -371,14 +371,14 @@
 // GOLDEN-NEXT: %50 = stablehlo.multiply %49, %arg8 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %51 = stablehlo.add %47, %50 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %52 = func.call @cmatmul_ring_0(%51, %arg6) : (tensor<2x32x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %53 = stablehlo.add %33, %c_6 : tensor<ui32>
+// GOLDEN-NEXT: %53 = stablehlo.add %33, %c_4 : tensor<ui32>
 // GOLDEN-NEXT: %54 = stablehlo.remainder %53, %c_5 : tensor<ui32>
-// GOLDEN-NEXT: %55 = stablehlo.multiply %54, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %55 = stablehlo.multiply %54, %c_6 : tensor<ui32>
 // GOLDEN-NEXT: %56 = stablehlo.dynamic_slice %37#0, %c, %c, %55, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
 // GOLDEN-NEXT: %57 = stablehlo.dot_general %56, %arg17, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<2x32x16xf32>) -> tensor<8x16xf32>
 // GOLDEN-NEXT: %58 = stablehlo.transpose %57, dims = [1, 0] : (tensor<8x16xf32>) -> tensor<16x8xf32>
 // GOLDEN-NEXT: %59 = "stablehlo.collective_permute"(%58) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<16x8xf32>) -> tensor<16x8xf32>
-// GOLDEN-NEXT: %60 = stablehlo.multiply %33, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %60 = stablehlo.multiply %33, %c_6 : tensor<ui32>
 // GOLDEN-NEXT: %61 = stablehlo.dynamic_slice %37#0, %c, %c, %60, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
 // GOLDEN-NEXT: %62 = stablehlo.dot_general %61, %arg17, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<2x32x16xf32>) -> tensor<8x16xf32>
 // GOLDEN-NEXT: %63 = stablehlo.transpose %62, dims = [1, 0] : (tensor<8x16xf32>) -> tensor<16x8xf32>
@@ -392,16 +392,16 @@
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: func.func private @cmatmul_ring_0(%arg0: tensor<2x32x16xf32>, %arg1: tensor<16x16xf32>) -> tensor<2x8x16xf32> {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %0 = stablehlo.partition_id : tensor<ui32>
 // GOLDEN-NEXT: %1 = stablehlo.dynamic_slice %c_3, %0, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %2 = stablehlo.reshape %1 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %3 = stablehlo.add %2, %c_2 : tensor<ui32>
+// GOLDEN-NEXT: %3 = stablehlo.add %2, %c_0 : tensor<ui32>
 // GOLDEN-NEXT: %4 = stablehlo.remainder %3, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %5 = stablehlo.multiply %4, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %5 = stablehlo.multiply %4, %c_2 : tensor<ui32>
 // GOLDEN-NEXT: %6 = stablehlo.dynamic_slice %arg0, %c, %5, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %7 = stablehlo.dot_general %6, %arg1, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %8:2 = stablehlo.while(%iterArg = %c, %iterArg_4 = %7) : tensor<ui32>, tensor<2x8x16xf32>
@@ -410,41 +410,41 @@
 // GOLDEN-NEXT: %9 = stablehlo.compare LT, %iterArg, %c_5, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %9 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<2> : tensor<ui32>
 // GOLDEN-NEXT: %c_8 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %9 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %10 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
+// GOLDEN-NEXT: %10 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
 // GOLDEN-NEXT: %11 = stablehlo.add %2, %10 : tensor<ui32>
 // GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %13 = stablehlo.multiply %12, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %14 = stablehlo.dynamic_slice %arg0, %c_6, %13, %c_6, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %13 = stablehlo.multiply %12, %c_9 : tensor<ui32>
+// GOLDEN-NEXT: %14 = stablehlo.dynamic_slice %arg0, %c_5, %13, %c_5, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %15 = stablehlo.dot_general %14, %arg1, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %16 = stablehlo.add %9, %15 : tensor<2x8x16xf32>
-// GOLDEN-NEXT: %17 = stablehlo.add %iterArg, %c_5 : tensor<ui32>
+// GOLDEN-NEXT: %17 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %17, %16 : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: return %8#1 : tensor<2x8x16xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: func.func private @cmatmul_ring_1(%arg0: tensor<2x32x16xf32>, %arg1: tensor<2x32x16xf32>) -> tensor<8x16xf32> {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_1 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
 // GOLDEN-NEXT: %0 = stablehlo.partition_id : tensor<ui32>
 // GOLDEN-NEXT: %1 = stablehlo.dynamic_slice %c_3, %0, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %2 = stablehlo.reshape %1 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %3 = stablehlo.add %2, %c_2 : tensor<ui32>
+// GOLDEN-NEXT: %3 = stablehlo.add %2, %c_0 : tensor<ui32>
 // GOLDEN-NEXT: %4 = stablehlo.remainder %3, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %5 = stablehlo.multiply %4, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %5 = stablehlo.multiply %4, %c_2 : tensor<ui32>
 // GOLDEN-NEXT: %6 = stablehlo.dynamic_slice %arg1, %c, %c, %5, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
 // GOLDEN-NEXT: %7 = stablehlo.dot_general %arg0, %6, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x16xf32>, tensor<2x32x8xf32>) -> tensor<16x8xf32>
 // GOLDEN-NEXT: %8 = stablehlo.transpose %7, dims = [1, 0] : (tensor<16x8xf32>) -> tensor<8x16xf32>
 // GOLDEN-NEXT: %9 = "stablehlo.collective_permute"(%8) <{channel_handle = #stablehlo.channel_handle<handle = 9, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<8x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %10 = stablehlo.multiply %2, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %10 = stablehlo.multiply %2, %c_2 : tensor<ui32>
 // GOLDEN-NEXT: %11 = stablehlo.dynamic_slice %arg1, %c, %c, %10, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
 // GOLDEN-NEXT: %12 = stablehlo.dot_general %arg0, %11, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x16xf32>, tensor<2x32x8xf32>) -> tensor<16x8xf32>
 // GOLDEN-NEXT: %13 = stablehlo.transpose %12, dims = [1, 0] : (tensor<16x8xf32>) -> tensor<8x16xf32>
@@ -452,9 +452,9 @@
 // GOLDEN-NEXT: return %14 : tensor<8x16xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: func.func private @cmatmul_ring_2(%arg0: tensor<16x8xf32>, %arg1: tensor<2x8x16xf32>) -> (tensor<16x16xf32>, tensor<2x8x16xf32>) {
-// GOLDEN-NEXT: %c = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<2> : tensor<ui32>
 // GOLDEN-NEXT: %c_2 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<16x16xf32>
 // GOLDEN-NEXT: %cst_3 = stablehlo.constant dense<0.000000e+00> : tensor<2x8x16xf32>
@@ -465,52 +465,52 @@
 // GOLDEN-NEXT: %3 = "stablehlo.collective_permute"(%arg0) <{channel_handle = #stablehlo.channel_handle<handle = 12, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<16x8xf32>) -> tensor<16x8xf32>
 // GOLDEN-NEXT: %4 = stablehlo.dot_general %arg1, %arg0, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x8xf32>) -> tensor<2x8x8xf32>
 // GOLDEN-NEXT: %5 = stablehlo.multiply %2, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %6 = stablehlo.dynamic_update_slice %cst_3, %4, %c_1, %c_1, %5 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %7 = stablehlo.dynamic_update_slice %cst, %arg0, %c_1, %5 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %6 = stablehlo.dynamic_update_slice %cst_3, %4, %c, %c, %5 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %7 = stablehlo.dynamic_update_slice %cst, %arg0, %c, %5 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: %8 = stablehlo.add %2, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %9 = stablehlo.remainder %8, %c : tensor<ui32>
+// GOLDEN-NEXT: %9 = stablehlo.remainder %8, %c_1 : tensor<ui32>
 // GOLDEN-NEXT: %10 = stablehlo.dot_general %arg1, %3, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x8xf32>) -> tensor<2x8x8xf32>
 // GOLDEN-NEXT: %11 = stablehlo.multiply %9, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %12 = stablehlo.dynamic_update_slice %6, %10, %c_1, %c_1, %11 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %13 = stablehlo.dynamic_update_slice %7, %3, %c_1, %11 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %12 = stablehlo.dynamic_update_slice %6, %10, %c, %c, %11 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %13 = stablehlo.dynamic_update_slice %7, %3, %c, %11 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: return %13, %12 : tensor<16x16xf32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: func.func private @cmatmul_ring_3(%arg0: tensor<2x8x16xf32>, %arg1: tensor<16x16xf32>) -> (tensor<2x32x16xf32>, tensor<2x32x16xf32>) {
-// GOLDEN-NEXT: %c = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %0 = stablehlo.partition_id : tensor<ui32>
 // GOLDEN-NEXT: %1 = stablehlo.dynamic_slice %c_3, %0, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %2 = stablehlo.reshape %1 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %3:4 = stablehlo.while(%iterArg = %c_2, %iterArg_4 = %arg0, %iterArg_5 = %cst, %iterArg_6 = %cst) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
+// GOLDEN-NEXT: %3:4 = stablehlo.while(%iterArg = %c, %iterArg_4 = %arg0, %iterArg_5 = %cst, %iterArg_6 = %cst) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_7 = stablehlo.constant dense<3> : tensor<ui32>
 // GOLDEN-NEXT: %10 = stablehlo.compare LT, %iterArg, %c_7, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %10 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 15, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %11 = stablehlo.add %2, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_10 : tensor<ui32>
+// GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_9 : tensor<ui32>
 // GOLDEN-NEXT: %13 = stablehlo.dot_general %iterArg_4, %arg1, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %14 = stablehlo.multiply %12, %c_9 : tensor<ui32>
-// GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %iterArg_5, %13, %c_8, %14, %c_8 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %iterArg_6, %iterArg_4, %c_8, %14, %c_8 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %17 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %14 = stablehlo.multiply %12, %c_10 : tensor<ui32>
+// GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %iterArg_5, %13, %c_7, %14, %c_7 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %iterArg_6, %iterArg_4, %c_7, %14, %c_7 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %17 = stablehlo.add %iterArg, %c_8 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %17, %10, %15, %16 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %4 = stablehlo.add %2, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %4 = stablehlo.add %2, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_1 : tensor<ui32>
 // GOLDEN-NEXT: %6 = stablehlo.dot_general %3#1, %arg1, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %7 = stablehlo.multiply %5, %c : tensor<ui32>
-// GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %3#2, %6, %c_2, %7, %c_2 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %3#3, %3#1, %c_2, %7, %c_2 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %7 = stablehlo.multiply %5, %c_2 : tensor<ui32>
+// GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %3#2, %6, %c, %7, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %3#3, %3#1, %c, %7, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
 // GOLDEN-NEXT: return %9, %8 : tensor<2x32x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: }

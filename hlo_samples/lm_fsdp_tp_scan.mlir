@@ -63,12 +63,12 @@
 // GOLDEN-NEXT: sdy.mesh @mesh = <["data"=2, "model"=4]> {stablehlo.mesh = {axes = [{name = "data", size = 2 : i64}, {name = "model", size = 4 : i64}]}}
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {}]>}, %arg1: tensor<2x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, %arg2: tensor<2x32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"data"}, {"model"}]>}, %arg3: tensor<2x64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}, {"data"}]>}, %arg4: tensor<32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}]>}, %arg5: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {}]>}, %arg6: tensor<2x64xi32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}, %arg7: tensor<2x64xi32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}) -> (tensor<f32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, []>}, tensor<64x32xf32> {jax.result_info = "result[1][0]", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {}]>}, tensor<2x32xf32> {jax.result_info = "result[1][1]", sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, tensor<2x32x64xf32> {jax.result_info = "result[1][2]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"data"}, {"model"}]>}, tensor<2x64x32xf32> {jax.result_info = "result[1][3]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}, {"data"}]>}, tensor<32xf32> {jax.result_info = "result[1][4]", sdy.sharding = #sdy.sharding<@mesh, [{}]>}, tensor<32x64xf32> {jax.result_info = "result[1][5]", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {}]>}) {
 // GOLDEN-NEXT: %0:18 = sdy.manual_computation(%arg0, %arg1, %arg2, %arg3, %arg4, %arg5, %arg6, %arg7) in_shardings=[<@mesh, [{"data"}, {}]>, <@mesh, [{}, {}]>, <@mesh, [{}, {"data"}, {"model"}]>, <@mesh, [{}, {"model"}, {"data"}]>, <@mesh, [{}]>, <@mesh, [{"data"}, {}]>, <@mesh, [{"data"}, {"model"}]>, <@mesh, [{"data"}, {"model"}]>] out_shardings=[<@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{}]>, <@mesh, []>] manual_axes={"data", "model"} (%arg8: tensor<32x32xf32>, %arg9: tensor<2x32xf32>, %arg10: tensor<2x16x16xf32>, %arg11: tensor<2x16x16xf32>, %arg12: tensor<32xf32>, %arg13: tensor<16x64xf32>, %arg14: tensor<1x16xi32>, %arg15: tensor<1x16xi32>) {
-// GOLDEN-NEXT: %c = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<2> : tensor<ui32>
 // GOLDEN-NEXT: %c_2 = stablehlo.constant dense<16> : tensor<ui32>
-// GOLDEN-NEXT: %cst_3 = stablehlo.constant dense<0.000000e+00> : tensor<32x64xf32>
-// GOLDEN-NEXT: %cst_4 = stablehlo.constant dense<0.000000e+00> : tensor<1x16x64xf32>
+// GOLDEN-NEXT: %cst_3 = stablehlo.constant dense<0.000000e+00> : tensor<1x16x64xf32>
+// GOLDEN-NEXT: %cst_4 = stablehlo.constant dense<0.000000e+00> : tensor<32x64xf32>
 // GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
 // GOLDEN-NEXT: %3 = stablehlo.partition_id : tensor<ui32>
 // GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_5, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
@@ -98,19 +98,19 @@
 // GOLDEN-NEXT: %57 = stablehlo.compare LT, %iterArg_33, %c_36, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %57 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_36 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %cst_37 = stablehlo.constant dense<0.000000e+00> : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %c_36 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_37 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_38 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %cst_39 = stablehlo.constant dense<0.000000e+00> : tensor<1x16x32xf32>
-// GOLDEN-NEXT: %c_40 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_39 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %c_40 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_41 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %cst_42 = stablehlo.constant dense<0.000000e+00> : tensor<1x16x32xf32>
+// GOLDEN-NEXT: %cst_43 = stablehlo.constant dense<0.000000e+00> : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %c_44 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %57 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %58 = stablehlo.dynamic_slice %c_40, %57, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %58 = stablehlo.dynamic_slice %c_44, %57, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %59 = stablehlo.reshape %58 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %c_41 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_42 = stablehlo.constant dense<16> : tensor<ui32>
-// GOLDEN-NEXT: %c_43 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_44 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_45 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_45 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
 // GOLDEN-NEXT: %60 = stablehlo.partition_id : tensor<ui32>
 // GOLDEN-NEXT: %61 = stablehlo.dynamic_slice %c_45, %60, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %62 = stablehlo.reshape %61 : (tensor<1xui32>) -> tensor<ui32>
@@ -137,30 +137,30 @@
 // GOLDEN-NEXT: %78 = stablehlo.broadcast_in_dim %63, dims = [2] : (tensor<32xf32>) -> tensor<1x1x32xf32>
 // GOLDEN-NEXT: %79 = stablehlo.broadcast_in_dim %78, dims = [0, 1, 2] : (tensor<1x1x32xf32>) -> tensor<1x16x32xf32>
 // GOLDEN-NEXT: %80 = stablehlo.multiply %77, %79 : tensor<1x16x32xf32>
-// GOLDEN-NEXT: %81:3 = stablehlo.while(%iterArg_52 = %c_41, %iterArg_53 = %80, %iterArg_54 = %cst_37) : tensor<ui32>, tensor<1x16x32xf32>, tensor<1x64x16xf32>
+// GOLDEN-NEXT: %81:3 = stablehlo.while(%iterArg_52 = %c_36, %iterArg_53 = %80, %iterArg_54 = %cst_43) : tensor<ui32>, tensor<1x16x32xf32>, tensor<1x64x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_55 = stablehlo.constant dense<3> : tensor<ui32>
 // GOLDEN-NEXT: %122 = stablehlo.compare LT, %iterArg_52, %c_55, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %122 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_55 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_56 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_57 = stablehlo.constant dense<16> : tensor<ui32>
-// GOLDEN-NEXT: %c_58 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_55 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_56 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_57 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_58 = stablehlo.constant dense<16> : tensor<ui32>
 // GOLDEN-NEXT: %122 = "stablehlo.collective_permute"(%iterArg_53) <{channel_handle = #stablehlo.channel_handle<handle = 14, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<1x16x32xf32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %123 = stablehlo.add %62, %iterArg_52 : tensor<ui32>
-// GOLDEN-NEXT: %124 = stablehlo.remainder %123, %c_58 : tensor<ui32>
+// GOLDEN-NEXT: %123 = stablehlo.add %59, %iterArg_52 : tensor<ui32>
+// GOLDEN-NEXT: %124 = stablehlo.remainder %123, %c_57 : tensor<ui32>
 // GOLDEN-NEXT: %125 = stablehlo.dot_general %iterArg_53, %66, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<1x16x32xf32>, tensor<32x16xf32>) -> tensor<1x16x16xf32>
-// GOLDEN-NEXT: %126 = stablehlo.multiply %124, %c_57 : tensor<ui32>
-// GOLDEN-NEXT: %127 = stablehlo.dynamic_update_slice %iterArg_54, %125, %c_56, %126, %c_56 : (tensor<1x64x16xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
-// GOLDEN-NEXT: %128 = stablehlo.add %iterArg_52, %c_55 : tensor<ui32>
+// GOLDEN-NEXT: %126 = stablehlo.multiply %124, %c_58 : tensor<ui32>
+// GOLDEN-NEXT: %127 = stablehlo.dynamic_update_slice %iterArg_54, %125, %c_55, %126, %c_55 : (tensor<1x64x16xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
+// GOLDEN-NEXT: %128 = stablehlo.add %iterArg_52, %c_56 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %128, %122, %127 : tensor<ui32>, tensor<1x16x32xf32>, tensor<1x64x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %82 = stablehlo.add %62, %c_36 : tensor<ui32>
-// GOLDEN-NEXT: %83 = stablehlo.remainder %82, %c_43 : tensor<ui32>
+// GOLDEN-NEXT: %82 = stablehlo.add %59, %c_39 : tensor<ui32>
+// GOLDEN-NEXT: %83 = stablehlo.remainder %82, %c_40 : tensor<ui32>
 // GOLDEN-NEXT: %84 = stablehlo.dot_general %81#1, %66, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<1x16x32xf32>, tensor<32x16xf32>) -> tensor<1x16x16xf32>
-// GOLDEN-NEXT: %85 = stablehlo.multiply %83, %c_42 : tensor<ui32>
-// GOLDEN-NEXT: %86 = stablehlo.dynamic_update_slice %81#2, %84, %c_41, %85, %c_41 : (tensor<1x64x16xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
+// GOLDEN-NEXT: %85 = stablehlo.multiply %83, %c_41 : tensor<ui32>
+// GOLDEN-NEXT: %86 = stablehlo.dynamic_update_slice %81#2, %84, %c_36, %85, %c_36 : (tensor<1x64x16xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
 // GOLDEN-NEXT: %87 = stablehlo.multiply %86, %86 : tensor<1x64x16xf32>
 // GOLDEN-NEXT: %88 = stablehlo.multiply %87, %86 : tensor<1x64x16xf32>
 // GOLDEN-NEXT: %89 = stablehlo.broadcast_in_dim %iterArg_30, dims = [] : (tensor<f32>) -> tensor<1x64x16xf32>
@@ -174,44 +174,44 @@
 // GOLDEN-NEXT: %97 = stablehlo.broadcast_in_dim %iterArg_27, dims = [] : (tensor<f32>) -> tensor<1x64x16xf32>
 // GOLDEN-NEXT: %98 = stablehlo.multiply %97, %96 : tensor<1x64x16xf32>
 // GOLDEN-NEXT: %99 = stablehlo.multiply %86, %98 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %100 = stablehlo.add %62, %c_44 : tensor<ui32>
-// GOLDEN-NEXT: %101 = stablehlo.remainder %100, %c_43 : tensor<ui32>
-// GOLDEN-NEXT: %102 = stablehlo.multiply %101, %c_42 : tensor<ui32>
-// GOLDEN-NEXT: %103 = stablehlo.dynamic_slice %99, %c_41, %102, %c_41, sizes = [1, 16, 16] : (tensor<1x64x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x16xf32>
+// GOLDEN-NEXT: %100 = stablehlo.add %59, %c_37 : tensor<ui32>
+// GOLDEN-NEXT: %101 = stablehlo.remainder %100, %c_40 : tensor<ui32>
+// GOLDEN-NEXT: %102 = stablehlo.multiply %101, %c_41 : tensor<ui32>
+// GOLDEN-NEXT: %103 = stablehlo.dynamic_slice %99, %c_36, %102, %c_36, sizes = [1, 16, 16] : (tensor<1x64x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x16xf32>
 // GOLDEN-NEXT: %104 = "stablehlo.collective_permute"(%67) <{channel_handle = #stablehlo.channel_handle<handle = 13, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<1x16x16xf32>) -> tensor<1x16x16xf32>
 // GOLDEN-NEXT: %105 = stablehlo.reshape %67 : (tensor<1x16x16xf32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: %106 = stablehlo.dot_general %103, %105, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<1x16x16xf32>, tensor<16x16xf32>) -> tensor<1x16x16xf32>
-// GOLDEN-NEXT: %107 = stablehlo.multiply %59, %c_42 : tensor<ui32>
-// GOLDEN-NEXT: %108 = stablehlo.dynamic_update_slice %cst_39, %106, %c_41, %c_41, %107 : (tensor<1x16x32xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %109 = stablehlo.dynamic_update_slice %cst_39, %67, %c_41, %c_41, %107 : (tensor<1x16x32xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %110 = stablehlo.add %59, %c_44 : tensor<ui32>
+// GOLDEN-NEXT: %107 = stablehlo.multiply %62, %c_41 : tensor<ui32>
+// GOLDEN-NEXT: %108 = stablehlo.dynamic_update_slice %cst_42, %106, %c_36, %c_36, %107 : (tensor<1x16x32xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x32xf32>
+// GOLDEN-NEXT: %109 = stablehlo.dynamic_update_slice %cst_42, %67, %c_36, %c_36, %107 : (tensor<1x16x32xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x32xf32>
+// GOLDEN-NEXT: %110 = stablehlo.add %62, %c_37 : tensor<ui32>
 // GOLDEN-NEXT: %111 = stablehlo.remainder %110, %c_38 : tensor<ui32>
 // GOLDEN-NEXT: %112 = stablehlo.reshape %104 : (tensor<1x16x16xf32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: %113 = stablehlo.dot_general %103, %112, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<1x16x16xf32>, tensor<16x16xf32>) -> tensor<1x16x16xf32>
-// GOLDEN-NEXT: %114 = stablehlo.multiply %111, %c_42 : tensor<ui32>
-// GOLDEN-NEXT: %115 = stablehlo.dynamic_update_slice %108, %113, %c_41, %c_41, %114 : (tensor<1x16x32xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %116 = stablehlo.dynamic_update_slice %109, %104, %c_41, %c_41, %114 : (tensor<1x16x32xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x32xf32>
+// GOLDEN-NEXT: %114 = stablehlo.multiply %111, %c_41 : tensor<ui32>
+// GOLDEN-NEXT: %115 = stablehlo.dynamic_update_slice %108, %113, %c_36, %c_36, %114 : (tensor<1x16x32xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x32xf32>
+// GOLDEN-NEXT: %116 = stablehlo.dynamic_update_slice %109, %104, %c_36, %c_36, %114 : (tensor<1x16x32xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x32xf32>
 // GOLDEN-NEXT: %117 = stablehlo.reshape %116 : (tensor<1x16x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %118:2 = stablehlo.while(%iterArg_52 = %c_41, %iterArg_53 = %115) : tensor<ui32>, tensor<1x16x32xf32>
+// GOLDEN-NEXT: %118:2 = stablehlo.while(%iterArg_52 = %c_36, %iterArg_53 = %115) : tensor<ui32>, tensor<1x16x32xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_54 = stablehlo.constant dense<3> : tensor<ui32>
 // GOLDEN-NEXT: %122 = stablehlo.compare LT, %iterArg_52, %c_54, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %122 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_54 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_55 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_56 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %c_54 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_55 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_56 = stablehlo.constant dense<2> : tensor<ui32>
 // GOLDEN-NEXT: %c_57 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_58 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_58 = stablehlo.constant dense<16> : tensor<ui32>
 // GOLDEN-NEXT: %122 = "stablehlo.collective_permute"(%iterArg_53) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<1x16x32xf32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %123 = stablehlo.add %iterArg_52, %c_58 : tensor<ui32>
-// GOLDEN-NEXT: %124 = stablehlo.add %62, %123 : tensor<ui32>
+// GOLDEN-NEXT: %123 = stablehlo.add %iterArg_52, %c_56 : tensor<ui32>
+// GOLDEN-NEXT: %124 = stablehlo.add %59, %123 : tensor<ui32>
 // GOLDEN-NEXT: %125 = stablehlo.remainder %124, %c_57 : tensor<ui32>
-// GOLDEN-NEXT: %126 = stablehlo.multiply %125, %c_56 : tensor<ui32>
-// GOLDEN-NEXT: %127 = stablehlo.dynamic_slice %99, %c_55, %126, %c_55, sizes = [1, 16, 16] : (tensor<1x64x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x16xf32>
+// GOLDEN-NEXT: %126 = stablehlo.multiply %125, %c_58 : tensor<ui32>
+// GOLDEN-NEXT: %127 = stablehlo.dynamic_slice %99, %c_54, %126, %c_54, sizes = [1, 16, 16] : (tensor<1x64x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x16xf32>
 // GOLDEN-NEXT: %128 = stablehlo.dot_general %127, %117, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<1x16x16xf32>, tensor<16x32xf32>) -> tensor<1x16x32xf32>
 // GOLDEN-NEXT: %129 = stablehlo.add %122, %128 : tensor<1x16x32xf32>
-// GOLDEN-NEXT: %130 = stablehlo.add %iterArg_52, %c_54 : tensor<ui32>
+// GOLDEN-NEXT: %130 = stablehlo.add %iterArg_52, %c_55 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %130, %129 : tensor<ui32>, tensor<1x16x32xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: %119 = stablehlo.add %iterArg_34, %118#1 : tensor<1x16x32xf32>
@@ -242,17 +242,17 @@
 // GOLDEN-NEXT: %31 = stablehlo.multiply %28, %30 : tensor<1x16x32xf32>
 // GOLDEN-NEXT: %32 = "stablehlo.collective_permute"(%arg13) <{channel_handle = #stablehlo.channel_handle<handle = 15, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
 // GOLDEN-NEXT: %33 = stablehlo.multiply %5, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %34 = stablehlo.dynamic_slice %31, %c_1, %c_1, %33, sizes = [1, 16, 16] : (tensor<1x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x16xf32>
+// GOLDEN-NEXT: %34 = stablehlo.dynamic_slice %31, %c, %c, %33, sizes = [1, 16, 16] : (tensor<1x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x16xf32>
 // GOLDEN-NEXT: %35 = stablehlo.dot_general %34, %arg13, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<1x16x16xf32>, tensor<16x64xf32>) -> tensor<1x16x64xf32>
-// GOLDEN-NEXT: %36 = stablehlo.add %cst_4, %35 : tensor<1x16x64xf32>
-// GOLDEN-NEXT: %37 = stablehlo.dynamic_update_slice %cst_3, %arg13, %33, %c_1 : (tensor<32x64xf32>, tensor<16x64xf32>, tensor<ui32>, tensor<ui32>) -> tensor<32x64xf32>
+// GOLDEN-NEXT: %36 = stablehlo.add %cst_3, %35 : tensor<1x16x64xf32>
+// GOLDEN-NEXT: %37 = stablehlo.dynamic_update_slice %cst_4, %arg13, %33, %c : (tensor<32x64xf32>, tensor<16x64xf32>, tensor<ui32>, tensor<ui32>) -> tensor<32x64xf32>
 // GOLDEN-NEXT: %38 = stablehlo.add %5, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %39 = stablehlo.remainder %38, %c : tensor<ui32>
+// GOLDEN-NEXT: %39 = stablehlo.remainder %38, %c_1 : tensor<ui32>
 // GOLDEN-NEXT: %40 = stablehlo.multiply %39, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %41 = stablehlo.dynamic_slice %31, %c_1, %c_1, %40, sizes = [1, 16, 16] : (tensor<1x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x16xf32>
+// GOLDEN-NEXT: %41 = stablehlo.dynamic_slice %31, %c, %c, %40, sizes = [1, 16, 16] : (tensor<1x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x16xf32>
 // GOLDEN-NEXT: %42 = stablehlo.dot_general %41, %32, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<1x16x16xf32>, tensor<16x64xf32>) -> tensor<1x16x64xf32>
 // GOLDEN-NEXT: %43 = stablehlo.add %36, %42 : tensor<1x16x64xf32>
-// GOLDEN-NEXT: %44 = stablehlo.dynamic_update_slice %37, %32, %40, %c_1 : (tensor<32x64xf32>, tensor<16x64xf32>, tensor<ui32>, tensor<ui32>) -> tensor<32x64xf32>
+// GOLDEN-NEXT: %44 = stablehlo.dynamic_update_slice %37, %32, %40, %c : (tensor<32x64xf32>, tensor<16x64xf32>, tensor<ui32>, tensor<ui32>) -> tensor<32x64xf32>
 // GOLDEN-NEXT: %45:3 = func.call @log_softmax(%43) : (tensor<1x16x64xf32>) -> (tensor<1x16x64xf32>, tensor<1x16x64xf32>, tensor<1x16x1xf32>)
 // GOLDEN-NEXT: %46 = func.call @_one_hot(%arg15) : (tensor<1x16xi32>) -> tensor<1x16x64xf32>
 // GOLDEN-NEXT: %47 = stablehlo.multiply %46, %45#0 : tensor<1x16x64xf32>
@@ -280,9 +280,9 @@
 // GOLDEN-NEXT: %1 = sdy.sharding_constraint %cst <@mesh, []> : tensor<f32>
 // GOLDEN-NEXT: %2:6 = sdy.manual_computation(%1, %0#0, %0#1, %arg1, %0#2, %0#3, %0#4, %0#5, %0#6, %0#7, %0#8, %0#9, %0#10, %0#11, %0#12, %0#13, %0#14, %0#15, %0#16) in_shardings=[<@mesh, []>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}, {}]>, <@mesh, [{}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{}]>] out_shardings=[<@mesh, [{"data"}, {}]>, <@mesh, [{}, {}]>, <@mesh, [{}, {"data"}, {"model"}]>, <@mesh, [{}, {"model"}, {"data"}]>, <@mesh, [{}]>, <@mesh, [{"data"}, {}]>] manual_axes={"data", "model"} (%arg8: tensor<f32>, %arg9: tensor<1x16x1xi32>, %arg10: tensor<2x1x16x32xf32>, %arg11: tensor<2x32xf32>, %arg12: tensor<2x16x16xf32>, %arg13: tensor<2x16x16xf32>, %arg14: tensor<1x16x32xf32>, %arg15: tensor<1xf32>, %arg16: tensor<1x16x1xf32>, %arg17: tensor<1x16x1xf32>, %arg18: tensor<1x1x32xf32>, %arg19: tensor<1x16x32xf32>, %arg20: tensor<32x64xf32>, %arg21: tensor<1x16x32xf32>, %arg22: tensor<1x16x64xf32>, %arg23: tensor<1x16x1xf32>, %arg24: tensor<1x16x64xf32>, %arg25: tensor<1xf32>, %arg26: tensor<1xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_1 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<16> : tensor<ui32>
 // GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
 // GOLDEN-NEXT: %3 = stablehlo.partition_id : tensor<ui32>
 // GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_3, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
@@ -298,14 +298,14 @@
 // GOLDEN-NEXT: %14 = stablehlo.multiply %arg24, %13 : tensor<1x16x64xf32>
 // GOLDEN-NEXT: %15 = func.call @log_softmax_2(%arg22, %arg23, %14) : (tensor<1x16x64xf32>, tensor<1x16x1xf32>, tensor<1x16x64xf32>) -> tensor<1x16x64xf32>
 // GOLDEN-NEXT: %16 = stablehlo.dot_general %15, %arg20, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<1x16x64xf32>, tensor<32x64xf32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %17 = stablehlo.add %5, %c_2 : tensor<ui32>
+// GOLDEN-NEXT: %17 = stablehlo.add %5, %c_0 : tensor<ui32>
 // GOLDEN-NEXT: %18 = stablehlo.remainder %17, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %19 = stablehlo.multiply %18, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %19 = stablehlo.multiply %18, %c_2 : tensor<ui32>
 // GOLDEN-NEXT: %20 = stablehlo.dynamic_slice %arg21, %c, %c, %19, sizes = [1, 16, 16] : (tensor<1x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x16xf32>
 // GOLDEN-NEXT: %21 = stablehlo.dot_general %15, %20, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<1x16x64xf32>, tensor<1x16x16xf32>) -> tensor<64x16xf32>
 // GOLDEN-NEXT: %22 = stablehlo.transpose %21, dims = [1, 0] : (tensor<64x16xf32>) -> tensor<16x64xf32>
 // GOLDEN-NEXT: %23 = "stablehlo.collective_permute"(%22) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// GOLDEN-NEXT: %24 = stablehlo.multiply %5, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %24 = stablehlo.multiply %5, %c_2 : tensor<ui32>
 // GOLDEN-NEXT: %25 = stablehlo.dynamic_slice %arg21, %c, %c, %24, sizes = [1, 16, 16] : (tensor<1x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x16xf32>
 // GOLDEN-NEXT: %26 = stablehlo.dot_general %15, %25, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<1x16x64xf32>, tensor<1x16x16xf32>) -> tensor<64x16xf32>
 // GOLDEN-NEXT: %27 = stablehlo.transpose %26, dims = [1, 0] : (tensor<64x16xf32>) -> tensor<16x64xf32>
@@ -360,19 +360,19 @@
 // GOLDEN-NEXT: %60 = stablehlo.compare LT, %iterArg_18, %c_23, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %60 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_23 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %cst_24 = stablehlo.constant dense<0.000000e+00> : tensor<1x64x32xf32>
-// GOLDEN-NEXT: %cst_25 = stablehlo.constant dense<0.000000e+00> : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %c_26 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %c_27 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_23 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_24 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_25 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_26 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %c_27 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_28 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %cst_29 = stablehlo.constant dense<0.000000e+00> : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %cst_30 = stablehlo.constant dense<0.000000e+00> : tensor<1x64x32xf32>
+// GOLDEN-NEXT: %c_31 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %60 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %61 = stablehlo.dynamic_slice %c_27, %60, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %61 = stablehlo.dynamic_slice %c_31, %60, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %62 = stablehlo.reshape %61 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %c_28 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_29 = stablehlo.constant dense<16> : tensor<ui32>
-// GOLDEN-NEXT: %c_30 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_31 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_32 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_32 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
 // GOLDEN-NEXT: %63 = stablehlo.partition_id : tensor<ui32>
 // GOLDEN-NEXT: %64 = stablehlo.dynamic_slice %c_32, %63, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %65 = stablehlo.reshape %64 : (tensor<1xui32>) -> tensor<ui32>
@@ -413,32 +413,32 @@
 // GOLDEN-NEXT: %90 = stablehlo.broadcast_in_dim %72#1, dims = [2] : (tensor<32xf32>) -> tensor<1x1x32xf32>
 // GOLDEN-NEXT: %91 = stablehlo.broadcast_in_dim %90, dims = [0, 1, 2] : (tensor<1x1x32xf32>) -> tensor<1x16x32xf32>
 // GOLDEN-NEXT: %92 = stablehlo.multiply %89, %91 : tensor<1x16x32xf32>
-// GOLDEN-NEXT: %93:4 = stablehlo.while(%iterArg_58 = %c_28, %iterArg_59 = %92, %iterArg_60 = %cst_25, %iterArg_61 = %cst_24) : tensor<ui32>, tensor<1x16x32xf32>, tensor<1x64x16xf32>, tensor<1x64x32xf32>
+// GOLDEN-NEXT: %93:4 = stablehlo.while(%iterArg_58 = %c_23, %iterArg_59 = %92, %iterArg_60 = %cst_29, %iterArg_61 = %cst_30) : tensor<ui32>, tensor<1x16x32xf32>, tensor<1x64x16xf32>, tensor<1x64x32xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_62 = stablehlo.constant dense<3> : tensor<ui32>
 // GOLDEN-NEXT: %200 = stablehlo.compare LT, %iterArg_58, %c_62, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %200 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_62 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_63 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_64 = stablehlo.constant dense<16> : tensor<ui32>
-// GOLDEN-NEXT: %c_65 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_62 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_63 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_64 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_65 = stablehlo.constant dense<16> : tensor<ui32>
 // GOLDEN-NEXT: %200 = "stablehlo.collective_permute"(%iterArg_59) <{channel_handle = #stablehlo.channel_handle<handle = 16, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<1x16x32xf32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %201 = stablehlo.add %65, %iterArg_58 : tensor<ui32>
-// GOLDEN-NEXT: %202 = stablehlo.remainder %201, %c_65 : tensor<ui32>
+// GOLDEN-NEXT: %201 = stablehlo.add %62, %iterArg_58 : tensor<ui32>
+// GOLDEN-NEXT: %202 = stablehlo.remainder %201, %c_64 : tensor<ui32>
 // GOLDEN-NEXT: %203 = stablehlo.dot_general %iterArg_59, %76, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<1x16x32xf32>, tensor<32x16xf32>) -> tensor<1x16x16xf32>
-// GOLDEN-NEXT: %204 = stablehlo.multiply %202, %c_64 : tensor<ui32>
-// GOLDEN-NEXT: %205 = stablehlo.dynamic_update_slice %iterArg_60, %203, %c_63, %204, %c_63 : (tensor<1x64x16xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
-// GOLDEN-NEXT: %206 = stablehlo.dynamic_update_slice %iterArg_61, %iterArg_59, %c_63, %204, %c_63 : (tensor<1x64x32xf32>, tensor<1x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x32xf32>
-// GOLDEN-NEXT: %207 = stablehlo.add %iterArg_58, %c_62 : tensor<ui32>
+// GOLDEN-NEXT: %204 = stablehlo.multiply %202, %c_65 : tensor<ui32>
+// GOLDEN-NEXT: %205 = stablehlo.dynamic_update_slice %iterArg_60, %203, %c_62, %204, %c_62 : (tensor<1x64x16xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
+// GOLDEN-NEXT: %206 = stablehlo.dynamic_update_slice %iterArg_61, %iterArg_59, %c_62, %204, %c_62 : (tensor<1x64x32xf32>, tensor<1x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x32xf32>
+// GOLDEN-NEXT: %207 = stablehlo.add %iterArg_58, %c_63 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %207, %200, %205, %206 : tensor<ui32>, tensor<1x16x32xf32>, tensor<1x64x16xf32>, tensor<1x64x32xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %94 = stablehlo.add %65, %c_23 : tensor<ui32>
-// GOLDEN-NEXT: %95 = stablehlo.remainder %94, %c_30 : tensor<ui32>
+// GOLDEN-NEXT: %94 = stablehlo.add %62, %c_26 : tensor<ui32>
+// GOLDEN-NEXT: %95 = stablehlo.remainder %94, %c_27 : tensor<ui32>
 // GOLDEN-NEXT: %96 = stablehlo.dot_general %93#1, %76, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<1x16x32xf32>, tensor<32x16xf32>) -> tensor<1x16x16xf32>
-// GOLDEN-NEXT: %97 = stablehlo.multiply %95, %c_29 : tensor<ui32>
-// GOLDEN-NEXT: %98 = stablehlo.dynamic_update_slice %93#2, %96, %c_28, %97, %c_28 : (tensor<1x64x16xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
-// GOLDEN-NEXT: %99 = stablehlo.dynamic_update_slice %93#3, %93#1, %c_28, %97, %c_28 : (tensor<1x64x32xf32>, tensor<1x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x32xf32>
+// GOLDEN-NEXT: %97 = stablehlo.multiply %95, %c_28 : tensor<ui32>
+// GOLDEN-NEXT: %98 = stablehlo.dynamic_update_slice %93#2, %96, %c_23, %97, %c_23 : (tensor<1x64x16xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
+// GOLDEN-NEXT: %99 = stablehlo.dynamic_update_slice %93#3, %93#1, %c_23, %97, %c_23 : (tensor<1x64x32xf32>, tensor<1x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x32xf32>
 // GOLDEN-NEXT: %100 = stablehlo.multiply %98, %98 : tensor<1x64x16xf32>
 // GOLDEN-NEXT: %101 = stablehlo.multiply %100, %98 : tensor<1x64x16xf32>
 // GOLDEN-NEXT: %102 = stablehlo.multiply %98, %98 : tensor<1x64x16xf32>
@@ -463,32 +463,32 @@
 // GOLDEN-NEXT: %115 = stablehlo.broadcast_in_dim %cst_48, dims = [] : (tensor<f32>) -> tensor<1x64x16xf32>
 // GOLDEN-NEXT: %116 = stablehlo.multiply %115, %114 : tensor<1x64x16xf32>
 // GOLDEN-NEXT: %117 = stablehlo.multiply %98, %116 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %118:4 = stablehlo.while(%iterArg_58 = %c_28, %iterArg_59 = %72#4, %iterArg_60 = %cst_25, %iterArg_61 = %cst_24) : tensor<ui32>, tensor<1x16x32xf32>, tensor<1x64x16xf32>, tensor<1x64x32xf32>
+// GOLDEN-NEXT: %118:4 = stablehlo.while(%iterArg_58 = %c_23, %iterArg_59 = %72#4, %iterArg_60 = %cst_29, %iterArg_61 = %cst_30) : tensor<ui32>, tensor<1x16x32xf32>, tensor<1x64x16xf32>, tensor<1x64x32xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_62 = stablehlo.constant dense<3> : tensor<ui32>
 // GOLDEN-NEXT: %200 = stablehlo.compare LT, %iterArg_58, %c_62, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %200 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_62 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_63 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_64 = stablehlo.constant dense<16> : tensor<ui32>
-// GOLDEN-NEXT: %c_65 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_62 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_63 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_64 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_65 = stablehlo.constant dense<16> : tensor<ui32>
 // GOLDEN-NEXT: %200 = "stablehlo.collective_permute"(%iterArg_59) <{channel_handle = #stablehlo.channel_handle<handle = 17, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<1x16x32xf32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %201 = stablehlo.add %65, %iterArg_58 : tensor<ui32>
-// GOLDEN-NEXT: %202 = stablehlo.remainder %201, %c_65 : tensor<ui32>
+// GOLDEN-NEXT: %201 = stablehlo.add %62, %iterArg_58 : tensor<ui32>
+// GOLDEN-NEXT: %202 = stablehlo.remainder %201, %c_64 : tensor<ui32>
 // GOLDEN-NEXT: %203 = stablehlo.dot_general %iterArg_59, %74, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<1x16x32xf32>, tensor<16x32xf32>) -> tensor<1x16x16xf32>
-// GOLDEN-NEXT: %204 = stablehlo.multiply %202, %c_64 : tensor<ui32>
-// GOLDEN-NEXT: %205 = stablehlo.dynamic_update_slice %iterArg_60, %203, %c_63, %204, %c_63 : (tensor<1x64x16xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
-// GOLDEN-NEXT: %206 = stablehlo.dynamic_update_slice %iterArg_61, %iterArg_59, %c_63, %204, %c_63 : (tensor<1x64x32xf32>, tensor<1x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x32xf32>
-// GOLDEN-NEXT: %207 = stablehlo.add %iterArg_58, %c_62 : tensor<ui32>
+// GOLDEN-NEXT: %204 = stablehlo.multiply %202, %c_65 : tensor<ui32>
+// GOLDEN-NEXT: %205 = stablehlo.dynamic_update_slice %iterArg_60, %203, %c_62, %204, %c_62 : (tensor<1x64x16xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
+// GOLDEN-NEXT: %206 = stablehlo.dynamic_update_slice %iterArg_61, %iterArg_59, %c_62, %204, %c_62 : (tensor<1x64x32xf32>, tensor<1x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x32xf32>
+// GOLDEN-NEXT: %207 = stablehlo.add %iterArg_58, %c_63 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %207, %200, %205, %206 : tensor<ui32>, tensor<1x16x32xf32>, tensor<1x64x16xf32>, tensor<1x64x32xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %119 = stablehlo.add %65, %c_23 : tensor<ui32>
-// GOLDEN-NEXT: %120 = stablehlo.remainder %119, %c_30 : tensor<ui32>
+// GOLDEN-NEXT: %119 = stablehlo.add %62, %c_26 : tensor<ui32>
+// GOLDEN-NEXT: %120 = stablehlo.remainder %119, %c_27 : tensor<ui32>
 // GOLDEN-NEXT: %121 = stablehlo.dot_general %118#1, %74, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<1x16x32xf32>, tensor<16x32xf32>) -> tensor<1x16x16xf32>
-// GOLDEN-NEXT: %122 = stablehlo.multiply %120, %c_29 : tensor<ui32>
-// GOLDEN-NEXT: %123 = stablehlo.dynamic_update_slice %118#2, %121, %c_28, %122, %c_28 : (tensor<1x64x16xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
-// GOLDEN-NEXT: %124 = stablehlo.dynamic_update_slice %118#3, %118#1, %c_28, %122, %c_28 : (tensor<1x64x32xf32>, tensor<1x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x32xf32>
+// GOLDEN-NEXT: %122 = stablehlo.multiply %120, %c_28 : tensor<ui32>
+// GOLDEN-NEXT: %123 = stablehlo.dynamic_update_slice %118#2, %121, %c_23, %122, %c_23 : (tensor<1x64x16xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
+// GOLDEN-NEXT: %124 = stablehlo.dynamic_update_slice %118#3, %118#1, %c_23, %122, %c_23 : (tensor<1x64x32xf32>, tensor<1x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x32xf32>
 // GOLDEN-NEXT: %125 = stablehlo.multiply %98, %123 : tensor<1x64x16xf32>
 // GOLDEN-NEXT: %126 = stablehlo.multiply %123, %116 : tensor<1x64x16xf32>
 // GOLDEN-NEXT: %127 = stablehlo.broadcast_in_dim %cst_48, dims = [] : (tensor<f32>) -> tensor<1x64x16xf32>
@@ -503,31 +503,31 @@
 // GOLDEN-NEXT: %136 = stablehlo.multiply %135, %133 : tensor<1x64x16xf32>
 // GOLDEN-NEXT: %137 = stablehlo.multiply %136, %104 : tensor<1x64x16xf32>
 // GOLDEN-NEXT: %138 = stablehlo.add %134, %137 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %139 = stablehlo.add %65, %c_31 : tensor<ui32>
-// GOLDEN-NEXT: %140 = stablehlo.remainder %139, %c_30 : tensor<ui32>
-// GOLDEN-NEXT: %141 = stablehlo.multiply %140, %c_29 : tensor<ui32>
-// GOLDEN-NEXT: %142 = stablehlo.dynamic_slice %138, %c_28, %141, %c_28, sizes = [1, 16, 16] : (tensor<1x64x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x16xf32>
+// GOLDEN-NEXT: %139 = stablehlo.add %62, %c_24 : tensor<ui32>
+// GOLDEN-NEXT: %140 = stablehlo.remainder %139, %c_27 : tensor<ui32>
+// GOLDEN-NEXT: %141 = stablehlo.multiply %140, %c_28 : tensor<ui32>
+// GOLDEN-NEXT: %142 = stablehlo.dynamic_slice %138, %c_23, %141, %c_23, sizes = [1, 16, 16] : (tensor<1x64x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x16xf32>
 // GOLDEN-NEXT: %143 = stablehlo.dot_general %142, %76, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<1x16x16xf32>, tensor<32x16xf32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %144:2 = stablehlo.while(%iterArg_58 = %c_28, %iterArg_59 = %143) : tensor<ui32>, tensor<1x16x32xf32>
+// GOLDEN-NEXT: %144:2 = stablehlo.while(%iterArg_58 = %c_23, %iterArg_59 = %143) : tensor<ui32>, tensor<1x16x32xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_60 = stablehlo.constant dense<3> : tensor<ui32>
 // GOLDEN-NEXT: %200 = stablehlo.compare LT, %iterArg_58, %c_60, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %200 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_60 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_61 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_62 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %c_60 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_61 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_62 = stablehlo.constant dense<2> : tensor<ui32>
 // GOLDEN-NEXT: %c_63 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_64 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_64 = stablehlo.constant dense<16> : tensor<ui32>
 // GOLDEN-NEXT: %200 = "stablehlo.collective_permute"(%iterArg_59) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<1x16x32xf32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %201 = stablehlo.add %iterArg_58, %c_64 : tensor<ui32>
-// GOLDEN-NEXT: %202 = stablehlo.add %65, %201 : tensor<ui32>
+// GOLDEN-NEXT: %201 = stablehlo.add %iterArg_58, %c_62 : tensor<ui32>
+// GOLDEN-NEXT: %202 = stablehlo.add %62, %201 : tensor<ui32>
 // GOLDEN-NEXT: %203 = stablehlo.remainder %202, %c_63 : tensor<ui32>
-// GOLDEN-NEXT: %204 = stablehlo.multiply %203, %c_62 : tensor<ui32>
-// GOLDEN-NEXT: %205 = stablehlo.dynamic_slice %138, %c_61, %204, %c_61, sizes = [1, 16, 16] : (tensor<1x64x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x16xf32>
+// GOLDEN-NEXT: %204 = stablehlo.multiply %203, %c_64 : tensor<ui32>
+// GOLDEN-NEXT: %205 = stablehlo.dynamic_slice %138, %c_60, %204, %c_60, sizes = [1, 16, 16] : (tensor<1x64x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x16xf32>
 // GOLDEN-NEXT: %206 = stablehlo.dot_general %205, %76, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<1x16x16xf32>, tensor<32x16xf32>) -> tensor<1x16x32xf32>
 // GOLDEN-NEXT: %207 = stablehlo.add %200, %206 : tensor<1x16x32xf32>
-// GOLDEN-NEXT: %208 = stablehlo.add %iterArg_58, %c_60 : tensor<ui32>
+// GOLDEN-NEXT: %208 = stablehlo.add %iterArg_58, %c_61 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %208, %207 : tensor<ui32>, tensor<1x16x32xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: %145 = stablehlo.multiply %89, %144#1 : tensor<1x16x32xf32>
@@ -564,16 +564,16 @@
 // GOLDEN-NEXT: %168 = func.call @dynamic_update_index_in_dim_5(%iterArg_20, %151, %67) : (tensor<2x32xf32>, tensor<32xf32>, tensor<i32>) -> tensor<2x32xf32>
 // GOLDEN-NEXT: %c_53 = stablehlo.constant dense<0> : tensor<i32>
 // GOLDEN-NEXT: %c_54 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %169 = stablehlo.add %62, %c_31 : tensor<ui32>
-// GOLDEN-NEXT: %170 = stablehlo.remainder %169, %c_26 : tensor<ui32>
-// GOLDEN-NEXT: %171 = stablehlo.multiply %170, %c_29 : tensor<ui32>
-// GOLDEN-NEXT: %172 = stablehlo.dynamic_slice %99, %c_28, %c_28, %171, sizes = [1, 64, 16] : (tensor<1x64x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
+// GOLDEN-NEXT: %169 = stablehlo.add %65, %c_24 : tensor<ui32>
+// GOLDEN-NEXT: %170 = stablehlo.remainder %169, %c_25 : tensor<ui32>
+// GOLDEN-NEXT: %171 = stablehlo.multiply %170, %c_28 : tensor<ui32>
+// GOLDEN-NEXT: %172 = stablehlo.dynamic_slice %99, %c_23, %c_23, %171, sizes = [1, 64, 16] : (tensor<1x64x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
 // GOLDEN-NEXT: %173 = stablehlo.dot_general %138, %172, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<1x64x16xf32>, tensor<1x64x16xf32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: %174 = stablehlo.transpose %173, dims = [1, 0] : (tensor<16x16xf32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: %175 = stablehlo.reshape %174 : (tensor<16x16xf32>) -> tensor<1x16x16xf32>
 // GOLDEN-NEXT: %176 = "stablehlo.collective_permute"(%175) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<1x16x16xf32>) -> tensor<1x16x16xf32>
-// GOLDEN-NEXT: %177 = stablehlo.multiply %62, %c_29 : tensor<ui32>
-// GOLDEN-NEXT: %178 = stablehlo.dynamic_slice %99, %c_28, %c_28, %177, sizes = [1, 64, 16] : (tensor<1x64x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
+// GOLDEN-NEXT: %177 = stablehlo.multiply %65, %c_28 : tensor<ui32>
+// GOLDEN-NEXT: %178 = stablehlo.dynamic_slice %99, %c_23, %c_23, %177, sizes = [1, 64, 16] : (tensor<1x64x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
 // GOLDEN-NEXT: %179 = stablehlo.dot_general %138, %178, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<1x64x16xf32>, tensor<1x64x16xf32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: %180 = stablehlo.transpose %179, dims = [1, 0] : (tensor<16x16xf32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: %181 = stablehlo.reshape %180 : (tensor<16x16xf32>) -> tensor<1x16x16xf32>
@@ -581,16 +581,16 @@
 // GOLDEN-NEXT: %183 = stablehlo.dynamic_update_slice %iterArg_21, %182, %67, %c_53, %c_54 : (tensor<2x16x16xf32>, tensor<1x16x16xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<2x16x16xf32>
 // GOLDEN-NEXT: %c_55 = stablehlo.constant dense<0> : tensor<i32>
 // GOLDEN-NEXT: %c_56 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %184 = stablehlo.add %62, %c_31 : tensor<ui32>
-// GOLDEN-NEXT: %185 = stablehlo.remainder %184, %c_26 : tensor<ui32>
-// GOLDEN-NEXT: %186 = stablehlo.multiply %185, %c_29 : tensor<ui32>
-// GOLDEN-NEXT: %187 = stablehlo.dynamic_slice %124, %c_28, %c_28, %186, sizes = [1, 64, 16] : (tensor<1x64x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
+// GOLDEN-NEXT: %184 = stablehlo.add %65, %c_24 : tensor<ui32>
+// GOLDEN-NEXT: %185 = stablehlo.remainder %184, %c_25 : tensor<ui32>
+// GOLDEN-NEXT: %186 = stablehlo.multiply %185, %c_28 : tensor<ui32>
+// GOLDEN-NEXT: %187 = stablehlo.dynamic_slice %124, %c_23, %c_23, %186, sizes = [1, 64, 16] : (tensor<1x64x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
 // GOLDEN-NEXT: %188 = stablehlo.dot_general %187, %117, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<1x64x16xf32>, tensor<1x64x16xf32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: %189 = stablehlo.transpose %188, dims = [1, 0] : (tensor<16x16xf32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: %190 = stablehlo.reshape %189 : (tensor<16x16xf32>) -> tensor<1x16x16xf32>
 // GOLDEN-NEXT: %191 = "stablehlo.collective_permute"(%190) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<1x16x16xf32>) -> tensor<1x16x16xf32>
-// GOLDEN-NEXT: %192 = stablehlo.multiply %62, %c_29 : tensor<ui32>
-// GOLDEN-NEXT: %193 = stablehlo.dynamic_slice %124, %c_28, %c_28, %192, sizes = [1, 64, 16] : (tensor<1x64x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
+// GOLDEN-NEXT: %192 = stablehlo.multiply %65, %c_28 : tensor<ui32>
+// GOLDEN-NEXT: %193 = stablehlo.dynamic_slice %124, %c_23, %c_23, %192, sizes = [1, 64, 16] : (tensor<1x64x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
 // GOLDEN-NEXT: %194 = stablehlo.dot_general %193, %117, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<1x64x16xf32>, tensor<1x64x16xf32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: %195 = stablehlo.transpose %194, dims = [1, 0] : (tensor<16x16xf32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: %196 = stablehlo.reshape %195 : (tensor<16x16xf32>) -> tensor<1x16x16xf32>

@@ -34,15 +34,15 @@
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg1: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<64x32xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"model"}, {}]>] manual_axes={"model"} (%arg2: tensor<64x16xf32>, %arg3: tensor<16x32xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
 // GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_2, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %4 = stablehlo.add %3, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %4 = stablehlo.add %3, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_1 : tensor<ui32>
+// GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_1 : tensor<ui32>
 // GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg2, %6, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
 // GOLDEN-NEXT: %8 = stablehlo.dot_general %7, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // GOLDEN-NEXT: %9:2 = stablehlo.while(%iterArg = %c, %iterArg_3 = %8) : tensor<ui32>, tensor<8x32xf32>
@@ -51,19 +51,19 @@
 // GOLDEN-NEXT: %10 = stablehlo.compare LT, %iterArg, %c_4, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %10 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %11 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %11 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
 // GOLDEN-NEXT: %12 = stablehlo.add %3, %11 : tensor<ui32>
-// GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %14 = stablehlo.multiply %13, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %15 = stablehlo.dynamic_slice %arg2, %14, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %14 = stablehlo.multiply %13, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %15 = stablehlo.dynamic_slice %arg2, %14, %c_4, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
 // GOLDEN-NEXT: %16 = stablehlo.dot_general %15, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // GOLDEN-NEXT: %17 = stablehlo.add %10, %16 : tensor<8x32xf32>
-// GOLDEN-NEXT: %18 = stablehlo.add %iterArg, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %18 = stablehlo.add %iterArg, %c_5 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %18, %17 : tensor<ui32>, tensor<8x32xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: sdy.return %9#1 : tensor<8x32xf32>
@@ -98,61 +98,61 @@
 // BIDI_GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // BIDI_GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg1: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<64x32xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) {
 // BIDI_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"model"}, {}]>] manual_axes={"model"} (%arg2: tensor<64x16xf32>, %arg3: tensor<16x32xf32>) {
-// BIDI_GOLDEN-NEXT: %c = stablehlo.constant dense<4> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<7> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<0> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<8> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<1> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<7> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<8> : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // BIDI_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_4, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // BIDI_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// BIDI_GOLDEN-NEXT: %4 = stablehlo.add %3, %c_3 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_2 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_2 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg2, %6, %c_1, sizes = [4, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<4x16xf32>
+// BIDI_GOLDEN-NEXT: %4 = stablehlo.add %3, %c_0 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_3 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_3 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg2, %6, %c, sizes = [4, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<4x16xf32>
 // BIDI_GOLDEN-NEXT: %8 = stablehlo.dot_general %7, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<4x16xf32>, tensor<16x32xf32>) -> tensor<4x32xf32>
-// BIDI_GOLDEN-NEXT: %9 = stablehlo.add %3, %c_0 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %10 = stablehlo.remainder %9, %c_2 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %11 = stablehlo.multiply %10, %c_2 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %12 = stablehlo.add %11, %c : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %arg2, %12, %c_1, sizes = [4, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<4x16xf32>
+// BIDI_GOLDEN-NEXT: %9 = stablehlo.add %3, %c_2 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %10 = stablehlo.remainder %9, %c_3 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %11 = stablehlo.multiply %10, %c_3 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %12 = stablehlo.add %11, %c_1 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %arg2, %12, %c, sizes = [4, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<4x16xf32>
 // BIDI_GOLDEN-NEXT: %14:2 = stablehlo.optimization_barrier %13, %arg3 : tensor<4x16xf32>, tensor<16x32xf32>
 // BIDI_GOLDEN-NEXT: %15 = stablehlo.dot_general %14#0, %14#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<4x16xf32>, tensor<16x32xf32>) -> tensor<4x32xf32>
-// BIDI_GOLDEN-NEXT: %16:3 = stablehlo.while(%iterArg = %c_1, %iterArg_5 = %8, %iterArg_6 = %15) : tensor<ui32>, tensor<4x32xf32>, tensor<4x32xf32>
+// BIDI_GOLDEN-NEXT: %16:3 = stablehlo.while(%iterArg = %c, %iterArg_5 = %8, %iterArg_6 = %15) : tensor<ui32>, tensor<4x32xf32>, tensor<4x32xf32>
 // BIDI_GOLDEN-NEXT: cond {
 // BIDI_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<7> : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %18 = stablehlo.compare LT, %iterArg, %c_7, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // BIDI_GOLDEN-NEXT: stablehlo.return %18 : tensor<i1>
 // BIDI_GOLDEN-NEXT: } do {
-// BIDI_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<4> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<6> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<7> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<0> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<8> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<2> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<0> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<1> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<2> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<4> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<6> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<7> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<8> : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %18 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<4x32xf32>) -> tensor<4x32xf32>
-// BIDI_GOLDEN-NEXT: %19 = stablehlo.add %iterArg, %c_13 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %19 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %20 = stablehlo.add %3, %19 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %21 = stablehlo.remainder %20, %c_12 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %22 = stablehlo.multiply %21, %c_12 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %23 = stablehlo.dynamic_slice %arg2, %22, %c_11, sizes = [4, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<4x16xf32>
+// BIDI_GOLDEN-NEXT: %21 = stablehlo.remainder %20, %c_13 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %22 = stablehlo.multiply %21, %c_13 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %23 = stablehlo.dynamic_slice %arg2, %22, %c_7, sizes = [4, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<4x16xf32>
 // BIDI_GOLDEN-NEXT: %24:2 = stablehlo.optimization_barrier %23, %arg3 : tensor<4x16xf32>, tensor<16x32xf32>
 // BIDI_GOLDEN-NEXT: %25 = stablehlo.dot_general %24#0, %24#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<4x16xf32>, tensor<16x32xf32>) -> tensor<4x32xf32>
 // BIDI_GOLDEN-NEXT: %26 = stablehlo.add %18, %25 : tensor<4x32xf32>
 // BIDI_GOLDEN-NEXT: %27 = "stablehlo.collective_permute"(%iterArg_6) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 4], [4, 5], [5, 6], [6, 7], [7, 0]]> : tensor<8x2xi64>}> : (tensor<4x32xf32>) -> tensor<4x32xf32>
-// BIDI_GOLDEN-NEXT: %28 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %29 = stablehlo.add %28, %c_9 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %28 = stablehlo.multiply %iterArg, %c_12 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %29 = stablehlo.add %28, %c_11 : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %30 = stablehlo.add %3, %29 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %31 = stablehlo.remainder %30, %c_12 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %32 = stablehlo.multiply %31, %c_12 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %33 = stablehlo.add %32, %c_8 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %34 = stablehlo.dynamic_slice %arg2, %33, %c_11, sizes = [4, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<4x16xf32>
+// BIDI_GOLDEN-NEXT: %31 = stablehlo.remainder %30, %c_13 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %32 = stablehlo.multiply %31, %c_13 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %33 = stablehlo.add %32, %c_10 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %34 = stablehlo.dynamic_slice %arg2, %33, %c_7, sizes = [4, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<4x16xf32>
 // BIDI_GOLDEN-NEXT: %35:2 = stablehlo.optimization_barrier %34, %arg3 : tensor<4x16xf32>, tensor<16x32xf32>
 // BIDI_GOLDEN-NEXT: %36 = stablehlo.dot_general %35#0, %35#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<4x16xf32>, tensor<16x32xf32>) -> tensor<4x32xf32>
 // BIDI_GOLDEN-NEXT: %37 = stablehlo.add %27, %36 : tensor<4x32xf32>
-// BIDI_GOLDEN-NEXT: %38 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %38 = stablehlo.add %iterArg, %c_8 : tensor<ui32>
 // BIDI_GOLDEN-NEXT: stablehlo.return %38, %26, %37 : tensor<ui32>, tensor<4x32xf32>, tensor<4x32xf32>
 // BIDI_GOLDEN-NEXT: }
 // BIDI_GOLDEN-NEXT: %17 = stablehlo.concatenate %16#1, %16#2, dim = 0 : (tensor<4x32xf32>, tensor<4x32xf32>) -> tensor<8x32xf32>
@@ -185,60 +185,60 @@
 // UNROLL2_GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // UNROLL2_GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg1: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<64x32xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) {
 // UNROLL2_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"model"}, {}]>] manual_axes={"model"} (%arg2: tensor<64x16xf32>, %arg3: tensor<16x32xf32>) {
-// UNROLL2_GOLDEN-NEXT: %c = stablehlo.constant dense<2> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<0> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<1> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<2> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<8> : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // UNROLL2_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // UNROLL2_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %4 = stablehlo.add %3, %c_2 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_1 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_1 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg2, %6, %c_0, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// UNROLL2_GOLDEN-NEXT: %4 = stablehlo.add %3, %c_0 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_2 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_2 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg2, %6, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
 // UNROLL2_GOLDEN-NEXT: %8 = stablehlo.dot_general %7, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // UNROLL2_GOLDEN-NEXT: %9 = "stablehlo.collective_permute"(%8) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %10 = stablehlo.add %3, %c : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c_1 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %12 = stablehlo.multiply %11, %c_1 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %arg2, %12, %c_0, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// UNROLL2_GOLDEN-NEXT: %10 = stablehlo.add %3, %c_1 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c_2 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %12 = stablehlo.multiply %11, %c_2 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %arg2, %12, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
 // UNROLL2_GOLDEN-NEXT: %14:2 = stablehlo.optimization_barrier %13, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
 // UNROLL2_GOLDEN-NEXT: %15 = stablehlo.dot_general %14#0, %14#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // UNROLL2_GOLDEN-NEXT: %16 = stablehlo.add %9, %15 : tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %17:2 = stablehlo.while(%iterArg = %c_0, %iterArg_4 = %16) : tensor<ui32>, tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %17:2 = stablehlo.while(%iterArg = %c, %iterArg_4 = %16) : tensor<ui32>, tensor<8x32xf32>
 // UNROLL2_GOLDEN-NEXT: cond {
 // UNROLL2_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %18 = stablehlo.compare LT, %iterArg, %c_5, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // UNROLL2_GOLDEN-NEXT: stablehlo.return %18 : tensor<i1>
 // UNROLL2_GOLDEN-NEXT: } do {
-// UNROLL2_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<1> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<4> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<0> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<8> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<3> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<2> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<2> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<3> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<4> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<8> : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %18 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %20 = stablehlo.add %19, %c_9 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.multiply %iterArg, %c_7 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %20 = stablehlo.add %19, %c_8 : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %21 = stablehlo.add %3, %20 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %22 = stablehlo.remainder %21, %c_8 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %23 = stablehlo.multiply %22, %c_8 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %24 = stablehlo.dynamic_slice %arg2, %23, %c_7, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// UNROLL2_GOLDEN-NEXT: %22 = stablehlo.remainder %21, %c_10 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %23 = stablehlo.multiply %22, %c_10 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %24 = stablehlo.dynamic_slice %arg2, %23, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
 // UNROLL2_GOLDEN-NEXT: %25:2 = stablehlo.optimization_barrier %24, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
 // UNROLL2_GOLDEN-NEXT: %26 = stablehlo.dot_general %25#0, %25#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // UNROLL2_GOLDEN-NEXT: %27 = stablehlo.add %18, %26 : tensor<8x32xf32>
 // UNROLL2_GOLDEN-NEXT: %28 = "stablehlo.collective_permute"(%27) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %30 = stablehlo.add %29, %c_6 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.multiply %iterArg, %c_7 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %30 = stablehlo.add %29, %c_9 : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %31 = stablehlo.add %3, %30 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.remainder %31, %c_8 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %33 = stablehlo.multiply %32, %c_8 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %34 = stablehlo.dynamic_slice %arg2, %33, %c_7, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.remainder %31, %c_10 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %33 = stablehlo.multiply %32, %c_10 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %34 = stablehlo.dynamic_slice %arg2, %33, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
 // UNROLL2_GOLDEN-NEXT: %35:2 = stablehlo.optimization_barrier %34, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
 // UNROLL2_GOLDEN-NEXT: %36 = stablehlo.dot_general %35#0, %35#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // UNROLL2_GOLDEN-NEXT: %37 = stablehlo.add %28, %36 : tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %38 = stablehlo.add %iterArg, %c_5 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %38 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: stablehlo.return %38, %37 : tensor<ui32>, tensor<8x32xf32>
 // UNROLL2_GOLDEN-NEXT: }
 // UNROLL2_GOLDEN-NEXT: sdy.return %17#1 : tensor<8x32xf32>
@@ -265,75 +265,75 @@
 // FULL_GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // FULL_GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg1: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<64x32xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) {
 // FULL_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"model"}, {}]>] manual_axes={"model"} (%arg2: tensor<64x16xf32>, %arg3: tensor<16x32xf32>) {
-// FULL_GOLDEN-NEXT: %c = stablehlo.constant dense<7> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<6> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<5> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<4> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<3> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<2> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<8> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<2> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<3> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<4> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<5> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<6> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<7> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<8> : tensor<ui32>
 // FULL_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // FULL_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
 // FULL_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_8, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // FULL_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// FULL_GOLDEN-NEXT: %4 = stablehlo.add %3, %c_7 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_6 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_6 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg2, %6, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// FULL_GOLDEN-NEXT: %4 = stablehlo.add %3, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_7 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_7 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg2, %6, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
 // FULL_GOLDEN-NEXT: %8 = stablehlo.dot_general %7, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // FULL_GOLDEN-NEXT: %9 = "stablehlo.collective_permute"(%8) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %10 = stablehlo.add %3, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c_6 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %12 = stablehlo.multiply %11, %c_6 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %arg2, %12, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// FULL_GOLDEN-NEXT: %10 = stablehlo.add %3, %c_1 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c_7 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %12 = stablehlo.multiply %11, %c_7 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %arg2, %12, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
 // FULL_GOLDEN-NEXT: %14:2 = stablehlo.optimization_barrier %13, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
 // FULL_GOLDEN-NEXT: %15 = stablehlo.dot_general %14#0, %14#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // FULL_GOLDEN-NEXT: %16 = stablehlo.add %9, %15 : tensor<8x32xf32>
 // FULL_GOLDEN-NEXT: %17 = "stablehlo.collective_permute"(%16) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %18 = stablehlo.add %3, %c_3 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_6 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %20 = stablehlo.multiply %19, %c_6 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %21 = stablehlo.dynamic_slice %arg2, %20, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// FULL_GOLDEN-NEXT: %18 = stablehlo.add %3, %c_2 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_7 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %20 = stablehlo.multiply %19, %c_7 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %21 = stablehlo.dynamic_slice %arg2, %20, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
 // FULL_GOLDEN-NEXT: %22:2 = stablehlo.optimization_barrier %21, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
 // FULL_GOLDEN-NEXT: %23 = stablehlo.dot_general %22#0, %22#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // FULL_GOLDEN-NEXT: %24 = stablehlo.add %17, %23 : tensor<8x32xf32>
 // FULL_GOLDEN-NEXT: %25 = "stablehlo.collective_permute"(%24) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %26 = stablehlo.add %3, %c_2 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %27 = stablehlo.remainder %26, %c_6 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %28 = stablehlo.multiply %27, %c_6 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %29 = stablehlo.dynamic_slice %arg2, %28, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// FULL_GOLDEN-NEXT: %26 = stablehlo.add %3, %c_3 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %27 = stablehlo.remainder %26, %c_7 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %28 = stablehlo.multiply %27, %c_7 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %29 = stablehlo.dynamic_slice %arg2, %28, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
 // FULL_GOLDEN-NEXT: %30:2 = stablehlo.optimization_barrier %29, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
 // FULL_GOLDEN-NEXT: %31 = stablehlo.dot_general %30#0, %30#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // FULL_GOLDEN-NEXT: %32 = stablehlo.add %25, %31 : tensor<8x32xf32>
 // FULL_GOLDEN-NEXT: %33 = "stablehlo.collective_permute"(%32) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %34 = stablehlo.add %3, %c_1 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %35 = stablehlo.remainder %34, %c_6 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %36 = stablehlo.multiply %35, %c_6 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %37 = stablehlo.dynamic_slice %arg2, %36, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// FULL_GOLDEN-NEXT: %34 = stablehlo.add %3, %c_4 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %35 = stablehlo.remainder %34, %c_7 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %36 = stablehlo.multiply %35, %c_7 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %37 = stablehlo.dynamic_slice %arg2, %36, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
 // FULL_GOLDEN-NEXT: %38:2 = stablehlo.optimization_barrier %37, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
 // FULL_GOLDEN-NEXT: %39 = stablehlo.dot_general %38#0, %38#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // FULL_GOLDEN-NEXT: %40 = stablehlo.add %33, %39 : tensor<8x32xf32>
 // FULL_GOLDEN-NEXT: %41 = "stablehlo.collective_permute"(%40) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %42 = stablehlo.add %3, %c_0 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %43 = stablehlo.remainder %42, %c_6 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %44 = stablehlo.multiply %43, %c_6 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %45 = stablehlo.dynamic_slice %arg2, %44, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// FULL_GOLDEN-NEXT: %42 = stablehlo.add %3, %c_5 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %43 = stablehlo.remainder %42, %c_7 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %44 = stablehlo.multiply %43, %c_7 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %45 = stablehlo.dynamic_slice %arg2, %44, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
 // FULL_GOLDEN-NEXT: %46:2 = stablehlo.optimization_barrier %45, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
 // FULL_GOLDEN-NEXT: %47 = stablehlo.dot_general %46#0, %46#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // FULL_GOLDEN-NEXT: %48 = stablehlo.add %41, %47 : tensor<8x32xf32>
 // FULL_GOLDEN-NEXT: %49 = "stablehlo.collective_permute"(%48) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %50 = stablehlo.add %3, %c : tensor<ui32>
-// FULL_GOLDEN-NEXT: %51 = stablehlo.remainder %50, %c_6 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %52 = stablehlo.multiply %51, %c_6 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %53 = stablehlo.dynamic_slice %arg2, %52, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// FULL_GOLDEN-NEXT: %50 = stablehlo.add %3, %c_6 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %51 = stablehlo.remainder %50, %c_7 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %52 = stablehlo.multiply %51, %c_7 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %53 = stablehlo.dynamic_slice %arg2, %52, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
 // FULL_GOLDEN-NEXT: %54:2 = stablehlo.optimization_barrier %53, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
 // FULL_GOLDEN-NEXT: %55 = stablehlo.dot_general %54#0, %54#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // FULL_GOLDEN-NEXT: %56 = stablehlo.add %49, %55 : tensor<8x32xf32>
 // FULL_GOLDEN-NEXT: %57 = "stablehlo.collective_permute"(%56) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %58 = stablehlo.multiply %3, %c_6 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %59 = stablehlo.dynamic_slice %arg2, %58, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// FULL_GOLDEN-NEXT: %58 = stablehlo.multiply %3, %c_7 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %59 = stablehlo.dynamic_slice %arg2, %58, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
 // FULL_GOLDEN-NEXT: %60:2 = stablehlo.optimization_barrier %59, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
 // FULL_GOLDEN-NEXT: %61 = stablehlo.dot_general %60#0, %60#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // FULL_GOLDEN-NEXT: %62 = stablehlo.add %57, %61 : tensor<8x32xf32>
@@ -362,60 +362,60 @@
 // STREAMS_GOLDEN-NEXT: sdy.mesh @mesh = <["model"=8]> {stablehlo.mesh = {axes = [{name = "model", size = 8 : i64}]}}
 // STREAMS_GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg1: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<64x32xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) {
 // STREAMS_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"model"}, {}]>] manual_axes={"model"} (%arg2: tensor<64x16xf32>, %arg3: tensor<16x32xf32>) {
-// STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<0> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<1> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<2> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<8> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // STREAMS_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // STREAMS_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %4 = stablehlo.add %3, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_1 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_1 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg2, %6, %c_0, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// STREAMS_GOLDEN-NEXT: %4 = stablehlo.add %3, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg2, %6, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
 // STREAMS_GOLDEN-NEXT: %8 = func.call @cmatmul_dot_0(%7, %arg3) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // STREAMS_GOLDEN-NEXT: %9 = "stablehlo.collective_permute"(%8) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %10 = stablehlo.add %3, %c : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c_1 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %12 = stablehlo.multiply %11, %c_1 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %arg2, %12, %c_0, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// STREAMS_GOLDEN-NEXT: %10 = stablehlo.add %3, %c_1 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %12 = stablehlo.multiply %11, %c_2 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %arg2, %12, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
 // STREAMS_GOLDEN-NEXT: %14:2 = stablehlo.optimization_barrier %13, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
 // STREAMS_GOLDEN-NEXT: %15 = func.call @cmatmul_dot_0(%14#0, %14#1) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // STREAMS_GOLDEN-NEXT: %16 = stablehlo.add %9, %15 : tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %17:2 = stablehlo.while(%iterArg = %c_0, %iterArg_4 = %16) : tensor<ui32>, tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %17:2 = stablehlo.while(%iterArg = %c, %iterArg_4 = %16) : tensor<ui32>, tensor<8x32xf32>
 // STREAMS_GOLDEN-NEXT: cond {
 // STREAMS_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %18 = stablehlo.compare LT, %iterArg, %c_5, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // STREAMS_GOLDEN-NEXT: stablehlo.return %18 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
-// STREAMS_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<4> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<0> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<8> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<3> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<2> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<2> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<3> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<4> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<8> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %18 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %19 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %20 = stablehlo.add %19, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %19 = stablehlo.multiply %iterArg, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %20 = stablehlo.add %19, %c_8 : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %21 = stablehlo.add %3, %20 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %22 = stablehlo.remainder %21, %c_8 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %23 = stablehlo.multiply %22, %c_8 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %24 = stablehlo.dynamic_slice %arg2, %23, %c_7, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// STREAMS_GOLDEN-NEXT: %22 = stablehlo.remainder %21, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %23 = stablehlo.multiply %22, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %24 = stablehlo.dynamic_slice %arg2, %23, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
 // STREAMS_GOLDEN-NEXT: %25:2 = stablehlo.optimization_barrier %24, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
 // STREAMS_GOLDEN-NEXT: %26 = func.call @cmatmul_dot_0(%25#0, %25#1) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // STREAMS_GOLDEN-NEXT: %27 = stablehlo.add %18, %26 : tensor<8x32xf32>
 // STREAMS_GOLDEN-NEXT: %28 = "stablehlo.collective_permute"(%27) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %29 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %30 = stablehlo.add %29, %c_6 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %29 = stablehlo.multiply %iterArg, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %30 = stablehlo.add %29, %c_9 : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %31 = stablehlo.add %3, %30 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %32 = stablehlo.remainder %31, %c_8 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %33 = stablehlo.multiply %32, %c_8 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %34 = stablehlo.dynamic_slice %arg2, %33, %c_7, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// STREAMS_GOLDEN-NEXT: %32 = stablehlo.remainder %31, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %33 = stablehlo.multiply %32, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %34 = stablehlo.dynamic_slice %arg2, %33, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
 // STREAMS_GOLDEN-NEXT: %35:2 = stablehlo.optimization_barrier %34, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
 // STREAMS_GOLDEN-NEXT: %36 = func.call @cmatmul_dot_0(%35#0, %35#1) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // STREAMS_GOLDEN-NEXT: %37 = stablehlo.add %28, %36 : tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %38 = stablehlo.add %iterArg, %c_5 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %38 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: stablehlo.return %38, %37 : tensor<ui32>, tensor<8x32xf32>
 // STREAMS_GOLDEN-NEXT: }
 // STREAMS_GOLDEN-NEXT: sdy.return %17#1 : tensor<8x32xf32>
@@ -496,33 +496,33 @@
 // HLO_GOLDEN-NEXT: ROOT compare.1 = pred[] compare(get-tuple-element.27, constant.18), direction=LT
 // HLO_GOLDEN-NEXT: }
 // HLO_GOLDEN: xla.sdy.manual_computation_body.4 {
-// HLO_GOLDEN-NEXT: constant.20 = u32[] constant(0)
+// HLO_GOLDEN-NEXT: constant.19 = u32[] constant(0)
 // HLO_GOLDEN-NEXT: Arg_0.4 = f32[64,16]{1,0} parameter(0)
 // HLO_GOLDEN-NEXT: constant.23 = u32[8]{0} constant({0, 1, 2, 3, 4, 5, 6, 7})
 // HLO_GOLDEN-NEXT: partition-id.1 = u32[] partition-id()
 // HLO_GOLDEN-NEXT: dynamic-slice.7 = u32[1]{0} dynamic-slice(constant.23, partition-id.1), dynamic_slice_sizes={1}
 // HLO_GOLDEN-NEXT: reshape.1 = u32[] reshape(dynamic-slice.7)
-// HLO_GOLDEN-NEXT: constant.22 = u32[] constant(1)
-// HLO_GOLDEN-NEXT: add.17 = u32[] add(reshape.1, constant.22)
-// HLO_GOLDEN-NEXT: constant.21 = u32[] constant(8)
-// HLO_GOLDEN-NEXT: remainder.6 = u32[] remainder(add.17, constant.21)
-// HLO_GOLDEN-NEXT: multiply.10 = u32[] multiply(remainder.6, constant.21)
-// HLO_GOLDEN-NEXT: dynamic-slice.8 = f32[8,16]{1,0} dynamic-slice(Arg_0.4, multiply.10, constant.20), dynamic_slice_sizes={8,16}
+// HLO_GOLDEN-NEXT: constant.20 = u32[] constant(1)
+// HLO_GOLDEN-NEXT: add.17 = u32[] add(reshape.1, constant.20)
+// HLO_GOLDEN-NEXT: constant.22 = u32[] constant(8)
+// HLO_GOLDEN-NEXT: remainder.6 = u32[] remainder(add.17, constant.22)
+// HLO_GOLDEN-NEXT: multiply.10 = u32[] multiply(remainder.6, constant.22)
+// HLO_GOLDEN-NEXT: dynamic-slice.8 = f32[8,16]{1,0} dynamic-slice(Arg_0.4, multiply.10, constant.19), dynamic_slice_sizes={8,16}
 // HLO_GOLDEN-NEXT: Arg_1.4 = f32[16,32]{1,0} parameter(1)
 // HLO_GOLDEN-NEXT: call.6 = f32[8,32]{1,0} call(dynamic-slice.8, Arg_1.4), to_apply=cmatmul_dot_0.1, frontend_attributes={_xla_stream_annotation="1",inlineable="false"}
 // HLO_GOLDEN-NEXT: collective-permute.5 = f32[8,32]{1,0} collective-permute(call.6), channel_id=2, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="0"}
-// HLO_GOLDEN-NEXT: constant.19 = u32[] constant(2)
-// HLO_GOLDEN-NEXT: add.18 = u32[] add(reshape.1, constant.19)
-// HLO_GOLDEN-NEXT: remainder.7 = u32[] remainder(add.18, constant.21)
-// HLO_GOLDEN-NEXT: multiply.11 = u32[] multiply(remainder.7, constant.21)
-// HLO_GOLDEN-NEXT: dynamic-slice.9 = f32[8,16]{1,0} dynamic-slice(Arg_0.4, multiply.11, constant.20), dynamic_slice_sizes={8,16}
+// HLO_GOLDEN-NEXT: constant.21 = u32[] constant(2)
+// HLO_GOLDEN-NEXT: add.18 = u32[] add(reshape.1, constant.21)
+// HLO_GOLDEN-NEXT: remainder.7 = u32[] remainder(add.18, constant.22)
+// HLO_GOLDEN-NEXT: multiply.11 = u32[] multiply(remainder.7, constant.22)
+// HLO_GOLDEN-NEXT: dynamic-slice.9 = f32[8,16]{1,0} dynamic-slice(Arg_0.4, multiply.11, constant.19), dynamic_slice_sizes={8,16}
 // HLO_GOLDEN-NEXT: tuple.8 = (f32[8,16]{1,0}, f32[16,32]{1,0}) tuple(dynamic-slice.9, Arg_1.4)
 // HLO_GOLDEN-NEXT: opt-barrier.5 = (f32[8,16]{1,0}, f32[16,32]{1,0}) opt-barrier(tuple.8)
 // HLO_GOLDEN-NEXT: get-tuple-element.34 = f32[8,16]{1,0} get-tuple-element(opt-barrier.5), index=0
 // HLO_GOLDEN-NEXT: get-tuple-element.35 = f32[16,32]{1,0} get-tuple-element(opt-barrier.5), index=1
 // HLO_GOLDEN-NEXT: call.7 = f32[8,32]{1,0} call(get-tuple-element.34, get-tuple-element.35), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="0",_xla_stream_annotation="2",inlineable="false"}
 // HLO_GOLDEN-NEXT: add.19 = f32[8,32]{1,0} add(collective-permute.5, call.7)
-// HLO_GOLDEN-NEXT: tuple.9 = (u32[], f32[8,32]{1,0}, u32[], f32[64,16]{1,0}, f32[16,32]{1,0}) tuple(constant.20, add.19, reshape.1, Arg_0.4, Arg_1.4)
+// HLO_GOLDEN-NEXT: tuple.9 = (u32[], f32[8,32]{1,0}, u32[], f32[64,16]{1,0}, f32[16,32]{1,0}) tuple(constant.19, add.19, reshape.1, Arg_0.4, Arg_1.4)
 // HLO_GOLDEN-NEXT: while.1 = (u32[], f32[8,32]{1,0}, u32[], f32[64,16]{1,0}, f32[16,32]{1,0}) while(tuple.9), condition=region_1.3, body=region_0.2
 // HLO_GOLDEN-NEXT: get-tuple-element.36 = u32[] get-tuple-element(while.1), index=0
 // HLO_GOLDEN-NEXT: ROOT get-tuple-element.37 = f32[8,32]{1,0} get-tuple-element(while.1), index=1

@@ -12,40 +12,40 @@
 // GOLDEN-NEXT: sdy.mesh @mesh = <["data"=2, "model"=4]> {stablehlo.mesh = {axes = [{name = "data", size = 2 : i64}, {name = "model", size = 4 : i64}]}}
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<4x32x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}, {}]>}, %arg1: tensor<16x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<64x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<4x32x16xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}, {}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1, %arg2) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"data"}, {"model"}, {}]>] manual_axes={"data", "model"} (%arg3: tensor<2x8x16xf32>, %arg4: tensor<16x16xf32>, %arg5: tensor<16x16xf32>) {
-// GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<3> : tensor<ui32>
 // GOLDEN-NEXT: %c_2 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
 // GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_4, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %4:3 = stablehlo.while(%iterArg = %c_0, %iterArg_9 = %arg3, %iterArg_10 = %cst) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
+// GOLDEN-NEXT: %4:3 = stablehlo.while(%iterArg = %c, %iterArg_9 = %arg3, %iterArg_10 = %cst) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_11 = stablehlo.constant dense<3> : tensor<ui32>
 // GOLDEN-NEXT: %29 = stablehlo.compare LT, %iterArg, %c_11, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %29 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %29 = "stablehlo.collective_permute"(%iterArg_9) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %30 = stablehlo.add %3, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %31 = stablehlo.remainder %30, %c_14 : tensor<ui32>
+// GOLDEN-NEXT: %31 = stablehlo.remainder %30, %c_13 : tensor<ui32>
 // GOLDEN-NEXT: %32 = stablehlo.dot_general %iterArg_9, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %33 = stablehlo.multiply %31, %c_13 : tensor<ui32>
-// GOLDEN-NEXT: %34 = stablehlo.dynamic_update_slice %iterArg_10, %32, %c_12, %33, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %35 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
+// GOLDEN-NEXT: %33 = stablehlo.multiply %31, %c_14 : tensor<ui32>
+// GOLDEN-NEXT: %34 = stablehlo.dynamic_update_slice %iterArg_10, %32, %c_11, %33, %c_11 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %35 = stablehlo.add %iterArg, %c_12 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %35, %29, %34 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %5 = stablehlo.add %3, %c : tensor<ui32>
+// GOLDEN-NEXT: %5 = stablehlo.add %3, %c_1 : tensor<ui32>
 // GOLDEN-NEXT: %6 = stablehlo.remainder %5, %c_2 : tensor<ui32>
 // GOLDEN-NEXT: %7 = stablehlo.dot_general %4#1, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %8 = stablehlo.multiply %6, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %4#2, %7, %c_0, %8, %c_0 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %8 = stablehlo.multiply %6, %c_3 : tensor<ui32>
+// GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %4#2, %7, %c, %8, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
 // GOLDEN-NEXT: %10 = stablehlo.multiply %9, %9 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %11 = stablehlo.multiply %10, %9 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
@@ -63,31 +63,31 @@
 // GOLDEN-NEXT: %20 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
 // GOLDEN-NEXT: %21 = stablehlo.multiply %20, %19 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %22 = stablehlo.multiply %9, %21 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %23 = stablehlo.add %3, %c_3 : tensor<ui32>
+// GOLDEN-NEXT: %23 = stablehlo.add %3, %c_0 : tensor<ui32>
 // GOLDEN-NEXT: %24 = stablehlo.remainder %23, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %25 = stablehlo.multiply %24, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %26 = stablehlo.dynamic_slice %22, %c_0, %25, %c_0, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %25 = stablehlo.multiply %24, %c_3 : tensor<ui32>
+// GOLDEN-NEXT: %26 = stablehlo.dynamic_slice %22, %c, %25, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %27 = stablehlo.dot_general %26, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %28:2 = stablehlo.while(%iterArg = %c_0, %iterArg_9 = %27) : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %28:2 = stablehlo.while(%iterArg = %c, %iterArg_9 = %27) : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_10 = stablehlo.constant dense<3> : tensor<ui32>
 // GOLDEN-NEXT: %29 = stablehlo.compare LT, %iterArg, %c_10, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %29 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<2> : tensor<ui32>
 // GOLDEN-NEXT: %c_13 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %29 = "stablehlo.collective_permute"(%iterArg_9) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %30 = stablehlo.add %iterArg, %c_14 : tensor<ui32>
+// GOLDEN-NEXT: %30 = stablehlo.add %iterArg, %c_12 : tensor<ui32>
 // GOLDEN-NEXT: %31 = stablehlo.add %3, %30 : tensor<ui32>
 // GOLDEN-NEXT: %32 = stablehlo.remainder %31, %c_13 : tensor<ui32>
-// GOLDEN-NEXT: %33 = stablehlo.multiply %32, %c_12 : tensor<ui32>
-// GOLDEN-NEXT: %34 = stablehlo.dynamic_slice %22, %c_11, %33, %c_11, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %33 = stablehlo.multiply %32, %c_14 : tensor<ui32>
+// GOLDEN-NEXT: %34 = stablehlo.dynamic_slice %22, %c_10, %33, %c_10, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %35 = stablehlo.dot_general %34, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %36 = stablehlo.add %29, %35 : tensor<2x8x16xf32>
-// GOLDEN-NEXT: %37 = stablehlo.add %iterArg, %c_10 : tensor<ui32>
+// GOLDEN-NEXT: %37 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %37, %36 : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: sdy.return %28#1 : tensor<2x8x16xf32>
@@ -127,13 +127,13 @@
 // AUTO_GOLDEN-NEXT: sdy.mesh @mesh = <["data"=2, "model"=4]> {stablehlo.mesh = {axes = [{name = "data", size = 2 : i64}, {name = "model", size = 4 : i64}]}}
 // AUTO_GOLDEN-NEXT: func.func public @main(%arg0: tensor<4x32x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}, {}]>}, %arg1: tensor<16x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<64x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<4x32x16xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}, {}]>}) {
 // AUTO_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1, %arg2) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"data"}, {"model"}, {}]>] manual_axes={"data", "model"} (%arg3: tensor<2x8x16xf32>, %arg4: tensor<16x16xf32>, %arg5: tensor<16x16xf32>) {
-// AUTO_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
-// AUTO_GOLDEN-NEXT: %c = stablehlo.constant dense<2> : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<3> : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<0> : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<8> : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<2> : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<3> : tensor<ui32>
 // AUTO_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<4> : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<8> : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
 // AUTO_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // AUTO_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
 // AUTO_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_5, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
@@ -141,28 +141,28 @@
 // AUTO_GOLDEN-NEXT: %4 = "stablehlo.collective_permute"(%arg3) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
 // AUTO_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%arg3) <{channel_handle = #stablehlo.channel_handle<handle = 9, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
 // AUTO_GOLDEN-NEXT: %6 = stablehlo.dot_general %arg3, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// AUTO_GOLDEN-NEXT: %7 = stablehlo.multiply %3, %c_2 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %cst, %6, %c_1, %7, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %7 = stablehlo.multiply %3, %c_4 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %cst, %6, %c, %7, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
 // AUTO_GOLDEN-NEXT: %9:2 = stablehlo.optimization_barrier %4, %6 : tensor<2x8x16xf32>, tensor<2x8x16xf32>
 // AUTO_GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%9#0) <{channel_handle = #stablehlo.channel_handle<handle = 10, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// AUTO_GOLDEN-NEXT: %11 = stablehlo.add %3, %c_4 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %11 = stablehlo.add %3, %c_0 : tensor<ui32>
 // AUTO_GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_3 : tensor<ui32>
 // AUTO_GOLDEN-NEXT: %13:2 = stablehlo.optimization_barrier %4, %arg4 : tensor<2x8x16xf32>, tensor<16x16xf32>
 // AUTO_GOLDEN-NEXT: %14 = stablehlo.dot_general %13#0, %13#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// AUTO_GOLDEN-NEXT: %15 = stablehlo.multiply %12, %c_2 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %8, %14, %c_1, %15, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// AUTO_GOLDEN-NEXT: %17 = stablehlo.add %3, %c_0 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %15 = stablehlo.multiply %12, %c_4 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %8, %14, %c, %15, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %17 = stablehlo.add %3, %c_2 : tensor<ui32>
 // AUTO_GOLDEN-NEXT: %18 = stablehlo.remainder %17, %c_3 : tensor<ui32>
 // AUTO_GOLDEN-NEXT: %19:2 = stablehlo.optimization_barrier %5, %arg4 : tensor<2x8x16xf32>, tensor<16x16xf32>
 // AUTO_GOLDEN-NEXT: %20 = stablehlo.dot_general %19#0, %19#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// AUTO_GOLDEN-NEXT: %21 = stablehlo.multiply %18, %c_2 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %22 = stablehlo.dynamic_update_slice %16, %20, %c_1, %21, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// AUTO_GOLDEN-NEXT: %23 = stablehlo.add %3, %c : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %21 = stablehlo.multiply %18, %c_4 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %22 = stablehlo.dynamic_update_slice %16, %20, %c, %21, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %23 = stablehlo.add %3, %c_1 : tensor<ui32>
 // AUTO_GOLDEN-NEXT: %24 = stablehlo.remainder %23, %c_3 : tensor<ui32>
 // AUTO_GOLDEN-NEXT: %25:2 = stablehlo.optimization_barrier %10, %arg4 : tensor<2x8x16xf32>, tensor<16x16xf32>
 // AUTO_GOLDEN-NEXT: %26 = stablehlo.dot_general %25#0, %25#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// AUTO_GOLDEN-NEXT: %27 = stablehlo.multiply %24, %c_2 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %28 = stablehlo.dynamic_update_slice %22, %26, %c_1, %27, %c_1 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %27 = stablehlo.multiply %24, %c_4 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %28 = stablehlo.dynamic_update_slice %22, %26, %c, %27, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
 // AUTO_GOLDEN-NEXT: %29 = stablehlo.multiply %28, %28 : tensor<2x32x16xf32>
 // AUTO_GOLDEN-NEXT: %30 = stablehlo.multiply %29, %28 : tensor<2x32x16xf32>
 // AUTO_GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
@@ -180,52 +180,52 @@
 // AUTO_GOLDEN-NEXT: %39 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
 // AUTO_GOLDEN-NEXT: %40 = stablehlo.multiply %39, %38 : tensor<2x32x16xf32>
 // AUTO_GOLDEN-NEXT: %41 = stablehlo.multiply %28, %40 : tensor<2x32x16xf32>
-// AUTO_GOLDEN-NEXT: %42 = stablehlo.add %3, %c_4 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %42 = stablehlo.add %3, %c_0 : tensor<ui32>
 // AUTO_GOLDEN-NEXT: %43 = stablehlo.remainder %42, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %44 = stablehlo.multiply %43, %c_2 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %45 = stablehlo.dynamic_slice %41, %c_1, %44, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %44 = stablehlo.multiply %43, %c_4 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %45 = stablehlo.dynamic_slice %41, %c, %44, %c, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
 // AUTO_GOLDEN-NEXT: %46 = stablehlo.dot_general %45, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %47 = stablehlo.add %3, %c_0 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %47 = stablehlo.add %3, %c_2 : tensor<ui32>
 // AUTO_GOLDEN-NEXT: %48 = stablehlo.remainder %47, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %49 = stablehlo.multiply %48, %c_2 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %49 = stablehlo.multiply %48, %c_4 : tensor<ui32>
 // AUTO_GOLDEN-NEXT: %50 = stablehlo.add %49, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %51 = stablehlo.dynamic_slice %41, %c_1, %50, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %51 = stablehlo.dynamic_slice %41, %c, %50, %c, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
 // AUTO_GOLDEN-NEXT: %52:2 = stablehlo.optimization_barrier %51, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
 // AUTO_GOLDEN-NEXT: %53 = stablehlo.dot_general %52#0, %52#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
 // AUTO_GOLDEN-NEXT: %54 = "stablehlo.collective_permute"(%46) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %55 = stablehlo.add %3, %c : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %55 = stablehlo.add %3, %c_1 : tensor<ui32>
 // AUTO_GOLDEN-NEXT: %56 = stablehlo.remainder %55, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %57 = stablehlo.multiply %56, %c_2 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %58 = stablehlo.dynamic_slice %41, %c_1, %57, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %57 = stablehlo.multiply %56, %c_4 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %58 = stablehlo.dynamic_slice %41, %c, %57, %c, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
 // AUTO_GOLDEN-NEXT: %59:2 = stablehlo.optimization_barrier %58, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
 // AUTO_GOLDEN-NEXT: %60 = stablehlo.dot_general %59#0, %59#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
 // AUTO_GOLDEN-NEXT: %61 = stablehlo.add %54, %60 : tensor<2x4x16xf32>
 // AUTO_GOLDEN-NEXT: %62 = "stablehlo.collective_permute"(%53) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
 // AUTO_GOLDEN-NEXT: %63 = stablehlo.add %57, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %64 = stablehlo.dynamic_slice %41, %c_1, %63, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %64 = stablehlo.dynamic_slice %41, %c, %63, %c, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
 // AUTO_GOLDEN-NEXT: %65:2 = stablehlo.optimization_barrier %64, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
 // AUTO_GOLDEN-NEXT: %66 = stablehlo.dot_general %65#0, %65#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
 // AUTO_GOLDEN-NEXT: %67 = stablehlo.add %62, %66 : tensor<2x4x16xf32>
 // AUTO_GOLDEN-NEXT: %68 = "stablehlo.collective_permute"(%61) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %69 = stablehlo.dynamic_slice %41, %c_1, %49, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %69 = stablehlo.dynamic_slice %41, %c, %49, %c, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
 // AUTO_GOLDEN-NEXT: %70:2 = stablehlo.optimization_barrier %69, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
 // AUTO_GOLDEN-NEXT: %71 = stablehlo.dot_general %70#0, %70#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
 // AUTO_GOLDEN-NEXT: %72 = stablehlo.add %68, %71 : tensor<2x4x16xf32>
 // AUTO_GOLDEN-NEXT: %73 = "stablehlo.collective_permute"(%67) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
 // AUTO_GOLDEN-NEXT: %74 = stablehlo.add %44, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %75 = stablehlo.dynamic_slice %41, %c_1, %74, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %75 = stablehlo.dynamic_slice %41, %c, %74, %c, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
 // AUTO_GOLDEN-NEXT: %76:2 = stablehlo.optimization_barrier %75, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
 // AUTO_GOLDEN-NEXT: %77 = stablehlo.dot_general %76#0, %76#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
 // AUTO_GOLDEN-NEXT: %78 = stablehlo.add %73, %77 : tensor<2x4x16xf32>
 // AUTO_GOLDEN-NEXT: %79 = "stablehlo.collective_permute"(%72) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %80 = stablehlo.multiply %3, %c_2 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %81 = stablehlo.dynamic_slice %41, %c_1, %80, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %80 = stablehlo.multiply %3, %c_4 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %81 = stablehlo.dynamic_slice %41, %c, %80, %c, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
 // AUTO_GOLDEN-NEXT: %82:2 = stablehlo.optimization_barrier %81, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
 // AUTO_GOLDEN-NEXT: %83 = stablehlo.dot_general %82#0, %82#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
 // AUTO_GOLDEN-NEXT: %84 = stablehlo.add %79, %83 : tensor<2x4x16xf32>
 // AUTO_GOLDEN-NEXT: %85 = "stablehlo.collective_permute"(%78) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
 // AUTO_GOLDEN-NEXT: %86 = stablehlo.add %80, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %87 = stablehlo.dynamic_slice %41, %c_1, %86, %c_1, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %87 = stablehlo.dynamic_slice %41, %c, %86, %c, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
 // AUTO_GOLDEN-NEXT: %88:2 = stablehlo.optimization_barrier %87, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
 // AUTO_GOLDEN-NEXT: %89 = stablehlo.dot_general %88#0, %88#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
 // AUTO_GOLDEN-NEXT: %90 = stablehlo.add %85, %89 : tensor<2x4x16xf32>

@@ -16,42 +16,42 @@
 // GOLDEN-NEXT: sdy.mesh @mesh = <["data"=2, "model"=4]> {stablehlo.mesh = {axes = [{name = "data", size = 2 : i64}, {name = "model", size = 4 : i64}]}}
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<4x32x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}, {}]>}, %arg1: tensor<16x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<64x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<f32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, []>}, tensor<4x32x16xf32> {jax.result_info = "result[1][0]", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}, {}]>}, tensor<16x64xf32> {jax.result_info = "result[1][1]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x16xf32> {jax.result_info = "result[1][2]", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) {
 // GOLDEN-NEXT: %0:13 = sdy.manual_computation(%arg0, %arg1, %arg2) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data"}, {"model"}, {}]>] manual_axes={"data", "model"} (%arg3: tensor<2x8x16xf32>, %arg4: tensor<16x16xf32>, %arg5: tensor<16x16xf32>) {
-// GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %cst_4 = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %c_9 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %21 = stablehlo.partition_id : tensor<ui32>
 // GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %c_9, %21, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %23 = stablehlo.reshape %22 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %24:4 = stablehlo.while(%iterArg = %c_5, %iterArg_16 = %arg3, %iterArg_17 = %cst_4, %iterArg_18 = %cst_4) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
+// GOLDEN-NEXT: %24:4 = stablehlo.while(%iterArg = %c, %iterArg_16 = %arg3, %iterArg_17 = %cst_8, %iterArg_18 = %cst_8) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_19 = stablehlo.constant dense<3> : tensor<ui32>
 // GOLDEN-NEXT: %58 = stablehlo.compare LT, %iterArg, %c_19, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %58 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_21 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_22 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_21 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_22 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %58 = "stablehlo.collective_permute"(%iterArg_16) <{channel_handle = #stablehlo.channel_handle<handle = 12, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %59 = stablehlo.add %23, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %60 = stablehlo.remainder %59, %c_22 : tensor<ui32>
+// GOLDEN-NEXT: %60 = stablehlo.remainder %59, %c_21 : tensor<ui32>
 // GOLDEN-NEXT: %61 = stablehlo.dot_general %iterArg_16, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %62 = stablehlo.multiply %60, %c_21 : tensor<ui32>
-// GOLDEN-NEXT: %63 = stablehlo.dynamic_update_slice %iterArg_17, %61, %c_20, %62, %c_20 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %64 = stablehlo.dynamic_update_slice %iterArg_18, %iterArg_16, %c_20, %62, %c_20 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %65 = stablehlo.add %iterArg, %c_19 : tensor<ui32>
+// GOLDEN-NEXT: %62 = stablehlo.multiply %60, %c_22 : tensor<ui32>
+// GOLDEN-NEXT: %63 = stablehlo.dynamic_update_slice %iterArg_17, %61, %c_19, %62, %c_19 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %64 = stablehlo.dynamic_update_slice %iterArg_18, %iterArg_16, %c_19, %62, %c_19 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %65 = stablehlo.add %iterArg, %c_20 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %65, %58, %63, %64 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %25 = stablehlo.add %23, %c : tensor<ui32>
-// GOLDEN-NEXT: %26 = stablehlo.remainder %25, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %25 = stablehlo.add %23, %c_5 : tensor<ui32>
+// GOLDEN-NEXT: %26 = stablehlo.remainder %25, %c_6 : tensor<ui32>
 // GOLDEN-NEXT: %27 = stablehlo.dot_general %24#1, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %28 = stablehlo.multiply %26, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %29 = stablehlo.dynamic_update_slice %24#2, %27, %c_5, %28, %c_5 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %30 = stablehlo.dynamic_update_slice %24#3, %24#1, %c_5, %28, %c_5 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %28 = stablehlo.multiply %26, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %29 = stablehlo.dynamic_update_slice %24#2, %27, %c, %28, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %30 = stablehlo.dynamic_update_slice %24#3, %24#1, %c, %28, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
 // GOLDEN-NEXT: %31 = stablehlo.multiply %29, %29 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %32 = stablehlo.multiply %31, %29 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %33 = stablehlo.multiply %29, %29 : tensor<2x32x16xf32>
@@ -76,31 +76,31 @@
 // GOLDEN-NEXT: %46 = stablehlo.broadcast_in_dim %cst_15, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
 // GOLDEN-NEXT: %47 = stablehlo.multiply %46, %45 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %48 = stablehlo.multiply %29, %47 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %49 = stablehlo.add %23, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %50 = stablehlo.remainder %49, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %51 = stablehlo.multiply %50, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %52 = stablehlo.dynamic_slice %48, %c_5, %51, %c_5, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %49 = stablehlo.add %23, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %50 = stablehlo.remainder %49, %c_6 : tensor<ui32>
+// GOLDEN-NEXT: %51 = stablehlo.multiply %50, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %52 = stablehlo.dynamic_slice %48, %c, %51, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %53 = stablehlo.dot_general %52, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %54:2 = stablehlo.while(%iterArg = %c_5, %iterArg_16 = %53) : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %54:2 = stablehlo.while(%iterArg = %c, %iterArg_16 = %53) : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_17 = stablehlo.constant dense<3> : tensor<ui32>
 // GOLDEN-NEXT: %58 = stablehlo.compare LT, %iterArg, %c_17, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %58 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_18 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_18 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<2> : tensor<ui32>
 // GOLDEN-NEXT: %c_20 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_21 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_21 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %58 = "stablehlo.collective_permute"(%iterArg_16) <{channel_handle = #stablehlo.channel_handle<handle = 10, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %59 = stablehlo.add %iterArg, %c_21 : tensor<ui32>
+// GOLDEN-NEXT: %59 = stablehlo.add %iterArg, %c_19 : tensor<ui32>
 // GOLDEN-NEXT: %60 = stablehlo.add %23, %59 : tensor<ui32>
 // GOLDEN-NEXT: %61 = stablehlo.remainder %60, %c_20 : tensor<ui32>
-// GOLDEN-NEXT: %62 = stablehlo.multiply %61, %c_19 : tensor<ui32>
-// GOLDEN-NEXT: %63 = stablehlo.dynamic_slice %48, %c_18, %62, %c_18, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %62 = stablehlo.multiply %61, %c_21 : tensor<ui32>
+// GOLDEN-NEXT: %63 = stablehlo.dynamic_slice %48, %c_17, %62, %c_17, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %64 = stablehlo.dot_general %63, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %65 = stablehlo.add %58, %64 : tensor<2x8x16xf32>
-// GOLDEN-NEXT: %66 = stablehlo.add %iterArg, %c_17 : tensor<ui32>
+// GOLDEN-NEXT: %66 = stablehlo.add %iterArg, %c_18 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %66, %65 : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: %55 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<1xf32>
@@ -133,18 +133,18 @@
 // GOLDEN-NEXT: %18 = stablehlo.multiply %17, %6 : tensor<4x32x16xf32>
 // GOLDEN-NEXT: %19 = sdy.sharding_constraint %18 <@mesh, [{"data"}, {"model"}, {}]> : tensor<4x32x16xf32>
 // GOLDEN-NEXT: %20:3 = sdy.manual_computation(%19, %0#0, %0#1, %0#2, %0#3, %0#4, %0#5, %0#6, %0#7, %0#8, %0#9, %0#10, %0#11) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>] out_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] manual_axes={"data", "model"} (%arg3: tensor<2x8x16xf32>, %arg4: tensor<16x16xf32>, %arg5: tensor<2x32x16xf32>, %arg6: tensor<2x32x16xf32>, %arg7: tensor<1xf32>, %arg8: tensor<1xf32>, %arg9: tensor<2x32x16xf32>, %arg10: tensor<2x32x16xf32>, %arg11: tensor<1xf32>, %arg12: tensor<2x32x16xf32>, %arg13: tensor<2x32x16xf32>, %arg14: tensor<16x16xf32>, %arg15: tensor<2x32x16xf32>) {
-// GOLDEN-NEXT: %c = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %cst_4 = stablehlo.constant dense<0.000000e+00> : tensor<16x8xf32>
-// GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %cst_9 = stablehlo.constant dense<0.000000e+00> : tensor<16x8xf32>
+// GOLDEN-NEXT: %cst_10 = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %21 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %c_7, %21, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %c_11, %21, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %23 = stablehlo.reshape %22 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_12 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
 // GOLDEN-NEXT: %24 = stablehlo.partition_id : tensor<ui32>
 // GOLDEN-NEXT: %25 = stablehlo.dynamic_slice %c_12, %24, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
@@ -152,44 +152,44 @@
 // GOLDEN-NEXT: %27 = stablehlo.reshape %arg7 : (tensor<1xf32>) -> tensor<f32>
 // GOLDEN-NEXT: %28 = stablehlo.reshape %arg8 : (tensor<1xf32>) -> tensor<f32>
 // GOLDEN-NEXT: %29 = stablehlo.reshape %arg11 : (tensor<1xf32>) -> tensor<f32>
-// GOLDEN-NEXT: %30 = stablehlo.multiply %26, %c_9 : tensor<ui32>
-// GOLDEN-NEXT: %31 = stablehlo.dynamic_slice %arg15, %c_8, %c_8, %30, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
-// GOLDEN-NEXT: %32:5 = stablehlo.while(%iterArg = %c_8, %iterArg_13 = %arg3, %iterArg_14 = %cst_5, %iterArg_15 = %cst_4, %iterArg_16 = %cst_5) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<16x8xf32>, tensor<2x32x16xf32>
+// GOLDEN-NEXT: %30 = stablehlo.multiply %26, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: %31 = stablehlo.dynamic_slice %arg15, %c, %c, %30, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
+// GOLDEN-NEXT: %32:5 = stablehlo.while(%iterArg = %c, %iterArg_13 = %arg3, %iterArg_14 = %cst_10, %iterArg_15 = %cst_9, %iterArg_16 = %cst_10) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<16x8xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_17 = stablehlo.constant dense<3> : tensor<ui32>
 // GOLDEN-NEXT: %85 = stablehlo.compare LT, %iterArg, %c_17, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %85 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_18 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_18 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %85 = "stablehlo.collective_permute"(%iterArg_13) <{channel_handle = #stablehlo.channel_handle<handle = 13, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %86 = stablehlo.add %23, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %87 = stablehlo.remainder %86, %c_20 : tensor<ui32>
+// GOLDEN-NEXT: %87 = stablehlo.remainder %86, %c_19 : tensor<ui32>
 // GOLDEN-NEXT: %88 = stablehlo.dot_general %iterArg_13, %arg14, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %89 = stablehlo.multiply %87, %c_19 : tensor<ui32>
-// GOLDEN-NEXT: %90 = stablehlo.dynamic_update_slice %iterArg_14, %88, %c_18, %89, %c_18 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %91 = stablehlo.dynamic_slice %31, %c_18, %89, %c_18, sizes = [2, 8, 8] : (tensor<2x32x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x8xf32>
+// GOLDEN-NEXT: %89 = stablehlo.multiply %87, %c_20 : tensor<ui32>
+// GOLDEN-NEXT: %90 = stablehlo.dynamic_update_slice %iterArg_14, %88, %c_17, %89, %c_17 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %91 = stablehlo.dynamic_slice %31, %c_17, %89, %c_17, sizes = [2, 8, 8] : (tensor<2x32x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x8xf32>
 // GOLDEN-NEXT: %92 = stablehlo.dot_general %iterArg_13, %91, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<2x8x8xf32>) -> tensor<16x8xf32>
 // GOLDEN-NEXT: %93 = stablehlo.add %iterArg_15, %92 : tensor<16x8xf32>
-// GOLDEN-NEXT: %94 = stablehlo.dynamic_update_slice %iterArg_16, %iterArg_13, %c_18, %89, %c_18 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %95 = stablehlo.add %iterArg, %c_17 : tensor<ui32>
+// GOLDEN-NEXT: %94 = stablehlo.dynamic_update_slice %iterArg_16, %iterArg_13, %c_17, %89, %c_17 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %95 = stablehlo.add %iterArg, %c_18 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %95, %85, %90, %93, %94 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<16x8xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %33 = stablehlo.add %23, %c : tensor<ui32>
-// GOLDEN-NEXT: %34 = stablehlo.remainder %33, %c_6 : tensor<ui32>
+// GOLDEN-NEXT: %33 = stablehlo.add %23, %c_6 : tensor<ui32>
+// GOLDEN-NEXT: %34 = stablehlo.remainder %33, %c_7 : tensor<ui32>
 // GOLDEN-NEXT: %35 = stablehlo.dot_general %32#1, %arg14, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %36 = stablehlo.multiply %34, %c_9 : tensor<ui32>
-// GOLDEN-NEXT: %37 = stablehlo.dynamic_update_slice %32#2, %35, %c_8, %36, %c_8 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %38 = stablehlo.dynamic_slice %31, %c_8, %36, %c_8, sizes = [2, 8, 8] : (tensor<2x32x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x8xf32>
+// GOLDEN-NEXT: %36 = stablehlo.multiply %34, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: %37 = stablehlo.dynamic_update_slice %32#2, %35, %c, %36, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %38 = stablehlo.dynamic_slice %31, %c, %36, %c, sizes = [2, 8, 8] : (tensor<2x32x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x8xf32>
 // GOLDEN-NEXT: %39 = stablehlo.dot_general %32#1, %38, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<2x8x8xf32>) -> tensor<16x8xf32>
 // GOLDEN-NEXT: %40 = stablehlo.add %32#3, %39 : tensor<16x8xf32>
-// GOLDEN-NEXT: %41 = stablehlo.dynamic_update_slice %32#4, %32#1, %c_8, %36, %c_8 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %42 = stablehlo.add %26, %c_11 : tensor<ui32>
-// GOLDEN-NEXT: %43 = stablehlo.remainder %42, %c_10 : tensor<ui32>
-// GOLDEN-NEXT: %44 = stablehlo.multiply %43, %c_9 : tensor<ui32>
-// GOLDEN-NEXT: %45 = stablehlo.dynamic_slice %arg15, %c_8, %c_8, %44, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
+// GOLDEN-NEXT: %41 = stablehlo.dynamic_update_slice %32#4, %32#1, %c, %36, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %42 = stablehlo.add %26, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %43 = stablehlo.remainder %42, %c_5 : tensor<ui32>
+// GOLDEN-NEXT: %44 = stablehlo.multiply %43, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: %45 = stablehlo.dynamic_slice %arg15, %c, %c, %44, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
 // GOLDEN-NEXT: %46 = stablehlo.dot_general %41, %45, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x16xf32>, tensor<2x32x8xf32>) -> tensor<16x8xf32>
 // GOLDEN-NEXT: %47 = stablehlo.transpose %46, dims = [1, 0] : (tensor<16x8xf32>) -> tensor<8x16xf32>
 // GOLDEN-NEXT: %48 = "stablehlo.collective_permute"(%47) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<8x16xf32>) -> tensor<8x16xf32>
@@ -209,43 +209,43 @@
 // GOLDEN-NEXT: %62 = stablehlo.multiply %61, %59 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %63 = stablehlo.multiply %62, %arg6 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %64 = stablehlo.add %60, %63 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %65 = stablehlo.add %26, %c_11 : tensor<ui32>
-// GOLDEN-NEXT: %66 = stablehlo.remainder %65, %c_10 : tensor<ui32>
-// GOLDEN-NEXT: %67 = stablehlo.multiply %66, %c_9 : tensor<ui32>
-// GOLDEN-NEXT: %68 = stablehlo.dynamic_slice %64, %c_8, %c_8, %67, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
+// GOLDEN-NEXT: %65 = stablehlo.add %26, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %66 = stablehlo.remainder %65, %c_5 : tensor<ui32>
+// GOLDEN-NEXT: %67 = stablehlo.multiply %66, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: %68 = stablehlo.dynamic_slice %64, %c, %c, %67, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
 // GOLDEN-NEXT: %69 = stablehlo.dot_general %68, %arg5, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<2x32x16xf32>) -> tensor<8x16xf32>
 // GOLDEN-NEXT: %70 = stablehlo.transpose %69, dims = [1, 0] : (tensor<8x16xf32>) -> tensor<16x8xf32>
 // GOLDEN-NEXT: %71 = "stablehlo.collective_permute"(%70) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<16x8xf32>) -> tensor<16x8xf32>
-// GOLDEN-NEXT: %72 = stablehlo.multiply %26, %c_9 : tensor<ui32>
-// GOLDEN-NEXT: %73 = stablehlo.dynamic_slice %64, %c_8, %c_8, %72, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
+// GOLDEN-NEXT: %72 = stablehlo.multiply %26, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: %73 = stablehlo.dynamic_slice %64, %c, %c, %72, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
 // GOLDEN-NEXT: %74 = stablehlo.dot_general %73, %arg5, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<2x32x16xf32>) -> tensor<8x16xf32>
 // GOLDEN-NEXT: %75 = stablehlo.transpose %74, dims = [1, 0] : (tensor<8x16xf32>) -> tensor<16x8xf32>
 // GOLDEN-NEXT: %76 = stablehlo.add %71, %75 : tensor<16x8xf32>
-// GOLDEN-NEXT: %77 = stablehlo.add %23, %c_11 : tensor<ui32>
-// GOLDEN-NEXT: %78 = stablehlo.remainder %77, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %79 = stablehlo.multiply %78, %c_9 : tensor<ui32>
-// GOLDEN-NEXT: %80 = stablehlo.dynamic_slice %64, %c_8, %79, %c_8, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %77 = stablehlo.add %23, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %78 = stablehlo.remainder %77, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %79 = stablehlo.multiply %78, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: %80 = stablehlo.dynamic_slice %64, %c, %79, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %81 = stablehlo.dot_general %80, %arg4, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %82:2 = stablehlo.while(%iterArg = %c_8, %iterArg_13 = %81) : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %82:2 = stablehlo.while(%iterArg = %c, %iterArg_13 = %81) : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_14 = stablehlo.constant dense<3> : tensor<ui32>
 // GOLDEN-NEXT: %85 = stablehlo.compare LT, %iterArg, %c_14, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %85 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_16 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_16 = stablehlo.constant dense<2> : tensor<ui32>
 // GOLDEN-NEXT: %c_17 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_18 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_18 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %85 = "stablehlo.collective_permute"(%iterArg_13) <{channel_handle = #stablehlo.channel_handle<handle = 11, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %86 = stablehlo.add %iterArg, %c_18 : tensor<ui32>
+// GOLDEN-NEXT: %86 = stablehlo.add %iterArg, %c_16 : tensor<ui32>
 // GOLDEN-NEXT: %87 = stablehlo.add %23, %86 : tensor<ui32>
 // GOLDEN-NEXT: %88 = stablehlo.remainder %87, %c_17 : tensor<ui32>
-// GOLDEN-NEXT: %89 = stablehlo.multiply %88, %c_16 : tensor<ui32>
-// GOLDEN-NEXT: %90 = stablehlo.dynamic_slice %64, %c_15, %89, %c_15, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %89 = stablehlo.multiply %88, %c_18 : tensor<ui32>
+// GOLDEN-NEXT: %90 = stablehlo.dynamic_slice %64, %c_14, %89, %c_14, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %91 = stablehlo.dot_general %90, %arg4, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %92 = stablehlo.add %85, %91 : tensor<2x8x16xf32>
-// GOLDEN-NEXT: %93 = stablehlo.add %iterArg, %c_14 : tensor<ui32>
+// GOLDEN-NEXT: %93 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %93, %92 : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: %83 = "stablehlo.all_gather"(%50) <{all_gather_dim = 0 : i64, channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, replica_groups = dense<{{\[\[}}0, 4], [1, 5], [2, 6], [3, 7]]> : tensor<4x2xi64>, use_global_device_ids}> : (tensor<8x16xf32>) -> tensor<16x16xf32>

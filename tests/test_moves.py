@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import cmatmul_pass
-from cmatmul_pass import execute, ir_utils
+from cmatmul_pass import execute, ir_utils, replay
 from conftest import sample
 
 SPECS = (P("model", None), P(), P(None, "model"), P("model", None))
@@ -206,13 +206,20 @@ def test_a_bias_or_residual_varying_along_the_scattered_dim_is_added_block_by_bl
         assert outcome.ok, outcome.format()
 
 
-def test_repeated_sites_with_a_per_row_factor_share_a_ring():
+def test_repeated_sites_with_a_per_row_factor_share_a_ring(monkeypatch):
     text = row_factor_program("scale", repeat=3)
     result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant="uni"))
-    # the three regions are identical: calls of one rewritten region, whose site calls the shared ring
-    assert len(result.report.rewritten) == 3 and len({s.shared_ring for s in result.report.rewritten} - {None}) == 1
+    # the three regions are identical: calls of one rewritten region, its ring inline
+    assert len(result.report.rewritten) == 3 and not any(s.shared_ring for s in result.report.rewritten)
     assert [len(calls) for calls in result.report.layers.values()] == [3]
     outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()
+    # without replay the second and third regions' sites call the ring function the second built
+    monkeypatch.setattr(replay, "MIN_MEMBERS", 10**9)
+    alone = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant="uni"))
+    assert [bool(s.shared_ring) for s in alone.report.rewritten] == [False, True, True]
+    assert len({s.shared_ring for s in alone.report.rewritten} - {None}) == 1
+    outcome = execute.check_numerics(ir_utils.parse(text), alone.module)
     assert outcome.ok, outcome.format()
 
 

@@ -53,19 +53,38 @@ def test_repeated_layers_call_one_ring_per_pattern(monkeypatch):
     assert shared.channel_handles == sites[2].channel_handles != first.channel_handles
 
 
-def test_identical_blocks_are_calls_of_one_block_whose_rings_are_shared():
-    result = cmatmul_pass.rewrite(sample("sp_mlp_layers").read_text())
+def test_identical_blocks_are_calls_of_one_block_whose_rings_are_inline():
+    """The first block becomes the function the three call: its rings stay inline there (a ring
+    function would be called once); without replay the second and third blocks call the first's
+    patterns' ring functions."""
+    text = sample("sp_mlp_layers").read_text()
+    result = cmatmul_pass.rewrite(text)
     sites = result.report.rewritten
-    assert len(sites) == 6 and all(s.shared_ring for s in sites)  # the first block calls the rings at once
+    assert len(sites) == 6 and not any(s.shared_ring for s in sites)
     (regions,) = result.report.layers.values()  # the three blocks' regions, one call each
     assert list(result.report.layers) == ["@cmatmul_layer_0"] and len(set(regions)) == 3
     main = next(f for f in result.module.body.operations if ir.StringAttr(f.attributes["sym_name"]).value == "main")
     calls = [op for op in main.regions[0].blocks[0].operations if op.operation.name == "func.call"]
     assert [ir.FlatSymbolRefAttr(c.attributes["callee"]).value for c in calls] == ["cmatmul_layer_0"] * 3
-    assert ring_functions(result.module) == {"cmatmul_ring_0": 1, "cmatmul_ring_1": 1}
+    assert ring_functions(result.module) == {}
+    layer = next(f for f in result.module.body.operations if ir.StringAttr(f.attributes["sym_name"]).value == "cmatmul_layer_0")
+    permutes = ir_utils.ops_named(layer, "stablehlo.collective_permute")["stablehlo.collective_permute"]
+    assert 3 * len(permutes) == sum(s.schedule["permutes"] for s in sites)  # each block's entries: its two rings
     assert collectives_left(result.module) == 0
-    assert result.report.summary() == ("6 of 6 candidate site(s) rewritten (6 calling 2 shared ring function(s)); "
+    assert result.report.summary() == ("6 of 6 candidate site(s) rewritten; "
                                        "3 identical layers are calls of 1 rewritten one(s)")
+    alone = _without_replay(text)
+    assert ring_functions(alone.module) == {"cmatmul_ring_0": 2, "cmatmul_ring_1": 2}
+    assert [bool(s.shared_ring) for s in alone.report.rewritten] == [False, True, True] * 2
+
+
+def _without_replay(text: str, options: Options | None = None):
+    saved = replay.MIN_MEMBERS
+    replay.MIN_MEMBERS = 10**9
+    try:
+        return cmatmul_pass.rewrite(text, options)
+    finally:
+        replay.MIN_MEMBERS = saved
 
 
 @pytest.fixture(scope="module")
@@ -76,13 +95,17 @@ def layers_reference():
 
 @pytest.mark.parametrize("variant", [*cost.VARIANTS, "auto"])
 def test_shared_rings_match_the_original(variant, layers_reference):
+    """Each variant, the blocks' rings shared (without replay) and inline in the layer function."""
     text, reference = layers_reference
-    result = cmatmul_pass.rewrite(text, variant_options(variant))
-    assert len(ring_functions(result.module)) == 2
-    for ring in {s.shared_ring for s in result.report.rewritten} - {None}:  # a ring function has one variant
-        assert len({s.schedule["variant"] for s in result.report.rewritten if s.shared_ring == ring}) == 1
-    outcome = reference.check(result.module)
-    assert outcome.ok, outcome.format()
+    shared = _without_replay(text, variant_options(variant))
+    assert len(ring_functions(shared.module)) == 2
+    for ring in {s.shared_ring for s in shared.report.rewritten} - {None}:  # a ring function has one variant
+        assert len({s.schedule["variant"] for s in shared.report.rewritten if s.shared_ring == ring}) == 1
+    replayed = cmatmul_pass.rewrite(text, variant_options(variant))
+    assert replayed.report.layers and not ring_functions(replayed.module)
+    for result in (shared, replayed):
+        outcome = reference.check(result.module)
+        assert outcome.ok, outcome.format()
 
 
 def test_transformer_forward_and_backward_share_and_match():

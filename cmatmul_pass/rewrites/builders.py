@@ -6,6 +6,7 @@ so new ops carry the matched ops' source locations.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator, Sequence
@@ -81,12 +82,29 @@ def zeros_attr(t: ir.RankedTensorType) -> ir.DenseElementsAttr:
     raise TypeError(f"no zero for element type {element}")
 
 
+#: a block's key in the shared values' dict for the order of those it holds (:meth:`Builder._cached`)
+_ORDER = "order"
+
+
+def _first(entry: tuple) -> tuple:
+    return entry[0]
+
+
+def _rank(key: tuple) -> tuple:
+    """Where the value shared per block under ``key`` stands among a block's (index constants by
+    value, then zero tensors and ring positions by what they print): an order of the keys alone."""
+    kind = key[0]
+    if kind == "index":
+        return (0, key[1], "")
+    return (1 if kind == "zeros" else 2, 0, repr(key[1:]))
+
+
 class Builder:
     """Builds stablehlo ops at the current insertion point with location ``loc``.
 
     Scalar index (ui32) constants, zero tensors and a ring's position (none of which reads a
-    value) are made once per block, at the start of the block, so they dominate every
-    use in it whichever site asks first; builders made with :meth:`at`, and all the
+    value, or another of them) are made once per block, at the start of the block in an order
+    of their own (:func:`_rank`), so they dominate every use in it whichever site asks first; builders made with :meth:`at`, and all the
     builders of one pass run when they are given the same ``constants`` dict, share
     them.  The pass only caches values in blocks it inserts into, and never erases
     those (it erases reduce_scatter regions, which it never inserts into).  The same dict
@@ -107,11 +125,21 @@ class Builder:
 
     def _cached(self, key: tuple, make: Callable[[], ir.Value]) -> ir.Value:
         block = ir.InsertionPoint.current.block
-        key = (block, *key)
-        found = self._constants.get(key)
+        held = (block, *key)
+        found = self._constants.get(held)
         if found is None:
-            with ir.InsertionPoint.at_block_begin(block):
-                found = self._constants[key] = make()
+            # a block's shared values stand at its start in one order (:func:`_rank`), whichever site
+            # asked first: a region rewritten with fewer sites (a trimmed layer) holds what a copy of
+            # one rewritten with more holds once the values only those read are erased, op for op
+            order = self._constants.get((block, _ORDER))
+            if order is None:
+                order = self._constants[(block, _ORDER)] = []  # (rank, the value's op: its last), sorted
+            rank = _rank(key)
+            i = bisect.bisect_left(order, rank, key=_first)
+            at = ir.InsertionPoint.after(order[i - 1][1]) if i else ir.InsertionPoint.at_block_begin(block)
+            with at:
+                found = self._constants[held] = make()
+            order.insert(i, (rank, found.owner.operation))
         return found
 
     def _once(self, key: tuple, make: Callable[[], tuple]) -> tuple:
