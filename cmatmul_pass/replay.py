@@ -921,8 +921,9 @@ def _pure(op: ir.Operation, module_body: ir.Block, memo: dict) -> bool:
         return memo[callee]
     if not name.startswith(("stablehlo.", "sdy.")) and name != "func.return":
         return False
-    return all(_pure(inner.operation, module_body, memo) for region in op.regions for block in region.blocks
-               for inner in block.operations)
+    regions = op.regions
+    return not len(regions) or all(_pure(inner.operation, module_body, memo) for region in regions
+                                   for block in region.blocks for inner in block.operations)
 
 
 def _erase_unread(region: ir.Operation, dropped: list[ir.Value], module_body: ir.Block,
@@ -940,10 +941,16 @@ def _erase_unread(region: ir.Operation, dropped: list[ir.Value], module_body: ir
     stack = [(hash(owner), owner) for owner in (v.owner.operation for v in dropped if not isinstance(v.owner, ir.Block))]
     while stack:
         key, op = stack.pop()
-        if key in gone or not len(op.results) or any(True for r in op.results for _ in r.uses) \
-                or not _pure(op, module_body, memo):
+        if key in gone:
             continue
-        producers = [v.owner.operation for v in op.operands if not isinstance(v.owner, ir.Block)]
+        results = op.results
+        if not len(results) or any(True for r in results for _ in r.uses) or not _pure(op, module_body, memo):
+            continue
+        producers = []
+        for v in op.operands:
+            owner = v.owner  # (read once: each read makes a new object)
+            if not isinstance(owner, ir.Block):
+                producers.append(owner.operation)
         if erasing is not None:
             erasing(key, op, producers)
         gone.add(key)
