@@ -733,6 +733,30 @@ def _session_runs(session: str, until: str, date: str = "2026-11-28") -> tuple:
     return section, summary, first, more, shares, ranges
 
 
+def test_the_fifteenth_session_paragraph_quotes_its_runs():
+    """docs/performance.md's fifteenth-session paragraph: its table is the stored `--only-pass-cost`
+    run's, its further runs, ranges, margin, compile and pass times, the text's shares and both
+    paths' ratios the stored ones'; the summary quotes the ratios and the ranges."""
+    section, summary, first, more, shares, ranges = _session_runs(
+        "fifteenth", "**2026-11-29, fourteenth session", date="2026-11-29")
+    assert f"On the text at 32 layers: {100 * first[32]['pass_over_lower_compile']:.2f} %." in section
+    every = shares[4] + shares[8]
+    assert max(every) <= 3 and f"under the line in every run, by {3 - max(every):.2f} points at the least" in section
+    assert (f"XLA compiled the 4-layer step in {more[1][4]['compile_s']:.2f} s against {first[4]['compile_s']:.2f} s "
+            f"in the first, the pass taking {1e3 * more[1][4]['jit_pass_s']:.1f} and {1e3 * first[4]['jit_pass_s']:.1f} ms"
+            in section)
+    small = [100 * first[layers]["pass_over_lower_compile"] for layers in (1, 4, 8, 16)]
+    parse_print = [100 * first[layers]["parse_print_over_lower_compile"] for layers in (1, 4, 8, 16)]
+    assert (f"at 1 to 16 layers is {min(small):.2f}–{max(small):.2f} % in the first run, of which parsing and "
+            f"printing {min(parse_print):.2f}–{max(parse_print):.2f} %") in section
+    by_layers = _ab_ratios_quoted("ab_pass_2026-11-29_fifteenth.json", "dbcb8a0", 60, section)
+    assert f"took it to {by_layers[4]} and {by_layers[8]} of that ({by_layers[32]} at 32" in summary
+    assert f"{ranges[0]} and {ranges[1]} in three runs, under the line in every one." in summary
+    text = json.loads((bench.ROOT / "bench" / "ab_pass_2026-11-29_fifteenth_text.json").read_text())
+    assert text["path"] == "text"
+    _ab_ratios_quoted("ab_pass_2026-11-29_fifteenth_text.json", "dbcb8a0", 40, section)
+
+
 def test_the_fourteenth_session_paragraph_quotes_its_runs():
     """docs/performance.md's fourteenth-session paragraph: its table is the stored `--only-pass-cost`
     run's, its further runs, ranges, pass times, compile times and both paths' ratios the stored
