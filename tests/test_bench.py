@@ -680,6 +680,17 @@ def _ab_ratios_quoted(name: str, base: str, runs: int, text: str) -> dict[int, s
     return {r["layers"]: f"{r['ratio_median']:.3f}" for r in rows}
 
 
+def _ab_both_paths_quoted(stem: str, base: str, section: str, summary: str) -> None:
+    """The stored A/B runs ``<stem>.json`` (the decorator's path, 60 pairs) and ``<stem>_text.json``
+    (the text's, 40 pairs) as ``section`` quotes them, and the first's 4-, 8- and 32-layer ratios as
+    ``summary`` does."""
+    by_layers = _ab_ratios_quoted(f"{stem}.json", base, 60, section)
+    assert f"took it to {by_layers[4]} and {by_layers[8]} of that ({by_layers[32]} at 32" in summary
+    text = json.loads((bench.ROOT / "bench" / f"{stem}_text.json").read_text())
+    assert text["path"] == "text"
+    _ab_ratios_quoted(f"{stem}_text.json", base, 40, section)
+
+
 def test_ab_pass_times_an_earlier_commit_beside_this_checkout(tmp_path):
     """tools/ab_pass.py: the earlier commit's package, out of git under another name, run
     alternately with this checkout's on one lowered program; paired ratios; nothing left behind."""
@@ -749,12 +760,8 @@ def test_the_fifteenth_session_paragraph_quotes_its_runs():
     parse_print = [100 * first[layers]["parse_print_over_lower_compile"] for layers in (1, 4, 8, 16)]
     assert (f"at 1 to 16 layers is {min(small):.2f}–{max(small):.2f} % in the first run, of which parsing and "
             f"printing {min(parse_print):.2f}–{max(parse_print):.2f} %") in section
-    by_layers = _ab_ratios_quoted("ab_pass_2026-11-29_fifteenth.json", "dbcb8a0", 60, section)
-    assert f"took it to {by_layers[4]} and {by_layers[8]} of that ({by_layers[32]} at 32" in summary
+    _ab_both_paths_quoted("ab_pass_2026-11-29_fifteenth", "dbcb8a0", section, summary)
     assert f"{ranges[0]} and {ranges[1]} in three runs, under the line in every one." in summary
-    text = json.loads((bench.ROOT / "bench" / "ab_pass_2026-11-29_fifteenth_text.json").read_text())
-    assert text["path"] == "text"
-    _ab_ratios_quoted("ab_pass_2026-11-29_fifteenth_text.json", "dbcb8a0", 40, section)
 
 
 def test_the_fourteenth_session_paragraph_quotes_its_runs():
@@ -769,12 +776,8 @@ def test_the_fourteenth_session_paragraph_quotes_its_runs():
             f"the first run, while XLA compiled in {more[1][4]['compile_s']:.2f} and {more[1][8]['compile_s']:.2f} s, "
             f"as in the second ({more[0][4]['compile_s']:.2f} and {more[0][8]['compile_s']:.2f} s)") in section
     assert sum(v <= 3 for v in shares[4]) == 2  # "under the line in two runs of three at 4 layers"
-    by_layers = _ab_ratios_quoted("ab_pass_2026-11-29_fourteenth.json", "f8cc19b", 60, section)
-    assert f"took it to {by_layers[4]} and {by_layers[8]} of that ({by_layers[32]} at 32" in summary
+    _ab_both_paths_quoted("ab_pass_2026-11-29_fourteenth", "f8cc19b", section, summary)
     assert f"{ranges[0]} and {ranges[1]} in three runs." in summary
-    text = json.loads((bench.ROOT / "bench" / "ab_pass_2026-11-29_fourteenth_text.json").read_text())
-    assert text["path"] == "text"
-    _ab_ratios_quoted("ab_pass_2026-11-29_fourteenth_text.json", "f8cc19b", 40, section)
 
 
 def test_the_thirteenth_session_paragraph_quotes_its_runs():
