@@ -762,6 +762,17 @@ def test_the_fifteenth_session_paragraph_quotes_its_runs():
             f"printing {min(parse_print):.2f}–{max(parse_print):.2f} %") in section
     _ab_both_paths_quoted("ab_pass_2026-11-29_fifteenth", "dbcb8a0", section, summary)
     assert f"{ranges[0]} and {ranges[1]} in three runs, under the line in every one." in summary
+    # the full `make bench` run after it, stored beside the one the summary quotes
+    full = json.loads((bench.ROOT / "bench" / "results_2026-11-29_fifteenth_make_bench.json").read_text())
+    assert all(t["met"] for t in full["targets"] if "issue 35" in t["target"])
+    rows = {r["layers"]: r for r in full["pass_cost"]["per_layers"]}
+    lows = [row["default_interval"][0] for row in full["rings"]]
+    assert (f"the pass at 32 layers {100 * rows[32]['pass_over_lower_compile']:.2f} % of lower + compile on the "
+            f"text and {100 * rows[32]['jit_pass_over_lower_compile']:.2f} % through `cmatmul_pass.jit`") in section
+    assert f"(its intervals' low ends {min(lows):.3f}–{max(lows):.3f})" in section
+    small = [f"{100 * rows[layers]['jit_pass_over_lower_compile']:.2f}" for layers in (1, 4, 8, 16)]
+    assert f"it took {', '.join(small[:3])} and {small[3]} % at 1, 4, 8 and 16 layers there" in section
+    assert max(100 * rows[layers]["jit_pass_over_lower_compile"] for layers in rows) <= 3
 
 
 def test_the_fourteenth_session_paragraph_quotes_its_runs():
