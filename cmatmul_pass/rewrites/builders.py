@@ -104,9 +104,9 @@ class Builder:
 
     Scalar index (ui32) constants, zero tensors and a ring's position (none of which reads a
     value, or another of them) are made once per block, at the start of the block in an order
-    of their own (:func:`_rank`), so they dominate every use in it whichever site asks first; builders made with :meth:`at`, and all the
-    builders of one pass run when they are given the same ``constants`` dict, share
-    them.  The pass only caches values in blocks it inserts into, and never erases
+    of their own (:func:`_rank`), so they dominate every use in it whichever site asks first;
+    builders made with :meth:`at`, and all the builders of one pass run when they are given
+    the same ``constants`` dict, share them.  The pass only caches values in blocks it inserts into, and never erases
     those (it erases reduce_scatter regions, which it never inserts into).  The same dict
     holds the result types and attributes its slices and permutes repeat (uniqued in the
     context: one run's).
