@@ -81,7 +81,6 @@ from ._jax_private import hlo, ir, location_stripper, sdy
 from .report import Report, SiteReport
 from .rewrites.builders import forget_inside
 from .layout import LAYOUT_OPS
-from .sharing import FUNCTION_PREFIX
 
 #: the twin and at least two regions more (with :data:`CHECK`, the probe among them): below that replay would
 #: save one region's rewrite, and two identical regions are common in small programs, whose output the twin's
@@ -337,7 +336,7 @@ class Plan:
         """Does ``op``'s ring stay inline, unshared (:mod:`.sharing`)?  So it does in the regions the
         pipeline rewrites for a group (a twin, which becomes the function its copies call; a probe, a
         checked trimmed region, each checked against a copy of the twin)."""
-        return self.top_level(op) in self.checked
+        return self.checked_region(op) is not None
 
     def checked_region(self, op: ir.Operation | ir.OpView) -> ir.Block | None:
         """The body of the region holding ``op`` if the pipeline rewrites it for a group (a twin, a probe)."""
@@ -909,8 +908,6 @@ def _pure(op: ir.Operation, module_body: ir.Block, memo: dict) -> bool:
         return False
     if name == "func.call":
         callee = ir.FlatSymbolRefAttr(op.attributes["callee"]).value
-        if callee.startswith(FUNCTION_PREFIX):
-            return True  # a ring function (cmatmul_pass.sharing): the ring of a site's collective and dots
         if callee not in memo:
             memo[callee] = False  # (a recursive call: not pure, until shown)
             function = next((f.operation for f in module_body.operations if f.operation.name == "func.func"

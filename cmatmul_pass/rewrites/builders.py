@@ -106,8 +106,8 @@ class Builder:
     value, or another of them) are made once per block, at the start of the block in an order
     of their own (:func:`_rank`), so they dominate every use in it whichever site asks first;
     builders made with :meth:`at`, and all the builders of one pass run when they are given
-    the same ``constants`` dict, share them.  The pass only caches values in blocks it inserts into, and never erases
-    those (it erases reduce_scatter regions, which it never inserts into).  The same dict
+    the same ``constants`` dict, share them.  The pass only caches values in blocks it inserts
+    into, and never erases those (it erases reduce_scatter regions, which it never inserts into).  The same dict
     holds the result types and attributes its slices and permutes repeat (uniqued in the
     context: one run's).
     """

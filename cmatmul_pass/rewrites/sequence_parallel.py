@@ -427,8 +427,7 @@ def _erase_with_dead_sources(op: ir.OpView, carried: set) -> None:
     ops: they are erased in their turn)."""
     # each source once, told apart while all are alive: ``op`` may read one twice (``clamp %b, %x, %b``),
     # and the bindings may hand out two objects for it, the second dangling once the first erases it
-    sources = list({hash(owner): owner for owner in
-                    (v.owner.operation for v in op.operation.operands if not isinstance(v.owner, ir.Block))}.values())
+    sources = list(dict.fromkeys(v.owner.operation for v in op.operation.operands if not isinstance(v.owner, ir.Block)))
     op.operation.erase()
     for owner in sources:
         if owner not in carried and owner.name in ("stablehlo.broadcast_in_dim", "stablehlo.constant") and \

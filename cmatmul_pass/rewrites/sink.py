@@ -89,8 +89,8 @@ def plan(all_gather: ir.OpView) -> Plan | str:
         return loops
     # one loop reached twice (a later region taking the stack as two arguments, both carried by one
     # loop) would be rebuilt twice, the second time from the loop the first erased
-    every = [hash(loop.op.operation) for loop in loops] + \
-        [hash(loop.op.operation) for h in handoffs for _, _, reached in h.targets for loop in reached]
+    every = [loop.op.operation for loop in loops] + \
+        [loop.op.operation for h in handoffs for _, _, reached in h.targets for loop in reached]
     if len(set(every)) < len(every):
         return "a loop takes it twice"
     return Plan(loops, handoffs) if loops or handoffs else "nothing reads it"
@@ -361,7 +361,7 @@ def inline_scan_bodies(found: dict[str, list]) -> list[str]:
     functions = _Functions(loops[0])
     # the function each loop is in (named while all are alive): a loop in a function erased once its
     # last call is inlined is gone (its object dangling), and its body's calls with it
-    home = [ir_utils.symbol_name(_function_of(loop.operation)) for loop in loops]
+    home = [ir_utils.enclosing_func_name(loop) for loop in loops]
     names = []
     for loop, where in zip(loops, home):
         if where not in functions.by_name:
@@ -374,13 +374,6 @@ def inline_scan_bodies(found: dict[str, list]) -> list[str]:
                 break
             names += [inline(call, functions, functions.private(call)) for call in calls]
     return list(dict.fromkeys(names))
-
-
-def _function_of(op: ir.Operation) -> ir.OpView:
-    """The function holding ``op``."""
-    while op.name != "func.func":
-        op = op.parent
-    return op.opview
 
 
 def inline(call: ir.OpView, functions: _Functions, callee: ir.OpView | None = None) -> str:
