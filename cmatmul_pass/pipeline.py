@@ -421,7 +421,7 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
                     sunk = None
                     if feeds_a_loop(op):
                         site = match_all_gather(op, info, assemble=options.assemble)
-                        sunk = _sink_gather(site, ctx, options)
+                        sunk = _sink_gather(site, ctx, options, variance)
                     if isinstance(sunk, Sunk):
                         notes = _sunk_notes(sunk, source)
                         for layer_gather in sunk.all_gathers:  # each a gather of one layer, read by the body's dot
@@ -779,7 +779,7 @@ def _merge_stages(site: Site, info: ModuleInfo, ctx: RewriteContext, options: Op
     return _TwoStage(pricing, reason=f"{head}; both stay plain gathers: {why}; {numbers}")
 
 
-def _sink_gather(site: Site, ctx: RewriteContext, options: Options) -> Sunk | str | None:
+def _sink_gather(site: Site, ctx: RewriteContext, options: Options, variance: Variance) -> Sunk | str | None:
     """A gather of stacked weights whose loop reads one layer per trip (a scan over layers):
     sink it into the loop (:mod:`.rewrites.sink`).  Returns what was built, why it could not
     be (a loop reads the value otherwise), or None (no loop reads it).  Only under
@@ -789,7 +789,7 @@ def _sink_gather(site: Site, ctx: RewriteContext, options: Options) -> Sunk | st
         return None
     if not feeds_a_loop(site.anchor):
         return None
-    where = sink_plan(site.anchor)
+    where = sink_plan(site.anchor, variance, site.ring)
     if isinstance(where, str):
         return where
     return sink_gather(site.anchor, where, ctx.take_channel)

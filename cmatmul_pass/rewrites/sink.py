@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 
 from .. import ir_utils
 from .._jax_private import hlo, ir
+from ..analysis.variance import Variance
+from ..ring import Ring
 from ..layout import is_layout_op
 from .builders import forget_inside, zeros_attr
 from .dot_all_reduce import sum_region
@@ -78,15 +80,33 @@ class Plan:
     handoffs: list[Handoff]
 
 
-def plan(all_gather: ir.OpView) -> Plan | str:
+def plan(all_gather: ir.OpView, variance: Variance, ring: Ring) -> Plan | str:
     """Where the gather can sink (the loops reading the stack, here and in the regions it is
-    handed to), or why it cannot (a sentence)."""
+    handed to), or why it cannot (a sentence).
+
+    Side conditions, each checked (``variance``: over ``ring``, the gather's groups):
+    every reader of the stack is a loop that carries it unchanged and reads it only through
+    slices keeping dim ``g`` whole (so the gather and the slice commute elementwise); each
+    slice's start indices are identical on every device of the group (device ``d``'s gathered
+    slice is made of every member's slice at *its* start: the same rows only if the starts
+    agree); and every device of the group executes each slice equally often (each loop
+    between it and the gather runs an identical trip count, each ``case``/``if`` between
+    takes an identical branch): a gather put in control flow that the group's devices run
+    differently would wait for partners that never come."""
     dim = ir_utils.int_attr(all_gather.operation, "all_gather_dim")
     full = ir.RankedTensorType(all_gather.result.type).shape[dim]
     handoffs: list[Handoff] = []
-    loops = _loops_reading(all_gather.result, dim, full, handoffs)
+    slices: list[tuple] = []  # (slice, the calls reaching it from its loop's block, that block)
+    loops = _loops_reading(all_gather.result, dim, full, handoffs, slices)
     if isinstance(loops, str):
         return loops
+    for slice_op, calls, block in slices:
+        starts = [v for i, v in enumerate(slice_op.operands[1:]) if i != dim]
+        if not all(variance.identical_in(v, ring, calls) for v in starts):
+            return "the loop slices it at an index that may differ between the devices of the gather's group"
+        why = variance.uniform_control(slice_op, block, ring, calls)
+        if why:
+            return f"the slice's place is not run alike on the gather's group: {why}"
     # one loop reached twice (a later region taking the stack as two arguments, both carried by one
     # loop) would be rebuilt twice, the second time from the loop the first erased
     every = [loop.op.operation for loop in loops] + \
@@ -126,14 +146,16 @@ def _handed_to(value: ir.Value, constraints: list[ir.Operation]) -> list[tuple[i
     return readers
 
 
-def _loops_reading(value: ir.Value, dim: int, full: int, handoffs: list[Handoff] | None) -> list[Loop] | str:
+def _loops_reading(value: ir.Value, dim: int, full: int, handoffs: list[Handoff] | None,
+                   slices: list) -> list[Loop] | str:
     """The loops ``value`` (the stack) is read by, each only through slices of single layers
-    (and, with ``handoffs``, the regions it is returned to); or why not."""
+    (and, with ``handoffs``, the regions it is returned to); or why not.  Each slice is added
+    to ``slices`` with the calls on the way to it and ``value``'s block."""
     loops: list[Loop] = []
     for use in value.uses:
         owner = use.owner.operation
         if owner.name == RETURN and handoffs is not None:
-            why = _handoff(owner, use.operand_number, dim, full, handoffs)
+            why = _handoff(owner, use.operand_number, dim, full, handoffs, slices)
             if why:
                 return why
             continue
@@ -151,14 +173,17 @@ def _loops_reading(value: ir.Value, dim: int, full: int, handoffs: list[Handoff]
         if list(while_op.results[k].uses):
             return "it is read after the loop"
         loop = Loop(while_op, k)
-        why = _read_by_slices(body.arguments[k], dim, full, _Functions(while_op), _terminator(body))
+        found: list = []
+        why = _read_by_slices(body.arguments[k], dim, full, _Functions(while_op), _terminator(body), found=found)
+        home = value.owner if isinstance(value.owner, ir.Block) else value.owner.operation.block
+        slices += [(slice_op, calls, home) for slice_op, calls in found]
         if why:
             return why
         loops.append(loop)
     return loops
 
 
-def _handoff(ret: ir.Operation, operand: int, dim: int, full: int, handoffs: list[Handoff]) -> str | None:
+def _handoff(ret: ir.Operation, operand: int, dim: int, full: int, handoffs: list[Handoff], slices: list) -> str | None:
     region = ret.parent
     if region is None or region.name != MANUAL:
         return f"it is also read by {ret.name}"
@@ -166,7 +191,7 @@ def _handoff(ret: ir.Operation, operand: int, dim: int, full: int, handoffs: lis
     for reader, index in _handed_to(region.results[operand], constraints):
         if reader.name != MANUAL:
             return f"it leaves its shard_map region for {reader.name}"
-        loops = _loops_reading(reader.regions[0].blocks[0].arguments[index], dim, full, None)
+        loops = _loops_reading(reader.regions[0].blocks[0].arguments[index], dim, full, None, slices)
         if isinstance(loops, str):
             return f"it leaves its region for a later one (a training step's backward), where {loops}"
         targets.append((reader.opview, index, loops))
@@ -205,10 +230,12 @@ class _Functions:
 
 
 def _read_by_slices(value: ir.Value, dim: int, full: int, functions: _Functions,
-                    passes: ir.Operation | None = None, depth: int = 0) -> str | None:
+                    passes: ir.Operation | None = None, depth: int = 0, found: list | None = None,
+                    calls: tuple = ()) -> str | None:
     """None when every reader of ``value`` is a dynamic_slice keeping ``dim`` whole, directly or
     in a private function it is passed to (which :func:`sink` inlines), or ``passes`` (the loop
-    body's terminator, handing it to the next trip unchanged); else why not."""
+    body's terminator, handing it to the next trip unchanged); else why not.  Each slice goes
+    to ``found`` with the calls on the way to it (``calls``: those to ``value``'s function)."""
     if depth > 8:
         return "it is passed through more than 8 nested calls"
     for use in value.uses:
@@ -218,13 +245,15 @@ def _read_by_slices(value: ir.Value, dim: int, full: int, functions: _Functions,
         if user.name == SLICE and use.operand_number == 0:
             if _sizes(user)[dim] != full:
                 return f"the loop slices it along the gathered dim {dim}"
+            if found is not None:
+                found.append((user, calls))
             continue
         if user.name == CALL:
             callee = functions.callee(user.opview)
             if callee is None:
                 return "it is passed to a function that is not a private one-block func.func without collectives"
             param = callee.regions[0].blocks[0].arguments[use.operand_number]
-            why = _read_by_slices(param, dim, full, functions, depth=depth + 1)
+            why = _read_by_slices(param, dim, full, functions, depth=depth + 1, found=found, calls=(*calls, user))
             if why:
                 return why
             continue
