@@ -395,7 +395,7 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
             for op in scatters:
                 since, place = len(report.sites), place_of(op)
                 site = match_reduce_scatter(op, info)
-                hoisted = _hoist_scatter(site, ctx, options)
+                hoisted = _hoist_scatter(site, ctx, options, variance)
                 if isinstance(hoisted, Hoisted):  # each layer's block scattered in the loop, ringed with its dot
                     where = ir_utils.render_location(hoisted.loop.location, source)
                     for scattered in hoisted.reduce_scatters:
@@ -805,14 +805,14 @@ def _sunk_notes(sunk: Sunk, source: str) -> list[str]:
             "reads, so one layer's gathered weight is alive instead of the whole stack", *handed]
 
 
-def _hoist_scatter(site: Site, ctx: RewriteContext, options: Options) -> Hoisted | str | None:
+def _hoist_scatter(site: Site, ctx: RewriteContext, options: Options, variance: Variance) -> Hoisted | str | None:
     """A scatter of a stacked gradient a loop assembles layer by layer (a scan's backward): move it
     into the loop (:func:`.rewrites.sink.hoist`).  What was built, why it could not be, or None
     (its operand is no loop's).  Only under ``policy="all"``."""
     if not isinstance(site, DeclinedSite) or site.code != "producer_not_dot" or site.ring is None \
             or options.policy != "all":
         return None
-    where = hoist_plan(site.anchor)
+    where = hoist_plan(site.anchor, variance, site.ring)
     if where is None or isinstance(where, str):
         return where
     return hoist_scatter(where, ctx.take_channel)

@@ -501,9 +501,19 @@ class Hoisted:
     loop: ir.OpView
 
 
-def hoist_plan(reduce_scatter: ir.OpView) -> Hoist | str | None:
+def hoist_plan(reduce_scatter: ir.OpView, variance: Variance, ring: Ring) -> Hoist | str | None:
     """Whether the scatter can move into the loop that assembles its operand: the plan, why not
-    (a sentence), or None (its operand is no loop's result)."""
+    (a sentence), or None (its operand is no loop's result).
+
+    Side conditions, each checked (``variance``: over ``ring``, the scatter's groups): the
+    buffer starts as zeros and the loop's only use of it is one ``dynamic_update_slice`` per
+    trip that writes whole layers along the scattered dim (so each slot holds one update, and
+    scattering it is scattering that update); the update's start indices are identical on
+    every device of the group (device ``d``'s block of slot ``k`` sums every member's update
+    written at ``k``: the same slot only if the indices agree); the loop runs an identical
+    trip count on the group, and every ``case``/``if`` or loop between the update and the loop
+    body takes an identical path (the scatter waits for every member); the scatter follows the
+    loop in the loop's own block (it runs whenever the loop does)."""
     value = reduce_scatter.operation.operands[0]
     owner = value.owner
     if isinstance(owner, ir.Block) or owner.operation.name != WHILE:
@@ -513,6 +523,8 @@ def hoist_plan(reduce_scatter: ir.OpView) -> Hoist | str | None:
     full = ir.RankedTensorType(value.type).shape[dim]
     if len(list(value.uses)) != 1:
         return "the loop's stacked result is also read elsewhere"
+    if reduce_scatter.operation.block != loop.operation.block:
+        return "the scatter is not in the loop's own block"
     if not _is_zero(loop.operation.operands[k]):
         return "the loop's stacked buffer does not start as zeros"
     cond, body = (region.blocks[0] for region in loop.regions)
@@ -522,27 +534,38 @@ def hoist_plan(reduce_scatter: ir.OpView) -> Hoist | str | None:
     update = _single_update(body.arguments[k], _terminator(body), k, functions)
     if isinstance(update, str):
         return update
+    update, calls = update
     sizes = ir.RankedTensorType(update.operation.operands[1].type).shape
     if sizes[dim] != full:
         return f"the loop writes blocks of the scattered dim {dim}, not whole layers"
+    starts = [v for i, v in enumerate(update.operation.operands[2:]) if i != dim]
+    if not all(variance.identical_in(v, ring, calls) for v in starts):
+        return "the loop writes each layer at a slot that may differ between the devices of the scatter's group"
+    why = variance.uniform_control(update, loop.operation.block, ring, calls)
+    if why:
+        return f"the update's place is not run alike on the scatter's group: {why}"
     return Hoist(reduce_scatter, loop, k)
 
 
-def _single_update(arg: ir.Value, terminator: ir.Operation, k: int, functions: _Functions):
-    """The dynamic_update_slice writing the buffer ``arg`` (the body's op, or inside the private
-    function it calls) when the body's only use of it is one update whose result the body returns
-    at ``k``; else why not."""
+def _single_update(arg: ir.Value, terminator: ir.Operation, k: int, functions: _Functions, calls: tuple = ()):
+    """(the dynamic_update_slice writing the buffer ``arg``, the calls on the way to it) when the
+    body's only use of it is one update whose result the body returns at ``k`` (the op itself,
+    or inside the private functions it is passed to); else why not."""
     uses = [u for u in arg.uses]
     if len(uses) != 1:
         return "the loop body reads the stacked buffer other than by one update per trip"
     user = uses[0].owner.operation
-    if len(user.results) != 1 or terminator.operands[k] != user.results[0]:
+    returned = [r for r in user.results if terminator.operands[k] == r]
+    if len(returned) != 1 or sum(v == returned[0] for v in terminator.operands) != 1:
         return "the loop body returns something else than its update of the stacked buffer"
+    if len(list(returned[0].uses)) != 1:  # the return's: nothing else reads the updated buffer
+        return "the loop body reads its update of the stacked buffer again"
     if user.name == DUS and uses[0].operand_number == 0:
-        return user.opview
-    if user.name == CALL and uses[0].operand_number == 0 and (callee := functions.callee(user.opview)) is not None:
+        return user.opview, list(calls)
+    if user.name == CALL and (callee := functions.callee(user.opview)) is not None and len(calls) < 8:
         block = callee.regions[0].blocks[0]
-        return _single_update(block.arguments[0], _terminator(block), 0, functions)
+        return _single_update(block.arguments[uses[0].operand_number], _terminator(block),
+                              ir.OpResult(returned[0]).result_number, functions, (*calls, user))
     return f"the loop body writes the stacked buffer with {user.name}"
 
 
@@ -571,8 +594,7 @@ def hoist(where: Hoist, take_channel) -> Hoisted:
     rs, loop, k = where.reduce_scatter, where.loop, where.operand
     functions = _Functions(loop)
     body = loop.regions[1].blocks[0]
-    first = list(body.arguments[k].uses)[0].owner.operation
-    if first.name == CALL:
+    while (first := list(body.arguments[k].uses)[0].owner.operation).name == CALL:  # to the update
         inline(first.opview, functions)
     block_t = ir.RankedTensorType(rs.result.type)
     with ir.InsertionPoint(loop.operation):
