@@ -1,0 +1,169 @@
+"""Every motion of a collective is proven against device-varying values: for each side
+condition a program that breaks it (the collective stays where it is, with a true reason,
+and the rewritten program computes what the original does) and its legal twin (still moved,
+and still right).
+
+- sink: ``slice(all_gather(w), k) == all_gather(slice(w, k))`` needs ``k`` identical on the
+  gather's group, and the slice run alike by the group (a loop's trip count, a branch);
+- hoist: ``rs(dus(b, u, k)) == dus(rs(b), rs(u), k)`` needs the same of the update's slot ``k``
+  and of the loop;
+- moves past row-wise ops and the psum split's carry: every operand the moved ops read beside
+  the rows (a gain) identical on the group, seen through composites' decompositions.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import cmatmul_pass
+from cmatmul_pass import execute, ir_utils
+
+MESH = jax.make_mesh((8,), ("model",))
+L, H = 4, 32
+
+
+def _layer(stack, i):
+    return jax.lax.dynamic_index_in_dim(stack, i, 0, keepdims=False)
+
+
+def sink_program(kind: str, twin: bool):
+    """A stacked [L, H, H] weight gathered before a loop that reads one layer per trip, with a
+    device-varying index, trip count or branch predicate (``twin``: an identical one)."""
+
+    def body(x, ws):
+        stack = jax.lax.all_gather(ws, "model", axis=2, tiled=True)
+        ax = jax.lax.axis_index("model")
+        if kind == "index":
+            return jax.lax.fori_loop(0, L, lambda i, h: jnp.tanh(h @ _layer(stack, i if twin else (i + ax) % L)), x)
+        if kind == "trip":
+            return jax.lax.fori_loop(0, L if twin else L - ax % 2, lambda i, h: jnp.tanh(h @ _layer(stack, i)), x)
+        scan = lambda h: jax.lax.fori_loop(0, L, lambda i, h: jnp.tanh(h @ _layer(stack, i)), h)  # noqa: E731
+        return jax.lax.cond(x[0, 0] > 0 if twin else ax < 4, scan, lambda h: h * 2.0, x)
+
+    spec = P(None, None, "model")
+    f = jax.shard_map(body, mesh=MESH, in_specs=(P(), spec), out_specs=P(), check_vma=False)
+    return f, [jax.ShapeDtypeStruct((16, H), jnp.float32),
+               jax.ShapeDtypeStruct((L, H, H), jnp.float32, sharding=NamedSharding(MESH, spec))]
+
+
+def hoist_program(kind: str, twin: bool):
+    """A loop writing one [16, H] layer per trip into a zero [L, 16, H] buffer, scattered
+    after it, at a device-varying slot or for a device-varying trip count (``nested``: written
+    with dynamic_update_index_in_dim, two nested calls, at slot i)."""
+
+    def body(x, w):
+        ax = jax.lax.axis_index("model")
+
+        def step(i, buf):
+            g = jnp.tanh(x @ w) * (i + 1)
+            if kind == "nested":
+                return jax.lax.dynamic_update_index_in_dim(buf, g, i, 0)
+            k = (i + ax) % L if kind == "index" and not twin else i
+            return jax.lax.dynamic_update_slice(buf, g[None], (k, 0, 0))
+
+        trips = L - ax % 2 if kind == "trip" and not twin else L
+        buf = jax.lax.fori_loop(0, trips, step, jnp.zeros((L, 16, H), jnp.float32))
+        return jax.lax.psum_scatter(buf, "model", scatter_dimension=2, tiled=True)
+
+    f = jax.shard_map(body, mesh=MESH, in_specs=(P(), P()), out_specs=P(None, None, "model"), check_vma=False)
+    return f, [jax.ShapeDtypeStruct((16, H), jnp.float32), jax.ShapeDtypeStruct((H, H), jnp.float32)]
+
+
+def _gain(gain, twin: bool):
+    """``gain`` scaled inside a ``jax.lax.composite`` whose decomposition reads the device's
+    index (``twin``: by 1)."""
+    def scaled(g):
+        return g * (1.0 if twin else 1.0 + jax.lax.axis_index("model").astype(jnp.float32))
+    return jax.lax.composite(scaled, name="test.gain")(gain)
+
+
+def gain_program(split: bool, twin: bool):
+    """Rows gathered, RMS-normalised and scaled by a composite's gain before a dot; or
+    (``split``) a psum of a dot, scaled so, into the next dot."""
+
+    def norm(x, w1, gain):
+        h = jax.lax.all_gather(x, "model", axis=0, tiled=True)
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6) * _gain(gain, twin)
+        return h @ w1
+
+    def psum(x, w1, w2, gain):
+        return (jax.lax.psum(x @ w1, "model") * _gain(gain, twin)) @ w2
+
+    def sharded(shape, spec):
+        return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(MESH, spec))
+
+    if split:
+        specs = (P(None, "model"), P("model", None), P(None, "model"), P())
+        f = jax.shard_map(psum, mesh=MESH, in_specs=specs, out_specs=P(None, "model"), check_vma=False)
+        return f, [sharded((64, 64), specs[0]), sharded((64, H), specs[1]), sharded((H, 64), specs[2]),
+                   jax.ShapeDtypeStruct((H,), jnp.float32)]
+    specs = (P("model"), P(), P())
+    f = jax.shard_map(norm, mesh=MESH, in_specs=specs, out_specs=P(), check_vma=False)
+    return f, [sharded((64, H), specs[0]), jax.ShapeDtypeStruct((H, H), jnp.float32),
+               jax.ShapeDtypeStruct((H,), jnp.float32)]
+
+
+def rewritten(program, options=None):
+    f, args = program
+    text = jax.jit(f).lower(*args).as_text()
+    result = cmatmul_pass.rewrite(text, options)
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()
+    return result
+
+
+def notes(result) -> str:
+    return "\n".join(f"{s.reason}\n" + "\n".join(s.notes) for s in result.report.sites)
+
+
+@pytest.mark.parametrize("kind,why", [
+    ("index", "the loop slices it at an index that may differ between the devices of the gather's group"),
+    ("trip", "a loop whose trip count may differ between the devices of the group encloses it"),
+    ("cond", "a case whose index may differ between the devices of the group encloses it"),
+])
+def test_a_gather_sinks_only_where_the_group_reads_alike(kind, why):
+    result = rewritten(sink_program(kind, twin=False))
+    (site,) = result.report.sites
+    assert not site.rewritten and why in site.reason, site.reason
+    twin = rewritten(sink_program(kind, twin=True))
+    (site,) = twin.report.sites
+    assert site.rewritten and site.notes[0].startswith("sunk into the loop"), notes(twin)
+
+
+@pytest.mark.parametrize("kind,why", [
+    ("index", "the loop writes each layer at a slot that may differ between the devices of the scatter's group"),
+    ("trip", "a loop whose trip count may differ between the devices of the group encloses it"),
+])
+def test_a_scatter_hoists_only_where_the_group_writes_alike(kind, why):
+    result = rewritten(hoist_program(kind, twin=False))
+    assert not result.report.rewritten and f"not hoisted into the loop: " in notes(result)
+    assert why in notes(result)
+    twin = rewritten(hoist_program(kind, twin=True))
+    (site,) = twin.report.rewritten
+    assert site.notes[0].startswith("hoisted into the loop"), notes(twin)
+
+
+def test_a_scatter_hoists_through_nested_calls():
+    """dynamic_update_index_in_dim is a call of a call around the update: both are inlined."""
+    result = rewritten(hoist_program("nested", twin=True))
+    (site,) = result.report.rewritten
+    assert site.notes[0].startswith("hoisted into the loop")
+    assert not ir_utils.ops_named(result.module, "func.call")["func.call"]
+
+
+def test_a_gather_moves_past_a_gain_only_when_the_group_shares_it():
+    """The gain is a composite whose decomposition reads axis_index: not identical, so the
+    gather is rung with the row-wise ops per block instead of moved past them."""
+    result = rewritten(gain_program(split=False, twin=False))
+    assert not any(n.startswith("moved to its dot") for s in result.report.sites for n in s.notes), notes(result)
+    twin = rewritten(gain_program(split=False, twin=True))
+    assert any(n.startswith("moved to its dot past") for s in twin.report.sites for n in s.notes), notes(twin)
+
+
+def test_a_split_psum_carries_its_gather_past_a_gain_only_when_the_group_shares_it():
+    options = cmatmul_pass.Options(all_reduce="split")
+    result = rewritten(gain_program(split=True, twin=False), options)
+    assert "gathered before stablehlo.multiply" in result.report.sites[0].summary_line()
+    twin = rewritten(gain_program(split=True, twin=True), options)
+    assert "row-wise op(s) after it now run on this device's rows" in notes(twin)
