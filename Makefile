@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 DEMO_SAMPLE := hlo_samples/sp_mlp.mlir
 
-.PHONY: venv demo test test-jax fuzz bench samples goldens reasons-doc clean
+.PHONY: venv demo test test-jax fuzz bench bench-doc samples goldens reasons-doc cli-doc clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,10 @@ fuzz: $(STAMP)
 bench: $(STAMP)
 	$(PY) tools/bench.py
 
+# Rewrite docs/performance.md's tables from bench/results.json (tests/test_bench.py checks they are current).
+bench-doc: $(STAMP)
+	$(PY) tools/gen_bench_doc.py
+
 # Regenerate hlo_samples/ from the JAX programs in tools/gen_samples.py (then refresh goldens).
 samples: $(STAMP)
 	$(PY) tools/gen_samples.py
@@ -57,5 +61,9 @@ goldens: $(STAMP)
 reasons-doc: $(STAMP)
 	$(PY) tools/gen_reasons_doc.py
 
+# Rewrite docs/cli.md's option and exit-code tables from cmatmul_pass/cli.py (tests/test_docs.py checks them).
+cli-doc: $(STAMP)
+	$(PY) tools/gen_cli_doc.py
+
 clean:
-	rm -rf $(VENV) .venv-jax-* demo_out .pytest_cache
+	rm -rf $(VENV) .venv-jax-* demo_out .pytest_cache build/bench

@@ -1,10 +1,8 @@
 """``python -m cmatmul_pass {rewrite,check,explain,bench}`` (also installed as ``cmatmul-pass``).
 
-Exit codes: 0 success (also ``check``/``bench`` on a module where no site was rewritten: one
-line says there is nothing to compare or time); 1 numerics mismatch (``check``, ``bench``);
-2 bad input or usage (one line on stderr, ``cmatmul_pass: error: FILE[:LINE:COL]: message``, no
-traceback, no output file); 3 internal error (a cmatmul_pass bug: the rewrite did not verify).
-The input defaults to stdin when omitted, as ``mlir-opt`` reads it.
+The exit codes are ``EXIT_CODES`` (every command's ``--help`` ends with them; docs/cli.md is
+written from them and from the parser by ``tools/gen_cli_doc.py``). The input defaults to stdin
+when omitted, as ``mlir-opt`` reads it.
 """
 
 from __future__ import annotations
@@ -13,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 from pathlib import Path
 
 from . import __version__
@@ -39,6 +38,25 @@ COLLECTIVES = ("stablehlo.all_reduce", "stablehlo.all_gather", "stablehlo.reduce
                "stablehlo.collective_permute")
 
 
+#: what each exit status means, for every command
+EXIT_CODES = {
+    0: "done; also `check` or `bench` on a module where no site was rewritten (said in one line)",
+    1: "numerics mismatch (`check`, `bench`: a rewritten program computes something else)",
+    2: "bad input or usage: one line on stderr naming the file and its line:col, no traceback, no output "
+       "file written; also XLA failing to compile or run a module for `check` or `bench`",
+    3: "could not finish: an internal error (a rewrite that does not verify: a bug here, please report it), "
+       "or `check` could not check (an input layout it cannot make, an error of the check itself, "
+       "outputs the original itself leaves inf/NaN)",
+}
+
+
+def exit_codes_epilog() -> str:
+    """The exit codes as every ``--help`` ends with them."""
+    return "exit codes:\n" + "\n".join(
+        textwrap.fill(meaning.replace("`", ""), 78, initial_indent=f"  {code}  ", subsequent_indent="     ")
+        for code, meaning in EXIT_CODES.items())
+
+
 class NothingToRun(Exception):
     """``check`` / ``bench`` on a module where the pass rewrote no site: the rewritten program is
     the original, so there is nothing to compare or time (said in one line, exit 0)."""
@@ -53,12 +71,14 @@ def ensure_cpu_devices(count: int = DEFAULT_CPU_DEVICES) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Collective-matmul rewriting for StableHLO.",
-                                     allow_abbrev=False)
+                                     allow_abbrev=False, epilog=exit_codes_epilog(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add_command(name: str, **kw) -> argparse.ArgumentParser:  # no prefix abbreviations, anywhere
-        return sub.add_parser(name, allow_abbrev=False, **kw)
+        return sub.add_parser(name, allow_abbrev=False, epilog=exit_codes_epilog(),
+                              formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
 
     def add_report(p: argparse.ArgumentParser) -> None:
         p.add_argument("--report-json", metavar="PATH", help="write the per-site report as JSON")
@@ -135,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add_command("rewrite", help="rewrite a module")
     add_input(p)
-    p.add_argument("-o", "--output", default="-", help="output path ('-': stdout, the default)")
+    p.add_argument("-o", "--output", default="-", help="output path ('-': stdout)")
     add_report(p)
     p.add_argument("--debug-info", action="store_true", help="print locations in the output")
     p.add_argument("--emit-bytecode", action="store_true", help="write MLIR bytecode instead of text")
@@ -147,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     p = add_command("check", help="rewrite, run original and rewritten on CPU devices, compare outputs "
-                                  "(exit 0 as accurate as the original, 1 mismatch, 2 bad input, 3 could not check)")
+                                  "(exit 0: as accurate as the original; 1: a mismatch)")
     add_input(p)
     add_report(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
@@ -645,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
         prefix = "" if isinstance(exc, InputError) else f"{where}: "
         print(f"{PROG}: error: {prefix}{exc}", file=sys.stderr)
         return 2
-    except _xla_errors() as exc:  # XLA refused to compile or run a module (the original, for check)
+    except _xla_errors() as exc:  # XLA refused to compile or run a module (the original, for check): exit 2
         message = " ".join(str(exc).split())[:300]
         print(f"{PROG}: error: {where}: XLA could not compile or run the module: {message}", file=sys.stderr)
         return 2

@@ -1,5 +1,7 @@
-"""The benchmark script runs and writes its results (a smoke test: no timing is asserted here —
-performance numbers come from `make bench`)."""
+"""The benchmark script runs and writes its results (smoke tests: no timing is asserted here —
+performance numbers come from `make bench`); the stored record, bench/results.json, has the
+schema the script writes, its verdicts are what the script computes from its values, and
+docs/performance.md quotes it (tools/gen_bench_doc.py)."""
 
 import json
 import statistics
@@ -8,11 +10,72 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tools import bench
+from tools import bench, gen_bench_doc
+
+RECORD = bench.ROOT / "bench" / "results.json"
+PER_LAYER = {"layers", "sites", "rewritten", "kinds", "shared", "ring_functions", "lower_s", "compile_s", "pass_s",
+             "parse_print_s", "pass_over_lower_compile", "parse_print_over_lower_compile", "jit_pass_s",
+             "jit_pass_over_lower_compile", "pass_split_psums_s"}
+RING_ROW = {"kind", "shape", "runs", "hand_written_s", "default_variant", "default_is", "hand_written_over_plain",
+            "hand_written_again", "over_hand_written", *(f"{name}_{what}" for name in ("default", "default_program",
+                                                                                    "hand_written_again")
+                                                        for what in ("paired", "interval", "verdict"))}
+DISPATCH_ROW = {"leaves", "runs", "calls_per_round", "us_per_call", "misses", "cmatmul_pass_jit_over_jax_jit",
+                "cmatmul_pass_jit_interval", "python_dispatch_over_jax_jit", "python_dispatch_interval"}
+
+
+def check_record(results: dict, full: bool = True) -> None:
+    """``results`` has what ``make bench`` writes (``full``: the ring and dispatch parts too, which
+    ``--ring-runs 0`` skips), and its targets are what :func:`bench.targets` makes of its values."""
+    head = {"date", "cpus", "jax", "devices", "runs", "layer_runs", "pass_cost", "samples", "layer",
+            "samples_median_ratio", "fastest_variant", "within_5_percent_of_fastest", "megatron", "targets"}
+    assert set(results) == head | ({"rings", "dispatch"} if full else set())
+    assert isinstance(results["date"], str) and results["cpus"] > 0 and results["devices"]
+    cost_ = results["pass_cost"]
+    assert set(cost_) == {"model", "per_layers", "compile_ratio", "compile_ratio_by_layers",
+                          "compile_ratio_default_by_layers", "repeats", "compile_ratio_hand_written_rings",
+                          "scaling_32_over_8", "profile"}
+    for model in (cost_, results["megatron"]["pass_cost"]):
+        assert model["per_layers"] and all(set(row) == PER_LAYER for row in model["per_layers"])
+    assert set(cost_["compile_ratio"]) == set(bench.VARIANTS)
+    for ratios in cost_["compile_ratio_by_layers"].values():
+        assert set(ratios) == {*bench.VARIANTS, "hand_written_rings"}
+    assert set(results["layer"]) == {"shape", "plain_s", "hand_written_ring_over_plain", "timing", "variants"}
+    assert all(set(v) == {"over_plain", "over_hand_written"} for v in results["layer"]["variants"].values())
+    assert set(results["samples_median_ratio"]) == set(bench.VARIANTS)
+    runtime = results["megatron"]["runtime"]
+    assert set(runtime) == {"shape", "original_s", "over_original", "default_is", "default_sites"}
+    assert set(runtime["over_original"]) == set(gen_bench_doc.STRATEGIES)
+    if full:
+        assert results["rings"] and all(set(row) == RING_ROW for row in results["rings"])
+        assert set(results["rings"][0]["over_hand_written"]) == {"default", *bench.VARIANTS}
+        assert results["dispatch"] and all(set(row) == DISPATCH_ROW for row in results["dispatch"])
+    assert [t["target"] for t in results["targets"]] == [name for name, _ in bench.TARGETS]
+    assert results["targets"] == json.loads(json.dumps(bench.targets(results)))
+
+
+def test_the_stored_record_is_a_whole_make_bench_run():
+    """bench/results.json, the one benchmark record, is a whole ``make bench`` run: every part, the
+    schema the script writes today, and the verdicts the script draws from its values; the pass
+    measured at 1 to 32 layers on both models."""
+    results = json.loads(RECORD.read_text())
+    check_record(results)
+    assert [r["layers"] for r in results["pass_cost"]["per_layers"]] == bench.build_parser().parse_args([]).layers
+    assert sorted(p.name for p in RECORD.parent.iterdir() if p.is_file()) == ["results.json"]
+
+
+def test_the_performance_page_quotes_the_stored_record():
+    """docs/performance.md's tables are what tools/gen_bench_doc.py writes from bench/results.json:
+    commit a new run with `make bench-doc`."""
+    text = gen_bench_doc.DOC.read_text()
+    assert text == gen_bench_doc.updated(text), "docs/performance.md is stale: run `make bench-doc`"
+    results = json.loads(RECORD.read_text())
+    at_32 = {r["layers"]: r for r in results["pass_cost"]["per_layers"]}[32]
+    assert f"| 32 | {at_32['sites']} |" in text and f"{100 * at_32['jit_pass_over_lower_compile']:.2f} %" in text
 
 
 def test_rings_against_a_hand_written_ring():
-    """Issue 35's benchmark: per layer, the default and every variant over the hand-written ring,
+    """The ring benchmark: per layer, the default and every variant over the hand-written ring,
     which computes what the plain layer does (ring_runtime asserts that before timing)."""
     rows = bench.ring_runtime(1, shapes=(("column", 64, 32, 64), ("row", 64, 32, 64)))
     assert [(r["kind"], r["shape"]) for r in rows] == [("column", [64, 32, 64]), ("row", [64, 32, 64])]
@@ -51,6 +114,7 @@ def test_bench_smoke(tmp_path):
                        "--samples", "ag_dot_1d", "rs_dot_1d",
                        "--layer", "64", "32", "64", "--ring-runs", "0", "--out", str(out)]) == 0
     results = json.loads(out.read_text())
+    check_record(results, full=False)
     # the pass's profile lands beside the results, not in the repository's bench/
     assert results["pass_cost"]["profile"] == str(tmp_path / "profile_sequence_parallel_L1.txt")
     assert (tmp_path / "profile_sequence_parallel_L1.txt").stat().st_size > 0
@@ -70,7 +134,7 @@ def test_bench_smoke(tmp_path):
     assert ratios[fastest] == min(ratios.values())
     assert results["within_5_percent_of_fastest"] == [
         k for k in bench.VARIANTS if k != fastest and ratios[k] <= 1.05 * ratios[fastest]]
-    # the run judges itself against issue 7's targets; L = 32 was not run, so those two are unmeasured
+    # the run judges itself against the targets; L = 32 was not run, so those two are unmeasured
     rows = {row["target"]: row for row in results["targets"]}
     assert [row["target"] for row in results["targets"]] == [name for name, _ in bench.TARGETS]
     assert rows["pass time / (lower + compile) at L = 32"]["met"] is None
@@ -97,11 +161,11 @@ def test_targets_name_the_variants_above_each_limit():
         (False, ["full"]),
         (False, ["uni"]),
         (True, []),  # 1.0 is within a limit of 1.0
-        (False, []),  # issue 35's 3 %: 0.048 > 0.03
+        (False, []),  # the tighter 3 %: 0.048 > 0.03
         (None, []),  # the pass as cmatmul_pass.jit runs it: not in these results
         (None, []),  # the rings against the hand-written one: not run
     ]
-    # issue 35's ring target: per shape, the low end of the default's interval (not measurably slower)
+    # the ring target: per shape, the low end of the default's interval (not measurably slower)
     rings = [{"kind": "column", "shape": [8, 4, 8], "default_interval": [0.97, 1.02]},
              {"kind": "row", "shape": [8, 4, 8], "default_interval": [1.01, 1.04]}]
     ring_row = bench.targets({"rings": rings})[-1]
@@ -453,85 +517,6 @@ def test_a_ratio_interval_holds_one_only_where_the_run_cannot_tell_two_programs_
         ratio_interval([1.0, 2.0], [1.0])
 
 
-@pytest.mark.parametrize("model, expected_ms", [("70b", (1.002, 0.945)), ("8b", (0.378, 0.329))])
-def test_the_stored_h100_rings_model_is_what_docs_gpu_md_says(model, expected_ms):
-    """docs/gpu.md compares the model with the gather rings timed on one H100
-    (bench/gpu/h100_calibrate_*_rings.json): the h100 profile, the run's full-dot throughput, no
-    transfers.  ring_model reproduces those predictions; when the profile changes, so must the doc."""
-    from tools import gpu_calibrate
-
-    stored = json.loads((bench.ROOT / "bench" / "gpu" / f"h100_calibrate_{model}_rings.json").read_text())
-    tokens, hidden, ffn = stored["dims"]
-    n = stored["ring"]
-    model_ = gpu_calibrate.ring_model("all_gather_dot", stored["gather_rings"], n, [(tokens, hidden), (hidden, ffn // n)],
-                                      stored["dtype"], "h100")
-    assert [round(1e3 * model_[name]["model_s"], 3) for name in ("ring_uni", "ring_unroll2")] == list(expected_ms)
-
-
-def _readme_performance_summary() -> str:
-    readme = (bench.ROOT / "docs" / "performance-summary.md").read_text()  # the README's, before issue 33
-    start = readme.index("\n## Performance")
-    return readme[start:readme.index("\n## ", start + 1)]
-
-
-def test_the_readme_summary_quotes_the_stored_bench_run():
-    """The README's Performance summary quotes `bench/results.json` (the last `make bench`): a
-    run committed without updating the summary fails here, and so does a summary edited by hand."""
-    results = json.loads((bench.ROOT / "bench" / "results.json").read_text())
-    summary = _readme_performance_summary()
-    rows = {line.split(" | ")[0].lstrip("| "): line for line in summary.splitlines() if line.startswith("| ")}
-    by_layers = {r["layers"]: r for r in results["pass_cost"]["per_layers"]}
-    share = rows["pass time ≤ 5 % of `jax.jit`'s lower + compile, 32 layers (479 sites)"]
-    assert f"{100 * by_layers[32]['pass_over_lower_compile']:.2f} %" in share
-    assert f"parse + print {100 * by_layers[32]['parse_print_over_lower_compile']:.2f} %" in share
-    assert by_layers[32]["sites"] == 479
-    assert f"| {results['pass_cost']['scaling_32_over_8']:.2f} |" in rows["pass time(32 layers) / time(8) ≤ 4.4 (linear)"]
-
-    def span(values: dict) -> str:  # "low (`name`) to high (`name`)"
-        low, high = min(values, key=values.get), max(values, key=values.get)
-        return f"{values[low]:.2f} (`{low}`) to {values[high]:.2f} (`{high}`)"
-
-    compile_row = rows["rewritten module compiles in ≤ 1.2× the original's time, every variant"]
-    assert span(results["pass_cost"]["compile_ratio"]) + " at 4 layers" in compile_row
-    assert f"hand-written rings {results['pass_cost']['compile_ratio_hand_written_rings']:.1f}" in compile_row
-    # the 32-layer span comes from the separate by-layers run the row names
-    by_layers_run = json.loads((bench.ROOT / "bench" / "results_compile_by_layers.json").read_text())
-    at_32 = dict(by_layers_run["pass_cost"]["compile_ratio_by_layers"]["32"])
-    hand_32 = at_32.pop("hand_written_rings")
-    assert "`bench/results_compile_by_layers.json`" in compile_row
-    assert f"{min(at_32.values()):.1f} to {max(at_32.values()):.1f} at 32" in compile_row
-    assert f"and {hand_32:.1f} |" in compile_row
-    # the GPU row quotes the stored H100 calibration at 70B shapes (the gather site: the worst)
-    gpu = json.loads((bench.ROOT / "bench" / "gpu" / "h100_calibrate_70b.json").read_text())
-    split_row = rows["ring's per-step dots keep ≥ 0.95 of the full dot's throughput (H100, 70B shapes)"]
-    assert gpu["target"] == 0.95 and gpu["meets_target"] is False and split_row.rstrip(" |").endswith("| no")
-    assert (f"| {gpu['split_efficiency']:.2f} straight-line, {gpu['loop_efficiency']:.2f} in the loop"
-            in split_row)
-    layer = results["layer"]
-    plain_row = rows["CPU run time ≤ 1.0 of the plain program, every variant (layer 1024×512×1024)"]
-    assert span({k: v["over_plain"] for k, v in layer["variants"].items()}) in plain_row
-    assert f"the hand-written ring {layer['hand_written_ring_over_plain']:.2f}" in plain_row
-    assert layer["shape"] == [1024, 512, 1024]
-    ring_row = rows["CPU run time ≤ 1.0 of the hand-written `ppermute` ring, every variant"]
-    assert span({k: v["over_hand_written"] for k, v in layer["variants"].items()}) in ring_row
-    medians = results["samples_median_ratio"].values()
-    assert (f"the rings take {min(medians):.1f}–{max(medians):.1f}× the original's time (median over samples)"
-            in " ".join(summary.split()))
-    # the verdicts are the run's own
-    verdicts = [row["met"] for row in results["targets"]]  # in bench.TARGETS' order, as the table's rows
-    assert len(verdicts) == len(bench.TARGETS) == 8
-    names = list(rows)[list(rows).index("target (issues 7 and 35)") + 1:][:8]
-    assert names[0].startswith("pass time ≤ 5 %") and names[4].startswith("CPU run time ≤ 1.0 of the hand-written")
-    assert names[5].startswith("issue 35: pass time ≤ 3 %") and names[6].startswith("issue 35: the same, as `cmatmul_pass.jit`")
-    assert f"| {100 * by_layers[32]['pass_over_lower_compile']:.2f} % |" in rows[names[5]]
-    assert f"| {100 * by_layers[32]['jit_pass_over_lower_compile']:.2f} % |" in rows[names[6]]
-    assert names[7].startswith("issue 35: the default's CPU run time ≤ 1.0 of the hand-written ring")
-    lows = [row["default_interval"][0] for row in results["rings"]]
-    assert f"low ends {min(lows):.3f}–{max(lows):.3f}" in rows[names[7]]
-    stated = [rows[name].rstrip(" |").rsplit("| ", 1)[1].startswith("yes") for name in names]
-    assert stated == verdicts
-
-
 def test_bench_megatron_smoke(tmp_path):
     """The psum-after-matmul part of the benchmark: a Megatron training step's pass cost (every
     psum of a matmul rewritten, in the strategy the default picks) and the blocks' run time per
@@ -566,7 +551,7 @@ def test_bench_pass_cost_alone(tmp_path):
 
 
 def test_the_pass_profile_names_where_the_time_goes(tmp_path):
-    """``make bench`` saves the pass's cProfile (issue 35): the decorator's entry point and the
+    """``make bench`` saves the pass's cProfile: the decorator's entry point and the
     rewrite's phases appear, sorted both ways."""
     from tools.bench import profile_pass
 
@@ -575,19 +560,6 @@ def test_the_pass_profile_names_where_the_time_goes(tmp_path):
     assert text.startswith("# the pass on the sequence_parallel model at L = 1")
     assert "rewrite_lowered" in text and "rewrite_sites" in text
     assert "Ordered by: cumulative time" in text and "Ordered by: internal time" in text
-
-
-def test_the_megatron_table_quotes_the_stored_bench_run():
-    """docs/performance.md's "psum after a matmul, measured" row is `bench/results.json`'s Megatron
-    run time, and the default it names is the one the run found."""
-    runtime = json.loads((bench.ROOT / "bench" / "results.json").read_text())["megatron"]["runtime"]
-    doc = (bench.ROOT / "docs" / "performance.md").read_text()
-    section = doc[doc.index("**psum after a matmul, measured**"):doc.index("**Megatron blocks without sequence")]
-    order = ["split-uni", "split-unroll2", "split-full", "split-bidi", "chunk-2", "chunk-4", "chunk-8", "default"]
-    assert set(order) == set(runtime["over_original"])
-    assert "| " + " | ".join(f"{runtime['over_original'][name]:.2f}" for name in order) + " |" in section
-    assert runtime["default_is"] == "chunk-2" and "The default is chunk 2 here" in section
-    assert runtime["shape"] == {"rows": 1024, "hidden": 512, "ffn": 1024, "blocks": 2}
 
 
 def test_bench_warm_pass_cost(tmp_path):
@@ -608,87 +580,6 @@ def test_bench_warm_pass_cost(tmp_path):
     # the functions timed are the ones the pipeline calls (patched back afterwards)
     from cmatmul_pass import pipeline
     assert pipeline.rewrite_dot_reduce_scatter.__module__ == "cmatmul_pass.rewrites.dot_reduce_scatter"
-
-
-def test_the_fixed_cost_paragraph_quotes_the_stored_warm_run():
-    """docs/performance.md's "Where the fixed cost goes" is `bench/results_warm.json`."""
-    rows = json.loads((bench.ROOT / "bench" / "results_warm.json").read_text())["pass_warm"]["per_layers"]
-    doc = " ".join((bench.ROOT / "docs" / "performance.md").read_text().split())
-    section = doc[doc.index("**Where the fixed cost goes**"):doc.index("**2026-11-27, fifth session")]
-    assert [r["layers"] for r in rows] == [1, 4, 8, 16, 32]
-    assert "takes " + ", ".join(f"{1e3 * r['jit_pass_s']:.1f}" for r in rows[:4]) + " ms" in section
-    assert "(" + ", ".join(f"{1e3 * r['pass_s']:.1f}" for r in rows[:4]) + " on the text)" in section
-    for phase, words in (("building rings", "building the rings is"), ("matching", "matching"),
-                         ("walking and replaying", "identical regions")):
-        shares = [round(100 * rows[i]["shares"][phase]) for i in (0, 1, 4)]
-        assert f"{words} {shares[0]}, {shares[1]} and {shares[2]} %" in section, phase
-
-
-def test_the_tie_paragraph_quotes_the_stored_bench_run():
-    """docs/variants.md's tie paragraph (cost.TIE): the pass on the text at 4 and 32 layers with the
-    default's chunks and with every psum split, and the compile ratios, are `bench/results.json`'s."""
-    pass_cost = json.loads((bench.ROOT / "bench" / "results.json").read_text())["pass_cost"]
-    doc = " ".join((bench.ROOT / "docs" / "variants.md").read_text().split())
-    rows = {r["layers"]: r for r in pass_cost["per_layers"]}
-    assert (f"{rows[4]['pass_s']:.3f} s at 4 layers and {rows[32]['pass_s']:.3f} s at 32, against "
-            f"{rows[4]['pass_split_psums_s']:.3f} and {rows[32]['pass_split_psums_s']:.3f} s with every psum split"
-            in doc)
-    ratios = pass_cost["compile_ratio_default_by_layers"]["4"]
-    assert f"{ratios['default']:.2f} against {ratios['default, psums split']:.2f} times the original's" in doc
-
-
-def test_the_eleventh_session_paragraph_quotes_its_pass_cost_runs():
-    """docs/performance.md's "2026-11-28" table is the two stored `--only-pass-cost` runs', its
-    ratios the stored `tools/ab_pass.py` run's; the summary quotes both."""
-    doc = " ".join((bench.ROOT / "docs" / "performance.md").read_text().split())
-    summary = " ".join((bench.ROOT / "docs" / "performance-summary.md").read_text().split())
-    sp = {}
-    for when, suffix in (("before", "_before"), ("after", "")):
-        stored = json.loads((bench.ROOT / "bench" / f"results_pass_cost_2026-11-28{suffix}.json").read_text())
-        for model, name in (("sequence_parallel", "sequence-parallel step"), ("megatron", "Megatron step")):
-            rows = stored[f"pass_cost_{model}"]["per_layers"]
-            assert [r["layers"] for r in rows] == [1, 4, 8, 16, 32]
-            cells = " | ".join(f"{100 * r['jit_pass_over_lower_compile']:.2f} %" for r in rows)
-            assert f"| {name}, {when} | {cells} |" in doc, (model, when)
-        sp[when] = {r["layers"]: r for r in stored["pass_cost_sequence_parallel"]["per_layers"]}
-    share = {layers: f"{100 * sp['after'][layers]['jit_pass_over_lower_compile']:.2f} %" for layers in (4, 8)}
-    assert f"({share[4]} and {share[8]} in its stored run" in doc
-    assert f"({share[4]} and {share[8]} in its stored run" in summary
-    assert (f"its pass took {1e3 * sp['after'][8]['jit_pass_s']:.0f} ms cold where the \"before\" run's took "
-            f"{1e3 * sp['before'][8]['jit_pass_s']:.0f}") in doc
-    more = [{r["layers"]: r for r in json.loads((bench.ROOT / "bench" / f"results_pass_cost_2026-11-28_after_{i}.json")
-                                            .read_text())["pass_cost_sequence_parallel"]["per_layers"]} for i in (2, 3, 4)]
-    assert all(sorted(run) == [4, 8] for run in more)
-    shares = {layers: [100 * run[layers]["jit_pass_over_lower_compile"] for run in [sp["after"], *more]] for layers in (4, 8)}
-    assert (", ".join(f"{v:.2f}" for v in shares[4][1:]) + " % and " + ", ".join(f"{v:.2f}" for v in shares[8][1:])
-            + " %") in doc
-    assert (f"(4 layers {min(shares[4]):.2f}–{max(shares[4]):.2f} %, 8 layers {min(shares[8]):.2f}–"
-            f"{max(shares[8]):.2f} % in the four)") in doc
-    by_layers = _ab_ratios_quoted("ab_pass_2026-11-28.json", "4991bae", 30, doc)
-    assert f"to {by_layers[4]} and {by_layers[8]} of its time at 4 and 8 layers" in summary
-
-
-def _ab_ratios_quoted(name: str, base: str, runs: int, text: str) -> dict[int, str]:
-    """The stored `tools/ab_pass.py` run ``name`` (against ``base``, ``runs`` pairs, a clean tree):
-    its median ratios as ``text`` quotes them; returns them by layers."""
-    ab = json.loads((bench.ROOT / "bench" / name).read_text())
-    rows = ab["per_layers"]
-    assert ab["base"] == base and not ab["dirty"] and ab["runs"] == runs
-    ratios = [f"{r['ratio_median']:.3f}" for r in rows]
-    assert (f"the pass takes {', '.join(ratios[:-1])} and {ratios[-1]} of its time at "
-            f"{', '.join(str(r['layers']) for r in rows[:-1])} and {rows[-1]['layers']} layers") in text
-    return {r["layers"]: f"{r['ratio_median']:.3f}" for r in rows}
-
-
-def _ab_both_paths_quoted(stem: str, base: str, section: str, summary: str) -> None:
-    """The stored A/B runs ``<stem>.json`` (the decorator's path, 60 pairs) and ``<stem>_text.json``
-    (the text's, 40 pairs) as ``section`` quotes them, and the first's 4-, 8- and 32-layer ratios as
-    ``summary`` does."""
-    by_layers = _ab_ratios_quoted(f"{stem}.json", base, 60, section)
-    assert f"took it to {by_layers[4]} and {by_layers[8]} of that ({by_layers[32]} at 32" in summary
-    text = json.loads((bench.ROOT / "bench" / f"{stem}_text.json").read_text())
-    assert text["path"] == "text"
-    _ab_ratios_quoted(f"{stem}_text.json", base, 40, section)
 
 
 def test_ab_pass_times_an_earlier_commit_beside_this_checkout(tmp_path):
@@ -715,117 +606,3 @@ def test_ab_pass_times_an_earlier_commit_beside_this_checkout(tmp_path):
     (row,) = results["per_layers"]
     assert results["path"] == "text" and row["base_median_s"] > 0 and row["head_median_s"] > 0
     assert not any(name.startswith(ab_pass.BASE_PACKAGE) for name in sys.modules)
-
-
-def _session_runs(session: str, until: str, date: str = "2026-11-28") -> tuple:
-    """docs/performance.md's ``session`` paragraph (up to the ``until`` one) and the summary, with
-    the paragraph's table checked against the stored `--only-pass-cost` run
-    (``results_pass_cost_<date>_<session>.json``) and its further runs at 4 and 8 layers
-    (``..._{2,3}.json``) and the ranges of the three quoted: returns (section, summary, the first
-    run's and the further runs' rows by layers, the ranges' texts)."""
-    doc = " ".join((bench.ROOT / "docs" / "performance.md").read_text().split())
-    summary = " ".join((bench.ROOT / "docs" / "performance-summary.md").read_text().split())
-    section = doc[doc.index(f"**{date}, {session} session"):doc.index(until)]
-    stored = json.loads((bench.ROOT / "bench" / f"results_pass_cost_{date}_{session}.json").read_text())
-    for model, name in (("sequence_parallel", "sequence-parallel step"), ("megatron", "Megatron step")):
-        rows = stored[f"pass_cost_{model}"]["per_layers"]
-        assert [r["layers"] for r in rows] == [1, 4, 8, 16, 32]
-        cells = " | ".join(f"{100 * r['jit_pass_over_lower_compile']:.2f} %" for r in rows)
-        assert f"| {name} | {cells} |" in section, model
-    first = {r["layers"]: r for r in stored["pass_cost_sequence_parallel"]["per_layers"]}
-    more = [{r["layers"]: r for r in json.loads((bench.ROOT / "bench" / f"results_pass_cost_{date}_{session}_{i}.json")
-                                            .read_text())["pass_cost_sequence_parallel"]["per_layers"]} for i in (2, 3)]
-    assert all(sorted(run) == [4, 8] for run in more)
-    shares = {layers: [100 * run[layers]["jit_pass_over_lower_compile"] for run in [first, *more]] for layers in (4, 8)}
-    assert (", ".join(f"{v:.2f}" for v in shares[4][1:]) + " % and " + ", ".join(f"{v:.2f}" for v in shares[8][1:])
-            + " %") in section
-    ranges = (f"{min(shares[4]):.2f}–{max(shares[4]):.2f} %", f"{min(shares[8]):.2f}–{max(shares[8]):.2f} %")
-    assert f"at 4 layers {ranges[0]} and at 8 layers {ranges[1]} in the three" in section
-    return section, summary, first, more, shares, ranges
-
-
-def test_the_fifteenth_session_paragraph_quotes_its_runs():
-    """docs/performance.md's fifteenth-session paragraph: its table is the stored `--only-pass-cost`
-    run's, its further runs, ranges, margin, compile and pass times, the text's shares and both
-    paths' ratios the stored ones'; the summary quotes the ratios and the ranges."""
-    section, summary, first, more, shares, ranges = _session_runs(
-        "fifteenth", "**2026-11-29, fourteenth session", date="2026-11-29")
-    assert f"On the text at 32 layers: {100 * first[32]['pass_over_lower_compile']:.2f} %." in section
-    every = shares[4] + shares[8]
-    assert max(every) <= 3 and f"under the line in every run, by {3 - max(every):.2f} points at the least" in section
-    assert (f"XLA compiled the 4-layer step in {more[1][4]['compile_s']:.2f} s against {first[4]['compile_s']:.2f} s "
-            f"in the first, the pass taking {1e3 * more[1][4]['jit_pass_s']:.1f} and {1e3 * first[4]['jit_pass_s']:.1f} ms"
-            in section)
-    small = [100 * first[layers]["pass_over_lower_compile"] for layers in (1, 4, 8, 16)]
-    parse_print = [100 * first[layers]["parse_print_over_lower_compile"] for layers in (1, 4, 8, 16)]
-    assert (f"at 1 to 16 layers is {min(small):.2f}–{max(small):.2f} % in the first run, of which parsing and "
-            f"printing {min(parse_print):.2f}–{max(parse_print):.2f} %") in section
-    _ab_both_paths_quoted("ab_pass_2026-11-29_fifteenth", "dbcb8a0", section, summary)
-    assert f"{ranges[0]} and {ranges[1]} in three runs, under the line in every one." in summary
-    # the full `make bench` run after it, stored beside the one the summary quotes
-    full = json.loads((bench.ROOT / "bench" / "results_2026-11-29_fifteenth_make_bench.json").read_text())
-    assert all(t["met"] for t in full["targets"] if "issue 35" in t["target"])
-    rows = {r["layers"]: r for r in full["pass_cost"]["per_layers"]}
-    lows = [row["default_interval"][0] for row in full["rings"]]
-    assert (f"the pass at 32 layers {100 * rows[32]['pass_over_lower_compile']:.2f} % of lower + compile on the "
-            f"text and {100 * rows[32]['jit_pass_over_lower_compile']:.2f} % through `cmatmul_pass.jit`") in section
-    assert f"(its intervals' low ends {min(lows):.3f}–{max(lows):.3f})" in section
-    small = [f"{100 * rows[layers]['jit_pass_over_lower_compile']:.2f}" for layers in (1, 4, 8, 16)]
-    assert f"it took {', '.join(small[:3])} and {small[3]} % at 1, 4, 8 and 16 layers there" in section
-    assert max(100 * rows[layers]["jit_pass_over_lower_compile"] for layers in rows) <= 3
-
-
-def test_the_fourteenth_session_paragraph_quotes_its_runs():
-    """docs/performance.md's fourteenth-session paragraph: its table is the stored `--only-pass-cost`
-    run's, its further runs, ranges, pass times, compile times and both paths' ratios the stored
-    ones'; the summary quotes the ratios and the ranges."""
-    section, summary, first, more, shares, ranges = _session_runs(
-        "fourteenth", "**2026-11-28, thirteenth session", date="2026-11-29")
-    assert f"On the text at 32 layers: {100 * first[32]['pass_over_lower_compile']:.2f} %." in section
-    assert (f"the pass took {1e3 * more[1][4]['jit_pass_s']:.1f} and {1e3 * more[1][8]['jit_pass_s']:.1f} ms at 4 "
-            f"and 8 layers, against {1e3 * first[4]['jit_pass_s']:.1f} and {1e3 * first[8]['jit_pass_s']:.1f} ms in "
-            f"the first run, while XLA compiled in {more[1][4]['compile_s']:.2f} and {more[1][8]['compile_s']:.2f} s, "
-            f"as in the second ({more[0][4]['compile_s']:.2f} and {more[0][8]['compile_s']:.2f} s)") in section
-    assert sum(v <= 3 for v in shares[4]) == 2  # "under the line in two runs of three at 4 layers"
-    _ab_both_paths_quoted("ab_pass_2026-11-29_fourteenth", "f8cc19b", section, summary)
-    assert f"{ranges[0]} and {ranges[1]} in three runs." in summary
-
-
-def test_the_thirteenth_session_paragraph_quotes_its_runs():
-    """docs/performance.md's thirteenth-session paragraph: its table is the stored `--only-pass-cost`
-    run's, its further runs, ranges and ratios the stored ones'; the summary quotes the ratios and
-    the ranges."""
-    section, summary, first, more, shares, ranges = _session_runs("thirteenth", "**2026-11-28, twelfth session")
-    assert f"compiled the 4-layer step in {first[4]['compile_s']:.2f} s there, in " \
-           f"{more[0][4]['compile_s']:.2f} and {more[1][4]['compile_s']:.2f} s" in section
-    assert f"{ranges[0]} and {ranges[1]} in three runs." in summary
-    assert sum(v <= 3 for v in shares[4]) == 2  # "under the line in two runs of three at 4 layers"
-    _ab_ratios_quoted("ab_pass_2026-11-28_thirteenth.json", "43daf1e", 60, section)
-    by_layers = _ab_ratios_quoted("ab_pass_2026-11-28_thirteenth_trim.json", "43daf1e", 60, section)
-    assert f"took it to {by_layers[4]} and {by_layers[8]} of that" in summary
-    tried = json.loads((bench.ROOT / "bench" / "ab_pass_2026-11-28_chunk_memo_tried.json").read_text())
-    assert tried["dirty"] and tried["runs"] == 40  # measured on the uncommitted change, as the paragraph says
-    ratios = [f"{r['ratio_median']:.3f}" for r in tried["per_layers"]]
-    assert f"{', '.join(ratios[:-1])} and {ratios[-1]} of the time at 1, 4, 8 and 32 layers" in section
-
-
-def test_the_twelfth_session_paragraph_quotes_its_runs():
-    """docs/performance.md's twelfth-session paragraph: its table is the stored `--only-pass-cost`
-    run's, its further runs and ratios the stored ones', its shares the stored profile's; the summary
-    quotes the ratios and the ranges."""
-    section, summary, first, more, shares, ranges = _session_runs("twelfth", "**2026-11-27, fifth session")
-    assert f"compiled the 4-layer step in {first[4]['compile_s']:.2f} s, against " \
-           f"{more[1][4]['compile_s']:.2f} and {more[0][4]['compile_s']:.2f} s" in section
-    assert f"({ranges[0]} and {ranges[1]} in three runs)" in summary
-    by_layers = _ab_ratios_quoted("ab_pass_2026-11-28_twelfth.json", "cdc2f6c", 60, section)
-    assert f"to {by_layers[4]} and {by_layers[8]} of that" in summary
-    profile = (bench.ROOT / "bench" / "profile_sequence_parallel_L4_pyspy.txt").read_text().splitlines()
-    measured = {line.split("%", 1)[1].strip(): line.split("%")[0].strip() for line in profile if not line.startswith("#")}
-    for words, key in (("rings", "building the 8 ring functions' rings"), ("the 14 psums", "the 14 psums"),
-                       ("matching", "matching them"), ("chunking", "chunking them"),
-                       ("identical regions", "grouping the identical regions and replaying them"),
-                       ("matching the gathers and scatters", "matching the gathers and scatters"),
-                       ("their keys", "their pattern keys"), ("predictions", "their shapes and predictions"),
-                       ("verification", "verification")):
-        found = next(v for k, v in measured.items() if k.startswith(key))
-        assert f"{words} {found} %" in section, words

@@ -146,8 +146,8 @@ def test_explain_counts_the_dots_of_a_round(capsys):
 
 
 def test_explain_says_a_contracting_dots_split_is_unmeasured(capsys, monkeypatch):
-    """A profile whose split points were measured on free roles only (the runs before
-    2026-11-23, docs/gpu.md): explain says so where a ring's dots contract the gathered dim, and
+    """A profile whose split points were measured on free roles only (a profile with no role
+    points): explain says so where a ring's dots contract the gathered dim, and
     not where no split is charged, nor where the profile has the role's own points (the h100
     and h200 profiles now do)."""
     h100 = cost.PROFILES["h100"]
@@ -168,8 +168,8 @@ def test_explain_says_a_contracting_dots_split_is_unmeasured(capsys, monkeypatch
 def test_the_profiles_split_is_what_the_gpu_measured():
     """The h100 and h200 profiles' points are the straight-line efficiencies and loop-trip costs
     that tools/gpu_calibrate.py measured (bench/gpu/), at each run's step size: a free role's
-    split and loop trip are its kind's points, another role's split is that role's own (runs
-    before 2026-11-23 measured free roles only and name none)."""
+    split and loop trip are its kind's points, another role's split is that role's own (a run
+    that names no role measured free roles only)."""
     from test_gpu_checks import calibration_runs, runs_by_model
 
     for profile in ("h100", "h200"):
@@ -430,15 +430,16 @@ def test_mlp_block_sanity():
     assert big["compute_to_transfer"] > small["compute_to_transfer"]
 
 
-def test_the_readme_quotes_the_models_mlp_table():
-    """The README's "Predicted on 8×H100" table is `cost.mlp_block` on the `h100` profile: a
-    profile that moves (a new calibration) fails here until the table is regenerated."""
-    readme = (ROOT / "docs" / "cost-model.md").read_text()  # the README's, before issue 33
+def test_the_docs_quote_the_models_mlp_table():
+    """docs/performance.md's "Predicted on 8×H100" MLP table is `cost.mlp_block` on the `h100`
+    profile: a profile that moves (a new calibration) fails here until the table is regenerated."""
+    readme = (ROOT / "docs" / "performance.md").read_text()
     header = "| shapes | compute / transfer | uni | unroll 2 | full | bidi + unroll 2 | bidi + full | `--variant auto` |"
     assert header in readme
     columns = {"uni": (False, 1), "unroll 2": (False, 2), "full": (False, None),
                "bidi + unroll 2": (True, 2), "bidi + full": (True, None)}
-    rows = {line.split(" | ")[0].lstrip("| "): line for line in readme.splitlines() if line.startswith("| Llama-3-")}
+    table = readme[readme.index(header):].split("\n\n", 1)[0]
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines() if line.startswith("| Llama-3-")}
     shapes = {"Llama-3-70B-like (hidden 8192, ffn 28672)": (8192, 28672),
               "Llama-3-8B-like (hidden 4096, ffn 14336)": (4096, 14336)}
     assert set(rows) == set(shapes)
@@ -658,7 +659,7 @@ def test_hardware_auto_follows_the_device_kind(monkeypatch):
 
 
 def test_the_default_variant_is_the_model_pick_or_the_fallback_without_a_profile(monkeypatch):
-    """Issue 35: no variant named is ``auto``: the model's pick on a profiled machine; on one no
+    """No variant named is ``auto``: the model's pick on a profiled machine; on one no
     profile describes, the fallback (full on a ring of up to 8, but uni for a scatter of 8 MiB
     of partial sums or more; unroll2 on longer rings), not the assumed profile's pick."""
     text = sample("sp_mlp").read_text()
@@ -733,7 +734,7 @@ def test_the_docs_quote_the_models_megatron_table():
     hw = cost.PROFILES["h100"]
     expected = []
     for name, (hidden, ffn) in shapes.items():
-        for tokens in (1024, 2048, 4096, 8192, 16384, 32768):
+        for tokens in (1024, 4096, 16384, 32768):
             r = {v: cost.megatron_mlp_block(hw, hidden, ffn, tokens, variant=v) for v in ("uni", "unroll2", "bidi-full")}
             u = r["uni"]
             expected.append(f"| {name} | {tokens} | {u['all_reduce_share']:.2f} | {u['split']:.2f}x | "

@@ -31,8 +31,8 @@ RUN = {"python", "console", "bash", "sh"}
 PICTURES = {"text", "mlir", "json"}
 NOT_RUN = re.compile(r"<!-- not run: (\S.*?) -->\s*$")
 NOT_RUN_AT_MOST = 2
-#: blocks in documents this suite does not own, not run, and why
-NOT_RUN_ELSEWHERE = {("gpu.md", "python tools/gpu_calibrate.py"): "needs a GPU"}
+#: blocks in documents this suite does not own, not run, and why: (page, how the block starts) -> why
+NOT_RUN_ELSEWHERE: dict[tuple[str, str], str] = {}
 FENCE = re.compile(r"^```(\S*)\s*$")
 COMMAND = re.compile(r"^(python -m cmatmul_pass|cmatmul-pass)( |$)")
 
@@ -126,6 +126,84 @@ def test_the_readme_fits_two_screens_and_starts_with_the_two_commands():
     # "run it on your model" on the first screen
     assert readme.splitlines().index("## Run it on your model") < 40
     assert "shard_map" in readme and "xla_gpu_threshold_for_windowed_einsum_mib" in readme
+
+
+def test_no_page_narrates_development():
+    """The README and docs/ are reference: what the software does, not who changed it when (that is
+    CHANGELOG.md's and git's)."""
+    narrative = re.compile(r"\bsessions?\b|\bissues? #?\d|\b(first|second|third|fourth|fifth|sixth|seventh|eighth|"
+                           r"ninth|tenth|eleventh|twelfth|thirteenth|fourteenth|fifteenth) (session|round of work)",
+                           re.IGNORECASE)
+    for path in DOCS:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            assert not narrative.search(line), f"{_doc_id(path)}:{number}: {line}"
+
+
+def _tracked(folder: str, pattern: str) -> list[Path]:
+    """The files under ``folder`` that git tracks (every file there, outside a git checkout)."""
+    proc = subprocess.run(["git", "ls-files", "--", folder], cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0 or not proc.stdout.strip():
+        return sorted((ROOT / folder).rglob(pattern))
+    return sorted(ROOT / line for line in proc.stdout.splitlines() if Path(line).match(pattern))
+
+
+def test_the_architecture_page_names_every_module():
+    """docs/architecture.md shows the house as it is: every module of the package and every tool."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    for path in _tracked("cmatmul_pass", "*.py"):
+        name = path.relative_to(ROOT / "cmatmul_pass").as_posix()
+        if name.endswith("__init__.py") and "/" in name:
+            continue  # a subpackage's __init__ is its folder's line
+        assert path.name in text or name in text, f"{name}: add its paragraph to docs/architecture.md"
+    for path in _tracked("tools", "*"):
+        if path.suffix in (".py", ".sh") and path.name != "__init__.py" and path.parent.name == "tools":
+            assert path.name in text, f"tools/{path.name}"
+
+
+def test_the_cli_page_is_what_its_generator_writes():
+    """docs/cli.md's option and exit-code tables are written by tools/gen_cli_doc.py from the
+    parser and cli.EXIT_CODES: after an edit of cli.py, `make cli-doc`."""
+    from tools import gen_cli_doc
+
+    text = (ROOT / "docs" / "cli.md").read_text()
+    assert text == gen_cli_doc.updated(text), "docs/cli.md is stale: run `make cli-doc`"
+
+
+def _cli_rows() -> dict[str, list[str]]:
+    """docs/cli.md's option table: each option string -> the commands its row names."""
+    rows = {}
+    for line in (ROOT / "docs" / "cli.md").read_text().splitlines():
+        m = re.match(r"^\| `([^`]+)` \| ([^|]+) \|", line)
+        if m and not m.group(1).isdigit():
+            for word in re.findall(r"(?<![\w-])(-{1,2}[\w-]+|input)", m.group(1)):
+                rows.setdefault(word, []).extend(c.strip() for c in m.group(2).split(","))
+    return rows
+
+
+def test_every_option_and_exit_code_is_on_the_cli_page_once():
+    """Walk the argparse definitions (not the generator): every option of every command is on
+    docs/cli.md in one row that names that command, and every exit code has its row; every
+    command's --help ends with the same exit codes."""
+    import argparse
+
+    from cmatmul_pass import cli
+
+    rows = _cli_rows()
+    parser = cli.build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    seen = set()
+    for name, command in [("(all)", parser), *sub.choices.items()]:
+        assert cli.exit_codes_epilog() == command.epilog, name
+        for action in command._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            for option in action.option_strings or [action.dest]:
+                assert name in rows.get(option, []), (name, option)
+                seen.add(option)
+    assert set(rows) == seen  # no row for an option the parser lacks
+    codes = re.findall(r"^\| `(\d)` \| (.*) \|$", (ROOT / "docs" / "cli.md").read_text(), re.M)
+    assert [int(code) for code, _ in codes] == list(cli.EXIT_CODES)
+    assert "could not check" in cli.EXIT_CODES[3] and "internal error" in cli.EXIT_CODES[3]
 
 
 def test_links_between_documents_resolve():

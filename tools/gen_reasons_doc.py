@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from cmatmul_pass import reasons  # noqa: E402
+from tools.doc_markers import between, cell, run  # noqa: E402
 
 DOC = ROOT / "docs" / "reasons.md"
 BEGIN = "<!-- BEGIN reason table: written by `make reasons-doc` from cmatmul_pass/reasons.py; edit that, not this -->"
@@ -23,13 +24,9 @@ END = "<!-- END reason table -->"
 HEADER = ["| code | what the pass found | example | what you can change |", "|---|---|---|---|"]
 
 
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|")
-
-
 def row(reason: reasons.Reason) -> str:
     example = f"`explain {' '.join(reason.example)}`" if reason.example else "—"
-    return f"| `{reason.code}` | {_cell(reason.meaning)} | {_cell(example)} | {_cell(reason.hint)} |"
+    return f"| `{reason.code}` | {cell(reason.meaning)} | {cell(example)} | {cell(reason.hint)} |"
 
 
 def table(table_reasons=None) -> str:
@@ -40,27 +37,8 @@ def table(table_reasons=None) -> str:
 
 def updated(text: str) -> str:
     """``text`` (docs/reasons.md) with the table between the markers written afresh."""
-    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
-        raise ValueError(f"{DOC.relative_to(ROOT)}: needs one {BEGIN!r} line and one {END!r} line after it")
-    head, rest = text.split(BEGIN + "\n", 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{table()}{END}{tail}"
-
-
-def main(argv: list[str]) -> int:
-    text = DOC.read_text()
-    new = updated(text)
-    if "--check" in argv:
-        if new != text:
-            print(f"{DOC.relative_to(ROOT)} differs from cmatmul_pass/reasons.py: run `make reasons-doc`",
-                  file=sys.stderr)
-            return 1
-        return 0
-    if new != text:
-        DOC.write_text(new)
-        print(f"wrote {DOC.relative_to(ROOT)} ({len(reasons.REASONS)} reason codes)")
-    return 0
+    return between(text, BEGIN, END, table(), str(DOC.relative_to(ROOT)))
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run(DOC, updated, "reasons-doc", sys.argv[1:]))

@@ -57,12 +57,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-#: XLA flags the README's "On a GPU" section names: annotated calls become async computations
-#: on their own streams; the latency-hiding scheduler places work between a start and its done.
-GPU_XLA_FLAGS = "--xla_gpu_experimental_stream_annotation=true --xla_gpu_enable_latency_hiding_scheduler=true"
-#: Sharded autotuning splits the GEMM autotuning among the processes and waits for the others'
-#: results: with mocked processes nobody answers and the compile hangs (seen here, jax 0.11.2).
-MOCK_XLA_FLAGS = "--xla_gpu_shard_autotuning=false"
+from tools.gpu_env import GPU_XLA_FLAGS, MOCK_XLA_FLAGS, configure_environment  # noqa: E402,F401
 
 #: (tokens = sequence x batch, hidden, ffn) per layer; tokens are the global rows
 MODELS = {"70b": (8192, 8192, 28672), "8b": (8192, 4096, 14336), "tiny": (64, 64, 128)}
@@ -97,23 +92,6 @@ PROGRAMS = {
 #: A/B programs it compiles)
 DEFAULT_PROGRAMS = [name for name in PROGRAMS
                     if name not in ("bidi-full", "auto") and not any(x in name for x in ("no-gpu-options", "no-merge", "no-tie", "dsf"))]
-
-
-def configure_environment(platform: str, devices: int, extra_flags: str = "", readme_flags: bool = True) -> None:
-    """Before jax starts a backend: mock a ``devices``-GPU topology (gpu: one slice of
-    ``devices`` hosts with one GPU each; ``jax_mock_gpu_topology`` is a config option jax does
-    not read from the environment), or ask for that many virtual CPU devices (cpu); add the GPU
-    scheduling flags."""
-    flags = f'{os.environ.get("XLA_FLAGS", "")} {extra_flags}'.strip()
-    if platform == "gpu":
-        os.environ["XLA_FLAGS"] = f"{flags} {GPU_XLA_FLAGS if readme_flags else ''} {MOCK_XLA_FLAGS}".strip()
-        import jax
-
-        jax.config.update("jax_mock_gpu_topology", f"1x{devices}x1")
-    else:
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        if "xla_force_host_platform_device_count" not in flags:
-            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
 
 
 # ------------------------------------------------------------------------ reading the module
