@@ -12,6 +12,7 @@ from . import cost, ir_utils, replay
 from ._jax_private import hlo, ir, make_context, module_to_bytecode, module_to_hlo_text
 from .analysis.slack import SiteSlack, Slack
 from .analysis.variance import Variance
+from .attempts import MAX_TRIES, MOTION, SITE, Attempts, Bans
 from .errors import InternalError
 from .matchers import (
     AllGatherSite,
@@ -248,21 +249,37 @@ def _rewrite(module: ir.Module, options: Options, source: str, again: Callable[[
     ``restore()`` (when given: put the caller's module back as it was)."""
     reading = ir_utils.READING.set(source)  # messages built deep in the matchers name this file
     rendered = ir_utils.RENDERED.set({})  # (and render the same locations again and again)
+    bans = Bans()
     try:
-        with _no_cyclic_gc():
-            return _run(module, options, source, verify_each=False)
-    except InternalError as failure:
-        # The fast path verifies once, at the end.  On a failure, run again from the input,
-        # verifying after every site, to name the site that broke the module.
-        fresh = again()
-        try:
-            _run(fresh, options, source, verify_each=True)
-        except InternalError as pinpointed:
-            failure = pinpointed
-        finally:
-            if restore is not None:
-                restore()
-        raise failure from failure.__cause__
+        for _ in range(MAX_TRIES):
+            try:
+                with _no_cyclic_gc():
+                    result, undone = _run(module, options, source, verify_each=False, bans=bans)
+            except InternalError as failure:
+                # The fast path verifies once, at the end.  On a failure, run again from the input,
+                # verifying after every site, to name the collective that broke the module; the
+                # next try leaves it as written (cmatmul_pass.attempts).
+                try:
+                    _run(again(), options, source, verify_each=True, bans=bans)
+                except InternalError as pinpointed:
+                    failure = pinpointed
+                key = getattr(failure, "key", None)
+                if key is None or key in bans.by_key:
+                    if restore is not None:
+                        restore()
+                    raise failure from failure.__cause__
+                bans.add(key, SITE, str(failure))
+                module = again()
+                continue
+            if not undone:
+                return result
+            for key, why in undone.items():  # moved, then no ring where it went: not moved next time
+                bans.add(key, MOTION, why)
+            module = again()
+        if restore is not None:
+            restore()
+        raise InternalError(f"the pass left {len(bans.by_key)} collectives as written and still failed "
+                            "(a cmatmul_pass bug)")
     finally:
         ir_utils.READING.reset(reading)
         ir_utils.RENDERED.reset(rendered)
@@ -270,7 +287,10 @@ def _rewrite(module: ir.Module, options: Options, source: str, again: Callable[[
         _FLOPS.clear()
 
 
-def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool) -> RewriteResult:
+def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool,
+         bans: Bans) -> tuple[RewriteResult, dict]:
+    """One try of the pass on ``module``: its result, and the motions to leave undone next time
+    (:meth:`Attempts.undone`)."""
     # Unknown is only the default for type construction; every op gets an explicit loc.
     with module.context, ir.Location.unknown(), shared_per_block() as constants:
         names = ("func.call", *ir_utils.CHANNEL_OPS, replay.MANUAL, "stablehlo.while")
@@ -309,15 +329,30 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
         def apply(site: Site, opts: Options | None = None) -> SiteReport:
             return _apply(site, verify, ctx, source, opts or options, hw, predictions, (rings, rematch) if rings else None)
 
-        def apply_moved(new: Site, was: Site, how: str, *more: str) -> None:
+        def apply_moved(new: Site, was: Site, how: str, *more: str, motion: bool = True) -> None:
             """A collective the pass moved to its matmul (where ``was`` declined it), rewritten
-            there; its report says ``how``, and what more."""
+            there; its report says ``how``, and what more.  ``motion``: the collective itself
+            moved (not only ringed with the ops it stood before), all or nothing (attempts)."""
             entry = apply(new)
             entry.moved_from = was.code
             entry.notes[:0] = [f"{how} (where it stood: declined [{was.code}])", *more]
             report.sites.append(entry)
+            if motion:
+                attempts.moved(entry)
+
+        def left_as_written(op: ir.OpView, motion: tuple | None = None) -> bool:
+            """Is ``op`` left as written (an earlier try failed on it)?  Its entry is reported (as
+            a site of the motion known by ``motion``, where the op was moved)."""
+            entry = attempts.left(op, ir_utils.enclosing_func_name(op))
+            if entry is not None:
+                report.sites.append(entry)
+                if motion is not None:
+                    with attempts.on_behalf(motion):
+                        attempts.moved(entry)
+            return entry is not None
 
         variance = Variance(info)
+        attempts = Attempts(source, bans)
         # replay needs the twin's (and the probe's) report entries, and the regions whose gathers compete
         regions_of: dict[int, ir.Block] = {}  # an entry (by id) -> its region's body
         lacking: dict[int, bool] = {}  # a twin's entry (by id) -> whether the region trimmed from it lacks its site
@@ -356,7 +391,10 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
 
             def ring_moved(site: ReduceScatterSite, note: str) -> str | None:
                 since, place = len(report.sites), place_of(site.anchor)
-                entry = apply(site)
+                with attempts.on(site.anchor):
+                    if (why := attempts.left(site.anchor, "")) is not None:
+                        return why.reason
+                    entry = apply(site)
                 if not entry.rewritten:
                     return entry.reason
                 entry.notes.insert(0, note)
@@ -370,14 +408,17 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
             if options.all_reduce_strategy != "keep" and all_reduces:
                 seeds: list[Seed] = []
                 for op in all_reduces:
-                    since, place = len(report.sites), place_of(op)
-                    entry, seed = _all_reduce(match_all_reduce(op, info), ctx, source, options, hw, apply, info,
-                                              predictions)
-                    if seed is not None:
-                        seed.site = len(report.sites)
-                        seeds.append(seed)
-                    report.sites.append(entry)
-                    tag(place, since)
+                    with attempts.on(op):
+                        if left_as_written(op):
+                            continue
+                        since, place = len(report.sites), place_of(op)
+                        entry, seed = _all_reduce(match_all_reduce(op, info), ctx, source, options, hw, apply, info,
+                                                  predictions)
+                        if seed is not None:
+                            seed.site = len(report.sites)
+                            seeds.append(seed)
+                        report.sites.append(entry)
+                        tag(place, since)
                 carried = carry_forward(seeds, variance, ctx.take_channel, ctx.constants, source)
                 gathers += carried.kept + [m.all_gather for m in carried.materialised if m.feeds_dot]
                 # a gather left before row-wise ops into dots (a residual add and a norm) is rung with
@@ -393,23 +434,26 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
             # (the scatter rewrites erase reduce_scatters and dots, never an all_gather)
             phase[0] += 1
             for op in scatters:
-                since, place = len(report.sites), place_of(op)
-                site = match_reduce_scatter(op, info)
-                hoisted = _hoist_scatter(site, ctx, options, variance)
-                if isinstance(hoisted, Hoisted):  # each layer's block scattered in the loop, ringed with its dot
-                    where = ir_utils.render_location(hoisted.loop.location, source)
-                    for scattered in hoisted.reduce_scatters:
-                        apply_moved(match_reduce_scatter(scattered, info), site,
-                                    f"hoisted into the loop at {where}: each trip scatters the layer it computes into a "
-                                    "buffer of this device's block, so the stacked gradient is never whole")
-                    continue
-                entry = apply(site)
-                if hoisted:
-                    entry.reason += f"; not hoisted into the loop: {hoisted}"
-                if id(op) in not_swapped and not entry.rewritten:
-                    entry.reason += f"; not moved before the psum: {not_swapped[id(op)]}"
-                report.sites.append(entry)
-                tag(place, since)
+                with attempts.on(op):
+                    if left_as_written(op):
+                        continue
+                    since, place = len(report.sites), place_of(op)
+                    site = match_reduce_scatter(op, info)
+                    hoisted = attempts.may_move(op) or _hoist_scatter(site, ctx, options, variance)
+                    if isinstance(hoisted, Hoisted):  # each layer's block scattered in the loop, ringed with its dot
+                        where = ir_utils.render_location(hoisted.loop.location, source)
+                        for scattered in hoisted.reduce_scatters:
+                            apply_moved(match_reduce_scatter(scattered, info), site,
+                                        f"hoisted into the loop at {where}: each trip scatters the layer it computes into a "
+                                        "buffer of this device's block, so the stacked gradient is never whole")
+                        continue
+                    entry = apply(site)
+                    if hoisted:
+                        entry.reason += f"; not hoisted into the loop: {hoisted}"
+                    if id(op) in not_swapped and not entry.rewritten:
+                        entry.reason += f"; not moved before the psum: {not_swapped[id(op)]}"
+                    report.sites.append(entry)
+                    tag(place, since)
             # A gather of stacked weights sinks into the loops that read a layer a trip before any
             # gather is matched: each layer's gather then meets the loop body's own collectives at
             # its dot, and the slack order decides which of them the ring takes.
@@ -418,19 +462,20 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
             if found["stablehlo.while"] and options.policy == "all":
                 expanded = []
                 for op in gathers:
-                    sunk = None
-                    if feeds_a_loop(op):
-                        site = match_all_gather(op, info, assemble=options.assemble)
-                        sunk = _sink_gather(site, ctx, options, variance)
-                    if isinstance(sunk, Sunk):
-                        notes = _sunk_notes(sunk, source)
-                        for layer_gather in sunk.all_gathers:  # each a gather of one layer, read by the body's dot
-                            sunk_from[id(layer_gather)] = (site, notes)
-                        expanded += sunk.all_gathers
-                        continue
-                    if sunk:
-                        not_sunk[id(op)] = sunk
-                    expanded.append(op)
+                    with attempts.on(op) as stack:
+                        sunk = None
+                        if feeds_a_loop(op) and attempts.left(op, "") is None:
+                            site = match_all_gather(op, info, assemble=options.assemble)
+                            sunk = attempts.may_move(op) or _sink_gather(site, ctx, options, variance)
+                        if isinstance(sunk, Sunk):
+                            notes = _sunk_notes(sunk, source)
+                            for layer_gather in sunk.all_gathers:  # each a gather of one layer, read by the body's dot
+                                sunk_from[id(layer_gather)] = (site, notes, stack)
+                            expanded += sunk.all_gathers
+                            continue
+                        if sunk:
+                            not_sunk[id(op)] = sunk
+                        expanded.append(op)
                 gathers = expanded
             gathers, deferred = _order_by_slack(gathers, info, options, source)
             phase[0] += 1
@@ -439,73 +484,77 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
             merged_away: set[int] = set()  # second stages merged into their first (by index in gathers)
             held: list = []  # (second stage's operation, why): left with a first stage whose pair neither ring pays
             for index, op in enumerate(gathers):
-                if index in merged_away:
-                    continue
-                if id(op) in optional:  # left by a split: a site only where a ring reaches its dots
-                    site = match_all_gather(op, info, assemble=options.assemble)
-                    ringed = site if isinstance(site, AllGatherSite) else \
-                        match_all_gather(op, info, assemble=options.assemble, dag_alone=True)
-                    if not isinstance(ringed, AllGatherSite):
-                        continue  # it stays where the split left it (said there)
-                    if layers:
-                        marks.append((len(report.sites), place_of(op)))
+                with attempts.on(op):
+                    if index in merged_away or left_as_written(op, sunk_from[id(op)][2] if id(op) in sunk_from else None):
+                        continue
+                    if id(op) in optional:  # left by a split: a site only where a ring reaches its dots
+                        site = match_all_gather(op, info, assemble=options.assemble)
+                        ringed = site if isinstance(site, AllGatherSite) else \
+                            match_all_gather(op, info, assemble=options.assemble, dag_alone=True)
+                        if not isinstance(ringed, AllGatherSite):
+                            continue  # it stays where the split left it (said there)
+                        if layers:
+                            marks.append((len(report.sites), place_of(op)))
+                        gathered[id(op)] = len(report.sites)
+                        if ringed is site:
+                            report.sites.append(apply(site))
+                        else:
+                            apply_moved(ringed, site, f"{RINGED_WITH_ROW_OPS}: a gather the psum split left short of its dots",
+                                        motion=False)
+                        continue
+                    if layers:  # the entries of this gather's site are its region's (the op may go)
+                        place = place_of(op)
+                        if id(op) in deferred and place[0] is not None:
+                            competing.add(place[0])
+                        marks.append((len(report.sites), place))
                     gathered[id(op)] = len(report.sites)
-                    if ringed is site:
-                        report.sites.append(apply(site))
-                    else:
-                        apply_moved(ringed, site, f"{RINGED_WITH_ROW_OPS}: a gather the psum split left short of its dots")
-                    continue
-                if layers:  # the entries of this gather's site are its region's (the op may go)
-                    place = place_of(op)
-                    if id(op) in deferred and place[0] is not None:
-                        competing.add(place[0])
-                    marks.append((len(report.sites), place))
-                gathered[id(op)] = len(report.sites)
-                site = match_all_gather(op, info, assemble=options.assemble)
-                if id(op) in sunk_from:
-                    stacked, notes = sunk_from[id(op)]
-                    apply_moved(site, stacked, *notes)
-                    continue
-                left = next((why for stage, why in held if stage == op.operation), None)
-                if left is not None and not isinstance(site, DeclinedSite):  # a second stage whose pair neither ring pays
-                    entry = apply(site, replace(options, margin=math.inf))  # priced, and left as it is
-                    if entry.reason_code == "policy":
-                        entry.reason = left
-                    report.sites.append(entry)
-                    continue
-                merged = _merge_stages(site, info, ctx, options, hw, source, held)
-                if isinstance(merged, tuple):
-                    new, outer, choice = merged
-                    merged_away.update(j for j in range(index + 1, len(gathers)) if gathers[j].operation == outer.operation)
-                    where = ir_utils.render_location(outer.location, source)
-                    outer.operation.erase()
-                    op.operation.erase()
-                    apply_moved(match_all_gather(new, info, assemble=options.assemble), site,
-                                f"merged with the second stage at {where}: one gather over both stages' groups",
-                                *([choice.note] if choice else []))
-                    if choice and report.sites[-1].cost:  # the options' times beside the merged ring's
-                        report.sites[-1].cost["two_stage"] = choice.pricing.to_dict()
-                    continue
-                moved = _move_gather(site, info, variance, ctx, source, options)
-                if isinstance(moved, _RingedInstead):  # the move refused: the ring applies the ops per block
-                    apply_moved(moved.site, site, f"{RINGED_WITH_ROW_OPS}, not moved past them: {moved.why}")
-                    continue
-                unmoved = moved if isinstance(moved, str) else None  # why the row-wise ops were not moved past
-                moved = None if unmoved else moved
-                sunk = not_sunk.get(id(op)) if moved is None else None
-                if moved is None:
-                    entry = apply(site)
-                    if sunk:  # a gather feeding a loop that could not take it: say what stopped it
-                        entry.reason += f"; not sunk into the loop: {sunk}"
-                    if unmoved and not entry.rewritten:
-                        entry.reason += f"; not moved to its dot: {unmoved}"
-                    if isinstance(merged, _TwoStage):  # the cost model's choice, or why the stages cannot merge
-                        entry.reason = merged.reason
-                    report.sites.append(entry)
-                    continue
-                for m in moved.materialised:  # each now read by dots: an all_gather → dot site
-                    apply_moved(match_all_gather(m.all_gather, info, assemble=options.assemble), site,
-                                f"moved to its dot past {m.moved_ops} row-wise op(s), which now run on this device's rows")
+                    site = match_all_gather(op, info, assemble=options.assemble)
+                    if id(op) in sunk_from:
+                        stacked, notes, stack = sunk_from[id(op)]
+                        with attempts.on_behalf(stack):
+                            apply_moved(site, stacked, *notes)
+                        continue
+                    left = next((why for stage, why in held if stage == op.operation), None)
+                    if left is not None and not isinstance(site, DeclinedSite):  # a second stage whose pair neither ring pays
+                        entry = apply(site, replace(options, margin=math.inf))  # priced, and left as it is
+                        if entry.reason_code == "policy":
+                            entry.reason = left
+                        report.sites.append(entry)
+                        continue
+                    merged = None if attempts.may_move(op) else _merge_stages(site, info, ctx, options, hw, source, held)
+                    if isinstance(merged, tuple):
+                        new, outer, choice = merged
+                        merged_away.update(j for j in range(index + 1, len(gathers)) if gathers[j].operation == outer.operation)
+                        where = ir_utils.render_location(outer.location, source)
+                        outer.operation.erase()
+                        op.operation.erase()
+                        apply_moved(match_all_gather(new, info, assemble=options.assemble), site,
+                                    f"merged with the second stage at {where}: one gather over both stages' groups",
+                                    *([choice.note] if choice else []))
+                        if choice and report.sites[-1].cost:  # the options' times beside the merged ring's
+                            report.sites[-1].cost["two_stage"] = choice.pricing.to_dict()
+                        continue
+                    moved = attempts.may_move(op) or _move_gather(site, info, variance, ctx, source, options)
+                    if isinstance(moved, _RingedInstead):  # the move refused: the ring applies the ops per block
+                        apply_moved(moved.site, site, f"{RINGED_WITH_ROW_OPS}, not moved past them: {moved.why}",
+                                    motion=False)
+                        continue
+                    unmoved = moved if isinstance(moved, str) else None  # why the row-wise ops were not moved past
+                    moved = None if unmoved else moved
+                    sunk = not_sunk.get(id(op)) if moved is None else None
+                    if moved is None:
+                        entry = apply(site)
+                        if sunk:  # a gather feeding a loop that could not take it: say what stopped it
+                            entry.reason += f"; not sunk into the loop: {sunk}"
+                        if unmoved and not entry.rewritten:
+                            entry.reason += f"; not moved to its dot: {unmoved}"
+                        if isinstance(merged, _TwoStage):  # the cost model's choice, or why the stages cannot merge
+                            entry.reason = merged.reason
+                        report.sites.append(entry)
+                        continue
+                    for m in moved.materialised:  # each now read by dots: an all_gather → dot site
+                        apply_moved(match_all_gather(m.all_gather, info, assemble=options.assemble), site,
+                                    f"moved to its dot past {m.moved_ops} row-wise op(s), which now run on this device's rows")
             for (since, place), (until, _) in zip(marks, [*marks[1:], (len(report.sites), None)]):
                 tag(place, since, until)
             _say_prefetchable(report, deferred, gathered)
@@ -520,7 +569,7 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool)
         if report.rewritten:
             ctx.annotator.finish()
             _verify(module, None)
-    return RewriteResult(module, report, options)
+    return RewriteResult(module, report, options), attempts.undone()
 
 
 def _apply(

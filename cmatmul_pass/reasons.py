@@ -159,6 +159,12 @@ REASONS: dict[str, Reason] = {r.code: r for r in (
            "decided by slack, not by the ring `--variant` (bidi-full leaves this one too). With compute before the dot "
            "(in a model, an earlier layer's), this one would be `prefetchable`: issued early behind that compute",
            ("hlo_samples/fsdp_tp.mlir",)),
+    # ---- the pass itself
+    Reason("pass_error", "the pass failed while working on this collective (an exception, IR that does not verify, "
+                         "or a collective it would put where its group may not run it alike); it left the collective "
+                         "as written and rewrote the others",
+           "a cmatmul_pass bug: please report it with the module (`--report-json` names the failure); the rest of "
+           "the module is rewritten and checked as usual"),
     # ---- the options' verdict
     Reason("policy", "`--policy auto`: the cost model predicts too small a gain on `--hardware`",
            "use `--policy all` (the default), another `--variant` (the reason names one that would pass, if any), "

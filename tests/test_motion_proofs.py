@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import cmatmul_pass
 from cmatmul_pass import execute, ir_utils
+from conftest import ROOT, run_cli
 
 MESH = jax.make_mesh((8,), ("model",))
 L, H = 4, 32
@@ -167,3 +168,54 @@ def test_a_split_psum_carries_its_gather_past_a_gain_only_when_the_group_shares_
     assert "gathered before stablehlo.multiply" in result.report.sites[0].summary_line()
     twin = rewritten(gain_program(split=True, twin=True), options)
     assert "row-wise op(s) after it now run on this device's rows" in notes(twin)
+
+
+def test_a_motion_whose_ring_is_declined_is_not_made():
+    """All or nothing: with --min-bytes above the layer's size the sunk gathers would not ring,
+    so the stack is not sunk either, the module stays as written and says why."""
+    f, args = sink_program("index", twin=True)
+    text = jax.jit(f).lower(*args).as_text()
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(min_bytes=10**9))
+    (site,) = result.report.sites
+    assert not site.rewritten and "not sunk into the loop: where it would go, no ring formed" in site.reason
+    assert "[min_bytes]" in site.reason and not result.changed
+    assert result.text == ir_utils.print_module(ir_utils.parse(text))
+
+
+def test_a_hoist_whose_ring_is_declined_is_not_made():
+    f, args = hoist_program("index", twin=True)
+    text = jax.jit(f).lower(*args).as_text()
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(min_bytes=10**9))
+    (site,) = result.report.sites
+    assert "not hoisted into the loop: where it would go, no ring formed" in site.reason, site.reason
+    assert result.text == ir_utils.print_module(ir_utils.parse(text))
+
+
+def test_a_failure_on_one_collective_leaves_it_as_written_and_rewrites_the_rest(monkeypatch):
+    """An exception while one site is rewritten (here: every scatter's ring) is a bug of the
+    pass; the collective stays as written (``pass_error``), the others are rewritten, the
+    module verifies and computes what the original does."""
+    from cmatmul_pass import pipeline
+
+    def broken(*args, **kwargs):
+        raise IndexError("list index out of range")
+
+    monkeypatch.setattr(pipeline, "rewrite_dot_reduce_scatter", broken)
+    text = (ROOT / "hlo_samples" / "sp_mlp.mlir").read_text()
+    result = cmatmul_pass.rewrite(text)
+    codes = {s.kind: s.reason_code for s in result.report.sites}
+    assert codes["dot_reduce_scatter"] == "pass_error" and codes["all_gather_dot"] == ""
+    (left,) = [s for s in result.report.sites if s.reason_code == "pass_error"]
+    assert "IndexError: list index out of range" in left.reason and "a cmatmul_pass bug" in left.reason
+    assert execute.check_numerics(ir_utils.parse(text), result.module).ok
+
+
+def test_the_cli_says_a_failure_in_one_line_and_writes_the_rest(monkeypatch, tmp_path, capsys):
+    from cmatmul_pass import pipeline
+
+    monkeypatch.setattr(pipeline, "rewrite_dot_reduce_scatter", lambda *a, **k: [][0])
+    out = tmp_path / "out.mlir"
+    assert run_cli("rewrite", ROOT / "hlo_samples" / "sp_mlp.mlir", "-o", out) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "[pass_error]" in err or "pass_error" in err
+    assert "collective_permute" in out.read_text()

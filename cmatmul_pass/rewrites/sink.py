@@ -93,6 +93,7 @@ def plan(all_gather: ir.OpView, variance: Variance, ring: Ring) -> Plan | str:
     between it and the gather runs an identical trip count, each ``case``/``if`` between
     takes an identical branch): a gather put in control flow that the group's devices run
     differently would wait for partners that never come."""
+    variance.forget()  # (earlier rewrites may have erased ops it remembers)
     dim = ir_utils.int_attr(all_gather.operation, "all_gather_dim")
     full = ir.RankedTensorType(all_gather.result.type).shape[dim]
     handoffs: list[Handoff] = []
@@ -518,6 +519,7 @@ def hoist_plan(reduce_scatter: ir.OpView, variance: Variance, ring: Ring) -> Hoi
     owner = value.owner
     if isinstance(owner, ir.Block) or owner.operation.name != WHILE:
         return None
+    variance.forget()  # (earlier rewrites may have erased ops it remembers)
     loop, k = owner.operation.opview, value.result_number
     dim = ir_utils.int_attr(reduce_scatter.operation, "scatter_dimension")
     full = ir.RankedTensorType(value.type).shape[dim]
