@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from . import cost, ir_utils, replay
 from ._jax_private import hlo, ir, make_context, module_to_bytecode, module_to_hlo_text
 from .analysis.slack import SiteSlack, Slack
+from .analysis.deadlock import misplaced
 from .analysis.variance import Variance
 from .attempts import MAX_TRIES, MOTION, SITE, Attempts, Bans
 from .errors import InternalError
@@ -196,7 +197,7 @@ class ChannelAllocator:
             for op in found[name]
             if "channel_handle" in op.operation.attributes
         ]
-        self._next = max(handles, default=0) + 1
+        self._next = self.first = max(handles, default=0) + 1
 
     def take(self) -> int:
         handle = self._next
@@ -315,7 +316,8 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool,
             tie_rounds=options.tie_rounds,
             constants=constants,
         )
-        verify = module if verify_each else None
+        placement = (info, channels.first)  # the collectives the pass makes must run alike on their groups
+        verify = (lambda entry: _verify(module, entry, placement)) if verify_each else None
         predictions: dict = {}  # SiteShape or pattern key -> (SiteShape, Prediction, its report entry)
         rings = RingLibrary(module, bool(info.meshes)) if options.share_rings and not options.annotate_streams else None
         if rings is not None and layers is not None:  # a group's twin keeps its rings inline (it becomes the
@@ -568,15 +570,15 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool,
                 rewrite_sites(layers.only(leftover, names))
         if report.rewritten:
             ctx.annotator.finish()
-            _verify(module, None)
+            _verify(module, None, placement)
     return RewriteResult(module, report, options), attempts.undone()
 
 
 def _apply(
-    site: Site, module: ir.Module | None, ctx: RewriteContext, source: str, options: Options, hw: cost.Hardware,
+    site: Site, verify: Callable | None, ctx: RewriteContext, source: str, options: Options, hw: cost.Hardware,
     predictions: dict, sharing: tuple | None = None,
 ) -> SiteReport:
-    """Rewrite one site (``module``: verify it afterwards; None: the caller verifies at the end).
+    """Rewrite one site (``verify(entry)``: verify the module afterwards; None: the caller verifies at the end).
 
     ``sharing``: (RingLibrary, re-matcher) when sites of one pattern may share a ring function.
     """
@@ -618,8 +620,8 @@ def _apply(
     moved = _guarded(entry, hoist, site)
     shared = _guarded(entry, rings.share, site, pattern, rematch, build) if pattern else None
     applied = shared.applied if shared else _guarded(entry, build, site)
-    if module is not None:
-        _verify(module, entry)
+    if verify is not None:
+        verify(entry)
     entry.rewritten = True
     entry.shared_ring = f"@{shared.name}" if shared else None
     entry.channel_handles = list(applied.channel_handles)
@@ -1057,14 +1059,22 @@ def _side(operand_index: int) -> str:
     return "lhs" if operand_index == 0 else "rhs"
 
 
-def _verify(module: ir.Module, entry: SiteReport | None) -> None:
+def _verify(module: ir.Module, entry: SiteReport | None, placement: tuple | None = None) -> None:
+    """MLIR's verifier, and (``placement``: the module's info and the first channel handle the
+    pass took) the deadlock rule: every collective the pass made runs alike on its group
+    (:mod:`.analysis.deadlock`)."""
+    what = f"rewriting the {entry.kind} site at {entry.location}" if entry else "the rewrite"
     try:
         module.operation.verify()
     except ir.MLIRError as exc:
-        what = f"rewriting the {entry.kind} site at {entry.location}" if entry else "the rewrite"
         raise InternalError(
             f"{what} produced IR that does not verify (a cmatmul_pass bug): {' '.join(str(exc).split())}"
         ) from exc
+    bad = misplaced(module, *placement) if placement else []
+    if bad:
+        op, why = bad[0]
+        raise InternalError(f"{what} put a {op.name} where its group may not run it alike ({why}): it could "
+                            "deadlock (a cmatmul_pass bug)")
 
 
 def _restore(module: ir.Module, snapshot: ir.Module) -> None:

@@ -139,7 +139,8 @@ class Variance:
                     which = "index" if name == CASE else "predicate"
                     return f"a {name.split('.')[1]} whose {which} may differ between the devices of the group encloses it"
             elif name == "sdy.manual_computation":
-                return "it would move across a shard_map region"
+                if stop is not None:
+                    return "it would move across a shard_map region"  # (every device enters the region)
             else:
                 return f"it would sit in the region of {name}"
             op = parent
