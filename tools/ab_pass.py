@@ -1,13 +1,13 @@
 """The pass's time at an earlier commit against this checkout's, in one process.
 
-The development machine's speed drifts by tens of percent within minutes, more than a change to
-the pass is worth, so two benchmark runs minutes apart do not compare.  This puts both versions
+A shared machine's speed drifts by tens of percent within minutes, more than a change to the
+pass is worth, so two benchmark runs minutes apart do not compare.  This puts both versions
 in one process (the earlier one's package copied out of git under another name) and runs them
 alternately on the same lowered program, as ``cmatmul_pass.jit`` runs the pass (a clone of jax's
 module, the decorator's own options): each pair of runs sees the same machine, and the median
 of the paired ratios (this checkout's time over the earlier one's) is the change.
 
-    python tools/ab_pass.py 4991bae --layers 4 8 --runs 30 --out bench/ab_pass.json
+    python tools/ab_pass.py 4991bae --layers 4 8 --runs 30 --out build/bench/ab_pass.json
     python tools/ab_pass.py 4991bae --path text    # the pass on the lowered text: parse, rewrite, print
 """
 

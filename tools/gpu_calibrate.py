@@ -39,7 +39,7 @@ It also times the gather's full dot in every element type the profiles price (bf
 f8, f64, i8, i32; :func:`element_rates`) and prints them as an override of the profile's ``flops``.
 
 Runs on any backend (on CPU with ``--dims`` small enough, for the tests); results go to
-``--out`` (default ``bench/gpu_calibration.json``).  Tests run it, but never assert its timings.
+``--out`` (default ``build/bench/gpu_calibration.json``).  Tests run it, but never assert its timings.
 Each run's override holds its own points among the profile's; ``--merge RUN.json ...`` times
 nothing and prints several runs' points together (:func:`merge`), as an override and as the
 fields of ``cost.PROFILES``::
@@ -82,8 +82,7 @@ def at_run_time(offset: int):
     """``offset`` as a value XLA cannot fold: the ring's block offsets depend on the device's
     position, known only at run time, so its straight-line rounds place (gather) or slice
     (scatter) their blocks at dynamic offsets.  With constant offsets XLA turns the scatter's
-    slices into free views, which the pass's rings do not get (since 2026-11-23; the
-    calibrations in bench/gpu/ before that used constant offsets)."""
+    slices into free views, which the pass's rings do not get."""
     return jax.lax.optimization_barrier(jnp.int32(offset))
 
 
@@ -681,7 +680,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--reps", type=int, default=10, help="calls queued per timed sample")
     parser.add_argument("--profile", default="h100", help="the cost-model profile the override is for")
     parser.add_argument("--target", type=float, default=0.95, help="efficiency to report against")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "gpu_calibration.json"))
+    parser.add_argument("--out", default=str(ROOT / "build" / "bench" / "gpu_calibration.json"))
     parser.add_argument("--merge", nargs="+", metavar="RUN.json",
                         help="time nothing: merge these runs' points into the profile's and print them")
     return parser

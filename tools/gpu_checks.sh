@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks of docs/gpu.md, on a machine with one NVIDIA GPU and jax with CUDA, in parts that
-# each fit one 10-minute call of the device tool (docs/gpu.md, "The next lent session"):
+# each end within 9 minutes (docs/gpu.md, "Running them"):
 #
 #   bash tools/gpu_checks.sh OUTDIR [h100|h200] PART
 #
@@ -28,7 +28,7 @@
 # `timeout`, plus 5 s for a kill): a step that hangs is stopped, the others still run and keep
 # their results, and the part ends well inside a 600 s call.  calibrate and topology are what
 # the profile needs (at most 1005 s together; about 3 and 5 minutes when last estimated);
-# extras is for a session with device time left.  GPU_CHECKS_DRY_RUN=1 prints each step
+# extras is for when there is time left.  GPU_CHECKS_DRY_RUN=1 prints each step
 # ("step", its limit, the command) instead of running it (tests/test_gpu_checks.py reads it).
 # Exit status: the number of steps that failed or ran out of time.
 set -uo pipefail
@@ -75,7 +75,7 @@ calibrate() {
 topology() {
   setup
   # a tiny model first (is the mocked topology working?), at 4 layers: each step's three identical
-  # regions become calls of one rewritten layer (replay.py; first compiled for GPUs on 2026-11-27)
+  # regions become calls of one rewritten layer (replay.py)
   step 60 "$py" tools/gpu_topology.py --model tiny --layers 4 --repeats 1 --profile "$profile" --programs uni auto \
     --out "$out/${profile}_topology_tiny.json"
   # every variant of cost.VARIANTS, auto's picks for the profile, and the A/B programs; two

@@ -23,7 +23,7 @@ it stands.  ``--check`` exits 1 if anything moved (rates by more than ``RATE_TOL
         bench/gpu/h100_calibrate_8b.json bench/gpu/h100_calibrate_3b_20261127*.json \\
         bench/gpu/h100_topology_8b_20261126.json bench/gpu/h100_topology_70b_20261127.json --check
 
-(the runs the ``h100`` profile was built from; docs/gpu.md names each).  ``tools/gpu_checks.sh DIR
+(the runs the ``h100`` profile is built from; docs/gpu.md names each).  ``tools/gpu_checks.sh DIR
 h100 profile`` runs it over what the script's GPU parts wrote.
 """
 
@@ -42,8 +42,8 @@ from cmatmul_pass import cost  # noqa: E402
 from tools import gpu_calibrate, gpu_topology  # noqa: E402
 
 #: a variant no topology run compiled, and the measured variant whose overlap it is assumed to
-#: have (two directions, rounds tied by barriers, straight-line; compiled on an H100 and an H200
-#: since 2026-11-26, it hid more)
+#: have (two directions, rounds tied by barriers, straight-line; where compiled, on an H100 and an
+#: H200, it hid more)
 ASSUMED = {"bidi-full": "bidi-unroll2"}
 #: relative difference of a throughput from the profile's that --check accepts: the profiles
 #: round to 3 digits, and the same dot's throughput moves by about 2 % between runs (docs/gpu.md)

@@ -651,7 +651,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="compiles per program: the first (cold) and the fastest of the others are reported")
     parser.add_argument("--xla-flags", default="", help="more XLA flags for every compile")
     parser.add_argument("--profile", default="h100", help="the cost-model profile the printed --hardware overrides")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "gpu_topology.json"))
+    parser.add_argument("--out", default=str(ROOT / "build" / "bench" / "gpu_topology.json"))
     return parser
 
 
