@@ -169,7 +169,7 @@ def test_carrying_never_gathers_more_bytes_than_the_psums_moved():
     text = lower_smap(stack, MLP_SPECS + MLP_SPECS[1:], MLP_SHAPES + MLP_SHAPES[1:], grad=True)
     result = rewrite(text, all_reduce="split")
     # the forward's two psums of a dot are split, and the backward's psum of a product plus a value
-    # other readers need whole (read block by block since issue 31 item 2); check_vma=False's
+    # other readers need whole (read block by block); check_vma=False's
     # backward sums other values too, which stay
     split = [s for s in result.report.sites if s.kind == "dot_all_reduce" and s.rewritten]
     assert len(split) == 3

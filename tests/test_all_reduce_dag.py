@@ -1,4 +1,4 @@
-"""A norm's backward between the dot and a psum (issue 31, the psum side of the norm backward).
+"""A norm's backward between the dot and a psum (the psum side of the norm backward).
 
 ``jax.value_and_grad`` of a Megatron MLP block ``x + psum(gelu(norm(x, g) @ w1) @ w2)`` in a
 ``shard_map`` with ``check_vma=False`` sums the input gradient ``dy + norm_backward(da @ w1^T)``
@@ -267,7 +267,7 @@ def test_what_no_piece_of_the_rows_gives_stays_a_psum(prepare, says):
 def test_the_gains_psum_says_it_sums_rows_whatever_became_of_the_input_gradients(norm):
     """The gain's gradient psum (a psum of a sum over the rows) stays a psum beside the input
     gradient's, and its decline says what it sums, the same words under every strategy and ring
-    variant (it used to name the op that happened to read the product first: the split ring's
+    variant (not the op that happens to read the product first: the split ring's
     stablehlo.while or collective_permute, or the chunks' all_reduce)."""
     text = grad_text(norm, "trained_gain")
     reasons = set()

@@ -120,7 +120,7 @@ COMMAND_CASES = sorted((name, command) for name, case in MANIFEST.items() for co
 
 
 def test_every_listed_command_case_is_covered():
-    """The cases issue 33 names: check and bench on a module of one partition (or none), a
+    """The command cases: check and bench on a module of one partition (or none), a
     cross-replica module, explain --plot on a module with no site."""
     commands = {(MANIFEST[name]["commands"][command]["exit"], command) for name, command in COMMAND_CASES}
     assert {(0, "check"), (0, "bench"), (2, "explain")} <= commands

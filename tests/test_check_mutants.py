@@ -286,7 +286,7 @@ def test_correct_rewrites_of_training_steps_pass(program, variant):
 def test_an_adamw_step_passes_jit_check(mesh_shape):
     """optax adamw's first step divides each gradient by its own magnitude, which makes harmless
     rounding differences large relative ones: against a fixed tolerance a correct rewrite failed
-    (1.7e-4 > 1e-5, issue 30); judged against the original's own error it passes."""
+    (1.7e-4 > 1e-5); judged against the original's own error it passes."""
     step, args = adamw_step(mesh_shape)
     checked = cmatmul_pass.jit(step, check=True)
     params, _, value = checked(*args)

@@ -289,7 +289,7 @@ def test_bench_variant_lists():
     assert variant_list(" uni , bidi,uni") == ("uni", "bidi")
 
 
-# ------------------------------------------------------------------ conventions (issue 33)
+# ------------------------------------------------------------------ conventions
 @pytest.mark.parametrize("argv", [["rewrite", str(POS), "--quie"], ["explain", str(POS), "--hard", "h200"],
                                   ["bench", str(POS), "--run", "1"]])
 def test_no_prefix_abbreviations(argv, capsys):
@@ -327,7 +327,7 @@ def test_the_console_script_is_installed():
 
 
 def test_a_hardware_key_typo_is_refused_with_the_valid_keys(capsys):
-    """`bandwith=` used to be stored silently as a dtype's throughput."""
+    """`bandwith=` is refused, not stored as a dtype's throughput."""
     from cmatmul_pass import cost
 
     assert run_cli("explain", POS, "--hardware", "h100:bandwith=4e9") == 2

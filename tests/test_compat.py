@@ -1,4 +1,4 @@
-"""cmatmul_pass.jit in place of jax.jit (issue 32): composed with grad, vmap, scan, remat,
+"""cmatmul_pass.jit in place of jax.jit: composed with grad, vmap, scan, remat,
 eval_shape and an enclosing jit it runs, equals plain JAX, and the enclosing program's lowering
 keeps the rings; the jax.jit surface (trace, eval_shape, statics, donation, shardings, keys,
 float0, None leaves, 0-d outputs); the original program where the pass or XLA fails.

@@ -140,7 +140,7 @@ def test_a_gathered_table_looked_up_in_says_so_and_its_one_hot_form_is_rewritten
 def test_a_gather_not_moved_past_its_norm_says_why():
     """rs_norm_backward: the forward's row gather (:346) reaches its dot through an RMS norm, and the
     gathered rows also leave the region whole (the backward's residual). Moved past the norm
-    they would cross the wire twice; since issue 31 the gather rings with its dot instead, the
+    they would cross the wire twice, so the gather rings with its dot instead, the
     ring applying the norm to each block and assembling the raw rows (tests/test_gather_norm_ring.py).
     Without assembling (--no-assemble) neither is possible, and the reason says why: what the
     ring cannot apply, and why the gather does not move."""

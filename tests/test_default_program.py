@@ -3,7 +3,7 @@ profile describes) compiles a column- or row-parallel layer to the program a use
 with ``ppermute`` (the JAX docs' technique, ``tools/bench.py``'s hand-written rings, unrolled in
 Python): the same dots, slices, permutes and fusions, no loop, no copy, and no more instructions
 (its ring index arithmetic is lighter). That is why the benchmark's default / hand-written ratio
-sits at 1.0 within the noise of a run (docs/variants.md, issue 35)."""
+sits at 1.0 within the noise of a run (docs/variants.md)."""
 
 import jax
 import numpy as np

@@ -1,5 +1,5 @@
-"""A norm of the gathered rows before the dot, the raw rows read elsewhere too (issue 31: "move the
-collective to the dot").
+"""A norm of the gathered rows before the dot, the raw rows read elsewhere too (the collective
+moved to the dot).
 
 ``all_gather -> RMS norm / layer norm -> dot`` whose gathered rows also leave the region (a
 backward's residual, through ``sdy.return``): moving the gather past the norm would gather the rows
@@ -257,8 +257,8 @@ def test_two_dots_through_one_norm(variant, merge):
 
 # ------------------------------------------- the move refused: the ring applies the DAG on its own
 def refused_program(case: str) -> str:
-    """Gathered rows whose move past the row-wise ops to the dots is refused (issue 31's
-    remaining shapes), nothing returned raw:
+    """Gathered rows whose move past the row-wise ops to the dots is refused (the shapes the move
+    does not take), nothing returned raw:
 
     * ``two_gains``: one norm, two dots reading it through two different gains: moved, two
       normalised values would each be gathered, twice the bytes of the rows;

@@ -317,7 +317,7 @@ def test_the_readme_example_runs():
     import subprocess
     import sys
 
-    readme = (ROOT / "docs" / "decorator.md").read_text()  # the README's, before issue 33
+    readme = (ROOT / "docs" / "decorator.md").read_text()
     section = readme[readme.index("# `cmatmul_pass.jit`"):]
     code = section[section.index("```python\n") + len("```python\n"):section.index("```\n", section.index("```python"))]
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)

@@ -440,8 +440,8 @@ def test_partial_manual_scatter_runs():
 def test_both_collectives_around_one_dot_are_rewritten(variant):
     """In every variant: the scatter's ring, rewritten first, leaves one dot reading the gathered
     value as it is (its first piece; the others read it through their rounds' barriers), and
-    the gather's ring computes that dot.  Until 2026-11-23 the variants with barriers tied
-    every piece and the gather was left unchanged (user_not_dot)."""
+    the gather's ring computes that dot (were every piece tied, the gather would be left
+    unchanged, user_not_dot)."""
     text, result = rewrite_sample("chain_one_dot", variant=variant)
     kinds = sorted((s.kind, s.rewritten) for s in result.report.sites)
     assert kinds == [("all_gather_dot", True), ("dot_reduce_scatter", True)]
@@ -455,7 +455,7 @@ def test_a_matmul_of_two_gathered_operands_gets_both_rings(variant):
     """x's rows gathered over one mesh axis, w's columns over the other (a 2-D sharded matmul):
     the first gather's ring leaves a dot reading w's gathered value as it is (its block's first
     piece), which the second gather's ring computes; the ring's other dots read the copy it
-    assembles.  Until 2026-11-23 the variants with barriers left the second gather unchanged."""
+    assembles."""
     mesh = mesh_2x4()
 
     def body(x, w):

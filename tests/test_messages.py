@@ -1,4 +1,4 @@
-"""Every decline says what is true (issue 31, item 3): for each program, written as a user would,
+"""Every decline says what is true: for each program, written as a user would,
 the reason code and a part of the message that names the op and the property that stopped the
 site; each program's module is left as it was.
 
@@ -278,7 +278,7 @@ CASES = [
     (tokens_gathered_into_ragged_dot, {}, "all_gather_dot", "ragged_dot", "feeds chlo.ragged_dot"),
     (reshard(False), {}, "all_gather_dot", "reshard", "keeps the gathered dim 0 whole and takes this device's 1/8 of dim 1"),
     (reshard(True), {}, "all_gather_dot", "reshard", "an all_to_all in disguise"),
-    # (a per-row bias, a residual, a per-row scale: read block by block since issue 31 item 2, test_moves)
+    # (a per-row bias, a residual, a per-row scale: read block by block, test_moves)
     (before_scatter(lambda y, _: rms(y)), {}, "dot_reduce_scatter", "producer_not_dot",
      "computed from the product itself (through stablehlo.reduce"),
     (before_scatter(lambda y, _: jax.nn.gelu(y)), {}, "dot_reduce_scatter", "producer_not_dot",
@@ -323,7 +323,7 @@ def test_each_decline_names_its_cause(program, options, kind, code, says):
 
 
 def test_the_first_stage_of_a_two_stage_gather_says_why_neither_ring_pays():
-    """Issue 31 item 4: a weight gathered over one mesh axis, then the other, at a dot far too small to
+    """A weight gathered over one mesh axis, then the other, at a dot far too small to
     hide either (policy auto): the first stage names the second stage and says why both stay (not
     "feeds no dot"), with each option's predicted time; the second stage says it stays with it."""
     result = cmatmul_pass.rewrite(sample("ag_two_stage").read_text(), cmatmul_pass.Options(policy="auto"))

@@ -1,4 +1,4 @@
-"""Collectives moved to their matmuls (issue 31): a program's all_gather whose rows reach the dots
+"""Collectives moved to their matmuls: a program's all_gather whose rows reach the dots
 only through row-wise ops (a norm of the gathered rows) is moved past them, the ops run on the
 shard's rows, and the gather becomes the dot's ring.  What may not move stays as it was."""
 

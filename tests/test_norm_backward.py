@@ -1,4 +1,4 @@
-"""A norm's backward between the dot and the scatter (issue 31 item 2, the scatter side).
+"""A norm's backward between the dot and the scatter (the scatter side).
 
 ``jax.grad`` of a sequence-parallel layer ``all_gather -> RMS norm / layer norm -> dot`` scatters the
 input gradient (``psum_scatter``, the transpose of the gather) after the norm's backward applied to
@@ -96,7 +96,7 @@ def test_the_ring_reduces_block_rows_not_the_whole_product():
     text = grad_text(rms_norm)
     result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant="uni"))
     # the scatter's loop: the one carrying the gain gradient's total (the forward's gather ring
-    # normalises its blocks too, since issue 31: tests/test_gather_norm_ring.py)
+    # normalises its blocks too: tests/test_gather_norm_ring.py)
     (loop,) = [w for w in ir_utils.ops_named(result.module, "stablehlo.while")["stablehlo.while"]
                if "tensor<32xf32>" in [str(t) for t in w.operation.results.types]]
     reduces = ir_utils.ops_named(loop, "stablehlo.reduce")["stablehlo.reduce"]

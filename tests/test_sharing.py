@@ -366,7 +366,7 @@ def test_a_site_mapped_wrongly_into_its_ring_function_fails_the_check(monkeypatc
 def test_a_split_psum_whose_scatter_only_its_own_tracer_passes_shares_its_ring(monkeypatch):
     """A psum of a norm's backward with a cotangent added (traced by the psum's matcher, which
     passes that affine DAG; the scatter matcher declines it), split: the later layers' scatter
-    rings call one function built from the site mapped into it (it used to stay inline, its copy
+    rings call one function built from the site mapped into it (not inline, nor its copy
     declined there). sharing.CHECK accepts it because the scatter matcher declines the original
     alike; the numbers match (a program from fuzz campaign 2771)."""
     from cmatmul_pass import sharing

@@ -1,6 +1,6 @@
-"""Gathers of stacked layer weights sunk into the scan loop that reads one layer per trip
-(issue 31, item 1): ``dynamic_slice(all_gather(w)) == all_gather(dynamic_slice(w))`` for a
-slice that keeps the gathered dim whole."""
+"""Gathers of stacked layer weights sunk into the scan loop that reads one layer per trip:
+``dynamic_slice(all_gather(w)) == all_gather(dynamic_slice(w))`` for a slice that keeps the
+gathered dim whole."""
 
 import jax
 import jax.numpy as jnp

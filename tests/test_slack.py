@@ -1,4 +1,4 @@
-"""2-D meshes (FSDP × tensor parallel, issue 34): where a weight's gather over 'data' and an
+"""2-D meshes (FSDP × tensor parallel): where a weight's gather over 'data' and an
 activation's collective over 'model' meet at one dot, the collective on the critical path gets
 the ring (analysis.slack); the other is left as a plain collective that says why."""
 

@@ -1,4 +1,4 @@
-"""A weight sharded over two mesh axes and gathered in two stages (issue 31, item 4): the cost
+"""A weight sharded over two mesh axes and gathered in two stages: the cost
 model prices one merged ring over both groups, the second stage's ring behind the first stage's
 exposed gather, and both left; ``--policy auto`` takes the fastest that pays, ``--policy all``
 merges wherever the stages can merge (and says when the model would rather not).

@@ -1,7 +1,7 @@
 """A reduction in two stages over two mesh axes (``psum_scatter(psum(x @ w, 'model'), 'data')``,
 as an FSDP x TP gradient lowers): the scatter moves before the psum, onto the product, where it
-becomes a dot → reduce_scatter ring, and the psum sums the scattered block (issue 31: move the
-collective to the dot).  Sums over one axis and a scatter over another commute
+becomes a dot → reduce_scatter ring, and the psum sums the scattered block (the collective
+moved to the dot).  Sums over one axis and a scatter over another commute
 (``cmatmul_pass.rewrites.stages``); numerics are checked against the original on random inputs,
 exactly for integers."""
 
