@@ -219,3 +219,47 @@ def test_the_cli_says_a_failure_in_one_line_and_writes_the_rest(monkeypatch, tmp
     err = capsys.readouterr().err
     assert "Traceback" not in err and "[pass_error]" in err or "pass_error" in err
     assert "collective_permute" in out.read_text()
+
+
+MESH_2X4 = jax.make_mesh((2, 4), ("data", "model"))
+
+
+@jax.jit
+def _gather_dot(x, w):
+    return jax.lax.all_gather(x, "model", axis=0, tiled=True) @ w
+
+
+def _manual_call(partial: bool):
+    """A shard_map calling a nested jax.jit function that gathers and multiplies (manual over
+    'model' only when ``partial``)."""
+    return jax.shard_map(lambda x, w: _gather_dot(x, w), mesh=MESH_2X4, in_specs=(P("model", None), P(None, "model")),
+                         out_specs=P(None, "model"), check_vma=False, **({"axis_names": {"model"}} if partial else {}))
+
+
+def _lowered_2x4(f) -> str:
+    args = [jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=NamedSharding(MESH_2X4, P("model", None))),
+            jax.ShapeDtypeStruct((32, 64), jnp.float32, sharding=NamedSharding(MESH_2X4, P(None, "model")))]
+    return jax.jit(f).lower(*args).as_text()
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_a_site_in_a_function_takes_its_callers_manual_axes(partial):
+    """In a partial-manual region the ring reads its position inside a nested manual region over
+    the free axes, also where the site is in a function the region calls (a bare partition_id
+    there is refused by XLA's partitioner)."""
+    text = _lowered_2x4(_manual_call(partial))
+    result = cmatmul_pass.rewrite(text)
+    (site,) = result.report.sites
+    assert site.rewritten and site.function == "_gather_dot"
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()
+
+
+def test_a_function_called_from_regions_manual_over_different_axes_is_declined():
+    a, b = _manual_call(True), _manual_call(False)
+    text = _lowered_2x4(lambda x, w: a(x, w) + b(x, w))
+    assert text.count("func.call @_gather_dot_0(") == 1
+    text = text.replace("func.call @_gather_dot_0(", "func.call @_gather_dot(")  # both regions call one function
+    result = cmatmul_pass.rewrite(text)
+    (site,) = [s for s in result.report.sites if s.function == "_gather_dot"]
+    assert site.reason_code == "partial_manual" and "called from regions manual over different mesh axes" in site.reason

@@ -38,6 +38,9 @@ class ModuleInfo:
     rings: dict = field(default_factory=dict, compare=False, repr=False)
     #: (dot_dimension_numbers, lhs type, rhs type) -> its DotDims: read once
     dot_numbers: dict = field(default_factory=dict, compare=False, repr=False)
+    #: a function's name -> the ``func.call`` ops calling it (a site in a function called from a
+    #: shard_map region is in that region)
+    callers: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, module: ir.Module, calls: list[ir.OpView] | None = None) -> "ModuleInfo":
@@ -45,13 +48,18 @@ class ModuleInfo:
         op = module.operation
         replicas = ir_utils.int_attr(op, "mhlo.num_replicas")
         meshes, device_ids, stablehlo_meshes = _meshes(module)
+        calls = ir_utils.ops_named(module, "func.call")["func.call"] if calls is None else calls
+        callers: dict[str, list[ir.Operation]] = {}
+        for call in calls:
+            callers.setdefault(ir.FlatSymbolRefAttr(call.attributes["callee"]).value, []).append(call.operation)
         return cls(
             ir_utils.int_attr(op, "mhlo.num_partitions"),
             1 if replicas is None else replicas,
             meshes,
             device_ids,
-            _partial_manual_funcs(ir_utils.ops_named(module, "func.call")["func.call"] if calls is None else calls),
+            _partial_manual_funcs(calls),
             stablehlo_meshes,
+            callers=callers,
         )
 
 
@@ -196,6 +204,9 @@ def manual_region(op: ir.OpView, info: ModuleInfo, ring: Ring) -> ManualRegion:
     partitioner has no such escape there).
     """
     manual, mesh_name, legacy = _enclosing(op.operation.parent, info)
+    if manual is None:
+        raise Decline("partial_manual", f"the site is in a function called from regions manual over different "
+                                        f"mesh axes ({mesh_name}): one ring cannot read its position in all of them")
     if legacy:
         raise Decline(
             "partial_manual",
@@ -232,9 +243,13 @@ def manual_region(op: ir.OpView, info: ModuleInfo, ring: Ring) -> ManualRegion:
     return ManualRegion(mesh_name, free)
 
 
-def _enclosing(parent: ir.Operation | None, info: ModuleInfo) -> tuple[frozenset[str], str | None, str | None]:
+def _enclosing(parent: ir.Operation | None, info: ModuleInfo,
+               depth: int = 0) -> tuple[frozenset[str] | None, str | None, str | None]:
     """(manual axes, mesh name, legacy partial-manual function name or None) of the regions
-    around an op whose parent is ``parent``; walked once per parent op."""
+    around an op whose parent is ``parent``; walked once per parent op.  A private function's
+    regions are those around its calls (a nested ``jax.jit`` inside a shard_map): where its
+    calls sit in regions manual over different axes, the axes are None (and the mesh names
+    them)."""
     if parent in info.regions:
         return info.regions[parent]
     manual: set[str] = set()
@@ -245,10 +260,25 @@ def _enclosing(parent: ir.Operation | None, info: ModuleInfo) -> tuple[frozenset
             axes = sdy.ManualAxesAttr(walk.attributes["manual_axes"])
             manual.update(axes[i] for i in range(len(axes)))
             mesh_name = mesh_name or manual_computation_mesh(walk)
-        elif walk.name == "func.func" and legacy is None:
+        elif walk.name == "func.func":
             func_name = ir.StringAttr(walk.attributes["sym_name"]).value
-            if func_name in info.partial_manual_funcs:
+            if func_name in info.partial_manual_funcs and legacy is None:
                 legacy = func_name
+            calls = info.callers.get(func_name, [])
+            if calls and ir_utils.is_private(walk) and depth < 16:
+                around = {_enclosing(call.parent, info, depth + 1) for call in calls}
+                if len(around) > 1:
+                    found = info.regions[parent] = None, ", ".join(sorted(
+                        "{" + ", ".join(sorted(axes)) + "}" if axes is not None else "mixed" for axes, _, _ in around)), None
+                    return found
+                (outer, outer_mesh, outer_legacy), = around
+                if outer is None:
+                    info.regions[parent] = outer, outer_mesh, None
+                    return info.regions[parent]
+                manual.update(outer)
+                mesh_name = mesh_name or outer_mesh
+                legacy = legacy or outer_legacy
+            break
         walk = walk.parent
     info.regions[parent] = frozenset(manual), mesh_name, legacy
     return info.regions[parent]
