@@ -182,6 +182,8 @@ class RewriteResult:
 
     @property
     def changed(self) -> bool:
+        """Does the module differ from the input?  Exactly when a site was rewritten: a motion
+        whose sites all declined is not made, and a module with no site rewritten is the input."""
         return bool(self.report.rewritten)
 
 
@@ -273,6 +275,8 @@ def _rewrite(module: ir.Module, options: Options, source: str, again: Callable[[
                 module = again()
                 continue
             if not undone:
+                if not result.report.rewritten:  # nothing rewritten: the output is the input, as it was
+                    result.module = again()      # (no scan body inlined, nothing moved)
                 return result
             for key, why in undone.items():  # moved, then no ring where it went: not moved next time
                 bans.add(key, MOTION, why)

@@ -263,3 +263,17 @@ def test_a_function_called_from_regions_manual_over_different_axes_is_declined()
     result = cmatmul_pass.rewrite(text)
     (site,) = [s for s in result.report.sites if s.function == "_gather_dot"]
     assert site.reason_code == "partial_manual" and "called from regions manual over different mesh axes" in site.reason
+
+
+def test_with_no_site_rewritten_the_output_is_the_input(tmp_path, capsys):
+    """check's "nothing to check" is true: the module it would check is the input itself (here
+    jax 0.10's scan step, which the pass inlines before it looks for rings, stays a call)."""
+    f, args = sink_program("index", twin=True)
+    path = tmp_path / "m.mlir"
+    path.write_text(jax.jit(f).lower(*args).as_text())
+    assert run_cli("check", path, "--min-bytes", 10**9) == 0
+    said = capsys.readouterr()
+    assert "nothing to check: no site was rewritten" in said.out + said.err
+    out = tmp_path / "o.mlir"
+    assert run_cli("rewrite", path, "--min-bytes", 10**9, "-o", out) == 0
+    assert out.read_text() == ir_utils.print_module(ir_utils.parse(path.read_text()))
