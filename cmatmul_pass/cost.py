@@ -174,15 +174,13 @@ def variant_name(bidirectional: bool, unroll: int | None) -> str:
 
 
 #: Read from XLA's schedule of the training steps compiled for 8 H100s (tools/gpu_topology.py,
-#: jax 0.11.2, ring_compiler_options): the 8B step of 2026-11-26
-#: (bench/gpu/h100_topology_8b_20261126.json, every variant, bidi-full compiled for the first time
-#: on an H100) and the 70B step of 2026-11-27 (h100_topology_70b_20261127.json; it replaced the
-#: run of 2026-11-23, whose rings were the code of then), permutes overlapped with a dot, pooled.
-#: uni and unroll2 hid every permute.
+#: jax 0.11.2, ring_compiler_options): the 8B step (bench/gpu/h100_topology_8b_20261126.json) and
+#: the 70B step (h100_topology_70b_20261127.json), permutes overlapped with a dot as executed,
+#: pooled. uni and unroll2 hid every permute.
 H100_OVERLAP = {"full": 202 / 210, "bidi": 298 / 308, "bidi-unroll2": 289 / 308, "bidi-full": 304 / 308}
 
-#: The same, read from the 8B and 70B steps compiled for 8 H200s (2026-11-26,
-#: bench/gpu/h200_topology_{8b,70b}.json, the same flags), both models pooled: uni and unroll2 hid
+#: The same, read from the 8B and 70B steps compiled for 8 H200s
+#: (bench/gpu/h200_topology_{8b,70b}.json, the same flags), both models pooled: uni and unroll2 hid
 #: every permute, and bidi-full hid all 154 of each model's (absent here: a variant the table
 #: leaves out hides every permute)
 H200_OVERLAP = {"full": 202 / 210, "bidi": 298 / 308, "bidi-unroll2": 289 / 308}
@@ -198,17 +196,15 @@ STEP_70B, STEP_8B = 2 * 1024 * 8192 * 3584, 2 * 1024 * 4096 * 1792
 NVLS_ALL_REDUCE = 480 / 370
 
 PROFILES: dict[str, Hardware] = {
-    # Calibrated on an H100 SXM (tools/gpu_checks.sh calibrate, jax 0.11.2, 2026-11-26, and the 3B
-    # shapes three times on 2026-11-27; bench/gpu/h100_calibrate_{70b,8b}.json and
-    # h100_calibrate_3b_20261127*.json, merged by tools/gpu_profile.py, the 3B runs by their
-    # medians): XLA's bf16 dot at 634 TFLOP/s (989 peak; the median of the models' full dots, the
-    # 8B's); the straight-line splits at each step's FLOPs (the gate and up dots merged at 12.9, 30
-    # and 120 GFLOP), the contracting and batch roles' own points, loop trips per kind, and every
-    # element type's rate measured as XLA's dot (medians over the models: fp8 1.1x bf16, i32 a
-    # hundred-and-fiftieth).  The full dot, loop and straight line are timed in turn now; the runs
-    # of 2026-11-23, timed in blocks, had put the 70B splits at 0.851 (gather) and 0.922 (scatter),
-    # against 0.774 and 0.821 now (the H200 agrees: 0.779, 0.867).  NVLink 4: 450 GB/s per
-    # direction.  Overlap: H100_OVERLAP.
+    # Calibrated on an H100 SXM (tools/gpu_checks.sh calibrate, jax 0.11.2;
+    # bench/gpu/h100_calibrate_{70b,8b}.json and h100_calibrate_3b_20261127*.json, merged by
+    # tools/gpu_profile.py, the three 3B runs by their medians): XLA's bf16 dot at 634 TFLOP/s (989
+    # peak; the median of the models' full dots, the 8B's); the straight-line splits at each step's
+    # FLOPs (the gate and up dots merged at 12.9, 30 and 120 GFLOP), the contracting and batch
+    # roles' own points, loop trips per kind, and every element type's rate measured as XLA's dot
+    # (medians over the models: fp8 1.1x bf16, i32 a hundred-and-fiftieth).  The full dot, loop and
+    # straight line timed in turn (timed in separate blocks they read high).  NVLink 4: 450 GB/s
+    # per direction.  Overlap: H100_OVERLAP.
     "h100": Hardware("H100 SXM (NVLink 4)", {"bf16": 6.34e14, "f16": 6.34e14, "f32": 3.26e14, "f8": 6.84e14,
                                             "f64": 5.97e13, "i8": 5.79e14, "i32": 4.12e12, "default": 6.34e14},
                      450e9,
@@ -228,7 +224,7 @@ PROFILES: dict[str, Hardware] = {
                                        "all_gather_dot/batch": ((6442450944.0, 0.468), (15032385536.0, 0.489),
                                                                 (60129542144.0, 0.591))},
                      all_reduce_bandwidth=NVLS_ALL_REDUCE * 450e9),
-    # Calibrated on an H200 (tools/gpu_checks.sh calibrate + extras, jax 0.11.2, 2026-11-26;
+    # Calibrated on an H200 (tools/gpu_checks.sh calibrate + extras, jax 0.11.2;
     # bench/gpu/h200_calibrate_{70b,8b,3b}.json, merged by tools/gpu_profile.py): the straight-line
     # splits at each step's FLOPs, the gate and up dots merged at their own step (12.9, 30.1 and
     # 120 GFLOP), the contracting and batch roles' own points, loop trips per kind, and every
@@ -295,8 +291,8 @@ FALLBACK_LOOPED_SCATTER_VARIANT, FALLBACK_LOOPED_SCATTER_BYTES = "uni", 8 * 2**2
 #: What ``all_reduce="auto"`` makes of a psum of a matmul where no profile describes the machine:
 #: chunk it in two where its rows cut so (else split).  On the 8 CPU devices, which run every
 #: collective synchronously, two pre-norm Megatron MLP blocks (``make bench``'s Megatron run,
-#: docs/performance.md) ran chunk 2 at 1.05 of the plain psum, chunk 4 at 1.16, chunk 8 at 1.27,
-#: and split at 1.25-1.41 in every variant; on the profiled GPUs the model predicts chunk faster
+#: docs/performance.md) run chunk 2 closest to the plain psum (about 1.05 of it), more chunks and
+#: split slower (split 1.2-1.4 in every variant); on the profiled GPUs the model predicts chunk faster
 #: than split too, in every row of docs/performance.md's 8xH100 Megatron table.
 FALLBACK_CHUNKS = 2
 
