@@ -277,3 +277,21 @@ def test_with_no_site_rewritten_the_output_is_the_input(tmp_path, capsys):
     out = tmp_path / "o.mlir"
     assert run_cli("rewrite", path, "--min-bytes", 10**9, "-o", out) == 0
     assert out.read_text() == ir_utils.print_module(ir_utils.parse(path.read_text()))
+
+
+def test_a_buffer_returned_in_a_second_carried_value_is_not_hoisted():
+    """The loop hands its updated buffer on in two carried values: scattering one of them would
+    change the other's type; declined with a reason, the program runs as written."""
+
+    def body(x, w):
+        def step(i, carry):
+            new = jax.lax.dynamic_update_slice(carry[0], (jnp.tanh(x @ w) * (i + 1))[None], (i, 0, 0))
+            return new, new
+
+        buf, other = jax.lax.fori_loop(0, L, step, (jnp.zeros((L, 16, H)), jnp.zeros((L, 16, H))))
+        return jax.lax.psum_scatter(buf, "model", scatter_dimension=2, tiled=True), other
+
+    f = jax.shard_map(body, mesh=MESH, in_specs=(P(), P()), out_specs=(P(None, None, "model"), P()), check_vma=False)
+    result = rewritten((f, [jax.ShapeDtypeStruct((16, H), jnp.float32), jax.ShapeDtypeStruct((H, H), jnp.float32)]))
+    (site,) = result.report.sites
+    assert "not hoisted into the loop: the loop body returns something else than its update" in site.reason

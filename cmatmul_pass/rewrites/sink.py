@@ -171,6 +171,8 @@ def _loops_reading(value: ir.Value, dim: int, full: int, handoffs: list[Handoff]
             return "the loop's condition reads it"
         if _terminator(body).operands[k] != body.arguments[k]:
             return "the loop body changes it"
+        if sum(v == body.arguments[k] for v in _terminator(body).operands) != 1:
+            return "the loop body hands it to the next trip in another carried value too"
         if list(while_op.results[k].uses):
             return "it is read after the loop"
         loop = Loop(while_op, k)
