@@ -258,14 +258,15 @@ def _rewrite(module: ir.Module, options: Options, source: str, again: Callable[[
             try:
                 with _no_cyclic_gc():
                     result, undone = _run(module, options, source, verify_each=False, bans=bans)
-            except InternalError as failure:
+            except Exception as exc:  # noqa: BLE001 - a bug of the pass, never a traceback for the user
                 # The fast path verifies once, at the end.  On a failure, run again from the input,
                 # verifying after every site, to name the collective that broke the module; the
                 # next try leaves it as written (cmatmul_pass.attempts).
+                failure = _internal(exc)
                 try:
                     _run(again(), options, source, verify_each=True, bans=bans)
-                except InternalError as pinpointed:
-                    failure = pinpointed
+                except Exception as pinpointed:  # noqa: BLE001
+                    failure = _internal(pinpointed)
                 key = getattr(failure, "key", None)
                 if key is None or key in bans.by_key:
                     if restore is not None:
@@ -1061,6 +1062,15 @@ def _consumer(dot, operand_index: int, role: str, path, source: str) -> dict:
 
 def _side(operand_index: int) -> str:
     return "lhs" if operand_index == 0 else "rhs"
+
+
+def _internal(exc: Exception) -> InternalError:
+    """``exc`` as the InternalError it is (a bug of the pass, whatever its type)."""
+    if isinstance(exc, InternalError):
+        return exc
+    failure = InternalError(f"the pass failed (a cmatmul_pass bug): {type(exc).__name__}: {' '.join(str(exc).split())}")
+    failure.__cause__ = exc
+    return failure
 
 
 def _verify(module: ir.Module, entry: SiteReport | None, placement: tuple | None = None) -> None:

@@ -295,3 +295,17 @@ def test_a_buffer_returned_in_a_second_carried_value_is_not_hoisted():
     result = rewritten((f, [jax.ShapeDtypeStruct((16, H), jnp.float32), jax.ShapeDtypeStruct((H, H), jnp.float32)]))
     (site,) = result.report.sites
     assert "not hoisted into the loop: the loop body returns something else than its update" in site.reason
+
+
+def test_an_unexpected_exception_is_one_line_never_a_traceback(monkeypatch, capsys):
+    """A failure outside any one collective's work (here: the loop scan before the sites) is an
+    internal error: exit 3, one line naming the bug, no traceback; the input is left as it was."""
+    from cmatmul_pass import pipeline
+
+    def broken(*args, **kwargs):
+        raise KeyError("boom")
+
+    monkeypatch.setattr(pipeline.replay, "walk", broken)
+    assert run_cli("rewrite", ROOT / "hlo_samples" / "sp_mlp.mlir") == 3
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "internal error: the pass failed (a cmatmul_pass bug): KeyError" in err

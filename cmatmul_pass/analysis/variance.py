@@ -45,7 +45,7 @@ DEVICE_DEPENDENT = frozenset({
     "stablehlo.partition_id", "stablehlo.replica_id", "stablehlo.collective_permute",
     "stablehlo.reduce_scatter", "stablehlo.all_to_all", "stablehlo.collective_broadcast",
     "stablehlo.rng", "stablehlo.rng_bit_generator", "stablehlo.custom_call", "stablehlo.infeed",
-    "stablehlo.recv", "stablehlo.send", "stablehlo.optimization_barrier", "sdy.manual_computation",
+    "stablehlo.recv", "stablehlo.send", "sdy.manual_computation",
 })
 #: ops with regions that only combine their operands' elements (a reduction's body)
 PURE_REGION_OPS = frozenset({
@@ -185,6 +185,8 @@ class Variance:
             return self._branches(op, ir.OpResult(value).result_number, scope)
         if name in CALLS:
             return self._call(op, ir.OpResult(value).result_number, ring, scope)
+        if name == "stablehlo.optimization_barrier":  # the identity on each value
+            return all_of([op.operands[ir.OpResult(value).result_number]], scope.memo)
         if name not in PURE_REGION_OPS and len(op.regions):
             return [], False
         return all_of(op.operands, scope.memo)
