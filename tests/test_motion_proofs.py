@@ -309,3 +309,23 @@ def test_an_unexpected_exception_is_one_line_never_a_traceback(monkeypatch, caps
     assert run_cli("rewrite", ROOT / "hlo_samples" / "sp_mlp.mlir") == 3
     err = capsys.readouterr().err
     assert "Traceback" not in err and "internal error: the pass failed (a cmatmul_pass bug): KeyError" in err
+
+
+@pytest.mark.parametrize("twin", [False, True])
+def test_an_index_of_another_mesh_axis_is_the_same_on_each_group(twin):
+    """``axis_index('d')`` differs between devices but is one number on each group of the 'm'
+    axis of a 2×4 mesh: a gather over 'm' sinks into a loop indexing by it (evaluated at every
+    partition id: analysis/by_partition.py); ``axis_index('m') // 2`` differs inside the group."""
+
+    def body(x, ws):
+        stack = jax.lax.all_gather(ws, "m", axis=2, tiled=True)
+        shift = jax.lax.axis_index("d") if twin else jax.lax.axis_index("m") // 2
+        return jax.lax.fori_loop(0, L, lambda i, h: jnp.tanh(h @ _layer(stack, (i + shift) % L)), x)
+
+    mesh = jax.make_mesh((2, 4), ("d", "m"))
+    spec = P(None, None, "m")
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(), spec), out_specs=P(), check_vma=False)
+    result = rewritten((f, [jax.ShapeDtypeStruct((16, H), jnp.float32),
+                            jax.ShapeDtypeStruct((L, H, H), jnp.float32, sharding=NamedSharding(mesh, spec))]))
+    (site,) = result.report.sites
+    assert site.rewritten == twin, site.reason

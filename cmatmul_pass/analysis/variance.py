@@ -36,6 +36,7 @@ import numpy as np
 from .. import ir_utils
 from .._jax_private import ir, sdy
 from ..errors import Decline
+from . import by_partition
 from .dataflow import all_of, decide
 from ..matchers.common import ModuleInfo, manual_computation_mesh, replica_groups
 from ..ring import Ring
@@ -86,6 +87,7 @@ class Variance:
         self._axes: dict[tuple, frozenset[str] | None] = {}
         self._calls: dict[tuple, bool] = {}  # (callee, its arguments' facts, result, groups) -> answer
         self._functions: dict[str, ir.Operation] | None = None
+        self._evaluators: dict[int, by_partition.ByPartition] = {}
 
     def forget(self) -> None:
         """Drop the answers about values (call it before the questions of a rewrite that follows
@@ -94,6 +96,12 @@ class Variance:
         self._scopes.clear()
         self._calls.clear()
         self._functions = None
+        self._evaluators.clear()
+
+    def _by_partition(self, count: int) -> "by_partition.ByPartition":
+        if count not in self._evaluators:
+            self._evaluators[count] = by_partition.ByPartition(count, self._callee)
+        return self._evaluators[count]
 
     def identical(self, value: ir.Value, ring: Ring) -> bool:
         """Is ``value`` the same array on every device of each of ``ring``'s groups?"""
@@ -174,6 +182,10 @@ class Variance:
             return self._argument(value, owner, ring, scope)
         op = owner.operation
         name = op.name
+        if by_partition._scalar_int(value.type):  # (axis_index of another mesh axis: one value per group)
+            values = self._by_partition(ring.num_partitions)(value)
+            if values is not None:
+                return [], all(len(set(values[list(group)].tolist())) == 1 for group in ring.groups)
         if name in DEVICE_DEPENDENT:
             return [], False
         if name in GROUP_COLLECTIVES:
@@ -262,6 +274,7 @@ class Variance:
         return [], self._calls[key]
 
     def _callee(self, op: ir.Operation) -> ir.Operation | None:
+        op = op.operation
         attr = "decomposition" if op.name == "stablehlo.composite" else "callee"
         if attr not in op.attributes:
             return None
