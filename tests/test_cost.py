@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 import cmatmul_pass
-from cmatmul_pass import cost
+from cmatmul_pass import cost, profiles
 from cmatmul_pass.pipeline import variant_options
 from conftest import ROOT, SAMPLES, run_cli, sample
 
@@ -647,11 +647,11 @@ def test_hardware_auto_follows_the_device_kind(monkeypatch):
     for kind, name in [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100"),
                        ("TPU v5 lite", "tpu-v5e"), ("cpu", None), ("NVIDIA GeForce RTX 4090", None)]:
         assert cost.profile_for(kind) == name
-    monkeypatch.setattr(cost, "_device_kind", lambda: "NVIDIA A100-SXM4-40GB")
+    monkeypatch.setattr(profiles, "_device_kind", lambda: "NVIDIA A100-SXM4-40GB")
     a100 = cost.hardware("auto:bandwidth=1e9")
     assert a100.name.startswith(cost.PROFILES["a100"].name + ", detected") and a100.bandwidth == 1e9
     assert a100.flops == cost.PROFILES["a100"].flops
-    monkeypatch.setattr(cost, "_device_kind", lambda: "cpu")
+    monkeypatch.setattr(profiles, "_device_kind", lambda: "cpu")
     fallback = cost.hardware("auto")
     assert fallback.name.endswith("assumed: no profile for cpu") and fallback.assumed
     assert replace(fallback, name="", assumed=False) == replace(cost.PROFILES[cost.FALLBACK_PROFILE], name="")
@@ -668,7 +668,7 @@ def test_the_default_variant_is_the_model_pick_or_the_fallback_without_a_profile
     assert default.options.variant == "auto" and len(default.report.rewritten) == 2
     for site in default.report.rewritten:
         assert site.schedule["variant"] == fastest(cost.SiteShape.from_dict(site.cost["site"]), h100)
-    monkeypatch.setattr(cost, "_device_kind", lambda: "cpu")
+    monkeypatch.setattr(profiles, "_device_kind", lambda: "cpu")
     unprofiled = cmatmul_pass.rewrite(text, cmatmul_pass.Options(hardware="auto"))
     picked = {site.kind: site.schedule["variant"] for site in unprofiled.report.rewritten}
     assert picked == {"all_gather_dot": "full", "dot_reduce_scatter": "full"}
@@ -701,7 +701,7 @@ def test_the_decorator_picks_for_the_device_it_runs_on(monkeypatch):
     assert here.report.sites[0].cost["hardware"].endswith("assumed: no profile for cpu")
     assert here.report.sites[0].schedule["variant"] == cost.fallback_variant(  # not the H100's pick
         cost.SiteShape.from_dict(here.report.sites[0].cost["site"]))
-    monkeypatch.setattr(cost, "_device_kind", lambda: "TPU v5 lite")
+    monkeypatch.setattr(profiles, "_device_kind", lambda: "TPU v5 lite")
     g = cmatmul_pass.jit(F, variant="auto")
     np.testing.assert_allclose(np.asarray(g(x, w)), np.asarray(here(x, w)), rtol=1e-5)
     (site,) = g.report.sites
