@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from . import ir_utils
 from ._jax_private import ir
-from .errors import InternalError
+from .errors import CmatmulError, InternalError
 from .report import SiteReport
 
 #: at most this many tries (each leaves one more collective as written) before the failure stands
@@ -77,6 +77,8 @@ class Attempts:
             if getattr(failure, "key", None) is None:
                 failure.key = key
             raise
+        except CmatmulError:
+            raise  # the input's or the options' fault, said as such
         except Exception as exc:  # noqa: BLE001 - a bug of the pass: leave this collective as written
             failure = InternalError(
                 f"working on the {key[0].split('.')[-1]} at {key[1]} failed (a cmatmul_pass bug): "

@@ -269,7 +269,7 @@ def test_role_split_overrides():
 
 
 def test_the_report_gives_each_dot_its_role():
-    """The model sees each of a ring's dots in its role (pipeline.site_shape): a gather whose
+    """The model sees each of a ring's dots in its role (sites.site_shape): a gather whose
     shard one dot contracts and another keeps free (a training step's backward), and a contracting
     one alone; with the role's own points the contracting dot keeps what they say.  (The data-parallel
     psums of the weight gradients are kept: split, their scatter rings would take one of those dots.)"""

@@ -216,7 +216,7 @@ def test_links_between_documents_resolve():
 # ------------------------------------------------------------------ reason codes
 def emitted_codes() -> set[str]:
     """Every reason code the pass can put in a report: the literal code of each ``Decline(...)``
-    in the package, and each ``(code, reason)`` pair the options' verdicts return in pipeline.py."""
+    in the package, and each ``(code, reason)`` pair the options' verdicts return (sites.py, phases.py)."""
     codes, dynamic = set(), []
     for path in (ROOT / "cmatmul_pass").rglob("*.py"):
         tree = ast.parse(path.read_text())
@@ -229,9 +229,9 @@ def emitted_codes() -> set[str]:
                     dynamic.append(f"{path.name}:{node.lineno}")
             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and any(
                     isinstance(t, ast.Attribute) and t.attr == "reason_code" for t in node.targets):
-                codes.add(node.value.value)  # a report entry recoded (pipeline._say_prefetchable)
-            if path.name == "pipeline.py" and isinstance(node, ast.FunctionDef) and node.name in ("_policy",
-                                                                                                     "_all_reduce_strategy"):
+                codes.add(node.value.value)  # a report entry recoded (phases._say_prefetchable)
+            if path.name in ("sites.py", "phases.py") and isinstance(node, ast.FunctionDef) and node.name in (
+                    "policy_verdict", "_all_reduce_strategy"):
                 for ret in (n for n in ast.walk(node) if isinstance(n, ast.Return) and isinstance(n.value, ast.Tuple)):
                     pairs = [ret.value, *(e for e in ret.value.elts if isinstance(e, ast.Tuple))]
                     codes |= {p.elts[0].value for p in pairs

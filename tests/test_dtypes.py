@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import cmatmul_pass
-from cmatmul_pass import execute, ir_utils, pipeline, report
+from cmatmul_pass import execute, ir_utils, report, sites
 from cmatmul_pass._jax_private import ir, make_context
 from cmatmul_pass.rewrites import all_gather_dot
 
@@ -164,7 +164,7 @@ def test_the_cost_model_prices_a_mixed_dot_at_its_wider_operand():
     """
     module = ir_utils.parse(text)  # held: its ops live only as long as it does
     dots = ir_utils.ops_named(module, "stablehlo.dot_general")["stablehlo.dot_general"]
-    assert [str(pipeline._priced_element_type(d)) for d in dots] == ["bf16", "bf16", "f8E4M3FN"]
+    assert [str(sites.priced_element_type(d)) for d in dots] == ["bf16", "bf16", "f8E4M3FN"]
 
 
 def test_equal_infinities_and_nans_are_no_error_and_others_are():

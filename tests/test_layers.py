@@ -323,7 +323,7 @@ def test_elementwise_ops_whose_other_operand_varies_are_declined(prepare, code):
 ], ids=["per_row_scale", "g_tanh_g"])
 def test_row_wise_ops_the_ring_cannot_apply_per_shard_move_the_gather_to_the_dot(prepare):
     """What the ring declines [layout] works row by row: the ops run on the shard's rows and the
-    gather, moved to the dot, becomes its ring (pipeline.MOVABLE_DECLINES)."""
+    gather, moved to the dot, becomes its ring (phases.MOVABLE_DECLINES)."""
     text = elementwise_program(prepare)
     result = cmatmul_pass.rewrite(text)
     (site,) = result.report.sites

@@ -195,12 +195,12 @@ def test_a_failure_on_one_collective_leaves_it_as_written_and_rewrites_the_rest(
     """An exception while one site is rewritten (here: every scatter's ring) is a bug of the
     pass; the collective stays as written (``pass_error``), the others are rewritten, the
     module verifies and computes what the original does."""
-    from cmatmul_pass import pipeline
+    from cmatmul_pass import sites
 
     def broken(*args, **kwargs):
         raise IndexError("list index out of range")
 
-    monkeypatch.setattr(pipeline, "rewrite_dot_reduce_scatter", broken)
+    monkeypatch.setattr(sites, "rewrite_dot_reduce_scatter", broken)
     text = (ROOT / "hlo_samples" / "sp_mlp.mlir").read_text()
     result = cmatmul_pass.rewrite(text)
     codes = {s.kind: s.reason_code for s in result.report.sites}
@@ -211,9 +211,9 @@ def test_a_failure_on_one_collective_leaves_it_as_written_and_rewrites_the_rest(
 
 
 def test_the_cli_says_a_failure_in_one_line_and_writes_the_rest(monkeypatch, tmp_path, capsys):
-    from cmatmul_pass import pipeline
+    from cmatmul_pass import sites
 
-    monkeypatch.setattr(pipeline, "rewrite_dot_reduce_scatter", lambda *a, **k: [][0])
+    monkeypatch.setattr(sites, "rewrite_dot_reduce_scatter", lambda *a, **k: [][0])
     out = tmp_path / "out.mlir"
     assert run_cli("rewrite", ROOT / "hlo_samples" / "sp_mlp.mlir", "-o", out) == 0
     err = capsys.readouterr().err

@@ -481,12 +481,12 @@ def test_the_first_layers_backward_is_a_trimmed_copy_and_saves_its_sites(monkeyp
     """At 4 layers the backward's first layer returns no input gradient: it is the others' region
     without that result and its ops, so it calls a trimmed copy of their rewritten region; its 7
     weight-gradient psums are not matched again (14 matched without it)."""
-    from cmatmul_pass import pipeline
+    from cmatmul_pass import phases
     fn, args = bench.MODELS["sequence_parallel"](4)
     text = fn.lower(*args).as_text()
     matched = []
-    match = pipeline.match_all_reduce
-    monkeypatch.setattr(pipeline, "match_all_reduce", lambda op, info: matched.append(op) or match(op, info))
+    match = phases.match_all_reduce
+    monkeypatch.setattr(phases, "match_all_reduce", lambda op, info: matched.append(op) or match(op, info))
     trimmed = cmatmul_pass.rewrite(text)
     (name, what), = trimmed.report.trimmed.items()
     assert what["of"] in trimmed.report.layers and name not in trimmed.report.layers

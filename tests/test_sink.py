@@ -394,7 +394,10 @@ def test_a_loop_in_a_scan_step_inlined_away_is_not_visited():
     result = cmatmul_pass.rewrite(SCAN_STEP_WITH_A_LOOP)
     assert result.report.sites
     names = [ir_utils.symbol_name(f) for f in result.module.body.operations]
-    assert "closed_call" not in names  # inlined, and erased with its loop
+    if result.report.rewritten:
+        assert "closed_call" not in names  # inlined, and erased with its loop
+    else:  # nothing rewritten: the output is the input (the inlining is not kept)
+        assert result.text == ir_utils.print_module(ir_utils.parse(SCAN_STEP_WITH_A_LOOP))
     outcome = execute.check_numerics(ir_utils.parse(SCAN_STEP_WITH_A_LOOP), result.module)
     assert outcome.ok, outcome.format()
 

@@ -12,7 +12,7 @@ import cmatmul_pass
 from cmatmul_pass import execute, ir_utils
 from cmatmul_pass.analysis.slack import Slack
 from cmatmul_pass.matchers import ModuleInfo, match_all_gather
-from cmatmul_pass.pipeline import _dot_flops
+from cmatmul_pass.sites import dot_flops as _dot_flops
 
 
 def fsdp_tp(layers: int, mesh_shape=(2, 4), axes=("data", "model"), embed: bool = True, bias: bool = False,

@@ -796,9 +796,9 @@ def profile_pass(layers: int, model: str = "sequence_parallel", out: Path | None
 
 #: what :func:`warm_pass_cost` times apart, each the functions (module, name) the pipeline calls for it
 WARM_PHASES = {
-    "building rings": [("pipeline", "rewrite_dot_reduce_scatter"), ("pipeline", "rewrite_all_gather_dot")],
-    "matching": [("pipeline", "match_all_gather"), ("pipeline", "match_reduce_scatter"),
-                 ("pipeline", "match_all_reduce")],
+    "building rings": [("sites", "rewrite_dot_reduce_scatter"), ("sites", "rewrite_all_gather_dot")],
+    "matching": [("phases", "match_all_gather"), ("phases", "match_reduce_scatter"),
+                 ("phases", "match_all_reduce")],
     # the walk for the sites with the grouping of identical regions, and the replay of the groups
     "walking and replaying": [("replay", "walk"), ("replay.Plan", "finish")],
 }
@@ -813,9 +813,9 @@ def warm_pass_cost(layers_list: list[int], runs: int = 15, model: str = "sequenc
     from contextlib import ExitStack
     from unittest import mock
 
-    from cmatmul_pass import pipeline, replay
+    from cmatmul_pass import phases, replay, sites
 
-    owners = {"pipeline": pipeline, "replay": replay, "replay.Plan": replay.Plan}
+    owners = {"phases": phases, "sites": sites, "replay": replay, "replay.Plan": replay.Plan}
     spent = dict.fromkeys(WARM_PHASES, 0.0)
 
     def timed(fn, phase):
