@@ -30,7 +30,10 @@ def parse(data: str | bytes, *, source: str = "<input>", context: ir.Context | N
         try:
             data = data.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise InputError(source, "input is neither UTF-8 text nor MLIR bytecode") from exc
+            raise InputError(source, "input is neither UTF-8 text nor MLIR bytecode (a serialized executable or "
+                                     f"HLO proto is not read: {SAVE_THIS})") from exc
+    if isinstance(data, str) and (what := _other_format(data)):
+        raise InputError(source, f"this is {what}, not StableHLO: {SAVE_THIS}", 1, 1)
     if not data or (isinstance(data, str) and not data.strip()):
         raise InputError(source, "empty input: expected a StableHLO module")
     if isinstance(data, str) and "\x00" in data:
@@ -47,6 +50,23 @@ def parse(data: str | bytes, *, source: str = "<input>", context: ir.Context | N
     if not any(True for _ in module.body.operations):
         raise InputError(source, "module is empty: expected a StableHLO module with functions")
     return module
+
+
+#: what to save instead of a format the pass does not read
+SAVE_THIS = ("save `jax.jit(f).lower(*args).as_text()` (or `jax.export.export(jax.jit(f))(*args)`'s "
+             "`mlir_module()`) and give the pass that")
+
+
+def _other_format(text: str) -> str | None:
+    """What ``text`` is when it is a program in a format other than MLIR text that users save
+    by mistake (XLA's HLO text, a jaxpr), else None."""
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("//")]
+    first = lines[0] if lines else ""
+    if first.startswith("HloModule "):
+        return "HLO text (what `compiled.as_text()` or an XLA dump prints, after XLA's own passes)"
+    if first.startswith("{ lambda ") or (first.startswith("let") and any(line.startswith("in ") for line in lines)):
+        return "a jaxpr (`jax.make_jaxpr`)"
+    return None
 
 
 def _parse_bytecode(data: bytes, context: ir.Context, source: str) -> ir.Module:
