@@ -48,6 +48,8 @@ __all__ = [
     "lowered_with_module",
     "hlo_module_from_text",
     "lowered_arguments",
+    "has_host_callbacks",
+    "is_ref",
 ]
 
 
@@ -184,6 +186,23 @@ def trace_context() -> tuple:
     return config.trace_context()
 
 
+def has_host_callbacks(lowered: Any) -> bool:
+    """Whether a ``jax.stages.Lowered``'s program calls back into Python (``jax.debug.print``,
+    ``jax.pure_callback``, ``io_callback``): its executable runs only through jax's dispatch,
+    which keeps the callbacks alive and passes them in.  (Where this jax keeps them elsewhere,
+    :func:`cmatmul_pass.execute.host_callback_target` still finds them in the module.)"""
+    args = getattr(getattr(lowered, "_lowering", None), "compile_args", None) or {}
+    return bool(args.get("host_callbacks"))
+
+
+def is_ref(x: Any) -> bool:
+    """Whether ``x`` is a mutable array reference (``jax.new_ref``)."""
+    import jax
+
+    ref_type = getattr(jax, "Ref", None) or getattr(_core, "Ref", None)
+    return ref_type is not None and isinstance(x, ref_type)
+
+
 def executable_cache_miss(compiled: Any) -> Any:
     """A ``jax.stages.Compiled``'s own cache miss, for :func:`cpp_dispatcher`: called with the
     executable's (dynamic) arguments it runs it and returns ``(outputs, fast-path data or None,
@@ -291,7 +310,31 @@ def _closed_call_style_primitive(name: str) -> Any:
                                 call_jaxpr=pe.convert_constvars_jaxpr(call_jaxpr.jaxpr), **params)
 
     ad.fancy_transposes[primitive] = transpose
+    _register_discharge_rule(primitive)
     return primitive
+
+
+def _register_discharge_rule(primitive: Any) -> None:
+    """jax 0.10: closed_call's state-discharge rule, re-binding ``primitive``: where the call's
+    jaxpr reads or writes mutable array references (``jax.new_ref``), discharging it (as jit
+    and an eager shard_map do) turns each reference input into a value input and appends its
+    final value to the outputs; the call stays this primitive around the discharged jaxpr
+    (its constants become its first inputs, as :func:`traced_call_jaxpr` makes them)."""
+    from jax._src import core
+    from jax._src.interpreters import partial_eval as pe
+    from jax._src.state import discharge
+    from jax._src.state.types import AbstractRef
+
+    def discharge_rule(in_avals, _out_avals, *args, call_jaxpr, **params):
+        discharged = discharge.discharge_state(call_jaxpr)
+        num_outs = len(call_jaxpr.out_avals)
+        jaxpr = core.ClosedJaxpr(pe.convert_constvars_jaxpr(discharged.jaxpr), ())
+        outs = bind_call(primitive, (*discharged.consts, *args), jaxpr, **params)
+        refs = iter(outs[num_outs:])
+        new_inputs = tuple(next(refs) if isinstance(aval, AbstractRef) else None for aval in in_avals)
+        return new_inputs, outs[:num_outs]
+
+    discharge.register_discharge_rule(primitive)(discharge_rule)
 
 
 def _manual_context(ctx) -> str:

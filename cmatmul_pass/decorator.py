@@ -19,7 +19,6 @@ import hashlib
 import inspect
 import os
 import time
-import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,11 +27,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import execute, ir_utils
-from ._jax_private import (cpp_dispatcher, executable_cache_miss, ir, lowered_arguments, lowered_module,
-                           lowered_with_module, trace_context, under_trace)
+from . import execute
+from ._jax_private import (cpp_dispatcher, executable_cache_miss, is_ref, lowered_module, lowered_with_module,
+                           trace_context, under_trace)
 from .cost import VARIANTS
-from .errors import InternalError, NumericsMismatch
+from .errors import NumericsMismatch
+from .jit_check import check_call, comparable, gathered  # noqa: F401 (decorator.comparable)
 from .transform import Overlap
 from .pipeline import Options, RewriteResult, rewrite_copy
 from .report import Report, duration
@@ -49,7 +49,7 @@ def jit(
     merge_dots: bool = True,
     tie_rounds: bool = True,
     assemble: bool = True,
-    policy: str = "all",
+    policy: str | None = None,
     hardware: str = "auto",
     min_bytes: int = 0,
     all_reduce: str | None = None,
@@ -77,6 +77,8 @@ def jit(
     ``.picked``: a variant or ``"original"``).  Over several processes (``jax.distributed``)
     each candidate's time is its slowest process's and the noise the largest, so every
     process keeps the same program.
+    ``policy``: as :class:`Options`: by default ``"auto"`` (``$CMATMUL_PASS_POLICY`` may name
+    another), which leaves a site the cost model predicts slower; ``"all"`` rewrites every site.
     ``hardware`` (for ``variant="auto"`` and ``policy="auto"``): by default ``"auto"``, the
     cost-model profile of jax's default device (H100, H200, A100, TPU v5e; else the H100's,
     which ``policy="auto"`` uses and the report's ``cost.hardware`` says was assumed), or a
@@ -112,7 +114,8 @@ def jit(
     options = Options(
         bidirectional=bidirectional, unroll=unroll, variant=None if measure else variant, annotate_streams=annotate_streams, share_rings=share_rings,
         assemble=assemble, merge_dots=merge_dots, tie_rounds=tie_rounds,
-        policy=policy, hardware=hardware, min_bytes=min_bytes, all_reduce=all_reduce, chunks=chunks,
+        hardware=hardware, min_bytes=min_bytes, all_reduce=all_reduce, chunks=chunks,
+        **({} if policy is None else {"policy": policy}),
     )
     if measure and (bidirectional is not None or unroll is not None):
         raise ValueError("variant='measure' times every variant; it cannot be combined with bidirectional or unroll")
@@ -269,6 +272,9 @@ class JittedFunction:
 
     def __init__(self, fun: Callable, options: Options, check: bool, jit_kwargs: dict, gpu_options: bool = True,
                  measure_runs: int = 0, strict: bool = False):
+        # first, as jax.jit does: fun's attributes, then ours over them (a function jax.grad or
+        # shard_map wrapped around a decorated one carries that one's attributes: _fun, _jitted, ...)
+        functools.update_wrapper(self, fun)
         self._fun = fun
         self.strict = strict
         #: what a call under a JAX transformation stages (its ``.reports``: each lowered function's)
@@ -294,7 +300,6 @@ class JittedFunction:
         self.checked: execute.CheckResult | None = None
         #: jax.jit's C++ dispatcher: a signature called before runs its executable with no Python
         self._dispatch = cpp_dispatcher(getattr(fun, "__name__", "jit"), fun, self._cache_miss, self._jitted)
-        functools.update_wrapper(self, fun)
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """The rewritten lowering (under ``variant="measure"``: with the variant measured for
@@ -331,7 +336,8 @@ class JittedFunction:
         source = getattr(self._fun, "__qualname__", "<jit>")
         try:
             result = rewrite_lowered(original, options, source)
-        except InternalError as failure:
+            rewritten = lowered_with_module(original, result.module)
+        except Exception as failure:  # noqa: BLE001 - any failure of the pass (a matcher's bug too)
             self._fall_back(failure, f"the pass failed on {source}")
             return Lowered(original, Report(source, None), original)
         self.stats["rewrites"] += 1
@@ -340,7 +346,7 @@ class JittedFunction:
         if self._gpu_options:
             extra = ring_compiler_options(result.report, jax.default_backend(),
                                           self._user_compiler_options, os.environ.get("XLA_FLAGS", ""))
-        return Lowered(lowered_with_module(original, result.module), result.report, original, extra)
+        return Lowered(rewritten, result.report, original, extra)
 
     def _key(self, args: tuple, kwargs: dict) -> tuple:
         dynamic_args, dynamic_kwargs, statics = self._static.split(args, kwargs)
@@ -394,7 +400,7 @@ class JittedFunction:
             self._cache[key] = entry
             self.report = entry.lowered.report
             if self.check:
-                return self._checked(entry, dynamic_args, dynamic_kwargs), None, False
+                return self._checked(key, entry, dynamic_args, dynamic_kwargs), None, False
         self.report = entry.lowered.report
         return entry.run(dynamic_args, dynamic_kwargs)
 
@@ -406,7 +412,7 @@ class JittedFunction:
         entries = {}
         for name in VARIANTS:
             lowered = self._lower(original, self.options.with_variant(name))
-            entries[name] = _Entry(lowered.compile(), lowered)
+            entries[name] = _Entry(self._compile(lowered), lowered)
             self.stats["compiles"] += 1
             if not lowered.report.rewritten and all(s.reason_code != "policy" for s in lowered.report.sites):
                 # no ring, and only declines no variant changes (the policy's depend on it): nothing to choose
@@ -418,7 +424,7 @@ class JittedFunction:
         def prepare():  # a program may donate its inputs: each run gets its own copies
             if not self._donates:
                 return dynamic_args, dynamic_kwargs
-            return jax.block_until_ready(_copies((dynamic_args, dynamic_kwargs)))
+            return jax.block_until_ready(jax.tree.map(_copy, (dynamic_args, dynamic_kwargs)))
 
         samples: dict[str, list[float]] = {name: [] for name in programs}
 
@@ -447,44 +453,41 @@ class JittedFunction:
         report = Report(timed_report.source, timed_report.num_partitions)  # nothing rewritten
         return _Entry(programs[ORIGINAL], Lowered(original, report, original))
 
-    def _checked(self, entry: _Entry, args: tuple, kwargs: dict):
-        """Judge the rewrite as ``check`` does (:class:`execute.Reference`: original and rewrite
-        compiled without excess precision, float outputs judged against the original evaluated
-        in f64) on this call's inputs; then run the program the caller gets.  Over several
-        processes each judges the output shards it holds and all agree (:func:`_agreed_verdict`)."""
-        original = entry.lowered.original
-        kept, devices = lowered_arguments(original)
-        module = lowered_module(original)
-        leaves = [comparable(x) for x in jax.tree.leaves((args, kwargs))]
-        given = [x for i, x in enumerate(leaves) if kept is None or i in kept]
-        if any(x is None for x in given):  # its devices' values are not one array
-            warnings.warn("check=True skipped: an argument has a reduced or unreduced sharding", stacklevel=4)
-            self.checked = None
-            return entry.compiled(*args, **kwargs)
+    def _checked(self, key: tuple, entry: _Entry, args: tuple, kwargs: dict):
+        """Judge the rewrite on this call's inputs (:func:`~cmatmul_pass.jit_check.check_call`:
+        original and rewrite compiled without excess precision, float outputs judged against the
+        original evaluated in f64, or, for a program that calls back into Python, both run
+        through jax's dispatch); then run the program the caller gets.  A program the check
+        cannot compare runs unchecked, with one warning; where the check itself fails, the
+        original program runs instead (``strict``: raise).  Over several processes all agree."""
         name = getattr(self._fun, "__qualname__", "function")
-        sites = "; ".join(f"{s.kind} at {s.location}" for s in entry.lowered.report.rewritten) or "none"
-        outcome, failure = None, None
+        self.checked = None
         try:
-            inputs = execute.as_module_inputs(module, given)
-            n = ir_utils.int_attr(module.operation, "mhlo.num_partitions") or 1
-            reference = execute.Reference.of(module, inputs=inputs, devices=devices or jax.devices()[:n])
-            outcome = reference.check(entry.lowered.compiler_ir("stablehlo"))
-        except Exception as exc:  # noqa: BLE001 - over several processes every one must hear of it
-            if jax.process_count() == 1:
+            self.checked = check_call(entry.lowered, args, kwargs, name, self._donates)
+        except NumericsMismatch as mismatch:
+            self.stats["checks"] += 1
+            self.checked = getattr(mismatch, "result", None)
+            raise
+        except execute.CannotCheck as why:
+            if self.strict:
                 raise
-            failure = exc
-        if jax.process_count() > 1:
-            _agreed_verdict(outcome, failure, _output_count(module), name, sites)
-        self.stats["checks"] += 1
-        self.checked = outcome
-        bad = [c for c in outcome.outputs if not c.ok]
-        if bad:
-            outputs = "; ".join(c.line() for c in bad)
-            raise NumericsMismatch(
-                f"{name}: the rewritten program is less accurate than "
-                f"the original beyond what a reordering explains ({outputs}); rewritten sites: {sites}"
-            )
+            self.stats["unchecked"] += 1
+            self.overlap.warn_once(f"check: {why}", f"cmatmul_pass.jit: check=True could not check {name} "
+                                   f"({why}); running the rewritten program unchecked (strict=True raises)")
+        except Exception as failure:  # noqa: BLE001 - a bug of the check: never worse than jax.jit
+            self._fall_back(failure, f"check=True failed on {name}")
+            entry = self._cache[key] = self._original_entry(entry)
+            self.report = entry.lowered.report
+        else:
+            self.stats["checks"] += 1
         return entry.compiled(*args, **kwargs)
+
+    def _original_entry(self, entry: _Entry) -> _Entry:
+        """``entry``'s signature with jax's own program (nothing rewritten)."""
+        original = entry.lowered.original
+        report = Report(entry.lowered.report.source, entry.lowered.report.num_partitions)
+        self.stats["compiles"] += 1
+        return _Entry(original.compile(), Lowered(original, report, original))
 
 
 class DifferentPrograms(RuntimeError):
@@ -496,20 +499,13 @@ class DifferentPrograms(RuntimeError):
 # Every function here is a collective over the processes: each must call it at the same point.
 
 
-def _gathered(values: np.ndarray) -> np.ndarray:
-    """``values`` (the same shape on every process) from every process, stacked: row p is process p's."""
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(np.asarray(values), tiled=False))
-
-
 def _slowest_process(medians: dict[str, float], noise: float) -> tuple[dict[str, float], float]:
     """Each candidate's time on its slowest process and the largest noise: the same numbers,
     hence the same choice, on every process (unchanged with one process)."""
     if jax.process_count() == 1:
         return medians, noise
     names = list(medians)  # the same order everywhere: VARIANTS, then the original
-    rows = _gathered(np.array([medians[n] for n in names] + [noise], np.float32))
+    rows = gathered(np.array([medians[n] for n in names] + [noise], np.float32))
     worst = rows.max(axis=0)
     return {n: float(t) for n, t in zip(names, worst[:-1])}, float(worst[-1])
 
@@ -518,7 +514,7 @@ def _assert_same_program(lowered: Lowered, name: str) -> None:
     """Raise :class:`DifferentPrograms` on every process unless all hold the same module
     (a hash of its text: a variant, a fallback or a cost profile chosen differently shows)."""
     digest = hashlib.sha256(lowered.as_text().encode()).digest()
-    rows = _gathered(np.frombuffer(digest, np.uint8).astype(np.int32))
+    rows = gathered(np.frombuffer(digest, np.uint8).astype(np.int32))
     differ = [p for p in range(len(rows)) if not np.array_equal(rows[p], rows[0])]
     if differ:
         raise DifferentPrograms(
@@ -528,75 +524,9 @@ def _assert_same_program(lowered: Lowered, name: str) -> None:
             f"mixed hosts)")
 
 
-def _output_count(module) -> int:
-    entry = execute.entry_function(module)
-    return len(ir.FunctionType(ir.TypeAttr(entry.attributes["function_type"]).value).results)
-
-
-def _agreed_verdict(outcome: "execute.CheckResult | None", failure: Exception | None, outputs: int,
-                    name: str, sites: str) -> None:
-    """One verdict for every process: each contributes, per output, whether its shards agree, the
-    rewritten error and the allowed one (or that it could not check); a mismatch or a failure on
-    any process raises on every process, naming the process(es) and the output(s)."""
-    local = np.zeros(1 + 3 * outputs, np.float32)
-    if failure is not None or outcome is None or len(outcome.outputs) != outputs:
-        local[0] = 2
-    else:
-        for c in outcome.outputs:
-            local[1 + 3 * c.index: 4 + 3 * c.index] = (0 if c.ok else 1, c.rel_error, c.tolerance)
-        local[0] = 0 if outcome.ok else 1
-    rows = _gathered(local)
-    me = jax.process_index()
-    unable = [p for p in range(len(rows)) if rows[p][0] == 2]
-    if unable:
-        if failure is not None:
-            raise execute.CannotCheck(f"{name}: check=True failed on process {me} ({type(failure).__name__}: "
-                                      f"{failure}); process(es) {unable} could not check") from failure
-        raise execute.CannotCheck(f"{name}: check=True could not check on process(es) {unable} (their "
-                                  "stderr says why); no verdict")
-    bad = [(p, i, rows[p][2 + 3 * i], rows[p][3 + 3 * i]) for p in range(len(rows)) for i in range(outputs)
-           if rows[p][1 + 3 * i]]
-    if bad:
-        where = "; ".join(f"process {p}: output {i} (rel err {err:.2e}, allowed {tol:.2e})"
-                          for p, i, err, tol in bad)
-        raise NumericsMismatch(
-            f"{name}: the rewritten program is less accurate than the original beyond what a reordering "
-            f"explains on {len({p for p, *_ in bad})} of {len(rows)} processes ({where}); rewritten sites: {sites}")
-
-
-def comparable(x) -> np.ndarray | None:
-    """What ``check=True`` compares of a value jax.jit takes or returns: a typed PRNG key array
-    as its key data, a float0 (nothing to compare) as booleans of its shape, a 0-d array as a
-    0-d numpy array; None for an array whose sharding is reduced or unreduced on an
-    explicit-sharding mesh (its per-device values are not one array: skipped, with a note).
-    An array spanning several processes (not fully addressable) is gathered to its whole
-    value on every process: a collective, which every process must make in the same order."""
-    dtype = getattr(x, "dtype", None)
-    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        return _host_value(jax.random.key_data(x))
-    if dtype == jax.dtypes.float0:
-        return np.zeros(np.shape(x), np.bool_)
-    spec = getattr(getattr(x, "sharding", None), "spec", None)
-    if getattr(spec, "unreduced", None) or getattr(spec, "reduced", None):
-        return None
-    return _host_value(x)
-
-
-def _host_value(x) -> np.ndarray:
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    if isinstance(x, jax.Array):
-        # read through a copy: reading an array spread over devices caches the host value on it,
-        # and jax (0.11) then no longer donates it (donate_argnums would silently keep it alive)
-        return np.asarray(x.copy())
-    return np.asarray(x)
-
-
-def _copies(tree):
-    """``tree`` with every jax array copied (inputs a program may donate)."""
-    return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, tree)
+def _copy(x):
+    """A copy of a jax array (an input a program may donate); anything else as it is."""
+    return x.copy() if isinstance(x, jax.Array) else x
 
 
 class _StaticArgs:
@@ -652,4 +582,6 @@ def _leaf_key(x) -> tuple:
         return (x.shape, x.dtype, getattr(x, "weak_type", False), x.sharding)
     if isinstance(x, np.ndarray | np.generic):
         return ("numpy", x.shape, x.dtype)
+    if is_ref(x):  # a mutable array reference (jax.new_ref): its value's type and sharding
+        return ("ref", x.shape, x.dtype, x.sharding)
     return ("python", type(x))

@@ -188,6 +188,31 @@ class CheckResult:
         return "\n".join(lines)
 
 
+#: ``custom_call`` targets through which jax calls back into Python (``jax.debug.print``,
+#: ``pure_callback``, ``io_callback``; FFI and legacy, CPU and GPU): such a module runs only
+#: through jax's dispatch, which hands the executable the Python functions it calls
+_HOST_CALLBACK_TARGET = ("python_cpu_callback", "python_gpu_callback", "python_callback")
+
+
+def host_callback_target(module: ir.Module) -> str | None:
+    """The target of the first ``custom_call`` of ``module`` that calls back into Python
+    (``xla_ffi_python_cpu_callback``, ...), else None."""
+    for op in ir_utils.ops_named(module.operation, "stablehlo.custom_call")["stablehlo.custom_call"]:
+        target = ir.StringAttr(op.attributes["call_target_name"]).value
+        if any(target.endswith(name) for name in _HOST_CALLBACK_TARGET):
+            return target
+    return None
+
+
+def refuse_host_callbacks(module: ir.Module) -> None:
+    """Raise :class:`CannotCheck` where ``module`` calls back into Python: run outside jax, its
+    callbacks would find no Python function to call (a crash, not an error)."""
+    target = host_callback_target(module)
+    if target is not None:
+        raise CannotCheck(f"the module calls back into Python (custom_call @{target}): it runs only inside "
+                          "the JAX program that defines the callback")
+
+
 def entry_function(module: ir.Module) -> ir.OpView:
     """The public ``main`` (what jax.jit and jax.export produce), else the only public function."""
     funcs = [op for op in module.body.operations if op.operation.name == "func.func"]
@@ -293,6 +318,7 @@ class Program:
                  compiler_options: dict | None = None):
         import jax
 
+        refuse_host_callbacks(module)
         start = time.perf_counter()
         try:
             self.executable = compile_module(module, len(devices), devices, compiler_options)
@@ -503,6 +529,7 @@ class Reference:
         inputs: Sequence[np.ndarray] | None = None,
     ) -> "Reference":
         """``inputs``: the arguments to run on (default: :func:`random_inputs` of ``seed``)."""
+        refuse_host_callbacks(original)
         num_partitions = ir_utils.int_attr(original.operation, "mhlo.num_partitions") or 1
         devices = list(devices) if devices is not None else cpu_devices(num_partitions)
         if len(devices) != num_partitions:
