@@ -109,8 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
             action="store_true",
             help="outline each round's dots onto GPU compute streams and group each permute with them",
         )
-        p.add_argument("--policy", default="all", choices=["all", "auto"],
-                       help="all: every legal site; auto: only where the cost model predicts a gain")
+        p.add_argument("--policy", default=None, choices=["all", "auto"],
+                       help="auto (the default, or $CMATMUL_PASS_POLICY): only where the cost model predicts a "
+                            "gain on --hardware; all: every legal site")
         p.add_argument("--hardware", default="h100",
                        help="cost-model profile: h100, h200, a100, tpu-v5e, or auto (this machine's default "
                             "jax device; h100 where no profile describes it), optionally with overrides "
@@ -223,7 +224,7 @@ def _options(args, variant: str | None = None):
         share_rings=args.share_rings,
         merge_dots=args.merge_dots,
         tie_rounds=args.tie_rounds,
-        policy=args.policy,
+        **({} if args.policy is None else {"policy": args.policy}),
         hardware=args.hardware,
         min_bytes=args.min_bytes,
         all_reduce=args.all_reduce,
@@ -315,8 +316,19 @@ def module_notes(result) -> list[str]:
 
 
 def slower_warnings(report) -> list[str]:
-    """One line per rewritten site the cost model predicts slower than the original on
-    ``--hardware`` (``--policy auto`` would have left it)."""
+    """One line for the rewritten sites the cost model predicts slower than the original on
+    ``--hardware`` (``--policy all`` rewrote them; ``auto`` would have left them): how many, the
+    slowest, and where the detail is (``explain``, per site).  Empty when there are none."""
+    slower = _slower_sites(report)
+    if not slower:
+        return []
+    worst_speedup, worst, hardware = min(slower)
+    return [f"{len(slower)} site(s) rewritten though the cost model predicts them slower on {hardware} "
+            f"(--policy all; the slowest, {worst_speedup:.2f}x, at {worst}): see explain"]
+
+
+def _slower_sites(report) -> list[tuple[float, str, str]]:
+    """(predicted speed-up, location, hardware) of each rewritten site predicted slower."""
     lines = []
     for site in report.rewritten:
         if site.all_reduce:
@@ -328,8 +340,7 @@ def slower_warnings(report) -> list[str]:
         else:
             continue
         if speedup is not None and speedup < 1:
-            lines.append(f"{site.location}: rewritten although the cost model predicts {speedup:.2f}x the original's "
-                         f"speed on {hardware} ({how}); --policy auto leaves such sites")
+            lines.append((speedup, site.location, hardware))
     return lines
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -57,10 +58,11 @@ class Options:
     that waits for every round's transfer; and send a gather
     round's shard through a barrier with the previous round's dot, so that its transfer
     starts after that dot (the scheduler otherwise may start it during that dot).
-    ``policy``: ``"all"`` rewrites every legal site; ``"auto"`` only those whose
-    predicted speed-up on ``hardware`` (a :mod:`cmatmul_pass.cost` profile, e.g.
-    ``"h100"`` or ``"h100:bandwidth=400e9"``, or ``"auto"``: jax's default device's) exceeds
-    ``1 + margin``.  ``min_bytes``:
+    ``policy``: ``"auto"`` (the default, unless ``$CMATMUL_PASS_POLICY`` names another) rewrites
+    only the sites whose predicted speed-up on ``hardware`` (a :mod:`cmatmul_pass.cost` profile,
+    e.g. ``"h100"`` or ``"h100:bandwidth=400e9"``, or ``"auto"``: jax's default device's) exceeds
+    ``1 + margin``, so the default never makes a program slower by the cost model; ``"all"``
+    rewrites every legal site.  ``min_bytes``:
     leave sites moving fewer bytes per device than this (XLA's windowed-einsum
     threshold, in bytes).  Every site's prediction goes into the report either way.
     ``all_reduce``: what becomes of a ``dot → all_reduce(sum)`` (a psum after a matmul):
@@ -84,7 +86,7 @@ class Options:
     share_rings: bool = True
     merge_dots: bool = True
     tie_rounds: bool = True
-    policy: str = "all"
+    policy: str = field(default_factory=lambda: default_policy())
     hardware: str = "h100"
     min_bytes: int = 0
     margin: float = 0.02
@@ -130,6 +132,16 @@ class Options:
     def rounds_per_trip(self) -> int | None:
         """Rounds per loop trip; None: no loop (the whole ring straight-line)."""
         return None if self.unroll == "full" else int(self.unroll)
+
+
+#: the environment variable that sets the default policy (unset: ``"auto"``)
+POLICY_ENV = "CMATMUL_PASS_POLICY"
+
+
+def default_policy() -> str:
+    """The policy a run gets when it names none: ``$CMATMUL_PASS_POLICY``, else ``"auto"`` (a
+    site the cost model predicts slower on the target hardware is left as written)."""
+    return os.environ.get(POLICY_ENV) or "auto"
 
 
 def variant_options(name: str, **extra) -> Options:

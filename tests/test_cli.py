@@ -381,23 +381,39 @@ def test_a_shard_map_without_candidates_gets_a_census(tmp_path, capsys):
                      "matmul, and a matmul's reduce_scatter or all_reduce sum)"]
 
 
-def test_a_site_predicted_slower_is_rewritten_with_a_warning(tmp_path, capsys):
-    """The bundled samples are tiny: the h100 profile predicts their rings slower. One warning
-    per such site under --policy all; none with --quiet, none under --policy auto (which leaves
-    them)."""
+def test_sites_predicted_slower_are_rewritten_under_policy_all_with_one_warning(tmp_path, capsys):
+    """The bundled samples are tiny: the h100 profile predicts their rings slower. Under --policy
+    all one warning line says how many and the slowest; none with --quiet, none under --policy
+    auto (which leaves them)."""
     ar = sample("ar_megatron_mlp")
     for path in (sample("sp_mlp"), ar):
-        assert run_cli("rewrite", path, "-o", tmp_path / "o.mlir") == 0
+        assert run_cli("rewrite", path, "-o", tmp_path / "o.mlir", "--policy", "all") == 0
         err = capsys.readouterr().err
-        result = cmatmul_pass.rewrite(path.read_text(), source=str(path))
-        warnings = [line for line in err.splitlines() if line.startswith("cmatmul_pass: warning: ")]
-        assert len(warnings) == len(result.report.rewritten) > 0
-        assert all("rewritten although the cost model predicts" in w and "--policy auto" in w for w in warnings)
-    assert "(chunk)" in warnings[0]  # the psum's strategy: the default's, the model's pick
-    assert run_cli("rewrite", ar, "-o", tmp_path / "o.mlir", "-q") == 0
+        result = cmatmul_pass.rewrite(path.read_text(), cmatmul_pass.Options(policy="all"), source=str(path))
+        (warning,) = [line for line in err.splitlines() if line.startswith("cmatmul_pass: warning: ")]
+        assert warning.startswith(f"cmatmul_pass: warning: {len(result.report.rewritten)} site(s) rewritten though "
+                                  "the cost model predicts them slower on H100")
+        assert warning.endswith("see explain") and "(--policy all; the slowest, 0." in warning
+    assert run_cli("rewrite", ar, "-o", tmp_path / "o.mlir", "-q", "--policy", "all") == 0
     assert capsys.readouterr().err == ""
     assert run_cli("rewrite", ar, "-o", tmp_path / "o.mlir", "--policy", "auto") == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_the_default_policy_leaves_what_the_cost_model_predicts_slower(tmp_path, capsys, monkeypatch):
+    """Unset $CMATMUL_PASS_POLICY (the suite sets it to all): the default is auto, so the tiny
+    sample is left as written, each site saying why ([policy]), and no warning."""
+    from cmatmul_pass.pipeline import POLICY_ENV
+
+    monkeypatch.delenv(POLICY_ENV, raising=False)
+    assert cmatmul_pass.Options().policy == "auto"
+    out = tmp_path / "o.mlir"
+    assert run_cli("rewrite", sample("sp_mlp"), "-o", out) == 0
+    err = capsys.readouterr().err
+    assert "0 of 2 candidate site(s) rewritten" in err and "warning" not in err and "[policy]" in err
+    assert out.read_text() == ir_utils.print_module(ir_utils.parse(sample("sp_mlp").read_text()))
+    monkeypatch.setenv(POLICY_ENV, "all")
+    assert cmatmul_pass.Options().policy == "all"
     # sites the model predicts faster get none (compute as long as the transfer, no overheads)
     assert run_cli("rewrite", sample("sp_mlp"), "-o", tmp_path / "o.mlir", "--hardware",
                    "h100:f32=1.1e7,bandwidth=1e6,step=0,loop_trip=0,split_efficiency=1") == 0

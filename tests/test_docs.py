@@ -104,6 +104,7 @@ def test_the_documents_code_runs(path, tmp_path):
     bin_dir = _scratch(tmp_path)
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     env.pop("XLA_FLAGS", None)  # each program asks for its devices, as a reader's would
+    env.pop("CMATMUL_PASS_POLICY", None)  # and runs under the default policy, as a reader's would
     for line, lang, body, why in blocks(path):
         where = f"{_doc_id(path)}:{line}"
         if lang not in RUN or why is not None or _skipped_elsewhere(path, body):
