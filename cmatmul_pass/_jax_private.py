@@ -228,7 +228,7 @@ def hlo_module_from_text(text: str):
 
 
 # ------------------------------------------------------------------ the overlap call primitive
-# (cmatmul_pass.overlap: composition under jax transformations, issue 32)
+# (cmatmul_pass.overlap: composition under jax transformations)
 
 
 def under_trace() -> bool:

@@ -363,8 +363,8 @@ def interleaved_samples(programs: dict[str, Callable], runs: int, warmup: int = 
     A drift of the machine's speed (other load, frequency) then falls on all programs alike,
     which separate blocks of runs would charge to whichever ran at the time; and no program
     always follows the same one (a rotation keeps each program's predecessor: on 8 CPU
-    devices the program after the plain collective ran 3-7 % slower than itself timed after
-    another: the A/A control of 2026-11-27's run, docs/bench-history.md).  The orders come from a fixed
+    devices the program after the plain collective runs 3-7 % slower than itself timed after
+    another, in an A/A control).  The orders come from a fixed
     seed: every process of a multi-process run times the programs in the same order (their
     collectives must be issued alike).  ``prepare``: called untimed before every call, its
     result passed to the program (fresh copies of inputs a program donates, say); without it

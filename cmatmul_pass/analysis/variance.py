@@ -4,7 +4,7 @@ Inside a shard_map body every device runs the same program on its own data.  A v
 is *identical across a group* when every device of the group holds the same array: a
 constant; an argument of the ``sdy.manual_computation`` whose in-sharding names none of
 the mesh axes along which the group's devices differ (JAX's ``vma`` type says the same
-thing, seed 003); the result of an ``all_reduce`` or ``all_gather`` whose groups contain
+thing); the result of an ``all_reduce`` or ``all_gather`` whose groups contain
 the ring's; any pure op computed only from such values; and, seen through control flow:
 
 - a ``stablehlo.while``'s carried value ``k`` (in its condition, its body and its result)

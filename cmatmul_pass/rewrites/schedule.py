@@ -216,8 +216,8 @@ class DotBarriers:
     shared value, and each tied dot reads its own barrier's results.  The one untied dot
     reads its operands as they are, so an operand that is another collective's value keeps
     a dot reading it in that collective's block: the dot that collective's ring then
-    computes (a gather feeding a scatter's dot, a matmul of two gathered operands).  Tying
-    every dot left those gathers unchanged (``user_not_dot``) until 2026-11-23.
+    computes (a gather feeding a scatter's dot, a matmul of two gathered operands); tying
+    every dot would leave those gathers unchanged (``user_not_dot``).
     """
 
     def __init__(self, tie: bool, home: ir.Block):

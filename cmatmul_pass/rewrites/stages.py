@@ -1,6 +1,6 @@
-"""Collectives in two stages over two mesh axes, made into one the ring can take (issue 31).
+"""Collectives in two stages over two mesh axes, made into one the ring can take.
 
-**Gathers merged** (item 4): a weight sharded over two mesh axes and gathered over one, then
+**Gathers merged**: a weight sharded over two mesh axes and gathered over one, then
 the other, along the same dim.
 
 ``all_gather(all_gather(w, groups A, dim d), groups B, dim d)``: the outer gather on device
