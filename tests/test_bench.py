@@ -578,8 +578,8 @@ def test_bench_warm_pass_cost(tmp_path):
     assert 0 < row["shares"]["building rings"] < 1 and 0 < row["shares"]["matching"] < 1
     assert sum(row["shares"].values()) < 1
     # the functions timed are the ones the pipeline calls (patched back afterwards)
-    from cmatmul_pass import pipeline
-    assert pipeline.rewrite_dot_reduce_scatter.__module__ == "cmatmul_pass.rewrites.dot_reduce_scatter"
+    from cmatmul_pass import sites
+    assert sites.rewrite_dot_reduce_scatter.__module__ == "cmatmul_pass.rewrites.dot_reduce_scatter"
 
 
 def test_ab_pass_times_an_earlier_commit_beside_this_checkout(tmp_path):
