@@ -333,10 +333,10 @@ def _slower_sites(report) -> list[tuple[float, str, str]]:
     for site in report.rewritten:
         if site.all_reduce:
             prediction = site.all_reduce.get("prediction", {})
-            how, speedup = site.all_reduce.get("strategy"), prediction.get("speedup", {}).get(site.all_reduce.get("strategy"))
+            speedup = prediction.get("speedup", {}).get(site.all_reduce.get("strategy"))
             hardware = prediction.get("hardware")
         elif site.cost:
-            how, speedup, hardware = site.cost["variant"], site.cost["speedup"][site.cost["variant"]], site.cost["hardware"]
+            speedup, hardware = site.cost["speedup"][site.cost["variant"]], site.cost["hardware"]
         else:
             continue
         if speedup is not None and speedup < 1:
