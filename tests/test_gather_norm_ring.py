@@ -197,7 +197,7 @@ def test_per_row_operand_is_read_at_the_block_s_rows():
 def test_repeated_layers_share_the_norm_ring(share, layers):
     """SP MLP blocks (norm of the gathered rows, gelu, scatter), each returning its raw rows: every
     gather rings through its norm; the later blocks call one shared ring function, or, where the
-    regions form a replayed group (cmatmul_pass/replay.py), calls of the first, its rings inline."""
+    regions form a replayed group (cmatmul_pass/replay/), calls of the first, its rings inline."""
     def body(x, g, w):
         h = jax.lax.all_gather(x, "model", axis=0, tiled=True)
         y = jax.nn.gelu(rms_norm(h, g, None) @ w) @ w.T

@@ -75,7 +75,7 @@ calibrate() {
 topology() {
   setup
   # a tiny model first (is the mocked topology working?), at 4 layers: each step's three identical
-  # regions become calls of one rewritten layer (replay.py)
+  # regions become calls of one rewritten layer (replay/)
   step 60 "$py" tools/gpu_topology.py --model tiny --layers 4 --repeats 1 --profile "$profile" --programs uni auto \
     --out "$out/${profile}_topology_tiny.json"
   # every variant of cost.VARIANTS, auto's picks for the profile, and the A/B programs; two
