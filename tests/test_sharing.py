@@ -316,7 +316,7 @@ def test_a_ring_function_builds_on_the_site_mapped_into_it(monkeypatch):
     matched again in a ring function; with it on (the suite's default), each mapped site is what
     matching the copy finds (the forward's gathers, whose values the region also returns, and the
     backward's, whose weights' casts were hoisted, included)."""
-    from cmatmul_pass import pipeline, sharing
+    from cmatmul_pass import phases, sharing
 
     fn, args = bench.transformer_step(2)
     text = fn.lower(*args).as_text()
@@ -329,7 +329,7 @@ def test_a_ring_function_builds_on_the_site_mapped_into_it(monkeypatch):
         return run
 
     for name in ("match_all_gather", "match_reduce_scatter"):
-        monkeypatch.setattr(pipeline, name, counting(getattr(pipeline, name)))
+        monkeypatch.setattr(phases, name, counting(getattr(phases, name)))
     checked = cmatmul_pass.rewrite(text)
     assert sharing.CHECK
     with_check = len(matched)
