@@ -7,6 +7,12 @@ counts — programs, variant runs, sites rewritten, sites declined by reason, mi
 every failing program; exits 1 if any run mismatched or crashed.
 
     python tools/fuzz.py [--examples 1000] [--seed 0] [--kind psum --norm] [--gather-norm] [--check-replay]
+    python tools/fuzz.py --kind adversarial [--examples 200] [--jobs 2] [--class slice_index] [--all-variants]
+
+``--kind adversarial`` (or ``--adversarial``) runs tools/fuzz_adversarial.py's programs instead:
+each breaks a precondition of a collective motion and comes with its device-invariant twin;
+every run executes in a worker process with a time limit, and the summary counts hangs,
+crashes, mismatches and twins left unmoved ("twin_declined") per class.
 
 ``--check-replay`` (``replay.CHECK``): each group of identical regions is rewritten in its last
 region too, which must come out as its first; a program where one does not fails the campaign.
@@ -23,11 +29,14 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# every legal site rewritten, as the suite runs (tests/conftest.py): the programs are tiny, and the
+# default policy (auto) would leave them as written
+os.environ.setdefault("CMATMUL_PASS_POLICY", "all")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
 
-from tools import fuzz_programs  # noqa: E402
+from tools import fuzz_adversarial, fuzz_programs  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--examples", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kind", action="append",
-                        help="only programs of this kind (repeatable): ag, rs, psum, ..., ag_norm")
+                        help="only programs of this kind (repeatable): ag, rs, psum, ..., ag_norm, adversarial")
     parser.add_argument("--norm", action="store_true", help="a norm's backward wherever the kind takes one (rs, psum)")
     parser.add_argument("--two-stage", action="store_true",
                         help="only scatters of a psum over another mesh axis (a reduction in two stages)")
@@ -45,7 +54,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check-replay", action="store_true",
                         help="rewrite each group of identical regions' last region too and fail where it comes out "
                              "unlike the first (replay.CHECK)")
+    parser.add_argument("--adversarial", action="store_true",
+                        help="the adversarial kind: programs that break each motion's preconditions, and their twins "
+                             "(the same as --kind adversarial; tools/fuzz_adversarial.py)")
+    parser.add_argument("--class", dest="classes", action="append",
+                        help="adversarial: only this class (repeatable): " + ", ".join(fuzz_adversarial.CLASSES))
+    parser.add_argument("--jobs", type=int, default=1, help="adversarial: worker processes at once")
+    parser.add_argument("--limit", type=float, default=60.0,
+                        help="adversarial: seconds a run may go without answering before it counts as a hang")
+    parser.add_argument("--all-variants", action="store_true",
+                        help="adversarial: rewrite under every variant of the default campaign, not only the "
+                             "default options and 'uni' (policy all, psums split)")
     args = parser.parse_args(argv)
+    if args.adversarial or "adversarial" in (args.kind or ()):
+        status = adversarial(args)
+        args.kind = [k for k in args.kind or () if k != "adversarial"]
+        if not args.kind:
+            return status
+    else:
+        status = 0
     from cmatmul_pass import sharing
 
     sharing.CHECK = True
@@ -73,7 +100,22 @@ def main(argv: list[str] | None = None) -> int:
     print(tally.summary())
     for spec, variant, message in tally.crashes + tally.mismatches + tally.differed:
         print(f"--- {variant}: {spec}\n{message}")
-    return 1 if tally.crashes or tally.mismatches or tally.differed else 0
+    return 1 if status or tally.crashes or tally.mismatches or tally.differed else 0
+
+
+def adversarial(args) -> int:
+    """The adversarial campaign: ``args.examples`` programs (adversary, twin, adversary, ...)."""
+    names = ("default", "policy-auto", *fuzz_programs.VARIANTS) if args.all_variants else fuzz_adversarial.OPTION_SETS
+    specs = fuzz_adversarial.pairs(args.examples, args.seed, tuple(args.classes or fuzz_adversarial.CLASSES))
+
+    def progress(tally, spec, results, error):
+        if tally.programs % 20 == 0:
+            print(f"  ... {tally.programs} programs", flush=True)
+
+    tally = fuzz_adversarial.run_campaign(specs, names, jobs=args.jobs, limit=args.limit, progress=progress)
+    print(tally.summary())
+    print(tally.report())
+    return 1 if tally.failed else 0
 
 
 if __name__ == "__main__":
