@@ -159,7 +159,7 @@ class SiteWalk:
         # its dot, and the slack order decides which of them the ring takes.
         sunk_from: dict[int, tuple] = {}  # a layer's gather (by id) -> (stack's site, notes, stack's key)
         not_sunk: dict[int, str] = {}  # a gather feeding a loop that could not take it -> why
-        if found["stablehlo.while"] and self.options.policy == "all":
+        if found["stablehlo.while"]:
             gathers = self._sink(gathers, sunk_from, not_sunk)
         gathers, deferred = _order_by_slack(gathers, self.info, self.options, self.source)
         self.phase += 1
@@ -432,10 +432,9 @@ def _move_gather(site: Site, info: ModuleInfo, variance: Variance, ctx: RewriteC
     """A gather declined because row-wise ops stand between it and its dots: move it past them
     (:func:`.rewrites.sequence_parallel.move_gather_forward`); None when it cannot move; where the
     move is refused, the ring that applies those ops per block (:class:`_RingedInstead`), or why
-    not (a string).  Only
-    under ``policy="all"``: a site the cost model then leaves must leave the module as it was."""
-    if not isinstance(site, DeclinedSite) or site.code not in MOVABLE_DECLINES or site.ring is None \
-            or options.policy != "all":
+    not (a string).  Under any policy: a move none of whose gathers then rings is not made
+    (:mod:`.attempts`), so a site the cost model leaves leaves the module as it was."""
+    if not isinstance(site, DeclinedSite) or site.code not in MOVABLE_DECLINES or site.ring is None:
         return None
     ring, region = collective_ring(site.anchor, info)
     dim = ir_utils.int_attr(site.anchor.operation, "all_gather_dim")
@@ -533,10 +532,9 @@ def _merge_stages(site: Site, info: ModuleInfo, ctx: RewriteContext, options: Op
 def _sink_gather(site: Site, ctx: RewriteContext, options: Options, variance: Variance) -> Sunk | str | None:
     """A gather of stacked weights whose loop reads one layer per trip (a scan over layers):
     sink it into the loop (:mod:`.rewrites.sink`).  Returns what was built, why it could not
-    be (a loop reads the value otherwise), or None (no loop reads it).  Only under
-    ``policy="all"``, as :func:`_move_gather`."""
-    if not isinstance(site, DeclinedSite) or site.code != "user_not_dot" or site.ring is None \
-            or options.policy != "all":
+    be (a loop reads the value otherwise), or None (no loop reads it).  Under any policy, all or
+    nothing, as :func:`_move_gather`."""
+    if not isinstance(site, DeclinedSite) or site.code != "user_not_dot" or site.ring is None:
         return None
     if not feeds_a_loop(site.anchor):
         return None
@@ -559,9 +557,8 @@ def _sunk_notes(sunk: Sunk, source: str) -> list[str]:
 def _hoist_scatter(site: Site, ctx: RewriteContext, options: Options, variance: Variance) -> Hoisted | str | None:
     """A scatter of a stacked gradient a loop assembles layer by layer (a scan's backward): move it
     into the loop (:func:`.rewrites.sink.hoist`).  What was built, why it could not be, or None
-    (its operand is no loop's).  Only under ``policy="all"``."""
-    if not isinstance(site, DeclinedSite) or site.code != "producer_not_dot" or site.ring is None \
-            or options.policy != "all":
+    (its operand is no loop's).  Under any policy, all or nothing, as :func:`_move_gather`."""
+    if not isinstance(site, DeclinedSite) or site.code != "producer_not_dot" or site.ring is None:
         return None
     where = hoist_plan(site.anchor, variance, site.ring)
     if where is None or isinstance(where, str):

@@ -300,7 +300,7 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool,
         # its gather past the ops after it, which such a layer has fewer of)
         found, layers = replay.walk(module, names, replayable, options.all_reduce_strategy != "split")
         # jax 0.10's scan bodies in functions holding collectives: inline, as later jax lowers them
-        if options.policy == "all" and found["stablehlo.while"] and inline_scan_bodies(found):
+        if found["stablehlo.while"] and inline_scan_bodies(found):
             found = ir_utils.ops_named(module, *names)
         info = ModuleInfo.of(module, found["func.call"])
         channels = ChannelAllocator(module, found)
