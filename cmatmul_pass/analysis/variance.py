@@ -119,11 +119,15 @@ class Variance:
 
     def uniform_control(self, op: ir.Operation | ir.OpView, stop: ir.Block | None, ring: Ring,
                         calls: list = ()) -> str | None:
-        """None when every device of each of ``ring``'s groups executes ``op`` as often as the
-        ops of block ``stop`` (an ancestor's: every loop between runs an identical number of
-        trips, every ``case``/``if`` between takes an identical branch); else why not, a
-        phrase.  ``stop`` None: up to ``op``'s function.  ``calls``: where ``op`` is in a
+        """None when every device of ``ring``'s groups (all of them: one collective is one
+        rendezvous) executes ``op`` as often as the ops of block ``stop`` (an ancestor's: every
+        loop between runs an identical number of trips, every ``case``/``if`` between takes an
+        identical branch); else why not, a phrase.  ``stop`` None: up to ``op``'s function.  ``calls``: where ``op`` is in a
         callee, the calls reaching it from ``stop``'s function, outermost first."""
+        # one collective op is one rendezvous of every device its groups hold (a ring's permute
+        # lists every group's pairs): the control flow around it must be identical on all of them,
+        # not only within each group (values it reads need only the latter)
+        ring = _everyone(ring)
         calls = [c.operation for c in calls]
         places = [op.operation, *reversed(calls)]  # innermost first: each walked up to its function
         for depth, place in enumerate(places):
@@ -141,11 +145,11 @@ class Variance:
             name = parent.name
             if name == WHILE:
                 if not self._loop(parent, ring, scope).uniform:
-                    return "a loop whose trip count may differ between the devices of the group encloses it"
+                    return "a loop whose trip count may differ between the devices encloses it"
             elif name in (CASE, IF):
                 if not self._decide(parent.operands[0], ring, scope):
                     which = "index" if name == CASE else "predicate"
-                    return f"a {name.split('.')[1]} whose {which} may differ between the devices of the group encloses it"
+                    return f"a {name.split('.')[1]} whose {which} may differ between the devices encloses it"
             elif name == "sdy.manual_computation":
                 if stop is not None:
                     return "it would move across a shard_map region"  # (every device enters the region)
@@ -337,6 +341,13 @@ def varying_axes(axes: dict[str, int], device_ids: list[int], ring: Ring) -> fro
             if len(set(points[:, i].tolist())) > 1:
                 varying.add(name)
     return frozenset(varying)
+
+
+def _everyone(ring: Ring) -> Ring:
+    """One group of every device ``ring``'s groups hold."""
+    if len(ring.groups) == 1:
+        return ring
+    return Ring((tuple(sorted(p for group in ring.groups for p in group)),), ring.num_partitions)
 
 
 def _terminator(block: ir.Block) -> ir.Operation:
