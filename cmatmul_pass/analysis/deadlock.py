@@ -47,10 +47,19 @@ def misplaced(module: ir.Module, info: ModuleInfo, first_handle: int) -> list[tu
 
 
 def _placed(op: ir.Operation, ring: Ring, variance: Variance, callers: dict, checked: dict, depth: int) -> str | None:
-    """Why ``op`` may run unlike on ``ring``'s groups, in its function or at a call of it."""
-    why = variance.uniform_control(op, None, ring)
-    if why:
-        return why
+    """Why ``op`` may run unlike on ``ring``'s groups, in its function or at a call of it (the
+    answer is the same for every op of one block: the permutes of one ring share it)."""
+    place = (op.parent, ring.groups)
+    if place not in checked:
+        checked[place] = None  # (a recursion meets this: judged at its other calls)
+        checked[place] = variance.uniform_control(op, None, ring) or _called_alike(op, ring, variance, callers,
+                                                                                   checked, depth)
+    return checked[place]
+
+
+def _called_alike(op: ir.Operation, ring: Ring, variance: Variance, callers: dict, checked: dict,
+                  depth: int) -> str | None:
+    """Why some call of ``op``'s function (a private one the pass made) may run unlike."""
     function = op.parent
     while function is not None and function.name != "func.func":
         function = function.parent
