@@ -43,7 +43,7 @@ use ``"group"`` as an adversary.
 :func:`lower` its StableHLO; :func:`check` rewrites it under each option set, verifies it, checks
 the ring property and the motion (:func:`moved`) and compares the numbers with the original's.
 :func:`run_campaign` runs the checks in worker processes (``python -m tools.fuzz_adversarial
---worker``) with a time limit: a deadlock (XLA CPU aborts a stuck rendezvous after 10 s here) is
+--worker``) with a time limit: a deadlock (XLA CPU aborts a stuck rendezvous after 20 s here) is
 recorded as ``hang``, a dead worker otherwise as ``crash``, and a fresh worker goes on.
 ``python -m tools.fuzz_adversarial --spec JSON`` reruns one program (a failure prints its JSON).
 """
@@ -85,7 +85,7 @@ MESHES = [(8,), (2, 4), (4, 2)]
 OPTION_SETS = ("default", "uni")
 #: a deadlocked collective aborts the worker after this long (XLA CPU's rendezvous), not 40 s
 XLA_FLAGS = ("--xla_force_host_platform_device_count=8 --xla_cpu_collective_call_warn_stuck_timeout_seconds=5 "
-             "--xla_cpu_collective_call_terminate_timeout_seconds=10")
+             "--xla_cpu_collective_call_terminate_timeout_seconds=20")
 HANG_MARKERS = ("Termination timeout", "may be stuck")
 
 
