@@ -22,6 +22,7 @@ _LAZY = {
     "CheckResult": "execute",
     "jit": "decorator",
     "JittedFunction": "decorator",
+    "nnx_jit": "flax_nnx",
     "overlap": "transform",
     "Overlap": "transform",
 }

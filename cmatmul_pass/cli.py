@@ -46,7 +46,8 @@ EXIT_CODES = {
        "file written; also XLA failing to compile or run a module for `check` or `bench`",
     3: "could not finish: an internal error (a rewrite that does not verify: a bug here, please report it), "
        "or `check` could not check (an input layout it cannot make, an error of the check itself, "
-       "outputs the original itself leaves inf/NaN)",
+       "outputs the original itself leaves inf/NaN or near overflow on the inputs run: outside the program's "
+       "domain)",
 }
 
 
@@ -178,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inputs", metavar="NPZ",
                    help="run on these arguments (an .npz with arg0, arg1, ... or one array per argument in "
                         "order) instead of random ones")
+    p.add_argument("--print-input-spec", action="store_true",
+                   help="print the arguments the module takes (what --inputs must hold: name, type, sharding, and "
+                        "how a random draw keeps each in the program's domain) and exit")
 
     p = add_command("explain", help="show every candidate site, the decision and its reason")
     add_input(p)
@@ -365,6 +369,8 @@ def cmd_check(args) -> int:
     from . import ir_utils
     from .execute import CannotCheck, Reference, load_inputs
 
+    if args.print_input_spec:
+        return _print_input_spec(args)
     if args.rewritten:
         data, source = read_input(args.input)
         rewritten = ir_utils.parse(read_input(args.rewritten)[0], source=args.rewritten)
@@ -375,7 +381,7 @@ def cmd_check(args) -> int:
     original = ir_utils.parse(data, source=source)
     inputs = load_inputs(original, args.inputs) if args.inputs else None
     try:
-        outcome = Reference.of(original, seed=args.seed, inputs=inputs).check(rewritten)
+        outcome = Reference.of(original, seed=args.seed, inputs=inputs, source=source).check(rewritten)
     except CannotCheck as exc:
         print(f"{PROG}: could not check: {source}: {exc}", file=sys.stderr)
         return 3
@@ -392,11 +398,47 @@ def cmd_check(args) -> int:
     if not outcome.ok:
         return 1
     if not outcome.complete:
-        where = "these inputs" if args.inputs else "random inputs (give inputs in its domain with --inputs FILE.npz)"
-        bad = ", ".join(str(o.index) for o in outcome.outputs if o.nonfinite)
-        print(f"{PROG}: could not check: the original itself is inf/NaN in output(s) {bad} on {where}",
-              file=sys.stderr)
+        print(f"{PROG}: could not check: {_outside_domain(args, source, original, outcome)}", file=sys.stderr)
         return 3
+    return 0
+
+
+def _outside_domain(args, source: str, original, outcome) -> str:
+    """``check``'s line where outputs of the original are outside the program's domain on the
+    inputs run: which, why, what was tried, and what to give instead."""
+    from . import domain
+
+    unchecked = outcome.unchecked
+    bad = ", ".join(str(o.index) for o in unchecked)
+    why = unchecked[0].outside + (f" (and {len(unchecked) - 1} more output(s))" if len(unchecked) > 1 else "")
+    if args.inputs:
+        return (f"output(s) {bad} of the original are outside the program's domain on the inputs of {args.inputs}: "
+                f"{why}; give inputs in its domain")
+    if outcome.inputs:
+        tried = "also with the arguments drawn by the rules above"
+    else:
+        tried = ("and no simple rule applies (non-negative where an argument flows into sqrt/rsqrt/log, integer "
+                 "indices within the bounds of the gather/dynamic_slice they feed)")
+    count = len(domain.entry_arguments(original))
+    return (f"output(s) {bad} of the original are outside the program's domain on random inputs, {tried}: {why}; "
+            f"give inputs in its domain with --inputs FILE.npz ({PROG} check --print-input-spec {source} lists the "
+            f"{count} argument(s) it takes)")
+
+
+def _print_input_spec(args) -> int:
+    """``check --print-input-spec``: the entry function's arguments, one a line."""
+    from . import domain, ir_utils
+
+    data, source = read_input(args.input)
+    module = ir_utils.parse(data, source=source)
+    lines = domain.input_spec(module, source)
+    if not lines:
+        print(f"{source}: the module takes no arguments")
+        return 0
+    print(f"{source}: {len(lines)} argument(s); --inputs takes an .npz of arrays arg0 ... arg{len(lines) - 1} "
+          "(np.savez(path, arg0=..., ...)) of these global shapes and types:")
+    for line in lines:
+        print(f"  {line}")
     return 0
 
 

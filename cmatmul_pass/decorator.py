@@ -21,7 +21,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import jax
@@ -220,6 +220,27 @@ class Lowered:
         return self._lowered.compiler_ir(dialect)
 
 
+@dataclass
+class JitReport(Report):
+    """The report of a module :func:`jit` lowered where the pass found no candidate site, with
+    ``notes``: what the command line says of such a module (``cli.module_notes``: that it has no
+    shard_map region and the XLA flags of XLA's own collective matmul for a program jax.jit
+    shards by itself, or which collectives its shard_map regions hold), printed by
+    :meth:`summary` and written by :meth:`to_dict`."""
+
+    notes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, report: Report, notes: list[str]) -> "JitReport":
+        return cls(**{f.name: getattr(report, f.name) for f in fields(report) if f.init}, notes=list(notes))
+
+    def summary(self) -> str:
+        return super().summary() + "".join(f"\nnote: {note}" for note in self.notes)
+
+    def to_dict(self) -> dict:
+        return {**super().to_dict(), **({"notes": self.notes} if self.notes else {})}
+
+
 class Traced:
     """jax's ``Traced`` (attributes read through), whose ``.lower()`` rewrites."""
 
@@ -341,12 +362,26 @@ class JittedFunction:
             self._fall_back(failure, f"the pass failed on {source}")
             return Lowered(original, Report(source, None), original)
         self.stats["rewrites"] += 1
-        self.report = result.report
+        report = self.report = self._noted(result, source)
         extra = {}
         if self._gpu_options:
-            extra = ring_compiler_options(result.report, jax.default_backend(),
+            extra = ring_compiler_options(report, jax.default_backend(),
                                           self._user_compiler_options, os.environ.get("XLA_FLAGS", ""))
-        return Lowered(rewritten, result.report, original, extra)
+        return Lowered(rewritten, report, original, extra)
+
+    def _noted(self, result: RewriteResult, source: str) -> Report:
+        """``result``'s report, with what the command line says of a module with no candidate
+        site (:class:`JitReport`); a program jax.jit shards by itself over several devices (no
+        shard_map region) also gets one warning per function, naming XLA's own flags."""
+        from .cli import WINDOWED_EINSUM_FLAGS, module_notes
+
+        notes = module_notes(result)
+        if not notes:
+            return result.report
+        if (result.report.num_partitions or 1) > 1 and any(WINDOWED_EINSUM_FLAGS in note for note in notes):
+            self.overlap.warn_once("auto-sharded", f"cmatmul_pass.jit: {source}: 0 of 0 candidate site(s) "
+                                   f"rewritten: {notes[0]}")
+        return JitReport.of(result.report, notes)
 
     def _key(self, args: tuple, kwargs: dict) -> tuple:
         dynamic_args, dynamic_kwargs, statics = self._static.split(args, kwargs)
@@ -480,6 +515,12 @@ class JittedFunction:
             self.report = entry.lowered.report
         else:
             self.stats["checks"] += 1
+            if not self.checked.complete:  # outputs the original itself leaves inf/NaN: not judged
+                unchecked = self.checked.unchecked
+                self.overlap.warn_once(
+                    f"domain: {name}", f"cmatmul_pass.jit: check=True could not check output(s) "
+                    f"{', '.join(str(o.index) for o in unchecked)} of {name} on this call's arguments "
+                    f"({unchecked[0].outside}): outside the program's domain, not judged; no mismatch elsewhere")
         return entry.compiled(*args, **kwargs)
 
     def _original_entry(self, entry: _Entry) -> _Entry:

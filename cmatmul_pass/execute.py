@@ -14,7 +14,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import ml_dtypes
 import numpy as np
@@ -98,11 +98,17 @@ class OutputComparison:
     rel_error: float
     tolerance: float  # 0.0 means exact
     original_error: float | None = None  # the original's normwise error against the f64 reference
-    nonfinite: int = 0  # elements the original leaves inf or NaN (the rewritten must match them)
+    nonfinite: int = 0  # elements the original leaves inf or NaN
     elements: int = 0  # elements per device times devices
+    #: why the output is outside the program's domain on these inputs (numerics.outside_domain):
+    #: not judged, neither agreement nor a mismatch; '' where it is judged
+    outside: str = ""
 
     @property
     def ok(self) -> bool:
+        """No mismatch (an output outside the domain is not judged: never a mismatch)."""
+        if self.outside:
+            return True
         if self.max_abs_error == math.inf:
             return False
         return self.rel_error <= self.tolerance if self.tolerance else self.max_abs_error == 0
@@ -118,14 +124,17 @@ class OutputComparison:
 
     @property
     def status(self) -> str:
-        """``ok``, ``MISMATCH``, or ``non-finite``: agreeing, but the original leaves some of
-        the output inf or NaN on these inputs (not counted as agreement there)."""
-        if not self.ok:
-            return "MISMATCH"
-        return "non-finite" if self.nonfinite else "ok"
+        """``ok``, ``MISMATCH``, or ``not checked``: outside the program's domain on these
+        inputs (``outside`` says why), neither agreement nor a mismatch."""
+        if self.outside:
+            return "not checked"
+        return "ok" if self.ok else "MISMATCH"
 
     def line(self) -> str:
         head = f"output {self.index} {self.dtype}{list(self.shape)}: "
+        if self.outside:
+            return (f"{head}not checked: {self.outside}; where both are finite, max abs err {self.max_abs_error:.2e}, "
+                    f"rel err {self.rel_error:.2e} (not judged)")
         if not self.tolerance:
             body = f"max abs err {self.max_abs_error:.3e} (exact)"
         elif self.original_error is None:
@@ -136,10 +145,6 @@ class OutputComparison:
             body = (f"rel err vs f64: original {self.original_error:.2e}, rewritten {self.rel_error:.2e}, "
                     f"ratio {ratio:.2f} (allowed {self.tolerance:.2e}); max abs err vs the original "
                     f"{self.max_abs_error:.2e}")
-        if self.nonfinite:
-            body += (f"; the original is inf/NaN in {self.nonfinite} of {self.elements} elements on these "
-                     "inputs, compared only there" if self.nonfinite < self.elements else
-                     "; the original is inf/NaN in every element on these inputs: not compared")
         return head + body + f" {self.status}"
 
     def to_dict(self) -> dict:
@@ -152,16 +157,24 @@ class CheckResult:
     num_partitions: int
     #: what float outputs were judged against: "f64" (the original promoted), else why not
     reference: str = "f64"
+    #: how the inputs were drawn where random normal ones left the original outside its domain
+    #: (:mod:`.domain`'s rules); '' for inputs as drawn or given
+    inputs: str = ""
 
     @property
     def ok(self) -> bool:
-        """No output differs (outputs the original leaves non-finite may still be unchecked)."""
+        """No output differs (outputs outside the program's domain are not judged)."""
         return all(o.ok for o in self.outputs)
 
     @property
     def complete(self) -> bool:
-        """Every element of every output was compared (none non-finite in the original)."""
-        return not any(o.nonfinite for o in self.outputs)
+        """Every output was judged (none outside the program's domain on these inputs)."""
+        return not any(o.outside for o in self.outputs)
+
+    @property
+    def unchecked(self) -> list["OutputComparison"]:
+        """The outputs outside the program's domain on these inputs (not judged)."""
+        return [o for o in self.outputs if o.outside]
 
     def to_dict(self) -> dict:
         return {
@@ -169,16 +182,21 @@ class CheckResult:
             "complete": self.complete,
             "num_partitions": self.num_partitions,
             "reference": self.reference,
+            "inputs": self.inputs,
             "factor": numerics.FACTOR,
             "outputs": [o.to_dict() for o in self.outputs],
         }
 
     def format(self) -> str:
         lines = [o.line() for o in self.outputs]
+        if self.inputs:
+            lines.append(f"inputs: {self.inputs}")
         if not self.ok:
             verdict = "numerics: MISMATCH"
         elif not self.complete:
-            verdict = "numerics: INCOMPLETE (no mismatch, but the original is inf/NaN in some outputs)"
+            outputs = ", ".join(str(o.index) for o in self.unchecked)
+            verdict = (f"numerics: INCOMPLETE (no mismatch; output(s) {outputs} not checked: outside the "
+                       "program's domain on these inputs)")
         else:
             verdict = "numerics: OK"
         against = "an f64 evaluation of the original" if self.reference == "f64" else \
@@ -310,14 +328,13 @@ def cpu_devices(count: int) -> list:
 
 class Program:
     """``module`` compiled for ``len(devices)`` partitions, with ``inputs`` placed on the devices
-    as the program's parameter shardings say: ready to run any number of times.
+    as the program's parameter shardings say: ready to run any number of times (:meth:`place`
+    puts other inputs in their place; ``inputs`` None: none yet).
     ``compiler_options``: XLA options for the compile (``decorator.ring_compiler_options``);
     ``compile_s``: the wall time XLA took to compile it."""
 
-    def __init__(self, module: ir.Module, inputs: Sequence[np.ndarray], devices: Sequence,
+    def __init__(self, module: ir.Module, inputs: Sequence[np.ndarray] | None, devices: Sequence,
                  compiler_options: dict | None = None):
-        import jax
-
         refuse_host_callbacks(module)
         start = time.perf_counter()
         try:
@@ -325,11 +342,22 @@ class Program:
         except Exception as exc:  # XLA raises its own runtime error types
             raise ExecutionError(f"XLA could not compile the module: {' '.join(str(exc).split())[:500]}") from exc
         self.compile_s = time.perf_counter() - start
+        self.devices = list(devices)
+        self.args: list = []
+        if inputs is not None:
+            self.place(inputs)
+
+    def place(self, inputs: Sequence[np.ndarray]) -> "Program":
+        """Put ``inputs`` on the devices as the program's parameter shardings say (replacing any
+        placed before)."""
+        import jax
+
+        devices = self.devices
         shardings = self.executable.get_parameter_shardings()
         if shardings is None and len(devices) == 1:  # a module without shardings, on one device
             with jax.enable_x64(True):
                 self.args = [jax.device_put(x, devices[0]) for x in inputs]
-            return
+            return self
         if shardings is None or len(shardings) != len(inputs):
             raise ExecutionError(f"the program takes {len(shardings or ())} parameters, got {len(inputs)} inputs")
         with jax.enable_x64(True):  # else jax would place f64/i64/complex128 inputs as 32-bit arrays
@@ -337,6 +365,7 @@ class Program:
                 self.args = [jax.device_put(x, sharding_for_devices(devices, s)) for x, s in zip(inputs, shardings)]
             except NotImplementedError as exc:  # jax cannot lay out some shardings (unreduced ones)
                 raise CannotCheck(f"cannot lay out the inputs with the program's shardings: {exc}") from None
+        return self
 
     def __call__(self) -> list[list]:
         """Run once and wait for it: per output, per device, a shard (device arrays)."""
@@ -463,17 +492,25 @@ def compare(index: int, expected: list[np.ndarray], actual: list[np.ndarray],
         return OutputComparison(index, name, shape, err, err, 0.0, elements=elements)
     wide = np.complex128 if a.dtype.kind == "c" else np.float64
     a64, b64 = a.astype(wide), b.astype(wide)
-    # a NaN or an infinity must be where the original has the same one (an overflow both
-    # programs make is no error); finite values are compared against the finite ones' scale
-    same = (a64 == b64) | (np.isnan(a64) & np.isnan(b64))
     a_finite = np.isfinite(a64)
     finite = a_finite & np.isfinite(b64)
-    if (~same & ~finite).any():
-        max_abs = math.inf
-    else:
+    nonfinite = int(np.count_nonzero(~a_finite))
+    outside = numerics.outside_domain(a64, name, model or numerics.ErrorModel(), b64)
+    if outside:  # on these inputs the output says nothing about the rewrite: not judged, only described
         diff = np.abs(a64[finite] - b64[finite])
         max_abs = float(diff.max()) if diff.size else 0.0
-    nonfinite = int(np.count_nonzero(~a_finite))
+        scale = float(np.abs(a64[finite]).max()) if finite.any() else 0.0
+        elsewhere = int(np.count_nonzero(~((a64 == b64) | (np.isnan(a64) & np.isnan(b64))) & ~finite))
+        if elsewhere:
+            outside += f" (the rewrite differs in {elsewhere} of the elements either leaves inf/NaN)"
+        return OutputComparison(index, name, shape, max_abs, max_abs / scale if scale > 0 else max_abs,
+                                FLOAT_TOLERANCES[name], None, nonfinite, elements, outside)
+    # the original is finite throughout: the rewrite must be too
+    if not finite.all():
+        max_abs = math.inf
+    else:
+        diff = np.abs(a64 - b64)
+        max_abs = float(diff.max()) if diff.size else 0.0
     if exact is not None:
         verdict = numerics.judge_float(a64, b64, np.stack(exact), name, model or numerics.ErrorModel(),
                                        None if demoted is None else np.stack(demoted))
@@ -522,27 +559,52 @@ class Reference:
     #: per output, per device: the original computed in f32 where it computes in f64 (a module
     #: with f64 outputs only, whose f64 evaluation is itself: numerics.judge_float); else None
     demoted: list | None = field(default=None, compare=False, repr=False)
+    #: how the inputs were drawn where random normal ones took the original outside its domain
+    #: (:mod:`.domain`'s rules, and why they were needed); '' for a plain draw or given inputs
+    drawn: str = ""
 
     @classmethod
     def of(
         cls, original: ir.Module, *, seed: int = 0, devices: Sequence | None = None,
-        inputs: Sequence[np.ndarray] | None = None,
+        inputs: Sequence[np.ndarray] | None = None, source: str | None = None,
     ) -> "Reference":
-        """``inputs``: the arguments to run on (default: :func:`random_inputs` of ``seed``)."""
+        """``inputs``: the arguments to run on.  By default :func:`random_inputs` of ``seed``;
+        where those leave an output of the original outside the program's domain (inf/NaN, near
+        overflow: :func:`.numerics.outside_domain`) and :func:`.domain.rules` find arguments to
+        draw otherwise (non-negative where they flow into a square root or a log, indices
+        within the bounds of what they index), those are redrawn and the reference is made on
+        the new draw (``drawn`` says how).  ``source``: the file, to name the ops the rules
+        follow."""
+        from . import domain
+
         refuse_host_callbacks(original)
         num_partitions = ir_utils.int_attr(original.operation, "mhlo.num_partitions") or 1
         devices = list(devices) if devices is not None else cpu_devices(num_partitions)
         if len(devices) != num_partitions:
             raise ExecutionError(f"the module has {num_partitions} partitions but {len(devices)} devices were given")
-        inputs = list(inputs) if inputs is not None else random_inputs(original, seed)
-        options = dict(CHECK_COMPILER_OPTIONS)
-        program = Program(original, inputs, devices, options)
-        expected = program.outputs()
-        exact, why = evaluate_in_f64(original, inputs, devices)
-        demoted = evaluate_in_f32(original, inputs, devices) if exact is not None and any(
-            shards and shards[0].dtype in (np.float64, np.complex128) for shards in expected) else None
-        return cls(inputs, expected, devices, num_partitions, program, reduction_tolerance(original),
-                   options, exact, why, numerics.ErrorModel.of(original), demoted)
+        runs = _OriginalRuns(original, devices)
+        reference = runs.reference(list(inputs) if inputs is not None else random_inputs(original, seed))
+        outside = reference.outside_domain()
+        if inputs is None and outside:
+            found = domain.rules(original, source)
+            if found:
+                first = ", ".join(f"{i}" for i in outside)
+                reference = replace(runs.reference(domain.draw(reference.inputs, found, seed)),
+                                    drawn=f"random, redrawn after the original was outside its domain on the first "
+                                          f"draw (output(s) {first}): {domain.describe(found)}")
+        return reference
+
+    def outside_domain(self) -> dict[int, str]:
+        """The float outputs of the original outside the program's domain on these inputs (inf/NaN
+        or near overflow, :func:`.numerics.outside_domain`): index -> why."""
+        found = {}
+        for i, shards in enumerate(self.expected):
+            a = np.stack(shards)
+            name = _dtype_name(a.dtype)
+            why = numerics.outside_domain(a, name, self.model) if name in FLOAT_TOLERANCES else ""
+            if why:
+                found[i] = why
+        return found
 
     def check(self, rewritten: ir.Module) -> CheckResult:
         """Compare ``rewritten`` (compiled here with the original's ``compiler_options``) with the original."""
@@ -553,7 +615,57 @@ class Reference:
         demoted = self.demoted if self.demoted is not None else [None] * len(actual)
         outputs = tuple(compare(i, e, a, self.extra_tolerance, x, self.model, d)
                         for i, (e, a, x, d) in enumerate(zip(self.expected, actual, exact, demoted)))
-        return CheckResult(outputs, self.num_partitions, self.reference)
+        return CheckResult(outputs, self.num_partitions, self.reference, self.drawn)
+
+
+class _OriginalRuns:
+    """The original, its f64 evaluation and (for a module with f64 outputs) its f32 one, each
+    compiled once with the check's options, run on any inputs (:meth:`reference`)."""
+
+    def __init__(self, original: ir.Module, devices: list):
+        self.original, self.devices = original, devices
+        self.options = dict(CHECK_COMPILER_OPTIONS)
+        self.program = Program(original, None, devices, self.options)
+        try:
+            self.f64, self.why = Program(promote_to_f64(original), None, devices, self.options), "f64"
+        except (NoReference, ExecutionError) as exc:
+            self.f64, self.why = None, f"no f64 reference: {exc}"
+        self.f32: Program | None | bool = False  # not compiled yet
+        self.model = numerics.ErrorModel.of(original)
+        self.extra = reduction_tolerance(original)
+
+    def reference(self, inputs: list) -> Reference:
+        expected = self.program.place(inputs).outputs()
+        exact = demoted = None
+        why = self.why
+        if self.f64 is not None:
+            try:
+                exact = self.f64.place([_widened(x) for x in inputs]).outputs()
+            except ExecutionError as exc:
+                why = f"no f64 reference: {exc}"
+        if exact is not None and any(shards and shards[0].dtype in (np.float64, np.complex128) for shards in expected):
+            demoted = self._in_f32(inputs)
+        return Reference(inputs, expected, self.devices, len(self.devices), self.program, self.extra, self.options,
+                         exact, why, self.model, demoted)
+
+    def _in_f32(self, inputs: list) -> list | None:
+        if self.f32 is False:
+            try:
+                self.f32 = Program(demote_to_f32(self.original), None, self.devices, self.options)
+            except (NoReference, ExecutionError):
+                self.f32 = None
+        if self.f32 is None:
+            return None
+        narrower = {np.dtype(np.float64): np.float32, np.dtype(np.complex128): np.complex64}
+        try:
+            return self.f32.place([x.astype(narrower.get(x.dtype, x.dtype)) for x in inputs]).outputs()
+        except ExecutionError:
+            return None
+
+
+def _widened(x: np.ndarray) -> np.ndarray:
+    """A float input as f64 (complex as complex128), exactly; any other as it is."""
+    return x.astype(np.complex128 if x.dtype.kind == "c" else np.float64) if _is_float(x.dtype) else x
 
 
 def evaluate_in_f64(original: ir.Module, inputs: Sequence[np.ndarray],
@@ -561,11 +673,8 @@ def evaluate_in_f64(original: ir.Module, inputs: Sequence[np.ndarray],
     """The original promoted to f64 (:func:`.reference.promote_to_f64`), run on ``inputs``
     (float ones widened, exactly): per output, per device, a shard; and "f64".  Where the
     promotion or its compile fails: None and why."""
-    def widened(x: np.ndarray) -> np.ndarray:
-        return x.astype(np.complex128 if x.dtype.kind == "c" else np.float64) if _is_float(x.dtype) else x
-
     try:
-        return _run_retyped(promote_to_f64, original, map(widened, inputs), devices), "f64"
+        return _run_retyped(promote_to_f64, original, map(_widened, inputs), devices), "f64"
     except (NoReference, ExecutionError) as exc:
         return None, f"no f64 reference: {exc}"
 

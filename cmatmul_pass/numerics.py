@@ -35,9 +35,15 @@ rounding (a norm after a reordered sum).  Its error is then estimated from the o
 computed in f32 (:func:`.reference.demote_to_f32`): ``e_orig ≈ e_f32 · u_f64 / u_f32``, the
 same magnification at f64's unit roundoff (first order in the rounding errors).
 
-Integers and bools must be equal.  An infinity or NaN of the original must be where the
-rewritten has the same one; those elements are not compared otherwise, and an output with
-such elements is reported as non-finite in the original (its agreement is not counted).
+Integers and bools must be equal.
+
+**Outside the program's domain** (:func:`outside_domain`), an output is not judged: where the
+original itself is inf or NaN in any of its elements on the inputs drawn (a square root of a
+second moment drawn negative, labels drawn past the classes), or where the rewrite overflows
+an element the original leaves within a factor ``n`` of the type's largest finite value (``n``
+the longest reduction: a sum of ``n`` terms in another order may overflow where the
+original's did not).  Such inputs say nothing about the rewrite: the check reports the output
+as not checked, never as a mismatch (docs/numerics.md).
 """
 
 from __future__ import annotations
@@ -61,6 +67,11 @@ _UNIT_ROUNDOFF = {name: float(ml_dtypes.finfo(t).eps) / 2 for name, t in {
     "f8E4M3FN": ml_dtypes.float8_e4m3fn, "f8E5M2": ml_dtypes.float8_e5m2,
     "f8E4M3FNUZ": ml_dtypes.float8_e4m3fnuz, "f8E5M2FNUZ": ml_dtypes.float8_e5m2fnuz,
     "f8E4M3B11FNUZ": ml_dtypes.float8_e4m3b11fnuz}.items()}
+_LARGEST = {name: float(ml_dtypes.finfo(t).max) for name, t in {
+    "f64": np.float64, "f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16,
+    "f8E4M3FN": ml_dtypes.float8_e4m3fn, "f8E5M2": ml_dtypes.float8_e5m2,
+    "f8E4M3FNUZ": ml_dtypes.float8_e4m3fnuz, "f8E5M2FNUZ": ml_dtypes.float8_e5m2fnuz,
+    "f8E4M3B11FNUZ": ml_dtypes.float8_e4m3b11fnuz, "complex<f32>": np.float32, "complex<f64>": np.float64}.items()}
 _UNIT_ROUNDOFF["complex<f32>"] = _UNIT_ROUNDOFF["f32"]
 _UNIT_ROUNDOFF["complex<f64>"] = _UNIT_ROUNDOFF["f64"]
 
@@ -170,3 +181,31 @@ def _relative(x: np.ndarray, r: np.ndarray, scale: float) -> float:
     if scale > 0:
         return err / scale
     return 0.0 if err == 0 else math.inf
+
+
+def outside_domain(original: np.ndarray, dtype_name: str, model: ErrorModel,
+                   rewritten: np.ndarray | None = None) -> str:
+    """Why a float output (stacked shards) is outside the program's domain on these inputs, or
+    ''.  Outside: the original is inf or NaN in some element; or it is within a factor ``n``
+    (the longest reduction) of the type's largest finite value in some element, and the
+    ``rewritten`` output is not finite there (without ``rewritten``: near overflow at all, what
+    makes the check draw other inputs)."""
+    wide = np.complex128 if original.dtype.kind == "c" else np.float64
+    a = original.astype(wide)
+    finite = np.isfinite(a)
+    bad = int(a.size - np.count_nonzero(finite))
+    if bad:
+        return f"the original is inf/NaN in {bad} of {a.size} elements on these inputs"
+    largest = _LARGEST.get(dtype_name)
+    if largest is None or not a.size:
+        return ""
+    n = max(model.longest_reduction, 1)
+    near = np.abs(a) >= largest / n
+    if rewritten is not None:
+        near &= ~np.isfinite(rewritten.astype(wide))
+    count = int(np.count_nonzero(near))
+    if not count:
+        return ""
+    where = "the rewrite overflows where " if rewritten is not None else ""
+    return (f"{where}the original is within a factor {n} (the longest sum) of {dtype_name}'s largest value "
+            f"({largest:.3g}) in {count} of {a.size} elements on these inputs: near overflow")

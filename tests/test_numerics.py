@@ -155,14 +155,22 @@ def test_check_compares_a_given_rewritten_module(tmp_path, monkeypatch, capsys):
 
 
 def test_outputs_the_original_leaves_nan_are_not_agreement(tmp_path, capsys):
-    """sqrt of normal random inputs is NaN in half the elements of the original: reported, and
-    exit 3 (could not check), not 0; on inputs in its domain (--inputs) it is checked (0)."""
+    """sqrt of normal random inputs is NaN in half the elements of the original: the check
+    redraws the argument that flows into the sqrt non-negative, says so, and checks (0); on
+    given inputs outside the domain (--inputs) the output is not checked and the check could
+    not check (3), never a mismatch; on inputs in its domain it is checked (0)."""
     module = tmp_path / "sqrt.mlir"
     module.write_text(SQRT)
-    assert run_cli("check", module, "--rewritten", module) == 3
+    assert run_cli("check", module, "--rewritten", module) == 0
+    out = capsys.readouterr().out
+    assert "numerics: OK" in out and "arg0 non-negative (it flows into stablehlo.sqrt at " in out
+    negative = tmp_path / "negative.npz"
+    np.savez(negative, arg0=-np.ones(8, np.float32), arg1=np.ones(8, np.float32))
+    assert run_cli("check", module, "--rewritten", module, "--inputs", negative) == 3
     captured = capsys.readouterr()
-    assert "output 0" in captured.out and "inf/NaN in" in captured.out and "INCOMPLETE" in captured.out
-    assert "could not check: the original itself is inf/NaN in output(s) 0 on random inputs" in captured.err
+    assert "output 0 f32[8]: not checked: the original is inf/NaN in 8 of 8 elements" in captured.out
+    assert "INCOMPLETE" in captured.out
+    assert "could not check: output(s) 0 of the original are outside the program's domain" in captured.err
     inputs = tmp_path / "inputs.npz"
     np.savez(inputs, arg0=np.arange(8, dtype=np.float32), arg1=np.ones(8, np.float32))
     assert run_cli("check", module, "--rewritten", module, "--inputs", inputs) == 0
