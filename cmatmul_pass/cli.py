@@ -267,7 +267,8 @@ def _rewrite(args):
     if not args.quiet:
         for site in result.report.sites:
             print(site.summary_line(), file=sys.stderr)
-        print(f"{PROG}: {result.report.summary()}", file=sys.stderr)
+        for line in result.report.summary().splitlines():
+            print(f"{PROG}: {line}", file=sys.stderr)
         say_notes(result)
         for line in slower_warnings(result.report):
             print(f"{PROG}: warning: {line}", file=sys.stderr)
@@ -443,20 +444,20 @@ def _print_input_spec(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    from . import cost, reasons
-    from .report import duration
+    from . import cost, reasons, timeline
+    from .report import durations
 
     args.quiet = True
     _, _, result = _rewrite(args)
     report = result.report
-    if args.plot and not any(site.cost for site in report.sites):
-        raise CmatmulError(f"--plot: no site to draw: {report.summary()} (the cost model sizes candidate sites "
+    if args.plot and not any(timeline.drawable(site) for site in report.sites):
+        raise CmatmulError(f"--plot: no site to draw: {report.sites_line()} (the cost model sizes candidate sites "
                            "only); run explain without --plot to see why")
     hw = cost.hardware(result.options.hardware)
-    print(f"{report.source}: {report.num_partitions} partitions, {report.summary()}")
+    print(f"{report.source}: {report.num_partitions} partitions, {report.sites_line()}")
     say_notes(result, sys.stdout, prefix="")
     for site in report.sites:
-        print(f"\n{site.location}  [{site.kind}] in @{site.function}")
+        print(f"\n{site.place}  [{site.kind}] in @{site.function}")
         if site.ring_size:
             print(f"  ring: {site.ring_size} devices, groups {site.replica_groups}")
         if site.shard_shape is not None:
@@ -519,32 +520,35 @@ def cmd_explain(args) -> int:
             if c.get("throughput_assumed"):  # the profile has no rate for the dots' element type
                 dtype = c.get("site", {}).get("dtype", "?")
                 kept += f" (no {dtype} throughput in the profile: priced at its default, {c['throughput'] / 1e12:g} TFLOP/s)"
+            compute, transfer, serial, chosen = durations(c["compute_s"], c["transfer_s"], c["serial_s"],
+                                                          c["overlapped_s"][c["variant"]])
             print(
-                f"  predicted on {c['hardware']}: compute {duration(c['compute_s'])}{kept}, transfer {duration(c['transfer_s'])}, "
-                f"serial {duration(c['serial_s'])}; {c['variant']} {duration(c['overlapped_s'][c['variant']])} "
+                f"  predicted on {c['hardware']}: compute {compute}{kept}, transfer {transfer}, "
+                f"serial {serial}; {c['variant']} {chosen} "
                 f"({c['speedup'][c['variant']]:.2f}x{exposed(c['variant'])}); "
                 f"best: {best} ({c['speedup'][best]:.2f}x{exposed(best)})"
             )
     for line in slower_warnings(report):
         print(f"warning: {line}")
     if args.plot:
-        from . import timeline
-
         path = timeline.plot(report, hw, args.plot)
         write_note = f"timeline: {path}"
         print(write_note)
+    if report.program_line():
+        print(report.program_line())
     return 0
 
 
 def _explain_all_reduce(site) -> None:
     """A dot → all_reduce site: the strategy, the cost model's view of it, where its gathers went."""
     from .cost import TIE
-    from .report import duration
+    from .report import durations
 
     a = site.all_reduce
     p = a["prediction"]
-    chunks = f", {p['chunks']} chunks: {duration(p['chunk_s'][str(p['chunks'])])} ({p['speedup']['chunk']:.2f}x)" \
-        if p.get("chunks") else ""
+    times = durations(p["serial_s"], p["all_reduce_s"], p["split_s"],
+                      *([p["chunk_s"][str(p["chunks"])]] if p.get("chunks") else []))
+    chunks = f", {p['chunks']} chunks: {times[3]} ({p['speedup']['chunk']:.2f}x)" if p.get("chunks") else ""
     picked = {"model": " (the cost model's pick)",
               "fallback": " (auto's fallback: no profile describes this machine)"}.get(a.get("picked"), "")
     if a.get("picked") == "model" and p.get("tied"):
@@ -553,8 +557,8 @@ def _explain_all_reduce(site) -> None:
             else "chunk takes a tie)")
     print(f"  all_reduce: {a['strategy']} along dim {a['dim']}"
           + (f" into {a['chunks']} chunks" if a["strategy"] == "chunk" and site.rewritten else "") + picked)
-    print(f"  predicted on {p['hardware']}: dots + all_reduce {duration(p['serial_s'])} (the all_reduce "
-          f"{duration(p['all_reduce_s'])}); split {duration(p['split_s'])} ({p['speedup']['split']:.2f}x){chunks}")
+    print(f"  predicted on {p['hardware']}: dots + all_reduce {times[0]} (the all_reduce "
+          f"{times[1]}); split {times[2]} ({p['speedup']['split']:.2f}x){chunks}")
     if site.rewritten and a["strategy"] == "split":
         for where in a["gathers"] or ["nowhere: no reader needs the whole value"]:
             print(f"  gathered: {where}")

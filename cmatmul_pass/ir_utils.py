@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextvars
 import io
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -334,9 +335,12 @@ _FILE_LINE_COL = getattr(ir, "FileLineColLoc", None)
 def render_location(loc: ir.Location, source: str | None = None) -> str:
     """``file:line:col`` of the op for a human.
 
-    Text parsed without debug info carries the parser's own ``"-":line:col``
-    locations; those are shown against ``source`` (the file that was read; by default
-    :data:`READING`'s).
+    A location with a call stack (jax's ``as_text(debug_info=True)`` keeps one where the op was
+    made in a function the traced function called) names its innermost frame and its callers,
+    :data:`CALL_FRAMES` of them: ``model.py:31:15 (dense) ← model.py:58:9 (block)``, each frame's
+    function in parentheses, the innermost frame's file named in full once.  Text parsed without
+    debug info carries the parser's own ``"-":line:col`` locations; those are shown against
+    ``source`` (the file that was read; by default :data:`READING`'s).
     """
     if type(loc) is _FILE_LINE_COL:  # the usual kind (text parsed without debug info): read at once
         return _file_line_col(loc, source)
@@ -350,9 +354,67 @@ def render_location(loc: ir.Location, source: str | None = None) -> str:
     return text
 
 
+#: how many frames of a call stack (jax's ``callsite`` locations, ``as_text(debug_info=True)``)
+#: a rendered location names, innermost first
+CALL_FRAMES = 3
+
+
 def _render_location(loc: ir.Location, source: str | None) -> str:
-    found = first_file_location(loc)
-    return str(loc) if found is None else _file_line_col(found, source)
+    frames = call_frames(loc)
+    if not frames:
+        return str(loc)
+    if len(frames) == 1:  # no call stack: the plain file:line:col
+        return _file_line_col(frames[0][1], source)
+    first = frames[0][1].filename
+    parts = []
+    for name, frame in frames[:CALL_FRAMES]:
+        text = _file_line_col(frame, source)
+        if parts and frame.filename == first:  # the innermost frame's file, named once in full
+            text = text[len(first) - len(os.path.basename(first)):]
+        parts.append(f"{text} ({name})" if name else text)
+    return " ← ".join(parts)
+
+
+def innermost_location(loc: ir.Location, source: str | None = None) -> str:
+    """The ``file:line:col`` of ``loc``'s innermost frame alone (:func:`render_location` without
+    the callers); ``str(loc)`` where it has no file location."""
+    frames = call_frames(loc)
+    return _file_line_col(frames[0][1], source) if frames else str(loc)
+
+
+def call_frames(loc: ir.Location) -> list[tuple[str | None, ir.Location]]:
+    """The frames of ``loc``'s call stack, innermost first: (the function's name where jax
+    recorded one, its ``file:line:col`` location).  One frame for a location without a call
+    stack; none where ``loc`` holds no file location.  A frame repeating the one before it
+    (``callsite(a at a)``) is left out."""
+    if type(loc) is ir.Location:  # diagnostics hand out the base class: downcast to the concrete kind
+        with loc.context:
+            loc = ir.Location.from_attr(loc.attr)
+    if hasattr(loc, "start_line") and hasattr(loc, "filename"):
+        return [(None, loc)]
+    if hasattr(loc, "child_loc"):  # NameLoc: a function's name over its frame, or an op's over its stack
+        child = loc.child_loc
+        if type(child) is ir.Location:
+            with child.context:
+                child = ir.Location.from_attr(child.attr)
+        if hasattr(child, "start_line") and hasattr(child, "filename"):
+            return [(loc.name_str.rsplit("<locals>.", 1)[-1], child)]
+        return call_frames(child)
+    if hasattr(loc, "callee"):  # CallSiteLoc: the callee is the inner frame
+        frames = call_frames(loc.callee)
+        for frame in call_frames(loc.caller):
+            if not frames or _place(frames[-1][1]) != _place(frame[1]):
+                frames.append(frame)
+        return frames
+    for child in getattr(loc, "locations", ()):  # FusedLoc: the first child with a file location
+        frames = call_frames(child)
+        if frames:
+            return frames
+    return []
+
+
+def _place(loc: ir.Location) -> tuple[str, int, int]:
+    return loc.filename, loc.start_line, loc.start_col
 
 
 def _file_line_col(loc: ir.Location, source: str | None) -> str:

@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from . import cost, ir_utils, replay
+from . import cost, ir_utils, program_cost, replay
 from ._jax_private import hlo, ir, make_context, module_to_bytecode, module_to_hlo_text
 from .analysis.deadlock import misplaced
 from .attempts import MAX_TRIES, MOTION, SITE, Attempts, Bans
@@ -244,6 +244,7 @@ def _rewrite(module: ir.Module, options: Options, source: str, again: Callable[[
     rendered = ir_utils.RENDERED.set({})  # (and render the same locations again and again)
     bans = Bans()
     try:
+        program = _program(module, options, source)  # the input as it is, for the step's prediction
         for _ in range(MAX_TRIES):
             try:
                 with _no_cyclic_gc():
@@ -270,6 +271,7 @@ def _rewrite(module: ir.Module, options: Options, source: str, again: Callable[[
             if not undone:
                 if not result.report.rewritten:  # nothing rewritten: the output is the input, as it was
                     result.module = again()      # (no scan body inlined, nothing moved)
+                _predict(program, result.report)
                 return result
             for key, why in undone.items():  # moved, then no ring where it went: not moved next time
                 bans.add(key, MOTION, why)
@@ -329,6 +331,29 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool,
             ctx.annotator.finish()
             _verify(module, None, placement)
     return RewriteResult(module, report, options), attempts.undone()
+
+
+def _program(module: ir.Module, options: Options, source: str) -> "program_cost.Program | str":
+    """The input read for the step's prediction (:mod:`.program_cost`), or why it could not be."""
+    try:
+        return program_cost.Program(module, source, cost.hardware(options.hardware))
+    except Exception as exc:  # noqa: BLE001 - the prediction is a report's extra: never the pass's failure
+        return f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+
+
+def _predict(program: "program_cost.Program | str", report: Report) -> None:
+    """The report's step prediction (``report.program``) and its sites' layers; none for a module
+    without a candidate site."""
+    if not report.sites:
+        return
+    if isinstance(program, str):
+        report.program = {"unavailable": program}
+        return
+    try:
+        program_cost.annotate(program, report)
+        report.program = program_cost.predict(program, report).to_dict()
+    except Exception as exc:  # noqa: BLE001
+        report.program = {"unavailable": f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"}
 
 
 def _internal(exc: Exception) -> InternalError:

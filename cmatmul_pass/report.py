@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 
 from . import ir_utils
@@ -55,6 +56,15 @@ class SiteReport:
     # loop, carried past row-wise ops): the reason code it was declined for where it stood; None
     # for any other
     moved_from: str | None = None
+    #: which of the sites a model repeats at this location this one is, where the module says:
+    #: "layer 2 of 4" (the k-th shard_map region at one place; a backward's counted from the end)
+    #: or "each of the 4 trips of the loop at f.py:9:3" (cmatmul_pass.program_cost.annotate)
+    layer: str | None = None
+
+    @property
+    def place(self) -> str:
+        """The location, and the layer where one is known: what the site's lines name."""
+        return f"{self.location}, {self.layer}" if self.layer else self.location
 
     def summary_line(self) -> str:
         ring = f" ring={self.ring_size}" if self.ring_size else ""
@@ -63,16 +73,16 @@ class SiteReport:
             kept = f", assembles the gathered value for {len(self.assembled_for)} other reader(s)" if self.assembled_for else ""
             shared = f", calls the shared ring {self.shared_ring}" if self.shared_ring else ""
             if self.all_reduce.get("strategy") == "chunk":
-                return f"{self.location}: {self.kind}: rewritten{ring} (chunk: {self.all_reduce['chunks']} all_reduces along dim {self.all_reduce['dim']})"
+                return f"{self.place}: {self.kind}: rewritten{ring} (chunk: {self.all_reduce['chunks']} all_reduces along dim {self.all_reduce['dim']})"
             if self.all_reduce:
                 gathers = "; ".join(self.all_reduce["gathers"]) or "none left"
                 shared += f"; split: reduce-scatter ring along dim {self.all_reduce['dim']}, gathered {gathers}"
             return (
-                f"{self.location}: {self.kind}: rewritten{ring} "
+                f"{self.place}: {self.kind}: rewritten{ring} "
                 f"({self.operand} operand, {self.dim_role} dim {self.collective_dim}{dots}{kept}{shared})"
             )
         left = "moved, then not rewritten" if self.moved_from is not None else "left unchanged"
-        return f"{self.location}: {self.kind}: {left}{ring}: {self.reason} [{self.reason_code}]"
+        return f"{self.place}: {self.kind}: {left}{ring}: {self.reason} [{self.reason_code}]"
 
 
 @dataclass
@@ -90,6 +100,9 @@ class Report:
     #: layers rewritten as a trimmed copy of another (``replay.Trim``: a first layer's backward, which
     #: returns no input gradient): each such function -> {"of": the function it trims, "called_at": location}
     trimmed: dict[str, dict] = field(default_factory=dict)
+    #: the whole step's predicted time before and after the rewrite on the options' hardware
+    #: (:class:`cmatmul_pass.program_cost.ProgramPrediction` as a dict); empty where none was made
+    program: dict = field(default_factory=dict)
 
     @property
     def rewritten(self) -> list[SiteReport]:
@@ -107,12 +120,44 @@ class Report:
             "layers": self.layers,
             **({"layer_checks": self.layer_checks} if self.layer_checks else {}),
             **({"trimmed": self.trimmed} if self.trimmed else {}),
+            **({"program": self.program} if self.program else {}),
         }
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
     def summary(self) -> str:
+        """One line: the sites rewritten, of how many; then, where the pass predicted it, the
+        step's time before and after (:meth:`program_line`)."""
+        program = self.program_line()
+        return self.sites_line() + (f"\n{program}" if program else "")
+
+    def program_line(self) -> str:
+        """The step's predicted time before → after on the hardware, and the places carrying
+        most of the difference; empty where no prediction was made."""
+        p = self.program
+        if not p or "before_s" not in p:
+            return ""
+        before, after = p["before_s"], p["after_s"]
+        devices = f"{p['partitions']}×" if p.get("partitions", 1) > 1 else ""
+        places = p.get("places", [])
+        texts = durations(before, after, *(abs(seconds) for _, seconds in places))
+        line = f"this step on {devices}{p['hardware']}: predicted {texts[0]} → {texts[1]}"
+        if not self.rewritten:
+            return line + " (no site rewritten)"
+        line += f" ({before / after:.2f}x)" if after else ""
+        if places:
+            most = "gain" if after < before else "loss"
+            line += f"; most of the {most}: " + ", ".join(f"{loc} ({text})" for (loc, _), text in zip(places, texts[2:]))
+        notes = []
+        if p.get("unknown_trips"):
+            notes.append(f"{p['unknown_trips']} loop(s) of unknown trip count counted once")
+        if p.get("unplaced"):
+            notes.append(f"{p['unplaced']} rewritten site(s) not placed in the schedule")
+        return line + (f" ({'; '.join(notes)})" if notes else "")
+
+    def sites_line(self) -> str:
+        """How many candidate sites were rewritten, shared, replayed as layers."""
         line = f"{len(self.rewritten)} of {len(self.sites)} candidate site(s) rewritten"
         shared = [s.shared_ring for s in self.rewritten if s.shared_ring]
         if shared:
@@ -132,11 +177,35 @@ class Report:
 
 def duration(seconds: float) -> str:
     """``seconds`` in the unit that keeps it readable (ns, µs, ms, s), three significant digits."""
+    unit, scale = time_unit(seconds)
+    return f"{float(f'{seconds:.3g}') / scale:.3g} {unit}"
+
+
+def time_unit(seconds: float) -> tuple[str, float]:
+    """The unit (s, ms, µs, ns) ``seconds`` reads best in, and its scale: ``("µs", 1e-6)``."""
     seconds = float(f"{seconds:.3g}")  # rounded first: 999.6 µs is 1 ms, not 1e+03 µs
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
         if abs(seconds) >= scale:
-            return f"{seconds / scale:.3g} {unit}"
-    return f"{seconds / 1e-9:.3g} ns"
+            return unit, scale
+    return "ns", 1e-9
+
+
+def durations(*seconds: float) -> list[str]:
+    """Each of ``seconds`` in one unit, the one the largest reads best in, to the decimals that
+    give the largest three significant digits: ``1.23 ms``, ``0.05 ms``; a value too small to
+    show at them is ``<0.01 ms``."""
+    largest = max((abs(s) for s in seconds), default=0.0)
+    unit, scale = time_unit(largest)
+    decimals = max(0, 2 - math.floor(math.log10(float(f"{largest / scale:.3g}")))) if largest else 0
+    least = 10.0 ** -decimals
+    texts = []
+    for s in seconds:
+        value = s / scale
+        if value and abs(value) < least / 2:
+            texts.append(f"{'-' if value < 0 else ''}<{least:.{decimals}f} {unit}")
+        else:
+            texts.append(f"{value:.{decimals}f} {unit}")
+    return texts
 
 
 def element_bits(element_type: ir.Type) -> int:

@@ -506,7 +506,12 @@ def test_explain_prints_predictions_and_draws_the_timeline(tmp_path, capsys):
     assert run_cli("explain", sample("sp_mlp"), "--plot", png, "--bidirectional") == 0
     out = capsys.readouterr().out
     assert "predicted on H100" in out and "best:" in out and f"timeline: {png}" in out
-    assert "transfer 6.83 ns" in out and "e-0" not in out  # 3072 B per device at 450 GB/s, not 0.00683 µs
+    # one unit per line, the largest value's: 3072 B per device at 450 GB/s (6.83 ns) beside a 6 µs serial time
+    assert "transfer <0.1 µs, serial 6.0 µs;" in out and "e-0" not in out
+    predicted = [line for line in out.splitlines() if "predicted on H100" in line]
+    assert predicted and not any(" ns" in line for line in predicted)
+    scatter = [s for s in cmatmul_pass.rewrite(sample("sp_mlp").read_text()).report.sites if s.kind == "dot_reduce_scatter"]
+    assert scatter[0].cost["transfer_s"] == pytest.approx(3072 / 450e9)
     assert "97 % of permutes hidden" in out  # the bidi ring the sample gets: 298 of 308 in the H100 compiles
     # tiny sites: below the smallest step measured, the smallest step's split (the 3B step's
     # medians: the gather's 0.744, the halved scatter's 0.817)

@@ -46,7 +46,7 @@ def test_repeated_layers_call_one_ring_per_pattern(monkeypatch):
     assert {s.shared_ring for s in sites if s.kind == "dot_reduce_scatter"} - {None} == {"@cmatmul_ring_0"}
     assert {s.shared_ring for s in sites if s.kind == "all_gather_dot"} - {None} == {"@cmatmul_ring_1"}
     assert collectives_left(result.module) == 0
-    assert result.report.summary() == "6 of 6 candidate site(s) rewritten (4 calling 2 shared ring function(s))"
+    assert result.report.sites_line() == "6 of 6 candidate site(s) rewritten (4 calling 2 shared ring function(s))"
     # a sharing site reports the schedule and channels of the ring it calls
     first, shared = sites[0], sites[1]
     assert shared.schedule == first.schedule and shared.channel_handles
@@ -71,7 +71,7 @@ def test_identical_blocks_are_calls_of_one_block_whose_rings_are_inline():
     permutes = ir_utils.ops_named(layer, "stablehlo.collective_permute")["stablehlo.collective_permute"]
     assert 3 * len(permutes) == sum(s.schedule["permutes"] for s in sites)  # each block's entries: its two rings
     assert collectives_left(result.module) == 0
-    assert result.report.summary() == ("6 of 6 candidate site(s) rewritten; "
+    assert result.report.sites_line() == ("6 of 6 candidate site(s) rewritten; "
                                        "3 identical layers are calls of 1 rewritten one(s)")
     alone = _without_replay(text)
     assert ring_functions(alone.module) == {"cmatmul_ring_0": 2, "cmatmul_ring_1": 2}
