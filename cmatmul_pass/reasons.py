@@ -78,8 +78,8 @@ REASONS: dict[str, Reason] = {r.code: r for r in (
                         "ring (the stages gather along different dims and cannot merge, or `--policy auto` predicts "
                         "that ring alone faster than the merged one), or under `--policy auto` stays a plain gather "
                         "too (no ring pays); the reason gives each option's predicted time",
-           "the default `--policy all` merges two stages along one dim into one gather and one ring (`--policy "
-           "auto` merges where the merged ring pays); by hand, gather over both axes at once "
+           "`--policy all` merges two stages along one dim into one gather and one ring (the default, `--policy "
+           "auto`, merges where the merged ring pays); by hand, gather over both axes at once "
            "(`jax.lax.all_gather(w, ('model', 'data'), axis=..., tiled=True)`), the weight sharded over both along "
            "that dim",
            ("hlo_samples/ag_two_stage.mlir", "--policy", "auto")),
@@ -92,7 +92,7 @@ REASONS: dict[str, Reason] = {r.code: r for r in (
     Reason("layout", "an op between the collective and the dot does not keep blocks of the ring dim whole (a "
                      "reshape that splits it, an elementwise op whose other operand varies along it)",
            "reshape before the gather or after the dot, and scale per row after the dot rather than before it; a "
-           "row-wise op after a gather (a norm of the gathered rows) is moved past by `--policy all` (the default), "
+           "row-wise op after a gather (a norm of the gathered rows) is moved past where its ring is rewritten, "
            "the gather then ringing with the dot; where the gathered rows are also read elsewhere (a residual), the "
            "ring applies the norm to each block and assembles the rows, unless `--no-assemble`",
            ("hlo_samples/neg_reshape_splits_ring_dim.mlir",)),
@@ -167,7 +167,7 @@ REASONS: dict[str, Reason] = {r.code: r for r in (
            "the module is rewritten and checked as usual"),
     # ---- the options' verdict
     Reason("policy", "`--policy auto`: the cost model predicts too small a gain on `--hardware`",
-           "use `--policy all` (the default), another `--variant` (the reason names one that would pass, if any), "
+           "use `--policy all`, another `--variant` (the reason names one that would pass, if any), "
            "or a `--hardware` profile that describes your machine",
            ("hlo_samples/sp_mlp.mlir", "--policy", "auto")),
     Reason("min_bytes", "the site moves fewer bytes per device than `--min-bytes`",
