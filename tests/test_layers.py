@@ -303,33 +303,41 @@ def test_elementwise_ops_between_gather_and_dot_are_applied_per_shard(name, prep
     numerics(text, result.module)
 
 
-@pytest.mark.parametrize("prepare, code", [
-    (lambda g, s, c, r: g * r[:, None], "layout"),  # a per-row scale differs from block to block
-    (lambda g, s, c, r: g * jnp.tanh(g), "layout"),  # so does the value itself, through another op
-    (lambda g, s, c, r: g * jnp.max(g), "schedule"),  # the scale needs the whole gathered value
-])
-def test_elementwise_ops_whose_other_operand_varies_are_declined(prepare, code):
-    """The ring cannot apply these per shard; without moving the gather (policy auto never moves
-    one) the site is declined and the module left as it was."""
-    text = elementwise_program(prepare)
+def test_an_elementwise_op_needing_the_whole_gathered_value_is_declined():
+    """g * max(g): the scale needs every shard, so neither the ring nor moving the gather to the
+    dot can apply it per shard; the site is declined and the module left as it was, even where
+    the cost model says a ring would pay."""
+    text = elementwise_program(lambda g, s, c, r: g * jnp.max(g))
     result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(policy="auto", hardware="h100:bandwidth=1e6"))
     (site,) = result.report.sites
-    assert site.reason_code == code and str(result.module) == str(ir_utils.parse(text))
+    assert site.reason_code == "schedule" and str(result.module) == str(ir_utils.parse(text))
 
 
+@pytest.mark.parametrize("policy", [
+    cmatmul_pass.Options(),  # the suite's policy, all
+    cmatmul_pass.Options(policy="auto", hardware="h100:bandwidth=1e6"),  # a network slow enough for the ring to pay
+], ids=["all", "auto"])
 @pytest.mark.parametrize("prepare", [
     lambda g, s, c, r: g * r[:, None],  # a per-row scale: the same on every device, sliced to the rows
     lambda g, s, c, r: g * jnp.tanh(g),  # the value itself, row by row
 ], ids=["per_row_scale", "g_tanh_g"])
-def test_row_wise_ops_the_ring_cannot_apply_per_shard_move_the_gather_to_the_dot(prepare):
+def test_row_wise_ops_the_ring_cannot_apply_per_shard_move_the_gather_to_the_dot(prepare, policy):
     """What the ring declines [layout] works row by row: the ops run on the shard's rows and the
-    gather, moved to the dot, becomes its ring (phases.MOVABLE_DECLINES)."""
+    gather, moved to the dot, becomes its ring (phases.MOVABLE_DECLINES), under either policy."""
     text = elementwise_program(prepare)
-    result = cmatmul_pass.rewrite(text)
+    result = cmatmul_pass.rewrite(text, policy)
     (site,) = result.report.sites
     assert site.rewritten and "declined [layout]" in site.notes[0]
     assert op_counts(result.module).get("stablehlo.all_gather", 0) == 0
     numerics(text, result.module)
+
+
+def test_a_motion_under_auto_is_not_made_where_its_ring_does_not_pay():
+    """All or nothing: on a fast network the ring would not pay, so the gather is not moved either."""
+    text = elementwise_program(lambda g, s, c, r: g * r[:, None])
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(policy="auto"))
+    (site,) = result.report.sites
+    assert not site.rewritten and str(result.module) == str(ir_utils.parse(text))
 
 
 @pytest.mark.parametrize("variant", ["uni", "bidi-unroll2", "full"])
