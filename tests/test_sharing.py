@@ -17,7 +17,7 @@ from cmatmul_pass.pipeline import Options, variant_options
 from cmatmul_pass.sharing import FUNCTION_PREFIX
 from conftest import assert_only_split_gathers_left, sample
 from tools import bench
-from tools.gen_samples import arg, gather, lower, mesh_2x4, scatter, smap
+from tools.samples_common import arg, gather, lower, mesh_2x4, scatter, smap
 
 
 def ring_functions(module) -> dict[str, int]:
@@ -299,7 +299,8 @@ def in_loop_body(op) -> bool:
 
 def test_legacy_partitioner_modules_keep_every_ring_inline():
     """Lowered without Shardy (``@shmap_body`` functions, no sdy.mesh): no ring functions."""
-    from tools.gen_samples import sp_mlp_layers, under_legacy_partitioner
+    from tools.samples_common import under_legacy_partitioner
+    from tools.samples_layers import sp_mlp_layers
 
     text = under_legacy_partitioner(sp_mlp_layers)()
     assert "sdy.mesh" not in text and "shmap_body" in text
