@@ -2,7 +2,7 @@
 
 A sample carries two kinds of FileCheck lines, checked against the pass's output:
 
-* ``// CHECK...`` — the intent of the sample (stated in tools/gen_samples.py);
+* ``// CHECK...`` — the intent of the sample (stated in tools/samples_*.py, which tools/gen_samples.py writes);
 * ``// GOLDEN...`` — the whole rewritten module, line by line, between the markers
   below.  Only this block is regenerated (``make goldens``); everything else in the
   file is left as it is.
