@@ -287,159 +287,194 @@ def _dot(spec: Spec, a, b, expr):
 
 def build(spec: Spec):
     """(shard_map body, [(global shape, PartitionSpec)], out_specs) of ``spec``."""
-    n = spec.ring
+    kinds = {"ag": _gather_program, "rs": _scatter_program, "chain": _chain_program, "ag2": _both_gathered_program,
+             "psum": _megatron, "ag_norm": _gather_norm_program, "scan": _scan_program, "fsdp": _fsdp_program}
+    return kinds.get(spec.kind, _mlp_program)(spec)
+
+
+def _sizes(spec: Spec) -> dict[str, int]:
+    """The per-device size of each dim label: m, k, n and b (``spec.sizes``)."""
     m, k, nn, b = spec.sizes
+    return {"m": m, "k": k, "n": nn, "b": b}
+
+
+def _gather_program(spec: Spec):
+    """ag: ``all_gather(x) @ w`` for each of ``spec.consumers`` weights, x gathered on ``spec.dim``
+    (free, contracting or batch), on either side of the dot; a non-dot reader, a weight prepared
+    just before its dot or one read before the gather's first dot where the spec says."""
+    n = spec.ring
     axes = spec.axes
     bl = "b" if spec.batch else ""
-    sizes = {"m": m, "k": k, "n": nn, "b": b}
+    sizes = _sizes(spec)
+    x_labels, w_labels = bl + "mk", bl + "kn"
+    out = bl + ("mn" if spec.side == 0 else "nm")
+    expr = _einsum(x_labels, w_labels, spec.side, out)
+    g = x_labels.index(spec.dim)
+    glob = dict(sizes)
+    glob[spec.dim] = sizes[spec.dim] * n
+    x_shape = [glob[c] for c in x_labels]
+    w_shape = [glob[c] for c in w_labels]
+    untiled = not spec.tiled and g == 0
 
-    if spec.kind == "ag":
-        x_labels, w_labels = bl + "mk", bl + "kn"
-        out = bl + ("mn" if spec.side == 0 else "nm")
-        expr = _einsum(x_labels, w_labels, spec.side, out)
-        g = x_labels.index(spec.dim)
-        glob = dict(sizes)
-        glob[spec.dim] = sizes[spec.dim] * n
-        x_shape = [glob[c] for c in x_labels]
-        w_shape = [glob[c] for c in w_labels]
-        untiled = not spec.tiled and g == 0
-
-        def body(x, *ws):
-            if untiled:
-                gathered = jax.lax.all_gather(x, axes, axis=0, tiled=False)
-                gathered = gathered.reshape((-1,) + x.shape[1:])
-            else:
-                gathered = jax.lax.all_gather(x, axes, axis=g, tiled=True)
-            if spec.scale:  # by 3, which rounds in bf16/f16: the check compiles without excess precision
-                gathered = gathered * jnp.asarray(3, gathered.dtype)
-            early = jnp.swapaxes(gathered, -1, -2) if spec.early else None
-            if spec.early:  # every weight through a cumulative sum after it, before the first dot
-                ws = [jnp.cumsum(w, axis=-1) for w in ws]
-
-            def prepared(w):  # traced just before its dot
-                return w * jnp.asarray(2, w.dtype) if spec.prep else w
-
-            outs = [_dot(spec, gathered, prepared(w), expr) if spec.side == 0 else _dot(spec, prepared(w), gathered, expr)
-                    for w in ws]
-            if spec.reader:
-                outs.append(jnp.tanh(gathered) if spec.dtype != "i32" else gathered * 2)
-            if spec.early:
-                outs.append(early)
-            return tuple(outs)
-
-        args = [(x_shape, _spec_at(len(x_shape), g, axes))] + [(w_shape, P())] * spec.consumers
-        return body, args, tuple(P() for _ in range(spec.consumers + spec.reader + spec.early))
-
-    if spec.kind == "rs":
-        # row-parallel: the contraction k is split over the axes; the product is sum-scattered on dim
-        a_labels, b_labels = bl + "mk", bl + "kn"
-        out = bl + ("mn" if spec.side == 0 else "nm")
-        expr = _einsum(a_labels, b_labels, spec.side, out)
-        contraction = ((spec.first,) if spec.first else ()) + axes  # the k dim's axes
-        first_size = spec.mesh_shape[spec.names.index(spec.first)] if spec.first else 1
-        glob = dict(sizes, k=k * n * first_size)
-        glob[spec.dim] = sizes[spec.dim] * n
-        a_shape = [glob[c] for c in a_labels]
-        b_shape = [glob[c] for c in b_labels]
-        d = out.index(spec.dim)
-
-        def body(*operands):
-            if spec.norm:
-                *operands, normed = operands
-            prod = None
-            for a, bb in zip(operands[0::2], operands[1::2]):  # a sum of products, as a backward adds gradients
-                term = _dot(spec, a, bb, expr) if spec.side == 0 else _dot(spec, bb, a, expr)
-                prod = term if prod is None else prod + term
-            if spec.scale:
-                prod = prod * jnp.asarray(3, prod.dtype)
-            if spec.norm:
-                prod, gain = _norm_backward(prod, normed.astype(prod.dtype), d)
-            if spec.first:
-                prod = jax.lax.psum(prod, spec.first)
-            if spec.tiled:
-                scattered = jax.lax.psum_scatter(prod, axes, scatter_dimension=d, tiled=True)
-            else:
-                split = prod.shape[:d] + (n, prod.shape[d] // n) + prod.shape[d + 1 :]
-                scattered = jax.lax.psum_scatter(prod.reshape(split), axes, scatter_dimension=d, tiled=False)
-            return (scattered, gain[None]) if spec.norm and spec.gain else scattered
-
-        args = [(a_shape, _spec_at(len(a_shape), a_labels.index("k"), contraction)),
-                (b_shape, _spec_at(len(b_shape), b_labels.index("k"), contraction))] * spec.consumers
-        if spec.norm:  # the normed input: the product's shape, the same on every device
-            args.append(([glob[c] for c in out], P()))
-        if spec.norm and spec.gain:
-            gain_rank = len(out)  # [devices, the product's dims but the rows]: each device's own sum
-            return body, args, (_spec_at(len(out), d, axes), _spec_at(gain_rank, 0, contraction))
-        return body, args, _spec_at(len(out), d, axes)
-
-    if spec.kind == "chain":
-        # gather x on m (free) or k (contracting); the product's n (the weight's free dim) is scattered
-        x_labels, w_labels = "mk", "kn"
-        glob = dict(sizes, n=nn * n)
-        glob[spec.dim] = sizes[spec.dim] * n
-        g = x_labels.index(spec.dim)
-
-        def body(x, w):
+    def body(x, *ws):
+        if untiled:
+            gathered = jax.lax.all_gather(x, axes, axis=0, tiled=False)
+            gathered = gathered.reshape((-1,) + x.shape[1:])
+        else:
             gathered = jax.lax.all_gather(x, axes, axis=g, tiled=True)
-            return jax.lax.psum_scatter(_dot(spec, gathered, w, "mk,kn->mn"), axes, scatter_dimension=1, tiled=True)
+        if spec.scale:  # by 3, which rounds in bf16/f16: the check compiles without excess precision
+            gathered = gathered * jnp.asarray(3, gathered.dtype)
+        early = jnp.swapaxes(gathered, -1, -2) if spec.early else None
+        if spec.early:  # every weight through a cumulative sum after it, before the first dot
+            ws = [jnp.cumsum(w, axis=-1) for w in ws]
 
-        args = [([glob[c] for c in x_labels], _spec_at(2, g, axes)), ([glob[c] for c in w_labels], P())]
-        return body, args, _spec_at(2, 1, axes)
+        def prepared(w):  # traced just before its dot
+            return w * jnp.asarray(2, w.dtype) if spec.prep else w
 
-    if spec.kind == "ag2":
-        # both operands gathered: x's rows and w's columns (each its own ring; the first ring's
-        # round-0 dot reads w's gathered value, which the second ring computes)
+        outs = [_dot(spec, gathered, prepared(w), expr) if spec.side == 0 else _dot(spec, prepared(w), gathered, expr)
+                for w in ws]
+        if spec.reader:
+            outs.append(jnp.tanh(gathered) if spec.dtype != "i32" else gathered * 2)
+        if spec.early:
+            outs.append(early)
+        return tuple(outs)
 
-        def body(x, w):
-            gx = jax.lax.all_gather(x, axes, axis=0, tiled=True)
-            return _dot(spec, gx, jax.lax.all_gather(w, axes, axis=1, tiled=True), "mk,kn->mn")
+    args = [(x_shape, _spec_at(len(x_shape), g, axes))] + [(w_shape, P())] * spec.consumers
+    return body, args, tuple(P() for _ in range(spec.consumers + spec.reader + spec.early))
 
-        return body, [([m * n, k], _spec_at(2, 0, axes)), ([k, nn * n], _spec_at(2, 1, axes))], P()
 
-    if spec.kind == "psum":
-        return _megatron(spec)
+def _scatter_program(spec: Spec):
+    """rs: row-parallel: the contraction k is split over the axes; the product (a sum of
+    ``spec.consumers`` products) is sum-scattered on ``spec.dim``, after a norm's backward and a psum
+    over ``spec.first`` where the spec says."""
+    n = spec.ring
+    k = spec.sizes[1]
+    axes = spec.axes
+    bl = "b" if spec.batch else ""
+    sizes = _sizes(spec)
+    a_labels, b_labels = bl + "mk", bl + "kn"
+    out = bl + ("mn" if spec.side == 0 else "nm")
+    expr = _einsum(a_labels, b_labels, spec.side, out)
+    contraction = ((spec.first,) if spec.first else ()) + axes  # the k dim's axes
+    first_size = spec.mesh_shape[spec.names.index(spec.first)] if spec.first else 1
+    glob = dict(sizes, k=k * n * first_size)
+    glob[spec.dim] = sizes[spec.dim] * n
+    a_shape = [glob[c] for c in a_labels]
+    b_shape = [glob[c] for c in b_labels]
+    d = out.index(spec.dim)
 
-    if spec.kind == "ag_norm":
-        return _gather_norm_program(spec)
+    def body(*operands):
+        if spec.norm:
+            *operands, normed = operands
+        prod = None
+        for a, bb in zip(operands[0::2], operands[1::2]):  # a sum of products, as a backward adds gradients
+            term = _dot(spec, a, bb, expr) if spec.side == 0 else _dot(spec, bb, a, expr)
+            prod = term if prod is None else prod + term
+        if spec.scale:
+            prod = prod * jnp.asarray(3, prod.dtype)
+        if spec.norm:
+            prod, gain = _norm_backward(prod, normed.astype(prod.dtype), d)
+        if spec.first:
+            prod = jax.lax.psum(prod, spec.first)
+        if spec.tiled:
+            scattered = jax.lax.psum_scatter(prod, axes, scatter_dimension=d, tiled=True)
+        else:
+            split = prod.shape[:d] + (n, prod.shape[d] // n) + prod.shape[d + 1 :]
+            scattered = jax.lax.psum_scatter(prod.reshape(split), axes, scatter_dimension=d, tiled=False)
+        return (scattered, gain[None]) if spec.norm and spec.gain else scattered
 
-    if spec.kind == "scan":
-        # stacked [L, K, K] weights sharded on their contracting (k) or free (n) dim, gathered before a
-        # scan over the L layers whose step multiplies layer i (the pass sinks the gather into the loop)
-        layers, size = spec.sizes[3] + 1, k * n
-        w_dim = 1 if spec.dim == "k" else 2
+    args = [(a_shape, _spec_at(len(a_shape), a_labels.index("k"), contraction)),
+            (b_shape, _spec_at(len(b_shape), b_labels.index("k"), contraction))] * spec.consumers
+    if spec.norm:  # the normed input: the product's shape, the same on every device
+        args.append(([glob[c] for c in out], P()))
+    if spec.norm and spec.gain:
+        gain_rank = len(out)  # [devices, the product's dims but the rows]: each device's own sum
+        return body, args, (_spec_at(len(out), d, axes), _spec_at(gain_rank, 0, contraction))
+    return body, args, _spec_at(len(out), d, axes)
 
-        def body(x, ws):
-            stack = jax.lax.all_gather(ws, axes, axis=w_dim, tiled=True)
 
-            def step(h, w):
-                # scaled so that tanh stays off saturation: a saturated tanh's backward (1 - tanh²)
-                # cancels, and any reordering of the forward's sums then moves the gradient by far
-                # more than the original's own error (a false alarm the fuzzer found, seed 0)
-                return jnp.tanh(_dot(spec, h, w, "mk,kn->mn") / size).astype(h.dtype), None
+def _chain_program(spec: Spec):
+    """chain: gather x on m (free) or k (contracting); the product's n (the weight's free dim) is scattered."""
+    n = spec.ring
+    nn = spec.sizes[2]
+    axes = spec.axes
+    sizes = _sizes(spec)
+    x_labels, w_labels = "mk", "kn"
+    glob = dict(sizes, n=nn * n)
+    glob[spec.dim] = sizes[spec.dim] * n
+    g = x_labels.index(spec.dim)
 
-            h, _ = jax.lax.scan(jax.checkpoint(step) if spec.remat else step, x, stack)
-            return h
+    def body(x, w):
+        gathered = jax.lax.all_gather(x, axes, axis=g, tiled=True)
+        return jax.lax.psum_scatter(_dot(spec, gathered, w, "mk,kn->mn"), axes, scatter_dimension=1, tiled=True)
 
-        return body, [([m, size], P()), ([layers, size, size], P(*[axes if d == w_dim else None for d in range(3)]))], P()
+    args = [([glob[c] for c in x_labels], _spec_at(2, g, axes)), ([glob[c] for c in w_labels], P())]
+    return body, args, _spec_at(2, 1, axes)
 
-    if spec.kind == "fsdp":
-        # FSDP x TP: x's rows gathered over the activation axis, w gathered over another mesh axis along its
-        # contracting (k) or free (n) dim; the two gathers meet at one dot (analysis.slack picks the ring)
-        act = spec.axes[0]
-        weight = next(name for name in spec.names if name != act)
-        act_size, size = (spec.mesh_shape[spec.names.index(a)] for a in (act, weight))
-        w_dim = 0 if spec.dim == "k" else 1
-        contracting = k * size if w_dim == 0 else k
 
-        def body(x, w):
-            gx = jax.lax.all_gather(x, act, axis=0, tiled=True)
-            gx = jnp.tanh(gx) if spec.dtype in ("f32", "bf16", "f16", "f64") else gx
-            return _dot(spec, gx, jax.lax.all_gather(w, weight, axis=w_dim, tiled=True), "mk,kn->mn")
+def _both_gathered_program(spec: Spec):
+    """ag2: both operands gathered: x's rows and w's columns (each its own ring; the first ring's
+    round-0 dot reads w's gathered value, which the second ring computes)."""
+    n = spec.ring
+    m, k, nn, _ = spec.sizes
+    axes = spec.axes
 
-        return body, [([m * act_size, contracting], _spec_at(2, 0, (act,))),
-                      ([contracting, nn * (1 if w_dim == 0 else size)], _spec_at(2, w_dim, (weight,)))], P()
+    def body(x, w):
+        gx = jax.lax.all_gather(x, axes, axis=0, tiled=True)
+        return _dot(spec, gx, jax.lax.all_gather(w, axes, axis=1, tiled=True), "mk,kn->mn")
 
-    # a sequence-parallel MLP block: rows gathered, gelu, rows sum-scattered
+    return body, [([m * n, k], _spec_at(2, 0, axes)), ([k, nn * n], _spec_at(2, 1, axes))], P()
+
+
+def _scan_program(spec: Spec):
+    """scan: stacked [L, K, K] weights sharded on their contracting (k) or free (n) dim, gathered before a
+    scan over the L layers whose step multiplies layer i (the pass sinks the gather into the loop)."""
+    n = spec.ring
+    m, k, _, _ = spec.sizes
+    axes = spec.axes
+    layers, size = spec.sizes[3] + 1, k * n
+    w_dim = 1 if spec.dim == "k" else 2
+
+    def body(x, ws):
+        stack = jax.lax.all_gather(ws, axes, axis=w_dim, tiled=True)
+
+        def step(h, w):
+            # scaled so that tanh stays off saturation: a saturated tanh's backward (1 - tanh²)
+            # cancels, and any reordering of the forward's sums then moves the gradient by far
+            # more than the original's own error (a false alarm the fuzzer found, seed 0)
+            return jnp.tanh(_dot(spec, h, w, "mk,kn->mn") / size).astype(h.dtype), None
+
+        h, _ = jax.lax.scan(jax.checkpoint(step) if spec.remat else step, x, stack)
+        return h
+
+    return body, [([m, size], P()), ([layers, size, size], P(*[axes if d == w_dim else None for d in range(3)]))], P()
+
+
+def _fsdp_program(spec: Spec):
+    """fsdp: FSDP x TP: x's rows gathered over the activation axis, w gathered over another mesh axis along its
+    contracting (k) or free (n) dim; the two gathers meet at one dot (analysis.slack picks the ring)."""
+    m, k, nn, _ = spec.sizes
+    act = spec.axes[0]
+    weight = next(name for name in spec.names if name != act)
+    act_size, size = (spec.mesh_shape[spec.names.index(a)] for a in (act, weight))
+    w_dim = 0 if spec.dim == "k" else 1
+    contracting = k * size if w_dim == 0 else k
+
+    def body(x, w):
+        gx = jax.lax.all_gather(x, act, axis=0, tiled=True)
+        gx = jnp.tanh(gx) if spec.dtype in ("f32", "bf16", "f16", "f64") else gx
+        return _dot(spec, gx, jax.lax.all_gather(w, weight, axis=w_dim, tiled=True), "mk,kn->mn")
+
+    return body, [([m * act_size, contracting], _spec_at(2, 0, (act,))),
+                  ([contracting, nn * (1 if w_dim == 0 else size)], _spec_at(2, w_dim, (weight,)))], P()
+
+
+def _mlp_program(spec: Spec):
+    """mlp: a sequence-parallel MLP block: rows gathered, gelu, rows sum-scattered."""
+    n = spec.ring
+    m, k, nn, _ = spec.sizes
+    axes = spec.axes
+
     def body(x, w1, w2):
         h = jax.nn.gelu(_dot(spec, jax.lax.all_gather(x, axes, axis=0, tiled=True), w1, "mk,kn->mn"))
         h = h.astype(x.dtype)
@@ -480,7 +515,6 @@ def _gather_norm_program(spec: Spec):
         x_parts[0] = data
     residual = spec.raw == "residual"
     width = k if residual else nn * n  # the dots' output width (column-parallel when returned beside)
-    dtype = DTYPES[spec.dtype]
     eps = 1e-3
 
     def norm(h, gain, bias):
