@@ -130,13 +130,13 @@ def dtype_family(dtype: str) -> str:
 
 
 #: Read from XLA's schedule of the training steps compiled for 8 H100s (tools/gpu_topology.py,
-#: jax 0.11.2, ring_compiler_options): the 8B step (bench/gpu/h100_topology_8b_20261126.json) and
-#: the 70B step (h100_topology_70b_20261127.json), permutes overlapped with a dot as executed,
-#: pooled. uni and unroll2 hid every permute.
+#: jax 0.11.2, ring_compiler_options): the 8B step (tools/gpu_measurements/h100_topology_8b.json,
+#: 2026-11-26) and the 70B step (h100_topology_70b.json, 2026-11-27), permutes overlapped with a dot
+#: as executed, pooled. uni and unroll2 hid every permute.
 H100_OVERLAP = {"full": 202 / 210, "bidi": 298 / 308, "bidi-unroll2": 289 / 308, "bidi-full": 304 / 308}
 
 #: The same, read from the 8B and 70B steps compiled for 8 H200s
-#: (bench/gpu/h200_topology_{8b,70b}.json, the same flags), both models pooled: uni and unroll2 hid
+#: (tools/gpu_measurements/h200_topology_{8b,70b}.json, the same flags), both models pooled: uni and unroll2 hid
 #: every permute, and bidi-full hid all 154 of each model's (absent here: a variant the table
 #: leaves out hides every permute)
 H200_OVERLAP = {"full": 202 / 210, "bidi": 298 / 308, "bidi-unroll2": 289 / 308}
@@ -153,8 +153,8 @@ NVLS_ALL_REDUCE = 480 / 370
 
 PROFILES: dict[str, Hardware] = {
     # Calibrated on an H100 SXM (tools/gpu_checks.sh calibrate, jax 0.11.2;
-    # bench/gpu/h100_calibrate_{70b,8b}.json and h100_calibrate_3b_20261127*.json, merged by
-    # tools/gpu_profile.py, the three 3B runs by their medians): XLA's bf16 dot at 634 TFLOP/s (989
+    # tools/gpu_measurements/h100_calibrate_{70b,8b,3b}.json (the 3B file: three runs of 2026-11-27),
+    # merged by tools/gpu_profile.py, the three 3B runs by their medians): XLA's bf16 dot at 634 TFLOP/s (989
     # peak; the median of the models' full dots, the 8B's); the straight-line splits at each step's
     # FLOPs (the gate and up dots merged at 12.9, 30 and 120 GFLOP), the contracting and batch
     # roles' own points, loop trips per kind, and every element type's rate measured as XLA's dot
@@ -181,13 +181,13 @@ PROFILES: dict[str, Hardware] = {
                                                                 (60129542144.0, 0.591))},
                      all_reduce_bandwidth=NVLS_ALL_REDUCE * 450e9),
     # Calibrated on an H200 (tools/gpu_checks.sh calibrate + extras, jax 0.11.2;
-    # bench/gpu/h200_calibrate_{70b,8b,3b}.json, merged by tools/gpu_profile.py): the straight-line
+    # tools/gpu_measurements/h200_calibrate_{70b,8b,3b}.json, merged by tools/gpu_profile.py): the straight-line
     # splits at each step's FLOPs, the gate and up dots merged at their own step (12.9, 30.1 and
     # 120 GFLOP), the contracting and batch roles' own points, loop trips per kind, and every
     # element type's rate measured as XLA's dot (the medians over the three runs): fp8 reached
     # only 1.2x bf16, i32 a hundredth of it (no integer tensor-core path for i32 dots).  NVLink 4 as
     # H100 (not measured: one GPU).  Overlap: read from XLA's schedule of the 8B and 70B steps
-    # compiled for 8 H200s (bench/gpu/h200_topology_{8b,70b}.json), H200_OVERLAP.
+    # compiled for 8 H200s (tools/gpu_measurements/h200_topology_{8b,70b}.json), H200_OVERLAP.
     "h200": Hardware("H200 (NVLink 4)", {"bf16": 6.68e14, "f16": 6.68e14, "f32": 3.4e14, "f8": 7.91e14,
                                         "f64": 5.96e13, "i8": 7.41e14, "i32": 4.3e12, "default": 6.68e14}, 450e9,
                      loop_trip={"all_gather_dot": ((6442450944.0, 1.02e-05), (12884901888.0, 4.19e-06),

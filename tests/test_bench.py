@@ -266,7 +266,7 @@ def test_gpu_calibration_runs_on_any_backend(tmp_path):
 
 @pytest.mark.parametrize("profile", ["h100", "h200"])
 def test_merging_the_stored_runs_gives_the_profiles_points(profile):
-    """gpu_calibrate --merge over the stored 70B, 8B (and, for the H200, 3B) runs (bench/gpu/)
+    """gpu_calibrate --merge over the stored 70B, 8B (and, for the H200, 3B) runs (tools/gpu_measurements/)
     gives exactly the split and loop-trip points the profile holds, its throughput is the median
     of the runs' free sites' full dots, and its element rates the runs' medians."""
     from cmatmul_pass import cost

@@ -168,7 +168,7 @@ def test_explain_says_a_contracting_dots_split_is_unmeasured(capsys, monkeypatch
 
 def test_the_profiles_split_is_what_the_gpu_measured():
     """The h100 and h200 profiles' points are the straight-line efficiencies and loop-trip costs
-    that tools/gpu_calibrate.py measured (bench/gpu/), at each run's step size: a free role's
+    that tools/gpu_calibrate.py measured (tools/gpu_measurements/), at each run's step size: a free role's
     split and loop trip are its kind's points, another role's split is that role's own (a run
     that names no role measured free roles only)."""
     from test_gpu_checks import calibration_runs, runs_by_model
@@ -366,7 +366,7 @@ def test_a_dot_is_priced_at_its_element_types_rate(dtype, key):
 
 
 def test_the_gpus_rates_by_element_type():
-    """The H100's and H200's rates are what XLA's dot measured on each (bench/gpu/*_calibrate_*.json:
+    """The H100's and H200's rates are what XLA's dot measured on each (tools/gpu_measurements/*_calibrate_*.json:
     the median over the runs of each type's throughput, bf16's over the free sites' full dots,
     as tools/gpu_profile.py merges them).  What the measurement refuted stays refuted: fp8 is
     not twice bf16 under XLA, and an i32 dot runs at a hundredth of it or less.  On A100 and TPU

@@ -2,7 +2,7 @@
 them") are checked line by line. The GPU parts go through the script's dry run (each part's steps
 end within 9 minutes, name existing tools with options they take, write a few files under OUT);
 the profile step, and the lines that rebuild the h100 and h200 profiles from the stored runs
-(bench/gpu), run for real; the page's table of the profiles' points is the profiles'."""
+(tools/gpu_measurements), run for real; the page's table of the profiles' points is the profiles'."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
@@ -33,10 +32,11 @@ GPU_PARTS_S = 25 * 60
 KILL_S = 5  # the script's --kill-after
 PARSERS = {"tools/gpu_calibrate.py": gpu_calibrate.build_parser, "tools/gpu_topology.py": gpu_topology.build_parser,
            "tools/gpu_profile.py": gpu_profile.build_parser, "tools/bench.py": bench.build_parser}
-STORED_SOURCES = ["bench/gpu/h100_calibrate_70b.json", "bench/gpu/h100_calibrate_8b.json",
-                  "bench/gpu/h100_calibrate_3b_20261127.json", "bench/gpu/h100_calibrate_3b_20261127_rerun1.json",
-                  "bench/gpu/h100_calibrate_3b_20261127_rerun2.json",
-                  "bench/gpu/h100_topology_8b_20261126.json", "bench/gpu/h100_topology_70b_20261127.json"]
+#: where the GPU measurements the profiles are built from are kept (docs/gpu.md names each)
+MEASUREMENTS = "tools/gpu_measurements"
+STORED_SOURCES = [f"{MEASUREMENTS}/{name}.json" for name in (
+    "h100_calibrate_70b", "h100_calibrate_8b", "h100_calibrate_3b",  # the 3B file: three runs, in order
+    "h100_topology_8b", "h100_topology_70b")]
 
 
 def procedure() -> tuple[list[str], list[str]]:
@@ -146,15 +146,13 @@ def test_the_profile_step_runs_on_the_copied_runs(tmp_path):
     """The page's last command, run over the stored runs as the GPU parts name them (as if just
     copied back): it prints and writes the profile's fields and a valid --hardware override."""
     lines, _ = procedure()
-    (line,) = [line for line in lines if line.startswith("bash tools/gpu_checks.sh bench/gpu ")]
+    (line,) = [line for line in lines if line.startswith(f"bash tools/gpu_checks.sh {MEASUREMENTS} ")]
     runs = tmp_path / "gpu"
     runs.mkdir()
-    for stored, written in (("h100_calibrate_70b", "h100_calibrate_70b"), ("h100_calibrate_8b", "h100_calibrate_8b"),
-                            ("h100_calibrate_3b_20261127", "h100_calibrate_3b"),
-                            ("h100_topology_8b_20261126", "h100_topology_8b"),
-                            ("h100_topology_70b_20261127", "h100_topology_70b")):
-        shutil.copy(ROOT / "bench" / "gpu" / f"{stored}.json", runs / f"{written}.json")
-    argv = shlex.split(line.replace("bench/gpu", str(runs), 1))
+    for source in STORED_SOURCES:  # one run a file, as a part writes it (of the 3B file's three runs, the first)
+        first = gpu_calibrate.read_runs(ROOT / source)[0]
+        (runs / Path(source).name).write_text(json.dumps(first, indent=2) + "\n")
+    argv = shlex.split(line.replace(MEASUREMENTS, str(runs), 1))
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, PYTHON=sys.executable))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -244,8 +242,8 @@ def test_a_slow_element_type_is_timed_alone(monkeypatch):
     assert len(calls) == len(rates) + (gpu_calibrate.SLOW_CALLS - 1) * (len(rates) - 1)
 
 
-H200_SOURCES = ["bench/gpu/h200_calibrate_70b.json", "bench/gpu/h200_calibrate_8b.json", "bench/gpu/h200_calibrate_3b.json",
-                "bench/gpu/h200_topology_8b.json", "bench/gpu/h200_topology_70b.json"]
+H200_SOURCES = [f"{MEASUREMENTS}/{name}.json" for name in (
+    "h200_calibrate_70b", "h200_calibrate_8b", "h200_calibrate_3b", "h200_topology_8b", "h200_topology_70b")]
 
 
 def calibration_runs(profile: str) -> list[Path]:
@@ -255,12 +253,12 @@ def calibration_runs(profile: str) -> list[Path]:
 
 
 def runs_by_model(paths: list) -> dict[str, list[dict]]:
-    """The calibration runs at ``paths`` (JSONs) by model, in order: a model's repeated runs count
-    as one run of their medians (tools/gpu_calibrate.merge)."""
+    """The calibration runs at ``paths`` (JSONs, each one run or a list of runs) by model, in order:
+    a model's repeated runs count as one run of their medians (tools/gpu_calibrate.merge)."""
     by_model: dict[str, list[dict]] = {}
     for path in paths:
-        run = json.loads(Path(path).read_text())
-        by_model.setdefault(run["model"], []).append(run)
+        for run in gpu_calibrate.read_runs(path):
+            by_model.setdefault(run["model"], []).append(run)
     return by_model
 
 

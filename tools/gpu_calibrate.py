@@ -44,7 +44,8 @@ Each run's override holds its own points among the profile's; ``--merge RUN.json
 nothing and prints several runs' points together (:func:`merge`), as an override and as the
 fields of ``cost.PROFILES``::
 
-    python tools/gpu_calibrate.py --merge bench/gpu/h100_calibrate_70b.json bench/gpu/h100_calibrate_8b.json
+    python tools/gpu_calibrate.py --merge tools/gpu_measurements/h100_calibrate_70b.json \\
+        tools/gpu_measurements/h100_calibrate_8b.json
 """
 
 from __future__ import annotations
@@ -626,15 +627,22 @@ def summarise(sites: list[dict], profile: str, dtype: str, target: float, n: int
             "roles": roles}
 
 
+def read_runs(path: str | Path) -> list[dict]:
+    """The runs a measurement file holds: one run (the JSON this tool or tools/gpu_topology.py
+    writes), or a list of runs (a model's repeated runs kept in one file, in the order they ran)."""
+    data = json.loads(Path(path).read_text())
+    return data if isinstance(data, list) else [data]
+
+
 def merge(paths: list[str], profile: str) -> dict:
-    """Several calibration runs (their JSONs) as one profile: every run's points
+    """Several calibration runs (their JSONs: :func:`read_runs`) as one profile: every run's points
     (:func:`measured_points`, each at its own ring size) among ``profile``'s, a later model's
     replacing an earlier one's at the same step size, and the median throughput of the runs'
     free sites' full dots.  Repeated runs of one model (the same ``model`` in their JSONs) count
     as one: each point, full dot and element rate the median of theirs (at small steps one run's
     noise is large: docs/gpu.md, section 9).  Returns the ``--hardware`` override and the points
     by field, ready for ``cost.PROFILES`` (``fields``: {field: {point key: ((FLOPs, value), ...)}})."""
-    runs = [json.loads(Path(path).read_text()) for path in paths]
+    runs = [run for path in paths for run in read_runs(path)]
     dtypes = {run["dtype"] for run in runs}
     if len(dtypes) != 1:
         raise SystemExit(f"the runs measured different dtypes ({', '.join(sorted(dtypes))}): merge one dtype's")

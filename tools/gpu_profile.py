@@ -19,9 +19,9 @@ in any mix, and prints what they imply for ``cmatmul_pass.cost.PROFILES[profile]
 then the one ``--hardware`` override that sets all of it, and what moved against the profile as
 it stands.  ``--check`` exits 1 if anything moved (rates by more than ``RATE_TOLERANCE``)::
 
-    python tools/gpu_profile.py --profile h100 bench/gpu/h100_calibrate_70b.json \\
-        bench/gpu/h100_calibrate_8b.json bench/gpu/h100_calibrate_3b_20261127*.json \\
-        bench/gpu/h100_topology_8b_20261126.json bench/gpu/h100_topology_70b_20261127.json --check
+    python tools/gpu_profile.py --profile h100 tools/gpu_measurements/h100_calibrate_70b.json \\
+        tools/gpu_measurements/h100_calibrate_8b.json tools/gpu_measurements/h100_calibrate_3b.json \\
+        tools/gpu_measurements/h100_topology_8b.json tools/gpu_measurements/h100_topology_70b.json --check
 
 (the runs the ``h100`` profile is built from; docs/gpu.md names each).  ``tools/gpu_checks.sh DIR
 h100 profile`` runs it over what the script's GPU parts wrote.
@@ -30,8 +30,6 @@ h100 profile`` runs it over what the script's GPU parts wrote.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -51,14 +49,15 @@ RATE_TOLERANCE = 0.02
 
 
 def load(paths: list[str]) -> tuple[list[str], list[dict]]:
-    """The calibration runs' paths and the topology runs (each with its ``source``)."""
+    """The calibration runs' paths and the topology runs (each with its ``source``); a file may
+    hold one run or a list of runs of one kind (:func:`tools.gpu_calibrate.read_runs`)."""
     calibrations, topologies = [], []
     for path in paths:
-        run = json.loads(Path(path).read_text())
-        if "sites" in run:
+        runs = gpu_calibrate.read_runs(path)
+        if all("sites" in run for run in runs):
             calibrations.append(path)
-        elif "programs" in run:
-            topologies.append({**run, "source": path})
+        elif all("programs" in run for run in runs):
+            topologies += [{**run, "source": path} for run in runs]
         else:
             raise SystemExit(f"{path}: neither a gpu_calibrate.py nor a gpu_topology.py result")
     return calibrations, topologies
