@@ -30,39 +30,39 @@
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<128x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<128x128xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>] manual_axes={"model"} (%arg2: tensor<16x64xf32>, %arg3: tensor<64x16xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<7> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<128x16xf32>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_1, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %4:3 = stablehlo.while(%iterArg = %c, %iterArg_4 = %arg2, %iterArg_5 = %cst) : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[7, 0, 1, 2, 3, 4, 5, 6]> : tensor<8xui32>
+// GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_2, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %7:3 = stablehlo.while(%iterArg = %c, %iterArg_3 = %arg2, %iterArg_4 = %cst) : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<7> : tensor<ui32>
-// GOLDEN-NEXT: %10 = stablehlo.compare LT, %iterArg, %c_6, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %10 : tensor<i1>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<7> : tensor<ui32>
+// GOLDEN-NEXT: %11 = stablehlo.compare LT, %iterArg, %c_5, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %11 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<ui32>
-// GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// GOLDEN-NEXT: %11 = stablehlo.add %3, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %13 = stablehlo.dot_general %iterArg_4, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %14 = stablehlo.multiply %12, %c_9 : tensor<ui32>
-// GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %iterArg_5, %13, %14, %c_6 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// GOLDEN-NEXT: %16 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %16, %10, %15 : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %11 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// GOLDEN-NEXT: %12 = stablehlo.add %3, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %14 = stablehlo.dot_general %iterArg_3, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %15 = stablehlo.multiply %13, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %iterArg_4, %14, %15, %c_5 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// GOLDEN-NEXT: %17 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %17, %11, %16 : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %5 = stablehlo.add %3, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %6 = stablehlo.remainder %5, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %7 = stablehlo.dot_general %4#1, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %8 = stablehlo.multiply %6, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %4#2, %7, %8, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// GOLDEN-NEXT: sdy.return %9 : tensor<128x16xf32>
+// GOLDEN-NEXT: %8 = stablehlo.dot_general %7#1, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %9 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %7#2, %8, %9, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// GOLDEN-NEXT: sdy.return %10 : tensor<128x16xf32>
 // GOLDEN-NEXT: } : (tensor<128x64xf32>, tensor<64x128xf32>) -> tensor<128x128xf32>
 // GOLDEN-NEXT: return %0 : tensor<128x128xf32>
 // GOLDEN-NEXT: }
@@ -95,72 +95,74 @@
 // BIDI_GOLDEN-NEXT: func.func public @main(%arg0: tensor<128x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<128x128xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // BIDI_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>] manual_axes={"model"} (%arg2: tensor<16x64xf32>, %arg3: tensor<64x16xf32>) {
 // BIDI_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<3> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<5> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<8> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<16> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<128x16xf32>
-// BIDI_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
+// BIDI_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // BIDI_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_5, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// BIDI_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_1, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // BIDI_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// BIDI_GOLDEN-NEXT: %4 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// BIDI_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 4], [4, 5], [5, 6], [6, 7], [7, 0]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// BIDI_GOLDEN-NEXT: %6 = stablehlo.dot_general %arg2, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %7 = stablehlo.multiply %3, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %cst, %6, %7, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// BIDI_GOLDEN-NEXT: %9:4 = stablehlo.while(%iterArg = %c, %iterArg_6 = %4, %iterArg_7 = %5, %iterArg_8 = %8) : tensor<ui32>, tensor<16x64xf32>, tensor<16x64xf32>, tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[3, 4, 5, 6, 7, 0, 1, 2]> : tensor<8xui32>
+// BIDI_GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_2, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// BIDI_GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[4, 5, 6, 7, 0, 1, 2, 3]> : tensor<8xui32>
+// BIDI_GOLDEN-NEXT: %7 = stablehlo.partition_id : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %c_3, %7, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// BIDI_GOLDEN-NEXT: %9 = stablehlo.reshape %8 : (tensor<1xui32>) -> tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[5, 6, 7, 0, 1, 2, 3, 4]> : tensor<8xui32>
+// BIDI_GOLDEN-NEXT: %10 = stablehlo.partition_id : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %11 = stablehlo.dynamic_slice %c_4, %10, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// BIDI_GOLDEN-NEXT: %12 = stablehlo.reshape %11 : (tensor<1xui32>) -> tensor<ui32>
+// BIDI_GOLDEN-NEXT: %13 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// BIDI_GOLDEN-NEXT: %14 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 4], [4, 5], [5, 6], [6, 7], [7, 0]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// BIDI_GOLDEN-NEXT: %15 = stablehlo.dot_general %arg2, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %16 = stablehlo.multiply %3, %c_0 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %17 = stablehlo.dynamic_update_slice %cst, %15, %16, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %18:4 = stablehlo.while(%iterArg = %c, %iterArg_5 = %13, %iterArg_6 = %14, %iterArg_7 = %17) : tensor<ui32>, tensor<16x64xf32>, tensor<16x64xf32>, tensor<128x16xf32>
 // BIDI_GOLDEN-NEXT: cond {
-// BIDI_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<2> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %29 = stablehlo.compare LT, %iterArg, %c_9, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// BIDI_GOLDEN-NEXT: stablehlo.return %29 : tensor<i1>
+// BIDI_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<2> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %32 = stablehlo.compare LT, %iterArg, %c_8, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// BIDI_GOLDEN-NEXT: stablehlo.return %32 : tensor<i1>
 // BIDI_GOLDEN-NEXT: } do {
-// BIDI_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<0> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<1> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<7> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<8> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<16> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %29 = "stablehlo.collective_permute"(%iterArg_6) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// BIDI_GOLDEN-NEXT: %30 = "stablehlo.collective_permute"(%iterArg_7) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 4], [4, 5], [5, 6], [6, 7], [7, 0]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// BIDI_GOLDEN-NEXT: %31 = stablehlo.add %iterArg, %c_10 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %32 = stablehlo.add %3, %31 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %33 = stablehlo.remainder %32, %c_12 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %34:2 = stablehlo.optimization_barrier %iterArg_6, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %35 = stablehlo.dot_general %34#0, %34#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %36 = stablehlo.multiply %33, %c_13 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %37 = stablehlo.dynamic_update_slice %iterArg_8, %35, %36, %c_9 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// BIDI_GOLDEN-NEXT: %38 = stablehlo.multiply %iterArg, %c_11 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %39 = stablehlo.add %38, %c_11 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %40 = stablehlo.add %3, %39 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %41 = stablehlo.remainder %40, %c_12 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %42:2 = stablehlo.optimization_barrier %iterArg_7, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %43 = stablehlo.dot_general %42#0, %42#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %44 = stablehlo.multiply %41, %c_13 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %45 = stablehlo.dynamic_update_slice %37, %43, %44, %c_9 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// BIDI_GOLDEN-NEXT: %46 = stablehlo.add %iterArg, %c_10 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: stablehlo.return %46, %29, %30, %45 : tensor<ui32>, tensor<16x64xf32>, tensor<16x64xf32>, tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<7> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<8> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<16> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %32 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// BIDI_GOLDEN-NEXT: %33 = "stablehlo.collective_permute"(%iterArg_6) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 4], [4, 5], [5, 6], [6, 7], [7, 0]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// BIDI_GOLDEN-NEXT: %34 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %35 = stablehlo.add %3, %34 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %36 = stablehlo.remainder %35, %c_11 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %37:2 = stablehlo.optimization_barrier %iterArg_5, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %38 = stablehlo.dot_general %37#0, %37#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %39 = stablehlo.multiply %36, %c_12 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %40 = stablehlo.dynamic_update_slice %iterArg_7, %38, %39, %c_8 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %41 = stablehlo.multiply %iterArg, %c_10 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %42 = stablehlo.add %41, %c_10 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %43 = stablehlo.add %3, %42 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %44 = stablehlo.remainder %43, %c_11 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %45:2 = stablehlo.optimization_barrier %iterArg_6, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %46 = stablehlo.dot_general %45#0, %45#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %47 = stablehlo.multiply %44, %c_12 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %48 = stablehlo.dynamic_update_slice %40, %46, %47, %c_8 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %49 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: stablehlo.return %49, %32, %33, %48 : tensor<ui32>, tensor<16x64xf32>, tensor<16x64xf32>, tensor<128x16xf32>
 // BIDI_GOLDEN-NEXT: }
-// BIDI_GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%9#1) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// BIDI_GOLDEN-NEXT: %11 = stablehlo.add %3, %c_0 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_3 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %13:2 = stablehlo.optimization_barrier %9#1, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %14 = stablehlo.dot_general %13#0, %13#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %15 = stablehlo.multiply %12, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %9#3, %14, %15, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// BIDI_GOLDEN-NEXT: %17 = stablehlo.add %3, %c_2 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %18 = stablehlo.remainder %17, %c_3 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %19:2 = stablehlo.optimization_barrier %9#2, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %20 = stablehlo.dot_general %19#0, %19#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %21 = stablehlo.multiply %18, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %22 = stablehlo.dynamic_update_slice %16, %20, %21, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// BIDI_GOLDEN-NEXT: %23 = stablehlo.add %3, %c_1 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %24 = stablehlo.remainder %23, %c_3 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %25:2 = stablehlo.optimization_barrier %10, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %26 = stablehlo.dot_general %25#0, %25#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %27 = stablehlo.multiply %24, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %28 = stablehlo.dynamic_update_slice %22, %26, %27, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// BIDI_GOLDEN-NEXT: sdy.return %28 : tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %19 = "stablehlo.collective_permute"(%18#1) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// BIDI_GOLDEN-NEXT: %20:2 = stablehlo.optimization_barrier %18#1, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %21 = stablehlo.dot_general %20#0, %20#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %22 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %18#3, %21, %22, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %24:2 = stablehlo.optimization_barrier %18#2, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %25 = stablehlo.dot_general %24#0, %24#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %26 = stablehlo.multiply %12, %c_0 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %27 = stablehlo.dynamic_update_slice %23, %25, %26, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: %28:2 = stablehlo.optimization_barrier %19, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %29 = stablehlo.dot_general %28#0, %28#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %30 = stablehlo.multiply %9, %c_0 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %31 = stablehlo.dynamic_update_slice %27, %29, %30, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// BIDI_GOLDEN-NEXT: sdy.return %31 : tensor<128x16xf32>
 // BIDI_GOLDEN-NEXT: } : (tensor<128x64xf32>, tensor<64x128xf32>) -> tensor<128x128xf32>
 // BIDI_GOLDEN-NEXT: return %0 : tensor<128x128xf32>
 // BIDI_GOLDEN-NEXT: }
@@ -190,58 +192,58 @@
 // UNROLL2_GOLDEN-NEXT: func.func public @main(%arg0: tensor<128x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<128x128xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // UNROLL2_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>] manual_axes={"model"} (%arg2: tensor<16x64xf32>, %arg3: tensor<64x16xf32>) {
 // UNROLL2_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<7> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<16> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<128x16xf32>
-// UNROLL2_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
+// UNROLL2_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // UNROLL2_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// UNROLL2_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_1, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // UNROLL2_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %4 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// UNROLL2_GOLDEN-NEXT: %5 = stablehlo.dot_general %arg2, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %6 = stablehlo.multiply %3, %c_2 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %7 = stablehlo.dynamic_update_slice %cst, %5, %6, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// UNROLL2_GOLDEN-NEXT: %8:3 = stablehlo.while(%iterArg = %c, %iterArg_4 = %4, %iterArg_5 = %7) : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[7, 0, 1, 2, 3, 4, 5, 6]> : tensor<8xui32>
+// UNROLL2_GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_2, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// UNROLL2_GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %7 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// UNROLL2_GOLDEN-NEXT: %8 = stablehlo.dot_general %arg2, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %9 = stablehlo.multiply %3, %c_0 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %cst, %8, %9, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %11:3 = stablehlo.while(%iterArg = %c, %iterArg_3 = %7, %iterArg_4 = %10) : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
 // UNROLL2_GOLDEN-NEXT: cond {
-// UNROLL2_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<3> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %15 = stablehlo.compare LT, %iterArg, %c_6, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// UNROLL2_GOLDEN-NEXT: stablehlo.return %15 : tensor<i1>
+// UNROLL2_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %16 = stablehlo.compare LT, %iterArg, %c_5, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// UNROLL2_GOLDEN-NEXT: stablehlo.return %16 : tensor<i1>
 // UNROLL2_GOLDEN-NEXT: } do {
-// UNROLL2_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<2> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<8> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<16> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %15 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// UNROLL2_GOLDEN-NEXT: %16 = stablehlo.multiply %iterArg, %c_8 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %17 = stablehlo.add %16, %c_7 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %18 = stablehlo.add %3, %17 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_9 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %20:2 = stablehlo.optimization_barrier %iterArg_4, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %21 = stablehlo.dot_general %20#0, %20#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %22 = stablehlo.multiply %19, %c_10 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %iterArg_5, %21, %22, %c_6 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// UNROLL2_GOLDEN-NEXT: %24:2 = stablehlo.optimization_barrier %15, %21 : tensor<16x64xf32>, tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %25 = "stablehlo.collective_permute"(%24#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// UNROLL2_GOLDEN-NEXT: %26 = stablehlo.multiply %iterArg, %c_8 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %27 = stablehlo.add %26, %c_8 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %28 = stablehlo.add %3, %27 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_9 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %30:2 = stablehlo.optimization_barrier %15, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %31 = stablehlo.dot_general %30#0, %30#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.multiply %29, %c_10 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %33 = stablehlo.dynamic_update_slice %23, %31, %32, %c_6 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// UNROLL2_GOLDEN-NEXT: %34 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: stablehlo.return %34, %25, %33 : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<2> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<8> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %16 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// UNROLL2_GOLDEN-NEXT: %17 = stablehlo.multiply %iterArg, %c_7 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %18 = stablehlo.add %17, %c_6 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.add %3, %18 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_8 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %21:2 = stablehlo.optimization_barrier %iterArg_3, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %22 = stablehlo.dot_general %21#0, %21#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %23 = stablehlo.multiply %20, %c_9 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %24 = stablehlo.dynamic_update_slice %iterArg_4, %22, %23, %c_5 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %25:2 = stablehlo.optimization_barrier %16, %22 : tensor<16x64xf32>, tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %26 = "stablehlo.collective_permute"(%25#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// UNROLL2_GOLDEN-NEXT: %27 = stablehlo.multiply %iterArg, %c_7 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %28 = stablehlo.add %27, %c_7 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.add %3, %28 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %30 = stablehlo.remainder %29, %c_8 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %31:2 = stablehlo.optimization_barrier %16, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.dot_general %31#0, %31#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %33 = stablehlo.multiply %30, %c_9 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %34 = stablehlo.dynamic_update_slice %24, %32, %33, %c_5 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %35 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: stablehlo.return %35, %26, %34 : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
 // UNROLL2_GOLDEN-NEXT: }
-// UNROLL2_GOLDEN-NEXT: %9 = stablehlo.add %3, %c_0 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %10 = stablehlo.remainder %9, %c_1 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %11:2 = stablehlo.optimization_barrier %8#1, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %12 = stablehlo.dot_general %11#0, %11#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %13 = stablehlo.multiply %10, %c_2 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %14 = stablehlo.dynamic_update_slice %8#2, %12, %13, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// UNROLL2_GOLDEN-NEXT: sdy.return %14 : tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: %12:2 = stablehlo.optimization_barrier %11#1, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %13 = stablehlo.dot_general %12#0, %12#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %14 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %11#2, %13, %14, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// UNROLL2_GOLDEN-NEXT: sdy.return %15 : tensor<128x16xf32>
 // UNROLL2_GOLDEN-NEXT: } : (tensor<128x64xf32>, tensor<64x128xf32>) -> tensor<128x128xf32>
 // UNROLL2_GOLDEN-NEXT: return %0 : tensor<128x128xf32>
 // UNROLL2_GOLDEN-NEXT: }
@@ -266,79 +268,85 @@
 // FULL_GOLDEN-NEXT: func.func public @main(%arg0: tensor<128x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<128x128xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // FULL_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>] manual_axes={"model"} (%arg2: tensor<16x64xf32>, %arg3: tensor<64x16xf32>) {
 // FULL_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<2> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<3> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<4> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<5> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<6> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<7> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<8> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<16> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
 // FULL_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
+// FULL_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // FULL_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// FULL_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_9, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// FULL_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_1, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // FULL_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// FULL_GOLDEN-NEXT: %4 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %5 = stablehlo.dot_general %arg2, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %6 = stablehlo.multiply %3, %c_8 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %7 = stablehlo.dynamic_update_slice %cst, %5, %6, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: %8:2 = stablehlo.optimization_barrier %4, %5 : tensor<16x64xf32>, tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %9 = "stablehlo.collective_permute"(%8#0) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %10 = stablehlo.add %3, %c_0 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c_7 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %12:2 = stablehlo.optimization_barrier %4, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %13 = stablehlo.dot_general %12#0, %12#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %14 = stablehlo.multiply %11, %c_8 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %7, %13, %14, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: %16:2 = stablehlo.optimization_barrier %9, %13 : tensor<16x64xf32>, tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %17 = "stablehlo.collective_permute"(%16#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %18 = stablehlo.add %3, %c_1 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_7 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %20:2 = stablehlo.optimization_barrier %9, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %21 = stablehlo.dot_general %20#0, %20#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %22 = stablehlo.multiply %19, %c_8 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %15, %21, %22, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: %24:2 = stablehlo.optimization_barrier %17, %21 : tensor<16x64xf32>, tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %25 = "stablehlo.collective_permute"(%24#0) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %26 = stablehlo.add %3, %c_2 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %27 = stablehlo.remainder %26, %c_7 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %28:2 = stablehlo.optimization_barrier %17, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %29 = stablehlo.dot_general %28#0, %28#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %30 = stablehlo.multiply %27, %c_8 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %31 = stablehlo.dynamic_update_slice %23, %29, %30, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: %32:2 = stablehlo.optimization_barrier %25, %29 : tensor<16x64xf32>, tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %33 = "stablehlo.collective_permute"(%32#0) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %34 = stablehlo.add %3, %c_3 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %35 = stablehlo.remainder %34, %c_7 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %36:2 = stablehlo.optimization_barrier %25, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %37 = stablehlo.dot_general %36#0, %36#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %38 = stablehlo.multiply %35, %c_8 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %39 = stablehlo.dynamic_update_slice %31, %37, %38, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: %40:2 = stablehlo.optimization_barrier %33, %37 : tensor<16x64xf32>, tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %41 = "stablehlo.collective_permute"(%40#0) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %42 = stablehlo.add %3, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %43 = stablehlo.remainder %42, %c_7 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %44:2 = stablehlo.optimization_barrier %33, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %45 = stablehlo.dot_general %44#0, %44#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %46 = stablehlo.multiply %43, %c_8 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %47 = stablehlo.dynamic_update_slice %39, %45, %46, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: %48:2 = stablehlo.optimization_barrier %41, %45 : tensor<16x64xf32>, tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %49 = "stablehlo.collective_permute"(%48#0) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// FULL_GOLDEN-NEXT: %50 = stablehlo.add %3, %c_5 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %51 = stablehlo.remainder %50, %c_7 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %52:2 = stablehlo.optimization_barrier %41, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %53 = stablehlo.dot_general %52#0, %52#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %54 = stablehlo.multiply %51, %c_8 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %55 = stablehlo.dynamic_update_slice %47, %53, %54, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: %56 = stablehlo.add %3, %c_6 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %57 = stablehlo.remainder %56, %c_7 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %58:2 = stablehlo.optimization_barrier %49, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %59 = stablehlo.dot_general %58#0, %58#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %60 = stablehlo.multiply %57, %c_8 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %61 = stablehlo.dynamic_update_slice %55, %59, %60, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// FULL_GOLDEN-NEXT: sdy.return %61 : tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[1, 2, 3, 4, 5, 6, 7, 0]> : tensor<8xui32>
+// FULL_GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// FULL_GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_2, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// FULL_GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[2, 3, 4, 5, 6, 7, 0, 1]> : tensor<8xui32>
+// FULL_GOLDEN-NEXT: %7 = stablehlo.partition_id : tensor<ui32>
+// FULL_GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %c_3, %7, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// FULL_GOLDEN-NEXT: %9 = stablehlo.reshape %8 : (tensor<1xui32>) -> tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[3, 4, 5, 6, 7, 0, 1, 2]> : tensor<8xui32>
+// FULL_GOLDEN-NEXT: %10 = stablehlo.partition_id : tensor<ui32>
+// FULL_GOLDEN-NEXT: %11 = stablehlo.dynamic_slice %c_4, %10, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// FULL_GOLDEN-NEXT: %12 = stablehlo.reshape %11 : (tensor<1xui32>) -> tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[4, 5, 6, 7, 0, 1, 2, 3]> : tensor<8xui32>
+// FULL_GOLDEN-NEXT: %13 = stablehlo.partition_id : tensor<ui32>
+// FULL_GOLDEN-NEXT: %14 = stablehlo.dynamic_slice %c_5, %13, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// FULL_GOLDEN-NEXT: %15 = stablehlo.reshape %14 : (tensor<1xui32>) -> tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<[5, 6, 7, 0, 1, 2, 3, 4]> : tensor<8xui32>
+// FULL_GOLDEN-NEXT: %16 = stablehlo.partition_id : tensor<ui32>
+// FULL_GOLDEN-NEXT: %17 = stablehlo.dynamic_slice %c_6, %16, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// FULL_GOLDEN-NEXT: %18 = stablehlo.reshape %17 : (tensor<1xui32>) -> tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<[6, 7, 0, 1, 2, 3, 4, 5]> : tensor<8xui32>
+// FULL_GOLDEN-NEXT: %19 = stablehlo.partition_id : tensor<ui32>
+// FULL_GOLDEN-NEXT: %20 = stablehlo.dynamic_slice %c_7, %19, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// FULL_GOLDEN-NEXT: %21 = stablehlo.reshape %20 : (tensor<1xui32>) -> tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<[7, 0, 1, 2, 3, 4, 5, 6]> : tensor<8xui32>
+// FULL_GOLDEN-NEXT: %22 = stablehlo.partition_id : tensor<ui32>
+// FULL_GOLDEN-NEXT: %23 = stablehlo.dynamic_slice %c_8, %22, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// FULL_GOLDEN-NEXT: %24 = stablehlo.reshape %23 : (tensor<1xui32>) -> tensor<ui32>
+// FULL_GOLDEN-NEXT: %25 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// FULL_GOLDEN-NEXT: %26 = stablehlo.dot_general %arg2, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %27 = stablehlo.multiply %3, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %28 = stablehlo.dynamic_update_slice %cst, %26, %27, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %29:2 = stablehlo.optimization_barrier %25, %26 : tensor<16x64xf32>, tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %30 = "stablehlo.collective_permute"(%29#0) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// FULL_GOLDEN-NEXT: %31:2 = stablehlo.optimization_barrier %25, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %32 = stablehlo.dot_general %31#0, %31#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %33 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %34 = stablehlo.dynamic_update_slice %28, %32, %33, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %35:2 = stablehlo.optimization_barrier %30, %32 : tensor<16x64xf32>, tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %36 = "stablehlo.collective_permute"(%35#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// FULL_GOLDEN-NEXT: %37:2 = stablehlo.optimization_barrier %30, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %38 = stablehlo.dot_general %37#0, %37#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %39 = stablehlo.multiply %9, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %40 = stablehlo.dynamic_update_slice %34, %38, %39, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %41:2 = stablehlo.optimization_barrier %36, %38 : tensor<16x64xf32>, tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %42 = "stablehlo.collective_permute"(%41#0) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// FULL_GOLDEN-NEXT: %43:2 = stablehlo.optimization_barrier %36, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %44 = stablehlo.dot_general %43#0, %43#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %45 = stablehlo.multiply %12, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %46 = stablehlo.dynamic_update_slice %40, %44, %45, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %47:2 = stablehlo.optimization_barrier %42, %44 : tensor<16x64xf32>, tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %48 = "stablehlo.collective_permute"(%47#0) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// FULL_GOLDEN-NEXT: %49:2 = stablehlo.optimization_barrier %42, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %50 = stablehlo.dot_general %49#0, %49#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %51 = stablehlo.multiply %15, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %52 = stablehlo.dynamic_update_slice %46, %50, %51, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %53:2 = stablehlo.optimization_barrier %48, %50 : tensor<16x64xf32>, tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %54 = "stablehlo.collective_permute"(%53#0) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// FULL_GOLDEN-NEXT: %55:2 = stablehlo.optimization_barrier %48, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %56 = stablehlo.dot_general %55#0, %55#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %57 = stablehlo.multiply %18, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %58 = stablehlo.dynamic_update_slice %52, %56, %57, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %59:2 = stablehlo.optimization_barrier %54, %56 : tensor<16x64xf32>, tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %60 = "stablehlo.collective_permute"(%59#0) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// FULL_GOLDEN-NEXT: %61:2 = stablehlo.optimization_barrier %54, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %62 = stablehlo.dot_general %61#0, %61#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %63 = stablehlo.multiply %21, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %64 = stablehlo.dynamic_update_slice %58, %62, %63, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: %65:2 = stablehlo.optimization_barrier %60, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %66 = stablehlo.dot_general %65#0, %65#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %67 = stablehlo.multiply %24, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %68 = stablehlo.dynamic_update_slice %64, %66, %67, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// FULL_GOLDEN-NEXT: sdy.return %68 : tensor<128x16xf32>
 // FULL_GOLDEN-NEXT: } : (tensor<128x64xf32>, tensor<64x128xf32>) -> tensor<128x128xf32>
 // FULL_GOLDEN-NEXT: return %0 : tensor<128x128xf32>
 // FULL_GOLDEN-NEXT: }
@@ -364,58 +372,58 @@
 // STREAMS_GOLDEN-NEXT: func.func public @main(%arg0: tensor<128x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<128x128xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // STREAMS_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>] manual_axes={"model"} (%arg2: tensor<16x64xf32>, %arg3: tensor<64x16xf32>) {
 // STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<7> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<16> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<128x16xf32>
-// STREAMS_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
+// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // STREAMS_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// STREAMS_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_1, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // STREAMS_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %4 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// STREAMS_GOLDEN-NEXT: %5 = func.call @cmatmul_dot_0(%arg2, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %6 = stablehlo.multiply %3, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %7 = stablehlo.dynamic_update_slice %cst, %5, %6, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// STREAMS_GOLDEN-NEXT: %8:3 = stablehlo.while(%iterArg = %c, %iterArg_4 = %4, %iterArg_5 = %7) : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[7, 0, 1, 2, 3, 4, 5, 6]> : tensor<8xui32>
+// STREAMS_GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_2, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// STREAMS_GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %7 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// STREAMS_GOLDEN-NEXT: %8 = func.call @cmatmul_dot_0(%arg2, %arg3) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %9 = stablehlo.multiply %3, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %cst, %8, %9, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %11:3 = stablehlo.while(%iterArg = %c, %iterArg_3 = %7, %iterArg_4 = %10) : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
 // STREAMS_GOLDEN-NEXT: cond {
-// STREAMS_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<3> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %15 = stablehlo.compare LT, %iterArg, %c_6, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %15 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %16 = stablehlo.compare LT, %iterArg, %c_5, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %16 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
-// STREAMS_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<8> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<16> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %15 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// STREAMS_GOLDEN-NEXT: %16 = stablehlo.multiply %iterArg, %c_8 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %17 = stablehlo.add %16, %c_7 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %18 = stablehlo.add %3, %17 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_9 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %20:2 = stablehlo.optimization_barrier %iterArg_4, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %21 = func.call @cmatmul_dot_0(%20#0, %20#1) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %22 = stablehlo.multiply %19, %c_10 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %iterArg_5, %21, %22, %c_6 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// STREAMS_GOLDEN-NEXT: %24:2 = stablehlo.optimization_barrier %15, %21 : tensor<16x64xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %25 = "stablehlo.collective_permute"(%24#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// STREAMS_GOLDEN-NEXT: %26 = stablehlo.multiply %iterArg, %c_8 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %27 = stablehlo.add %26, %c_8 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %28 = stablehlo.add %3, %27 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_9 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %30:2 = stablehlo.optimization_barrier %15, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %31 = func.call @cmatmul_dot_0(%30#0, %30#1) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %32 = stablehlo.multiply %29, %c_10 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %33 = stablehlo.dynamic_update_slice %23, %31, %32, %c_6 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// STREAMS_GOLDEN-NEXT: %34 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %34, %25, %33 : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<2> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<8> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %16 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// STREAMS_GOLDEN-NEXT: %17 = stablehlo.multiply %iterArg, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %18 = stablehlo.add %17, %c_6 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %19 = stablehlo.add %3, %18 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_8 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %21:2 = stablehlo.optimization_barrier %iterArg_3, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %22 = func.call @cmatmul_dot_0(%21#0, %21#1) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %23 = stablehlo.multiply %20, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %24 = stablehlo.dynamic_update_slice %iterArg_4, %22, %23, %c_5 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %25:2 = stablehlo.optimization_barrier %16, %22 : tensor<16x64xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %26 = "stablehlo.collective_permute"(%25#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// STREAMS_GOLDEN-NEXT: %27 = stablehlo.multiply %iterArg, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %28 = stablehlo.add %27, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %29 = stablehlo.add %3, %28 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %30 = stablehlo.remainder %29, %c_8 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %31:2 = stablehlo.optimization_barrier %16, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %32 = func.call @cmatmul_dot_0(%31#0, %31#1) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %33 = stablehlo.multiply %30, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %34 = stablehlo.dynamic_update_slice %24, %32, %33, %c_5 : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %35 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %35, %26, %34 : tensor<ui32>, tensor<16x64xf32>, tensor<128x16xf32>
 // STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: %9 = stablehlo.add %3, %c_0 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %10 = stablehlo.remainder %9, %c_1 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %11:2 = stablehlo.optimization_barrier %8#1, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %12 = func.call @cmatmul_dot_0(%11#0, %11#1) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %13 = stablehlo.multiply %10, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %14 = stablehlo.dynamic_update_slice %8#2, %12, %13, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
-// STREAMS_GOLDEN-NEXT: sdy.return %14 : tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: %12:2 = stablehlo.optimization_barrier %11#1, %arg3 : tensor<16x64xf32>, tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %13 = func.call @cmatmul_dot_0(%12#0, %12#1) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %14 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %11#2, %13, %14, %c : (tensor<128x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<128x16xf32>
+// STREAMS_GOLDEN-NEXT: sdy.return %15 : tensor<128x16xf32>
 // STREAMS_GOLDEN-NEXT: } : (tensor<128x64xf32>, tensor<64x128xf32>) -> tensor<128x128xf32>
 // STREAMS_GOLDEN-NEXT: return %0 : tensor<128x128xf32>
 // STREAMS_GOLDEN-NEXT: }
@@ -454,33 +462,33 @@
 // HLO_GOLDEN-NEXT: opt-barrier.4 = (f32[16,64]{1,0}, f32[16,16]{1,0}) opt-barrier(tuple.5)
 // HLO_GOLDEN-NEXT: get-tuple-element.21 = f32[16,16]{1,0} get-tuple-element(opt-barrier.4), index=1
 // HLO_GOLDEN-NEXT: get-tuple-element.13 = u32[] get-tuple-element(arg_tuple.1), index=0
-// HLO_GOLDEN-NEXT: constant.14 = u32[] constant(1)
-// HLO_GOLDEN-NEXT: add.9 = u32[] add(get-tuple-element.13, constant.14)
+// HLO_GOLDEN-NEXT: constant.13 = u32[] constant(1)
+// HLO_GOLDEN-NEXT: add.9 = u32[] add(get-tuple-element.13, constant.13)
 // HLO_GOLDEN-NEXT: get-tuple-element.20 = f32[16,64]{1,0} get-tuple-element(opt-barrier.4), index=0
 // HLO_GOLDEN-NEXT: collective-permute.4 = f32[16,64]{1,0} collective-permute(get-tuple-element.20), channel_id=4, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="2"}
 // HLO_GOLDEN-NEXT: get-tuple-element.15 = f32[128,16]{1,0} get-tuple-element(arg_tuple.1), index=2
 // HLO_GOLDEN-NEXT: get-tuple-element.16 = u32[] get-tuple-element(arg_tuple.1), index=3
-// HLO_GOLDEN-NEXT: constant.15 = u32[] constant(2)
-// HLO_GOLDEN-NEXT: multiply.5 = u32[] multiply(get-tuple-element.13, constant.15)
-// HLO_GOLDEN-NEXT: add.5 = u32[] add(multiply.5, constant.14)
+// HLO_GOLDEN-NEXT: constant.14 = u32[] constant(2)
+// HLO_GOLDEN-NEXT: multiply.5 = u32[] multiply(get-tuple-element.13, constant.14)
+// HLO_GOLDEN-NEXT: add.5 = u32[] add(multiply.5, constant.13)
 // HLO_GOLDEN-NEXT: add.6 = u32[] add(get-tuple-element.16, add.5)
-// HLO_GOLDEN-NEXT: constant.13 = u32[] constant(8)
-// HLO_GOLDEN-NEXT: remainder.2 = u32[] remainder(add.6, constant.13)
-// HLO_GOLDEN-NEXT: constant.12 = u32[] constant(16)
-// HLO_GOLDEN-NEXT: multiply.6 = u32[] multiply(remainder.2, constant.12)
-// HLO_GOLDEN-NEXT: constant.11 = u32[] constant(0)
-// HLO_GOLDEN-NEXT: dynamic-update-slice.3 = f32[128,16]{1,0} dynamic-update-slice(get-tuple-element.15, call.3, multiply.6, constant.11)
+// HLO_GOLDEN-NEXT: constant.12 = u32[] constant(8)
+// HLO_GOLDEN-NEXT: remainder.2 = u32[] remainder(add.6, constant.12)
+// HLO_GOLDEN-NEXT: constant.11 = u32[] constant(16)
+// HLO_GOLDEN-NEXT: multiply.6 = u32[] multiply(remainder.2, constant.11)
+// HLO_GOLDEN-NEXT: constant.10 = u32[] constant(0)
+// HLO_GOLDEN-NEXT: dynamic-update-slice.3 = f32[128,16]{1,0} dynamic-update-slice(get-tuple-element.15, call.3, multiply.6, constant.10)
 // HLO_GOLDEN-NEXT: tuple.6 = (f32[16,64]{1,0}, f32[64,16]{1,0}) tuple(collective-permute.3, get-tuple-element.17)
 // HLO_GOLDEN-NEXT: opt-barrier.5 = (f32[16,64]{1,0}, f32[64,16]{1,0}) opt-barrier(tuple.6)
 // HLO_GOLDEN-NEXT: get-tuple-element.22 = f32[16,64]{1,0} get-tuple-element(opt-barrier.5), index=0
 // HLO_GOLDEN-NEXT: get-tuple-element.23 = f32[64,16]{1,0} get-tuple-element(opt-barrier.5), index=1
 // HLO_GOLDEN-NEXT: call.4 = f32[16,16]{1,0} call(get-tuple-element.22, get-tuple-element.23), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="2",_xla_stream_annotation="2",inlineable="false"}
-// HLO_GOLDEN-NEXT: multiply.7 = u32[] multiply(get-tuple-element.13, constant.15)
-// HLO_GOLDEN-NEXT: add.7 = u32[] add(multiply.7, constant.15)
+// HLO_GOLDEN-NEXT: multiply.7 = u32[] multiply(get-tuple-element.13, constant.14)
+// HLO_GOLDEN-NEXT: add.7 = u32[] add(multiply.7, constant.14)
 // HLO_GOLDEN-NEXT: add.8 = u32[] add(get-tuple-element.16, add.7)
-// HLO_GOLDEN-NEXT: remainder.3 = u32[] remainder(add.8, constant.13)
-// HLO_GOLDEN-NEXT: multiply.8 = u32[] multiply(remainder.3, constant.12)
-// HLO_GOLDEN-NEXT: dynamic-update-slice.4 = f32[128,16]{1,0} dynamic-update-slice(dynamic-update-slice.3, call.4, multiply.8, constant.11)
+// HLO_GOLDEN-NEXT: remainder.3 = u32[] remainder(add.8, constant.12)
+// HLO_GOLDEN-NEXT: multiply.8 = u32[] multiply(remainder.3, constant.11)
+// HLO_GOLDEN-NEXT: dynamic-update-slice.4 = f32[128,16]{1,0} dynamic-update-slice(dynamic-update-slice.3, call.4, multiply.8, constant.10)
 // HLO_GOLDEN-NEXT: ROOT tuple.7 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) tuple(add.9, collective-permute.4, dynamic-update-slice.4, get-tuple-element.16, get-tuple-element.17)
 // HLO_GOLDEN-NEXT: }
 // HLO_GOLDEN: region_1.3 {
@@ -490,25 +498,25 @@
 // HLO_GOLDEN-NEXT: get-tuple-element.32 = u32[] get-tuple-element(arg_tuple.3), index=3
 // HLO_GOLDEN-NEXT: get-tuple-element.33 = f32[64,16]{1,0} get-tuple-element(arg_tuple.3), index=4
 // HLO_GOLDEN-NEXT: get-tuple-element.29 = u32[] get-tuple-element(arg_tuple.3), index=0
-// HLO_GOLDEN-NEXT: constant.17 = u32[] constant(3)
-// HLO_GOLDEN-NEXT: ROOT compare.1 = pred[] compare(get-tuple-element.29, constant.17), direction=LT
+// HLO_GOLDEN-NEXT: constant.16 = u32[] constant(3)
+// HLO_GOLDEN-NEXT: ROOT compare.1 = pred[] compare(get-tuple-element.29, constant.16), direction=LT
 // HLO_GOLDEN-NEXT: }
 // HLO_GOLDEN: xla.sdy.manual_computation_body.4 {
 // HLO_GOLDEN-NEXT: constant.18 = u32[] constant(0)
 // HLO_GOLDEN-NEXT: Arg_0.4 = f32[16,64]{1,0} parameter(0)
 // HLO_GOLDEN-NEXT: collective-permute.5 = f32[16,64]{1,0} collective-permute(Arg_0.4), channel_id=2, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="0"}
-// HLO_GOLDEN-NEXT: constant.22 = f32[] constant(0)
-// HLO_GOLDEN-NEXT: broadcast.1 = f32[128,16]{1,0} broadcast(constant.22), dimensions={}
+// HLO_GOLDEN-NEXT: constant.20 = f32[] constant(0)
+// HLO_GOLDEN-NEXT: broadcast.1 = f32[128,16]{1,0} broadcast(constant.20), dimensions={}
 // HLO_GOLDEN-NEXT: Arg_1.4 = f32[64,16]{1,0} parameter(1)
 // HLO_GOLDEN-NEXT: call.6 = f32[16,16]{1,0} call(Arg_0.4, Arg_1.4), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="0",_xla_stream_annotation="1",inlineable="false"}
-// HLO_GOLDEN-NEXT: constant.23 = u32[8]{0} constant({0, 1, 2, 3, 4, 5, 6, 7})
-// HLO_GOLDEN-NEXT: partition-id.1 = u32[] partition-id()
-// HLO_GOLDEN-NEXT: dynamic-slice.1 = u32[1]{0} dynamic-slice(constant.23, partition-id.1), dynamic_slice_sizes={1}
-// HLO_GOLDEN-NEXT: reshape.1 = u32[] reshape(dynamic-slice.1)
-// HLO_GOLDEN-NEXT: constant.21 = u32[] constant(16)
-// HLO_GOLDEN-NEXT: multiply.10 = u32[] multiply(reshape.1, constant.21)
+// HLO_GOLDEN-NEXT: constant.21 = u32[8]{0} constant({0, 1, 2, 3, 4, 5, 6, 7})
+// HLO_GOLDEN-NEXT: partition-id.2 = u32[] partition-id()
+// HLO_GOLDEN-NEXT: dynamic-slice.2 = u32[1]{0} dynamic-slice(constant.21, partition-id.2), dynamic_slice_sizes={1}
+// HLO_GOLDEN-NEXT: reshape.2 = u32[] reshape(dynamic-slice.2)
+// HLO_GOLDEN-NEXT: constant.19 = u32[] constant(16)
+// HLO_GOLDEN-NEXT: multiply.10 = u32[] multiply(reshape.2, constant.19)
 // HLO_GOLDEN-NEXT: dynamic-update-slice.6 = f32[128,16]{1,0} dynamic-update-slice(broadcast.1, call.6, multiply.10, constant.18)
-// HLO_GOLDEN-NEXT: tuple.10 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) tuple(constant.18, collective-permute.5, dynamic-update-slice.6, reshape.1, Arg_1.4)
+// HLO_GOLDEN-NEXT: tuple.10 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) tuple(constant.18, collective-permute.5, dynamic-update-slice.6, reshape.2, Arg_1.4)
 // HLO_GOLDEN-NEXT: while.1 = (u32[], f32[16,64]{1,0}, f32[128,16]{1,0}, u32[], f32[64,16]{1,0}) while(tuple.10), condition=region_1.3, body=region_0.2
 // HLO_GOLDEN-NEXT: get-tuple-element.39 = u32[] get-tuple-element(while.1), index=0
 // HLO_GOLDEN-NEXT: get-tuple-element.41 = f32[128,16]{1,0} get-tuple-element(while.1), index=2
@@ -518,11 +526,11 @@
 // HLO_GOLDEN-NEXT: get-tuple-element.42 = f32[16,64]{1,0} get-tuple-element(opt-barrier.7), index=0
 // HLO_GOLDEN-NEXT: get-tuple-element.43 = f32[64,16]{1,0} get-tuple-element(opt-barrier.7), index=1
 // HLO_GOLDEN-NEXT: call.7 = f32[16,16]{1,0} call(get-tuple-element.42, get-tuple-element.43), to_apply=cmatmul_dot_0.1, frontend_attributes={_xla_stream_annotation="1",inlineable="false"}
-// HLO_GOLDEN-NEXT: constant.19 = u32[] constant(7)
-// HLO_GOLDEN-NEXT: add.11 = u32[] add(reshape.1, constant.19)
-// HLO_GOLDEN-NEXT: constant.20 = u32[] constant(8)
-// HLO_GOLDEN-NEXT: remainder.5 = u32[] remainder(add.11, constant.20)
-// HLO_GOLDEN-NEXT: multiply.11 = u32[] multiply(remainder.5, constant.21)
+// HLO_GOLDEN-NEXT: constant.17 = u32[8]{0} constant({7, 0, 1, 2, 3, 4, 5, 6})
+// HLO_GOLDEN-NEXT: partition-id.3 = u32[] partition-id()
+// HLO_GOLDEN-NEXT: dynamic-slice.3 = u32[1]{0} dynamic-slice(constant.17, partition-id.3), dynamic_slice_sizes={1}
+// HLO_GOLDEN-NEXT: reshape.3 = u32[] reshape(dynamic-slice.3)
+// HLO_GOLDEN-NEXT: multiply.11 = u32[] multiply(reshape.3, constant.19)
 // HLO_GOLDEN-NEXT: ROOT dynamic-update-slice.7 = f32[128,16]{1,0} dynamic-update-slice(get-tuple-element.41, call.7, multiply.11, constant.18)
 // HLO_GOLDEN-NEXT: }
 // HLO_GOLDEN: ENTRY main.5 {

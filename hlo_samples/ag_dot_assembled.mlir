@@ -17,43 +17,43 @@
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<64x64xf32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x32xf32> {jax.result_info = "result[1]", sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}) {
 // GOLDEN-NEXT: %0:2 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{}, {}]>] manual_axes={"data", "model"} (%arg2: tensor<16x32xf32>, %arg3: tensor<32x16xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<64x16xf32>
-// GOLDEN-NEXT: %cst_3 = stablehlo.constant dense<0.000000e+00> : tensor<64x32xf32>
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %cst_1 = stablehlo.constant dense<0.000000e+00> : tensor<64x32xf32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_4, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_2, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %4:4 = stablehlo.while(%iterArg = %c, %iterArg_5 = %arg2, %iterArg_6 = %cst, %iterArg_7 = %cst_3) : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x32xf32>
+// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_3, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %7:4 = stablehlo.while(%iterArg = %c, %iterArg_4 = %arg2, %iterArg_5 = %cst, %iterArg_6 = %cst_1) : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x32xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %12 = stablehlo.compare LT, %iterArg, %c_8, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %12 : tensor<i1>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %13 = stablehlo.compare LT, %iterArg, %c_7, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %13 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<16> : tensor<ui32>
-// GOLDEN-NEXT: %12 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %13 = stablehlo.add %3, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %14 = stablehlo.remainder %13, %c_10 : tensor<ui32>
-// GOLDEN-NEXT: %15 = stablehlo.dot_general %iterArg_5, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %16 = stablehlo.multiply %14, %c_11 : tensor<ui32>
-// GOLDEN-NEXT: %17 = stablehlo.dynamic_update_slice %iterArg_6, %15, %16, %c_8 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %18 = stablehlo.dynamic_update_slice %iterArg_7, %iterArg_5, %16, %c_8 : (tensor<64x32xf32>, tensor<16x32xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x32xf32>
-// GOLDEN-NEXT: %19 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %19, %12, %17, %18 : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x32xf32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %13 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %14 = stablehlo.add %3, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %15 = stablehlo.remainder %14, %c_9 : tensor<ui32>
+// GOLDEN-NEXT: %16 = stablehlo.dot_general %iterArg_4, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %17 = stablehlo.multiply %15, %c_10 : tensor<ui32>
+// GOLDEN-NEXT: %18 = stablehlo.dynamic_update_slice %iterArg_5, %16, %17, %c_7 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %19 = stablehlo.dynamic_update_slice %iterArg_6, %iterArg_4, %17, %c_7 : (tensor<64x32xf32>, tensor<16x32xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x32xf32>
+// GOLDEN-NEXT: %20 = stablehlo.add %iterArg, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %20, %13, %18, %19 : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>, tensor<64x32xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %5 = stablehlo.add %3, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %6 = stablehlo.remainder %5, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %7 = stablehlo.dot_general %4#1, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %8 = stablehlo.multiply %6, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %4#2, %7, %8, %c : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %4#3, %4#1, %8, %c : (tensor<64x32xf32>, tensor<16x32xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x32xf32>
-// GOLDEN-NEXT: %11 = stablehlo.tanh %10 : tensor<64x32xf32>
-// GOLDEN-NEXT: sdy.return %9, %11 : tensor<64x16xf32>, tensor<64x32xf32>
+// GOLDEN-NEXT: %8 = stablehlo.dot_general %7#1, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %9 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %7#2, %8, %9, %c : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %11 = stablehlo.dynamic_update_slice %7#3, %7#1, %9, %c : (tensor<64x32xf32>, tensor<16x32xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x32xf32>
+// GOLDEN-NEXT: %12 = stablehlo.tanh %11 : tensor<64x32xf32>
+// GOLDEN-NEXT: sdy.return %10, %12 : tensor<64x16xf32>, tensor<64x32xf32>
 // GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<32x64xf32>) -> (tensor<64x64xf32>, tensor<64x32xf32>)
 // GOLDEN-NEXT: return %0#0, %0#1 : tensor<64x64xf32>, tensor<64x32xf32>
 // GOLDEN-NEXT: }

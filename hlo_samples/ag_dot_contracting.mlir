@@ -30,41 +30,41 @@
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}, %arg1: tensor<64x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<32x64xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"data"}, {"model"}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{"data"}, {"model"}]>] manual_axes={"data", "model"} (%arg2: tensor<16x16xf32>, %arg3: tensor<64x16xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<16x16xf32>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_1, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %4:3 = stablehlo.while(%iterArg = %c, %iterArg_4 = %arg2, %iterArg_5 = %cst) : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_2, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %7:3 = stablehlo.while(%iterArg = %c, %iterArg_3 = %arg2, %iterArg_4 = %cst) : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %11 = stablehlo.compare LT, %iterArg, %c_6, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %11 : tensor<i1>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %12 = stablehlo.compare LT, %iterArg, %c_5, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %12 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<ui32>
-// GOLDEN-NEXT: %11 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %12 = stablehlo.add %3, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %14 = stablehlo.multiply %13, %c_9 : tensor<ui32>
-// GOLDEN-NEXT: %15 = stablehlo.dynamic_slice %arg3, %14, %c_6, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %16 = stablehlo.dot_general %iterArg_4, %15, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %17 = stablehlo.add %iterArg_5, %16 : tensor<16x16xf32>
-// GOLDEN-NEXT: %18 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %18, %11, %17 : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %12 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %13 = stablehlo.add %3, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %14 = stablehlo.remainder %13, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %15 = stablehlo.multiply %14, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: %16 = stablehlo.dynamic_slice %arg3, %15, %c_5, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %17 = stablehlo.dot_general %iterArg_3, %16, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %18 = stablehlo.add %iterArg_4, %17 : tensor<16x16xf32>
+// GOLDEN-NEXT: %19 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %19, %12, %18 : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %5 = stablehlo.add %3, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %6 = stablehlo.remainder %5, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %7 = stablehlo.multiply %6, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %arg3, %7, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %9 = stablehlo.dot_general %4#1, %8, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %10 = stablehlo.add %4#2, %9 : tensor<16x16xf32>
-// GOLDEN-NEXT: sdy.return %10 : tensor<16x16xf32>
+// GOLDEN-NEXT: %8 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %9 = stablehlo.dynamic_slice %arg3, %8, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %10 = stablehlo.dot_general %7#1, %9, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %11 = stablehlo.add %7#2, %10 : tensor<16x16xf32>
+// GOLDEN-NEXT: sdy.return %11 : tensor<16x16xf32>
 // GOLDEN-NEXT: } : (tensor<32x64xf32>, tensor<64x64xf32>) -> tensor<32x64xf32>
 // GOLDEN-NEXT: return %0 : tensor<32x64xf32>
 // GOLDEN-NEXT: }
@@ -91,43 +91,45 @@
 // BIDI_GOLDEN-NEXT: func.func public @main(%arg0: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}, %arg1: tensor<64x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<32x64xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}) {
 // BIDI_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"data"}, {"model"}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{"data"}, {"model"}]>] manual_axes={"data", "model"} (%arg2: tensor<16x16xf32>, %arg3: tensor<64x16xf32>) {
 // BIDI_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<2> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<3> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<4> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<16> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// BIDI_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // BIDI_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_5, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// BIDI_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_1, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // BIDI_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// BIDI_GOLDEN-NEXT: %4 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %6 = stablehlo.multiply %3, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg3, %6, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %8 = stablehlo.dot_general %arg2, %7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %9 = stablehlo.add %cst, %8 : tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %10:2 = stablehlo.optimization_barrier %4, %8 : tensor<16x16xf32>, tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %11 = "stablehlo.collective_permute"(%10#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %12 = stablehlo.add %3, %c_0 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_3 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %14 = stablehlo.multiply %13, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %15 = stablehlo.dynamic_slice %arg3, %14, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %16 = stablehlo.dot_general %4, %15, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %17 = stablehlo.add %9, %16 : tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %18 = stablehlo.add %3, %c_2 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_3 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %20 = stablehlo.multiply %19, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %21 = stablehlo.dynamic_slice %arg3, %20, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %22 = stablehlo.dot_general %5, %21, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %23 = stablehlo.add %17, %22 : tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %24 = stablehlo.add %3, %c_1 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %25 = stablehlo.remainder %24, %c_3 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %26 = stablehlo.multiply %25, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %27 = stablehlo.dynamic_slice %arg3, %26, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %28 = stablehlo.dot_general %11, %27, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: %29 = stablehlo.add %23, %28 : tensor<16x16xf32>
-// BIDI_GOLDEN-NEXT: sdy.return %29 : tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[1, 2, 3, 0, 1, 2, 3, 0]> : tensor<8xui32>
+// BIDI_GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_2, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// BIDI_GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[2, 3, 0, 1, 2, 3, 0, 1]> : tensor<8xui32>
+// BIDI_GOLDEN-NEXT: %7 = stablehlo.partition_id : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %c_3, %7, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// BIDI_GOLDEN-NEXT: %9 = stablehlo.reshape %8 : (tensor<1xui32>) -> tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// BIDI_GOLDEN-NEXT: %10 = stablehlo.partition_id : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %11 = stablehlo.dynamic_slice %c_4, %10, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// BIDI_GOLDEN-NEXT: %12 = stablehlo.reshape %11 : (tensor<1xui32>) -> tensor<ui32>
+// BIDI_GOLDEN-NEXT: %13 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %14 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %15 = stablehlo.multiply %3, %c_0 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %16 = stablehlo.dynamic_slice %arg3, %15, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %17 = stablehlo.dot_general %arg2, %16, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %18 = stablehlo.add %cst, %17 : tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %19:2 = stablehlo.optimization_barrier %13, %17 : tensor<16x16xf32>, tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %20 = "stablehlo.collective_permute"(%19#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %21 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %arg3, %21, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %23 = stablehlo.dot_general %13, %22, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %24 = stablehlo.add %18, %23 : tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %25 = stablehlo.multiply %12, %c_0 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %26 = stablehlo.dynamic_slice %arg3, %25, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %27 = stablehlo.dot_general %14, %26, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %28 = stablehlo.add %24, %27 : tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %29 = stablehlo.multiply %9, %c_0 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %30 = stablehlo.dynamic_slice %arg3, %29, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %31 = stablehlo.dot_general %20, %30, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: %32 = stablehlo.add %28, %31 : tensor<16x16xf32>
+// BIDI_GOLDEN-NEXT: sdy.return %32 : tensor<16x16xf32>
 // BIDI_GOLDEN-NEXT: } : (tensor<32x64xf32>, tensor<64x64xf32>) -> tensor<32x64xf32>
 // BIDI_GOLDEN-NEXT: return %0 : tensor<32x64xf32>
 // BIDI_GOLDEN-NEXT: }
@@ -155,59 +157,59 @@
 // UNROLL2_GOLDEN-NEXT: func.func public @main(%arg0: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}, %arg1: tensor<64x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<32x64xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}) {
 // UNROLL2_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"data"}, {"model"}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{"data"}, {"model"}]>] manual_axes={"data", "model"} (%arg2: tensor<16x16xf32>, %arg3: tensor<64x16xf32>) {
 // UNROLL2_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<3> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<16> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// UNROLL2_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // UNROLL2_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// UNROLL2_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_1, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // UNROLL2_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %4 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %5 = stablehlo.multiply %3, %c_2 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %6 = stablehlo.dynamic_slice %arg3, %5, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %7 = stablehlo.dot_general %arg2, %6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %8 = stablehlo.add %cst, %7 : tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %9:3 = stablehlo.while(%iterArg = %c, %iterArg_4 = %4, %iterArg_5 = %8) : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// UNROLL2_GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_2, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// UNROLL2_GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %7 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %8 = stablehlo.multiply %3, %c_0 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %9 = stablehlo.dynamic_slice %arg3, %8, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %10 = stablehlo.dot_general %arg2, %9, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %11 = stablehlo.add %cst, %10 : tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %12:3 = stablehlo.while(%iterArg = %c, %iterArg_3 = %7, %iterArg_4 = %11) : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>
 // UNROLL2_GOLDEN-NEXT: cond {
-// UNROLL2_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %16 = stablehlo.compare LT, %iterArg, %c_6, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// UNROLL2_GOLDEN-NEXT: stablehlo.return %16 : tensor<i1>
+// UNROLL2_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<1> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %17 = stablehlo.compare LT, %iterArg, %c_5, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// UNROLL2_GOLDEN-NEXT: stablehlo.return %17 : tensor<i1>
 // UNROLL2_GOLDEN-NEXT: } do {
-// UNROLL2_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<2> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<4> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<16> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %16 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %17 = stablehlo.multiply %iterArg, %c_8 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %18 = stablehlo.add %17, %c_7 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.add %3, %18 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_9 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %21 = stablehlo.multiply %20, %c_10 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %arg3, %21, %c_6, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %23 = stablehlo.dot_general %iterArg_4, %22, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %24 = stablehlo.add %iterArg_5, %23 : tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %25:2 = stablehlo.optimization_barrier %16, %23 : tensor<16x16xf32>, tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %26 = "stablehlo.collective_permute"(%25#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %27 = stablehlo.multiply %iterArg, %c_8 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %28 = stablehlo.add %27, %c_8 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.add %3, %28 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %30 = stablehlo.remainder %29, %c_9 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %31 = stablehlo.multiply %30, %c_10 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.dynamic_slice %arg3, %31, %c_6, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %33 = stablehlo.dot_general %16, %32, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %34 = stablehlo.add %24, %33 : tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %35 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: stablehlo.return %35, %26, %34 : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<2> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<4> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %17 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %18 = stablehlo.multiply %iterArg, %c_7 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.add %18, %c_6 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %20 = stablehlo.add %3, %19 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %21 = stablehlo.remainder %20, %c_8 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %22 = stablehlo.multiply %21, %c_9 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %23 = stablehlo.dynamic_slice %arg3, %22, %c_5, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %24 = stablehlo.dot_general %iterArg_3, %23, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %25 = stablehlo.add %iterArg_4, %24 : tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %26:2 = stablehlo.optimization_barrier %17, %24 : tensor<16x16xf32>, tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %27 = "stablehlo.collective_permute"(%26#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %28 = stablehlo.multiply %iterArg, %c_7 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.add %28, %c_7 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %30 = stablehlo.add %3, %29 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %31 = stablehlo.remainder %30, %c_8 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.multiply %31, %c_9 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %33 = stablehlo.dynamic_slice %arg3, %32, %c_5, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %34 = stablehlo.dot_general %17, %33, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %35 = stablehlo.add %25, %34 : tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %36 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: stablehlo.return %36, %27, %35 : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>
 // UNROLL2_GOLDEN-NEXT: }
-// UNROLL2_GOLDEN-NEXT: %10 = stablehlo.add %3, %c_0 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c_1 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %12 = stablehlo.multiply %11, %c_2 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %arg3, %12, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %14 = stablehlo.dot_general %9#1, %13, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: %15 = stablehlo.add %9#2, %14 : tensor<16x16xf32>
-// UNROLL2_GOLDEN-NEXT: sdy.return %15 : tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %13 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %14 = stablehlo.dynamic_slice %arg3, %13, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %15 = stablehlo.dot_general %12#1, %14, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: %16 = stablehlo.add %12#2, %15 : tensor<16x16xf32>
+// UNROLL2_GOLDEN-NEXT: sdy.return %16 : tensor<16x16xf32>
 // UNROLL2_GOLDEN-NEXT: } : (tensor<32x64xf32>, tensor<64x64xf32>) -> tensor<32x64xf32>
 // UNROLL2_GOLDEN-NEXT: return %0 : tensor<32x64xf32>
 // UNROLL2_GOLDEN-NEXT: }
@@ -228,44 +230,46 @@
 // FULL_GOLDEN-NEXT: func.func public @main(%arg0: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}, %arg1: tensor<64x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<32x64xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}) {
 // FULL_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"data"}, {"model"}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{"data"}, {"model"}]>] manual_axes={"data", "model"} (%arg2: tensor<16x16xf32>, %arg3: tensor<64x16xf32>) {
 // FULL_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<2> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<3> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<4> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<16> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
 // FULL_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// FULL_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // FULL_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// FULL_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_5, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// FULL_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_1, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // FULL_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// FULL_GOLDEN-NEXT: %4 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %5 = stablehlo.multiply %3, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %6 = stablehlo.dynamic_slice %arg3, %5, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %7 = stablehlo.dot_general %arg2, %6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %8 = stablehlo.add %cst, %7 : tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %9:2 = stablehlo.optimization_barrier %4, %7 : tensor<16x16xf32>, tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%9#0) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %11 = stablehlo.add %3, %c_0 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_3 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %13 = stablehlo.multiply %12, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %14 = stablehlo.dynamic_slice %arg3, %13, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %15 = stablehlo.dot_general %4, %14, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %16 = stablehlo.add %8, %15 : tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %17:2 = stablehlo.optimization_barrier %10, %15 : tensor<16x16xf32>, tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %18 = "stablehlo.collective_permute"(%17#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %19 = stablehlo.add %3, %c_1 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_3 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %21 = stablehlo.multiply %20, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %arg3, %21, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %23 = stablehlo.dot_general %10, %22, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %24 = stablehlo.add %16, %23 : tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %25 = stablehlo.add %3, %c_2 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %26 = stablehlo.remainder %25, %c_3 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %27 = stablehlo.multiply %26, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %28 = stablehlo.dynamic_slice %arg3, %27, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %29 = stablehlo.dot_general %18, %28, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: %30 = stablehlo.add %24, %29 : tensor<16x16xf32>
-// FULL_GOLDEN-NEXT: sdy.return %30 : tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[1, 2, 3, 0, 1, 2, 3, 0]> : tensor<8xui32>
+// FULL_GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// FULL_GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_2, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// FULL_GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[2, 3, 0, 1, 2, 3, 0, 1]> : tensor<8xui32>
+// FULL_GOLDEN-NEXT: %7 = stablehlo.partition_id : tensor<ui32>
+// FULL_GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %c_3, %7, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// FULL_GOLDEN-NEXT: %9 = stablehlo.reshape %8 : (tensor<1xui32>) -> tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// FULL_GOLDEN-NEXT: %10 = stablehlo.partition_id : tensor<ui32>
+// FULL_GOLDEN-NEXT: %11 = stablehlo.dynamic_slice %c_4, %10, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// FULL_GOLDEN-NEXT: %12 = stablehlo.reshape %11 : (tensor<1xui32>) -> tensor<ui32>
+// FULL_GOLDEN-NEXT: %13 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %14 = stablehlo.multiply %3, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %15 = stablehlo.dynamic_slice %arg3, %14, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %16 = stablehlo.dot_general %arg2, %15, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %17 = stablehlo.add %cst, %16 : tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %18:2 = stablehlo.optimization_barrier %13, %16 : tensor<16x16xf32>, tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %19 = "stablehlo.collective_permute"(%18#0) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %20 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %21 = stablehlo.dynamic_slice %arg3, %20, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %22 = stablehlo.dot_general %13, %21, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %23 = stablehlo.add %17, %22 : tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %24:2 = stablehlo.optimization_barrier %19, %22 : tensor<16x16xf32>, tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %25 = "stablehlo.collective_permute"(%24#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %26 = stablehlo.multiply %9, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %27 = stablehlo.dynamic_slice %arg3, %26, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %28 = stablehlo.dot_general %19, %27, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %29 = stablehlo.add %23, %28 : tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %30 = stablehlo.multiply %12, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %31 = stablehlo.dynamic_slice %arg3, %30, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %32 = stablehlo.dot_general %25, %31, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: %33 = stablehlo.add %29, %32 : tensor<16x16xf32>
+// FULL_GOLDEN-NEXT: sdy.return %33 : tensor<16x16xf32>
 // FULL_GOLDEN-NEXT: } : (tensor<32x64xf32>, tensor<64x64xf32>) -> tensor<32x64xf32>
 // FULL_GOLDEN-NEXT: return %0 : tensor<32x64xf32>
 // FULL_GOLDEN-NEXT: }
@@ -291,59 +295,59 @@
 // STREAMS_GOLDEN-NEXT: func.func public @main(%arg0: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}, %arg1: tensor<64x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<32x64xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}) {
 // STREAMS_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"data"}, {"model"}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{"data"}, {"model"}]>] manual_axes={"data", "model"} (%arg2: tensor<16x16xf32>, %arg3: tensor<64x16xf32>) {
 // STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<3> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<16> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // STREAMS_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// STREAMS_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_1, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // STREAMS_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %4 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %5 = stablehlo.multiply %3, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %6 = stablehlo.dynamic_slice %arg3, %5, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %7 = func.call @cmatmul_dot_0(%arg2, %6) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %8 = stablehlo.add %cst, %7 : tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %9:3 = stablehlo.while(%iterArg = %c, %iterArg_4 = %4, %iterArg_5 = %8) : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// STREAMS_GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_2, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// STREAMS_GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %7 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %8 = stablehlo.multiply %3, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %9 = stablehlo.dynamic_slice %arg3, %8, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %10 = func.call @cmatmul_dot_0(%arg2, %9) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %11 = stablehlo.add %cst, %10 : tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %12:3 = stablehlo.while(%iterArg = %c, %iterArg_3 = %7, %iterArg_4 = %11) : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: cond {
-// STREAMS_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %16 = stablehlo.compare LT, %iterArg, %c_6, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %16 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<1> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %17 = stablehlo.compare LT, %iterArg, %c_5, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %17 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
-// STREAMS_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<4> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<16> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %16 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %17 = stablehlo.multiply %iterArg, %c_8 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %18 = stablehlo.add %17, %c_7 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %19 = stablehlo.add %3, %18 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_9 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %21 = stablehlo.multiply %20, %c_10 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %arg3, %21, %c_6, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %23 = func.call @cmatmul_dot_0(%iterArg_4, %22) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %24 = stablehlo.add %iterArg_5, %23 : tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %25:2 = stablehlo.optimization_barrier %16, %23 : tensor<16x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %26 = "stablehlo.collective_permute"(%25#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %27 = stablehlo.multiply %iterArg, %c_8 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %28 = stablehlo.add %27, %c_8 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %29 = stablehlo.add %3, %28 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %30 = stablehlo.remainder %29, %c_9 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %31 = stablehlo.multiply %30, %c_10 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %32 = stablehlo.dynamic_slice %arg3, %31, %c_6, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %33 = func.call @cmatmul_dot_0(%16, %32) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %34 = stablehlo.add %24, %33 : tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %35 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %35, %26, %34 : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<2> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<4> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %17 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %18 = stablehlo.multiply %iterArg, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %19 = stablehlo.add %18, %c_6 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %20 = stablehlo.add %3, %19 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %21 = stablehlo.remainder %20, %c_8 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %22 = stablehlo.multiply %21, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %23 = stablehlo.dynamic_slice %arg3, %22, %c_5, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %24 = func.call @cmatmul_dot_0(%iterArg_3, %23) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %25 = stablehlo.add %iterArg_4, %24 : tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %26:2 = stablehlo.optimization_barrier %17, %24 : tensor<16x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %27 = "stablehlo.collective_permute"(%26#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %28 = stablehlo.multiply %iterArg, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %29 = stablehlo.add %28, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %30 = stablehlo.add %3, %29 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %31 = stablehlo.remainder %30, %c_8 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %32 = stablehlo.multiply %31, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %33 = stablehlo.dynamic_slice %arg3, %32, %c_5, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %34 = func.call @cmatmul_dot_0(%17, %33) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %35 = stablehlo.add %25, %34 : tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %36 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %36, %27, %35 : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: %10 = stablehlo.add %3, %c_0 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c_1 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %12 = stablehlo.multiply %11, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %arg3, %12, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %14 = func.call @cmatmul_dot_0(%9#1, %13) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %15 = stablehlo.add %9#2, %14 : tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: sdy.return %15 : tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %13 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %14 = stablehlo.dynamic_slice %arg3, %13, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %15 = func.call @cmatmul_dot_0(%12#1, %14) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %16 = stablehlo.add %12#2, %15 : tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: sdy.return %16 : tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: } : (tensor<32x64xf32>, tensor<64x64xf32>) -> tensor<32x64xf32>
 // STREAMS_GOLDEN-NEXT: return %0 : tensor<32x64xf32>
 // STREAMS_GOLDEN-NEXT: }

@@ -26,41 +26,41 @@
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<32x64xi32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}, %arg1: tensor<64x64xi32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<32x64xi32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"data"}, {"model"}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{"data"}, {"model"}]>] manual_axes={"data", "model"} (%arg2: tensor<16x16xi32>, %arg3: tensor<64x16xi32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<16> : tensor<ui32>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<16x16xi32>
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<0> : tensor<16x16xi32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_4, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_2, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %4:3 = stablehlo.while(%iterArg = %c, %iterArg_5 = %arg2, %iterArg_6 = %c_3) : tensor<ui32>, tensor<16x16xi32>, tensor<16x16xi32>
+// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_3, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %7:3 = stablehlo.while(%iterArg = %c, %iterArg_4 = %arg2, %iterArg_5 = %c_1) : tensor<ui32>, tensor<16x16xi32>, tensor<16x16xi32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %11 = stablehlo.compare LT, %iterArg, %c_7, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %11 : tensor<i1>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %12 = stablehlo.compare LT, %iterArg, %c_6, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %12 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<16> : tensor<ui32>
-// GOLDEN-NEXT: %11 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xi32>) -> tensor<16x16xi32>
-// GOLDEN-NEXT: %12 = stablehlo.add %3, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_9 : tensor<ui32>
-// GOLDEN-NEXT: %14 = stablehlo.multiply %13, %c_10 : tensor<ui32>
-// GOLDEN-NEXT: %15 = stablehlo.dynamic_slice %arg3, %14, %c_7, sizes = [16, 16] : (tensor<64x16xi32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xi32>
-// GOLDEN-NEXT: %16 = stablehlo.dot_general %iterArg_5, %15, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xi32>, tensor<16x16xi32>) -> tensor<16x16xi32>
-// GOLDEN-NEXT: %17 = stablehlo.add %iterArg_6, %16 : tensor<16x16xi32>
-// GOLDEN-NEXT: %18 = stablehlo.add %iterArg, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %18, %11, %17 : tensor<ui32>, tensor<16x16xi32>, tensor<16x16xi32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %12 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xi32>) -> tensor<16x16xi32>
+// GOLDEN-NEXT: %13 = stablehlo.add %3, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %14 = stablehlo.remainder %13, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: %15 = stablehlo.multiply %14, %c_9 : tensor<ui32>
+// GOLDEN-NEXT: %16 = stablehlo.dynamic_slice %arg3, %15, %c_6, sizes = [16, 16] : (tensor<64x16xi32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xi32>
+// GOLDEN-NEXT: %17 = stablehlo.dot_general %iterArg_4, %16, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xi32>, tensor<16x16xi32>) -> tensor<16x16xi32>
+// GOLDEN-NEXT: %18 = stablehlo.add %iterArg_5, %17 : tensor<16x16xi32>
+// GOLDEN-NEXT: %19 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %19, %12, %18 : tensor<ui32>, tensor<16x16xi32>, tensor<16x16xi32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %5 = stablehlo.add %3, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %6 = stablehlo.remainder %5, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %7 = stablehlo.multiply %6, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %arg3, %7, %c, sizes = [16, 16] : (tensor<64x16xi32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xi32>
-// GOLDEN-NEXT: %9 = stablehlo.dot_general %4#1, %8, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xi32>, tensor<16x16xi32>) -> tensor<16x16xi32>
-// GOLDEN-NEXT: %10 = stablehlo.add %4#2, %9 : tensor<16x16xi32>
-// GOLDEN-NEXT: sdy.return %10 : tensor<16x16xi32>
+// GOLDEN-NEXT: %8 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %9 = stablehlo.dynamic_slice %arg3, %8, %c, sizes = [16, 16] : (tensor<64x16xi32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xi32>
+// GOLDEN-NEXT: %10 = stablehlo.dot_general %7#1, %9, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xi32>, tensor<16x16xi32>) -> tensor<16x16xi32>
+// GOLDEN-NEXT: %11 = stablehlo.add %7#2, %10 : tensor<16x16xi32>
+// GOLDEN-NEXT: sdy.return %11 : tensor<16x16xi32>
 // GOLDEN-NEXT: } : (tensor<32x64xi32>, tensor<64x64xi32>) -> tensor<32x64xi32>
 // GOLDEN-NEXT: return %0 : tensor<32x64xi32>
 // GOLDEN-NEXT: }

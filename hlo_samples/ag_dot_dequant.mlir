@@ -18,47 +18,47 @@
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf8E4M3FN> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<1xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}]>}, %arg2: tensor<32x64xbf16> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<64x64xbf16> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1, %arg2) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>] manual_axes={"data", "model"} (%arg3: tensor<16x32xf8E4M3FN>, %arg4: tensor<1xf32>, %arg5: tensor<32x16xbf16>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<64x16xbf16>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_1, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %4 = stablehlo.reshape %arg4 : (tensor<1xf32>) -> tensor<f32>
-// GOLDEN-NEXT: %5 = stablehlo.convert %4 : (tensor<f32>) -> tensor<bf16>
-// GOLDEN-NEXT: %6:3 = stablehlo.while(%iterArg = %c, %iterArg_4 = %arg3, %iterArg_5 = %cst) : tensor<ui32>, tensor<16x32xf8E4M3FN>, tensor<64x16xbf16>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_2, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %7 = stablehlo.reshape %arg4 : (tensor<1xf32>) -> tensor<f32>
+// GOLDEN-NEXT: %8 = stablehlo.convert %7 : (tensor<f32>) -> tensor<bf16>
+// GOLDEN-NEXT: %9:3 = stablehlo.while(%iterArg = %c, %iterArg_3 = %arg3, %iterArg_4 = %cst) : tensor<ui32>, tensor<16x32xf8E4M3FN>, tensor<64x16xbf16>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %15 = stablehlo.compare LT, %iterArg, %c_6, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %15 : tensor<i1>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %16 = stablehlo.compare LT, %iterArg, %c_5, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %16 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<ui32>
-// GOLDEN-NEXT: %15 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf8E4M3FN>) -> tensor<16x32xf8E4M3FN>
-// GOLDEN-NEXT: %16 = stablehlo.add %3, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %17 = stablehlo.remainder %16, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %18 = stablehlo.convert %iterArg_4 : (tensor<16x32xf8E4M3FN>) -> tensor<16x32xbf16>
-// GOLDEN-NEXT: %19 = stablehlo.broadcast_in_dim %5, dims = [] : (tensor<bf16>) -> tensor<16x32xbf16>
-// GOLDEN-NEXT: %20 = stablehlo.multiply %18, %19 : tensor<16x32xbf16>
-// GOLDEN-NEXT: %21 = stablehlo.dot_general %20, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xbf16>, tensor<32x16xbf16>) -> tensor<16x16xbf16>
-// GOLDEN-NEXT: %22 = stablehlo.multiply %17, %c_9 : tensor<ui32>
-// GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %iterArg_5, %21, %22, %c_6 : (tensor<64x16xbf16>, tensor<16x16xbf16>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xbf16>
-// GOLDEN-NEXT: %24 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %24, %15, %23 : tensor<ui32>, tensor<16x32xf8E4M3FN>, tensor<64x16xbf16>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %16 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf8E4M3FN>) -> tensor<16x32xf8E4M3FN>
+// GOLDEN-NEXT: %17 = stablehlo.add %3, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %18 = stablehlo.remainder %17, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %19 = stablehlo.convert %iterArg_3 : (tensor<16x32xf8E4M3FN>) -> tensor<16x32xbf16>
+// GOLDEN-NEXT: %20 = stablehlo.broadcast_in_dim %8, dims = [] : (tensor<bf16>) -> tensor<16x32xbf16>
+// GOLDEN-NEXT: %21 = stablehlo.multiply %19, %20 : tensor<16x32xbf16>
+// GOLDEN-NEXT: %22 = stablehlo.dot_general %21, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xbf16>, tensor<32x16xbf16>) -> tensor<16x16xbf16>
+// GOLDEN-NEXT: %23 = stablehlo.multiply %18, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: %24 = stablehlo.dynamic_update_slice %iterArg_4, %22, %23, %c_5 : (tensor<64x16xbf16>, tensor<16x16xbf16>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xbf16>
+// GOLDEN-NEXT: %25 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %25, %16, %24 : tensor<ui32>, tensor<16x32xf8E4M3FN>, tensor<64x16xbf16>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %7 = stablehlo.add %3, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %8 = stablehlo.remainder %7, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %9 = stablehlo.convert %6#1 : (tensor<16x32xf8E4M3FN>) -> tensor<16x32xbf16>
-// GOLDEN-NEXT: %10 = stablehlo.broadcast_in_dim %5, dims = [] : (tensor<bf16>) -> tensor<16x32xbf16>
-// GOLDEN-NEXT: %11 = stablehlo.multiply %9, %10 : tensor<16x32xbf16>
-// GOLDEN-NEXT: %12 = stablehlo.dot_general %11, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xbf16>, tensor<32x16xbf16>) -> tensor<16x16xbf16>
-// GOLDEN-NEXT: %13 = stablehlo.multiply %8, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %14 = stablehlo.dynamic_update_slice %6#2, %12, %13, %c : (tensor<64x16xbf16>, tensor<16x16xbf16>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xbf16>
-// GOLDEN-NEXT: sdy.return %14 : tensor<64x16xbf16>
+// GOLDEN-NEXT: %10 = stablehlo.convert %9#1 : (tensor<16x32xf8E4M3FN>) -> tensor<16x32xbf16>
+// GOLDEN-NEXT: %11 = stablehlo.broadcast_in_dim %8, dims = [] : (tensor<bf16>) -> tensor<16x32xbf16>
+// GOLDEN-NEXT: %12 = stablehlo.multiply %10, %11 : tensor<16x32xbf16>
+// GOLDEN-NEXT: %13 = stablehlo.dot_general %12, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xbf16>, tensor<32x16xbf16>) -> tensor<16x16xbf16>
+// GOLDEN-NEXT: %14 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %9#2, %13, %14, %c : (tensor<64x16xbf16>, tensor<16x16xbf16>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xbf16>
+// GOLDEN-NEXT: sdy.return %15 : tensor<64x16xbf16>
 // GOLDEN-NEXT: } : (tensor<64x32xf8E4M3FN>, tensor<1xf32>, tensor<32x64xbf16>) -> tensor<64x64xbf16>
 // GOLDEN-NEXT: return %0 : tensor<64x64xbf16>
 // GOLDEN-NEXT: }

@@ -51,55 +51,55 @@
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: func.func private @closed_call(%arg0: tensor<8x16xf32>, %arg1: tensor<16x16xf32>) -> tensor<8x16xf32> {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<32x16xf32>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %0 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %1 = stablehlo.dynamic_slice %c_3, %0, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %1 = stablehlo.dynamic_slice %c_1, %0, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %2 = stablehlo.reshape %1 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %3:3 = stablehlo.while(%iterArg = %c, %iterArg_10 = %arg0, %iterArg_11 = %cst) : tensor<ui32>, tensor<8x16xf32>, tensor<32x16xf32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// GOLDEN-NEXT: %3 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_2, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %5 = stablehlo.reshape %4 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %6:3 = stablehlo.while(%iterArg = %c, %iterArg_9 = %arg0, %iterArg_10 = %cst) : tensor<ui32>, tensor<8x16xf32>, tensor<32x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %19 = stablehlo.compare LT, %iterArg, %c_12, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %19 : tensor<i1>
+// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %20 = stablehlo.compare LT, %iterArg, %c_11, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %20 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %19 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %20 = stablehlo.add %2, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %21 = stablehlo.remainder %20, %c_14 : tensor<ui32>
-// GOLDEN-NEXT: %22 = stablehlo.dot_general %iterArg_10, %arg1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %23 = stablehlo.multiply %21, %c_15 : tensor<ui32>
-// GOLDEN-NEXT: %24 = stablehlo.dynamic_update_slice %iterArg_11, %22, %23, %c_12 : (tensor<32x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<32x16xf32>
-// GOLDEN-NEXT: %25 = stablehlo.add %iterArg, %c_13 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %25, %19, %24 : tensor<ui32>, tensor<8x16xf32>, tensor<32x16xf32>
+// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %20 = "stablehlo.collective_permute"(%iterArg_9) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x16xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %21 = stablehlo.add %2, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %22 = stablehlo.remainder %21, %c_13 : tensor<ui32>
+// GOLDEN-NEXT: %23 = stablehlo.dot_general %iterArg_9, %arg1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x16xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %24 = stablehlo.multiply %22, %c_14 : tensor<ui32>
+// GOLDEN-NEXT: %25 = stablehlo.dynamic_update_slice %iterArg_10, %23, %24, %c_11 : (tensor<32x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<32x16xf32>
+// GOLDEN-NEXT: %26 = stablehlo.add %iterArg, %c_12 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %26, %20, %25 : tensor<ui32>, tensor<8x16xf32>, tensor<32x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %4 = stablehlo.add %2, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %6 = stablehlo.dot_general %3#1, %arg1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %7 = stablehlo.multiply %5, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %3#2, %6, %7, %c : (tensor<32x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<32x16xf32>
-// GOLDEN-NEXT: %9 = stablehlo.tanh %8 : tensor<32x16xf32>
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %10 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %11 = stablehlo.divide %10, %c_4 : tensor<ui32>
-// GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_5 : tensor<ui32>
-// GOLDEN-NEXT: %13 = stablehlo.convert %12 : (tensor<ui32>) -> tensor<i32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<8> : tensor<i32>
-// GOLDEN-NEXT: %14 = stablehlo.multiply %13, %c_6 : tensor<i32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %15 = stablehlo.compare LT, %14, %c_7, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<32> : tensor<i32>
-// GOLDEN-NEXT: %16 = stablehlo.add %14, %c_8 : tensor<i32>
-// GOLDEN-NEXT: %17 = stablehlo.select %15, %16, %14 : tensor<i1>, tensor<i32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %18 = stablehlo.dynamic_slice %9, %17, %c_9, sizes = [8, 16] : (tensor<32x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: return %18 : tensor<8x16xf32>
+// GOLDEN-NEXT: %7 = stablehlo.dot_general %6#1, %arg1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x16xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %8 = stablehlo.multiply %5, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %6#2, %7, %8, %c : (tensor<32x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<32x16xf32>
+// GOLDEN-NEXT: %10 = stablehlo.tanh %9 : tensor<32x16xf32>
+// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %11 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %12 = stablehlo.divide %11, %c_3 : tensor<ui32>
+// GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %14 = stablehlo.convert %13 : (tensor<ui32>) -> tensor<i32>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<8> : tensor<i32>
+// GOLDEN-NEXT: %15 = stablehlo.multiply %14, %c_5 : tensor<i32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<i32>
+// GOLDEN-NEXT: %16 = stablehlo.compare LT, %15, %c_6, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<32> : tensor<i32>
+// GOLDEN-NEXT: %17 = stablehlo.add %15, %c_7 : tensor<i32>
+// GOLDEN-NEXT: %18 = stablehlo.select %16, %17, %15 : tensor<i1>, tensor<i32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<i32>
+// GOLDEN-NEXT: %19 = stablehlo.dynamic_slice %10, %18, %c_8, sizes = [8, 16] : (tensor<32x16xf32>, tensor<i32>, tensor<i32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: return %19 : tensor<8x16xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: }
 // END-AUTOGENERATED golden block

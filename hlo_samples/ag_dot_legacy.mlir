@@ -34,39 +34,39 @@
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: func.func private @shmap_body(%arg0: tensor<8x32xf32>, %arg1: tensor<32x16xf32>) -> (tensor<32x16xf32> {jax.result_info = "[('data',), ('model',)]"}) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<32x16xf32>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %0 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %1 = stablehlo.dynamic_slice %c_3, %0, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %1 = stablehlo.dynamic_slice %c_1, %0, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %2 = stablehlo.reshape %1 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %3:3 = stablehlo.while(%iterArg = %c, %iterArg_4 = %arg0, %iterArg_5 = %cst) : tensor<ui32>, tensor<8x32xf32>, tensor<32x16xf32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// GOLDEN-NEXT: %3 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_2, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %5 = stablehlo.reshape %4 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %6:3 = stablehlo.while(%iterArg = %c, %iterArg_3 = %arg0, %iterArg_4 = %cst) : tensor<ui32>, tensor<8x32xf32>, tensor<32x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %9 = stablehlo.compare LT, %iterArg, %c_6, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %9 : tensor<i1>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %10 = stablehlo.compare LT, %iterArg, %c_5, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %10 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %9 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %10 = stablehlo.add %2, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %12 = stablehlo.dot_general %iterArg_4, %arg1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<32x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %13 = stablehlo.multiply %11, %c_9 : tensor<ui32>
-// GOLDEN-NEXT: %14 = stablehlo.dynamic_update_slice %iterArg_5, %12, %13, %c_6 : (tensor<32x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<32x16xf32>
-// GOLDEN-NEXT: %15 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %15, %9, %14 : tensor<ui32>, tensor<8x32xf32>, tensor<32x16xf32>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %11 = stablehlo.add %2, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %13 = stablehlo.dot_general %iterArg_3, %arg1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<32x16xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %14 = stablehlo.multiply %12, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %iterArg_4, %13, %14, %c_5 : (tensor<32x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<32x16xf32>
+// GOLDEN-NEXT: %16 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %16, %10, %15 : tensor<ui32>, tensor<8x32xf32>, tensor<32x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %4 = stablehlo.add %2, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %6 = stablehlo.dot_general %3#1, %arg1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<32x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %7 = stablehlo.multiply %5, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %3#2, %6, %7, %c : (tensor<32x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<32x16xf32>
-// GOLDEN-NEXT: return %8 : tensor<32x16xf32>
+// GOLDEN-NEXT: %7 = stablehlo.dot_general %6#1, %arg1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<32x16xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %8 = stablehlo.multiply %5, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %6#2, %7, %8, %c : (tensor<32x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<32x16xf32>
+// GOLDEN-NEXT: return %9 : tensor<32x16xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: }
 // END-AUTOGENERATED golden block

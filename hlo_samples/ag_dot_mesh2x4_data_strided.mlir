@@ -19,24 +19,24 @@
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {}]>}, %arg1: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<64x64xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"data"}, {}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>] manual_axes={"data", "model"} (%arg2: tensor<32x32xf32>, %arg3: tensor<32x16xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<32> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<32> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<64x16xf32>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_1, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %4 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<32x32xf32>) -> tensor<32x32xf32>
-// GOLDEN-NEXT: %5 = stablehlo.dot_general %arg2, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<32x32xf32>, tensor<32x16xf32>) -> tensor<32x16xf32>
-// GOLDEN-NEXT: %6 = stablehlo.multiply %3, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %7 = stablehlo.dynamic_update_slice %cst, %5, %6, %c : (tensor<64x16xf32>, tensor<32x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %8 = stablehlo.add %3, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %9 = stablehlo.remainder %8, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %10 = stablehlo.dot_general %4, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<32x32xf32>, tensor<32x16xf32>) -> tensor<32x16xf32>
-// GOLDEN-NEXT: %11 = stablehlo.multiply %9, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %12 = stablehlo.dynamic_update_slice %7, %10, %11, %c : (tensor<64x16xf32>, tensor<32x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: sdy.return %12 : tensor<64x16xf32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[1, 1, 1, 1, 0, 0, 0, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_2, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %7 = "stablehlo.collective_permute"(%arg2) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<32x32xf32>) -> tensor<32x32xf32>
+// GOLDEN-NEXT: %8 = stablehlo.dot_general %arg2, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<32x32xf32>, tensor<32x16xf32>) -> tensor<32x16xf32>
+// GOLDEN-NEXT: %9 = stablehlo.multiply %3, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %cst, %8, %9, %c : (tensor<64x16xf32>, tensor<32x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %11 = stablehlo.dot_general %7, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<32x32xf32>, tensor<32x16xf32>) -> tensor<32x16xf32>
+// GOLDEN-NEXT: %12 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %13 = stablehlo.dynamic_update_slice %10, %11, %12, %c : (tensor<64x16xf32>, tensor<32x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: sdy.return %13 : tensor<64x16xf32>
 // GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<32x64xf32>) -> tensor<64x64xf32>
 // GOLDEN-NEXT: return %0 : tensor<64x64xf32>
 // GOLDEN-NEXT: }

@@ -26,43 +26,46 @@
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<64x64xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>] manual_axes={"model"} (%arg2: tensor<16x32xf32>, %arg3: tensor<32x16xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<64x16xf32>
 // GOLDEN-NEXT: %1 = sdy.manual_computation() in_shardings=[] out_shardings=[<@mesh, []>] manual_axes={"data"} () {
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
-// GOLDEN-NEXT: %9 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %10 = stablehlo.dynamic_slice %c_3, %9, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
-// GOLDEN-NEXT: %11 = stablehlo.reshape %10 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: sdy.return %11 : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %8 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %9 = stablehlo.dynamic_slice %c_1, %8, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %10 = stablehlo.reshape %9 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: sdy.return %10 : tensor<ui32>
 // GOLDEN-NEXT: } : () -> tensor<ui32>
-// GOLDEN-NEXT: %2:3 = stablehlo.while(%iterArg = %c, %iterArg_3 = %arg2, %iterArg_4 = %cst) : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>
+// GOLDEN-NEXT: %2 = sdy.manual_computation() in_shardings=[] out_shardings=[<@mesh, []>] manual_axes={"data"} () {
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// GOLDEN-NEXT: %8 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %9 = stablehlo.dynamic_slice %c_1, %8, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %10 = stablehlo.reshape %9 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: sdy.return %10 : tensor<ui32>
+// GOLDEN-NEXT: } : () -> tensor<ui32>
+// GOLDEN-NEXT: %3:3 = stablehlo.while(%iterArg = %c, %iterArg_1 = %arg2, %iterArg_2 = %cst) : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %9 = stablehlo.compare LT, %iterArg, %c_5, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %9 : tensor<i1>
+// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %8 = stablehlo.compare LT, %iterArg, %c_3, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %8 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<16> : tensor<ui32>
-// GOLDEN-NEXT: %9 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %10 = stablehlo.add %1, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %12 = stablehlo.dot_general %iterArg_3, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %13 = stablehlo.multiply %11, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %14 = stablehlo.dynamic_update_slice %iterArg_4, %12, %13, %c_5 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %15 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %15, %9, %14 : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>
+// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %8 = "stablehlo.collective_permute"(%iterArg_1) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %9 = stablehlo.add %1, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %10 = stablehlo.remainder %9, %c_5 : tensor<ui32>
+// GOLDEN-NEXT: %11 = stablehlo.dot_general %iterArg_1, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %12 = stablehlo.multiply %10, %c_6 : tensor<ui32>
+// GOLDEN-NEXT: %13 = stablehlo.dynamic_update_slice %iterArg_2, %11, %12, %c_3 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %14 = stablehlo.add %iterArg, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %14, %8, %13 : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %3 = stablehlo.add %1, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %4 = stablehlo.remainder %3, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %5 = stablehlo.dot_general %2#1, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %6 = stablehlo.multiply %4, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %7 = stablehlo.dynamic_update_slice %2#2, %5, %6, %c : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %8 = sdy.sharding_constraint %7 <@mesh, [{}, {}]> : tensor<64x16xf32>
-// GOLDEN-NEXT: sdy.return %8 : tensor<64x16xf32>
+// GOLDEN-NEXT: %4 = stablehlo.dot_general %3#1, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %5 = stablehlo.multiply %2, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %6 = stablehlo.dynamic_update_slice %3#2, %4, %5, %c : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %7 = sdy.sharding_constraint %6 <@mesh, [{}, {}]> : tensor<64x16xf32>
+// GOLDEN-NEXT: sdy.return %7 : tensor<64x16xf32>
 // GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<32x64xf32>) -> tensor<64x64xf32>
 // GOLDEN-NEXT: return %0 : tensor<64x64xf32>
 // GOLDEN-NEXT: }

@@ -25,43 +25,43 @@
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg3: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<64x64xf32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x64xf32> {jax.result_info = "result[1]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x64xf32> {jax.result_info = "result[2]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // GOLDEN-NEXT: %0:3 = sdy.manual_computation(%arg0, %arg1, %arg2, %arg3) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] manual_axes={"data", "model"} (%arg4: tensor<16x32xf32>, %arg5: tensor<32x16xf32>, %arg6: tensor<32x16xf32>, %arg7: tensor<32x16xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<64x48xf32>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_1, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %4 = stablehlo.concatenate %arg5, %arg6, %arg7, dim = 1 : (tensor<32x16xf32>, tensor<32x16xf32>, tensor<32x16xf32>) -> tensor<32x48xf32>
-// GOLDEN-NEXT: %5:3 = stablehlo.while(%iterArg = %c, %iterArg_4 = %arg4, %iterArg_5 = %cst) : tensor<ui32>, tensor<16x32xf32>, tensor<64x48xf32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_2, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %7 = stablehlo.concatenate %arg5, %arg6, %arg7, dim = 1 : (tensor<32x16xf32>, tensor<32x16xf32>, tensor<32x16xf32>) -> tensor<32x48xf32>
+// GOLDEN-NEXT: %8:3 = stablehlo.while(%iterArg = %c, %iterArg_3 = %arg4, %iterArg_4 = %cst) : tensor<ui32>, tensor<16x32xf32>, tensor<64x48xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %14 = stablehlo.compare LT, %iterArg, %c_6, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %14 : tensor<i1>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %15 = stablehlo.compare LT, %iterArg, %c_5, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %15 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<ui32>
-// GOLDEN-NEXT: %14 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %15 = stablehlo.add %3, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %16 = stablehlo.remainder %15, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %17 = stablehlo.dot_general %iterArg_4, %4, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
-// GOLDEN-NEXT: %18 = stablehlo.multiply %16, %c_9 : tensor<ui32>
-// GOLDEN-NEXT: %19 = stablehlo.dynamic_update_slice %iterArg_5, %17, %18, %c_6 : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
-// GOLDEN-NEXT: %20 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %20, %14, %19 : tensor<ui32>, tensor<16x32xf32>, tensor<64x48xf32>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %15 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %16 = stablehlo.add %3, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %17 = stablehlo.remainder %16, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %18 = stablehlo.dot_general %iterArg_3, %7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
+// GOLDEN-NEXT: %19 = stablehlo.multiply %17, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: %20 = stablehlo.dynamic_update_slice %iterArg_4, %18, %19, %c_5 : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
+// GOLDEN-NEXT: %21 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %21, %15, %20 : tensor<ui32>, tensor<16x32xf32>, tensor<64x48xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %6 = stablehlo.add %3, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %7 = stablehlo.remainder %6, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %8 = stablehlo.dot_general %5#1, %4, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
-// GOLDEN-NEXT: %9 = stablehlo.multiply %7, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %5#2, %8, %9, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
-// GOLDEN-NEXT: %11 = stablehlo.slice %10 [0:64, 0:16] : (tensor<64x48xf32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %12 = stablehlo.slice %10 [0:64, 16:32] : (tensor<64x48xf32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %13 = stablehlo.slice %10 [0:64, 32:48] : (tensor<64x48xf32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: sdy.return %11, %12, %13 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// GOLDEN-NEXT: %9 = stablehlo.dot_general %8#1, %7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
+// GOLDEN-NEXT: %10 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %11 = stablehlo.dynamic_update_slice %8#2, %9, %10, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
+// GOLDEN-NEXT: %12 = stablehlo.slice %11 [0:64, 0:16] : (tensor<64x48xf32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %13 = stablehlo.slice %11 [0:64, 16:32] : (tensor<64x48xf32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %14 = stablehlo.slice %11 [0:64, 32:48] : (tensor<64x48xf32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: sdy.return %12, %13, %14 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<32x64xf32>, tensor<32x64xf32>, tensor<32x64xf32>) -> (tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>)
 // GOLDEN-NEXT: return %0#0, %0#1, %0#2 : tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>
 // GOLDEN-NEXT: }
@@ -88,46 +88,48 @@
 // BIDI_GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg3: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<64x64xf32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x64xf32> {jax.result_info = "result[1]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x64xf32> {jax.result_info = "result[2]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // BIDI_GOLDEN-NEXT: %0:3 = sdy.manual_computation(%arg0, %arg1, %arg2, %arg3) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] manual_axes={"data", "model"} (%arg4: tensor<16x32xf32>, %arg5: tensor<32x16xf32>, %arg6: tensor<32x16xf32>, %arg7: tensor<32x16xf32>) {
 // BIDI_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<2> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<3> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<4> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<16> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<64x48xf32>
-// BIDI_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// BIDI_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // BIDI_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_5, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// BIDI_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_1, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // BIDI_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// BIDI_GOLDEN-NEXT: %4 = stablehlo.concatenate %arg5, %arg6, %arg7, dim = 1 : (tensor<32x16xf32>, tensor<32x16xf32>, tensor<32x16xf32>) -> tensor<32x48xf32>
-// BIDI_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%arg4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// BIDI_GOLDEN-NEXT: %6 = "stablehlo.collective_permute"(%arg4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// BIDI_GOLDEN-NEXT: %7 = stablehlo.dot_general %arg4, %4, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
-// BIDI_GOLDEN-NEXT: %8 = stablehlo.multiply %3, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %cst, %7, %8, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
-// BIDI_GOLDEN-NEXT: %10:2 = stablehlo.optimization_barrier %5, %7 : tensor<16x32xf32>, tensor<16x48xf32>
-// BIDI_GOLDEN-NEXT: %11 = "stablehlo.collective_permute"(%10#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// BIDI_GOLDEN-NEXT: %12 = stablehlo.add %3, %c_0 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_3 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %14:2 = stablehlo.optimization_barrier %5, %4 : tensor<16x32xf32>, tensor<32x48xf32>
-// BIDI_GOLDEN-NEXT: %15 = stablehlo.dot_general %14#0, %14#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
-// BIDI_GOLDEN-NEXT: %16 = stablehlo.multiply %13, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %17 = stablehlo.dynamic_update_slice %9, %15, %16, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
-// BIDI_GOLDEN-NEXT: %18 = stablehlo.add %3, %c_2 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_3 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %20:2 = stablehlo.optimization_barrier %6, %4 : tensor<16x32xf32>, tensor<32x48xf32>
-// BIDI_GOLDEN-NEXT: %21 = stablehlo.dot_general %20#0, %20#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
-// BIDI_GOLDEN-NEXT: %22 = stablehlo.multiply %19, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %17, %21, %22, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
-// BIDI_GOLDEN-NEXT: %24 = stablehlo.add %3, %c_1 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %25 = stablehlo.remainder %24, %c_3 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %26:2 = stablehlo.optimization_barrier %11, %4 : tensor<16x32xf32>, tensor<32x48xf32>
-// BIDI_GOLDEN-NEXT: %27 = stablehlo.dot_general %26#0, %26#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
-// BIDI_GOLDEN-NEXT: %28 = stablehlo.multiply %25, %c_4 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %29 = stablehlo.dynamic_update_slice %23, %27, %28, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
-// BIDI_GOLDEN-NEXT: %30 = stablehlo.slice %29 [0:64, 0:16] : (tensor<64x48xf32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %31 = stablehlo.slice %29 [0:64, 16:32] : (tensor<64x48xf32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: %32 = stablehlo.slice %29 [0:64, 32:48] : (tensor<64x48xf32>) -> tensor<64x16xf32>
-// BIDI_GOLDEN-NEXT: sdy.return %30, %31, %32 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[1, 2, 3, 0, 1, 2, 3, 0]> : tensor<8xui32>
+// BIDI_GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_2, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// BIDI_GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[2, 3, 0, 1, 2, 3, 0, 1]> : tensor<8xui32>
+// BIDI_GOLDEN-NEXT: %7 = stablehlo.partition_id : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %c_3, %7, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// BIDI_GOLDEN-NEXT: %9 = stablehlo.reshape %8 : (tensor<1xui32>) -> tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// BIDI_GOLDEN-NEXT: %10 = stablehlo.partition_id : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %11 = stablehlo.dynamic_slice %c_4, %10, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// BIDI_GOLDEN-NEXT: %12 = stablehlo.reshape %11 : (tensor<1xui32>) -> tensor<ui32>
+// BIDI_GOLDEN-NEXT: %13 = stablehlo.concatenate %arg5, %arg6, %arg7, dim = 1 : (tensor<32x16xf32>, tensor<32x16xf32>, tensor<32x16xf32>) -> tensor<32x48xf32>
+// BIDI_GOLDEN-NEXT: %14 = "stablehlo.collective_permute"(%arg4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// BIDI_GOLDEN-NEXT: %15 = "stablehlo.collective_permute"(%arg4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// BIDI_GOLDEN-NEXT: %16 = stablehlo.dot_general %arg4, %13, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
+// BIDI_GOLDEN-NEXT: %17 = stablehlo.multiply %3, %c_0 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %18 = stablehlo.dynamic_update_slice %cst, %16, %17, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
+// BIDI_GOLDEN-NEXT: %19:2 = stablehlo.optimization_barrier %14, %16 : tensor<16x32xf32>, tensor<16x48xf32>
+// BIDI_GOLDEN-NEXT: %20 = "stablehlo.collective_permute"(%19#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// BIDI_GOLDEN-NEXT: %21:2 = stablehlo.optimization_barrier %14, %13 : tensor<16x32xf32>, tensor<32x48xf32>
+// BIDI_GOLDEN-NEXT: %22 = stablehlo.dot_general %21#0, %21#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
+// BIDI_GOLDEN-NEXT: %23 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %24 = stablehlo.dynamic_update_slice %18, %22, %23, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
+// BIDI_GOLDEN-NEXT: %25:2 = stablehlo.optimization_barrier %15, %13 : tensor<16x32xf32>, tensor<32x48xf32>
+// BIDI_GOLDEN-NEXT: %26 = stablehlo.dot_general %25#0, %25#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
+// BIDI_GOLDEN-NEXT: %27 = stablehlo.multiply %12, %c_0 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %28 = stablehlo.dynamic_update_slice %24, %26, %27, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
+// BIDI_GOLDEN-NEXT: %29:2 = stablehlo.optimization_barrier %20, %13 : tensor<16x32xf32>, tensor<32x48xf32>
+// BIDI_GOLDEN-NEXT: %30 = stablehlo.dot_general %29#0, %29#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
+// BIDI_GOLDEN-NEXT: %31 = stablehlo.multiply %9, %c_0 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %32 = stablehlo.dynamic_update_slice %28, %30, %31, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
+// BIDI_GOLDEN-NEXT: %33 = stablehlo.slice %32 [0:64, 0:16] : (tensor<64x48xf32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %34 = stablehlo.slice %32 [0:64, 16:32] : (tensor<64x48xf32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: %35 = stablehlo.slice %32 [0:64, 32:48] : (tensor<64x48xf32>) -> tensor<64x16xf32>
+// BIDI_GOLDEN-NEXT: sdy.return %33, %34, %35 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // BIDI_GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<32x64xf32>, tensor<32x64xf32>, tensor<32x64xf32>) -> (tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>)
 // BIDI_GOLDEN-NEXT: return %0#0, %0#1, %0#2 : tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>
 // BIDI_GOLDEN-NEXT: }
@@ -157,62 +159,62 @@
 // UNROLL2_GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg3: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<64x64xf32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x64xf32> {jax.result_info = "result[1]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x64xf32> {jax.result_info = "result[2]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // UNROLL2_GOLDEN-NEXT: %0:3 = sdy.manual_computation(%arg0, %arg1, %arg2, %arg3) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] manual_axes={"data", "model"} (%arg4: tensor<16x32xf32>, %arg5: tensor<32x16xf32>, %arg6: tensor<32x16xf32>, %arg7: tensor<32x16xf32>) {
 // UNROLL2_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<3> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<16> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<64x48xf32>
-// UNROLL2_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// UNROLL2_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // UNROLL2_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// UNROLL2_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_1, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // UNROLL2_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %4 = stablehlo.concatenate %arg5, %arg6, %arg7, dim = 1 : (tensor<32x16xf32>, tensor<32x16xf32>, tensor<32x16xf32>) -> tensor<32x48xf32>
-// UNROLL2_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%arg4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// UNROLL2_GOLDEN-NEXT: %6 = stablehlo.dot_general %arg4, %4, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
-// UNROLL2_GOLDEN-NEXT: %7 = stablehlo.multiply %3, %c_2 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %cst, %6, %7, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
-// UNROLL2_GOLDEN-NEXT: %9:3 = stablehlo.while(%iterArg = %c, %iterArg_4 = %5, %iterArg_5 = %8) : tensor<ui32>, tensor<16x32xf32>, tensor<64x48xf32>
+// UNROLL2_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// UNROLL2_GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_2, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// UNROLL2_GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %7 = stablehlo.concatenate %arg5, %arg6, %arg7, dim = 1 : (tensor<32x16xf32>, tensor<32x16xf32>, tensor<32x16xf32>) -> tensor<32x48xf32>
+// UNROLL2_GOLDEN-NEXT: %8 = "stablehlo.collective_permute"(%arg4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// UNROLL2_GOLDEN-NEXT: %9 = stablehlo.dot_general %arg4, %7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
+// UNROLL2_GOLDEN-NEXT: %10 = stablehlo.multiply %3, %c_0 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %11 = stablehlo.dynamic_update_slice %cst, %9, %10, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
+// UNROLL2_GOLDEN-NEXT: %12:3 = stablehlo.while(%iterArg = %c, %iterArg_3 = %8, %iterArg_4 = %11) : tensor<ui32>, tensor<16x32xf32>, tensor<64x48xf32>
 // UNROLL2_GOLDEN-NEXT: cond {
-// UNROLL2_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.compare LT, %iterArg, %c_6, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// UNROLL2_GOLDEN-NEXT: stablehlo.return %19 : tensor<i1>
+// UNROLL2_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<1> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %20 = stablehlo.compare LT, %iterArg, %c_5, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// UNROLL2_GOLDEN-NEXT: stablehlo.return %20 : tensor<i1>
 // UNROLL2_GOLDEN-NEXT: } do {
-// UNROLL2_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<2> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<4> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<16> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %19 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// UNROLL2_GOLDEN-NEXT: %20 = stablehlo.multiply %iterArg, %c_8 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %21 = stablehlo.add %20, %c_7 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %22 = stablehlo.add %3, %21 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %23 = stablehlo.remainder %22, %c_9 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %24:2 = stablehlo.optimization_barrier %iterArg_4, %4 : tensor<16x32xf32>, tensor<32x48xf32>
-// UNROLL2_GOLDEN-NEXT: %25 = stablehlo.dot_general %24#0, %24#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
-// UNROLL2_GOLDEN-NEXT: %26 = stablehlo.multiply %23, %c_10 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %27 = stablehlo.dynamic_update_slice %iterArg_5, %25, %26, %c_6 : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
-// UNROLL2_GOLDEN-NEXT: %28:2 = stablehlo.optimization_barrier %19, %25 : tensor<16x32xf32>, tensor<16x48xf32>
-// UNROLL2_GOLDEN-NEXT: %29 = "stablehlo.collective_permute"(%28#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// UNROLL2_GOLDEN-NEXT: %30 = stablehlo.multiply %iterArg, %c_8 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %31 = stablehlo.add %30, %c_8 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.add %3, %31 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %33 = stablehlo.remainder %32, %c_9 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %34:2 = stablehlo.optimization_barrier %19, %4 : tensor<16x32xf32>, tensor<32x48xf32>
-// UNROLL2_GOLDEN-NEXT: %35 = stablehlo.dot_general %34#0, %34#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
-// UNROLL2_GOLDEN-NEXT: %36 = stablehlo.multiply %33, %c_10 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %37 = stablehlo.dynamic_update_slice %27, %35, %36, %c_6 : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
-// UNROLL2_GOLDEN-NEXT: %38 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: stablehlo.return %38, %29, %37 : tensor<ui32>, tensor<16x32xf32>, tensor<64x48xf32>
+// UNROLL2_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<2> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<4> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %20 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// UNROLL2_GOLDEN-NEXT: %21 = stablehlo.multiply %iterArg, %c_7 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %22 = stablehlo.add %21, %c_6 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %23 = stablehlo.add %3, %22 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %24 = stablehlo.remainder %23, %c_8 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %25:2 = stablehlo.optimization_barrier %iterArg_3, %7 : tensor<16x32xf32>, tensor<32x48xf32>
+// UNROLL2_GOLDEN-NEXT: %26 = stablehlo.dot_general %25#0, %25#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
+// UNROLL2_GOLDEN-NEXT: %27 = stablehlo.multiply %24, %c_9 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %28 = stablehlo.dynamic_update_slice %iterArg_4, %26, %27, %c_5 : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
+// UNROLL2_GOLDEN-NEXT: %29:2 = stablehlo.optimization_barrier %20, %26 : tensor<16x32xf32>, tensor<16x48xf32>
+// UNROLL2_GOLDEN-NEXT: %30 = "stablehlo.collective_permute"(%29#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// UNROLL2_GOLDEN-NEXT: %31 = stablehlo.multiply %iterArg, %c_7 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.add %31, %c_7 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %33 = stablehlo.add %3, %32 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %34 = stablehlo.remainder %33, %c_8 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %35:2 = stablehlo.optimization_barrier %20, %7 : tensor<16x32xf32>, tensor<32x48xf32>
+// UNROLL2_GOLDEN-NEXT: %36 = stablehlo.dot_general %35#0, %35#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
+// UNROLL2_GOLDEN-NEXT: %37 = stablehlo.multiply %34, %c_9 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %38 = stablehlo.dynamic_update_slice %28, %36, %37, %c_5 : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
+// UNROLL2_GOLDEN-NEXT: %39 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: stablehlo.return %39, %30, %38 : tensor<ui32>, tensor<16x32xf32>, tensor<64x48xf32>
 // UNROLL2_GOLDEN-NEXT: }
-// UNROLL2_GOLDEN-NEXT: %10 = stablehlo.add %3, %c_0 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c_1 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %12:2 = stablehlo.optimization_barrier %9#1, %4 : tensor<16x32xf32>, tensor<32x48xf32>
-// UNROLL2_GOLDEN-NEXT: %13 = stablehlo.dot_general %12#0, %12#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
-// UNROLL2_GOLDEN-NEXT: %14 = stablehlo.multiply %11, %c_2 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %9#2, %13, %14, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
-// UNROLL2_GOLDEN-NEXT: %16 = stablehlo.slice %15 [0:64, 0:16] : (tensor<64x48xf32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %17 = stablehlo.slice %15 [0:64, 16:32] : (tensor<64x48xf32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: %18 = stablehlo.slice %15 [0:64, 32:48] : (tensor<64x48xf32>) -> tensor<64x16xf32>
-// UNROLL2_GOLDEN-NEXT: sdy.return %16, %17, %18 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %13:2 = stablehlo.optimization_barrier %12#1, %7 : tensor<16x32xf32>, tensor<32x48xf32>
+// UNROLL2_GOLDEN-NEXT: %14 = stablehlo.dot_general %13#0, %13#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
+// UNROLL2_GOLDEN-NEXT: %15 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %12#2, %14, %15, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
+// UNROLL2_GOLDEN-NEXT: %17 = stablehlo.slice %16 [0:64, 0:16] : (tensor<64x48xf32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %18 = stablehlo.slice %16 [0:64, 16:32] : (tensor<64x48xf32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.slice %16 [0:64, 32:48] : (tensor<64x48xf32>) -> tensor<64x16xf32>
+// UNROLL2_GOLDEN-NEXT: sdy.return %17, %18, %19 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // UNROLL2_GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<32x64xf32>, tensor<32x64xf32>, tensor<32x64xf32>) -> (tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>)
 // UNROLL2_GOLDEN-NEXT: return %0#0, %0#1, %0#2 : tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>
 // UNROLL2_GOLDEN-NEXT: }
@@ -233,47 +235,49 @@
 // FULL_GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg3: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<64x64xf32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x64xf32> {jax.result_info = "result[1]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x64xf32> {jax.result_info = "result[2]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // FULL_GOLDEN-NEXT: %0:3 = sdy.manual_computation(%arg0, %arg1, %arg2, %arg3) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] manual_axes={"data", "model"} (%arg4: tensor<16x32xf32>, %arg5: tensor<32x16xf32>, %arg6: tensor<32x16xf32>, %arg7: tensor<32x16xf32>) {
 // FULL_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<2> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<3> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<4> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<16> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
 // FULL_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<64x48xf32>
-// FULL_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// FULL_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // FULL_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// FULL_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_5, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// FULL_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_1, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // FULL_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// FULL_GOLDEN-NEXT: %4 = stablehlo.concatenate %arg5, %arg6, %arg7, dim = 1 : (tensor<32x16xf32>, tensor<32x16xf32>, tensor<32x16xf32>) -> tensor<32x48xf32>
-// FULL_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%arg4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// FULL_GOLDEN-NEXT: %6 = stablehlo.dot_general %arg4, %4, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
-// FULL_GOLDEN-NEXT: %7 = stablehlo.multiply %3, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %cst, %6, %7, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
-// FULL_GOLDEN-NEXT: %9:2 = stablehlo.optimization_barrier %5, %6 : tensor<16x32xf32>, tensor<16x48xf32>
-// FULL_GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%9#0) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// FULL_GOLDEN-NEXT: %11 = stablehlo.add %3, %c_0 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_3 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %13:2 = stablehlo.optimization_barrier %5, %4 : tensor<16x32xf32>, tensor<32x48xf32>
-// FULL_GOLDEN-NEXT: %14 = stablehlo.dot_general %13#0, %13#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
-// FULL_GOLDEN-NEXT: %15 = stablehlo.multiply %12, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %8, %14, %15, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
-// FULL_GOLDEN-NEXT: %17:2 = stablehlo.optimization_barrier %10, %14 : tensor<16x32xf32>, tensor<16x48xf32>
-// FULL_GOLDEN-NEXT: %18 = "stablehlo.collective_permute"(%17#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// FULL_GOLDEN-NEXT: %19 = stablehlo.add %3, %c_1 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_3 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %21:2 = stablehlo.optimization_barrier %10, %4 : tensor<16x32xf32>, tensor<32x48xf32>
-// FULL_GOLDEN-NEXT: %22 = stablehlo.dot_general %21#0, %21#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
-// FULL_GOLDEN-NEXT: %23 = stablehlo.multiply %20, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %24 = stablehlo.dynamic_update_slice %16, %22, %23, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
-// FULL_GOLDEN-NEXT: %25 = stablehlo.add %3, %c_2 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %26 = stablehlo.remainder %25, %c_3 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %27:2 = stablehlo.optimization_barrier %18, %4 : tensor<16x32xf32>, tensor<32x48xf32>
-// FULL_GOLDEN-NEXT: %28 = stablehlo.dot_general %27#0, %27#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
-// FULL_GOLDEN-NEXT: %29 = stablehlo.multiply %26, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %30 = stablehlo.dynamic_update_slice %24, %28, %29, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
-// FULL_GOLDEN-NEXT: %31 = stablehlo.slice %30 [0:64, 0:16] : (tensor<64x48xf32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %32 = stablehlo.slice %30 [0:64, 16:32] : (tensor<64x48xf32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: %33 = stablehlo.slice %30 [0:64, 32:48] : (tensor<64x48xf32>) -> tensor<64x16xf32>
-// FULL_GOLDEN-NEXT: sdy.return %31, %32, %33 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[1, 2, 3, 0, 1, 2, 3, 0]> : tensor<8xui32>
+// FULL_GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// FULL_GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_2, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// FULL_GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[2, 3, 0, 1, 2, 3, 0, 1]> : tensor<8xui32>
+// FULL_GOLDEN-NEXT: %7 = stablehlo.partition_id : tensor<ui32>
+// FULL_GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %c_3, %7, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// FULL_GOLDEN-NEXT: %9 = stablehlo.reshape %8 : (tensor<1xui32>) -> tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// FULL_GOLDEN-NEXT: %10 = stablehlo.partition_id : tensor<ui32>
+// FULL_GOLDEN-NEXT: %11 = stablehlo.dynamic_slice %c_4, %10, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// FULL_GOLDEN-NEXT: %12 = stablehlo.reshape %11 : (tensor<1xui32>) -> tensor<ui32>
+// FULL_GOLDEN-NEXT: %13 = stablehlo.concatenate %arg5, %arg6, %arg7, dim = 1 : (tensor<32x16xf32>, tensor<32x16xf32>, tensor<32x16xf32>) -> tensor<32x48xf32>
+// FULL_GOLDEN-NEXT: %14 = "stablehlo.collective_permute"(%arg4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// FULL_GOLDEN-NEXT: %15 = stablehlo.dot_general %arg4, %13, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
+// FULL_GOLDEN-NEXT: %16 = stablehlo.multiply %3, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %17 = stablehlo.dynamic_update_slice %cst, %15, %16, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
+// FULL_GOLDEN-NEXT: %18:2 = stablehlo.optimization_barrier %14, %15 : tensor<16x32xf32>, tensor<16x48xf32>
+// FULL_GOLDEN-NEXT: %19 = "stablehlo.collective_permute"(%18#0) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// FULL_GOLDEN-NEXT: %20:2 = stablehlo.optimization_barrier %14, %13 : tensor<16x32xf32>, tensor<32x48xf32>
+// FULL_GOLDEN-NEXT: %21 = stablehlo.dot_general %20#0, %20#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
+// FULL_GOLDEN-NEXT: %22 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %17, %21, %22, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
+// FULL_GOLDEN-NEXT: %24:2 = stablehlo.optimization_barrier %19, %21 : tensor<16x32xf32>, tensor<16x48xf32>
+// FULL_GOLDEN-NEXT: %25 = "stablehlo.collective_permute"(%24#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// FULL_GOLDEN-NEXT: %26:2 = stablehlo.optimization_barrier %19, %13 : tensor<16x32xf32>, tensor<32x48xf32>
+// FULL_GOLDEN-NEXT: %27 = stablehlo.dot_general %26#0, %26#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
+// FULL_GOLDEN-NEXT: %28 = stablehlo.multiply %9, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %29 = stablehlo.dynamic_update_slice %23, %27, %28, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
+// FULL_GOLDEN-NEXT: %30:2 = stablehlo.optimization_barrier %25, %13 : tensor<16x32xf32>, tensor<32x48xf32>
+// FULL_GOLDEN-NEXT: %31 = stablehlo.dot_general %30#0, %30#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
+// FULL_GOLDEN-NEXT: %32 = stablehlo.multiply %12, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %33 = stablehlo.dynamic_update_slice %29, %31, %32, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
+// FULL_GOLDEN-NEXT: %34 = stablehlo.slice %33 [0:64, 0:16] : (tensor<64x48xf32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %35 = stablehlo.slice %33 [0:64, 16:32] : (tensor<64x48xf32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: %36 = stablehlo.slice %33 [0:64, 32:48] : (tensor<64x48xf32>) -> tensor<64x16xf32>
+// FULL_GOLDEN-NEXT: sdy.return %34, %35, %36 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // FULL_GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<32x64xf32>, tensor<32x64xf32>, tensor<32x64xf32>) -> (tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>)
 // FULL_GOLDEN-NEXT: return %0#0, %0#1, %0#2 : tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>
 // FULL_GOLDEN-NEXT: }
@@ -299,62 +303,62 @@
 // STREAMS_GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg3: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<64x64xf32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x64xf32> {jax.result_info = "result[1]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x64xf32> {jax.result_info = "result[2]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // STREAMS_GOLDEN-NEXT: %0:3 = sdy.manual_computation(%arg0, %arg1, %arg2, %arg3) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] manual_axes={"data", "model"} (%arg4: tensor<16x32xf32>, %arg5: tensor<32x16xf32>, %arg6: tensor<32x16xf32>, %arg7: tensor<32x16xf32>) {
 // STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<3> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<16> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<64x48xf32>
-// STREAMS_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // STREAMS_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// STREAMS_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_1, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // STREAMS_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %4 = stablehlo.concatenate %arg5, %arg6, %arg7, dim = 1 : (tensor<32x16xf32>, tensor<32x16xf32>, tensor<32x16xf32>) -> tensor<32x48xf32>
-// STREAMS_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%arg4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// STREAMS_GOLDEN-NEXT: %6 = func.call @cmatmul_dot_0(%arg4, %4) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
-// STREAMS_GOLDEN-NEXT: %7 = stablehlo.multiply %3, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %cst, %6, %7, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
-// STREAMS_GOLDEN-NEXT: %9:3 = stablehlo.while(%iterArg = %c, %iterArg_4 = %5, %iterArg_5 = %8) : tensor<ui32>, tensor<16x32xf32>, tensor<64x48xf32>
+// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// STREAMS_GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_2, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// STREAMS_GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %7 = stablehlo.concatenate %arg5, %arg6, %arg7, dim = 1 : (tensor<32x16xf32>, tensor<32x16xf32>, tensor<32x16xf32>) -> tensor<32x48xf32>
+// STREAMS_GOLDEN-NEXT: %8 = "stablehlo.collective_permute"(%arg4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// STREAMS_GOLDEN-NEXT: %9 = func.call @cmatmul_dot_0(%arg4, %7) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
+// STREAMS_GOLDEN-NEXT: %10 = stablehlo.multiply %3, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %11 = stablehlo.dynamic_update_slice %cst, %9, %10, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
+// STREAMS_GOLDEN-NEXT: %12:3 = stablehlo.while(%iterArg = %c, %iterArg_3 = %8, %iterArg_4 = %11) : tensor<ui32>, tensor<16x32xf32>, tensor<64x48xf32>
 // STREAMS_GOLDEN-NEXT: cond {
-// STREAMS_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %19 = stablehlo.compare LT, %iterArg, %c_6, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %19 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<1> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %20 = stablehlo.compare LT, %iterArg, %c_5, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %20 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
-// STREAMS_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<4> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<16> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %19 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// STREAMS_GOLDEN-NEXT: %20 = stablehlo.multiply %iterArg, %c_8 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %21 = stablehlo.add %20, %c_7 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %22 = stablehlo.add %3, %21 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %23 = stablehlo.remainder %22, %c_9 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %24:2 = stablehlo.optimization_barrier %iterArg_4, %4 : tensor<16x32xf32>, tensor<32x48xf32>
-// STREAMS_GOLDEN-NEXT: %25 = func.call @cmatmul_dot_0(%24#0, %24#1) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
-// STREAMS_GOLDEN-NEXT: %26 = stablehlo.multiply %23, %c_10 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %27 = stablehlo.dynamic_update_slice %iterArg_5, %25, %26, %c_6 : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
-// STREAMS_GOLDEN-NEXT: %28:2 = stablehlo.optimization_barrier %19, %25 : tensor<16x32xf32>, tensor<16x48xf32>
-// STREAMS_GOLDEN-NEXT: %29 = "stablehlo.collective_permute"(%28#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// STREAMS_GOLDEN-NEXT: %30 = stablehlo.multiply %iterArg, %c_8 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %31 = stablehlo.add %30, %c_8 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %32 = stablehlo.add %3, %31 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %33 = stablehlo.remainder %32, %c_9 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %34:2 = stablehlo.optimization_barrier %19, %4 : tensor<16x32xf32>, tensor<32x48xf32>
-// STREAMS_GOLDEN-NEXT: %35 = func.call @cmatmul_dot_0(%34#0, %34#1) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
-// STREAMS_GOLDEN-NEXT: %36 = stablehlo.multiply %33, %c_10 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %37 = stablehlo.dynamic_update_slice %27, %35, %36, %c_6 : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
-// STREAMS_GOLDEN-NEXT: %38 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %38, %29, %37 : tensor<ui32>, tensor<16x32xf32>, tensor<64x48xf32>
+// STREAMS_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<2> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<4> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %20 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// STREAMS_GOLDEN-NEXT: %21 = stablehlo.multiply %iterArg, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %22 = stablehlo.add %21, %c_6 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %23 = stablehlo.add %3, %22 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %24 = stablehlo.remainder %23, %c_8 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %25:2 = stablehlo.optimization_barrier %iterArg_3, %7 : tensor<16x32xf32>, tensor<32x48xf32>
+// STREAMS_GOLDEN-NEXT: %26 = func.call @cmatmul_dot_0(%25#0, %25#1) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
+// STREAMS_GOLDEN-NEXT: %27 = stablehlo.multiply %24, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %28 = stablehlo.dynamic_update_slice %iterArg_4, %26, %27, %c_5 : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
+// STREAMS_GOLDEN-NEXT: %29:2 = stablehlo.optimization_barrier %20, %26 : tensor<16x32xf32>, tensor<16x48xf32>
+// STREAMS_GOLDEN-NEXT: %30 = "stablehlo.collective_permute"(%29#0) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// STREAMS_GOLDEN-NEXT: %31 = stablehlo.multiply %iterArg, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %32 = stablehlo.add %31, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %33 = stablehlo.add %3, %32 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %34 = stablehlo.remainder %33, %c_8 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %35:2 = stablehlo.optimization_barrier %20, %7 : tensor<16x32xf32>, tensor<32x48xf32>
+// STREAMS_GOLDEN-NEXT: %36 = func.call @cmatmul_dot_0(%35#0, %35#1) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
+// STREAMS_GOLDEN-NEXT: %37 = stablehlo.multiply %34, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %38 = stablehlo.dynamic_update_slice %28, %36, %37, %c_5 : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
+// STREAMS_GOLDEN-NEXT: %39 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %39, %30, %38 : tensor<ui32>, tensor<16x32xf32>, tensor<64x48xf32>
 // STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: %10 = stablehlo.add %3, %c_0 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c_1 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %12:2 = stablehlo.optimization_barrier %9#1, %4 : tensor<16x32xf32>, tensor<32x48xf32>
-// STREAMS_GOLDEN-NEXT: %13 = func.call @cmatmul_dot_0(%12#0, %12#1) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
-// STREAMS_GOLDEN-NEXT: %14 = stablehlo.multiply %11, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %9#2, %13, %14, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
-// STREAMS_GOLDEN-NEXT: %16 = stablehlo.slice %15 [0:64, 0:16] : (tensor<64x48xf32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %17 = stablehlo.slice %15 [0:64, 16:32] : (tensor<64x48xf32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %18 = stablehlo.slice %15 [0:64, 32:48] : (tensor<64x48xf32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: sdy.return %16, %17, %18 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %13:2 = stablehlo.optimization_barrier %12#1, %7 : tensor<16x32xf32>, tensor<32x48xf32>
+// STREAMS_GOLDEN-NEXT: %14 = func.call @cmatmul_dot_0(%13#0, %13#1) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x32xf32>, tensor<32x48xf32>) -> tensor<16x48xf32>
+// STREAMS_GOLDEN-NEXT: %15 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %12#2, %14, %15, %c : (tensor<64x48xf32>, tensor<16x48xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x48xf32>
+// STREAMS_GOLDEN-NEXT: %17 = stablehlo.slice %16 [0:64, 0:16] : (tensor<64x48xf32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %18 = stablehlo.slice %16 [0:64, 16:32] : (tensor<64x48xf32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %19 = stablehlo.slice %16 [0:64, 32:48] : (tensor<64x48xf32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: sdy.return %17, %18, %19 : tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>
 // STREAMS_GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<32x64xf32>, tensor<32x64xf32>, tensor<32x64xf32>) -> (tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>)
 // STREAMS_GOLDEN-NEXT: return %0#0, %0#1, %0#2 : tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>
 // STREAMS_GOLDEN-NEXT: }

@@ -14,64 +14,62 @@
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<64x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg2: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg3: tensor<16x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) -> (tensor<64x64xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1, %arg2, %arg3) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>] out_shardings=[<@mesh, [{}, {"model"}]>] manual_axes={"data", "model"} (%arg4: tensor<16x32xf32>, %arg5: tensor<16x16xf32>, %arg6: tensor<32x16xf32>, %arg7: tensor<16x16xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<64x16xf32>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_1, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %4:3 = stablehlo.while(%iterArg = %c, %iterArg_4 = %arg4, %iterArg_5 = %cst) : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_2, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %7:3 = stablehlo.while(%iterArg = %c, %iterArg_3 = %arg4, %iterArg_4 = %cst) : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %17 = stablehlo.compare LT, %iterArg, %c_6, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %17 : tensor<i1>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %16 = stablehlo.compare LT, %iterArg, %c_5, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %16 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<ui32>
-// GOLDEN-NEXT: %17 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %18 = stablehlo.add %3, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %20 = stablehlo.dot_general %iterArg_4, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %21 = stablehlo.multiply %19, %c_9 : tensor<ui32>
-// GOLDEN-NEXT: %22 = stablehlo.dynamic_update_slice %iterArg_5, %20, %21, %c_6 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %23 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %23, %17, %22 : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %16 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %17 = stablehlo.add %3, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %18 = stablehlo.remainder %17, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %19 = stablehlo.dot_general %iterArg_3, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %20 = stablehlo.multiply %18, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: %21 = stablehlo.dynamic_update_slice %iterArg_4, %19, %20, %c_5 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %22 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %22, %16, %21 : tensor<ui32>, tensor<16x32xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %5 = stablehlo.add %3, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %6 = stablehlo.remainder %5, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %7 = stablehlo.dot_general %4#1, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %8 = stablehlo.multiply %6, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %4#2, %7, %8, %c : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %10:3 = stablehlo.while(%iterArg = %c, %iterArg_4 = %arg5, %iterArg_5 = %cst) : tensor<ui32>, tensor<16x16xf32>, tensor<64x16xf32>
+// GOLDEN-NEXT: %8 = stablehlo.dot_general %7#1, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %9 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %7#2, %8, %9, %c : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %11:3 = stablehlo.while(%iterArg = %c, %iterArg_3 = %arg5, %iterArg_4 = %cst) : tensor<ui32>, tensor<16x16xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %17 = stablehlo.compare LT, %iterArg, %c_6, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %17 : tensor<i1>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %16 = stablehlo.compare LT, %iterArg, %c_5, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %16 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<ui32>
-// GOLDEN-NEXT: %17 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %18 = stablehlo.add %3, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %20 = stablehlo.dot_general %iterArg_4, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %21 = stablehlo.multiply %19, %c_9 : tensor<ui32>
-// GOLDEN-NEXT: %22 = stablehlo.dynamic_update_slice %iterArg_5, %20, %21, %c_6 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %23 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %23, %17, %22 : tensor<ui32>, tensor<16x16xf32>, tensor<64x16xf32>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %16 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %17 = stablehlo.add %3, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %18 = stablehlo.remainder %17, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %19 = stablehlo.dot_general %iterArg_3, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %20 = stablehlo.multiply %18, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: %21 = stablehlo.dynamic_update_slice %iterArg_4, %19, %20, %c_5 : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %22 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %22, %16, %21 : tensor<ui32>, tensor<16x16xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %11 = stablehlo.add %3, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %13 = stablehlo.dot_general %10#1, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %14 = stablehlo.multiply %12, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %10#2, %13, %14, %c : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %16 = stablehlo.add %9, %15 : tensor<64x16xf32>
-// GOLDEN-NEXT: sdy.return %16 : tensor<64x16xf32>
+// GOLDEN-NEXT: %12 = stablehlo.dot_general %11#1, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %13 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %14 = stablehlo.dynamic_update_slice %11#2, %12, %13, %c : (tensor<64x16xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %15 = stablehlo.add %10, %14 : tensor<64x16xf32>
+// GOLDEN-NEXT: sdy.return %15 : tensor<64x16xf32>
 // GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<64x16xf32>, tensor<32x64xf32>, tensor<16x64xf32>) -> tensor<64x64xf32>
 // GOLDEN-NEXT: return %0 : tensor<64x64xf32>
 // GOLDEN-NEXT: }

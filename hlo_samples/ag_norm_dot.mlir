@@ -15,97 +15,99 @@
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}]>}, %arg2: tensor<32x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg3: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<64x32xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1, %arg2, %arg3) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"model"}, {}]>] manual_axes={"model"} (%arg4: tensor<8x32xf32>, %arg5: tensor<32xf32>, %arg6: tensor<32x16xf32>, %arg7: tensor<16x32xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<7> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<64x16xf32>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_1, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %4 = stablehlo.multiply %arg4, %arg4 : tensor<8x32xf32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[1, 2, 3, 4, 5, 6, 7, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_2, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[7, 0, 1, 2, 3, 4, 5, 6]> : tensor<8xui32>
+// GOLDEN-NEXT: %7 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %c_3, %7, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %9 = stablehlo.reshape %8 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %10 = stablehlo.multiply %arg4, %arg4 : tensor<8x32xf32>
 // GOLDEN-NEXT: %cst_4 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %5 = stablehlo.reduce(%4 init: %cst_4) applies stablehlo.add across dimensions = [1] : (tensor<8x32xf32>, tensor<f32>) -> tensor<8xf32>
-// GOLDEN-NEXT: %6 = stablehlo.broadcast_in_dim %5, dims = [0] : (tensor<8xf32>) -> tensor<8x1xf32>
+// GOLDEN-NEXT: %11 = stablehlo.reduce(%10 init: %cst_4) applies stablehlo.add across dimensions = [1] : (tensor<8x32xf32>, tensor<f32>) -> tensor<8xf32>
+// GOLDEN-NEXT: %12 = stablehlo.broadcast_in_dim %11, dims = [0] : (tensor<8xf32>) -> tensor<8x1xf32>
 // GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<3.200000e+01> : tensor<f32>
-// GOLDEN-NEXT: %7 = stablehlo.broadcast_in_dim %cst_5, dims = [] : (tensor<f32>) -> tensor<8x1xf32>
-// GOLDEN-NEXT: %8 = stablehlo.divide %6, %7 : tensor<8x1xf32>
+// GOLDEN-NEXT: %13 = stablehlo.broadcast_in_dim %cst_5, dims = [] : (tensor<f32>) -> tensor<8x1xf32>
+// GOLDEN-NEXT: %14 = stablehlo.divide %12, %13 : tensor<8x1xf32>
 // GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<9.99999997E-7> : tensor<f32>
-// GOLDEN-NEXT: %9 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<8x1xf32>
-// GOLDEN-NEXT: %10 = stablehlo.add %8, %9 : tensor<8x1xf32>
-// GOLDEN-NEXT: %11 = stablehlo.rsqrt %10 : tensor<8x1xf32>
-// GOLDEN-NEXT: %12 = stablehlo.broadcast_in_dim %11, dims = [0, 1] : (tensor<8x1xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %13 = stablehlo.multiply %arg4, %12 : tensor<8x32xf32>
-// GOLDEN-NEXT: %14 = stablehlo.broadcast_in_dim %arg5, dims = [1] : (tensor<32xf32>) -> tensor<1x32xf32>
-// GOLDEN-NEXT: %15 = stablehlo.broadcast_in_dim %14, dims = [0, 1] : (tensor<1x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %16 = stablehlo.multiply %13, %15 : tensor<8x32xf32>
-// GOLDEN-NEXT: %17:3 = stablehlo.while(%iterArg = %c, %iterArg_11 = %16, %iterArg_12 = %cst) : tensor<ui32>, tensor<8x32xf32>, tensor<64x16xf32>
+// GOLDEN-NEXT: %15 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<8x1xf32>
+// GOLDEN-NEXT: %16 = stablehlo.add %14, %15 : tensor<8x1xf32>
+// GOLDEN-NEXT: %17 = stablehlo.rsqrt %16 : tensor<8x1xf32>
+// GOLDEN-NEXT: %18 = stablehlo.broadcast_in_dim %17, dims = [0, 1] : (tensor<8x1xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %19 = stablehlo.multiply %arg4, %18 : tensor<8x32xf32>
+// GOLDEN-NEXT: %20 = stablehlo.broadcast_in_dim %arg5, dims = [1] : (tensor<32xf32>) -> tensor<1x32xf32>
+// GOLDEN-NEXT: %21 = stablehlo.broadcast_in_dim %20, dims = [0, 1] : (tensor<1x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %22 = stablehlo.multiply %19, %21 : tensor<8x32xf32>
+// GOLDEN-NEXT: %23:3 = stablehlo.while(%iterArg = %c, %iterArg_11 = %22, %iterArg_12 = %cst) : tensor<ui32>, tensor<8x32xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_13 = stablehlo.constant dense<7> : tensor<ui32>
-// GOLDEN-NEXT: %42 = stablehlo.compare LT, %iterArg, %c_13, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %42 : tensor<i1>
+// GOLDEN-NEXT: %44 = stablehlo.compare LT, %iterArg, %c_13, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %44 : tensor<i1>
 // GOLDEN-NEXT: } do {
 // GOLDEN-NEXT: %c_13 = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %c_14 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_15 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %42 = "stablehlo.collective_permute"(%iterArg_11) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %43 = stablehlo.add %3, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %44 = stablehlo.remainder %43, %c_15 : tensor<ui32>
-// GOLDEN-NEXT: %45 = stablehlo.dot_general %iterArg_11, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<32x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %46 = stablehlo.multiply %44, %c_15 : tensor<ui32>
-// GOLDEN-NEXT: %47 = stablehlo.dynamic_update_slice %iterArg_12, %45, %46, %c_13 : (tensor<64x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %48 = stablehlo.add %iterArg, %c_14 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %48, %42, %47 : tensor<ui32>, tensor<8x32xf32>, tensor<64x16xf32>
+// GOLDEN-NEXT: %44 = "stablehlo.collective_permute"(%iterArg_11) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %45 = stablehlo.add %3, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %46 = stablehlo.remainder %45, %c_15 : tensor<ui32>
+// GOLDEN-NEXT: %47 = stablehlo.dot_general %iterArg_11, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<32x16xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %48 = stablehlo.multiply %46, %c_15 : tensor<ui32>
+// GOLDEN-NEXT: %49 = stablehlo.dynamic_update_slice %iterArg_12, %47, %48, %c_13 : (tensor<64x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %50 = stablehlo.add %iterArg, %c_14 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %50, %44, %49 : tensor<ui32>, tensor<8x32xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %18 = stablehlo.add %3, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %20 = stablehlo.dot_general %17#1, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<32x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %21 = stablehlo.multiply %19, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %22 = stablehlo.dynamic_update_slice %17#2, %20, %21, %c : (tensor<64x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %23 = stablehlo.multiply %22, %22 : tensor<64x16xf32>
-// GOLDEN-NEXT: %24 = stablehlo.multiply %23, %22 : tensor<64x16xf32>
+// GOLDEN-NEXT: %24 = stablehlo.dot_general %23#1, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<32x16xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %25 = stablehlo.multiply %9, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %26 = stablehlo.dynamic_update_slice %23#2, %24, %25, %c : (tensor<64x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %27 = stablehlo.multiply %26, %26 : tensor<64x16xf32>
+// GOLDEN-NEXT: %28 = stablehlo.multiply %27, %26 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// GOLDEN-NEXT: %25 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %26 = stablehlo.multiply %25, %24 : tensor<64x16xf32>
-// GOLDEN-NEXT: %27 = stablehlo.add %22, %26 : tensor<64x16xf32>
+// GOLDEN-NEXT: %29 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %30 = stablehlo.multiply %29, %28 : tensor<64x16xf32>
+// GOLDEN-NEXT: %31 = stablehlo.add %26, %30 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// GOLDEN-NEXT: %28 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %29 = stablehlo.multiply %28, %27 : tensor<64x16xf32>
-// GOLDEN-NEXT: %30 = stablehlo.tanh %29 : tensor<64x16xf32>
+// GOLDEN-NEXT: %32 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %33 = stablehlo.multiply %32, %31 : tensor<64x16xf32>
+// GOLDEN-NEXT: %34 = stablehlo.tanh %33 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_9 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %31 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %32 = stablehlo.add %31, %30 : tensor<64x16xf32>
+// GOLDEN-NEXT: %35 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %36 = stablehlo.add %35, %34 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_10 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// GOLDEN-NEXT: %33 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %34 = stablehlo.multiply %33, %32 : tensor<64x16xf32>
-// GOLDEN-NEXT: %35 = stablehlo.multiply %22, %34 : tensor<64x16xf32>
-// GOLDEN-NEXT: %36 = stablehlo.add %3, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %37 = stablehlo.remainder %36, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %38 = stablehlo.multiply %37, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %39 = stablehlo.dynamic_slice %35, %38, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %40 = stablehlo.dot_general %39, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %41:2 = stablehlo.while(%iterArg = %c, %iterArg_11 = %40) : tensor<ui32>, tensor<8x32xf32>
+// GOLDEN-NEXT: %37 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %38 = stablehlo.multiply %37, %36 : tensor<64x16xf32>
+// GOLDEN-NEXT: %39 = stablehlo.multiply %26, %38 : tensor<64x16xf32>
+// GOLDEN-NEXT: %40 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %41 = stablehlo.dynamic_slice %39, %40, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %42 = stablehlo.dot_general %41, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %43:2 = stablehlo.while(%iterArg = %c, %iterArg_11 = %42) : tensor<ui32>, tensor<8x32xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_12 = stablehlo.constant dense<7> : tensor<ui32>
-// GOLDEN-NEXT: %42 = stablehlo.compare LT, %iterArg, %c_12, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %42 : tensor<i1>
+// GOLDEN-NEXT: %44 = stablehlo.compare LT, %iterArg, %c_12, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %44 : tensor<i1>
 // GOLDEN-NEXT: } do {
 // GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %c_13 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_14 = stablehlo.constant dense<2> : tensor<ui32>
 // GOLDEN-NEXT: %c_15 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %42 = "stablehlo.collective_permute"(%iterArg_11) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %43 = stablehlo.add %iterArg, %c_14 : tensor<ui32>
-// GOLDEN-NEXT: %44 = stablehlo.add %3, %43 : tensor<ui32>
-// GOLDEN-NEXT: %45 = stablehlo.remainder %44, %c_15 : tensor<ui32>
-// GOLDEN-NEXT: %46 = stablehlo.multiply %45, %c_15 : tensor<ui32>
-// GOLDEN-NEXT: %47 = stablehlo.dynamic_slice %35, %46, %c_12, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %48 = stablehlo.dot_general %47, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %49 = stablehlo.add %42, %48 : tensor<8x32xf32>
-// GOLDEN-NEXT: %50 = stablehlo.add %iterArg, %c_13 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %50, %49 : tensor<ui32>, tensor<8x32xf32>
+// GOLDEN-NEXT: %44 = "stablehlo.collective_permute"(%iterArg_11) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %45 = stablehlo.add %iterArg, %c_14 : tensor<ui32>
+// GOLDEN-NEXT: %46 = stablehlo.add %3, %45 : tensor<ui32>
+// GOLDEN-NEXT: %47 = stablehlo.remainder %46, %c_15 : tensor<ui32>
+// GOLDEN-NEXT: %48 = stablehlo.multiply %47, %c_15 : tensor<ui32>
+// GOLDEN-NEXT: %49 = stablehlo.dynamic_slice %39, %48, %c_12, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %50 = stablehlo.dot_general %49, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %51 = stablehlo.add %44, %50 : tensor<8x32xf32>
+// GOLDEN-NEXT: %52 = stablehlo.add %iterArg, %c_13 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %52, %51 : tensor<ui32>, tensor<8x32xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: sdy.return %41#1 : tensor<8x32xf32>
+// GOLDEN-NEXT: sdy.return %43#1 : tensor<8x32xf32>
 // GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<32xf32>, tensor<32x128xf32>, tensor<128x32xf32>) -> tensor<64x32xf32>
 // GOLDEN-NEXT: return %0 : tensor<64x32xf32>
 // GOLDEN-NEXT: }

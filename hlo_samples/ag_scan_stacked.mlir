@@ -25,52 +25,52 @@
 // GOLDEN-NEXT: } do {
 // GOLDEN-NEXT: %c_3 = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %c_4 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<7> : tensor<ui32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<16x32xf32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // GOLDEN-NEXT: %3 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_7, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_5, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %5 = stablehlo.reshape %4 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %6 = func.call @dynamic_index_in_dim(%iterArg, %iterArg_1) : (tensor<3xi32>, tensor<i32>) -> tensor<i32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %7 = stablehlo.compare LT, %6, %c_8, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<3> : tensor<i32>
-// GOLDEN-NEXT: %8 = stablehlo.add %6, %c_9 : tensor<i32>
-// GOLDEN-NEXT: %9 = stablehlo.select %7, %8, %6 : tensor<i1>, tensor<i32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<[7, 0, 1, 2, 3, 4, 5, 6]> : tensor<8xui32>
+// GOLDEN-NEXT: %6 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %c_6, %6, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %8 = stablehlo.reshape %7 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %9 = func.call @dynamic_index_in_dim(%iterArg, %iterArg_1) : (tensor<3xi32>, tensor<i32>) -> tensor<i32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<0> : tensor<i32>
+// GOLDEN-NEXT: %10 = stablehlo.compare LT, %9, %c_7, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<3> : tensor<i32>
+// GOLDEN-NEXT: %11 = stablehlo.add %9, %c_8 : tensor<i32>
+// GOLDEN-NEXT: %12 = stablehlo.select %10, %11, %9 : tensor<i1>, tensor<i32>
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<0> : tensor<i32>
 // GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %10 = stablehlo.dynamic_slice %iterArg_0, %9, %c_10, %c_11, sizes = [1, 32, 4] : (tensor<3x32x4xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<1x32x4xf32>
-// GOLDEN-NEXT: %11:3 = stablehlo.while(%iterArg_13 = %c_3, %iterArg_14 = %10, %iterArg_15 = %cst) : tensor<ui32>, tensor<1x32x4xf32>, tensor<16x32xf32>
+// GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %iterArg_0, %12, %c_9, %c_10, sizes = [1, 32, 4] : (tensor<3x32x4xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<1x32x4xf32>
+// GOLDEN-NEXT: %14:3 = stablehlo.while(%iterArg_12 = %c_3, %iterArg_13 = %13, %iterArg_14 = %cst) : tensor<ui32>, tensor<1x32x4xf32>, tensor<16x32xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_16 = stablehlo.constant dense<7> : tensor<ui32>
-// GOLDEN-NEXT: %20 = stablehlo.compare LT, %iterArg_13, %c_16, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %20 : tensor<i1>
+// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<7> : tensor<ui32>
+// GOLDEN-NEXT: %21 = stablehlo.compare LT, %iterArg_12, %c_15, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %21 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_16 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_18 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %20 = "stablehlo.collective_permute"(%iterArg_14) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<1x32x4xf32>) -> tensor<1x32x4xf32>
-// GOLDEN-NEXT: %21 = stablehlo.add %5, %iterArg_13 : tensor<ui32>
-// GOLDEN-NEXT: %22 = stablehlo.remainder %21, %c_19 : tensor<ui32>
-// GOLDEN-NEXT: %23 = stablehlo.reshape %iterArg_14 : (tensor<1x32x4xf32>) -> tensor<32x4xf32>
-// GOLDEN-NEXT: %24 = stablehlo.dot_general %iterArg_2, %23, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x4xf32>) -> tensor<16x4xf32>
-// GOLDEN-NEXT: %25 = stablehlo.multiply %22, %c_18 : tensor<ui32>
-// GOLDEN-NEXT: %26 = stablehlo.dynamic_update_slice %iterArg_15, %24, %c_16, %25 : (tensor<16x32xf32>, tensor<16x4xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %27 = stablehlo.add %iterArg_13, %c_17 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %27, %20, %26 : tensor<ui32>, tensor<1x32x4xf32>, tensor<16x32xf32>
+// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_16 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_18 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %21 = "stablehlo.collective_permute"(%iterArg_13) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<1x32x4xf32>) -> tensor<1x32x4xf32>
+// GOLDEN-NEXT: %22 = stablehlo.add %5, %iterArg_12 : tensor<ui32>
+// GOLDEN-NEXT: %23 = stablehlo.remainder %22, %c_18 : tensor<ui32>
+// GOLDEN-NEXT: %24 = stablehlo.reshape %iterArg_13 : (tensor<1x32x4xf32>) -> tensor<32x4xf32>
+// GOLDEN-NEXT: %25 = stablehlo.dot_general %iterArg_2, %24, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x4xf32>) -> tensor<16x4xf32>
+// GOLDEN-NEXT: %26 = stablehlo.multiply %23, %c_17 : tensor<ui32>
+// GOLDEN-NEXT: %27 = stablehlo.dynamic_update_slice %iterArg_14, %25, %c_15, %26 : (tensor<16x32xf32>, tensor<16x4xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %28 = stablehlo.add %iterArg_12, %c_16 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %28, %21, %27 : tensor<ui32>, tensor<1x32x4xf32>, tensor<16x32xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %12 = stablehlo.add %5, %c_5 : tensor<ui32>
-// GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %14 = stablehlo.reshape %11#1 : (tensor<1x32x4xf32>) -> tensor<32x4xf32>
-// GOLDEN-NEXT: %15 = stablehlo.dot_general %iterArg_2, %14, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x4xf32>) -> tensor<16x4xf32>
-// GOLDEN-NEXT: %16 = stablehlo.multiply %13, %c_4 : tensor<ui32>
-// GOLDEN-NEXT: %17 = stablehlo.dynamic_update_slice %11#2, %15, %c_3, %16 : (tensor<16x32xf32>, tensor<16x4xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %18 = stablehlo.tanh %17 : tensor<16x32xf32>
-// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<1> : tensor<i32>
-// GOLDEN-NEXT: %19 = stablehlo.add %iterArg_1, %c_12 : tensor<i32>
-// GOLDEN-NEXT: stablehlo.return %iterArg, %iterArg_0, %19, %18 : tensor<3xi32>, tensor<3x32x4xf32>, tensor<i32>, tensor<16x32xf32>
+// GOLDEN-NEXT: %15 = stablehlo.reshape %14#1 : (tensor<1x32x4xf32>) -> tensor<32x4xf32>
+// GOLDEN-NEXT: %16 = stablehlo.dot_general %iterArg_2, %15, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x4xf32>) -> tensor<16x4xf32>
+// GOLDEN-NEXT: %17 = stablehlo.multiply %8, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %18 = stablehlo.dynamic_update_slice %14#2, %16, %c_3, %17 : (tensor<16x32xf32>, tensor<16x4xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %19 = stablehlo.tanh %18 : tensor<16x32xf32>
+// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<i32>
+// GOLDEN-NEXT: %20 = stablehlo.add %iterArg_1, %c_11 : tensor<i32>
+// GOLDEN-NEXT: stablehlo.return %iterArg, %iterArg_0, %20, %19 : tensor<3xi32>, tensor<3x32x4xf32>, tensor<i32>, tensor<16x32xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: sdy.return %2#3 : tensor<16x32xf32>
 // GOLDEN-NEXT: } : (tensor<16x32xf32>, tensor<3x32x32xf32>) -> tensor<16x32xf32>

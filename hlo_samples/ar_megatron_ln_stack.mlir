@@ -20,189 +20,192 @@
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, %arg1: tensor<32x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg3: tensor<32x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg4: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<64x32xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1, %arg2, %arg3, %arg4) in_shardings=[<@mesh, [{}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{}, {}]>] manual_axes={"model"} (%arg5: tensor<64x32xf32>, %arg6: tensor<32x16xf32>, %arg7: tensor<16x32xf32>, %arg8: tensor<32x16xf32>, %arg9: tensor<16x32xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<7> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<64x16xf32>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_1, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[1, 2, 3, 4, 5, 6, 7, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_2, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[7, 0, 1, 2, 3, 4, 5, 6]> : tensor<8xui32>
+// GOLDEN-NEXT: %7 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %c_3, %7, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %9 = stablehlo.reshape %8 : (tensor<1xui32>) -> tensor<ui32>
 // GOLDEN-NEXT: %cst_4 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %4 = stablehlo.reduce(%arg5 init: %cst_4) applies stablehlo.add across dimensions = [1] : (tensor<64x32xf32>, tensor<f32>) -> tensor<64xf32>
-// GOLDEN-NEXT: %5 = stablehlo.broadcast_in_dim %4, dims = [0] : (tensor<64xf32>) -> tensor<64x1xf32>
+// GOLDEN-NEXT: %10 = stablehlo.reduce(%arg5 init: %cst_4) applies stablehlo.add across dimensions = [1] : (tensor<64x32xf32>, tensor<f32>) -> tensor<64xf32>
+// GOLDEN-NEXT: %11 = stablehlo.broadcast_in_dim %10, dims = [0] : (tensor<64xf32>) -> tensor<64x1xf32>
 // GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<3.200000e+01> : tensor<f32>
-// GOLDEN-NEXT: %6 = stablehlo.broadcast_in_dim %cst_5, dims = [] : (tensor<f32>) -> tensor<64x1xf32>
-// GOLDEN-NEXT: %7 = stablehlo.divide %5, %6 : tensor<64x1xf32>
-// GOLDEN-NEXT: %8 = stablehlo.broadcast_in_dim %7, dims = [0, 1] : (tensor<64x1xf32>) -> tensor<64x32xf32>
-// GOLDEN-NEXT: %9 = stablehlo.subtract %arg5, %8 : tensor<64x32xf32>
-// GOLDEN-NEXT: %10 = stablehlo.multiply %9, %9 : tensor<64x32xf32>
+// GOLDEN-NEXT: %12 = stablehlo.broadcast_in_dim %cst_5, dims = [] : (tensor<f32>) -> tensor<64x1xf32>
+// GOLDEN-NEXT: %13 = stablehlo.divide %11, %12 : tensor<64x1xf32>
+// GOLDEN-NEXT: %14 = stablehlo.broadcast_in_dim %13, dims = [0, 1] : (tensor<64x1xf32>) -> tensor<64x32xf32>
+// GOLDEN-NEXT: %15 = stablehlo.subtract %arg5, %14 : tensor<64x32xf32>
+// GOLDEN-NEXT: %16 = stablehlo.multiply %15, %15 : tensor<64x32xf32>
 // GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %11 = stablehlo.reduce(%10 init: %cst_6) applies stablehlo.add across dimensions = [1] : (tensor<64x32xf32>, tensor<f32>) -> tensor<64xf32>
-// GOLDEN-NEXT: %12 = stablehlo.broadcast_in_dim %11, dims = [0] : (tensor<64xf32>) -> tensor<64x1xf32>
+// GOLDEN-NEXT: %17 = stablehlo.reduce(%16 init: %cst_6) applies stablehlo.add across dimensions = [1] : (tensor<64x32xf32>, tensor<f32>) -> tensor<64xf32>
+// GOLDEN-NEXT: %18 = stablehlo.broadcast_in_dim %17, dims = [0] : (tensor<64xf32>) -> tensor<64x1xf32>
 // GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<3.200000e+01> : tensor<f32>
-// GOLDEN-NEXT: %13 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<64x1xf32>
-// GOLDEN-NEXT: %14 = stablehlo.divide %12, %13 : tensor<64x1xf32>
-// GOLDEN-NEXT: %15 = stablehlo.broadcast_in_dim %7, dims = [0, 1] : (tensor<64x1xf32>) -> tensor<64x32xf32>
-// GOLDEN-NEXT: %16 = stablehlo.subtract %arg5, %15 : tensor<64x32xf32>
+// GOLDEN-NEXT: %19 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<64x1xf32>
+// GOLDEN-NEXT: %20 = stablehlo.divide %18, %19 : tensor<64x1xf32>
+// GOLDEN-NEXT: %21 = stablehlo.broadcast_in_dim %13, dims = [0, 1] : (tensor<64x1xf32>) -> tensor<64x32xf32>
+// GOLDEN-NEXT: %22 = stablehlo.subtract %arg5, %21 : tensor<64x32xf32>
 // GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<9.99999974E-6> : tensor<f32>
-// GOLDEN-NEXT: %17 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<64x1xf32>
-// GOLDEN-NEXT: %18 = stablehlo.add %14, %17 : tensor<64x1xf32>
-// GOLDEN-NEXT: %19 = stablehlo.rsqrt %18 : tensor<64x1xf32>
-// GOLDEN-NEXT: %20 = stablehlo.broadcast_in_dim %19, dims = [0, 1] : (tensor<64x1xf32>) -> tensor<64x32xf32>
-// GOLDEN-NEXT: %21 = stablehlo.multiply %16, %20 : tensor<64x32xf32>
-// GOLDEN-NEXT: %22 = stablehlo.dot_general %21, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<64x32xf32>, tensor<32x16xf32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %23 = stablehlo.multiply %22, %22 : tensor<64x16xf32>
-// GOLDEN-NEXT: %24 = stablehlo.multiply %23, %22 : tensor<64x16xf32>
+// GOLDEN-NEXT: %23 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<64x1xf32>
+// GOLDEN-NEXT: %24 = stablehlo.add %20, %23 : tensor<64x1xf32>
+// GOLDEN-NEXT: %25 = stablehlo.rsqrt %24 : tensor<64x1xf32>
+// GOLDEN-NEXT: %26 = stablehlo.broadcast_in_dim %25, dims = [0, 1] : (tensor<64x1xf32>) -> tensor<64x32xf32>
+// GOLDEN-NEXT: %27 = stablehlo.multiply %22, %26 : tensor<64x32xf32>
+// GOLDEN-NEXT: %28 = stablehlo.dot_general %27, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<64x32xf32>, tensor<32x16xf32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %29 = stablehlo.multiply %28, %28 : tensor<64x16xf32>
+// GOLDEN-NEXT: %30 = stablehlo.multiply %29, %28 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_9 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// GOLDEN-NEXT: %25 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %26 = stablehlo.multiply %25, %24 : tensor<64x16xf32>
-// GOLDEN-NEXT: %27 = stablehlo.add %22, %26 : tensor<64x16xf32>
+// GOLDEN-NEXT: %31 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %32 = stablehlo.multiply %31, %30 : tensor<64x16xf32>
+// GOLDEN-NEXT: %33 = stablehlo.add %28, %32 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_10 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// GOLDEN-NEXT: %28 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %29 = stablehlo.multiply %28, %27 : tensor<64x16xf32>
-// GOLDEN-NEXT: %30 = stablehlo.tanh %29 : tensor<64x16xf32>
+// GOLDEN-NEXT: %34 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %35 = stablehlo.multiply %34, %33 : tensor<64x16xf32>
+// GOLDEN-NEXT: %36 = stablehlo.tanh %35 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_11 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %31 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %32 = stablehlo.add %31, %30 : tensor<64x16xf32>
+// GOLDEN-NEXT: %37 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %38 = stablehlo.add %37, %36 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_12 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// GOLDEN-NEXT: %33 = stablehlo.broadcast_in_dim %cst_12, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %34 = stablehlo.multiply %33, %32 : tensor<64x16xf32>
-// GOLDEN-NEXT: %35 = stablehlo.multiply %22, %34 : tensor<64x16xf32>
-// GOLDEN-NEXT: %36 = stablehlo.add %3, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %37 = stablehlo.remainder %36, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %38 = stablehlo.multiply %37, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %39 = stablehlo.dynamic_slice %35, %38, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %40 = stablehlo.dot_general %39, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %41:2 = stablehlo.while(%iterArg = %c, %iterArg_22 = %40) : tensor<ui32>, tensor<8x32xf32>
+// GOLDEN-NEXT: %39 = stablehlo.broadcast_in_dim %cst_12, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %40 = stablehlo.multiply %39, %38 : tensor<64x16xf32>
+// GOLDEN-NEXT: %41 = stablehlo.multiply %28, %40 : tensor<64x16xf32>
+// GOLDEN-NEXT: %42 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %43 = stablehlo.dynamic_slice %41, %42, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %44 = stablehlo.dot_general %43, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %45:2 = stablehlo.while(%iterArg = %c, %iterArg_22 = %44) : tensor<ui32>, tensor<8x32xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_23 = stablehlo.constant dense<7> : tensor<ui32>
-// GOLDEN-NEXT: %85 = stablehlo.compare LT, %iterArg, %c_23, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %85 : tensor<i1>
+// GOLDEN-NEXT: %87 = stablehlo.compare LT, %iterArg, %c_23, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %87 : tensor<i1>
 // GOLDEN-NEXT: } do {
 // GOLDEN-NEXT: %c_23 = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %c_24 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_25 = stablehlo.constant dense<2> : tensor<ui32>
 // GOLDEN-NEXT: %c_26 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %85 = "stablehlo.collective_permute"(%iterArg_22) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %86 = stablehlo.add %iterArg, %c_25 : tensor<ui32>
-// GOLDEN-NEXT: %87 = stablehlo.add %3, %86 : tensor<ui32>
-// GOLDEN-NEXT: %88 = stablehlo.remainder %87, %c_26 : tensor<ui32>
-// GOLDEN-NEXT: %89 = stablehlo.multiply %88, %c_26 : tensor<ui32>
-// GOLDEN-NEXT: %90 = stablehlo.dynamic_slice %35, %89, %c_23, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %91 = stablehlo.dot_general %90, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %92 = stablehlo.add %85, %91 : tensor<8x32xf32>
-// GOLDEN-NEXT: %93 = stablehlo.add %iterArg, %c_24 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %93, %92 : tensor<ui32>, tensor<8x32xf32>
+// GOLDEN-NEXT: %87 = "stablehlo.collective_permute"(%iterArg_22) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %88 = stablehlo.add %iterArg, %c_25 : tensor<ui32>
+// GOLDEN-NEXT: %89 = stablehlo.add %3, %88 : tensor<ui32>
+// GOLDEN-NEXT: %90 = stablehlo.remainder %89, %c_26 : tensor<ui32>
+// GOLDEN-NEXT: %91 = stablehlo.multiply %90, %c_26 : tensor<ui32>
+// GOLDEN-NEXT: %92 = stablehlo.dynamic_slice %41, %91, %c_23, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %93 = stablehlo.dot_general %92, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %94 = stablehlo.add %87, %93 : tensor<8x32xf32>
+// GOLDEN-NEXT: %95 = stablehlo.add %iterArg, %c_24 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %95, %94 : tensor<ui32>, tensor<8x32xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %42 = stablehlo.multiply %3, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %43 = stablehlo.dynamic_slice %arg5, %42, %c, sizes = [8, 32] : (tensor<64x32xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %44 = stablehlo.add %43, %41#1 : tensor<8x32xf32>
+// GOLDEN-NEXT: %46 = stablehlo.multiply %3, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %47 = stablehlo.dynamic_slice %arg5, %46, %c, sizes = [8, 32] : (tensor<64x32xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %48 = stablehlo.add %47, %45#1 : tensor<8x32xf32>
 // GOLDEN-NEXT: %cst_13 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %45 = stablehlo.reduce(%44 init: %cst_13) applies stablehlo.add across dimensions = [1] : (tensor<8x32xf32>, tensor<f32>) -> tensor<8xf32>
-// GOLDEN-NEXT: %46 = stablehlo.broadcast_in_dim %45, dims = [0] : (tensor<8xf32>) -> tensor<8x1xf32>
+// GOLDEN-NEXT: %49 = stablehlo.reduce(%48 init: %cst_13) applies stablehlo.add across dimensions = [1] : (tensor<8x32xf32>, tensor<f32>) -> tensor<8xf32>
+// GOLDEN-NEXT: %50 = stablehlo.broadcast_in_dim %49, dims = [0] : (tensor<8xf32>) -> tensor<8x1xf32>
 // GOLDEN-NEXT: %cst_14 = stablehlo.constant dense<3.200000e+01> : tensor<f32>
-// GOLDEN-NEXT: %47 = stablehlo.broadcast_in_dim %cst_14, dims = [] : (tensor<f32>) -> tensor<8x1xf32>
-// GOLDEN-NEXT: %48 = stablehlo.divide %46, %47 : tensor<8x1xf32>
-// GOLDEN-NEXT: %49 = stablehlo.broadcast_in_dim %48, dims = [0, 1] : (tensor<8x1xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %50 = stablehlo.subtract %44, %49 : tensor<8x32xf32>
-// GOLDEN-NEXT: %51 = stablehlo.multiply %50, %50 : tensor<8x32xf32>
+// GOLDEN-NEXT: %51 = stablehlo.broadcast_in_dim %cst_14, dims = [] : (tensor<f32>) -> tensor<8x1xf32>
+// GOLDEN-NEXT: %52 = stablehlo.divide %50, %51 : tensor<8x1xf32>
+// GOLDEN-NEXT: %53 = stablehlo.broadcast_in_dim %52, dims = [0, 1] : (tensor<8x1xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %54 = stablehlo.subtract %48, %53 : tensor<8x32xf32>
+// GOLDEN-NEXT: %55 = stablehlo.multiply %54, %54 : tensor<8x32xf32>
 // GOLDEN-NEXT: %cst_15 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %52 = stablehlo.reduce(%51 init: %cst_15) applies stablehlo.add across dimensions = [1] : (tensor<8x32xf32>, tensor<f32>) -> tensor<8xf32>
-// GOLDEN-NEXT: %53 = stablehlo.broadcast_in_dim %52, dims = [0] : (tensor<8xf32>) -> tensor<8x1xf32>
+// GOLDEN-NEXT: %56 = stablehlo.reduce(%55 init: %cst_15) applies stablehlo.add across dimensions = [1] : (tensor<8x32xf32>, tensor<f32>) -> tensor<8xf32>
+// GOLDEN-NEXT: %57 = stablehlo.broadcast_in_dim %56, dims = [0] : (tensor<8xf32>) -> tensor<8x1xf32>
 // GOLDEN-NEXT: %cst_16 = stablehlo.constant dense<3.200000e+01> : tensor<f32>
-// GOLDEN-NEXT: %54 = stablehlo.broadcast_in_dim %cst_16, dims = [] : (tensor<f32>) -> tensor<8x1xf32>
-// GOLDEN-NEXT: %55 = stablehlo.divide %53, %54 : tensor<8x1xf32>
-// GOLDEN-NEXT: %56 = stablehlo.broadcast_in_dim %48, dims = [0, 1] : (tensor<8x1xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %57 = stablehlo.subtract %44, %56 : tensor<8x32xf32>
+// GOLDEN-NEXT: %58 = stablehlo.broadcast_in_dim %cst_16, dims = [] : (tensor<f32>) -> tensor<8x1xf32>
+// GOLDEN-NEXT: %59 = stablehlo.divide %57, %58 : tensor<8x1xf32>
+// GOLDEN-NEXT: %60 = stablehlo.broadcast_in_dim %52, dims = [0, 1] : (tensor<8x1xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %61 = stablehlo.subtract %48, %60 : tensor<8x32xf32>
 // GOLDEN-NEXT: %cst_17 = stablehlo.constant dense<9.99999974E-6> : tensor<f32>
-// GOLDEN-NEXT: %58 = stablehlo.broadcast_in_dim %cst_17, dims = [] : (tensor<f32>) -> tensor<8x1xf32>
-// GOLDEN-NEXT: %59 = stablehlo.add %55, %58 : tensor<8x1xf32>
-// GOLDEN-NEXT: %60 = stablehlo.rsqrt %59 : tensor<8x1xf32>
-// GOLDEN-NEXT: %61 = stablehlo.broadcast_in_dim %60, dims = [0, 1] : (tensor<8x1xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %62 = stablehlo.multiply %57, %61 : tensor<8x32xf32>
-// GOLDEN-NEXT: %63:3 = stablehlo.while(%iterArg = %c, %iterArg_22 = %62, %iterArg_23 = %cst) : tensor<ui32>, tensor<8x32xf32>, tensor<64x16xf32>
+// GOLDEN-NEXT: %62 = stablehlo.broadcast_in_dim %cst_17, dims = [] : (tensor<f32>) -> tensor<8x1xf32>
+// GOLDEN-NEXT: %63 = stablehlo.add %59, %62 : tensor<8x1xf32>
+// GOLDEN-NEXT: %64 = stablehlo.rsqrt %63 : tensor<8x1xf32>
+// GOLDEN-NEXT: %65 = stablehlo.broadcast_in_dim %64, dims = [0, 1] : (tensor<8x1xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %66 = stablehlo.multiply %61, %65 : tensor<8x32xf32>
+// GOLDEN-NEXT: %67:3 = stablehlo.while(%iterArg = %c, %iterArg_22 = %66, %iterArg_23 = %cst) : tensor<ui32>, tensor<8x32xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_24 = stablehlo.constant dense<7> : tensor<ui32>
-// GOLDEN-NEXT: %85 = stablehlo.compare LT, %iterArg, %c_24, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %85 : tensor<i1>
+// GOLDEN-NEXT: %87 = stablehlo.compare LT, %iterArg, %c_24, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %87 : tensor<i1>
 // GOLDEN-NEXT: } do {
 // GOLDEN-NEXT: %c_24 = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %c_25 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_26 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %85 = "stablehlo.collective_permute"(%iterArg_22) <{channel_handle = #stablehlo.channel_handle<handle = 10, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %86 = stablehlo.add %3, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %87 = stablehlo.remainder %86, %c_26 : tensor<ui32>
-// GOLDEN-NEXT: %88 = stablehlo.dot_general %iterArg_22, %arg8, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<32x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %89 = stablehlo.multiply %87, %c_26 : tensor<ui32>
-// GOLDEN-NEXT: %90 = stablehlo.dynamic_update_slice %iterArg_23, %88, %89, %c_24 : (tensor<64x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %91 = stablehlo.add %iterArg, %c_25 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %91, %85, %90 : tensor<ui32>, tensor<8x32xf32>, tensor<64x16xf32>
+// GOLDEN-NEXT: %87 = "stablehlo.collective_permute"(%iterArg_22) <{channel_handle = #stablehlo.channel_handle<handle = 10, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %88 = stablehlo.add %3, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %89 = stablehlo.remainder %88, %c_26 : tensor<ui32>
+// GOLDEN-NEXT: %90 = stablehlo.dot_general %iterArg_22, %arg8, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<32x16xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %91 = stablehlo.multiply %89, %c_26 : tensor<ui32>
+// GOLDEN-NEXT: %92 = stablehlo.dynamic_update_slice %iterArg_23, %90, %91, %c_24 : (tensor<64x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %93 = stablehlo.add %iterArg, %c_25 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %93, %87, %92 : tensor<ui32>, tensor<8x32xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %64 = stablehlo.add %3, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %65 = stablehlo.remainder %64, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %66 = stablehlo.dot_general %63#1, %arg8, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<32x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %67 = stablehlo.multiply %65, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %68 = stablehlo.dynamic_update_slice %63#2, %66, %67, %c : (tensor<64x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %69 = stablehlo.multiply %68, %68 : tensor<64x16xf32>
-// GOLDEN-NEXT: %70 = stablehlo.multiply %69, %68 : tensor<64x16xf32>
-// GOLDEN-NEXT: %cst_18 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// GOLDEN-NEXT: %71 = stablehlo.broadcast_in_dim %cst_18, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %68 = stablehlo.dot_general %67#1, %arg8, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<32x16xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %69 = stablehlo.multiply %9, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %70 = stablehlo.dynamic_update_slice %67#2, %68, %69, %c : (tensor<64x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %71 = stablehlo.multiply %70, %70 : tensor<64x16xf32>
 // GOLDEN-NEXT: %72 = stablehlo.multiply %71, %70 : tensor<64x16xf32>
-// GOLDEN-NEXT: %73 = stablehlo.add %68, %72 : tensor<64x16xf32>
+// GOLDEN-NEXT: %cst_18 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
+// GOLDEN-NEXT: %73 = stablehlo.broadcast_in_dim %cst_18, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %74 = stablehlo.multiply %73, %72 : tensor<64x16xf32>
+// GOLDEN-NEXT: %75 = stablehlo.add %70, %74 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_19 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// GOLDEN-NEXT: %74 = stablehlo.broadcast_in_dim %cst_19, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %75 = stablehlo.multiply %74, %73 : tensor<64x16xf32>
-// GOLDEN-NEXT: %76 = stablehlo.tanh %75 : tensor<64x16xf32>
+// GOLDEN-NEXT: %76 = stablehlo.broadcast_in_dim %cst_19, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %77 = stablehlo.multiply %76, %75 : tensor<64x16xf32>
+// GOLDEN-NEXT: %78 = stablehlo.tanh %77 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_20 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %77 = stablehlo.broadcast_in_dim %cst_20, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %78 = stablehlo.add %77, %76 : tensor<64x16xf32>
+// GOLDEN-NEXT: %79 = stablehlo.broadcast_in_dim %cst_20, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %80 = stablehlo.add %79, %78 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_21 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// GOLDEN-NEXT: %79 = stablehlo.broadcast_in_dim %cst_21, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %80 = stablehlo.multiply %79, %78 : tensor<64x16xf32>
-// GOLDEN-NEXT: %81 = stablehlo.multiply %68, %80 : tensor<64x16xf32>
-// GOLDEN-NEXT: %82 = func.call @cmatmul_ring_0(%81, %arg9) : (tensor<64x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %83 = stablehlo.add %44, %82 : tensor<8x32xf32>
-// GOLDEN-NEXT: %84 = "stablehlo.all_gather"(%83) <{all_gather_dim = 0 : i64, channel_handle = #stablehlo.channel_handle<handle = 9, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3, 4, 5, 6, 7]]> : tensor<1x8xi64>, use_global_device_ids}> : (tensor<8x32xf32>) -> tensor<64x32xf32>
-// GOLDEN-NEXT: sdy.return %84 : tensor<64x32xf32>
+// GOLDEN-NEXT: %81 = stablehlo.broadcast_in_dim %cst_21, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %82 = stablehlo.multiply %81, %80 : tensor<64x16xf32>
+// GOLDEN-NEXT: %83 = stablehlo.multiply %70, %82 : tensor<64x16xf32>
+// GOLDEN-NEXT: %84 = func.call @cmatmul_ring_0(%83, %arg9) : (tensor<64x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %85 = stablehlo.add %48, %84 : tensor<8x32xf32>
+// GOLDEN-NEXT: %86 = "stablehlo.all_gather"(%85) <{all_gather_dim = 0 : i64, channel_handle = #stablehlo.channel_handle<handle = 9, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3, 4, 5, 6, 7]]> : tensor<1x8xi64>, use_global_device_ids}> : (tensor<8x32xf32>) -> tensor<64x32xf32>
+// GOLDEN-NEXT: sdy.return %86 : tensor<64x32xf32>
 // GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<32x128xf32>, tensor<128x32xf32>, tensor<32x128xf32>, tensor<128x32xf32>) -> tensor<64x32xf32>
 // GOLDEN-NEXT: return %0 : tensor<64x32xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: func.func private @cmatmul_ring_0(%arg0: tensor<64x16xf32>, %arg1: tensor<16x32xf32>) -> tensor<8x32xf32> {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // GOLDEN-NEXT: %0 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %1 = stablehlo.dynamic_slice %c_2, %0, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %1 = stablehlo.dynamic_slice %c_1, %0, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %2 = stablehlo.reshape %1 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %3 = stablehlo.add %2, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %4 = stablehlo.remainder %3, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %5 = stablehlo.multiply %4, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %6 = stablehlo.dynamic_slice %arg0, %5, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %7 = stablehlo.dot_general %6, %arg1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %8:2 = stablehlo.while(%iterArg = %c, %iterArg_3 = %7) : tensor<ui32>, tensor<8x32xf32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[1, 2, 3, 4, 5, 6, 7, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %3 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_2, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %5 = stablehlo.reshape %4 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg0, %6, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %8 = stablehlo.dot_general %7, %arg1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %9:2 = stablehlo.while(%iterArg = %c, %iterArg_3 = %8) : tensor<ui32>, tensor<8x32xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_4 = stablehlo.constant dense<7> : tensor<ui32>
-// GOLDEN-NEXT: %9 = stablehlo.compare LT, %iterArg, %c_4, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %9 : tensor<i1>
+// GOLDEN-NEXT: %10 = stablehlo.compare LT, %iterArg, %c_4, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %10 : tensor<i1>
 // GOLDEN-NEXT: } do {
 // GOLDEN-NEXT: %c_4 = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %c_5 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_6 = stablehlo.constant dense<2> : tensor<ui32>
 // GOLDEN-NEXT: %c_7 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %9 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %10 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %11 = stablehlo.add %2, %10 : tensor<ui32>
-// GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %13 = stablehlo.multiply %12, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %14 = stablehlo.dynamic_slice %arg0, %13, %c_4, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %15 = stablehlo.dot_general %14, %arg1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %16 = stablehlo.add %9, %15 : tensor<8x32xf32>
-// GOLDEN-NEXT: %17 = stablehlo.add %iterArg, %c_5 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %17, %16 : tensor<ui32>, tensor<8x32xf32>
+// GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %11 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
+// GOLDEN-NEXT: %12 = stablehlo.add %2, %11 : tensor<ui32>
+// GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %14 = stablehlo.multiply %13, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %15 = stablehlo.dynamic_slice %arg0, %14, %c_4, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %16 = stablehlo.dot_general %15, %arg1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %17 = stablehlo.add %10, %16 : tensor<8x32xf32>
+// GOLDEN-NEXT: %18 = stablehlo.add %iterArg, %c_5 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %18, %17 : tensor<ui32>, tensor<8x32xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: return %8#1 : tensor<8x32xf32>
+// GOLDEN-NEXT: return %9#1 : tensor<8x32xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: }
 // END-AUTOGENERATED golden block

@@ -21,84 +21,85 @@
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<4x16x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {}, {}]>}, %arg1: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<4x16x32xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {}, {}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1, %arg2) in_shardings=[<@mesh, [{"data"}, {}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"data"}, {}, {}]>] manual_axes={"data", "model"} (%arg3: tensor<2x16x32xf32>, %arg4: tensor<32x16xf32>, %arg5: tensor<16x32xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_2, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_1, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[1, 2, 3, 0, 1, 2, 3, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_2, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %4 = stablehlo.reduce(%arg3 init: %cst) applies stablehlo.add across dimensions = [2] : (tensor<2x16x32xf32>, tensor<f32>) -> tensor<2x16xf32>
-// GOLDEN-NEXT: %5 = stablehlo.broadcast_in_dim %4, dims = [0, 1] : (tensor<2x16xf32>) -> tensor<2x16x1xf32>
+// GOLDEN-NEXT: %7 = stablehlo.reduce(%arg3 init: %cst) applies stablehlo.add across dimensions = [2] : (tensor<2x16x32xf32>, tensor<f32>) -> tensor<2x16xf32>
+// GOLDEN-NEXT: %8 = stablehlo.broadcast_in_dim %7, dims = [0, 1] : (tensor<2x16xf32>) -> tensor<2x16x1xf32>
 // GOLDEN-NEXT: %cst_3 = stablehlo.constant dense<3.200000e+01> : tensor<f32>
-// GOLDEN-NEXT: %6 = stablehlo.broadcast_in_dim %cst_3, dims = [] : (tensor<f32>) -> tensor<2x16x1xf32>
-// GOLDEN-NEXT: %7 = stablehlo.divide %5, %6 : tensor<2x16x1xf32>
-// GOLDEN-NEXT: %8 = stablehlo.broadcast_in_dim %7, dims = [0, 1, 2] : (tensor<2x16x1xf32>) -> tensor<2x16x32xf32>
-// GOLDEN-NEXT: %9 = stablehlo.subtract %arg3, %8 : tensor<2x16x32xf32>
-// GOLDEN-NEXT: %10 = stablehlo.multiply %9, %9 : tensor<2x16x32xf32>
+// GOLDEN-NEXT: %9 = stablehlo.broadcast_in_dim %cst_3, dims = [] : (tensor<f32>) -> tensor<2x16x1xf32>
+// GOLDEN-NEXT: %10 = stablehlo.divide %8, %9 : tensor<2x16x1xf32>
+// GOLDEN-NEXT: %11 = stablehlo.broadcast_in_dim %10, dims = [0, 1, 2] : (tensor<2x16x1xf32>) -> tensor<2x16x32xf32>
+// GOLDEN-NEXT: %12 = stablehlo.subtract %arg3, %11 : tensor<2x16x32xf32>
+// GOLDEN-NEXT: %13 = stablehlo.multiply %12, %12 : tensor<2x16x32xf32>
 // GOLDEN-NEXT: %cst_4 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %11 = stablehlo.reduce(%10 init: %cst_4) applies stablehlo.add across dimensions = [2] : (tensor<2x16x32xf32>, tensor<f32>) -> tensor<2x16xf32>
-// GOLDEN-NEXT: %12 = stablehlo.broadcast_in_dim %11, dims = [0, 1] : (tensor<2x16xf32>) -> tensor<2x16x1xf32>
+// GOLDEN-NEXT: %14 = stablehlo.reduce(%13 init: %cst_4) applies stablehlo.add across dimensions = [2] : (tensor<2x16x32xf32>, tensor<f32>) -> tensor<2x16xf32>
+// GOLDEN-NEXT: %15 = stablehlo.broadcast_in_dim %14, dims = [0, 1] : (tensor<2x16xf32>) -> tensor<2x16x1xf32>
 // GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<3.200000e+01> : tensor<f32>
-// GOLDEN-NEXT: %13 = stablehlo.broadcast_in_dim %cst_5, dims = [] : (tensor<f32>) -> tensor<2x16x1xf32>
-// GOLDEN-NEXT: %14 = stablehlo.divide %12, %13 : tensor<2x16x1xf32>
-// GOLDEN-NEXT: %15 = stablehlo.broadcast_in_dim %7, dims = [0, 1, 2] : (tensor<2x16x1xf32>) -> tensor<2x16x32xf32>
-// GOLDEN-NEXT: %16 = stablehlo.subtract %arg3, %15 : tensor<2x16x32xf32>
+// GOLDEN-NEXT: %16 = stablehlo.broadcast_in_dim %cst_5, dims = [] : (tensor<f32>) -> tensor<2x16x1xf32>
+// GOLDEN-NEXT: %17 = stablehlo.divide %15, %16 : tensor<2x16x1xf32>
+// GOLDEN-NEXT: %18 = stablehlo.broadcast_in_dim %10, dims = [0, 1, 2] : (tensor<2x16x1xf32>) -> tensor<2x16x32xf32>
+// GOLDEN-NEXT: %19 = stablehlo.subtract %arg3, %18 : tensor<2x16x32xf32>
 // GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<9.99999974E-6> : tensor<f32>
-// GOLDEN-NEXT: %17 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x16x1xf32>
-// GOLDEN-NEXT: %18 = stablehlo.add %14, %17 : tensor<2x16x1xf32>
-// GOLDEN-NEXT: %19 = stablehlo.rsqrt %18 : tensor<2x16x1xf32>
-// GOLDEN-NEXT: %20 = stablehlo.broadcast_in_dim %19, dims = [0, 1, 2] : (tensor<2x16x1xf32>) -> tensor<2x16x32xf32>
-// GOLDEN-NEXT: %21 = stablehlo.multiply %16, %20 : tensor<2x16x32xf32>
-// GOLDEN-NEXT: %22 = stablehlo.dot_general %21, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x16x32xf32>, tensor<32x16xf32>) -> tensor<2x16x16xf32>
-// GOLDEN-NEXT: %23 = stablehlo.multiply %22, %22 : tensor<2x16x16xf32>
-// GOLDEN-NEXT: %24 = stablehlo.multiply %23, %22 : tensor<2x16x16xf32>
+// GOLDEN-NEXT: %20 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x16x1xf32>
+// GOLDEN-NEXT: %21 = stablehlo.add %17, %20 : tensor<2x16x1xf32>
+// GOLDEN-NEXT: %22 = stablehlo.rsqrt %21 : tensor<2x16x1xf32>
+// GOLDEN-NEXT: %23 = stablehlo.broadcast_in_dim %22, dims = [0, 1, 2] : (tensor<2x16x1xf32>) -> tensor<2x16x32xf32>
+// GOLDEN-NEXT: %24 = stablehlo.multiply %19, %23 : tensor<2x16x32xf32>
+// GOLDEN-NEXT: %25 = stablehlo.dot_general %24, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x16x32xf32>, tensor<32x16xf32>) -> tensor<2x16x16xf32>
+// GOLDEN-NEXT: %26 = stablehlo.multiply %25, %25 : tensor<2x16x16xf32>
+// GOLDEN-NEXT: %27 = stablehlo.multiply %26, %25 : tensor<2x16x16xf32>
 // GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// GOLDEN-NEXT: %25 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x16x16xf32>
-// GOLDEN-NEXT: %26 = stablehlo.multiply %25, %24 : tensor<2x16x16xf32>
-// GOLDEN-NEXT: %27 = stablehlo.add %22, %26 : tensor<2x16x16xf32>
-// GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// GOLDEN-NEXT: %28 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x16x16xf32>
+// GOLDEN-NEXT: %28 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x16x16xf32>
 // GOLDEN-NEXT: %29 = stablehlo.multiply %28, %27 : tensor<2x16x16xf32>
-// GOLDEN-NEXT: %30 = stablehlo.tanh %29 : tensor<2x16x16xf32>
+// GOLDEN-NEXT: %30 = stablehlo.add %25, %29 : tensor<2x16x16xf32>
+// GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<0.797884583> : tensor<f32>
+// GOLDEN-NEXT: %31 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x16x16xf32>
+// GOLDEN-NEXT: %32 = stablehlo.multiply %31, %30 : tensor<2x16x16xf32>
+// GOLDEN-NEXT: %33 = stablehlo.tanh %32 : tensor<2x16x16xf32>
 // GOLDEN-NEXT: %cst_9 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %31 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<2x16x16xf32>
-// GOLDEN-NEXT: %32 = stablehlo.add %31, %30 : tensor<2x16x16xf32>
+// GOLDEN-NEXT: %34 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<2x16x16xf32>
+// GOLDEN-NEXT: %35 = stablehlo.add %34, %33 : tensor<2x16x16xf32>
 // GOLDEN-NEXT: %cst_10 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// GOLDEN-NEXT: %33 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<2x16x16xf32>
-// GOLDEN-NEXT: %34 = stablehlo.multiply %33, %32 : tensor<2x16x16xf32>
-// GOLDEN-NEXT: %35 = stablehlo.multiply %22, %34 : tensor<2x16x16xf32>
-// GOLDEN-NEXT: %36 = stablehlo.add %3, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %37 = stablehlo.remainder %36, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %38 = stablehlo.multiply %37, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %39 = stablehlo.dynamic_slice %35, %c, %38, %c, sizes = [2, 4, 16] : (tensor<2x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
-// GOLDEN-NEXT: %40 = stablehlo.dot_general %39, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x32xf32>) -> tensor<2x4x32xf32>
-// GOLDEN-NEXT: %41:2 = stablehlo.while(%iterArg = %c, %iterArg_11 = %40) : tensor<ui32>, tensor<2x4x32xf32>
+// GOLDEN-NEXT: %36 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<2x16x16xf32>
+// GOLDEN-NEXT: %37 = stablehlo.multiply %36, %35 : tensor<2x16x16xf32>
+// GOLDEN-NEXT: %38 = stablehlo.multiply %25, %37 : tensor<2x16x16xf32>
+// GOLDEN-NEXT: %39 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %40 = stablehlo.dynamic_slice %38, %c, %39, %c, sizes = [2, 4, 16] : (tensor<2x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// GOLDEN-NEXT: %41 = stablehlo.dot_general %40, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x32xf32>) -> tensor<2x4x32xf32>
+// GOLDEN-NEXT: %42:2 = stablehlo.while(%iterArg = %c, %iterArg_11 = %41) : tensor<ui32>, tensor<2x4x32xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_12 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %46 = stablehlo.compare LT, %iterArg, %c_12, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %46 : tensor<i1>
+// GOLDEN-NEXT: %47 = stablehlo.compare LT, %iterArg, %c_12, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %47 : tensor<i1>
 // GOLDEN-NEXT: } do {
 // GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %c_13 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_14 = stablehlo.constant dense<2> : tensor<ui32>
 // GOLDEN-NEXT: %c_15 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %46 = "stablehlo.collective_permute"(%iterArg_11) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x4x32xf32>) -> tensor<2x4x32xf32>
-// GOLDEN-NEXT: %47 = stablehlo.add %iterArg, %c_14 : tensor<ui32>
-// GOLDEN-NEXT: %48 = stablehlo.add %3, %47 : tensor<ui32>
-// GOLDEN-NEXT: %49 = stablehlo.remainder %48, %c_15 : tensor<ui32>
-// GOLDEN-NEXT: %50 = stablehlo.multiply %49, %c_15 : tensor<ui32>
-// GOLDEN-NEXT: %51 = stablehlo.dynamic_slice %35, %c_12, %50, %c_12, sizes = [2, 4, 16] : (tensor<2x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
-// GOLDEN-NEXT: %52 = stablehlo.dot_general %51, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x32xf32>) -> tensor<2x4x32xf32>
-// GOLDEN-NEXT: %53 = stablehlo.add %46, %52 : tensor<2x4x32xf32>
-// GOLDEN-NEXT: %54 = stablehlo.add %iterArg, %c_13 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %54, %53 : tensor<ui32>, tensor<2x4x32xf32>
+// GOLDEN-NEXT: %47 = "stablehlo.collective_permute"(%iterArg_11) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x4x32xf32>) -> tensor<2x4x32xf32>
+// GOLDEN-NEXT: %48 = stablehlo.add %iterArg, %c_14 : tensor<ui32>
+// GOLDEN-NEXT: %49 = stablehlo.add %3, %48 : tensor<ui32>
+// GOLDEN-NEXT: %50 = stablehlo.remainder %49, %c_15 : tensor<ui32>
+// GOLDEN-NEXT: %51 = stablehlo.multiply %50, %c_15 : tensor<ui32>
+// GOLDEN-NEXT: %52 = stablehlo.dynamic_slice %38, %c_12, %51, %c_12, sizes = [2, 4, 16] : (tensor<2x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// GOLDEN-NEXT: %53 = stablehlo.dot_general %52, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x32xf32>) -> tensor<2x4x32xf32>
+// GOLDEN-NEXT: %54 = stablehlo.add %47, %53 : tensor<2x4x32xf32>
+// GOLDEN-NEXT: %55 = stablehlo.add %iterArg, %c_13 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %55, %54 : tensor<ui32>, tensor<2x4x32xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %42 = stablehlo.multiply %3, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %43 = stablehlo.dynamic_slice %arg3, %c, %42, %c, sizes = [2, 4, 32] : (tensor<2x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x32xf32>
-// GOLDEN-NEXT: %44 = stablehlo.add %43, %41#1 : tensor<2x4x32xf32>
-// GOLDEN-NEXT: %45 = "stablehlo.all_gather"(%44) <{all_gather_dim = 1 : i64, channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3], [4, 5, 6, 7]]> : tensor<2x4xi64>, use_global_device_ids}> : (tensor<2x4x32xf32>) -> tensor<2x16x32xf32>
-// GOLDEN-NEXT: sdy.return %45 : tensor<2x16x32xf32>
+// GOLDEN-NEXT: %43 = stablehlo.multiply %3, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %44 = stablehlo.dynamic_slice %arg3, %c, %43, %c, sizes = [2, 4, 32] : (tensor<2x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x32xf32>
+// GOLDEN-NEXT: %45 = stablehlo.add %44, %42#1 : tensor<2x4x32xf32>
+// GOLDEN-NEXT: %46 = "stablehlo.all_gather"(%45) <{all_gather_dim = 1 : i64, channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3], [4, 5, 6, 7]]> : tensor<2x4xi64>, use_global_device_ids}> : (tensor<2x4x32xf32>) -> tensor<2x16x32xf32>
+// GOLDEN-NEXT: sdy.return %46 : tensor<2x16x32xf32>
 // GOLDEN-NEXT: } : (tensor<4x16x32xf32>, tensor<32x64xf32>, tensor<64x32xf32>) -> tensor<4x16x32xf32>
 // GOLDEN-NEXT: return %0 : tensor<4x16x32xf32>
 // GOLDEN-NEXT: }

@@ -27,58 +27,59 @@
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, %arg1: tensor<32x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<64x32xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1, %arg2) in_shardings=[<@mesh, [{}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{}, {}]>] manual_axes={"model"} (%arg3: tensor<64x32xf32>, %arg4: tensor<32x16xf32>, %arg5: tensor<16x32xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_2, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_1, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %4 = stablehlo.dot_general %arg3, %arg4, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<64x32xf32>, tensor<32x16xf32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %5 = stablehlo.multiply %4, %4 : tensor<64x16xf32>
-// GOLDEN-NEXT: %6 = stablehlo.multiply %5, %4 : tensor<64x16xf32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[1, 2, 3, 4, 5, 6, 7, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_2, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %7 = stablehlo.dot_general %arg3, %arg4, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<64x32xf32>, tensor<32x16xf32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %8 = stablehlo.multiply %7, %7 : tensor<64x16xf32>
+// GOLDEN-NEXT: %9 = stablehlo.multiply %8, %7 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// GOLDEN-NEXT: %7 = stablehlo.broadcast_in_dim %cst, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %8 = stablehlo.multiply %7, %6 : tensor<64x16xf32>
-// GOLDEN-NEXT: %9 = stablehlo.add %4, %8 : tensor<64x16xf32>
-// GOLDEN-NEXT: %cst_3 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// GOLDEN-NEXT: %10 = stablehlo.broadcast_in_dim %cst_3, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %10 = stablehlo.broadcast_in_dim %cst, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
 // GOLDEN-NEXT: %11 = stablehlo.multiply %10, %9 : tensor<64x16xf32>
-// GOLDEN-NEXT: %12 = stablehlo.tanh %11 : tensor<64x16xf32>
+// GOLDEN-NEXT: %12 = stablehlo.add %7, %11 : tensor<64x16xf32>
+// GOLDEN-NEXT: %cst_3 = stablehlo.constant dense<0.797884583> : tensor<f32>
+// GOLDEN-NEXT: %13 = stablehlo.broadcast_in_dim %cst_3, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %14 = stablehlo.multiply %13, %12 : tensor<64x16xf32>
+// GOLDEN-NEXT: %15 = stablehlo.tanh %14 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_4 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %13 = stablehlo.broadcast_in_dim %cst_4, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %14 = stablehlo.add %13, %12 : tensor<64x16xf32>
+// GOLDEN-NEXT: %16 = stablehlo.broadcast_in_dim %cst_4, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %17 = stablehlo.add %16, %15 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// GOLDEN-NEXT: %15 = stablehlo.broadcast_in_dim %cst_5, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %16 = stablehlo.multiply %15, %14 : tensor<64x16xf32>
-// GOLDEN-NEXT: %17 = stablehlo.multiply %4, %16 : tensor<64x16xf32>
-// GOLDEN-NEXT: %18 = stablehlo.add %3, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %20 = stablehlo.multiply %19, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %21 = stablehlo.dynamic_slice %17, %20, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %22 = stablehlo.dot_general %21, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %23:2 = stablehlo.while(%iterArg = %c, %iterArg_6 = %22) : tensor<ui32>, tensor<8x32xf32>
+// GOLDEN-NEXT: %18 = stablehlo.broadcast_in_dim %cst_5, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %19 = stablehlo.multiply %18, %17 : tensor<64x16xf32>
+// GOLDEN-NEXT: %20 = stablehlo.multiply %7, %19 : tensor<64x16xf32>
+// GOLDEN-NEXT: %21 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %20, %21, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %23 = stablehlo.dot_general %22, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %24:2 = stablehlo.while(%iterArg = %c, %iterArg_6 = %23) : tensor<ui32>, tensor<8x32xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_7 = stablehlo.constant dense<7> : tensor<ui32>
-// GOLDEN-NEXT: %25 = stablehlo.compare LT, %iterArg, %c_7, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %25 : tensor<i1>
+// GOLDEN-NEXT: %26 = stablehlo.compare LT, %iterArg, %c_7, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %26 : tensor<i1>
 // GOLDEN-NEXT: } do {
 // GOLDEN-NEXT: %c_7 = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %c_8 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_9 = stablehlo.constant dense<2> : tensor<ui32>
 // GOLDEN-NEXT: %c_10 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %25 = "stablehlo.collective_permute"(%iterArg_6) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %26 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
-// GOLDEN-NEXT: %27 = stablehlo.add %3, %26 : tensor<ui32>
-// GOLDEN-NEXT: %28 = stablehlo.remainder %27, %c_10 : tensor<ui32>
-// GOLDEN-NEXT: %29 = stablehlo.multiply %28, %c_10 : tensor<ui32>
-// GOLDEN-NEXT: %30 = stablehlo.dynamic_slice %17, %29, %c_7, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %31 = stablehlo.dot_general %30, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %32 = stablehlo.add %25, %31 : tensor<8x32xf32>
-// GOLDEN-NEXT: %33 = stablehlo.add %iterArg, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %33, %32 : tensor<ui32>, tensor<8x32xf32>
+// GOLDEN-NEXT: %26 = "stablehlo.collective_permute"(%iterArg_6) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %27 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
+// GOLDEN-NEXT: %28 = stablehlo.add %3, %27 : tensor<ui32>
+// GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_10 : tensor<ui32>
+// GOLDEN-NEXT: %30 = stablehlo.multiply %29, %c_10 : tensor<ui32>
+// GOLDEN-NEXT: %31 = stablehlo.dynamic_slice %20, %30, %c_7, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %32 = stablehlo.dot_general %31, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %33 = stablehlo.add %26, %32 : tensor<8x32xf32>
+// GOLDEN-NEXT: %34 = stablehlo.add %iterArg, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %34, %33 : tensor<ui32>, tensor<8x32xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %24 = "stablehlo.all_gather"(%23#1) <{all_gather_dim = 0 : i64, channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3, 4, 5, 6, 7]]> : tensor<1x8xi64>, use_global_device_ids}> : (tensor<8x32xf32>) -> tensor<64x32xf32>
-// GOLDEN-NEXT: sdy.return %24 : tensor<64x32xf32>
+// GOLDEN-NEXT: %25 = "stablehlo.all_gather"(%24#1) <{all_gather_dim = 0 : i64, channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3, 4, 5, 6, 7]]> : tensor<1x8xi64>, use_global_device_ids}> : (tensor<8x32xf32>) -> tensor<64x32xf32>
+// GOLDEN-NEXT: sdy.return %25 : tensor<64x32xf32>
 // GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<32x128xf32>, tensor<128x32xf32>) -> tensor<64x32xf32>
 // GOLDEN-NEXT: return %0 : tensor<64x32xf32>
 // GOLDEN-NEXT: }

@@ -14,68 +14,69 @@
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, %arg1: tensor<32x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<f32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, []>}, tensor<64x32xf32> {jax.result_info = "result[1][0]", sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, tensor<32x128xf32> {jax.result_info = "result[1][1]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<128x32xf32> {jax.result_info = "result[1][2]", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) {
 // GOLDEN-NEXT: %0:11 = sdy.manual_computation(%arg0, %arg1, %arg2) in_shardings=[<@mesh, [{}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}]>, <@mesh, [{"model"}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{}, {}]>] manual_axes={"model"} (%arg3: tensor<64x32xf32>, %arg4: tensor<32x16xf32>, %arg5: tensor<16x32xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // GOLDEN-NEXT: %21 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %c_6, %21, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %c_5, %21, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %23 = stablehlo.reshape %22 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %24 = stablehlo.dot_general %arg3, %arg4, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<64x32xf32>, tensor<32x16xf32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %25 = stablehlo.multiply %24, %24 : tensor<64x16xf32>
-// GOLDEN-NEXT: %26 = stablehlo.multiply %25, %24 : tensor<64x16xf32>
-// GOLDEN-NEXT: %27 = stablehlo.multiply %24, %24 : tensor<64x16xf32>
-// GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<3.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %28 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<[1, 2, 3, 4, 5, 6, 7, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %24 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %25 = stablehlo.dynamic_slice %c_6, %24, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %26 = stablehlo.reshape %25 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %27 = stablehlo.dot_general %arg3, %arg4, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<64x32xf32>, tensor<32x16xf32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %28 = stablehlo.multiply %27, %27 : tensor<64x16xf32>
 // GOLDEN-NEXT: %29 = stablehlo.multiply %28, %27 : tensor<64x16xf32>
+// GOLDEN-NEXT: %30 = stablehlo.multiply %27, %27 : tensor<64x16xf32>
+// GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<3.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %31 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %32 = stablehlo.multiply %31, %30 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// GOLDEN-NEXT: %30 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %31 = stablehlo.multiply %30, %26 : tensor<64x16xf32>
-// GOLDEN-NEXT: %32 = stablehlo.add %24, %31 : tensor<64x16xf32>
+// GOLDEN-NEXT: %33 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %34 = stablehlo.multiply %33, %29 : tensor<64x16xf32>
+// GOLDEN-NEXT: %35 = stablehlo.add %27, %34 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_9 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// GOLDEN-NEXT: %33 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %34 = stablehlo.multiply %33, %32 : tensor<64x16xf32>
-// GOLDEN-NEXT: %35 = stablehlo.tanh %34 : tensor<64x16xf32>
+// GOLDEN-NEXT: %36 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %37 = stablehlo.multiply %36, %35 : tensor<64x16xf32>
+// GOLDEN-NEXT: %38 = stablehlo.tanh %37 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_10 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %36 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %37 = stablehlo.subtract %36, %35 : tensor<64x16xf32>
+// GOLDEN-NEXT: %39 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %40 = stablehlo.subtract %39, %38 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_11 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %38 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %39 = stablehlo.add %38, %35 : tensor<64x16xf32>
+// GOLDEN-NEXT: %41 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %42 = stablehlo.add %41, %38 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_12 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// GOLDEN-NEXT: %40 = stablehlo.broadcast_in_dim %cst_12, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %41 = stablehlo.multiply %40, %39 : tensor<64x16xf32>
-// GOLDEN-NEXT: %42 = stablehlo.multiply %24, %41 : tensor<64x16xf32>
-// GOLDEN-NEXT: %43 = stablehlo.add %23, %c_4 : tensor<ui32>
-// GOLDEN-NEXT: %44 = stablehlo.remainder %43, %c_5 : tensor<ui32>
-// GOLDEN-NEXT: %45 = stablehlo.multiply %44, %c_5 : tensor<ui32>
-// GOLDEN-NEXT: %46 = stablehlo.dynamic_slice %42, %45, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %47 = stablehlo.dot_general %46, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %48:2 = stablehlo.while(%iterArg = %c, %iterArg_13 = %47) : tensor<ui32>, tensor<8x32xf32>
+// GOLDEN-NEXT: %43 = stablehlo.broadcast_in_dim %cst_12, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %44 = stablehlo.multiply %43, %42 : tensor<64x16xf32>
+// GOLDEN-NEXT: %45 = stablehlo.multiply %27, %44 : tensor<64x16xf32>
+// GOLDEN-NEXT: %46 = stablehlo.multiply %26, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %47 = stablehlo.dynamic_slice %45, %46, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %48 = stablehlo.dot_general %47, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %49:2 = stablehlo.while(%iterArg = %c, %iterArg_13 = %48) : tensor<ui32>, tensor<8x32xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_14 = stablehlo.constant dense<7> : tensor<ui32>
-// GOLDEN-NEXT: %53 = stablehlo.compare LT, %iterArg, %c_14, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %53 : tensor<i1>
+// GOLDEN-NEXT: %54 = stablehlo.compare LT, %iterArg, %c_14, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %54 : tensor<i1>
 // GOLDEN-NEXT: } do {
 // GOLDEN-NEXT: %c_14 = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %c_15 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_16 = stablehlo.constant dense<2> : tensor<ui32>
 // GOLDEN-NEXT: %c_17 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %53 = "stablehlo.collective_permute"(%iterArg_13) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %54 = stablehlo.add %iterArg, %c_16 : tensor<ui32>
-// GOLDEN-NEXT: %55 = stablehlo.add %23, %54 : tensor<ui32>
-// GOLDEN-NEXT: %56 = stablehlo.remainder %55, %c_17 : tensor<ui32>
-// GOLDEN-NEXT: %57 = stablehlo.multiply %56, %c_17 : tensor<ui32>
-// GOLDEN-NEXT: %58 = stablehlo.dynamic_slice %42, %57, %c_14, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %59 = stablehlo.dot_general %58, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %60 = stablehlo.add %53, %59 : tensor<8x32xf32>
-// GOLDEN-NEXT: %61 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %61, %60 : tensor<ui32>, tensor<8x32xf32>
+// GOLDEN-NEXT: %54 = "stablehlo.collective_permute"(%iterArg_13) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %55 = stablehlo.add %iterArg, %c_16 : tensor<ui32>
+// GOLDEN-NEXT: %56 = stablehlo.add %23, %55 : tensor<ui32>
+// GOLDEN-NEXT: %57 = stablehlo.remainder %56, %c_17 : tensor<ui32>
+// GOLDEN-NEXT: %58 = stablehlo.multiply %57, %c_17 : tensor<ui32>
+// GOLDEN-NEXT: %59 = stablehlo.dynamic_slice %45, %58, %c_14, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %60 = stablehlo.dot_general %59, %arg5, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %61 = stablehlo.add %54, %60 : tensor<8x32xf32>
+// GOLDEN-NEXT: %62 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %62, %61 : tensor<ui32>, tensor<8x32xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %49 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<1xf32>
-// GOLDEN-NEXT: %50 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<1xf32>
-// GOLDEN-NEXT: %51 = stablehlo.broadcast_in_dim %cst_12, dims = [] : (tensor<f32>) -> tensor<1xf32>
-// GOLDEN-NEXT: %52 = "stablehlo.all_gather"(%48#1) <{all_gather_dim = 0 : i64, channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3, 4, 5, 6, 7]]> : tensor<1x8xi64>, use_global_device_ids}> : (tensor<8x32xf32>) -> tensor<64x32xf32>
-// GOLDEN-NEXT: sdy.return %arg3, %29, %49, %50, %35, %37, %51, %41, %24, %42, %52 : tensor<64x32xf32>, tensor<64x16xf32>, tensor<1xf32>, tensor<1xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<1xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x32xf32>
+// GOLDEN-NEXT: %50 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<1xf32>
+// GOLDEN-NEXT: %51 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<1xf32>
+// GOLDEN-NEXT: %52 = stablehlo.broadcast_in_dim %cst_12, dims = [] : (tensor<f32>) -> tensor<1xf32>
+// GOLDEN-NEXT: %53 = "stablehlo.all_gather"(%49#1) <{all_gather_dim = 0 : i64, channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3, 4, 5, 6, 7]]> : tensor<1x8xi64>, use_global_device_ids}> : (tensor<8x32xf32>) -> tensor<64x32xf32>
+// GOLDEN-NEXT: sdy.return %arg3, %32, %50, %51, %38, %40, %52, %44, %27, %45, %53 : tensor<64x32xf32>, tensor<64x16xf32>, tensor<1xf32>, tensor<1xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<1xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x32xf32>
 // GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<32x128xf32>, tensor<128x32xf32>) -> (tensor<512x32xf32>, tensor<512x16xf32>, tensor<8xf32>, tensor<8xf32>, tensor<512x16xf32>, tensor<512x16xf32>, tensor<8xf32>, tensor<512x16xf32>, tensor<512x16xf32>, tensor<512x16xf32>, tensor<64x32xf32>)
 // GOLDEN-NEXT: %1 = stablehlo.multiply %0#10, %0#10 : tensor<64x32xf32>
 // GOLDEN-NEXT: %2 = sdy.sharding_constraint %1 <@mesh, [{}, {}]> : tensor<64x32xf32>
@@ -103,62 +104,63 @@
 // GOLDEN-NEXT: %19 = sdy.sharding_constraint %18 <@mesh, [{}, {}]> : tensor<64x32xf32>
 // GOLDEN-NEXT: %20:3 = sdy.manual_computation(%19, %arg1, %0#0, %0#1, %0#2, %0#3, %0#4, %0#5, %0#6, %0#7, %0#8, %arg2, %0#9) in_shardings=[<@mesh, [{}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}]>, <@mesh, [{"model"}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] manual_axes={"model"} (%arg3: tensor<64x32xf32>, %arg4: tensor<32x16xf32>, %arg5: tensor<64x32xf32>, %arg6: tensor<64x16xf32>, %arg7: tensor<1xf32>, %arg8: tensor<1xf32>, %arg9: tensor<64x16xf32>, %arg10: tensor<64x16xf32>, %arg11: tensor<1xf32>, %arg12: tensor<64x16xf32>, %arg13: tensor<64x16xf32>, %arg14: tensor<16x32xf32>, %arg15: tensor<64x16xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // GOLDEN-NEXT: %21 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %c_6, %21, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %c_5, %21, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %23 = stablehlo.reshape %22 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %24 = stablehlo.reshape %arg7 : (tensor<1xf32>) -> tensor<f32>
-// GOLDEN-NEXT: %25 = stablehlo.reshape %arg8 : (tensor<1xf32>) -> tensor<f32>
-// GOLDEN-NEXT: %26 = stablehlo.reshape %arg11 : (tensor<1xf32>) -> tensor<f32>
-// GOLDEN-NEXT: %27 = stablehlo.dot_general %arg3, %arg15, contracting_dims = [0] x [0], precision = [DEFAULT, DEFAULT] : (tensor<64x32xf32>, tensor<64x16xf32>) -> tensor<32x16xf32>
-// GOLDEN-NEXT: %28 = stablehlo.transpose %27, dims = [1, 0] : (tensor<32x16xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %29 = stablehlo.dot_general %arg3, %arg14, contracting_dims = [1] x [1], precision = [DEFAULT, DEFAULT] : (tensor<64x32xf32>, tensor<16x32xf32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %30 = stablehlo.multiply %arg13, %29 : tensor<64x16xf32>
-// GOLDEN-NEXT: %31 = stablehlo.multiply %29, %arg12 : tensor<64x16xf32>
-// GOLDEN-NEXT: %32 = stablehlo.broadcast_in_dim %26, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %33 = stablehlo.multiply %32, %30 : tensor<64x16xf32>
-// GOLDEN-NEXT: %34 = stablehlo.multiply %33, %arg10 : tensor<64x16xf32>
-// GOLDEN-NEXT: %35 = stablehlo.multiply %34, %arg9 : tensor<64x16xf32>
-// GOLDEN-NEXT: %36 = stablehlo.add %34, %35 : tensor<64x16xf32>
-// GOLDEN-NEXT: %37 = stablehlo.broadcast_in_dim %25, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %38 = stablehlo.multiply %37, %36 : tensor<64x16xf32>
-// GOLDEN-NEXT: %39 = stablehlo.add %31, %38 : tensor<64x16xf32>
-// GOLDEN-NEXT: %40 = stablehlo.broadcast_in_dim %24, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %41 = stablehlo.multiply %40, %38 : tensor<64x16xf32>
-// GOLDEN-NEXT: %42 = stablehlo.multiply %41, %arg6 : tensor<64x16xf32>
-// GOLDEN-NEXT: %43 = stablehlo.add %39, %42 : tensor<64x16xf32>
-// GOLDEN-NEXT: %44 = stablehlo.dot_general %43, %arg5, contracting_dims = [0] x [0], precision = [DEFAULT, DEFAULT] : (tensor<64x16xf32>, tensor<64x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %45 = stablehlo.transpose %44, dims = [1, 0] : (tensor<16x32xf32>) -> tensor<32x16xf32>
-// GOLDEN-NEXT: %46 = stablehlo.add %23, %c_4 : tensor<ui32>
-// GOLDEN-NEXT: %47 = stablehlo.remainder %46, %c_5 : tensor<ui32>
-// GOLDEN-NEXT: %48 = stablehlo.multiply %47, %c_5 : tensor<ui32>
-// GOLDEN-NEXT: %49 = stablehlo.dynamic_slice %43, %48, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %50 = stablehlo.dot_general %49, %arg4, contracting_dims = [1] x [1], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<32x16xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %51:2 = stablehlo.while(%iterArg = %c, %iterArg_7 = %50) : tensor<ui32>, tensor<8x32xf32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<[1, 2, 3, 4, 5, 6, 7, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %24 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %25 = stablehlo.dynamic_slice %c_6, %24, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %26 = stablehlo.reshape %25 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %27 = stablehlo.reshape %arg7 : (tensor<1xf32>) -> tensor<f32>
+// GOLDEN-NEXT: %28 = stablehlo.reshape %arg8 : (tensor<1xf32>) -> tensor<f32>
+// GOLDEN-NEXT: %29 = stablehlo.reshape %arg11 : (tensor<1xf32>) -> tensor<f32>
+// GOLDEN-NEXT: %30 = stablehlo.dot_general %arg3, %arg15, contracting_dims = [0] x [0], precision = [DEFAULT, DEFAULT] : (tensor<64x32xf32>, tensor<64x16xf32>) -> tensor<32x16xf32>
+// GOLDEN-NEXT: %31 = stablehlo.transpose %30, dims = [1, 0] : (tensor<32x16xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %32 = stablehlo.dot_general %arg3, %arg14, contracting_dims = [1] x [1], precision = [DEFAULT, DEFAULT] : (tensor<64x32xf32>, tensor<16x32xf32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %33 = stablehlo.multiply %arg13, %32 : tensor<64x16xf32>
+// GOLDEN-NEXT: %34 = stablehlo.multiply %32, %arg12 : tensor<64x16xf32>
+// GOLDEN-NEXT: %35 = stablehlo.broadcast_in_dim %29, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %36 = stablehlo.multiply %35, %33 : tensor<64x16xf32>
+// GOLDEN-NEXT: %37 = stablehlo.multiply %36, %arg10 : tensor<64x16xf32>
+// GOLDEN-NEXT: %38 = stablehlo.multiply %37, %arg9 : tensor<64x16xf32>
+// GOLDEN-NEXT: %39 = stablehlo.add %37, %38 : tensor<64x16xf32>
+// GOLDEN-NEXT: %40 = stablehlo.broadcast_in_dim %28, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %41 = stablehlo.multiply %40, %39 : tensor<64x16xf32>
+// GOLDEN-NEXT: %42 = stablehlo.add %34, %41 : tensor<64x16xf32>
+// GOLDEN-NEXT: %43 = stablehlo.broadcast_in_dim %27, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %44 = stablehlo.multiply %43, %41 : tensor<64x16xf32>
+// GOLDEN-NEXT: %45 = stablehlo.multiply %44, %arg6 : tensor<64x16xf32>
+// GOLDEN-NEXT: %46 = stablehlo.add %42, %45 : tensor<64x16xf32>
+// GOLDEN-NEXT: %47 = stablehlo.dot_general %46, %arg5, contracting_dims = [0] x [0], precision = [DEFAULT, DEFAULT] : (tensor<64x16xf32>, tensor<64x32xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %48 = stablehlo.transpose %47, dims = [1, 0] : (tensor<16x32xf32>) -> tensor<32x16xf32>
+// GOLDEN-NEXT: %49 = stablehlo.multiply %26, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %50 = stablehlo.dynamic_slice %46, %49, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %51 = stablehlo.dot_general %50, %arg4, contracting_dims = [1] x [1], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<32x16xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %52:2 = stablehlo.while(%iterArg = %c, %iterArg_7 = %51) : tensor<ui32>, tensor<8x32xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_8 = stablehlo.constant dense<7> : tensor<ui32>
-// GOLDEN-NEXT: %53 = stablehlo.compare LT, %iterArg, %c_8, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %53 : tensor<i1>
+// GOLDEN-NEXT: %54 = stablehlo.compare LT, %iterArg, %c_8, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %54 : tensor<i1>
 // GOLDEN-NEXT: } do {
 // GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_10 = stablehlo.constant dense<2> : tensor<ui32>
 // GOLDEN-NEXT: %c_11 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %53 = "stablehlo.collective_permute"(%iterArg_7) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %54 = stablehlo.add %iterArg, %c_10 : tensor<ui32>
-// GOLDEN-NEXT: %55 = stablehlo.add %23, %54 : tensor<ui32>
-// GOLDEN-NEXT: %56 = stablehlo.remainder %55, %c_11 : tensor<ui32>
-// GOLDEN-NEXT: %57 = stablehlo.multiply %56, %c_11 : tensor<ui32>
-// GOLDEN-NEXT: %58 = stablehlo.dynamic_slice %43, %57, %c_8, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %59 = stablehlo.dot_general %58, %arg4, contracting_dims = [1] x [1], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<32x16xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %60 = stablehlo.add %53, %59 : tensor<8x32xf32>
-// GOLDEN-NEXT: %61 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %61, %60 : tensor<ui32>, tensor<8x32xf32>
+// GOLDEN-NEXT: %54 = "stablehlo.collective_permute"(%iterArg_7) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %55 = stablehlo.add %iterArg, %c_10 : tensor<ui32>
+// GOLDEN-NEXT: %56 = stablehlo.add %23, %55 : tensor<ui32>
+// GOLDEN-NEXT: %57 = stablehlo.remainder %56, %c_11 : tensor<ui32>
+// GOLDEN-NEXT: %58 = stablehlo.multiply %57, %c_11 : tensor<ui32>
+// GOLDEN-NEXT: %59 = stablehlo.dynamic_slice %46, %58, %c_8, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %60 = stablehlo.dot_general %59, %arg4, contracting_dims = [1] x [1], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<32x16xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %61 = stablehlo.add %54, %60 : tensor<8x32xf32>
+// GOLDEN-NEXT: %62 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %62, %61 : tensor<ui32>, tensor<8x32xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %52 = "stablehlo.all_gather"(%51#1) <{all_gather_dim = 0 : i64, channel_handle = #stablehlo.channel_handle<handle = 9, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3, 4, 5, 6, 7]]> : tensor<1x8xi64>, use_global_device_ids}> : (tensor<8x32xf32>) -> tensor<64x32xf32>
-// GOLDEN-NEXT: sdy.return %52, %45, %28 : tensor<64x32xf32>, tensor<32x16xf32>, tensor<16x32xf32>
+// GOLDEN-NEXT: %53 = "stablehlo.all_gather"(%52#1) <{all_gather_dim = 0 : i64, channel_handle = #stablehlo.channel_handle<handle = 9, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3, 4, 5, 6, 7]]> : tensor<1x8xi64>, use_global_device_ids}> : (tensor<8x32xf32>) -> tensor<64x32xf32>
+// GOLDEN-NEXT: sdy.return %53, %48, %31 : tensor<64x32xf32>, tensor<32x16xf32>, tensor<16x32xf32>
 // GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<32x128xf32>, tensor<512x32xf32>, tensor<512x16xf32>, tensor<8xf32>, tensor<8xf32>, tensor<512x16xf32>, tensor<512x16xf32>, tensor<8xf32>, tensor<512x16xf32>, tensor<512x16xf32>, tensor<128x32xf32>, tensor<512x16xf32>) -> (tensor<64x32xf32>, tensor<32x128xf32>, tensor<128x32xf32>)
 // GOLDEN-NEXT: return %11, %20#0, %20#1, %20#2 : tensor<f32>, tensor<64x32xf32>, tensor<32x128xf32>, tensor<128x32xf32>
 // GOLDEN-NEXT: }

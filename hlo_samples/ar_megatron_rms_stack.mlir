@@ -15,169 +15,172 @@
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, %arg1: tensor<32x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg3: tensor<32x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg4: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<64x32xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1, %arg2, %arg3, %arg4) in_shardings=[<@mesh, [{}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{}, {}]>] manual_axes={"model"} (%arg5: tensor<64x32xf32>, %arg6: tensor<32x16xf32>, %arg7: tensor<16x32xf32>, %arg8: tensor<32x16xf32>, %arg9: tensor<16x32xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<7> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<64x16xf32>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_1, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %4 = stablehlo.multiply %arg5, %arg5 : tensor<64x32xf32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[1, 2, 3, 4, 5, 6, 7, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_2, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[7, 0, 1, 2, 3, 4, 5, 6]> : tensor<8xui32>
+// GOLDEN-NEXT: %7 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %c_3, %7, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %9 = stablehlo.reshape %8 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %10 = stablehlo.multiply %arg5, %arg5 : tensor<64x32xf32>
 // GOLDEN-NEXT: %cst_4 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %5 = stablehlo.reduce(%4 init: %cst_4) applies stablehlo.add across dimensions = [1] : (tensor<64x32xf32>, tensor<f32>) -> tensor<64xf32>
-// GOLDEN-NEXT: %6 = stablehlo.broadcast_in_dim %5, dims = [0] : (tensor<64xf32>) -> tensor<64x1xf32>
+// GOLDEN-NEXT: %11 = stablehlo.reduce(%10 init: %cst_4) applies stablehlo.add across dimensions = [1] : (tensor<64x32xf32>, tensor<f32>) -> tensor<64xf32>
+// GOLDEN-NEXT: %12 = stablehlo.broadcast_in_dim %11, dims = [0] : (tensor<64xf32>) -> tensor<64x1xf32>
 // GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<3.200000e+01> : tensor<f32>
-// GOLDEN-NEXT: %7 = stablehlo.broadcast_in_dim %cst_5, dims = [] : (tensor<f32>) -> tensor<64x1xf32>
-// GOLDEN-NEXT: %8 = stablehlo.divide %6, %7 : tensor<64x1xf32>
+// GOLDEN-NEXT: %13 = stablehlo.broadcast_in_dim %cst_5, dims = [] : (tensor<f32>) -> tensor<64x1xf32>
+// GOLDEN-NEXT: %14 = stablehlo.divide %12, %13 : tensor<64x1xf32>
 // GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<9.99999997E-7> : tensor<f32>
-// GOLDEN-NEXT: %9 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<64x1xf32>
-// GOLDEN-NEXT: %10 = stablehlo.add %8, %9 : tensor<64x1xf32>
-// GOLDEN-NEXT: %11 = stablehlo.rsqrt %10 : tensor<64x1xf32>
-// GOLDEN-NEXT: %12 = stablehlo.broadcast_in_dim %11, dims = [0, 1] : (tensor<64x1xf32>) -> tensor<64x32xf32>
-// GOLDEN-NEXT: %13 = stablehlo.multiply %arg5, %12 : tensor<64x32xf32>
-// GOLDEN-NEXT: %14 = stablehlo.dot_general %13, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<64x32xf32>, tensor<32x16xf32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %15 = stablehlo.multiply %14, %14 : tensor<64x16xf32>
-// GOLDEN-NEXT: %16 = stablehlo.multiply %15, %14 : tensor<64x16xf32>
+// GOLDEN-NEXT: %15 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<64x1xf32>
+// GOLDEN-NEXT: %16 = stablehlo.add %14, %15 : tensor<64x1xf32>
+// GOLDEN-NEXT: %17 = stablehlo.rsqrt %16 : tensor<64x1xf32>
+// GOLDEN-NEXT: %18 = stablehlo.broadcast_in_dim %17, dims = [0, 1] : (tensor<64x1xf32>) -> tensor<64x32xf32>
+// GOLDEN-NEXT: %19 = stablehlo.multiply %arg5, %18 : tensor<64x32xf32>
+// GOLDEN-NEXT: %20 = stablehlo.dot_general %19, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<64x32xf32>, tensor<32x16xf32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %21 = stablehlo.multiply %20, %20 : tensor<64x16xf32>
+// GOLDEN-NEXT: %22 = stablehlo.multiply %21, %20 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// GOLDEN-NEXT: %17 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %18 = stablehlo.multiply %17, %16 : tensor<64x16xf32>
-// GOLDEN-NEXT: %19 = stablehlo.add %14, %18 : tensor<64x16xf32>
+// GOLDEN-NEXT: %23 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %24 = stablehlo.multiply %23, %22 : tensor<64x16xf32>
+// GOLDEN-NEXT: %25 = stablehlo.add %20, %24 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// GOLDEN-NEXT: %20 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %21 = stablehlo.multiply %20, %19 : tensor<64x16xf32>
-// GOLDEN-NEXT: %22 = stablehlo.tanh %21 : tensor<64x16xf32>
+// GOLDEN-NEXT: %26 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %27 = stablehlo.multiply %26, %25 : tensor<64x16xf32>
+// GOLDEN-NEXT: %28 = stablehlo.tanh %27 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_9 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %23 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %24 = stablehlo.add %23, %22 : tensor<64x16xf32>
+// GOLDEN-NEXT: %29 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %30 = stablehlo.add %29, %28 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_10 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// GOLDEN-NEXT: %25 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %26 = stablehlo.multiply %25, %24 : tensor<64x16xf32>
-// GOLDEN-NEXT: %27 = stablehlo.multiply %14, %26 : tensor<64x16xf32>
-// GOLDEN-NEXT: %28 = stablehlo.add %3, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %29 = stablehlo.remainder %28, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %30 = stablehlo.multiply %29, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %31 = stablehlo.dynamic_slice %27, %30, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %32 = stablehlo.dot_general %31, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %33:2 = stablehlo.while(%iterArg = %c, %iterArg_18 = %32) : tensor<ui32>, tensor<8x32xf32>
+// GOLDEN-NEXT: %31 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %32 = stablehlo.multiply %31, %30 : tensor<64x16xf32>
+// GOLDEN-NEXT: %33 = stablehlo.multiply %20, %32 : tensor<64x16xf32>
+// GOLDEN-NEXT: %34 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %35 = stablehlo.dynamic_slice %33, %34, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %36 = stablehlo.dot_general %35, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %37:2 = stablehlo.while(%iterArg = %c, %iterArg_18 = %36) : tensor<ui32>, tensor<8x32xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_19 = stablehlo.constant dense<7> : tensor<ui32>
-// GOLDEN-NEXT: %69 = stablehlo.compare LT, %iterArg, %c_19, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %69 : tensor<i1>
+// GOLDEN-NEXT: %71 = stablehlo.compare LT, %iterArg, %c_19, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %71 : tensor<i1>
 // GOLDEN-NEXT: } do {
 // GOLDEN-NEXT: %c_19 = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %c_20 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_21 = stablehlo.constant dense<2> : tensor<ui32>
 // GOLDEN-NEXT: %c_22 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %69 = "stablehlo.collective_permute"(%iterArg_18) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %70 = stablehlo.add %iterArg, %c_21 : tensor<ui32>
-// GOLDEN-NEXT: %71 = stablehlo.add %3, %70 : tensor<ui32>
-// GOLDEN-NEXT: %72 = stablehlo.remainder %71, %c_22 : tensor<ui32>
-// GOLDEN-NEXT: %73 = stablehlo.multiply %72, %c_22 : tensor<ui32>
-// GOLDEN-NEXT: %74 = stablehlo.dynamic_slice %27, %73, %c_19, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %75 = stablehlo.dot_general %74, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %76 = stablehlo.add %69, %75 : tensor<8x32xf32>
-// GOLDEN-NEXT: %77 = stablehlo.add %iterArg, %c_20 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %77, %76 : tensor<ui32>, tensor<8x32xf32>
+// GOLDEN-NEXT: %71 = "stablehlo.collective_permute"(%iterArg_18) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %72 = stablehlo.add %iterArg, %c_21 : tensor<ui32>
+// GOLDEN-NEXT: %73 = stablehlo.add %3, %72 : tensor<ui32>
+// GOLDEN-NEXT: %74 = stablehlo.remainder %73, %c_22 : tensor<ui32>
+// GOLDEN-NEXT: %75 = stablehlo.multiply %74, %c_22 : tensor<ui32>
+// GOLDEN-NEXT: %76 = stablehlo.dynamic_slice %33, %75, %c_19, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %77 = stablehlo.dot_general %76, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %78 = stablehlo.add %71, %77 : tensor<8x32xf32>
+// GOLDEN-NEXT: %79 = stablehlo.add %iterArg, %c_20 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %79, %78 : tensor<ui32>, tensor<8x32xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %34 = stablehlo.multiply %3, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %35 = stablehlo.dynamic_slice %arg5, %34, %c, sizes = [8, 32] : (tensor<64x32xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %36 = stablehlo.add %35, %33#1 : tensor<8x32xf32>
-// GOLDEN-NEXT: %37 = stablehlo.multiply %36, %36 : tensor<8x32xf32>
+// GOLDEN-NEXT: %38 = stablehlo.multiply %3, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %39 = stablehlo.dynamic_slice %arg5, %38, %c, sizes = [8, 32] : (tensor<64x32xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %40 = stablehlo.add %39, %37#1 : tensor<8x32xf32>
+// GOLDEN-NEXT: %41 = stablehlo.multiply %40, %40 : tensor<8x32xf32>
 // GOLDEN-NEXT: %cst_11 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %38 = stablehlo.reduce(%37 init: %cst_11) applies stablehlo.add across dimensions = [1] : (tensor<8x32xf32>, tensor<f32>) -> tensor<8xf32>
-// GOLDEN-NEXT: %39 = stablehlo.broadcast_in_dim %38, dims = [0] : (tensor<8xf32>) -> tensor<8x1xf32>
+// GOLDEN-NEXT: %42 = stablehlo.reduce(%41 init: %cst_11) applies stablehlo.add across dimensions = [1] : (tensor<8x32xf32>, tensor<f32>) -> tensor<8xf32>
+// GOLDEN-NEXT: %43 = stablehlo.broadcast_in_dim %42, dims = [0] : (tensor<8xf32>) -> tensor<8x1xf32>
 // GOLDEN-NEXT: %cst_12 = stablehlo.constant dense<3.200000e+01> : tensor<f32>
-// GOLDEN-NEXT: %40 = stablehlo.broadcast_in_dim %cst_12, dims = [] : (tensor<f32>) -> tensor<8x1xf32>
-// GOLDEN-NEXT: %41 = stablehlo.divide %39, %40 : tensor<8x1xf32>
+// GOLDEN-NEXT: %44 = stablehlo.broadcast_in_dim %cst_12, dims = [] : (tensor<f32>) -> tensor<8x1xf32>
+// GOLDEN-NEXT: %45 = stablehlo.divide %43, %44 : tensor<8x1xf32>
 // GOLDEN-NEXT: %cst_13 = stablehlo.constant dense<9.99999997E-7> : tensor<f32>
-// GOLDEN-NEXT: %42 = stablehlo.broadcast_in_dim %cst_13, dims = [] : (tensor<f32>) -> tensor<8x1xf32>
-// GOLDEN-NEXT: %43 = stablehlo.add %41, %42 : tensor<8x1xf32>
-// GOLDEN-NEXT: %44 = stablehlo.rsqrt %43 : tensor<8x1xf32>
-// GOLDEN-NEXT: %45 = stablehlo.broadcast_in_dim %44, dims = [0, 1] : (tensor<8x1xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %46 = stablehlo.multiply %36, %45 : tensor<8x32xf32>
-// GOLDEN-NEXT: %47:3 = stablehlo.while(%iterArg = %c, %iterArg_18 = %46, %iterArg_19 = %cst) : tensor<ui32>, tensor<8x32xf32>, tensor<64x16xf32>
+// GOLDEN-NEXT: %46 = stablehlo.broadcast_in_dim %cst_13, dims = [] : (tensor<f32>) -> tensor<8x1xf32>
+// GOLDEN-NEXT: %47 = stablehlo.add %45, %46 : tensor<8x1xf32>
+// GOLDEN-NEXT: %48 = stablehlo.rsqrt %47 : tensor<8x1xf32>
+// GOLDEN-NEXT: %49 = stablehlo.broadcast_in_dim %48, dims = [0, 1] : (tensor<8x1xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %50 = stablehlo.multiply %40, %49 : tensor<8x32xf32>
+// GOLDEN-NEXT: %51:3 = stablehlo.while(%iterArg = %c, %iterArg_18 = %50, %iterArg_19 = %cst) : tensor<ui32>, tensor<8x32xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_20 = stablehlo.constant dense<7> : tensor<ui32>
-// GOLDEN-NEXT: %69 = stablehlo.compare LT, %iterArg, %c_20, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %69 : tensor<i1>
+// GOLDEN-NEXT: %71 = stablehlo.compare LT, %iterArg, %c_20, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %71 : tensor<i1>
 // GOLDEN-NEXT: } do {
 // GOLDEN-NEXT: %c_20 = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %c_21 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_22 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %69 = "stablehlo.collective_permute"(%iterArg_18) <{channel_handle = #stablehlo.channel_handle<handle = 10, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %70 = stablehlo.add %3, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %71 = stablehlo.remainder %70, %c_22 : tensor<ui32>
-// GOLDEN-NEXT: %72 = stablehlo.dot_general %iterArg_18, %arg8, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<32x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %73 = stablehlo.multiply %71, %c_22 : tensor<ui32>
-// GOLDEN-NEXT: %74 = stablehlo.dynamic_update_slice %iterArg_19, %72, %73, %c_20 : (tensor<64x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %75 = stablehlo.add %iterArg, %c_21 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %75, %69, %74 : tensor<ui32>, tensor<8x32xf32>, tensor<64x16xf32>
+// GOLDEN-NEXT: %71 = "stablehlo.collective_permute"(%iterArg_18) <{channel_handle = #stablehlo.channel_handle<handle = 10, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %72 = stablehlo.add %3, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %73 = stablehlo.remainder %72, %c_22 : tensor<ui32>
+// GOLDEN-NEXT: %74 = stablehlo.dot_general %iterArg_18, %arg8, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<32x16xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %75 = stablehlo.multiply %73, %c_22 : tensor<ui32>
+// GOLDEN-NEXT: %76 = stablehlo.dynamic_update_slice %iterArg_19, %74, %75, %c_20 : (tensor<64x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %77 = stablehlo.add %iterArg, %c_21 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %77, %71, %76 : tensor<ui32>, tensor<8x32xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %48 = stablehlo.add %3, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %49 = stablehlo.remainder %48, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %50 = stablehlo.dot_general %47#1, %arg8, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<32x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %51 = stablehlo.multiply %49, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %52 = stablehlo.dynamic_update_slice %47#2, %50, %51, %c : (tensor<64x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %53 = stablehlo.multiply %52, %52 : tensor<64x16xf32>
-// GOLDEN-NEXT: %54 = stablehlo.multiply %53, %52 : tensor<64x16xf32>
-// GOLDEN-NEXT: %cst_14 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// GOLDEN-NEXT: %55 = stablehlo.broadcast_in_dim %cst_14, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %52 = stablehlo.dot_general %51#1, %arg8, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<32x16xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %53 = stablehlo.multiply %9, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %54 = stablehlo.dynamic_update_slice %51#2, %52, %53, %c : (tensor<64x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %55 = stablehlo.multiply %54, %54 : tensor<64x16xf32>
 // GOLDEN-NEXT: %56 = stablehlo.multiply %55, %54 : tensor<64x16xf32>
-// GOLDEN-NEXT: %57 = stablehlo.add %52, %56 : tensor<64x16xf32>
+// GOLDEN-NEXT: %cst_14 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
+// GOLDEN-NEXT: %57 = stablehlo.broadcast_in_dim %cst_14, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %58 = stablehlo.multiply %57, %56 : tensor<64x16xf32>
+// GOLDEN-NEXT: %59 = stablehlo.add %54, %58 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_15 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// GOLDEN-NEXT: %58 = stablehlo.broadcast_in_dim %cst_15, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %59 = stablehlo.multiply %58, %57 : tensor<64x16xf32>
-// GOLDEN-NEXT: %60 = stablehlo.tanh %59 : tensor<64x16xf32>
+// GOLDEN-NEXT: %60 = stablehlo.broadcast_in_dim %cst_15, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %61 = stablehlo.multiply %60, %59 : tensor<64x16xf32>
+// GOLDEN-NEXT: %62 = stablehlo.tanh %61 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_16 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %61 = stablehlo.broadcast_in_dim %cst_16, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %62 = stablehlo.add %61, %60 : tensor<64x16xf32>
+// GOLDEN-NEXT: %63 = stablehlo.broadcast_in_dim %cst_16, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %64 = stablehlo.add %63, %62 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_17 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// GOLDEN-NEXT: %63 = stablehlo.broadcast_in_dim %cst_17, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %64 = stablehlo.multiply %63, %62 : tensor<64x16xf32>
-// GOLDEN-NEXT: %65 = stablehlo.multiply %52, %64 : tensor<64x16xf32>
-// GOLDEN-NEXT: %66 = func.call @cmatmul_ring_0(%65, %arg9) : (tensor<64x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %67 = stablehlo.add %36, %66 : tensor<8x32xf32>
-// GOLDEN-NEXT: %68 = "stablehlo.all_gather"(%67) <{all_gather_dim = 0 : i64, channel_handle = #stablehlo.channel_handle<handle = 9, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3, 4, 5, 6, 7]]> : tensor<1x8xi64>, use_global_device_ids}> : (tensor<8x32xf32>) -> tensor<64x32xf32>
-// GOLDEN-NEXT: sdy.return %68 : tensor<64x32xf32>
+// GOLDEN-NEXT: %65 = stablehlo.broadcast_in_dim %cst_17, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %66 = stablehlo.multiply %65, %64 : tensor<64x16xf32>
+// GOLDEN-NEXT: %67 = stablehlo.multiply %54, %66 : tensor<64x16xf32>
+// GOLDEN-NEXT: %68 = func.call @cmatmul_ring_0(%67, %arg9) : (tensor<64x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %69 = stablehlo.add %40, %68 : tensor<8x32xf32>
+// GOLDEN-NEXT: %70 = "stablehlo.all_gather"(%69) <{all_gather_dim = 0 : i64, channel_handle = #stablehlo.channel_handle<handle = 9, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3, 4, 5, 6, 7]]> : tensor<1x8xi64>, use_global_device_ids}> : (tensor<8x32xf32>) -> tensor<64x32xf32>
+// GOLDEN-NEXT: sdy.return %70 : tensor<64x32xf32>
 // GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<32x128xf32>, tensor<128x32xf32>, tensor<32x128xf32>, tensor<128x32xf32>) -> tensor<64x32xf32>
 // GOLDEN-NEXT: return %0 : tensor<64x32xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: func.func private @cmatmul_ring_0(%arg0: tensor<64x16xf32>, %arg1: tensor<16x32xf32>) -> tensor<8x32xf32> {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // GOLDEN-NEXT: %0 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %1 = stablehlo.dynamic_slice %c_2, %0, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %1 = stablehlo.dynamic_slice %c_1, %0, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %2 = stablehlo.reshape %1 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %3 = stablehlo.add %2, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %4 = stablehlo.remainder %3, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %5 = stablehlo.multiply %4, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %6 = stablehlo.dynamic_slice %arg0, %5, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %7 = stablehlo.dot_general %6, %arg1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %8:2 = stablehlo.while(%iterArg = %c, %iterArg_3 = %7) : tensor<ui32>, tensor<8x32xf32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[1, 2, 3, 4, 5, 6, 7, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %3 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_2, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %5 = stablehlo.reshape %4 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg0, %6, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %8 = stablehlo.dot_general %7, %arg1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %9:2 = stablehlo.while(%iterArg = %c, %iterArg_3 = %8) : tensor<ui32>, tensor<8x32xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_4 = stablehlo.constant dense<7> : tensor<ui32>
-// GOLDEN-NEXT: %9 = stablehlo.compare LT, %iterArg, %c_4, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %9 : tensor<i1>
+// GOLDEN-NEXT: %10 = stablehlo.compare LT, %iterArg, %c_4, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %10 : tensor<i1>
 // GOLDEN-NEXT: } do {
 // GOLDEN-NEXT: %c_4 = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %c_5 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_6 = stablehlo.constant dense<2> : tensor<ui32>
 // GOLDEN-NEXT: %c_7 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %9 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %10 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %11 = stablehlo.add %2, %10 : tensor<ui32>
-// GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %13 = stablehlo.multiply %12, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %14 = stablehlo.dynamic_slice %arg0, %13, %c_4, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %15 = stablehlo.dot_general %14, %arg1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %16 = stablehlo.add %9, %15 : tensor<8x32xf32>
-// GOLDEN-NEXT: %17 = stablehlo.add %iterArg, %c_5 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %17, %16 : tensor<ui32>, tensor<8x32xf32>
+// GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %11 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
+// GOLDEN-NEXT: %12 = stablehlo.add %2, %11 : tensor<ui32>
+// GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %14 = stablehlo.multiply %13, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %15 = stablehlo.dynamic_slice %arg0, %14, %c_4, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %16 = stablehlo.dot_general %15, %arg1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %17 = stablehlo.add %10, %16 : tensor<8x32xf32>
+// GOLDEN-NEXT: %18 = stablehlo.add %iterArg, %c_5 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %18, %17 : tensor<ui32>, tensor<8x32xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: return %8#1 : tensor<8x32xf32>
+// GOLDEN-NEXT: return %9#1 : tensor<8x32xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: }
 // END-AUTOGENERATED golden block

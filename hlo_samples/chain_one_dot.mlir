@@ -13,71 +13,72 @@
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}, %arg1: tensor<64x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}) -> (tensor<32x64xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"data"}, {"model"}]>, <@mesh, [{}, {}]>] out_shardings=[<@mesh, [{"data"}, {"model"}]>] manual_axes={"data", "model"} (%arg2: tensor<16x16xf32>, %arg3: tensor<64x64xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<16x16xf32>
-// GOLDEN-NEXT: %cst_4 = stablehlo.constant dense<0.000000e+00> : tensor<16x64xf32>
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %cst_1 = stablehlo.constant dense<0.000000e+00> : tensor<16x64xf32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_5, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_2, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %4 = stablehlo.add %3, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_3 : tensor<ui32>
-// GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg3, %c, %6, sizes = [64, 16] : (tensor<64x64xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %8:4 = stablehlo.while(%iterArg = %c, %iterArg_6 = %arg2, %iterArg_7 = %cst, %iterArg_8 = %cst_4) : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>, tensor<16x64xf32>
+// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[1, 2, 3, 0, 1, 2, 3, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_3, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// GOLDEN-NEXT: %7 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %c_4, %7, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %9 = stablehlo.reshape %8 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %10 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %11 = stablehlo.dynamic_slice %arg3, %c, %10, sizes = [64, 16] : (tensor<64x64xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %12:4 = stablehlo.while(%iterArg = %c, %iterArg_5 = %arg2, %iterArg_6 = %cst, %iterArg_7 = %cst_1) : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>, tensor<16x64xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %17 = stablehlo.compare LT, %iterArg, %c_9, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %17 : tensor<i1>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %19 = stablehlo.compare LT, %iterArg, %c_8, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %19 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<16> : tensor<ui32>
-// GOLDEN-NEXT: %17 = "stablehlo.collective_permute"(%iterArg_6) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %18 = stablehlo.add %3, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_11 : tensor<ui32>
-// GOLDEN-NEXT: %20 = stablehlo.multiply %19, %c_12 : tensor<ui32>
-// GOLDEN-NEXT: %21 = stablehlo.dynamic_slice %7, %20, %c_9, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %22 = stablehlo.dot_general %iterArg_6, %21, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %23 = stablehlo.add %iterArg_7, %22 : tensor<16x16xf32>
-// GOLDEN-NEXT: %24 = stablehlo.dynamic_update_slice %iterArg_8, %iterArg_6, %c_9, %20 : (tensor<16x64xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x64xf32>
-// GOLDEN-NEXT: %25 = stablehlo.add %iterArg, %c_10 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %25, %17, %23, %24 : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>, tensor<16x64xf32>
-// GOLDEN-NEXT: }
-// GOLDEN-NEXT: %9 = stablehlo.add %3, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %10 = stablehlo.remainder %9, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %11 = stablehlo.multiply %10, %c_3 : tensor<ui32>
-// GOLDEN-NEXT: %12 = stablehlo.dynamic_slice %7, %11, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %13 = stablehlo.dot_general %8#1, %12, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %14 = stablehlo.add %8#2, %13 : tensor<16x16xf32>
-// GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %8#3, %8#1, %c, %11 : (tensor<16x64xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x64xf32>
-// GOLDEN-NEXT: %16:2 = stablehlo.while(%iterArg = %c, %iterArg_6 = %14) : tensor<ui32>, tensor<16x16xf32>
-// GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %17 = stablehlo.compare LT, %iterArg, %c_7, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %17 : tensor<i1>
-// GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_10 = stablehlo.constant dense<4> : tensor<ui32>
 // GOLDEN-NEXT: %c_11 = stablehlo.constant dense<16> : tensor<ui32>
-// GOLDEN-NEXT: %17 = "stablehlo.collective_permute"(%iterArg_6) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %18 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
-// GOLDEN-NEXT: %19 = stablehlo.add %3, %18 : tensor<ui32>
-// GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_10 : tensor<ui32>
-// GOLDEN-NEXT: %21 = stablehlo.multiply %20, %c_11 : tensor<ui32>
-// GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %arg3, %c_7, %21, sizes = [64, 16] : (tensor<64x64xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %23 = stablehlo.dot_general %15, %22, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %24 = stablehlo.add %17, %23 : tensor<16x16xf32>
-// GOLDEN-NEXT: %25 = stablehlo.add %iterArg, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %25, %24 : tensor<ui32>, tensor<16x16xf32>
+// GOLDEN-NEXT: %19 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %20 = stablehlo.add %3, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %21 = stablehlo.remainder %20, %c_10 : tensor<ui32>
+// GOLDEN-NEXT: %22 = stablehlo.multiply %21, %c_11 : tensor<ui32>
+// GOLDEN-NEXT: %23 = stablehlo.dynamic_slice %11, %22, %c_8, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %24 = stablehlo.dot_general %iterArg_5, %23, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %25 = stablehlo.add %iterArg_6, %24 : tensor<16x16xf32>
+// GOLDEN-NEXT: %26 = stablehlo.dynamic_update_slice %iterArg_7, %iterArg_5, %c_8, %22 : (tensor<16x64xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x64xf32>
+// GOLDEN-NEXT: %27 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %27, %19, %25, %26 : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>, tensor<16x64xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: sdy.return %16#1 : tensor<16x16xf32>
+// GOLDEN-NEXT: %13 = stablehlo.multiply %9, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %14 = stablehlo.dynamic_slice %11, %13, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %15 = stablehlo.dot_general %12#1, %14, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %16 = stablehlo.add %12#2, %15 : tensor<16x16xf32>
+// GOLDEN-NEXT: %17 = stablehlo.dynamic_update_slice %12#3, %12#1, %c, %13 : (tensor<16x64xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x64xf32>
+// GOLDEN-NEXT: %18:2 = stablehlo.while(%iterArg = %c, %iterArg_5 = %16) : tensor<ui32>, tensor<16x16xf32>
+// GOLDEN-NEXT: cond {
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %19 = stablehlo.compare LT, %iterArg, %c_6, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %19 : tensor<i1>
+// GOLDEN-NEXT: } do {
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %19 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %20 = stablehlo.add %iterArg, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: %21 = stablehlo.add %3, %20 : tensor<ui32>
+// GOLDEN-NEXT: %22 = stablehlo.remainder %21, %c_9 : tensor<ui32>
+// GOLDEN-NEXT: %23 = stablehlo.multiply %22, %c_10 : tensor<ui32>
+// GOLDEN-NEXT: %24 = stablehlo.dynamic_slice %arg3, %c_6, %23, sizes = [64, 16] : (tensor<64x64xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %25 = stablehlo.dot_general %17, %24, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %26 = stablehlo.add %19, %25 : tensor<16x16xf32>
+// GOLDEN-NEXT: %27 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %27, %26 : tensor<ui32>, tensor<16x16xf32>
+// GOLDEN-NEXT: }
+// GOLDEN-NEXT: sdy.return %18#1 : tensor<16x16xf32>
 // GOLDEN-NEXT: } : (tensor<32x64xf32>, tensor<64x64xf32>) -> tensor<32x64xf32>
 // GOLDEN-NEXT: return %0 : tensor<32x64xf32>
 // GOLDEN-NEXT: }
@@ -95,71 +96,72 @@
 // STREAMS_GOLDEN-NEXT: func.func public @main(%arg0: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}, %arg1: tensor<64x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}) -> (tensor<32x64xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}) {
 // STREAMS_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"data"}, {"model"}]>, <@mesh, [{}, {}]>] out_shardings=[<@mesh, [{"data"}, {"model"}]>] manual_axes={"data", "model"} (%arg2: tensor<16x16xf32>, %arg3: tensor<64x64xf32>) {
 // STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<3> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<4> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<16> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %cst_4 = stablehlo.constant dense<0.000000e+00> : tensor<16x64xf32>
-// STREAMS_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// STREAMS_GOLDEN-NEXT: %cst_1 = stablehlo.constant dense<0.000000e+00> : tensor<16x64xf32>
+// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // STREAMS_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_5, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// STREAMS_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_2, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // STREAMS_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %4 = stablehlo.add %3, %c_0 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_3 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg3, %c, %6, sizes = [64, 16] : (tensor<64x64xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %8:4 = stablehlo.while(%iterArg = %c, %iterArg_6 = %arg2, %iterArg_7 = %cst, %iterArg_8 = %cst_4) : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>, tensor<16x64xf32>
+// STREAMS_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[1, 2, 3, 0, 1, 2, 3, 0]> : tensor<8xui32>
+// STREAMS_GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_3, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// STREAMS_GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// STREAMS_GOLDEN-NEXT: %7 = stablehlo.partition_id : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %c_4, %7, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// STREAMS_GOLDEN-NEXT: %9 = stablehlo.reshape %8 : (tensor<1xui32>) -> tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %10 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %11 = stablehlo.dynamic_slice %arg3, %c, %10, sizes = [64, 16] : (tensor<64x64xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %12:4 = stablehlo.while(%iterArg = %c, %iterArg_5 = %arg2, %iterArg_6 = %cst, %iterArg_7 = %cst_1) : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>, tensor<16x64xf32>
 // STREAMS_GOLDEN-NEXT: cond {
-// STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<3> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %17 = stablehlo.compare LT, %iterArg, %c_9, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %17 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<3> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %19 = stablehlo.compare LT, %iterArg, %c_8, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %19 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
-// STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<0> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<4> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<16> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %17 = "stablehlo.collective_permute"(%iterArg_6) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %18 = stablehlo.add %3, %iterArg : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_11 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %20 = stablehlo.multiply %19, %c_12 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %21 = stablehlo.dynamic_slice %7, %20, %c_9, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %22 = func.call @cmatmul_dot_0(%iterArg_6, %21) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %23 = stablehlo.add %iterArg_7, %22 : tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %24 = stablehlo.dynamic_update_slice %iterArg_8, %iterArg_6, %c_9, %20 : (tensor<16x64xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x64xf32>
-// STREAMS_GOLDEN-NEXT: %25 = stablehlo.add %iterArg, %c_10 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %25, %17, %23, %24 : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>, tensor<16x64xf32>
-// STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: %9 = stablehlo.add %3, %c_1 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %10 = stablehlo.remainder %9, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %11 = stablehlo.multiply %10, %c_3 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %12 = stablehlo.dynamic_slice %7, %11, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %13 = func.call @cmatmul_dot_0(%8#1, %12) {mhlo.frontend_attributes = {_xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %14 = stablehlo.add %8#2, %13 : tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %8#3, %8#1, %c, %11 : (tensor<16x64xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x64xf32>
-// STREAMS_GOLDEN-NEXT: %16:2 = stablehlo.while(%iterArg = %c, %iterArg_6 = %14) : tensor<ui32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: cond {
-// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<3> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %17 = stablehlo.compare LT, %iterArg, %c_7, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %17 : tensor<i1>
-// STREAMS_GOLDEN-NEXT: } do {
-// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<0> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<2> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<0> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<1> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<4> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<16> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %17 = "stablehlo.collective_permute"(%iterArg_6) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %18 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %19 = stablehlo.add %3, %18 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_10 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %21 = stablehlo.multiply %20, %c_11 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %arg3, %c_7, %21, sizes = [64, 16] : (tensor<64x64xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// STREAMS_GOLDEN-NEXT: %23 = func.call @cmatmul_dot_1(%15, %22) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %24 = stablehlo.add %17, %23 : tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %25 = stablehlo.add %iterArg, %c_8 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %25, %24 : tensor<ui32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %19 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %20 = stablehlo.add %3, %iterArg : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %21 = stablehlo.remainder %20, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %22 = stablehlo.multiply %21, %c_11 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %23 = stablehlo.dynamic_slice %11, %22, %c_8, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %24 = func.call @cmatmul_dot_0(%iterArg_5, %23) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %25 = stablehlo.add %iterArg_6, %24 : tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %26 = stablehlo.dynamic_update_slice %iterArg_7, %iterArg_5, %c_8, %22 : (tensor<16x64xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x64xf32>
+// STREAMS_GOLDEN-NEXT: %27 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %27, %19, %25, %26 : tensor<ui32>, tensor<16x16xf32>, tensor<16x16xf32>, tensor<16x64xf32>
 // STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: sdy.return %16#1 : tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %13 = stablehlo.multiply %9, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %14 = stablehlo.dynamic_slice %11, %13, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %15 = func.call @cmatmul_dot_0(%12#1, %14) {mhlo.frontend_attributes = {_xla_stream_annotation = "2", inlineable = "false"}} : (tensor<16x16xf32>, tensor<16x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %16 = stablehlo.add %12#2, %15 : tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %17 = stablehlo.dynamic_update_slice %12#3, %12#1, %c, %13 : (tensor<16x64xf32>, tensor<16x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x64xf32>
+// STREAMS_GOLDEN-NEXT: %18:2 = stablehlo.while(%iterArg = %c, %iterArg_5 = %16) : tensor<ui32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: cond {
+// STREAMS_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<3> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %19 = stablehlo.compare LT, %iterArg, %c_6, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %19 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: } do {
+// STREAMS_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<2> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<4> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<16> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %19 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %20 = stablehlo.add %iterArg, %c_8 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %21 = stablehlo.add %3, %20 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %22 = stablehlo.remainder %21, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %23 = stablehlo.multiply %22, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %24 = stablehlo.dynamic_slice %arg3, %c_6, %23, sizes = [64, 16] : (tensor<64x64xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// STREAMS_GOLDEN-NEXT: %25 = func.call @cmatmul_dot_1(%17, %24) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %26 = stablehlo.add %19, %25 : tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %27 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %27, %26 : tensor<ui32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: }
+// STREAMS_GOLDEN-NEXT: sdy.return %18#1 : tensor<16x16xf32>
 // STREAMS_GOLDEN-NEXT: } : (tensor<32x64xf32>, tensor<64x64xf32>) -> tensor<32x64xf32>
 // STREAMS_GOLDEN-NEXT: return %0 : tensor<32x64xf32>
 // STREAMS_GOLDEN-NEXT: }

@@ -12,44 +12,44 @@
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<32x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}) -> (tensor<64x32xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}, {}]>] out_shardings=[<@mesh, [{"model"}, {}]>] manual_axes={"data", "model"} (%arg2: tensor<16x32xf32>, %arg3: tensor<32x32xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<64x32xf32>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_1, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %4:3 = stablehlo.while(%iterArg = %c, %iterArg_4 = %arg2, %iterArg_5 = %cst) : tensor<ui32>, tensor<16x32xf32>, tensor<64x32xf32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_2, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %7:3 = stablehlo.while(%iterArg = %c, %iterArg_3 = %arg2, %iterArg_4 = %cst) : tensor<ui32>, tensor<16x32xf32>, tensor<64x32xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %11 = stablehlo.compare LT, %iterArg, %c_6, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %11 : tensor<i1>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %12 = stablehlo.compare LT, %iterArg, %c_5, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %12 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<ui32>
-// GOLDEN-NEXT: %11 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %12 = stablehlo.add %3, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %14 = stablehlo.dot_general %iterArg_4, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %15 = stablehlo.multiply %13, %c_9 : tensor<ui32>
-// GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %iterArg_5, %14, %15, %c_6 : (tensor<64x32xf32>, tensor<16x32xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x32xf32>
-// GOLDEN-NEXT: %17 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %17, %11, %16 : tensor<ui32>, tensor<16x32xf32>, tensor<64x32xf32>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %12 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %13 = stablehlo.add %3, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %14 = stablehlo.remainder %13, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %15 = stablehlo.dot_general %iterArg_3, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x32xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %16 = stablehlo.multiply %14, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: %17 = stablehlo.dynamic_update_slice %iterArg_4, %15, %16, %c_5 : (tensor<64x32xf32>, tensor<16x32xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x32xf32>
+// GOLDEN-NEXT: %18 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %18, %12, %17 : tensor<ui32>, tensor<16x32xf32>, tensor<64x32xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %5 = stablehlo.add %3, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %6 = stablehlo.remainder %5, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %7 = stablehlo.dot_general %4#1, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %8 = stablehlo.multiply %6, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %4#2, %7, %8, %c : (tensor<64x32xf32>, tensor<16x32xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x32xf32>
-// GOLDEN-NEXT: %10 = "stablehlo.reduce_scatter"(%9) <{channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3], [4, 5, 6, 7]]> : tensor<2x4xi64>, scatter_dimension = 0 : i64, use_global_device_ids}> ({
+// GOLDEN-NEXT: %8 = stablehlo.dot_general %7#1, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x32xf32>, tensor<32x32xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %9 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %7#2, %8, %9, %c : (tensor<64x32xf32>, tensor<16x32xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x32xf32>
+// GOLDEN-NEXT: %11 = "stablehlo.reduce_scatter"(%10) <{channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3], [4, 5, 6, 7]]> : tensor<2x4xi64>, scatter_dimension = 0 : i64, use_global_device_ids}> ({
 // GOLDEN-NEXT: ^bb0(%arg4: tensor<f32>, %arg5: tensor<f32>):
-// GOLDEN-NEXT: %11 = stablehlo.add %arg4, %arg5 : tensor<f32>
-// GOLDEN-NEXT: stablehlo.return %11 : tensor<f32>
+// GOLDEN-NEXT: %12 = stablehlo.add %arg4, %arg5 : tensor<f32>
+// GOLDEN-NEXT: stablehlo.return %12 : tensor<f32>
 // GOLDEN-NEXT: }) : (tensor<64x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: sdy.return %10 : tensor<16x32xf32>
+// GOLDEN-NEXT: sdy.return %11 : tensor<16x32xf32>
 // GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<32x32xf32>) -> tensor<64x32xf32>
 // GOLDEN-NEXT: return %0 : tensor<64x32xf32>
 // GOLDEN-NEXT: }

@@ -12,85 +12,84 @@
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<4x32x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}, {}]>}, %arg1: tensor<16x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}, %arg2: tensor<64x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {"data"}]>}, %arg3: tensor<16x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}, %arg4: tensor<64x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {"data"}]>}) -> (tensor<4x32x16xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}, {}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1, %arg2) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{"data"}, {"model"}]>, <@mesh, [{"model"}, {"data"}]>] out_shardings=[<@mesh, [{"data"}, {"model"}, {}]>] manual_axes={"data", "model"} (%arg5: tensor<2x8x16xf32>, %arg6: tensor<8x16xf32>, %arg7: tensor<16x8xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<16x16xf32>
-// GOLDEN-NEXT: %cst_4 = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<0.000000e+00> : tensor<2x8x16xf32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %cst_1 = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_2 = stablehlo.constant dense<0.000000e+00> : tensor<2x8x16xf32>
+// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %6 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %c_6, %6, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %c_3, %6, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %8 = stablehlo.reshape %7 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[1, 2, 3, 0, 1, 2, 3, 0]> : tensor<8xui32>
 // GOLDEN-NEXT: %9 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %10 = stablehlo.dynamic_slice %c_7, %9, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %10 = stablehlo.dynamic_slice %c_4, %9, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %11 = stablehlo.reshape %10 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %12 = "stablehlo.all_gather"(%arg5) <{all_gather_dim = 1 : i64, channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3], [4, 5, 6, 7]]> : tensor<2x4xi64>, use_global_device_ids}> : (tensor<2x8x16xf32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %13 = "stablehlo.collective_permute"(%arg6) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<8x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %14 = stablehlo.multiply %11, %c_3 : tensor<ui32>
-// GOLDEN-NEXT: %15 = stablehlo.dynamic_slice %12, %c, %c, %14, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
-// GOLDEN-NEXT: %16 = stablehlo.dot_general %15, %arg6, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<8x16xf32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %17 = stablehlo.add %cst_4, %16 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %18 = stablehlo.add %11, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %20 = stablehlo.multiply %19, %c_3 : tensor<ui32>
-// GOLDEN-NEXT: %21 = stablehlo.dynamic_slice %12, %c, %c, %20, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
-// GOLDEN-NEXT: %22 = stablehlo.dot_general %21, %13, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<8x16xf32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %23 = stablehlo.add %17, %22 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %24 = stablehlo.multiply %23, %23 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %25 = stablehlo.multiply %24, %23 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// GOLDEN-NEXT: %26 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %27 = stablehlo.multiply %26, %25 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %28 = stablehlo.add %23, %27 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_9 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// GOLDEN-NEXT: %29 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %30 = stablehlo.multiply %29, %28 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %31 = stablehlo.tanh %30 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_10 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %32 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %33 = stablehlo.add %32, %31 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_11 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// GOLDEN-NEXT: %34 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %35 = stablehlo.multiply %34, %33 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %36 = stablehlo.multiply %23, %35 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %37 = stablehlo.add %8, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %38 = stablehlo.remainder %37, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %39 = stablehlo.multiply %38, %c_3 : tensor<ui32>
-// GOLDEN-NEXT: %40 = stablehlo.dynamic_slice %36, %c, %39, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %41 = "stablehlo.collective_permute"(%arg7) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<16x8xf32>) -> tensor<16x8xf32>
-// GOLDEN-NEXT: %42 = stablehlo.dot_general %40, %arg7, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x8xf32>) -> tensor<2x8x8xf32>
-// GOLDEN-NEXT: %43 = stablehlo.multiply %11, %c_3 : tensor<ui32>
-// GOLDEN-NEXT: %44 = stablehlo.dynamic_update_slice %cst_5, %42, %c, %c, %43 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %45 = stablehlo.dynamic_update_slice %cst, %arg7, %c, %43 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %46 = stablehlo.add %11, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %47 = stablehlo.remainder %46, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %48 = stablehlo.dot_general %40, %41, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x8xf32>) -> tensor<2x8x8xf32>
-// GOLDEN-NEXT: %49 = stablehlo.multiply %47, %c_3 : tensor<ui32>
-// GOLDEN-NEXT: %50 = stablehlo.dynamic_update_slice %44, %48, %c, %c, %49 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %51 = stablehlo.dynamic_update_slice %45, %41, %c, %49 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %52:2 = stablehlo.while(%iterArg = %c, %iterArg_12 = %50) : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
+// GOLDEN-NEXT: %12 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %c_5, %12, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %14 = stablehlo.reshape %13 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<[1, 1, 1, 1, 0, 0, 0, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %15 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %16 = stablehlo.dynamic_slice %c_6, %15, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %17 = stablehlo.reshape %16 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %18 = "stablehlo.all_gather"(%arg5) <{all_gather_dim = 1 : i64, channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3], [4, 5, 6, 7]]> : tensor<2x4xi64>, use_global_device_ids}> : (tensor<2x8x16xf32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %19 = "stablehlo.collective_permute"(%arg6) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<8x16xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %20 = stablehlo.multiply %14, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %21 = stablehlo.dynamic_slice %18, %c, %c, %20, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
+// GOLDEN-NEXT: %22 = stablehlo.dot_general %21, %arg6, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<8x16xf32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %23 = stablehlo.add %cst_1, %22 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %24 = stablehlo.multiply %17, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %25 = stablehlo.dynamic_slice %18, %c, %c, %24, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
+// GOLDEN-NEXT: %26 = stablehlo.dot_general %25, %19, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<8x16xf32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %27 = stablehlo.add %23, %26 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %28 = stablehlo.multiply %27, %27 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %29 = stablehlo.multiply %28, %27 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
+// GOLDEN-NEXT: %30 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %31 = stablehlo.multiply %30, %29 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %32 = stablehlo.add %27, %31 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<0.797884583> : tensor<f32>
+// GOLDEN-NEXT: %33 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %34 = stablehlo.multiply %33, %32 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %35 = stablehlo.tanh %34 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_9 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %36 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %37 = stablehlo.add %36, %35 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_10 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
+// GOLDEN-NEXT: %38 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %39 = stablehlo.multiply %38, %37 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %40 = stablehlo.multiply %27, %39 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %41 = stablehlo.multiply %11, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %42 = stablehlo.dynamic_slice %40, %c, %41, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %43 = "stablehlo.collective_permute"(%arg7) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<16x8xf32>) -> tensor<16x8xf32>
+// GOLDEN-NEXT: %44 = stablehlo.dot_general %42, %arg7, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x8xf32>) -> tensor<2x8x8xf32>
+// GOLDEN-NEXT: %45 = stablehlo.multiply %14, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %46 = stablehlo.dynamic_update_slice %cst_2, %44, %c, %c, %45 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %47 = stablehlo.dynamic_update_slice %cst, %arg7, %c, %45 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %48 = stablehlo.dot_general %42, %43, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x8xf32>) -> tensor<2x8x8xf32>
+// GOLDEN-NEXT: %49 = stablehlo.multiply %17, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %50 = stablehlo.dynamic_update_slice %46, %48, %c, %c, %49 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %51 = stablehlo.dynamic_update_slice %47, %43, %c, %49 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %52:2 = stablehlo.while(%iterArg = %c, %iterArg_11 = %50) : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %53 = stablehlo.compare LT, %iterArg, %c_13, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %53 = stablehlo.compare LT, %iterArg, %c_12, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %53 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %c_16 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %53 = "stablehlo.collective_permute"(%iterArg_12) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %54 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
+// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_16 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %53 = "stablehlo.collective_permute"(%iterArg_11) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %54 = stablehlo.add %iterArg, %c_14 : tensor<ui32>
 // GOLDEN-NEXT: %55 = stablehlo.add %8, %54 : tensor<ui32>
-// GOLDEN-NEXT: %56 = stablehlo.remainder %55, %c_16 : tensor<ui32>
-// GOLDEN-NEXT: %57 = stablehlo.multiply %56, %c_17 : tensor<ui32>
-// GOLDEN-NEXT: %58 = stablehlo.dynamic_slice %36, %c_13, %57, %c_13, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %56 = stablehlo.remainder %55, %c_15 : tensor<ui32>
+// GOLDEN-NEXT: %57 = stablehlo.multiply %56, %c_16 : tensor<ui32>
+// GOLDEN-NEXT: %58 = stablehlo.dynamic_slice %40, %c_12, %57, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %59 = stablehlo.dot_general %58, %51, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %60 = stablehlo.add %53, %59 : tensor<2x8x16xf32>
-// GOLDEN-NEXT: %61 = stablehlo.add %iterArg, %c_14 : tensor<ui32>
+// GOLDEN-NEXT: %61 = stablehlo.add %iterArg, %c_13 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %61, %60 : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: sdy.return %52#1 : tensor<2x8x16xf32>
@@ -99,85 +98,86 @@
 // GOLDEN-NEXT: %2 = sdy.sharding_constraint %1 <@mesh, [{"data"}, {"model"}, {}]> : tensor<4x32x16xf32>
 // GOLDEN-NEXT: %3 = sdy.manual_computation(%2, %arg3, %arg4) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{"data"}, {"model"}]>, <@mesh, [{"model"}, {"data"}]>] out_shardings=[<@mesh, [{"data"}, {"model"}, {}]>] manual_axes={"data", "model"} (%arg5: tensor<2x8x16xf32>, %arg6: tensor<8x16xf32>, %arg7: tensor<16x8xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %6 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %c_4, %6, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %c_1, %6, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %8 = stablehlo.reshape %7 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %9 = "stablehlo.all_gather"(%arg6) <{all_gather_dim = 0 : i64, channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 4], [1, 5], [2, 6], [3, 7]]> : tensor<4x2xi64>, use_global_device_ids}> : (tensor<8x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %10:3 = stablehlo.while(%iterArg = %c, %iterArg_9 = %arg5, %iterArg_10 = %cst) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
-// GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %35 = stablehlo.compare LT, %iterArg, %c_11, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %35 : tensor<i1>
-// GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %35 = "stablehlo.collective_permute"(%iterArg_9) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %36 = stablehlo.add %8, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %37 = stablehlo.remainder %36, %c_13 : tensor<ui32>
-// GOLDEN-NEXT: %38 = stablehlo.dot_general %iterArg_9, %9, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %39 = stablehlo.multiply %37, %c_14 : tensor<ui32>
-// GOLDEN-NEXT: %40 = stablehlo.dynamic_update_slice %iterArg_10, %38, %c_11, %39, %c_11 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %41 = stablehlo.add %iterArg, %c_12 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %41, %35, %40 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
-// GOLDEN-NEXT: }
-// GOLDEN-NEXT: %11 = stablehlo.add %8, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %13 = stablehlo.dot_general %10#1, %9, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %14 = stablehlo.multiply %12, %c_3 : tensor<ui32>
-// GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %10#2, %13, %c, %14, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %16 = stablehlo.multiply %15, %15 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %17 = stablehlo.multiply %16, %15 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// GOLDEN-NEXT: %18 = stablehlo.broadcast_in_dim %cst_5, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %19 = stablehlo.multiply %18, %17 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %20 = stablehlo.add %15, %19 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// GOLDEN-NEXT: %21 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %22 = stablehlo.multiply %21, %20 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %23 = stablehlo.tanh %22 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %24 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %25 = stablehlo.add %24, %23 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// GOLDEN-NEXT: %26 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %27 = stablehlo.multiply %26, %25 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %28 = stablehlo.multiply %15, %27 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %29 = stablehlo.add %8, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %30 = stablehlo.remainder %29, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %31 = stablehlo.multiply %30, %c_3 : tensor<ui32>
-// GOLDEN-NEXT: %32 = stablehlo.dynamic_slice %28, %c, %31, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %33:2 = func.call @cmatmul_ring_0(%arg7, %32) : (tensor<16x8xf32>, tensor<2x8x16xf32>) -> (tensor<16x16xf32>, tensor<2x8x16xf32>)
-// GOLDEN-NEXT: %34:2 = stablehlo.while(%iterArg = %c, %iterArg_9 = %33#1) : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[1, 2, 3, 0, 1, 2, 3, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %9 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %10 = stablehlo.dynamic_slice %c_2, %9, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %11 = stablehlo.reshape %10 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// GOLDEN-NEXT: %12 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %c_3, %12, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %14 = stablehlo.reshape %13 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %15 = "stablehlo.all_gather"(%arg6) <{all_gather_dim = 0 : i64, channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 4], [1, 5], [2, 6], [3, 7]]> : tensor<4x2xi64>, use_global_device_ids}> : (tensor<8x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %16:3 = stablehlo.while(%iterArg = %c, %iterArg_8 = %arg5, %iterArg_9 = %cst) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_10 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %35 = stablehlo.compare LT, %iterArg, %c_10, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %35 : tensor<i1>
+// GOLDEN-NEXT: %37 = stablehlo.compare LT, %iterArg, %c_10, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %37 : tensor<i1>
 // GOLDEN-NEXT: } do {
 // GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %35 = "stablehlo.collective_permute"(%iterArg_9) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %36 = stablehlo.add %iterArg, %c_12 : tensor<ui32>
-// GOLDEN-NEXT: %37 = stablehlo.add %8, %36 : tensor<ui32>
-// GOLDEN-NEXT: %38 = stablehlo.remainder %37, %c_13 : tensor<ui32>
-// GOLDEN-NEXT: %39 = stablehlo.multiply %38, %c_14 : tensor<ui32>
-// GOLDEN-NEXT: %40 = stablehlo.dynamic_slice %28, %c_10, %39, %c_10, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %41 = stablehlo.dot_general %40, %33#0, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %42 = stablehlo.add %35, %41 : tensor<2x8x16xf32>
+// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %37 = "stablehlo.collective_permute"(%iterArg_8) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %38 = stablehlo.add %8, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %39 = stablehlo.remainder %38, %c_12 : tensor<ui32>
+// GOLDEN-NEXT: %40 = stablehlo.dot_general %iterArg_8, %15, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %41 = stablehlo.multiply %39, %c_13 : tensor<ui32>
+// GOLDEN-NEXT: %42 = stablehlo.dynamic_update_slice %iterArg_9, %40, %c_10, %41, %c_10 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
 // GOLDEN-NEXT: %43 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %43, %42 : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: stablehlo.return %43, %37, %42 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: sdy.return %34#1 : tensor<2x8x16xf32>
+// GOLDEN-NEXT: %17 = stablehlo.dot_general %16#1, %15, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %18 = stablehlo.multiply %14, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %19 = stablehlo.dynamic_update_slice %16#2, %17, %c, %18, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %20 = stablehlo.multiply %19, %19 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %21 = stablehlo.multiply %20, %19 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_4 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
+// GOLDEN-NEXT: %22 = stablehlo.broadcast_in_dim %cst_4, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %23 = stablehlo.multiply %22, %21 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %24 = stablehlo.add %19, %23 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<0.797884583> : tensor<f32>
+// GOLDEN-NEXT: %25 = stablehlo.broadcast_in_dim %cst_5, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %26 = stablehlo.multiply %25, %24 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %27 = stablehlo.tanh %26 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %28 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %29 = stablehlo.add %28, %27 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
+// GOLDEN-NEXT: %30 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %31 = stablehlo.multiply %30, %29 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %32 = stablehlo.multiply %19, %31 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %33 = stablehlo.multiply %11, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %34 = stablehlo.dynamic_slice %32, %c, %33, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %35:2 = func.call @cmatmul_ring_0(%arg7, %34) : (tensor<16x8xf32>, tensor<2x8x16xf32>) -> (tensor<16x16xf32>, tensor<2x8x16xf32>)
+// GOLDEN-NEXT: %36:2 = stablehlo.while(%iterArg = %c, %iterArg_8 = %35#1) : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: cond {
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %37 = stablehlo.compare LT, %iterArg, %c_9, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %37 : tensor<i1>
+// GOLDEN-NEXT: } do {
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %37 = "stablehlo.collective_permute"(%iterArg_8) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %38 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
+// GOLDEN-NEXT: %39 = stablehlo.add %8, %38 : tensor<ui32>
+// GOLDEN-NEXT: %40 = stablehlo.remainder %39, %c_12 : tensor<ui32>
+// GOLDEN-NEXT: %41 = stablehlo.multiply %40, %c_13 : tensor<ui32>
+// GOLDEN-NEXT: %42 = stablehlo.dynamic_slice %32, %c_9, %41, %c_9, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %43 = stablehlo.dot_general %42, %35#0, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %44 = stablehlo.add %37, %43 : tensor<2x8x16xf32>
+// GOLDEN-NEXT: %45 = stablehlo.add %iterArg, %c_10 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %45, %44 : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: }
+// GOLDEN-NEXT: sdy.return %36#1 : tensor<2x8x16xf32>
 // GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<4x32x16xf32>
 // GOLDEN-NEXT: %4 = stablehlo.add %2, %3 : tensor<4x32x16xf32>
 // GOLDEN-NEXT: %5 = sdy.sharding_constraint %4 <@mesh, [{"data"}, {"model"}, {}]> : tensor<4x32x16xf32>
@@ -185,27 +185,27 @@
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: func.func private @cmatmul_ring_0(%arg0: tensor<16x8xf32>, %arg1: tensor<2x8x16xf32>) -> (tensor<16x16xf32>, tensor<2x8x16xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<16x16xf32>
-// GOLDEN-NEXT: %cst_3 = stablehlo.constant dense<0.000000e+00> : tensor<2x8x16xf32>
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
+// GOLDEN-NEXT: %cst_1 = stablehlo.constant dense<0.000000e+00> : tensor<2x8x16xf32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
 // GOLDEN-NEXT: %0 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %1 = stablehlo.dynamic_slice %c_4, %0, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %1 = stablehlo.dynamic_slice %c_2, %0, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %2 = stablehlo.reshape %1 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %3 = "stablehlo.collective_permute"(%arg0) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<16x8xf32>) -> tensor<16x8xf32>
-// GOLDEN-NEXT: %4 = stablehlo.dot_general %arg1, %arg0, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x8xf32>) -> tensor<2x8x8xf32>
-// GOLDEN-NEXT: %5 = stablehlo.multiply %2, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %6 = stablehlo.dynamic_update_slice %cst_3, %4, %c, %c, %5 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %7 = stablehlo.dynamic_update_slice %cst, %arg0, %c, %5 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %8 = stablehlo.add %2, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %9 = stablehlo.remainder %8, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %10 = stablehlo.dot_general %arg1, %3, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x8xf32>) -> tensor<2x8x8xf32>
-// GOLDEN-NEXT: %11 = stablehlo.multiply %9, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %12 = stablehlo.dynamic_update_slice %6, %10, %c, %c, %11 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %13 = stablehlo.dynamic_update_slice %7, %3, %c, %11 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: return %13, %12 : tensor<16x16xf32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[1, 1, 1, 1, 0, 0, 0, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %3 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_3, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %5 = stablehlo.reshape %4 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %6 = "stablehlo.collective_permute"(%arg0) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<16x8xf32>) -> tensor<16x8xf32>
+// GOLDEN-NEXT: %7 = stablehlo.dot_general %arg1, %arg0, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x8xf32>) -> tensor<2x8x8xf32>
+// GOLDEN-NEXT: %8 = stablehlo.multiply %2, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %cst_1, %7, %c, %c, %8 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %cst, %arg0, %c, %8 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %11 = stablehlo.dot_general %arg1, %6, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x8xf32>) -> tensor<2x8x8xf32>
+// GOLDEN-NEXT: %12 = stablehlo.multiply %5, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %13 = stablehlo.dynamic_update_slice %9, %11, %c, %c, %12 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %14 = stablehlo.dynamic_update_slice %10, %6, %c, %12 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: return %14, %13 : tensor<16x16xf32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: }
 // END-AUTOGENERATED golden block

@@ -12,196 +12,196 @@
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<4x32x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}, {}]>}, %arg1: tensor<16x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}, %arg2: tensor<64x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {"data"}]>}, %arg3: tensor<16x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}, %arg4: tensor<64x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {"data"}]>}) -> (tensor<f32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, []>}, tensor<4x32x16xf32> {jax.result_info = "result[1][0]", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}, {}]>}, tensor<16x64xf32> {jax.result_info = "result[1][1]", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}, tensor<64x16xf32> {jax.result_info = "result[1][2]", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {"data"}]>}, tensor<16x64xf32> {jax.result_info = "result[1][3]", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}, tensor<64x16xf32> {jax.result_info = "result[1][4]", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {"data"}]>}) {
 // GOLDEN-NEXT: %0:13 = sdy.manual_computation(%arg0, %arg1, %arg2) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{"data"}, {"model"}]>, <@mesh, [{"model"}, {"data"}]>] out_shardings=[<@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data"}, {"model"}, {}]>] manual_axes={"data", "model"} (%arg5: tensor<2x8x16xf32>, %arg6: tensor<8x16xf32>, %arg7: tensor<16x8xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<0.000000e+00> : tensor<16x16xf32>
-// GOLDEN-NEXT: %cst_9 = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_10 = stablehlo.constant dense<0.000000e+00> : tensor<2x8x16xf32>
-// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<0.000000e+00> : tensor<16x16xf32>
+// GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<0.000000e+00> : tensor<2x8x16xf32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %31 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %32 = stablehlo.dynamic_slice %c_11, %31, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %32 = stablehlo.dynamic_slice %c_8, %31, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %33 = stablehlo.reshape %32 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<[1, 2, 3, 0, 1, 2, 3, 0]> : tensor<8xui32>
 // GOLDEN-NEXT: %34 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %35 = stablehlo.dynamic_slice %c_12, %34, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %35 = stablehlo.dynamic_slice %c_9, %34, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %36 = stablehlo.reshape %35 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %37 = "stablehlo.all_gather"(%arg5) <{all_gather_dim = 1 : i64, channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3], [4, 5, 6, 7]]> : tensor<2x4xi64>, use_global_device_ids}> : (tensor<2x8x16xf32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %38 = "stablehlo.collective_permute"(%arg6) <{channel_handle = #stablehlo.channel_handle<handle = 10, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<8x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %39 = stablehlo.multiply %36, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %40 = stablehlo.dynamic_slice %37, %c, %c, %39, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
-// GOLDEN-NEXT: %41 = stablehlo.dot_general %40, %arg6, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<8x16xf32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %42 = stablehlo.add %cst_9, %41 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %43 = stablehlo.dynamic_update_slice %cst_8, %arg6, %39, %c : (tensor<16x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %44 = stablehlo.add %36, %c_4 : tensor<ui32>
-// GOLDEN-NEXT: %45 = stablehlo.remainder %44, %c_5 : tensor<ui32>
-// GOLDEN-NEXT: %46 = stablehlo.multiply %45, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %47 = stablehlo.dynamic_slice %37, %c, %c, %46, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
-// GOLDEN-NEXT: %48 = stablehlo.dot_general %47, %38, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<8x16xf32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %49 = stablehlo.add %42, %48 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %50 = stablehlo.dynamic_update_slice %43, %38, %46, %c : (tensor<16x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %51 = stablehlo.multiply %49, %49 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %52 = stablehlo.multiply %51, %49 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %53 = stablehlo.multiply %49, %49 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_13 = stablehlo.constant dense<3.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %54 = stablehlo.broadcast_in_dim %cst_13, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %55 = stablehlo.multiply %54, %53 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_14 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// GOLDEN-NEXT: %56 = stablehlo.broadcast_in_dim %cst_14, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %57 = stablehlo.multiply %56, %52 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %58 = stablehlo.add %49, %57 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_15 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// GOLDEN-NEXT: %59 = stablehlo.broadcast_in_dim %cst_15, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %60 = stablehlo.multiply %59, %58 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %61 = stablehlo.tanh %60 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
+// GOLDEN-NEXT: %37 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %38 = stablehlo.dynamic_slice %c_10, %37, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %39 = stablehlo.reshape %38 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<[1, 1, 1, 1, 0, 0, 0, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %40 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %41 = stablehlo.dynamic_slice %c_11, %40, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %42 = stablehlo.reshape %41 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %43 = "stablehlo.all_gather"(%arg5) <{all_gather_dim = 1 : i64, channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3], [4, 5, 6, 7]]> : tensor<2x4xi64>, use_global_device_ids}> : (tensor<2x8x16xf32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %44 = "stablehlo.collective_permute"(%arg6) <{channel_handle = #stablehlo.channel_handle<handle = 10, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<8x16xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %45 = stablehlo.multiply %39, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %46 = stablehlo.dynamic_slice %43, %c, %c, %45, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
+// GOLDEN-NEXT: %47 = stablehlo.dot_general %46, %arg6, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<8x16xf32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %48 = stablehlo.add %cst_6, %47 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %49 = stablehlo.dynamic_update_slice %cst_5, %arg6, %45, %c : (tensor<16x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %50 = stablehlo.multiply %42, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %51 = stablehlo.dynamic_slice %43, %c, %c, %50, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
+// GOLDEN-NEXT: %52 = stablehlo.dot_general %51, %44, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<8x16xf32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %53 = stablehlo.add %48, %52 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %54 = stablehlo.dynamic_update_slice %49, %44, %50, %c : (tensor<16x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %55 = stablehlo.multiply %53, %53 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %56 = stablehlo.multiply %55, %53 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %57 = stablehlo.multiply %53, %53 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_12 = stablehlo.constant dense<3.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %58 = stablehlo.broadcast_in_dim %cst_12, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %59 = stablehlo.multiply %58, %57 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_13 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
+// GOLDEN-NEXT: %60 = stablehlo.broadcast_in_dim %cst_13, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %61 = stablehlo.multiply %60, %56 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %62 = stablehlo.add %53, %61 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_14 = stablehlo.constant dense<0.797884583> : tensor<f32>
+// GOLDEN-NEXT: %63 = stablehlo.broadcast_in_dim %cst_14, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %64 = stablehlo.multiply %63, %62 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %65 = stablehlo.tanh %64 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_15 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %66 = stablehlo.broadcast_in_dim %cst_15, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %67 = stablehlo.subtract %66, %65 : tensor<2x32x16xf32>
 // GOLDEN-NEXT: %cst_16 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %62 = stablehlo.broadcast_in_dim %cst_16, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %63 = stablehlo.subtract %62, %61 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_17 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %64 = stablehlo.broadcast_in_dim %cst_17, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %65 = stablehlo.add %64, %61 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_18 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// GOLDEN-NEXT: %66 = stablehlo.broadcast_in_dim %cst_18, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %67 = stablehlo.multiply %66, %65 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %68 = stablehlo.multiply %49, %67 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %69 = stablehlo.add %33, %c_4 : tensor<ui32>
-// GOLDEN-NEXT: %70 = stablehlo.remainder %69, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %71 = stablehlo.multiply %70, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %72 = stablehlo.dynamic_slice %68, %c, %71, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %73 = "stablehlo.collective_permute"(%arg7) <{channel_handle = #stablehlo.channel_handle<handle = 11, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<16x8xf32>) -> tensor<16x8xf32>
-// GOLDEN-NEXT: %74 = stablehlo.dot_general %72, %arg7, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x8xf32>) -> tensor<2x8x8xf32>
-// GOLDEN-NEXT: %75 = stablehlo.multiply %36, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %76 = stablehlo.dynamic_update_slice %cst_10, %74, %c, %c, %75 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %77 = stablehlo.dynamic_update_slice %cst_8, %arg7, %c, %75 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %78 = stablehlo.add %36, %c_4 : tensor<ui32>
-// GOLDEN-NEXT: %79 = stablehlo.remainder %78, %c_5 : tensor<ui32>
-// GOLDEN-NEXT: %80 = stablehlo.dot_general %72, %73, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x8xf32>) -> tensor<2x8x8xf32>
-// GOLDEN-NEXT: %81 = stablehlo.multiply %79, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %82 = stablehlo.dynamic_update_slice %76, %80, %c, %c, %81 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %83 = stablehlo.dynamic_update_slice %77, %73, %c, %81 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %84:2 = stablehlo.while(%iterArg = %c, %iterArg_19 = %82) : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %68 = stablehlo.broadcast_in_dim %cst_16, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %69 = stablehlo.add %68, %65 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_17 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
+// GOLDEN-NEXT: %70 = stablehlo.broadcast_in_dim %cst_17, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %71 = stablehlo.multiply %70, %69 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %72 = stablehlo.multiply %53, %71 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %73 = stablehlo.multiply %36, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %74 = stablehlo.dynamic_slice %72, %c, %73, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %75 = "stablehlo.collective_permute"(%arg7) <{channel_handle = #stablehlo.channel_handle<handle = 11, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<16x8xf32>) -> tensor<16x8xf32>
+// GOLDEN-NEXT: %76 = stablehlo.dot_general %74, %arg7, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x8xf32>) -> tensor<2x8x8xf32>
+// GOLDEN-NEXT: %77 = stablehlo.multiply %39, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %78 = stablehlo.dynamic_update_slice %cst_7, %76, %c, %c, %77 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %79 = stablehlo.dynamic_update_slice %cst_5, %arg7, %c, %77 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %80 = stablehlo.dot_general %74, %75, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x8xf32>) -> tensor<2x8x8xf32>
+// GOLDEN-NEXT: %81 = stablehlo.multiply %42, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %82 = stablehlo.dynamic_update_slice %78, %80, %c, %c, %81 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %83 = stablehlo.dynamic_update_slice %79, %75, %c, %81 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %84:2 = stablehlo.while(%iterArg = %c, %iterArg_18 = %82) : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %88 = stablehlo.compare LT, %iterArg, %c_20, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %88 = stablehlo.compare LT, %iterArg, %c_19, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %88 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_21 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_22 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %c_23 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_24 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %88 = "stablehlo.collective_permute"(%iterArg_19) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %89 = stablehlo.add %iterArg, %c_22 : tensor<ui32>
+// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_21 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_22 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_23 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %88 = "stablehlo.collective_permute"(%iterArg_18) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %89 = stablehlo.add %iterArg, %c_21 : tensor<ui32>
 // GOLDEN-NEXT: %90 = stablehlo.add %33, %89 : tensor<ui32>
-// GOLDEN-NEXT: %91 = stablehlo.remainder %90, %c_23 : tensor<ui32>
-// GOLDEN-NEXT: %92 = stablehlo.multiply %91, %c_24 : tensor<ui32>
-// GOLDEN-NEXT: %93 = stablehlo.dynamic_slice %68, %c_20, %92, %c_20, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %91 = stablehlo.remainder %90, %c_22 : tensor<ui32>
+// GOLDEN-NEXT: %92 = stablehlo.multiply %91, %c_23 : tensor<ui32>
+// GOLDEN-NEXT: %93 = stablehlo.dynamic_slice %72, %c_19, %92, %c_19, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %94 = stablehlo.dot_general %93, %83, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
 // GOLDEN-NEXT: %95 = stablehlo.add %88, %94 : tensor<2x8x16xf32>
-// GOLDEN-NEXT: %96 = stablehlo.add %iterArg, %c_21 : tensor<ui32>
+// GOLDEN-NEXT: %96 = stablehlo.add %iterArg, %c_20 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %96, %95 : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %85 = stablehlo.broadcast_in_dim %cst_14, dims = [] : (tensor<f32>) -> tensor<1xf32>
-// GOLDEN-NEXT: %86 = stablehlo.broadcast_in_dim %cst_15, dims = [] : (tensor<f32>) -> tensor<1xf32>
-// GOLDEN-NEXT: %87 = stablehlo.broadcast_in_dim %cst_18, dims = [] : (tensor<f32>) -> tensor<1xf32>
-// GOLDEN-NEXT: sdy.return %50, %37, %55, %85, %86, %61, %63, %87, %67, %49, %83, %68, %84#1 : tensor<16x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<1xf32>, tensor<1xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<1xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<16x16xf32>, tensor<2x32x16xf32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %85 = stablehlo.broadcast_in_dim %cst_13, dims = [] : (tensor<f32>) -> tensor<1xf32>
+// GOLDEN-NEXT: %86 = stablehlo.broadcast_in_dim %cst_14, dims = [] : (tensor<f32>) -> tensor<1xf32>
+// GOLDEN-NEXT: %87 = stablehlo.broadcast_in_dim %cst_17, dims = [] : (tensor<f32>) -> tensor<1xf32>
+// GOLDEN-NEXT: sdy.return %54, %43, %59, %85, %86, %65, %67, %87, %71, %53, %83, %72, %84#1 : tensor<16x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<1xf32>, tensor<1xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<1xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<16x16xf32>, tensor<2x32x16xf32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>) -> (tensor<128x16xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<8xf32>, tensor<8xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<8xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<128x16xf32>, tensor<16x32x16xf32>, tensor<4x32x16xf32>)
 // GOLDEN-NEXT: %1 = stablehlo.add %arg0, %0#12 : tensor<4x32x16xf32>
 // GOLDEN-NEXT: %2 = sdy.sharding_constraint %1 <@mesh, [{"data"}, {"model"}, {}]> : tensor<4x32x16xf32>
 // GOLDEN-NEXT: %3:13 = sdy.manual_computation(%2, %arg3, %arg4) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{"data"}, {"model"}]>, <@mesh, [{"model"}, {"data"}]>] out_shardings=[<@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data"}, {"model"}, {}]>] manual_axes={"data", "model"} (%arg5: tensor<2x8x16xf32>, %arg6: tensor<8x16xf32>, %arg7: tensor<16x8xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %31 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %32 = stablehlo.dynamic_slice %c_9, %31, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %32 = stablehlo.dynamic_slice %c_6, %31, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %33 = stablehlo.reshape %32 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %34 = "stablehlo.all_gather"(%arg6) <{all_gather_dim = 0 : i64, channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 4], [1, 5], [2, 6], [3, 7]]> : tensor<4x2xi64>, use_global_device_ids}> : (tensor<8x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %35:4 = stablehlo.while(%iterArg = %c, %iterArg_16 = %arg5, %iterArg_17 = %cst_8, %iterArg_18 = %cst_8) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<[1, 2, 3, 0, 1, 2, 3, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %34 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %35 = stablehlo.dynamic_slice %c_7, %34, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %36 = stablehlo.reshape %35 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// GOLDEN-NEXT: %37 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %38 = stablehlo.dynamic_slice %c_8, %37, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %39 = stablehlo.reshape %38 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %40 = "stablehlo.all_gather"(%arg6) <{all_gather_dim = 0 : i64, channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 4], [1, 5], [2, 6], [3, 7]]> : tensor<4x2xi64>, use_global_device_ids}> : (tensor<8x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %41:4 = stablehlo.while(%iterArg = %c, %iterArg_15 = %arg5, %iterArg_16 = %cst_5, %iterArg_17 = %cst_5) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %69 = stablehlo.compare LT, %iterArg, %c_19, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %69 : tensor<i1>
+// GOLDEN-NEXT: %c_18 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %71 = stablehlo.compare LT, %iterArg, %c_18, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %71 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_21 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_22 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %69 = "stablehlo.collective_permute"(%iterArg_16) <{channel_handle = #stablehlo.channel_handle<handle = 13, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %70 = stablehlo.add %33, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %71 = stablehlo.remainder %70, %c_21 : tensor<ui32>
-// GOLDEN-NEXT: %72 = stablehlo.dot_general %iterArg_16, %34, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %73 = stablehlo.multiply %71, %c_22 : tensor<ui32>
-// GOLDEN-NEXT: %74 = stablehlo.dynamic_update_slice %iterArg_17, %72, %c_19, %73, %c_19 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %75 = stablehlo.dynamic_update_slice %iterArg_18, %iterArg_16, %c_19, %73, %c_19 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %76 = stablehlo.add %iterArg, %c_20 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %76, %69, %74, %75 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
-// GOLDEN-NEXT: }
-// GOLDEN-NEXT: %36 = stablehlo.add %33, %c_5 : tensor<ui32>
-// GOLDEN-NEXT: %37 = stablehlo.remainder %36, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %38 = stablehlo.dot_general %35#1, %34, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %39 = stablehlo.multiply %37, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %40 = stablehlo.dynamic_update_slice %35#2, %38, %c, %39, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %41 = stablehlo.dynamic_update_slice %35#3, %35#1, %c, %39, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %42 = stablehlo.multiply %40, %40 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %43 = stablehlo.multiply %42, %40 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %44 = stablehlo.multiply %40, %40 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_10 = stablehlo.constant dense<3.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %45 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %46 = stablehlo.multiply %45, %44 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_11 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// GOLDEN-NEXT: %47 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %48 = stablehlo.multiply %47, %43 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %49 = stablehlo.add %40, %48 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_12 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// GOLDEN-NEXT: %50 = stablehlo.broadcast_in_dim %cst_12, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %51 = stablehlo.multiply %50, %49 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %52 = stablehlo.tanh %51 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_13 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %53 = stablehlo.broadcast_in_dim %cst_13, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %54 = stablehlo.subtract %53, %52 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_14 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %55 = stablehlo.broadcast_in_dim %cst_14, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %56 = stablehlo.add %55, %52 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_15 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// GOLDEN-NEXT: %57 = stablehlo.broadcast_in_dim %cst_15, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %58 = stablehlo.multiply %57, %56 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %59 = stablehlo.multiply %40, %58 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %60 = stablehlo.add %33, %c_4 : tensor<ui32>
-// GOLDEN-NEXT: %61 = stablehlo.remainder %60, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %62 = stablehlo.multiply %61, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %63 = stablehlo.dynamic_slice %59, %c, %62, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %64:2 = func.call @cmatmul_ring_2(%arg7, %63) : (tensor<16x8xf32>, tensor<2x8x16xf32>) -> (tensor<16x16xf32>, tensor<2x8x16xf32>)
-// GOLDEN-NEXT: %65:2 = stablehlo.while(%iterArg = %c, %iterArg_16 = %64#1) : tensor<ui32>, tensor<2x8x16xf32>
-// GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %69 = stablehlo.compare LT, %iterArg, %c_17, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %69 : tensor<i1>
-// GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_18 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_18 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_20 = stablehlo.constant dense<4> : tensor<ui32>
 // GOLDEN-NEXT: %c_21 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %69 = "stablehlo.collective_permute"(%iterArg_16) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %70 = stablehlo.add %iterArg, %c_19 : tensor<ui32>
-// GOLDEN-NEXT: %71 = stablehlo.add %33, %70 : tensor<ui32>
-// GOLDEN-NEXT: %72 = stablehlo.remainder %71, %c_20 : tensor<ui32>
-// GOLDEN-NEXT: %73 = stablehlo.multiply %72, %c_21 : tensor<ui32>
-// GOLDEN-NEXT: %74 = stablehlo.dynamic_slice %59, %c_17, %73, %c_17, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %75 = stablehlo.dot_general %74, %64#0, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %76 = stablehlo.add %69, %75 : tensor<2x8x16xf32>
-// GOLDEN-NEXT: %77 = stablehlo.add %iterArg, %c_18 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %77, %76 : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %71 = "stablehlo.collective_permute"(%iterArg_15) <{channel_handle = #stablehlo.channel_handle<handle = 13, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %72 = stablehlo.add %33, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %73 = stablehlo.remainder %72, %c_20 : tensor<ui32>
+// GOLDEN-NEXT: %74 = stablehlo.dot_general %iterArg_15, %40, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %75 = stablehlo.multiply %73, %c_21 : tensor<ui32>
+// GOLDEN-NEXT: %76 = stablehlo.dynamic_update_slice %iterArg_16, %74, %c_18, %75, %c_18 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %77 = stablehlo.dynamic_update_slice %iterArg_17, %iterArg_15, %c_18, %75, %c_18 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %78 = stablehlo.add %iterArg, %c_19 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %78, %71, %76, %77 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %66 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<1xf32>
-// GOLDEN-NEXT: %67 = stablehlo.broadcast_in_dim %cst_12, dims = [] : (tensor<f32>) -> tensor<1xf32>
-// GOLDEN-NEXT: %68 = stablehlo.broadcast_in_dim %cst_15, dims = [] : (tensor<f32>) -> tensor<1xf32>
-// GOLDEN-NEXT: sdy.return %34, %41, %46, %66, %67, %52, %54, %68, %58, %40, %64#0, %59, %65#1 : tensor<16x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<1xf32>, tensor<1xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<1xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<16x16xf32>, tensor<2x32x16xf32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %42 = stablehlo.dot_general %41#1, %40, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %43 = stablehlo.multiply %39, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %44 = stablehlo.dynamic_update_slice %41#2, %42, %c, %43, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %45 = stablehlo.dynamic_update_slice %41#3, %41#1, %c, %43, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %46 = stablehlo.multiply %44, %44 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %47 = stablehlo.multiply %46, %44 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %48 = stablehlo.multiply %44, %44 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_9 = stablehlo.constant dense<3.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %49 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %50 = stablehlo.multiply %49, %48 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_10 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
+// GOLDEN-NEXT: %51 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %52 = stablehlo.multiply %51, %47 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %53 = stablehlo.add %44, %52 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_11 = stablehlo.constant dense<0.797884583> : tensor<f32>
+// GOLDEN-NEXT: %54 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %55 = stablehlo.multiply %54, %53 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %56 = stablehlo.tanh %55 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_12 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %57 = stablehlo.broadcast_in_dim %cst_12, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %58 = stablehlo.subtract %57, %56 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_13 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %59 = stablehlo.broadcast_in_dim %cst_13, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %60 = stablehlo.add %59, %56 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_14 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
+// GOLDEN-NEXT: %61 = stablehlo.broadcast_in_dim %cst_14, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %62 = stablehlo.multiply %61, %60 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %63 = stablehlo.multiply %44, %62 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %64 = stablehlo.multiply %36, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %65 = stablehlo.dynamic_slice %63, %c, %64, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %66:2 = func.call @cmatmul_ring_2(%arg7, %65) : (tensor<16x8xf32>, tensor<2x8x16xf32>) -> (tensor<16x16xf32>, tensor<2x8x16xf32>)
+// GOLDEN-NEXT: %67:2 = stablehlo.while(%iterArg = %c, %iterArg_15 = %66#1) : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: cond {
+// GOLDEN-NEXT: %c_16 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %71 = stablehlo.compare LT, %iterArg, %c_16, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %71 : tensor<i1>
+// GOLDEN-NEXT: } do {
+// GOLDEN-NEXT: %c_16 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_18 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %71 = "stablehlo.collective_permute"(%iterArg_15) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %72 = stablehlo.add %iterArg, %c_18 : tensor<ui32>
+// GOLDEN-NEXT: %73 = stablehlo.add %33, %72 : tensor<ui32>
+// GOLDEN-NEXT: %74 = stablehlo.remainder %73, %c_19 : tensor<ui32>
+// GOLDEN-NEXT: %75 = stablehlo.multiply %74, %c_20 : tensor<ui32>
+// GOLDEN-NEXT: %76 = stablehlo.dynamic_slice %63, %c_16, %75, %c_16, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %77 = stablehlo.dot_general %76, %66#0, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %78 = stablehlo.add %71, %77 : tensor<2x8x16xf32>
+// GOLDEN-NEXT: %79 = stablehlo.add %iterArg, %c_17 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %79, %78 : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: }
+// GOLDEN-NEXT: %68 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<1xf32>
+// GOLDEN-NEXT: %69 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<1xf32>
+// GOLDEN-NEXT: %70 = stablehlo.broadcast_in_dim %cst_14, dims = [] : (tensor<f32>) -> tensor<1xf32>
+// GOLDEN-NEXT: sdy.return %40, %45, %50, %68, %69, %56, %58, %70, %62, %44, %66#0, %63, %67#1 : tensor<16x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<1xf32>, tensor<1xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<1xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<16x16xf32>, tensor<2x32x16xf32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>) -> (tensor<128x16xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<8xf32>, tensor<8xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<8xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<128x16xf32>, tensor<16x32x16xf32>, tensor<4x32x16xf32>)
 // GOLDEN-NEXT: %4 = stablehlo.add %2, %3#12 : tensor<4x32x16xf32>
 // GOLDEN-NEXT: %5 = sdy.sharding_constraint %4 <@mesh, [{"data"}, {"model"}, {}]> : tensor<4x32x16xf32>
@@ -231,160 +231,160 @@
 // GOLDEN-NEXT: %24 = sdy.sharding_constraint %23 <@mesh, [{"data"}, {"model"}, {}]> : tensor<4x32x16xf32>
 // GOLDEN-NEXT: %25:3 = sdy.manual_computation(%24, %3#0, %3#1, %3#2, %3#3, %3#4, %3#5, %3#6, %3#7, %3#8, %3#9, %3#10, %3#11) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>] out_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{"data"}, {"model"}]>, <@mesh, [{"model"}, {"data"}]>] manual_axes={"data", "model"} (%arg5: tensor<2x8x16xf32>, %arg6: tensor<16x16xf32>, %arg7: tensor<2x32x16xf32>, %arg8: tensor<2x32x16xf32>, %arg9: tensor<1xf32>, %arg10: tensor<1xf32>, %arg11: tensor<2x32x16xf32>, %arg12: tensor<2x32x16xf32>, %arg13: tensor<1xf32>, %arg14: tensor<2x32x16xf32>, %arg15: tensor<2x32x16xf32>, %arg16: tensor<16x16xf32>, %arg17: tensor<2x32x16xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %cst_9 = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %31 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %32 = stablehlo.dynamic_slice %c_10, %31, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %32 = stablehlo.dynamic_slice %c_6, %31, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %33 = stablehlo.reshape %32 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<[1, 2, 3, 0, 1, 2, 3, 0]> : tensor<8xui32>
 // GOLDEN-NEXT: %34 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %35 = stablehlo.dynamic_slice %c_11, %34, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %35 = stablehlo.dynamic_slice %c_7, %34, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %36 = stablehlo.reshape %35 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %37 = stablehlo.reshape %arg9 : (tensor<1xf32>) -> tensor<f32>
-// GOLDEN-NEXT: %38 = stablehlo.reshape %arg10 : (tensor<1xf32>) -> tensor<f32>
-// GOLDEN-NEXT: %39 = stablehlo.reshape %arg13 : (tensor<1xf32>) -> tensor<f32>
-// GOLDEN-NEXT: %40:4 = stablehlo.while(%iterArg = %c, %iterArg_12 = %arg5, %iterArg_13 = %cst_9, %iterArg_14 = %cst_9) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// GOLDEN-NEXT: %37 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %38 = stablehlo.dynamic_slice %c_8, %37, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %39 = stablehlo.reshape %38 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
+// GOLDEN-NEXT: %40 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %41 = stablehlo.dynamic_slice %c_9, %40, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %42 = stablehlo.reshape %41 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<[1, 1, 1, 1, 0, 0, 0, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %43 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %44 = stablehlo.dynamic_slice %c_10, %43, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %45 = stablehlo.reshape %44 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %46 = stablehlo.reshape %arg9 : (tensor<1xf32>) -> tensor<f32>
+// GOLDEN-NEXT: %47 = stablehlo.reshape %arg10 : (tensor<1xf32>) -> tensor<f32>
+// GOLDEN-NEXT: %48 = stablehlo.reshape %arg13 : (tensor<1xf32>) -> tensor<f32>
+// GOLDEN-NEXT: %49:4 = stablehlo.while(%iterArg = %c, %iterArg_11 = %arg5, %iterArg_12 = %cst_5, %iterArg_13 = %cst_5) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %91 = stablehlo.compare LT, %iterArg, %c_15, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %91 : tensor<i1>
+// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %92 = stablehlo.compare LT, %iterArg, %c_14, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %92 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_16 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_18 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %91 = "stablehlo.collective_permute"(%iterArg_12) <{channel_handle = #stablehlo.channel_handle<handle = 14, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %92 = stablehlo.add %33, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %93 = stablehlo.remainder %92, %c_17 : tensor<ui32>
-// GOLDEN-NEXT: %94 = stablehlo.dot_general %iterArg_12, %arg16, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %95 = stablehlo.multiply %93, %c_18 : tensor<ui32>
-// GOLDEN-NEXT: %96 = stablehlo.dynamic_update_slice %iterArg_13, %94, %c_15, %95, %c_15 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %97 = stablehlo.dynamic_update_slice %iterArg_14, %iterArg_12, %c_15, %95, %c_15 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %98 = stablehlo.add %iterArg, %c_16 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %98, %91, %96, %97 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
-// GOLDEN-NEXT: }
-// GOLDEN-NEXT: %41 = stablehlo.add %33, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %42 = stablehlo.remainder %41, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %43 = stablehlo.dot_general %40#1, %arg16, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %44 = stablehlo.multiply %42, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %45 = stablehlo.dynamic_update_slice %40#2, %43, %c, %44, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %46 = stablehlo.dynamic_update_slice %40#3, %40#1, %c, %44, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %47 = stablehlo.multiply %arg15, %45 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %48 = stablehlo.multiply %45, %arg14 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %49 = stablehlo.broadcast_in_dim %39, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %50 = stablehlo.multiply %49, %47 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %51 = stablehlo.multiply %50, %arg12 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %52 = stablehlo.multiply %51, %arg11 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %53 = stablehlo.add %51, %52 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %54 = stablehlo.broadcast_in_dim %38, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %55 = stablehlo.multiply %54, %53 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %56 = stablehlo.add %48, %55 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %57 = stablehlo.broadcast_in_dim %37, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %58 = stablehlo.multiply %57, %55 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %59 = stablehlo.multiply %58, %arg8 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %60 = stablehlo.add %56, %59 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %61 = stablehlo.add %33, %c_4 : tensor<ui32>
-// GOLDEN-NEXT: %62 = stablehlo.remainder %61, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %63 = stablehlo.multiply %62, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %64 = stablehlo.dynamic_slice %60, %c, %63, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %65 = stablehlo.dot_general %64, %arg6, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %66:2 = stablehlo.while(%iterArg = %c, %iterArg_12 = %65) : tensor<ui32>, tensor<2x8x16xf32>
-// GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %91 = stablehlo.compare LT, %iterArg, %c_13, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %91 : tensor<i1>
-// GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_16 = stablehlo.constant dense<4> : tensor<ui32>
 // GOLDEN-NEXT: %c_17 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %91 = "stablehlo.collective_permute"(%iterArg_12) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %92 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
-// GOLDEN-NEXT: %93 = stablehlo.add %33, %92 : tensor<ui32>
+// GOLDEN-NEXT: %92 = "stablehlo.collective_permute"(%iterArg_11) <{channel_handle = #stablehlo.channel_handle<handle = 14, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %93 = stablehlo.add %33, %iterArg : tensor<ui32>
 // GOLDEN-NEXT: %94 = stablehlo.remainder %93, %c_16 : tensor<ui32>
-// GOLDEN-NEXT: %95 = stablehlo.multiply %94, %c_17 : tensor<ui32>
-// GOLDEN-NEXT: %96 = stablehlo.dynamic_slice %60, %c_13, %95, %c_13, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %97 = stablehlo.dot_general %96, %arg6, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %98 = stablehlo.add %91, %97 : tensor<2x8x16xf32>
-// GOLDEN-NEXT: %99 = stablehlo.add %iterArg, %c_14 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %99, %98 : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %95 = stablehlo.dot_general %iterArg_11, %arg16, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %96 = stablehlo.multiply %94, %c_17 : tensor<ui32>
+// GOLDEN-NEXT: %97 = stablehlo.dynamic_update_slice %iterArg_12, %95, %c_14, %96, %c_14 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %98 = stablehlo.dynamic_update_slice %iterArg_13, %iterArg_11, %c_14, %96, %c_14 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %99 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %99, %92, %97, %98 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %67 = stablehlo.add %36, %c_4 : tensor<ui32>
-// GOLDEN-NEXT: %68 = stablehlo.remainder %67, %c_5 : tensor<ui32>
-// GOLDEN-NEXT: %69 = stablehlo.multiply %68, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %70 = stablehlo.dynamic_slice %46, %c, %c, %69, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
-// GOLDEN-NEXT: %71 = stablehlo.dot_general %70, %arg17, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<2x32x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %72 = stablehlo.transpose %71, dims = [1, 0] : (tensor<8x16xf32>) -> tensor<16x8xf32>
-// GOLDEN-NEXT: %73 = "stablehlo.collective_permute"(%72) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<16x8xf32>) -> tensor<16x8xf32>
-// GOLDEN-NEXT: %74 = stablehlo.multiply %36, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %75 = stablehlo.dynamic_slice %46, %c, %c, %74, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
-// GOLDEN-NEXT: %76 = stablehlo.dot_general %75, %arg17, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<2x32x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %77 = stablehlo.transpose %76, dims = [1, 0] : (tensor<8x16xf32>) -> tensor<16x8xf32>
-// GOLDEN-NEXT: %78 = stablehlo.add %73, %77 : tensor<16x8xf32>
-// GOLDEN-NEXT: %79 = stablehlo.add %36, %c_4 : tensor<ui32>
-// GOLDEN-NEXT: %80 = stablehlo.remainder %79, %c_5 : tensor<ui32>
-// GOLDEN-NEXT: %81 = stablehlo.multiply %80, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %82 = stablehlo.dynamic_slice %arg7, %c, %c, %81, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
-// GOLDEN-NEXT: %83 = stablehlo.dot_general %60, %82, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x16xf32>, tensor<2x32x8xf32>) -> tensor<16x8xf32>
-// GOLDEN-NEXT: %84 = stablehlo.transpose %83, dims = [1, 0] : (tensor<16x8xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %85 = "stablehlo.collective_permute"(%84) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<8x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %86 = stablehlo.multiply %36, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %87 = stablehlo.dynamic_slice %arg7, %c, %c, %86, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
-// GOLDEN-NEXT: %88 = stablehlo.dot_general %60, %87, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x16xf32>, tensor<2x32x8xf32>) -> tensor<16x8xf32>
-// GOLDEN-NEXT: %89 = stablehlo.transpose %88, dims = [1, 0] : (tensor<16x8xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %90 = stablehlo.add %85, %89 : tensor<8x16xf32>
-// GOLDEN-NEXT: sdy.return %66#1, %90, %78 : tensor<2x8x16xf32>, tensor<8x16xf32>, tensor<16x8xf32>
+// GOLDEN-NEXT: %50 = stablehlo.dot_general %49#1, %arg16, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %51 = stablehlo.multiply %39, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %52 = stablehlo.dynamic_update_slice %49#2, %50, %c, %51, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %53 = stablehlo.dynamic_update_slice %49#3, %49#1, %c, %51, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %54 = stablehlo.multiply %arg15, %52 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %55 = stablehlo.multiply %52, %arg14 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %56 = stablehlo.broadcast_in_dim %48, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %57 = stablehlo.multiply %56, %54 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %58 = stablehlo.multiply %57, %arg12 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %59 = stablehlo.multiply %58, %arg11 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %60 = stablehlo.add %58, %59 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %61 = stablehlo.broadcast_in_dim %47, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %62 = stablehlo.multiply %61, %60 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %63 = stablehlo.add %55, %62 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %64 = stablehlo.broadcast_in_dim %46, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %65 = stablehlo.multiply %64, %62 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %66 = stablehlo.multiply %65, %arg8 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %67 = stablehlo.add %63, %66 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %68 = stablehlo.multiply %36, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %69 = stablehlo.dynamic_slice %67, %c, %68, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %70 = stablehlo.dot_general %69, %arg6, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %71:2 = stablehlo.while(%iterArg = %c, %iterArg_11 = %70) : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: cond {
+// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %92 = stablehlo.compare LT, %iterArg, %c_12, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %92 : tensor<i1>
+// GOLDEN-NEXT: } do {
+// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_16 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %92 = "stablehlo.collective_permute"(%iterArg_11) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %93 = stablehlo.add %iterArg, %c_14 : tensor<ui32>
+// GOLDEN-NEXT: %94 = stablehlo.add %33, %93 : tensor<ui32>
+// GOLDEN-NEXT: %95 = stablehlo.remainder %94, %c_15 : tensor<ui32>
+// GOLDEN-NEXT: %96 = stablehlo.multiply %95, %c_16 : tensor<ui32>
+// GOLDEN-NEXT: %97 = stablehlo.dynamic_slice %67, %c_12, %96, %c_12, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %98 = stablehlo.dot_general %97, %arg6, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %99 = stablehlo.add %92, %98 : tensor<2x8x16xf32>
+// GOLDEN-NEXT: %100 = stablehlo.add %iterArg, %c_13 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %100, %99 : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: }
+// GOLDEN-NEXT: %72 = stablehlo.multiply %45, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %73 = stablehlo.dynamic_slice %53, %c, %c, %72, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
+// GOLDEN-NEXT: %74 = stablehlo.dot_general %73, %arg17, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<2x32x16xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %75 = stablehlo.transpose %74, dims = [1, 0] : (tensor<8x16xf32>) -> tensor<16x8xf32>
+// GOLDEN-NEXT: %76 = "stablehlo.collective_permute"(%75) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<16x8xf32>) -> tensor<16x8xf32>
+// GOLDEN-NEXT: %77 = stablehlo.multiply %42, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %78 = stablehlo.dynamic_slice %53, %c, %c, %77, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
+// GOLDEN-NEXT: %79 = stablehlo.dot_general %78, %arg17, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<2x32x16xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %80 = stablehlo.transpose %79, dims = [1, 0] : (tensor<8x16xf32>) -> tensor<16x8xf32>
+// GOLDEN-NEXT: %81 = stablehlo.add %76, %80 : tensor<16x8xf32>
+// GOLDEN-NEXT: %82 = stablehlo.multiply %45, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %83 = stablehlo.dynamic_slice %arg7, %c, %c, %82, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
+// GOLDEN-NEXT: %84 = stablehlo.dot_general %67, %83, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x16xf32>, tensor<2x32x8xf32>) -> tensor<16x8xf32>
+// GOLDEN-NEXT: %85 = stablehlo.transpose %84, dims = [1, 0] : (tensor<16x8xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %86 = "stablehlo.collective_permute"(%85) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<8x16xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %87 = stablehlo.multiply %42, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %88 = stablehlo.dynamic_slice %arg7, %c, %c, %87, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
+// GOLDEN-NEXT: %89 = stablehlo.dot_general %67, %88, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x16xf32>, tensor<2x32x8xf32>) -> tensor<16x8xf32>
+// GOLDEN-NEXT: %90 = stablehlo.transpose %89, dims = [1, 0] : (tensor<16x8xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %91 = stablehlo.add %86, %90 : tensor<8x16xf32>
+// GOLDEN-NEXT: sdy.return %71#1, %91, %81 : tensor<2x8x16xf32>, tensor<8x16xf32>, tensor<16x8xf32>
 // GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<128x16xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<8xf32>, tensor<8xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<8xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<128x16xf32>, tensor<16x32x16xf32>) -> (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>)
 // GOLDEN-NEXT: %26 = stablehlo.add %24, %25#0 : tensor<4x32x16xf32>
 // GOLDEN-NEXT: %27 = sdy.sharding_constraint %26 <@mesh, [{"data"}, {"model"}, {}]> : tensor<4x32x16xf32>
 // GOLDEN-NEXT: %28:3 = sdy.manual_computation(%27, %0#0, %0#1, %0#2, %0#3, %0#4, %0#5, %0#6, %0#7, %0#8, %0#9, %0#10, %0#11) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>] out_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{"data"}, {"model"}]>, <@mesh, [{"model"}, {"data"}]>] manual_axes={"data", "model"} (%arg5: tensor<2x8x16xf32>, %arg6: tensor<16x16xf32>, %arg7: tensor<2x32x16xf32>, %arg8: tensor<2x32x16xf32>, %arg9: tensor<1xf32>, %arg10: tensor<1xf32>, %arg11: tensor<2x32x16xf32>, %arg12: tensor<2x32x16xf32>, %arg13: tensor<1xf32>, %arg14: tensor<2x32x16xf32>, %arg15: tensor<2x32x16xf32>, %arg16: tensor<16x16xf32>, %arg17: tensor<2x32x16xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
 // GOLDEN-NEXT: %31 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %32 = stablehlo.dynamic_slice %c_7, %31, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %32 = stablehlo.dynamic_slice %c_5, %31, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %33 = stablehlo.reshape %32 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %34 = stablehlo.reshape %arg9 : (tensor<1xf32>) -> tensor<f32>
-// GOLDEN-NEXT: %35 = stablehlo.reshape %arg10 : (tensor<1xf32>) -> tensor<f32>
-// GOLDEN-NEXT: %36 = stablehlo.reshape %arg13 : (tensor<1xf32>) -> tensor<f32>
-// GOLDEN-NEXT: %37:2 = func.call @cmatmul_ring_3(%arg5, %arg16) : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> (tensor<2x32x16xf32>, tensor<2x32x16xf32>)
-// GOLDEN-NEXT: %38 = stablehlo.multiply %arg15, %37#1 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %39 = stablehlo.multiply %37#1, %arg14 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %40 = stablehlo.broadcast_in_dim %36, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %41 = stablehlo.multiply %40, %38 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %42 = stablehlo.multiply %41, %arg12 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %43 = stablehlo.multiply %42, %arg11 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %44 = stablehlo.add %42, %43 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %45 = stablehlo.broadcast_in_dim %35, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %46 = stablehlo.multiply %45, %44 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %47 = stablehlo.add %39, %46 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %48 = stablehlo.broadcast_in_dim %34, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %49 = stablehlo.multiply %48, %46 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %50 = stablehlo.multiply %49, %arg8 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %51 = stablehlo.add %47, %50 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %52 = func.call @cmatmul_ring_0(%51, %arg6) : (tensor<2x32x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %53 = stablehlo.add %33, %c_4 : tensor<ui32>
-// GOLDEN-NEXT: %54 = stablehlo.remainder %53, %c_5 : tensor<ui32>
-// GOLDEN-NEXT: %55 = stablehlo.multiply %54, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %56 = stablehlo.dynamic_slice %37#0, %c, %c, %55, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
-// GOLDEN-NEXT: %57 = stablehlo.dot_general %56, %arg17, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<2x32x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %58 = stablehlo.transpose %57, dims = [1, 0] : (tensor<8x16xf32>) -> tensor<16x8xf32>
-// GOLDEN-NEXT: %59 = "stablehlo.collective_permute"(%58) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<16x8xf32>) -> tensor<16x8xf32>
-// GOLDEN-NEXT: %60 = stablehlo.multiply %33, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %61 = stablehlo.dynamic_slice %37#0, %c, %c, %60, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
-// GOLDEN-NEXT: %62 = stablehlo.dot_general %61, %arg17, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<2x32x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %63 = stablehlo.transpose %62, dims = [1, 0] : (tensor<8x16xf32>) -> tensor<16x8xf32>
-// GOLDEN-NEXT: %64 = stablehlo.add %59, %63 : tensor<16x8xf32>
-// GOLDEN-NEXT: %65 = func.call @cmatmul_ring_1(%51, %arg7) : (tensor<2x32x16xf32>, tensor<2x32x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: sdy.return %52, %65, %64 : tensor<2x8x16xf32>, tensor<8x16xf32>, tensor<16x8xf32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<[1, 1, 1, 1, 0, 0, 0, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %34 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %35 = stablehlo.dynamic_slice %c_6, %34, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %36 = stablehlo.reshape %35 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %37 = stablehlo.reshape %arg9 : (tensor<1xf32>) -> tensor<f32>
+// GOLDEN-NEXT: %38 = stablehlo.reshape %arg10 : (tensor<1xf32>) -> tensor<f32>
+// GOLDEN-NEXT: %39 = stablehlo.reshape %arg13 : (tensor<1xf32>) -> tensor<f32>
+// GOLDEN-NEXT: %40:2 = func.call @cmatmul_ring_3(%arg5, %arg16) : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> (tensor<2x32x16xf32>, tensor<2x32x16xf32>)
+// GOLDEN-NEXT: %41 = stablehlo.multiply %arg15, %40#1 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %42 = stablehlo.multiply %40#1, %arg14 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %43 = stablehlo.broadcast_in_dim %39, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %44 = stablehlo.multiply %43, %41 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %45 = stablehlo.multiply %44, %arg12 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %46 = stablehlo.multiply %45, %arg11 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %47 = stablehlo.add %45, %46 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %48 = stablehlo.broadcast_in_dim %38, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %49 = stablehlo.multiply %48, %47 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %50 = stablehlo.add %42, %49 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %51 = stablehlo.broadcast_in_dim %37, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %52 = stablehlo.multiply %51, %49 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %53 = stablehlo.multiply %52, %arg8 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %54 = stablehlo.add %50, %53 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %55 = func.call @cmatmul_ring_0(%54, %arg6) : (tensor<2x32x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %56 = stablehlo.multiply %36, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %57 = stablehlo.dynamic_slice %40#0, %c, %c, %56, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
+// GOLDEN-NEXT: %58 = stablehlo.dot_general %57, %arg17, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<2x32x16xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %59 = stablehlo.transpose %58, dims = [1, 0] : (tensor<8x16xf32>) -> tensor<16x8xf32>
+// GOLDEN-NEXT: %60 = "stablehlo.collective_permute"(%59) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<16x8xf32>) -> tensor<16x8xf32>
+// GOLDEN-NEXT: %61 = stablehlo.multiply %33, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %62 = stablehlo.dynamic_slice %40#0, %c, %c, %61, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
+// GOLDEN-NEXT: %63 = stablehlo.dot_general %62, %arg17, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<2x32x16xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %64 = stablehlo.transpose %63, dims = [1, 0] : (tensor<8x16xf32>) -> tensor<16x8xf32>
+// GOLDEN-NEXT: %65 = stablehlo.add %60, %64 : tensor<16x8xf32>
+// GOLDEN-NEXT: %66 = func.call @cmatmul_ring_1(%54, %arg7) : (tensor<2x32x16xf32>, tensor<2x32x16xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: sdy.return %55, %66, %65 : tensor<2x8x16xf32>, tensor<8x16xf32>, tensor<16x8xf32>
 // GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<128x16xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<8xf32>, tensor<8xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<8xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<128x16xf32>, tensor<16x32x16xf32>) -> (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>)
 // GOLDEN-NEXT: %29 = stablehlo.add %27, %28#0 : tensor<4x32x16xf32>
 // GOLDEN-NEXT: %30 = sdy.sharding_constraint %29 <@mesh, [{"data"}, {"model"}, {}]> : tensor<4x32x16xf32>
@@ -392,126 +392,126 @@
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: func.func private @cmatmul_ring_0(%arg0: tensor<2x32x16xf32>, %arg1: tensor<16x16xf32>) -> tensor<2x8x16xf32> {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %0 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %1 = stablehlo.dynamic_slice %c_3, %0, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %1 = stablehlo.dynamic_slice %c_1, %0, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %2 = stablehlo.reshape %1 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %3 = stablehlo.add %2, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %4 = stablehlo.remainder %3, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %5 = stablehlo.multiply %4, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %6 = stablehlo.dynamic_slice %arg0, %c, %5, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %7 = stablehlo.dot_general %6, %arg1, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %8:2 = stablehlo.while(%iterArg = %c, %iterArg_4 = %7) : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[1, 2, 3, 0, 1, 2, 3, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %3 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_2, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %5 = stablehlo.reshape %4 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg0, %c, %6, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %8 = stablehlo.dot_general %7, %arg1, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %9:2 = stablehlo.while(%iterArg = %c, %iterArg_3 = %8) : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %9 = stablehlo.compare LT, %iterArg, %c_5, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %9 : tensor<i1>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %10 = stablehlo.compare LT, %iterArg, %c_4, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %10 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %9 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %10 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %11 = stablehlo.add %2, %10 : tensor<ui32>
-// GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %13 = stablehlo.multiply %12, %c_9 : tensor<ui32>
-// GOLDEN-NEXT: %14 = stablehlo.dynamic_slice %arg0, %c_5, %13, %c_5, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %15 = stablehlo.dot_general %14, %arg1, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %16 = stablehlo.add %9, %15 : tensor<2x8x16xf32>
-// GOLDEN-NEXT: %17 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %17, %16 : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %11 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
+// GOLDEN-NEXT: %12 = stablehlo.add %2, %11 : tensor<ui32>
+// GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %14 = stablehlo.multiply %13, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: %15 = stablehlo.dynamic_slice %arg0, %c_4, %14, %c_4, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %16 = stablehlo.dot_general %15, %arg1, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %17 = stablehlo.add %10, %16 : tensor<2x8x16xf32>
+// GOLDEN-NEXT: %18 = stablehlo.add %iterArg, %c_5 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %18, %17 : tensor<ui32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: return %8#1 : tensor<2x8x16xf32>
+// GOLDEN-NEXT: return %9#1 : tensor<2x8x16xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: func.func private @cmatmul_ring_1(%arg0: tensor<2x32x16xf32>, %arg1: tensor<2x32x16xf32>) -> tensor<8x16xf32> {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
 // GOLDEN-NEXT: %0 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %1 = stablehlo.dynamic_slice %c_3, %0, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %1 = stablehlo.dynamic_slice %c_1, %0, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %2 = stablehlo.reshape %1 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %3 = stablehlo.add %2, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %4 = stablehlo.remainder %3, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %5 = stablehlo.multiply %4, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %6 = stablehlo.dynamic_slice %arg1, %c, %c, %5, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
-// GOLDEN-NEXT: %7 = stablehlo.dot_general %arg0, %6, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x16xf32>, tensor<2x32x8xf32>) -> tensor<16x8xf32>
-// GOLDEN-NEXT: %8 = stablehlo.transpose %7, dims = [1, 0] : (tensor<16x8xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %9 = "stablehlo.collective_permute"(%8) <{channel_handle = #stablehlo.channel_handle<handle = 9, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<8x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %10 = stablehlo.multiply %2, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %11 = stablehlo.dynamic_slice %arg1, %c, %c, %10, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
-// GOLDEN-NEXT: %12 = stablehlo.dot_general %arg0, %11, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x16xf32>, tensor<2x32x8xf32>) -> tensor<16x8xf32>
-// GOLDEN-NEXT: %13 = stablehlo.transpose %12, dims = [1, 0] : (tensor<16x8xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %14 = stablehlo.add %9, %13 : tensor<8x16xf32>
-// GOLDEN-NEXT: return %14 : tensor<8x16xf32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[1, 1, 1, 1, 0, 0, 0, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %3 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_2, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %5 = stablehlo.reshape %4 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg1, %c, %c, %6, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
+// GOLDEN-NEXT: %8 = stablehlo.dot_general %arg0, %7, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x16xf32>, tensor<2x32x8xf32>) -> tensor<16x8xf32>
+// GOLDEN-NEXT: %9 = stablehlo.transpose %8, dims = [1, 0] : (tensor<16x8xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%9) <{channel_handle = #stablehlo.channel_handle<handle = 9, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<8x16xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %11 = stablehlo.multiply %2, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %12 = stablehlo.dynamic_slice %arg1, %c, %c, %11, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
+// GOLDEN-NEXT: %13 = stablehlo.dot_general %arg0, %12, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x16xf32>, tensor<2x32x8xf32>) -> tensor<16x8xf32>
+// GOLDEN-NEXT: %14 = stablehlo.transpose %13, dims = [1, 0] : (tensor<16x8xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %15 = stablehlo.add %10, %14 : tensor<8x16xf32>
+// GOLDEN-NEXT: return %15 : tensor<8x16xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: func.func private @cmatmul_ring_2(%arg0: tensor<16x8xf32>, %arg1: tensor<2x8x16xf32>) -> (tensor<16x16xf32>, tensor<2x8x16xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<16x16xf32>
-// GOLDEN-NEXT: %cst_3 = stablehlo.constant dense<0.000000e+00> : tensor<2x8x16xf32>
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
+// GOLDEN-NEXT: %cst_1 = stablehlo.constant dense<0.000000e+00> : tensor<2x8x16xf32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
 // GOLDEN-NEXT: %0 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %1 = stablehlo.dynamic_slice %c_4, %0, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %1 = stablehlo.dynamic_slice %c_2, %0, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %2 = stablehlo.reshape %1 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %3 = "stablehlo.collective_permute"(%arg0) <{channel_handle = #stablehlo.channel_handle<handle = 12, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<16x8xf32>) -> tensor<16x8xf32>
-// GOLDEN-NEXT: %4 = stablehlo.dot_general %arg1, %arg0, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x8xf32>) -> tensor<2x8x8xf32>
-// GOLDEN-NEXT: %5 = stablehlo.multiply %2, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %6 = stablehlo.dynamic_update_slice %cst_3, %4, %c, %c, %5 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %7 = stablehlo.dynamic_update_slice %cst, %arg0, %c, %5 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %8 = stablehlo.add %2, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %9 = stablehlo.remainder %8, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %10 = stablehlo.dot_general %arg1, %3, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x8xf32>) -> tensor<2x8x8xf32>
-// GOLDEN-NEXT: %11 = stablehlo.multiply %9, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %12 = stablehlo.dynamic_update_slice %6, %10, %c, %c, %11 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %13 = stablehlo.dynamic_update_slice %7, %3, %c, %11 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: return %13, %12 : tensor<16x16xf32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[1, 1, 1, 1, 0, 0, 0, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %3 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_3, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %5 = stablehlo.reshape %4 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %6 = "stablehlo.collective_permute"(%arg0) <{channel_handle = #stablehlo.channel_handle<handle = 12, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<16x8xf32>) -> tensor<16x8xf32>
+// GOLDEN-NEXT: %7 = stablehlo.dot_general %arg1, %arg0, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x8xf32>) -> tensor<2x8x8xf32>
+// GOLDEN-NEXT: %8 = stablehlo.multiply %2, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %cst_1, %7, %c, %c, %8 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %cst, %arg0, %c, %8 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %11 = stablehlo.dot_general %arg1, %6, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x8xf32>) -> tensor<2x8x8xf32>
+// GOLDEN-NEXT: %12 = stablehlo.multiply %5, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %13 = stablehlo.dynamic_update_slice %9, %11, %c, %c, %12 : (tensor<2x8x16xf32>, tensor<2x8x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %14 = stablehlo.dynamic_update_slice %10, %6, %c, %12 : (tensor<16x16xf32>, tensor<16x8xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: return %14, %13 : tensor<16x16xf32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: func.func private @cmatmul_ring_3(%arg0: tensor<2x8x16xf32>, %arg1: tensor<16x16xf32>) -> (tensor<2x32x16xf32>, tensor<2x32x16xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %0 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %1 = stablehlo.dynamic_slice %c_3, %0, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %1 = stablehlo.dynamic_slice %c_1, %0, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %2 = stablehlo.reshape %1 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %3:4 = stablehlo.while(%iterArg = %c, %iterArg_4 = %arg0, %iterArg_5 = %cst, %iterArg_6 = %cst) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// GOLDEN-NEXT: %3 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_2, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %5 = stablehlo.reshape %4 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %6:4 = stablehlo.while(%iterArg = %c, %iterArg_3 = %arg0, %iterArg_4 = %cst, %iterArg_5 = %cst) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %10 = stablehlo.compare LT, %iterArg, %c_7, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %10 : tensor<i1>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %11 = stablehlo.compare LT, %iterArg, %c_6, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %11 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 15, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %11 = stablehlo.add %2, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_9 : tensor<ui32>
-// GOLDEN-NEXT: %13 = stablehlo.dot_general %iterArg_4, %arg1, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %14 = stablehlo.multiply %12, %c_10 : tensor<ui32>
-// GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %iterArg_5, %13, %c_7, %14, %c_7 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %iterArg_6, %iterArg_4, %c_7, %14, %c_7 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %17 = stablehlo.add %iterArg, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %17, %10, %15, %16 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %11 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 15, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %12 = stablehlo.add %2, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: %14 = stablehlo.dot_general %iterArg_3, %arg1, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %15 = stablehlo.multiply %13, %c_9 : tensor<ui32>
+// GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %iterArg_4, %14, %c_6, %15, %c_6 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %17 = stablehlo.dynamic_update_slice %iterArg_5, %iterArg_3, %c_6, %15, %c_6 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %18 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %18, %11, %16, %17 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %4 = stablehlo.add %2, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %6 = stablehlo.dot_general %3#1, %arg1, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %7 = stablehlo.multiply %5, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %3#2, %6, %c, %7, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %3#3, %3#1, %c, %7, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: return %9, %8 : tensor<2x32x16xf32>, tensor<2x32x16xf32>
+// GOLDEN-NEXT: %7 = stablehlo.dot_general %6#1, %arg1, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %8 = stablehlo.multiply %5, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %6#2, %7, %c, %8, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %10 = stablehlo.dynamic_update_slice %6#3, %6#1, %c, %8, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: return %10, %9 : tensor<2x32x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: }
 // END-AUTOGENERATED golden block

@@ -62,553 +62,553 @@
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {}]>}, %arg1: tensor<2x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, %arg2: tensor<2x32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"data"}, {"model"}]>}, %arg3: tensor<2x64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}, {"data"}]>}, %arg4: tensor<32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}]>}, %arg5: tensor<32x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {}]>}, %arg6: tensor<2x64xi32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}, %arg7: tensor<2x64xi32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}) -> (tensor<f32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, []>}, tensor<64x32xf32> {jax.result_info = "result[1][0]", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {}]>}, tensor<2x32xf32> {jax.result_info = "result[1][1]", sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}, tensor<2x32x64xf32> {jax.result_info = "result[1][2]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"data"}, {"model"}]>}, tensor<2x64x32xf32> {jax.result_info = "result[1][3]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}, {"data"}]>}, tensor<32xf32> {jax.result_info = "result[1][4]", sdy.sharding = #sdy.sharding<@mesh, [{}]>}, tensor<32x64xf32> {jax.result_info = "result[1][5]", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {}]>}) {
 // GOLDEN-NEXT: %0:18 = sdy.manual_computation(%arg0, %arg1, %arg2, %arg3, %arg4, %arg5, %arg6, %arg7) in_shardings=[<@mesh, [{"data"}, {}]>, <@mesh, [{}, {}]>, <@mesh, [{}, {"data"}, {"model"}]>, <@mesh, [{}, {"model"}, {"data"}]>, <@mesh, [{}]>, <@mesh, [{"data"}, {}]>, <@mesh, [{"data"}, {"model"}]>, <@mesh, [{"data"}, {"model"}]>] out_shardings=[<@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{}]>, <@mesh, []>] manual_axes={"data", "model"} (%arg8: tensor<32x32xf32>, %arg9: tensor<2x32xf32>, %arg10: tensor<2x16x16xf32>, %arg11: tensor<2x16x16xf32>, %arg12: tensor<32xf32>, %arg13: tensor<16x64xf32>, %arg14: tensor<1x16xi32>, %arg15: tensor<1x16xi32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<16> : tensor<ui32>
-// GOLDEN-NEXT: %cst_3 = stablehlo.constant dense<0.000000e+00> : tensor<1x16x64xf32>
-// GOLDEN-NEXT: %cst_4 = stablehlo.constant dense<0.000000e+00> : tensor<32x64xf32>
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %cst_1 = stablehlo.constant dense<0.000000e+00> : tensor<1x16x64xf32>
+// GOLDEN-NEXT: %cst_2 = stablehlo.constant dense<0.000000e+00> : tensor<32x64xf32>
+// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
 // GOLDEN-NEXT: %3 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_5, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_3, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %5 = stablehlo.reshape %4 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %6 = "stablehlo.all_gather"(%arg8) <{all_gather_dim = 0 : i64, channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 4], [1, 5], [2, 6], [3, 7]]> : tensor<4x2xi64>, use_global_device_ids}> : (tensor<32x32xf32>) -> tensor<64x32xf32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %7 = stablehlo.broadcast_in_dim %c_6, dims = [] : (tensor<i32>) -> tensor<1x16xi32>
-// GOLDEN-NEXT: %8 = stablehlo.compare LT, %arg14, %7, SIGNED : (tensor<1x16xi32>, tensor<1x16xi32>) -> tensor<1x16xi1>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<64> : tensor<i32>
-// GOLDEN-NEXT: %9 = stablehlo.broadcast_in_dim %c_7, dims = [] : (tensor<i32>) -> tensor<1x16xi32>
-// GOLDEN-NEXT: %10 = stablehlo.add %arg14, %9 : tensor<1x16xi32>
-// GOLDEN-NEXT: %11 = stablehlo.select %8, %10, %arg14 : tensor<1x16xi1>, tensor<1x16xi32>
-// GOLDEN-NEXT: %12 = stablehlo.broadcast_in_dim %11, dims = [0, 1] : (tensor<1x16xi32>) -> tensor<1x16x1xi32>
-// GOLDEN-NEXT: %13 = "stablehlo.gather"(%6, %12) <{dimension_numbers = #stablehlo.gather<offset_dims = [2], collapsed_slice_dims = [0], start_index_map = [0], index_vector_dim = 2>, indices_are_sorted = false, slice_sizes = array<i64: 1, 32>}> : (tensor<64x32xf32>, tensor<1x16x1xi32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %14 = "stablehlo.all_gather"(%arg10) <{all_gather_dim = 1 : i64, channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 4], [1, 5], [2, 6], [3, 7]]> : tensor<4x2xi64>, use_global_device_ids}> : (tensor<2x16x16xf32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<3.200000e+01> : tensor<f32>
-// GOLDEN-NEXT: %cst_9 = stablehlo.constant dense<9.99999997E-7> : tensor<f32>
-// GOLDEN-NEXT: %cst_10 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// GOLDEN-NEXT: %cst_11 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// GOLDEN-NEXT: %cst_12 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %cst_13 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// GOLDEN-NEXT: %cst_14 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %15 = stablehlo.broadcast_in_dim %cst_14, dims = [] : (tensor<f32>) -> tensor<2x1x16x32xf32>
-// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %16:12 = stablehlo.while(%iterArg = %arg9, %iterArg_25 = %14, %iterArg_26 = %arg11, %iterArg_27 = %cst_13, %iterArg_28 = %cst_12, %iterArg_29 = %cst_11, %iterArg_30 = %cst_10, %iterArg_31 = %cst_8, %iterArg_32 = %cst_9, %iterArg_33 = %c_15, %iterArg_34 = %13, %iterArg_35 = %15) : tensor<2x32xf32>, tensor<2x32x16xf32>, tensor<2x16x16xf32>, tensor<f32>, tensor<f32>, tensor<f32>, tensor<f32>, tensor<f32>, tensor<f32>, tensor<i32>, tensor<1x16x32xf32>, tensor<2x1x16x32xf32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[1, 1, 1, 1, 0, 0, 0, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %6 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %c_4, %6, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %8 = stablehlo.reshape %7 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %9 = "stablehlo.all_gather"(%arg8) <{all_gather_dim = 0 : i64, channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 4], [1, 5], [2, 6], [3, 7]]> : tensor<4x2xi64>, use_global_device_ids}> : (tensor<32x32xf32>) -> tensor<64x32xf32>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<i32>
+// GOLDEN-NEXT: %10 = stablehlo.broadcast_in_dim %c_5, dims = [] : (tensor<i32>) -> tensor<1x16xi32>
+// GOLDEN-NEXT: %11 = stablehlo.compare LT, %arg14, %10, SIGNED : (tensor<1x16xi32>, tensor<1x16xi32>) -> tensor<1x16xi1>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<64> : tensor<i32>
+// GOLDEN-NEXT: %12 = stablehlo.broadcast_in_dim %c_6, dims = [] : (tensor<i32>) -> tensor<1x16xi32>
+// GOLDEN-NEXT: %13 = stablehlo.add %arg14, %12 : tensor<1x16xi32>
+// GOLDEN-NEXT: %14 = stablehlo.select %11, %13, %arg14 : tensor<1x16xi1>, tensor<1x16xi32>
+// GOLDEN-NEXT: %15 = stablehlo.broadcast_in_dim %14, dims = [0, 1] : (tensor<1x16xi32>) -> tensor<1x16x1xi32>
+// GOLDEN-NEXT: %16 = "stablehlo.gather"(%9, %15) <{dimension_numbers = #stablehlo.gather<offset_dims = [2], collapsed_slice_dims = [0], start_index_map = [0], index_vector_dim = 2>, indices_are_sorted = false, slice_sizes = array<i64: 1, 32>}> : (tensor<64x32xf32>, tensor<1x16x1xi32>) -> tensor<1x16x32xf32>
+// GOLDEN-NEXT: %17 = "stablehlo.all_gather"(%arg10) <{all_gather_dim = 1 : i64, channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 4], [1, 5], [2, 6], [3, 7]]> : tensor<4x2xi64>, use_global_device_ids}> : (tensor<2x16x16xf32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<3.200000e+01> : tensor<f32>
+// GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<9.99999997E-7> : tensor<f32>
+// GOLDEN-NEXT: %cst_9 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
+// GOLDEN-NEXT: %cst_10 = stablehlo.constant dense<0.797884583> : tensor<f32>
+// GOLDEN-NEXT: %cst_11 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %cst_12 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
+// GOLDEN-NEXT: %cst_13 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %18 = stablehlo.broadcast_in_dim %cst_13, dims = [] : (tensor<f32>) -> tensor<2x1x16x32xf32>
+// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<0> : tensor<i32>
+// GOLDEN-NEXT: %19:12 = stablehlo.while(%iterArg = %arg9, %iterArg_24 = %17, %iterArg_25 = %arg11, %iterArg_26 = %cst_12, %iterArg_27 = %cst_11, %iterArg_28 = %cst_10, %iterArg_29 = %cst_9, %iterArg_30 = %cst_7, %iterArg_31 = %cst_8, %iterArg_32 = %c_14, %iterArg_33 = %16, %iterArg_34 = %18) : tensor<2x32xf32>, tensor<2x32x16xf32>, tensor<2x16x16xf32>, tensor<f32>, tensor<f32>, tensor<f32>, tensor<f32>, tensor<f32>, tensor<f32>, tensor<i32>, tensor<1x16x32xf32>, tensor<2x1x16x32xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_36 = stablehlo.constant dense<2> : tensor<i32>
-// GOLDEN-NEXT: %58 = stablehlo.compare LT, %iterArg_33, %c_36, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %58 : tensor<i1>
+// GOLDEN-NEXT: %c_35 = stablehlo.constant dense<2> : tensor<i32>
+// GOLDEN-NEXT: %59 = stablehlo.compare LT, %iterArg_32, %c_35, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %59 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_36 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_37 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_38 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %c_39 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %c_40 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_41 = stablehlo.constant dense<16> : tensor<ui32>
-// GOLDEN-NEXT: %cst_42 = stablehlo.constant dense<0.000000e+00> : tensor<1x16x32xf32>
-// GOLDEN-NEXT: %cst_43 = stablehlo.constant dense<0.000000e+00> : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %c_44 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
-// GOLDEN-NEXT: %58 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %59 = stablehlo.dynamic_slice %c_44, %58, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
-// GOLDEN-NEXT: %60 = stablehlo.reshape %59 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %c_45 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
-// GOLDEN-NEXT: %61 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %62 = stablehlo.dynamic_slice %c_45, %61, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
-// GOLDEN-NEXT: %63 = stablehlo.reshape %62 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %64 = func.call @dynamic_index_in_dim(%iterArg, %iterArg_33) : (tensor<2x32xf32>, tensor<i32>) -> tensor<32xf32>
-// GOLDEN-NEXT: %65 = func.call @dynamic_index_in_dim_0(%iterArg_25, %iterArg_33) : (tensor<2x32x16xf32>, tensor<i32>) -> tensor<32x16xf32>
-// GOLDEN-NEXT: %c_46 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %c_47 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %66 = stablehlo.dynamic_slice %iterArg_26, %iterArg_33, %c_46, %c_47, sizes = [1, 16, 16] : (tensor<2x16x16xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<1x16x16xf32>
-// GOLDEN-NEXT: %67 = stablehlo.multiply %iterArg_34, %iterArg_34 : tensor<1x16x32xf32>
-// GOLDEN-NEXT: %cst_48 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %68 = stablehlo.reduce(%67 init: %cst_48) applies stablehlo.add across dimensions = [2] : (tensor<1x16x32xf32>, tensor<f32>) -> tensor<1x16xf32>
-// GOLDEN-NEXT: %69 = stablehlo.broadcast_in_dim %68, dims = [0, 1] : (tensor<1x16xf32>) -> tensor<1x16x1xf32>
-// GOLDEN-NEXT: %70 = stablehlo.broadcast_in_dim %iterArg_31, dims = [] : (tensor<f32>) -> tensor<1x16x1xf32>
-// GOLDEN-NEXT: %71 = stablehlo.divide %69, %70 : tensor<1x16x1xf32>
-// GOLDEN-NEXT: %72 = stablehlo.broadcast_in_dim %iterArg_32, dims = [] : (tensor<f32>) -> tensor<1x16x1xf32>
-// GOLDEN-NEXT: %73 = stablehlo.add %71, %72 : tensor<1x16x1xf32>
-// GOLDEN-NEXT: %74 = stablehlo.rsqrt %73 : tensor<1x16x1xf32>
-// GOLDEN-NEXT: %75 = stablehlo.broadcast_in_dim %74, dims = [0, 1, 2] : (tensor<1x16x1xf32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %76 = stablehlo.multiply %iterArg_34, %75 : tensor<1x16x32xf32>
-// GOLDEN-NEXT: %77 = stablehlo.broadcast_in_dim %64, dims = [2] : (tensor<32xf32>) -> tensor<1x1x32xf32>
-// GOLDEN-NEXT: %78 = stablehlo.broadcast_in_dim %77, dims = [0, 1, 2] : (tensor<1x1x32xf32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %79 = stablehlo.multiply %76, %78 : tensor<1x16x32xf32>
-// GOLDEN-NEXT: %80:3 = stablehlo.while(%iterArg_50 = %c_36, %iterArg_51 = %79, %iterArg_52 = %cst_43) : tensor<ui32>, tensor<1x16x32xf32>, tensor<1x64x16xf32>
+// GOLDEN-NEXT: %c_35 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_36 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %cst_37 = stablehlo.constant dense<0.000000e+00> : tensor<1x16x32xf32>
+// GOLDEN-NEXT: %cst_38 = stablehlo.constant dense<0.000000e+00> : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %c_39 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %59 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %60 = stablehlo.dynamic_slice %c_39, %59, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %61 = stablehlo.reshape %60 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %c_40 = stablehlo.constant dense<[1, 2, 3, 0, 1, 2, 3, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %62 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %63 = stablehlo.dynamic_slice %c_40, %62, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %64 = stablehlo.reshape %63 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %c_41 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// GOLDEN-NEXT: %65 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %66 = stablehlo.dynamic_slice %c_41, %65, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %67 = stablehlo.reshape %66 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %c_42 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
+// GOLDEN-NEXT: %68 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %69 = stablehlo.dynamic_slice %c_42, %68, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %70 = stablehlo.reshape %69 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %c_43 = stablehlo.constant dense<[1, 1, 1, 1, 0, 0, 0, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %71 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %72 = stablehlo.dynamic_slice %c_43, %71, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %73 = stablehlo.reshape %72 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %74 = func.call @dynamic_index_in_dim(%iterArg, %iterArg_32) : (tensor<2x32xf32>, tensor<i32>) -> tensor<32xf32>
+// GOLDEN-NEXT: %75 = func.call @dynamic_index_in_dim_0(%iterArg_24, %iterArg_32) : (tensor<2x32x16xf32>, tensor<i32>) -> tensor<32x16xf32>
+// GOLDEN-NEXT: %c_44 = stablehlo.constant dense<0> : tensor<i32>
+// GOLDEN-NEXT: %c_45 = stablehlo.constant dense<0> : tensor<i32>
+// GOLDEN-NEXT: %76 = stablehlo.dynamic_slice %iterArg_25, %iterArg_32, %c_44, %c_45, sizes = [1, 16, 16] : (tensor<2x16x16xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<1x16x16xf32>
+// GOLDEN-NEXT: %77 = stablehlo.multiply %iterArg_33, %iterArg_33 : tensor<1x16x32xf32>
+// GOLDEN-NEXT: %cst_46 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %78 = stablehlo.reduce(%77 init: %cst_46) applies stablehlo.add across dimensions = [2] : (tensor<1x16x32xf32>, tensor<f32>) -> tensor<1x16xf32>
+// GOLDEN-NEXT: %79 = stablehlo.broadcast_in_dim %78, dims = [0, 1] : (tensor<1x16xf32>) -> tensor<1x16x1xf32>
+// GOLDEN-NEXT: %80 = stablehlo.broadcast_in_dim %iterArg_30, dims = [] : (tensor<f32>) -> tensor<1x16x1xf32>
+// GOLDEN-NEXT: %81 = stablehlo.divide %79, %80 : tensor<1x16x1xf32>
+// GOLDEN-NEXT: %82 = stablehlo.broadcast_in_dim %iterArg_31, dims = [] : (tensor<f32>) -> tensor<1x16x1xf32>
+// GOLDEN-NEXT: %83 = stablehlo.add %81, %82 : tensor<1x16x1xf32>
+// GOLDEN-NEXT: %84 = stablehlo.rsqrt %83 : tensor<1x16x1xf32>
+// GOLDEN-NEXT: %85 = stablehlo.broadcast_in_dim %84, dims = [0, 1, 2] : (tensor<1x16x1xf32>) -> tensor<1x16x32xf32>
+// GOLDEN-NEXT: %86 = stablehlo.multiply %iterArg_33, %85 : tensor<1x16x32xf32>
+// GOLDEN-NEXT: %87 = stablehlo.broadcast_in_dim %74, dims = [2] : (tensor<32xf32>) -> tensor<1x1x32xf32>
+// GOLDEN-NEXT: %88 = stablehlo.broadcast_in_dim %87, dims = [0, 1, 2] : (tensor<1x1x32xf32>) -> tensor<1x16x32xf32>
+// GOLDEN-NEXT: %89 = stablehlo.multiply %86, %88 : tensor<1x16x32xf32>
+// GOLDEN-NEXT: %90:3 = stablehlo.while(%iterArg_48 = %c_35, %iterArg_49 = %89, %iterArg_50 = %cst_38) : tensor<ui32>, tensor<1x16x32xf32>, tensor<1x64x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_53 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %121 = stablehlo.compare LT, %iterArg_50, %c_53, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %121 : tensor<i1>
+// GOLDEN-NEXT: %c_51 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %125 = stablehlo.compare LT, %iterArg_48, %c_51, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %125 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_53 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_54 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_55 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_56 = stablehlo.constant dense<16> : tensor<ui32>
-// GOLDEN-NEXT: %121 = "stablehlo.collective_permute"(%iterArg_51) <{channel_handle = #stablehlo.channel_handle<handle = 12, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<1x16x32xf32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %122 = stablehlo.add %60, %iterArg_50 : tensor<ui32>
-// GOLDEN-NEXT: %123 = stablehlo.remainder %122, %c_55 : tensor<ui32>
-// GOLDEN-NEXT: %124 = stablehlo.dot_general %iterArg_51, %65, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<1x16x32xf32>, tensor<32x16xf32>) -> tensor<1x16x16xf32>
-// GOLDEN-NEXT: %125 = stablehlo.multiply %123, %c_56 : tensor<ui32>
-// GOLDEN-NEXT: %126 = stablehlo.dynamic_update_slice %iterArg_52, %124, %c_53, %125, %c_53 : (tensor<1x64x16xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
-// GOLDEN-NEXT: %127 = stablehlo.add %iterArg_50, %c_54 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %127, %121, %126 : tensor<ui32>, tensor<1x16x32xf32>, tensor<1x64x16xf32>
+// GOLDEN-NEXT: %c_51 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_52 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_53 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_54 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %125 = "stablehlo.collective_permute"(%iterArg_49) <{channel_handle = #stablehlo.channel_handle<handle = 12, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<1x16x32xf32>) -> tensor<1x16x32xf32>
+// GOLDEN-NEXT: %126 = stablehlo.add %61, %iterArg_48 : tensor<ui32>
+// GOLDEN-NEXT: %127 = stablehlo.remainder %126, %c_53 : tensor<ui32>
+// GOLDEN-NEXT: %128 = stablehlo.dot_general %iterArg_49, %75, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<1x16x32xf32>, tensor<32x16xf32>) -> tensor<1x16x16xf32>
+// GOLDEN-NEXT: %129 = stablehlo.multiply %127, %c_54 : tensor<ui32>
+// GOLDEN-NEXT: %130 = stablehlo.dynamic_update_slice %iterArg_50, %128, %c_51, %129, %c_51 : (tensor<1x64x16xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
+// GOLDEN-NEXT: %131 = stablehlo.add %iterArg_48, %c_52 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %131, %125, %130 : tensor<ui32>, tensor<1x16x32xf32>, tensor<1x64x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %81 = stablehlo.add %60, %c_39 : tensor<ui32>
-// GOLDEN-NEXT: %82 = stablehlo.remainder %81, %c_40 : tensor<ui32>
-// GOLDEN-NEXT: %83 = stablehlo.dot_general %80#1, %65, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<1x16x32xf32>, tensor<32x16xf32>) -> tensor<1x16x16xf32>
-// GOLDEN-NEXT: %84 = stablehlo.multiply %82, %c_41 : tensor<ui32>
-// GOLDEN-NEXT: %85 = stablehlo.dynamic_update_slice %80#2, %83, %c_36, %84, %c_36 : (tensor<1x64x16xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
-// GOLDEN-NEXT: %86 = stablehlo.multiply %85, %85 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %87 = stablehlo.multiply %86, %85 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %88 = stablehlo.broadcast_in_dim %iterArg_30, dims = [] : (tensor<f32>) -> tensor<1x64x16xf32>
-// GOLDEN-NEXT: %89 = stablehlo.multiply %88, %87 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %90 = stablehlo.add %85, %89 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %91 = stablehlo.broadcast_in_dim %iterArg_29, dims = [] : (tensor<f32>) -> tensor<1x64x16xf32>
-// GOLDEN-NEXT: %92 = stablehlo.multiply %91, %90 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %93 = stablehlo.tanh %92 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %94 = stablehlo.broadcast_in_dim %iterArg_28, dims = [] : (tensor<f32>) -> tensor<1x64x16xf32>
-// GOLDEN-NEXT: %95 = stablehlo.add %94, %93 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %96 = stablehlo.broadcast_in_dim %iterArg_27, dims = [] : (tensor<f32>) -> tensor<1x64x16xf32>
+// GOLDEN-NEXT: %91 = stablehlo.dot_general %90#1, %75, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<1x16x32xf32>, tensor<32x16xf32>) -> tensor<1x16x16xf32>
+// GOLDEN-NEXT: %92 = stablehlo.multiply %67, %c_36 : tensor<ui32>
+// GOLDEN-NEXT: %93 = stablehlo.dynamic_update_slice %90#2, %91, %c_35, %92, %c_35 : (tensor<1x64x16xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
+// GOLDEN-NEXT: %94 = stablehlo.multiply %93, %93 : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %95 = stablehlo.multiply %94, %93 : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %96 = stablehlo.broadcast_in_dim %iterArg_29, dims = [] : (tensor<f32>) -> tensor<1x64x16xf32>
 // GOLDEN-NEXT: %97 = stablehlo.multiply %96, %95 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %98 = stablehlo.multiply %85, %97 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %99 = stablehlo.add %60, %c_37 : tensor<ui32>
-// GOLDEN-NEXT: %100 = stablehlo.remainder %99, %c_40 : tensor<ui32>
-// GOLDEN-NEXT: %101 = stablehlo.multiply %100, %c_41 : tensor<ui32>
-// GOLDEN-NEXT: %102 = stablehlo.dynamic_slice %98, %c_36, %101, %c_36, sizes = [1, 16, 16] : (tensor<1x64x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x16xf32>
-// GOLDEN-NEXT: %103 = "stablehlo.collective_permute"(%66) <{channel_handle = #stablehlo.channel_handle<handle = 11, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<1x16x16xf32>) -> tensor<1x16x16xf32>
-// GOLDEN-NEXT: %104 = stablehlo.reshape %66 : (tensor<1x16x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %105 = stablehlo.dot_general %102, %104, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<1x16x16xf32>, tensor<16x16xf32>) -> tensor<1x16x16xf32>
-// GOLDEN-NEXT: %106 = stablehlo.multiply %63, %c_41 : tensor<ui32>
-// GOLDEN-NEXT: %107 = stablehlo.dynamic_update_slice %cst_42, %105, %c_36, %c_36, %106 : (tensor<1x16x32xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %108 = stablehlo.dynamic_update_slice %cst_42, %66, %c_36, %c_36, %106 : (tensor<1x16x32xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %109 = stablehlo.add %63, %c_37 : tensor<ui32>
-// GOLDEN-NEXT: %110 = stablehlo.remainder %109, %c_38 : tensor<ui32>
-// GOLDEN-NEXT: %111 = stablehlo.reshape %103 : (tensor<1x16x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %112 = stablehlo.dot_general %102, %111, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<1x16x16xf32>, tensor<16x16xf32>) -> tensor<1x16x16xf32>
-// GOLDEN-NEXT: %113 = stablehlo.multiply %110, %c_41 : tensor<ui32>
-// GOLDEN-NEXT: %114 = stablehlo.dynamic_update_slice %107, %112, %c_36, %c_36, %113 : (tensor<1x16x32xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %115 = stablehlo.dynamic_update_slice %108, %103, %c_36, %c_36, %113 : (tensor<1x16x32xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %116 = stablehlo.reshape %115 : (tensor<1x16x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %117:2 = stablehlo.while(%iterArg_50 = %c_36, %iterArg_51 = %114) : tensor<ui32>, tensor<1x16x32xf32>
+// GOLDEN-NEXT: %98 = stablehlo.add %93, %97 : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %99 = stablehlo.broadcast_in_dim %iterArg_28, dims = [] : (tensor<f32>) -> tensor<1x64x16xf32>
+// GOLDEN-NEXT: %100 = stablehlo.multiply %99, %98 : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %101 = stablehlo.tanh %100 : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %102 = stablehlo.broadcast_in_dim %iterArg_27, dims = [] : (tensor<f32>) -> tensor<1x64x16xf32>
+// GOLDEN-NEXT: %103 = stablehlo.add %102, %101 : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %104 = stablehlo.broadcast_in_dim %iterArg_26, dims = [] : (tensor<f32>) -> tensor<1x64x16xf32>
+// GOLDEN-NEXT: %105 = stablehlo.multiply %104, %103 : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %106 = stablehlo.multiply %93, %105 : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %107 = stablehlo.multiply %64, %c_36 : tensor<ui32>
+// GOLDEN-NEXT: %108 = stablehlo.dynamic_slice %106, %c_35, %107, %c_35, sizes = [1, 16, 16] : (tensor<1x64x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x16xf32>
+// GOLDEN-NEXT: %109 = "stablehlo.collective_permute"(%76) <{channel_handle = #stablehlo.channel_handle<handle = 11, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<1x16x16xf32>) -> tensor<1x16x16xf32>
+// GOLDEN-NEXT: %110 = stablehlo.reshape %76 : (tensor<1x16x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %111 = stablehlo.dot_general %108, %110, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<1x16x16xf32>, tensor<16x16xf32>) -> tensor<1x16x16xf32>
+// GOLDEN-NEXT: %112 = stablehlo.multiply %70, %c_36 : tensor<ui32>
+// GOLDEN-NEXT: %113 = stablehlo.dynamic_update_slice %cst_37, %111, %c_35, %c_35, %112 : (tensor<1x16x32xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x32xf32>
+// GOLDEN-NEXT: %114 = stablehlo.dynamic_update_slice %cst_37, %76, %c_35, %c_35, %112 : (tensor<1x16x32xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x32xf32>
+// GOLDEN-NEXT: %115 = stablehlo.reshape %109 : (tensor<1x16x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %116 = stablehlo.dot_general %108, %115, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<1x16x16xf32>, tensor<16x16xf32>) -> tensor<1x16x16xf32>
+// GOLDEN-NEXT: %117 = stablehlo.multiply %73, %c_36 : tensor<ui32>
+// GOLDEN-NEXT: %118 = stablehlo.dynamic_update_slice %113, %116, %c_35, %c_35, %117 : (tensor<1x16x32xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x32xf32>
+// GOLDEN-NEXT: %119 = stablehlo.dynamic_update_slice %114, %109, %c_35, %c_35, %117 : (tensor<1x16x32xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x32xf32>
+// GOLDEN-NEXT: %120 = stablehlo.reshape %119 : (tensor<1x16x32xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %121:2 = stablehlo.while(%iterArg_48 = %c_35, %iterArg_49 = %118) : tensor<ui32>, tensor<1x16x32xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_52 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %121 = stablehlo.compare LT, %iterArg_50, %c_52, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %121 : tensor<i1>
+// GOLDEN-NEXT: %c_50 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %125 = stablehlo.compare LT, %iterArg_48, %c_50, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %125 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_52 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_53 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_54 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %c_55 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_56 = stablehlo.constant dense<16> : tensor<ui32>
-// GOLDEN-NEXT: %121 = "stablehlo.collective_permute"(%iterArg_51) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<1x16x32xf32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %122 = stablehlo.add %iterArg_50, %c_54 : tensor<ui32>
-// GOLDEN-NEXT: %123 = stablehlo.add %60, %122 : tensor<ui32>
-// GOLDEN-NEXT: %124 = stablehlo.remainder %123, %c_55 : tensor<ui32>
-// GOLDEN-NEXT: %125 = stablehlo.multiply %124, %c_56 : tensor<ui32>
-// GOLDEN-NEXT: %126 = stablehlo.dynamic_slice %98, %c_52, %125, %c_52, sizes = [1, 16, 16] : (tensor<1x64x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x16xf32>
-// GOLDEN-NEXT: %127 = stablehlo.dot_general %126, %116, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<1x16x16xf32>, tensor<16x32xf32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %128 = stablehlo.add %121, %127 : tensor<1x16x32xf32>
-// GOLDEN-NEXT: %129 = stablehlo.add %iterArg_50, %c_53 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %129, %128 : tensor<ui32>, tensor<1x16x32xf32>
+// GOLDEN-NEXT: %c_50 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_51 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_52 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_53 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_54 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %125 = "stablehlo.collective_permute"(%iterArg_49) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<1x16x32xf32>) -> tensor<1x16x32xf32>
+// GOLDEN-NEXT: %126 = stablehlo.add %iterArg_48, %c_52 : tensor<ui32>
+// GOLDEN-NEXT: %127 = stablehlo.add %61, %126 : tensor<ui32>
+// GOLDEN-NEXT: %128 = stablehlo.remainder %127, %c_53 : tensor<ui32>
+// GOLDEN-NEXT: %129 = stablehlo.multiply %128, %c_54 : tensor<ui32>
+// GOLDEN-NEXT: %130 = stablehlo.dynamic_slice %106, %c_50, %129, %c_50, sizes = [1, 16, 16] : (tensor<1x64x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x16xf32>
+// GOLDEN-NEXT: %131 = stablehlo.dot_general %130, %120, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<1x16x16xf32>, tensor<16x32xf32>) -> tensor<1x16x32xf32>
+// GOLDEN-NEXT: %132 = stablehlo.add %125, %131 : tensor<1x16x32xf32>
+// GOLDEN-NEXT: %133 = stablehlo.add %iterArg_48, %c_51 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %133, %132 : tensor<ui32>, tensor<1x16x32xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %118 = stablehlo.add %iterArg_34, %117#1 : tensor<1x16x32xf32>
-// GOLDEN-NEXT: %119 = func.call @dynamic_update_index_in_dim(%iterArg_35, %iterArg_34, %iterArg_33) : (tensor<2x1x16x32xf32>, tensor<1x16x32xf32>, tensor<i32>) -> tensor<2x1x16x32xf32>
-// GOLDEN-NEXT: %c_49 = stablehlo.constant dense<1> : tensor<i32>
-// GOLDEN-NEXT: %120 = stablehlo.add %iterArg_33, %c_49 : tensor<i32>
-// GOLDEN-NEXT: stablehlo.return %iterArg, %iterArg_25, %iterArg_26, %iterArg_27, %iterArg_28, %iterArg_29, %iterArg_30, %iterArg_31, %iterArg_32, %120, %118, %119 : tensor<2x32xf32>, tensor<2x32x16xf32>, tensor<2x16x16xf32>, tensor<f32>, tensor<f32>, tensor<f32>, tensor<f32>, tensor<f32>, tensor<f32>, tensor<i32>, tensor<1x16x32xf32>, tensor<2x1x16x32xf32>
+// GOLDEN-NEXT: %122 = stablehlo.add %iterArg_33, %121#1 : tensor<1x16x32xf32>
+// GOLDEN-NEXT: %123 = func.call @dynamic_update_index_in_dim(%iterArg_34, %iterArg_33, %iterArg_32) : (tensor<2x1x16x32xf32>, tensor<1x16x32xf32>, tensor<i32>) -> tensor<2x1x16x32xf32>
+// GOLDEN-NEXT: %c_47 = stablehlo.constant dense<1> : tensor<i32>
+// GOLDEN-NEXT: %124 = stablehlo.add %iterArg_32, %c_47 : tensor<i32>
+// GOLDEN-NEXT: stablehlo.return %iterArg, %iterArg_24, %iterArg_25, %iterArg_26, %iterArg_27, %iterArg_28, %iterArg_29, %iterArg_30, %iterArg_31, %124, %122, %123 : tensor<2x32xf32>, tensor<2x32x16xf32>, tensor<2x16x16xf32>, tensor<f32>, tensor<f32>, tensor<f32>, tensor<f32>, tensor<f32>, tensor<f32>, tensor<i32>, tensor<1x16x32xf32>, tensor<2x1x16x32xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %17 = stablehlo.multiply %16#10, %16#10 : tensor<1x16x32xf32>
-// GOLDEN-NEXT: %cst_16 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %18 = stablehlo.reduce(%17 init: %cst_16) applies stablehlo.add across dimensions = [2] : (tensor<1x16x32xf32>, tensor<f32>) -> tensor<1x16xf32>
-// GOLDEN-NEXT: %19 = stablehlo.broadcast_in_dim %18, dims = [0, 1] : (tensor<1x16xf32>) -> tensor<1x16x1xf32>
-// GOLDEN-NEXT: %cst_17 = stablehlo.constant dense<3.200000e+01> : tensor<f32>
-// GOLDEN-NEXT: %20 = stablehlo.broadcast_in_dim %cst_17, dims = [] : (tensor<f32>) -> tensor<1x16x1xf32>
-// GOLDEN-NEXT: %21 = stablehlo.divide %19, %20 : tensor<1x16x1xf32>
-// GOLDEN-NEXT: %cst_18 = stablehlo.constant dense<9.99999997E-7> : tensor<f32>
-// GOLDEN-NEXT: %22 = stablehlo.broadcast_in_dim %cst_18, dims = [] : (tensor<f32>) -> tensor<1x16x1xf32>
-// GOLDEN-NEXT: %23 = stablehlo.add %21, %22 : tensor<1x16x1xf32>
-// GOLDEN-NEXT: %24 = stablehlo.rsqrt %23 : tensor<1x16x1xf32>
-// GOLDEN-NEXT: %25 = stablehlo.divide %24, %23 : tensor<1x16x1xf32>
-// GOLDEN-NEXT: %cst_19 = stablehlo.constant dense<-5.000000e-01> : tensor<f32>
-// GOLDEN-NEXT: %26 = stablehlo.broadcast_in_dim %cst_19, dims = [] : (tensor<f32>) -> tensor<1x16x1xf32>
-// GOLDEN-NEXT: %27 = stablehlo.multiply %26, %25 : tensor<1x16x1xf32>
-// GOLDEN-NEXT: %28 = stablehlo.broadcast_in_dim %24, dims = [0, 1, 2] : (tensor<1x16x1xf32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %29 = stablehlo.multiply %16#10, %28 : tensor<1x16x32xf32>
-// GOLDEN-NEXT: %30 = stablehlo.broadcast_in_dim %arg12, dims = [2] : (tensor<32xf32>) -> tensor<1x1x32xf32>
-// GOLDEN-NEXT: %31 = stablehlo.broadcast_in_dim %30, dims = [0, 1, 2] : (tensor<1x1x32xf32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %32 = stablehlo.multiply %29, %31 : tensor<1x16x32xf32>
-// GOLDEN-NEXT: %33 = "stablehlo.collective_permute"(%arg13) <{channel_handle = #stablehlo.channel_handle<handle = 13, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// GOLDEN-NEXT: %34 = stablehlo.multiply %5, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %35 = stablehlo.dynamic_slice %32, %c, %c, %34, sizes = [1, 16, 16] : (tensor<1x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x16xf32>
-// GOLDEN-NEXT: %36 = stablehlo.dot_general %35, %arg13, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<1x16x16xf32>, tensor<16x64xf32>) -> tensor<1x16x64xf32>
-// GOLDEN-NEXT: %37 = stablehlo.add %cst_3, %36 : tensor<1x16x64xf32>
-// GOLDEN-NEXT: %38 = stablehlo.dynamic_update_slice %cst_4, %arg13, %34, %c : (tensor<32x64xf32>, tensor<16x64xf32>, tensor<ui32>, tensor<ui32>) -> tensor<32x64xf32>
-// GOLDEN-NEXT: %39 = stablehlo.add %5, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %40 = stablehlo.remainder %39, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %41 = stablehlo.multiply %40, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %42 = stablehlo.dynamic_slice %32, %c, %c, %41, sizes = [1, 16, 16] : (tensor<1x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x16xf32>
-// GOLDEN-NEXT: %43 = stablehlo.dot_general %42, %33, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<1x16x16xf32>, tensor<16x64xf32>) -> tensor<1x16x64xf32>
-// GOLDEN-NEXT: %44 = stablehlo.add %37, %43 : tensor<1x16x64xf32>
-// GOLDEN-NEXT: %45 = stablehlo.dynamic_update_slice %38, %33, %41, %c : (tensor<32x64xf32>, tensor<16x64xf32>, tensor<ui32>, tensor<ui32>) -> tensor<32x64xf32>
-// GOLDEN-NEXT: %46:3 = func.call @log_softmax(%44) : (tensor<1x16x64xf32>) -> (tensor<1x16x64xf32>, tensor<1x16x64xf32>, tensor<1x16x1xf32>)
-// GOLDEN-NEXT: %47 = func.call @_one_hot(%arg15) : (tensor<1x16xi32>) -> tensor<1x16x64xf32>
-// GOLDEN-NEXT: %48 = stablehlo.multiply %47, %46#0 : tensor<1x16x64xf32>
+// GOLDEN-NEXT: %20 = stablehlo.multiply %19#10, %19#10 : tensor<1x16x32xf32>
+// GOLDEN-NEXT: %cst_15 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %21 = stablehlo.reduce(%20 init: %cst_15) applies stablehlo.add across dimensions = [2] : (tensor<1x16x32xf32>, tensor<f32>) -> tensor<1x16xf32>
+// GOLDEN-NEXT: %22 = stablehlo.broadcast_in_dim %21, dims = [0, 1] : (tensor<1x16xf32>) -> tensor<1x16x1xf32>
+// GOLDEN-NEXT: %cst_16 = stablehlo.constant dense<3.200000e+01> : tensor<f32>
+// GOLDEN-NEXT: %23 = stablehlo.broadcast_in_dim %cst_16, dims = [] : (tensor<f32>) -> tensor<1x16x1xf32>
+// GOLDEN-NEXT: %24 = stablehlo.divide %22, %23 : tensor<1x16x1xf32>
+// GOLDEN-NEXT: %cst_17 = stablehlo.constant dense<9.99999997E-7> : tensor<f32>
+// GOLDEN-NEXT: %25 = stablehlo.broadcast_in_dim %cst_17, dims = [] : (tensor<f32>) -> tensor<1x16x1xf32>
+// GOLDEN-NEXT: %26 = stablehlo.add %24, %25 : tensor<1x16x1xf32>
+// GOLDEN-NEXT: %27 = stablehlo.rsqrt %26 : tensor<1x16x1xf32>
+// GOLDEN-NEXT: %28 = stablehlo.divide %27, %26 : tensor<1x16x1xf32>
+// GOLDEN-NEXT: %cst_18 = stablehlo.constant dense<-5.000000e-01> : tensor<f32>
+// GOLDEN-NEXT: %29 = stablehlo.broadcast_in_dim %cst_18, dims = [] : (tensor<f32>) -> tensor<1x16x1xf32>
+// GOLDEN-NEXT: %30 = stablehlo.multiply %29, %28 : tensor<1x16x1xf32>
+// GOLDEN-NEXT: %31 = stablehlo.broadcast_in_dim %27, dims = [0, 1, 2] : (tensor<1x16x1xf32>) -> tensor<1x16x32xf32>
+// GOLDEN-NEXT: %32 = stablehlo.multiply %19#10, %31 : tensor<1x16x32xf32>
+// GOLDEN-NEXT: %33 = stablehlo.broadcast_in_dim %arg12, dims = [2] : (tensor<32xf32>) -> tensor<1x1x32xf32>
+// GOLDEN-NEXT: %34 = stablehlo.broadcast_in_dim %33, dims = [0, 1, 2] : (tensor<1x1x32xf32>) -> tensor<1x16x32xf32>
+// GOLDEN-NEXT: %35 = stablehlo.multiply %32, %34 : tensor<1x16x32xf32>
+// GOLDEN-NEXT: %36 = "stablehlo.collective_permute"(%arg13) <{channel_handle = #stablehlo.channel_handle<handle = 13, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// GOLDEN-NEXT: %37 = stablehlo.multiply %5, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %38 = stablehlo.dynamic_slice %35, %c, %c, %37, sizes = [1, 16, 16] : (tensor<1x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x16xf32>
+// GOLDEN-NEXT: %39 = stablehlo.dot_general %38, %arg13, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<1x16x16xf32>, tensor<16x64xf32>) -> tensor<1x16x64xf32>
+// GOLDEN-NEXT: %40 = stablehlo.add %cst_1, %39 : tensor<1x16x64xf32>
+// GOLDEN-NEXT: %41 = stablehlo.dynamic_update_slice %cst_2, %arg13, %37, %c : (tensor<32x64xf32>, tensor<16x64xf32>, tensor<ui32>, tensor<ui32>) -> tensor<32x64xf32>
+// GOLDEN-NEXT: %42 = stablehlo.multiply %8, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %43 = stablehlo.dynamic_slice %35, %c, %c, %42, sizes = [1, 16, 16] : (tensor<1x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x16xf32>
+// GOLDEN-NEXT: %44 = stablehlo.dot_general %43, %36, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<1x16x16xf32>, tensor<16x64xf32>) -> tensor<1x16x64xf32>
+// GOLDEN-NEXT: %45 = stablehlo.add %40, %44 : tensor<1x16x64xf32>
+// GOLDEN-NEXT: %46 = stablehlo.dynamic_update_slice %41, %36, %42, %c : (tensor<32x64xf32>, tensor<16x64xf32>, tensor<ui32>, tensor<ui32>) -> tensor<32x64xf32>
+// GOLDEN-NEXT: %47:3 = func.call @log_softmax(%45) : (tensor<1x16x64xf32>) -> (tensor<1x16x64xf32>, tensor<1x16x64xf32>, tensor<1x16x1xf32>)
+// GOLDEN-NEXT: %48 = func.call @_one_hot(%arg15) : (tensor<1x16xi32>) -> tensor<1x16x64xf32>
+// GOLDEN-NEXT: %49 = stablehlo.multiply %48, %47#0 : tensor<1x16x64xf32>
+// GOLDEN-NEXT: %cst_19 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %50 = stablehlo.reduce(%49 init: %cst_19) applies stablehlo.add across dimensions = [2] : (tensor<1x16x64xf32>, tensor<f32>) -> tensor<1x16xf32>
+// GOLDEN-NEXT: %51 = stablehlo.negate %50 : tensor<1x16xf32>
 // GOLDEN-NEXT: %cst_20 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %49 = stablehlo.reduce(%48 init: %cst_20) applies stablehlo.add across dimensions = [2] : (tensor<1x16x64xf32>, tensor<f32>) -> tensor<1x16xf32>
-// GOLDEN-NEXT: %50 = stablehlo.negate %49 : tensor<1x16xf32>
-// GOLDEN-NEXT: %cst_21 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %51 = stablehlo.reduce(%50 init: %cst_21) applies stablehlo.add across dimensions = [0, 1] : (tensor<1x16xf32>, tensor<f32>) -> tensor<f32>
-// GOLDEN-NEXT: %cst_22 = stablehlo.constant dense<1.600000e+01> : tensor<f32>
-// GOLDEN-NEXT: %52 = stablehlo.divide %51, %cst_22 : tensor<f32>
-// GOLDEN-NEXT: %53 = "stablehlo.all_reduce"(%52) <{channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3, 4, 5, 6, 7]]> : tensor<1x8xi64>, use_global_device_ids}> ({
+// GOLDEN-NEXT: %52 = stablehlo.reduce(%51 init: %cst_20) applies stablehlo.add across dimensions = [0, 1] : (tensor<1x16xf32>, tensor<f32>) -> tensor<f32>
+// GOLDEN-NEXT: %cst_21 = stablehlo.constant dense<1.600000e+01> : tensor<f32>
+// GOLDEN-NEXT: %53 = stablehlo.divide %52, %cst_21 : tensor<f32>
+// GOLDEN-NEXT: %54 = "stablehlo.all_reduce"(%53) <{channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3, 4, 5, 6, 7]]> : tensor<1x8xi64>, use_global_device_ids}> ({
 // GOLDEN-NEXT: ^bb0(%arg16: tensor<f32>, %arg17: tensor<f32>):
-// GOLDEN-NEXT: %58 = stablehlo.add %arg16, %arg17 : tensor<f32>
-// GOLDEN-NEXT: stablehlo.return %58 : tensor<f32>
+// GOLDEN-NEXT: %59 = stablehlo.add %arg16, %arg17 : tensor<f32>
+// GOLDEN-NEXT: stablehlo.return %59 : tensor<f32>
 // GOLDEN-NEXT: }) : (tensor<f32>) -> tensor<f32>
+// GOLDEN-NEXT: %cst_22 = stablehlo.constant dense<8.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %55 = stablehlo.divide %54, %cst_22 : tensor<f32>
+// GOLDEN-NEXT: %56 = stablehlo.broadcast_in_dim %cst_16, dims = [] : (tensor<f32>) -> tensor<1xf32>
+// GOLDEN-NEXT: %57 = stablehlo.broadcast_in_dim %cst_21, dims = [] : (tensor<f32>) -> tensor<1xf32>
 // GOLDEN-NEXT: %cst_23 = stablehlo.constant dense<8.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %54 = stablehlo.divide %53, %cst_23 : tensor<f32>
-// GOLDEN-NEXT: %55 = stablehlo.broadcast_in_dim %cst_17, dims = [] : (tensor<f32>) -> tensor<1xf32>
-// GOLDEN-NEXT: %56 = stablehlo.broadcast_in_dim %cst_22, dims = [] : (tensor<f32>) -> tensor<1xf32>
-// GOLDEN-NEXT: %cst_24 = stablehlo.constant dense<8.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %57 = stablehlo.broadcast_in_dim %cst_24, dims = [] : (tensor<f32>) -> tensor<1xf32>
-// GOLDEN-NEXT: sdy.return %12, %16#11, %14, %arg11, %16#10, %55, %27, %24, %30, %29, %45, %32, %46#1, %46#2, %47, %56, %57, %54 : tensor<1x16x1xi32>, tensor<2x1x16x32xf32>, tensor<2x32x16xf32>, tensor<2x16x16xf32>, tensor<1x16x32xf32>, tensor<1xf32>, tensor<1x16x1xf32>, tensor<1x16x1xf32>, tensor<1x1x32xf32>, tensor<1x16x32xf32>, tensor<32x64xf32>, tensor<1x16x32xf32>, tensor<1x16x64xf32>, tensor<1x16x1xf32>, tensor<1x16x64xf32>, tensor<1xf32>, tensor<1xf32>, tensor<f32>
+// GOLDEN-NEXT: %58 = stablehlo.broadcast_in_dim %cst_23, dims = [] : (tensor<f32>) -> tensor<1xf32>
+// GOLDEN-NEXT: sdy.return %15, %19#11, %17, %arg11, %19#10, %56, %30, %27, %33, %32, %46, %35, %47#1, %47#2, %48, %57, %58, %55 : tensor<1x16x1xi32>, tensor<2x1x16x32xf32>, tensor<2x32x16xf32>, tensor<2x16x16xf32>, tensor<1x16x32xf32>, tensor<1xf32>, tensor<1x16x1xf32>, tensor<1x16x1xf32>, tensor<1x1x32xf32>, tensor<1x16x32xf32>, tensor<32x64xf32>, tensor<1x16x32xf32>, tensor<1x16x64xf32>, tensor<1x16x1xf32>, tensor<1x16x64xf32>, tensor<1xf32>, tensor<1xf32>, tensor<f32>
 // GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<2x32xf32>, tensor<2x32x64xf32>, tensor<2x64x32xf32>, tensor<32xf32>, tensor<32x64xf32>, tensor<2x64xi32>, tensor<2x64xi32>) -> (tensor<8x16x1xi32>, tensor<16x1x16x32xf32>, tensor<16x32x16xf32>, tensor<16x16x16xf32>, tensor<8x16x32xf32>, tensor<8xf32>, tensor<8x16x1xf32>, tensor<8x16x1xf32>, tensor<8x1x32xf32>, tensor<8x16x32xf32>, tensor<256x64xf32>, tensor<8x16x32xf32>, tensor<8x16x64xf32>, tensor<8x16x1xf32>, tensor<8x16x64xf32>, tensor<8xf32>, tensor<1xf32>, tensor<f32>)
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<1.000000e+00> : tensor<f32>
 // GOLDEN-NEXT: %1 = sdy.sharding_constraint %cst <@mesh, []> : tensor<f32>
 // GOLDEN-NEXT: %2:6 = sdy.manual_computation(%1, %0#0, %0#1, %arg1, %0#2, %0#3, %0#4, %0#5, %0#6, %0#7, %0#8, %0#9, %0#10, %0#11, %0#12, %0#13, %0#14, %0#15, %0#16) in_shardings=[<@mesh, []>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}, {}]>, <@mesh, [{}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{}]>] out_shardings=[<@mesh, [{"data"}, {}]>, <@mesh, [{}, {}]>, <@mesh, [{}, {"data"}, {"model"}]>, <@mesh, [{}, {"model"}, {"data"}]>, <@mesh, [{}]>, <@mesh, [{"data"}, {}]>] manual_axes={"data", "model"} (%arg8: tensor<f32>, %arg9: tensor<1x16x1xi32>, %arg10: tensor<2x1x16x32xf32>, %arg11: tensor<2x32xf32>, %arg12: tensor<2x32x16xf32>, %arg13: tensor<2x16x16xf32>, %arg14: tensor<1x16x32xf32>, %arg15: tensor<1xf32>, %arg16: tensor<1x16x1xf32>, %arg17: tensor<1x16x1xf32>, %arg18: tensor<1x1x32xf32>, %arg19: tensor<1x16x32xf32>, %arg20: tensor<32x64xf32>, %arg21: tensor<1x16x32xf32>, %arg22: tensor<1x16x64xf32>, %arg23: tensor<1x16x1xf32>, %arg24: tensor<1x16x64xf32>, %arg25: tensor<1xf32>, %arg26: tensor<1xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<16> : tensor<ui32>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
 // GOLDEN-NEXT: %3 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_3, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_1, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %5 = stablehlo.reshape %4 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %6 = stablehlo.reshape %arg15 : (tensor<1xf32>) -> tensor<f32>
-// GOLDEN-NEXT: %7 = stablehlo.reshape %arg25 : (tensor<1xf32>) -> tensor<f32>
-// GOLDEN-NEXT: %8 = stablehlo.reshape %arg26 : (tensor<1xf32>) -> tensor<f32>
-// GOLDEN-NEXT: %9 = stablehlo.divide %arg8, %8 : tensor<f32>
-// GOLDEN-NEXT: %10 = stablehlo.divide %9, %7 : tensor<f32>
-// GOLDEN-NEXT: %11 = stablehlo.broadcast_in_dim %10, dims = [] : (tensor<f32>) -> tensor<1x16xf32>
-// GOLDEN-NEXT: %12 = stablehlo.negate %11 : tensor<1x16xf32>
-// GOLDEN-NEXT: %13 = stablehlo.broadcast_in_dim %12, dims = [0, 1] : (tensor<1x16xf32>) -> tensor<1x16x64xf32>
-// GOLDEN-NEXT: %14 = stablehlo.multiply %arg24, %13 : tensor<1x16x64xf32>
-// GOLDEN-NEXT: %15 = func.call @log_softmax_2(%arg22, %arg23, %14) : (tensor<1x16x64xf32>, tensor<1x16x1xf32>, tensor<1x16x64xf32>) -> tensor<1x16x64xf32>
-// GOLDEN-NEXT: %16 = stablehlo.dot_general %15, %arg20, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<1x16x64xf32>, tensor<32x64xf32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %17 = stablehlo.add %5, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %18 = stablehlo.remainder %17, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %19 = stablehlo.multiply %18, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %20 = stablehlo.dynamic_slice %arg21, %c, %c, %19, sizes = [1, 16, 16] : (tensor<1x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x16xf32>
-// GOLDEN-NEXT: %21 = stablehlo.dot_general %15, %20, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<1x16x64xf32>, tensor<1x16x16xf32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %22 = stablehlo.transpose %21, dims = [1, 0] : (tensor<64x16xf32>) -> tensor<16x64xf32>
-// GOLDEN-NEXT: %23 = "stablehlo.collective_permute"(%22) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// GOLDEN-NEXT: %24 = stablehlo.multiply %5, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %25 = stablehlo.dynamic_slice %arg21, %c, %c, %24, sizes = [1, 16, 16] : (tensor<1x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x16xf32>
-// GOLDEN-NEXT: %26 = stablehlo.dot_general %15, %25, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<1x16x64xf32>, tensor<1x16x16xf32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %27 = stablehlo.transpose %26, dims = [1, 0] : (tensor<64x16xf32>) -> tensor<16x64xf32>
-// GOLDEN-NEXT: %28 = stablehlo.add %23, %27 : tensor<16x64xf32>
-// GOLDEN-NEXT: %29 = "stablehlo.all_reduce"(%28) <{channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3], [4, 5, 6, 7]]> : tensor<2x4xi64>, use_global_device_ids}> ({
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[1, 1, 1, 1, 0, 0, 0, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %6 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %c_2, %6, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %8 = stablehlo.reshape %7 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %9 = stablehlo.reshape %arg15 : (tensor<1xf32>) -> tensor<f32>
+// GOLDEN-NEXT: %10 = stablehlo.reshape %arg25 : (tensor<1xf32>) -> tensor<f32>
+// GOLDEN-NEXT: %11 = stablehlo.reshape %arg26 : (tensor<1xf32>) -> tensor<f32>
+// GOLDEN-NEXT: %12 = stablehlo.divide %arg8, %11 : tensor<f32>
+// GOLDEN-NEXT: %13 = stablehlo.divide %12, %10 : tensor<f32>
+// GOLDEN-NEXT: %14 = stablehlo.broadcast_in_dim %13, dims = [] : (tensor<f32>) -> tensor<1x16xf32>
+// GOLDEN-NEXT: %15 = stablehlo.negate %14 : tensor<1x16xf32>
+// GOLDEN-NEXT: %16 = stablehlo.broadcast_in_dim %15, dims = [0, 1] : (tensor<1x16xf32>) -> tensor<1x16x64xf32>
+// GOLDEN-NEXT: %17 = stablehlo.multiply %arg24, %16 : tensor<1x16x64xf32>
+// GOLDEN-NEXT: %18 = func.call @log_softmax_2(%arg22, %arg23, %17) : (tensor<1x16x64xf32>, tensor<1x16x1xf32>, tensor<1x16x64xf32>) -> tensor<1x16x64xf32>
+// GOLDEN-NEXT: %19 = stablehlo.dot_general %18, %arg20, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<1x16x64xf32>, tensor<32x64xf32>) -> tensor<1x16x32xf32>
+// GOLDEN-NEXT: %20 = stablehlo.multiply %8, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %21 = stablehlo.dynamic_slice %arg21, %c, %c, %20, sizes = [1, 16, 16] : (tensor<1x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x16xf32>
+// GOLDEN-NEXT: %22 = stablehlo.dot_general %18, %21, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<1x16x64xf32>, tensor<1x16x16xf32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %23 = stablehlo.transpose %22, dims = [1, 0] : (tensor<64x16xf32>) -> tensor<16x64xf32>
+// GOLDEN-NEXT: %24 = "stablehlo.collective_permute"(%23) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<16x64xf32>) -> tensor<16x64xf32>
+// GOLDEN-NEXT: %25 = stablehlo.multiply %5, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %26 = stablehlo.dynamic_slice %arg21, %c, %c, %25, sizes = [1, 16, 16] : (tensor<1x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x16xf32>
+// GOLDEN-NEXT: %27 = stablehlo.dot_general %18, %26, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<1x16x64xf32>, tensor<1x16x16xf32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %28 = stablehlo.transpose %27, dims = [1, 0] : (tensor<64x16xf32>) -> tensor<16x64xf32>
+// GOLDEN-NEXT: %29 = stablehlo.add %24, %28 : tensor<16x64xf32>
+// GOLDEN-NEXT: %30 = "stablehlo.all_reduce"(%29) <{channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3], [4, 5, 6, 7]]> : tensor<2x4xi64>, use_global_device_ids}> ({
 // GOLDEN-NEXT: ^bb0(%arg27: tensor<f32>, %arg28: tensor<f32>):
-// GOLDEN-NEXT: %60 = stablehlo.add %arg27, %arg28 : tensor<f32>
-// GOLDEN-NEXT: stablehlo.return %60 : tensor<f32>
+// GOLDEN-NEXT: %61 = stablehlo.add %arg27, %arg28 : tensor<f32>
+// GOLDEN-NEXT: stablehlo.return %61 : tensor<f32>
 // GOLDEN-NEXT: }) : (tensor<16x64xf32>) -> tensor<16x64xf32>
-// GOLDEN-NEXT: %30 = stablehlo.multiply %arg19, %16 : tensor<1x16x32xf32>
-// GOLDEN-NEXT: %cst_4 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %31 = stablehlo.reduce(%30 init: %cst_4) applies stablehlo.add across dimensions = [1] : (tensor<1x16x32xf32>, tensor<f32>) -> tensor<1x32xf32>
-// GOLDEN-NEXT: %32 = stablehlo.reshape %31 : (tensor<1x32xf32>) -> tensor<1x1x32xf32>
-// GOLDEN-NEXT: %33 = stablehlo.broadcast_in_dim %arg18, dims = [0, 1, 2] : (tensor<1x1x32xf32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %34 = stablehlo.multiply %16, %33 : tensor<1x16x32xf32>
-// GOLDEN-NEXT: %35 = "stablehlo.all_reduce"(%32) <{channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3, 4, 5, 6, 7]]> : tensor<1x8xi64>, use_global_device_ids}> ({
+// GOLDEN-NEXT: %31 = stablehlo.multiply %arg19, %19 : tensor<1x16x32xf32>
+// GOLDEN-NEXT: %cst_3 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %32 = stablehlo.reduce(%31 init: %cst_3) applies stablehlo.add across dimensions = [1] : (tensor<1x16x32xf32>, tensor<f32>) -> tensor<1x32xf32>
+// GOLDEN-NEXT: %33 = stablehlo.reshape %32 : (tensor<1x32xf32>) -> tensor<1x1x32xf32>
+// GOLDEN-NEXT: %34 = stablehlo.broadcast_in_dim %arg18, dims = [0, 1, 2] : (tensor<1x1x32xf32>) -> tensor<1x16x32xf32>
+// GOLDEN-NEXT: %35 = stablehlo.multiply %19, %34 : tensor<1x16x32xf32>
+// GOLDEN-NEXT: %36 = "stablehlo.all_reduce"(%33) <{channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3, 4, 5, 6, 7]]> : tensor<1x8xi64>, use_global_device_ids}> ({
 // GOLDEN-NEXT: ^bb0(%arg27: tensor<f32>, %arg28: tensor<f32>):
-// GOLDEN-NEXT: %60 = stablehlo.add %arg27, %arg28 : tensor<f32>
-// GOLDEN-NEXT: stablehlo.return %60 : tensor<f32>
+// GOLDEN-NEXT: %61 = stablehlo.add %arg27, %arg28 : tensor<f32>
+// GOLDEN-NEXT: stablehlo.return %61 : tensor<f32>
 // GOLDEN-NEXT: }) : (tensor<1x1x32xf32>) -> tensor<1x1x32xf32>
+// GOLDEN-NEXT: %cst_4 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %37 = stablehlo.reduce(%36 init: %cst_4) applies stablehlo.add across dimensions = [0, 1] : (tensor<1x1x32xf32>, tensor<f32>) -> tensor<32xf32>
+// GOLDEN-NEXT: %38 = stablehlo.multiply %arg14, %35 : tensor<1x16x32xf32>
 // GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %36 = stablehlo.reduce(%35 init: %cst_5) applies stablehlo.add across dimensions = [0, 1] : (tensor<1x1x32xf32>, tensor<f32>) -> tensor<32xf32>
-// GOLDEN-NEXT: %37 = stablehlo.multiply %arg14, %34 : tensor<1x16x32xf32>
+// GOLDEN-NEXT: %39 = stablehlo.reduce(%38 init: %cst_5) applies stablehlo.add across dimensions = [2] : (tensor<1x16x32xf32>, tensor<f32>) -> tensor<1x16xf32>
+// GOLDEN-NEXT: %40 = stablehlo.reshape %39 : (tensor<1x16xf32>) -> tensor<1x16x1xf32>
+// GOLDEN-NEXT: %41 = stablehlo.broadcast_in_dim %arg17, dims = [0, 1, 2] : (tensor<1x16x1xf32>) -> tensor<1x16x32xf32>
+// GOLDEN-NEXT: %42 = stablehlo.multiply %35, %41 : tensor<1x16x32xf32>
+// GOLDEN-NEXT: %43 = stablehlo.multiply %40, %arg16 : tensor<1x16x1xf32>
+// GOLDEN-NEXT: %44 = stablehlo.broadcast_in_dim %9, dims = [] : (tensor<f32>) -> tensor<1x16x1xf32>
+// GOLDEN-NEXT: %45 = stablehlo.divide %43, %44 : tensor<1x16x1xf32>
 // GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %38 = stablehlo.reduce(%37 init: %cst_6) applies stablehlo.add across dimensions = [2] : (tensor<1x16x32xf32>, tensor<f32>) -> tensor<1x16xf32>
-// GOLDEN-NEXT: %39 = stablehlo.reshape %38 : (tensor<1x16xf32>) -> tensor<1x16x1xf32>
-// GOLDEN-NEXT: %40 = stablehlo.broadcast_in_dim %arg17, dims = [0, 1, 2] : (tensor<1x16x1xf32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %41 = stablehlo.multiply %34, %40 : tensor<1x16x32xf32>
-// GOLDEN-NEXT: %42 = stablehlo.multiply %39, %arg16 : tensor<1x16x1xf32>
-// GOLDEN-NEXT: %43 = stablehlo.broadcast_in_dim %6, dims = [] : (tensor<f32>) -> tensor<1x16x1xf32>
-// GOLDEN-NEXT: %44 = stablehlo.divide %42, %43 : tensor<1x16x1xf32>
+// GOLDEN-NEXT: %46 = stablehlo.reduce(%45 init: %cst_6) applies stablehlo.add across dimensions = [0, 2] : (tensor<1x16x1xf32>, tensor<f32>) -> tensor<16xf32>
+// GOLDEN-NEXT: %47 = stablehlo.broadcast_in_dim %46, dims = [1] : (tensor<16xf32>) -> tensor<1x16xf32>
+// GOLDEN-NEXT: %48 = stablehlo.broadcast_in_dim %47, dims = [0, 1] : (tensor<1x16xf32>) -> tensor<1x16x32xf32>
+// GOLDEN-NEXT: %49 = stablehlo.multiply %arg14, %48 : tensor<1x16x32xf32>
+// GOLDEN-NEXT: %50 = stablehlo.add %42, %49 : tensor<1x16x32xf32>
+// GOLDEN-NEXT: %51 = stablehlo.multiply %48, %arg14 : tensor<1x16x32xf32>
+// GOLDEN-NEXT: %52 = stablehlo.add %50, %51 : tensor<1x16x32xf32>
 // GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %45 = stablehlo.reduce(%44 init: %cst_7) applies stablehlo.add across dimensions = [0, 2] : (tensor<1x16x1xf32>, tensor<f32>) -> tensor<16xf32>
-// GOLDEN-NEXT: %46 = stablehlo.broadcast_in_dim %45, dims = [1] : (tensor<16xf32>) -> tensor<1x16xf32>
-// GOLDEN-NEXT: %47 = stablehlo.broadcast_in_dim %46, dims = [0, 1] : (tensor<1x16xf32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %48 = stablehlo.multiply %arg14, %47 : tensor<1x16x32xf32>
-// GOLDEN-NEXT: %49 = stablehlo.add %41, %48 : tensor<1x16x32xf32>
-// GOLDEN-NEXT: %50 = stablehlo.multiply %47, %arg14 : tensor<1x16x32xf32>
-// GOLDEN-NEXT: %51 = stablehlo.add %49, %50 : tensor<1x16x32xf32>
+// GOLDEN-NEXT: %53 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32xf32>
 // GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %52 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32xf32>
+// GOLDEN-NEXT: %54 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
 // GOLDEN-NEXT: %cst_9 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %53 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_10 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %54 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<2x16x32xf32>
-// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<0> : tensor<i32>
+// GOLDEN-NEXT: %55 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<2x16x32xf32>
+// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<i32>
+// GOLDEN-NEXT: %cst_11 = stablehlo.constant dense<0.000000e+00> : tensor<2x16x16xf32>
 // GOLDEN-NEXT: %cst_12 = stablehlo.constant dense<0.000000e+00> : tensor<2x16x16xf32>
-// GOLDEN-NEXT: %cst_13 = stablehlo.constant dense<0.000000e+00> : tensor<2x16x16xf32>
-// GOLDEN-NEXT: %55:9 = stablehlo.while(%iterArg = %arg10, %iterArg_15 = %arg11, %iterArg_16 = %arg12, %iterArg_17 = %arg13, %iterArg_18 = %c_11, %iterArg_19 = %51, %iterArg_20 = %52, %iterArg_21 = %cst_13, %iterArg_22 = %cst_12) : tensor<2x1x16x32xf32>, tensor<2x32xf32>, tensor<2x32x16xf32>, tensor<2x16x16xf32>, tensor<i32>, tensor<1x16x32xf32>, tensor<2x32xf32>, tensor<2x16x16xf32>, tensor<2x16x16xf32>
+// GOLDEN-NEXT: %56:9 = stablehlo.while(%iterArg = %arg10, %iterArg_14 = %arg11, %iterArg_15 = %arg12, %iterArg_16 = %arg13, %iterArg_17 = %c_10, %iterArg_18 = %52, %iterArg_19 = %53, %iterArg_20 = %cst_12, %iterArg_21 = %cst_11) : tensor<2x1x16x32xf32>, tensor<2x32xf32>, tensor<2x32x16xf32>, tensor<2x16x16xf32>, tensor<i32>, tensor<1x16x32xf32>, tensor<2x32xf32>, tensor<2x16x16xf32>, tensor<2x16x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_23 = stablehlo.constant dense<2> : tensor<i32>
-// GOLDEN-NEXT: %60 = stablehlo.compare LT, %iterArg_18, %c_23, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %60 : tensor<i1>
+// GOLDEN-NEXT: %c_22 = stablehlo.constant dense<2> : tensor<i32>
+// GOLDEN-NEXT: %61 = stablehlo.compare LT, %iterArg_17, %c_22, SIGNED : (tensor<i32>, tensor<i32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %61 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_23 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_24 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_25 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %c_26 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %c_27 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_28 = stablehlo.constant dense<16> : tensor<ui32>
-// GOLDEN-NEXT: %cst_29 = stablehlo.constant dense<0.000000e+00> : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %cst_30 = stablehlo.constant dense<0.000000e+00> : tensor<1x64x32xf32>
-// GOLDEN-NEXT: %c_31 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
-// GOLDEN-NEXT: %60 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %61 = stablehlo.dynamic_slice %c_31, %60, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
-// GOLDEN-NEXT: %62 = stablehlo.reshape %61 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %c_32 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
-// GOLDEN-NEXT: %63 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %64 = stablehlo.dynamic_slice %c_32, %63, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
-// GOLDEN-NEXT: %65 = stablehlo.reshape %64 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %c_33 = stablehlo.constant dense<2> : tensor<i32>
-// GOLDEN-NEXT: %66 = stablehlo.subtract %c_33, %iterArg_18 : tensor<i32>
-// GOLDEN-NEXT: %c_34 = stablehlo.constant dense<1> : tensor<i32>
-// GOLDEN-NEXT: %67 = stablehlo.subtract %66, %c_34 : tensor<i32>
-// GOLDEN-NEXT: %68 = func.call @dynamic_index_in_dim_3(%iterArg, %67) : (tensor<2x1x16x32xf32>, tensor<i32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %69 = func.call @dynamic_index_in_dim(%iterArg_15, %67) : (tensor<2x32xf32>, tensor<i32>) -> tensor<32xf32>
-// GOLDEN-NEXT: %70 = func.call @dynamic_index_in_dim_0(%iterArg_16, %67) : (tensor<2x32x16xf32>, tensor<i32>) -> tensor<32x16xf32>
-// GOLDEN-NEXT: %c_35 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %c_36 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %71 = stablehlo.dynamic_slice %iterArg_17, %67, %c_35, %c_36, sizes = [1, 16, 16] : (tensor<2x16x16xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<1x16x16xf32>
-// GOLDEN-NEXT: %72:5 = stablehlo.optimization_barrier %68, %69, %70, %71, %iterArg_19 : tensor<1x16x32xf32>, tensor<32xf32>, tensor<32x16xf32>, tensor<1x16x16xf32>, tensor<1x16x32xf32>
-// GOLDEN-NEXT: %73 = "stablehlo.all_gather"(%72#3) <{all_gather_dim = 2 : i64, channel_handle = #stablehlo.channel_handle<handle = 9, type = 1>, replica_groups = dense<{{\[\[}}0, 4], [1, 5], [2, 6], [3, 7]]> : tensor<4x2xi64>, use_global_device_ids}> : (tensor<1x16x16xf32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %74 = stablehlo.reshape %73 : (tensor<1x16x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %75 = stablehlo.multiply %72#0, %72#0 : tensor<1x16x32xf32>
-// GOLDEN-NEXT: %cst_37 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %76 = stablehlo.reduce(%75 init: %cst_37) applies stablehlo.add across dimensions = [2] : (tensor<1x16x32xf32>, tensor<f32>) -> tensor<1x16xf32>
-// GOLDEN-NEXT: %77 = stablehlo.broadcast_in_dim %76, dims = [0, 1] : (tensor<1x16xf32>) -> tensor<1x16x1xf32>
-// GOLDEN-NEXT: %cst_38 = stablehlo.constant dense<3.200000e+01> : tensor<f32>
-// GOLDEN-NEXT: %78 = stablehlo.broadcast_in_dim %cst_38, dims = [] : (tensor<f32>) -> tensor<1x16x1xf32>
-// GOLDEN-NEXT: %79 = stablehlo.divide %77, %78 : tensor<1x16x1xf32>
-// GOLDEN-NEXT: %cst_39 = stablehlo.constant dense<9.99999997E-7> : tensor<f32>
-// GOLDEN-NEXT: %80 = stablehlo.broadcast_in_dim %cst_39, dims = [] : (tensor<f32>) -> tensor<1x16x1xf32>
-// GOLDEN-NEXT: %81 = stablehlo.add %79, %80 : tensor<1x16x1xf32>
-// GOLDEN-NEXT: %82 = stablehlo.rsqrt %81 : tensor<1x16x1xf32>
-// GOLDEN-NEXT: %83 = stablehlo.divide %82, %81 : tensor<1x16x1xf32>
-// GOLDEN-NEXT: %cst_40 = stablehlo.constant dense<-5.000000e-01> : tensor<f32>
-// GOLDEN-NEXT: %84 = stablehlo.broadcast_in_dim %cst_40, dims = [] : (tensor<f32>) -> tensor<1x16x1xf32>
-// GOLDEN-NEXT: %85 = stablehlo.multiply %84, %83 : tensor<1x16x1xf32>
-// GOLDEN-NEXT: %86 = stablehlo.broadcast_in_dim %82, dims = [0, 1, 2] : (tensor<1x16x1xf32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %87 = stablehlo.multiply %72#0, %86 : tensor<1x16x32xf32>
-// GOLDEN-NEXT: %88 = stablehlo.broadcast_in_dim %72#1, dims = [2] : (tensor<32xf32>) -> tensor<1x1x32xf32>
-// GOLDEN-NEXT: %89 = stablehlo.broadcast_in_dim %88, dims = [0, 1, 2] : (tensor<1x1x32xf32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %90 = stablehlo.multiply %87, %89 : tensor<1x16x32xf32>
-// GOLDEN-NEXT: %91:4 = stablehlo.while(%iterArg_56 = %c_23, %iterArg_57 = %90, %iterArg_58 = %cst_29, %iterArg_59 = %cst_30) : tensor<ui32>, tensor<1x16x32xf32>, tensor<1x64x16xf32>, tensor<1x64x32xf32>
-// GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_60 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %198 = stablehlo.compare LT, %iterArg_56, %c_60, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %198 : tensor<i1>
-// GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_60 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_61 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_62 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_63 = stablehlo.constant dense<16> : tensor<ui32>
-// GOLDEN-NEXT: %198 = "stablehlo.collective_permute"(%iterArg_57) <{channel_handle = #stablehlo.channel_handle<handle = 14, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<1x16x32xf32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %199 = stablehlo.add %62, %iterArg_56 : tensor<ui32>
-// GOLDEN-NEXT: %200 = stablehlo.remainder %199, %c_62 : tensor<ui32>
-// GOLDEN-NEXT: %201 = stablehlo.dot_general %iterArg_57, %72#2, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<1x16x32xf32>, tensor<32x16xf32>) -> tensor<1x16x16xf32>
-// GOLDEN-NEXT: %202 = stablehlo.multiply %200, %c_63 : tensor<ui32>
-// GOLDEN-NEXT: %203 = stablehlo.dynamic_update_slice %iterArg_58, %201, %c_60, %202, %c_60 : (tensor<1x64x16xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
-// GOLDEN-NEXT: %204 = stablehlo.dynamic_update_slice %iterArg_59, %iterArg_57, %c_60, %202, %c_60 : (tensor<1x64x32xf32>, tensor<1x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x32xf32>
-// GOLDEN-NEXT: %205 = stablehlo.add %iterArg_56, %c_61 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %205, %198, %203, %204 : tensor<ui32>, tensor<1x16x32xf32>, tensor<1x64x16xf32>, tensor<1x64x32xf32>
-// GOLDEN-NEXT: }
-// GOLDEN-NEXT: %92 = stablehlo.add %62, %c_26 : tensor<ui32>
-// GOLDEN-NEXT: %93 = stablehlo.remainder %92, %c_27 : tensor<ui32>
-// GOLDEN-NEXT: %94 = stablehlo.dot_general %91#1, %72#2, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<1x16x32xf32>, tensor<32x16xf32>) -> tensor<1x16x16xf32>
-// GOLDEN-NEXT: %95 = stablehlo.multiply %93, %c_28 : tensor<ui32>
-// GOLDEN-NEXT: %96 = stablehlo.dynamic_update_slice %91#2, %94, %c_23, %95, %c_23 : (tensor<1x64x16xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
-// GOLDEN-NEXT: %97 = stablehlo.dynamic_update_slice %91#3, %91#1, %c_23, %95, %c_23 : (tensor<1x64x32xf32>, tensor<1x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x32xf32>
-// GOLDEN-NEXT: %98 = stablehlo.multiply %96, %96 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %99 = stablehlo.multiply %98, %96 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %100 = stablehlo.multiply %96, %96 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %cst_41 = stablehlo.constant dense<3.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %101 = stablehlo.broadcast_in_dim %cst_41, dims = [] : (tensor<f32>) -> tensor<1x64x16xf32>
-// GOLDEN-NEXT: %102 = stablehlo.multiply %101, %100 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %cst_42 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// GOLDEN-NEXT: %103 = stablehlo.broadcast_in_dim %cst_42, dims = [] : (tensor<f32>) -> tensor<1x64x16xf32>
-// GOLDEN-NEXT: %104 = stablehlo.multiply %103, %99 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %105 = stablehlo.add %96, %104 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %cst_43 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// GOLDEN-NEXT: %106 = stablehlo.broadcast_in_dim %cst_43, dims = [] : (tensor<f32>) -> tensor<1x64x16xf32>
-// GOLDEN-NEXT: %107 = stablehlo.multiply %106, %105 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %108 = stablehlo.tanh %107 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %cst_44 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %109 = stablehlo.broadcast_in_dim %cst_44, dims = [] : (tensor<f32>) -> tensor<1x64x16xf32>
-// GOLDEN-NEXT: %110 = stablehlo.subtract %109, %108 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %cst_45 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %111 = stablehlo.broadcast_in_dim %cst_45, dims = [] : (tensor<f32>) -> tensor<1x64x16xf32>
-// GOLDEN-NEXT: %112 = stablehlo.add %111, %108 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %cst_46 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// GOLDEN-NEXT: %113 = stablehlo.broadcast_in_dim %cst_46, dims = [] : (tensor<f32>) -> tensor<1x64x16xf32>
-// GOLDEN-NEXT: %114 = stablehlo.multiply %113, %112 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %115 = stablehlo.multiply %96, %114 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %116:4 = stablehlo.while(%iterArg_56 = %c_23, %iterArg_57 = %72#4, %iterArg_58 = %cst_29, %iterArg_59 = %cst_30) : tensor<ui32>, tensor<1x16x32xf32>, tensor<1x64x16xf32>, tensor<1x64x32xf32>
-// GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_60 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %198 = stablehlo.compare LT, %iterArg_56, %c_60, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %198 : tensor<i1>
-// GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_60 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_61 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_62 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_63 = stablehlo.constant dense<16> : tensor<ui32>
-// GOLDEN-NEXT: %198 = "stablehlo.collective_permute"(%iterArg_57) <{channel_handle = #stablehlo.channel_handle<handle = 15, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<1x16x32xf32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %199 = stablehlo.add %62, %iterArg_56 : tensor<ui32>
-// GOLDEN-NEXT: %200 = stablehlo.remainder %199, %c_62 : tensor<ui32>
-// GOLDEN-NEXT: %201 = stablehlo.dot_general %iterArg_57, %74, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<1x16x32xf32>, tensor<16x32xf32>) -> tensor<1x16x16xf32>
-// GOLDEN-NEXT: %202 = stablehlo.multiply %200, %c_63 : tensor<ui32>
-// GOLDEN-NEXT: %203 = stablehlo.dynamic_update_slice %iterArg_58, %201, %c_60, %202, %c_60 : (tensor<1x64x16xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
-// GOLDEN-NEXT: %204 = stablehlo.dynamic_update_slice %iterArg_59, %iterArg_57, %c_60, %202, %c_60 : (tensor<1x64x32xf32>, tensor<1x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x32xf32>
-// GOLDEN-NEXT: %205 = stablehlo.add %iterArg_56, %c_61 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %205, %198, %203, %204 : tensor<ui32>, tensor<1x16x32xf32>, tensor<1x64x16xf32>, tensor<1x64x32xf32>
-// GOLDEN-NEXT: }
-// GOLDEN-NEXT: %117 = stablehlo.add %62, %c_26 : tensor<ui32>
-// GOLDEN-NEXT: %118 = stablehlo.remainder %117, %c_27 : tensor<ui32>
-// GOLDEN-NEXT: %119 = stablehlo.dot_general %116#1, %74, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<1x16x32xf32>, tensor<16x32xf32>) -> tensor<1x16x16xf32>
-// GOLDEN-NEXT: %120 = stablehlo.multiply %118, %c_28 : tensor<ui32>
-// GOLDEN-NEXT: %121 = stablehlo.dynamic_update_slice %116#2, %119, %c_23, %120, %c_23 : (tensor<1x64x16xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
-// GOLDEN-NEXT: %122 = stablehlo.dynamic_update_slice %116#3, %116#1, %c_23, %120, %c_23 : (tensor<1x64x32xf32>, tensor<1x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x32xf32>
-// GOLDEN-NEXT: %123 = stablehlo.multiply %96, %121 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %124 = stablehlo.multiply %121, %114 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %125 = stablehlo.broadcast_in_dim %cst_46, dims = [] : (tensor<f32>) -> tensor<1x64x16xf32>
-// GOLDEN-NEXT: %126 = stablehlo.multiply %125, %123 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %127 = stablehlo.multiply %126, %110 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %128 = stablehlo.multiply %127, %108 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %129 = stablehlo.add %127, %128 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %130 = stablehlo.broadcast_in_dim %cst_43, dims = [] : (tensor<f32>) -> tensor<1x64x16xf32>
-// GOLDEN-NEXT: %131 = stablehlo.multiply %130, %129 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %132 = stablehlo.add %124, %131 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %133 = stablehlo.broadcast_in_dim %cst_42, dims = [] : (tensor<f32>) -> tensor<1x64x16xf32>
-// GOLDEN-NEXT: %134 = stablehlo.multiply %133, %131 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %135 = stablehlo.multiply %134, %102 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %136 = stablehlo.add %132, %135 : tensor<1x64x16xf32>
-// GOLDEN-NEXT: %137 = stablehlo.add %62, %c_24 : tensor<ui32>
-// GOLDEN-NEXT: %138 = stablehlo.remainder %137, %c_27 : tensor<ui32>
-// GOLDEN-NEXT: %139 = stablehlo.multiply %138, %c_28 : tensor<ui32>
-// GOLDEN-NEXT: %140 = stablehlo.dynamic_slice %136, %c_23, %139, %c_23, sizes = [1, 16, 16] : (tensor<1x64x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x16xf32>
-// GOLDEN-NEXT: %141 = stablehlo.dot_general %140, %72#2, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<1x16x16xf32>, tensor<32x16xf32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %142:2 = stablehlo.while(%iterArg_56 = %c_23, %iterArg_57 = %141) : tensor<ui32>, tensor<1x16x32xf32>
+// GOLDEN-NEXT: %c_22 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_23 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %cst_24 = stablehlo.constant dense<0.000000e+00> : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %cst_25 = stablehlo.constant dense<0.000000e+00> : tensor<1x64x32xf32>
+// GOLDEN-NEXT: %c_26 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %61 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %62 = stablehlo.dynamic_slice %c_26, %61, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %63 = stablehlo.reshape %62 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %c_27 = stablehlo.constant dense<[1, 2, 3, 0, 1, 2, 3, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %64 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %65 = stablehlo.dynamic_slice %c_27, %64, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %66 = stablehlo.reshape %65 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %c_28 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// GOLDEN-NEXT: %67 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %68 = stablehlo.dynamic_slice %c_28, %67, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %69 = stablehlo.reshape %68 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %c_29 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
+// GOLDEN-NEXT: %70 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %71 = stablehlo.dynamic_slice %c_29, %70, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %72 = stablehlo.reshape %71 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %c_30 = stablehlo.constant dense<[1, 1, 1, 1, 0, 0, 0, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %73 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %74 = stablehlo.dynamic_slice %c_30, %73, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %75 = stablehlo.reshape %74 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %c_31 = stablehlo.constant dense<2> : tensor<i32>
+// GOLDEN-NEXT: %76 = stablehlo.subtract %c_31, %iterArg_17 : tensor<i32>
+// GOLDEN-NEXT: %c_32 = stablehlo.constant dense<1> : tensor<i32>
+// GOLDEN-NEXT: %77 = stablehlo.subtract %76, %c_32 : tensor<i32>
+// GOLDEN-NEXT: %78 = func.call @dynamic_index_in_dim_3(%iterArg, %77) : (tensor<2x1x16x32xf32>, tensor<i32>) -> tensor<1x16x32xf32>
+// GOLDEN-NEXT: %79 = func.call @dynamic_index_in_dim(%iterArg_14, %77) : (tensor<2x32xf32>, tensor<i32>) -> tensor<32xf32>
+// GOLDEN-NEXT: %80 = func.call @dynamic_index_in_dim_0(%iterArg_15, %77) : (tensor<2x32x16xf32>, tensor<i32>) -> tensor<32x16xf32>
+// GOLDEN-NEXT: %c_33 = stablehlo.constant dense<0> : tensor<i32>
+// GOLDEN-NEXT: %c_34 = stablehlo.constant dense<0> : tensor<i32>
+// GOLDEN-NEXT: %81 = stablehlo.dynamic_slice %iterArg_16, %77, %c_33, %c_34, sizes = [1, 16, 16] : (tensor<2x16x16xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<1x16x16xf32>
+// GOLDEN-NEXT: %82:5 = stablehlo.optimization_barrier %78, %79, %80, %81, %iterArg_18 : tensor<1x16x32xf32>, tensor<32xf32>, tensor<32x16xf32>, tensor<1x16x16xf32>, tensor<1x16x32xf32>
+// GOLDEN-NEXT: %83 = "stablehlo.all_gather"(%82#3) <{all_gather_dim = 2 : i64, channel_handle = #stablehlo.channel_handle<handle = 9, type = 1>, replica_groups = dense<{{\[\[}}0, 4], [1, 5], [2, 6], [3, 7]]> : tensor<4x2xi64>, use_global_device_ids}> : (tensor<1x16x16xf32>) -> tensor<1x16x32xf32>
+// GOLDEN-NEXT: %84 = stablehlo.reshape %83 : (tensor<1x16x32xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %85 = stablehlo.multiply %82#0, %82#0 : tensor<1x16x32xf32>
+// GOLDEN-NEXT: %cst_35 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %86 = stablehlo.reduce(%85 init: %cst_35) applies stablehlo.add across dimensions = [2] : (tensor<1x16x32xf32>, tensor<f32>) -> tensor<1x16xf32>
+// GOLDEN-NEXT: %87 = stablehlo.broadcast_in_dim %86, dims = [0, 1] : (tensor<1x16xf32>) -> tensor<1x16x1xf32>
+// GOLDEN-NEXT: %cst_36 = stablehlo.constant dense<3.200000e+01> : tensor<f32>
+// GOLDEN-NEXT: %88 = stablehlo.broadcast_in_dim %cst_36, dims = [] : (tensor<f32>) -> tensor<1x16x1xf32>
+// GOLDEN-NEXT: %89 = stablehlo.divide %87, %88 : tensor<1x16x1xf32>
+// GOLDEN-NEXT: %cst_37 = stablehlo.constant dense<9.99999997E-7> : tensor<f32>
+// GOLDEN-NEXT: %90 = stablehlo.broadcast_in_dim %cst_37, dims = [] : (tensor<f32>) -> tensor<1x16x1xf32>
+// GOLDEN-NEXT: %91 = stablehlo.add %89, %90 : tensor<1x16x1xf32>
+// GOLDEN-NEXT: %92 = stablehlo.rsqrt %91 : tensor<1x16x1xf32>
+// GOLDEN-NEXT: %93 = stablehlo.divide %92, %91 : tensor<1x16x1xf32>
+// GOLDEN-NEXT: %cst_38 = stablehlo.constant dense<-5.000000e-01> : tensor<f32>
+// GOLDEN-NEXT: %94 = stablehlo.broadcast_in_dim %cst_38, dims = [] : (tensor<f32>) -> tensor<1x16x1xf32>
+// GOLDEN-NEXT: %95 = stablehlo.multiply %94, %93 : tensor<1x16x1xf32>
+// GOLDEN-NEXT: %96 = stablehlo.broadcast_in_dim %92, dims = [0, 1, 2] : (tensor<1x16x1xf32>) -> tensor<1x16x32xf32>
+// GOLDEN-NEXT: %97 = stablehlo.multiply %82#0, %96 : tensor<1x16x32xf32>
+// GOLDEN-NEXT: %98 = stablehlo.broadcast_in_dim %82#1, dims = [2] : (tensor<32xf32>) -> tensor<1x1x32xf32>
+// GOLDEN-NEXT: %99 = stablehlo.broadcast_in_dim %98, dims = [0, 1, 2] : (tensor<1x1x32xf32>) -> tensor<1x16x32xf32>
+// GOLDEN-NEXT: %100 = stablehlo.multiply %97, %99 : tensor<1x16x32xf32>
+// GOLDEN-NEXT: %101:4 = stablehlo.while(%iterArg_54 = %c_22, %iterArg_55 = %100, %iterArg_56 = %cst_24, %iterArg_57 = %cst_25) : tensor<ui32>, tensor<1x16x32xf32>, tensor<1x64x16xf32>, tensor<1x64x32xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_58 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %198 = stablehlo.compare LT, %iterArg_56, %c_58, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: %198 = stablehlo.compare LT, %iterArg_54, %c_58, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %198 : tensor<i1>
 // GOLDEN-NEXT: } do {
 // GOLDEN-NEXT: %c_58 = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %c_59 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_60 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %c_61 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_62 = stablehlo.constant dense<16> : tensor<ui32>
-// GOLDEN-NEXT: %198 = "stablehlo.collective_permute"(%iterArg_57) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<1x16x32xf32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %199 = stablehlo.add %iterArg_56, %c_60 : tensor<ui32>
-// GOLDEN-NEXT: %200 = stablehlo.add %62, %199 : tensor<ui32>
-// GOLDEN-NEXT: %201 = stablehlo.remainder %200, %c_61 : tensor<ui32>
-// GOLDEN-NEXT: %202 = stablehlo.multiply %201, %c_62 : tensor<ui32>
-// GOLDEN-NEXT: %203 = stablehlo.dynamic_slice %136, %c_58, %202, %c_58, sizes = [1, 16, 16] : (tensor<1x64x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x16xf32>
-// GOLDEN-NEXT: %204 = stablehlo.dot_general %203, %72#2, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<1x16x16xf32>, tensor<32x16xf32>) -> tensor<1x16x32xf32>
+// GOLDEN-NEXT: %c_60 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_61 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %198 = "stablehlo.collective_permute"(%iterArg_55) <{channel_handle = #stablehlo.channel_handle<handle = 14, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<1x16x32xf32>) -> tensor<1x16x32xf32>
+// GOLDEN-NEXT: %199 = stablehlo.add %63, %iterArg_54 : tensor<ui32>
+// GOLDEN-NEXT: %200 = stablehlo.remainder %199, %c_60 : tensor<ui32>
+// GOLDEN-NEXT: %201 = stablehlo.dot_general %iterArg_55, %82#2, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<1x16x32xf32>, tensor<32x16xf32>) -> tensor<1x16x16xf32>
+// GOLDEN-NEXT: %202 = stablehlo.multiply %200, %c_61 : tensor<ui32>
+// GOLDEN-NEXT: %203 = stablehlo.dynamic_update_slice %iterArg_56, %201, %c_58, %202, %c_58 : (tensor<1x64x16xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
+// GOLDEN-NEXT: %204 = stablehlo.dynamic_update_slice %iterArg_57, %iterArg_55, %c_58, %202, %c_58 : (tensor<1x64x32xf32>, tensor<1x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x32xf32>
+// GOLDEN-NEXT: %205 = stablehlo.add %iterArg_54, %c_59 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %205, %198, %203, %204 : tensor<ui32>, tensor<1x16x32xf32>, tensor<1x64x16xf32>, tensor<1x64x32xf32>
+// GOLDEN-NEXT: }
+// GOLDEN-NEXT: %102 = stablehlo.dot_general %101#1, %82#2, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<1x16x32xf32>, tensor<32x16xf32>) -> tensor<1x16x16xf32>
+// GOLDEN-NEXT: %103 = stablehlo.multiply %69, %c_23 : tensor<ui32>
+// GOLDEN-NEXT: %104 = stablehlo.dynamic_update_slice %101#2, %102, %c_22, %103, %c_22 : (tensor<1x64x16xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
+// GOLDEN-NEXT: %105 = stablehlo.dynamic_update_slice %101#3, %101#1, %c_22, %103, %c_22 : (tensor<1x64x32xf32>, tensor<1x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x32xf32>
+// GOLDEN-NEXT: %106 = stablehlo.multiply %104, %104 : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %107 = stablehlo.multiply %106, %104 : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %108 = stablehlo.multiply %104, %104 : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %cst_39 = stablehlo.constant dense<3.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %109 = stablehlo.broadcast_in_dim %cst_39, dims = [] : (tensor<f32>) -> tensor<1x64x16xf32>
+// GOLDEN-NEXT: %110 = stablehlo.multiply %109, %108 : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %cst_40 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
+// GOLDEN-NEXT: %111 = stablehlo.broadcast_in_dim %cst_40, dims = [] : (tensor<f32>) -> tensor<1x64x16xf32>
+// GOLDEN-NEXT: %112 = stablehlo.multiply %111, %107 : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %113 = stablehlo.add %104, %112 : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %cst_41 = stablehlo.constant dense<0.797884583> : tensor<f32>
+// GOLDEN-NEXT: %114 = stablehlo.broadcast_in_dim %cst_41, dims = [] : (tensor<f32>) -> tensor<1x64x16xf32>
+// GOLDEN-NEXT: %115 = stablehlo.multiply %114, %113 : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %116 = stablehlo.tanh %115 : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %cst_42 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %117 = stablehlo.broadcast_in_dim %cst_42, dims = [] : (tensor<f32>) -> tensor<1x64x16xf32>
+// GOLDEN-NEXT: %118 = stablehlo.subtract %117, %116 : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %cst_43 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %119 = stablehlo.broadcast_in_dim %cst_43, dims = [] : (tensor<f32>) -> tensor<1x64x16xf32>
+// GOLDEN-NEXT: %120 = stablehlo.add %119, %116 : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %cst_44 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
+// GOLDEN-NEXT: %121 = stablehlo.broadcast_in_dim %cst_44, dims = [] : (tensor<f32>) -> tensor<1x64x16xf32>
+// GOLDEN-NEXT: %122 = stablehlo.multiply %121, %120 : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %123 = stablehlo.multiply %104, %122 : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %124:4 = stablehlo.while(%iterArg_54 = %c_22, %iterArg_55 = %82#4, %iterArg_56 = %cst_24, %iterArg_57 = %cst_25) : tensor<ui32>, tensor<1x16x32xf32>, tensor<1x64x16xf32>, tensor<1x64x32xf32>
+// GOLDEN-NEXT: cond {
+// GOLDEN-NEXT: %c_58 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %198 = stablehlo.compare LT, %iterArg_54, %c_58, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %198 : tensor<i1>
+// GOLDEN-NEXT: } do {
+// GOLDEN-NEXT: %c_58 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_59 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_60 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_61 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %198 = "stablehlo.collective_permute"(%iterArg_55) <{channel_handle = #stablehlo.channel_handle<handle = 15, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<1x16x32xf32>) -> tensor<1x16x32xf32>
+// GOLDEN-NEXT: %199 = stablehlo.add %63, %iterArg_54 : tensor<ui32>
+// GOLDEN-NEXT: %200 = stablehlo.remainder %199, %c_60 : tensor<ui32>
+// GOLDEN-NEXT: %201 = stablehlo.dot_general %iterArg_55, %84, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<1x16x32xf32>, tensor<16x32xf32>) -> tensor<1x16x16xf32>
+// GOLDEN-NEXT: %202 = stablehlo.multiply %200, %c_61 : tensor<ui32>
+// GOLDEN-NEXT: %203 = stablehlo.dynamic_update_slice %iterArg_56, %201, %c_58, %202, %c_58 : (tensor<1x64x16xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
+// GOLDEN-NEXT: %204 = stablehlo.dynamic_update_slice %iterArg_57, %iterArg_55, %c_58, %202, %c_58 : (tensor<1x64x32xf32>, tensor<1x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x32xf32>
+// GOLDEN-NEXT: %205 = stablehlo.add %iterArg_54, %c_59 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %205, %198, %203, %204 : tensor<ui32>, tensor<1x16x32xf32>, tensor<1x64x16xf32>, tensor<1x64x32xf32>
+// GOLDEN-NEXT: }
+// GOLDEN-NEXT: %125 = stablehlo.dot_general %124#1, %84, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<1x16x32xf32>, tensor<16x32xf32>) -> tensor<1x16x16xf32>
+// GOLDEN-NEXT: %126 = stablehlo.multiply %69, %c_23 : tensor<ui32>
+// GOLDEN-NEXT: %127 = stablehlo.dynamic_update_slice %124#2, %125, %c_22, %126, %c_22 : (tensor<1x64x16xf32>, tensor<1x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
+// GOLDEN-NEXT: %128 = stablehlo.dynamic_update_slice %124#3, %124#1, %c_22, %126, %c_22 : (tensor<1x64x32xf32>, tensor<1x16x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x32xf32>
+// GOLDEN-NEXT: %129 = stablehlo.multiply %104, %127 : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %130 = stablehlo.multiply %127, %122 : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %131 = stablehlo.broadcast_in_dim %cst_44, dims = [] : (tensor<f32>) -> tensor<1x64x16xf32>
+// GOLDEN-NEXT: %132 = stablehlo.multiply %131, %129 : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %133 = stablehlo.multiply %132, %118 : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %134 = stablehlo.multiply %133, %116 : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %135 = stablehlo.add %133, %134 : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %136 = stablehlo.broadcast_in_dim %cst_41, dims = [] : (tensor<f32>) -> tensor<1x64x16xf32>
+// GOLDEN-NEXT: %137 = stablehlo.multiply %136, %135 : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %138 = stablehlo.add %130, %137 : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %139 = stablehlo.broadcast_in_dim %cst_40, dims = [] : (tensor<f32>) -> tensor<1x64x16xf32>
+// GOLDEN-NEXT: %140 = stablehlo.multiply %139, %137 : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %141 = stablehlo.multiply %140, %110 : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %142 = stablehlo.add %138, %141 : tensor<1x64x16xf32>
+// GOLDEN-NEXT: %143 = stablehlo.multiply %66, %c_23 : tensor<ui32>
+// GOLDEN-NEXT: %144 = stablehlo.dynamic_slice %142, %c_22, %143, %c_22, sizes = [1, 16, 16] : (tensor<1x64x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x16xf32>
+// GOLDEN-NEXT: %145 = stablehlo.dot_general %144, %82#2, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<1x16x16xf32>, tensor<32x16xf32>) -> tensor<1x16x32xf32>
+// GOLDEN-NEXT: %146:2 = stablehlo.while(%iterArg_54 = %c_22, %iterArg_55 = %145) : tensor<ui32>, tensor<1x16x32xf32>
+// GOLDEN-NEXT: cond {
+// GOLDEN-NEXT: %c_56 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %198 = stablehlo.compare LT, %iterArg_54, %c_56, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %198 : tensor<i1>
+// GOLDEN-NEXT: } do {
+// GOLDEN-NEXT: %c_56 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_57 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_58 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_59 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_60 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %198 = "stablehlo.collective_permute"(%iterArg_55) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<1x16x32xf32>) -> tensor<1x16x32xf32>
+// GOLDEN-NEXT: %199 = stablehlo.add %iterArg_54, %c_58 : tensor<ui32>
+// GOLDEN-NEXT: %200 = stablehlo.add %63, %199 : tensor<ui32>
+// GOLDEN-NEXT: %201 = stablehlo.remainder %200, %c_59 : tensor<ui32>
+// GOLDEN-NEXT: %202 = stablehlo.multiply %201, %c_60 : tensor<ui32>
+// GOLDEN-NEXT: %203 = stablehlo.dynamic_slice %142, %c_56, %202, %c_56, sizes = [1, 16, 16] : (tensor<1x64x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x16x16xf32>
+// GOLDEN-NEXT: %204 = stablehlo.dot_general %203, %82#2, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<1x16x16xf32>, tensor<32x16xf32>) -> tensor<1x16x32xf32>
 // GOLDEN-NEXT: %205 = stablehlo.add %198, %204 : tensor<1x16x32xf32>
-// GOLDEN-NEXT: %206 = stablehlo.add %iterArg_56, %c_59 : tensor<ui32>
+// GOLDEN-NEXT: %206 = stablehlo.add %iterArg_54, %c_57 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %206, %205 : tensor<ui32>, tensor<1x16x32xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %143 = stablehlo.multiply %87, %142#1 : tensor<1x16x32xf32>
-// GOLDEN-NEXT: %cst_47 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %144 = stablehlo.reduce(%143 init: %cst_47) applies stablehlo.add across dimensions = [1] : (tensor<1x16x32xf32>, tensor<f32>) -> tensor<1x32xf32>
-// GOLDEN-NEXT: %145 = stablehlo.reshape %144 : (tensor<1x32xf32>) -> tensor<1x1x32xf32>
-// GOLDEN-NEXT: %146 = stablehlo.broadcast_in_dim %88, dims = [0, 1, 2] : (tensor<1x1x32xf32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %147 = stablehlo.multiply %142#1, %146 : tensor<1x16x32xf32>
-// GOLDEN-NEXT: %148 = "stablehlo.all_reduce"(%145) <{channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3, 4, 5, 6, 7]]> : tensor<1x8xi64>, use_global_device_ids}> ({
+// GOLDEN-NEXT: %147 = stablehlo.multiply %97, %146#1 : tensor<1x16x32xf32>
+// GOLDEN-NEXT: %cst_45 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %148 = stablehlo.reduce(%147 init: %cst_45) applies stablehlo.add across dimensions = [1] : (tensor<1x16x32xf32>, tensor<f32>) -> tensor<1x32xf32>
+// GOLDEN-NEXT: %149 = stablehlo.reshape %148 : (tensor<1x32xf32>) -> tensor<1x1x32xf32>
+// GOLDEN-NEXT: %150 = stablehlo.broadcast_in_dim %98, dims = [0, 1, 2] : (tensor<1x1x32xf32>) -> tensor<1x16x32xf32>
+// GOLDEN-NEXT: %151 = stablehlo.multiply %146#1, %150 : tensor<1x16x32xf32>
+// GOLDEN-NEXT: %152 = "stablehlo.all_reduce"(%149) <{channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3, 4, 5, 6, 7]]> : tensor<1x8xi64>, use_global_device_ids}> ({
 // GOLDEN-NEXT: ^bb0(%arg27: tensor<f32>, %arg28: tensor<f32>):
 // GOLDEN-NEXT: %198 = stablehlo.add %arg27, %arg28 : tensor<f32>
 // GOLDEN-NEXT: stablehlo.return %198 : tensor<f32>
 // GOLDEN-NEXT: }) : (tensor<1x1x32xf32>) -> tensor<1x1x32xf32>
+// GOLDEN-NEXT: %cst_46 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %153 = stablehlo.reduce(%152 init: %cst_46) applies stablehlo.add across dimensions = [0, 1] : (tensor<1x1x32xf32>, tensor<f32>) -> tensor<32xf32>
+// GOLDEN-NEXT: %154 = stablehlo.multiply %82#0, %151 : tensor<1x16x32xf32>
+// GOLDEN-NEXT: %cst_47 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %155 = stablehlo.reduce(%154 init: %cst_47) applies stablehlo.add across dimensions = [2] : (tensor<1x16x32xf32>, tensor<f32>) -> tensor<1x16xf32>
+// GOLDEN-NEXT: %156 = stablehlo.reshape %155 : (tensor<1x16xf32>) -> tensor<1x16x1xf32>
+// GOLDEN-NEXT: %157 = stablehlo.broadcast_in_dim %92, dims = [0, 1, 2] : (tensor<1x16x1xf32>) -> tensor<1x16x32xf32>
+// GOLDEN-NEXT: %158 = stablehlo.multiply %151, %157 : tensor<1x16x32xf32>
+// GOLDEN-NEXT: %159 = stablehlo.add %82#4, %158 : tensor<1x16x32xf32>
+// GOLDEN-NEXT: %160 = stablehlo.multiply %156, %95 : tensor<1x16x1xf32>
+// GOLDEN-NEXT: %161 = stablehlo.broadcast_in_dim %cst_36, dims = [] : (tensor<f32>) -> tensor<1x16x1xf32>
+// GOLDEN-NEXT: %162 = stablehlo.divide %160, %161 : tensor<1x16x1xf32>
 // GOLDEN-NEXT: %cst_48 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %149 = stablehlo.reduce(%148 init: %cst_48) applies stablehlo.add across dimensions = [0, 1] : (tensor<1x1x32xf32>, tensor<f32>) -> tensor<32xf32>
-// GOLDEN-NEXT: %150 = stablehlo.multiply %72#0, %147 : tensor<1x16x32xf32>
-// GOLDEN-NEXT: %cst_49 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %151 = stablehlo.reduce(%150 init: %cst_49) applies stablehlo.add across dimensions = [2] : (tensor<1x16x32xf32>, tensor<f32>) -> tensor<1x16xf32>
-// GOLDEN-NEXT: %152 = stablehlo.reshape %151 : (tensor<1x16xf32>) -> tensor<1x16x1xf32>
-// GOLDEN-NEXT: %153 = stablehlo.broadcast_in_dim %82, dims = [0, 1, 2] : (tensor<1x16x1xf32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %154 = stablehlo.multiply %147, %153 : tensor<1x16x32xf32>
-// GOLDEN-NEXT: %155 = stablehlo.add %72#4, %154 : tensor<1x16x32xf32>
-// GOLDEN-NEXT: %156 = stablehlo.multiply %152, %85 : tensor<1x16x1xf32>
-// GOLDEN-NEXT: %157 = stablehlo.broadcast_in_dim %cst_38, dims = [] : (tensor<f32>) -> tensor<1x16x1xf32>
-// GOLDEN-NEXT: %158 = stablehlo.divide %156, %157 : tensor<1x16x1xf32>
-// GOLDEN-NEXT: %cst_50 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %159 = stablehlo.reduce(%158 init: %cst_50) applies stablehlo.add across dimensions = [0, 2] : (tensor<1x16x1xf32>, tensor<f32>) -> tensor<16xf32>
-// GOLDEN-NEXT: %160 = stablehlo.broadcast_in_dim %159, dims = [1] : (tensor<16xf32>) -> tensor<1x16xf32>
-// GOLDEN-NEXT: %161 = stablehlo.broadcast_in_dim %160, dims = [0, 1] : (tensor<1x16xf32>) -> tensor<1x16x32xf32>
-// GOLDEN-NEXT: %162 = stablehlo.multiply %72#0, %161 : tensor<1x16x32xf32>
-// GOLDEN-NEXT: %163 = stablehlo.add %155, %162 : tensor<1x16x32xf32>
-// GOLDEN-NEXT: %164 = stablehlo.multiply %161, %72#0 : tensor<1x16x32xf32>
-// GOLDEN-NEXT: %165 = stablehlo.add %163, %164 : tensor<1x16x32xf32>
-// GOLDEN-NEXT: %166 = func.call @dynamic_update_index_in_dim_5(%iterArg_20, %149, %67) : (tensor<2x32xf32>, tensor<32xf32>, tensor<i32>) -> tensor<2x32xf32>
+// GOLDEN-NEXT: %163 = stablehlo.reduce(%162 init: %cst_48) applies stablehlo.add across dimensions = [0, 2] : (tensor<1x16x1xf32>, tensor<f32>) -> tensor<16xf32>
+// GOLDEN-NEXT: %164 = stablehlo.broadcast_in_dim %163, dims = [1] : (tensor<16xf32>) -> tensor<1x16xf32>
+// GOLDEN-NEXT: %165 = stablehlo.broadcast_in_dim %164, dims = [0, 1] : (tensor<1x16xf32>) -> tensor<1x16x32xf32>
+// GOLDEN-NEXT: %166 = stablehlo.multiply %82#0, %165 : tensor<1x16x32xf32>
+// GOLDEN-NEXT: %167 = stablehlo.add %159, %166 : tensor<1x16x32xf32>
+// GOLDEN-NEXT: %168 = stablehlo.multiply %165, %82#0 : tensor<1x16x32xf32>
+// GOLDEN-NEXT: %169 = stablehlo.add %167, %168 : tensor<1x16x32xf32>
+// GOLDEN-NEXT: %170 = func.call @dynamic_update_index_in_dim_5(%iterArg_19, %153, %77) : (tensor<2x32xf32>, tensor<32xf32>, tensor<i32>) -> tensor<2x32xf32>
+// GOLDEN-NEXT: %c_49 = stablehlo.constant dense<0> : tensor<i32>
+// GOLDEN-NEXT: %c_50 = stablehlo.constant dense<0> : tensor<i32>
+// GOLDEN-NEXT: %171 = stablehlo.multiply %75, %c_23 : tensor<ui32>
+// GOLDEN-NEXT: %172 = stablehlo.dynamic_slice %105, %c_22, %c_22, %171, sizes = [1, 64, 16] : (tensor<1x64x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
+// GOLDEN-NEXT: %173 = stablehlo.dot_general %142, %172, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<1x64x16xf32>, tensor<1x64x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %174 = stablehlo.transpose %173, dims = [1, 0] : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %175 = stablehlo.reshape %174 : (tensor<16x16xf32>) -> tensor<1x16x16xf32>
+// GOLDEN-NEXT: %176 = "stablehlo.collective_permute"(%175) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<1x16x16xf32>) -> tensor<1x16x16xf32>
+// GOLDEN-NEXT: %177 = stablehlo.multiply %72, %c_23 : tensor<ui32>
+// GOLDEN-NEXT: %178 = stablehlo.dynamic_slice %105, %c_22, %c_22, %177, sizes = [1, 64, 16] : (tensor<1x64x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
+// GOLDEN-NEXT: %179 = stablehlo.dot_general %142, %178, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<1x64x16xf32>, tensor<1x64x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %180 = stablehlo.transpose %179, dims = [1, 0] : (tensor<16x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %181 = stablehlo.reshape %180 : (tensor<16x16xf32>) -> tensor<1x16x16xf32>
+// GOLDEN-NEXT: %182 = stablehlo.add %176, %181 : tensor<1x16x16xf32>
+// GOLDEN-NEXT: %183 = stablehlo.dynamic_update_slice %iterArg_20, %182, %77, %c_49, %c_50 : (tensor<2x16x16xf32>, tensor<1x16x16xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<2x16x16xf32>
 // GOLDEN-NEXT: %c_51 = stablehlo.constant dense<0> : tensor<i32>
 // GOLDEN-NEXT: %c_52 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %167 = stablehlo.add %65, %c_24 : tensor<ui32>
-// GOLDEN-NEXT: %168 = stablehlo.remainder %167, %c_25 : tensor<ui32>
-// GOLDEN-NEXT: %169 = stablehlo.multiply %168, %c_28 : tensor<ui32>
-// GOLDEN-NEXT: %170 = stablehlo.dynamic_slice %97, %c_23, %c_23, %169, sizes = [1, 64, 16] : (tensor<1x64x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
-// GOLDEN-NEXT: %171 = stablehlo.dot_general %136, %170, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<1x64x16xf32>, tensor<1x64x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %172 = stablehlo.transpose %171, dims = [1, 0] : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %173 = stablehlo.reshape %172 : (tensor<16x16xf32>) -> tensor<1x16x16xf32>
-// GOLDEN-NEXT: %174 = "stablehlo.collective_permute"(%173) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<1x16x16xf32>) -> tensor<1x16x16xf32>
-// GOLDEN-NEXT: %175 = stablehlo.multiply %65, %c_28 : tensor<ui32>
-// GOLDEN-NEXT: %176 = stablehlo.dynamic_slice %97, %c_23, %c_23, %175, sizes = [1, 64, 16] : (tensor<1x64x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
-// GOLDEN-NEXT: %177 = stablehlo.dot_general %136, %176, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<1x64x16xf32>, tensor<1x64x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %178 = stablehlo.transpose %177, dims = [1, 0] : (tensor<16x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %179 = stablehlo.reshape %178 : (tensor<16x16xf32>) -> tensor<1x16x16xf32>
-// GOLDEN-NEXT: %180 = stablehlo.add %174, %179 : tensor<1x16x16xf32>
-// GOLDEN-NEXT: %181 = stablehlo.dynamic_update_slice %iterArg_21, %180, %67, %c_51, %c_52 : (tensor<2x16x16xf32>, tensor<1x16x16xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<2x16x16xf32>
-// GOLDEN-NEXT: %c_53 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %c_54 = stablehlo.constant dense<0> : tensor<i32>
-// GOLDEN-NEXT: %182 = stablehlo.add %65, %c_24 : tensor<ui32>
-// GOLDEN-NEXT: %183 = stablehlo.remainder %182, %c_25 : tensor<ui32>
-// GOLDEN-NEXT: %184 = stablehlo.multiply %183, %c_28 : tensor<ui32>
-// GOLDEN-NEXT: %185 = stablehlo.dynamic_slice %122, %c_23, %c_23, %184, sizes = [1, 64, 16] : (tensor<1x64x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
-// GOLDEN-NEXT: %186 = stablehlo.dot_general %185, %115, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<1x64x16xf32>, tensor<1x64x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %184 = stablehlo.multiply %75, %c_23 : tensor<ui32>
+// GOLDEN-NEXT: %185 = stablehlo.dynamic_slice %128, %c_22, %c_22, %184, sizes = [1, 64, 16] : (tensor<1x64x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
+// GOLDEN-NEXT: %186 = stablehlo.dot_general %185, %123, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<1x64x16xf32>, tensor<1x64x16xf32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: %187 = stablehlo.transpose %186, dims = [1, 0] : (tensor<16x16xf32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: %188 = stablehlo.reshape %187 : (tensor<16x16xf32>) -> tensor<1x16x16xf32>
 // GOLDEN-NEXT: %189 = "stablehlo.collective_permute"(%188) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<1x16x16xf32>) -> tensor<1x16x16xf32>
-// GOLDEN-NEXT: %190 = stablehlo.multiply %65, %c_28 : tensor<ui32>
-// GOLDEN-NEXT: %191 = stablehlo.dynamic_slice %122, %c_23, %c_23, %190, sizes = [1, 64, 16] : (tensor<1x64x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
-// GOLDEN-NEXT: %192 = stablehlo.dot_general %191, %115, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<1x64x16xf32>, tensor<1x64x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %190 = stablehlo.multiply %72, %c_23 : tensor<ui32>
+// GOLDEN-NEXT: %191 = stablehlo.dynamic_slice %128, %c_22, %c_22, %190, sizes = [1, 64, 16] : (tensor<1x64x32xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<1x64x16xf32>
+// GOLDEN-NEXT: %192 = stablehlo.dot_general %191, %123, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<1x64x16xf32>, tensor<1x64x16xf32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: %193 = stablehlo.transpose %192, dims = [1, 0] : (tensor<16x16xf32>) -> tensor<16x16xf32>
 // GOLDEN-NEXT: %194 = stablehlo.reshape %193 : (tensor<16x16xf32>) -> tensor<1x16x16xf32>
 // GOLDEN-NEXT: %195 = stablehlo.add %189, %194 : tensor<1x16x16xf32>
-// GOLDEN-NEXT: %196 = stablehlo.dynamic_update_slice %iterArg_22, %195, %67, %c_53, %c_54 : (tensor<2x16x16xf32>, tensor<1x16x16xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<2x16x16xf32>
-// GOLDEN-NEXT: %c_55 = stablehlo.constant dense<1> : tensor<i32>
-// GOLDEN-NEXT: %197 = stablehlo.add %iterArg_18, %c_55 : tensor<i32>
-// GOLDEN-NEXT: stablehlo.return %iterArg, %iterArg_15, %iterArg_16, %iterArg_17, %197, %165, %166, %181, %196 : tensor<2x1x16x32xf32>, tensor<2x32xf32>, tensor<2x32x16xf32>, tensor<2x16x16xf32>, tensor<i32>, tensor<1x16x32xf32>, tensor<2x32xf32>, tensor<2x16x16xf32>, tensor<2x16x16xf32>
+// GOLDEN-NEXT: %196 = stablehlo.dynamic_update_slice %iterArg_21, %195, %77, %c_51, %c_52 : (tensor<2x16x16xf32>, tensor<1x16x16xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<2x16x16xf32>
+// GOLDEN-NEXT: %c_53 = stablehlo.constant dense<1> : tensor<i32>
+// GOLDEN-NEXT: %197 = stablehlo.add %iterArg_17, %c_53 : tensor<i32>
+// GOLDEN-NEXT: stablehlo.return %iterArg, %iterArg_14, %iterArg_15, %iterArg_16, %197, %169, %170, %183, %196 : tensor<2x1x16x32xf32>, tensor<2x32xf32>, tensor<2x32x16xf32>, tensor<2x16x16xf32>, tensor<i32>, tensor<1x16x32xf32>, tensor<2x32xf32>, tensor<2x16x16xf32>, tensor<2x16x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %cst_14 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %56 = stablehlo.broadcast_in_dim %cst_14, dims = [] : (tensor<f32>) -> tensor<64x32xf32>
-// GOLDEN-NEXT: %57 = "stablehlo.scatter"(%56, %arg9, %55#5) <{indices_are_sorted = false, scatter_dimension_numbers = #stablehlo.scatter<update_window_dims = [2], inserted_window_dims = [0], scatter_dims_to_operand_dims = [0], index_vector_dim = 2>, unique_indices = false}> ({
+// GOLDEN-NEXT: %cst_13 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %57 = stablehlo.broadcast_in_dim %cst_13, dims = [] : (tensor<f32>) -> tensor<64x32xf32>
+// GOLDEN-NEXT: %58 = "stablehlo.scatter"(%57, %arg9, %56#5) <{indices_are_sorted = false, scatter_dimension_numbers = #stablehlo.scatter<update_window_dims = [2], inserted_window_dims = [0], scatter_dims_to_operand_dims = [0], index_vector_dim = 2>, unique_indices = false}> ({
 // GOLDEN-NEXT: ^bb0(%arg27: tensor<f32>, %arg28: tensor<f32>):
-// GOLDEN-NEXT: %60 = stablehlo.add %arg27, %arg28 : tensor<f32>
-// GOLDEN-NEXT: stablehlo.return %60 : tensor<f32>
+// GOLDEN-NEXT: %61 = stablehlo.add %arg27, %arg28 : tensor<f32>
+// GOLDEN-NEXT: stablehlo.return %61 : tensor<f32>
 // GOLDEN-NEXT: }) : (tensor<64x32xf32>, tensor<1x16x1xi32>, tensor<1x16x32xf32>) -> tensor<64x32xf32>
-// GOLDEN-NEXT: %58 = "stablehlo.all_reduce"(%57) <{channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3], [4, 5, 6, 7]]> : tensor<2x4xi64>, use_global_device_ids}> ({
+// GOLDEN-NEXT: %59 = "stablehlo.all_reduce"(%58) <{channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3], [4, 5, 6, 7]]> : tensor<2x4xi64>, use_global_device_ids}> ({
 // GOLDEN-NEXT: ^bb0(%arg27: tensor<f32>, %arg28: tensor<f32>):
-// GOLDEN-NEXT: %60 = stablehlo.add %arg27, %arg28 : tensor<f32>
-// GOLDEN-NEXT: stablehlo.return %60 : tensor<f32>
+// GOLDEN-NEXT: %61 = stablehlo.add %arg27, %arg28 : tensor<f32>
+// GOLDEN-NEXT: stablehlo.return %61 : tensor<f32>
 // GOLDEN-NEXT: }) : (tensor<64x32xf32>) -> tensor<64x32xf32>
-// GOLDEN-NEXT: %59 = "stablehlo.reduce_scatter"(%58) <{channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 4], [1, 5], [2, 6], [3, 7]]> : tensor<4x2xi64>, scatter_dimension = 0 : i64, use_global_device_ids}> ({
+// GOLDEN-NEXT: %60 = "stablehlo.reduce_scatter"(%59) <{channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 4], [1, 5], [2, 6], [3, 7]]> : tensor<4x2xi64>, scatter_dimension = 0 : i64, use_global_device_ids}> ({
 // GOLDEN-NEXT: ^bb0(%arg27: tensor<f32>, %arg28: tensor<f32>):
-// GOLDEN-NEXT: %60 = stablehlo.add %arg27, %arg28 : tensor<f32>
-// GOLDEN-NEXT: stablehlo.return %60 : tensor<f32>
+// GOLDEN-NEXT: %61 = stablehlo.add %arg27, %arg28 : tensor<f32>
+// GOLDEN-NEXT: stablehlo.return %61 : tensor<f32>
 // GOLDEN-NEXT: }) : (tensor<64x32xf32>) -> tensor<32x32xf32>
-// GOLDEN-NEXT: sdy.return %59, %55#6, %55#7, %55#8, %36, %29 : tensor<32x32xf32>, tensor<2x32xf32>, tensor<2x16x16xf32>, tensor<2x16x16xf32>, tensor<32xf32>, tensor<16x64xf32>
+// GOLDEN-NEXT: sdy.return %60, %56#6, %56#7, %56#8, %37, %30 : tensor<32x32xf32>, tensor<2x32xf32>, tensor<2x16x16xf32>, tensor<2x16x16xf32>, tensor<32xf32>, tensor<16x64xf32>
 // GOLDEN-NEXT: } : (tensor<f32>, tensor<8x16x1xi32>, tensor<16x1x16x32xf32>, tensor<2x32xf32>, tensor<16x32x16xf32>, tensor<16x16x16xf32>, tensor<8x16x32xf32>, tensor<8xf32>, tensor<8x16x1xf32>, tensor<8x16x1xf32>, tensor<8x1x32xf32>, tensor<8x16x32xf32>, tensor<256x64xf32>, tensor<8x16x32xf32>, tensor<8x16x64xf32>, tensor<8x16x1xf32>, tensor<8x16x64xf32>, tensor<8xf32>, tensor<1xf32>) -> (tensor<64x32xf32>, tensor<2x32xf32>, tensor<2x32x64xf32>, tensor<2x64x32xf32>, tensor<32xf32>, tensor<32x64xf32>)
 // GOLDEN-NEXT: return %0#17, %2#0, %2#1, %2#2, %2#3, %2#4, %2#5 : tensor<f32>, tensor<64x32xf32>, tensor<2x32xf32>, tensor<2x32x64xf32>, tensor<2x64x32xf32>, tensor<32xf32>, tensor<32x64xf32>
 // GOLDEN-NEXT: }

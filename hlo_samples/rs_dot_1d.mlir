@@ -11,7 +11,7 @@
 // CHECK-NOT: stablehlo.reduce_scatter
 // CHECK: stablehlo.partition_id
 // CHECK: stablehlo.dynamic_slice {{.*}} -> tensor<1xui32>
-// CHECK: stablehlo.dynamic_slice
+// CHECK: stablehlo.dynamic_slice {{.*}} -> tensor<{{[0-9]+x[0-9]+}}x
 // CHECK-NEXT: stablehlo.dot_general
 // CHECK-SAME: (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
 // CHECK: stablehlo.while
@@ -34,39 +34,40 @@
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg1: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<64x32xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"model"}, {}]>] manual_axes={"model"} (%arg2: tensor<64x16xf32>, %arg3: tensor<16x32xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_2, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_1, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %4 = stablehlo.add %3, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg2, %6, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %8 = stablehlo.dot_general %7, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %9:2 = stablehlo.while(%iterArg = %c, %iterArg_3 = %8) : tensor<ui32>, tensor<8x32xf32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[1, 2, 3, 4, 5, 6, 7, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_2, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %7 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %arg2, %7, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %9 = stablehlo.dot_general %8, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %10:2 = stablehlo.while(%iterArg = %c, %iterArg_3 = %9) : tensor<ui32>, tensor<8x32xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_4 = stablehlo.constant dense<7> : tensor<ui32>
-// GOLDEN-NEXT: %10 = stablehlo.compare LT, %iterArg, %c_4, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %10 : tensor<i1>
+// GOLDEN-NEXT: %11 = stablehlo.compare LT, %iterArg, %c_4, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %11 : tensor<i1>
 // GOLDEN-NEXT: } do {
 // GOLDEN-NEXT: %c_4 = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %c_5 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_6 = stablehlo.constant dense<2> : tensor<ui32>
 // GOLDEN-NEXT: %c_7 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %11 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %12 = stablehlo.add %3, %11 : tensor<ui32>
-// GOLDEN-NEXT: %13 = stablehlo.remainder %12, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %14 = stablehlo.multiply %13, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %15 = stablehlo.dynamic_slice %arg2, %14, %c_4, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %16 = stablehlo.dot_general %15, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %17 = stablehlo.add %10, %16 : tensor<8x32xf32>
-// GOLDEN-NEXT: %18 = stablehlo.add %iterArg, %c_5 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %18, %17 : tensor<ui32>, tensor<8x32xf32>
+// GOLDEN-NEXT: %11 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %12 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
+// GOLDEN-NEXT: %13 = stablehlo.add %3, %12 : tensor<ui32>
+// GOLDEN-NEXT: %14 = stablehlo.remainder %13, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %15 = stablehlo.multiply %14, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %16 = stablehlo.dynamic_slice %arg2, %15, %c_4, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %17 = stablehlo.dot_general %16, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %18 = stablehlo.add %11, %17 : tensor<8x32xf32>
+// GOLDEN-NEXT: %19 = stablehlo.add %iterArg, %c_5 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %19, %18 : tensor<ui32>, tensor<8x32xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: sdy.return %9#1 : tensor<8x32xf32>
+// GOLDEN-NEXT: sdy.return %10#1 : tensor<8x32xf32>
 // GOLDEN-NEXT: } : (tensor<64x128xf32>, tensor<128x32xf32>) -> tensor<64x32xf32>
 // GOLDEN-NEXT: return %0 : tensor<64x32xf32>
 // GOLDEN-NEXT: }
@@ -99,31 +100,33 @@
 // BIDI_GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg1: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<64x32xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) {
 // BIDI_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"model"}, {}]>] manual_axes={"model"} (%arg2: tensor<64x16xf32>, %arg3: tensor<16x32xf32>) {
 // BIDI_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<7> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<8> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
+// BIDI_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<4> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // BIDI_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_4, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// BIDI_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_2, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // BIDI_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// BIDI_GOLDEN-NEXT: %4 = stablehlo.add %3, %c_0 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_3 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_3 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg2, %6, %c, sizes = [4, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<4x16xf32>
-// BIDI_GOLDEN-NEXT: %8 = stablehlo.dot_general %7, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<4x16xf32>, tensor<16x32xf32>) -> tensor<4x32xf32>
-// BIDI_GOLDEN-NEXT: %9 = stablehlo.add %3, %c_2 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %10 = stablehlo.remainder %9, %c_3 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %11 = stablehlo.multiply %10, %c_3 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %12 = stablehlo.add %11, %c_1 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %arg2, %12, %c, sizes = [4, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<4x16xf32>
-// BIDI_GOLDEN-NEXT: %14:2 = stablehlo.optimization_barrier %13, %arg3 : tensor<4x16xf32>, tensor<16x32xf32>
-// BIDI_GOLDEN-NEXT: %15 = stablehlo.dot_general %14#0, %14#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<4x16xf32>, tensor<16x32xf32>) -> tensor<4x32xf32>
-// BIDI_GOLDEN-NEXT: %16:3 = stablehlo.while(%iterArg = %c, %iterArg_5 = %8, %iterArg_6 = %15) : tensor<ui32>, tensor<4x32xf32>, tensor<4x32xf32>
+// BIDI_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[1, 2, 3, 4, 5, 6, 7, 0]> : tensor<8xui32>
+// BIDI_GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_3, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// BIDI_GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// BIDI_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[7, 0, 1, 2, 3, 4, 5, 6]> : tensor<8xui32>
+// BIDI_GOLDEN-NEXT: %7 = stablehlo.partition_id : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %c_4, %7, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// BIDI_GOLDEN-NEXT: %9 = stablehlo.reshape %8 : (tensor<1xui32>) -> tensor<ui32>
+// BIDI_GOLDEN-NEXT: %10 = stablehlo.multiply %6, %c_1 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %11 = stablehlo.dynamic_slice %arg2, %10, %c, sizes = [4, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<4x16xf32>
+// BIDI_GOLDEN-NEXT: %12 = stablehlo.dot_general %11, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<4x16xf32>, tensor<16x32xf32>) -> tensor<4x32xf32>
+// BIDI_GOLDEN-NEXT: %13 = stablehlo.multiply %9, %c_1 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %14 = stablehlo.add %13, %c_0 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %15 = stablehlo.dynamic_slice %arg2, %14, %c, sizes = [4, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<4x16xf32>
+// BIDI_GOLDEN-NEXT: %16:2 = stablehlo.optimization_barrier %15, %arg3 : tensor<4x16xf32>, tensor<16x32xf32>
+// BIDI_GOLDEN-NEXT: %17 = stablehlo.dot_general %16#0, %16#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<4x16xf32>, tensor<16x32xf32>) -> tensor<4x32xf32>
+// BIDI_GOLDEN-NEXT: %18:3 = stablehlo.while(%iterArg = %c, %iterArg_5 = %12, %iterArg_6 = %17) : tensor<ui32>, tensor<4x32xf32>, tensor<4x32xf32>
 // BIDI_GOLDEN-NEXT: cond {
 // BIDI_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<7> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %18 = stablehlo.compare LT, %iterArg, %c_7, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// BIDI_GOLDEN-NEXT: stablehlo.return %18 : tensor<i1>
+// BIDI_GOLDEN-NEXT: %20 = stablehlo.compare LT, %iterArg, %c_7, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// BIDI_GOLDEN-NEXT: stablehlo.return %20 : tensor<i1>
 // BIDI_GOLDEN-NEXT: } do {
 // BIDI_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<0> : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<1> : tensor<ui32>
@@ -132,31 +135,31 @@
 // BIDI_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<6> : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<7> : tensor<ui32>
 // BIDI_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<8> : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %18 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<4x32xf32>) -> tensor<4x32xf32>
-// BIDI_GOLDEN-NEXT: %19 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %20 = stablehlo.add %3, %19 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %21 = stablehlo.remainder %20, %c_13 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %22 = stablehlo.multiply %21, %c_13 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %23 = stablehlo.dynamic_slice %arg2, %22, %c_7, sizes = [4, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<4x16xf32>
-// BIDI_GOLDEN-NEXT: %24:2 = stablehlo.optimization_barrier %23, %arg3 : tensor<4x16xf32>, tensor<16x32xf32>
-// BIDI_GOLDEN-NEXT: %25 = stablehlo.dot_general %24#0, %24#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<4x16xf32>, tensor<16x32xf32>) -> tensor<4x32xf32>
-// BIDI_GOLDEN-NEXT: %26 = stablehlo.add %18, %25 : tensor<4x32xf32>
-// BIDI_GOLDEN-NEXT: %27 = "stablehlo.collective_permute"(%iterArg_6) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 4], [4, 5], [5, 6], [6, 7], [7, 0]]> : tensor<8x2xi64>}> : (tensor<4x32xf32>) -> tensor<4x32xf32>
-// BIDI_GOLDEN-NEXT: %28 = stablehlo.multiply %iterArg, %c_12 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %29 = stablehlo.add %28, %c_11 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %30 = stablehlo.add %3, %29 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %31 = stablehlo.remainder %30, %c_13 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %32 = stablehlo.multiply %31, %c_13 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %33 = stablehlo.add %32, %c_10 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: %34 = stablehlo.dynamic_slice %arg2, %33, %c_7, sizes = [4, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<4x16xf32>
-// BIDI_GOLDEN-NEXT: %35:2 = stablehlo.optimization_barrier %34, %arg3 : tensor<4x16xf32>, tensor<16x32xf32>
-// BIDI_GOLDEN-NEXT: %36 = stablehlo.dot_general %35#0, %35#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<4x16xf32>, tensor<16x32xf32>) -> tensor<4x32xf32>
-// BIDI_GOLDEN-NEXT: %37 = stablehlo.add %27, %36 : tensor<4x32xf32>
-// BIDI_GOLDEN-NEXT: %38 = stablehlo.add %iterArg, %c_8 : tensor<ui32>
-// BIDI_GOLDEN-NEXT: stablehlo.return %38, %26, %37 : tensor<ui32>, tensor<4x32xf32>, tensor<4x32xf32>
+// BIDI_GOLDEN-NEXT: %20 = "stablehlo.collective_permute"(%iterArg_5) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<4x32xf32>) -> tensor<4x32xf32>
+// BIDI_GOLDEN-NEXT: %21 = stablehlo.add %iterArg, %c_9 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %22 = stablehlo.add %3, %21 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %23 = stablehlo.remainder %22, %c_13 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %24 = stablehlo.multiply %23, %c_13 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %25 = stablehlo.dynamic_slice %arg2, %24, %c_7, sizes = [4, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<4x16xf32>
+// BIDI_GOLDEN-NEXT: %26:2 = stablehlo.optimization_barrier %25, %arg3 : tensor<4x16xf32>, tensor<16x32xf32>
+// BIDI_GOLDEN-NEXT: %27 = stablehlo.dot_general %26#0, %26#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<4x16xf32>, tensor<16x32xf32>) -> tensor<4x32xf32>
+// BIDI_GOLDEN-NEXT: %28 = stablehlo.add %20, %27 : tensor<4x32xf32>
+// BIDI_GOLDEN-NEXT: %29 = "stablehlo.collective_permute"(%iterArg_6) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 4], [4, 5], [5, 6], [6, 7], [7, 0]]> : tensor<8x2xi64>}> : (tensor<4x32xf32>) -> tensor<4x32xf32>
+// BIDI_GOLDEN-NEXT: %30 = stablehlo.multiply %iterArg, %c_12 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %31 = stablehlo.add %30, %c_11 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %32 = stablehlo.add %3, %31 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %33 = stablehlo.remainder %32, %c_13 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %34 = stablehlo.multiply %33, %c_13 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %35 = stablehlo.add %34, %c_10 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: %36 = stablehlo.dynamic_slice %arg2, %35, %c_7, sizes = [4, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<4x16xf32>
+// BIDI_GOLDEN-NEXT: %37:2 = stablehlo.optimization_barrier %36, %arg3 : tensor<4x16xf32>, tensor<16x32xf32>
+// BIDI_GOLDEN-NEXT: %38 = stablehlo.dot_general %37#0, %37#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<4x16xf32>, tensor<16x32xf32>) -> tensor<4x32xf32>
+// BIDI_GOLDEN-NEXT: %39 = stablehlo.add %29, %38 : tensor<4x32xf32>
+// BIDI_GOLDEN-NEXT: %40 = stablehlo.add %iterArg, %c_8 : tensor<ui32>
+// BIDI_GOLDEN-NEXT: stablehlo.return %40, %28, %39 : tensor<ui32>, tensor<4x32xf32>, tensor<4x32xf32>
 // BIDI_GOLDEN-NEXT: }
-// BIDI_GOLDEN-NEXT: %17 = stablehlo.concatenate %16#1, %16#2, dim = 0 : (tensor<4x32xf32>, tensor<4x32xf32>) -> tensor<8x32xf32>
-// BIDI_GOLDEN-NEXT: sdy.return %17 : tensor<8x32xf32>
+// BIDI_GOLDEN-NEXT: %19 = stablehlo.concatenate %18#1, %18#2, dim = 0 : (tensor<4x32xf32>, tensor<4x32xf32>) -> tensor<8x32xf32>
+// BIDI_GOLDEN-NEXT: sdy.return %19 : tensor<8x32xf32>
 // BIDI_GOLDEN-NEXT: } : (tensor<64x128xf32>, tensor<128x32xf32>) -> tensor<64x32xf32>
 // BIDI_GOLDEN-NEXT: return %0 : tensor<64x32xf32>
 // BIDI_GOLDEN-NEXT: }
@@ -186,31 +189,33 @@
 // UNROLL2_GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg1: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<64x32xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) {
 // UNROLL2_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"model"}, {}]>] manual_axes={"model"} (%arg2: tensor<64x16xf32>, %arg3: tensor<16x32xf32>) {
 // UNROLL2_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<2> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<8> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
+// UNROLL2_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // UNROLL2_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// UNROLL2_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_1, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // UNROLL2_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %4 = stablehlo.add %3, %c_0 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_2 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_2 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg2, %6, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// UNROLL2_GOLDEN-NEXT: %8 = stablehlo.dot_general %7, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %9 = "stablehlo.collective_permute"(%8) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %10 = stablehlo.add %3, %c_1 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c_2 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %12 = stablehlo.multiply %11, %c_2 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %arg2, %12, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// UNROLL2_GOLDEN-NEXT: %14:2 = stablehlo.optimization_barrier %13, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
-// UNROLL2_GOLDEN-NEXT: %15 = stablehlo.dot_general %14#0, %14#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %16 = stablehlo.add %9, %15 : tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %17:2 = stablehlo.while(%iterArg = %c, %iterArg_4 = %16) : tensor<ui32>, tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[1, 2, 3, 4, 5, 6, 7, 0]> : tensor<8xui32>
+// UNROLL2_GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_2, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// UNROLL2_GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[2, 3, 4, 5, 6, 7, 0, 1]> : tensor<8xui32>
+// UNROLL2_GOLDEN-NEXT: %7 = stablehlo.partition_id : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %c_3, %7, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// UNROLL2_GOLDEN-NEXT: %9 = stablehlo.reshape %8 : (tensor<1xui32>) -> tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %10 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %11 = stablehlo.dynamic_slice %arg2, %10, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// UNROLL2_GOLDEN-NEXT: %12 = stablehlo.dot_general %11, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %13 = "stablehlo.collective_permute"(%12) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %14 = stablehlo.multiply %9, %c_0 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %15 = stablehlo.dynamic_slice %arg2, %14, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// UNROLL2_GOLDEN-NEXT: %16:2 = stablehlo.optimization_barrier %15, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
+// UNROLL2_GOLDEN-NEXT: %17 = stablehlo.dot_general %16#0, %16#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %18 = stablehlo.add %13, %17 : tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %19:2 = stablehlo.while(%iterArg = %c, %iterArg_4 = %18) : tensor<ui32>, tensor<8x32xf32>
 // UNROLL2_GOLDEN-NEXT: cond {
 // UNROLL2_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %18 = stablehlo.compare LT, %iterArg, %c_5, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// UNROLL2_GOLDEN-NEXT: stablehlo.return %18 : tensor<i1>
+// UNROLL2_GOLDEN-NEXT: %20 = stablehlo.compare LT, %iterArg, %c_5, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// UNROLL2_GOLDEN-NEXT: stablehlo.return %20 : tensor<i1>
 // UNROLL2_GOLDEN-NEXT: } do {
 // UNROLL2_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
@@ -218,30 +223,30 @@
 // UNROLL2_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<3> : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<4> : tensor<ui32>
 // UNROLL2_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<8> : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %18 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %19 = stablehlo.multiply %iterArg, %c_7 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %20 = stablehlo.add %19, %c_8 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %21 = stablehlo.add %3, %20 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %22 = stablehlo.remainder %21, %c_10 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %23 = stablehlo.multiply %22, %c_10 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %24 = stablehlo.dynamic_slice %arg2, %23, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// UNROLL2_GOLDEN-NEXT: %25:2 = stablehlo.optimization_barrier %24, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
-// UNROLL2_GOLDEN-NEXT: %26 = stablehlo.dot_general %25#0, %25#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %27 = stablehlo.add %18, %26 : tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %28 = "stablehlo.collective_permute"(%27) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.multiply %iterArg, %c_7 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %30 = stablehlo.add %29, %c_9 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %31 = stablehlo.add %3, %30 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.remainder %31, %c_10 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %33 = stablehlo.multiply %32, %c_10 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: %34 = stablehlo.dynamic_slice %arg2, %33, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// UNROLL2_GOLDEN-NEXT: %35:2 = stablehlo.optimization_barrier %34, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
-// UNROLL2_GOLDEN-NEXT: %36 = stablehlo.dot_general %35#0, %35#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %37 = stablehlo.add %28, %36 : tensor<8x32xf32>
-// UNROLL2_GOLDEN-NEXT: %38 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
-// UNROLL2_GOLDEN-NEXT: stablehlo.return %38, %37 : tensor<ui32>, tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %20 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %21 = stablehlo.multiply %iterArg, %c_7 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %22 = stablehlo.add %21, %c_8 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %23 = stablehlo.add %3, %22 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %24 = stablehlo.remainder %23, %c_10 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %25 = stablehlo.multiply %24, %c_10 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %26 = stablehlo.dynamic_slice %arg2, %25, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// UNROLL2_GOLDEN-NEXT: %27:2 = stablehlo.optimization_barrier %26, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
+// UNROLL2_GOLDEN-NEXT: %28 = stablehlo.dot_general %27#0, %27#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %29 = stablehlo.add %20, %28 : tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %30 = "stablehlo.collective_permute"(%29) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %31 = stablehlo.multiply %iterArg, %c_7 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %32 = stablehlo.add %31, %c_9 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %33 = stablehlo.add %3, %32 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %34 = stablehlo.remainder %33, %c_10 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %35 = stablehlo.multiply %34, %c_10 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: %36 = stablehlo.dynamic_slice %arg2, %35, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// UNROLL2_GOLDEN-NEXT: %37:2 = stablehlo.optimization_barrier %36, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
+// UNROLL2_GOLDEN-NEXT: %38 = stablehlo.dot_general %37#0, %37#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %39 = stablehlo.add %30, %38 : tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: %40 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
+// UNROLL2_GOLDEN-NEXT: stablehlo.return %40, %39 : tensor<ui32>, tensor<8x32xf32>
 // UNROLL2_GOLDEN-NEXT: }
-// UNROLL2_GOLDEN-NEXT: sdy.return %17#1 : tensor<8x32xf32>
+// UNROLL2_GOLDEN-NEXT: sdy.return %19#1 : tensor<8x32xf32>
 // UNROLL2_GOLDEN-NEXT: } : (tensor<64x128xf32>, tensor<128x32xf32>) -> tensor<64x32xf32>
 // UNROLL2_GOLDEN-NEXT: return %0 : tensor<64x32xf32>
 // UNROLL2_GOLDEN-NEXT: }
@@ -266,78 +271,85 @@
 // FULL_GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg1: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<64x32xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) {
 // FULL_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"model"}, {}]>] manual_axes={"model"} (%arg2: tensor<64x16xf32>, %arg3: tensor<16x32xf32>) {
 // FULL_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<2> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<3> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<4> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<5> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<6> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<7> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<8> : tensor<ui32>
-// FULL_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
+// FULL_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // FULL_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// FULL_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_8, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// FULL_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_1, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // FULL_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// FULL_GOLDEN-NEXT: %4 = stablehlo.add %3, %c_0 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_7 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_7 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg2, %6, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// FULL_GOLDEN-NEXT: %8 = stablehlo.dot_general %7, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %9 = "stablehlo.collective_permute"(%8) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %10 = stablehlo.add %3, %c_1 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c_7 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %12 = stablehlo.multiply %11, %c_7 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %arg2, %12, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// FULL_GOLDEN-NEXT: %14:2 = stablehlo.optimization_barrier %13, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
-// FULL_GOLDEN-NEXT: %15 = stablehlo.dot_general %14#0, %14#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %16 = stablehlo.add %9, %15 : tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %17 = "stablehlo.collective_permute"(%16) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %18 = stablehlo.add %3, %c_2 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_7 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %20 = stablehlo.multiply %19, %c_7 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %21 = stablehlo.dynamic_slice %arg2, %20, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// FULL_GOLDEN-NEXT: %22:2 = stablehlo.optimization_barrier %21, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
-// FULL_GOLDEN-NEXT: %23 = stablehlo.dot_general %22#0, %22#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %24 = stablehlo.add %17, %23 : tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %25 = "stablehlo.collective_permute"(%24) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %26 = stablehlo.add %3, %c_3 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %27 = stablehlo.remainder %26, %c_7 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %28 = stablehlo.multiply %27, %c_7 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %29 = stablehlo.dynamic_slice %arg2, %28, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// FULL_GOLDEN-NEXT: %30:2 = stablehlo.optimization_barrier %29, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
-// FULL_GOLDEN-NEXT: %31 = stablehlo.dot_general %30#0, %30#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %32 = stablehlo.add %25, %31 : tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %33 = "stablehlo.collective_permute"(%32) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %34 = stablehlo.add %3, %c_4 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %35 = stablehlo.remainder %34, %c_7 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %36 = stablehlo.multiply %35, %c_7 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %37 = stablehlo.dynamic_slice %arg2, %36, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// FULL_GOLDEN-NEXT: %38:2 = stablehlo.optimization_barrier %37, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
-// FULL_GOLDEN-NEXT: %39 = stablehlo.dot_general %38#0, %38#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %40 = stablehlo.add %33, %39 : tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %41 = "stablehlo.collective_permute"(%40) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %42 = stablehlo.add %3, %c_5 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %43 = stablehlo.remainder %42, %c_7 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %44 = stablehlo.multiply %43, %c_7 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %45 = stablehlo.dynamic_slice %arg2, %44, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// FULL_GOLDEN-NEXT: %46:2 = stablehlo.optimization_barrier %45, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
-// FULL_GOLDEN-NEXT: %47 = stablehlo.dot_general %46#0, %46#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %48 = stablehlo.add %41, %47 : tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %49 = "stablehlo.collective_permute"(%48) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %50 = stablehlo.add %3, %c_6 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %51 = stablehlo.remainder %50, %c_7 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %52 = stablehlo.multiply %51, %c_7 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %53 = stablehlo.dynamic_slice %arg2, %52, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// FULL_GOLDEN-NEXT: %54:2 = stablehlo.optimization_barrier %53, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
-// FULL_GOLDEN-NEXT: %55 = stablehlo.dot_general %54#0, %54#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %56 = stablehlo.add %49, %55 : tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %57 = "stablehlo.collective_permute"(%56) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %58 = stablehlo.multiply %3, %c_7 : tensor<ui32>
-// FULL_GOLDEN-NEXT: %59 = stablehlo.dynamic_slice %arg2, %58, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// FULL_GOLDEN-NEXT: %60:2 = stablehlo.optimization_barrier %59, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
-// FULL_GOLDEN-NEXT: %61 = stablehlo.dot_general %60#0, %60#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: %62 = stablehlo.add %57, %61 : tensor<8x32xf32>
-// FULL_GOLDEN-NEXT: sdy.return %62 : tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[1, 2, 3, 4, 5, 6, 7, 0]> : tensor<8xui32>
+// FULL_GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// FULL_GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_2, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// FULL_GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[2, 3, 4, 5, 6, 7, 0, 1]> : tensor<8xui32>
+// FULL_GOLDEN-NEXT: %7 = stablehlo.partition_id : tensor<ui32>
+// FULL_GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %c_3, %7, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// FULL_GOLDEN-NEXT: %9 = stablehlo.reshape %8 : (tensor<1xui32>) -> tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[3, 4, 5, 6, 7, 0, 1, 2]> : tensor<8xui32>
+// FULL_GOLDEN-NEXT: %10 = stablehlo.partition_id : tensor<ui32>
+// FULL_GOLDEN-NEXT: %11 = stablehlo.dynamic_slice %c_4, %10, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// FULL_GOLDEN-NEXT: %12 = stablehlo.reshape %11 : (tensor<1xui32>) -> tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[4, 5, 6, 7, 0, 1, 2, 3]> : tensor<8xui32>
+// FULL_GOLDEN-NEXT: %13 = stablehlo.partition_id : tensor<ui32>
+// FULL_GOLDEN-NEXT: %14 = stablehlo.dynamic_slice %c_5, %13, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// FULL_GOLDEN-NEXT: %15 = stablehlo.reshape %14 : (tensor<1xui32>) -> tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<[5, 6, 7, 0, 1, 2, 3, 4]> : tensor<8xui32>
+// FULL_GOLDEN-NEXT: %16 = stablehlo.partition_id : tensor<ui32>
+// FULL_GOLDEN-NEXT: %17 = stablehlo.dynamic_slice %c_6, %16, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// FULL_GOLDEN-NEXT: %18 = stablehlo.reshape %17 : (tensor<1xui32>) -> tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_7 = stablehlo.constant dense<[6, 7, 0, 1, 2, 3, 4, 5]> : tensor<8xui32>
+// FULL_GOLDEN-NEXT: %19 = stablehlo.partition_id : tensor<ui32>
+// FULL_GOLDEN-NEXT: %20 = stablehlo.dynamic_slice %c_7, %19, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// FULL_GOLDEN-NEXT: %21 = stablehlo.reshape %20 : (tensor<1xui32>) -> tensor<ui32>
+// FULL_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<[7, 0, 1, 2, 3, 4, 5, 6]> : tensor<8xui32>
+// FULL_GOLDEN-NEXT: %22 = stablehlo.partition_id : tensor<ui32>
+// FULL_GOLDEN-NEXT: %23 = stablehlo.dynamic_slice %c_8, %22, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// FULL_GOLDEN-NEXT: %24 = stablehlo.reshape %23 : (tensor<1xui32>) -> tensor<ui32>
+// FULL_GOLDEN-NEXT: %25 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %26 = stablehlo.dynamic_slice %arg2, %25, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// FULL_GOLDEN-NEXT: %27 = stablehlo.dot_general %26, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %28 = "stablehlo.collective_permute"(%27) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %29 = stablehlo.multiply %9, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %30 = stablehlo.dynamic_slice %arg2, %29, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// FULL_GOLDEN-NEXT: %31:2 = stablehlo.optimization_barrier %30, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
+// FULL_GOLDEN-NEXT: %32 = stablehlo.dot_general %31#0, %31#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %33 = stablehlo.add %28, %32 : tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %34 = "stablehlo.collective_permute"(%33) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %35 = stablehlo.multiply %12, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %36 = stablehlo.dynamic_slice %arg2, %35, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// FULL_GOLDEN-NEXT: %37:2 = stablehlo.optimization_barrier %36, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
+// FULL_GOLDEN-NEXT: %38 = stablehlo.dot_general %37#0, %37#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %39 = stablehlo.add %34, %38 : tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %40 = "stablehlo.collective_permute"(%39) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %41 = stablehlo.multiply %15, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %42 = stablehlo.dynamic_slice %arg2, %41, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// FULL_GOLDEN-NEXT: %43:2 = stablehlo.optimization_barrier %42, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
+// FULL_GOLDEN-NEXT: %44 = stablehlo.dot_general %43#0, %43#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %45 = stablehlo.add %40, %44 : tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %46 = "stablehlo.collective_permute"(%45) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %47 = stablehlo.multiply %18, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %48 = stablehlo.dynamic_slice %arg2, %47, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// FULL_GOLDEN-NEXT: %49:2 = stablehlo.optimization_barrier %48, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
+// FULL_GOLDEN-NEXT: %50 = stablehlo.dot_general %49#0, %49#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %51 = stablehlo.add %46, %50 : tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %52 = "stablehlo.collective_permute"(%51) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %53 = stablehlo.multiply %21, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %54 = stablehlo.dynamic_slice %arg2, %53, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// FULL_GOLDEN-NEXT: %55:2 = stablehlo.optimization_barrier %54, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
+// FULL_GOLDEN-NEXT: %56 = stablehlo.dot_general %55#0, %55#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %57 = stablehlo.add %52, %56 : tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %58 = "stablehlo.collective_permute"(%57) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %59 = stablehlo.multiply %24, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %60 = stablehlo.dynamic_slice %arg2, %59, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// FULL_GOLDEN-NEXT: %61:2 = stablehlo.optimization_barrier %60, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
+// FULL_GOLDEN-NEXT: %62 = stablehlo.dot_general %61#0, %61#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %63 = stablehlo.add %58, %62 : tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %64 = "stablehlo.collective_permute"(%63) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %65 = stablehlo.multiply %3, %c_0 : tensor<ui32>
+// FULL_GOLDEN-NEXT: %66 = stablehlo.dynamic_slice %arg2, %65, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// FULL_GOLDEN-NEXT: %67:2 = stablehlo.optimization_barrier %66, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
+// FULL_GOLDEN-NEXT: %68 = stablehlo.dot_general %67#0, %67#1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: %69 = stablehlo.add %64, %68 : tensor<8x32xf32>
+// FULL_GOLDEN-NEXT: sdy.return %69 : tensor<8x32xf32>
 // FULL_GOLDEN-NEXT: } : (tensor<64x128xf32>, tensor<128x32xf32>) -> tensor<64x32xf32>
 // FULL_GOLDEN-NEXT: return %0 : tensor<64x32xf32>
 // FULL_GOLDEN-NEXT: }
@@ -363,31 +375,33 @@
 // STREAMS_GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg1: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<64x32xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) {
 // STREAMS_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"model"}, {}]>] manual_axes={"model"} (%arg2: tensor<64x16xf32>, %arg3: tensor<16x32xf32>) {
 // STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<8> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
+// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // STREAMS_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// STREAMS_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_1, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // STREAMS_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %4 = stablehlo.add %3, %c_0 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg2, %6, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// STREAMS_GOLDEN-NEXT: %8 = func.call @cmatmul_dot_0(%7, %arg3) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %9 = "stablehlo.collective_permute"(%8) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %10 = stablehlo.add %3, %c_1 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %11 = stablehlo.remainder %10, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %12 = stablehlo.multiply %11, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %arg2, %12, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// STREAMS_GOLDEN-NEXT: %14:2 = stablehlo.optimization_barrier %13, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
-// STREAMS_GOLDEN-NEXT: %15 = func.call @cmatmul_dot_0(%14#0, %14#1) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %16 = stablehlo.add %9, %15 : tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %17:2 = stablehlo.while(%iterArg = %c, %iterArg_4 = %16) : tensor<ui32>, tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[1, 2, 3, 4, 5, 6, 7, 0]> : tensor<8xui32>
+// STREAMS_GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_2, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// STREAMS_GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[2, 3, 4, 5, 6, 7, 0, 1]> : tensor<8xui32>
+// STREAMS_GOLDEN-NEXT: %7 = stablehlo.partition_id : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %c_3, %7, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// STREAMS_GOLDEN-NEXT: %9 = stablehlo.reshape %8 : (tensor<1xui32>) -> tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %10 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %11 = stablehlo.dynamic_slice %arg2, %10, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// STREAMS_GOLDEN-NEXT: %12 = func.call @cmatmul_dot_0(%11, %arg3) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %13 = "stablehlo.collective_permute"(%12) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %14 = stablehlo.multiply %9, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %15 = stablehlo.dynamic_slice %arg2, %14, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// STREAMS_GOLDEN-NEXT: %16:2 = stablehlo.optimization_barrier %15, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
+// STREAMS_GOLDEN-NEXT: %17 = func.call @cmatmul_dot_0(%16#0, %16#1) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %18 = stablehlo.add %13, %17 : tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %19:2 = stablehlo.while(%iterArg = %c, %iterArg_4 = %18) : tensor<ui32>, tensor<8x32xf32>
 // STREAMS_GOLDEN-NEXT: cond {
 // STREAMS_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %18 = stablehlo.compare LT, %iterArg, %c_5, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %18 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %20 = stablehlo.compare LT, %iterArg, %c_5, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %20 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
 // STREAMS_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
@@ -395,30 +409,30 @@
 // STREAMS_GOLDEN-NEXT: %c_8 = stablehlo.constant dense<3> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<4> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<8> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %18 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %19 = stablehlo.multiply %iterArg, %c_7 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %20 = stablehlo.add %19, %c_8 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %21 = stablehlo.add %3, %20 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %22 = stablehlo.remainder %21, %c_10 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %23 = stablehlo.multiply %22, %c_10 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %24 = stablehlo.dynamic_slice %arg2, %23, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// STREAMS_GOLDEN-NEXT: %25:2 = stablehlo.optimization_barrier %24, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
-// STREAMS_GOLDEN-NEXT: %26 = func.call @cmatmul_dot_0(%25#0, %25#1) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %27 = stablehlo.add %18, %26 : tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %28 = "stablehlo.collective_permute"(%27) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %29 = stablehlo.multiply %iterArg, %c_7 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %30 = stablehlo.add %29, %c_9 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %31 = stablehlo.add %3, %30 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %32 = stablehlo.remainder %31, %c_10 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %33 = stablehlo.multiply %32, %c_10 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %34 = stablehlo.dynamic_slice %arg2, %33, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// STREAMS_GOLDEN-NEXT: %35:2 = stablehlo.optimization_barrier %34, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
-// STREAMS_GOLDEN-NEXT: %36 = func.call @cmatmul_dot_0(%35#0, %35#1) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %37 = stablehlo.add %28, %36 : tensor<8x32xf32>
-// STREAMS_GOLDEN-NEXT: %38 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %38, %37 : tensor<ui32>, tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %20 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %21 = stablehlo.multiply %iterArg, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %22 = stablehlo.add %21, %c_8 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %23 = stablehlo.add %3, %22 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %24 = stablehlo.remainder %23, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %25 = stablehlo.multiply %24, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %26 = stablehlo.dynamic_slice %arg2, %25, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// STREAMS_GOLDEN-NEXT: %27:2 = stablehlo.optimization_barrier %26, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
+// STREAMS_GOLDEN-NEXT: %28 = func.call @cmatmul_dot_0(%27#0, %27#1) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %29 = stablehlo.add %20, %28 : tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %30 = "stablehlo.collective_permute"(%29) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %31 = stablehlo.multiply %iterArg, %c_7 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %32 = stablehlo.add %31, %c_9 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %33 = stablehlo.add %3, %32 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %34 = stablehlo.remainder %33, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %35 = stablehlo.multiply %34, %c_10 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %36 = stablehlo.dynamic_slice %arg2, %35, %c_5, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// STREAMS_GOLDEN-NEXT: %37:2 = stablehlo.optimization_barrier %36, %arg3 : tensor<8x16xf32>, tensor<16x32xf32>
+// STREAMS_GOLDEN-NEXT: %38 = func.call @cmatmul_dot_0(%37#0, %37#1) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %39 = stablehlo.add %30, %38 : tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: %40 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %40, %39 : tensor<ui32>, tensor<8x32xf32>
 // STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: sdy.return %17#1 : tensor<8x32xf32>
+// STREAMS_GOLDEN-NEXT: sdy.return %19#1 : tensor<8x32xf32>
 // STREAMS_GOLDEN-NEXT: } : (tensor<64x128xf32>, tensor<128x32xf32>) -> tensor<64x32xf32>
 // STREAMS_GOLDEN-NEXT: return %0 : tensor<64x32xf32>
 // STREAMS_GOLDEN-NEXT: }
@@ -447,7 +461,7 @@
 // HLO_GOLDEN-NEXT: arg_tuple.1 = (u32[], f32[8,32]{1,0}, u32[], f32[64,16]{1,0}, f32[16,32]{1,0}) parameter(0)
 // HLO_GOLDEN-NEXT: get-tuple-element.13 = u32[] get-tuple-element(arg_tuple.1), index=0
 // HLO_GOLDEN-NEXT: constant.11 = u32[] constant(1)
-// HLO_GOLDEN-NEXT: add.16 = u32[] add(get-tuple-element.13, constant.11)
+// HLO_GOLDEN-NEXT: add.14 = u32[] add(get-tuple-element.13, constant.11)
 // HLO_GOLDEN-NEXT: get-tuple-element.14 = f32[8,32]{1,0} get-tuple-element(arg_tuple.1), index=1
 // HLO_GOLDEN-NEXT: collective-permute.3 = f32[8,32]{1,0} collective-permute(get-tuple-element.14), channel_id=3, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="1"}
 // HLO_GOLDEN-NEXT: get-tuple-element.16 = f32[64,16]{1,0} get-tuple-element(arg_tuple.1), index=3
@@ -455,35 +469,35 @@
 // HLO_GOLDEN-NEXT: constant.16 = u32[] constant(2)
 // HLO_GOLDEN-NEXT: multiply.6 = u32[] multiply(get-tuple-element.13, constant.16)
 // HLO_GOLDEN-NEXT: constant.15 = u32[] constant(3)
-// HLO_GOLDEN-NEXT: add.10 = u32[] add(multiply.6, constant.15)
-// HLO_GOLDEN-NEXT: add.11 = u32[] add(get-tuple-element.15, add.10)
+// HLO_GOLDEN-NEXT: add.8 = u32[] add(multiply.6, constant.15)
+// HLO_GOLDEN-NEXT: add.9 = u32[] add(get-tuple-element.15, add.8)
 // HLO_GOLDEN-NEXT: constant.14 = u32[] constant(8)
-// HLO_GOLDEN-NEXT: remainder.4 = u32[] remainder(add.11, constant.14)
-// HLO_GOLDEN-NEXT: multiply.7 = u32[] multiply(remainder.4, constant.14)
+// HLO_GOLDEN-NEXT: remainder.2 = u32[] remainder(add.9, constant.14)
+// HLO_GOLDEN-NEXT: multiply.7 = u32[] multiply(remainder.2, constant.14)
 // HLO_GOLDEN-NEXT: constant.13 = u32[] constant(0)
-// HLO_GOLDEN-NEXT: dynamic-slice.5 = f32[8,16]{1,0} dynamic-slice(get-tuple-element.16, multiply.7, constant.13), dynamic_slice_sizes={8,16}
+// HLO_GOLDEN-NEXT: dynamic-slice.7 = f32[8,16]{1,0} dynamic-slice(get-tuple-element.16, multiply.7, constant.13), dynamic_slice_sizes={8,16}
 // HLO_GOLDEN-NEXT: get-tuple-element.17 = f32[16,32]{1,0} get-tuple-element(arg_tuple.1), index=4
-// HLO_GOLDEN-NEXT: tuple.4 = (f32[8,16]{1,0}, f32[16,32]{1,0}) tuple(dynamic-slice.5, get-tuple-element.17)
+// HLO_GOLDEN-NEXT: tuple.4 = (f32[8,16]{1,0}, f32[16,32]{1,0}) tuple(dynamic-slice.7, get-tuple-element.17)
 // HLO_GOLDEN-NEXT: opt-barrier.3 = (f32[8,16]{1,0}, f32[16,32]{1,0}) opt-barrier(tuple.4)
 // HLO_GOLDEN-NEXT: get-tuple-element.18 = f32[8,16]{1,0} get-tuple-element(opt-barrier.3), index=0
 // HLO_GOLDEN-NEXT: get-tuple-element.19 = f32[16,32]{1,0} get-tuple-element(opt-barrier.3), index=1
 // HLO_GOLDEN-NEXT: call.4 = f32[8,32]{1,0} call(get-tuple-element.18, get-tuple-element.19), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="1",_xla_stream_annotation="1",inlineable="false"}
-// HLO_GOLDEN-NEXT: add.12 = f32[8,32]{1,0} add(collective-permute.3, call.4)
-// HLO_GOLDEN-NEXT: collective-permute.4 = f32[8,32]{1,0} collective-permute(add.12), channel_id=4, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="2"}
+// HLO_GOLDEN-NEXT: add.10 = f32[8,32]{1,0} add(collective-permute.3, call.4)
+// HLO_GOLDEN-NEXT: collective-permute.4 = f32[8,32]{1,0} collective-permute(add.10), channel_id=4, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="2"}
 // HLO_GOLDEN-NEXT: multiply.8 = u32[] multiply(get-tuple-element.13, constant.16)
 // HLO_GOLDEN-NEXT: constant.12 = u32[] constant(4)
-// HLO_GOLDEN-NEXT: add.13 = u32[] add(multiply.8, constant.12)
-// HLO_GOLDEN-NEXT: add.14 = u32[] add(get-tuple-element.15, add.13)
-// HLO_GOLDEN-NEXT: remainder.5 = u32[] remainder(add.14, constant.14)
-// HLO_GOLDEN-NEXT: multiply.9 = u32[] multiply(remainder.5, constant.14)
-// HLO_GOLDEN-NEXT: dynamic-slice.6 = f32[8,16]{1,0} dynamic-slice(get-tuple-element.16, multiply.9, constant.13), dynamic_slice_sizes={8,16}
-// HLO_GOLDEN-NEXT: tuple.5 = (f32[8,16]{1,0}, f32[16,32]{1,0}) tuple(dynamic-slice.6, get-tuple-element.17)
+// HLO_GOLDEN-NEXT: add.11 = u32[] add(multiply.8, constant.12)
+// HLO_GOLDEN-NEXT: add.12 = u32[] add(get-tuple-element.15, add.11)
+// HLO_GOLDEN-NEXT: remainder.3 = u32[] remainder(add.12, constant.14)
+// HLO_GOLDEN-NEXT: multiply.9 = u32[] multiply(remainder.3, constant.14)
+// HLO_GOLDEN-NEXT: dynamic-slice.8 = f32[8,16]{1,0} dynamic-slice(get-tuple-element.16, multiply.9, constant.13), dynamic_slice_sizes={8,16}
+// HLO_GOLDEN-NEXT: tuple.5 = (f32[8,16]{1,0}, f32[16,32]{1,0}) tuple(dynamic-slice.8, get-tuple-element.17)
 // HLO_GOLDEN-NEXT: opt-barrier.4 = (f32[8,16]{1,0}, f32[16,32]{1,0}) opt-barrier(tuple.5)
 // HLO_GOLDEN-NEXT: get-tuple-element.20 = f32[8,16]{1,0} get-tuple-element(opt-barrier.4), index=0
 // HLO_GOLDEN-NEXT: get-tuple-element.21 = f32[16,32]{1,0} get-tuple-element(opt-barrier.4), index=1
 // HLO_GOLDEN-NEXT: call.5 = f32[8,32]{1,0} call(get-tuple-element.20, get-tuple-element.21), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="2",_xla_stream_annotation="2",inlineable="false"}
-// HLO_GOLDEN-NEXT: add.15 = f32[8,32]{1,0} add(collective-permute.4, call.5)
-// HLO_GOLDEN-NEXT: ROOT tuple.6 = (u32[], f32[8,32]{1,0}, u32[], f32[64,16]{1,0}, f32[16,32]{1,0}) tuple(add.16, add.15, get-tuple-element.15, get-tuple-element.16, get-tuple-element.17)
+// HLO_GOLDEN-NEXT: add.13 = f32[8,32]{1,0} add(collective-permute.4, call.5)
+// HLO_GOLDEN-NEXT: ROOT tuple.6 = (u32[], f32[8,32]{1,0}, u32[], f32[64,16]{1,0}, f32[16,32]{1,0}) tuple(add.14, add.13, get-tuple-element.15, get-tuple-element.16, get-tuple-element.17)
 // HLO_GOLDEN-NEXT: }
 // HLO_GOLDEN: region_1.3 {
 // HLO_GOLDEN-NEXT: arg_tuple.3 = (u32[], f32[8,32]{1,0}, u32[], f32[64,16]{1,0}, f32[16,32]{1,0}) parameter(0)
@@ -496,33 +510,35 @@
 // HLO_GOLDEN-NEXT: ROOT compare.1 = pred[] compare(get-tuple-element.27, constant.18), direction=LT
 // HLO_GOLDEN-NEXT: }
 // HLO_GOLDEN: xla.sdy.manual_computation_body.4 {
-// HLO_GOLDEN-NEXT: constant.19 = u32[] constant(0)
+// HLO_GOLDEN-NEXT: constant.21 = u32[] constant(0)
 // HLO_GOLDEN-NEXT: Arg_0.4 = f32[64,16]{1,0} parameter(0)
-// HLO_GOLDEN-NEXT: constant.23 = u32[8]{0} constant({0, 1, 2, 3, 4, 5, 6, 7})
-// HLO_GOLDEN-NEXT: partition-id.1 = u32[] partition-id()
-// HLO_GOLDEN-NEXT: dynamic-slice.7 = u32[1]{0} dynamic-slice(constant.23, partition-id.1), dynamic_slice_sizes={1}
-// HLO_GOLDEN-NEXT: reshape.1 = u32[] reshape(dynamic-slice.7)
-// HLO_GOLDEN-NEXT: constant.20 = u32[] constant(1)
-// HLO_GOLDEN-NEXT: add.17 = u32[] add(reshape.1, constant.20)
+// HLO_GOLDEN-NEXT: constant.20 = u32[8]{0} constant({1, 2, 3, 4, 5, 6, 7, 0})
+// HLO_GOLDEN-NEXT: partition-id.4 = u32[] partition-id()
+// HLO_GOLDEN-NEXT: dynamic-slice.10 = u32[1]{0} dynamic-slice(constant.20, partition-id.4), dynamic_slice_sizes={1}
+// HLO_GOLDEN-NEXT: reshape.4 = u32[] reshape(dynamic-slice.10)
 // HLO_GOLDEN-NEXT: constant.22 = u32[] constant(8)
-// HLO_GOLDEN-NEXT: remainder.6 = u32[] remainder(add.17, constant.22)
-// HLO_GOLDEN-NEXT: multiply.10 = u32[] multiply(remainder.6, constant.22)
-// HLO_GOLDEN-NEXT: dynamic-slice.8 = f32[8,16]{1,0} dynamic-slice(Arg_0.4, multiply.10, constant.19), dynamic_slice_sizes={8,16}
+// HLO_GOLDEN-NEXT: multiply.10 = u32[] multiply(reshape.4, constant.22)
+// HLO_GOLDEN-NEXT: dynamic-slice.12 = f32[8,16]{1,0} dynamic-slice(Arg_0.4, multiply.10, constant.21), dynamic_slice_sizes={8,16}
 // HLO_GOLDEN-NEXT: Arg_1.4 = f32[16,32]{1,0} parameter(1)
-// HLO_GOLDEN-NEXT: call.6 = f32[8,32]{1,0} call(dynamic-slice.8, Arg_1.4), to_apply=cmatmul_dot_0.1, frontend_attributes={_xla_stream_annotation="1",inlineable="false"}
+// HLO_GOLDEN-NEXT: call.6 = f32[8,32]{1,0} call(dynamic-slice.12, Arg_1.4), to_apply=cmatmul_dot_0.1, frontend_attributes={_xla_stream_annotation="1",inlineable="false"}
 // HLO_GOLDEN-NEXT: collective-permute.5 = f32[8,32]{1,0} collective-permute(call.6), channel_id=2, source_target_pairs={{\{\{}}0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}, frontend_attributes={_scheduling_group_id="0"}
-// HLO_GOLDEN-NEXT: constant.21 = u32[] constant(2)
-// HLO_GOLDEN-NEXT: add.18 = u32[] add(reshape.1, constant.21)
-// HLO_GOLDEN-NEXT: remainder.7 = u32[] remainder(add.18, constant.22)
-// HLO_GOLDEN-NEXT: multiply.11 = u32[] multiply(remainder.7, constant.22)
-// HLO_GOLDEN-NEXT: dynamic-slice.9 = f32[8,16]{1,0} dynamic-slice(Arg_0.4, multiply.11, constant.19), dynamic_slice_sizes={8,16}
-// HLO_GOLDEN-NEXT: tuple.8 = (f32[8,16]{1,0}, f32[16,32]{1,0}) tuple(dynamic-slice.9, Arg_1.4)
+// HLO_GOLDEN-NEXT: constant.19 = u32[8]{0} constant({2, 3, 4, 5, 6, 7, 0, 1})
+// HLO_GOLDEN-NEXT: partition-id.5 = u32[] partition-id()
+// HLO_GOLDEN-NEXT: dynamic-slice.11 = u32[1]{0} dynamic-slice(constant.19, partition-id.5), dynamic_slice_sizes={1}
+// HLO_GOLDEN-NEXT: reshape.5 = u32[] reshape(dynamic-slice.11)
+// HLO_GOLDEN-NEXT: multiply.11 = u32[] multiply(reshape.5, constant.22)
+// HLO_GOLDEN-NEXT: dynamic-slice.13 = f32[8,16]{1,0} dynamic-slice(Arg_0.4, multiply.11, constant.21), dynamic_slice_sizes={8,16}
+// HLO_GOLDEN-NEXT: tuple.8 = (f32[8,16]{1,0}, f32[16,32]{1,0}) tuple(dynamic-slice.13, Arg_1.4)
 // HLO_GOLDEN-NEXT: opt-barrier.5 = (f32[8,16]{1,0}, f32[16,32]{1,0}) opt-barrier(tuple.8)
 // HLO_GOLDEN-NEXT: get-tuple-element.34 = f32[8,16]{1,0} get-tuple-element(opt-barrier.5), index=0
 // HLO_GOLDEN-NEXT: get-tuple-element.35 = f32[16,32]{1,0} get-tuple-element(opt-barrier.5), index=1
 // HLO_GOLDEN-NEXT: call.7 = f32[8,32]{1,0} call(get-tuple-element.34, get-tuple-element.35), to_apply=cmatmul_dot_0.1, frontend_attributes={_scheduling_group_id="0",_xla_stream_annotation="2",inlineable="false"}
-// HLO_GOLDEN-NEXT: add.19 = f32[8,32]{1,0} add(collective-permute.5, call.7)
-// HLO_GOLDEN-NEXT: tuple.9 = (u32[], f32[8,32]{1,0}, u32[], f32[64,16]{1,0}, f32[16,32]{1,0}) tuple(constant.19, add.19, reshape.1, Arg_0.4, Arg_1.4)
+// HLO_GOLDEN-NEXT: add.15 = f32[8,32]{1,0} add(collective-permute.5, call.7)
+// HLO_GOLDEN-NEXT: constant.23 = u32[8]{0} constant({0, 1, 2, 3, 4, 5, 6, 7})
+// HLO_GOLDEN-NEXT: partition-id.3 = u32[] partition-id()
+// HLO_GOLDEN-NEXT: dynamic-slice.9 = u32[1]{0} dynamic-slice(constant.23, partition-id.3), dynamic_slice_sizes={1}
+// HLO_GOLDEN-NEXT: reshape.3 = u32[] reshape(dynamic-slice.9)
+// HLO_GOLDEN-NEXT: tuple.9 = (u32[], f32[8,32]{1,0}, u32[], f32[64,16]{1,0}, f32[16,32]{1,0}) tuple(constant.21, add.15, reshape.3, Arg_0.4, Arg_1.4)
 // HLO_GOLDEN-NEXT: while.1 = (u32[], f32[8,32]{1,0}, u32[], f32[64,16]{1,0}, f32[16,32]{1,0}) while(tuple.9), condition=region_1.3, body=region_0.2
 // HLO_GOLDEN-NEXT: get-tuple-element.36 = u32[] get-tuple-element(while.1), index=0
 // HLO_GOLDEN-NEXT: ROOT get-tuple-element.37 = f32[8,32]{1,0} get-tuple-element(while.1), index=1

@@ -29,42 +29,42 @@
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<8x16x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}, {"model"}]>}, %arg1: tensor<8x64x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}, {}]>}) -> (tensor<8x16x16xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}, {}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{}, {}, {"model"}]>, <@mesh, [{}, {"model"}, {}]>] out_shardings=[<@mesh, [{"model"}, {}, {}]>] manual_axes={"data", "model"} (%arg2: tensor<8x16x16xf32>, %arg3: tensor<8x16x16xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_1, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %4 = stablehlo.add %3, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg2, %6, %c, %c, sizes = [2, 16, 16] : (tensor<8x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x16x16xf32>
-// GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %arg3, %6, %c, %c, sizes = [2, 16, 16] : (tensor<8x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x16x16xf32>
-// GOLDEN-NEXT: %9 = stablehlo.dot_general %7, %8, batching_dims = [0] x [0], contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x16x16xf32>, tensor<2x16x16xf32>) -> tensor<2x16x16xf32>
-// GOLDEN-NEXT: %10:2 = stablehlo.while(%iterArg = %c, %iterArg_4 = %9) : tensor<ui32>, tensor<2x16x16xf32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[1, 2, 3, 0, 1, 2, 3, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_2, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %7 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %arg2, %7, %c, %c, sizes = [2, 16, 16] : (tensor<8x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x16x16xf32>
+// GOLDEN-NEXT: %9 = stablehlo.dynamic_slice %arg3, %7, %c, %c, sizes = [2, 16, 16] : (tensor<8x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x16x16xf32>
+// GOLDEN-NEXT: %10 = stablehlo.dot_general %8, %9, batching_dims = [0] x [0], contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x16x16xf32>, tensor<2x16x16xf32>) -> tensor<2x16x16xf32>
+// GOLDEN-NEXT: %11:2 = stablehlo.while(%iterArg = %c, %iterArg_3 = %10) : tensor<ui32>, tensor<2x16x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %11 = stablehlo.compare LT, %iterArg, %c_5, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %11 : tensor<i1>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %12 = stablehlo.compare LT, %iterArg, %c_4, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %12 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %11 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x16x16xf32>) -> tensor<2x16x16xf32>
-// GOLDEN-NEXT: %12 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %13 = stablehlo.add %3, %12 : tensor<ui32>
-// GOLDEN-NEXT: %14 = stablehlo.remainder %13, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %15 = stablehlo.multiply %14, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %16 = stablehlo.dynamic_slice %arg2, %15, %c_5, %c_5, sizes = [2, 16, 16] : (tensor<8x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x16x16xf32>
-// GOLDEN-NEXT: %17 = stablehlo.dynamic_slice %arg3, %15, %c_5, %c_5, sizes = [2, 16, 16] : (tensor<8x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x16x16xf32>
-// GOLDEN-NEXT: %18 = stablehlo.dot_general %16, %17, batching_dims = [0] x [0], contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x16x16xf32>, tensor<2x16x16xf32>) -> tensor<2x16x16xf32>
-// GOLDEN-NEXT: %19 = stablehlo.add %11, %18 : tensor<2x16x16xf32>
-// GOLDEN-NEXT: %20 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %20, %19 : tensor<ui32>, tensor<2x16x16xf32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %12 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x16x16xf32>) -> tensor<2x16x16xf32>
+// GOLDEN-NEXT: %13 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
+// GOLDEN-NEXT: %14 = stablehlo.add %3, %13 : tensor<ui32>
+// GOLDEN-NEXT: %15 = stablehlo.remainder %14, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %16 = stablehlo.multiply %15, %c_6 : tensor<ui32>
+// GOLDEN-NEXT: %17 = stablehlo.dynamic_slice %arg2, %16, %c_4, %c_4, sizes = [2, 16, 16] : (tensor<8x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x16x16xf32>
+// GOLDEN-NEXT: %18 = stablehlo.dynamic_slice %arg3, %16, %c_4, %c_4, sizes = [2, 16, 16] : (tensor<8x16x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x16x16xf32>
+// GOLDEN-NEXT: %19 = stablehlo.dot_general %17, %18, batching_dims = [0] x [0], contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x16x16xf32>, tensor<2x16x16xf32>) -> tensor<2x16x16xf32>
+// GOLDEN-NEXT: %20 = stablehlo.add %12, %19 : tensor<2x16x16xf32>
+// GOLDEN-NEXT: %21 = stablehlo.add %iterArg, %c_5 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %21, %20 : tensor<ui32>, tensor<2x16x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: sdy.return %10#1 : tensor<2x16x16xf32>
+// GOLDEN-NEXT: sdy.return %11#1 : tensor<2x16x16xf32>
 // GOLDEN-NEXT: } : (tensor<8x16x64xf32>, tensor<8x64x16xf32>) -> tensor<8x16x16xf32>
 // GOLDEN-NEXT: return %0 : tensor<8x16x16xf32>
 // GOLDEN-NEXT: }

@@ -6,7 +6,7 @@
 // CHECK-NOT: stablehlo.reduce_scatter
 // CHECK: stablehlo.partition_id
 // CHECK: stablehlo.dynamic_slice {{.*}} -> tensor<1xui32>
-// CHECK: stablehlo.dynamic_slice
+// CHECK: stablehlo.dynamic_slice {{.*}} -> tensor<{{[0-9]+x[0-9]+}}x
 // CHECK-NEXT: stablehlo.dot_general
 // CHECK-SAME: (tensor<8x16xbf16>, tensor<16x32xbf16>) -> tensor<8x32xf32>
 // CHECK: stablehlo.while
@@ -29,43 +29,43 @@
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x64xbf16> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}]>}, %arg1: tensor<64x32xbf16> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<64x32xbf16> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"data", "model"}, {}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1) in_shardings=[<@mesh, [{"data"}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"data", "model"}, {}]>] manual_axes={"data", "model"} (%arg2: tensor<32x16xbf16>, %arg3: tensor<16x32xbf16>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_1, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %4 = stablehlo.add %3, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg2, %6, %c, sizes = [8, 16] : (tensor<32x16xbf16>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xbf16>
-// GOLDEN-NEXT: %8 = stablehlo.dot_general %7, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xbf16>, tensor<16x32xbf16>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %9 = stablehlo.convert %8 : (tensor<8x32xf32>) -> tensor<8x32xbf16>
-// GOLDEN-NEXT: %10:2 = stablehlo.while(%iterArg = %c, %iterArg_4 = %9) : tensor<ui32>, tensor<8x32xbf16>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[1, 2, 3, 0, 1, 2, 3, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_2, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %7 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %arg2, %7, %c, sizes = [8, 16] : (tensor<32x16xbf16>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xbf16>
+// GOLDEN-NEXT: %9 = stablehlo.dot_general %8, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xbf16>, tensor<16x32xbf16>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %10 = stablehlo.convert %9 : (tensor<8x32xf32>) -> tensor<8x32xbf16>
+// GOLDEN-NEXT: %11:2 = stablehlo.while(%iterArg = %c, %iterArg_3 = %10) : tensor<ui32>, tensor<8x32xbf16>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %11 = stablehlo.compare LT, %iterArg, %c_5, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %11 : tensor<i1>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %12 = stablehlo.compare LT, %iterArg, %c_4, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %12 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %11 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xbf16>) -> tensor<8x32xbf16>
-// GOLDEN-NEXT: %12 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %13 = stablehlo.add %3, %12 : tensor<ui32>
-// GOLDEN-NEXT: %14 = stablehlo.remainder %13, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %15 = stablehlo.multiply %14, %c_9 : tensor<ui32>
-// GOLDEN-NEXT: %16 = stablehlo.dynamic_slice %arg2, %15, %c_5, sizes = [8, 16] : (tensor<32x16xbf16>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xbf16>
-// GOLDEN-NEXT: %17 = stablehlo.dot_general %16, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xbf16>, tensor<16x32xbf16>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %18 = stablehlo.convert %17 : (tensor<8x32xf32>) -> tensor<8x32xbf16>
-// GOLDEN-NEXT: %19 = stablehlo.add %11, %18 : tensor<8x32xbf16>
-// GOLDEN-NEXT: %20 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %20, %19 : tensor<ui32>, tensor<8x32xbf16>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %12 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xbf16>) -> tensor<8x32xbf16>
+// GOLDEN-NEXT: %13 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
+// GOLDEN-NEXT: %14 = stablehlo.add %3, %13 : tensor<ui32>
+// GOLDEN-NEXT: %15 = stablehlo.remainder %14, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %16 = stablehlo.multiply %15, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: %17 = stablehlo.dynamic_slice %arg2, %16, %c_4, sizes = [8, 16] : (tensor<32x16xbf16>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xbf16>
+// GOLDEN-NEXT: %18 = stablehlo.dot_general %17, %arg3, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xbf16>, tensor<16x32xbf16>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %19 = stablehlo.convert %18 : (tensor<8x32xf32>) -> tensor<8x32xbf16>
+// GOLDEN-NEXT: %20 = stablehlo.add %12, %19 : tensor<8x32xbf16>
+// GOLDEN-NEXT: %21 = stablehlo.add %iterArg, %c_5 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %21, %20 : tensor<ui32>, tensor<8x32xbf16>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: sdy.return %10#1 : tensor<8x32xbf16>
+// GOLDEN-NEXT: sdy.return %11#1 : tensor<8x32xbf16>
 // GOLDEN-NEXT: } : (tensor<64x64xbf16>, tensor<64x32xbf16>) -> tensor<64x32xbf16>
 // GOLDEN-NEXT: return %0 : tensor<64x32xbf16>
 // GOLDEN-NEXT: }

@@ -21,53 +21,53 @@
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg1: tensor<64x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<64x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg3: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg4: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg5: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<64x32xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1, %arg2, %arg3, %arg4, %arg5) in_shardings=[<@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"model"}, {}]>] manual_axes={"data", "model"} (%arg6: tensor<64x16xf32>, %arg7: tensor<64x16xf32>, %arg8: tensor<64x16xf32>, %arg9: tensor<16x32xf32>, %arg10: tensor<16x32xf32>, %arg11: tensor<16x32xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<16> : tensor<ui32>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_3, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_1, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %4 = stablehlo.add %3, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %5 = stablehlo.remainder %4, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %6 = stablehlo.multiply %5, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %arg6, %6, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %8 = stablehlo.dot_general %7, %arg9, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %9 = stablehlo.dynamic_slice %arg7, %6, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %10 = stablehlo.dot_general %9, %arg10, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %11 = stablehlo.add %8, %10 : tensor<16x32xf32>
-// GOLDEN-NEXT: %12 = stablehlo.dynamic_slice %arg8, %6, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %13 = stablehlo.dot_general %12, %arg11, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %14 = stablehlo.add %11, %13 : tensor<16x32xf32>
-// GOLDEN-NEXT: %15:2 = stablehlo.while(%iterArg = %c, %iterArg_4 = %14) : tensor<ui32>, tensor<16x32xf32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[1, 2, 3, 0, 1, 2, 3, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_2, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %7 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %arg6, %7, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %9 = stablehlo.dot_general %8, %arg9, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %10 = stablehlo.dynamic_slice %arg7, %7, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %11 = stablehlo.dot_general %10, %arg10, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %12 = stablehlo.add %9, %11 : tensor<16x32xf32>
+// GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %arg8, %7, %c, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %14 = stablehlo.dot_general %13, %arg11, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %15 = stablehlo.add %12, %14 : tensor<16x32xf32>
+// GOLDEN-NEXT: %16:2 = stablehlo.while(%iterArg = %c, %iterArg_3 = %15) : tensor<ui32>, tensor<16x32xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %16 = stablehlo.compare LT, %iterArg, %c_5, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %16 : tensor<i1>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %17 = stablehlo.compare LT, %iterArg, %c_4, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %17 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<16> : tensor<ui32>
-// GOLDEN-NEXT: %16 = "stablehlo.collective_permute"(%iterArg_4) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %17 = stablehlo.add %iterArg, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %18 = stablehlo.add %3, %17 : tensor<ui32>
-// GOLDEN-NEXT: %19 = stablehlo.remainder %18, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %20 = stablehlo.multiply %19, %c_9 : tensor<ui32>
-// GOLDEN-NEXT: %21 = stablehlo.dynamic_slice %arg6, %20, %c_5, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %22 = stablehlo.dot_general %21, %arg9, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %23 = stablehlo.dynamic_slice %arg7, %20, %c_5, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %24 = stablehlo.dot_general %23, %arg10, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %25 = stablehlo.add %22, %24 : tensor<16x32xf32>
-// GOLDEN-NEXT: %26 = stablehlo.dynamic_slice %arg8, %20, %c_5, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %27 = stablehlo.dot_general %26, %arg11, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %28 = stablehlo.add %25, %27 : tensor<16x32xf32>
-// GOLDEN-NEXT: %29 = stablehlo.add %16, %28 : tensor<16x32xf32>
-// GOLDEN-NEXT: %30 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %30, %29 : tensor<ui32>, tensor<16x32xf32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<16> : tensor<ui32>
+// GOLDEN-NEXT: %17 = "stablehlo.collective_permute"(%iterArg_3) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<16x32xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %18 = stablehlo.add %iterArg, %c_6 : tensor<ui32>
+// GOLDEN-NEXT: %19 = stablehlo.add %3, %18 : tensor<ui32>
+// GOLDEN-NEXT: %20 = stablehlo.remainder %19, %c_7 : tensor<ui32>
+// GOLDEN-NEXT: %21 = stablehlo.multiply %20, %c_8 : tensor<ui32>
+// GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %arg6, %21, %c_4, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %23 = stablehlo.dot_general %22, %arg9, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %24 = stablehlo.dynamic_slice %arg7, %21, %c_4, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %25 = stablehlo.dot_general %24, %arg10, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %26 = stablehlo.add %23, %25 : tensor<16x32xf32>
+// GOLDEN-NEXT: %27 = stablehlo.dynamic_slice %arg8, %21, %c_4, sizes = [16, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %28 = stablehlo.dot_general %27, %arg11, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<16x16xf32>, tensor<16x32xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %29 = stablehlo.add %26, %28 : tensor<16x32xf32>
+// GOLDEN-NEXT: %30 = stablehlo.add %17, %29 : tensor<16x32xf32>
+// GOLDEN-NEXT: %31 = stablehlo.add %iterArg, %c_5 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %31, %30 : tensor<ui32>, tensor<16x32xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: sdy.return %15#1 : tensor<16x32xf32>
+// GOLDEN-NEXT: sdy.return %16#1 : tensor<16x32xf32>
 // GOLDEN-NEXT: } : (tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x64xf32>, tensor<64x32xf32>, tensor<64x32xf32>, tensor<64x32xf32>) -> tensor<64x32xf32>
 // GOLDEN-NEXT: return %0 : tensor<64x32xf32>
 // GOLDEN-NEXT: }

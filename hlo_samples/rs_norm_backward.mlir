@@ -28,141 +28,143 @@
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<64x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg1: tensor<32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}]>}, %arg2: tensor<32x128xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg3: tensor<128x32xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<f32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, []>}, tensor<64x32xf32> {jax.result_info = "result[1][0]", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, tensor<32xf32> {jax.result_info = "result[1][1]", sdy.sharding = #sdy.sharding<@mesh, [{}]>}, tensor<32x128xf32> {jax.result_info = "result[1][2]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<128x32xf32> {jax.result_info = "result[1][3]", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) {
 // GOLDEN-NEXT: %0:15 = sdy.manual_computation(%arg0, %arg1, %arg2, %arg3) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>] manual_axes={"model"} (%arg4: tensor<8x32xf32>, %arg5: tensor<32xf32>, %arg6: tensor<32x16xf32>, %arg7: tensor<16x32xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<7> : tensor<ui32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<0.000000e+00> : tensor<64x16xf32>
-// GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<0.000000e+00> : tensor<64x32xf32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<0.000000e+00> : tensor<64x16xf32>
+// GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<0.000000e+00> : tensor<64x32xf32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // GOLDEN-NEXT: %21 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %c_9, %21, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %c_7, %21, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %23 = stablehlo.reshape %22 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<[1, 2, 3, 4, 5, 6, 7, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %24 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %25 = stablehlo.dynamic_slice %c_8, %24, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %26 = stablehlo.reshape %25 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<[7, 0, 1, 2, 3, 4, 5, 6]> : tensor<8xui32>
+// GOLDEN-NEXT: %27 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %28 = stablehlo.dynamic_slice %c_9, %27, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %29 = stablehlo.reshape %28 : (tensor<1xui32>) -> tensor<ui32>
 // GOLDEN-NEXT: %cst_10 = stablehlo.constant dense<3.200000e+01> : tensor<f32>
 // GOLDEN-NEXT: %cst_11 = stablehlo.constant dense<9.99999997E-7> : tensor<f32>
-// GOLDEN-NEXT: %24 = stablehlo.broadcast_in_dim %arg5, dims = [1] : (tensor<32xf32>) -> tensor<1x32xf32>
-// GOLDEN-NEXT: %25:4 = stablehlo.while(%iterArg = %c, %iterArg_23 = %arg4, %iterArg_24 = %cst_7, %iterArg_25 = %cst_8) : tensor<ui32>, tensor<8x32xf32>, tensor<64x16xf32>, tensor<64x32xf32>
+// GOLDEN-NEXT: %30 = stablehlo.broadcast_in_dim %arg5, dims = [1] : (tensor<32xf32>) -> tensor<1x32xf32>
+// GOLDEN-NEXT: %31:4 = stablehlo.while(%iterArg = %c, %iterArg_23 = %arg4, %iterArg_24 = %cst_5, %iterArg_25 = %cst_6) : tensor<ui32>, tensor<8x32xf32>, tensor<64x16xf32>, tensor<64x32xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_26 = stablehlo.constant dense<7> : tensor<ui32>
-// GOLDEN-NEXT: %85 = stablehlo.compare LT, %iterArg, %c_26, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %85 : tensor<i1>
+// GOLDEN-NEXT: %87 = stablehlo.compare LT, %iterArg, %c_26, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %87 : tensor<i1>
 // GOLDEN-NEXT: } do {
 // GOLDEN-NEXT: %c_26 = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %c_27 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_28 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %85 = "stablehlo.collective_permute"(%iterArg_23) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %86 = stablehlo.add %23, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %87 = stablehlo.remainder %86, %c_28 : tensor<ui32>
-// GOLDEN-NEXT: %88 = stablehlo.multiply %iterArg_23, %iterArg_23 : tensor<8x32xf32>
+// GOLDEN-NEXT: %87 = "stablehlo.collective_permute"(%iterArg_23) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %88 = stablehlo.add %23, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %89 = stablehlo.remainder %88, %c_28 : tensor<ui32>
+// GOLDEN-NEXT: %90 = stablehlo.multiply %iterArg_23, %iterArg_23 : tensor<8x32xf32>
 // GOLDEN-NEXT: %cst_29 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %89 = stablehlo.reduce(%88 init: %cst_29) applies stablehlo.add across dimensions = [1] : (tensor<8x32xf32>, tensor<f32>) -> tensor<8xf32>
-// GOLDEN-NEXT: %90 = stablehlo.broadcast_in_dim %89, dims = [0] : (tensor<8xf32>) -> tensor<8x1xf32>
-// GOLDEN-NEXT: %91 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<8x1xf32>
-// GOLDEN-NEXT: %92 = stablehlo.divide %90, %91 : tensor<8x1xf32>
-// GOLDEN-NEXT: %93 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<8x1xf32>
-// GOLDEN-NEXT: %94 = stablehlo.add %92, %93 : tensor<8x1xf32>
-// GOLDEN-NEXT: %95 = stablehlo.rsqrt %94 : tensor<8x1xf32>
-// GOLDEN-NEXT: %96 = stablehlo.broadcast_in_dim %95, dims = [0, 1] : (tensor<8x1xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %97 = stablehlo.multiply %iterArg_23, %96 : tensor<8x32xf32>
-// GOLDEN-NEXT: %98 = stablehlo.broadcast_in_dim %24, dims = [0, 1] : (tensor<1x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %99 = stablehlo.multiply %97, %98 : tensor<8x32xf32>
-// GOLDEN-NEXT: %100 = stablehlo.dot_general %99, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<32x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %101 = stablehlo.multiply %87, %c_28 : tensor<ui32>
-// GOLDEN-NEXT: %102 = stablehlo.dynamic_update_slice %iterArg_24, %100, %101, %c_26 : (tensor<64x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %103 = stablehlo.dynamic_update_slice %iterArg_25, %iterArg_23, %101, %c_26 : (tensor<64x32xf32>, tensor<8x32xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x32xf32>
-// GOLDEN-NEXT: %104 = stablehlo.add %iterArg, %c_27 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %104, %85, %102, %103 : tensor<ui32>, tensor<8x32xf32>, tensor<64x16xf32>, tensor<64x32xf32>
+// GOLDEN-NEXT: %91 = stablehlo.reduce(%90 init: %cst_29) applies stablehlo.add across dimensions = [1] : (tensor<8x32xf32>, tensor<f32>) -> tensor<8xf32>
+// GOLDEN-NEXT: %92 = stablehlo.broadcast_in_dim %91, dims = [0] : (tensor<8xf32>) -> tensor<8x1xf32>
+// GOLDEN-NEXT: %93 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<8x1xf32>
+// GOLDEN-NEXT: %94 = stablehlo.divide %92, %93 : tensor<8x1xf32>
+// GOLDEN-NEXT: %95 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<8x1xf32>
+// GOLDEN-NEXT: %96 = stablehlo.add %94, %95 : tensor<8x1xf32>
+// GOLDEN-NEXT: %97 = stablehlo.rsqrt %96 : tensor<8x1xf32>
+// GOLDEN-NEXT: %98 = stablehlo.broadcast_in_dim %97, dims = [0, 1] : (tensor<8x1xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %99 = stablehlo.multiply %iterArg_23, %98 : tensor<8x32xf32>
+// GOLDEN-NEXT: %100 = stablehlo.broadcast_in_dim %30, dims = [0, 1] : (tensor<1x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %101 = stablehlo.multiply %99, %100 : tensor<8x32xf32>
+// GOLDEN-NEXT: %102 = stablehlo.dot_general %101, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<32x16xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %103 = stablehlo.multiply %89, %c_28 : tensor<ui32>
+// GOLDEN-NEXT: %104 = stablehlo.dynamic_update_slice %iterArg_24, %102, %103, %c_26 : (tensor<64x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %105 = stablehlo.dynamic_update_slice %iterArg_25, %iterArg_23, %103, %c_26 : (tensor<64x32xf32>, tensor<8x32xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x32xf32>
+// GOLDEN-NEXT: %106 = stablehlo.add %iterArg, %c_27 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %106, %87, %104, %105 : tensor<ui32>, tensor<8x32xf32>, tensor<64x16xf32>, tensor<64x32xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %26 = stablehlo.add %23, %c_5 : tensor<ui32>
-// GOLDEN-NEXT: %27 = stablehlo.remainder %26, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %28 = stablehlo.multiply %25#1, %25#1 : tensor<8x32xf32>
+// GOLDEN-NEXT: %32 = stablehlo.multiply %31#1, %31#1 : tensor<8x32xf32>
 // GOLDEN-NEXT: %cst_12 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %29 = stablehlo.reduce(%28 init: %cst_12) applies stablehlo.add across dimensions = [1] : (tensor<8x32xf32>, tensor<f32>) -> tensor<8xf32>
-// GOLDEN-NEXT: %30 = stablehlo.broadcast_in_dim %29, dims = [0] : (tensor<8xf32>) -> tensor<8x1xf32>
-// GOLDEN-NEXT: %31 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<8x1xf32>
-// GOLDEN-NEXT: %32 = stablehlo.divide %30, %31 : tensor<8x1xf32>
-// GOLDEN-NEXT: %33 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<8x1xf32>
-// GOLDEN-NEXT: %34 = stablehlo.add %32, %33 : tensor<8x1xf32>
-// GOLDEN-NEXT: %35 = stablehlo.rsqrt %34 : tensor<8x1xf32>
-// GOLDEN-NEXT: %36 = stablehlo.broadcast_in_dim %35, dims = [0, 1] : (tensor<8x1xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %37 = stablehlo.multiply %25#1, %36 : tensor<8x32xf32>
-// GOLDEN-NEXT: %38 = stablehlo.broadcast_in_dim %24, dims = [0, 1] : (tensor<1x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %39 = stablehlo.multiply %37, %38 : tensor<8x32xf32>
-// GOLDEN-NEXT: %40 = stablehlo.dot_general %39, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<32x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %41 = stablehlo.multiply %27, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %42 = stablehlo.dynamic_update_slice %25#2, %40, %41, %c : (tensor<64x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %43 = stablehlo.dynamic_update_slice %25#3, %25#1, %41, %c : (tensor<64x32xf32>, tensor<8x32xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x32xf32>
-// GOLDEN-NEXT: %44 = stablehlo.multiply %43, %43 : tensor<64x32xf32>
+// GOLDEN-NEXT: %33 = stablehlo.reduce(%32 init: %cst_12) applies stablehlo.add across dimensions = [1] : (tensor<8x32xf32>, tensor<f32>) -> tensor<8xf32>
+// GOLDEN-NEXT: %34 = stablehlo.broadcast_in_dim %33, dims = [0] : (tensor<8xf32>) -> tensor<8x1xf32>
+// GOLDEN-NEXT: %35 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<8x1xf32>
+// GOLDEN-NEXT: %36 = stablehlo.divide %34, %35 : tensor<8x1xf32>
+// GOLDEN-NEXT: %37 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<8x1xf32>
+// GOLDEN-NEXT: %38 = stablehlo.add %36, %37 : tensor<8x1xf32>
+// GOLDEN-NEXT: %39 = stablehlo.rsqrt %38 : tensor<8x1xf32>
+// GOLDEN-NEXT: %40 = stablehlo.broadcast_in_dim %39, dims = [0, 1] : (tensor<8x1xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %41 = stablehlo.multiply %31#1, %40 : tensor<8x32xf32>
+// GOLDEN-NEXT: %42 = stablehlo.broadcast_in_dim %30, dims = [0, 1] : (tensor<1x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %43 = stablehlo.multiply %41, %42 : tensor<8x32xf32>
+// GOLDEN-NEXT: %44 = stablehlo.dot_general %43, %arg6, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<32x16xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %45 = stablehlo.multiply %29, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %46 = stablehlo.dynamic_update_slice %31#2, %44, %45, %c : (tensor<64x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %47 = stablehlo.dynamic_update_slice %31#3, %31#1, %45, %c : (tensor<64x32xf32>, tensor<8x32xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x32xf32>
+// GOLDEN-NEXT: %48 = stablehlo.multiply %47, %47 : tensor<64x32xf32>
 // GOLDEN-NEXT: %cst_13 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %45 = stablehlo.reduce(%44 init: %cst_13) applies stablehlo.add across dimensions = [1] : (tensor<64x32xf32>, tensor<f32>) -> tensor<64xf32>
-// GOLDEN-NEXT: %46 = stablehlo.broadcast_in_dim %45, dims = [0] : (tensor<64xf32>) -> tensor<64x1xf32>
-// GOLDEN-NEXT: %47 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<64x1xf32>
-// GOLDEN-NEXT: %48 = stablehlo.divide %46, %47 : tensor<64x1xf32>
-// GOLDEN-NEXT: %49 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<64x1xf32>
-// GOLDEN-NEXT: %50 = stablehlo.add %48, %49 : tensor<64x1xf32>
-// GOLDEN-NEXT: %51 = stablehlo.rsqrt %50 : tensor<64x1xf32>
-// GOLDEN-NEXT: %52 = stablehlo.divide %51, %50 : tensor<64x1xf32>
+// GOLDEN-NEXT: %49 = stablehlo.reduce(%48 init: %cst_13) applies stablehlo.add across dimensions = [1] : (tensor<64x32xf32>, tensor<f32>) -> tensor<64xf32>
+// GOLDEN-NEXT: %50 = stablehlo.broadcast_in_dim %49, dims = [0] : (tensor<64xf32>) -> tensor<64x1xf32>
+// GOLDEN-NEXT: %51 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<64x1xf32>
+// GOLDEN-NEXT: %52 = stablehlo.divide %50, %51 : tensor<64x1xf32>
+// GOLDEN-NEXT: %53 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<64x1xf32>
+// GOLDEN-NEXT: %54 = stablehlo.add %52, %53 : tensor<64x1xf32>
+// GOLDEN-NEXT: %55 = stablehlo.rsqrt %54 : tensor<64x1xf32>
+// GOLDEN-NEXT: %56 = stablehlo.divide %55, %54 : tensor<64x1xf32>
 // GOLDEN-NEXT: %cst_14 = stablehlo.constant dense<-5.000000e-01> : tensor<f32>
-// GOLDEN-NEXT: %53 = stablehlo.broadcast_in_dim %cst_14, dims = [] : (tensor<f32>) -> tensor<64x1xf32>
-// GOLDEN-NEXT: %54 = stablehlo.multiply %53, %52 : tensor<64x1xf32>
-// GOLDEN-NEXT: %55 = stablehlo.broadcast_in_dim %51, dims = [0, 1] : (tensor<64x1xf32>) -> tensor<64x32xf32>
-// GOLDEN-NEXT: %56 = stablehlo.multiply %43, %55 : tensor<64x32xf32>
-// GOLDEN-NEXT: %57 = stablehlo.broadcast_in_dim %24, dims = [0, 1] : (tensor<1x32xf32>) -> tensor<64x32xf32>
-// GOLDEN-NEXT: %58 = stablehlo.multiply %56, %57 : tensor<64x32xf32>
-// GOLDEN-NEXT: %59 = stablehlo.multiply %42, %42 : tensor<64x16xf32>
-// GOLDEN-NEXT: %60 = stablehlo.multiply %59, %42 : tensor<64x16xf32>
-// GOLDEN-NEXT: %61 = stablehlo.multiply %42, %42 : tensor<64x16xf32>
+// GOLDEN-NEXT: %57 = stablehlo.broadcast_in_dim %cst_14, dims = [] : (tensor<f32>) -> tensor<64x1xf32>
+// GOLDEN-NEXT: %58 = stablehlo.multiply %57, %56 : tensor<64x1xf32>
+// GOLDEN-NEXT: %59 = stablehlo.broadcast_in_dim %55, dims = [0, 1] : (tensor<64x1xf32>) -> tensor<64x32xf32>
+// GOLDEN-NEXT: %60 = stablehlo.multiply %47, %59 : tensor<64x32xf32>
+// GOLDEN-NEXT: %61 = stablehlo.broadcast_in_dim %30, dims = [0, 1] : (tensor<1x32xf32>) -> tensor<64x32xf32>
+// GOLDEN-NEXT: %62 = stablehlo.multiply %60, %61 : tensor<64x32xf32>
+// GOLDEN-NEXT: %63 = stablehlo.multiply %46, %46 : tensor<64x16xf32>
+// GOLDEN-NEXT: %64 = stablehlo.multiply %63, %46 : tensor<64x16xf32>
+// GOLDEN-NEXT: %65 = stablehlo.multiply %46, %46 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_15 = stablehlo.constant dense<3.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %62 = stablehlo.broadcast_in_dim %cst_15, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %63 = stablehlo.multiply %62, %61 : tensor<64x16xf32>
+// GOLDEN-NEXT: %66 = stablehlo.broadcast_in_dim %cst_15, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %67 = stablehlo.multiply %66, %65 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_16 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// GOLDEN-NEXT: %64 = stablehlo.broadcast_in_dim %cst_16, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %65 = stablehlo.multiply %64, %60 : tensor<64x16xf32>
-// GOLDEN-NEXT: %66 = stablehlo.add %42, %65 : tensor<64x16xf32>
+// GOLDEN-NEXT: %68 = stablehlo.broadcast_in_dim %cst_16, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %69 = stablehlo.multiply %68, %64 : tensor<64x16xf32>
+// GOLDEN-NEXT: %70 = stablehlo.add %46, %69 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_17 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// GOLDEN-NEXT: %67 = stablehlo.broadcast_in_dim %cst_17, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %68 = stablehlo.multiply %67, %66 : tensor<64x16xf32>
-// GOLDEN-NEXT: %69 = stablehlo.tanh %68 : tensor<64x16xf32>
+// GOLDEN-NEXT: %71 = stablehlo.broadcast_in_dim %cst_17, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %72 = stablehlo.multiply %71, %70 : tensor<64x16xf32>
+// GOLDEN-NEXT: %73 = stablehlo.tanh %72 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_18 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %70 = stablehlo.broadcast_in_dim %cst_18, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %71 = stablehlo.subtract %70, %69 : tensor<64x16xf32>
+// GOLDEN-NEXT: %74 = stablehlo.broadcast_in_dim %cst_18, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %75 = stablehlo.subtract %74, %73 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_19 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %72 = stablehlo.broadcast_in_dim %cst_19, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %73 = stablehlo.add %72, %69 : tensor<64x16xf32>
+// GOLDEN-NEXT: %76 = stablehlo.broadcast_in_dim %cst_19, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %77 = stablehlo.add %76, %73 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_20 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// GOLDEN-NEXT: %74 = stablehlo.broadcast_in_dim %cst_20, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %75 = stablehlo.multiply %74, %73 : tensor<64x16xf32>
-// GOLDEN-NEXT: %76 = stablehlo.multiply %42, %75 : tensor<64x16xf32>
-// GOLDEN-NEXT: %77 = stablehlo.add %23, %c_4 : tensor<ui32>
-// GOLDEN-NEXT: %78 = stablehlo.remainder %77, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %79 = stablehlo.multiply %78, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %80 = stablehlo.dynamic_slice %76, %79, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %81 = stablehlo.dot_general %80, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %82:2 = stablehlo.while(%iterArg = %c, %iterArg_23 = %81) : tensor<ui32>, tensor<8x32xf32>
+// GOLDEN-NEXT: %78 = stablehlo.broadcast_in_dim %cst_20, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %79 = stablehlo.multiply %78, %77 : tensor<64x16xf32>
+// GOLDEN-NEXT: %80 = stablehlo.multiply %46, %79 : tensor<64x16xf32>
+// GOLDEN-NEXT: %81 = stablehlo.multiply %26, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %82 = stablehlo.dynamic_slice %80, %81, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %83 = stablehlo.dot_general %82, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %84:2 = stablehlo.while(%iterArg = %c, %iterArg_23 = %83) : tensor<ui32>, tensor<8x32xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_24 = stablehlo.constant dense<7> : tensor<ui32>
-// GOLDEN-NEXT: %85 = stablehlo.compare LT, %iterArg, %c_24, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %85 : tensor<i1>
+// GOLDEN-NEXT: %87 = stablehlo.compare LT, %iterArg, %c_24, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %87 : tensor<i1>
 // GOLDEN-NEXT: } do {
 // GOLDEN-NEXT: %c_24 = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %c_25 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_26 = stablehlo.constant dense<2> : tensor<ui32>
 // GOLDEN-NEXT: %c_27 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %85 = "stablehlo.collective_permute"(%iterArg_23) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %86 = stablehlo.add %iterArg, %c_26 : tensor<ui32>
-// GOLDEN-NEXT: %87 = stablehlo.add %23, %86 : tensor<ui32>
-// GOLDEN-NEXT: %88 = stablehlo.remainder %87, %c_27 : tensor<ui32>
-// GOLDEN-NEXT: %89 = stablehlo.multiply %88, %c_27 : tensor<ui32>
-// GOLDEN-NEXT: %90 = stablehlo.dynamic_slice %76, %89, %c_24, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %91 = stablehlo.dot_general %90, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %92 = stablehlo.add %85, %91 : tensor<8x32xf32>
-// GOLDEN-NEXT: %93 = stablehlo.add %iterArg, %c_25 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %93, %92 : tensor<ui32>, tensor<8x32xf32>
+// GOLDEN-NEXT: %87 = "stablehlo.collective_permute"(%iterArg_23) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %88 = stablehlo.add %iterArg, %c_26 : tensor<ui32>
+// GOLDEN-NEXT: %89 = stablehlo.add %23, %88 : tensor<ui32>
+// GOLDEN-NEXT: %90 = stablehlo.remainder %89, %c_27 : tensor<ui32>
+// GOLDEN-NEXT: %91 = stablehlo.multiply %90, %c_27 : tensor<ui32>
+// GOLDEN-NEXT: %92 = stablehlo.dynamic_slice %80, %91, %c_24, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %93 = stablehlo.dot_general %92, %arg7, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %94 = stablehlo.add %87, %93 : tensor<8x32xf32>
+// GOLDEN-NEXT: %95 = stablehlo.add %iterArg, %c_25 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %95, %94 : tensor<ui32>, tensor<8x32xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: %cst_21 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// GOLDEN-NEXT: %83 = stablehlo.broadcast_in_dim %cst_21, dims = [] : (tensor<f32>) -> tensor<1xf32>
+// GOLDEN-NEXT: %85 = stablehlo.broadcast_in_dim %cst_21, dims = [] : (tensor<f32>) -> tensor<1xf32>
 // GOLDEN-NEXT: %cst_22 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// GOLDEN-NEXT: %84 = stablehlo.broadcast_in_dim %cst_22, dims = [] : (tensor<f32>) -> tensor<1xf32>
-// GOLDEN-NEXT: sdy.return %43, %54, %51, %24, %56, %58, %63, %83, %69, %71, %84, %75, %42, %76, %82#1 : tensor<64x32xf32>, tensor<64x1xf32>, tensor<64x1xf32>, tensor<1x32xf32>, tensor<64x32xf32>, tensor<64x32xf32>, tensor<64x16xf32>, tensor<1xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<1xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<8x32xf32>
+// GOLDEN-NEXT: %86 = stablehlo.broadcast_in_dim %cst_22, dims = [] : (tensor<f32>) -> tensor<1xf32>
+// GOLDEN-NEXT: sdy.return %47, %58, %55, %30, %60, %62, %67, %85, %73, %75, %86, %79, %46, %80, %84#1 : tensor<64x32xf32>, tensor<64x1xf32>, tensor<64x1xf32>, tensor<1x32xf32>, tensor<64x32xf32>, tensor<64x32xf32>, tensor<64x16xf32>, tensor<1xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<1xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<64x16xf32>, tensor<8x32xf32>
 // GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<32xf32>, tensor<32x128xf32>, tensor<128x32xf32>) -> (tensor<512x32xf32>, tensor<512x1xf32>, tensor<512x1xf32>, tensor<8x32xf32>, tensor<512x32xf32>, tensor<512x32xf32>, tensor<512x16xf32>, tensor<8xf32>, tensor<512x16xf32>, tensor<512x16xf32>, tensor<8xf32>, tensor<512x16xf32>, tensor<512x16xf32>, tensor<512x16xf32>, tensor<64x32xf32>)
 // GOLDEN-NEXT: %1 = stablehlo.multiply %0#14, %0#14 : tensor<64x32xf32>
 // GOLDEN-NEXT: %2 = sdy.sharding_constraint %1 <@mesh, [{"model"}, {}]> : tensor<64x32xf32>
@@ -190,150 +192,152 @@
 // GOLDEN-NEXT: %19 = sdy.sharding_constraint %18 <@mesh, [{"model"}, {}]> : tensor<64x32xf32>
 // GOLDEN-NEXT: %20:4 = sdy.manual_computation(%19, %0#0, %0#1, %0#2, %0#3, %0#4, %arg2, %0#5, %0#6, %0#7, %0#8, %0#9, %0#10, %0#11, %0#12, %arg3, %0#13) in_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"model"}, {}]>, <@mesh, [{}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] manual_axes={"model"} (%arg4: tensor<8x32xf32>, %arg5: tensor<64x32xf32>, %arg6: tensor<64x1xf32>, %arg7: tensor<64x1xf32>, %arg8: tensor<1x32xf32>, %arg9: tensor<64x32xf32>, %arg10: tensor<32x16xf32>, %arg11: tensor<64x32xf32>, %arg12: tensor<64x16xf32>, %arg13: tensor<1xf32>, %arg14: tensor<64x16xf32>, %arg15: tensor<64x16xf32>, %arg16: tensor<1xf32>, %arg17: tensor<64x16xf32>, %arg18: tensor<64x16xf32>, %arg19: tensor<16x32xf32>, %arg20: tensor<64x16xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<7> : tensor<ui32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<0.000000e+00> : tensor<32x16xf32>
-// GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<0.000000e+00> : tensor<64x16xf32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<0.000000e+00> : tensor<32x16xf32>
+// GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<0.000000e+00> : tensor<64x16xf32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<[0, 1, 2, 3, 4, 5, 6, 7]> : tensor<8xui32>
 // GOLDEN-NEXT: %21 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %c_9, %21, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %c_7, %21, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %23 = stablehlo.reshape %22 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %24 = stablehlo.reshape %arg13 : (tensor<1xf32>) -> tensor<f32>
-// GOLDEN-NEXT: %25 = stablehlo.reshape %arg16 : (tensor<1xf32>) -> tensor<f32>
-// GOLDEN-NEXT: %26:4 = stablehlo.while(%iterArg = %c, %iterArg_16 = %arg4, %iterArg_17 = %cst_7, %iterArg_18 = %cst_8) : tensor<ui32>, tensor<8x32xf32>, tensor<32x16xf32>, tensor<64x16xf32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<[1, 2, 3, 4, 5, 6, 7, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %24 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %25 = stablehlo.dynamic_slice %c_8, %24, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %26 = stablehlo.reshape %25 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<[7, 0, 1, 2, 3, 4, 5, 6]> : tensor<8xui32>
+// GOLDEN-NEXT: %27 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %28 = stablehlo.dynamic_slice %c_9, %27, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %29 = stablehlo.reshape %28 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %30 = stablehlo.reshape %arg13 : (tensor<1xf32>) -> tensor<f32>
+// GOLDEN-NEXT: %31 = stablehlo.reshape %arg16 : (tensor<1xf32>) -> tensor<f32>
+// GOLDEN-NEXT: %32:4 = stablehlo.while(%iterArg = %c, %iterArg_16 = %arg4, %iterArg_17 = %cst_5, %iterArg_18 = %cst_6) : tensor<ui32>, tensor<8x32xf32>, tensor<32x16xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_19 = stablehlo.constant dense<7> : tensor<ui32>
-// GOLDEN-NEXT: %83 = stablehlo.compare LT, %iterArg, %c_19, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %83 : tensor<i1>
+// GOLDEN-NEXT: %85 = stablehlo.compare LT, %iterArg, %c_19, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %85 : tensor<i1>
 // GOLDEN-NEXT: } do {
 // GOLDEN-NEXT: %c_19 = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %c_20 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_21 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %83 = "stablehlo.collective_permute"(%iterArg_16) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %84 = stablehlo.add %23, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %85 = stablehlo.remainder %84, %c_21 : tensor<ui32>
-// GOLDEN-NEXT: %86 = stablehlo.multiply %85, %c_21 : tensor<ui32>
-// GOLDEN-NEXT: %87 = stablehlo.dynamic_slice %arg20, %86, %c_19, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %88 = stablehlo.dot_general %iterArg_16, %87, contracting_dims = [0] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<8x16xf32>) -> tensor<32x16xf32>
-// GOLDEN-NEXT: %89 = stablehlo.add %iterArg_17, %88 : tensor<32x16xf32>
-// GOLDEN-NEXT: %90 = stablehlo.dot_general %iterArg_16, %arg19, contracting_dims = [1] x [1], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<16x32xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %91 = stablehlo.dynamic_update_slice %iterArg_18, %90, %86, %c_19 : (tensor<64x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %92 = stablehlo.add %iterArg, %c_20 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %92, %83, %89, %91 : tensor<ui32>, tensor<8x32xf32>, tensor<32x16xf32>, tensor<64x16xf32>
+// GOLDEN-NEXT: %85 = "stablehlo.collective_permute"(%iterArg_16) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %86 = stablehlo.add %23, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %87 = stablehlo.remainder %86, %c_21 : tensor<ui32>
+// GOLDEN-NEXT: %88 = stablehlo.multiply %87, %c_21 : tensor<ui32>
+// GOLDEN-NEXT: %89 = stablehlo.dynamic_slice %arg20, %88, %c_19, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %90 = stablehlo.dot_general %iterArg_16, %89, contracting_dims = [0] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<8x16xf32>) -> tensor<32x16xf32>
+// GOLDEN-NEXT: %91 = stablehlo.add %iterArg_17, %90 : tensor<32x16xf32>
+// GOLDEN-NEXT: %92 = stablehlo.dot_general %iterArg_16, %arg19, contracting_dims = [1] x [1], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<16x32xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %93 = stablehlo.dynamic_update_slice %iterArg_18, %92, %88, %c_19 : (tensor<64x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %94 = stablehlo.add %iterArg, %c_20 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %94, %85, %91, %93 : tensor<ui32>, tensor<8x32xf32>, tensor<32x16xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %27 = stablehlo.add %23, %c_5 : tensor<ui32>
-// GOLDEN-NEXT: %28 = stablehlo.remainder %27, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %29 = stablehlo.multiply %28, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %30 = stablehlo.dynamic_slice %arg20, %29, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %31 = stablehlo.dot_general %26#1, %30, contracting_dims = [0] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<8x16xf32>) -> tensor<32x16xf32>
-// GOLDEN-NEXT: %32 = stablehlo.add %26#2, %31 : tensor<32x16xf32>
-// GOLDEN-NEXT: %33 = stablehlo.dot_general %26#1, %arg19, contracting_dims = [1] x [1], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<16x32xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %34 = stablehlo.dynamic_update_slice %26#3, %33, %29, %c : (tensor<64x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %35 = stablehlo.transpose %32, dims = [1, 0] : (tensor<32x16xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %36 = stablehlo.multiply %arg18, %34 : tensor<64x16xf32>
-// GOLDEN-NEXT: %37 = stablehlo.multiply %34, %arg17 : tensor<64x16xf32>
-// GOLDEN-NEXT: %38 = stablehlo.broadcast_in_dim %25, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %39 = stablehlo.multiply %38, %36 : tensor<64x16xf32>
-// GOLDEN-NEXT: %40 = stablehlo.multiply %39, %arg15 : tensor<64x16xf32>
-// GOLDEN-NEXT: %41 = stablehlo.multiply %40, %arg14 : tensor<64x16xf32>
-// GOLDEN-NEXT: %42 = stablehlo.add %40, %41 : tensor<64x16xf32>
+// GOLDEN-NEXT: %33 = stablehlo.multiply %29, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %34 = stablehlo.dynamic_slice %arg20, %33, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %35 = stablehlo.dot_general %32#1, %34, contracting_dims = [0] x [0], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<8x16xf32>) -> tensor<32x16xf32>
+// GOLDEN-NEXT: %36 = stablehlo.add %32#2, %35 : tensor<32x16xf32>
+// GOLDEN-NEXT: %37 = stablehlo.dot_general %32#1, %arg19, contracting_dims = [1] x [1], precision = [DEFAULT, DEFAULT] : (tensor<8x32xf32>, tensor<16x32xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %38 = stablehlo.dynamic_update_slice %32#3, %37, %33, %c : (tensor<64x16xf32>, tensor<8x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %39 = stablehlo.transpose %36, dims = [1, 0] : (tensor<32x16xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %40 = stablehlo.multiply %arg18, %38 : tensor<64x16xf32>
+// GOLDEN-NEXT: %41 = stablehlo.multiply %38, %arg17 : tensor<64x16xf32>
+// GOLDEN-NEXT: %42 = stablehlo.broadcast_in_dim %31, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %43 = stablehlo.multiply %42, %40 : tensor<64x16xf32>
+// GOLDEN-NEXT: %44 = stablehlo.multiply %43, %arg15 : tensor<64x16xf32>
+// GOLDEN-NEXT: %45 = stablehlo.multiply %44, %arg14 : tensor<64x16xf32>
+// GOLDEN-NEXT: %46 = stablehlo.add %44, %45 : tensor<64x16xf32>
 // GOLDEN-NEXT: %cst_10 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// GOLDEN-NEXT: %43 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %44 = stablehlo.multiply %43, %42 : tensor<64x16xf32>
-// GOLDEN-NEXT: %45 = stablehlo.add %37, %44 : tensor<64x16xf32>
-// GOLDEN-NEXT: %46 = stablehlo.broadcast_in_dim %24, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
-// GOLDEN-NEXT: %47 = stablehlo.multiply %46, %44 : tensor<64x16xf32>
-// GOLDEN-NEXT: %48 = stablehlo.multiply %47, %arg12 : tensor<64x16xf32>
-// GOLDEN-NEXT: %49 = stablehlo.add %45, %48 : tensor<64x16xf32>
-// GOLDEN-NEXT: %50 = stablehlo.dot_general %49, %arg11, contracting_dims = [0] x [0], precision = [DEFAULT, DEFAULT] : (tensor<64x16xf32>, tensor<64x32xf32>) -> tensor<16x32xf32>
-// GOLDEN-NEXT: %51 = stablehlo.transpose %50, dims = [1, 0] : (tensor<16x32xf32>) -> tensor<32x16xf32>
+// GOLDEN-NEXT: %47 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %48 = stablehlo.multiply %47, %46 : tensor<64x16xf32>
+// GOLDEN-NEXT: %49 = stablehlo.add %41, %48 : tensor<64x16xf32>
+// GOLDEN-NEXT: %50 = stablehlo.broadcast_in_dim %30, dims = [] : (tensor<f32>) -> tensor<64x16xf32>
+// GOLDEN-NEXT: %51 = stablehlo.multiply %50, %48 : tensor<64x16xf32>
+// GOLDEN-NEXT: %52 = stablehlo.multiply %51, %arg12 : tensor<64x16xf32>
+// GOLDEN-NEXT: %53 = stablehlo.add %49, %52 : tensor<64x16xf32>
+// GOLDEN-NEXT: %54 = stablehlo.dot_general %53, %arg11, contracting_dims = [0] x [0], precision = [DEFAULT, DEFAULT] : (tensor<64x16xf32>, tensor<64x32xf32>) -> tensor<16x32xf32>
+// GOLDEN-NEXT: %55 = stablehlo.transpose %54, dims = [1, 0] : (tensor<16x32xf32>) -> tensor<32x16xf32>
 // GOLDEN-NEXT: %cst_11 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %52 = stablehlo.broadcast_in_dim %arg7, dims = [0, 1] : (tensor<64x1xf32>) -> tensor<64x32xf32>
+// GOLDEN-NEXT: %56 = stablehlo.broadcast_in_dim %arg7, dims = [0, 1] : (tensor<64x1xf32>) -> tensor<64x32xf32>
 // GOLDEN-NEXT: %cst_12 = stablehlo.constant dense<3.200000e+01> : tensor<f32>
-// GOLDEN-NEXT: %53 = stablehlo.add %23, %c_4 : tensor<ui32>
-// GOLDEN-NEXT: %54 = stablehlo.remainder %53, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %55 = stablehlo.multiply %54, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %56 = stablehlo.dynamic_slice %49, %55, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %57 = stablehlo.dot_general %56, %arg10, contracting_dims = [1] x [1], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<32x16xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %58 = stablehlo.dynamic_slice %arg9, %55, %c, sizes = [8, 32] : (tensor<64x32xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %59 = stablehlo.multiply %58, %57 : tensor<8x32xf32>
+// GOLDEN-NEXT: %57 = stablehlo.multiply %26, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %58 = stablehlo.dynamic_slice %53, %57, %c, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %59 = stablehlo.dot_general %58, %arg10, contracting_dims = [1] x [1], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<32x16xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %60 = stablehlo.dynamic_slice %arg9, %57, %c, sizes = [8, 32] : (tensor<64x32xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %61 = stablehlo.multiply %60, %59 : tensor<8x32xf32>
 // GOLDEN-NEXT: %cst_13 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %60 = stablehlo.reduce(%59 init: %cst_13) applies stablehlo.add across dimensions = [0] : (tensor<8x32xf32>, tensor<f32>) -> tensor<32xf32>
-// GOLDEN-NEXT: %61 = stablehlo.broadcast_in_dim %arg8, dims = [0, 1] : (tensor<1x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %62 = stablehlo.multiply %57, %61 : tensor<8x32xf32>
-// GOLDEN-NEXT: %63 = stablehlo.dynamic_slice %arg5, %55, %c, sizes = [8, 32] : (tensor<64x32xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %64 = stablehlo.multiply %63, %62 : tensor<8x32xf32>
+// GOLDEN-NEXT: %62 = stablehlo.reduce(%61 init: %cst_13) applies stablehlo.add across dimensions = [0] : (tensor<8x32xf32>, tensor<f32>) -> tensor<32xf32>
+// GOLDEN-NEXT: %63 = stablehlo.broadcast_in_dim %arg8, dims = [0, 1] : (tensor<1x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %64 = stablehlo.multiply %59, %63 : tensor<8x32xf32>
+// GOLDEN-NEXT: %65 = stablehlo.dynamic_slice %arg5, %57, %c, sizes = [8, 32] : (tensor<64x32xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %66 = stablehlo.multiply %65, %64 : tensor<8x32xf32>
 // GOLDEN-NEXT: %cst_14 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %65 = stablehlo.reduce(%64 init: %cst_14) applies stablehlo.add across dimensions = [1] : (tensor<8x32xf32>, tensor<f32>) -> tensor<8xf32>
-// GOLDEN-NEXT: %66 = stablehlo.reshape %65 : (tensor<8xf32>) -> tensor<8x1xf32>
-// GOLDEN-NEXT: %67 = stablehlo.dynamic_slice %52, %55, %c, sizes = [8, 32] : (tensor<64x32xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %68 = stablehlo.multiply %62, %67 : tensor<8x32xf32>
-// GOLDEN-NEXT: %69 = stablehlo.dynamic_slice %arg6, %55, %c, sizes = [8, 1] : (tensor<64x1xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x1xf32>
-// GOLDEN-NEXT: %70 = stablehlo.multiply %66, %69 : tensor<8x1xf32>
-// GOLDEN-NEXT: %71 = stablehlo.broadcast_in_dim %cst_12, dims = [] : (tensor<f32>) -> tensor<8x1xf32>
-// GOLDEN-NEXT: %72 = stablehlo.divide %70, %71 : tensor<8x1xf32>
+// GOLDEN-NEXT: %67 = stablehlo.reduce(%66 init: %cst_14) applies stablehlo.add across dimensions = [1] : (tensor<8x32xf32>, tensor<f32>) -> tensor<8xf32>
+// GOLDEN-NEXT: %68 = stablehlo.reshape %67 : (tensor<8xf32>) -> tensor<8x1xf32>
+// GOLDEN-NEXT: %69 = stablehlo.dynamic_slice %56, %57, %c, sizes = [8, 32] : (tensor<64x32xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %70 = stablehlo.multiply %64, %69 : tensor<8x32xf32>
+// GOLDEN-NEXT: %71 = stablehlo.dynamic_slice %arg6, %57, %c, sizes = [8, 1] : (tensor<64x1xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x1xf32>
+// GOLDEN-NEXT: %72 = stablehlo.multiply %68, %71 : tensor<8x1xf32>
+// GOLDEN-NEXT: %73 = stablehlo.broadcast_in_dim %cst_12, dims = [] : (tensor<f32>) -> tensor<8x1xf32>
+// GOLDEN-NEXT: %74 = stablehlo.divide %72, %73 : tensor<8x1xf32>
 // GOLDEN-NEXT: %cst_15 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %73 = stablehlo.reduce(%72 init: %cst_15) applies stablehlo.add across dimensions = [1] : (tensor<8x1xf32>, tensor<f32>) -> tensor<8xf32>
-// GOLDEN-NEXT: %74 = stablehlo.broadcast_in_dim %73, dims = [0] : (tensor<8xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %75 = stablehlo.multiply %63, %74 : tensor<8x32xf32>
-// GOLDEN-NEXT: %76 = stablehlo.add %68, %75 : tensor<8x32xf32>
-// GOLDEN-NEXT: %77 = stablehlo.multiply %74, %63 : tensor<8x32xf32>
-// GOLDEN-NEXT: %78 = stablehlo.add %76, %77 : tensor<8x32xf32>
-// GOLDEN-NEXT: %79:3 = stablehlo.while(%iterArg = %c, %iterArg_16 = %78, %iterArg_17 = %60) : tensor<ui32>, tensor<8x32xf32>, tensor<32xf32>
+// GOLDEN-NEXT: %75 = stablehlo.reduce(%74 init: %cst_15) applies stablehlo.add across dimensions = [1] : (tensor<8x1xf32>, tensor<f32>) -> tensor<8xf32>
+// GOLDEN-NEXT: %76 = stablehlo.broadcast_in_dim %75, dims = [0] : (tensor<8xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %77 = stablehlo.multiply %65, %76 : tensor<8x32xf32>
+// GOLDEN-NEXT: %78 = stablehlo.add %70, %77 : tensor<8x32xf32>
+// GOLDEN-NEXT: %79 = stablehlo.multiply %76, %65 : tensor<8x32xf32>
+// GOLDEN-NEXT: %80 = stablehlo.add %78, %79 : tensor<8x32xf32>
+// GOLDEN-NEXT: %81:3 = stablehlo.while(%iterArg = %c, %iterArg_16 = %80, %iterArg_17 = %62) : tensor<ui32>, tensor<8x32xf32>, tensor<32xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_18 = stablehlo.constant dense<7> : tensor<ui32>
-// GOLDEN-NEXT: %83 = stablehlo.compare LT, %iterArg, %c_18, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %83 : tensor<i1>
+// GOLDEN-NEXT: %85 = stablehlo.compare LT, %iterArg, %c_18, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %85 : tensor<i1>
 // GOLDEN-NEXT: } do {
 // GOLDEN-NEXT: %c_18 = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %c_19 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_20 = stablehlo.constant dense<2> : tensor<ui32>
 // GOLDEN-NEXT: %c_21 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %83 = "stablehlo.collective_permute"(%iterArg_16) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %84 = stablehlo.add %iterArg, %c_20 : tensor<ui32>
-// GOLDEN-NEXT: %85 = stablehlo.add %23, %84 : tensor<ui32>
-// GOLDEN-NEXT: %86 = stablehlo.remainder %85, %c_21 : tensor<ui32>
-// GOLDEN-NEXT: %87 = stablehlo.multiply %86, %c_21 : tensor<ui32>
-// GOLDEN-NEXT: %88 = stablehlo.dynamic_slice %49, %87, %c_18, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %89 = stablehlo.dot_general %88, %arg10, contracting_dims = [1] x [1], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<32x16xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %90 = stablehlo.dynamic_slice %arg9, %87, %c_18, sizes = [8, 32] : (tensor<64x32xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %91 = stablehlo.multiply %90, %89 : tensor<8x32xf32>
+// GOLDEN-NEXT: %85 = "stablehlo.collective_permute"(%iterArg_16) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<8x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %86 = stablehlo.add %iterArg, %c_20 : tensor<ui32>
+// GOLDEN-NEXT: %87 = stablehlo.add %23, %86 : tensor<ui32>
+// GOLDEN-NEXT: %88 = stablehlo.remainder %87, %c_21 : tensor<ui32>
+// GOLDEN-NEXT: %89 = stablehlo.multiply %88, %c_21 : tensor<ui32>
+// GOLDEN-NEXT: %90 = stablehlo.dynamic_slice %53, %89, %c_18, sizes = [8, 16] : (tensor<64x16xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %91 = stablehlo.dot_general %90, %arg10, contracting_dims = [1] x [1], precision = [DEFAULT, DEFAULT] : (tensor<8x16xf32>, tensor<32x16xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %92 = stablehlo.dynamic_slice %arg9, %89, %c_18, sizes = [8, 32] : (tensor<64x32xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %93 = stablehlo.multiply %92, %91 : tensor<8x32xf32>
 // GOLDEN-NEXT: %cst_22 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %92 = stablehlo.reduce(%91 init: %cst_22) applies stablehlo.add across dimensions = [0] : (tensor<8x32xf32>, tensor<f32>) -> tensor<32xf32>
-// GOLDEN-NEXT: %93 = stablehlo.broadcast_in_dim %arg8, dims = [0, 1] : (tensor<1x32xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %94 = stablehlo.multiply %89, %93 : tensor<8x32xf32>
-// GOLDEN-NEXT: %95 = stablehlo.dynamic_slice %arg5, %87, %c_18, sizes = [8, 32] : (tensor<64x32xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %96 = stablehlo.multiply %95, %94 : tensor<8x32xf32>
+// GOLDEN-NEXT: %94 = stablehlo.reduce(%93 init: %cst_22) applies stablehlo.add across dimensions = [0] : (tensor<8x32xf32>, tensor<f32>) -> tensor<32xf32>
+// GOLDEN-NEXT: %95 = stablehlo.broadcast_in_dim %arg8, dims = [0, 1] : (tensor<1x32xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %96 = stablehlo.multiply %91, %95 : tensor<8x32xf32>
+// GOLDEN-NEXT: %97 = stablehlo.dynamic_slice %arg5, %89, %c_18, sizes = [8, 32] : (tensor<64x32xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %98 = stablehlo.multiply %97, %96 : tensor<8x32xf32>
 // GOLDEN-NEXT: %cst_23 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %97 = stablehlo.reduce(%96 init: %cst_23) applies stablehlo.add across dimensions = [1] : (tensor<8x32xf32>, tensor<f32>) -> tensor<8xf32>
-// GOLDEN-NEXT: %98 = stablehlo.reshape %97 : (tensor<8xf32>) -> tensor<8x1xf32>
-// GOLDEN-NEXT: %99 = stablehlo.dynamic_slice %52, %87, %c_18, sizes = [8, 32] : (tensor<64x32xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %100 = stablehlo.multiply %94, %99 : tensor<8x32xf32>
-// GOLDEN-NEXT: %101 = stablehlo.dynamic_slice %arg6, %87, %c_18, sizes = [8, 1] : (tensor<64x1xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x1xf32>
-// GOLDEN-NEXT: %102 = stablehlo.multiply %98, %101 : tensor<8x1xf32>
-// GOLDEN-NEXT: %103 = stablehlo.broadcast_in_dim %cst_12, dims = [] : (tensor<f32>) -> tensor<8x1xf32>
-// GOLDEN-NEXT: %104 = stablehlo.divide %102, %103 : tensor<8x1xf32>
+// GOLDEN-NEXT: %99 = stablehlo.reduce(%98 init: %cst_23) applies stablehlo.add across dimensions = [1] : (tensor<8x32xf32>, tensor<f32>) -> tensor<8xf32>
+// GOLDEN-NEXT: %100 = stablehlo.reshape %99 : (tensor<8xf32>) -> tensor<8x1xf32>
+// GOLDEN-NEXT: %101 = stablehlo.dynamic_slice %56, %89, %c_18, sizes = [8, 32] : (tensor<64x32xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %102 = stablehlo.multiply %96, %101 : tensor<8x32xf32>
+// GOLDEN-NEXT: %103 = stablehlo.dynamic_slice %arg6, %89, %c_18, sizes = [8, 1] : (tensor<64x1xf32>, tensor<ui32>, tensor<ui32>) -> tensor<8x1xf32>
+// GOLDEN-NEXT: %104 = stablehlo.multiply %100, %103 : tensor<8x1xf32>
+// GOLDEN-NEXT: %105 = stablehlo.broadcast_in_dim %cst_12, dims = [] : (tensor<f32>) -> tensor<8x1xf32>
+// GOLDEN-NEXT: %106 = stablehlo.divide %104, %105 : tensor<8x1xf32>
 // GOLDEN-NEXT: %cst_24 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %105 = stablehlo.reduce(%104 init: %cst_24) applies stablehlo.add across dimensions = [1] : (tensor<8x1xf32>, tensor<f32>) -> tensor<8xf32>
-// GOLDEN-NEXT: %106 = stablehlo.broadcast_in_dim %105, dims = [0] : (tensor<8xf32>) -> tensor<8x32xf32>
-// GOLDEN-NEXT: %107 = stablehlo.multiply %95, %106 : tensor<8x32xf32>
-// GOLDEN-NEXT: %108 = stablehlo.add %100, %107 : tensor<8x32xf32>
-// GOLDEN-NEXT: %109 = stablehlo.multiply %106, %95 : tensor<8x32xf32>
-// GOLDEN-NEXT: %110 = stablehlo.add %108, %109 : tensor<8x32xf32>
-// GOLDEN-NEXT: %111 = stablehlo.add %83, %110 : tensor<8x32xf32>
-// GOLDEN-NEXT: %112 = stablehlo.add %iterArg_17, %92 : tensor<32xf32>
-// GOLDEN-NEXT: %113 = stablehlo.add %iterArg, %c_19 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %113, %111, %112 : tensor<ui32>, tensor<8x32xf32>, tensor<32xf32>
+// GOLDEN-NEXT: %107 = stablehlo.reduce(%106 init: %cst_24) applies stablehlo.add across dimensions = [1] : (tensor<8x1xf32>, tensor<f32>) -> tensor<8xf32>
+// GOLDEN-NEXT: %108 = stablehlo.broadcast_in_dim %107, dims = [0] : (tensor<8xf32>) -> tensor<8x32xf32>
+// GOLDEN-NEXT: %109 = stablehlo.multiply %97, %108 : tensor<8x32xf32>
+// GOLDEN-NEXT: %110 = stablehlo.add %102, %109 : tensor<8x32xf32>
+// GOLDEN-NEXT: %111 = stablehlo.multiply %108, %97 : tensor<8x32xf32>
+// GOLDEN-NEXT: %112 = stablehlo.add %110, %111 : tensor<8x32xf32>
+// GOLDEN-NEXT: %113 = stablehlo.add %85, %112 : tensor<8x32xf32>
+// GOLDEN-NEXT: %114 = stablehlo.add %iterArg_17, %94 : tensor<32xf32>
+// GOLDEN-NEXT: %115 = stablehlo.add %iterArg, %c_19 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %115, %113, %114 : tensor<ui32>, tensor<8x32xf32>, tensor<32xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %80 = stablehlo.reshape %79#2 : (tensor<32xf32>) -> tensor<1x32xf32>
-// GOLDEN-NEXT: %81 = stablehlo.reduce(%80 init: %cst_11) applies stablehlo.add across dimensions = [0] : (tensor<1x32xf32>, tensor<f32>) -> tensor<32xf32>
-// GOLDEN-NEXT: %82 = "stablehlo.all_reduce"(%81) <{channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3, 4, 5, 6, 7]]> : tensor<1x8xi64>, use_global_device_ids}> ({
+// GOLDEN-NEXT: %82 = stablehlo.reshape %81#2 : (tensor<32xf32>) -> tensor<1x32xf32>
+// GOLDEN-NEXT: %83 = stablehlo.reduce(%82 init: %cst_11) applies stablehlo.add across dimensions = [0] : (tensor<1x32xf32>, tensor<f32>) -> tensor<32xf32>
+// GOLDEN-NEXT: %84 = "stablehlo.all_reduce"(%83) <{channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<{{\[\[}}0, 1, 2, 3, 4, 5, 6, 7]]> : tensor<1x8xi64>, use_global_device_ids}> ({
 // GOLDEN-NEXT: ^bb0(%arg21: tensor<f32>, %arg22: tensor<f32>):
-// GOLDEN-NEXT: %83 = stablehlo.add %arg21, %arg22 : tensor<f32>
-// GOLDEN-NEXT: stablehlo.return %83 : tensor<f32>
+// GOLDEN-NEXT: %85 = stablehlo.add %arg21, %arg22 : tensor<f32>
+// GOLDEN-NEXT: stablehlo.return %85 : tensor<f32>
 // GOLDEN-NEXT: }) : (tensor<32xf32>) -> tensor<32xf32>
-// GOLDEN-NEXT: sdy.return %79#1, %82, %51, %35 : tensor<8x32xf32>, tensor<32xf32>, tensor<32x16xf32>, tensor<16x32xf32>
+// GOLDEN-NEXT: sdy.return %81#1, %84, %55, %39 : tensor<8x32xf32>, tensor<32xf32>, tensor<32x16xf32>, tensor<16x32xf32>
 // GOLDEN-NEXT: } : (tensor<64x32xf32>, tensor<512x32xf32>, tensor<512x1xf32>, tensor<512x1xf32>, tensor<8x32xf32>, tensor<512x32xf32>, tensor<32x128xf32>, tensor<512x32xf32>, tensor<512x16xf32>, tensor<8xf32>, tensor<512x16xf32>, tensor<512x16xf32>, tensor<8xf32>, tensor<512x16xf32>, tensor<512x16xf32>, tensor<128x32xf32>, tensor<512x16xf32>) -> (tensor<64x32xf32>, tensor<32xf32>, tensor<32x128xf32>, tensor<128x32xf32>)
 // GOLDEN-NEXT: return %11, %20#0, %20#1, %20#2, %20#3 : tensor<f32>, tensor<64x32xf32>, tensor<32xf32>, tensor<32x128xf32>, tensor<128x32xf32>
 // GOLDEN-NEXT: }

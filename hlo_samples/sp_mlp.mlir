@@ -13,84 +13,85 @@
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<4x32x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}, {}]>}, %arg1: tensor<16x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<64x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<4x32x16xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}, {}]>}) {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1, %arg2) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"data"}, {"model"}, {}]>] manual_axes={"data", "model"} (%arg3: tensor<2x8x16xf32>, %arg4: tensor<16x16xf32>, %arg5: tensor<16x16xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_4, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_1, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %4:3 = stablehlo.while(%iterArg = %c, %iterArg_9 = %arg3, %iterArg_10 = %cst) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
-// GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %29 = stablehlo.compare LT, %iterArg, %c_11, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %29 : tensor<i1>
-// GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %29 = "stablehlo.collective_permute"(%iterArg_9) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %30 = stablehlo.add %3, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %31 = stablehlo.remainder %30, %c_13 : tensor<ui32>
-// GOLDEN-NEXT: %32 = stablehlo.dot_general %iterArg_9, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %33 = stablehlo.multiply %31, %c_14 : tensor<ui32>
-// GOLDEN-NEXT: %34 = stablehlo.dynamic_update_slice %iterArg_10, %32, %c_11, %33, %c_11 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %35 = stablehlo.add %iterArg, %c_12 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %35, %29, %34 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
-// GOLDEN-NEXT: }
-// GOLDEN-NEXT: %5 = stablehlo.add %3, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %6 = stablehlo.remainder %5, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %7 = stablehlo.dot_general %4#1, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %8 = stablehlo.multiply %6, %c_3 : tensor<ui32>
-// GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %4#2, %7, %c, %8, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %10 = stablehlo.multiply %9, %9 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %11 = stablehlo.multiply %10, %9 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// GOLDEN-NEXT: %12 = stablehlo.broadcast_in_dim %cst_5, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %13 = stablehlo.multiply %12, %11 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %14 = stablehlo.add %9, %13 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// GOLDEN-NEXT: %15 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %16 = stablehlo.multiply %15, %14 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %17 = stablehlo.tanh %16 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %18 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %19 = stablehlo.add %18, %17 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// GOLDEN-NEXT: %20 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %21 = stablehlo.multiply %20, %19 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %22 = stablehlo.multiply %9, %21 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %23 = stablehlo.add %3, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %24 = stablehlo.remainder %23, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %25 = stablehlo.multiply %24, %c_3 : tensor<ui32>
-// GOLDEN-NEXT: %26 = stablehlo.dynamic_slice %22, %c, %25, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %27 = stablehlo.dot_general %26, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %28:2 = stablehlo.while(%iterArg = %c, %iterArg_9 = %27) : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[1, 2, 3, 0, 1, 2, 3, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_2, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// GOLDEN-NEXT: %7 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %c_3, %7, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %9 = stablehlo.reshape %8 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %10:3 = stablehlo.while(%iterArg = %c, %iterArg_8 = %arg3, %iterArg_9 = %cst) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_10 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %29 = stablehlo.compare LT, %iterArg, %c_10, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %29 : tensor<i1>
+// GOLDEN-NEXT: %31 = stablehlo.compare LT, %iterArg, %c_10, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %31 : tensor<i1>
 // GOLDEN-NEXT: } do {
 // GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %29 = "stablehlo.collective_permute"(%iterArg_9) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %30 = stablehlo.add %iterArg, %c_12 : tensor<ui32>
-// GOLDEN-NEXT: %31 = stablehlo.add %3, %30 : tensor<ui32>
-// GOLDEN-NEXT: %32 = stablehlo.remainder %31, %c_13 : tensor<ui32>
-// GOLDEN-NEXT: %33 = stablehlo.multiply %32, %c_14 : tensor<ui32>
-// GOLDEN-NEXT: %34 = stablehlo.dynamic_slice %22, %c_10, %33, %c_10, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %35 = stablehlo.dot_general %34, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %36 = stablehlo.add %29, %35 : tensor<2x8x16xf32>
+// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %31 = "stablehlo.collective_permute"(%iterArg_8) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %32 = stablehlo.add %3, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %33 = stablehlo.remainder %32, %c_12 : tensor<ui32>
+// GOLDEN-NEXT: %34 = stablehlo.dot_general %iterArg_8, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %35 = stablehlo.multiply %33, %c_13 : tensor<ui32>
+// GOLDEN-NEXT: %36 = stablehlo.dynamic_update_slice %iterArg_9, %34, %c_10, %35, %c_10 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
 // GOLDEN-NEXT: %37 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %37, %36 : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: stablehlo.return %37, %31, %36 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: sdy.return %28#1 : tensor<2x8x16xf32>
+// GOLDEN-NEXT: %11 = stablehlo.dot_general %10#1, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %12 = stablehlo.multiply %9, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %13 = stablehlo.dynamic_update_slice %10#2, %11, %c, %12, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %14 = stablehlo.multiply %13, %13 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %15 = stablehlo.multiply %14, %13 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_4 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
+// GOLDEN-NEXT: %16 = stablehlo.broadcast_in_dim %cst_4, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %17 = stablehlo.multiply %16, %15 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %18 = stablehlo.add %13, %17 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<0.797884583> : tensor<f32>
+// GOLDEN-NEXT: %19 = stablehlo.broadcast_in_dim %cst_5, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %20 = stablehlo.multiply %19, %18 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %21 = stablehlo.tanh %20 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %22 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %23 = stablehlo.add %22, %21 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
+// GOLDEN-NEXT: %24 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %25 = stablehlo.multiply %24, %23 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %26 = stablehlo.multiply %13, %25 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %27 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %28 = stablehlo.dynamic_slice %26, %c, %27, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %29 = stablehlo.dot_general %28, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %30:2 = stablehlo.while(%iterArg = %c, %iterArg_8 = %29) : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: cond {
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %31 = stablehlo.compare LT, %iterArg, %c_9, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %31 : tensor<i1>
+// GOLDEN-NEXT: } do {
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %31 = "stablehlo.collective_permute"(%iterArg_8) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %32 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
+// GOLDEN-NEXT: %33 = stablehlo.add %3, %32 : tensor<ui32>
+// GOLDEN-NEXT: %34 = stablehlo.remainder %33, %c_12 : tensor<ui32>
+// GOLDEN-NEXT: %35 = stablehlo.multiply %34, %c_13 : tensor<ui32>
+// GOLDEN-NEXT: %36 = stablehlo.dynamic_slice %26, %c_9, %35, %c_9, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %37 = stablehlo.dot_general %36, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %38 = stablehlo.add %31, %37 : tensor<2x8x16xf32>
+// GOLDEN-NEXT: %39 = stablehlo.add %iterArg, %c_10 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %39, %38 : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: }
+// GOLDEN-NEXT: sdy.return %30#1 : tensor<2x8x16xf32>
 // GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<4x32x16xf32>
 // GOLDEN-NEXT: return %0 : tensor<4x32x16xf32>
 // GOLDEN-NEXT: }
@@ -128,109 +129,106 @@
 // AUTO_GOLDEN-NEXT: func.func public @main(%arg0: tensor<4x32x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}, {}]>}, %arg1: tensor<16x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<64x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<4x32x16xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}, {}]>}) {
 // AUTO_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1, %arg2) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"data"}, {"model"}, {}]>] manual_axes={"data", "model"} (%arg3: tensor<2x8x16xf32>, %arg4: tensor<16x16xf32>, %arg5: tensor<16x16xf32>) {
 // AUTO_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<2> : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<3> : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<4> : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<8> : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<4> : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<8> : tensor<ui32>
 // AUTO_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
-// AUTO_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// AUTO_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // AUTO_GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_5, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// AUTO_GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_2, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // AUTO_GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// AUTO_GOLDEN-NEXT: %4 = "stablehlo.collective_permute"(%arg3) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// AUTO_GOLDEN-NEXT: %5 = "stablehlo.collective_permute"(%arg3) <{channel_handle = #stablehlo.channel_handle<handle = 9, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// AUTO_GOLDEN-NEXT: %6 = stablehlo.dot_general %arg3, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// AUTO_GOLDEN-NEXT: %7 = stablehlo.multiply %3, %c_4 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %8 = stablehlo.dynamic_update_slice %cst, %6, %c, %7, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// AUTO_GOLDEN-NEXT: %9:2 = stablehlo.optimization_barrier %4, %6 : tensor<2x8x16xf32>, tensor<2x8x16xf32>
-// AUTO_GOLDEN-NEXT: %10 = "stablehlo.collective_permute"(%9#0) <{channel_handle = #stablehlo.channel_handle<handle = 10, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// AUTO_GOLDEN-NEXT: %11 = stablehlo.add %3, %c_0 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %13:2 = stablehlo.optimization_barrier %4, %arg4 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// AUTO_GOLDEN-NEXT: %14 = stablehlo.dot_general %13#0, %13#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// AUTO_GOLDEN-NEXT: %15 = stablehlo.multiply %12, %c_4 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %8, %14, %c, %15, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// AUTO_GOLDEN-NEXT: %17 = stablehlo.add %3, %c_2 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %18 = stablehlo.remainder %17, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %19:2 = stablehlo.optimization_barrier %5, %arg4 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// AUTO_GOLDEN-NEXT: %20 = stablehlo.dot_general %19#0, %19#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// AUTO_GOLDEN-NEXT: %21 = stablehlo.multiply %18, %c_4 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %22 = stablehlo.dynamic_update_slice %16, %20, %c, %21, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// AUTO_GOLDEN-NEXT: %23 = stablehlo.add %3, %c_1 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %24 = stablehlo.remainder %23, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %25:2 = stablehlo.optimization_barrier %10, %arg4 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// AUTO_GOLDEN-NEXT: %26 = stablehlo.dot_general %25#0, %25#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// AUTO_GOLDEN-NEXT: %27 = stablehlo.multiply %24, %c_4 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %28 = stablehlo.dynamic_update_slice %22, %26, %c, %27, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// AUTO_GOLDEN-NEXT: %29 = stablehlo.multiply %28, %28 : tensor<2x32x16xf32>
-// AUTO_GOLDEN-NEXT: %30 = stablehlo.multiply %29, %28 : tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[1, 2, 3, 0, 1, 2, 3, 0]> : tensor<8xui32>
+// AUTO_GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_3, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// AUTO_GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// AUTO_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[2, 3, 0, 1, 2, 3, 0, 1]> : tensor<8xui32>
+// AUTO_GOLDEN-NEXT: %7 = stablehlo.partition_id : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %c_4, %7, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// AUTO_GOLDEN-NEXT: %9 = stablehlo.reshape %8 : (tensor<1xui32>) -> tensor<ui32>
+// AUTO_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// AUTO_GOLDEN-NEXT: %10 = stablehlo.partition_id : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %11 = stablehlo.dynamic_slice %c_5, %10, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// AUTO_GOLDEN-NEXT: %12 = stablehlo.reshape %11 : (tensor<1xui32>) -> tensor<ui32>
+// AUTO_GOLDEN-NEXT: %13 = "stablehlo.collective_permute"(%arg3) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// AUTO_GOLDEN-NEXT: %14 = "stablehlo.collective_permute"(%arg3) <{channel_handle = #stablehlo.channel_handle<handle = 9, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// AUTO_GOLDEN-NEXT: %15 = stablehlo.dot_general %arg3, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// AUTO_GOLDEN-NEXT: %16 = stablehlo.multiply %3, %c_1 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %17 = stablehlo.dynamic_update_slice %cst, %15, %c, %16, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %18:2 = stablehlo.optimization_barrier %13, %15 : tensor<2x8x16xf32>, tensor<2x8x16xf32>
+// AUTO_GOLDEN-NEXT: %19 = "stablehlo.collective_permute"(%18#0) <{channel_handle = #stablehlo.channel_handle<handle = 10, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// AUTO_GOLDEN-NEXT: %20:2 = stablehlo.optimization_barrier %13, %arg4 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// AUTO_GOLDEN-NEXT: %21 = stablehlo.dot_general %20#0, %20#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// AUTO_GOLDEN-NEXT: %22 = stablehlo.multiply %6, %c_1 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %17, %21, %c, %22, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %24:2 = stablehlo.optimization_barrier %14, %arg4 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// AUTO_GOLDEN-NEXT: %25 = stablehlo.dot_general %24#0, %24#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// AUTO_GOLDEN-NEXT: %26 = stablehlo.multiply %12, %c_1 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %27 = stablehlo.dynamic_update_slice %23, %25, %c, %26, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %28:2 = stablehlo.optimization_barrier %19, %arg4 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// AUTO_GOLDEN-NEXT: %29 = stablehlo.dot_general %28#0, %28#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// AUTO_GOLDEN-NEXT: %30 = stablehlo.multiply %9, %c_1 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %31 = stablehlo.dynamic_update_slice %27, %29, %c, %30, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %32 = stablehlo.multiply %31, %31 : tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %33 = stablehlo.multiply %32, %31 : tensor<2x32x16xf32>
 // AUTO_GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// AUTO_GOLDEN-NEXT: %31 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// AUTO_GOLDEN-NEXT: %32 = stablehlo.multiply %31, %30 : tensor<2x32x16xf32>
-// AUTO_GOLDEN-NEXT: %33 = stablehlo.add %28, %32 : tensor<2x32x16xf32>
-// AUTO_GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// AUTO_GOLDEN-NEXT: %34 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %34 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
 // AUTO_GOLDEN-NEXT: %35 = stablehlo.multiply %34, %33 : tensor<2x32x16xf32>
-// AUTO_GOLDEN-NEXT: %36 = stablehlo.tanh %35 : tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %36 = stablehlo.add %31, %35 : tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<0.797884583> : tensor<f32>
+// AUTO_GOLDEN-NEXT: %37 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %38 = stablehlo.multiply %37, %36 : tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %39 = stablehlo.tanh %38 : tensor<2x32x16xf32>
 // AUTO_GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// AUTO_GOLDEN-NEXT: %37 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// AUTO_GOLDEN-NEXT: %38 = stablehlo.add %37, %36 : tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %40 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %41 = stablehlo.add %40, %39 : tensor<2x32x16xf32>
 // AUTO_GOLDEN-NEXT: %cst_9 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// AUTO_GOLDEN-NEXT: %39 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// AUTO_GOLDEN-NEXT: %40 = stablehlo.multiply %39, %38 : tensor<2x32x16xf32>
-// AUTO_GOLDEN-NEXT: %41 = stablehlo.multiply %28, %40 : tensor<2x32x16xf32>
-// AUTO_GOLDEN-NEXT: %42 = stablehlo.add %3, %c_0 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %43 = stablehlo.remainder %42, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %44 = stablehlo.multiply %43, %c_4 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %45 = stablehlo.dynamic_slice %41, %c, %44, %c, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %46 = stablehlo.dot_general %45, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %47 = stablehlo.add %3, %c_2 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %48 = stablehlo.remainder %47, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %49 = stablehlo.multiply %48, %c_4 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %50 = stablehlo.add %49, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %51 = stablehlo.dynamic_slice %41, %c, %50, %c, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %52:2 = stablehlo.optimization_barrier %51, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
-// AUTO_GOLDEN-NEXT: %53 = stablehlo.dot_general %52#0, %52#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %54 = "stablehlo.collective_permute"(%46) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %55 = stablehlo.add %3, %c_1 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %56 = stablehlo.remainder %55, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %57 = stablehlo.multiply %56, %c_4 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %58 = stablehlo.dynamic_slice %41, %c, %57, %c, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %59:2 = stablehlo.optimization_barrier %58, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
-// AUTO_GOLDEN-NEXT: %60 = stablehlo.dot_general %59#0, %59#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %61 = stablehlo.add %54, %60 : tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %62 = "stablehlo.collective_permute"(%53) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %63 = stablehlo.add %57, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %64 = stablehlo.dynamic_slice %41, %c, %63, %c, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %65:2 = stablehlo.optimization_barrier %64, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
-// AUTO_GOLDEN-NEXT: %66 = stablehlo.dot_general %65#0, %65#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %67 = stablehlo.add %62, %66 : tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %68 = "stablehlo.collective_permute"(%61) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %69 = stablehlo.dynamic_slice %41, %c, %49, %c, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %70:2 = stablehlo.optimization_barrier %69, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
-// AUTO_GOLDEN-NEXT: %71 = stablehlo.dot_general %70#0, %70#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %72 = stablehlo.add %68, %71 : tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %73 = "stablehlo.collective_permute"(%67) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %74 = stablehlo.add %44, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %75 = stablehlo.dynamic_slice %41, %c, %74, %c, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %76:2 = stablehlo.optimization_barrier %75, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
-// AUTO_GOLDEN-NEXT: %77 = stablehlo.dot_general %76#0, %76#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %78 = stablehlo.add %73, %77 : tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %79 = "stablehlo.collective_permute"(%72) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %80 = stablehlo.multiply %3, %c_4 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %81 = stablehlo.dynamic_slice %41, %c, %80, %c, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %82:2 = stablehlo.optimization_barrier %81, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
-// AUTO_GOLDEN-NEXT: %83 = stablehlo.dot_general %82#0, %82#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %84 = stablehlo.add %79, %83 : tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %85 = "stablehlo.collective_permute"(%78) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %86 = stablehlo.add %80, %c_3 : tensor<ui32>
-// AUTO_GOLDEN-NEXT: %87 = stablehlo.dynamic_slice %41, %c, %86, %c, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %88:2 = stablehlo.optimization_barrier %87, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
-// AUTO_GOLDEN-NEXT: %89 = stablehlo.dot_general %88#0, %88#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %90 = stablehlo.add %85, %89 : tensor<2x4x16xf32>
-// AUTO_GOLDEN-NEXT: %91 = stablehlo.concatenate %84, %90, dim = 1 : (tensor<2x4x16xf32>, tensor<2x4x16xf32>) -> tensor<2x8x16xf32>
-// AUTO_GOLDEN-NEXT: sdy.return %91 : tensor<2x8x16xf32>
+// AUTO_GOLDEN-NEXT: %42 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %43 = stablehlo.multiply %42, %41 : tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %44 = stablehlo.multiply %31, %43 : tensor<2x32x16xf32>
+// AUTO_GOLDEN-NEXT: %45 = stablehlo.multiply %6, %c_1 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %46 = stablehlo.dynamic_slice %44, %c, %45, %c, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %47 = stablehlo.dot_general %46, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %48 = stablehlo.multiply %12, %c_1 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %49 = stablehlo.add %48, %c_0 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %50 = stablehlo.dynamic_slice %44, %c, %49, %c, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %51:2 = stablehlo.optimization_barrier %50, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
+// AUTO_GOLDEN-NEXT: %52 = stablehlo.dot_general %51#0, %51#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %53 = "stablehlo.collective_permute"(%47) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %54 = stablehlo.multiply %9, %c_1 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %55 = stablehlo.dynamic_slice %44, %c, %54, %c, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %56:2 = stablehlo.optimization_barrier %55, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
+// AUTO_GOLDEN-NEXT: %57 = stablehlo.dot_general %56#0, %56#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %58 = stablehlo.add %53, %57 : tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %59 = "stablehlo.collective_permute"(%52) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %60 = stablehlo.add %54, %c_0 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %61 = stablehlo.dynamic_slice %44, %c, %60, %c, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %62:2 = stablehlo.optimization_barrier %61, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
+// AUTO_GOLDEN-NEXT: %63 = stablehlo.dot_general %62#0, %62#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %64 = stablehlo.add %59, %63 : tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %65 = "stablehlo.collective_permute"(%58) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %66 = stablehlo.dynamic_slice %44, %c, %48, %c, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %67:2 = stablehlo.optimization_barrier %66, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
+// AUTO_GOLDEN-NEXT: %68 = stablehlo.dot_general %67#0, %67#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %69 = stablehlo.add %65, %68 : tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %70 = "stablehlo.collective_permute"(%64) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %71 = stablehlo.add %45, %c_0 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %72 = stablehlo.dynamic_slice %44, %c, %71, %c, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %73:2 = stablehlo.optimization_barrier %72, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
+// AUTO_GOLDEN-NEXT: %74 = stablehlo.dot_general %73#0, %73#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %75 = stablehlo.add %70, %74 : tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %76 = "stablehlo.collective_permute"(%69) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %77 = stablehlo.multiply %3, %c_1 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %78 = stablehlo.dynamic_slice %44, %c, %77, %c, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %79:2 = stablehlo.optimization_barrier %78, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
+// AUTO_GOLDEN-NEXT: %80 = stablehlo.dot_general %79#0, %79#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %81 = stablehlo.add %76, %80 : tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %82 = "stablehlo.collective_permute"(%75) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 1], [1, 2], [2, 3], [3, 0], [4, 5], [5, 6], [6, 7], [7, 4]]> : tensor<8x2xi64>}> : (tensor<2x4x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %83 = stablehlo.add %77, %c_0 : tensor<ui32>
+// AUTO_GOLDEN-NEXT: %84 = stablehlo.dynamic_slice %44, %c, %83, %c, sizes = [2, 4, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %85:2 = stablehlo.optimization_barrier %84, %arg5 : tensor<2x4x16xf32>, tensor<16x16xf32>
+// AUTO_GOLDEN-NEXT: %86 = stablehlo.dot_general %85#0, %85#1, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16xf32>, tensor<16x16xf32>) -> tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %87 = stablehlo.add %82, %86 : tensor<2x4x16xf32>
+// AUTO_GOLDEN-NEXT: %88 = stablehlo.concatenate %81, %87, dim = 1 : (tensor<2x4x16xf32>, tensor<2x4x16xf32>) -> tensor<2x8x16xf32>
+// AUTO_GOLDEN-NEXT: sdy.return %88 : tensor<2x8x16xf32>
 // AUTO_GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<4x32x16xf32>
 // AUTO_GOLDEN-NEXT: return %0 : tensor<4x32x16xf32>
 // AUTO_GOLDEN-NEXT: }

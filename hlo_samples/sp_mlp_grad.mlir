@@ -17,96 +17,97 @@
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<4x32x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}, {}]>}, %arg1: tensor<16x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<64x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<f32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, []>}, tensor<4x32x16xf32> {jax.result_info = "result[1][0]", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}, {}]>}, tensor<16x64xf32> {jax.result_info = "result[1][1]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x16xf32> {jax.result_info = "result[1][2]", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) {
 // GOLDEN-NEXT: %0:13 = sdy.manual_computation(%arg0, %arg1, %arg2) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data"}, {"model"}, {}]>] manual_axes={"data", "model"} (%arg3: tensor<2x8x16xf32>, %arg4: tensor<16x16xf32>, %arg5: tensor<16x16xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %21 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %c_9, %21, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %c_6, %21, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %23 = stablehlo.reshape %22 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %24:4 = stablehlo.while(%iterArg = %c, %iterArg_16 = %arg3, %iterArg_17 = %cst_8, %iterArg_18 = %cst_8) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<[1, 2, 3, 0, 1, 2, 3, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %24 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %25 = stablehlo.dynamic_slice %c_7, %24, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %26 = stablehlo.reshape %25 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// GOLDEN-NEXT: %27 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %28 = stablehlo.dynamic_slice %c_8, %27, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %29 = stablehlo.reshape %28 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %30:4 = stablehlo.while(%iterArg = %c, %iterArg_15 = %arg3, %iterArg_16 = %cst_5, %iterArg_17 = %cst_5) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %58 = stablehlo.compare LT, %iterArg, %c_19, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %58 : tensor<i1>
+// GOLDEN-NEXT: %c_18 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %60 = stablehlo.compare LT, %iterArg, %c_18, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %60 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_21 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_22 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %58 = "stablehlo.collective_permute"(%iterArg_16) <{channel_handle = #stablehlo.channel_handle<handle = 12, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %59 = stablehlo.add %23, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %60 = stablehlo.remainder %59, %c_21 : tensor<ui32>
-// GOLDEN-NEXT: %61 = stablehlo.dot_general %iterArg_16, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %62 = stablehlo.multiply %60, %c_22 : tensor<ui32>
-// GOLDEN-NEXT: %63 = stablehlo.dynamic_update_slice %iterArg_17, %61, %c_19, %62, %c_19 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %64 = stablehlo.dynamic_update_slice %iterArg_18, %iterArg_16, %c_19, %62, %c_19 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %65 = stablehlo.add %iterArg, %c_20 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %65, %58, %63, %64 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
-// GOLDEN-NEXT: }
-// GOLDEN-NEXT: %25 = stablehlo.add %23, %c_5 : tensor<ui32>
-// GOLDEN-NEXT: %26 = stablehlo.remainder %25, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %27 = stablehlo.dot_general %24#1, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %28 = stablehlo.multiply %26, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %29 = stablehlo.dynamic_update_slice %24#2, %27, %c, %28, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %30 = stablehlo.dynamic_update_slice %24#3, %24#1, %c, %28, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %31 = stablehlo.multiply %29, %29 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %32 = stablehlo.multiply %31, %29 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %33 = stablehlo.multiply %29, %29 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_10 = stablehlo.constant dense<3.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %34 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %35 = stablehlo.multiply %34, %33 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_11 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// GOLDEN-NEXT: %36 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %37 = stablehlo.multiply %36, %32 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %38 = stablehlo.add %29, %37 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_12 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// GOLDEN-NEXT: %39 = stablehlo.broadcast_in_dim %cst_12, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %40 = stablehlo.multiply %39, %38 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %41 = stablehlo.tanh %40 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_13 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %42 = stablehlo.broadcast_in_dim %cst_13, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %43 = stablehlo.subtract %42, %41 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_14 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %44 = stablehlo.broadcast_in_dim %cst_14, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %45 = stablehlo.add %44, %41 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_15 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// GOLDEN-NEXT: %46 = stablehlo.broadcast_in_dim %cst_15, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %47 = stablehlo.multiply %46, %45 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %48 = stablehlo.multiply %29, %47 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %49 = stablehlo.add %23, %c_4 : tensor<ui32>
-// GOLDEN-NEXT: %50 = stablehlo.remainder %49, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %51 = stablehlo.multiply %50, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %52 = stablehlo.dynamic_slice %48, %c, %51, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %53 = stablehlo.dot_general %52, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %54:2 = stablehlo.while(%iterArg = %c, %iterArg_16 = %53) : tensor<ui32>, tensor<2x8x16xf32>
-// GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %58 = stablehlo.compare LT, %iterArg, %c_17, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %58 : tensor<i1>
-// GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_18 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_18 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_20 = stablehlo.constant dense<4> : tensor<ui32>
 // GOLDEN-NEXT: %c_21 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %58 = "stablehlo.collective_permute"(%iterArg_16) <{channel_handle = #stablehlo.channel_handle<handle = 10, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %59 = stablehlo.add %iterArg, %c_19 : tensor<ui32>
-// GOLDEN-NEXT: %60 = stablehlo.add %23, %59 : tensor<ui32>
-// GOLDEN-NEXT: %61 = stablehlo.remainder %60, %c_20 : tensor<ui32>
-// GOLDEN-NEXT: %62 = stablehlo.multiply %61, %c_21 : tensor<ui32>
-// GOLDEN-NEXT: %63 = stablehlo.dynamic_slice %48, %c_17, %62, %c_17, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %64 = stablehlo.dot_general %63, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %65 = stablehlo.add %58, %64 : tensor<2x8x16xf32>
-// GOLDEN-NEXT: %66 = stablehlo.add %iterArg, %c_18 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %66, %65 : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %60 = "stablehlo.collective_permute"(%iterArg_15) <{channel_handle = #stablehlo.channel_handle<handle = 12, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %61 = stablehlo.add %23, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %62 = stablehlo.remainder %61, %c_20 : tensor<ui32>
+// GOLDEN-NEXT: %63 = stablehlo.dot_general %iterArg_15, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %64 = stablehlo.multiply %62, %c_21 : tensor<ui32>
+// GOLDEN-NEXT: %65 = stablehlo.dynamic_update_slice %iterArg_16, %63, %c_18, %64, %c_18 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %66 = stablehlo.dynamic_update_slice %iterArg_17, %iterArg_15, %c_18, %64, %c_18 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %67 = stablehlo.add %iterArg, %c_19 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %67, %60, %65, %66 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %55 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<1xf32>
-// GOLDEN-NEXT: %56 = stablehlo.broadcast_in_dim %cst_12, dims = [] : (tensor<f32>) -> tensor<1xf32>
-// GOLDEN-NEXT: %57 = stablehlo.broadcast_in_dim %cst_15, dims = [] : (tensor<f32>) -> tensor<1xf32>
-// GOLDEN-NEXT: sdy.return %arg4, %30, %35, %55, %56, %41, %43, %57, %47, %29, %arg5, %48, %54#1 : tensor<16x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<1xf32>, tensor<1xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<1xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<16x16xf32>, tensor<2x32x16xf32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %31 = stablehlo.dot_general %30#1, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %32 = stablehlo.multiply %29, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %33 = stablehlo.dynamic_update_slice %30#2, %31, %c, %32, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %34 = stablehlo.dynamic_update_slice %30#3, %30#1, %c, %32, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %35 = stablehlo.multiply %33, %33 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %36 = stablehlo.multiply %35, %33 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %37 = stablehlo.multiply %33, %33 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_9 = stablehlo.constant dense<3.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %38 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %39 = stablehlo.multiply %38, %37 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_10 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
+// GOLDEN-NEXT: %40 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %41 = stablehlo.multiply %40, %36 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %42 = stablehlo.add %33, %41 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_11 = stablehlo.constant dense<0.797884583> : tensor<f32>
+// GOLDEN-NEXT: %43 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %44 = stablehlo.multiply %43, %42 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %45 = stablehlo.tanh %44 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_12 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %46 = stablehlo.broadcast_in_dim %cst_12, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %47 = stablehlo.subtract %46, %45 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_13 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %48 = stablehlo.broadcast_in_dim %cst_13, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %49 = stablehlo.add %48, %45 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_14 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
+// GOLDEN-NEXT: %50 = stablehlo.broadcast_in_dim %cst_14, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %51 = stablehlo.multiply %50, %49 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %52 = stablehlo.multiply %33, %51 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %53 = stablehlo.multiply %26, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %54 = stablehlo.dynamic_slice %52, %c, %53, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %55 = stablehlo.dot_general %54, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %56:2 = stablehlo.while(%iterArg = %c, %iterArg_15 = %55) : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: cond {
+// GOLDEN-NEXT: %c_16 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %60 = stablehlo.compare LT, %iterArg, %c_16, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %60 : tensor<i1>
+// GOLDEN-NEXT: } do {
+// GOLDEN-NEXT: %c_16 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_18 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %60 = "stablehlo.collective_permute"(%iterArg_15) <{channel_handle = #stablehlo.channel_handle<handle = 10, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %61 = stablehlo.add %iterArg, %c_18 : tensor<ui32>
+// GOLDEN-NEXT: %62 = stablehlo.add %23, %61 : tensor<ui32>
+// GOLDEN-NEXT: %63 = stablehlo.remainder %62, %c_19 : tensor<ui32>
+// GOLDEN-NEXT: %64 = stablehlo.multiply %63, %c_20 : tensor<ui32>
+// GOLDEN-NEXT: %65 = stablehlo.dynamic_slice %52, %c_16, %64, %c_16, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %66 = stablehlo.dot_general %65, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %67 = stablehlo.add %60, %66 : tensor<2x8x16xf32>
+// GOLDEN-NEXT: %68 = stablehlo.add %iterArg, %c_17 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %68, %67 : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: }
+// GOLDEN-NEXT: %57 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<1xf32>
+// GOLDEN-NEXT: %58 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<1xf32>
+// GOLDEN-NEXT: %59 = stablehlo.broadcast_in_dim %cst_14, dims = [] : (tensor<f32>) -> tensor<1xf32>
+// GOLDEN-NEXT: sdy.return %arg4, %34, %39, %57, %58, %45, %47, %59, %51, %33, %arg5, %52, %56#1 : tensor<16x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<1xf32>, tensor<1xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<1xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<16x16xf32>, tensor<2x32x16xf32>, tensor<2x8x16xf32>
 // GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>) -> (tensor<128x16xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<8xf32>, tensor<8xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<8xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<128x16xf32>, tensor<16x32x16xf32>, tensor<4x32x16xf32>)
 // GOLDEN-NEXT: %1 = stablehlo.multiply %0#12, %0#12 : tensor<4x32x16xf32>
 // GOLDEN-NEXT: %2 = sdy.sharding_constraint %1 <@mesh, [{"data"}, {"model"}, {}]> : tensor<4x32x16xf32>
@@ -134,123 +135,123 @@
 // GOLDEN-NEXT: %19 = sdy.sharding_constraint %18 <@mesh, [{"data"}, {"model"}, {}]> : tensor<4x32x16xf32>
 // GOLDEN-NEXT: %20:3 = sdy.manual_computation(%19, %0#0, %0#1, %0#2, %0#3, %0#4, %0#5, %0#6, %0#7, %0#8, %0#9, %0#10, %0#11) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>] out_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] manual_axes={"data", "model"} (%arg3: tensor<2x8x16xf32>, %arg4: tensor<16x16xf32>, %arg5: tensor<2x32x16xf32>, %arg6: tensor<2x32x16xf32>, %arg7: tensor<1xf32>, %arg8: tensor<1xf32>, %arg9: tensor<2x32x16xf32>, %arg10: tensor<2x32x16xf32>, %arg11: tensor<1xf32>, %arg12: tensor<2x32x16xf32>, %arg13: tensor<2x32x16xf32>, %arg14: tensor<16x16xf32>, %arg15: tensor<2x32x16xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %cst_9 = stablehlo.constant dense<0.000000e+00> : tensor<16x8xf32>
-// GOLDEN-NEXT: %cst_10 = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<0.000000e+00> : tensor<16x16xf32>
+// GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %21 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %c_11, %21, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %22 = stablehlo.dynamic_slice %c_7, %21, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %23 = stablehlo.reshape %22 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<[1, 2, 3, 0, 1, 2, 3, 0]> : tensor<8xui32>
 // GOLDEN-NEXT: %24 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %25 = stablehlo.dynamic_slice %c_12, %24, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %25 = stablehlo.dynamic_slice %c_8, %24, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %26 = stablehlo.reshape %25 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %27 = stablehlo.reshape %arg7 : (tensor<1xf32>) -> tensor<f32>
-// GOLDEN-NEXT: %28 = stablehlo.reshape %arg8 : (tensor<1xf32>) -> tensor<f32>
-// GOLDEN-NEXT: %29 = stablehlo.reshape %arg11 : (tensor<1xf32>) -> tensor<f32>
-// GOLDEN-NEXT: %30 = stablehlo.multiply %26, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %31 = stablehlo.dynamic_slice %arg15, %c, %c, %30, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
-// GOLDEN-NEXT: %32:5 = stablehlo.while(%iterArg = %c, %iterArg_13 = %arg3, %iterArg_14 = %cst_10, %iterArg_15 = %cst_9, %iterArg_16 = %cst_10) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<16x8xf32>, tensor<2x32x16xf32>
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// GOLDEN-NEXT: %27 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %28 = stablehlo.dynamic_slice %c_9, %27, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %29 = stablehlo.reshape %28 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
+// GOLDEN-NEXT: %30 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %31 = stablehlo.dynamic_slice %c_10, %30, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %32 = stablehlo.reshape %31 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<[1, 1, 1, 1, 0, 0, 0, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %33 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %34 = stablehlo.dynamic_slice %c_11, %33, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %35 = stablehlo.reshape %34 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %36 = stablehlo.reshape %arg7 : (tensor<1xf32>) -> tensor<f32>
+// GOLDEN-NEXT: %37 = stablehlo.reshape %arg8 : (tensor<1xf32>) -> tensor<f32>
+// GOLDEN-NEXT: %38 = stablehlo.reshape %arg11 : (tensor<1xf32>) -> tensor<f32>
+// GOLDEN-NEXT: %39 = stablehlo.multiply %35, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %40 = stablehlo.dynamic_slice %arg15, %c, %c, %39, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
+// GOLDEN-NEXT: %41 = stablehlo.multiply %32, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %42 = stablehlo.dynamic_slice %arg15, %c, %c, %41, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
+// GOLDEN-NEXT: %43 = stablehlo.concatenate %40, %42, dim = 2 : (tensor<2x32x8xf32>, tensor<2x32x8xf32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %44:4 = stablehlo.while(%iterArg = %c, %iterArg_12 = %arg3, %iterArg_13 = %cst_6, %iterArg_14 = %cst_5) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<16x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %85 = stablehlo.compare LT, %iterArg, %c_17, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %85 : tensor<i1>
+// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %87 = stablehlo.compare LT, %iterArg, %c_15, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %87 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_18 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %85 = "stablehlo.collective_permute"(%iterArg_13) <{channel_handle = #stablehlo.channel_handle<handle = 13, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %86 = stablehlo.add %23, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %87 = stablehlo.remainder %86, %c_19 : tensor<ui32>
-// GOLDEN-NEXT: %88 = stablehlo.dot_general %iterArg_13, %arg14, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %89 = stablehlo.multiply %87, %c_20 : tensor<ui32>
-// GOLDEN-NEXT: %90 = stablehlo.dynamic_update_slice %iterArg_14, %88, %c_17, %89, %c_17 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %91 = stablehlo.dynamic_slice %31, %c_17, %89, %c_17, sizes = [2, 8, 8] : (tensor<2x32x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x8xf32>
-// GOLDEN-NEXT: %92 = stablehlo.dot_general %iterArg_13, %91, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<2x8x8xf32>) -> tensor<16x8xf32>
-// GOLDEN-NEXT: %93 = stablehlo.add %iterArg_15, %92 : tensor<16x8xf32>
-// GOLDEN-NEXT: %94 = stablehlo.dynamic_update_slice %iterArg_16, %iterArg_13, %c_17, %89, %c_17 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %95 = stablehlo.add %iterArg, %c_18 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %95, %85, %90, %93, %94 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<16x8xf32>, tensor<2x32x16xf32>
-// GOLDEN-NEXT: }
-// GOLDEN-NEXT: %33 = stablehlo.add %23, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %34 = stablehlo.remainder %33, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %35 = stablehlo.dot_general %32#1, %arg14, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %36 = stablehlo.multiply %34, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %37 = stablehlo.dynamic_update_slice %32#2, %35, %c, %36, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %38 = stablehlo.dynamic_slice %31, %c, %36, %c, sizes = [2, 8, 8] : (tensor<2x32x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x8xf32>
-// GOLDEN-NEXT: %39 = stablehlo.dot_general %32#1, %38, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<2x8x8xf32>) -> tensor<16x8xf32>
-// GOLDEN-NEXT: %40 = stablehlo.add %32#3, %39 : tensor<16x8xf32>
-// GOLDEN-NEXT: %41 = stablehlo.dynamic_update_slice %32#4, %32#1, %c, %36, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %42 = stablehlo.add %26, %c_4 : tensor<ui32>
-// GOLDEN-NEXT: %43 = stablehlo.remainder %42, %c_5 : tensor<ui32>
-// GOLDEN-NEXT: %44 = stablehlo.multiply %43, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %45 = stablehlo.dynamic_slice %arg15, %c, %c, %44, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
-// GOLDEN-NEXT: %46 = stablehlo.dot_general %41, %45, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x16xf32>, tensor<2x32x8xf32>) -> tensor<16x8xf32>
-// GOLDEN-NEXT: %47 = stablehlo.transpose %46, dims = [1, 0] : (tensor<16x8xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %48 = "stablehlo.collective_permute"(%47) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<8x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %49 = stablehlo.transpose %40, dims = [1, 0] : (tensor<16x8xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %50 = stablehlo.add %48, %49 : tensor<8x16xf32>
-// GOLDEN-NEXT: %51 = stablehlo.multiply %arg13, %37 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %52 = stablehlo.multiply %37, %arg12 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %53 = stablehlo.broadcast_in_dim %29, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %54 = stablehlo.multiply %53, %51 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %55 = stablehlo.multiply %54, %arg10 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %56 = stablehlo.multiply %55, %arg9 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %57 = stablehlo.add %55, %56 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %58 = stablehlo.broadcast_in_dim %28, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %59 = stablehlo.multiply %58, %57 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %60 = stablehlo.add %52, %59 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %61 = stablehlo.broadcast_in_dim %27, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %62 = stablehlo.multiply %61, %59 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %63 = stablehlo.multiply %62, %arg6 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %64 = stablehlo.add %60, %63 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %65 = stablehlo.add %26, %c_4 : tensor<ui32>
-// GOLDEN-NEXT: %66 = stablehlo.remainder %65, %c_5 : tensor<ui32>
-// GOLDEN-NEXT: %67 = stablehlo.multiply %66, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %68 = stablehlo.dynamic_slice %64, %c, %c, %67, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
-// GOLDEN-NEXT: %69 = stablehlo.dot_general %68, %arg5, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<2x32x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %70 = stablehlo.transpose %69, dims = [1, 0] : (tensor<8x16xf32>) -> tensor<16x8xf32>
-// GOLDEN-NEXT: %71 = "stablehlo.collective_permute"(%70) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<16x8xf32>) -> tensor<16x8xf32>
-// GOLDEN-NEXT: %72 = stablehlo.multiply %26, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %73 = stablehlo.dynamic_slice %64, %c, %c, %72, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
-// GOLDEN-NEXT: %74 = stablehlo.dot_general %73, %arg5, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<2x32x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %75 = stablehlo.transpose %74, dims = [1, 0] : (tensor<8x16xf32>) -> tensor<16x8xf32>
-// GOLDEN-NEXT: %76 = stablehlo.add %71, %75 : tensor<16x8xf32>
-// GOLDEN-NEXT: %77 = stablehlo.add %23, %c_4 : tensor<ui32>
-// GOLDEN-NEXT: %78 = stablehlo.remainder %77, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %79 = stablehlo.multiply %78, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %80 = stablehlo.dynamic_slice %64, %c, %79, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %81 = stablehlo.dot_general %80, %arg4, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %82:2 = stablehlo.while(%iterArg = %c, %iterArg_13 = %81) : tensor<ui32>, tensor<2x8x16xf32>
-// GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %85 = stablehlo.compare LT, %iterArg, %c_14, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %85 : tensor<i1>
-// GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_16 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_16 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_17 = stablehlo.constant dense<4> : tensor<ui32>
 // GOLDEN-NEXT: %c_18 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %85 = "stablehlo.collective_permute"(%iterArg_13) <{channel_handle = #stablehlo.channel_handle<handle = 11, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %86 = stablehlo.add %iterArg, %c_16 : tensor<ui32>
-// GOLDEN-NEXT: %87 = stablehlo.add %23, %86 : tensor<ui32>
-// GOLDEN-NEXT: %88 = stablehlo.remainder %87, %c_17 : tensor<ui32>
-// GOLDEN-NEXT: %89 = stablehlo.multiply %88, %c_18 : tensor<ui32>
-// GOLDEN-NEXT: %90 = stablehlo.dynamic_slice %64, %c_14, %89, %c_14, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %91 = stablehlo.dot_general %90, %arg4, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %92 = stablehlo.add %85, %91 : tensor<2x8x16xf32>
-// GOLDEN-NEXT: %93 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %93, %92 : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %87 = "stablehlo.collective_permute"(%iterArg_12) <{channel_handle = #stablehlo.channel_handle<handle = 13, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %88 = stablehlo.add %23, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %89 = stablehlo.remainder %88, %c_17 : tensor<ui32>
+// GOLDEN-NEXT: %90 = stablehlo.dot_general %iterArg_12, %arg14, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %91 = stablehlo.multiply %89, %c_18 : tensor<ui32>
+// GOLDEN-NEXT: %92 = stablehlo.dynamic_update_slice %iterArg_13, %90, %c_15, %91, %c_15 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %93 = stablehlo.dynamic_slice %43, %c_15, %91, %c_15, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %94 = stablehlo.dot_general %iterArg_12, %93, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<2x8x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %95 = stablehlo.add %iterArg_14, %94 : tensor<16x16xf32>
+// GOLDEN-NEXT: %96 = stablehlo.add %iterArg, %c_16 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %96, %87, %92, %95 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<16x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %83 = "stablehlo.all_gather"(%50) <{all_gather_dim = 0 : i64, channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, replica_groups = dense<{{\[\[}}0, 4], [1, 5], [2, 6], [3, 7]]> : tensor<4x2xi64>, use_global_device_ids}> : (tensor<8x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %84 = "stablehlo.all_gather"(%76) <{all_gather_dim = 1 : i64, channel_handle = #stablehlo.channel_handle<handle = 9, type = 1>, replica_groups = dense<{{\[\[}}0, 4], [1, 5], [2, 6], [3, 7]]> : tensor<4x2xi64>, use_global_device_ids}> : (tensor<16x8xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: sdy.return %82#1, %84, %83 : tensor<2x8x16xf32>, tensor<16x16xf32>, tensor<16x16xf32>
+// GOLDEN-NEXT: %45 = stablehlo.dot_general %44#1, %arg14, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %46 = stablehlo.multiply %29, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %47 = stablehlo.dynamic_update_slice %44#2, %45, %c, %46, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %48 = stablehlo.dynamic_slice %43, %c, %46, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %49 = stablehlo.dot_general %44#1, %48, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<2x8x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %50 = stablehlo.add %44#3, %49 : tensor<16x16xf32>
+// GOLDEN-NEXT: %51 = stablehlo.slice %50 [0:16, 0:8] : (tensor<16x16xf32>) -> tensor<16x8xf32>
+// GOLDEN-NEXT: %52 = stablehlo.slice %50 [0:16, 8:16] : (tensor<16x16xf32>) -> tensor<16x8xf32>
+// GOLDEN-NEXT: %53 = stablehlo.transpose %51, dims = [1, 0] : (tensor<16x8xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %54 = "stablehlo.collective_permute"(%53) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<8x16xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %55 = stablehlo.transpose %52, dims = [1, 0] : (tensor<16x8xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %56 = stablehlo.add %54, %55 : tensor<8x16xf32>
+// GOLDEN-NEXT: %57 = stablehlo.multiply %arg13, %47 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %58 = stablehlo.multiply %47, %arg12 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %59 = stablehlo.broadcast_in_dim %38, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %60 = stablehlo.multiply %59, %57 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %61 = stablehlo.multiply %60, %arg10 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %62 = stablehlo.multiply %61, %arg9 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %63 = stablehlo.add %61, %62 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %64 = stablehlo.broadcast_in_dim %37, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %65 = stablehlo.multiply %64, %63 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %66 = stablehlo.add %58, %65 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %67 = stablehlo.broadcast_in_dim %36, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %68 = stablehlo.multiply %67, %65 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %69 = stablehlo.multiply %68, %arg6 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %70 = stablehlo.add %66, %69 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %71 = stablehlo.multiply %35, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %72 = stablehlo.dynamic_slice %70, %c, %c, %71, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
+// GOLDEN-NEXT: %73 = stablehlo.dot_general %72, %arg5, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<2x32x16xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %74 = stablehlo.transpose %73, dims = [1, 0] : (tensor<8x16xf32>) -> tensor<16x8xf32>
+// GOLDEN-NEXT: %75 = "stablehlo.collective_permute"(%74) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<16x8xf32>) -> tensor<16x8xf32>
+// GOLDEN-NEXT: %76 = stablehlo.multiply %32, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %77 = stablehlo.dynamic_slice %70, %c, %c, %76, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
+// GOLDEN-NEXT: %78 = stablehlo.dot_general %77, %arg5, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<2x32x16xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %79 = stablehlo.transpose %78, dims = [1, 0] : (tensor<8x16xf32>) -> tensor<16x8xf32>
+// GOLDEN-NEXT: %80 = stablehlo.add %75, %79 : tensor<16x8xf32>
+// GOLDEN-NEXT: %81 = stablehlo.multiply %26, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %82 = stablehlo.dynamic_slice %70, %c, %81, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %83 = stablehlo.dot_general %82, %arg4, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %84:2 = stablehlo.while(%iterArg = %c, %iterArg_12 = %83) : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: cond {
+// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %87 = stablehlo.compare LT, %iterArg, %c_13, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %87 : tensor<i1>
+// GOLDEN-NEXT: } do {
+// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_16 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %87 = "stablehlo.collective_permute"(%iterArg_12) <{channel_handle = #stablehlo.channel_handle<handle = 11, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %88 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
+// GOLDEN-NEXT: %89 = stablehlo.add %23, %88 : tensor<ui32>
+// GOLDEN-NEXT: %90 = stablehlo.remainder %89, %c_16 : tensor<ui32>
+// GOLDEN-NEXT: %91 = stablehlo.multiply %90, %c_17 : tensor<ui32>
+// GOLDEN-NEXT: %92 = stablehlo.dynamic_slice %70, %c_13, %91, %c_13, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %93 = stablehlo.dot_general %92, %arg4, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %94 = stablehlo.add %87, %93 : tensor<2x8x16xf32>
+// GOLDEN-NEXT: %95 = stablehlo.add %iterArg, %c_14 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %95, %94 : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: }
+// GOLDEN-NEXT: %85 = "stablehlo.all_gather"(%56) <{all_gather_dim = 0 : i64, channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, replica_groups = dense<{{\[\[}}0, 4], [1, 5], [2, 6], [3, 7]]> : tensor<4x2xi64>, use_global_device_ids}> : (tensor<8x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %86 = "stablehlo.all_gather"(%80) <{all_gather_dim = 1 : i64, channel_handle = #stablehlo.channel_handle<handle = 9, type = 1>, replica_groups = dense<{{\[\[}}0, 4], [1, 5], [2, 6], [3, 7]]> : tensor<4x2xi64>, use_global_device_ids}> : (tensor<16x8xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: sdy.return %84#1, %86, %85 : tensor<2x8x16xf32>, tensor<16x16xf32>, tensor<16x16xf32>
 // GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<128x16xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<8xf32>, tensor<8xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<8xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<128x16xf32>, tensor<16x32x16xf32>) -> (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>)
 // GOLDEN-NEXT: return %11, %20#0, %20#1, %20#2 : tensor<f32>, tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>
 // GOLDEN-NEXT: }

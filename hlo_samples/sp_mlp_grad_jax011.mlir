@@ -19,100 +19,101 @@
 // GOLDEN-NEXT: func.func public @main(%arg0: tensor<4x32x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}, {}]>}, %arg1: tensor<16x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<64x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<f32> {jax.result_info = "result[0]", sdy.sharding = #sdy.sharding<@mesh, []>}, tensor<4x32x16xf32> {jax.result_info = "result[1][0]", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}, {}]>}, tensor<16x64xf32> {jax.result_info = "result[1][1]", sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, tensor<64x16xf32> {jax.result_info = "result[1][2]", sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) {
 // GOLDEN-NEXT: %0:12 = sdy.manual_computation(%arg0, %arg1, %arg2) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>] manual_axes={"data", "model"} (%arg3: tensor<2x8x16xf32>, %arg4: tensor<16x16xf32>, %arg5: tensor<16x16xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %36 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %37 = stablehlo.dynamic_slice %c_9, %36, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %37 = stablehlo.dynamic_slice %c_6, %36, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %38 = stablehlo.reshape %37 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %39:4 = stablehlo.while(%iterArg = %c, %iterArg_17 = %arg3, %iterArg_18 = %cst_8, %iterArg_19 = %cst_8) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<[1, 2, 3, 0, 1, 2, 3, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %39 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %40 = stablehlo.dynamic_slice %c_7, %39, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %41 = stablehlo.reshape %40 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// GOLDEN-NEXT: %42 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %43 = stablehlo.dynamic_slice %c_8, %42, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %44 = stablehlo.reshape %43 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %45:4 = stablehlo.while(%iterArg = %c, %iterArg_16 = %arg3, %iterArg_17 = %cst_5, %iterArg_18 = %cst_5) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %76 = stablehlo.compare LT, %iterArg, %c_20, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %76 : tensor<i1>
+// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %78 = stablehlo.compare LT, %iterArg, %c_19, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %78 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_21 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_22 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_23 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %76 = "stablehlo.collective_permute"(%iterArg_17) <{channel_handle = #stablehlo.channel_handle<handle = 12, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %77 = stablehlo.add %38, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %78 = stablehlo.remainder %77, %c_22 : tensor<ui32>
-// GOLDEN-NEXT: %79 = stablehlo.dot_general %iterArg_17, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %80 = stablehlo.multiply %78, %c_23 : tensor<ui32>
-// GOLDEN-NEXT: %81 = stablehlo.dynamic_update_slice %iterArg_18, %79, %c_20, %80, %c_20 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %82 = stablehlo.dynamic_update_slice %iterArg_19, %iterArg_17, %c_20, %80, %c_20 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %83 = stablehlo.add %iterArg, %c_21 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %83, %76, %81, %82 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
-// GOLDEN-NEXT: }
-// GOLDEN-NEXT: %40 = stablehlo.add %38, %c_5 : tensor<ui32>
-// GOLDEN-NEXT: %41 = stablehlo.remainder %40, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %42 = stablehlo.dot_general %39#1, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %43 = stablehlo.multiply %41, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %44 = stablehlo.dynamic_update_slice %39#2, %42, %c, %43, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %45 = stablehlo.dynamic_update_slice %39#3, %39#1, %c, %43, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %46 = stablehlo.multiply %44, %44 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %47 = stablehlo.multiply %46, %44 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %48 = stablehlo.multiply %44, %44 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_10 = stablehlo.constant dense<3.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %49 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %50 = stablehlo.multiply %49, %48 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_11 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// GOLDEN-NEXT: %51 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %52 = stablehlo.multiply %51, %47 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %53 = stablehlo.add %44, %52 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_12 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// GOLDEN-NEXT: %54 = stablehlo.broadcast_in_dim %cst_12, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %55 = stablehlo.multiply %54, %53 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %56 = stablehlo.tanh %55 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_13 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %57 = stablehlo.broadcast_in_dim %cst_13, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %58 = stablehlo.add %57, %56 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_14 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %59 = stablehlo.broadcast_in_dim %cst_14, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %60 = stablehlo.subtract %59, %56 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %61 = stablehlo.multiply %58, %60 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_15 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %62 = stablehlo.broadcast_in_dim %cst_15, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %63 = stablehlo.add %62, %56 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_16 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// GOLDEN-NEXT: %64 = stablehlo.broadcast_in_dim %cst_16, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %65 = stablehlo.multiply %64, %63 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %66 = stablehlo.multiply %44, %65 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %67 = stablehlo.add %38, %c_4 : tensor<ui32>
-// GOLDEN-NEXT: %68 = stablehlo.remainder %67, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %69 = stablehlo.multiply %68, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %70 = stablehlo.dynamic_slice %66, %c, %69, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %71 = stablehlo.dot_general %70, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %72:2 = stablehlo.while(%iterArg = %c, %iterArg_17 = %71) : tensor<ui32>, tensor<2x8x16xf32>
-// GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_18 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %76 = stablehlo.compare LT, %iterArg, %c_18, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %76 : tensor<i1>
-// GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_18 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_21 = stablehlo.constant dense<4> : tensor<ui32>
 // GOLDEN-NEXT: %c_22 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %76 = "stablehlo.collective_permute"(%iterArg_17) <{channel_handle = #stablehlo.channel_handle<handle = 10, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %77 = stablehlo.add %iterArg, %c_20 : tensor<ui32>
-// GOLDEN-NEXT: %78 = stablehlo.add %38, %77 : tensor<ui32>
-// GOLDEN-NEXT: %79 = stablehlo.remainder %78, %c_21 : tensor<ui32>
-// GOLDEN-NEXT: %80 = stablehlo.multiply %79, %c_22 : tensor<ui32>
-// GOLDEN-NEXT: %81 = stablehlo.dynamic_slice %66, %c_18, %80, %c_18, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %82 = stablehlo.dot_general %81, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %83 = stablehlo.add %76, %82 : tensor<2x8x16xf32>
-// GOLDEN-NEXT: %84 = stablehlo.add %iterArg, %c_19 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %84, %83 : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %78 = "stablehlo.collective_permute"(%iterArg_16) <{channel_handle = #stablehlo.channel_handle<handle = 12, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %79 = stablehlo.add %38, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %80 = stablehlo.remainder %79, %c_21 : tensor<ui32>
+// GOLDEN-NEXT: %81 = stablehlo.dot_general %iterArg_16, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %82 = stablehlo.multiply %80, %c_22 : tensor<ui32>
+// GOLDEN-NEXT: %83 = stablehlo.dynamic_update_slice %iterArg_17, %81, %c_19, %82, %c_19 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %84 = stablehlo.dynamic_update_slice %iterArg_18, %iterArg_16, %c_19, %82, %c_19 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %85 = stablehlo.add %iterArg, %c_20 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %85, %78, %83, %84 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %73 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<1xf32>
-// GOLDEN-NEXT: %74 = stablehlo.broadcast_in_dim %cst_12, dims = [] : (tensor<f32>) -> tensor<1xf32>
-// GOLDEN-NEXT: %75 = stablehlo.broadcast_in_dim %cst_16, dims = [] : (tensor<f32>) -> tensor<1xf32>
-// GOLDEN-NEXT: sdy.return %72#1, %arg4, %45, %50, %73, %74, %61, %75, %65, %44, %arg5, %66 : tensor<2x8x16xf32>, tensor<16x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<1xf32>, tensor<1xf32>, tensor<2x32x16xf32>, tensor<1xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<16x16xf32>, tensor<2x32x16xf32>
+// GOLDEN-NEXT: %46 = stablehlo.dot_general %45#1, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %47 = stablehlo.multiply %44, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %48 = stablehlo.dynamic_update_slice %45#2, %46, %c, %47, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %49 = stablehlo.dynamic_update_slice %45#3, %45#1, %c, %47, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %50 = stablehlo.multiply %48, %48 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %51 = stablehlo.multiply %50, %48 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %52 = stablehlo.multiply %48, %48 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_9 = stablehlo.constant dense<3.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %53 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %54 = stablehlo.multiply %53, %52 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_10 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
+// GOLDEN-NEXT: %55 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %56 = stablehlo.multiply %55, %51 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %57 = stablehlo.add %48, %56 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_11 = stablehlo.constant dense<0.797884583> : tensor<f32>
+// GOLDEN-NEXT: %58 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %59 = stablehlo.multiply %58, %57 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %60 = stablehlo.tanh %59 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_12 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %61 = stablehlo.broadcast_in_dim %cst_12, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %62 = stablehlo.add %61, %60 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_13 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %63 = stablehlo.broadcast_in_dim %cst_13, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %64 = stablehlo.subtract %63, %60 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %65 = stablehlo.multiply %62, %64 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_14 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %66 = stablehlo.broadcast_in_dim %cst_14, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %67 = stablehlo.add %66, %60 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_15 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
+// GOLDEN-NEXT: %68 = stablehlo.broadcast_in_dim %cst_15, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %69 = stablehlo.multiply %68, %67 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %70 = stablehlo.multiply %48, %69 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %71 = stablehlo.multiply %41, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %72 = stablehlo.dynamic_slice %70, %c, %71, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %73 = stablehlo.dot_general %72, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %74:2 = stablehlo.while(%iterArg = %c, %iterArg_16 = %73) : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: cond {
+// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %78 = stablehlo.compare LT, %iterArg, %c_17, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %78 : tensor<i1>
+// GOLDEN-NEXT: } do {
+// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_18 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_21 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %78 = "stablehlo.collective_permute"(%iterArg_16) <{channel_handle = #stablehlo.channel_handle<handle = 10, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %79 = stablehlo.add %iterArg, %c_19 : tensor<ui32>
+// GOLDEN-NEXT: %80 = stablehlo.add %38, %79 : tensor<ui32>
+// GOLDEN-NEXT: %81 = stablehlo.remainder %80, %c_20 : tensor<ui32>
+// GOLDEN-NEXT: %82 = stablehlo.multiply %81, %c_21 : tensor<ui32>
+// GOLDEN-NEXT: %83 = stablehlo.dynamic_slice %70, %c_17, %82, %c_17, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %84 = stablehlo.dot_general %83, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %85 = stablehlo.add %78, %84 : tensor<2x8x16xf32>
+// GOLDEN-NEXT: %86 = stablehlo.add %iterArg, %c_18 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %86, %85 : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: }
+// GOLDEN-NEXT: %75 = stablehlo.broadcast_in_dim %cst_10, dims = [] : (tensor<f32>) -> tensor<1xf32>
+// GOLDEN-NEXT: %76 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<1xf32>
+// GOLDEN-NEXT: %77 = stablehlo.broadcast_in_dim %cst_15, dims = [] : (tensor<f32>) -> tensor<1xf32>
+// GOLDEN-NEXT: sdy.return %74#1, %arg4, %49, %54, %75, %76, %65, %77, %69, %48, %arg5, %70 : tensor<2x8x16xf32>, tensor<16x16xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<1xf32>, tensor<1xf32>, tensor<2x32x16xf32>, tensor<1xf32>, tensor<2x32x16xf32>, tensor<2x32x16xf32>, tensor<16x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>) -> (tensor<4x32x16xf32>, tensor<128x16xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<8xf32>, tensor<8xf32>, tensor<16x32x16xf32>, tensor<8xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<128x16xf32>, tensor<16x32x16xf32>)
 // GOLDEN-NEXT: %1 = sdy.sharding_constraint %0#0 <@mesh, [{"data"}, {"model"}, {}]> : tensor<4x32x16xf32>
 // GOLDEN-NEXT: %2 = sdy.sharding_constraint %0#1 <@mesh, [{"data", "model"}, {}]> : tensor<128x16xf32>
@@ -152,121 +153,121 @@
 // GOLDEN-NEXT: %31 = sdy.sharding_constraint %30 <@mesh, [{"data"}, {"model"}, {}]> : tensor<4x32x16xf32>
 // GOLDEN-NEXT: %32:3 = sdy.manual_computation(%31, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>, <@mesh, [{"data", "model"}, {}]>, <@mesh, [{"data", "model"}, {}, {}]>] out_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] manual_axes={"data", "model"} (%arg3: tensor<2x8x16xf32>, %arg4: tensor<16x16xf32>, %arg5: tensor<2x32x16xf32>, %arg6: tensor<2x32x16xf32>, %arg7: tensor<1xf32>, %arg8: tensor<1xf32>, %arg9: tensor<2x32x16xf32>, %arg10: tensor<1xf32>, %arg11: tensor<2x32x16xf32>, %arg12: tensor<2x32x16xf32>, %arg13: tensor<16x16xf32>, %arg14: tensor<2x32x16xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_5 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %c_6 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %cst_9 = stablehlo.constant dense<0.000000e+00> : tensor<16x8xf32>
-// GOLDEN-NEXT: %cst_10 = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<0.000000e+00> : tensor<16x16xf32>
+// GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %c_7 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %36 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %37 = stablehlo.dynamic_slice %c_11, %36, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %37 = stablehlo.dynamic_slice %c_7, %36, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %38 = stablehlo.reshape %37 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_8 = stablehlo.constant dense<[1, 2, 3, 0, 1, 2, 3, 0]> : tensor<8xui32>
 // GOLDEN-NEXT: %39 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %40 = stablehlo.dynamic_slice %c_12, %39, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %40 = stablehlo.dynamic_slice %c_8, %39, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %41 = stablehlo.reshape %40 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %42 = stablehlo.reshape %arg7 : (tensor<1xf32>) -> tensor<f32>
-// GOLDEN-NEXT: %43 = stablehlo.reshape %arg8 : (tensor<1xf32>) -> tensor<f32>
-// GOLDEN-NEXT: %44 = stablehlo.reshape %arg10 : (tensor<1xf32>) -> tensor<f32>
-// GOLDEN-NEXT: %45 = stablehlo.multiply %41, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %46 = stablehlo.dynamic_slice %arg14, %c, %c, %45, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
-// GOLDEN-NEXT: %47:5 = stablehlo.while(%iterArg = %c, %iterArg_13 = %arg3, %iterArg_14 = %cst_10, %iterArg_15 = %cst_9, %iterArg_16 = %cst_10) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<16x8xf32>, tensor<2x32x16xf32>
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// GOLDEN-NEXT: %42 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %43 = stablehlo.dynamic_slice %c_9, %42, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %44 = stablehlo.reshape %43 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<[0, 0, 0, 0, 1, 1, 1, 1]> : tensor<8xui32>
+// GOLDEN-NEXT: %45 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %46 = stablehlo.dynamic_slice %c_10, %45, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %47 = stablehlo.reshape %46 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<[1, 1, 1, 1, 0, 0, 0, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %48 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %49 = stablehlo.dynamic_slice %c_11, %48, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %50 = stablehlo.reshape %49 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %51 = stablehlo.reshape %arg7 : (tensor<1xf32>) -> tensor<f32>
+// GOLDEN-NEXT: %52 = stablehlo.reshape %arg8 : (tensor<1xf32>) -> tensor<f32>
+// GOLDEN-NEXT: %53 = stablehlo.reshape %arg10 : (tensor<1xf32>) -> tensor<f32>
+// GOLDEN-NEXT: %54 = stablehlo.multiply %50, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %55 = stablehlo.dynamic_slice %arg14, %c, %c, %54, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
+// GOLDEN-NEXT: %56 = stablehlo.multiply %47, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %57 = stablehlo.dynamic_slice %arg14, %c, %c, %56, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
+// GOLDEN-NEXT: %58 = stablehlo.concatenate %55, %57, dim = 2 : (tensor<2x32x8xf32>, tensor<2x32x8xf32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %59:4 = stablehlo.while(%iterArg = %c, %iterArg_12 = %arg3, %iterArg_13 = %cst_6, %iterArg_14 = %cst_5) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<16x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %98 = stablehlo.compare LT, %iterArg, %c_17, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %98 : tensor<i1>
+// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %100 = stablehlo.compare LT, %iterArg, %c_15, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %100 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_18 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %98 = "stablehlo.collective_permute"(%iterArg_13) <{channel_handle = #stablehlo.channel_handle<handle = 13, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %99 = stablehlo.add %38, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %100 = stablehlo.remainder %99, %c_19 : tensor<ui32>
-// GOLDEN-NEXT: %101 = stablehlo.dot_general %iterArg_13, %arg13, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %102 = stablehlo.multiply %100, %c_20 : tensor<ui32>
-// GOLDEN-NEXT: %103 = stablehlo.dynamic_update_slice %iterArg_14, %101, %c_17, %102, %c_17 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %104 = stablehlo.dynamic_slice %46, %c_17, %102, %c_17, sizes = [2, 8, 8] : (tensor<2x32x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x8xf32>
-// GOLDEN-NEXT: %105 = stablehlo.dot_general %iterArg_13, %104, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<2x8x8xf32>) -> tensor<16x8xf32>
-// GOLDEN-NEXT: %106 = stablehlo.add %iterArg_15, %105 : tensor<16x8xf32>
-// GOLDEN-NEXT: %107 = stablehlo.dynamic_update_slice %iterArg_16, %iterArg_13, %c_17, %102, %c_17 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %108 = stablehlo.add %iterArg, %c_18 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %108, %98, %103, %106, %107 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<16x8xf32>, tensor<2x32x16xf32>
-// GOLDEN-NEXT: }
-// GOLDEN-NEXT: %48 = stablehlo.add %38, %c_6 : tensor<ui32>
-// GOLDEN-NEXT: %49 = stablehlo.remainder %48, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %50 = stablehlo.dot_general %47#1, %arg13, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %51 = stablehlo.multiply %49, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %52 = stablehlo.dynamic_update_slice %47#2, %50, %c, %51, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %53 = stablehlo.dynamic_slice %46, %c, %51, %c, sizes = [2, 8, 8] : (tensor<2x32x8xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x8xf32>
-// GOLDEN-NEXT: %54 = stablehlo.dot_general %47#1, %53, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<2x8x8xf32>) -> tensor<16x8xf32>
-// GOLDEN-NEXT: %55 = stablehlo.add %47#3, %54 : tensor<16x8xf32>
-// GOLDEN-NEXT: %56 = stablehlo.dynamic_update_slice %47#4, %47#1, %c, %51, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %57 = stablehlo.add %41, %c_4 : tensor<ui32>
-// GOLDEN-NEXT: %58 = stablehlo.remainder %57, %c_5 : tensor<ui32>
-// GOLDEN-NEXT: %59 = stablehlo.multiply %58, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %60 = stablehlo.dynamic_slice %arg14, %c, %c, %59, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
-// GOLDEN-NEXT: %61 = stablehlo.dot_general %56, %60, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x16xf32>, tensor<2x32x8xf32>) -> tensor<16x8xf32>
-// GOLDEN-NEXT: %62 = stablehlo.transpose %61, dims = [1, 0] : (tensor<16x8xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %63 = "stablehlo.collective_permute"(%62) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<8x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %64 = stablehlo.transpose %55, dims = [1, 0] : (tensor<16x8xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %65 = stablehlo.add %63, %64 : tensor<8x16xf32>
-// GOLDEN-NEXT: %66 = stablehlo.multiply %arg12, %52 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %67 = stablehlo.multiply %52, %arg11 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %68 = stablehlo.broadcast_in_dim %44, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %69 = stablehlo.multiply %68, %66 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %70 = stablehlo.multiply %69, %arg9 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %71 = stablehlo.broadcast_in_dim %43, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %72 = stablehlo.multiply %71, %70 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %73 = stablehlo.add %67, %72 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %74 = stablehlo.broadcast_in_dim %42, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %75 = stablehlo.multiply %74, %72 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %76 = stablehlo.multiply %75, %arg6 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %77 = stablehlo.add %73, %76 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %78 = stablehlo.add %41, %c_4 : tensor<ui32>
-// GOLDEN-NEXT: %79 = stablehlo.remainder %78, %c_5 : tensor<ui32>
-// GOLDEN-NEXT: %80 = stablehlo.multiply %79, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %81 = stablehlo.dynamic_slice %77, %c, %c, %80, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
-// GOLDEN-NEXT: %82 = stablehlo.dot_general %81, %arg5, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<2x32x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %83 = stablehlo.transpose %82, dims = [1, 0] : (tensor<8x16xf32>) -> tensor<16x8xf32>
-// GOLDEN-NEXT: %84 = "stablehlo.collective_permute"(%83) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<16x8xf32>) -> tensor<16x8xf32>
-// GOLDEN-NEXT: %85 = stablehlo.multiply %41, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %86 = stablehlo.dynamic_slice %77, %c, %c, %85, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
-// GOLDEN-NEXT: %87 = stablehlo.dot_general %86, %arg5, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<2x32x16xf32>) -> tensor<8x16xf32>
-// GOLDEN-NEXT: %88 = stablehlo.transpose %87, dims = [1, 0] : (tensor<8x16xf32>) -> tensor<16x8xf32>
-// GOLDEN-NEXT: %89 = stablehlo.add %84, %88 : tensor<16x8xf32>
-// GOLDEN-NEXT: %90 = stablehlo.add %38, %c_4 : tensor<ui32>
-// GOLDEN-NEXT: %91 = stablehlo.remainder %90, %c_7 : tensor<ui32>
-// GOLDEN-NEXT: %92 = stablehlo.multiply %91, %c_8 : tensor<ui32>
-// GOLDEN-NEXT: %93 = stablehlo.dynamic_slice %77, %c, %92, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %94 = stablehlo.dot_general %93, %arg4, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %95:2 = stablehlo.while(%iterArg = %c, %iterArg_13 = %94) : tensor<ui32>, tensor<2x8x16xf32>
-// GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %98 = stablehlo.compare LT, %iterArg, %c_14, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %98 : tensor<i1>
-// GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_16 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_16 = stablehlo.constant dense<1> : tensor<ui32>
 // GOLDEN-NEXT: %c_17 = stablehlo.constant dense<4> : tensor<ui32>
 // GOLDEN-NEXT: %c_18 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %98 = "stablehlo.collective_permute"(%iterArg_13) <{channel_handle = #stablehlo.channel_handle<handle = 11, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %99 = stablehlo.add %iterArg, %c_16 : tensor<ui32>
-// GOLDEN-NEXT: %100 = stablehlo.add %38, %99 : tensor<ui32>
-// GOLDEN-NEXT: %101 = stablehlo.remainder %100, %c_17 : tensor<ui32>
-// GOLDEN-NEXT: %102 = stablehlo.multiply %101, %c_18 : tensor<ui32>
-// GOLDEN-NEXT: %103 = stablehlo.dynamic_slice %77, %c_14, %102, %c_14, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %104 = stablehlo.dot_general %103, %arg4, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %105 = stablehlo.add %98, %104 : tensor<2x8x16xf32>
-// GOLDEN-NEXT: %106 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %106, %105 : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %100 = "stablehlo.collective_permute"(%iterArg_12) <{channel_handle = #stablehlo.channel_handle<handle = 13, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %101 = stablehlo.add %38, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %102 = stablehlo.remainder %101, %c_17 : tensor<ui32>
+// GOLDEN-NEXT: %103 = stablehlo.dot_general %iterArg_12, %arg13, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %104 = stablehlo.multiply %102, %c_18 : tensor<ui32>
+// GOLDEN-NEXT: %105 = stablehlo.dynamic_update_slice %iterArg_13, %103, %c_15, %104, %c_15 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %106 = stablehlo.dynamic_slice %58, %c_15, %104, %c_15, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %107 = stablehlo.dot_general %iterArg_12, %106, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<2x8x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %108 = stablehlo.add %iterArg_14, %107 : tensor<16x16xf32>
+// GOLDEN-NEXT: %109 = stablehlo.add %iterArg, %c_16 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %109, %100, %105, %108 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>, tensor<16x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %96 = "stablehlo.all_gather"(%65) <{all_gather_dim = 0 : i64, channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, replica_groups = #stablehlo.replica_group_mesh_axes<mesh = @mesh_0, axes = [#stablehlo.axis_ref<name = "data">]>, use_global_device_ids}> : (tensor<8x16xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: %97 = "stablehlo.all_gather"(%89) <{all_gather_dim = 1 : i64, channel_handle = #stablehlo.channel_handle<handle = 9, type = 1>, replica_groups = #stablehlo.replica_group_mesh_axes<mesh = @mesh_0, axes = [#stablehlo.axis_ref<name = "data">]>, use_global_device_ids}> : (tensor<16x8xf32>) -> tensor<16x16xf32>
-// GOLDEN-NEXT: sdy.return %95#1, %97, %96 : tensor<2x8x16xf32>, tensor<16x16xf32>, tensor<16x16xf32>
+// GOLDEN-NEXT: %60 = stablehlo.dot_general %59#1, %arg13, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %61 = stablehlo.multiply %44, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %62 = stablehlo.dynamic_update_slice %59#2, %60, %c, %61, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %63 = stablehlo.dynamic_slice %58, %c, %61, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %64 = stablehlo.dot_general %59#1, %63, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<2x8x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %65 = stablehlo.add %59#3, %64 : tensor<16x16xf32>
+// GOLDEN-NEXT: %66 = stablehlo.slice %65 [0:16, 0:8] : (tensor<16x16xf32>) -> tensor<16x8xf32>
+// GOLDEN-NEXT: %67 = stablehlo.slice %65 [0:16, 8:16] : (tensor<16x16xf32>) -> tensor<16x8xf32>
+// GOLDEN-NEXT: %68 = stablehlo.transpose %66, dims = [1, 0] : (tensor<16x8xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %69 = "stablehlo.collective_permute"(%68) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<8x16xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %70 = stablehlo.transpose %67, dims = [1, 0] : (tensor<16x8xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %71 = stablehlo.add %69, %70 : tensor<8x16xf32>
+// GOLDEN-NEXT: %72 = stablehlo.multiply %arg12, %62 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %73 = stablehlo.multiply %62, %arg11 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %74 = stablehlo.broadcast_in_dim %53, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %75 = stablehlo.multiply %74, %72 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %76 = stablehlo.multiply %75, %arg9 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %77 = stablehlo.broadcast_in_dim %52, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %78 = stablehlo.multiply %77, %76 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %79 = stablehlo.add %73, %78 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %80 = stablehlo.broadcast_in_dim %51, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %81 = stablehlo.multiply %80, %78 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %82 = stablehlo.multiply %81, %arg6 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %83 = stablehlo.add %79, %82 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %84 = stablehlo.multiply %50, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %85 = stablehlo.dynamic_slice %83, %c, %c, %84, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
+// GOLDEN-NEXT: %86 = stablehlo.dot_general %85, %arg5, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<2x32x16xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %87 = stablehlo.transpose %86, dims = [1, 0] : (tensor<8x16xf32>) -> tensor<16x8xf32>
+// GOLDEN-NEXT: %88 = "stablehlo.collective_permute"(%87) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 4], [4, 0], [1, 5], [5, 1], [2, 6], [6, 2], [3, 7], [7, 3]]> : tensor<8x2xi64>}> : (tensor<16x8xf32>) -> tensor<16x8xf32>
+// GOLDEN-NEXT: %89 = stablehlo.multiply %47, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %90 = stablehlo.dynamic_slice %83, %c, %c, %89, sizes = [2, 32, 8] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x8xf32>
+// GOLDEN-NEXT: %91 = stablehlo.dot_general %90, %arg5, contracting_dims = [0, 1] x [0, 1], precision = [DEFAULT, DEFAULT] : (tensor<2x32x8xf32>, tensor<2x32x16xf32>) -> tensor<8x16xf32>
+// GOLDEN-NEXT: %92 = stablehlo.transpose %91, dims = [1, 0] : (tensor<8x16xf32>) -> tensor<16x8xf32>
+// GOLDEN-NEXT: %93 = stablehlo.add %88, %92 : tensor<16x8xf32>
+// GOLDEN-NEXT: %94 = stablehlo.multiply %41, %c_4 : tensor<ui32>
+// GOLDEN-NEXT: %95 = stablehlo.dynamic_slice %83, %c, %94, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %96 = stablehlo.dot_general %95, %arg4, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %97:2 = stablehlo.while(%iterArg = %c, %iterArg_12 = %96) : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: cond {
+// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %100 = stablehlo.compare LT, %iterArg, %c_13, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %100 : tensor<i1>
+// GOLDEN-NEXT: } do {
+// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_15 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_16 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_17 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %100 = "stablehlo.collective_permute"(%iterArg_12) <{channel_handle = #stablehlo.channel_handle<handle = 11, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %101 = stablehlo.add %iterArg, %c_15 : tensor<ui32>
+// GOLDEN-NEXT: %102 = stablehlo.add %38, %101 : tensor<ui32>
+// GOLDEN-NEXT: %103 = stablehlo.remainder %102, %c_16 : tensor<ui32>
+// GOLDEN-NEXT: %104 = stablehlo.multiply %103, %c_17 : tensor<ui32>
+// GOLDEN-NEXT: %105 = stablehlo.dynamic_slice %83, %c_13, %104, %c_13, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %106 = stablehlo.dot_general %105, %arg4, contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %107 = stablehlo.add %100, %106 : tensor<2x8x16xf32>
+// GOLDEN-NEXT: %108 = stablehlo.add %iterArg, %c_14 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %108, %107 : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: }
+// GOLDEN-NEXT: %98 = "stablehlo.all_gather"(%71) <{all_gather_dim = 0 : i64, channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, replica_groups = #stablehlo.replica_group_mesh_axes<mesh = @mesh_0, axes = [#stablehlo.axis_ref<name = "data">]>, use_global_device_ids}> : (tensor<8x16xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: %99 = "stablehlo.all_gather"(%93) <{all_gather_dim = 1 : i64, channel_handle = #stablehlo.channel_handle<handle = 9, type = 1>, replica_groups = #stablehlo.replica_group_mesh_axes<mesh = @mesh_0, axes = [#stablehlo.axis_ref<name = "data">]>, use_global_device_ids}> : (tensor<16x8xf32>) -> tensor<16x16xf32>
+// GOLDEN-NEXT: sdy.return %97#1, %99, %98 : tensor<2x8x16xf32>, tensor<16x16xf32>, tensor<16x16xf32>
 // GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<128x16xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<8xf32>, tensor<8xf32>, tensor<16x32x16xf32>, tensor<8xf32>, tensor<16x32x16xf32>, tensor<16x32x16xf32>, tensor<128x16xf32>, tensor<16x32x16xf32>) -> (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>)
 // GOLDEN-NEXT: %33 = sdy.sharding_constraint %32#0 <@mesh, [{"data"}, {"model"}, {}]> : tensor<4x32x16xf32>
 // GOLDEN-NEXT: %34 = sdy.sharding_constraint %32#1 <@mesh, [{}, {"model"}]> : tensor<16x64xf32>

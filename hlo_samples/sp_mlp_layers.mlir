@@ -31,84 +31,85 @@
 // GOLDEN-NEXT: func.func private @cmatmul_layer_0(%arg0: tensor<4x32x16xf32>, %arg1: tensor<16x64xf32>, %arg2: tensor<64x16xf32>) -> tensor<4x32x16xf32> {
 // GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1, %arg2) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"data"}, {"model"}, {}]>] manual_axes={"data", "model"} (%arg3: tensor<2x8x16xf32>, %arg4: tensor<16x16xf32>, %arg5: tensor<16x16xf32>) {
 // GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
 // GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // GOLDEN-NEXT: %1 = stablehlo.partition_id : tensor<ui32>
-// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_4, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %2 = stablehlo.dynamic_slice %c_1, %1, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // GOLDEN-NEXT: %3 = stablehlo.reshape %2 : (tensor<1xui32>) -> tensor<ui32>
-// GOLDEN-NEXT: %4:3 = stablehlo.while(%iterArg = %c, %iterArg_9 = %arg3, %iterArg_10 = %cst) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
-// GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %29 = stablehlo.compare LT, %iterArg, %c_11, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %29 : tensor<i1>
-// GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %29 = "stablehlo.collective_permute"(%iterArg_9) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %30 = stablehlo.add %3, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %31 = stablehlo.remainder %30, %c_13 : tensor<ui32>
-// GOLDEN-NEXT: %32 = stablehlo.dot_general %iterArg_9, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %33 = stablehlo.multiply %31, %c_14 : tensor<ui32>
-// GOLDEN-NEXT: %34 = stablehlo.dynamic_update_slice %iterArg_10, %32, %c_11, %33, %c_11 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %35 = stablehlo.add %iterArg, %c_12 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %35, %29, %34 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
-// GOLDEN-NEXT: }
-// GOLDEN-NEXT: %5 = stablehlo.add %3, %c_1 : tensor<ui32>
-// GOLDEN-NEXT: %6 = stablehlo.remainder %5, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %7 = stablehlo.dot_general %4#1, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %8 = stablehlo.multiply %6, %c_3 : tensor<ui32>
-// GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %4#2, %7, %c, %8, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %10 = stablehlo.multiply %9, %9 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %11 = stablehlo.multiply %10, %9 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// GOLDEN-NEXT: %12 = stablehlo.broadcast_in_dim %cst_5, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %13 = stablehlo.multiply %12, %11 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %14 = stablehlo.add %9, %13 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// GOLDEN-NEXT: %15 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %16 = stablehlo.multiply %15, %14 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %17 = stablehlo.tanh %16 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %18 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %19 = stablehlo.add %18, %17 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// GOLDEN-NEXT: %20 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// GOLDEN-NEXT: %21 = stablehlo.multiply %20, %19 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %22 = stablehlo.multiply %9, %21 : tensor<2x32x16xf32>
-// GOLDEN-NEXT: %23 = stablehlo.add %3, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %24 = stablehlo.remainder %23, %c_2 : tensor<ui32>
-// GOLDEN-NEXT: %25 = stablehlo.multiply %24, %c_3 : tensor<ui32>
-// GOLDEN-NEXT: %26 = stablehlo.dynamic_slice %22, %c, %25, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %27 = stablehlo.dot_general %26, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %28:2 = stablehlo.while(%iterArg = %c, %iterArg_9 = %27) : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[1, 2, 3, 0, 1, 2, 3, 0]> : tensor<8xui32>
+// GOLDEN-NEXT: %4 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %5 = stablehlo.dynamic_slice %c_2, %4, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %6 = stablehlo.reshape %5 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// GOLDEN-NEXT: %7 = stablehlo.partition_id : tensor<ui32>
+// GOLDEN-NEXT: %8 = stablehlo.dynamic_slice %c_3, %7, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// GOLDEN-NEXT: %9 = stablehlo.reshape %8 : (tensor<1xui32>) -> tensor<ui32>
+// GOLDEN-NEXT: %10:3 = stablehlo.while(%iterArg = %c, %iterArg_8 = %arg3, %iterArg_9 = %cst) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_10 = stablehlo.constant dense<3> : tensor<ui32>
-// GOLDEN-NEXT: %29 = stablehlo.compare LT, %iterArg, %c_10, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %29 : tensor<i1>
+// GOLDEN-NEXT: %31 = stablehlo.compare LT, %iterArg, %c_10, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %31 : tensor<i1>
 // GOLDEN-NEXT: } do {
 // GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<ui32>
 // GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<2> : tensor<ui32>
-// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<4> : tensor<ui32>
-// GOLDEN-NEXT: %c_14 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %29 = "stablehlo.collective_permute"(%iterArg_9) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %30 = stablehlo.add %iterArg, %c_12 : tensor<ui32>
-// GOLDEN-NEXT: %31 = stablehlo.add %3, %30 : tensor<ui32>
-// GOLDEN-NEXT: %32 = stablehlo.remainder %31, %c_13 : tensor<ui32>
-// GOLDEN-NEXT: %33 = stablehlo.multiply %32, %c_14 : tensor<ui32>
-// GOLDEN-NEXT: %34 = stablehlo.dynamic_slice %22, %c_10, %33, %c_10, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %35 = stablehlo.dot_general %34, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// GOLDEN-NEXT: %36 = stablehlo.add %29, %35 : tensor<2x8x16xf32>
+// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %31 = "stablehlo.collective_permute"(%iterArg_8) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %32 = stablehlo.add %3, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %33 = stablehlo.remainder %32, %c_12 : tensor<ui32>
+// GOLDEN-NEXT: %34 = stablehlo.dot_general %iterArg_8, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %35 = stablehlo.multiply %33, %c_13 : tensor<ui32>
+// GOLDEN-NEXT: %36 = stablehlo.dynamic_update_slice %iterArg_9, %34, %c_10, %35, %c_10 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
 // GOLDEN-NEXT: %37 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %37, %36 : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: stablehlo.return %37, %31, %36 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: sdy.return %28#1 : tensor<2x8x16xf32>
+// GOLDEN-NEXT: %11 = stablehlo.dot_general %10#1, %arg4, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %12 = stablehlo.multiply %9, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %13 = stablehlo.dynamic_update_slice %10#2, %11, %c, %12, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %14 = stablehlo.multiply %13, %13 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %15 = stablehlo.multiply %14, %13 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_4 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
+// GOLDEN-NEXT: %16 = stablehlo.broadcast_in_dim %cst_4, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %17 = stablehlo.multiply %16, %15 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %18 = stablehlo.add %13, %17 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<0.797884583> : tensor<f32>
+// GOLDEN-NEXT: %19 = stablehlo.broadcast_in_dim %cst_5, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %20 = stablehlo.multiply %19, %18 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %21 = stablehlo.tanh %20 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %22 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %23 = stablehlo.add %22, %21 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
+// GOLDEN-NEXT: %24 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// GOLDEN-NEXT: %25 = stablehlo.multiply %24, %23 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %26 = stablehlo.multiply %13, %25 : tensor<2x32x16xf32>
+// GOLDEN-NEXT: %27 = stablehlo.multiply %6, %c_0 : tensor<ui32>
+// GOLDEN-NEXT: %28 = stablehlo.dynamic_slice %26, %c, %27, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %29 = stablehlo.dot_general %28, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %30:2 = stablehlo.while(%iterArg = %c, %iterArg_8 = %29) : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: cond {
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<3> : tensor<ui32>
+// GOLDEN-NEXT: %31 = stablehlo.compare LT, %iterArg, %c_9, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %31 : tensor<i1>
+// GOLDEN-NEXT: } do {
+// GOLDEN-NEXT: %c_9 = stablehlo.constant dense<0> : tensor<ui32>
+// GOLDEN-NEXT: %c_10 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_11 = stablehlo.constant dense<2> : tensor<ui32>
+// GOLDEN-NEXT: %c_12 = stablehlo.constant dense<4> : tensor<ui32>
+// GOLDEN-NEXT: %c_13 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %31 = "stablehlo.collective_permute"(%iterArg_8) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %32 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
+// GOLDEN-NEXT: %33 = stablehlo.add %3, %32 : tensor<ui32>
+// GOLDEN-NEXT: %34 = stablehlo.remainder %33, %c_12 : tensor<ui32>
+// GOLDEN-NEXT: %35 = stablehlo.multiply %34, %c_13 : tensor<ui32>
+// GOLDEN-NEXT: %36 = stablehlo.dynamic_slice %26, %c_9, %35, %c_9, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %37 = stablehlo.dot_general %36, %arg5, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// GOLDEN-NEXT: %38 = stablehlo.add %31, %37 : tensor<2x8x16xf32>
+// GOLDEN-NEXT: %39 = stablehlo.add %iterArg, %c_10 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %39, %38 : tensor<ui32>, tensor<2x8x16xf32>
+// GOLDEN-NEXT: }
+// GOLDEN-NEXT: sdy.return %30#1 : tensor<2x8x16xf32>
 // GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<4x32x16xf32>
 // GOLDEN-NEXT: return %0 : tensor<4x32x16xf32>
 // GOLDEN-NEXT: }
@@ -123,246 +124,249 @@
 // OWN_GOLDEN-NEXT: func.func public @main(%arg0: tensor<4x32x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}, {}]>}, %arg1: tensor<16x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<64x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg3: tensor<16x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg4: tensor<64x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg5: tensor<16x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg6: tensor<64x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<4x32x16xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}, {}]>}) {
 // OWN_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1, %arg2) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"data"}, {"model"}, {}]>] manual_axes={"data", "model"} (%arg7: tensor<2x8x16xf32>, %arg8: tensor<16x16xf32>, %arg9: tensor<16x16xf32>) {
 // OWN_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<3> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<4> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<8> : tensor<ui32>
+// OWN_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
 // OWN_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// OWN_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // OWN_GOLDEN-NEXT: %3 = stablehlo.partition_id : tensor<ui32>
-// OWN_GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_4, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// OWN_GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_1, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // OWN_GOLDEN-NEXT: %5 = stablehlo.reshape %4 : (tensor<1xui32>) -> tensor<ui32>
-// OWN_GOLDEN-NEXT: %6:3 = stablehlo.while(%iterArg = %c, %iterArg_9 = %arg7, %iterArg_10 = %cst) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: cond {
-// OWN_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<3> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %31 = stablehlo.compare LT, %iterArg, %c_11, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// OWN_GOLDEN-NEXT: stablehlo.return %31 : tensor<i1>
-// OWN_GOLDEN-NEXT: } do {
-// OWN_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<0> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<1> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<4> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<8> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %31 = "stablehlo.collective_permute"(%iterArg_9) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// OWN_GOLDEN-NEXT: %32 = stablehlo.add %5, %iterArg : tensor<ui32>
-// OWN_GOLDEN-NEXT: %33 = stablehlo.remainder %32, %c_13 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %34 = stablehlo.dot_general %iterArg_9, %arg8, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// OWN_GOLDEN-NEXT: %35 = stablehlo.multiply %33, %c_14 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %36 = stablehlo.dynamic_update_slice %iterArg_10, %34, %c_11, %35, %c_11 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %37 = stablehlo.add %iterArg, %c_12 : tensor<ui32>
-// OWN_GOLDEN-NEXT: stablehlo.return %37, %31, %36 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: }
-// OWN_GOLDEN-NEXT: %7 = stablehlo.add %5, %c_1 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %8 = stablehlo.remainder %7, %c_2 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %9 = stablehlo.dot_general %6#1, %arg8, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// OWN_GOLDEN-NEXT: %10 = stablehlo.multiply %8, %c_3 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %11 = stablehlo.dynamic_update_slice %6#2, %9, %c, %10, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %12 = stablehlo.multiply %11, %11 : tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %13 = stablehlo.multiply %12, %11 : tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// OWN_GOLDEN-NEXT: %14 = stablehlo.broadcast_in_dim %cst_5, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %15 = stablehlo.multiply %14, %13 : tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %16 = stablehlo.add %11, %15 : tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// OWN_GOLDEN-NEXT: %17 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %18 = stablehlo.multiply %17, %16 : tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %19 = stablehlo.tanh %18 : tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// OWN_GOLDEN-NEXT: %20 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %21 = stablehlo.add %20, %19 : tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// OWN_GOLDEN-NEXT: %22 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %23 = stablehlo.multiply %22, %21 : tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %24 = stablehlo.multiply %11, %23 : tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %25 = stablehlo.add %5, %c_0 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %26 = stablehlo.remainder %25, %c_2 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %27 = stablehlo.multiply %26, %c_3 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %28 = stablehlo.dynamic_slice %24, %c, %27, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// OWN_GOLDEN-NEXT: %29 = stablehlo.dot_general %28, %arg9, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// OWN_GOLDEN-NEXT: %30:2 = stablehlo.while(%iterArg = %c, %iterArg_9 = %29) : tensor<ui32>, tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[1, 2, 3, 0, 1, 2, 3, 0]> : tensor<8xui32>
+// OWN_GOLDEN-NEXT: %6 = stablehlo.partition_id : tensor<ui32>
+// OWN_GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %c_2, %6, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// OWN_GOLDEN-NEXT: %8 = stablehlo.reshape %7 : (tensor<1xui32>) -> tensor<ui32>
+// OWN_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// OWN_GOLDEN-NEXT: %9 = stablehlo.partition_id : tensor<ui32>
+// OWN_GOLDEN-NEXT: %10 = stablehlo.dynamic_slice %c_3, %9, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// OWN_GOLDEN-NEXT: %11 = stablehlo.reshape %10 : (tensor<1xui32>) -> tensor<ui32>
+// OWN_GOLDEN-NEXT: %12:3 = stablehlo.while(%iterArg = %c, %iterArg_8 = %arg7, %iterArg_9 = %cst) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // OWN_GOLDEN-NEXT: cond {
 // OWN_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<3> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %31 = stablehlo.compare LT, %iterArg, %c_10, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// OWN_GOLDEN-NEXT: stablehlo.return %31 : tensor<i1>
+// OWN_GOLDEN-NEXT: %33 = stablehlo.compare LT, %iterArg, %c_10, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// OWN_GOLDEN-NEXT: stablehlo.return %33 : tensor<i1>
 // OWN_GOLDEN-NEXT: } do {
 // OWN_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<ui32>
 // OWN_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<2> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<4> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<8> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %31 = "stablehlo.collective_permute"(%iterArg_9) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// OWN_GOLDEN-NEXT: %32 = stablehlo.add %iterArg, %c_12 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %33 = stablehlo.add %5, %32 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %34 = stablehlo.remainder %33, %c_13 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %35 = stablehlo.multiply %34, %c_14 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %36 = stablehlo.dynamic_slice %24, %c_10, %35, %c_10, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// OWN_GOLDEN-NEXT: %37 = stablehlo.dot_general %36, %arg9, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// OWN_GOLDEN-NEXT: %38 = stablehlo.add %31, %37 : tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<4> : tensor<ui32>
+// OWN_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<8> : tensor<ui32>
+// OWN_GOLDEN-NEXT: %33 = "stablehlo.collective_permute"(%iterArg_8) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %34 = stablehlo.add %5, %iterArg : tensor<ui32>
+// OWN_GOLDEN-NEXT: %35 = stablehlo.remainder %34, %c_12 : tensor<ui32>
+// OWN_GOLDEN-NEXT: %36 = stablehlo.dot_general %iterArg_8, %arg8, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %37 = stablehlo.multiply %35, %c_13 : tensor<ui32>
+// OWN_GOLDEN-NEXT: %38 = stablehlo.dynamic_update_slice %iterArg_9, %36, %c_10, %37, %c_10 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
 // OWN_GOLDEN-NEXT: %39 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
-// OWN_GOLDEN-NEXT: stablehlo.return %39, %38 : tensor<ui32>, tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: stablehlo.return %39, %33, %38 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // OWN_GOLDEN-NEXT: }
-// OWN_GOLDEN-NEXT: sdy.return %30#1 : tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %13 = stablehlo.dot_general %12#1, %arg8, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %14 = stablehlo.multiply %11, %c_0 : tensor<ui32>
+// OWN_GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %12#2, %13, %c, %14, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %16 = stablehlo.multiply %15, %15 : tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %17 = stablehlo.multiply %16, %15 : tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %cst_4 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
+// OWN_GOLDEN-NEXT: %18 = stablehlo.broadcast_in_dim %cst_4, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %19 = stablehlo.multiply %18, %17 : tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %20 = stablehlo.add %15, %19 : tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<0.797884583> : tensor<f32>
+// OWN_GOLDEN-NEXT: %21 = stablehlo.broadcast_in_dim %cst_5, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %22 = stablehlo.multiply %21, %20 : tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %23 = stablehlo.tanh %22 : tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
+// OWN_GOLDEN-NEXT: %24 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %25 = stablehlo.add %24, %23 : tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
+// OWN_GOLDEN-NEXT: %26 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %27 = stablehlo.multiply %26, %25 : tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %28 = stablehlo.multiply %15, %27 : tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %29 = stablehlo.multiply %8, %c_0 : tensor<ui32>
+// OWN_GOLDEN-NEXT: %30 = stablehlo.dynamic_slice %28, %c, %29, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %31 = stablehlo.dot_general %30, %arg9, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %32:2 = stablehlo.while(%iterArg = %c, %iterArg_8 = %31) : tensor<ui32>, tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: cond {
+// OWN_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<3> : tensor<ui32>
+// OWN_GOLDEN-NEXT: %33 = stablehlo.compare LT, %iterArg, %c_9, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// OWN_GOLDEN-NEXT: stablehlo.return %33 : tensor<i1>
+// OWN_GOLDEN-NEXT: } do {
+// OWN_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<0> : tensor<ui32>
+// OWN_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<1> : tensor<ui32>
+// OWN_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<2> : tensor<ui32>
+// OWN_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<4> : tensor<ui32>
+// OWN_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<8> : tensor<ui32>
+// OWN_GOLDEN-NEXT: %33 = "stablehlo.collective_permute"(%iterArg_8) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %34 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
+// OWN_GOLDEN-NEXT: %35 = stablehlo.add %5, %34 : tensor<ui32>
+// OWN_GOLDEN-NEXT: %36 = stablehlo.remainder %35, %c_12 : tensor<ui32>
+// OWN_GOLDEN-NEXT: %37 = stablehlo.multiply %36, %c_13 : tensor<ui32>
+// OWN_GOLDEN-NEXT: %38 = stablehlo.dynamic_slice %28, %c_9, %37, %c_9, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %39 = stablehlo.dot_general %38, %arg9, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %40 = stablehlo.add %33, %39 : tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %41 = stablehlo.add %iterArg, %c_10 : tensor<ui32>
+// OWN_GOLDEN-NEXT: stablehlo.return %41, %40 : tensor<ui32>, tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: }
+// OWN_GOLDEN-NEXT: sdy.return %32#1 : tensor<2x8x16xf32>
 // OWN_GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<4x32x16xf32>
 // OWN_GOLDEN-NEXT: %1 = sdy.manual_computation(%0, %arg3, %arg4) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"data"}, {"model"}, {}]>] manual_axes={"data", "model"} (%arg7: tensor<2x8x16xf32>, %arg8: tensor<16x16xf32>, %arg9: tensor<16x16xf32>) {
 // OWN_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<3> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<4> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<8> : tensor<ui32>
+// OWN_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
 // OWN_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// OWN_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // OWN_GOLDEN-NEXT: %3 = stablehlo.partition_id : tensor<ui32>
-// OWN_GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_4, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// OWN_GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_1, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // OWN_GOLDEN-NEXT: %5 = stablehlo.reshape %4 : (tensor<1xui32>) -> tensor<ui32>
-// OWN_GOLDEN-NEXT: %6:3 = stablehlo.while(%iterArg = %c, %iterArg_9 = %arg7, %iterArg_10 = %cst) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: cond {
-// OWN_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<3> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %31 = stablehlo.compare LT, %iterArg, %c_11, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// OWN_GOLDEN-NEXT: stablehlo.return %31 : tensor<i1>
-// OWN_GOLDEN-NEXT: } do {
-// OWN_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<0> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<1> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<4> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<8> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %31 = "stablehlo.collective_permute"(%iterArg_9) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// OWN_GOLDEN-NEXT: %32 = stablehlo.add %5, %iterArg : tensor<ui32>
-// OWN_GOLDEN-NEXT: %33 = stablehlo.remainder %32, %c_13 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %34 = stablehlo.dot_general %iterArg_9, %arg8, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// OWN_GOLDEN-NEXT: %35 = stablehlo.multiply %33, %c_14 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %36 = stablehlo.dynamic_update_slice %iterArg_10, %34, %c_11, %35, %c_11 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %37 = stablehlo.add %iterArg, %c_12 : tensor<ui32>
-// OWN_GOLDEN-NEXT: stablehlo.return %37, %31, %36 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: }
-// OWN_GOLDEN-NEXT: %7 = stablehlo.add %5, %c_1 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %8 = stablehlo.remainder %7, %c_2 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %9 = stablehlo.dot_general %6#1, %arg8, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// OWN_GOLDEN-NEXT: %10 = stablehlo.multiply %8, %c_3 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %11 = stablehlo.dynamic_update_slice %6#2, %9, %c, %10, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %12 = stablehlo.multiply %11, %11 : tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %13 = stablehlo.multiply %12, %11 : tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// OWN_GOLDEN-NEXT: %14 = stablehlo.broadcast_in_dim %cst_5, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %15 = stablehlo.multiply %14, %13 : tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %16 = stablehlo.add %11, %15 : tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// OWN_GOLDEN-NEXT: %17 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %18 = stablehlo.multiply %17, %16 : tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %19 = stablehlo.tanh %18 : tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// OWN_GOLDEN-NEXT: %20 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %21 = stablehlo.add %20, %19 : tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// OWN_GOLDEN-NEXT: %22 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %23 = stablehlo.multiply %22, %21 : tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %24 = stablehlo.multiply %11, %23 : tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %25 = stablehlo.add %5, %c_0 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %26 = stablehlo.remainder %25, %c_2 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %27 = stablehlo.multiply %26, %c_3 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %28 = stablehlo.dynamic_slice %24, %c, %27, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// OWN_GOLDEN-NEXT: %29 = stablehlo.dot_general %28, %arg9, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// OWN_GOLDEN-NEXT: %30:2 = stablehlo.while(%iterArg = %c, %iterArg_9 = %29) : tensor<ui32>, tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[1, 2, 3, 0, 1, 2, 3, 0]> : tensor<8xui32>
+// OWN_GOLDEN-NEXT: %6 = stablehlo.partition_id : tensor<ui32>
+// OWN_GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %c_2, %6, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// OWN_GOLDEN-NEXT: %8 = stablehlo.reshape %7 : (tensor<1xui32>) -> tensor<ui32>
+// OWN_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// OWN_GOLDEN-NEXT: %9 = stablehlo.partition_id : tensor<ui32>
+// OWN_GOLDEN-NEXT: %10 = stablehlo.dynamic_slice %c_3, %9, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// OWN_GOLDEN-NEXT: %11 = stablehlo.reshape %10 : (tensor<1xui32>) -> tensor<ui32>
+// OWN_GOLDEN-NEXT: %12:3 = stablehlo.while(%iterArg = %c, %iterArg_8 = %arg7, %iterArg_9 = %cst) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // OWN_GOLDEN-NEXT: cond {
 // OWN_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<3> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %31 = stablehlo.compare LT, %iterArg, %c_10, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// OWN_GOLDEN-NEXT: stablehlo.return %31 : tensor<i1>
+// OWN_GOLDEN-NEXT: %33 = stablehlo.compare LT, %iterArg, %c_10, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// OWN_GOLDEN-NEXT: stablehlo.return %33 : tensor<i1>
 // OWN_GOLDEN-NEXT: } do {
 // OWN_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<ui32>
 // OWN_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<2> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<4> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<8> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %31 = "stablehlo.collective_permute"(%iterArg_9) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// OWN_GOLDEN-NEXT: %32 = stablehlo.add %iterArg, %c_12 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %33 = stablehlo.add %5, %32 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %34 = stablehlo.remainder %33, %c_13 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %35 = stablehlo.multiply %34, %c_14 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %36 = stablehlo.dynamic_slice %24, %c_10, %35, %c_10, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// OWN_GOLDEN-NEXT: %37 = stablehlo.dot_general %36, %arg9, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// OWN_GOLDEN-NEXT: %38 = stablehlo.add %31, %37 : tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<4> : tensor<ui32>
+// OWN_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<8> : tensor<ui32>
+// OWN_GOLDEN-NEXT: %33 = "stablehlo.collective_permute"(%iterArg_8) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %34 = stablehlo.add %5, %iterArg : tensor<ui32>
+// OWN_GOLDEN-NEXT: %35 = stablehlo.remainder %34, %c_12 : tensor<ui32>
+// OWN_GOLDEN-NEXT: %36 = stablehlo.dot_general %iterArg_8, %arg8, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %37 = stablehlo.multiply %35, %c_13 : tensor<ui32>
+// OWN_GOLDEN-NEXT: %38 = stablehlo.dynamic_update_slice %iterArg_9, %36, %c_10, %37, %c_10 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
 // OWN_GOLDEN-NEXT: %39 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
-// OWN_GOLDEN-NEXT: stablehlo.return %39, %38 : tensor<ui32>, tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: stablehlo.return %39, %33, %38 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // OWN_GOLDEN-NEXT: }
-// OWN_GOLDEN-NEXT: sdy.return %30#1 : tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %13 = stablehlo.dot_general %12#1, %arg8, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %14 = stablehlo.multiply %11, %c_0 : tensor<ui32>
+// OWN_GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %12#2, %13, %c, %14, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %16 = stablehlo.multiply %15, %15 : tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %17 = stablehlo.multiply %16, %15 : tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %cst_4 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
+// OWN_GOLDEN-NEXT: %18 = stablehlo.broadcast_in_dim %cst_4, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %19 = stablehlo.multiply %18, %17 : tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %20 = stablehlo.add %15, %19 : tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<0.797884583> : tensor<f32>
+// OWN_GOLDEN-NEXT: %21 = stablehlo.broadcast_in_dim %cst_5, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %22 = stablehlo.multiply %21, %20 : tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %23 = stablehlo.tanh %22 : tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
+// OWN_GOLDEN-NEXT: %24 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %25 = stablehlo.add %24, %23 : tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
+// OWN_GOLDEN-NEXT: %26 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %27 = stablehlo.multiply %26, %25 : tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %28 = stablehlo.multiply %15, %27 : tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %29 = stablehlo.multiply %8, %c_0 : tensor<ui32>
+// OWN_GOLDEN-NEXT: %30 = stablehlo.dynamic_slice %28, %c, %29, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %31 = stablehlo.dot_general %30, %arg9, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %32:2 = stablehlo.while(%iterArg = %c, %iterArg_8 = %31) : tensor<ui32>, tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: cond {
+// OWN_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<3> : tensor<ui32>
+// OWN_GOLDEN-NEXT: %33 = stablehlo.compare LT, %iterArg, %c_9, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// OWN_GOLDEN-NEXT: stablehlo.return %33 : tensor<i1>
+// OWN_GOLDEN-NEXT: } do {
+// OWN_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<0> : tensor<ui32>
+// OWN_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<1> : tensor<ui32>
+// OWN_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<2> : tensor<ui32>
+// OWN_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<4> : tensor<ui32>
+// OWN_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<8> : tensor<ui32>
+// OWN_GOLDEN-NEXT: %33 = "stablehlo.collective_permute"(%iterArg_8) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %34 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
+// OWN_GOLDEN-NEXT: %35 = stablehlo.add %5, %34 : tensor<ui32>
+// OWN_GOLDEN-NEXT: %36 = stablehlo.remainder %35, %c_12 : tensor<ui32>
+// OWN_GOLDEN-NEXT: %37 = stablehlo.multiply %36, %c_13 : tensor<ui32>
+// OWN_GOLDEN-NEXT: %38 = stablehlo.dynamic_slice %28, %c_9, %37, %c_9, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %39 = stablehlo.dot_general %38, %arg9, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %40 = stablehlo.add %33, %39 : tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %41 = stablehlo.add %iterArg, %c_10 : tensor<ui32>
+// OWN_GOLDEN-NEXT: stablehlo.return %41, %40 : tensor<ui32>, tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: }
+// OWN_GOLDEN-NEXT: sdy.return %32#1 : tensor<2x8x16xf32>
 // OWN_GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<4x32x16xf32>
 // OWN_GOLDEN-NEXT: %2 = sdy.manual_computation(%1, %arg5, %arg6) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"data"}, {"model"}, {}]>] manual_axes={"data", "model"} (%arg7: tensor<2x8x16xf32>, %arg8: tensor<16x16xf32>, %arg9: tensor<16x16xf32>) {
 // OWN_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<3> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<4> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<8> : tensor<ui32>
+// OWN_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
 // OWN_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// OWN_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // OWN_GOLDEN-NEXT: %3 = stablehlo.partition_id : tensor<ui32>
-// OWN_GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_4, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// OWN_GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_1, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // OWN_GOLDEN-NEXT: %5 = stablehlo.reshape %4 : (tensor<1xui32>) -> tensor<ui32>
-// OWN_GOLDEN-NEXT: %6:3 = stablehlo.while(%iterArg = %c, %iterArg_9 = %arg7, %iterArg_10 = %cst) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: cond {
-// OWN_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<3> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %31 = stablehlo.compare LT, %iterArg, %c_11, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// OWN_GOLDEN-NEXT: stablehlo.return %31 : tensor<i1>
-// OWN_GOLDEN-NEXT: } do {
-// OWN_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<0> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<1> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<4> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<8> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %31 = "stablehlo.collective_permute"(%iterArg_9) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// OWN_GOLDEN-NEXT: %32 = stablehlo.add %5, %iterArg : tensor<ui32>
-// OWN_GOLDEN-NEXT: %33 = stablehlo.remainder %32, %c_13 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %34 = stablehlo.dot_general %iterArg_9, %arg8, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// OWN_GOLDEN-NEXT: %35 = stablehlo.multiply %33, %c_14 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %36 = stablehlo.dynamic_update_slice %iterArg_10, %34, %c_11, %35, %c_11 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %37 = stablehlo.add %iterArg, %c_12 : tensor<ui32>
-// OWN_GOLDEN-NEXT: stablehlo.return %37, %31, %36 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: }
-// OWN_GOLDEN-NEXT: %7 = stablehlo.add %5, %c_1 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %8 = stablehlo.remainder %7, %c_2 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %9 = stablehlo.dot_general %6#1, %arg8, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// OWN_GOLDEN-NEXT: %10 = stablehlo.multiply %8, %c_3 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %11 = stablehlo.dynamic_update_slice %6#2, %9, %c, %10, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %12 = stablehlo.multiply %11, %11 : tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %13 = stablehlo.multiply %12, %11 : tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// OWN_GOLDEN-NEXT: %14 = stablehlo.broadcast_in_dim %cst_5, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %15 = stablehlo.multiply %14, %13 : tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %16 = stablehlo.add %11, %15 : tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// OWN_GOLDEN-NEXT: %17 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %18 = stablehlo.multiply %17, %16 : tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %19 = stablehlo.tanh %18 : tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// OWN_GOLDEN-NEXT: %20 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %21 = stablehlo.add %20, %19 : tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// OWN_GOLDEN-NEXT: %22 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %23 = stablehlo.multiply %22, %21 : tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %24 = stablehlo.multiply %11, %23 : tensor<2x32x16xf32>
-// OWN_GOLDEN-NEXT: %25 = stablehlo.add %5, %c_0 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %26 = stablehlo.remainder %25, %c_2 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %27 = stablehlo.multiply %26, %c_3 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %28 = stablehlo.dynamic_slice %24, %c, %27, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// OWN_GOLDEN-NEXT: %29 = stablehlo.dot_general %28, %arg9, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// OWN_GOLDEN-NEXT: %30:2 = stablehlo.while(%iterArg = %c, %iterArg_9 = %29) : tensor<ui32>, tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[1, 2, 3, 0, 1, 2, 3, 0]> : tensor<8xui32>
+// OWN_GOLDEN-NEXT: %6 = stablehlo.partition_id : tensor<ui32>
+// OWN_GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %c_2, %6, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// OWN_GOLDEN-NEXT: %8 = stablehlo.reshape %7 : (tensor<1xui32>) -> tensor<ui32>
+// OWN_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// OWN_GOLDEN-NEXT: %9 = stablehlo.partition_id : tensor<ui32>
+// OWN_GOLDEN-NEXT: %10 = stablehlo.dynamic_slice %c_3, %9, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// OWN_GOLDEN-NEXT: %11 = stablehlo.reshape %10 : (tensor<1xui32>) -> tensor<ui32>
+// OWN_GOLDEN-NEXT: %12:3 = stablehlo.while(%iterArg = %c, %iterArg_8 = %arg7, %iterArg_9 = %cst) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // OWN_GOLDEN-NEXT: cond {
 // OWN_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<3> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %31 = stablehlo.compare LT, %iterArg, %c_10, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// OWN_GOLDEN-NEXT: stablehlo.return %31 : tensor<i1>
+// OWN_GOLDEN-NEXT: %33 = stablehlo.compare LT, %iterArg, %c_10, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// OWN_GOLDEN-NEXT: stablehlo.return %33 : tensor<i1>
 // OWN_GOLDEN-NEXT: } do {
 // OWN_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<ui32>
 // OWN_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<2> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<4> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<8> : tensor<ui32>
-// OWN_GOLDEN-NEXT: %31 = "stablehlo.collective_permute"(%iterArg_9) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// OWN_GOLDEN-NEXT: %32 = stablehlo.add %iterArg, %c_12 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %33 = stablehlo.add %5, %32 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %34 = stablehlo.remainder %33, %c_13 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %35 = stablehlo.multiply %34, %c_14 : tensor<ui32>
-// OWN_GOLDEN-NEXT: %36 = stablehlo.dynamic_slice %24, %c_10, %35, %c_10, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// OWN_GOLDEN-NEXT: %37 = stablehlo.dot_general %36, %arg9, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// OWN_GOLDEN-NEXT: %38 = stablehlo.add %31, %37 : tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<4> : tensor<ui32>
+// OWN_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<8> : tensor<ui32>
+// OWN_GOLDEN-NEXT: %33 = "stablehlo.collective_permute"(%iterArg_8) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %34 = stablehlo.add %5, %iterArg : tensor<ui32>
+// OWN_GOLDEN-NEXT: %35 = stablehlo.remainder %34, %c_12 : tensor<ui32>
+// OWN_GOLDEN-NEXT: %36 = stablehlo.dot_general %iterArg_8, %arg8, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %37 = stablehlo.multiply %35, %c_13 : tensor<ui32>
+// OWN_GOLDEN-NEXT: %38 = stablehlo.dynamic_update_slice %iterArg_9, %36, %c_10, %37, %c_10 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
 // OWN_GOLDEN-NEXT: %39 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
-// OWN_GOLDEN-NEXT: stablehlo.return %39, %38 : tensor<ui32>, tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: stablehlo.return %39, %33, %38 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // OWN_GOLDEN-NEXT: }
-// OWN_GOLDEN-NEXT: sdy.return %30#1 : tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %13 = stablehlo.dot_general %12#1, %arg8, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %14 = stablehlo.multiply %11, %c_0 : tensor<ui32>
+// OWN_GOLDEN-NEXT: %15 = stablehlo.dynamic_update_slice %12#2, %13, %c, %14, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %16 = stablehlo.multiply %15, %15 : tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %17 = stablehlo.multiply %16, %15 : tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %cst_4 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
+// OWN_GOLDEN-NEXT: %18 = stablehlo.broadcast_in_dim %cst_4, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %19 = stablehlo.multiply %18, %17 : tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %20 = stablehlo.add %15, %19 : tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<0.797884583> : tensor<f32>
+// OWN_GOLDEN-NEXT: %21 = stablehlo.broadcast_in_dim %cst_5, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %22 = stablehlo.multiply %21, %20 : tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %23 = stablehlo.tanh %22 : tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
+// OWN_GOLDEN-NEXT: %24 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %25 = stablehlo.add %24, %23 : tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
+// OWN_GOLDEN-NEXT: %26 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %27 = stablehlo.multiply %26, %25 : tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %28 = stablehlo.multiply %15, %27 : tensor<2x32x16xf32>
+// OWN_GOLDEN-NEXT: %29 = stablehlo.multiply %8, %c_0 : tensor<ui32>
+// OWN_GOLDEN-NEXT: %30 = stablehlo.dynamic_slice %28, %c, %29, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %31 = stablehlo.dot_general %30, %arg9, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %32:2 = stablehlo.while(%iterArg = %c, %iterArg_8 = %31) : tensor<ui32>, tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: cond {
+// OWN_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<3> : tensor<ui32>
+// OWN_GOLDEN-NEXT: %33 = stablehlo.compare LT, %iterArg, %c_9, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// OWN_GOLDEN-NEXT: stablehlo.return %33 : tensor<i1>
+// OWN_GOLDEN-NEXT: } do {
+// OWN_GOLDEN-NEXT: %c_9 = stablehlo.constant dense<0> : tensor<ui32>
+// OWN_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<1> : tensor<ui32>
+// OWN_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<2> : tensor<ui32>
+// OWN_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<4> : tensor<ui32>
+// OWN_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<8> : tensor<ui32>
+// OWN_GOLDEN-NEXT: %33 = "stablehlo.collective_permute"(%iterArg_8) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %34 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
+// OWN_GOLDEN-NEXT: %35 = stablehlo.add %5, %34 : tensor<ui32>
+// OWN_GOLDEN-NEXT: %36 = stablehlo.remainder %35, %c_12 : tensor<ui32>
+// OWN_GOLDEN-NEXT: %37 = stablehlo.multiply %36, %c_13 : tensor<ui32>
+// OWN_GOLDEN-NEXT: %38 = stablehlo.dynamic_slice %28, %c_9, %37, %c_9, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %39 = stablehlo.dot_general %38, %arg9, contracting_dims = [2] x [0], precision = [DEFAULT, DEFAULT] : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %40 = stablehlo.add %33, %39 : tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: %41 = stablehlo.add %iterArg, %c_10 : tensor<ui32>
+// OWN_GOLDEN-NEXT: stablehlo.return %41, %40 : tensor<ui32>, tensor<2x8x16xf32>
+// OWN_GOLDEN-NEXT: }
+// OWN_GOLDEN-NEXT: sdy.return %32#1 : tensor<2x8x16xf32>
 // OWN_GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<4x32x16xf32>
 // OWN_GOLDEN-NEXT: return %2 : tensor<4x32x16xf32>
 // OWN_GOLDEN-NEXT: }
@@ -377,366 +381,372 @@
 // STREAMS_GOLDEN-NEXT: func.func public @main(%arg0: tensor<4x32x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}, {}]>}, %arg1: tensor<16x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg2: tensor<64x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg3: tensor<16x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg4: tensor<64x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}, %arg5: tensor<16x64xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"model"}]>}, %arg6: tensor<64x16xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"model"}, {}]>}) -> (tensor<4x32x16xf32> {jax.result_info = "result", sdy.sharding = #sdy.sharding<@mesh, [{"data"}, {"model"}, {}]>}) {
 // STREAMS_GOLDEN-NEXT: %0 = sdy.manual_computation(%arg0, %arg1, %arg2) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"data"}, {"model"}, {}]>] manual_axes={"data", "model"} (%arg7: tensor<2x8x16xf32>, %arg8: tensor<16x16xf32>, %arg9: tensor<16x16xf32>) {
 // STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<3> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<4> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<8> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // STREAMS_GOLDEN-NEXT: %3 = stablehlo.partition_id : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_5, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// STREAMS_GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_1, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // STREAMS_GOLDEN-NEXT: %5 = stablehlo.reshape %4 : (tensor<1xui32>) -> tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %6 = "stablehlo.collective_permute"(%arg7) <{channel_handle = #stablehlo.channel_handle<handle = 11, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %7 = func.call @cmatmul_dot_0(%arg7, %arg8) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %8 = stablehlo.multiply %5, %c_4 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %cst, %7, %c, %8, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %10:3 = stablehlo.while(%iterArg = %c, %iterArg_10 = %6, %iterArg_11 = %9) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: cond {
-// STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %44 = stablehlo.compare LT, %iterArg, %c_12, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %44 : tensor<i1>
-// STREAMS_GOLDEN-NEXT: } do {
-// STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_15 = stablehlo.constant dense<4> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_16 = stablehlo.constant dense<8> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %44 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 12, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %45 = stablehlo.multiply %iterArg, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %46 = stablehlo.add %45, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %47 = stablehlo.add %5, %46 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %48 = stablehlo.remainder %47, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %49:2 = stablehlo.optimization_barrier %iterArg_10, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %50 = func.call @cmatmul_dot_0(%49#0, %49#1) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %51 = stablehlo.multiply %48, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %52 = stablehlo.dynamic_update_slice %iterArg_11, %50, %c_12, %51, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %53:2 = stablehlo.optimization_barrier %44, %50 : tensor<2x8x16xf32>, tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %54 = "stablehlo.collective_permute"(%53#0) <{channel_handle = #stablehlo.channel_handle<handle = 13, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %55 = stablehlo.multiply %iterArg, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %56 = stablehlo.add %55, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %57 = stablehlo.add %5, %56 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %58 = stablehlo.remainder %57, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %59:2 = stablehlo.optimization_barrier %44, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %60 = func.call @cmatmul_dot_0(%59#0, %59#1) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %61 = stablehlo.multiply %58, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %62 = stablehlo.dynamic_update_slice %52, %60, %c_12, %61, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %63 = stablehlo.add %iterArg, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %63, %54, %62 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: %11 = stablehlo.add %5, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_3 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %13:2 = stablehlo.optimization_barrier %10#1, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %14 = func.call @cmatmul_dot_0(%13#0, %13#1) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %15 = stablehlo.multiply %12, %c_4 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %10#2, %14, %c, %15, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %17 = stablehlo.multiply %16, %16 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %18 = stablehlo.multiply %17, %16 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %19 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %20 = stablehlo.multiply %19, %18 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %21 = stablehlo.add %16, %20 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %22 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %23 = stablehlo.multiply %22, %21 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %24 = stablehlo.tanh %23 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %25 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %26 = stablehlo.add %25, %24 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %cst_9 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %27 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %28 = stablehlo.multiply %27, %26 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %29 = stablehlo.multiply %16, %28 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %30 = stablehlo.add %5, %c_0 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %31 = stablehlo.remainder %30, %c_3 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %32 = stablehlo.multiply %31, %c_4 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %33 = stablehlo.dynamic_slice %29, %c, %32, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %34 = func.call @cmatmul_dot_0(%33, %arg9) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %35 = "stablehlo.collective_permute"(%34) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "3"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %36 = stablehlo.add %5, %c_1 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %37 = stablehlo.remainder %36, %c_3 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %38 = stablehlo.multiply %37, %c_4 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %39 = stablehlo.dynamic_slice %29, %c, %38, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %40:2 = stablehlo.optimization_barrier %39, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %41 = func.call @cmatmul_dot_0(%40#0, %40#1) {mhlo.frontend_attributes = {_scheduling_group_id = "3", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %42 = stablehlo.add %35, %41 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %43:2 = stablehlo.while(%iterArg = %c, %iterArg_10 = %42) : tensor<ui32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[1, 2, 3, 0, 1, 2, 3, 0]> : tensor<8xui32>
+// STREAMS_GOLDEN-NEXT: %6 = stablehlo.partition_id : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %c_2, %6, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// STREAMS_GOLDEN-NEXT: %8 = stablehlo.reshape %7 : (tensor<1xui32>) -> tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[2, 3, 0, 1, 2, 3, 0, 1]> : tensor<8xui32>
+// STREAMS_GOLDEN-NEXT: %9 = stablehlo.partition_id : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %10 = stablehlo.dynamic_slice %c_3, %9, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// STREAMS_GOLDEN-NEXT: %11 = stablehlo.reshape %10 : (tensor<1xui32>) -> tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// STREAMS_GOLDEN-NEXT: %12 = stablehlo.partition_id : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %c_4, %12, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// STREAMS_GOLDEN-NEXT: %14 = stablehlo.reshape %13 : (tensor<1xui32>) -> tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %15 = "stablehlo.collective_permute"(%arg7) <{channel_handle = #stablehlo.channel_handle<handle = 11, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "0"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %16 = func.call @cmatmul_dot_0(%arg7, %arg8) {mhlo.frontend_attributes = {_scheduling_group_id = "0", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %17 = stablehlo.multiply %5, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %18 = stablehlo.dynamic_update_slice %cst, %16, %c, %17, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %19:3 = stablehlo.while(%iterArg = %c, %iterArg_9 = %15, %iterArg_10 = %18) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: cond {
 // STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %44 = stablehlo.compare LT, %iterArg, %c_11, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %44 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %47 = stablehlo.compare LT, %iterArg, %c_11, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %47 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
 // STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<0> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<1> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<3> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_15 = stablehlo.constant dense<4> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_16 = stablehlo.constant dense<8> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %44 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "4"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %45 = stablehlo.multiply %iterArg, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %46 = stablehlo.add %45, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %47 = stablehlo.add %5, %46 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %48 = stablehlo.remainder %47, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %49 = stablehlo.multiply %48, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %50 = stablehlo.dynamic_slice %29, %c_11, %49, %c_11, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %51:2 = stablehlo.optimization_barrier %50, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %52 = func.call @cmatmul_dot_0(%51#0, %51#1) {mhlo.frontend_attributes = {_scheduling_group_id = "4", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %53 = stablehlo.add %44, %52 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %54 = "stablehlo.collective_permute"(%53) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "5"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %55 = stablehlo.multiply %iterArg, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %56 = stablehlo.add %5, %55 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %57 = stablehlo.remainder %56, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %58 = stablehlo.multiply %57, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %59 = stablehlo.dynamic_slice %29, %c_11, %58, %c_11, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %60:2 = stablehlo.optimization_barrier %59, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %61 = func.call @cmatmul_dot_0(%60#0, %60#1) {mhlo.frontend_attributes = {_scheduling_group_id = "5", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %62 = stablehlo.add %54, %61 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %63 = stablehlo.add %iterArg, %c_12 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %63, %62 : tensor<ui32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<4> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_15 = stablehlo.constant dense<8> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %47 = "stablehlo.collective_permute"(%iterArg_9) <{channel_handle = #stablehlo.channel_handle<handle = 12, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "1"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %48 = stablehlo.multiply %iterArg, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %49 = stablehlo.add %48, %c_12 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %50 = stablehlo.add %5, %49 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %51 = stablehlo.remainder %50, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %52:2 = stablehlo.optimization_barrier %iterArg_9, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %53 = func.call @cmatmul_dot_0(%52#0, %52#1) {mhlo.frontend_attributes = {_scheduling_group_id = "1", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %54 = stablehlo.multiply %51, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %55 = stablehlo.dynamic_update_slice %iterArg_10, %53, %c_11, %54, %c_11 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %56:2 = stablehlo.optimization_barrier %47, %53 : tensor<2x8x16xf32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %57 = "stablehlo.collective_permute"(%56#0) <{channel_handle = #stablehlo.channel_handle<handle = 13, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "2"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %58 = stablehlo.multiply %iterArg, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %59 = stablehlo.add %58, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %60 = stablehlo.add %5, %59 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %61 = stablehlo.remainder %60, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %62:2 = stablehlo.optimization_barrier %47, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %63 = func.call @cmatmul_dot_0(%62#0, %62#1) {mhlo.frontend_attributes = {_scheduling_group_id = "2", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %64 = stablehlo.multiply %61, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %65 = stablehlo.dynamic_update_slice %55, %63, %c_11, %64, %c_11 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %66 = stablehlo.add %iterArg, %c_12 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %66, %57, %65 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: sdy.return %43#1 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %20:2 = stablehlo.optimization_barrier %19#1, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %21 = func.call @cmatmul_dot_0(%20#0, %20#1) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %22 = stablehlo.multiply %14, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %19#2, %21, %c, %22, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %24 = stablehlo.multiply %23, %23 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %25 = stablehlo.multiply %24, %23 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
+// STREAMS_GOLDEN-NEXT: %26 = stablehlo.broadcast_in_dim %cst_5, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %27 = stablehlo.multiply %26, %25 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %28 = stablehlo.add %23, %27 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<0.797884583> : tensor<f32>
+// STREAMS_GOLDEN-NEXT: %29 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %30 = stablehlo.multiply %29, %28 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %31 = stablehlo.tanh %30 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
+// STREAMS_GOLDEN-NEXT: %32 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %33 = stablehlo.add %32, %31 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
+// STREAMS_GOLDEN-NEXT: %34 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %35 = stablehlo.multiply %34, %33 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %36 = stablehlo.multiply %23, %35 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %37 = stablehlo.multiply %8, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %38 = stablehlo.dynamic_slice %36, %c, %37, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %39 = func.call @cmatmul_dot_0(%38, %arg9) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %40 = "stablehlo.collective_permute"(%39) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "3"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %41 = stablehlo.multiply %11, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %42 = stablehlo.dynamic_slice %36, %c, %41, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %43:2 = stablehlo.optimization_barrier %42, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %44 = func.call @cmatmul_dot_0(%43#0, %43#1) {mhlo.frontend_attributes = {_scheduling_group_id = "3", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %45 = stablehlo.add %40, %44 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %46:2 = stablehlo.while(%iterArg = %c, %iterArg_9 = %45) : tensor<ui32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: cond {
+// STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<1> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %47 = stablehlo.compare LT, %iterArg, %c_10, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %47 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: } do {
+// STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<2> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<3> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<4> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_15 = stablehlo.constant dense<8> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %47 = "stablehlo.collective_permute"(%iterArg_9) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "4"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %48 = stablehlo.multiply %iterArg, %c_12 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %49 = stablehlo.add %48, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %50 = stablehlo.add %5, %49 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %51 = stablehlo.remainder %50, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %52 = stablehlo.multiply %51, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %53 = stablehlo.dynamic_slice %36, %c_10, %52, %c_10, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %54:2 = stablehlo.optimization_barrier %53, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %55 = func.call @cmatmul_dot_0(%54#0, %54#1) {mhlo.frontend_attributes = {_scheduling_group_id = "4", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %56 = stablehlo.add %47, %55 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %57 = "stablehlo.collective_permute"(%56) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "5"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %58 = stablehlo.multiply %iterArg, %c_12 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %59 = stablehlo.add %5, %58 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %60 = stablehlo.remainder %59, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %61 = stablehlo.multiply %60, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %62 = stablehlo.dynamic_slice %36, %c_10, %61, %c_10, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %63:2 = stablehlo.optimization_barrier %62, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %64 = func.call @cmatmul_dot_0(%63#0, %63#1) {mhlo.frontend_attributes = {_scheduling_group_id = "5", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %65 = stablehlo.add %57, %64 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %66 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %66, %65 : tensor<ui32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: }
+// STREAMS_GOLDEN-NEXT: sdy.return %46#1 : tensor<2x8x16xf32>
 // STREAMS_GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<4x32x16xf32>
 // STREAMS_GOLDEN-NEXT: %1 = sdy.manual_computation(%0, %arg3, %arg4) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"data"}, {"model"}, {}]>] manual_axes={"data", "model"} (%arg7: tensor<2x8x16xf32>, %arg8: tensor<16x16xf32>, %arg9: tensor<16x16xf32>) {
 // STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<3> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<4> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<8> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // STREAMS_GOLDEN-NEXT: %3 = stablehlo.partition_id : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_5, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// STREAMS_GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_1, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // STREAMS_GOLDEN-NEXT: %5 = stablehlo.reshape %4 : (tensor<1xui32>) -> tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %6 = "stablehlo.collective_permute"(%arg7) <{channel_handle = #stablehlo.channel_handle<handle = 14, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "6"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %7 = func.call @cmatmul_dot_0(%arg7, %arg8) {mhlo.frontend_attributes = {_scheduling_group_id = "6", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %8 = stablehlo.multiply %5, %c_4 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %cst, %7, %c, %8, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %10:3 = stablehlo.while(%iterArg = %c, %iterArg_10 = %6, %iterArg_11 = %9) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: cond {
-// STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %44 = stablehlo.compare LT, %iterArg, %c_12, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %44 : tensor<i1>
-// STREAMS_GOLDEN-NEXT: } do {
-// STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_15 = stablehlo.constant dense<4> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_16 = stablehlo.constant dense<8> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %44 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 15, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "7"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %45 = stablehlo.multiply %iterArg, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %46 = stablehlo.add %45, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %47 = stablehlo.add %5, %46 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %48 = stablehlo.remainder %47, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %49:2 = stablehlo.optimization_barrier %iterArg_10, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %50 = func.call @cmatmul_dot_0(%49#0, %49#1) {mhlo.frontend_attributes = {_scheduling_group_id = "7", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %51 = stablehlo.multiply %48, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %52 = stablehlo.dynamic_update_slice %iterArg_11, %50, %c_12, %51, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %53:2 = stablehlo.optimization_barrier %44, %50 : tensor<2x8x16xf32>, tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %54 = "stablehlo.collective_permute"(%53#0) <{channel_handle = #stablehlo.channel_handle<handle = 16, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "8"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %55 = stablehlo.multiply %iterArg, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %56 = stablehlo.add %55, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %57 = stablehlo.add %5, %56 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %58 = stablehlo.remainder %57, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %59:2 = stablehlo.optimization_barrier %44, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %60 = func.call @cmatmul_dot_0(%59#0, %59#1) {mhlo.frontend_attributes = {_scheduling_group_id = "8", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %61 = stablehlo.multiply %58, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %62 = stablehlo.dynamic_update_slice %52, %60, %c_12, %61, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %63 = stablehlo.add %iterArg, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %63, %54, %62 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: %11 = stablehlo.add %5, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_3 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %13:2 = stablehlo.optimization_barrier %10#1, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %14 = func.call @cmatmul_dot_0(%13#0, %13#1) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %15 = stablehlo.multiply %12, %c_4 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %10#2, %14, %c, %15, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %17 = stablehlo.multiply %16, %16 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %18 = stablehlo.multiply %17, %16 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %19 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %20 = stablehlo.multiply %19, %18 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %21 = stablehlo.add %16, %20 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %22 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %23 = stablehlo.multiply %22, %21 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %24 = stablehlo.tanh %23 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %25 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %26 = stablehlo.add %25, %24 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %cst_9 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %27 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %28 = stablehlo.multiply %27, %26 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %29 = stablehlo.multiply %16, %28 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %30 = stablehlo.add %5, %c_0 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %31 = stablehlo.remainder %30, %c_3 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %32 = stablehlo.multiply %31, %c_4 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %33 = stablehlo.dynamic_slice %29, %c, %32, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %34 = func.call @cmatmul_dot_0(%33, %arg9) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %35 = "stablehlo.collective_permute"(%34) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "9"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %36 = stablehlo.add %5, %c_1 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %37 = stablehlo.remainder %36, %c_3 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %38 = stablehlo.multiply %37, %c_4 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %39 = stablehlo.dynamic_slice %29, %c, %38, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %40:2 = stablehlo.optimization_barrier %39, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %41 = func.call @cmatmul_dot_0(%40#0, %40#1) {mhlo.frontend_attributes = {_scheduling_group_id = "9", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %42 = stablehlo.add %35, %41 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %43:2 = stablehlo.while(%iterArg = %c, %iterArg_10 = %42) : tensor<ui32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[1, 2, 3, 0, 1, 2, 3, 0]> : tensor<8xui32>
+// STREAMS_GOLDEN-NEXT: %6 = stablehlo.partition_id : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %c_2, %6, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// STREAMS_GOLDEN-NEXT: %8 = stablehlo.reshape %7 : (tensor<1xui32>) -> tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[2, 3, 0, 1, 2, 3, 0, 1]> : tensor<8xui32>
+// STREAMS_GOLDEN-NEXT: %9 = stablehlo.partition_id : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %10 = stablehlo.dynamic_slice %c_3, %9, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// STREAMS_GOLDEN-NEXT: %11 = stablehlo.reshape %10 : (tensor<1xui32>) -> tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// STREAMS_GOLDEN-NEXT: %12 = stablehlo.partition_id : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %c_4, %12, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// STREAMS_GOLDEN-NEXT: %14 = stablehlo.reshape %13 : (tensor<1xui32>) -> tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %15 = "stablehlo.collective_permute"(%arg7) <{channel_handle = #stablehlo.channel_handle<handle = 14, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "6"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %16 = func.call @cmatmul_dot_0(%arg7, %arg8) {mhlo.frontend_attributes = {_scheduling_group_id = "6", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %17 = stablehlo.multiply %5, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %18 = stablehlo.dynamic_update_slice %cst, %16, %c, %17, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %19:3 = stablehlo.while(%iterArg = %c, %iterArg_9 = %15, %iterArg_10 = %18) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: cond {
 // STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %44 = stablehlo.compare LT, %iterArg, %c_11, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %44 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %47 = stablehlo.compare LT, %iterArg, %c_11, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %47 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
 // STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<0> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<1> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<3> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_15 = stablehlo.constant dense<4> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_16 = stablehlo.constant dense<8> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %44 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "10"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %45 = stablehlo.multiply %iterArg, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %46 = stablehlo.add %45, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %47 = stablehlo.add %5, %46 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %48 = stablehlo.remainder %47, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %49 = stablehlo.multiply %48, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %50 = stablehlo.dynamic_slice %29, %c_11, %49, %c_11, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %51:2 = stablehlo.optimization_barrier %50, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %52 = func.call @cmatmul_dot_0(%51#0, %51#1) {mhlo.frontend_attributes = {_scheduling_group_id = "10", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %53 = stablehlo.add %44, %52 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %54 = "stablehlo.collective_permute"(%53) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "11"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %55 = stablehlo.multiply %iterArg, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %56 = stablehlo.add %5, %55 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %57 = stablehlo.remainder %56, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %58 = stablehlo.multiply %57, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %59 = stablehlo.dynamic_slice %29, %c_11, %58, %c_11, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %60:2 = stablehlo.optimization_barrier %59, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %61 = func.call @cmatmul_dot_0(%60#0, %60#1) {mhlo.frontend_attributes = {_scheduling_group_id = "11", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %62 = stablehlo.add %54, %61 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %63 = stablehlo.add %iterArg, %c_12 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %63, %62 : tensor<ui32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<4> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_15 = stablehlo.constant dense<8> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %47 = "stablehlo.collective_permute"(%iterArg_9) <{channel_handle = #stablehlo.channel_handle<handle = 15, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "7"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %48 = stablehlo.multiply %iterArg, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %49 = stablehlo.add %48, %c_12 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %50 = stablehlo.add %5, %49 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %51 = stablehlo.remainder %50, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %52:2 = stablehlo.optimization_barrier %iterArg_9, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %53 = func.call @cmatmul_dot_0(%52#0, %52#1) {mhlo.frontend_attributes = {_scheduling_group_id = "7", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %54 = stablehlo.multiply %51, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %55 = stablehlo.dynamic_update_slice %iterArg_10, %53, %c_11, %54, %c_11 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %56:2 = stablehlo.optimization_barrier %47, %53 : tensor<2x8x16xf32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %57 = "stablehlo.collective_permute"(%56#0) <{channel_handle = #stablehlo.channel_handle<handle = 16, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "8"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %58 = stablehlo.multiply %iterArg, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %59 = stablehlo.add %58, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %60 = stablehlo.add %5, %59 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %61 = stablehlo.remainder %60, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %62:2 = stablehlo.optimization_barrier %47, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %63 = func.call @cmatmul_dot_0(%62#0, %62#1) {mhlo.frontend_attributes = {_scheduling_group_id = "8", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %64 = stablehlo.multiply %61, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %65 = stablehlo.dynamic_update_slice %55, %63, %c_11, %64, %c_11 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %66 = stablehlo.add %iterArg, %c_12 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %66, %57, %65 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: sdy.return %43#1 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %20:2 = stablehlo.optimization_barrier %19#1, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %21 = func.call @cmatmul_dot_0(%20#0, %20#1) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %22 = stablehlo.multiply %14, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %19#2, %21, %c, %22, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %24 = stablehlo.multiply %23, %23 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %25 = stablehlo.multiply %24, %23 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
+// STREAMS_GOLDEN-NEXT: %26 = stablehlo.broadcast_in_dim %cst_5, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %27 = stablehlo.multiply %26, %25 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %28 = stablehlo.add %23, %27 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<0.797884583> : tensor<f32>
+// STREAMS_GOLDEN-NEXT: %29 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %30 = stablehlo.multiply %29, %28 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %31 = stablehlo.tanh %30 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
+// STREAMS_GOLDEN-NEXT: %32 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %33 = stablehlo.add %32, %31 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
+// STREAMS_GOLDEN-NEXT: %34 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %35 = stablehlo.multiply %34, %33 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %36 = stablehlo.multiply %23, %35 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %37 = stablehlo.multiply %8, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %38 = stablehlo.dynamic_slice %36, %c, %37, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %39 = func.call @cmatmul_dot_0(%38, %arg9) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %40 = "stablehlo.collective_permute"(%39) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "9"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %41 = stablehlo.multiply %11, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %42 = stablehlo.dynamic_slice %36, %c, %41, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %43:2 = stablehlo.optimization_barrier %42, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %44 = func.call @cmatmul_dot_0(%43#0, %43#1) {mhlo.frontend_attributes = {_scheduling_group_id = "9", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %45 = stablehlo.add %40, %44 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %46:2 = stablehlo.while(%iterArg = %c, %iterArg_9 = %45) : tensor<ui32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: cond {
+// STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<1> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %47 = stablehlo.compare LT, %iterArg, %c_10, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %47 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: } do {
+// STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<2> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<3> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<4> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_15 = stablehlo.constant dense<8> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %47 = "stablehlo.collective_permute"(%iterArg_9) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "10"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %48 = stablehlo.multiply %iterArg, %c_12 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %49 = stablehlo.add %48, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %50 = stablehlo.add %5, %49 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %51 = stablehlo.remainder %50, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %52 = stablehlo.multiply %51, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %53 = stablehlo.dynamic_slice %36, %c_10, %52, %c_10, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %54:2 = stablehlo.optimization_barrier %53, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %55 = func.call @cmatmul_dot_0(%54#0, %54#1) {mhlo.frontend_attributes = {_scheduling_group_id = "10", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %56 = stablehlo.add %47, %55 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %57 = "stablehlo.collective_permute"(%56) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "11"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %58 = stablehlo.multiply %iterArg, %c_12 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %59 = stablehlo.add %5, %58 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %60 = stablehlo.remainder %59, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %61 = stablehlo.multiply %60, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %62 = stablehlo.dynamic_slice %36, %c_10, %61, %c_10, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %63:2 = stablehlo.optimization_barrier %62, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %64 = func.call @cmatmul_dot_0(%63#0, %63#1) {mhlo.frontend_attributes = {_scheduling_group_id = "11", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %65 = stablehlo.add %57, %64 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %66 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %66, %65 : tensor<ui32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: }
+// STREAMS_GOLDEN-NEXT: sdy.return %46#1 : tensor<2x8x16xf32>
 // STREAMS_GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<4x32x16xf32>
 // STREAMS_GOLDEN-NEXT: %2 = sdy.manual_computation(%1, %arg5, %arg6) in_shardings=[<@mesh, [{"data"}, {"model"}, {}]>, <@mesh, [{}, {"model"}]>, <@mesh, [{"model"}, {}]>] out_shardings=[<@mesh, [{"data"}, {"model"}, {}]>] manual_axes={"data", "model"} (%arg7: tensor<2x8x16xf32>, %arg8: tensor<16x16xf32>, %arg9: tensor<16x16xf32>) {
 // STREAMS_GOLDEN-NEXT: %c = stablehlo.constant dense<0> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<3> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<4> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<8> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_0 = stablehlo.constant dense<8> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %cst = stablehlo.constant dense<0.000000e+00> : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %c_5 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
+// STREAMS_GOLDEN-NEXT: %c_1 = stablehlo.constant dense<[0, 1, 2, 3, 0, 1, 2, 3]> : tensor<8xui32>
 // STREAMS_GOLDEN-NEXT: %3 = stablehlo.partition_id : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_5, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// STREAMS_GOLDEN-NEXT: %4 = stablehlo.dynamic_slice %c_1, %3, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
 // STREAMS_GOLDEN-NEXT: %5 = stablehlo.reshape %4 : (tensor<1xui32>) -> tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %6 = "stablehlo.collective_permute"(%arg7) <{channel_handle = #stablehlo.channel_handle<handle = 17, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "12"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %7 = func.call @cmatmul_dot_0(%arg7, %arg8) {mhlo.frontend_attributes = {_scheduling_group_id = "12", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %8 = stablehlo.multiply %5, %c_4 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %9 = stablehlo.dynamic_update_slice %cst, %7, %c, %8, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %10:3 = stablehlo.while(%iterArg = %c, %iterArg_10 = %6, %iterArg_11 = %9) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: cond {
-// STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %44 = stablehlo.compare LT, %iterArg, %c_12, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %44 : tensor<i1>
-// STREAMS_GOLDEN-NEXT: } do {
-// STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<0> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_15 = stablehlo.constant dense<4> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_16 = stablehlo.constant dense<8> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %44 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 18, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "13"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %45 = stablehlo.multiply %iterArg, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %46 = stablehlo.add %45, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %47 = stablehlo.add %5, %46 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %48 = stablehlo.remainder %47, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %49:2 = stablehlo.optimization_barrier %iterArg_10, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %50 = func.call @cmatmul_dot_0(%49#0, %49#1) {mhlo.frontend_attributes = {_scheduling_group_id = "13", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %51 = stablehlo.multiply %48, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %52 = stablehlo.dynamic_update_slice %iterArg_11, %50, %c_12, %51, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %53:2 = stablehlo.optimization_barrier %44, %50 : tensor<2x8x16xf32>, tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %54 = "stablehlo.collective_permute"(%53#0) <{channel_handle = #stablehlo.channel_handle<handle = 19, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "14"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %55 = stablehlo.multiply %iterArg, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %56 = stablehlo.add %55, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %57 = stablehlo.add %5, %56 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %58 = stablehlo.remainder %57, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %59:2 = stablehlo.optimization_barrier %44, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %60 = func.call @cmatmul_dot_0(%59#0, %59#1) {mhlo.frontend_attributes = {_scheduling_group_id = "14", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %61 = stablehlo.multiply %58, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %62 = stablehlo.dynamic_update_slice %52, %60, %c_12, %61, %c_12 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %63 = stablehlo.add %iterArg, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %63, %54, %62 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: %11 = stablehlo.add %5, %c_2 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %12 = stablehlo.remainder %11, %c_3 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %13:2 = stablehlo.optimization_barrier %10#1, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %14 = func.call @cmatmul_dot_0(%13#0, %13#1) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %15 = stablehlo.multiply %12, %c_4 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %16 = stablehlo.dynamic_update_slice %10#2, %14, %c, %15, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %17 = stablehlo.multiply %16, %16 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %18 = stablehlo.multiply %17, %16 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %19 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %20 = stablehlo.multiply %19, %18 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %21 = stablehlo.add %16, %20 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<0.797884583> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %22 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %23 = stablehlo.multiply %22, %21 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %24 = stablehlo.tanh %23 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %25 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %26 = stablehlo.add %25, %24 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %cst_9 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
-// STREAMS_GOLDEN-NEXT: %27 = stablehlo.broadcast_in_dim %cst_9, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %28 = stablehlo.multiply %27, %26 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %29 = stablehlo.multiply %16, %28 : tensor<2x32x16xf32>
-// STREAMS_GOLDEN-NEXT: %30 = stablehlo.add %5, %c_0 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %31 = stablehlo.remainder %30, %c_3 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %32 = stablehlo.multiply %31, %c_4 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %33 = stablehlo.dynamic_slice %29, %c, %32, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %34 = func.call @cmatmul_dot_0(%33, %arg9) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %35 = "stablehlo.collective_permute"(%34) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "15"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %36 = stablehlo.add %5, %c_1 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %37 = stablehlo.remainder %36, %c_3 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %38 = stablehlo.multiply %37, %c_4 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %39 = stablehlo.dynamic_slice %29, %c, %38, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %40:2 = stablehlo.optimization_barrier %39, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %41 = func.call @cmatmul_dot_0(%40#0, %40#1) {mhlo.frontend_attributes = {_scheduling_group_id = "15", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %42 = stablehlo.add %35, %41 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %43:2 = stablehlo.while(%iterArg = %c, %iterArg_10 = %42) : tensor<ui32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %c_2 = stablehlo.constant dense<[1, 2, 3, 0, 1, 2, 3, 0]> : tensor<8xui32>
+// STREAMS_GOLDEN-NEXT: %6 = stablehlo.partition_id : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %7 = stablehlo.dynamic_slice %c_2, %6, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// STREAMS_GOLDEN-NEXT: %8 = stablehlo.reshape %7 : (tensor<1xui32>) -> tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_3 = stablehlo.constant dense<[2, 3, 0, 1, 2, 3, 0, 1]> : tensor<8xui32>
+// STREAMS_GOLDEN-NEXT: %9 = stablehlo.partition_id : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %10 = stablehlo.dynamic_slice %c_3, %9, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// STREAMS_GOLDEN-NEXT: %11 = stablehlo.reshape %10 : (tensor<1xui32>) -> tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_4 = stablehlo.constant dense<[3, 0, 1, 2, 3, 0, 1, 2]> : tensor<8xui32>
+// STREAMS_GOLDEN-NEXT: %12 = stablehlo.partition_id : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %13 = stablehlo.dynamic_slice %c_4, %12, sizes = [1] : (tensor<8xui32>, tensor<ui32>) -> tensor<1xui32>
+// STREAMS_GOLDEN-NEXT: %14 = stablehlo.reshape %13 : (tensor<1xui32>) -> tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %15 = "stablehlo.collective_permute"(%arg7) <{channel_handle = #stablehlo.channel_handle<handle = 17, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "12"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %16 = func.call @cmatmul_dot_0(%arg7, %arg8) {mhlo.frontend_attributes = {_scheduling_group_id = "12", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %17 = stablehlo.multiply %5, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %18 = stablehlo.dynamic_update_slice %cst, %16, %c, %17, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %19:3 = stablehlo.while(%iterArg = %c, %iterArg_9 = %15, %iterArg_10 = %18) : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: cond {
 // STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %44 = stablehlo.compare LT, %iterArg, %c_11, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %44 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: %47 = stablehlo.compare LT, %iterArg, %c_11, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %47 : tensor<i1>
 // STREAMS_GOLDEN-NEXT: } do {
 // STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<0> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<1> : tensor<ui32>
 // STREAMS_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<2> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<3> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_15 = stablehlo.constant dense<4> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %c_16 = stablehlo.constant dense<8> : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %44 = "stablehlo.collective_permute"(%iterArg_10) <{channel_handle = #stablehlo.channel_handle<handle = 9, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "16"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %45 = stablehlo.multiply %iterArg, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %46 = stablehlo.add %45, %c_14 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %47 = stablehlo.add %5, %46 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %48 = stablehlo.remainder %47, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %49 = stablehlo.multiply %48, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %50 = stablehlo.dynamic_slice %29, %c_11, %49, %c_11, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %51:2 = stablehlo.optimization_barrier %50, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %52 = func.call @cmatmul_dot_0(%51#0, %51#1) {mhlo.frontend_attributes = {_scheduling_group_id = "16", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %53 = stablehlo.add %44, %52 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %54 = "stablehlo.collective_permute"(%53) <{channel_handle = #stablehlo.channel_handle<handle = 10, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "17"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %55 = stablehlo.multiply %iterArg, %c_13 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %56 = stablehlo.add %5, %55 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %57 = stablehlo.remainder %56, %c_15 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %58 = stablehlo.multiply %57, %c_16 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: %59 = stablehlo.dynamic_slice %29, %c_11, %58, %c_11, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %60:2 = stablehlo.optimization_barrier %59, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
-// STREAMS_GOLDEN-NEXT: %61 = func.call @cmatmul_dot_0(%60#0, %60#1) {mhlo.frontend_attributes = {_scheduling_group_id = "17", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %62 = stablehlo.add %54, %61 : tensor<2x8x16xf32>
-// STREAMS_GOLDEN-NEXT: %63 = stablehlo.add %iterArg, %c_12 : tensor<ui32>
-// STREAMS_GOLDEN-NEXT: stablehlo.return %63, %62 : tensor<ui32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<4> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_15 = stablehlo.constant dense<8> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %47 = "stablehlo.collective_permute"(%iterArg_9) <{channel_handle = #stablehlo.channel_handle<handle = 18, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "13"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %48 = stablehlo.multiply %iterArg, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %49 = stablehlo.add %48, %c_12 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %50 = stablehlo.add %5, %49 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %51 = stablehlo.remainder %50, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %52:2 = stablehlo.optimization_barrier %iterArg_9, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %53 = func.call @cmatmul_dot_0(%52#0, %52#1) {mhlo.frontend_attributes = {_scheduling_group_id = "13", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %54 = stablehlo.multiply %51, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %55 = stablehlo.dynamic_update_slice %iterArg_10, %53, %c_11, %54, %c_11 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %56:2 = stablehlo.optimization_barrier %47, %53 : tensor<2x8x16xf32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %57 = "stablehlo.collective_permute"(%56#0) <{channel_handle = #stablehlo.channel_handle<handle = 19, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "14"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %58 = stablehlo.multiply %iterArg, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %59 = stablehlo.add %58, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %60 = stablehlo.add %5, %59 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %61 = stablehlo.remainder %60, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %62:2 = stablehlo.optimization_barrier %47, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %63 = func.call @cmatmul_dot_0(%62#0, %62#1) {mhlo.frontend_attributes = {_scheduling_group_id = "14", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %64 = stablehlo.multiply %61, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %65 = stablehlo.dynamic_update_slice %55, %63, %c_11, %64, %c_11 : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %66 = stablehlo.add %iterArg, %c_12 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %66, %57, %65 : tensor<ui32>, tensor<2x8x16xf32>, tensor<2x32x16xf32>
 // STREAMS_GOLDEN-NEXT: }
-// STREAMS_GOLDEN-NEXT: sdy.return %43#1 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %20:2 = stablehlo.optimization_barrier %19#1, %arg8 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %21 = func.call @cmatmul_dot_0(%20#0, %20#1) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %22 = stablehlo.multiply %14, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %23 = stablehlo.dynamic_update_slice %19#2, %21, %c, %22, %c : (tensor<2x32x16xf32>, tensor<2x8x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %24 = stablehlo.multiply %23, %23 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %25 = stablehlo.multiply %24, %23 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %cst_5 = stablehlo.constant dense<4.471500e-02> : tensor<f32>
+// STREAMS_GOLDEN-NEXT: %26 = stablehlo.broadcast_in_dim %cst_5, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %27 = stablehlo.multiply %26, %25 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %28 = stablehlo.add %23, %27 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %cst_6 = stablehlo.constant dense<0.797884583> : tensor<f32>
+// STREAMS_GOLDEN-NEXT: %29 = stablehlo.broadcast_in_dim %cst_6, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %30 = stablehlo.multiply %29, %28 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %31 = stablehlo.tanh %30 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %cst_7 = stablehlo.constant dense<1.000000e+00> : tensor<f32>
+// STREAMS_GOLDEN-NEXT: %32 = stablehlo.broadcast_in_dim %cst_7, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %33 = stablehlo.add %32, %31 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %cst_8 = stablehlo.constant dense<5.000000e-01> : tensor<f32>
+// STREAMS_GOLDEN-NEXT: %34 = stablehlo.broadcast_in_dim %cst_8, dims = [] : (tensor<f32>) -> tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %35 = stablehlo.multiply %34, %33 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %36 = stablehlo.multiply %23, %35 : tensor<2x32x16xf32>
+// STREAMS_GOLDEN-NEXT: %37 = stablehlo.multiply %8, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %38 = stablehlo.dynamic_slice %36, %c, %37, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %39 = func.call @cmatmul_dot_0(%38, %arg9) {mhlo.frontend_attributes = {_xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %40 = "stablehlo.collective_permute"(%39) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "15"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %41 = stablehlo.multiply %11, %c_0 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %42 = stablehlo.dynamic_slice %36, %c, %41, %c, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %43:2 = stablehlo.optimization_barrier %42, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %44 = func.call @cmatmul_dot_0(%43#0, %43#1) {mhlo.frontend_attributes = {_scheduling_group_id = "15", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %45 = stablehlo.add %40, %44 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %46:2 = stablehlo.while(%iterArg = %c, %iterArg_9 = %45) : tensor<ui32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: cond {
+// STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<1> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %47 = stablehlo.compare LT, %iterArg, %c_10, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %47 : tensor<i1>
+// STREAMS_GOLDEN-NEXT: } do {
+// STREAMS_GOLDEN-NEXT: %c_10 = stablehlo.constant dense<0> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_11 = stablehlo.constant dense<1> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_12 = stablehlo.constant dense<2> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_13 = stablehlo.constant dense<3> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_14 = stablehlo.constant dense<4> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %c_15 = stablehlo.constant dense<8> : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %47 = "stablehlo.collective_permute"(%iterArg_9) <{channel_handle = #stablehlo.channel_handle<handle = 9, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "16"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %48 = stablehlo.multiply %iterArg, %c_12 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %49 = stablehlo.add %48, %c_13 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %50 = stablehlo.add %5, %49 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %51 = stablehlo.remainder %50, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %52 = stablehlo.multiply %51, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %53 = stablehlo.dynamic_slice %36, %c_10, %52, %c_10, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %54:2 = stablehlo.optimization_barrier %53, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %55 = func.call @cmatmul_dot_0(%54#0, %54#1) {mhlo.frontend_attributes = {_scheduling_group_id = "16", _xla_stream_annotation = "1", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %56 = stablehlo.add %47, %55 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %57 = "stablehlo.collective_permute"(%56) <{channel_handle = #stablehlo.channel_handle<handle = 10, type = 1>, source_target_pairs = dense<{{\[\[}}0, 3], [1, 0], [2, 1], [3, 2], [4, 7], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> {mhlo.frontend_attributes = {_scheduling_group_id = "17"}} : (tensor<2x8x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %58 = stablehlo.multiply %iterArg, %c_12 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %59 = stablehlo.add %5, %58 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %60 = stablehlo.remainder %59, %c_14 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %61 = stablehlo.multiply %60, %c_15 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: %62 = stablehlo.dynamic_slice %36, %c_10, %61, %c_10, sizes = [2, 8, 16] : (tensor<2x32x16xf32>, tensor<ui32>, tensor<ui32>, tensor<ui32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %63:2 = stablehlo.optimization_barrier %62, %arg9 : tensor<2x8x16xf32>, tensor<16x16xf32>
+// STREAMS_GOLDEN-NEXT: %64 = func.call @cmatmul_dot_0(%63#0, %63#1) {mhlo.frontend_attributes = {_scheduling_group_id = "17", _xla_stream_annotation = "2", inlineable = "false"}} : (tensor<2x8x16xf32>, tensor<16x16xf32>) -> tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %65 = stablehlo.add %57, %64 : tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: %66 = stablehlo.add %iterArg, %c_11 : tensor<ui32>
+// STREAMS_GOLDEN-NEXT: stablehlo.return %66, %65 : tensor<ui32>, tensor<2x8x16xf32>
+// STREAMS_GOLDEN-NEXT: }
+// STREAMS_GOLDEN-NEXT: sdy.return %46#1 : tensor<2x8x16xf32>
 // STREAMS_GOLDEN-NEXT: } : (tensor<4x32x16xf32>, tensor<16x64xf32>, tensor<64x16xf32>) -> tensor<4x32x16xf32>
 // STREAMS_GOLDEN-NEXT: return %2 : tensor<4x32x16xf32>
 // STREAMS_GOLDEN-NEXT: }

@@ -277,7 +277,7 @@ def rewrite_all_gather_dot(site: AllGatherSite, ctx: RewriteContext, merged: lis
                 permutes[i] = received[i].owner
         for i, (stream, (computes, _)) in enumerate(zip(streams, rnd.signature)):
             if computes:
-                k = ring_position(loop_b, position, rnd, n, shift=stream.shift)
+                k = ring_position(loop_b, position, rnd, n, shift=stream.shift, ring=site.ring, region=site.region)
                 state = compute(held[i], k, state, 1 + rnd.slot * len(streams) + i, dots[i])
         for permute, group in zip(permutes, dots):
             ctx.annotator.group(permute, group)

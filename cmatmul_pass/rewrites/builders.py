@@ -221,19 +221,25 @@ class Builder:
             moved = self.add(moved, self.index(offset % ring_size))
         return self.rem(self.add(position, moved), self.index(ring_size))
 
-    def position_in_ring(self, ring: Ring, region: ManualRegion = FULLY_MANUAL) -> ir.Value:
-        """This partition's position in its group: ``table[partition_id]`` (tensor<ui32>).
+    def position_in_ring(self, ring: Ring, region: ManualRegion = FULLY_MANUAL, moved: int = 0) -> ir.Value:
+        """This partition's position in its group, ``moved`` on along the ring:
+        ``table[partition_id]`` (tensor<ui32>), the table holding ``(position + moved) mod n``.
+        A straight-line ring's rounds each read their own table rather than add their round to
+        the position: the rounds' ops then differ only in a constant operand, not in a constant
+        XLA fuses into them, and XLA compiles one kernel for all of them.
 
         In a partial-manual region ``partition_id`` is read inside a nested
         ``sdy.manual_computation`` over the free axes, the form ``lax.axis_index``
         lowers to; the position is the same along those axes (checked by the matcher),
         so the nested computation returns it replicated.
         """
-        return self._cached(("position", ring, region), lambda: self._position(ring, region))
+        moved %= ring.size
+        key = ("position", ring, region) if not moved else ("position", ring, region, moved)
+        return self._cached(key, lambda: self._position(ring, region, moved))
 
-    def _position(self, ring: Ring, region: ManualRegion) -> ir.Value:
+    def _position(self, ring: Ring, region: ManualRegion, moved: int) -> ir.Value:
         if not region.free_axes:
-            return self._table_lookup(ring)
+            return self._table_lookup(ring, moved)
         index_t = index_scalar_type()
         nested = sdy.ManualComputationOp(
             [index_t],
@@ -245,17 +251,18 @@ class Builder:
         )
         block = nested.operation.regions[0].blocks.append()
         with ir.InsertionPoint(block):
-            sdy.ReturnOp([self._table_lookup(ring)], loc=self.loc)
+            sdy.ReturnOp([self._table_lookup(ring, moved)], loc=self.loc)
         return nested.results[0]
 
-    def _table_lookup(self, ring: Ring) -> ir.Value:
+    def _table_lookup(self, ring: Ring, moved: int) -> ir.Value:
         def make() -> tuple:  # the table, an entry's type and the slice's attributes: once per ring and run
             element, _ = self._index_types()
             table_type = ir.RankedTensorType.get([ring.num_partitions], element)
-            return (ir.DenseElementsAttr.get(ring.position_table(), type=table_type),
+            table = (ring.position_table() + np.uint32(moved)) % np.uint32(ring.size)
+            return (ir.DenseElementsAttr.get(table, type=table_type),
                     ir.RankedTensorType.get([1], element), {"slice_sizes": ir.DenseI64ArrayAttr.get([1])})
 
-        table_attr, entry_t, attributes = self._once(("position table", ring), make)
+        table_attr, entry_t, attributes = self._once(("position table", ring, moved), make)
         scalar = self._index_types()[1]
         table = self.constant_of(table_attr)
         pid = self.create("stablehlo.partition_id", [scalar], []).result

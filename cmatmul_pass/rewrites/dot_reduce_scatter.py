@@ -161,7 +161,8 @@ def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> 
                 channels.append(ctx.take_channel())
                 received = comm.collective_permute(accs[i], site.ring.shift_pairs(shift), channels[-1])
             # sums travel from position p to p+shift, so position p works on block p - shift*(r+1)
-            block = ring_position(loop_b, position, rnd, n, shift=-shift, offset=-shift)
+            block = ring_position(loop_b, position, rnd, n, shift=-shift, offset=-shift,
+                                  ring=site.ring, region=site.region)
             mine, shares = piece(block, i, 1 + rnd.slot * len(shifts) + i, dots)
             ctx.annotator.group(received.owner if received is not None else None, dots)
             new.append(comm.add(received, mine) if rnd.signature else mine)
