@@ -160,6 +160,17 @@ class CheckResult:
     #: how the inputs were drawn where random normal ones left the original outside its domain
     #: (:mod:`.domain`'s rules); '' for inputs as drawn or given
     inputs: str = ""
+    #: XLA's compile of the original and of the rewritten module, seconds (each compiled once,
+    #: with the check's options, on the devices the check runs on; XLA warmed up first), where
+    #: the check compiled both
+    compile_s: tuple[float, float] | None = None
+
+    @property
+    def compile_ratio(self) -> float | None:
+        """The rewritten module's compile time over the original's (None: not measured)."""
+        if not self.compile_s or self.compile_s[0] <= 0:
+            return None
+        return self.compile_s[1] / self.compile_s[0]
 
     @property
     def ok(self) -> bool:
@@ -185,7 +196,17 @@ class CheckResult:
             "inputs": self.inputs,
             "factor": numerics.FACTOR,
             "outputs": [o.to_dict() for o in self.outputs],
+            "compile_s": None if self.compile_s is None else {
+                "original": self.compile_s[0], "rewritten": self.compile_s[1], "ratio": self.compile_ratio},
         }
+
+    def compile_line(self) -> str:
+        """One line: both modules' XLA compile times and their ratio; '' where not measured."""
+        if self.compile_ratio is None:
+            return ""
+        before, after = self.compile_s
+        return (f"compile: original {before:.2f} s, rewritten {after:.2f} s ({self.compile_ratio:.2f}x; XLA on "
+                f"these {self.num_partitions} devices, one compile each)")
 
     def format(self) -> str:
         lines = [o.line() for o in self.outputs]
@@ -203,6 +224,8 @@ class CheckResult:
             f"fixed tolerances ({self.reference})"
         lines.append(f"{verdict} ({len(self.outputs)} output(s), {self.num_partitions} partitions; floats judged "
                      f"against {against})")
+        if self.compile_line():
+            lines.append(self.compile_line())
         return "\n".join(lines)
 
 
@@ -608,14 +631,29 @@ class Reference:
 
     def check(self, rewritten: ir.Module) -> CheckResult:
         """Compare ``rewritten`` (compiled here with the original's ``compiler_options``) with the original."""
-        actual = Program(rewritten, self.inputs, self.devices, self.compiler_options).outputs()
+        program = Program(rewritten, self.inputs, self.devices, self.compiler_options)
+        actual = program.outputs()
         if len(self.expected) != len(actual):
             raise ExecutionError(f"original has {len(self.expected)} outputs, rewritten {len(actual)}")
         exact = self.exact if self.exact is not None else [None] * len(actual)
         demoted = self.demoted if self.demoted is not None else [None] * len(actual)
         outputs = tuple(compare(i, e, a, self.extra_tolerance, x, self.model, d)
                         for i, (e, a, x, d) in enumerate(zip(self.expected, actual, exact, demoted)))
-        return CheckResult(outputs, self.num_partitions, self.reference, self.drawn)
+        compiled = (self.program.compile_s, program.compile_s) if self.program is not None else None
+        return CheckResult(outputs, self.num_partitions, self.reference, self.drawn, compiled)
+
+
+_WARM: list = []
+
+
+def _warm_up_xla() -> None:
+    """Compile one tiny program, once per process, so that XLA's own start-up (its first compile
+    sets up the compiler) is not counted in the original's compile time."""
+    if not _WARM:
+        import jax
+
+        jax.jit(lambda x: x + 1).lower(np.zeros(2, np.float32)).compile()
+        _WARM.append(True)
 
 
 class _OriginalRuns:
@@ -625,6 +663,7 @@ class _OriginalRuns:
     def __init__(self, original: ir.Module, devices: list):
         self.original, self.devices = original, devices
         self.options = dict(CHECK_COMPILER_OPTIONS)
+        _warm_up_xla()  # the first compile of a process pays XLA's start: not the original's time
         self.program = Program(original, None, devices, self.options)
         try:
             self.f64, self.why = Program(promote_to_f64(original), None, devices, self.options), "f64"
