@@ -124,15 +124,15 @@ MUTATED = {
 # ------------------------------------------------------------------ mutants
 def _shifted_position(original):
     @functools.wraps(original)
-    def shifted(b, position, rnd, n, shift=1, offset=0):
-        return original(b, position, rnd, n, shift=shift, offset=offset + 1)
+    def shifted(b, position, rnd, n, shift=1, offset=0, **where):
+        return original(b, position, rnd, n, shift=shift, offset=offset + 1, **where)
     return shifted
 
 
 def _reversed_position(original):
     @functools.wraps(original)
-    def reversed_(b, position, rnd, n, shift=1, offset=0):
-        return original(b, position, rnd, n, shift=-shift, offset=-offset)
+    def reversed_(b, position, rnd, n, shift=1, offset=0, **where):
+        return original(b, position, rnd, n, shift=-shift, offset=-offset, **where)
     return reversed_
 
 
