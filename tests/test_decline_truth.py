@@ -138,20 +138,21 @@ def test_a_gathered_table_looked_up_in_says_so_and_its_one_hot_form_is_rewritten
 
 
 def test_a_gather_not_moved_past_its_norm_says_why():
-    """rs_norm_backward: the forward's row gather (:346) reaches its dot through an RMS norm, and the
+    """rs_norm_backward: the forward's row gather (4 lines into the module) reaches its dot through an RMS norm, and the
     gathered rows also leave the region whole (the backward's residual). Moved past the norm
     they would cross the wire twice, so the gather rings with its dot instead, the
     ring applying the norm to each block and assembling the raw rows (tests/test_gather_norm_ring.py).
     Without assembling (--no-assemble) neither is possible, and the reason says why: what the
     ring cannot apply, and why the gather does not move."""
     text = sample("rs_norm_backward").read_text()
-    (entry,) = [s for s in cmatmul_pass.rewrite(text).report.sites if s.location.endswith(":346:13")]
-    assert entry.rewritten and "sdy.return at <input>:402:7" in entry.assembled_for, entry.summary_line()
+    gather, ret = module_line("rs_norm_backward", 4), module_line("rs_norm_backward", 60)
+    (entry,) = [s for s in cmatmul_pass.rewrite(text).report.sites if s.location.endswith(f":{gather}:13")]
+    assert entry.rewritten and f"sdy.return at <input>:{ret}:7" in entry.assembled_for, entry.summary_line()
     result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(assemble=False))
-    (entry,) = [s for s in result.report.sites if s.location.endswith(":346:13")]
+    (entry,) = [s for s in result.report.sites if s.location.endswith(f":{gather}:13")]
     assert entry.reason_code == "layout"
     assert entry.reason.endswith("; not moved to its dot: moved past the row-wise ops to its dot, it would still be "
-                                 "gathered whole for sdy.return at <input>:402:7 (not a dot), so the rows would "
+                                 f"gathered whole for sdy.return at <input>:{ret}:7 (not a dot), so the rows would "
                                  "cross the wire twice"), entry.reason
 
 
