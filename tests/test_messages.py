@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import cmatmul_pass
 from cmatmul_pass import ir_utils
-from conftest import sample
+from conftest import module_line, sample
 
 
 def mesh():
@@ -334,7 +334,8 @@ def test_the_first_stage_of_a_two_stage_gather_says_why_neither_ring_pays():
     assert "is too small to hide the two gathers" in first.reason
     assert "merged ring over 8 devices" in first.reason and "second stage's ring over 4 devices" in first.reason
     assert second.reason_code == "policy" and second.reason.startswith(
-        "the second stage of a two-stage gather, left a plain gather with its first stage at <input>:57:12")
+        "the second stage of a two-stage gather, left a plain gather with its first stage at "
+        f"<input>:{module_line('ag_two_stage', 4)}:12")
 
 
 def test_two_stages_along_one_dim_merge_into_one_ring_over_both_axes():
