@@ -102,7 +102,8 @@ def test_a_wrong_scatter_direction_is_caught(name, monkeypatch):
     """Blocks computed for the wrong ring neighbour: the partial sums reach the wrong owners."""
     right = dot_reduce_scatter.ring_position
     monkeypatch.setattr(
-        dot_reduce_scatter, "ring_position", lambda b, pos, rnd, n, shift, offset: right(b, pos, rnd, n, -shift, -offset)
+        dot_reduce_scatter, "ring_position",
+        lambda b, pos, rnd, n, shift, offset, **where: right(b, pos, rnd, n, -shift, -offset, **where)
     )
     text, result = rewrite_sample(name)
     outcome = execute.check_numerics(ir_utils.parse(text), result.module)
@@ -431,7 +432,8 @@ def test_partial_manual_position_needs_the_nested_manual_computation(monkeypatch
     text, result = rewrite_sample("ag_dot_partial_manual")
     numerics(text, result.module)
     plain = builders.Builder.position_in_ring
-    monkeypatch.setattr(builders.Builder, "position_in_ring", lambda self, ring, region=FULLY_MANUAL: plain(self, ring))
+    monkeypatch.setattr(builders.Builder, "position_in_ring",
+                        lambda self, ring, region=FULLY_MANUAL, moved=0: plain(self, ring, moved=moved))
     broken = cmatmul_pass.rewrite(text).module
     with pytest.raises(cmatmul_pass.ExecutionError, match="PartitionId"):
         execute.check_numerics(ir_utils.parse(text), broken)
