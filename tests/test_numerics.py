@@ -235,6 +235,7 @@ def test_an_f64_program_is_judged_by_its_own_magnification_of_rounding(monkeypat
     assert not tally.crashes and not tally.mismatches, tally.mismatches
     position = dot_reduce_scatter.ring_position  # each round's block one position off: the wrong rows summed
     monkeypatch.setattr(dot_reduce_scatter, "ring_position",
-                        lambda b, pos, rnd, n, shift=1, offset=0: position(b, pos, rnd, n, shift=shift, offset=offset + 1))
+                        lambda b, pos, rnd, n, shift=1, offset=0, **where: position(b, pos, rnd, n, shift=shift,
+                                                                                  offset=offset + 1, **where))
     tally = fuzz_programs.check(spec, variants={"uni": fuzz_programs.VARIANTS["uni"]})
     assert len(tally.mismatches) == 1, tally.crashes
