@@ -9,6 +9,7 @@ rewrite that is right on one device and wrong on another cannot hide.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import statistics
@@ -224,9 +225,8 @@ class CheckResult:
             f"fixed tolerances ({self.reference})"
         lines.append(f"{verdict} ({len(self.outputs)} output(s), {self.num_partitions} partitions; floats judged "
                      f"against {against})")
-        if self.compile_line():
-            lines.append(self.compile_line())
-        return "\n".join(lines)
+        compiled = self.compile_line()
+        return "\n".join(lines + ([compiled] if compiled else []))
 
 
 #: ``custom_call`` targets through which jax calls back into Python (``jax.debug.print``,
@@ -643,17 +643,13 @@ class Reference:
         return CheckResult(outputs, self.num_partitions, self.reference, self.drawn, compiled)
 
 
-_WARM: list = []
-
-
+@functools.cache
 def _warm_up_xla() -> None:
     """Compile one tiny program, once per process, so that XLA's own start-up (its first compile
     sets up the compiler) is not counted in the original's compile time."""
-    if not _WARM:
-        import jax
+    import jax
 
-        jax.jit(lambda x: x + 1).lower(np.zeros(2, np.float32)).compile()
-        _WARM.append(True)
+    jax.jit(lambda x: x + 1).lower(np.zeros(2, np.float32)).compile()
 
 
 class _OriginalRuns:

@@ -236,23 +236,20 @@ class DotBarriers:
         return self.tie
 
 
-def ring_position(b: Builder, position: ir.Value, rnd: Round, n: int, shift: int = 1, offset: int = 0,
-                  ring: Ring | None = None, region: ManualRegion | None = None) -> ir.Value:
-    """``(position + shift * r + offset) mod n`` for round ``r``; constants folded.  Built once
-    per site and insertion point: a bidirectional ring's two directions, and a straight-line
-    ring's rounds, meet the same positions (a 4-device ring's eight blocks read four).  Outside
-    a loop, where ``ring`` is given, it is a table lookup of its own
-    (:meth:`.Builder.position_in_ring`): XLA then compiles the rounds' block slices and updates
-    as one kernel, which it does not where each adds its own constant."""
+def ring_position(b: Builder, position: ir.Value, rnd: Round, n: int, shift: int = 1, offset: int = 0, *,
+                  ring: Ring, region: ManualRegion) -> ir.Value:
+    """``(position + shift * r + offset) mod n`` for round ``r`` (``position``: this partition's in
+    ``ring``, :meth:`.Builder.position_in_ring`).  In a loop, index arithmetic on the trip counter,
+    built once per site and insertion point (a bidirectional ring's two directions meet the same
+    positions).  Outside a loop, a table lookup of its own (:meth:`.Builder.position_in_ring`
+    moved on): XLA then compiles the rounds' block slices and updates as one kernel, which it does
+    not where each adds its own constant."""
     moved = (shift * rnd.offset + offset) % n
-    if rnd.trip is None and moved == 0:
-        return position
-    if rnd.trip is None and ring is not None:
-        return b.position_in_ring(ring, region, moved)
-    stride = None if rnd.trip is None else shift * rnd.per_trip
-    return b.per_site(("ring position", position, rnd.trip, stride, moved, n), lambda: (
-        b.rem(b.add(position, b.index(moved)), b.index(n)) if rnd.trip is None
-        else b.ring_index(position, rnd.trip, n, shift=stride, offset=moved)))
+    if rnd.trip is None:
+        return position if moved == 0 else b.position_in_ring(ring, region, moved)
+    stride = shift * rnd.per_trip
+    return b.per_site(("ring position", position, rnd.trip, stride, moved, n),
+                      lambda: b.ring_index(position, rnd.trip, n, shift=stride, offset=moved))
 
 
 @dataclass
