@@ -342,8 +342,8 @@ def _program(module: ir.Module, options: Options, source: str) -> "program_cost.
 
 
 def _predict(program: "program_cost.Program | str", report: Report) -> None:
-    """The report's step prediction (``report.program``) and its sites' layers; none for a module
-    without a candidate site."""
+    """The report's step prediction (``report.program``, made when first read) and its sites'
+    layers; none for a module without a candidate site."""
     if not report.sites:
         return
     if isinstance(program, str):
@@ -351,9 +351,17 @@ def _predict(program: "program_cost.Program | str", report: Report) -> None:
         return
     try:
         program_cost.annotate(program, report)
-        report.program = program_cost.predict(program, report).to_dict()
     except Exception as exc:  # noqa: BLE001
         report.program = {"unavailable": f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"}
+        return
+
+    def prediction() -> dict:  # when the report's program is first read (it schedules the step several times)
+        try:
+            return program_cost.predict(program, report).to_dict()
+        except Exception as exc:  # noqa: BLE001
+            return {"unavailable": f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"}
+
+    report.program = prediction
 
 
 def _internal(exc: Exception) -> InternalError:

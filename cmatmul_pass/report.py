@@ -10,6 +10,28 @@ from . import ir_utils
 from ._jax_private import ir
 
 
+class _OnFirstRead:
+    """A dataclass field that may be set to a function of no arguments: called when the field is
+    first read, its result kept (the step's prediction schedules the whole step, several times;
+    a caller that never reads it does not pay for it).  Unset, the field reads ``{}``."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.attr = f"_{name}"
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return None  # what the dataclass takes for the field's default (read as {})
+        value = obj.__dict__.get(self.attr)
+        if value is None:
+            return {}
+        if callable(value):
+            value = obj.__dict__[self.attr] = value()
+        return value
+
+    def __set__(self, obj, value) -> None:
+        obj.__dict__[self.attr] = value
+
+
 @dataclass
 class SiteReport:
     """One site: what the pass found, did and predicted.  Read it, do not edit it: the entries of
@@ -101,8 +123,9 @@ class Report:
     #: returns no input gradient): each such function -> {"of": the function it trims, "called_at": location}
     trimmed: dict[str, dict] = field(default_factory=dict)
     #: the whole step's predicted time before and after the rewrite on the options' hardware
-    #: (:class:`cmatmul_pass.program_cost.ProgramPrediction` as a dict); empty where none was made
-    program: dict = field(default_factory=dict)
+    #: (:class:`cmatmul_pass.program_cost.ProgramPrediction` as a dict); empty where none was made;
+    #: computed when first read
+    program: dict = _OnFirstRead()
 
     @property
     def rewritten(self) -> list[SiteReport]:
