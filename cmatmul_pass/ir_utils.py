@@ -222,6 +222,25 @@ def dense_ints(attr: ir.Attribute) -> np.ndarray:
     return np.array(ir.DenseIntElementsAttr(attr), dtype=np.int64)
 
 
+def is_zero_splat(value: ir.Value) -> bool:
+    """Is ``value`` zero everywhere: a splat constant of a float or integer zero, or a broadcast of one?"""
+    owner = value.owner
+    if isinstance(owner, ir.Block):
+        return False
+    if owner.operation.name == "stablehlo.broadcast_in_dim":
+        return is_zero_splat(owner.operation.operands[0])
+    if owner.operation.name != "stablehlo.constant":
+        return False
+    attr = ir.DenseElementsAttr(owner.attributes["value"])
+    if not attr.is_splat:
+        return False
+    splat = attr.get_splat_value()
+    try:
+        return float(ir.FloatAttr(splat).value) == 0.0
+    except ValueError:
+        return int(ir.IntegerAttr(splat).value) == 0
+
+
 def ancestor_in(op: ir.Operation | ir.OpView, block: ir.Block) -> ir.Operation | None:
     """``op`` itself, or its ancestor that sits in ``block``; None when ``op`` is not nested in it."""
     op = op.operation

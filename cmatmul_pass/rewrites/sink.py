@@ -529,7 +529,7 @@ def hoist_plan(reduce_scatter: ir.OpView, variance: Variance, ring: Ring) -> Hoi
         return "the loop's stacked result is also read elsewhere"
     if reduce_scatter.operation.block != loop.operation.block:
         return "the scatter is not in the loop's own block"
-    if not _is_zero(loop.operation.operands[k]):
+    if not ir_utils.is_zero_splat(loop.operation.operands[k]):
         return "the loop's stacked buffer does not start as zeros"
     cond, body = (region.blocks[0] for region in loop.regions)
     if list(cond.arguments[k].uses):
@@ -571,25 +571,6 @@ def _single_update(arg: ir.Value, terminator: ir.Operation, k: int, functions: _
         return _single_update(block.arguments[uses[0].operand_number], _terminator(block),
                               ir.OpResult(returned[0]).result_number, functions, (*calls, user))
     return f"the loop body writes the stacked buffer with {user.name}"
-
-
-def _is_zero(value: ir.Value) -> bool:
-    """A zero splat: a constant, or a broadcast of a zero constant."""
-    owner = value.owner
-    if isinstance(owner, ir.Block):
-        return False
-    if owner.operation.name == "stablehlo.broadcast_in_dim":
-        return _is_zero(owner.operation.operands[0])
-    if owner.operation.name != "stablehlo.constant":
-        return False
-    attr = ir.DenseElementsAttr(owner.attributes["value"])
-    if not attr.is_splat:
-        return False
-    splat = attr.get_splat_value()
-    try:
-        return float(ir.FloatAttr(splat).value) == 0.0
-    except ValueError:
-        return int(ir.IntegerAttr(splat).value) == 0
 
 
 def hoist(where: Hoist, take_channel) -> Hoisted:
