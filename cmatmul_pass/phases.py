@@ -337,8 +337,11 @@ class SiteWalk:
             report.sites.append(entry)
             return
         for m in moved.materialised:  # each now read by dots: an all_gather → dot site
+            summed = (f" ({m.summed} of them sums over the gathered dim: each device sums its own share, an "
+                      "all_reduce adds the shares)") if m.summed else ""
             self.apply_moved(self.match_gather(m.all_gather), site,
-                             f"moved to its dot past {m.moved_ops} row-wise op(s), which now run on this device's rows")
+                             f"moved to its dot past {m.moved_ops} row-wise op(s), which now run on this device's "
+                             f"rows{summed}")
 
 
 @dataclass

@@ -222,6 +222,17 @@ GATHER_NORMS = {
     # nothing (so under --no-assemble too)
     "f32-rms-device-gain-alone": _ag_norm(gain_mode="dev", raw="none", consumers=2, sizes=(2, 4, 2, 1)),
 }
+#: the features gathered and the norm over them (its sums moved as partial sums and an all_reduce),
+#: on a ring of 8 with 4 features a device: a layer norm with a replicated gain and a bias into gate
+#: and up projections; an RMS norm of bf16 values in f32 over a batch
+FEATURE_NORMS = {
+    "f32-ln-features-gate": _ag_norm(
+        mesh_shape=(8,), devices=(5, 2, 7, 0, 3, 6, 1, 4), dim="k", consumers=2, sizes=(3, 4, 2, 1), norm_kind="ln",
+        gain_mode="rep", bias=True, raw="none"),
+    "bf16-rms-features-upcast": _ag_norm(
+        mesh_shape=(8,), devices=(1, 3, 5, 7, 0, 2, 4, 6), dim="k", batch=True, dtype="bf16", upcast=True,
+        sizes=(2, 4, 2, 2), gain_mode="rep", raw="none"),
+}
 
 
 @pytest.mark.parametrize("name", sorted(GATHER_NORMS))
@@ -233,6 +244,17 @@ def test_a_norm_of_the_gathered_rows_rings_and_matches(name):
     assert not tally.crashes and not tally.mismatches, tally.crashes + tally.mismatches
     assert tally.runs == len(fuzz_programs.VARIANTS)
     assert tally.sites_rewritten >= spec.repeat * (len(fuzz_programs.VARIANTS) - 1)
+
+
+@pytest.mark.parametrize("name", sorted(FEATURE_NORMS))
+def test_a_norm_over_the_gathered_features_moves_and_matches(name):
+    """The gather moved past the norm over the features it gathers, in every variant (under
+    --no-assemble too: nothing is assembled), each result the original's numbers."""
+    spec = FEATURE_NORMS[name]
+    assert spec.expect_rewrite()
+    tally = fuzz_programs.check(spec)
+    assert not tally.crashes and not tally.mismatches, tally.crashes + tally.mismatches
+    assert tally.sites_rewritten == len(fuzz_programs.VARIANTS)
 
 
 @pytest.mark.parametrize("mixing", ["mean_rows", "cumsum"])

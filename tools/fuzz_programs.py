@@ -164,6 +164,13 @@ class Spec:
             return self.dim in ("m", "k", "b")
         if self.kind == "rs":
             return self.dim in ("m", "n", "b")
+        if self.kind == "ag_norm" and self.dim == "k":  # a norm over the gathered features: moved where
+            # nothing else reads them, every device has the same gain, and the sums' all_reduces (a
+            # value per row, each byte about twice on the wire) are at most 1/8 of the gathered bytes
+            stat, item = (4 if self.upcast else DTYPE_BYTES[self.dtype]), DTYPE_BYTES[self.dtype]
+            sums = 2 if self.norm_kind == "ln" else 1
+            return (self.norm_kind in ("rms", "ln", "mean_rows") and self.raw == "none" and self.gain_mode != "dev"
+                    and 16 * sums * stat <= self.sizes[1] * self.ring * item)
         if self.kind == "ag_norm":  # a row-wise norm: the ring applies it per block
             return self.norm_kind in ("rms", "ln")
         return self.kind in ("chain", "mlp", "ag2", "psum", "fsdp", "scan")
@@ -243,18 +250,22 @@ def specs(draw, kinds: tuple[str, ...] | None = None, norm: bool | None = None, 
     return spec
 
 
+#: bytes per element of each drawn type
+DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "i32": 4, "c64": 8}
+
 #: ag_norm's chains from the gathered rows to the dots: two row-wise norms, two that mix rows
 GATHER_NORMS = ("rms", "ln", "rms", "ln", "mean_rows", "cumsum")
 
 
 def _gather_norm(draw, spec: Spec) -> Spec:
     """``spec`` (drawn as any kind's) made an ag_norm program: a 1-D mesh, or a data x model 2-D
-    one gathered over its model axis (``y``); the gathered row dim ("m", or "b" of a [b, m, k]
-    value), a float type, the norm and what else reads the raw rows.  Only ag_norm programs draw
+    one gathered over its model axis (``y``); the gathered dim ("m", or "b" of a [b, m, k]
+    value; or "k", the features the norm is over), a float type, the norm and what else reads the raw rows.  Only ag_norm programs draw
     here: the other kinds' programs for a seed are the ones they were."""
     mesh_shape = {(2, 2, 2): (2, 4)}.get(spec.mesh_shape, spec.mesh_shape)
     axes = ("y",) if len(mesh_shape) == 2 else ("x",)
-    dim = draw(st.sampled_from(["m", "m", "b"]))
+    # "k": the features gathered, the norm over them (its sums: partial sums and an all_reduce)
+    dim = draw(st.sampled_from(["m", "m", "b", "k"]))
     batch = dim == "b" or draw(st.booleans())
     data = len(mesh_shape) == 2 and batch and dim == "m" and draw(st.booleans())
     dtype = draw(st.sampled_from(["f32", "bf16", "f16"]))
@@ -514,7 +525,7 @@ def _gather_norm_program(spec: Spec):
     if data:
         x_parts[0] = data
     residual = spec.raw == "residual"
-    width = k if residual else nn * n  # the dots' output width (column-parallel when returned beside)
+    width = glob["k"] if residual else nn * n  # the dots' output width (column-parallel when returned beside)
     eps = 1e-3
 
     def norm(h, gain, bias):
@@ -551,14 +562,15 @@ def _gather_norm_program(spec: Spec):
         return y if spec.raw == "none" else (y, h)
 
     args = [([glob[c] for c in labels], P(*x_parts))]
+    features = glob["k"]  # the norm's width (the gathered features, where they are gathered)
     if spec.gain_mode == "rep":
-        args.append(([k], P()))
+        args.append(([features], P()))
     elif spec.gain_mode == "dev":
-        args.append(([n, k], _spec_at(2, 0, axes)))
+        args.append(([n, features], _spec_at(2, 0, axes)))
     if spec.bias:
-        args.append(([k], P()))
+        args.append(([features], P()))
     w_spec = P() if residual else _spec_at(2, 1, axes)
-    args += [([k, width], w_spec)] * spec.consumers
+    args += [([features, width], w_spec)] * spec.consumers
     # the results: the gathered rows on every device of the ring (the batch dim sharded over data)
     rows = [data] + [None] * (len(labels) - 1)
     y_spec = P(*rows) if residual else P(*rows[:-1], axes if len(axes) > 1 else axes[0])

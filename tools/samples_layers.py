@@ -98,6 +98,61 @@ def _sp_rms_block(x, g, w1, w2):
 SP_RMS_SPECS = (P("model", None), P(), P(None, "model"), P("model", None))
 
 
+def gqa_attention(q, k, v, axis: str = "model"):
+    """Grouped-query attention of local queries ``[B, S/n, H, D]`` over keys and values
+    ``[B, S/n, KV, D]`` gathered along the sequence, their heads repeated to the queries'
+    (``jnp.repeat``: a broadcast_in_dim and a reshape), scores and softmax in f32."""
+    k, v = gather(k, axis, 1), gather(v, axis, 1)
+    groups = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / jnp.sqrt(jnp.float32(q.shape[-1]))
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1).astype(v.dtype), v)
+
+
+def gqa_grad() -> str:
+    """value_and_grad of a loss over :func:`gqa_attention` (bf16, 8 query heads over 2 KV heads,
+    the sequence split 8 ways): the forward gathers K and V, and the backward scatters their
+    gradients (the transposes of the gathers)."""
+    mesh = mesh_1d()
+    spec = P(None, "model", None, None)
+    f = smap(gqa_attention, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
+    args = [arg(mesh, (2, 64, heads, 16), spec, jnp.bfloat16) for heads in (8, 2, 2)]
+    loss = jax.value_and_grad(lambda q, k, v: jnp.mean(f(q, k, v).astype(jnp.float32) ** 2), argnums=(0, 1, 2))
+    return lower(loss, *args)
+
+
+def feature_norm(h, g, b, kind: str):
+    """A ``kind`` norm of ``h`` over its last dim (the features), statistics in f32, the result in
+    ``h``'s type: "rms", "layer" (mean and variance, a bias), or "offset" (the sum of squares
+    started from 1.0 instead of 0, so not a sum of per-device partial sums)."""
+    h32 = h.astype(jnp.float32)
+    if kind == "layer":
+        mean = jnp.mean(h32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(h32 - mean), axis=-1, keepdims=True)
+        return ((h32 - mean) * jax.lax.rsqrt(var + 1e-5) * g + b).astype(h.dtype)
+    if kind == "offset":
+        total = jax.lax.reduce(h32 * h32, jnp.float32(1.0), jax.lax.add, (h32.ndim - 1,))[..., None]
+    else:
+        total = jnp.sum(h32 * h32, axis=-1, keepdims=True)
+    return (h32 * jax.lax.rsqrt(total / h.shape[-1] + 1e-6) * g).astype(h.dtype)
+
+
+def feature_norm_before_dot(kind: str) -> Callable[[], str]:
+    """Activations sharded along their features (bf16) gathered along them, normalised over them
+    (:func:`feature_norm`, a replicated gain and bias), then a projection contracting over them."""
+    def build() -> str:
+        mesh = mesh_1d()
+        specs = (P(None, "model"), P(), P(), P(None, "model"))
+
+        def body(x, g, b, w):
+            return feature_norm(gather(x, "model", 1), g, b, kind) @ w
+
+        f = smap(body, mesh=mesh, in_specs=specs, out_specs=P(None, "model"))
+        return lower(f, arg(mesh, (32, 64), specs[0], jnp.bfloat16), arg(mesh, (64,), P()), arg(mesh, (64,), P()),
+                     arg(mesh, (64, 128), specs[3], jnp.bfloat16))
+    return build
+
+
 def sp_rms_norm_before_dot() -> str:
     """A sequence-parallel MLP block whose gathered rows are RMS-normalised (with a replicated
     gain) before the up projection: the norm runs on the shard's rows, the gather moves to the dot."""
@@ -291,6 +346,27 @@ SAMPLES_LIST = [
            sp_rms_norm_before_dot, "rewritten 2",
            ["CHECK: stablehlo.rsqrt", "CHECK-SAME: tensor<8x1xf32>", "CHECK: stablehlo.while",
             "CHECK-NOT: stablehlo.all_gather", "CHECK-NOT: stablehlo.reduce_scatter"]),
+    Sample("ag_gqa_grad", "value_and_grad of grouped-query attention over K and V gathered along the sequence, "
+           "their 2 heads repeated to the 8 query heads (a broadcast_in_dim and a reshape) before the score and "
+           "output einsums: the repeat runs on each block the rings receive (V's ring contracting over the "
+           "sequence), each gather's repeated value assembled for the backward, and the backward's K and V "
+           "gradients scattered by rings.",
+           gqa_grad, "rewritten 4",
+           ["CHECK: stablehlo.while", "CHECK: stablehlo.broadcast_in_dim", "CHECK-SAME: tensor<2x8x2x4x16xbf16>",
+            "CHECK-NOT: stablehlo.all_gather", "CHECK-NOT: stablehlo.reduce_scatter"]),
+    Sample("ag_rms_features_dot", "activations sharded along their features, gathered along them and RMS-normalised "
+           "over them (f32 statistics of bf16 values, a replicated gain), then a projection contracting over them: "
+           "each device sums its own features' squares, one all_reduce adds the partial sums (32 floats), the shard "
+           "is normalised, and the gather becomes the dot's contracting-dim ring.",
+           feature_norm_before_dot("rms"), "rewritten 1",
+           ["CHECK: stablehlo.reduce", 'CHECK: "stablehlo.all_reduce"', "CHECK: }) : (tensor<32xf32>) -> tensor<32xf32>",
+            "CHECK: stablehlo.rsqrt", "CHECK: stablehlo.while", "CHECK-NOT: stablehlo.all_gather"]),
+    Sample("ag_layernorm_features_dot", "as ag_rms_features_dot with a layer norm (a gain and a bias): the mean's "
+           "and then the variance's partial sums each added by an all_reduce.",
+           feature_norm_before_dot("layer"), "rewritten 1",
+           ['CHECK: "stablehlo.all_reduce"', "CHECK: }) : (tensor<32xf32>) -> tensor<32xf32>",
+            'CHECK: "stablehlo.all_reduce"', "CHECK: }) : (tensor<32xf32>) -> tensor<32xf32>",
+            "CHECK: stablehlo.while", "CHECK-NOT: stablehlo.all_gather"]),
     Sample("rs_norm_backward", "value_and_grad of the RMS-norm-before-dot SP MLP, its gain trained: the input "
            "gradient's scatter follows the norm's backward of the cotangent (the product read twice: scaled per "
            "row, and summed over the row then scaled); the ring applies it to each 8-row block it computes, its "

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 from tools.samples_common import Sample, arg, gather, lower, mesh_1d, mesh_2x4, scatter, smap, under_legacy_partitioner
 from tools.samples_gather import mesh2x4_model, partial_manual
 from tools.samples_scatter import rs_on
+from tools.samples_layers import feature_norm_before_dot
 
 
 # ---------------------------------------------------------------- negative samples
@@ -213,6 +214,9 @@ SAMPLES_LIST = [
     Sample("neg_partial_manual_legacy", "partial-manual shard_map under the legacy partitioner: declined.",
            under_legacy_partitioner(partial_manual), "unchanged partial_manual",
            ["CHECK-LABEL: func.func private @shmap_body", "CHECK: stablehlo.all_gather", "CHECK-NOT: stablehlo.while"]),
+    Sample("neg_norm_offset_features", "as ag_rms_features_dot, but the sum of squares over the gathered features "
+           "starts from 1.0: n partial sums would count it n times, so the gather stays.",
+           feature_norm_before_dot("offset"), "unchanged layout", NEG),
     Sample("neg_user_not_dot", "the gathered value is sorted along the gathered dim (not blockwise) before the dot.",
            user_not_dot, "unchanged user_not_dot", NEG),
     Sample("neg_no_num_partitions", "derived: the 2x4 'model' program without its mhlo.num_partitions attribute.",

@@ -24,8 +24,21 @@ device's rows (or rebuilt at block size when every block is the same).  An op re
 a value that may differ between devices stops the move: the gather is materialised
 before it.
 
+A sum over the gathered dim (a norm's statistic over the features a feature-sharded
+activation was gathered along, a mean over the rows) is a sum of each device's partial sum:
+``reduce_add(all_gather(x), d) == all_reduce(reduce_add(x, d))`` for a sum from zero over dims
+that include the gathered dim ``d``.  The move computes the partial sum on the rows and sums it
+over the group; what reads the sum (the statistic broadcast back over the rows) then reads a
+value the same on every device, as before::
+
+    %g = all_gather(%x), dim 1               %ss = all_reduce(reduce_add(%x * %x, dims = [1]))
+    %ss = reduce_add(%g * %g, dims = [1])    %hs = %x * rsqrt(%ss / H + eps) * slice(%scale)
+    %h = %g * rsqrt(%ss / H + eps) * %scale  %h = all_gather(%hs), dim 1   // the dot's ring
+    %z = dot(%h, %w), contracting dim 1      %z = dot(%h, %w)
+
 The move never adds bytes on the wire: when a connected set of carried values would need
-more gathered bytes than the all_gathers it started from, the set stays where it was.
+more gathered bytes than the all_gathers it started from, the set stays where it was; the sums
+it adds move one value per row (at most 1/:data:`STATISTIC_SHARE` of the gathered bytes on the wire).
 """
 
 from __future__ import annotations
@@ -38,9 +51,11 @@ from ..analysis.variance import Variance
 from ..errors import Decline
 from ..layout import ELEMENTWISE_OPS, block_of, invariant_source, forward_dim
 from ..matchers.common import ManualRegion
+from ..matchers.scatter_terms import region_is_sum
 from ..report import tensor_bytes
 from ..ring import Ring
 from .builders import Builder, shard_type
+from .dot_all_reduce import sum_region
 
 #: ops that compute each element from the same element of their operands (same shapes; a
 #: rank-0 operand of ``select`` / ``clamp`` is one value for every element)
@@ -49,8 +64,12 @@ ROWWISE_ELEMENTWISE = ELEMENTWISE_OPS | frozenset(f"stablehlo.{name}" for name i
     "log_plus_one", "cbrt", "round_nearest_even", "round_nearest_afz", "remainder", "atan2", "is_finite",
     "tan", "real", "imag", "complex", "reduce_precision", "shift_left", "shift_right_arithmetic",
     "shift_right_logical", "popcnt", "count_leading_zeros",
-)) | frozenset({"chlo.erf", "chlo.erf_inv", "chlo.tan"})
+)) | frozenset({"chlo.erf", "chlo.erf_inv", "chlo.tan", "chlo.square"})
 SHARDING_CONSTRAINT = "sdy.sharding_constraint"
+#: a carried set's sums over the gathered dim may put at most 1/STATISTIC_SHARE of the bytes its
+#: gathers brought on the wire (a norm's statistic: one value per row; an all_reduce sends each
+#: byte about twice), which holds from 16 features per row
+STATISTIC_SHARE = 8
 
 
 @dataclass(eq=False)
@@ -74,6 +93,8 @@ class Materialised:
     feeds_dot: bool  # a dot_general reads the gathered value (an all_gather → dot site)
     seeds: frozenset[int]
     moved_ops: int  # ops that now run on the rows
+    #: of them, sums over the gathered dim: each a partial sum on the rows added up by an all_reduce
+    summed: int = 0
 
 
 @dataclass
@@ -133,6 +154,10 @@ def move_gather_forward(seed: Seed, variance: Variance, take_channel, constants:
                                         for r in others))
         return (f"moved past the row-wise ops to its dot, it would still be gathered whole for {where} (not a "
                 "dot), so the rows would cross the wire twice")
+    summed, budget = sum(plan.summed().values()), sum(plan.budget().values())
+    if 2 * summed * STATISTIC_SHARE > budget:
+        return (f"moved past the row-wise ops, their sums over the gathered dim would all_reduce {summed} B (each "
+                f"byte about twice on the wire), more than 1/{STATISTIC_SHARE} of the {budget} B the gather brings")
     if plan.over_budget(readers):
         return (f"moved past the row-wise ops, {len(readers)} of their results would each be gathered for its dots, "
                 "more bytes than the one gather moves now")
@@ -174,6 +199,9 @@ class _Plan:
         self.seed_of_component = {i: seed for i, seed in enumerate(seeds)}
         #: per carried op: its operands' roles ("carried", "slice", "block", "keep")
         self.roles: dict[ir.Operation, list[str]] = {}
+        #: sums over a carried dim (:func:`_sums_carried_dim`): each a partial sum on the rows and an
+        #: all_reduce over the group; the operand they read, carried
+        self.reduced: dict[ir.Operation, _Carried] = {}
         for i, seed in enumerate(seeds):
             self.carried[seed.all_gather.result] = _Carried(seed.dim, seed.ring, seed.region, i, None)
         self.seed_ops = {seed.all_gather.operation for seed in seeds}
@@ -208,6 +236,9 @@ class _Plan:
         if any(c.ring.groups != first.ring.groups for c in carried):
             return
         dims = {i: self.carried[v].dim for i, v in enumerate(operands) if v in self.carried}
+        if _sums_carried_dim(op, dims):
+            self.reduced[op.operation] = _Carried(dims[0], first.ring, first.region, self.find(first.component), op)
+            return
         try:
             out_dim, roles = _rowwise(op, dims, first.ring, self.variance)
         except Decline:
@@ -220,7 +251,7 @@ class _Plan:
 
     def outside_readers(self, block: ir.Block) -> dict[ir.Value, ir.Operation]:
         """Per carried value, its first reader in ``block`` that is not carried (None: none)."""
-        carried_ops = {c.op.operation for c in self.carried.values() if c.op is not None}
+        carried_ops = {c.op.operation for c in self.carried.values() if c.op is not None} | set(self.reduced)
         first: dict[ir.Value, ir.Operation] = {}
         for value in self.carried:
             for use in value.uses:
@@ -232,19 +263,38 @@ class _Plan:
         return first
 
     def over_budget(self, readers: dict[ir.Value, ir.Operation]) -> set[int]:
-        """Components whose materialised gathers would move more bytes than their seeds' gathers."""
+        """Components whose materialised gathers would move more bytes than their seeds' gathers,
+        or whose sums' all_reduces (each byte on the wire about twice: a reduce-scatter and a gather)
+        more than 1/:data:`STATISTIC_SHARE` of them."""
         gathered: dict[int, int] = {}
-        budget: dict[int, int] = {}
         for value, c in self.carried.items():
-            root = self.find(c.component)
             if value in readers:
+                root = self.find(c.component)
                 gathered[root] = gathered.get(root, 0) + tensor_bytes(ir.RankedTensorType(value.type))
+        budget = self.budget()
+        return ({root for root, total in gathered.items() if total > budget.get(root, 0)}
+                | {root for root, total in self.summed().items() if 2 * total * STATISTIC_SHARE > budget.get(root, 0)})
+
+    def budget(self) -> dict[int, int]:
+        """Per component, the bytes its seeds' gathers move."""
+        out: dict[int, int] = {}
+        for value, c in self.carried.items():
             if c.op is None:
-                budget[root] = budget.get(root, 0) + tensor_bytes(ir.RankedTensorType(value.type))
-        return {root for root, total in gathered.items() if total > budget.get(root, 0)}
+                root = self.find(c.component)
+                out[root] = out.get(root, 0) + tensor_bytes(ir.RankedTensorType(value.type))
+        return out
+
+    def summed(self) -> dict[int, int]:
+        """Per component, the bytes its sums over the gathered dim would all_reduce."""
+        out: dict[int, int] = {}
+        for op, c in self.reduced.items():
+            root = self.find(c.component)
+            out[root] = out.get(root, 0) + tensor_bytes(ir.RankedTensorType(op.results[0].type))
+        return out
 
     def drop(self, components: set[int]) -> None:
         self.carried = {v: c for v, c in self.carried.items() if self.find(c.component) not in components}
+        self.reduced = {op: c for op, c in self.reduced.items() if self.find(c.component) not in components}
 
 
 def _rowwise(op: ir.OpView, dims: dict[int, int], ring: Ring, variance: Variance) -> tuple[int, list[str]]:
@@ -292,6 +342,18 @@ def _rowwise(op: ir.OpView, dims: dict[int, int], ring: Ring, variance: Variance
     raise Decline("layout", f"{name} is not row-wise")
 
 
+def _sums_carried_dim(op: ir.OpView, dims: dict[int, int]) -> bool:
+    """Is ``op`` one sum from zero (``stablehlo.reduce`` of its carried operand, an ``add`` region, a
+    zero init) over dims that include the carried one?  Then it is the sum of each device's
+    partial sum over its rows."""
+    operands = list(op.operation.operands)
+    if op.operation.name != "stablehlo.reduce" or len(operands) != 2 or set(dims) != {0}:
+        return False
+    if dims[0] not in ir_utils.i64s(op, "dimensions") or not ir_utils.is_zero_splat(operands[1]):
+        return False
+    return region_is_sum(op)
+
+
 def _one(dims: dict[int, int]) -> int:
     values = set(dims.values())
     if len(values) != 1:
@@ -337,18 +399,29 @@ def _build(plan: _Plan, readers: dict[ir.Value, ir.Operation], block: ir.Block, 
     rows: dict[ir.Value, ir.Value] = {}  # carried value -> this device's rows of it
     moved: dict[int, int] = {}
     sliced: dict[int, list[str]] = {}
+    sums: dict[int, int] = {}  # per component: its sums over the gathered dim, now partial sums all_reduced
     for value, c in plan.carried.items():
         if c.op is None:
             rows[value] = plan.seeds[value].all_gather.operation.operands[0]
+    carried_ops = [c.op for c in plan.carried.values() if c.op is not None]
+    keep_sources = {op.operation for op in carried_ops}
     for op in list(block.operations):
-        if op.operation in plan.roles and op.result in plan.carried:
+        if op.operation in plan.reduced:
+            root = plan.find(plan.reduced[op.operation].component)
+            moved[root] = moved.get(root, 0) + 1
+            template = plan.seed_of_component[root].all_gather
+            with ir.InsertionPoint(op.operation):
+                summed = _sum_rows(op, rows, template, take_channel())
+            op.result.replace_all_uses_with(summed)
+            sums[root] = sums.get(root, 0) + 1
+            _erase_with_dead_sources(op, keep_sources)
+        elif op.operation in plan.roles and op.result in plan.carried:
             c = plan.carried[op.result]
             root = plan.find(c.component)
             moved[root] = moved.get(root, 0) + 1
             with ir.InsertionPoint(op.operation):
                 rows[op.result] = _on_rows(op, plan.roles[op.operation], rows, c, constants, sliced.setdefault(root, []),
                                            source)
-    carried_ops = [c.op for c in plan.carried.values() if c.op is not None]
     # gather each value that a reader needs whole, once, before its first such reader
     for value, reader in readers.items():
         c = plan.carried[value]
@@ -365,8 +438,7 @@ def _build(plan: _Plan, readers: dict[ir.Value, ir.Operation], block: ir.Block, 
         seeds = _seeds_in(plan, value)
         carry.materialised.append(Materialised(
             ag, f"{reader.name} at {ir_utils.render_location(reader.location, source)}",
-            _feeds_dot(ag), seeds, moved.get(plan.find(c.component), 0)))
-    keep_sources = {op.operation for op in carried_ops}
+            _feeds_dot(ag), seeds, moved.get(plan.find(c.component), 0), sums.get(plan.find(c.component), 0)))
     for op in reversed(carried_ops):
         _erase_with_dead_sources(op, keep_sources)
     for seed in plan.seeds.values():
@@ -377,6 +449,9 @@ def _build(plan: _Plan, readers: dict[ir.Value, ir.Operation], block: ir.Block, 
         if root not in moved:
             continue
         note = f"{moved.get(root, 0)} row-wise op(s) after it now run on this device's rows"
+        if sums.get(root):
+            note += (f", {sums[root]} sum(s) over the gathered dim as partial sums over the rows, each summed over "
+                     "the group by an all_reduce")
         if sliced.get(root):
             note += f"; sliced to the device's rows: {', '.join(dict.fromkeys(sliced[root]))}"
         carry.notes.setdefault(seed.site, []).append(note)
@@ -409,6 +484,18 @@ def _on_rows(op: ir.OpView, roles: list[str], rows: dict, c: _Carried, constants
         clone.operands[i] = value
     clone.results[0].set_type(shard_type(ir.RankedTensorType(op.result.type), c.dim, n))
     return clone.results[0]
+
+
+def _sum_rows(op: ir.OpView, rows: dict, template: ir.OpView, channel: int) -> ir.Value:
+    """``op`` (a sum over the carried dim, :func:`_sums_carried_dim`) on this device's rows, summed
+    over ``template``'s (the seed all_gather's) groups: the same value on every device of the group."""
+    partial = op.operation.clone(ip=ir.InsertionPoint(op.operation))
+    partial.operands[0] = rows[op.operation.operands[0]]
+    total = hlo.AllReduceOp([op.result.type], [partial.results[0]], template.attributes["replica_groups"],
+                            channel_handle=hlo.ChannelHandle.get(channel, 1), use_global_device_ids=True,
+                            loc=op.location)
+    sum_region(total, op.location)
+    return total.result
 
 
 def _feeds_dot(op: ir.OpView) -> bool:

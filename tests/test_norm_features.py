@@ -1,0 +1,149 @@
+"""A norm over the gathered dim: activations sharded along their features are all-gathered along
+them, normalised over them (RMS norm, layer norm) and fed to matmuls contracting over them.  The
+norm's statistic is a sum over the gathered dim, so each device sums its own features, an
+all_reduce adds the shares, the shard is normalised, and the gather becomes the dots'
+contracting-dim ring.  Each precondition has a program that breaks it (left as written) beside
+its legal twin (rewritten), and every rewritten program is compared with the original."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import cmatmul_pass
+from cmatmul_pass import execute, ir_utils
+from tools.samples_layers import feature_norm
+
+MESH = jax.make_mesh((8,), ("model",))
+#: features-sharded activations, a replicated gain and bias, a column-parallel projection
+SPECS = (P(None, "model"), P(), P(), P(None, "model"))
+
+
+def gathered(x):
+    return jax.lax.all_gather(x, "model", axis=1, tiled=True)
+
+
+def program(body, tokens=32, hidden=64, dtype=jnp.bfloat16, grad=False):
+    f = jax.shard_map(body, mesh=MESH, in_specs=SPECS, out_specs=P(None, "model"), check_vma=False)
+    shapes = [((tokens, hidden), dtype), ((hidden,), jnp.float32), ((hidden,), jnp.float32), ((hidden, 128), dtype)]
+    args = [jax.ShapeDtypeStruct(s, t, sharding=NamedSharding(MESH, sp)) for (s, t), sp in zip(shapes, SPECS)]
+    if grad:
+        return jax.jit(jax.value_and_grad(lambda *a: jnp.mean(f(*a).astype(jnp.float32) ** 2),
+                                          argnums=(0, 1, 3))).lower(*args).as_text()
+    return jax.jit(f).lower(*args).as_text()
+
+
+def normed(kind, scale=lambda g: g):
+    return lambda x, g, b, w: feature_norm(gathered(x), scale(g), b, kind) @ w
+
+
+def gather_site(result):
+    (site,) = [s for s in result.report.sites if s.kind == "all_gather_dot"]
+    return site
+
+
+def assert_same_numbers(text, result):
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("variant", ["uni", "unroll2", "bidi-full"])
+@pytest.mark.parametrize("kind, sums", [("rms", 1), ("layer", 2)])
+def test_the_norm_runs_on_the_shard_and_the_gather_rings(kind, sums, variant, dtype):
+    text = program(normed(kind), dtype=dtype)
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant=variant))
+    site = gather_site(result)
+    assert site.rewritten and site.dim_role == "contracting", site.summary_line()
+    assert f"({sums} of them sums over the gathered dim" in site.notes[0], site.notes
+    found = ir_utils.ops_named(result.module, "stablehlo.all_gather", "stablehlo.all_reduce", "stablehlo.rsqrt")
+    assert not found["stablehlo.all_gather"]
+    # one all_reduce per statistic, of one float per row; the statistic's rsqrt per row as before
+    assert [list(ir_utils.ranked_tensor(op.result).shape) for op in found["stablehlo.all_reduce"]] == [[32]] * sums
+    (rsqrt,) = found["stablehlo.rsqrt"]
+    assert list(ir_utils.ranked_tensor(rsqrt.result).shape) == [32, 1]
+    assert_same_numbers(text, result)
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_training_parity_through_the_decorator(kind):
+    """value_and_grad of a loss over the block (rematerialised, as a scan over layers remats it)
+    through cmatmul_pass.jit: the forward's gather moves past the norm and rings; loss and
+    gradients as jax.jit's.  The backward's gather of the recomputed rows stays: the norm's
+    backward reads the rows whole.  (Without remat the forward hands the gathered rows to the
+    backward as a residual, and its gather stays too:
+    test_a_residual_of_the_gathered_rows_keeps_the_gather.)"""
+    f = jax.shard_map(jax.checkpoint(normed(kind)), mesh=MESH, in_specs=SPECS, out_specs=P(None, "model"),
+                      check_vma=False)
+
+    def loss(x, g, b, w):
+        return jnp.mean(f(x, g, b, w) ** 2)
+
+    rng = np.random.default_rng(0)
+    shapes = [(32, 64), (64,), (64,), (64, 128)]
+    args = [jax.device_put(rng.normal(size=s).astype(np.float32), NamedSharding(MESH, sp))
+            for s, sp in zip(shapes, SPECS)]
+    step = cmatmul_pass.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+    mine, base = step(*args), jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(*args)
+    for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(base)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+    moved = [s for s in step.report.sites if s.kind == "all_gather_dot" and s.rewritten
+             and any("sums over the gathered dim" in n for n in s.notes)]
+    assert len(moved) == 1, "\n".join(s.summary_line() for s in step.report.sites)
+
+
+def test_a_residual_of_the_gathered_rows_keeps_the_gather():
+    """Differentiated without remat, the forward returns the gathered rows for the backward: moved,
+    they would cross the wire twice (once for the ring, once whole), so the gather stays."""
+    text = program(normed("rms"), dtype=jnp.float32, grad=True)
+    site = gather_site(cmatmul_pass.rewrite(text))
+    assert not site.rewritten and "gathered whole for sdy.return" in site.reason, site.summary_line()
+
+
+def test_a_sum_from_a_nonzero_start_stays():
+    """A sum of squares started from 1.0 is not the sum of the devices' partial sums (each would
+    count the 1.0): the gather stays where it is."""
+    text = program(normed("offset"))
+    site = gather_site(cmatmul_pass.rewrite(text))
+    assert not site.rewritten and site.reason_code == "layout", site.summary_line()
+    assert "gathered whole for stablehlo.reduce" in site.reason
+
+
+def test_a_gain_that_differs_between_devices_stays():
+    """Each device scales all the rows it gathered by its own gain; moved, a device's features
+    would arrive scaled by the sender's.  The legal twin is the replicated gain (the first test)."""
+    text = program(normed("rms", lambda g: g * (1.0 + jax.lax.axis_index("model"))))
+    result = cmatmul_pass.rewrite(text)
+    assert not gather_site(result).rewritten
+    assert result.text == ir_utils.print_module(ir_utils.parse(text))
+
+
+@pytest.mark.parametrize("hidden, moves", [(8, False), (16, True), (64, True)])
+def test_the_statistic_moves_at_most_an_eighth_of_the_gathered_bytes(hidden, moves):
+    """The per-row sum's all_reduce (32 floats, each sent about twice) against the gathered rows:
+    with 8 features a row (f32) it is a quarter of the bytes the gather brings, and the gather
+    stays and says so; from 16 features it is at most an eighth, and the gather moves."""
+    text = program(normed("rms"), hidden=hidden, dtype=jnp.float32)
+    site = gather_site(cmatmul_pass.rewrite(text))
+    assert site.rewritten is moves, site.summary_line()
+    if not moves:
+        assert ("their sums over the gathered dim would all_reduce 128 B (each byte about twice on the wire), more "
+                "than 1/8 of the 1024 B the gather brings") in site.reason
+
+
+def test_the_statistic_read_elsewhere_is_the_summed_one():
+    """The statistic is also an output: it reads the all_reduced sum, the same value on every
+    device, as the original's sum of the gathered rows was."""
+    def body(x, g, b, w):
+        h = gathered(x).astype(jnp.float32)
+        ms = jnp.mean(h * h, axis=-1, keepdims=True)
+        return ((h * jax.lax.rsqrt(ms + 1e-6) * g).astype(x.dtype) @ w, ms)
+
+    f = jax.shard_map(body, mesh=MESH, in_specs=SPECS, out_specs=(P(None, "model"), P()), check_vma=False)
+    shapes = [((32, 64), jnp.float32), ((64,), jnp.float32), ((64,), jnp.float32), ((64, 128), jnp.float32)]
+    args = [jax.ShapeDtypeStruct(s, t, sharding=NamedSharding(MESH, sp)) for (s, t), sp in zip(shapes, SPECS)]
+    text = jax.jit(f).lower(*args).as_text()
+    result = cmatmul_pass.rewrite(text)
+    assert gather_site(result).rewritten
+    assert_same_numbers(text, result)
