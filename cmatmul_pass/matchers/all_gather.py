@@ -62,6 +62,19 @@ from .common import (
 
 ALL_GATHER_DOT = "all_gather_dot"
 DOT = "stablehlo.dot_general"
+BROADCAST = "stablehlo.broadcast_in_dim"
+
+
+def broadcast_dim(op: ir.OpView, dim: int) -> int:
+    """The result dim a ``broadcast_in_dim`` puts its operand's ring dim ``dim`` at, where it keeps
+    it whole (a broadcast along other dims: grouped-query attention repeating K/V heads), so each
+    block of the result is the broadcast of that block of the operand:
+    ``broadcast(all_gather(x))[block k] = broadcast(x_k)``.  Decline otherwise."""
+    target = ir_utils.i64s(op, "broadcast_dimensions")[dim]
+    src, dst = ir_utils.ranked_tensor(op.operation.operands[0]), ir_utils.ranked_tensor(op.result)
+    if src is None or dst is None or src.shape[dim] != dst.shape[target]:
+        raise Decline("layout", f"{describe_op(op)} spreads the gathered dim {dim} (size 1) along result dim {target}")
+    return target
 
 
 @dataclass(frozen=True, eq=False)
@@ -253,10 +266,10 @@ def _visit(tree: _Tree, value: ir.Value, dim: int, path: tuple[LayoutStep, ...],
                 tree.candidates.append(use.consumer)
             except Decline as d:
                 tree.rejected.append(d)
-        elif is_layout_op(user) or is_elementwise(user):
+        elif is_layout_op(user) or is_elementwise(user) or name == BROADCAST:
             try:
                 step = elementwise_step(user, value, dim) if is_elementwise(user) else \
-                    LayoutStep(user, dim, forward_dim(user, dim, n))
+                    LayoutStep(user, dim, broadcast_dim(user, dim) if name == BROADCAST else forward_dim(user, dim, n))
             except Decline as d:
                 tree.rejected.append(_why_not_blockwise(d, user, value, dim))
                 continue
