@@ -28,18 +28,23 @@ def check_record(results: dict, full: bool = True) -> None:
     """``results`` has what ``make bench`` writes (``full``: the ring and dispatch parts too, which
     ``--ring-runs 0`` skips), and its targets are what :func:`bench.targets` makes of its values."""
     head = {"date", "cpus", "jax", "devices", "runs", "layer_runs", "pass_cost", "samples", "layer",
-            "samples_median_ratio", "fastest_variant", "within_5_percent_of_fastest", "megatron", "targets"}
+            "samples_median_ratio", "fastest_variant", "within_5_percent_of_fastest", "megatron", "targets", "compile"}
     assert set(results) == head | ({"rings", "dispatch"} if full else set())
     assert isinstance(results["date"], str) and results["cpus"] > 0 and results["devices"]
     cost_ = results["pass_cost"]
-    keys = {"model", "per_layers", "compile_ratio", "compile_ratio_by_layers", "compile_ratio_default_by_layers",
-            "repeats", "compile_ratio_hand_written_rings", "scaling_32_over_8", "profile"}
+    keys = {"model", "per_layers", "repeats", "scaling_32_over_8", "profile"}
     assert set(cost_) == (keys if full else keys - {"scaling_32_over_8"} | set(cost_) & keys)
     for model in (cost_, results["megatron"]["pass_cost"]):
         assert model["per_layers"] and all(set(row) == PER_LAYER for row in model["per_layers"])
-    assert set(cost_["compile_ratio"]) == set(bench.VARIANTS)
-    for ratios in cost_["compile_ratio_by_layers"].values():
-        assert set(ratios) == {*bench.VARIANTS, "hand_written_rings"}
+    compile_ = results["compile"]
+    assert set(compile_) == {"shape", "hardware", "repeats", "by_layers"} and compile_["by_layers"]
+    for row in compile_["by_layers"].values():
+        assert set(row) == set(bench.MODELS)
+        for model, m in row.items():
+            assert set(m) == {"original_s", "ratios", "default_sites"} and m["original_s"] > 0
+            extra = {*bench.VARIANTS, "hand_written_rings"} if model == "sequence_parallel" else set()
+            assert set(m["ratios"]) == {"default", "every site", *extra}
+            assert 0 <= m["default_sites"][0] <= m["default_sites"][1]
     assert set(results["layer"]) == {"shape", "plain_s", "hand_written_ring_over_plain", "timing", "variants"}
     assert all(set(v) == {"over_plain", "over_hand_written"} for v in results["layer"]["variants"].values())
     assert set(results["samples_median_ratio"]) == set(bench.VARIANTS)
@@ -110,7 +115,7 @@ def test_dispatch_against_jax_jit():
 
 def test_bench_smoke(tmp_path):
     out = tmp_path / "results.json"
-    assert bench.main(["--layers", "1", "--variant-layers", "1", "--runs", "1", "--layer-runs", "1", "--repeats", "1",
+    assert bench.main(["--layers", "1", "--compile-layers", "1", "--runs", "1", "--layer-runs", "1", "--repeats", "1",
                        "--samples", "ag_dot_1d", "rs_dot_1d",
                        "--layer", "64", "32", "64", "--ring-runs", "0", "--out", str(out)]) == 0
     results = json.loads(out.read_text())
@@ -124,10 +129,9 @@ def test_bench_smoke(tmp_path):
     assert 0 <= row["ring_functions"] <= row["shared"] < row["sites"]
     assert row["parse_print_s"] > 0 and row["parse_print_over_lower_compile"] > 0
     assert row["jit_pass_s"] > 0 and row["jit_pass_over_lower_compile"] == row["jit_pass_s"] / (row["lower_s"] + row["compile_s"])
-    assert set(results["pass_cost"]["compile_ratio"]) == set(bench.VARIANTS)
-    assert results["pass_cost"]["compile_ratio_hand_written_rings"] > 0
-    assert results["pass_cost"]["compile_ratio_by_layers"]["1"] == {
-        **results["pass_cost"]["compile_ratio"], "hand_written_rings": results["pass_cost"]["compile_ratio_hand_written_rings"]}
+    # the default on the H100 profile rewrites the 7B-class sequence-parallel step's sites that pay
+    compiled = results["compile"]["by_layers"]["1"]
+    assert compiled["sequence_parallel"]["default_sites"][0] > 0
     assert set(results["samples"]) == {"ag_dot_1d", "rs_dot_1d"}
     assert set(results["layer"]["variants"]) == set(bench.VARIANTS)
     ratios, fastest = results["samples_median_ratio"], results["fastest_variant"]
@@ -140,17 +144,21 @@ def test_bench_smoke(tmp_path):
     assert rows["pass time / (lower + compile) at L = 32"]["met"] is None
     assert rows["pass time(32) / time(8)"]["met"] is None
     compile_row = rows["compile time, rewritten / original, every variant at every L measured"]
-    assert compile_row["value"] == results["pass_cost"]["compile_ratio"]
-    assert compile_row["above"] == [k for k, v in compile_row["value"].items() if v > 1.2]
+    assert compile_row["value"] == {v: compiled["sequence_parallel"]["ratios"][v] for v in bench.VARIANTS}
+    assert compile_row["above"] == [k for k, v in compile_row["value"].items() if v > 2.0]
     assert compile_row["met"] is (not compile_row["above"])
+    default_row = rows["compile time, the default / original, each model at every L measured"]
+    assert default_row["value"] == {f"{m} L=1": compiled[m]["ratios"]["default"] for m in bench.MODELS}
 
 
 def test_targets_name_the_variants_above_each_limit():
     results = {
         "pass_cost": {"per_layers": [{"layers": 8, "pass_over_lower_compile": 0.07},
                                      {"layers": 32, "pass_over_lower_compile": 0.048}],
-                      "scaling_32_over_8": 4.5,
-                      "compile_ratio_by_layers": {"4": {name: 1.1 for name in bench.VARIANTS} | {"full": 1.3}}},
+                      "scaling_32_over_8": 4.5},
+        "compile": {"by_layers": {"4": {
+            "sequence_parallel": {"ratios": {"default": 1.4} | {name: 1.9 for name in bench.VARIANTS} | {"full": 2.3}},
+            "megatron": {"ratios": {"default": 1.6}}}}},
         "layer": {"variants": {"uni": {"over_plain": 1.2, "over_hand_written": 0.99},
                                "full": {"over_plain": 0.9, "over_hand_written": 1.0}}},
     }
@@ -158,6 +166,7 @@ def test_targets_name_the_variants_above_each_limit():
     assert [(r["met"], r["above"]) for r in rows] == [
         (True, []),  # 0.048 <= 0.05 (L = 32's row, not L = 8's)
         (False, []),  # 4.5 > 4.4
+        (False, ["megatron L=4"]),  # the default, per model and L
         (False, ["full"]),
         (False, ["uni"]),
         (True, []),  # 1.0 is within a limit of 1.0
@@ -174,10 +183,11 @@ def test_targets_name_the_variants_above_each_limit():
     assert bench.targets({"rings": rings[:1]})[-1]["met"] is True
     assert bench.targets({})[0]["met"] is None
     # compile ratios at several L: each variant's worst
-    by_layers = {"4": {name: 1.1 for name in bench.VARIANTS}, "32": {name: 1.1 for name in bench.VARIANTS}}
-    by_layers["32"]["uni"] = 1.5
-    compile_row = bench.targets({"pass_cost": {"compile_ratio_by_layers": by_layers}})[2]
-    assert compile_row["value"]["uni"] == 1.5 and compile_row["above"] == ["uni"]
+    by_layers = {layers: {"sequence_parallel": {"ratios": {"default": 1.2} | {name: 1.1 for name in bench.VARIANTS}}}
+                 for layers in ("4", "32")}
+    by_layers["32"]["sequence_parallel"]["ratios"]["uni"] = 2.5
+    compile_row = bench.targets({"compile": {"by_layers": by_layers}})[3]
+    assert compile_row["value"]["uni"] == 2.5 and compile_row["above"] == ["uni"]
 
 
 def test_gpu_calibration_runs_on_any_backend(tmp_path):

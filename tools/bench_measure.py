@@ -36,14 +36,9 @@ def compile_seconds(module) -> float:
     return time.perf_counter() - start
 
 
-def pass_cost(layers_list: list[int], variant_layers: list[int], repeats: int = 3,
-              model: str = "sequence_parallel") -> dict:
-    """Per L: lower, compile and pass time of ``model`` (MODELS); at each L of
-    ``variant_layers``, every variant's compile time over the original's
-    (``compile_ratio_by_layers``; ``compile_ratio``: at the first such L, with the hand-written
-    rings' beside it; the sequence-parallel model only)."""
-    out = {"model": model, "per_layers": [], "compile_ratio": {}, "compile_ratio_by_layers": {},
-           "compile_ratio_default_by_layers": {}, "repeats": repeats}
+def pass_cost(layers_list: list[int], repeats: int = 3, model: str = "sequence_parallel") -> dict:
+    """Per L: lower, compile and pass time of ``model`` (MODELS)."""
+    out = {"model": model, "per_layers": [], "repeats": repeats}
     for layers in layers_list:
         samples = []
         for _ in range(repeats):  # each a cold start: fresh functions, jax's caches cleared
@@ -97,32 +92,57 @@ def pass_cost(layers_list: list[int], variant_layers: list[int], repeats: int = 
               f"{100 * row['parse_print_over_lower_compile']:.2f} %); as cmatmul_pass.jit runs it {row['jit_pass_s']:.3f} s "
               f"({100 * row['jit_pass_over_lower_compile']:.2f} %); on the text with every psum split "
               f"{row['pass_split_psums_s']:.3f} s", flush=True)
-        if layers in variant_layers and model == "sequence_parallel":
-            def compile_median(make) -> float:
-                return statistics.median(compile_seconds(make()) for _ in range(repeats))
-
-            original = compile_median(lambda: ir_utils.parse(text))
-            ratios = {name: compile_median(lambda: cmatmul_pass.rewrite(text, options).module) / original
-                      for name, options in VARIANTS.items()}
-            out["compile_ratio_default_by_layers"][layers] = {
-                name: compile_median(lambda: cmatmul_pass.rewrite(text, options).module) / original
-                for name, options in (("default", Options()), ("default, psums split", SPLIT_PSUMS))}
-            fn, args = transformer_step(layers, hand_written=True)
-            by_hand = fn.lower(*args).as_text()
-            hand_written = compile_median(lambda: ir_utils.parse(by_hand)) / original
-            out["compile_ratio_by_layers"][layers] = {**ratios, "hand_written_rings": hand_written}
-            if not out["compile_ratio"]:
-                out["compile_ratio"], out["compile_ratio_hand_written_rings"] = ratios, hand_written
-            print("  compile time, rewritten / original at L="
-                  f"{layers}: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items())
-                  + f"; the same model with hand-written ppermute rings: {hand_written:.2f}; the default "
-                  + ", ".join(f"{k} {v:.2f}" for k, v in out["compile_ratio_default_by_layers"][layers].items()),
-                  flush=True)
     times = {r["layers"]: r["pass_s"] for r in out["per_layers"]}
     if 32 in times and 8 in times:
         out["scaling_32_over_8"] = times[32] / times[8]
     elif 16 in times and 4 in times:
         out["scaling_16_over_4"] = times[16] / times[4]
+    return out
+
+
+# ---------------------------------------------------------------------------- 1b. compile time
+#: the models' shape for the compile-time comparison (a 7B-class layer over 16384 tokens, bf16):
+#: XLA's compile time hardly depends on the sizes, but the default's choices do, and at the
+#: pass-cost models' CPU sizes the cost model predicts no ring paying on a GPU
+COMPILE_SHAPE = {"hidden": 4096, "ffn": 16384, "tokens": 16384}
+#: the profile the default (policy auto) decides on, as the CLI's default ``--hardware``
+COMPILE_HARDWARE = "h100"
+
+
+def _step_text(model: str, layers: int, hand_written: bool = False) -> str:
+    fn, args = MODELS[model](layers, **COMPILE_SHAPE, dtype=jnp.bfloat16,
+                             **({"hand_written": True} if hand_written else {}))
+    return fn.lower(*args).as_text()
+
+
+def compile_time(layers_list: list[int], repeats: int = 3) -> dict:
+    """Per L and model (at :data:`COMPILE_SHAPE`): XLA's CPU compile time of the original step
+    and, over it, of the pass's output with the default options (policy auto on
+    :data:`COMPILE_HARDWARE`'s profile; with the sites it rewrote), with every site rewritten
+    (policy all) and, for the sequence-parallel step, in each variant and with the rings written
+    by hand.  Medians of ``repeats`` rounds, the programs of one L and model interleaved."""
+    devices = jax.devices("cpu")[:8]
+    out = {"shape": {**COMPILE_SHAPE, "dtype": "bf16"}, "hardware": COMPILE_HARDWARE, "repeats": repeats,
+           "by_layers": {}}
+    for layers in layers_list:
+        row = out["by_layers"][str(layers)] = {}
+        for model in MODELS:
+            text = _step_text(model, layers)
+            default = cmatmul_pass.rewrite(text, Options(policy="auto", hardware=COMPILE_HARDWARE))
+            modules = {"original": ir_utils.parse(text), "default": default.module,
+                       "every site": cmatmul_pass.rewrite(text, Options(policy="all", hardware=COMPILE_HARDWARE)).module}
+            if model == "sequence_parallel":
+                modules.update((name, cmatmul_pass.rewrite(text, options).module) for name, options in VARIANTS.items())
+                modules["hand_written_rings"] = ir_utils.parse(_step_text(model, layers, hand_written=True))
+            compile_module(modules["original"], 8, devices)  # XLA's own start, paid once
+            medians = interleaved_medians(
+                {name: (lambda m=m: compile_module(m, 8, devices)) for name, m in modules.items()}, repeats, warmup=0)
+            base = medians.pop("original")
+            row[model] = {"original_s": base, "ratios": {name: t / base for name, t in medians.items()},
+                          "default_sites": [len(default.report.rewritten), len(default.report.sites)]}
+            print(f"  compile at L={layers}, {model}: original {base:.2f} s; rewritten / original: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in row[model]["ratios"].items())
+                  + " (the default rewrote {} of {} sites)".format(*row[model]["default_sites"]), flush=True)
     return out
 
 

@@ -70,15 +70,20 @@ def pass_cost(r: dict) -> list[str]:
 
 
 def compile_ratios(r: dict) -> list[str]:
-    pc = r["pass_cost"]
-    lines = []
-    for layers, ratios in pc["compile_ratio_by_layers"].items():
-        default = pc.get("compile_ratio_default_by_layers", {}).get(layers, {})
-        head = [*VARIANTS, "hand-written rings", *default]
-        values = [*(ratios[v] for v in VARIANTS), ratios["hand_written_rings"], *default.values()]
-        lines += [f"XLA's compile at {layers} layers, rewritten / original:", "",
-                  _row(*head), "|" + "---|" * len(head), _row(*(f"{v:.2f}" for v in values)), ""]
-    return lines[:-1]
+    c = r["compile"]
+    shape = c["shape"]
+    head = ["step", "layers", "original (s)", "default (sites rewritten)", "every site", *VARIANTS, "rings by hand"]
+    lines = [f"**XLA's compile time**, rewritten / original (hidden {shape['hidden']}, ffn {shape['ffn']}, "
+             f"{shape['tokens']} tokens, {shape['dtype']}; the default: policy auto on the {c['hardware'].upper()} "
+             f"profile; median of {c['repeats']} interleaved rounds):", "", _row(*head), "|" + "---|" * len(head)]
+    for layers, row in c["by_layers"].items():
+        for model, m in row.items():
+            ratios = m["ratios"]
+            done, total = m["default_sites"]
+            lines.append(_row(model.replace("_", " "), layers, f"{m['original_s']:.2f}",
+                              f"{ratios['default']:.2f} ({done} of {total})", f"{ratios['every site']:.2f}",
+                              *(f"{ratios[v]:.2f}" if v in ratios else "—" for v in (*VARIANTS, "hand_written_rings"))))
+    return lines
 
 
 def layer_runtime(r: dict) -> list[str]:
