@@ -149,6 +149,20 @@ class Measurement:
     picked: str
     processes: int = 1
     runs: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    #: this process's XLA compile time of each candidate (seconds; the original compiled first, so
+    #: that it, not a variant, pays for XLA's own start)
+    compile_s: dict[str, float] = field(default_factory=dict)
+
+    def compile_line(self) -> str:
+        """The picked program's compile time against the original's; empty where not measured."""
+        base = self.compile_s.get(ORIGINAL)
+        if not base or self.picked not in self.compile_s:
+            return ""
+        if self.picked != ORIGINAL:
+            t = self.compile_s[self.picked]
+            return f"compile: original {duration(base)}, {self.picked} {duration(t)} ({t / base:.2f}x)"
+        ratios = [t / base for name, t in self.compile_s.items() if name != ORIGINAL]
+        return f"compile: original {duration(base)}, the variants {min(ratios):.2f}x to {max(ratios):.2f}x of it"
 
     def summary(self) -> str:
         times = ", ".join(f"{name} {duration(t)}" for name, t in sorted(self.times.items(), key=lambda kv: kv[1]))
@@ -162,7 +176,8 @@ class Measurement:
             gain = self.times[ORIGINAL] - self.times[self.picked]
             why = f"picked {self.picked}: {duration(gain)} faster than the original (noise {duration(self.noise)})"
         where = f" over {self.processes} processes" if self.processes > 1 else ""
-        return f"{why}; medians{where}: {times}"
+        compiled = self.compile_line()
+        return f"{why}; medians{where}: {times}" + (f"; {compiled}" if compiled else "")
 
 
 def choose(times: dict[str, float], noise: float) -> str:
@@ -445,16 +460,27 @@ class JittedFunction:
         (:func:`choose`)."""
         original = self._jax_lower(args, kwargs)
         entries = {}
+        compile_s: dict[str, float] = {}
+        programs: dict[str, Callable] = {}
+
+        def compiled(name: str, compile_: Callable):
+            start = time.perf_counter()
+            out = compile_()
+            compile_s[name] = time.perf_counter() - start
+            return out
+
         for name in VARIANTS:
             lowered = self._lower(original, self.options.with_variant(name))
-            entries[name] = _Entry(self._compile(lowered), lowered)
-            self.stats["compiles"] += 1
             if not lowered.report.rewritten and all(s.reason_code != "policy" for s in lowered.report.sites):
                 # no ring, and only declines no variant changes (the policy's depend on it): nothing to choose
+                self.stats["compiles"] += 1
                 self.measured, self.picked, self.measurement = None, None, None
-                return entries[name]
-        programs = {name: entry.compiled for name, entry in entries.items()}
-        programs[ORIGINAL] = original.compile()
+                return _Entry(self._compile(lowered), lowered)
+            if ORIGINAL not in programs:  # first: XLA's own start is the original's to pay
+                programs[ORIGINAL] = compiled(ORIGINAL, original.compile)
+            entries[name] = _Entry(compiled(name, lambda: self._compile(lowered)), lowered)
+            self.stats["compiles"] += 1
+        programs.update((name, entry.compiled) for name, entry in entries.items())
 
         def prepare():  # a program may donate its inputs: each run gets its own copies
             if not self._donates:
@@ -478,7 +504,7 @@ class JittedFunction:
         self.stats["measurements"] += 1
         picked = choose(medians, noise)
         self.measurement = Measurement(medians, noise, picked, jax.process_count(),
-                                       {name: tuple(times[1:]) for name, times in samples.items()})
+                                       {name: tuple(times[1:]) for name, times in samples.items()}, compile_s)
         self.measured, self.picked = medians, picked
         self._picked[key] = picked
         if picked != ORIGINAL:

@@ -506,6 +506,10 @@ def test_measure_reports_its_pick_the_times_and_the_noise(monkeypatch):
     assert g.picked == m.picked == "bidi" and g.measured == m.times and m.processes == 1
     assert [s.schedule["variant"] for s in g.report.rewritten] == ["bidi"]
     assert m.summary().startswith("picked bidi: 1 s faster than the original") and "original " in m.summary()
+    # each candidate's XLA compile time, the picked one's against the original's
+    assert set(m.compile_s) == {*cmatmul_pass.cost.VARIANTS, "original"} and all(t > 0 for t in m.compile_s.values())
+    ratio = m.compile_s["bidi"] / m.compile_s["original"]
+    assert m.summary().endswith(f"bidi {decorator.duration(m.compile_s['bidi'])} ({ratio:.2f}x)")
     assert decorator.choose({"uni": 0.9, "original": 1.0}, noise=0.2) == "original"
     assert decorator.choose({"uni": 0.9, "bidi": 0.7, "original": 1.0}, noise=0.2) == "bidi"
 
