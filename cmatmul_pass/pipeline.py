@@ -222,29 +222,36 @@ def rewrite(
             restore()
             return given
 
-        return _rewrite(module, options, source, again, restore)
+        return _rewrite(module, options, source, again, restore, lambda: ir_utils.clone_module(snapshot))
     text = module
-    module = ir_utils.parse(text, source=source, context=context or make_context())
-    return _rewrite(module, options, source,
-                    lambda: ir_utils.parse(text, source=source, context=context or make_context()), None)
+
+    def parsed() -> ir.Module:
+        return ir_utils.parse(text, source=source, context=context or make_context())
+
+    return _rewrite(parsed(), options, source, parsed, None, parsed)
 
 
 def rewrite_copy(module: ir.Module, options: Options, source: str) -> RewriteResult:
     """:func:`rewrite` on a copy of ``module``, which stays as it is (``cmatmul_pass.jit`` on
     jax's module): no snapshot is kept, since a failure is retried on a fresh copy."""
-    return _rewrite(ir_utils.clone_module(module), options, source, lambda: ir_utils.clone_module(module), None)
+    def copy() -> ir.Module:
+        return ir_utils.clone_module(module)
+
+    return _rewrite(copy(), options, source, copy, None, copy)
 
 
 def _rewrite(module: ir.Module, options: Options, source: str, again: Callable[[], ir.Module],
-             restore: Callable[[], None] | None) -> RewriteResult:
+             restore: Callable[[], None] | None, pristine: Callable[[], ir.Module]) -> RewriteResult:
     """The pass on ``module``; on a failure, the pass again on ``again()`` (the input as it
     was), verifying after every site to name the one that broke the module, then
-    ``restore()`` (when given: put the caller's module back as it was)."""
+    ``restore()`` (when given: put the caller's module back as it was).  ``pristine()``: a
+    fresh module of the input as it was, touching nothing else (the step's prediction, made
+    when the report's ``program`` is first read, schedules it)."""
     reading = ir_utils.READING.set(source)  # messages built deep in the matchers name this file
     rendered = ir_utils.RENDERED.set({})  # (and render the same locations again and again)
     bans = Bans()
     try:
-        program = _program(module, options, source)  # the input as it is, for the step's prediction
+        program = _program(module, options, source)  # the input's regions and collectives, for layer names
         for _ in range(MAX_TRIES):
             try:
                 with _no_cyclic_gc():
@@ -271,7 +278,7 @@ def _rewrite(module: ir.Module, options: Options, source: str, again: Callable[[
             if not undone:
                 if not result.report.rewritten:  # nothing rewritten: the output is the input, as it was
                     result.module = again()      # (no scan body inlined, nothing moved)
-                _predict(program, result.report)
+                _predict(program, result.report, lambda: _program(pristine(), options, source, graph=True))
                 return result
             for key, why in undone.items():  # moved, then no ring where it went: not moved next time
                 bans.add(key, MOTION, why)
@@ -333,17 +340,21 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool,
     return RewriteResult(module, report, options), attempts.undone()
 
 
-def _program(module: ir.Module, options: Options, source: str) -> "program_cost.Program | str":
-    """The input read for the step's prediction (:mod:`.program_cost`), or why it could not be."""
+def _program(module: ir.Module, options: Options, source: str, graph: bool = False) -> "program_cost.Program | str":
+    """The input read for the sites' layers (``graph``: and for the step's prediction,
+    :mod:`.program_cost`), or why it could not be."""
     try:
-        return program_cost.Program(module, source, cost.hardware(options.hardware))
+        with module.context:
+            return program_cost.Program(module, source, cost.hardware(options.hardware), graph=graph)
     except Exception as exc:  # noqa: BLE001 - the prediction is a report's extra: never the pass's failure
         return f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
 
 
-def _predict(program: "program_cost.Program | str", report: Report) -> None:
-    """The report's step prediction (``report.program``, made when first read) and its sites'
-    layers; none for a module without a candidate site."""
+def _predict(program: "program_cost.Program | str", report: Report,
+             scheduled: Callable[[], "program_cost.Program | str"]) -> None:
+    """The report's step prediction (``report.program``, made when first read, on the input
+    ``scheduled()`` reads with its dataflow graph) and its sites' layers (``program``: the
+    input's regions and collectives); none for a module without a candidate site."""
     if not report.sites:
         return
     if isinstance(program, str):
@@ -357,7 +368,10 @@ def _predict(program: "program_cost.Program | str", report: Report) -> None:
 
     def prediction() -> dict:  # when the report's program is first read (it schedules the step several times)
         try:
-            return program_cost.predict(program, report).to_dict()
+            full = scheduled()
+            if isinstance(full, str):
+                return {"unavailable": full}
+            return program_cost.predict(full, report).to_dict()
         except Exception as exc:  # noqa: BLE001
             return {"unavailable": f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"}
 

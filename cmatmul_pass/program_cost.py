@@ -99,8 +99,11 @@ class _Instance:
 class Program:
     """The module as :func:`predict` schedules it (see the module's docstring)."""
 
-    def __init__(self, module: ir.Module, source: str, hw: Hardware):
+    def __init__(self, module: ir.Module, source: str, hw: Hardware, graph: bool = True):
+        """``graph=False``: the regions, loops and collectives only (what :func:`annotate` reads),
+        without the dataflow graph :meth:`span` schedules (most of the walk's time)."""
         self.hw = hw
+        self._graph = graph
         self.source = source
         self.partitions = ir_utils.int_attr(module.operation, "mhlo.num_partitions") or 1
         self.funcs = {ir_utils.symbol_name(op): op for op in module.body.operations
@@ -136,14 +139,17 @@ class Program:
             if name in TERMINATORS:
                 returned = [env.get(v, ()) for v in op.operation.operands]
                 continue
+            if not self._graph and name not in _STRUCTURE:
+                continue
             results = self._op(graph, op.operation, name, env)
-            for value, deps in zip(op.operation.results, results):
-                env[value] = deps
+            if self._graph:
+                for value, deps in zip(op.operation.results, results):
+                    env[value] = deps
         return returned
 
     def _op(self, graph: _Graph, op: ir.Operation, name: str, env: dict) -> list[tuple[int, ...]]:
         """Add ``op``; the deps of each of its results."""
-        operands = [env.get(v, ()) for v in op.operands]
+        operands = [env.get(v, ()) for v in op.operands] if self._graph else []
         n = len(op.results)
         if name == "func.call":
             callee = self.funcs.get(ir.FlatSymbolRefAttr(op.attributes["callee"]).value)
@@ -185,12 +191,12 @@ class Program:
             graph.blocks[node] = (bodies, 1)
             return [(node,)] * n
         elif name in ("stablehlo.dot_general", "stablehlo.dot"):
-            node = graph.add(DOT, self._join(graph, operands), _dot_seconds(op, name, self.hw))
+            node = graph.add(DOT, self._join(graph, operands), _dot_seconds(op, name, self.hw) if self._graph else 0.0)
             if self._loops:
                 self.dot_trips[ir_utils.render_location(op.location, self.source)] = self._trips()
             return [(node,)] * n
         elif name in _COLLECTIVES:
-            seconds = _COLLECTIVES[name](op, self._group_size(op), self.hw)
+            seconds = _COLLECTIVES[name](op, self._group_size(op), self.hw) if self._graph else 0.0
             instance = -1
             if name in _ANCHOR_OPS:
                 instance = len(self.instances)
@@ -359,6 +365,9 @@ _COLLECTIVES = {"stablehlo.all_gather": _gather, "stablehlo.reduce_scatter": _sc
                 "stablehlo.all_reduce": _all_reduce, "stablehlo.all_to_all": _all_to_all,
                 "stablehlo.collective_permute": _one_transfer, "stablehlo.collective_broadcast": _one_transfer}
 _ANCHOR_OPS = frozenset(ANCHORS.values())
+#: the ops a walk without the dataflow graph visits (Program's ``graph=False``): what holds ops,
+#: and the collectives
+_STRUCTURE = INLINE | frozenset(_COLLECTIVES) | {"func.call", "stablehlo.while", "stablehlo.case", "stablehlo.if"}
 
 
 def _trip_count(loop: ir.Operation) -> int | None:
