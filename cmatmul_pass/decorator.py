@@ -149,8 +149,8 @@ class Measurement:
     picked: str
     processes: int = 1
     runs: dict[str, tuple[float, ...]] = field(default_factory=dict)
-    #: this process's XLA compile time of each candidate (seconds; the original compiled first, so
-    #: that it, not a variant, pays for XLA's own start)
+    #: each candidate's XLA compile time (seconds; over several processes the slowest process's;
+    #: the original compiled first, so that it, not a variant, pays for XLA's own start)
     compile_s: dict[str, float] = field(default_factory=dict)
 
     def compile_line(self) -> str:
@@ -500,7 +500,7 @@ class JittedFunction:
                                               self._measure_runs, warmup=1, prepare=prepare)
         runs = samples[ORIGINAL][1:]  # the warm-up's run left out
         noise = max(runs) - min(runs) if runs else 0.0
-        medians, noise = _slowest_process(medians, noise)
+        medians, noise, compile_s = _slowest_process(medians, noise, compile_s)
         self.stats["measurements"] += 1
         picked = choose(medians, noise)
         self.measurement = Measurement(medians, noise, picked, jax.process_count(),
@@ -566,15 +566,19 @@ class DifferentPrograms(RuntimeError):
 # Every function here is a collective over the processes: each must call it at the same point.
 
 
-def _slowest_process(medians: dict[str, float], noise: float) -> tuple[dict[str, float], float]:
-    """Each candidate's time on its slowest process and the largest noise: the same numbers,
-    hence the same choice, on every process (unchanged with one process)."""
+def _slowest_process(medians: dict[str, float], noise: float, compile_s: dict[str, float]
+                     ) -> tuple[dict[str, float], float, dict[str, float]]:
+    """Each candidate's time and compile time on its slowest process and the largest noise: the
+    same numbers, hence the same choice and summary, on every process (unchanged with one)."""
     if jax.process_count() == 1:
-        return medians, noise
-    names = list(medians)  # the same order everywhere: VARIANTS, then the original
-    rows = gathered(np.array([medians[n] for n in names] + [noise], np.float32))
+        return medians, noise, compile_s
+    names = sorted(medians)  # the same order everywhere
+    rows = gathered(np.array([medians[n] for n in names] + [compile_s.get(n, 0.0) for n in names] + [noise],
+                             np.float32))
     worst = rows.max(axis=0)
-    return {n: float(t) for n, t in zip(names, worst[:-1])}, float(worst[-1])
+    k = len(names)
+    return ({n: float(t) for n, t in zip(names, worst[:k])}, float(worst[-1]),
+            {n: float(t) for n, t in zip(names, worst[k:2 * k]) if n in compile_s})
 
 
 def _assert_same_program(lowered: Lowered, name: str) -> None:
