@@ -85,6 +85,14 @@ def sum_region(op: ir.OpView, loc: ir.Location) -> None:
         hlo.ReturnOp([hlo.AddOp(*block.arguments, loc=loc).result], loc=loc)
 
 
+def sum_all_reduce(value: ir.Value, replica_groups: ir.Attribute, channel: int, loc: ir.Location) -> ir.OpView:
+    """A sum all_reduce of ``value`` over ``replica_groups`` (device ids), on ``channel``."""
+    op = hlo.AllReduceOp([value.type], [value], replica_groups, channel_handle=hlo.ChannelHandle.get(channel, 1),
+                         use_global_device_ids=True, loc=loc)
+    sum_region(op, loc)
+    return op
+
+
 def all_reduce_like(template: ir.OpView, value: ir.Value, channel: int, loc: ir.Location) -> ir.OpView:
     """A sum all_reduce of ``value`` over ``template``'s groups, with a fresh channel: a copy of
     ``template`` (a matched sum of one operand: its reduction, one C++ clone) reading ``value``, of
@@ -92,10 +100,7 @@ def all_reduce_like(template: ir.OpView, value: ir.Value, channel: int, loc: ir.
     flag (a frontend attribute, say, which the chunks do not inherit)."""
     op = template.operation
     if len(op.operands) != 1 or len(op.attributes) != 3 or template.location != loc:
-        op = hlo.AllReduceOp([value.type], [value], template.attributes["replica_groups"],
-                             channel_handle=hlo.ChannelHandle.get(channel, 1), use_global_device_ids=True, loc=loc)
-        sum_region(op, loc)
-        return op
+        return sum_all_reduce(value, template.attributes["replica_groups"], channel, loc)
     op = op.clone()  # at the insertion point
     op.operands[0] = value
     op.results[0].set_type(value.type)

@@ -55,7 +55,7 @@ from ..matchers.scatter_terms import region_is_sum
 from ..report import tensor_bytes
 from ..ring import Ring
 from .builders import Builder, shard_type
-from .dot_all_reduce import sum_region
+from .dot_all_reduce import sum_all_reduce
 
 #: ops that compute each element from the same element of their operands (same shapes; a
 #: rank-0 operand of ``select`` / ``clamp`` is one value for every element)
@@ -491,11 +491,7 @@ def _sum_rows(op: ir.OpView, rows: dict, template: ir.OpView, channel: int) -> i
     over ``template``'s (the seed all_gather's) groups: the same value on every device of the group."""
     partial = op.operation.clone(ip=ir.InsertionPoint(op.operation))
     partial.operands[0] = rows[op.operation.operands[0]]
-    total = hlo.AllReduceOp([op.result.type], [partial.results[0]], template.attributes["replica_groups"],
-                            channel_handle=hlo.ChannelHandle.get(channel, 1), use_global_device_ids=True,
-                            loc=op.location)
-    sum_region(total, op.location)
-    return total.result
+    return sum_all_reduce(partial.results[0], template.attributes["replica_groups"], channel, op.location).result
 
 
 def _feeds_dot(op: ir.OpView) -> bool:
