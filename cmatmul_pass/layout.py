@@ -46,6 +46,11 @@ ELEMENTWISE_OPS = frozenset(f"stablehlo.{name}" for name in (
 ))
 
 
+#: an elementwise op the scatter side applies per block too: ``select(m, P, z)``, each block of
+#: each device's product masked with that block of the mask before the sum (a zero padding moved
+#: onto the dot's operand, :mod:`cmatmul_pass.rewrites.pad_motion`)
+SELECT = "stablehlo.select"
+
 #: ops a product may pass between its dot and a scatter when the path is a DAG (a norm's
 #: backward): each keeps the ring dim, at the same size, and computes a block of its result from
 #: the same block of its operand (:func:`row_dim`)
@@ -197,7 +202,7 @@ class LayoutStep:
         place of ``value``."""
         op, loc = self.op, self.op.location
         name = op.operation.name
-        if blocks is not None and name not in ELEMENTWISE_OPS:  # one operand, on the path
+        if blocks is not None and name not in ELEMENTWISE_OPS and name != SELECT:  # one operand, on the path
             value = blocks[op.operation.operands[0]]
         if name == "sdy.sharding_constraint":
             return value  # a hint about the whole value; the block needs none
@@ -222,7 +227,7 @@ class LayoutStep:
                                        attributes={"permutation": op.attributes["permutation"]}, loc=loc).result
         if name == "stablehlo.reshape":
             return ir.Operation.create(name, results=[out_t], operands=[value], loc=loc).result
-        if name in ELEMENTWISE_OPS:
+        if name in ELEMENTWISE_OPS or name == SELECT:
             width = ir.RankedTensorType(op.result.type).shape[self.out_dim] // parts
             operands = []
             for operand, source in zip(op.operation.operands, self.sources):

@@ -35,6 +35,7 @@ from .matchers.all_reduce import DOT_ALL_REDUCE, AllReduceSite, match_all_reduce
 from .matchers.common import collective_ring
 from .report import Report, SiteReport, tensor_bytes
 from .rewrites.dot_all_reduce import chunk_all_reduce, chunk_dims_ok, split_all_reduce
+from .rewrites.pad_motion import PaddedProduct, move_pad, padded_product
 from .rewrites.schedule import RewriteContext
 from .rewrites.sequence_parallel import Seed, carry_forward, move_gather_forward
 from .rewrites.sink import Hoisted, Sunk
@@ -213,7 +214,12 @@ class SiteWalk:
             return
         since, place = len(self.report.sites), self.place_of(op)
         site = match_reduce_scatter(op, self.info)
-        hoisted = self.attempts.may_move(op) or _hoist_scatter(site, self.ctx, self.options, self.variance)
+        banned = self.attempts.may_move(op)
+        unpadded = self._unpad(op, site, banned)
+        if unpadded is None:
+            self.tag(place, since)
+            return
+        hoisted = None if unpadded else banned or _hoist_scatter(site, self.ctx, self.options, self.variance)
         if isinstance(hoisted, Hoisted):  # each layer's block scattered in the loop, ringed with its dot
             where = ir_utils.render_location(hoisted.loop.location, self.source)
             for scattered in hoisted.reduce_scatters:
@@ -224,10 +230,28 @@ class SiteWalk:
         entry = self.apply(site)
         if hoisted:
             entry.reason += f"; not hoisted into the loop: {hoisted}"
+        if unpadded:
+            entry.reason += f"; its zero padding not moved onto the matmul's operand: {unpadded}"
         if id(op) in not_swapped and not entry.rewritten:
             entry.reason += f"; not moved before the psum: {not_swapped[id(op)]}"
         self.report.sites.append(entry)
         self.tag(place, since)
+
+    def _unpad(self, op: ir.OpView, site: Site, banned: str | None) -> str | None:
+        """A scatter of a zero-padded product: the padding moved onto the matmul's operand and the
+        scatter ringed there (:mod:`.rewrites.pad_motion`; None).  Else why not ("" where no pad
+        stands in the way); ``banned``: why an earlier try's motion was undone."""
+        if not isinstance(site, DeclinedSite) or site.code != "producer_not_dot":
+            return ""
+        plan = padded_product(op)
+        if not isinstance(plan, PaddedProduct) or banned:
+            return plan if isinstance(plan, str) else banned if plan else ""
+        where = ir_utils.render_location(plan.between.location, self.source)
+        move_pad(plan)
+        self.apply_moved(match_reduce_scatter(op, self.info), site,
+                         f"the zero padding of its product (at {where}) moved onto the matmul's operand, the pad "
+                         "rows masked back to zero: pad(a·b, 0) = select(m, pad(a, 0)·b, 0)")
+        return None
 
     def _sink(self, gathers: list, sunk_from: dict, not_sunk: dict) -> list:
         """The gathers, each stack's gather that sinks into its loops replaced by its layers' gathers."""

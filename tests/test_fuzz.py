@@ -286,6 +286,35 @@ def test_an_untiled_gather_of_normalised_rows_rings(partial_manual):
     assert set(tally.declined) == {"layout"}  # noassemble: the raw rows cannot be assembled
 
 
+#: scatters of a product padded with zero rows along the scattered dim (fuzz.py --pad): the rows
+#: of the lhs on a ring of 8, both ends padded; the columns of a bf16 rhs in a partial-manual
+#: region of a 3 x 2 mesh (its sharding hints around jnp.pad's call); a complex product (declined)
+PADDED = {
+    "f32-rows-both-ends": fuzz_programs.Spec(
+        mesh_shape=(8,), devices=(5, 2, 7, 0, 3, 6, 1, 4), axes=("x",), kind="rs", dim="m", side=0, batch=False,
+        tiled=True, dtype="f32", consumers=1, reader=False, partial_manual=False, sizes=(2, 3, 2, 1), pad=(3, 2)),
+    "bf16-columns-partial-manual": fuzz_programs.Spec(
+        mesh_shape=(3, 2), devices=(5, 6, 0, 1, 3, 2), axes=("y",), kind="rs", dim="n", side=1, batch=True,
+        tiled=True, dtype="bf16", consumers=1, reader=False, partial_manual=True, sizes=(3, 1, 2, 2), pad=(0, 3)),
+    "c64-rows": fuzz_programs.Spec(
+        mesh_shape=(4,), devices=(0, 1, 2, 3), axes=("x",), kind="rs", dim="m", side=0, batch=False,
+        tiled=True, dtype="c64", consumers=1, reader=False, partial_manual=False, sizes=(2, 2, 2, 1), pad=(0, 1)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PADDED))
+def test_a_padded_product_scatters_in_a_ring_and_matches(name):
+    """The padding moved onto the dot's operand and the scatter ringed in every variant (a complex
+    product's padding is not moved: declined in each), each result the original's numbers."""
+    spec = PADDED[name]
+    tally = fuzz_programs.check(spec)
+    assert not tally.crashes and not tally.mismatches, tally.crashes + tally.mismatches
+    if spec.expect_rewrite():
+        assert tally.sites_rewritten == tally.runs == len(fuzz_programs.VARIANTS)
+    else:
+        assert tally.sites_rewritten == 0 and set(tally.declined) == {"producer_not_dot"}
+
+
 @settings(max_examples=40, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(fuzz_programs.specs())
 def test_the_default_campaign_draws_no_gather_norm_programs(spec):

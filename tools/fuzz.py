@@ -6,7 +6,7 @@ checked for the permute-ring property and run against the original on the CPU de
 counts — programs, variant runs, sites rewritten, sites declined by reason, mismatches, crashes — and
 every failing program; exits 1 if any run mismatched or crashed.
 
-    python tools/fuzz.py [--examples 1000] [--seed 0] [--kind psum --norm] [--gather-norm] [--check-replay]
+    python tools/fuzz.py [--examples 1000] [--seed 0] [--kind psum --norm] [--pad] [--gather-norm] [--check-replay]
     python tools/fuzz.py --kind adversarial [--examples 200] [--jobs 2] [--class slice_index] [--all-variants]
 
 ``--kind adversarial`` (or ``--adversarial``) runs tools/fuzz_adversarial.py's programs instead:
@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--norm", action="store_true", help="a norm's backward wherever the kind takes one (rs, psum)")
     parser.add_argument("--two-stage", action="store_true",
                         help="only scatters of a psum over another mesh axis (a reduction in two stages)")
+    parser.add_argument("--pad", action="store_true",
+                        help="only scatters of a product padded with zero rows along the scattered dim (rs)")
     parser.add_argument("--gather-norm", action="store_true",
                         help="only gathers whose rows are normalised before their dots while the raw rows are read "
                              "elsewhere (kind ag_norm, which the default campaign does not draw)")
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
     @seed(args.seed)
     @settings(max_examples=args.examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(fuzz_programs.specs(tuple(args.kind or ()), args.norm or None, args.two_stage))
+    @given(fuzz_programs.specs(tuple(args.kind or ()), args.norm or None, args.two_stage, args.pad))
     def campaign(spec):
         try:
             fuzz_programs.check(spec, tally)

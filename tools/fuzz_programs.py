@@ -108,6 +108,10 @@ class Spec:
     #: sum-scattered over ``axes``: a reduction in two stages, as an FSDP x TP gradient lowers;
     #: the pass moves the scatter before the psum, onto the product ("": one stage)
     first: str = ""
+    #: rs: zero rows padded onto the product along the scattered dim before the scatter, (before,
+    #: after) the product's own (a sequence that does not divide the devices, padded to a multiple
+    #: of them): the pass moves the padding onto the dot's operand and masks the pad rows
+    pad: tuple[int, int] = (0, 0)
     #: ag_norm: what the gathered rows go through before their dots: "rms" or "ln" (row-wise: a
     #: statistic over the hidden dim only, the ring applies it per block), or a chain that mixes
     #: rows, which the pass must decline or compute right: "mean_rows" (the RMS statistic taken
@@ -162,8 +166,8 @@ class Spec:
         """Sites the pass must rewrite (anything else may be declined, never miscompiled)."""
         if self.kind == "ag":
             return self.dim in ("m", "k", "b")
-        if self.kind == "rs":
-            return self.dim in ("m", "n", "b")
+        if self.kind == "rs":  # (a complex product's padding is not moved)
+            return self.dim in ("m", "n", "b") and not (sum(self.pad) and self.dtype == "c64")
         if self.kind == "ag_norm" and self.dim == "k":  # a norm over the gathered features: moved where
             # nothing else reads them, every device has the same gain, and the sums' all_reduces (a
             # value per row, each byte about twice on the wire) are at most 1/8 of the gathered bytes
@@ -181,11 +185,13 @@ POINTWISE = ("residual", "bias", "rms", "ln", "tanh", "vary")
 
 
 @st.composite
-def specs(draw, kinds: tuple[str, ...] | None = None, norm: bool | None = None, two_stage: bool = False) -> Spec:
+def specs(draw, kinds: tuple[str, ...] | None = None, norm: bool | None = None, two_stage: bool = False,
+          pad: bool = False) -> Spec:
     """A random program; ``kinds``: only those kinds (a targeted campaign, ``fuzz.py --kind``);
     ``norm=True``: a norm's backward wherever the kind and dtype take one (``fuzz.py --norm``);
-    ``two_stage``: only scatters of a psum over another mesh axis (``fuzz.py --two-stage``)."""
-    if two_stage:
+    ``two_stage``: only scatters of a psum over another mesh axis (``fuzz.py --two-stage``);
+    ``pad``: only scatters of a zero-padded product (``fuzz.py --pad``)."""
+    if two_stage or pad:
         kinds = ("rs",)
     mesh_shape = draw(st.sampled_from(MESHES))
     size = math.prod(mesh_shape)
@@ -243,6 +249,14 @@ def specs(draw, kinds: tuple[str, ...] | None = None, norm: bool | None = None, 
         spec = replace(spec, first=draw(st.sampled_from(others)))
     if kind == "ag_norm":
         spec = _gather_norm(draw, spec)
+    if pad:  # what a padding moves past: one product, straight into a tiled scatter of a free dim
+        spec = replace(spec, dim=draw(st.sampled_from(["m", "n"])), tiled=True, consumers=1, norm=False, scale=False,
+                       first="")
+    if (kind == "rs" and spec.dim in ("m", "n") and spec.tiled and spec.consumers == 1
+            and not (spec.norm or spec.scale or spec.first) and (pad or draw(st.booleans()))):
+        total = draw(st.integers(1, spec.ring * _sizes(spec)[spec.dim] - 1))
+        before = draw(st.integers(0, total))
+        spec = replace(spec, pad=(before, total - before))
     if spec.grad and spec.partial_manual:
         # XLA CPU (jax 0.10.2) aborts compiling the *original* backward of a bf16 scan in a
         # partially manual region ("Invalid binary instruction opcode copy"): not a program to fuzz with
@@ -369,7 +383,7 @@ def _scatter_program(spec: Spec):
     contraction = ((spec.first,) if spec.first else ()) + axes  # the k dim's axes
     first_size = spec.mesh_shape[spec.names.index(spec.first)] if spec.first else 1
     glob = dict(sizes, k=k * n * first_size)
-    glob[spec.dim] = sizes[spec.dim] * n
+    glob[spec.dim] = sizes[spec.dim] * n - sum(spec.pad)  # the product's own rows, padded to sizes * n
     a_shape = [glob[c] for c in a_labels]
     b_shape = [glob[c] for c in b_labels]
     d = out.index(spec.dim)
@@ -381,6 +395,8 @@ def _scatter_program(spec: Spec):
         for a, bb in zip(operands[0::2], operands[1::2]):  # a sum of products, as a backward adds gradients
             term = _dot(spec, a, bb, expr) if spec.side == 0 else _dot(spec, bb, a, expr)
             prod = term if prod is None else prod + term
+        if sum(spec.pad):
+            prod = jnp.pad(prod, [spec.pad if i == d else (0, 0) for i in range(prod.ndim)])
         if spec.scale:
             prod = prod * jnp.asarray(3, prod.dtype)
         if spec.norm:

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from tools.samples_common import Sample, arg, gather, lower, mesh_1d, mesh_2x4, scatter, smap, under_legacy_partitioner
 from tools.samples_gather import mesh2x4_model, partial_manual
-from tools.samples_scatter import rs_on
+from tools.samples_scatter import rs_on, rs_padded
 from tools.samples_layers import feature_norm_before_dot
 
 
@@ -244,6 +244,10 @@ SAMPLES_LIST = [
            derived(rs_on(0), max_scatter), "unchanged not_sum", NEG_RS),
     Sample("neg_rs_producer_not_dot", "the scattered value is the product sorted along the scattered dim (not blockwise).",
            rs_producer_not_dot, "unchanged producer_not_dot", NEG_RS),
+    Sample("neg_rs_pad_nonzero", "the product padded with ones (not zeros) before the sum-scatter: the padding cannot "
+           "move onto the lhs (a row of ones times W is no row of ones), so the scatter stays (rs_dot_padded pads "
+           "with zeros).",
+           rs_padded(1.0), "unchanged producer_not_dot", NEG_RS),
     Sample("neg_rs_multiple_users", "the full product is also reduced locally.",
            rs_multiple_users, "unchanged multiple_users", NEG_RS),
     Sample("neg_reshape_splits_ring_dim", "gathered on the minor dim, then flattened: shards are not blocks of the dot operand.",

@@ -115,6 +115,25 @@ def rs_batch_dim() -> str:
 
 
 #: the samples of this family (tools/gen_samples.py writes them in this order)
+def rs_padded(value=0.0):
+    """A row-parallel bf16 layer over a sequence that does not divide the 8 devices (60 tokens):
+    the product is padded with ``value`` to 64 rows (jnp.pad: a call of ``@_pad``), then summed and
+    scattered over the rows."""
+
+    def build() -> str:
+        mesh = mesh_1d()
+
+        def body(x, w):
+            y = jnp.pad(x @ w, ((0, 4), (0, 0)), constant_values=value)
+            return scatter(y, "model", 0)
+
+        f = smap(body, mesh=mesh, in_specs=(P(None, "model"), P("model", None)), out_specs=P("model", None))
+        return lower(f, arg(mesh, (60, 128), P(None, "model"), jnp.bfloat16),
+                     arg(mesh, (128, 32), P("model", None), jnp.bfloat16))
+
+    return build
+
+
 SAMPLES_LIST = [
     # ---- dot -> reduce_scatter
     Sample("rs_dot_scaled", "each device's partial product scaled and biased before the sum-scatter: the ring "
@@ -126,6 +145,19 @@ SAMPLES_LIST = [
             "CHECK-NEXT: stablehlo.broadcast_in_dim {{.*}} -> tensor<8x32xf32>",
             "CHECK-NEXT: stablehlo.add {{.*}} : tensor<8x32xf32>",
             "CHECK: } do {", 'CHECK: "stablehlo.collective_permute"'] + gone("reduce_scatter")),
+    Sample("rs_dot_padded", "a sequence of 60 tokens on 8 devices: the bf16 product is padded with zero rows to 64 "
+           "before the sum-scatter; the padding moves onto the lhs (pad(a.b, 0) = select(m, pad(a, 0).b, 0)) and "
+           "the ring masks each block's pad rows back to zero.",
+           rs_padded(), "rewritten 1",
+           ["CHECK-NOT: stablehlo.reduce_scatter",
+            "CHECK: stablehlo.pad {{.*}} low = [0, 0], high = [4, 0], interior = [0, 0]",
+            "CHECK-SAME: (tensor<60x16xbf16>, tensor<bf16>) -> tensor<64x16xbf16>",
+            "CHECK: stablehlo.iota dim = 0 : tensor<64xi32>",
+            "CHECK: stablehlo.broadcast_in_dim {{.*}} dims = [0] : (tensor<64xi1>) -> tensor<64x32xi1>",
+            "CHECK: stablehlo.dot_general", "CHECK-SAME: (tensor<8x16xbf16>, tensor<16x32xbf16>) -> tensor<8x32xbf16>",
+            "CHECK-NEXT: stablehlo.dynamic_slice {{.*}} sizes = [8, 32]", "CHECK: stablehlo.select",
+            "CHECK: } do {", 'CHECK: "stablehlo.collective_permute"', "CHECK: stablehlo.select",
+            "CHECK-NOT: func.func private @_pad"] + gone("reduce_scatter")),
     Sample("rs_dot_1d", "1-D mesh of 8, row-parallel layer: partial x @ W summed and scattered over rows.",
            rs_1d, "rewritten 1", rs_checks(PAIRS_1D_8, 7, "(tensor<8x16xf32>, tensor<16x32xf32>) -> tensor<8x32xf32>"),
            [Variant("BIDI", BIDI,

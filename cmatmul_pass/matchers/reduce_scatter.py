@@ -20,6 +20,7 @@ from ..errors import Decline
 from ..layout import (
     ELEMENTWISE_OPS,
     LAYOUT_OPS,
+    SELECT,
     LayoutStep,
     backward_dim,
     elementwise_step,
@@ -375,7 +376,8 @@ def _trace_chain(
                                               "outside this shard_map region, not a dot_general result")
         if owner.operation.name == "stablehlo.dot_general":
             break
-        if is_elementwise(owner):  # a scale or a bias on each device's product, before the sum
+        if is_elementwise(owner) or owner.operation.name == SELECT:  # a scale, a bias or a mask on each
+            # device's product, before the sum
             through = path_operand(owner, dim)
             sliced = through is None
             if sliced:  # a per-row factor or bias: each block of the product with that block of it

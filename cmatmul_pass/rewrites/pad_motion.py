@@ -1,0 +1,234 @@
+"""Zero padding between a matmul and its scatter, moved onto the matmul's operand.
+
+A sequence that does not divide the devices is padded before it is scattered:
+``psum_scatter(jnp.pad(x @ w, ((0, p), (0, 0))))``.  The pad stands between the product and
+the scatter, and a pad is no row-by-row op (block ``k`` of the padded value is not block ``k``
+of the product), so the scatter has no ring there.  :func:`move_pad` rewrites
+
+    reduce_scatter(pad(dot(a, b), 0))  into  reduce_scatter(select(m, dot(pad(a, 0), b), 0))
+
+where ``m`` is true exactly on the product's own rows (a broadcast of an ``iota`` compare along
+each padded dim).  The scatter's operand is then a dot through an elementwise select whose mask
+differs from row to row, which the scatter ring applies to each block it computes.
+
+**Identity.**  Let ``r`` be a padded dim of the product, a free dim of operand ``a`` (its dim
+``i``).  Along ``r`` the product's row ``j`` is ``a``'s row ``j`` (along ``i``) contracted with
+``b``, so ``dot(pad(a, 0), b)`` has the product's rows where ``pad(a)`` has ``a``'s and a row of
+``0 * b`` where ``pad(a)`` has zeros; ``select(m, ., 0)`` keeps the former and sets the latter to
+exactly 0 (``0 * b`` is 0 only where ``b`` is finite: the select keeps the identity exact for an
+``inf`` or ``NaN`` in ``b``).  Hence ``select(m, dot(pad(a, 0), b), 0) = pad(dot(a, b), 0)``
+element for element, for every element type.  Several padded dims pad their operands alike
+(each dim moves to the operand it is free in) and ``m`` is the conjunction of each dim's mask.
+
+**Side conditions**, checked by :func:`padded_product` (each failure a reason; the site then stays):
+
+- the pad's value is a zero constant (through ``convert``; through a private function's argument
+  bound to a constant where ``jnp.pad`` lowers to a call of ``@_pad``);
+- every padded dim has ``low, high >= 0`` and no interior padding (a crop is no zero padding);
+- every padded dim is a free dim of one of the dot's operands (a batch dim comes from both);
+- the product is read only by the pad, and the padded value only by the scatter (sharding
+  constraints between them, a partial-manual region's hints, are dropped with the pad).
+
+Pad config, mask and the zero are attributes and constants: the same on every device, so the
+motion needs nothing of the variance analysis.  The motion is made only where the scatter is
+then rewritten (:mod:`cmatmul_pass.attempts` undoes it otherwise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import ir_utils
+from .._jax_private import hlo, ir
+from ..matchers.common import DotDims, describe_op
+
+PAD = "stablehlo.pad"
+HINT = "sdy.sharding_constraint"
+
+
+@dataclass(frozen=True)
+class PaddedProduct:
+    """A scatter's operand that is a dot's product padded with zeros (:func:`padded_product`)."""
+
+    reduce_scatter: ir.OpView
+    dot: ir.OpView
+    #: what stands between them in the scatter's block: the pad, or the call of a function holding it
+    between: ir.OpView
+    #: the sharding constraints (partial-manual regions' hints) from the pad to the scatter, and
+    #: from the dot to the pad, each run nearest the pad first
+    after: tuple[ir.OpView, ...]
+    before: tuple[ir.OpView, ...]
+    #: per dot operand, per operand dim: the (low, high) padding it takes (None: the operand stays)
+    pads: tuple[tuple[tuple[int, int], ...] | None, ...]
+    #: per result dim: (low, size) of the product's own rows where the dim is padded, else None
+    kept: tuple[tuple[int, int] | None, ...]
+
+
+def padded_product(rs: ir.OpView) -> PaddedProduct | str | None:
+    """The scatter ``rs``'s operand as a zero-padded product; a reason it cannot move (str); or
+    None (no pad stands there)."""
+    value, after = _through_hints(rs.operation.operands[0])
+    between = value.owner
+    if isinstance(between, ir.Block):
+        return None
+    if between.operation.name == PAD:
+        pad, call = between, None
+    elif between.operation.name == "func.call" and len(between.operation.results) == 1:
+        pad, call = _called_pad(between), between
+        if pad is None:
+            return None
+    else:
+        return None
+    what = describe_op(between)
+    if isinstance(ir.RankedTensorType(value.type).element_type, ir.ComplexType):
+        return f"{what} pads a complex product (not moved: complex element types are not handled)"
+    if len(list(value.uses)) != 1:
+        return f"the padded product ({what}) is read elsewhere too"
+    if not _zero_pad_value(pad.operation.operands[1], call):
+        return f"{what} pads with a value that is not a zero constant"
+    product, before = _through_hints(between.operation.operands[0])
+    dot = product.owner
+    if isinstance(dot, ir.Block) or dot.operation.name != "stablehlo.dot_general":
+        return f"{what} pads what no matmul computes"
+    if len(list(product.uses)) != 1:
+        return f"the product {describe_op(dot)} is read elsewhere too, not only padded"
+    low, high, interior = (ir_utils.i64s(pad, name) for name in
+                           ("edge_padding_low", "edge_padding_high", "interior_padding"))
+    dims = DotDims.of(dot)
+    result_t = ir.RankedTensorType(product.type)
+    pads: list[list[tuple[int, int]] | None] = [None, None]
+    kept: list[tuple[int, int] | None] = [None] * result_t.rank
+    for r, (lo, hi, inner) in enumerate(zip(low, high, interior)):
+        if (lo, hi, inner) == (0, 0, 0):
+            continue
+        if lo < 0 or hi < 0 or inner:
+            return f"{what} crops or pads between elements along dim {r}: not a zero padding at the edges"
+        role, index, operand_dim = dims.result_dim_source(r)
+        if role != "free":
+            return f"{what} pads the product's {role} dim {r}, not a free dim of one operand"
+        if pads[index] is None:
+            pads[index] = [(0, 0)] * dims.ranks[index]
+        pads[index][operand_dim] = (lo, hi)
+        kept[r] = (lo, result_t.shape[r])
+    if all(p is None for p in pads):
+        return None  # a pad of nothing: nothing to move, and nothing in the way but the op itself
+    return PaddedProduct(rs, dot, between, tuple(reversed(after)), tuple(before),
+                         tuple(None if p is None else tuple(p) for p in pads), tuple(kept))
+
+
+def _through_hints(value: ir.Value) -> tuple[ir.Value, list[ir.OpView]]:
+    """``value`` past the single-use sharding constraints that produce it (the last one first)."""
+    hints = []
+    while (not isinstance(value.owner, ir.Block) and value.owner.operation.name == HINT
+           and len(list(value.owner.result.uses)) == 1):
+        hints.append(value.owner)
+        value = value.owner.operation.operands[0]
+    return value, hints
+
+
+def move_pad(plan: PaddedProduct) -> ir.OpView:
+    """Rewrite ``plan``'s scatter operand as the masked product of the padded operand (see the
+    module's identity); the pad (or its call: its function too, once nothing calls it) and the old
+    dot are erased.  Returns the new dot."""
+    between, dot = plan.between, plan.dot
+    loc = between.location
+    padded_t = ir.RankedTensorType(between.operation.results[0].type)
+    with ir.InsertionPoint(between.operation):
+        operands = list(dot.operation.operands)
+        for index, pad in enumerate(plan.pads):
+            if pad is not None:
+                operands[index] = _zero_padded(operands[index], pad, loc)
+        new = dot.operation.clone()
+        for index, operand in enumerate(operands):
+            new.operands[index] = operand
+        new.results[0].set_type(padded_t)
+        mask = _kept_mask(padded_t, plan.kept, loc)
+        masked = hlo.SelectOp(mask, new.results[0], _splat(padded_t, _zero(padded_t.element_type), loc), loc=loc)
+    plan.reduce_scatter.operation.operands[0] = masked.result
+    callee = _callee_name(between) if between.operation.name == "func.call" else None
+    for op in [*reversed(plan.after), between, *plan.before, dot]:  # each read by nothing now
+        op.operation.erase()
+    if callee is not None:
+        _erase_if_uncalled(plan.reduce_scatter, callee)
+    return new.opview
+
+
+def _zero_padded(value: ir.Value, pad: tuple[tuple[int, int], ...], loc: ir.Location) -> ir.Value:
+    t = ir.RankedTensorType(value.type)
+    zero = _splat(ir.RankedTensorType.get([], t.element_type), _zero(t.element_type), loc)
+    return hlo.PadOp(value, zero, [lo for lo, _ in pad], [hi for _, hi in pad], [0] * t.rank, loc=loc).result
+
+
+def _kept_mask(t: ir.RankedTensorType, kept: tuple, loc: ir.Location) -> ir.Value:
+    """A boolean of shape ``t``, true where every padded dim's index is within its kept rows."""
+    i32, i1 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(1)
+    full_t = ir.RankedTensorType.get(t.shape, i1)
+    mask = None
+    for r, rows in enumerate(kept):
+        if rows is None:
+            continue
+        lo, size = rows
+        line_t = ir.RankedTensorType.get([t.shape[r]], i32)
+        iota = hlo.IotaOp(line_t, 0, loc=loc).result
+        above, below = (hlo.CompareOp(iota, _splat(line_t, ir.IntegerAttr.get(i32, v), loc),
+                                      hlo.ComparisonDirectionAttr.get(direction), loc=loc).result
+                         for v, direction in ((lo, "GE"), (lo + size, "LT")))
+        line = hlo.AndOp(above, below, loc=loc).result
+        spread = hlo.BroadcastInDimOp(full_t, line, ir.DenseI64ArrayAttr.get([r]), loc=loc).result
+        mask = spread if mask is None else hlo.AndOp(mask, spread, loc=loc).result
+    return mask
+
+
+def _splat(t: ir.RankedTensorType, value: ir.Attribute, loc: ir.Location) -> ir.Value:
+    return hlo.ConstantOp(ir.DenseElementsAttr.get_splat(t, value), loc=loc).result
+
+
+def _zero(element: ir.Type) -> ir.Attribute:
+    if isinstance(element, ir.IntegerType):
+        return ir.IntegerAttr.get(element, 0)
+    return ir.FloatAttr.get(element, 0.0)
+
+
+def _zero_pad_value(value: ir.Value, call: ir.OpView | None) -> bool:
+    """Is ``value`` (a pad's value) a zero constant: through converts, and through the argument of
+    the function ``call`` calls to the operand it binds?"""
+    while True:
+        owner = value.owner
+        if isinstance(owner, ir.Block):
+            if call is None or owner.owner.operation.name != "func.func":
+                return False
+            value, call = call.operation.operands[value.arg_number], None
+            continue
+        if owner.operation.name in ("stablehlo.convert", HINT):
+            value = owner.operation.operands[0]
+            continue
+        return ir_utils.is_zero_splat(value)
+
+
+def _called_pad(call: ir.OpView) -> ir.OpView | None:
+    """The pad where ``call`` calls a private function that only pads its first argument
+    (``jnp.pad``'s ``@_pad``: the pad, its value's constant and converts, sharding hints); else None."""
+    callee = ir_utils.Symbols(call).callee(call)
+    if callee is None or not ir_utils.is_private(callee) or len(callee.regions[0].blocks) != 1:
+        return None
+    block = callee.regions[0].blocks[0]
+    ops = list(block.operations)
+    pads = [op for op in ops if op.operation.name == PAD]
+    others = {op.operation.name for op in ops if op.operation.name != PAD}
+    if len(pads) != 1 or not others <= {"stablehlo.constant", "stablehlo.convert", HINT, "func.return"}:
+        return None
+    (pad,) = pads
+    returned = [_through_hints(v)[0] for v in ops[-1].operation.operands]
+    if returned != [pad.result] or _through_hints(pad.operation.operands[0])[0] != block.arguments[0]:
+        return None
+    return pad
+
+
+def _callee_name(call: ir.OpView) -> str:
+    return ir.FlatSymbolRefAttr(call.operation.attributes["callee"]).value
+
+
+def _erase_if_uncalled(anywhere: ir.OpView, name: str) -> None:
+    symbols = ir_utils.Symbols(anywhere)
+    if not symbols.calls.get(name) and name in symbols.funcs:
+        symbols.funcs[name].operation.erase()

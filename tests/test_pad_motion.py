@@ -1,0 +1,159 @@
+"""A zero padding between a matmul and its scatter (a sequence that does not divide the devices,
+padded before the sum-scatter) moves onto the matmul's operand: pad(a·b, 0) = select(m, pad(a, 0)·b, 0),
+and the scatter rings there.  Each precondition has a program that breaks it (left as written)
+beside its legal twin (rewritten), and every rewritten program is compared with the original."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import cmatmul_pass
+from cmatmul_pass import execute, ir_utils
+
+MESH = jax.make_mesh((8,), ("model",))
+IN_SPECS = (P(None, "model"), P("model", None))
+MOVED = "moved onto the matmul's operand"
+
+
+def scattered(y, dim=0):
+    return jax.lax.psum_scatter(y, "model", scatter_dimension=dim, tiled=True)
+
+
+def program(body, x_shape=(60, 64), w_shape=(64, 32), dtype=jnp.float32, out_specs=P("model", None),
+            in_specs=IN_SPECS):
+    f = jax.shard_map(body, mesh=MESH, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    args = [jax.ShapeDtypeStruct(s, dtype, sharding=NamedSharding(MESH, sp))
+            for s, sp in zip((x_shape, w_shape), in_specs)]
+    return jax.jit(f).lower(*args).as_text()
+
+
+def padded_rows(value=0.0, rows=4):
+    return lambda x, w: scattered(jnp.pad(x @ w, ((0, rows), (0, 0)), constant_values=value))
+
+
+def scatter_site(result):
+    (site,) = [s for s in result.report.sites if s.kind == "dot_reduce_scatter"]
+    return site
+
+
+def assert_same_numbers(text, result):
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int32])
+@pytest.mark.parametrize("variant", ["uni", "unroll2", "bidi-full"])
+def test_the_padding_moves_onto_the_operand_and_the_scatter_rings(variant, dtype):
+    text = program(padded_rows(), dtype=dtype)
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant=variant))
+    site = scatter_site(result)
+    assert site.rewritten and site.moved_from == "producer_not_dot", site.summary_line()
+    assert MOVED in site.notes[0], site.notes
+    found = ir_utils.ops_named(result.module, "stablehlo.reduce_scatter", "stablehlo.pad", "func.func")
+    assert not found["stablehlo.reduce_scatter"]
+    (pad,) = found["stablehlo.pad"]  # on the lhs shard, not on the product
+    assert list(ir_utils.ranked_tensor(pad.operation.operands[0]).shape) == [60, 8]
+    assert [ir_utils.symbol_name(f) for f in found["func.func"]] == ["main"]  # @_pad called nowhere now: gone
+    assert_same_numbers(text, result)
+
+
+@pytest.mark.parametrize("pads, dim", [
+    (((0, 0), (2, 6)), 1),  # the rhs's free dim, scattered
+    (((1, 3), (0, 0)), 0),  # padded before and after
+    (((0, 4), (3, 5)), 0),  # both dims: both operands padded, one mask over both
+])
+def test_padding_of_either_operands_free_dims_moves(pads, dim):
+    text = program(lambda x, w: scattered(jnp.pad(x @ w, pads), dim),
+                   out_specs=P("model", None) if dim == 0 else P(None, "model"))
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant="uni"))
+    site = scatter_site(result)
+    assert site.rewritten and MOVED in site.notes[0], site.summary_line()
+    assert_same_numbers(text, result)
+
+
+def test_the_pad_rows_stay_exactly_zero_where_the_weight_is_not_finite():
+    """0 * inf is NaN: a padded operand alone would put NaN in the pad rows where the original has
+    zeros; the mask keeps them zero."""
+    text = program(padded_rows())
+    original = ir_utils.parse(text)
+    rewritten = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant="uni")).module
+    x, w = execute.random_inputs(original, 0)
+    w[3, 5], w[40, 7] = np.inf, np.nan
+    devices = execute.cpu_devices(8)
+    (want,), (got,) = (execute.run(m, [x, w], devices) for m in (original, rewritten))
+    want, got = np.concatenate(want), np.concatenate(got)
+    assert np.all(want[60:] == 0) and np.array_equal(want[60:], got[60:])
+    np.testing.assert_array_equal(np.isnan(want), np.isnan(got))
+
+
+@pytest.mark.parametrize("body, why", [
+    (padded_rows(value=1.0), "not a zero constant"),
+    (lambda x, w: scattered(jax.lax.pad(x @ w, jnp.float32(0), [(0, 12, 0), (0, 0, 0)])[8:]), "stablehlo.slice"),
+    (lambda x, w: scattered(jax.lax.pad(x @ w, jnp.float32(0), [(-4, 8, 0), (0, 0, 0)])), "crops"),
+    (lambda x, w: scattered(jax.lax.pad(x @ w, jnp.float32(0), [(0, 1, 1), (0, 0, 0)])), "between elements"),
+])
+def test_what_is_no_zero_padding_at_the_product_stays(body, why):
+    """Padding with ones, a slice after the pad, a crop, interior padding: the scatter stays as written."""
+    text = program(body)
+    site = scatter_site(cmatmul_pass.rewrite(text))
+    assert not site.rewritten and site.reason_code == "producer_not_dot", site.summary_line()
+    assert why in site.reason, site.reason
+
+
+def test_a_padded_batch_dim_stays():
+    """The batch dim of a batched matmul comes from both operands: no one operand to pad."""
+    def body(x, w):
+        y = jnp.einsum("bsk,bkn->bsn", x, w)
+        return scattered(jnp.pad(y, ((0, 4), (0, 0), (0, 0))))
+
+    specs = (P(None, None, "model"), P(None, "model", None))
+    text = program(body, (4, 16, 64), (4, 64, 32), out_specs=P("model", None, None), in_specs=specs)
+    site = scatter_site(cmatmul_pass.rewrite(text))
+    assert not site.rewritten and "batch dim" in site.reason, site.summary_line()
+
+
+@pytest.mark.parametrize("read_twice", ["product", "padded"])
+def test_a_product_read_elsewhere_stays(read_twice):
+    def body(x, w):
+        y = x @ w
+        padded = jnp.pad(y, ((0, 4), (0, 0)))
+        other = y if read_twice == "product" else padded
+        return scattered(padded), jnp.sum(other, axis=0, keepdims=True)
+
+    text = program(body, out_specs=(P("model", None), P("model", None)))
+    site = scatter_site(cmatmul_pass.rewrite(text))
+    assert not site.rewritten, site.summary_line()
+
+
+def test_under_policy_auto_a_ring_that_does_not_pay_leaves_the_pad_where_it_was():
+    """The motion is made only for a ring: where the cost model declines it, the program is the input."""
+    text = program(padded_rows())
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(policy="auto"))
+    site = scatter_site(result)
+    assert not site.rewritten and site.reason_code == "producer_not_dot", site.summary_line()
+    assert "its zero padding not moved onto the matmul's operand: where it would go, no ring formed" in site.reason
+    assert site.reason.count("[policy]") == 1, site.reason
+    assert not result.changed
+    assert ir_utils.ops_named(result.module, "stablehlo.reduce_scatter")["stablehlo.reduce_scatter"]
+
+
+def test_training_parity_through_the_decorator():
+    """value_and_grad of a loss over the padded layer through cmatmul_pass.jit: the forward's scatter
+    rings over the padded lhs; loss and gradients as jax.jit's."""
+    f = jax.shard_map(padded_rows(), mesh=MESH, in_specs=IN_SPECS, out_specs=P("model", None), check_vma=False)
+
+    def loss(x, w):
+        return jnp.mean(f(x, w) ** 2)
+
+    rng = np.random.default_rng(0)
+    args = [jax.device_put(rng.normal(size=s).astype(np.float32), NamedSharding(MESH, sp))
+            for s, sp in zip(((60, 64), (64, 32)), IN_SPECS)]
+    step = cmatmul_pass.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    mine, base = step(*args), jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(*args)
+    for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(base)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+    moved = [s for s in step.report.sites if s.kind == "dot_reduce_scatter" and s.rewritten
+             and any(MOVED in n for n in s.notes)]
+    assert len(moved) == 1, "\n".join(s.summary_line() for s in step.report.sites)
