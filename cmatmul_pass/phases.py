@@ -35,7 +35,7 @@ from .matchers.all_reduce import DOT_ALL_REDUCE, AllReduceSite, match_all_reduce
 from .matchers.common import collective_ring
 from .report import Report, SiteReport, tensor_bytes
 from .rewrites.dot_all_reduce import chunk_all_reduce, chunk_dims_ok, split_all_reduce
-from .rewrites.pad_motion import PaddedProduct, move_pad, padded_product
+from .rewrites.pad_motion import CroppedGather, PaddedProduct, cropped_gather, move_crop, move_pad, padded_product
 from .rewrites.schedule import RewriteContext
 from .rewrites.sequence_parallel import Seed, carry_forward, move_gather_forward
 from .rewrites.sink import Hoisted, Sunk
@@ -253,6 +253,24 @@ class SiteWalk:
                          "rows masked back to zero: pad(a·b, 0) = select(m, pad(a, 0)·b, 0)")
         return None
 
+    def _uncrop(self, op: ir.OpView, site: Site, banned: str | None) -> str | None:
+        """A gather whose rows are cropped before its matmuls: the crop moved past them and the
+        gather ringed at the dots (:mod:`.rewrites.pad_motion`; None).  Else why not ("" where no
+        crop stands in the way); ``banned``: why an earlier try's motion was undone."""
+        if not isinstance(site, DeclinedSite) or site.code != "user_not_dot" or site.ring is None:
+            return ""
+        plan = cropped_gather(op)
+        if not isinstance(plan, CroppedGather) or banned:
+            return plan if isinstance(plan, str) else banned if plan else ""
+        where = ir_utils.render_location(plan.crop[0].location, self.source)
+        ring, region = collective_ring(op, self.info)
+        move_crop(plan, ring, region, self.ctx.constants)
+        zeroed = "; each shard's cropped rows zeroed before the gather" if plan.masks else ""
+        self.apply_moved(self.match_gather(op), site,
+                         f"the crop of its gathered rows (at {where}) moved past its matmuls: crop(G)·b = "
+                         f"crop(G·b) for a free dim, crop(G)·b = G'·pad(b, 0) for a contracted one{zeroed}")
+        return None
+
     def _sink(self, gathers: list, sunk_from: dict, not_sunk: dict) -> list:
         """The gathers, each stack's gather that sinks into its loops replaced by its layers' gathers."""
         expanded = []
@@ -343,7 +361,11 @@ class SiteWalk:
             if choice and report.sites[-1].cost:  # the options' times beside the merged ring's
                 report.sites[-1].cost["two_stage"] = choice.pricing.to_dict()
             return
-        moved = may_move or _move_gather(site, self.info, self.variance, self.ctx, self.source, options)
+        uncropped = self._uncrop(op, site, may_move)
+        if uncropped is None:
+            return
+        moved = (may_move or _move_gather(site, self.info, self.variance, self.ctx, self.source, options)
+                 if not uncropped else None)
         if isinstance(moved, _RingedInstead):  # the move refused: the ring applies the ops per block
             self.apply_moved(moved.site, site, f"{RINGED_WITH_ROW_OPS}, not moved past them: {moved.why}", motion=False)
             return
@@ -356,6 +378,8 @@ class SiteWalk:
                 entry.reason += f"; not sunk into the loop: {sunk}"
             if unmoved and not entry.rewritten:
                 entry.reason += f"; not moved to its dot: {unmoved}"
+            if uncropped and not entry.rewritten:
+                entry.reason += f"; the crop of its rows not moved past its matmuls: {uncropped}"
             if isinstance(merged, _TwoStage):  # the cost model's choice, or why the stages cannot merge
                 entry.reason = merged.reason
             report.sites.append(entry)

@@ -288,7 +288,8 @@ def test_an_untiled_gather_of_normalised_rows_rings(partial_manual):
 
 #: scatters of a product padded with zero rows along the scattered dim (fuzz.py --pad): the rows
 #: of the lhs on a ring of 8, both ends padded; the columns of a bf16 rhs in a partial-manual
-#: region of a 3 x 2 mesh (its sharding hints around jnp.pad's call); a complex product (declined)
+#: region of a 3 x 2 mesh (its sharding hints around jnp.pad's call); a complex product (declined);
+#: and gathers cropped before their dots
 PADDED = {
     "f32-rows-both-ends": fuzz_programs.Spec(
         mesh_shape=(8,), devices=(5, 2, 7, 0, 3, 6, 1, 4), axes=("x",), kind="rs", dim="m", side=0, batch=False,
@@ -299,13 +300,21 @@ PADDED = {
     "c64-rows": fuzz_programs.Spec(
         mesh_shape=(4,), devices=(0, 1, 2, 3), axes=("x",), kind="rs", dim="m", side=0, batch=False,
         tiled=True, dtype="c64", consumers=1, reader=False, partial_manual=False, sizes=(2, 2, 2, 1), pad=(0, 1)),
+    # the backward's form: gathered rows cropped before the dots, contracted (two weights) or free
+    "f32-crop-contracted": fuzz_programs.Spec(
+        mesh_shape=(8,), devices=(1, 3, 5, 7, 0, 2, 4, 6), axes=("x",), kind="ag", dim="k", side=1, batch=True,
+        tiled=True, dtype="f32", consumers=2, reader=False, partial_manual=False, sizes=(2, 3, 2, 2), crop=(5, 2)),
+    "i32-crop-free-partial-manual": fuzz_programs.Spec(
+        mesh_shape=(2, 4), devices=(3, 1, 0, 2, 7, 5, 4, 6), axes=("y",), kind="ag", dim="m", side=0, batch=False,
+        tiled=True, dtype="i32", consumers=1, reader=False, partial_manual=True, sizes=(3, 2, 2, 1), crop=(0, 4)),
 }
 
 
 @pytest.mark.parametrize("name", sorted(PADDED))
 def test_a_padded_product_scatters_in_a_ring_and_matches(name):
-    """The padding moved onto the dot's operand and the scatter ringed in every variant (a complex
-    product's padding is not moved: declined in each), each result the original's numbers."""
+    """The padding moved onto the dot's operand (the crop past the dots) and the collective ringed in
+    every variant (a complex product's padding is not moved: declined in each), each result the
+    original's numbers."""
     spec = PADDED[name]
     tally = fuzz_programs.check(spec)
     assert not tally.crashes and not tally.mismatches, tally.crashes + tally.mismatches

@@ -157,3 +157,123 @@ def test_training_parity_through_the_decorator():
     moved = [s for s in step.report.sites if s.kind == "dot_reduce_scatter" and s.rewritten
              and any(MOVED in n for n in s.notes)]
     assert len(moved) == 1, "\n".join(s.summary_line() for s in step.report.sites)
+
+
+# ---------------------------------------------------------------------------- the backward's crop
+def gathered(dy):
+    return jax.lax.all_gather(dy, "model", axis=0, tiled=True)
+
+
+CROPS = {
+    "pad": lambda g: jax.lax.pad(g, jnp.zeros((), g.dtype), [(0, -4, 0), (0, 0, 0)]),  # the padding's transpose
+    "slice": lambda g: g[2:62],
+    "call": lambda g: jax.jit(lambda v: v[1:61])(g),  # a nested jit: a call of a private function
+}
+#: dy's rows sharded, x replicated rows with features sharded, w the layer's weight shard
+BACKWARD_SPECS = (P("model", None), P(None, "model"), P("model", None))
+
+
+def backward(crop, readers=("dx", "dw")):
+    def body(dy, x, w):
+        c = crop(gathered(dy))
+        out = {"dx": lambda: c @ w.T, "dw": lambda: x.T @ c}
+        return tuple(out[r]() for r in readers)
+
+    return body
+
+
+def backward_program(body, dtype=jnp.float32, out_specs=(P(None, "model"), P("model", None))):
+    f = jax.shard_map(body, mesh=MESH, in_specs=BACKWARD_SPECS, out_specs=out_specs, check_vma=False)
+    shapes = ((64, 32), (60, 64), (64, 32))
+    args = [jax.ShapeDtypeStruct(s, dtype, sharding=NamedSharding(MESH, sp)) for s, sp in zip(shapes, BACKWARD_SPECS)]
+    return jax.jit(f).lower(*args).as_text()
+
+
+def gather_site(result):
+    (site,) = [s for s in result.report.sites if s.kind == "all_gather_dot"]
+    return site
+
+
+UNCROPPED = "moved past its matmuls"
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int32])
+@pytest.mark.parametrize("variant", ["uni", "unroll2", "bidi-full"])
+@pytest.mark.parametrize("crop", sorted(CROPS))
+def test_the_crop_moves_past_the_backward_matmuls_and_the_gather_rings(crop, variant, dtype):
+    text = backward_program(backward(CROPS[crop]), dtype)
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant=variant))
+    site = gather_site(result)
+    assert site.rewritten and site.moved_from == "user_not_dot", site.summary_line()
+    assert UNCROPPED in site.notes[0] and "zeroed before the gather" in site.notes[0], site.notes
+    found = ir_utils.ops_named(result.module, "stablehlo.all_gather", "func.func")
+    assert not found["stablehlo.all_gather"]
+    assert [ir_utils.symbol_name(f) for f in found["func.func"]] == ["main"]
+    assert_same_numbers(text, result)
+
+
+def test_a_crop_read_only_by_free_dims_needs_no_mask():
+    text = backward_program(backward(CROPS["pad"], ("dx",)), out_specs=P(None, "model"))
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant="uni"))
+    site = gather_site(result)
+    assert site.rewritten and UNCROPPED in site.notes[0] and "zeroed" not in site.notes[0], site.notes
+    assert not ir_utils.ops_named(result.module, "stablehlo.select")["stablehlo.select"]
+    assert_same_numbers(text, result)
+
+
+def test_the_cropped_rows_cannot_poison_the_contraction():
+    """An inf in a cropped row of the cotangent: the original never reads it; the moved crop
+    contracts that row with a zero of the padded operand, so the row is zeroed first (0 * inf is NaN)."""
+    text = backward_program(backward(CROPS["slice"]))
+    original = ir_utils.parse(text)
+    rewritten = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant="uni")).module
+    dy, x, w = execute.random_inputs(original, 0)
+    dy[0, 3], dy[63, 7], dy[62, 0] = np.inf, np.nan, -np.inf  # rows 0, 62, 63 are cropped (rows 2..61 kept)
+    devices = execute.cpu_devices(8)
+    want, got = (execute.run(m, [dy, x, w], devices) for m in (original, rewritten))
+    for a, b in zip(want, got):
+        assert np.all(np.isfinite(np.concatenate(a))) and np.all(np.isfinite(np.concatenate(b)))
+        np.testing.assert_allclose(np.concatenate(b), np.concatenate(a), rtol=1e-4, atol=1e-4)
+
+
+def cropped_and(other):
+    def body(dy, x, w):
+        g = gathered(dy)
+        c = CROPS["pad"](g)
+        return c @ w.T, other(g, c)
+
+    return body
+
+
+@pytest.mark.parametrize("other, why", [
+    (lambda g, c: c, "not only as one operand of matmuls"),  # the cropped rows returned too
+    (lambda g, c: g[:, :1] * 2, None),  # the gathered rows read beside the crop
+    (lambda g, c: jnp.einsum("sd,sd->sd", c, c)[:, :1], "not only as one operand"),  # both operands of one dot
+    (lambda g, c: jnp.einsum("sd,sk->sdk", c, jnp.ones((60, 8), c.dtype))[:, :1, 0], "as a batch dim"),
+])
+def test_a_crop_read_elsewhere_stays(other, why):
+    """The cropped or gathered rows read by more than matmuls (each reading them once): the gather stays."""
+    text = backward_program(cropped_and(other), out_specs=(P(None, "model"), P()))
+    site = gather_site(cmatmul_pass.rewrite(text))
+    assert not site.rewritten, site.summary_line()
+    if why:
+        assert why in site.reason, site.reason
+
+
+def test_training_parity_with_the_backward_crop_through_the_decorator():
+    """value_and_grad over the padded layer: the forward's scatter and the backward's gather (its
+    crop moved past dx's and dw's matmuls) both ring; loss and gradients as jax.jit's."""
+    f = jax.shard_map(padded_rows(), mesh=MESH, in_specs=IN_SPECS, out_specs=P("model", None), check_vma=False)
+
+    def loss(x, w):
+        return jnp.mean(jnp.tanh(f(x, w)) ** 2)
+
+    rng = np.random.default_rng(1)
+    args = [jax.device_put(rng.normal(size=s).astype(np.float32), NamedSharding(MESH, sp))
+            for s, sp in zip(((60, 64), (64, 32)), IN_SPECS)]
+    step = cmatmul_pass.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    mine, base = step(*args), jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(*args)
+    for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(base)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+    notes = {s.kind: s.notes for s in step.report.sites if s.rewritten}
+    assert MOVED in notes["dot_reduce_scatter"][0] and UNCROPPED in notes["all_gather_dot"][0], notes

@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--two-stage", action="store_true",
                         help="only scatters of a psum over another mesh axis (a reduction in two stages)")
     parser.add_argument("--pad", action="store_true",
-                        help="only scatters of a product padded with zero rows along the scattered dim (rs)")
+                        help="only scatters of a product padded with zero rows along the scattered dim (rs) and "
+                             "gathers cropped before their dots (ag)")
     parser.add_argument("--gather-norm", action="store_true",
                         help="only gathers whose rows are normalised before their dots while the raw rows are read "
                              "elsewhere (kind ag_norm, which the default campaign does not draw)")

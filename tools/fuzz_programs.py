@@ -112,6 +112,10 @@ class Spec:
     #: after) the product's own (a sequence that does not divide the devices, padded to a multiple
     #: of them): the pass moves the padding onto the dot's operand and masks the pad rows
     pad: tuple[int, int] = (0, 0)
+    #: ag: rows (before, after) cropped from the gathered dim before the dots (the padding's transpose
+    #: in a backward): the pass moves the crop past the dots, zeroing the cropped rows of each shard
+    #: where a dot contracts them
+    crop: tuple[int, int] = (0, 0)
     #: ag_norm: what the gathered rows go through before their dots: "rms" or "ln" (row-wise: a
     #: statistic over the hidden dim only, the ring applies it per block), or a chain that mixes
     #: rows, which the pass must decline or compute right: "mean_rows" (the RMS statistic taken
@@ -164,8 +168,8 @@ class Spec:
 
     def expect_rewrite(self) -> bool:
         """Sites the pass must rewrite (anything else may be declined, never miscompiled)."""
-        if self.kind == "ag":
-            return self.dim in ("m", "k", "b")
+        if self.kind == "ag":  # (a complex value's crop is not moved)
+            return self.dim in ("m", "k", "b") and not (sum(self.crop) and self.dtype == "c64")
         if self.kind == "rs":  # (a complex product's padding is not moved)
             return self.dim in ("m", "n", "b") and not (sum(self.pad) and self.dtype == "c64")
         if self.kind == "ag_norm" and self.dim == "k":  # a norm over the gathered features: moved where
@@ -191,8 +195,10 @@ def specs(draw, kinds: tuple[str, ...] | None = None, norm: bool | None = None, 
     ``norm=True``: a norm's backward wherever the kind and dtype take one (``fuzz.py --norm``);
     ``two_stage``: only scatters of a psum over another mesh axis (``fuzz.py --two-stage``);
     ``pad``: only scatters of a zero-padded product (``fuzz.py --pad``)."""
-    if two_stage or pad:
+    if two_stage:
         kinds = ("rs",)
+    if pad:
+        kinds = ("rs", "ag")
     mesh_shape = draw(st.sampled_from(MESHES))
     size = math.prod(mesh_shape)
     devices = tuple(draw(st.permutations(range(8)))[:size])
@@ -249,14 +255,22 @@ def specs(draw, kinds: tuple[str, ...] | None = None, norm: bool | None = None, 
         spec = replace(spec, first=draw(st.sampled_from(others)))
     if kind == "ag_norm":
         spec = _gather_norm(draw, spec)
-    if pad:  # what a padding moves past: one product, straight into a tiled scatter of a free dim
+    if pad and kind == "rs":  # what a padding moves past: one product, straight into a tiled scatter of a free dim
         spec = replace(spec, dim=draw(st.sampled_from(["m", "n"])), tiled=True, consumers=1, norm=False, scale=False,
                        first="")
+    if pad and kind == "ag":  # what a crop moves past: dots reading the gathered rows, nothing else
+        spec = replace(spec, dim=draw(st.sampled_from(["m", "k"])), tiled=True, scale=False, early=False,
+                       reader=False, prep=False)
     if (kind == "rs" and spec.dim in ("m", "n") and spec.tiled and spec.consumers == 1
             and not (spec.norm or spec.scale or spec.first) and (pad or draw(st.booleans()))):
         total = draw(st.integers(1, spec.ring * _sizes(spec)[spec.dim] - 1))
         before = draw(st.integers(0, total))
         spec = replace(spec, pad=(before, total - before))
+    if (kind == "ag" and spec.dim in ("m", "k") and spec.tiled and not (spec.scale or spec.early or spec.reader)
+            and (pad or draw(st.booleans()))):
+        total = draw(st.integers(1, spec.ring * _sizes(spec)[spec.dim] - 1))
+        before = draw(st.integers(0, total))
+        spec = replace(spec, crop=(before, total - before))
     if spec.grad and spec.partial_manual:
         # XLA CPU (jax 0.10.2) aborts compiling the *original* backward of a bf16 scan in a
         # partially manual region ("Invalid binary instruction opcode copy"): not a program to fuzz with
@@ -338,6 +352,7 @@ def _gather_program(spec: Spec):
     glob = dict(sizes)
     glob[spec.dim] = sizes[spec.dim] * n
     x_shape = [glob[c] for c in x_labels]
+    glob[spec.dim] -= sum(spec.crop)  # the rows the dots read
     w_shape = [glob[c] for c in w_labels]
     untiled = not spec.tiled and g == 0
 
@@ -347,6 +362,8 @@ def _gather_program(spec: Spec):
             gathered = gathered.reshape((-1,) + x.shape[1:])
         else:
             gathered = jax.lax.all_gather(x, axes, axis=g, tiled=True)
+        if sum(spec.crop):
+            gathered = jax.lax.slice_in_dim(gathered, spec.crop[0], gathered.shape[g] - spec.crop[1], axis=g)
         if spec.scale:  # by 3, which rounds in bf16/f16: the check compiles without excess precision
             gathered = gathered * jnp.asarray(3, gathered.dtype)
         early = jnp.swapaxes(gathered, -1, -2) if spec.early else None

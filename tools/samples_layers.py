@@ -121,6 +121,22 @@ def gqa_grad() -> str:
     return lower(loss, *args)
 
 
+def padded_rows_grad() -> str:
+    """value_and_grad of a loss over a row-parallel bf16 layer on a sequence of 60 tokens, padded
+    with zero rows to 64 before its psum_scatter over 8 devices (jnp.pad): the backward gathers the
+    output's cotangent and crops it back to 60 rows (jnp.pad's transpose: a call of ``@_pad``)
+    before dx's and dw's matmuls."""
+    mesh = mesh_1d()
+    specs = (P(None, "model"), P("model", None))
+
+    def layer(x, w):
+        return jax.lax.psum_scatter(jnp.pad(x @ w, ((0, 4), (0, 0))), "model", scatter_dimension=0, tiled=True)
+
+    f = smap(layer, mesh=mesh, in_specs=specs, out_specs=P("model", None))
+    loss = jax.value_and_grad(lambda x, w: jnp.mean(jnp.tanh(f(x, w).astype(jnp.float32))), argnums=(0, 1))
+    return lower(loss, arg(mesh, (60, 128), specs[0], jnp.bfloat16), arg(mesh, (128, 32), specs[1], jnp.bfloat16))
+
+
 def feature_norm(h, g, b, kind: str):
     """A ``kind`` norm of ``h`` over its last dim (the features), statistics in f32, the result in
     ``h``'s type: "rms", "layer" (mean and variance, a bias), or "offset" (the sum of squares
@@ -354,6 +370,18 @@ SAMPLES_LIST = [
            gqa_grad, "rewritten 4",
            ["CHECK: stablehlo.while", "CHECK: stablehlo.broadcast_in_dim", "CHECK-SAME: tensor<2x8x2x4x16xbf16>",
             "CHECK-NOT: stablehlo.all_gather", "CHECK-NOT: stablehlo.reduce_scatter"]),
+    Sample("rs_ag_padded_grad", "value_and_grad of a row-parallel bf16 layer on 60 tokens padded to 64 before its "
+           "psum_scatter: the forward's zero padding moves onto the lhs (its rows masked back to zero in each block) "
+           "and the scatter rings; the backward's crop of the gathered cotangent (jnp.pad's transpose) moves past dx's "
+           "and dw's matmuls (dx's product cropped, dw's other operand padded with zeros, each shard's cropped rows "
+           "zeroed before the gather) and the gather rings over both dots.",
+           padded_rows_grad, "rewritten 2",
+           ["CHECK: stablehlo.pad {{.*}} high = [4, 0]", "CHECK-SAME: (tensor<60x16xbf16>, tensor<bf16>) -> tensor<64x16xbf16>",
+            "CHECK: stablehlo.select", "CHECK: stablehlo.while", "CHECK: stablehlo.partition_id",
+            "CHECK: stablehlo.select", "CHECK-SAME: tensor<8x32xi1>, tensor<8x32xbf16>",
+            "CHECK: stablehlo.pad {{.*}} high = [4, 0]", "CHECK-SAME: (tensor<60x16xbf16>, tensor<bf16>) -> tensor<64x16xbf16>",
+            "CHECK: stablehlo.while", "CHECK: stablehlo.slice {{.*}} [0:60, 0:16]",
+            "CHECK-NOT: stablehlo.all_gather", "CHECK-NOT: stablehlo.reduce_scatter", "CHECK-NOT: func.func private @_pad"]),
     Sample("ag_rms_features_dot", "activations sharded along their features, gathered along them and RMS-normalised "
            "over them (f32 statistics of bf16 values, a replicated gain), then a projection contracting over them: "
            "each device sums its own features' squares, one all_reduce adds the partial sums (32 floats), the shard "

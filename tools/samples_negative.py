@@ -25,6 +25,19 @@ def user_not_dot() -> str:
     return lower(f, arg(mesh, (64, 32), P("model", None)), arg(mesh, (32, 64), P(None, "model")))
 
 
+def crop_returned() -> str:
+    """The gathered cotangent cropped to 60 rows (a padding's transpose), read by a matmul and
+    returned as well: the crop cannot move past its readers."""
+    mesh = mesh_1d()
+
+    def body(dy, w):
+        c = jax.lax.pad(gather(dy, "model", 0), jnp.float32(0), [(0, -4, 0), (0, 0, 0)])
+        return c @ w.T, c
+
+    f = smap(body, mesh=mesh, in_specs=(P("model", None), P("model", None)), out_specs=(P(None, "model"), P()))
+    return lower(f, arg(mesh, (64, 32), P("model", None)), arg(mesh, (64, 32), P("model", None)))
+
+
 def both_operands() -> str:
     mesh = mesh_2x4()
 
@@ -217,6 +230,9 @@ SAMPLES_LIST = [
     Sample("neg_norm_offset_features", "as ag_rms_features_dot, but the sum of squares over the gathered features "
            "starts from 1.0: n partial sums would count it n times, so the gather stays.",
            feature_norm_before_dot("offset"), "unchanged layout", NEG),
+    Sample("neg_ag_crop_returned", "the gathered rows cropped (a padding's transpose) and read by a matmul and returned "
+           "as well: the crop cannot move past its readers, so the gather stays (rs_ag_padded_grad's backward moves it).",
+           crop_returned, "unchanged user_not_dot", ["CHECK: stablehlo.all_gather", "CHECK-NOT: stablehlo.while"]),
     Sample("neg_user_not_dot", "the gathered value is sorted along the gathered dim (not blockwise) before the dot.",
            user_not_dot, "unchanged user_not_dot", NEG),
     Sample("neg_no_num_partitions", "derived: the 2x4 'model' program without its mhlo.num_partitions attribute.",

@@ -1,4 +1,5 @@
-"""Zero padding between a matmul and its scatter, moved onto the matmul's operand.
+"""Zero padding between a matmul and its scatter, moved onto the matmul's operand; the backward's
+crop between a gather and its matmuls, moved past them.
 
 A sequence that does not divide the devices is padded before it is scattered:
 ``psum_scatter(jnp.pad(x @ w, ((0, p), (0, 0))))``.  The pad stands between the product and
@@ -29,9 +30,30 @@ element for element, for every element type.  Several padded dims pad their oper
 - the product is read only by the pad, and the padded value only by the scatter (sharding
   constraints between them, a partial-manual region's hints, are dropped with the pad).
 
-Pad config, mask and the zero are attributes and constants: the same on every device, so the
-motion needs nothing of the variance analysis.  The motion is made only where the scatter is
-then rewritten (:mod:`cmatmul_pass.attempts` undoes it otherwise).
+**The backward.**  The transpose of that padding crops the gathered cotangent before its matmuls:
+``dot(crop(all_gather(x)), b)`` (``jnp.pad`` of a negative width: a call of ``@_pad`` holding a pad
+and a slice; or a ``slice``).  :func:`move_crop` moves the crop past each dot, so the gather feeds
+the dots directly and rings there.  With ``G`` the gathered value and rows ``[l, l + s)`` of its
+dim ``g`` kept:
+
+- where ``g`` is a free dim of the dot, ``dot(crop(G), b) = crop(dot(G, b))`` along the product's
+  dim that ``g`` becomes (each product row is one row of ``G`` times ``b``);
+- where ``g`` is contracted with ``b``'s dim ``j``, ``dot(crop(G), b) = dot(G', pad(b, 0))`` with
+  ``b`` padded along ``j`` by the rows cropped before and after, and ``G'`` ``G`` with the cropped
+  rows set to zero: each cropped row adds ``0 * 0 = 0`` (``G``'s own cropped rows may hold an
+  ``inf``; zeroed, they cannot make a ``NaN``).  ``G'`` is the gather of each shard with its
+  cropped rows zeroed: a device's shard holds rows ``p * r`` to ``p * r + r`` of ``G``, ``p`` its
+  position in its group, ``r`` the shard's rows (``all_gather`` lays the shards out in group order).
+
+Side conditions (:func:`cropped_gather`): the gathered value's one reader is a chain of crops along
+``g`` only (a stride-1 slice, a pad with non-positive edges and no interior, a call of a private
+function holding only those, hints), every reader of the cropped value a dot reading it as one
+operand, ``g`` not a batch dim of any; a real element type.
+
+Pad and crop bounds, masks and zeros are attributes and constants: the same on every device (the
+backward's row mask reads the device's position, as a ring does: data, not control flow), so
+neither motion needs the variance analysis.  Each is made only where its collective is then
+rewritten (:mod:`cmatmul_pass.attempts` undoes it otherwise).
 """
 
 from __future__ import annotations
@@ -41,6 +63,7 @@ from dataclasses import dataclass
 from .. import ir_utils
 from .._jax_private import hlo, ir
 from ..matchers.common import DotDims, describe_op
+from .builders import Builder
 
 PAD = "stablehlo.pad"
 HINT = "sdy.sharding_constraint"
@@ -232,3 +255,195 @@ def _erase_if_uncalled(anywhere: ir.OpView, name: str) -> None:
     symbols = ir_utils.Symbols(anywhere)
     if not symbols.calls.get(name) and name in symbols.funcs:
         symbols.funcs[name].operation.erase()
+
+
+# ---------------------------------------------------------------------------- the backward's crop
+#: ops of a private function that only crops its first argument (``jnp.pad`` with a negative width,
+#: the transpose of a zero padding, lowers to a call of ``@_pad`` holding a pad and a slice)
+_CROP_FUNCTION_OPS = frozenset({PAD, "stablehlo.slice", "stablehlo.constant", "stablehlo.convert", HINT, "func.return"})
+
+
+@dataclass(frozen=True)
+class Reader:
+    """A dot reading the cropped gathered value as its operand ``index``: the gathered dim is its
+    free dim (``role`` "free", the product's dim ``dim``) or contracted with the other operand's dim
+    ``dim`` (``role`` "contracting")."""
+
+    dot: ir.OpView
+    index: int
+    role: str
+    dim: int
+
+
+@dataclass(frozen=True)
+class CroppedGather:
+    """An all_gather whose gathered rows are cropped (rows ``[low, low + size)`` of dim ``dim`` kept)
+    by the ops ``crop`` (in block order; a call of a crop-only function among them) before dots."""
+
+    all_gather: ir.OpView
+    dim: int
+    low: int
+    size: int
+    crop: tuple[ir.OpView, ...]
+    readers: tuple[Reader, ...]
+
+    @property
+    def masks(self) -> bool:
+        """Does a reader contract the gathered dim (the cropped rows must then be zeros)?"""
+        return any(r.role == "contracting" for r in self.readers)
+
+
+def cropped_gather(ag: ir.OpView) -> CroppedGather | str | None:
+    """The gather ``ag``'s rows cropped before the dots that read them (:func:`move_crop`); a reason
+    the crop cannot move (str); or None (no crop stands there)."""
+    dim = ir_utils.int_attr(ag.operation, "all_gather_dim")
+    value = ag.operation.results[0]
+    full = ir.RankedTensorType(value.type).shape[dim]
+    low, size, crop = 0, full, []
+    while True:
+        users = list(value.uses)
+        if len(users) != 1:
+            break
+        op = users[0].owner
+        step = _crop_step(op, dim) if op.operation.name != "func.call" else _called_crop(op, dim)
+        if step is None:
+            break
+        low, size = low + step[0], step[1]
+        crop.append(op)
+        value = op.operation.results[0]
+    if not crop or size == full:
+        return None
+    what = describe_op(crop[0])
+    if isinstance(ir.RankedTensorType(value.type).element_type, ir.ComplexType):
+        return f"{what} crops a complex value (not moved: complex element types are not handled)"
+    readers = []
+    for use in value.uses:
+        dot = use.owner
+        if dot.operation.name != "stablehlo.dot_general" or list(dot.operation.operands).count(value) != 1:
+            return f"the cropped rows ({what}) are read by {describe_op(dot)}, not only as one operand of matmuls"
+        dims = DotDims.of(dot)
+        index = use.operand_number
+        other = 1 - index
+        if dim in dims.batch[index]:
+            return f"{describe_op(dot)} reads the cropped dim {dim} as a batch dim"
+        if dim in dims.contracting[index]:
+            readers.append(Reader(dot, index, "contracting", dims.contracting[other][dims.contracting[index].index(dim)]))
+        else:
+            readers.append(Reader(dot, index, "free", dims.free_result_offset(index) + dims.free(index).index(dim)))
+    if not readers:
+        return None
+    return CroppedGather(ag, dim, low, size, tuple(crop), tuple(readers))
+
+
+def _crop_step(op: ir.OpView, dim: int) -> tuple[int, int] | None:
+    """(first row kept, rows kept) along ``dim`` where ``op`` only crops its operand along it (a
+    slice of stride 1, a pad of non-positive edges and no interior, other dims whole; a sharding
+    hint: (0, all)); else None."""
+    name = op.operation.name
+    in_t = ir_utils.ranked_tensor(op.operation.operands[0]) if op.operation.operands else None
+    if in_t is None or len(op.operation.results) != 1:
+        return None
+    out_t = ir.RankedTensorType(op.operation.results[0].type)
+    if name == HINT:
+        return 0, in_t.shape[dim]
+    if name == "stablehlo.slice":
+        starts, limits, strides = (ir_utils.i64s(op, a) for a in ("start_indices", "limit_indices", "strides"))
+        edges = [(s, in_t.shape[d] - l) for d, (s, l) in enumerate(zip(starts, limits))]
+        if any(x != 1 for x in strides):
+            return None
+    elif name == PAD:
+        low, high, interior = (ir_utils.i64s(op, a) for a in ("edge_padding_low", "edge_padding_high",
+                                                              "interior_padding"))
+        if any(interior) or any(x > 0 for x in [*low, *high]):
+            return None
+        edges = [(-lo, -hi) for lo, hi in zip(low, high)]
+    else:
+        return None
+    if any(e != (0, 0) for d, e in enumerate(edges) if d != dim):
+        return None
+    return edges[dim][0], out_t.shape[dim]
+
+
+def _called_crop(call: ir.OpView, dim: int) -> tuple[int, int] | None:
+    """:func:`_crop_step` of a call of a private function whose ops only crop its one argument."""
+    if len(call.operation.operands) != 1 or len(call.operation.results) != 1:
+        return None
+    callee = ir_utils.Symbols(call).callee(call)
+    if callee is None or not ir_utils.is_private(callee) or len(callee.regions[0].blocks) != 1:
+        return None
+    block = callee.regions[0].blocks[0]
+    ops = list(block.operations)
+    if not {op.operation.name for op in ops} <= _CROP_FUNCTION_OPS:
+        return None
+    value, low, size = block.arguments[0], 0, ir.RankedTensorType(block.arguments[0].type).shape[dim]
+    while True:
+        users = list(value.uses)
+        if len(users) != 1:
+            return None
+        op = users[0].owner
+        if op.operation.name == "func.return":
+            return low, size
+        step = _crop_step(op, dim)
+        if step is None:
+            return None
+        low, size = low + step[0], step[1]
+        value = op.operation.results[0]
+
+
+def move_crop(plan: CroppedGather, ring, region, constants: dict) -> None:
+    """Rewrite ``plan``'s crop past its dots (see the module's second identity): each dot reads the
+    whole gathered value, a free reader's product cropped after it, a contracting reader's other
+    operand padded with zeros, and, where one contracts, every shard's cropped rows zeroed before
+    the gather.  The crop ops (a called function too, once nothing calls it) are erased."""
+    ag, dim = plan.all_gather, plan.dim
+    gathered = ag.operation.results[0]
+    full = ir.RankedTensorType(gathered.type).shape[dim]
+    if plan.masks:
+        _zero_cropped_rows(plan, ring, region, constants)
+    for reader in plan.readers:
+        dot, loc = reader.dot, reader.dot.location
+        with ir.InsertionPoint(dot.operation):
+            new = dot.operation.clone()
+            new.operands[reader.index] = gathered
+            if reader.role == "free":
+                t = ir.RankedTensorType(dot.result.type)
+                new.results[0].set_type(ir_utils.with_dim(t, reader.dim, full))
+                result = hlo.SliceOp(new.results[0], [plan.low if d == reader.dim else 0 for d in range(t.rank)],
+                                     [plan.low + plan.size if d == reader.dim else s for d, s in enumerate(t.shape)],
+                                     [1] * t.rank, loc=loc).result
+            else:
+                other = 1 - reader.index
+                widths = [(plan.low, full - plan.low - plan.size) if d == reader.dim else (0, 0)
+                          for d in range(ir.RankedTensorType(dot.operation.operands[other].type).rank)]
+                new.operands[other] = _zero_padded(dot.operation.operands[other], tuple(widths), loc)
+                result = new.results[0]
+        dot.result.replace_all_uses_with(result)
+        dot.operation.erase()
+    callees = [_callee_name(op) for op in plan.crop if op.operation.name == "func.call"]
+    for op in reversed(plan.crop):
+        op.operation.erase()
+    for name in callees:
+        _erase_if_uncalled(ag, name)
+
+
+def _zero_cropped_rows(plan: CroppedGather, ring, region, constants: dict) -> None:
+    """Each device's shard with the rows the crop drops set to zero (their place in the gathered
+    value: the device's position in its group times the shard's rows, plus the row)."""
+    ag, dim = plan.all_gather, plan.dim
+    shard = ag.operation.operands[0]
+    t = ir.RankedTensorType(shard.type)
+    rows, loc = t.shape[dim], ag.location
+    with ir.InsertionPoint(ag.operation):
+        b = Builder(loc, constants)
+        first = b.scaled(b.position_in_ring(ring, region), rows)  # ui32: the shard's first gathered row
+        line_t = ir.RankedTensorType.get([rows], ir.RankedTensorType(first.type).element_type)
+        at = hlo.AddOp(hlo.BroadcastInDimOp(line_t, first, [], loc=loc).result,
+                       hlo.IotaOp(line_t, 0, loc=loc).result, loc=loc).result
+        element = line_t.element_type
+        above, below = (hlo.CompareOp(at, _splat(line_t, ir.IntegerAttr.get(element, v), loc),
+                                      hlo.ComparisonDirectionAttr.get(direction), loc=loc).result
+                        for v, direction in ((plan.low, "GE"), (plan.low + plan.size, "LT")))
+        mask = hlo.BroadcastInDimOp(ir.RankedTensorType.get(t.shape, ir.IntegerType.get_signless(1)),
+                                    hlo.AndOp(above, below, loc=loc).result, [dim], loc=loc).result
+        kept = hlo.SelectOp(mask, shard, _splat(t, _zero(t.element_type), loc), loc=loc).result
+    ag.operation.operands[0] = kept
