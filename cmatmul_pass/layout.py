@@ -51,6 +51,11 @@ ELEMENTWISE_OPS = frozenset(f"stablehlo.{name}" for name in (
 #: onto the dot's operand, :mod:`cmatmul_pass.rewrites.pad_motion`)
 SELECT = "stablehlo.select"
 
+#: a scatter-add into an invariant value along dims its indices do not address (a MoE block's
+#: un-permute of the expert outputs into token order, an embedding's gradient): each block of the
+#: result along such a dim is the scatter of that block of the updates (:func:`scatter_window_dim`)
+SCATTER = "stablehlo.scatter"
+
 #: ops a product may pass between its dot and a scatter when the path is a DAG (a norm's
 #: backward): each keeps the ring dim, at the same size, and computes a block of its result from
 #: the same block of its operand (:func:`row_dim`)
@@ -72,6 +77,25 @@ def row_dim(op: ir.OpView, dim: int) -> int | None:
     if dim not in dims or source_t.shape[dims.index(dim)] != ir.RankedTensorType(op.result.type).shape[dim]:
         return None
     return dims.index(dim)
+
+
+def scatter_window_dim(op: ir.OpView, dim: int) -> int | None:
+    """The updates dim carrying result dim ``dim`` of ``op`` (a one-input scatter) whole: a window
+    dim the indices do not address (not inserted, not indexed, not batched), of which the updates
+    hold all of it.  Then ``scatter(x, i, u)[.., block, ..] = scatter(x[block], i, u[block])``
+    along ``dim``: every update starts at 0 along it and covers it.  None where there is none."""
+    if op.operation.name != SCATTER or len(op.operation.operands) != 3 or len(op.operation.results) != 1:
+        return None
+    numbers = hlo.ScatterDimensionNumbers(op.attributes["scatter_dimension_numbers"])
+    excluded = {*numbers.inserted_window_dims, *numbers.input_batching_dims}
+    if dim in excluded or dim in numbers.scattered_dims_to_operand_dims:
+        return None
+    shapes = [ir_utils.ranked_tensor(v) for v in (op.operation.operands[0], op.operation.operands[2])]
+    if any(t is None or not ir_utils.is_static(t) for t in shapes):
+        return None
+    window = [d for d in range(shapes[0].rank) if d not in excluded]
+    updates_dim = list(numbers.update_window_dims)[window.index(dim)]
+    return updates_dim if shapes[1].shape[updates_dim] == shapes[0].shape[dim] else None
 
 
 def is_layout_op(op: ir.OpView) -> bool:
@@ -181,7 +205,7 @@ class LayoutStep:
         """Do the same dims still map ``parts`` blocks (finer blocks, for split rings)?"""
         if self.sums_rows:
             return True
-        if self.op.operation.name in ROW_OPS:  # the ring dim keeps its size through them
+        if self.op.operation.name in ROW_OPS or self.op.operation.name == SCATTER:  # the ring dim keeps its size
             return ir.RankedTensorType(self.op.result.type).shape[self.out_dim] % parts == 0
         try:
             return forward_dim(self.op, self.in_dim, parts) == self.out_dim
@@ -203,7 +227,7 @@ class LayoutStep:
         op, loc = self.op, self.op.location
         name = op.operation.name
         if blocks is not None and name not in ELEMENTWISE_OPS and name != SELECT:  # one operand, on the path
-            value = blocks[op.operation.operands[0]]
+            value = blocks[op.operation.operands[2 if name == SCATTER else 0]]
         if name == "sdy.sharding_constraint":
             return value  # a hint about the whole value; the block needs none
         out_t = self.block_type(parts)
@@ -218,6 +242,13 @@ class LayoutStep:
             clone.operands[0] = value
             if init is not None:
                 clone.operands[1] = init
+            clone.results[0].set_type(out_t)
+            return clone.results[0]
+        if name == SCATTER:  # the updates' block into the input's (the same in every block), the indices whole
+            into = block_of(self.sources[0], self.out_dim, parts, loc)  # (built before the clone: it reads it)
+            clone = op.operation.clone()
+            clone.operands[0] = into
+            clone.operands[2] = value
             clone.results[0].set_type(out_t)
             return clone.results[0]
         if name == "stablehlo.convert":

@@ -310,6 +310,18 @@ PADDED = {
 }
 
 
+def test_an_unpermuted_psum_splits_along_the_features_and_matches():
+    """Two Megatron blocks whose rows (9) do not divide the ring of 4, each product un-permuted into
+    another row order (a scatter-add) before its psum: split (or chunked) along the features in
+    every variant, each result the original's numbers."""
+    spec = fuzz_programs.Spec(mesh_shape=(2, 4), devices=(3, 1, 0, 2, 7, 5, 4, 6), axes=("y",), kind="psum", dim="k",
+                              side=0, batch=False, tiled=True, dtype="f32", consumers=2, reader=False,
+                              partial_manual=False, sizes=(2, 3, 2, 1), between=("residual",), unpermute=True)
+    tally = fuzz_programs.check(spec)
+    assert not tally.crashes and not tally.mismatches, tally.crashes + tally.mismatches
+    assert tally.sites_rewritten >= 2 * (len(fuzz_programs.VARIANTS) - 1), tally.summary()
+
+
 @pytest.mark.parametrize("name", sorted(PADDED))
 def test_a_padded_product_scatters_in_a_ring_and_matches(name):
     """The padding moved onto the dot's operand (the crop past the dots) and the collective ringed in

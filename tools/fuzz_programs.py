@@ -116,6 +116,10 @@ class Spec:
     #: in a backward): the pass moves the crop past the dots, zeroing the cropped rows of each shard
     #: where a dot contracts them
     crop: tuple[int, int] = (0, 0)
+    #: psum (dim "k"): each block's product un-permuted before its psum, its rows scatter-added into
+    #: zeros in a fixed order (a MoE block's un-permute into token order): the split and the chunks
+    #: go along the features, which the scatter keeps whole
+    unpermute: bool = False
     #: ag_norm: what the gathered rows go through before their dots: "rms" or "ln" (row-wise: a
     #: statistic over the hidden dim only, the ring applies it per block), or a chain that mixes
     #: rows, which the pass must decline or compute right: "mean_rows" (the RMS statistic taken
@@ -271,6 +275,8 @@ def specs(draw, kinds: tuple[str, ...] | None = None, norm: bool | None = None, 
         total = draw(st.integers(1, spec.ring * _sizes(spec)[spec.dim] - 1))
         before = draw(st.integers(0, total))
         spec = replace(spec, crop=(before, total - before))
+    if kind == "psum" and spec.dim == "k" and not spec.norm and draw(st.booleans()):
+        spec = replace(spec, unpermute=True)
     if spec.grad and spec.partial_manual:
         # XLA CPU (jax 0.10.2) aborts compiling the *original* backward of a bf16 scan in a
         # partially manual region ("Invalid binary instruction opcode copy"): not a program to fuzz with
@@ -648,6 +654,9 @@ def _megatron(spec: Spec):
             w1, w2 = w1 * (features ** -0.5), w2 * ((nn * n) ** -0.5)
             h = jax.nn.gelu(_dot(spec, y, w1, "mk,kn->mn")).astype(x.dtype)
             prod = _dot(spec, h, w2, "mn,nk->mk")
+            if spec.unpermute:  # row i goes to row order[i], added into zeros
+                order = jnp.asarray(np.random.default_rng(rows).permutation(rows), jnp.int32)
+                prod = jnp.zeros_like(prod).at[order].add(prod)
             if spec.norm:  # an RMS norm's backward over the features (the rows, dim 0, kept)
                 prod, gain = _norm_backward(prod, normed.astype(prod.dtype), 0)
                 gains.append(gain[None])

@@ -138,6 +138,24 @@ def megatron_row_mixing() -> str:
     return lower(f, *megatron_args(mesh))
 
 
+def moe_unpermute() -> str:
+    """A MoE block's expert down-projection, tensor-parallel over 'model' (each expert's FFN dim
+    sharded): 4 experts of capacity 16 (a batched einsum), their rows weighted by the router's
+    gates and scatter-added back into the 32 tokens' order (the un-permute), then psum'd."""
+    mesh = mesh_1d()
+    experts, capacity, tokens, ffn, hidden = 4, 16, 32, 128, 64
+
+    def body(h, w, gates, token):
+        y = jnp.einsum("ecf,efd->ecd", h, w).reshape(experts * capacity, hidden)
+        unpermuted = jnp.zeros((tokens, hidden), y.dtype).at[token].add(y * gates[:, None])
+        return jax.lax.psum(unpermuted, "model")
+
+    specs = (P(None, None, "model"), P(None, "model", None), P(), P())
+    f = smap(body, mesh=mesh, in_specs=specs, out_specs=P())
+    return lower(f, arg(mesh, (experts, capacity, ffn), specs[0]), arg(mesh, (experts, ffn, hidden), specs[1]),
+                 arg(mesh, (experts * capacity,), P()), arg(mesh, (experts * capacity,), P(), jnp.int32))
+
+
 #: the samples of this family (tools/gen_samples.py writes them in this order)
 SAMPLES_LIST = [
     # ---- a psum after a matmul (Megatron without sequence parallelism)
@@ -161,6 +179,21 @@ SAMPLES_LIST = [
                          "CHECK: stablehlo.slice", "CHECK: stablehlo.dot_general",
                          "CHECK-SAME: -> tensor<32x32xf32>", 'CHECK: "stablehlo.all_reduce"')],
                      "CHECK: stablehlo.concatenate", "CHECK-SAME: dim = 0", "CHECK-NEXT: sdy.return"])], main_args=SPLIT_ARGS),
+    Sample("ar_moe_unpermute", "a MoE block's expert down-projection (4 experts, a batched einsum) weighted by the "
+           "router's gates and scatter-added back into token order, then psum'd over 'model': the scatter keeps the "
+           "hidden dim whole, so the psum splits along it (a reduce-scatter ring over the hidden dim, each block's "
+           "rows un-permuted in the ring) and the sum is gathered before the return.",
+           moe_unpermute, "rewritten 1",
+           ["CHECK-NOT: stablehlo.all_reduce", "CHECK: stablehlo.while", "CHECK: stablehlo.dot_general",
+            "CHECK-SAME: -> tensor<4x16x8xf32>", 'CHECK: "stablehlo.scatter"',
+            "CHECK: }) : (tensor<32x8xf32>, tensor<64x1xi32>, tensor<64x8xf32>) -> tensor<32x8xf32>",
+            'CHECK: "stablehlo.all_gather"', "CHECK-SAME: all_gather_dim = 1", "CHECK-NOT: stablehlo.all_reduce"],
+           [Variant("CHUNK", ["--all-reduce", "chunk", "--chunks", "2", "--variant", "uni"],
+                    ["CHECK-NOT: stablehlo.while",
+                     *[line for _ in range(2) for line in (
+                         "CHECK: stablehlo.dot_general", "CHECK-SAME: -> tensor<4x16x32xf32>",
+                         'CHECK: "stablehlo.scatter"', 'CHECK: "stablehlo.all_reduce"')],
+                     "CHECK: stablehlo.concatenate", "CHECK-SAME: dim = 1"])], main_args=SPLIT_ARGS),
     Sample("ar_megatron_mlp_grad", "value_and_grad of the Megatron MLP: the forward's psum and the backward's psum of "
            "the input gradient, both split into reduce-scatter rings.",
            megatron_mlp_grad, "rewritten 2", ["CHECK-NOT: stablehlo.all_reduce", "CHECK: stablehlo.while",

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from .. import ir_utils
 from .._jax_private import ir
 from ..errors import Decline
-from ..layout import ROW_OPS, LayoutStep, is_elementwise, is_layout_op
+from ..layout import ROW_OPS, SCATTER, LayoutStep, is_elementwise, is_layout_op
 from ..ring import Ring
 from .common import DeclinedSite, ManualRegion, ModuleInfo, collective_ring, describe_op, static_tensor
 from .reduce_scatter import Term, not_blockwise, ragged_producer, read_early, region_is_sum, trace_product
@@ -187,7 +187,9 @@ def _reaches_a_dot(value: ir.Value) -> None:
         seen.add(owner.operation)
         if owner.operation.name == "stablehlo.dot_general":
             return
-        if is_layout_op(owner) or is_elementwise(owner) or (
+        if owner.operation.name == SCATTER:  # (its updates: the product, un-permuted)
+            stack.append(owner.operation.operands[-1])
+        elif is_layout_op(owner) or is_elementwise(owner) or (
                 owner.operation.name in ROW_OPS and _keeps_a_dim(owner)):
             stack.extend(owner.operation.operands)
         else:

@@ -20,13 +20,16 @@ from ..errors import Decline
 from ..layout import (
     ELEMENTWISE_OPS,
     LAYOUT_OPS,
+    SCATTER,
     SELECT,
     LayoutStep,
     backward_dim,
     elementwise_step,
+    invariant_source,
     is_elementwise,
     is_layout_op,
     path_operand,
+    scatter_window_dim,
 )
 from ..ring import Ring
 from . import causes
@@ -241,7 +244,7 @@ def _first_stage_sum(op: ir.OpView, info: ModuleInfo) -> tuple[list[list[int]], 
     return None
 
 
-def _first_dot(value: ir.Value) -> ir.OpView | None:
+def first_dot(value: ir.Value) -> ir.OpView | None:
     """The dot_general ``value`` is computed from through layout and elementwise ops (and a split
     psum's ring: its loop, permutes, slices), if one is."""
     seen, stack = set(), [value]
@@ -287,7 +290,7 @@ def _two_stage(source: ir.Value, operand: ir.Value, dim: int, n: int, info: Modu
     said = (f"the scattered value is already summed across devices: {how} sums it over {groups} before this "
             f"reduce_scatter sums it over {scatter_groups}, so it is reduced in two stages over two mesh axes, and "
             "the ring takes a dot's product, not the result of another collective")
-    dot = _first_dot(owner.operation.operands[0])
+    dot = first_dot(owner.operation.operands[0])
     width = ir_utils.ranked_tensor(operand).shape[dim]
     if dot is None:
         stop = owner.operation.operands[0].owner
@@ -349,7 +352,7 @@ def trace_product(
     try:
         return _trace_chain(anchor, operand, dim, info, ring)
     except Decline as chain:
-        if not dag or chain.code not in ("producer_not_dot", "multiple_users"):
+        if not dag or chain.code not in ("producer_not_dot", "multiple_users") or isinstance(chain, ScatterStep):
             raise
         try:
             return trace_dag(anchor, operand, dim, info, ring, chain, affine)
@@ -389,6 +392,10 @@ def _trace_chain(
             path.insert(0, elementwise_step(owner, through, dim, sliced=sliced))
             value = through
             continue
+        if owner.operation.name == SCATTER:  # a scatter-add along other dims (an un-permute into token order)
+            path.insert(0, _scatter_step(owner, dim, anchor))
+            value, dim = owner.operation.operands[2], path[0].in_dim
+            continue
         if not is_layout_op(owner):
             raise not_blockwise(owner)
         in_dim = backward_dim(owner, dim, n)
@@ -398,6 +405,37 @@ def _trace_chain(
     dots = _sum_leaves(owner, adds, dim)
     terms = tuple(dot_term(dot, dim, anchor, info, ring) for dot in dots)
     return terms, tuple(adds), tuple(path)
+
+
+def _scatter_step(op: ir.OpView, dim: int, anchor: ir.OpView) -> LayoutStep:
+    """A scatter-add of the product (its updates) into a value the same in every block along
+    ``dim``, along other dims than ``dim`` (:func:`~cmatmul_pass.layout.scatter_window_dim`), with
+    indices there before the ring (built where ``anchor`` is): the step applying it per block; or
+    Decline.  Each device scatters its own product before the sum, so any indices will do."""
+    if not region_is_sum(op):
+        raise ScatterStep(f"{describe_op(op)} combines the updates other than by a sum")
+    try:
+        into = invariant_source(op, op.operation.operands[0], dim)
+    except Decline:
+        raise ScatterStep(f"{describe_op(op)} scatters into a value that differs from block to block along dim "
+                          f"{dim}") from None
+    updates_dim = scatter_window_dim(op, dim)
+    if updates_dim is None:
+        raise ScatterStep(f"{describe_op(op)} scatters the product's rows along dim {dim}, the dim split over the "
+                          "ring: no block of the product gives a block of it")
+    indices = op.operation.operands[1].owner
+    if not isinstance(indices, ir.Block) and indices.operation.block == anchor.operation.block \
+            and not indices.operation.is_before_in_block(anchor.operation):
+        raise ScatterStep(f"{describe_op(op)} reads indices computed after {describe_op(anchor)}")
+    return LayoutStep(op, updates_dim, dim, (into, None, None))
+
+
+class ScatterStep(Decline):
+    """A scatter on the product's way that the ring cannot apply per block (:func:`_scatter_step`):
+    said as it is, no DAG tracing does better."""
+
+    def __init__(self, message: str):
+        super().__init__("producer_not_dot", message)
 
 
 def _toward_a_dot(op: ir.OpView) -> ir.Value | None:
