@@ -124,7 +124,9 @@ REASONS: dict[str, Reason] = {r.code: r for r in (
            "next matmul read the gathered value itself",
            ("hlo_samples/neg_reshard.mlir",)),
     Reason("gathered_operand", "the scattered dim is the dim the dot's operand was all_gathered on: the gather's ring "
-                               "takes this dot instead",
+                               "takes this dot instead (over other device groups, where that gather has compute before "
+                               "the dot to hide behind, it stays a plain, prefetchable all_gather and this scatter "
+                               "rings instead)",
            "nothing to change: the all_gather's ring computes the dot (scatter along another dim to get both rings)",
            ("hlo_samples/chain_same_dim.mlir",)),
     Reason("no_dim", "no dim of the psum's product can be split over the ring (a scalar, or no dim the group "

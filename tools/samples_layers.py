@@ -263,6 +263,27 @@ def fsdp_tp(grad: bool) -> Callable[[], str]:
     return build
 
 
+def fsdp_tp_hidden(up: bool = True) -> Callable[[], str]:
+    """An MLP block on a 2x4 (data, model) mesh, rows over 'data': the up projection's weight
+    FSDP-gathered over 'data' (contracting), the down projection's over 'data' along the hidden dim,
+    and its product psum_scatter'ed over 'model' along that same hidden dim.  ``up=False``: the down
+    projection reads the block's input directly (no compute before it)."""
+
+    def build() -> str:
+        mesh = mesh_2x4()
+
+        def block(x, w_up, w_down):
+            h = jax.nn.gelu(x @ gather(w_up, "data", 0)) if up else x
+            return jax.lax.psum_scatter(h @ gather(w_down, "data", 1), "model", scatter_dimension=1, tiled=True)
+
+        specs = (P("data", None if up else "model"), P("data", "model"), P("model", "data"))
+        f = jax.shard_map(block, mesh=mesh, in_specs=specs, out_specs=P("data", "model"))
+        return lower(f, arg(mesh, (32, 64 if up else 128), specs[0]), arg(mesh, (64, 128), specs[1]),
+                     arg(mesh, (128, 64), specs[2]))
+
+    return build
+
+
 def lm_fsdp_tp_scan() -> str:
     """A training step (value_and_grad of the mean cross-entropy loss) of a 2-layer language model on a
     2x4 (data, model) mesh, written as a JAX user would: every weight FSDP-sharded over 'data' and
@@ -443,6 +464,19 @@ SAMPLES_LIST = [
            "arguments, neither has more slack and the program's order stands (the activation's is lost_to_ring).",
            fsdp_tp(False), "rewritten 6",
            ["CHECK-COUNT-2: stablehlo.all_gather", "CHECK-NOT: stablehlo.reduce_scatter"]),
+    Sample("fsdp_tp_hidden", "an MLP block on a 2x4 mesh whose down projection's product is psum_scatter'ed over "
+           "'model' along the hidden dim, the dim its weight is FSDP-gathered along over 'data': the two rings would "
+           "nest, so one collective is left plain; the weight's gather has the up projection to hide behind "
+           "(analysis.slack), so it stays a plain all_gather, prefetchable, and the scatter, which can start only "
+           "after the dot, has the ring (the up projection's weight gather rings as ever).",
+           fsdp_tp_hidden(), "rewritten 2",
+           ["CHECK-NOT: all_gather_dim = 0", 'CHECK: "stablehlo.all_gather"', "CHECK-SAME: all_gather_dim = 1",
+            "CHECK: stablehlo.while", "CHECK-NOT: stablehlo.reduce_scatter"]),
+    Sample("fsdp_tp_hidden_no_slack", "fsdp_tp_hidden without the up projection: no compute precedes the down "
+           "projection to send its weight's gather behind, so the weight's gather keeps the ring and the scatter "
+           "along the same dim stays (gathered_operand).",
+           fsdp_tp_hidden(up=False), "rewritten 1",
+           ['CHECK: "stablehlo.reduce_scatter"', "CHECK-NOT: stablehlo.all_gather"]),
     Sample("fsdp_tp_grad", "value_and_grad of fsdp_tp: every collective over 'model' rewritten, forward and "
            "backward; the weight gathers over 'data' the activations' rings took are prefetchable or lost.",
            fsdp_tp(True), "rewritten 14",

@@ -41,6 +41,9 @@ class ModuleInfo:
     #: a function's name -> the ``func.call`` ops calling it (a site in a function called from a
     #: shard_map region is in that region)
     callers: dict = field(default_factory=dict, compare=False, repr=False)
+    #: all_gather operations the pass leaves plain (prefetched) so that a scatter of their dot's
+    #: product over other device groups gets the ring: a scatter's dot may read them whole
+    plain_gathers: set = field(default_factory=set, compare=False, repr=False)
 
     @classmethod
     def of(cls, module: ir.Module, calls: list[ir.OpView] | None = None) -> "ModuleInfo":

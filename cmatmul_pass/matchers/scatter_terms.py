@@ -109,6 +109,7 @@ def dot_term(dot: ir.OpView, dim: int, rs: ir.OpView, info: ModuleInfo, ring: Ri
             not isinstance(producer, ir.Block)
             and producer.operation.name == "stablehlo.all_gather"
             and ir_utils.int_attr(producer, "all_gather_dim") == sliced_dim
+            and producer.operation not in info.plain_gathers  # (left plain: the ring slices its value)
         ):
             raise Decline(
                 "gathered_operand",
