@@ -322,6 +322,20 @@ def test_an_unpermuted_psum_splits_along_the_features_and_matches():
     assert tally.sites_rewritten >= 2 * (len(fuzz_programs.VARIANTS) - 1), tally.summary()
 
 
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_a_scatter_along_a_prefetchable_weight_gathers_dim_rings_and_matches(dtype):
+    """FSDP x TP: the product scattered over the activation axis along the dim its weight is
+    gathered on over the other axis, a dot before it: the scatter rings in every variant, the
+    weight's gather stays plain (prefetchable), each result the original's numbers."""
+    spec = fuzz_programs.Spec(mesh_shape=(2, 4), devices=(3, 1, 0, 2, 7, 5, 4, 6), axes=("y",), kind="fsdp", dim="n",
+                              side=0, batch=False, tiled=True, dtype=dtype, consumers=1, reader=False,
+                              partial_manual=False, sizes=(2, 3, 2, 1), scatter=True)
+    tally = fuzz_programs.check(spec)
+    assert not tally.crashes and not tally.mismatches, tally.crashes + tally.mismatches
+    assert tally.sites_rewritten == tally.runs == len(fuzz_programs.VARIANTS)
+    assert set(tally.declined) == {"prefetchable"}, tally.declined
+
+
 @pytest.mark.parametrize("name", sorted(PADDED))
 def test_a_padded_product_scatters_in_a_ring_and_matches(name):
     """The padding moved onto the dot's operand (the crop past the dots) and the collective ringed in

@@ -120,6 +120,10 @@ class Spec:
     #: zeros in a fixed order (a MoE block's un-permute into token order): the split and the chunks
     #: go along the features, which the scatter keeps whole
     unpermute: bool = False
+    #: fsdp (dim "n"): no activation gather; a dot before (its compute hides the weight's gather),
+    #: then the product, summed over the activation axis, psum_scatter'ed over it along the dim the
+    #: weight is gathered on over the other axis: the scatter rings, the weight's gather stays plain
+    scatter: bool = False
     #: ag_norm: what the gathered rows go through before their dots: "rms" or "ln" (row-wise: a
     #: statistic over the hidden dim only, the ring applies it per block), or a chain that mixes
     #: rows, which the pass must decline or compute right: "mean_rows" (the RMS statistic taken
@@ -277,6 +281,8 @@ def specs(draw, kinds: tuple[str, ...] | None = None, norm: bool | None = None, 
         spec = replace(spec, crop=(before, total - before))
     if kind == "psum" and spec.dim == "k" and not spec.norm and draw(st.booleans()):
         spec = replace(spec, unpermute=True)
+    if kind == "fsdp" and spec.dim == "n" and draw(st.booleans()):
+        spec = replace(spec, scatter=True)
     if spec.grad and spec.partial_manual:
         # XLA CPU (jax 0.10.2) aborts compiling the *original* backward of a bf16 scan in a
         # partially manual region ("Invalid binary instruction opcode copy"): not a program to fuzz with
@@ -509,6 +515,8 @@ def _fsdp_program(spec: Spec):
     act_size, size = (spec.mesh_shape[spec.names.index(a)] for a in (act, weight))
     w_dim = 0 if spec.dim == "k" else 1
     contracting = k * size if w_dim == 0 else k
+    if spec.scatter:
+        return _fsdp_scatter_program(spec, act, weight, act_size, size)
 
     def body(x, w):
         gx = jax.lax.all_gather(x, act, axis=0, tiled=True)
@@ -517,6 +525,22 @@ def _fsdp_program(spec: Spec):
 
     return body, [([m * act_size, contracting], _spec_at(2, 0, (act,))),
                   ([contracting, nn * (1 if w_dim == 0 else size)], _spec_at(2, w_dim, (weight,)))], P()
+
+
+def _fsdp_scatter_program(spec: Spec, act: str, weight: str, act_size: int, size: int):
+    """fsdp with ``scatter``: ``psum_scatter(tanh(x @ s) @ all_gather(w, weight, axis=1), act, 1)``,
+    the contraction split over ``act``; the dot before the gathered weight's hides its gather."""
+    m, k, nn, _ = spec.sizes
+    width = nn * act_size  # each device's columns of w: the product's scatter along them divides
+
+    def body(x, s, w):
+        h = _dot(spec, x, s, "mk,kn->mn")
+        h = (jnp.tanh(h) if spec.dtype in ("f32", "bf16", "f16", "f64") else h).astype(x.dtype)
+        y = _dot(spec, h, jax.lax.all_gather(w, weight, axis=1, tiled=True), "mk,kn->mn")
+        return jax.lax.psum_scatter(y, act, scatter_dimension=1, tiled=True)
+
+    return body, [([m, k * act_size], _spec_at(2, 1, (act,))), ([k, k], P()),
+                  ([k * act_size, width * size], P(act, weight))], _spec_at(2, 1, (act,))
 
 
 def _mlp_program(spec: Spec):
