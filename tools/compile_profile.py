@@ -13,11 +13,12 @@ and the pass's output per variant, compiled for the 8 virtual CPU devices:
   wall time);
 - what the optimised module holds: loop fusions (one LLVM kernel each), dot fusions
   (XNNPACK/YNNPACK calls), while loops, collective permutes, copies, dynamic slices and updates;
-- what the pass emitted: optimization barriers, constants, distinct dot shapes.
+- what the pass emitted: optimization barriers, constants, distinct dot shapes;
+- how many sites each variant rewrote and the compile milliseconds each added over the original.
 
     python tools/compile_profile.py [--model sequence_parallel] [--layers 1 4 32]
         [--variants auto uni unroll2 full bidi bidi-unroll2 bidi-full] [--repeats 3]
-        [--hardware h100] [--policy all] [--no-trace] [--json out.json]
+        [--hardware h100] [--policy all] [--shape small|7b] [--no-trace] [--json out.json]
 
 ``auto`` is ``Options(variant="auto")`` with ``--hardware`` (h100 by default: the CLI's) and
 ``--policy`` (all by default, as the tests run; the library's default is auto).
@@ -118,13 +119,20 @@ def emitted_counts(module) -> dict:
 
 
 def profile(model: str, layers: int, variants: list[str], repeats: int, hardware: str, policy: str,
-            trace: bool) -> dict:
-    fn, args = bench.MODELS[model](layers)
-    text = fn.lower(*args).as_text()
+            trace: bool, shape: str = "small") -> dict:
+    if shape == "7b":  # make bench's compile section's shape (bf16), where the cost model's choices are a GPU's
+        from tools.bench_measure import _step_text
+
+        text = _step_text(model, layers)
+    else:
+        fn, args = bench.MODELS[model](layers)
+        text = fn.lower(*args).as_text()
     modules = {"original": lambda: ir_utils.parse(text)}
+    sites: dict[str, int] = {}
     for v in variants:
-        options = cmatmul_pass.Options(policy=policy, variant=v, hardware=hardware)
-        modules[v] = (lambda o=options: cmatmul_pass.rewrite(text, o).module)
+        result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(policy=policy, variant=v, hardware=hardware))
+        modules[v] = (lambda m=result.module: m)
+        sites[v] = len(result.report.rewritten)
     built = {name: make() for name, make in modules.items()}
     compile_seconds(built["original"])  # warm-up: the first compile pays for XLA's own start
     times: dict[str, list[float]] = {name: [] for name in built}
@@ -137,13 +145,16 @@ def profile(model: str, layers: int, variants: list[str], repeats: int, hardware
         t = statistics.median(times[name])
         row = {"compile_s": round(t, 3), "ratio": round(t / base, 2), **emitted_counts(module),
                **optimised_counts(module)}
+        if name in sites:  # and what each rewritten site added to the original's compile
+            row["sites"] = sites[name]
+            row["ms_per_site"] = round(1e3 * (t - base) / sites[name], 1) if sites[name] else ""
         if trace:
             row.update(traced_phases(module))
         rows[name] = row
     return {"model": model, "layers": layers, "repeats": repeats, "rows": rows}
 
 
-COLUMNS = ["compile_s", "ratio", "hlo", "thunks", "mlir_emit", "codegen", "mlir_kernels", "loop_fusions",
+COLUMNS = ["compile_s", "ratio", "sites", "ms_per_site", "hlo", "thunks", "mlir_emit", "codegen", "mlir_kernels", "loop_fusions",
            "dot_fusions", "while", "permutes", "copies", "dynamic_slices", "dynamic_updates", "ops", "barriers",
            "constants", "dots", "dot_shapes"]
 
@@ -165,12 +176,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hardware", default="h100")
     parser.add_argument("--policy", default="all")
+    parser.add_argument("--shape", choices=["small", "7b"], default="small",
+                        help="the bench models' CPU sizes, or make bench's compile shape (hidden 4096, ffn 16384, "
+                             "16384 tokens, bf16: with --policy auto, the sites and variants the default picks "
+                             "for --hardware)")
     parser.add_argument("--no-trace", action="store_true", help="leave out XLA's phases (one traced compile each)")
     parser.add_argument("--json", help="also write the results here")
     a = parser.parse_args(argv)
     results = []
     for layers in a.layers:
-        result = profile(a.model, layers, a.variants, a.repeats, a.hardware, a.policy, not a.no_trace)
+        result = profile(a.model, layers, a.variants, a.repeats, a.hardware, a.policy, not a.no_trace, a.shape)
         results.append(result)
         print(table(result), flush=True)
     if a.json:
