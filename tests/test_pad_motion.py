@@ -192,6 +192,37 @@ def test_the_crop_moves_past_the_backward_matmuls_and_the_gather_rings(crop, var
     assert_same_numbers(text, result)
 
 
+@pytest.mark.parametrize("crop", sorted(CROPS))
+def test_under_policy_auto_a_gather_ring_that_does_not_pay_leaves_the_crop_where_it_was(crop):
+    """The crop moves only for a ring: where the cost model declines it, the program is the input
+    (the contracting reader's padded operand, built for the moved dots, gone with them)."""
+    text = backward_program(backward(CROPS[crop]))
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(policy="auto"))
+    site = gather_site(result)
+    assert not site.rewritten and "[policy]" in site.reason, site.summary_line()
+    assert not result.changed
+    result.module.operation.verify()
+
+
+@pytest.mark.parametrize("readers", [("dx", "dw"), ("dw", "dx"), ("dw",)])
+def test_the_moved_crop_verifies_before_any_ring(readers):
+    """The motion alone (no ring built after it, as where the cost model then declines the gather's
+    ring at a large shape) leaves IR that verifies: each new dot's operands come before it."""
+    from cmatmul_pass.matchers import ModuleInfo
+    from cmatmul_pass.matchers.common import collective_ring
+    from cmatmul_pass.rewrites.pad_motion import cropped_gather, move_crop
+
+    out_specs = tuple(P(None, "model") if r == "dx" else P("model", None) for r in readers)
+    module = ir_utils.parse(backward_program(backward(CROPS["slice"], readers), out_specs=out_specs))
+    (ag,) = ir_utils.ops_named(module, "stablehlo.all_gather")["stablehlo.all_gather"]
+    plan = cropped_gather(ag)
+    with module.context, ag.location:
+        ring, region = collective_ring(ag, ModuleInfo.of(module))
+        move_crop(plan, ring, region, {})
+    module.operation.verify()
+    assert not ir_utils.ops_named(module, "stablehlo.slice")["stablehlo.slice"] or "dx" in readers
+
+
 def test_a_crop_read_only_by_free_dims_needs_no_mask():
     text = backward_program(backward(CROPS["pad"], ("dx",)), out_specs=P(None, "model"))
     result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant="uni"))

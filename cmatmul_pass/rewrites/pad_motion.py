@@ -403,20 +403,23 @@ def move_crop(plan: CroppedGather, ring, region, constants: dict) -> None:
     for reader in plan.readers:
         dot, loc = reader.dot, reader.dot.location
         with ir.InsertionPoint(dot.operation):
-            new = dot.operation.clone()
-            new.operands[reader.index] = gathered
-            if reader.role == "free":
-                t = ir.RankedTensorType(dot.result.type)
-                new.results[0].set_type(ir_utils.with_dim(t, reader.dim, full))
-                result = hlo.SliceOp(new.results[0], [plan.low if d == reader.dim else 0 for d in range(t.rank)],
-                                     [plan.low + plan.size if d == reader.dim else s for d, s in enumerate(t.shape)],
-                                     [1] * t.rank, loc=loc).result
-            else:
+            operands = list(dot.operation.operands)
+            operands[reader.index] = gathered
+            if reader.role == "contracting":  # (built before the new dot, which reads it)
                 other = 1 - reader.index
                 widths = [(plan.low, full - plan.low - plan.size) if d == reader.dim else (0, 0)
-                          for d in range(ir.RankedTensorType(dot.operation.operands[other].type).rank)]
-                new.operands[other] = _zero_padded(dot.operation.operands[other], tuple(widths), loc)
-                result = new.results[0]
+                          for d in range(ir.RankedTensorType(operands[other].type).rank)]
+                operands[other] = _zero_padded(operands[other], tuple(widths), loc)
+            new = dot.operation.clone()
+            for index, operand in enumerate(operands):
+                new.operands[index] = operand
+            result = new.results[0]
+            if reader.role == "free":
+                t = ir.RankedTensorType(dot.result.type)
+                result.set_type(ir_utils.with_dim(t, reader.dim, full))
+                result = hlo.SliceOp(result, [plan.low if d == reader.dim else 0 for d in range(t.rank)],
+                                     [plan.low + plan.size if d == reader.dim else s for d, s in enumerate(t.shape)],
+                                     [1] * t.rank, loc=loc).result
         dot.result.replace_all_uses_with(result)
         dot.operation.erase()
     callees = [_callee_name(op) for op in plan.crop if op.operation.name == "func.call"]
