@@ -288,3 +288,53 @@ def test_training_parity_with_the_backward_crop_through_the_decorator():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
     notes = {s.kind: s.notes for s in step.report.sites if s.rewritten}
     assert MOVED in notes["dot_reduce_scatter"][0] and UNCROPPED in notes["all_gather_dot"][0], notes
+
+
+# ---------------------------------------------------------------------------- in a scanned, remat'd layer
+def scanned_layer_step(pad_value=None):
+    """value_and_grad over a scan of 2 remat'd layers, each padding its product to 64 rows before a
+    psum_scatter and gathering the sum back, cropped to 60 rows, onto the residual.  jax hoists the
+    pad's zero out of the loop and passes it through the scan's and remat's functions; ``pad_value``:
+    pad with the loop's carried value instead, one more each trip (0 on the first)."""
+    def layer(x, w1, w2, value):
+        h = jax.nn.gelu(x @ w1)
+        y = jnp.pad(h @ w2, ((0, 4), (0, 0)), constant_values=0.0 if value is None else value)
+        full = gathered(scattered(y))[:60]
+        return x + full
+
+    def model(x, w1s, w2s):
+        def step(carry, ws):
+            x, value = carry
+            return (jax.checkpoint(layer)(x, *ws, None if pad_value is None else value), value + 1), None
+        (x, _), _ = jax.lax.scan(step, (x, jnp.float32(0)), (w1s, w2s))
+        return x
+
+    specs = (P(), P(None, None, "model"), P(None, "model", None))
+    f = jax.shard_map(model, mesh=MESH, in_specs=specs, out_specs=P(), check_vma=False)
+    loss = jax.value_and_grad(lambda x, a, b: jnp.mean(f(x, a, b) ** 2), argnums=(1, 2))
+    args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(MESH, sp))
+            for s, sp in zip(((60, 64), (2, 64, 128), (2, 128, 64)), specs)]
+    return jax.jit(loss).lower(*args).as_text()
+
+
+def test_in_a_scanned_remat_layer_the_zero_is_traced_through_the_loop_and_both_motions_ring():
+    """The forward's scatter (its pad's zero reached through remat's function, the scan's function and
+    the loop's unchanged carry) and the backward's gather (its crop moved past dx's and dw's matmuls)
+    ring; the gathers onto the residual and the backward's padded cotangent (no matmul) stay."""
+    text = scanned_layer_step()
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant="uni"))
+    moved = sorted((s.kind, s.rewritten) for s in result.report.sites)
+    assert moved == [("all_gather_dot", False), ("all_gather_dot", True),
+                     ("dot_reduce_scatter", False), ("dot_reduce_scatter", True)], \
+        "\n".join(s.summary_line() for s in result.report.sites)
+    assert_same_numbers(text, result)
+
+
+def test_a_pad_value_a_loop_changes_is_no_zero():
+    """The pad's value carried by the loop and changed every trip (0 only on the first): not moved."""
+    text = scanned_layer_step(pad_value=True)
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant="uni"))
+    forward = [s for s in result.report.sites if s.kind == "dot_reduce_scatter" and "not a zero constant" in s.reason]
+    assert forward and not any(s.rewritten for s in result.report.sites if s.kind == "dot_reduce_scatter"), \
+        "\n".join(s.summary_line() for s in result.report.sites)
+    assert_same_numbers(text, result)

@@ -24,7 +24,8 @@ element for element, for every element type.  Several padded dims pad their oper
 **Side conditions**, checked by :func:`padded_product` (each failure a reason; the site then stays):
 
 - the pad's value is a zero constant (through ``convert``; through a private function's argument
-  bound to a constant where ``jnp.pad`` lowers to a call of ``@_pad``);
+  bound to a constant where ``jnp.pad`` lowers to a call of ``@_pad``; through a remat'd or scanned
+  layer's function and loop, to the zero every call and trip passes in unchanged);
 - every padded dim has ``low, high >= 0`` and no interior padding (a crop is no zero padding);
 - every padded dim is a free dim of one of the dot's operands (a batch dim comes from both);
 - the product is read only by the pad, and the padded value only by the scatter (sharding
@@ -212,20 +213,51 @@ def _zero(element: ir.Type) -> ir.Attribute:
     return ir.FloatAttr.get(element, 0.0)
 
 
-def _zero_pad_value(value: ir.Value, call: ir.OpView | None) -> bool:
-    """Is ``value`` (a pad's value) a zero constant: through converts, and through the argument of
-    the function ``call`` calls to the operand it binds?"""
-    while True:
+def _zero_pad_value(value: ir.Value, call: ir.OpView | None, depth: int = 0) -> bool:
+    """Is ``value`` (a pad's value) a zero constant: through converts and hints; through the
+    argument of the function ``call`` calls to the operand it binds (of a private function no call
+    names: to what every call of it binds); through a call, to what its function returns; through
+    a loop's carried value that every trip passes on unchanged, to its initial value (a scan's body
+    reading the zero jax hoisted out of it)."""
+    while depth < 32:
+        depth += 1
         owner = value.owner
         if isinstance(owner, ir.Block):
-            if call is None or owner.owner.operation.name != "func.func":
-                return False
-            value, call = call.operation.operands[value.arg_number], None
-            continue
+            parent = owner.owner
+            name = parent.operation.name
+            if name == "func.func" and call is not None:
+                value, call = call.operation.operands[value.arg_number], None
+                continue
+            if name == "func.func":
+                callers = _private_callers(parent)
+                return bool(callers) and all(
+                    _zero_pad_value(c.operation.operands[value.arg_number], None, depth) for c in callers)
+            if name == "stablehlo.while":
+                passed = list(owner.operations)[-1].operation.operands
+                if len(passed) <= value.arg_number or passed[value.arg_number] != value:
+                    return False  # (the condition's block, or a value a trip changes)
+                value = parent.operation.operands[value.arg_number]
+                continue
+            return False
         if owner.operation.name in ("stablehlo.convert", HINT):
             value = owner.operation.operands[0]
             continue
+        if owner.operation.name == "func.call":  # what the function returns there, its arguments bound
+            callee = ir_utils.Symbols(owner).callee(owner)
+            if callee is None or len(callee.regions[0].blocks) != 1:
+                return False
+            returned = list(callee.regions[0].blocks[0].operations)[-1].operation.operands
+            value, call = returned[list(owner.operation.results).index(value)], owner
+            continue
         return ir_utils.is_zero_splat(value)
+    return False
+
+
+def _private_callers(function: ir.OpView) -> list[ir.OpView]:
+    """The calls of ``function`` when it is private (else none: a public one has callers unseen)."""
+    if not ir_utils.is_private(function):
+        return []
+    return ir_utils.Symbols(function).calls.get(ir_utils.symbol_name(function), [])
 
 
 def _called_pad(call: ir.OpView) -> ir.OpView | None:
