@@ -76,7 +76,7 @@ def scatter_2d(y, token):  # each element to its own (row, column): the hidden d
 @pytest.mark.parametrize("unpermute, why", [
     (lambda y, t: jnp.zeros((TOKENS, y.shape[1]), y.dtype).at[t].set(y), "other than by a sum"),
     (lambda y, t: jnp.zeros((TOKENS, y.shape[1]), y.dtype).at[t].max(y), "other than by a sum"),
-    (scatter_2d, "scatters the product's rows along dim"),
+    (scatter_2d, "with its indices"),
     (lambda y, t: jnp.arange(TOKENS * y.shape[1], dtype=y.dtype).reshape(TOKENS, -1).at[t].add(y),
      "differs from block to block"),
 ])
@@ -87,6 +87,20 @@ def test_what_is_no_scatter_add_along_other_dims_stays(unpermute, why):
     site = psum_site(cmatmul_pass.rewrite(text))
     assert not site.rewritten, site.summary_line()
     assert why in site.reason, site.reason
+
+
+def test_a_permutation_of_the_columns_splits_along_the_rows():
+    """The twin that scatters the hidden dim (columns reversed) and keeps the rows: the psum splits
+    or chunks along the rows instead."""
+    def reversed_columns(y, token):
+        return jnp.zeros(y.shape, y.dtype).at[:, jnp.arange(y.shape[1])[::-1]].add(y)
+
+    text = program(reversed_columns)
+    for strategy in ("split", "chunk"):
+        result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(all_reduce=strategy, variant="uni"))
+        site = psum_site(result)
+        assert site.rewritten and "dim 0" in site.summary_line(), site.summary_line()
+        assert_same_numbers(text, result)
 
 
 def test_training_parity_through_the_decorator():

@@ -421,8 +421,8 @@ def _scatter_step(op: ir.OpView, dim: int, anchor: ir.OpView) -> LayoutStep:
                           f"{dim}") from None
     updates_dim = scatter_window_dim(op, dim)
     if updates_dim is None:
-        raise ScatterStep(f"{describe_op(op)} scatters the product's rows along dim {dim}, the dim split over the "
-                          "ring: no block of the product gives a block of it")
+        raise ScatterStep(f"{describe_op(op)} addresses dim {dim}, the dim split over the ring, with its indices (or "
+                          "its updates do not hold that dim whole): no block of the product gives a block of it")
     indices = op.operation.operands[1].owner
     if not isinstance(indices, ir.Block) and indices.operation.block == anchor.operation.block \
             and not indices.operation.is_before_in_block(anchor.operation):
