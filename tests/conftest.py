@@ -33,6 +33,15 @@ def run_cli(*argv) -> int:
     return cli.main([str(a) for a in argv])
 
 
+def assert_same_numbers(text: str, result) -> None:
+    """The rewritten module (``result.module``) computes what the original ``text`` does, as
+    ``check`` judges it."""
+    from cmatmul_pass import execute, ir_utils
+
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()
+
+
 def sample(name: str) -> Path:
     return ROOT / "hlo_samples" / f"{name}.mlir"
 

@@ -12,7 +12,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import cmatmul_pass
-from cmatmul_pass import execute, ir_utils
+from cmatmul_pass import ir_utils
+from conftest import assert_same_numbers
 from tools.samples_layers import feature_norm
 
 MESH = jax.make_mesh((8,), ("model",))
@@ -41,11 +42,6 @@ def normed(kind, scale=lambda g: g):
 def gather_site(result):
     (site,) = [s for s in result.report.sites if s.kind == "all_gather_dot"]
     return site
-
-
-def assert_same_numbers(text, result):
-    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
-    assert outcome.ok, outcome.format()
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import cmatmul_pass
 from cmatmul_pass import execute, ir_utils
+from conftest import assert_same_numbers
 
 MESH = jax.make_mesh((8,), ("model",))
 IN_SPECS = (P(None, "model"), P("model", None))
@@ -36,11 +37,6 @@ def padded_rows(value=0.0, rows=4):
 def scatter_site(result):
     (site,) = [s for s in result.report.sites if s.kind == "dot_reduce_scatter"]
     return site
-
-
-def assert_same_numbers(text, result):
-    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
-    assert outcome.ok, outcome.format()
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int32])

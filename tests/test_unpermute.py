@@ -11,7 +11,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import cmatmul_pass
-from cmatmul_pass import execute, ir_utils
+from cmatmul_pass import ir_utils
+from conftest import assert_same_numbers
 
 MESH = jax.make_mesh((8,), ("model",))
 TOKENS, ROWS, FFN, HIDDEN = 32, 64, 128, 64
@@ -35,11 +36,6 @@ def into_tokens(y, token):
 def psum_site(result):
     (site,) = [s for s in result.report.sites if s.kind == "dot_all_reduce"]
     return site
-
-
-def assert_same_numbers(text, result):
-    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
-    assert outcome.ok, outcome.format()
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int32])

@@ -64,7 +64,7 @@ from dataclasses import dataclass
 from .. import ir_utils
 from .._jax_private import hlo, ir
 from ..matchers.common import DotDims, describe_op
-from .builders import Builder
+from .builders import Builder, zeros_attr
 
 PAD = "stablehlo.pad"
 HINT = "sdy.sharding_constraint"
@@ -167,7 +167,7 @@ def move_pad(plan: PaddedProduct) -> ir.OpView:
             new.operands[index] = operand
         new.results[0].set_type(padded_t)
         mask = _kept_mask(padded_t, plan.kept, loc)
-        masked = hlo.SelectOp(mask, new.results[0], _splat(padded_t, _zero(padded_t.element_type), loc), loc=loc)
+        masked = hlo.SelectOp(mask, new.results[0], _zeros(padded_t, loc), loc=loc)
     plan.reduce_scatter.operation.operands[0] = masked.result
     callee = _callee_name(between) if between.operation.name == "func.call" else None
     for op in [*reversed(plan.after), between, *plan.before, dot]:  # each read by nothing now
@@ -179,7 +179,7 @@ def move_pad(plan: PaddedProduct) -> ir.OpView:
 
 def _zero_padded(value: ir.Value, pad: tuple[tuple[int, int], ...], loc: ir.Location) -> ir.Value:
     t = ir.RankedTensorType(value.type)
-    zero = _splat(ir.RankedTensorType.get([], t.element_type), _zero(t.element_type), loc)
+    zero = _zeros(ir.RankedTensorType.get([], t.element_type), loc)
     return hlo.PadOp(value, zero, [lo for lo, _ in pad], [hi for _, hi in pad], [0] * t.rank, loc=loc).result
 
 
@@ -193,11 +193,7 @@ def _kept_mask(t: ir.RankedTensorType, kept: tuple, loc: ir.Location) -> ir.Valu
             continue
         lo, size = rows
         line_t = ir.RankedTensorType.get([t.shape[r]], i32)
-        iota = hlo.IotaOp(line_t, 0, loc=loc).result
-        above, below = (hlo.CompareOp(iota, _splat(line_t, ir.IntegerAttr.get(i32, v), loc),
-                                      hlo.ComparisonDirectionAttr.get(direction), loc=loc).result
-                         for v, direction in ((lo, "GE"), (lo + size, "LT")))
-        line = hlo.AndOp(above, below, loc=loc).result
+        line = _within(hlo.IotaOp(line_t, 0, loc=loc).result, lo, lo + size, loc)
         spread = hlo.BroadcastInDimOp(full_t, line, ir.DenseI64ArrayAttr.get([r]), loc=loc).result
         mask = spread if mask is None else hlo.AndOp(mask, spread, loc=loc).result
     return mask
@@ -207,10 +203,17 @@ def _splat(t: ir.RankedTensorType, value: ir.Attribute, loc: ir.Location) -> ir.
     return hlo.ConstantOp(ir.DenseElementsAttr.get_splat(t, value), loc=loc).result
 
 
-def _zero(element: ir.Type) -> ir.Attribute:
-    if isinstance(element, ir.IntegerType):
-        return ir.IntegerAttr.get(element, 0)
-    return ir.FloatAttr.get(element, 0.0)
+def _zeros(t: ir.RankedTensorType, loc: ir.Location) -> ir.Value:
+    return hlo.ConstantOp(zeros_attr(t), loc=loc).result
+
+
+def _within(index: ir.Value, low: int, high: int, loc: ir.Location) -> ir.Value:
+    """``low <= index < high``, element by element, for a vector of indices."""
+    t = ir.RankedTensorType(index.type)
+    above, below = (hlo.CompareOp(index, _splat(t, ir.IntegerAttr.get(t.element_type, v), loc),
+                                  hlo.ComparisonDirectionAttr.get(direction), loc=loc).result
+                    for v, direction in ((low, "GE"), (high, "LT")))
+    return hlo.AndOp(above, below, loc=loc).result
 
 
 def _zero_pad_value(value: ir.Value, call: ir.OpView | None, depth: int = 0) -> bool:
@@ -263,10 +266,9 @@ def _private_callers(function: ir.OpView) -> list[ir.OpView]:
 def _called_pad(call: ir.OpView) -> ir.OpView | None:
     """The pad where ``call`` calls a private function that only pads its first argument
     (``jnp.pad``'s ``@_pad``: the pad, its value's constant and converts, sharding hints); else None."""
-    callee = ir_utils.Symbols(call).callee(call)
-    if callee is None or not ir_utils.is_private(callee) or len(callee.regions[0].blocks) != 1:
+    block = _private_body(call)
+    if block is None:
         return None
-    block = callee.regions[0].blocks[0]
     ops = list(block.operations)
     pads = [op for op in ops if op.operation.name == PAD]
     others = {op.operation.name for op in ops if op.operation.name != PAD}
@@ -277,6 +279,14 @@ def _called_pad(call: ir.OpView) -> ir.OpView | None:
     if returned != [pad.result] or _through_hints(pad.operation.operands[0])[0] != block.arguments[0]:
         return None
     return pad
+
+
+def _private_body(call: ir.OpView) -> ir.Block | None:
+    """The one block of the private function ``call`` calls, if it is one."""
+    callee = ir_utils.Symbols(call).callee(call)
+    if callee is None or not ir_utils.is_private(callee) or len(callee.regions[0].blocks) != 1:
+        return None
+    return callee.regions[0].blocks[0]
 
 
 def _callee_name(call: ir.OpView) -> str:
@@ -400,10 +410,9 @@ def _called_crop(call: ir.OpView, dim: int) -> tuple[int, int] | None:
     """:func:`_crop_step` of a call of a private function whose ops only crop its one argument."""
     if len(call.operation.operands) != 1 or len(call.operation.results) != 1:
         return None
-    callee = ir_utils.Symbols(call).callee(call)
-    if callee is None or not ir_utils.is_private(callee) or len(callee.regions[0].blocks) != 1:
+    block = _private_body(call)
+    if block is None:
         return None
-    block = callee.regions[0].blocks[0]
     ops = list(block.operations)
     if not {op.operation.name for op in ops} <= _CROP_FUNCTION_OPS:
         return None
@@ -474,11 +483,7 @@ def _zero_cropped_rows(plan: CroppedGather, ring, region, constants: dict) -> No
         line_t = ir.RankedTensorType.get([rows], ir.RankedTensorType(first.type).element_type)
         at = hlo.AddOp(hlo.BroadcastInDimOp(line_t, first, [], loc=loc).result,
                        hlo.IotaOp(line_t, 0, loc=loc).result, loc=loc).result
-        element = line_t.element_type
-        above, below = (hlo.CompareOp(at, _splat(line_t, ir.IntegerAttr.get(element, v), loc),
-                                      hlo.ComparisonDirectionAttr.get(direction), loc=loc).result
-                        for v, direction in ((plan.low, "GE"), (plan.low + plan.size, "LT")))
         mask = hlo.BroadcastInDimOp(ir.RankedTensorType.get(t.shape, ir.IntegerType.get_signless(1)),
-                                    hlo.AndOp(above, below, loc=loc).result, [dim], loc=loc).result
-        kept = hlo.SelectOp(mask, shard, _splat(t, _zero(t.element_type), loc), loc=loc).result
+                                    _within(at, plan.low, plan.low + plan.size, loc), [dim], loc=loc).result
+        kept = hlo.SelectOp(mask, shard, _zeros(t, loc), loc=loc).result
     ag.operation.operands[0] = kept
