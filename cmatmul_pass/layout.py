@@ -50,6 +50,8 @@ ELEMENTWISE_OPS = frozenset(f"stablehlo.{name}" for name in (
 #: each device's product masked with that block of the mask before the sum (a zero padding moved
 #: onto the dot's operand, :mod:`cmatmul_pass.rewrites.pad_motion`)
 SELECT = "stablehlo.select"
+#: the elementwise ops a step applies per block (the matchers admit ``select`` on the scatter side only)
+STEP_ELEMENTWISE = ELEMENTWISE_OPS | {SELECT}
 
 #: a scatter-add into an invariant value along dims its indices do not address (a MoE block's
 #: un-permute of the expert outputs into token order, an embedding's gradient): each block of the
@@ -226,7 +228,7 @@ class LayoutStep:
         place of ``value``."""
         op, loc = self.op, self.op.location
         name = op.operation.name
-        if blocks is not None and name not in ELEMENTWISE_OPS and name != SELECT:  # one operand, on the path
+        if blocks is not None and name not in STEP_ELEMENTWISE:  # one operand, on the path
             value = blocks[op.operation.operands[2 if name == SCATTER else 0]]
         if name == "sdy.sharding_constraint":
             return value  # a hint about the whole value; the block needs none
@@ -258,7 +260,7 @@ class LayoutStep:
                                        attributes={"permutation": op.attributes["permutation"]}, loc=loc).result
         if name == "stablehlo.reshape":
             return ir.Operation.create(name, results=[out_t], operands=[value], loc=loc).result
-        if name in ELEMENTWISE_OPS or name == SELECT:
+        if name in STEP_ELEMENTWISE:
             width = ir.RankedTensorType(op.result.type).shape[self.out_dim] // parts
             operands = []
             for operand, source in zip(op.operation.operands, self.sources):

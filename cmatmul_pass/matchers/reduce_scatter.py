@@ -21,7 +21,7 @@ from ..layout import (
     ELEMENTWISE_OPS,
     LAYOUT_OPS,
     SCATTER,
-    SELECT,
+    STEP_ELEMENTWISE,
     LayoutStep,
     backward_dim,
     elementwise_step,
@@ -379,7 +379,7 @@ def _trace_chain(
                                               "outside this shard_map region, not a dot_general result")
         if owner.operation.name == "stablehlo.dot_general":
             break
-        if is_elementwise(owner) or owner.operation.name == SELECT:  # a scale, a bias or a mask on each
+        if owner.operation.name in STEP_ELEMENTWISE:  # a scale, a bias or a mask on each
             # device's product, before the sum
             through = path_operand(owner, dim)
             sliced = through is None
