@@ -118,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "jax device; h100 where no profile describes it), optionally with overrides "
                             "(h100:bandwidth=400e9,bf16=700e12,step=8e-6)")
         p.add_argument("--min-bytes", type=int, default=0, help="leave sites moving fewer bytes per device")
+        p.add_argument("--compile-budget", type=_budget, default=None, metavar="R",
+                       help="with --policy auto, keep the rewritten program's predicted XLA compile time within R "
+                            "times the original's (default 1.4; past it, loop forms or sites left as written); "
+                            "none: no budget")
         p.add_argument("--all-reduce", choices=["split", "chunk", "auto", "keep"],
                        help="a psum of a matmul (dot -> all_reduce): split into a reduce-scatter ring whose gather "
                             "moves forward to the next matmul's ring, chunk the rows so each chunk's all_reduce "
@@ -218,6 +222,19 @@ def read_input(path: str) -> tuple[bytes, str]:
         raise InputError(path, f"cannot read: {exc.strerror or exc}") from None
 
 
+def _budget(text: str) -> float | str:
+    """``--compile-budget``'s value: a ratio of at least 1, or ``"none"``."""
+    if text.lower() == "none":
+        return "none"
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number or 'none': {text!r}") from None
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
+    return value
+
+
 def _options(args, variant: str | None = None):
     from .pipeline import Options, variant_options
 
@@ -231,6 +248,8 @@ def _options(args, variant: str | None = None):
         **({} if args.policy is None else {"policy": args.policy}),
         hardware=args.hardware,
         min_bytes=args.min_bytes,
+        **({} if args.compile_budget is None else {"compile_budget": None if args.compile_budget == "none"
+                                                    else args.compile_budget}),
         all_reduce=args.all_reduce,
         chunks=args.chunks,
     )
@@ -534,6 +553,8 @@ def cmd_explain(args) -> int:
         path = timeline.plot(report, hw, args.plot)
         write_note = f"timeline: {path}"
         print(write_note)
+    if report.compile_line():
+        print(report.compile_line())
     if report.program_line():
         print(report.program_line())
     return 0

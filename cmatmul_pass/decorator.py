@@ -30,6 +30,7 @@ import numpy as np
 from . import execute
 from ._jax_private import (cpp_dispatcher, executable_cache_miss, is_ref, lowered_module, lowered_with_module,
                            trace_context, under_trace)
+from .compile_budget import DEFAULT_BUDGET
 from .cost import VARIANTS
 from .errors import NumericsMismatch
 from .jit_check import check_call, comparable, gathered  # noqa: F401 (decorator.comparable)
@@ -54,6 +55,7 @@ def jit(
     min_bytes: int = 0,
     all_reduce: str | None = None,
     chunks: int | None = None,
+    compile_budget: float | None = DEFAULT_BUDGET,
     check: bool = False,
     gpu_options: bool = True,
     measure_runs: int = 5,
@@ -98,6 +100,8 @@ def jit(
     (docs/decorator.md, "Multiple hosts").  There, every process also checks that all compiled
     the same program (a hash of the rewritten module) and raises :class:`DifferentPrograms`
     where not.
+    ``compile_budget``: as :class:`~cmatmul_pass.Options` has it (the rewritten program's
+    predicted XLA compile time at most this many times the original's, under policy auto).
     ``gpu_options``: on a GPU, compile a program with rewritten sites with the XLA options
     its rings need to overlap (:func:`ring_compiler_options`), except those you set yourself
     in ``compiler_options`` or ``XLA_FLAGS``.
@@ -114,7 +118,7 @@ def jit(
     options = Options(
         bidirectional=bidirectional, unroll=unroll, variant=None if measure else variant, annotate_streams=annotate_streams, share_rings=share_rings,
         assemble=assemble, merge_dots=merge_dots, tie_rounds=tie_rounds,
-        hardware=hardware, min_bytes=min_bytes, all_reduce=all_reduce, chunks=chunks,
+        hardware=hardware, min_bytes=min_bytes, all_reduce=all_reduce, chunks=chunks, compile_budget=compile_budget,
         **({} if policy is None else {"policy": policy}),
     )
     if measure and (bidirectional is not None or unroll is not None):
@@ -471,7 +475,8 @@ class JittedFunction:
 
         for name in VARIANTS:
             lowered = self._lower(original, self.options.with_variant(name))
-            if not lowered.report.rewritten and all(s.reason_code != "policy" for s in lowered.report.sites):
+            if not lowered.report.rewritten and all(s.reason_code not in ("policy", "compile_budget")
+                                                    for s in lowered.report.sites):
                 # no ring, and only declines no variant changes (the policy's depend on it): nothing to choose
                 self.stats["compiles"] += 1
                 self.measured, self.picked, self.measurement = None, None, None

@@ -21,6 +21,7 @@ from ._jax_private import ir
 from .analysis.slack import SiteSlack, Slack
 from .analysis.variance import Variance
 from .attempts import Attempts
+from .compile_budget import CompileBudget, program_weight
 from .errors import Decline
 from .matchers import (
     AllGatherSite,
@@ -32,11 +33,10 @@ from .matchers import (
     match_reduce_scatter,
 )
 from .matchers.all_gather import reaches_a_dot_row_wise
-from .matchers.all_reduce import DOT_ALL_REDUCE, AllReduceSite, match_all_reduce
+from .matchers.all_reduce import match_all_reduce
 from .matchers.common import collective_ring
 from .matchers.reduce_scatter import first_dot
 from .report import Report, SiteReport, tensor_bytes
-from .rewrites.dot_all_reduce import chunk_all_reduce, chunk_dims_ok, split_all_reduce
 from .rewrites.pad_motion import CroppedGather, PaddedProduct, cropped_gather, move_crop, move_pad, padded_product
 from .rewrites.schedule import RewriteContext
 from .rewrites.sequence_parallel import Seed, carry_forward, move_gather_forward
@@ -46,7 +46,8 @@ from .rewrites.sink import hoist as hoist_scatter
 from .rewrites.sink import feeds_a_loop, hoist_plan
 from .rewrites.sink import plan as sink_plan
 from .rewrites.sink import sink as sink_gather
-from .sites import VERDICTS, apply_site, describe_site, dot_flops, guarded, scatter_shape, site_shape
+from .psums import decide_all_reduce, say_where_gathers_went
+from .sites import VERDICTS, apply_site, dot_flops, site_shape
 
 if TYPE_CHECKING:
     from .pipeline import Options
@@ -78,6 +79,9 @@ class SiteWalk:
         self.competing: set = set()
         #: gathers left plain for a scatter's ring (their op -> the scatter's location, their slack)
         self.prefetched: dict = {}
+        #: the compile budget sites are built within (policy auto), or None
+        self.budget = (CompileBudget(program_weight(module), options.compile_budget, module)
+                       if options.policy == "auto" and options.compile_budget is not None else None)
 
     # ------------------------------------------------------------------ one site
     def rematch(self, op: ir.OpView) -> Site:
@@ -89,7 +93,13 @@ class SiteWalk:
     def apply(self, site: Site, options: "Options | None" = None) -> SiteReport:
         sharing = (self.rings, self.rematch) if self.rings else None
         return apply_site(site, self.verify, self.ctx, self.source, options or self.options, self.hw,
-                          self.predictions, sharing)
+                          self.predictions, sharing, self.budget_of(site.anchor))
+
+    def budget_of(self, op: ir.OpView) -> tuple | None:
+        """(the compile budget, how many times the program holds ``op`` once replay is done), or None."""
+        if self.budget is None:
+            return None
+        return self.budget, self.layers.copies_of(op) if self.layers is not None else 1
 
     def apply_moved(self, new: Site, was: Site, how: str, *more: str, motion: bool = True) -> None:
         """A collective the pass moved to its matmul (where ``was`` declined it), rewritten
@@ -171,7 +181,7 @@ class SiteWalk:
         gathered = self._gathers(gathers, deferred, optional, sunk_from, not_sunk)
         _say_prefetchable(self.report, deferred, gathered)
         if carried is not None:
-            _say_where_gathers_went(self.report, carried, gathered)
+            say_where_gathers_went(self.report, carried, gathered)
 
     def _ring_moved(self, site: ReduceScatterSite, note: str) -> str | None:
         """stages.swap_reductions' ring: the moved scatter's site rewritten, or why not."""
@@ -197,8 +207,8 @@ class SiteWalk:
                 if self.left_as_written(op):
                     continue
                 since, place = len(self.report.sites), self.place_of(op)
-                entry, seed = _all_reduce(match_all_reduce(op, self.info), self.ctx, self.source, self.options,
-                                          self.hw, self.apply, self.info, self.predictions)
+                entry, seed = decide_all_reduce(match_all_reduce(op, self.info), self.ctx, self.source, self.options,
+                                          self.hw, self.apply, self.info, self.predictions, self.budget_of(op))
                 if seed is not None:
                     seed.site = len(self.report.sites)
                     seeds.append(seed)
@@ -672,111 +682,3 @@ def _hoist_scatter(site: Site, ctx: RewriteContext, options: Options, variance: 
     if where is None or isinstance(where, str):
         return where
     return hoist_scatter(where, ctx.take_channel)
-
-
-def _all_reduce(site, ctx: RewriteContext, source: str, options: Options, hw: cost.Hardware, apply,
-                info: ModuleInfo, predictions: dict) -> tuple[SiteReport, Seed | None]:
-    """Decide and rewrite one dot → all_reduce site (Options.all_reduce); returns its report
-    entry and, when split, the gather to carry forward (``predictions``: the pass's cache)."""
-    entry = describe_site(site, source)
-    if isinstance(site, DeclinedSite):
-        return entry, None
-    shape = all_reduce_shape(site)
-    variant = cost.variant_name(options.bidirectional, options.rounds_per_trip)
-    if options.variant == "auto" and hw.assumed:
-        variant = cost.fallback_variant(shape)
-    elif options.variant == "auto":
-        if ("best", shape) not in predictions:
-            predictions[("best", shape)] = cost.predict(shape, hw).best
-        variant = predictions[("best", shape)]
-    counts = [k for k in ([options.chunks] if options.chunks else cost.CHUNK_COUNTS) if chunk_dims_ok(site, k)]
-    key = ("all_reduce", shape, variant, tuple(counts))  # layers repeat their shapes: predict once per shape
-    if key not in predictions:
-        made = cost.predict_all_reduce(shape, hw, variant, counts)
-        predictions[key] = made, made.to_dict()  # (the dict: shared by the entries, which are read, not edited)
-    prediction, described = predictions[key]
-    picked = _all_reduce_pick(options, hw)
-    tie = picked == "model" and prediction.tied  # the model's tie (cost.TIE): split where its gather goes on
-    onward = tie and reaches_a_dot_row_wise(site.all_reduce)
-    strategy, chunks, declined = _all_reduce_strategy(options, shape, prediction, picked, onward)
-    entry.all_reduce = {"strategy": strategy, "dim": site.dim, "chunks": chunks, "gathers": [],
-                        "picked": picked, "prediction": described}
-    if tie:
-        entry.all_reduce["tie_to_split"] = onward
-    if declined:
-        entry.reason_code, entry.reason = declined
-        return entry, None
-    slower = prediction.speedup(strategy, chunks)
-    if slower < 1:
-        entry.notes.append(f"{strategy} is predicted {slower:.2f}x the all_reduce's speed on {prediction.hardware} "
-                           "(policy all rewrites it anyway; --policy auto would leave it)")
-    if strategy == "chunk":
-        applied = guarded(entry, chunk_all_reduce, site, ctx, chunks)
-        entry.rewritten = True
-        entry.channel_handles = list(applied.channel_handles)
-        entry.notes += applied.notes
-        return entry, None
-    reduce_scatter, all_gather = guarded(entry, split_all_reduce, site, ctx.take_channel)
-    # the split's reduce_scatter sums the product the all_reduce's match traced, along the same
-    # dim, in the same block: its site is that match's, anchored on it (no second trace)
-    ring_site = ReduceScatterSite(reduce_scatter, site.terms, site.adds, site.path, site.ring, site.region, site.dim)
-    ringed = apply(ring_site, replace(options, policy="all", min_bytes=0))  # decided above
-    ringed.kind, ringed.all_reduce, ringed.notes = DOT_ALL_REDUCE, entry.all_reduce, entry.notes + ringed.notes
-    return ringed, Seed(all_gather, site.ring, site.region, site.dim, -1)
-
-
-def _all_reduce_pick(options: Options, hw: cost.Hardware) -> str:
-    """Who chose a psum site's strategy: ``"named"`` (``all_reduce=`` named it), ``"model"``
-    (auto: the cost model's pick) or ``"fallback"`` (auto where no profile describes the
-    machine: ``cost.fallback_all_reduce``)."""
-    if options.all_reduce_strategy != "auto":
-        return "named"
-    return "fallback" if hw.assumed else "model"
-
-
-def _all_reduce_strategy(options: Options, shape: cost.SiteShape, prediction: cost.AllReducePrediction,
-                         picked: str, onward: bool = False) -> tuple[str, int | None, tuple[str, str] | None]:
-    """(strategy, chunk count, (code, reason) when the site stays as it is); ``picked``: who
-    chooses it (:func:`_all_reduce_pick`); ``onward``: the psum's value goes on to a matmul
-    through row-wise ops (a tie then goes to split: :meth:`cost.AllReducePrediction.pick`)."""
-    asked = options.all_reduce_strategy
-    chunks = options.chunks or prediction.chunks
-    if picked == "fallback":
-        asked, fallback_chunks = cost.fallback_all_reduce(prediction)
-        chunks = options.chunks or fallback_chunks or chunks
-    elif picked == "model":
-        asked = prediction.pick(onward)
-    if asked == "chunk" and not prediction.chunk_s:
-        return asked, None, ("chunks", f"the rows cannot be cut into {options.chunks or '2, 4 or 8'} equal chunks "
-                                       "that every op after the dot keeps whole")
-    if shape.transfer_bytes < options.min_bytes:
-        return asked, chunks, ("min_bytes", f"moves {shape.transfer_bytes} B per device, under --min-bytes "
-                                            f"{options.min_bytes}")
-    speedup = prediction.speedup(asked, chunks)
-    if options.policy == "auto" and speedup < 1 + options.margin:
-        return asked, chunks, ("policy", f"predicted speed-up {speedup:.3f}x ({asked}) on {prediction.hardware} is "
-                                         f"under 1 + {options.margin:g}")
-    return asked, chunks if asked == "chunk" else None, None
-
-
-def all_reduce_shape(site: AllReduceSite) -> cost.SiteShape:
-    """The cost model's view of a dot → all_reduce site as the reduce-scatter ring a split makes."""
-    return scatter_shape(site, site.block_type)
-
-
-def _say_where_gathers_went(report: Report, carried, gathered: dict) -> None:
-    """Tell each split site where the gathers of its rows ended (the carried values' readers)."""
-    for m in carried.materialised:
-        entry = report.sites[gathered[id(m.all_gather)]] if m.feeds_dot else None
-        if entry is None:
-            how = f"before {m.reader}"
-        elif entry.rewritten:
-            how = f"into the ring of {m.reader}"
-        else:
-            how = f"before {m.reader} (no ring: {entry.reason} [{entry.reason_code}])"
-        for index in sorted(m.seeds):
-            report.sites[index].all_reduce["gathers"].append(how)
-    for index in carried.stayed:
-        report.sites[index].all_reduce["gathers"].append("right after its reduce-scatter ring")
-    for index, notes in carried.notes.items():
-        report.sites[index].notes += notes

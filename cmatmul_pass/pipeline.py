@@ -7,10 +7,11 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from . import cost, ir_utils, program_cost, replay
+from . import compile_budget, cost, ir_utils, program_cost, replay
 from ._jax_private import hlo, ir, make_context, module_to_bytecode, module_to_hlo_text
 from .analysis.deadlock import misplaced
 from .attempts import MAX_TRIES, MOTION, SITE, Attempts, Bans
+from .compile_budget import DEFAULT_BUDGET
 from .errors import CmatmulError, InternalError
 from .matchers import ModuleInfo
 from .report import Report, SiteReport, forget_types
@@ -75,6 +76,11 @@ class Options:
     ``cost.fallback_all_reduce``: two chunks), ``"keep"`` (left as they are).  None (the default): ``"auto"``; under
     ``policy="auto"`` it also leaves a site where neither beats the all_reduce.
     ``chunks``: the chunk count (2 to 8); None: the cost model's pick of 2, 4 or 8.
+    ``compile_budget``: under ``policy="auto"``, the rewritten program's size, in the ops XLA
+    compiles (:func:`.compile_budget.program_weight`), at most this many times the original's:
+    past it a site takes the fastest variant that fits and still pays (a loop form rather than
+    a straight-line ring), or stays as written (``compile_budget``); sites are taken in program
+    order.  None: no budget.  ``policy="all"`` has none.
     """
 
     debug_info: bool = False
@@ -92,8 +98,11 @@ class Options:
     margin: float = 0.02
     all_reduce: str | None = None
     chunks: int | None = None
+    compile_budget: float | None = DEFAULT_BUDGET
 
     def __post_init__(self) -> None:
+        if self.compile_budget is not None and not self.compile_budget >= 1:
+            raise ValueError(f"compile_budget must be at least 1 (or None), not {self.compile_budget!r}")
         if self.all_reduce not in (None, "split", "chunk", "auto", "keep"):
             raise ValueError(f"all_reduce must be 'split', 'chunk', 'auto' or 'keep', not {self.all_reduce!r}")
         if self.chunks is not None and not 2 <= self.chunks <= 8:
@@ -279,6 +288,7 @@ def _rewrite(module: ir.Module, options: Options, source: str, again: Callable[[
                 if not result.report.rewritten:  # nothing rewritten: the output is the input, as it was
                     result.module = again()      # (no scan body inlined, nothing moved)
                 _predict(program, result.report, lambda: _program(pristine(), options, source, graph=True))
+                _compile_figure(result, pristine, options)
                 return result
             for key, why in undone.items():  # moved, then no ring where it went: not moved next time
                 bans.add(key, MOTION, why)
@@ -338,6 +348,24 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool,
             ctx.annotator.finish()
             _verify(module, None, placement)
     return RewriteResult(module, report, options), attempts.undone()
+
+
+def _compile_figure(result: RewriteResult, pristine: Callable[[], ir.Module], options: Options) -> None:
+    """The report's ``compile`` (made when first read): the program's size before and after."""
+    if not result.report.sites:
+        return
+    module = result.module
+
+    def figure() -> dict:
+        try:
+            original, rewritten = compile_budget.program_weight(pristine()), compile_budget.program_weight(module)
+        except Exception as exc:  # noqa: BLE001 - a report's extra: never the pass's failure
+            return {"unavailable": f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"}
+        budget = options.compile_budget if options.policy == "auto" else None
+        return {"original_ops": original, "rewritten_ops": rewritten,
+                "predicted_ratio": round(compile_budget.compile_ratio(original, rewritten), 3), "budget": budget}
+
+    result.report.compile = figure
 
 
 def _program(module: ir.Module, options: Options, source: str, graph: bool = False) -> "program_cost.Program | str":

@@ -175,6 +175,13 @@ REASONS: dict[str, Reason] = {r.code: r for r in (
     Reason("min_bytes", "the site moves fewer bytes per device than `--min-bytes`",
            "lower `--min-bytes` (0, the default, rewrites every size)",
            ("hlo_samples/sp_mlp.mlir", "--min-bytes", "1000000")),
+    Reason("compile_budget", "`--policy auto`: the site's ring, in every variant that pays, would take the rewritten "
+                             "program's predicted XLA compile time past `--compile-budget` times the original's "
+                             "(sites are taken in program order; the earlier ones spent it)",
+           "raise `--compile-budget` (or `none`), or accept the original's serial collective here; with "
+           "`--policy all` every legal site is rewritten whatever its size",
+           ("hlo_samples/sp_mlp.mlir", "--policy", "auto", "--compile-budget", "1",
+            "--hardware", "h100:bandwidth=1e7,f32=1e9,step=1e-9")),
 )}
 
 

@@ -126,6 +126,10 @@ class Report:
     #: (:class:`cmatmul_pass.program_cost.ProgramPrediction` as a dict); empty where none was made;
     #: computed when first read
     program: dict = _OnFirstRead()
+    #: the program's size in the ops XLA compiles, before and after, and the compile-time ratio
+    #: it predicts (:mod:`cmatmul_pass.compile_budget`): ``{"original_ops", "rewritten_ops",
+    #: "predicted_ratio", "budget"}``; computed when first read
+    compile: dict = _OnFirstRead()
 
     @property
     def rewritten(self) -> list[SiteReport]:
@@ -144,6 +148,7 @@ class Report:
             **({"layer_checks": self.layer_checks} if self.layer_checks else {}),
             **({"trimmed": self.trimmed} if self.trimmed else {}),
             **({"program": self.program} if self.program else {}),
+            **({"compile": self.compile} if self.compile else {}),
         }
 
     def to_json(self) -> str:
@@ -178,6 +183,15 @@ class Report:
         if p.get("unplaced"):
             notes.append(f"{p['unplaced']} rewritten site(s) not placed in the schedule")
         return line + (f" ({'; '.join(notes)})" if notes else "")
+
+    def compile_line(self) -> str:
+        """The rewritten program's predicted compile time over the original's, and its budget."""
+        c = self.compile
+        if not c:
+            return ""
+        budget = f"; budget {c['budget']:g}x" if c.get("budget") else ""
+        return (f"XLA compile time: predicted {c['predicted_ratio']:.2f}x the original's ({c['original_ops']} → "
+                f"{c['rewritten_ops']} ops XLA compiles{budget})")
 
     def sites_line(self) -> str:
         """How many candidate sites were rewritten, shared, replayed as layers."""

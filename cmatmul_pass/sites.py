@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import contextlib
 import math
 from collections import Counter
 from collections.abc import Callable
@@ -31,11 +32,13 @@ if TYPE_CHECKING:
 
 def apply_site(
     site: Site, verify: Callable | None, ctx: RewriteContext, source: str, options: Options, hw: cost.Hardware,
-    predictions: dict, sharing: tuple | None = None,
+    predictions: dict, sharing: tuple | None = None, budget: tuple | None = None,
 ) -> SiteReport:
     """Rewrite one site (``verify(entry)``: verify the module afterwards; None: the caller verifies at the end).
 
     ``sharing``: (RingLibrary, re-matcher) when sites of one pattern may share a ring function.
+    ``budget``: (CompileBudget, the site's copies in the program) where the program's size is
+    kept within a compile budget (:mod:`cmatmul_pass.compile_budget`).
     """
     entry = describe_site(site, source)
     if isinstance(site, DeclinedSite):
@@ -64,8 +67,18 @@ def apply_site(
         entry.reason_code, entry.reason = declined
         return entry
 
-    # the site's variant: the options' own, or the one the cost model picked for its shape
-    ctx.bidirectional, ctx.unroll = cost.VARIANTS[prediction.variant]
+    # the site's variant: the options' own, or the one the cost model picked for its shape (or,
+    # past the compile budget, the fastest that fits)
+    variant, budget_note = prediction.variant, ""
+    if budget is not None:
+        # (a split psum's scatter ring comes with policy all: the psum's decision priced it)
+        margin = options.margin if options.policy == "auto" else -math.inf
+        variant, budget_note = budget[0].choose(pattern.key if pattern else shape, shape, prediction,
+                                                options.variant != "auto", margin, budget[1])
+        if variant is None:
+            entry.reason_code, entry.reason = "compile_budget", budget_note
+            return entry
+    ctx.bidirectional, ctx.unroll = cost.VARIANTS[variant]
 
     def build(site: Site) -> Applied:
         if isinstance(site, ReduceScatterSite):
@@ -73,15 +86,16 @@ def apply_site(
         return rewrite_all_gather_dot(site, ctx, merged if options.merge_dots == ctx.merge_dots else None)
 
     moved = guarded(entry, hoist, site)
-    shared = guarded(entry, rings.share, site, pattern, rematch, build) if pattern else None
-    applied = shared.applied if shared else guarded(entry, build, site)
+    with _charged(budget, shape, variant, site):
+        shared = guarded(entry, rings.share, site, pattern, rematch, build) if pattern else None
+        applied = shared.applied if shared else guarded(entry, build, site)
     if verify is not None:
         verify(entry)
     entry.rewritten = True
     entry.shared_ring = f"@{shared.name}" if shared else None
     entry.channel_handles = list(applied.channel_handles)
     entry.schedule = {
-        "variant": prediction.variant,  # asked for (see notes)
+        "variant": variant,  # asked for (see notes)
         "directions": applied.directions,
         "rounds": applied.stats.rounds,
         "loop_trips": applied.stats.loop_trips,
@@ -90,12 +104,28 @@ def apply_site(
         "permutes": applied.permutes,
         "streams_annotated": ctx.annotator.enabled,
     }
-    entry.notes = applied.notes + moved
+    entry.notes = applied.notes + moved + ([budget_note] if budget_note else [])
     return entry
 
 
+@contextlib.contextmanager
+def _charged(budget: tuple | None, shape: cost.SiteShape, variant: str, site: Site):
+    """Charge the compile budget for the ring built inside: the first ring of a shape is
+    measured (its block's weight before and after), later ones priced as it was."""
+    if budget is None:
+        yield
+        return
+    spend, copies = budget
+
+    def charge(added: int | None) -> None:
+        spend.charge(shape, variant, round(spend.estimate(shape, variant)) if added is None else added, copies)
+
+    with spend.measured(site.anchor.operation.block, shape, shape in spend.per_dot, charge):
+        yield
+
+
 #: the options' verdicts on a site that matched: not a dot lost to another ring
-VERDICTS = frozenset({"policy", "min_bytes"})
+VERDICTS = frozenset({"policy", "min_bytes", "compile_budget"})
 
 
 def hoist(site: Site) -> list[str]:

@@ -41,7 +41,8 @@ def check_record(results: dict, full: bool = True) -> None:
     for row in compile_["by_layers"].values():
         assert set(row) == set(bench.MODELS)
         for model, m in row.items():
-            assert set(m) == {"original_s", "ratios", "default_sites"} and m["original_s"] > 0
+            assert set(m) == {"original_s", "ratios", "default_sites", "predicted"} and m["original_s"] > 0
+            assert set(m["predicted"]) == {"default", "every site"} and m["predicted"]["default"] >= 1
             extra = {*bench.VARIANTS, "hand_written_rings"} if model == "sequence_parallel" else set()
             assert set(m["ratios"]) == {"default", "every site", *extra}
             assert 0 <= m["default_sites"][0] <= m["default_sites"][1]

@@ -231,7 +231,7 @@ def emitted_codes() -> set[str]:
             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and any(
                     isinstance(t, ast.Attribute) and t.attr == "reason_code" for t in node.targets):
                 codes.add(node.value.value)  # a report entry recoded (phases._say_prefetchable)
-            if path.name in ("sites.py", "phases.py") and isinstance(node, ast.FunctionDef) and node.name in (
+            if path.name in ("sites.py", "psums.py") and isinstance(node, ast.FunctionDef) and node.name in (
                     "policy_verdict", "_all_reduce_strategy"):
                 for ret in (n for n in ast.walk(node) if isinstance(n, ast.Return) and isinstance(n.value, ast.Tuple)):
                     pairs = [ret.value, *(e for e in ret.value.elts if isinstance(e, ast.Tuple))]

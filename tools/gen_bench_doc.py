@@ -72,16 +72,21 @@ def pass_cost(r: dict) -> list[str]:
 def compile_ratios(r: dict) -> list[str]:
     c = r["compile"]
     shape = c["shape"]
-    head = ["step", "layers", "original (s)", "default (sites rewritten)", "every site", *VARIANTS, "rings by hand"]
+    head = ["step", "layers", "original (s)", "default (sites rewritten; predicted)", "every site (predicted)", *VARIANTS,
+            "rings by hand"]
     lines = [f"**XLA's compile time**, rewritten / original (hidden {shape['hidden']}, ffn {shape['ffn']}, "
              f"{shape['tokens']} tokens, {shape['dtype']}; the default: policy auto on the {c['hardware'].upper()} "
-             f"profile; median of {c['repeats']} interleaved rounds):", "", _row(*head), "|" + "---|" * len(head)]
+             f"profile, within its compile budget; median of {c['repeats']} interleaved rounds; predicted: the "
+             f"budget's model, `explain`'s last line):", "", _row(*head), "|" + "---|" * len(head)]
     for layers, row in c["by_layers"].items():
         for model, m in row.items():
             ratios = m["ratios"]
             done, total = m["default_sites"]
-            lines.append(_row(model.replace("_", " "), layers, f"{m['original_s']:.2f}",
-                              f"{ratios['default']:.2f} ({done} of {total})", f"{ratios['every site']:.2f}",
+            predicted = m.get("predicted", {})
+            default = f"{ratios['default']:.2f} ({done} of {total}" + (
+                f"; {predicted['default']:.2f})" if "default" in predicted else ")")
+            every = f"{ratios['every site']:.2f}" + (f" ({predicted['every site']:.2f})" if "every site" in predicted else "")
+            lines.append(_row(model.replace("_", " "), layers, f"{m['original_s']:.2f}", default, every,
                               *(f"{ratios[v]:.2f}" if v in ratios else "—" for v in (*VARIANTS, "hand_written_rings"))))
     return lines
 

@@ -178,6 +178,19 @@ class Plan:
             body = op.block
             op = parent.operation
 
+    def copies_of(self, op: ir.Operation | ir.OpView) -> int:
+        """How many times the program holds ``op`` once replay is done: a twin's op, once per
+        member and joiner of its group; a probe's, 0 (its twin's count holds it); else 1."""
+        top = self.top_level(op)
+        if top is None or top not in self.checked:
+            return 1
+        for g in self.groups:
+            if _body(g.twin) == top:
+                return len(g.members) + len(g.joiners)
+            if g.probe is not None and _body(g.probe) == top:
+                return 0
+        return 1
+
     def inline_rings(self, op: ir.Operation | ir.OpView) -> bool:
         """Does ``op``'s ring stay inline, unshared (:mod:`cmatmul_pass.sharing`)?  So it does in the
         regions the pipeline rewrites for a group (a twin, which becomes the function its copies call;

@@ -1,0 +1,159 @@
+"""A psum after a matmul (dot → all_reduce): which strategy (split into a reduce-scatter ring
+and a gather carried forward, or chunked rows), how many chunks, within the options' policy
+and compile budget; and, once the gathers are placed, where each split psum's gather went."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from . import cost
+from .matchers import DeclinedSite, ModuleInfo, ReduceScatterSite
+from .matchers.all_gather import reaches_a_dot_row_wise
+from .matchers.all_reduce import DOT_ALL_REDUCE, AllReduceSite
+from .report import Report, SiteReport
+from .rewrites.dot_all_reduce import chunk_all_reduce, chunk_dims_ok, split_all_reduce
+from .rewrites.schedule import RewriteContext
+from .rewrites.sequence_parallel import Seed
+from .sites import describe_site, guarded, scatter_shape
+
+if TYPE_CHECKING:
+    from .pipeline import Options
+
+
+def decide_all_reduce(site, ctx: RewriteContext, source: str, options: Options, hw: cost.Hardware, apply,
+                info: ModuleInfo, predictions: dict, budget: tuple | None = None) -> tuple[SiteReport, Seed | None]:
+    """Decide and rewrite one dot → all_reduce site (Options.all_reduce); returns its report
+    entry and, when split, the gather to carry forward (``predictions``: the pass's cache;
+    ``budget``: as :meth:`SiteWalk.budget_of` gives it)."""
+    entry = describe_site(site, source)
+    if isinstance(site, DeclinedSite):
+        return entry, None
+    shape = all_reduce_shape(site)
+    variant = cost.variant_name(options.bidirectional, options.rounds_per_trip)
+    if options.variant == "auto" and hw.assumed:
+        variant = cost.fallback_variant(shape)
+    elif options.variant == "auto":
+        if ("best", shape) not in predictions:
+            predictions[("best", shape)] = cost.predict(shape, hw).best
+        variant = predictions[("best", shape)]
+    counts = [k for k in ([options.chunks] if options.chunks else cost.CHUNK_COUNTS) if chunk_dims_ok(site, k)]
+    key = ("all_reduce", shape, variant, tuple(counts))  # layers repeat their shapes: predict once per shape
+    if key not in predictions:
+        made = cost.predict_all_reduce(shape, hw, variant, counts)
+        predictions[key] = made, made.to_dict()  # (the dict: shared by the entries, which are read, not edited)
+    prediction, described = predictions[key]
+    picked = _all_reduce_pick(options, hw)
+    tie = picked == "model" and prediction.tied  # the model's tie (cost.TIE): split where its gather goes on
+    onward = tie and reaches_a_dot_row_wise(site.all_reduce)
+    strategy, chunks, declined = _all_reduce_strategy(options, shape, prediction, picked, onward)
+    entry.all_reduce = {"strategy": strategy, "dim": site.dim, "chunks": chunks, "gathers": [],
+                        "picked": picked, "prediction": described}
+    if tie:
+        entry.all_reduce["tie_to_split"] = onward
+    if budget is not None and not declined:
+        chunks, declined = _within_budget(budget, shape, prediction, strategy, chunks, options, entry)
+    if declined:
+        entry.reason_code, entry.reason = declined
+        return entry, None
+    slower = prediction.speedup(strategy, chunks)
+    if slower < 1:
+        entry.notes.append(f"{strategy} is predicted {slower:.2f}x the all_reduce's speed on {prediction.hardware} "
+                           "(policy all rewrites it anyway; --policy auto would leave it)")
+    if strategy == "chunk":
+        if budget is not None:
+            spend, copies = budget
+            with spend.measured(site.all_reduce.operation.block, shape, shape in spend.per_chunk,
+                                lambda added: spend.charge_chunks(shape, chunks, round(spend.estimate_chunks(
+                                    shape, chunks)) if added is None else added, copies)):
+                applied = guarded(entry, chunk_all_reduce, site, ctx, chunks)
+        else:
+            applied = guarded(entry, chunk_all_reduce, site, ctx, chunks)
+        entry.rewritten = True
+        entry.channel_handles = list(applied.channel_handles)
+        entry.notes += applied.notes
+        return entry, None
+    reduce_scatter, all_gather = guarded(entry, split_all_reduce, site, ctx.take_channel)
+    # the split's reduce_scatter sums the product the all_reduce's match traced, along the same
+    # dim, in the same block: its site is that match's, anchored on it (no second trace)
+    ring_site = ReduceScatterSite(reduce_scatter, site.terms, site.adds, site.path, site.ring, site.region, site.dim)
+    ringed = apply(ring_site, replace(options, policy="all", min_bytes=0))  # decided above
+    ringed.kind, ringed.all_reduce, ringed.notes = DOT_ALL_REDUCE, entry.all_reduce, entry.notes + ringed.notes
+    return ringed, Seed(all_gather, site.ring, site.region, site.dim, -1)
+
+
+def _within_budget(budget: tuple, shape: cost.SiteShape, prediction: cost.AllReducePrediction, strategy: str,
+                   chunks: int | None, options: Options, entry: SiteReport) -> tuple[int | None, tuple[str, str] | None]:
+    """A psum's chunk count within the compile budget (or, split, whether some ring of its
+    reduce-scatter fits): (chunks, None), or (chunks, (code, reason)) where it stays as written."""
+    spend, copies = budget
+    if strategy == "chunk":
+        fitted, why = spend.choose_chunks(("chunk", shape), shape, prediction, chunks, options.chunks is not None,
+                                          options.margin, copies)
+        if fitted is None:
+            return chunks, ("compile_budget", why)
+        if why:
+            entry.notes.append(why)
+        entry.all_reduce["chunks"] = fitted
+        return fitted, None
+    if copies and not spend.any_ring_fits(shape, copies):
+        return chunks, ("compile_budget", f"its reduce-scatter's ring would take the program past the compile "
+                                          f"budget ({spend.describe()})")
+    return chunks, None
+
+
+def _all_reduce_pick(options: Options, hw: cost.Hardware) -> str:
+    """Who chose a psum site's strategy: ``"named"`` (``all_reduce=`` named it), ``"model"``
+    (auto: the cost model's pick) or ``"fallback"`` (auto where no profile describes the
+    machine: ``cost.fallback_all_reduce``)."""
+    if options.all_reduce_strategy != "auto":
+        return "named"
+    return "fallback" if hw.assumed else "model"
+
+
+def _all_reduce_strategy(options: Options, shape: cost.SiteShape, prediction: cost.AllReducePrediction,
+                         picked: str, onward: bool = False) -> tuple[str, int | None, tuple[str, str] | None]:
+    """(strategy, chunk count, (code, reason) when the site stays as it is); ``picked``: who
+    chooses it (:func:`_all_reduce_pick`); ``onward``: the psum's value goes on to a matmul
+    through row-wise ops (a tie then goes to split: :meth:`cost.AllReducePrediction.pick`)."""
+    asked = options.all_reduce_strategy
+    chunks = options.chunks or prediction.chunks
+    if picked == "fallback":
+        asked, fallback_chunks = cost.fallback_all_reduce(prediction)
+        chunks = options.chunks or fallback_chunks or chunks
+    elif picked == "model":
+        asked = prediction.pick(onward)
+    if asked == "chunk" and not prediction.chunk_s:
+        return asked, None, ("chunks", f"the rows cannot be cut into {options.chunks or '2, 4 or 8'} equal chunks "
+                                       "that every op after the dot keeps whole")
+    if shape.transfer_bytes < options.min_bytes:
+        return asked, chunks, ("min_bytes", f"moves {shape.transfer_bytes} B per device, under --min-bytes "
+                                            f"{options.min_bytes}")
+    speedup = prediction.speedup(asked, chunks)
+    if options.policy == "auto" and speedup < 1 + options.margin:
+        return asked, chunks, ("policy", f"predicted speed-up {speedup:.3f}x ({asked}) on {prediction.hardware} is "
+                                         f"under 1 + {options.margin:g}")
+    return asked, chunks if asked == "chunk" else None, None
+
+
+def all_reduce_shape(site: AllReduceSite) -> cost.SiteShape:
+    """The cost model's view of a dot → all_reduce site as the reduce-scatter ring a split makes."""
+    return scatter_shape(site, site.block_type)
+
+
+def say_where_gathers_went(report: Report, carried, gathered: dict) -> None:
+    """Tell each split site where the gathers of its rows ended (the carried values' readers)."""
+    for m in carried.materialised:
+        entry = report.sites[gathered[id(m.all_gather)]] if m.feeds_dot else None
+        if entry is None:
+            how = f"before {m.reader}"
+        elif entry.rewritten:
+            how = f"into the ring of {m.reader}"
+        else:
+            how = f"before {m.reader} (no ring: {entry.reason} [{entry.reason_code}])"
+        for index in sorted(m.seeds):
+            report.sites[index].all_reduce["gathers"].append(how)
+    for index in carried.stayed:
+        report.sites[index].all_reduce["gathers"].append("right after its reduce-scatter ring")
+    for index, notes in carried.notes.items():
+        report.sites[index].notes += notes
