@@ -11,7 +11,7 @@ import pytest
 import cmatmul_pass
 from cmatmul_pass import compile_budget, cost, ir_utils
 from cmatmul_pass.compile_budget import LOOP_WEIGHT, compile_ratio, program_weight, ring_units
-from conftest import assert_same_numbers, run_cli
+from conftest import ROOT, assert_same_numbers, run_cli
 from tools import bench
 
 #: a profile under which the bench's tiny layers' rings pay (slow links, slow dots, no per-step cost):
@@ -187,3 +187,19 @@ def test_explain_states_the_predicted_compile_ratio(tmp_path, capsys):
     assert run_cli("explain", path, "--policy", "auto", "--hardware", SLOW) == 0
     out = capsys.readouterr().out
     assert "XLA compile time: predicted" in out and "budget 1.4x" in out
+
+
+@pytest.mark.parametrize("name", ["ag_scan_stacked", "rs_dot_padded", "rs_ag_padded_grad"])
+def test_a_motion_whose_ring_the_budget_declines_is_not_made(name):
+    """A collective moved to its matmul (sunk into a scan, past a pad or a crop) is moved only
+    where its ring is then built: with no room in the budget the module is left as it was."""
+    text = (ROOT / "hlo_samples" / f"{name}.mlir").read_text()
+    free = rewrite(text, compile_budget=None)
+    assert free.report.rewritten and any(s.moved_from or s.notes for s in free.report.rewritten)
+    none = rewrite(text, compile_budget=1.0)
+    assert not none.report.rewritten
+    # the site says why it stayed: its own decline where it stands, and the motion's ring declined
+    assert any("compile_budget" in s.reason + " ".join(s.notes) for s in none.report.sites), \
+        [(s.reason_code, s.reason, s.notes) for s in none.report.sites]
+    assert ir_utils.print_module(none.module) == ir_utils.print_module(ir_utils.parse(text))
+    assert_same_numbers(text, free)
