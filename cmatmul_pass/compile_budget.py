@@ -13,7 +13,7 @@ loop's body once plus :data:`LOOP_WEIGHT` (a loop of one trip, which XLA removes
 XLA CPU compiles the bench's 7B-class training steps (4 to 32 layers, original and rewritten) in
 about 0.7 s + 1.3 ms per op of that weight: :func:`compile_ratio` predicts a rewritten program's
 compile time over its original's as ``(FIXED_WEIGHT + rewritten) / (FIXED_WEIGHT + original)``.
-Calibrated there, it is within about 20 % of the measured ratio up to about 2.5x; larger growth
+Calibrated there, it is within about 20 % of the measured ratio up to about 2x; larger growth
 compiles slower than predicted (the entry computation's dependency graph grows faster than its
 thunks).
 

@@ -77,7 +77,7 @@ def compile_ratios(r: dict) -> list[str]:
     lines = [f"**XLA's compile time**, rewritten / original (hidden {shape['hidden']}, ffn {shape['ffn']}, "
              f"{shape['tokens']} tokens, {shape['dtype']}; the default: policy auto on the {c['hardware'].upper()} "
              f"profile, within its compile budget; median of {c['repeats']} interleaved rounds; predicted: the "
-             f"budget's model, `explain`'s last line):", "", _row(*head), "|" + "---|" * len(head)]
+             f"budget's model, `explain`'s `XLA compile time` line):", "", _row(*head), "|" + "---|" * len(head)]
     for layers, row in c["by_layers"].items():
         for model, m in row.items():
             ratios = m["ratios"]
