@@ -148,10 +148,9 @@ class CompileBudget:
     ratio: float
     module: ir.Module | None = field(default=None, repr=False, compare=False)
     spent: int = 0
-    #: ops per written dot, per site shape, as its first ring measured them
-    per_dot: dict = field(default_factory=dict)
-    #: ops per chunk, per psum site shape, as its first chunked psum measured them
-    per_chunk: dict = field(default_factory=dict)
+    #: ("ring", shape) -> ops per written dot, ("chunk", shape) -> ops per psum chunk: as the first
+    #: rewrite of each measured them
+    per_unit: dict = field(default_factory=dict)
     #: the variant (None: left as written) and note each site key got, for a replayed region's probe
     chosen: dict = field(default_factory=dict)
 
@@ -164,8 +163,14 @@ class CompileBudget:
         return max((FIXED_WEIGHT + self.original) * (self.ratio - 1), FLOOR_OPS)
 
     def estimate(self, shape: cost.SiteShape, variant: str) -> float:
-        dots, looped = ring_units(shape, variant)
-        return dots * self.per_dot.get(shape, OPS_PER_DOT) + LOOP_WEIGHT * looped
+        return self._priced(("ring", shape), *ring_units(shape, variant))
+
+    def estimate_chunks(self, shape: cost.SiteShape, chunks: int) -> float:
+        return self._priced(("chunk", shape), chunks, False)
+
+    def _priced(self, key: tuple, units: int, looped: bool) -> float:
+        default = OPS_PER_DOT if key[0] == "ring" else OPS_PER_CHUNK
+        return units * self.per_unit.get(key, default) + LOOP_WEIGHT * looped
 
     def fits(self, weight: float) -> bool:
         return self.spent + weight <= self.allowed
@@ -210,33 +215,33 @@ class CompileBudget:
                                   f"{name(preferred)}: about {estimate(preferred) * max(copies, 1):.0f} ops{many})")
         return self.chosen[key]
 
-    def estimate_chunks(self, shape: cost.SiteShape, chunks: int) -> float:
-        return chunks * self.per_chunk.get(shape, OPS_PER_CHUNK)
-
     def any_ring_fits(self, shape: cost.SiteShape, copies: int) -> bool:
         """Does some variant of a ring of ``shape`` fit what is left?"""
         return any(self.fits(self.estimate(shape, v) * copies) for v in cost.VARIANTS)
 
-    def charge(self, shape: cost.SiteShape | None, variant: str | None, added: int, copies: int) -> None:
-        """A site's ring built: it added ``added`` ops (per copy) to the program."""
-        self.spent += added * copies
-        if shape is not None and variant is not None and shape not in self.per_dot:
-            dots, looped = ring_units(shape, variant)
-            if dots:
-                self.per_dot[shape] = max(1.0, (added - LOOP_WEIGHT * looped) / dots)
+    def building_ring(self, block: ir.Block, shape: cost.SiteShape, variant: str, copies: int):
+        """:meth:`_building` a ring of ``shape`` in ``variant``."""
+        return self._building(block, ("ring", shape), *ring_units(shape, variant), copies)
 
-    def charge_chunks(self, shape: cost.SiteShape, chunks: int, added: int, copies: int) -> None:
-        """A psum chunked ``chunks`` ways: it added ``added`` ops (per copy)."""
-        self.spent += added * copies
-        self.per_chunk.setdefault(shape, max(1.0, added / chunks))
+    def building_chunks(self, block: ir.Block, shape: cost.SiteShape, chunks: int, copies: int):
+        """:meth:`_building` a psum of ``shape`` chunked ``chunks`` ways."""
+        return self._building(block, ("chunk", shape), chunks, False, copies)
 
     @contextlib.contextmanager
-    def measured(self, block: ir.Block, shape: cost.SiteShape, known: bool, charge):
-        """Run the rewrite inside; ``charge(added)`` what it added: measured (``block``'s weight
-        before and after) unless ``known`` (a ring of ``shape`` was measured: priced as it was)."""
+    def _building(self, block: ir.Block, key: tuple, units: int, looped: bool, copies: int):
+        """Run the rewrite inside (in ``block``) and charge what it added, ``copies`` times: the
+        first rewrite of ``key`` measured (``block``'s weight before and after; its ops per unit
+        learned), later ones priced as it was."""
+        known = key in self.per_unit
         before = None if known else block_weight(block, self.module)
         yield
-        charge(None if before is None else block_weight(block, self.module) - before)
+        if known:
+            added = round(self._priced(key, units, looped))
+        else:
+            added = block_weight(block, self.module) - before
+            if units:
+                self.per_unit[key] = max(1.0, (added - LOOP_WEIGHT * looped) / units)
+        self.spent += added * copies
 
     def describe(self) -> str:
         return (f"{self.ratio:g}x the original's predicted compile time, which {self.allowed:.0f} ops over its "

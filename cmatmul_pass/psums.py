@@ -4,6 +4,7 @@ and compile budget; and, once the gathers are placed, where each split psum's ga
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -61,13 +62,8 @@ def decide_all_reduce(site, ctx: RewriteContext, source: str, options: Options, 
         entry.notes.append(f"{strategy} is predicted {slower:.2f}x the all_reduce's speed on {prediction.hardware} "
                            "(policy all rewrites it anyway; --policy auto would leave it)")
     if strategy == "chunk":
-        if budget is not None:
-            spend, copies = budget
-            with spend.measured(site.all_reduce.operation.block, shape, shape in spend.per_chunk,
-                                lambda added: spend.charge_chunks(shape, chunks, round(spend.estimate_chunks(
-                                    shape, chunks)) if added is None else added, copies)):
-                applied = guarded(entry, chunk_all_reduce, site, ctx, chunks)
-        else:
+        with budget[0].building_chunks(site.all_reduce.operation.block, shape, chunks, budget[1]) if budget \
+                else contextlib.nullcontext():
             applied = guarded(entry, chunk_all_reduce, site, ctx, chunks)
         entry.rewritten = True
         entry.channel_handles = list(applied.channel_handles)

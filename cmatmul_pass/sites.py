@@ -86,7 +86,8 @@ def apply_site(
         return rewrite_all_gather_dot(site, ctx, merged if options.merge_dots == ctx.merge_dots else None)
 
     moved = guarded(entry, hoist, site)
-    with _charged(budget, shape, variant, site):
+    with budget[0].building_ring(site.anchor.operation.block, shape, variant, budget[1]) if budget \
+            else contextlib.nullcontext():
         shared = guarded(entry, rings.share, site, pattern, rematch, build) if pattern else None
         applied = shared.applied if shared else guarded(entry, build, site)
     if verify is not None:
@@ -106,22 +107,6 @@ def apply_site(
     }
     entry.notes = applied.notes + moved + ([budget_note] if budget_note else [])
     return entry
-
-
-@contextlib.contextmanager
-def _charged(budget: tuple | None, shape: cost.SiteShape, variant: str, site: Site):
-    """Charge the compile budget for the ring built inside: the first ring of a shape is
-    measured (its block's weight before and after), later ones priced as it was."""
-    if budget is None:
-        yield
-        return
-    spend, copies = budget
-
-    def charge(added: int | None) -> None:
-        spend.charge(shape, variant, round(spend.estimate(shape, variant)) if added is None else added, copies)
-
-    with spend.measured(site.anchor.operation.block, shape, shape in spend.per_dot, charge):
-        yield
 
 
 #: the options' verdicts on a site that matched: not a dot lost to another ring
