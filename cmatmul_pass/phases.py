@@ -16,13 +16,12 @@ from typing import TYPE_CHECKING
 import math
 from dataclasses import dataclass, replace
 
-from . import cost, ir_utils
+from . import cost, ir_utils, ring_pairs
 from ._jax_private import ir
 from .analysis.slack import SiteSlack, Slack
 from .analysis.variance import Variance
 from .attempts import Attempts
 from .compile_budget import CompileBudget, program_weight
-from .errors import Decline
 from .matchers import (
     AllGatherSite,
     DeclinedSite,
@@ -35,7 +34,6 @@ from .matchers import (
 from .matchers.all_gather import reaches_a_dot_row_wise
 from .matchers.all_reduce import match_all_reduce
 from .matchers.common import collective_ring
-from .matchers.reduce_scatter import first_dot
 from .report import Report, SiteReport, tensor_bytes
 from .rewrites.pad_motion import CroppedGather, PaddedProduct, cropped_gather, move_crop, move_pad, padded_product
 from .rewrites.schedule import RewriteContext
@@ -228,7 +226,7 @@ class SiteWalk:
             return
         since, place = len(self.report.sites), self.place_of(op)
         site = match_reduce_scatter(op, self.info)
-        site, plain = self._past_a_prefetched_gather(op, site)
+        site, paired = ring_pairs.resolve(op, site, self.info, self.hw, self.options)
         banned = self.attempts.may_move(op)
         unpadded = self._unpad(op, site, banned)
         if unpadded is None:
@@ -247,54 +245,20 @@ class SiteWalk:
             entry.reason += f"; not hoisted into the loop: {hoisted}"
         if unpadded:
             entry.reason += f"; its zero padding not moved onto the matmul's operand: {unpadded}"
-        if plain is not None:
-            gather, slack = plain
+        if paired is not None and paired.how == "kept":
+            entry.reason += f"; {ring_pairs.describe(paired, ir_utils.render_location(paired.gather.location, self.source))}"
+        elif paired is not None:
             if entry.rewritten:
-                where = ir_utils.render_location(gather.location, self.source)
-                entry.notes.append(f"the gather of its dot's operand at {where} (over other device groups) stays a "
-                                   f"plain all_gather, sent early behind {slack.hiding_flops:.3g} FLOP of compute before "
-                                   "the dot; this scatter, which can start only after the dot, has the ring")
-                self.prefetched[gather.operation] = (entry.location, slack)
+                entry.notes.append(ring_pairs.describe(paired, ir_utils.render_location(paired.gather.location,
+                                                                                       self.source)))
+                if paired.how == "prefetched":
+                    self.prefetched[paired.gather.operation] = (entry.location, paired.slack)
             else:
-                self.info.plain_gathers.discard(gather.operation)
+                self.info.plain_gathers.discard(paired.gather.operation)
         if id(op) in not_swapped and not entry.rewritten:
             entry.reason += f"; not moved before the psum: {not_swapped[id(op)]}"
         self.report.sites.append(entry)
         self.tag(place, since)
-
-    def _past_a_prefetched_gather(self, op: ir.OpView, site: Site) -> tuple[Site, tuple | None]:
-        """A scatter declined because its dot's operand is gathered along the scattered dim over
-        other device groups (a 2-D mesh: the weight's FSDP gather over 'data', the product
-        scattered over 'model' along the same dim), where that gather has compute before the dot
-        to hide behind (:mod:`.analysis.slack`): the gather stays plain (XLA sends it early) and
-        the scatter, which can start only after the dot, is matched again to take the ring
-        (two rings over different groups do not nest).  Returns the site to apply and (the
-        gather, its slack), or the site as it was and None."""
-        if not isinstance(site, DeclinedSite) or site.code != "gathered_operand" or site.ring is None:
-            return site, None
-        dot = first_dot(op.operation.operands[0])
-        if dot is None:
-            return site, None
-        slack = Slack(dot_flops)
-        for operand in dot.operation.operands:
-            gather = operand.owner
-            if isinstance(gather, ir.Block) or gather.operation.name != "stablehlo.all_gather":
-                continue
-            try:
-                ring, _ = collective_ring(gather, self.info)
-            except Decline:
-                continue
-            if {frozenset(g) for g in ring.groups} == {frozenset(g) for g in site.ring.groups}:
-                continue  # the same groups: gather and scatter are an all-reduce in disguise
-            hidden = slack.of(gather, [dot])
-            if hidden.hiding_flops <= 0:
-                continue  # nothing to send it behind: its own ring hides it, as before
-            self.info.plain_gathers.add(gather.operation)
-            again = match_reduce_scatter(op, self.info)
-            if isinstance(again, ReduceScatterSite):
-                return again, (gather, hidden)
-            self.info.plain_gathers.discard(gather.operation)
-        return site, None
 
     def _unpad(self, op: ir.OpView, site: Site, banned: str | None) -> str | None:
         """A scatter of a zero-padded product: the padding moved onto the matmul's operand and the

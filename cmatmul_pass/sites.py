@@ -170,9 +170,9 @@ def describe_site(site: Site, source: str) -> SiteReport:
         entry.dim_role = "+".join(dict.fromkeys(c.role for c in site.consumers))
         entry.collective_dim = site.gather_dim
         entry.consumers = [_consumer(c.dot, c.operand_index, c.role, c.path, source) for c in site.consumers]
-        entry.assembled_for = [
-            f"{op.operation.name} at {ir_utils.render_location(op.location, source)}" for op in site.kept_users
-        ]
+        readers = Counter(f"{op.operation.name} at {ir_utils.render_location(op.location, source)}"
+                          for op in site.kept_users)  # (a ring's slices of it share their location)
+        entry.assembled_for = [f"{reader} ({count} ops)" if count > 1 else reader for reader, count in readers.items()]
     elif isinstance(site, ReduceScatterSite):
         entry.operand = _side(site.terms[0].operand_index)
         entry.dim_role = "+".join(dict.fromkeys(t.role for t in site.terms))

@@ -82,7 +82,8 @@ class Spec:
     #: it (POINTWISE), in order; "vary" multiplies by a per-device factor, which stops the move
     between: tuple[str, ...] = ()
     #: scan: the step under jax.checkpoint; the program is value_and_grad of the scan (a training
-    #: step: the stack handed to the backward, the stacked gradient scattered after its loop)
+    #: step: the stack handed to the backward, the stacked gradient scattered after its loop);
+    #: fsdp with ``scatter``: value_and_grad of the block (``grad``)
     remat: bool = False
     grad: bool = False
     #: mlp: the block called ``repeat`` times in a row, each call reading the last one's output (the
@@ -283,6 +284,9 @@ def specs(draw, kinds: tuple[str, ...] | None = None, norm: bool | None = None, 
         spec = replace(spec, unpermute=True)
     if kind == "fsdp" and spec.dim == "n" and draw(st.booleans()):
         spec = replace(spec, scatter=True)
+        if dtype in ("f32", "bf16", "f16", "f64") and draw(st.booleans()):
+            # its training step: the backward's weight-gradient scatter meets the cotangent's gather (ring_pairs)
+            spec = replace(spec, grad=True)
     if spec.grad and spec.partial_manual:
         # XLA CPU (jax 0.10.2) aborts compiling the *original* backward of a bf16 scan in a
         # partially manual region ("Invalid binary instruction opcode copy"): not a program to fuzz with

@@ -263,14 +263,19 @@ def fsdp_tp(grad: bool) -> Callable[[], str]:
     return build
 
 
-def fsdp_tp_hidden(up: bool = True) -> Callable[[], str]:
+def fsdp_tp_hidden(up: bool = True, grad: bool = False, sizes: tuple[int, int, int] = (32, 64, 128)
+                   ) -> Callable[[], str]:
     """An MLP block on a 2x4 (data, model) mesh, rows over 'data': the up projection's weight
     FSDP-gathered over 'data' (contracting), the down projection's over 'data' along the hidden dim,
     and its product psum_scatter'ed over 'model' along that same hidden dim.  ``up=False``: the down
-    projection reads the block's input directly (no compute before it)."""
+    projection reads the block's input directly (no compute before it); ``grad``: value_and_grad of
+    a mean-square loss (the backward gathers the cotangent over 'model' for both of the down
+    projection's gradient dots, and scatters its weight's gradient over 'data' along the dim that
+    gather is along); ``sizes``: (tokens, hidden, ffn)."""
 
     def build() -> str:
         mesh = mesh_2x4()
+        tokens, hidden, ffn = sizes
 
         def block(x, w_up, w_down):
             h = jax.nn.gelu(x @ gather(w_up, "data", 0)) if up else x
@@ -278,8 +283,9 @@ def fsdp_tp_hidden(up: bool = True) -> Callable[[], str]:
 
         specs = (P("data", None if up else "model"), P("data", "model"), P("model", "data"))
         f = jax.shard_map(block, mesh=mesh, in_specs=specs, out_specs=P("data", "model"))
-        return lower(f, arg(mesh, (32, 64 if up else 128), specs[0]), arg(mesh, (64, 128), specs[1]),
-                     arg(mesh, (128, 64), specs[2]))
+        fn = jax.value_and_grad(lambda *a: jnp.mean(f(*a) ** 2), argnums=(0, 1, 2)) if grad else f
+        return lower(fn, arg(mesh, (tokens, hidden if up else ffn), specs[0]), arg(mesh, (hidden, ffn), specs[1]),
+                     arg(mesh, (ffn, hidden), specs[2]))
 
     return build
 
@@ -477,6 +483,13 @@ SAMPLES_LIST = [
            "along the same dim stays (gathered_operand).",
            fsdp_tp_hidden(up=False), "rewritten 1",
            ['CHECK: "stablehlo.reduce_scatter"', "CHECK-NOT: stablehlo.all_gather"]),
+    Sample("fsdp_tp_hidden_grad", "value_and_grad of fsdp_tp_hidden at 2048 tokens: the backward gathers the "
+           "cotangent over 'model' for the down projection's two gradient dots (dx and dW), and scatters dW over "
+           "'data' along the dim that gather is along; the gather has nothing before its dots to hide behind, so "
+           "its ring computes dx and assembles the gathered value, and the scatter's ring computes dW from it "
+           "(ring_pairs: the two rings predicted faster than the gather's ring over both dots and the scatter plain).",
+           fsdp_tp_hidden(grad=True, sizes=(2048, 1024, 4096)), "rewritten 6",
+           ["CHECK-NOT: stablehlo.reduce_scatter", "CHECK: stablehlo.collective_permute"]),
     Sample("fsdp_tp_grad", "value_and_grad of fsdp_tp: every collective over 'model' rewritten, forward and "
            "backward; the weight gathers over 'data' the activations' rings took are prefetchable or lost.",
            fsdp_tp(True), "rewritten 14",
