@@ -359,6 +359,8 @@ class Program:
     def __init__(self, module: ir.Module, inputs: Sequence[np.ndarray] | None, devices: Sequence,
                  compiler_options: dict | None = None):
         refuse_host_callbacks(module)
+        if devices and devices[0].platform == "cpu":  # a GPU-lowered module's composites, as their decompositions
+            module = ir_utils.composites_as_calls(module)
         start = time.perf_counter()
         try:
             self.executable = compile_module(module, len(devices), devices, compiler_options)

@@ -534,3 +534,23 @@ def copy_module(module: ir.Module, context: ir.Context) -> ir.Module:
     buf = io.BytesIO()
     module.operation.write_bytecode(buf)
     return ir.Module.parse(buf.getvalue(), context=context)
+
+
+def composites_as_calls(module: ir.Module) -> ir.Module:
+    """``module`` for a backend that cannot lower some composites (XLA:CPU has no ``ragged-dot``
+    for ``chlo.ragged_dot``): a copy whose every ``stablehlo.composite`` is a ``func.call`` of its
+    ``decomposition``, which by the composite's definition computes the same values; ``module``
+    itself where it holds none."""
+    if not ops_named(module.operation, "stablehlo.composite")["stablehlo.composite"]:
+        return module
+    copy = clone_module(module)
+    with copy.context:
+        for op in ops_named(copy.operation, "stablehlo.composite")["stablehlo.composite"]:
+            operation = op.operation
+            with ir.InsertionPoint(operation):
+                made = call(ir.FlatSymbolRefAttr(operation.attributes["decomposition"]).value, list(operation.operands),
+                            [r.type for r in operation.results], operation.location)
+            for old, new in zip(operation.results, made.results):
+                old.replace_all_uses_with(new)
+            operation.erase()
+    return copy
