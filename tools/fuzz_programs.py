@@ -157,6 +157,10 @@ class Spec:
         gathered, the second gather when the first ring's round 0 is in its loop (`uni`, or
         `unroll2` with an even number of sending rounds), since that loop reads the second
         gathered value and the only dot left reading it waits for the loop ('schedule')."""
+        if self.kind == "fsdp" and self.grad:  # its backward also: the weight gradient's scatter where the
+            # cotangent's ring keeps its dot (ring_pairs), the weight gradients' psums over mesh axes the block
+            # does not shard (of a scatter, or of a product too small to divide)
+            return frozenset({"prefetchable", "lost_to_ring", "gathered_operand", "producer_not_dot", "no_dim"})
         if self.kind == "fsdp":  # the weight's gather, where the activation's ring took its dot
             return frozenset({"prefetchable", "lost_to_ring"})
         if self.kind == "scan" and self.grad:  # the input gradient's psum of the whole loop; under

@@ -246,8 +246,10 @@ def _match(ag: ir.OpView, ring: Ring, region: ManualRegion, assemble: bool, info
             "multiple_users",
             f"the gathered value is also read by {names}; assembling it in the loop is switched off",
         )
-    return AllGatherSite(ag, ring, region, gather_dim, tuple(consumers), tuple(tree.nodes), tuple(kept), first,
-                         hoisted)
+    # in block order (parents before children still): the users' order of a value is its use
+    # list's, which a copy of the same ops (a shared ring's function) may hold reversed
+    nodes = tuple(sorted(tree.nodes, key=lambda step: ir_utils.BlockOrder(step.op)))
+    return AllGatherSite(ag, ring, region, gather_dim, tuple(consumers), nodes, tuple(kept), first, hoisted)
 
 
 def _visit(tree: _Tree, value: ir.Value, dim: int, path: tuple[LayoutStep, ...], block: ir.Block, n: int) -> list[_Use]:
