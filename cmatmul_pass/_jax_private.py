@@ -22,7 +22,7 @@ from jax._src.interpreters import mlir as _jmlir
 from jax._src.lib import xla_client as _xla_client
 from jax._src.lib.mlir import dialects as _dialects
 from jax._src.lib.mlir import ir  # noqa: F401  (re-exported)
-from jax._src.lib.mlir.dialects import func, hlo, sdy  # noqa: F401  (re-exported)
+from jax._src.lib.mlir.dialects import chlo, func, hlo, sdy  # noqa: F401  (re-exported)
 
 try:  # moved between releases; keep the fallback here, nowhere else
     from jax._src.sharding_impls import GSPMDSharding as _GSPMDSharding
@@ -35,6 +35,7 @@ except ImportError:  # pragma: no cover - depends on the installed jax
 
 __all__ = [
     "ir",
+    "chlo",
     "hlo",
     "func",
     "sdy",

@@ -18,6 +18,12 @@ domain, from the module's data flow:
   layout, select and add ops (jax's wrap of negative indices), drawn within the bounds of
   every one it reaches (``[0, dim - slice + 1)``, the smallest).
 
+And one rule every draw takes, since small random integers are legal group sizes that leave most
+rows in no group: **group sizes**, an integer argument that is a grouped matmul's group sizes
+(``chlo.ragged_dot``'s third operand, through reshapes, converts, sharding ops, calls and
+shard_map regions), drawn as non-negative sizes summing to its row count (empty groups as they
+fall).
+
 :func:`draw` redraws those arguments (a normal draw's magnitudes; uniform indices), the other
 arguments as they were.  :func:`input_spec` lists the arguments a module takes, for an
 ``--inputs`` file of one's own.
@@ -34,6 +40,11 @@ from ._jax_private import hlo, ir
 
 NON_NEGATIVE = "non-negative"
 INDICES = "indices"
+GROUP_SIZES = "group sizes"
+#: ops a grouped matmul's group sizes keep their values through (what the group-sizes rule looks
+#: back through, besides calls, regions and barriers)
+_SIZES_THROUGH = frozenset({"stablehlo.convert", "stablehlo.reshape", "stablehlo.copy", "sdy.sharding_constraint",
+                            "sdy.reshard", "mhlo.copy"})
 
 #: ops whose operand must be non-negative (operand 0): what the rule looks back from
 _NON_NEGATIVE_SINKS = ("stablehlo.sqrt", "stablehlo.rsqrt", "stablehlo.log", "stablehlo.log_plus_one",
@@ -55,7 +66,8 @@ _SHARDING_CALLS = frozenset({"Sharding", "SPMDFullToShardShape", "SPMDShardToFul
 @dataclass(frozen=True)
 class Rule:
     """How argument ``argument`` of the entry function is drawn to keep the program in its
-    domain: ``kind`` :data:`NON_NEGATIVE` or :data:`INDICES` (integers in ``[0, bound)``);
+    domain: ``kind`` :data:`NON_NEGATIVE`, :data:`INDICES` (integers in ``[0, bound)``) or
+    :data:`GROUP_SIZES` (non-negative integers summing to ``bound`` along the last dim);
     ``name`` the argument's name where the module records it (jax's ``debug_info``), ``op``
     the op that needs it (``stablehlo.sqrt at file:line:col``)."""
 
@@ -66,11 +78,15 @@ class Rule:
     bound: int | None = None
 
     def what(self) -> str:
+        if self.kind == GROUP_SIZES:
+            return f"group sizes summing to {self.bound}"
         return "non-negative" if self.kind == NON_NEGATIVE else f"integers in [0, {self.bound})"
 
     def why(self, many: bool = False) -> str:
         if self.kind == INDICES:
             return f"the indices of {self.op}"
+        if self.kind == GROUP_SIZES:
+            return f"the group sizes of {self.op}"
         return f"{'they flow' if many else 'it flows'} into {self.op}"
 
     def label(self) -> str:
@@ -118,6 +134,11 @@ def rules(module: ir.Module, source: str | None = None) -> list[Rule]:
             where = _where(op, source)
             for arg in walker.arguments(op.operands[0], NON_NEGATIVE):
                 found.setdefault(arg, Rule(arg, NON_NEGATIVE, where, walker.name(arg)))
+        if ir_utils.is_grouped_dot(op) and len(op.operands) > 2:
+            numbers, lhs = ir_utils.ragged_numbers(op), ir_utils.ranked_tensor(op.operands[0])
+            if numbers and len(numbers[4]) == 1 and lhs is not None and ir_utils.is_static(lhs):
+                for arg in walker.arguments(op.operands[2], GROUP_SIZES):
+                    found[arg] = Rule(arg, GROUP_SIZES, _where(op, source), walker.name(arg), lhs.shape[numbers[4][0]])
         for operand, bound in _index_operands(op):
             where = _where(op, source)
             for arg in walker.arguments(operand, INDICES):
@@ -136,6 +157,10 @@ def draw(inputs: list[np.ndarray], found: list[Rule], seed: int = 0) -> list[np.
         x = redrawn[rule.argument]
         if rule.kind == NON_NEGATIVE:
             redrawn[rule.argument] = np.abs(x).astype(x.dtype)
+        elif rule.kind == GROUP_SIZES:
+            groups = x.shape[-1] if x.ndim else 1
+            sizes = rng.multinomial(rule.bound, [1 / groups] * groups, size=x.shape[:-1] if x.ndim else None)
+            redrawn[rule.argument] = np.asarray(sizes).reshape(x.shape).astype(x.dtype)
         else:
             redrawn[rule.argument] = rng.integers(0, max(rule.bound, 1), x.shape).astype(x.dtype)
     return redrawn
@@ -161,7 +186,8 @@ def input_spec(module: ir.Module, source: str | None = None) -> list[str]:
                 break
         if i in by_arg:
             rule = by_arg[i]
-            line += f"  (drawn {rule.what()} where random inputs leave the original inf/NaN: {rule.why()})"
+            when = "" if rule.kind == GROUP_SIZES else " where random inputs leave the original inf/NaN"
+            line += f"  (drawn {rule.what()}{when}: {rule.why()})"
         lines.append(line)
     return lines
 
@@ -236,7 +262,7 @@ class _Walker:
         if name == "func.func":
             if owner.operation == self.entry.operation:
                 t = ir_utils.ranked_tensor(arg)
-                wanted = ir.IntegerType if kind == INDICES else ir.FloatType
+                wanted = ir.FloatType if kind == NON_NEGATIVE else ir.IntegerType
                 if t is not None and isinstance(t.element_type, wanted):
                     found.append(arg.arg_number)
                 return []
@@ -257,6 +283,8 @@ class _Walker:
             return [list(body.operations)[-1].operands[result.result_number]]
         if name == "stablehlo.optimization_barrier":
             return [operands[result.result_number]]
+        if kind == GROUP_SIZES:
+            return operands[:1] if name in _SIZES_THROUGH else []
         if name == "stablehlo.custom_call":
             target = ir.StringAttr(op.attributes["call_target_name"]).value
             return operands[:1] if target in _SHARDING_CALLS else []

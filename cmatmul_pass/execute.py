@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field, replace
 import ml_dtypes
 import numpy as np
 
-from . import ir_utils, numerics
+from . import cpu_copy, ir_utils, numerics
 from ._jax_private import compile_module, ir, sharding_for_devices
 from .errors import ExecutionError
 from .reference import NoReference, demote_to_f32, promote_to_f64
@@ -359,8 +359,8 @@ class Program:
     def __init__(self, module: ir.Module, inputs: Sequence[np.ndarray] | None, devices: Sequence,
                  compiler_options: dict | None = None):
         refuse_host_callbacks(module)
-        if devices and devices[0].platform == "cpu":  # a GPU-lowered module's composites, as their decompositions
-            module = ir_utils.composites_as_calls(module)
+        if devices and devices[0].platform == "cpu":  # a GPU-lowered module's grouped matmuls and composites
+            module = cpu_copy.for_cpu(module)
         start = time.perf_counter()
         try:
             self.executable = compile_module(module, len(devices), devices, compiler_options)
@@ -608,7 +608,12 @@ class Reference:
         if len(devices) != num_partitions:
             raise ExecutionError(f"the module has {num_partitions} partitions but {len(devices)} devices were given")
         runs = _OriginalRuns(original, devices)
-        reference = runs.reference(list(inputs) if inputs is not None else random_inputs(original, seed))
+        drawn = random_inputs(original, seed) if inputs is None else list(inputs)
+        sizes = [rule for rule in domain.rules(original, source) if rule.kind == domain.GROUP_SIZES] \
+            if inputs is None else []
+        reference = runs.reference(domain.draw(drawn, sizes, seed) if sizes else drawn)
+        if sizes:
+            reference = replace(reference, drawn=f"random: {domain.describe(sizes)}")
         outside = reference.outside_domain()
         if inputs is None and outside:
             found = domain.rules(original, source)

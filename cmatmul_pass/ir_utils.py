@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ._jax_private import deserialize_portable_artifact, ir, make_context
+from ._jax_private import chlo, deserialize_portable_artifact, hlo, ir, make_context
 from .errors import InputError
 
 BYTECODE_MAGIC = b"ML\xefR"
@@ -536,21 +536,61 @@ def copy_module(module: ir.Module, context: ir.Context) -> ir.Module:
     return ir.Module.parse(buf.getvalue(), context=context)
 
 
-def composites_as_calls(module: ir.Module) -> ir.Module:
-    """``module`` for a backend that cannot lower some composites (XLA:CPU has no ``ragged-dot``
-    for ``chlo.ragged_dot``): a copy whose every ``stablehlo.composite`` is a ``func.call`` of its
-    ``decomposition``, which by the composite's definition computes the same values; ``module``
-    itself where it holds none."""
-    if not ops_named(module.operation, "stablehlo.composite")["stablehlo.composite"]:
-        return module
-    copy = clone_module(module)
-    with copy.context:
-        for op in ops_named(copy.operation, "stablehlo.composite")["stablehlo.composite"]:
-            operation = op.operation
-            with ir.InsertionPoint(operation):
-                made = call(ir.FlatSymbolRefAttr(operation.attributes["decomposition"]).value, list(operation.operands),
-                            [r.type for r in operation.results], operation.location)
-            for old, new in zip(operation.results, made.results):
-                old.replace_all_uses_with(new)
-            operation.erase()
-    return copy
+#: a grouped matmul (``jax.lax.ragged_dot``): the op jax lowers it to for GPU and TPU, and the
+#: name of the ``stablehlo.composite`` (computed by its ``decomposition`` function) ``jax.export``
+#: writes for that op
+RAGGED_DOT = "chlo.ragged_dot"
+
+
+def is_grouped_dot(op: ir.OpView | ir.Operation) -> bool:
+    """Is ``op`` a grouped matmul: ``chlo.ragged_dot``, or a ``stablehlo.composite`` of it?"""
+    operation = op.operation if isinstance(op, ir.OpView) else op
+    if operation.name == RAGGED_DOT:
+        return True
+    attrs = operation.attributes
+    return (operation.name == "stablehlo.composite" and "name" in attrs
+            and ir.StringAttr(attrs["name"]).value == RAGGED_DOT)
+
+
+def grouped_numbers_attr(op: ir.OpView | ir.Operation) -> ir.Attribute:
+    """The attribute holding a grouped matmul's dimension numbers (a composite's attributes)."""
+    operation = op.operation if isinstance(op, ir.OpView) else op
+    return operation.attributes["ragged_dot_dimension_numbers" if operation.name == RAGGED_DOT
+                                else "composite_attributes"]
+
+
+def ragged_numbers(op: ir.OpView | ir.Operation) -> tuple[tuple[int, ...], ...] | None:
+    """A grouped matmul's dimension numbers (lhs batch, rhs batch, lhs contracting, rhs
+    contracting, lhs ragged, rhs group): the op's attribute, or as a composite's attributes list
+    them; None where they cannot be read."""
+    operation = op.operation if isinstance(op, ir.OpView) else op
+    try:
+        if operation.name == RAGGED_DOT:
+            d = chlo.RaggedDotDimensionNumbers(operation.attributes["ragged_dot_dimension_numbers"])
+            return tuple(tuple(int(x) for x in dims) for dims in (
+                d.lhs_batching_dimensions, d.rhs_batching_dimensions, d.lhs_contracting_dimensions,
+                d.rhs_contracting_dimensions, d.lhs_ragged_dimensions, d.rhs_group_dimensions))
+        numbers = ir.ArrayAttr(ir.DictAttr(operation.attributes["composite_attributes"])["ragged_dot_dimension_numbers"])
+        found = tuple(tuple(int(d) for d in ir.DenseIntElementsAttr(entry)) for entry in numbers)
+    except (KeyError, ValueError, TypeError):
+        return None
+    return found if len(found) == 6 else None
+
+
+def lhs_contracting_dims(op: ir.OpView | ir.Operation) -> tuple[int, ...]:
+    """The lhs contracting dims of a ``dot_general`` or a grouped matmul."""
+    operation = op.operation if isinstance(op, ir.OpView) else op
+    if is_grouped_dot(operation):
+        return (ragged_numbers(operation) or ((),) * 6)[2]
+    return tuple(hlo.DotDimensionNumbers(operation.attributes["dot_dimension_numbers"]).lhs_contracting_dimensions)
+
+
+def result_groups(op: ir.OpView | ir.Operation) -> int:
+    """How many of a dot's result elements one product of rows and columns fills: a grouped
+    matmul contracting its ragged rows (``ragged_dot``'s weight gradient) leads its result with
+    one matrix per group, each row contributing to one of them; 1 for any other dot."""
+    operation = op.operation if isinstance(op, ir.OpView) else op
+    numbers = ragged_numbers(operation) if is_grouped_dot(operation) else None
+    if numbers and len(numbers[4]) == 1 and numbers[4][0] in numbers[2] and not numbers[5]:
+        return ranked_tensor(operation.results[0]).shape[0]
+    return 1

@@ -190,7 +190,7 @@ class Program:
             node = graph.add(BLOCK, self._join(graph, operands))
             graph.blocks[node] = (bodies, 1)
             return [(node,)] * n
-        elif name in ("stablehlo.dot_general", "stablehlo.dot"):
+        elif name in ("stablehlo.dot_general", "stablehlo.dot") or ir_utils.is_grouped_dot(op):
             node = graph.add(DOT, self._join(graph, operands), _dot_seconds(op, name, self.hw) if self._graph else 0.0)
             if self._loops:
                 self.dot_trips[ir_utils.render_location(op.location, self.source)] = self._trips()
@@ -331,14 +331,14 @@ def _dot_seconds(op: ir.Operation, name: str, hw: Hardware) -> float:
         return 0.0
     if name == "stablehlo.dot":
         contracted = lhs.shape[-1] if lhs.rank else 1
-    else:
+    else:  # a dot_general, or a grouped matmul (each row against one group's matrix)
         contracted = 1
-        for d in hlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"]).lhs_contracting_dimensions:
+        for d in ir_utils.lhs_contracting_dims(op):
             contracted *= lhs.shape[d]
     flops = 2 * contracted
     for d in result.shape:
         flops *= d
-    return flops / hw.throughput(str(lhs.element_type))
+    return flops / ir_utils.result_groups(op) / hw.throughput(str(lhs.element_type))
 
 
 def _gather(op, n, hw):

@@ -112,11 +112,15 @@ REASONS: dict[str, Reason] = {r.code: r for r in (
            "collective. A sum of what no matmul computes in this block (a loss, a norm's statistics, a loop's "
            "carry) has no ring: it stays as written",
            ("hlo_samples/neg_rs_producer_not_dot.mlir",)),
-    Reason("ragged_dot", "the collective's value comes from or goes to a grouped matmul (`jax.lax.ragged_dot`: "
-                         "`chlo.ragged_dot`, an MoE block's expert matmul), not a dot_general",
-           "grouped matmuls are not rewritten yet; the capacity-padded dense form of the block (GShard, "
-           "Switch: a one-hot dispatch einsum of the tokens into [experts, capacity, hidden], the experts' "
-           "einsums, a combine einsum back) puts dense matmuls next to the collectives, and the rings take them",
+    Reason("ragged_dot", "the ring would cut a grouped matmul (`jax.lax.ragged_dot`: `chlo.ragged_dot`, an MoE "
+                         "block's expert matmul) along its ragged rows (the tokens, which the group sizes assign to "
+                         "experts by position), its experts or a batch dim; or a grouped matmul stands past ops the "
+                         "ring cannot apply per block (an un-permute of the tokens)",
+           "a grouped matmul rings along its expert weights' columns or rows (FSDP over the weights' features) "
+           "and its product's features: gather or scatter those; the tokens' collectives stay. The "
+           "capacity-padded dense form of the block (GShard, Switch: a one-hot dispatch einsum of the tokens "
+           "into [experts, capacity, hidden], the experts' einsums, a combine einsum back) puts dense matmuls "
+           "next to the collectives, and the rings take them",
            ("hlo_samples/neg_rs_ragged_dot.mlir",)),
     Reason("reshard", "the all_gather's value is only sliced by `dynamic_slice` along another dim, each device "
                       "keeping its own part: a reshard (an all_to_all in disguise), no matmul input",

@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from . import cost, ir_utils
-from ._jax_private import hlo, ir
+from ._jax_private import ir
 from .errors import InternalError
 from .matchers import AllGatherSite, DeclinedSite, ReduceScatterSite, Site
 from .matchers.all_reduce import DOT_ALL_REDUCE
@@ -247,13 +247,15 @@ def _shape(site, parts, step: ir.RankedTensorType, groups: list[list[int]]) -> c
 def dot_flops(dot) -> float:
     """Real FLOPs: a multiply-add of complex numbers is four real ones."""
     op = dot.operation
-    key = (op.operands[0].type, op.results[0].type, op.attributes["dot_dimension_numbers"])
+    numbers = ir_utils.grouped_numbers_attr(op) if ir_utils.is_grouped_dot(op) else op.attributes["dot_dimension_numbers"]
+    key = (op.operands[0].type, op.results[0].type, numbers)
     flops = _FLOPS.get(key)
     if flops is None:  # the layers repeat their dots: worked out once per kind
         lhs, out = (ir.RankedTensorType(t) for t in key[:2])
-        contracting = hlo.DotDimensionNumbers(key[2]).lhs_contracting_dimensions
+        contracting = ir_utils.lhs_contracting_dims(op)  # (a grouped matmul's row meets one group's matrix)
         real = 4.0 if isinstance(lhs.element_type, ir.ComplexType) else 1.0
-        flops = _FLOPS[key] = real * 2.0 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in contracting)
+        flops = _FLOPS[key] = (real * 2.0 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in contracting)
+                               / ir_utils.result_groups(op))
     return flops
 
 
@@ -264,7 +266,7 @@ _FLOPS: dict = {}
 
 def _priced_dtype(dot) -> str:
     """:func:`priced_element_type`'s name (worked out once per pair of operand types)."""
-    key = tuple(v.type for v in dot.operation.operands)
+    key = tuple(v.type for v in list(dot.operation.operands)[:2])  # (not a grouped matmul's group sizes)
     name = _FLOPS.get(key)
     if name is None:
         name = _FLOPS[key] = str(priced_element_type(dot))
@@ -274,7 +276,7 @@ def _priced_dtype(dot) -> str:
 def priced_element_type(dot) -> ir.Type:
     """The type the cost model prices a dot's FLOPs at: the wider of its operands' (a dot of an
     fp8 operand and a bf16 one runs as bf16), a complex type's parts."""
-    types = [ir_utils.ranked_tensor(v).element_type for v in dot.operation.operands]
+    types = [ir_utils.ranked_tensor(v).element_type for v in list(dot.operation.operands)[:2]]
     element = max(types, key=element_bits)  # the lhs's on a tie
     return ir.ComplexType(element).element_type if isinstance(element, ir.ComplexType) else element
 

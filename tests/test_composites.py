@@ -1,7 +1,8 @@
-"""A module lowered for GPU (``jax.export(..., platforms=["cuda"])``) holds ``ragged_dot`` as a
-``stablehlo.composite "chlo.ragged_dot"``, which XLA:CPU cannot compile (no ``ragged-dot``):
-``check`` runs such a module on CPU through each composite's decomposition
-(``ir_utils.composites_as_calls``)."""
+"""A module lowered for GPU holds ``ragged_dot`` as ``chlo.ragged_dot`` (``jax.jit(...).lower``
+there) or as a ``stablehlo.composite "chlo.ragged_dot"`` (``jax.export(..., platforms=["cuda"])``),
+which XLA:CPU cannot compile (no ``ragged-dot``): ``check`` runs such a module on CPU through
+each composite's decomposition and jax's CPU lowering of each ``chlo.ragged_dot``
+(``cpu_copy.for_cpu``)."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ from jax import export
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cmatmul_pass import execute, ir_utils
+from cmatmul_pass import cpu_copy, execute, ir_utils
 from tests.conftest import run_cli
 
 
@@ -37,7 +38,7 @@ def gpu_moe_module() -> str:
 def test_the_copy_calls_each_decomposition_and_computes_the_same():
     module = ir_utils.parse(gpu_moe_module())
     before = str(module)
-    copy = ir_utils.composites_as_calls(module)
+    copy = cpu_copy.for_cpu(module)
     assert str(module) == before  # the module itself is only read
     assert not ir_utils.ops_named(copy.operation, "stablehlo.composite")["stablehlo.composite"]
     (call,) = [c for c in ir_utils.ops_named(copy.operation, "func.call")["func.call"]
@@ -45,7 +46,7 @@ def test_the_copy_calls_each_decomposition_and_computes_the_same():
     assert copy.operation.verify()
     plain = ir_utils.parse(jax.jit(lambda x, w, g: jax.lax.ragged_dot(x, w, g)).lower(
         jnp.zeros((16, 8)), jnp.zeros((2, 8, 4)), jnp.zeros((2,), jnp.int32)).as_text())
-    assert ir_utils.composites_as_calls(plain) is plain  # nothing to replace: the module itself
+    assert cpu_copy.for_cpu(plain) is plain  # nothing to replace: the module itself
 
 
 def test_check_runs_a_gpu_lowered_grouped_matmul_module_on_cpu(tmp_path, capsys):

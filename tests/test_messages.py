@@ -269,9 +269,9 @@ CASES = [
     (prefetch_in_scan, {}, "all_gather_dot", "prefetchable", "in a later region"),
     (scatter_in_next_region, {}, "dot_reduce_scatter", "prefetchable",
      "computed by stablehlo.dot_general at"),
-    (moe_gpu, {}, "dot_reduce_scatter", "ragged_dot", "computed by chlo.ragged_dot"),
-    (moe_exported, {}, "dot_reduce_scatter", "ragged_dot",
-     '("chlo.ragged_dot", as jax.export writes it)'),
+    (moe_gpu, {}, "dot_reduce_scatter", "ragged_dot", "the scattered dim is the ragged row dim of chlo.ragged_dot"),
+    (moe_exported, {}, "dot_reduce_scatter", "ragged_dot", "the scattered dim is the ragged row dim of "
+     "stablehlo.composite"),
     (moe_unpermute_psum, {}, "dot_all_reduce", "ragged_dot", "the summed value is computed by chlo.ragged_dot"),
     (moe_unpermute_psum_cpu, {}, "dot_all_reduce", "producer_not_dot",
      "comes from stablehlo.gather at"),

@@ -271,8 +271,9 @@ SAMPLES_LIST = [
     Sample("neg_prefetch", "FSDP prefetch by hand: the weight gathered in one shard_map is multiplied in the next; "
            "the transfer is already off the matmul's critical path.",
            prefetched_weight, "unchanged prefetchable", NEG),
-    Sample("neg_rs_ragged_dot", "an MoE down projection (chlo.ragged_dot, lowered for GPU) summed and scattered: "
-           "grouped matmuls are not rewritten.",
+    Sample("neg_rs_ragged_dot", "an MoE down projection (chlo.ragged_dot, lowered for GPU) summed and scattered "
+           "along the tokens: the grouped matmul's ragged rows, which its group sizes assign to experts by position, "
+           "cannot be cut into blocks.",
            ragged_dot_scatter, "unchanged ragged_dot", NEG_RS),
     Sample("neg_reshard", "all_gather of the rows, then each device's slice of the features: a reshard (an all_to_all "
            "in disguise), not a matmul input.",

@@ -258,11 +258,12 @@ def _visit(tree: _Tree, value: ir.Value, dim: int, path: tuple[LayoutStep, ...],
         name = user.operation.name
         use = _Use(user, value, dim)
         uses.append(use)
+        dot = name == DOT or ir_utils.is_grouped_dot(user)
         if user.operation.block != block:
-            if name == DOT:
+            if dot:
                 tree.rejected.append(Decline("other_block", f"the dot reading the gathered value, {describe_op(user)}, "
                                                             "is in another region"))
-        elif name == DOT:
+        elif dot:
             try:
                 use.consumer = _consumer(user, value, dim, path, tree.info)
                 tree.candidates.append(use.consumer)
@@ -426,7 +427,10 @@ def _consumer(dot: ir.OpView, value: ir.Value, dim: int, path: tuple[LayoutStep,
     if len(sides) != 1:
         raise Decline("both_operands", "the gathered value is both operands of the dot")
     index = sides[0]
+    if index > 1:
+        raise Decline("ragged_dot", f"the gathered value is the group sizes of {describe_op(dot)}, a grouped matmul")
     dims = DotDims.of(dot, info)
+    dims.grouped_decline(index, dim, "the gathered dim", dot)
     batch, contracting = dims.batch[index], dims.contracting[index]
     if dim in batch:  # each round computes one block of the batch: its shard against that block of the other
         position = batch.index(dim)
@@ -459,9 +463,10 @@ def _schedulable(tree: _Tree, block: ir.Block, ag: ir.OpView) -> tuple[list[Cons
         first = min([c.dot.operation for c in included] + readers, key=ir_utils.BlockOrder)
         kept, hoisted = [], {}
         for c in included:
-            # what the ring reads besides the shards: the dot's other operand, and the operands
-            # its path's elementwise ops rebuild per block (their sources' own operands)
-            needed = [c.dot.operation.operands[1 - c.operand_index]]
+            # what the ring reads besides the shards: the dot's other operand (and a grouped
+            # matmul's group sizes), and the operands its path's elementwise ops rebuild per block
+            # (their sources' own operands)
+            needed = [c.dot.operation.operands[1 - c.operand_index], *list(c.dot.operation.operands)[2:]]
             needed += [v for source in path_sources(c.path) for v in source.operation.operands]
             missing = [v for v in needed if not ir_utils.defined_before(v, first)]
             moves = [_hoistable(v, first, in_tree, HOIST_LIMIT - len(hoisted)) for v in missing]

@@ -19,7 +19,7 @@ from .._jax_private import ir
 from ..errors import Decline
 from ..layout import ROW_OPS, SCATTER, LayoutStep, is_elementwise, is_layout_op
 from ..ring import Ring
-from .common import DeclinedSite, ManualRegion, ModuleInfo, collective_ring, describe_op, static_tensor
+from .common import DeclinedSite, ManualRegion, ModuleInfo, collective_ring, describe_op, is_dot, static_tensor
 from .reduce_scatter import Term, not_blockwise, ragged_producer, read_early, region_is_sum, trace_product
 
 DOT_ALL_REDUCE = "dot_all_reduce"
@@ -185,7 +185,7 @@ def _reaches_a_dot(value: ir.Value) -> None:
         if isinstance(owner, ir.Block) or owner.operation in seen:
             continue
         seen.add(owner.operation)
-        if owner.operation.name == "stablehlo.dot_general":
+        if is_dot(owner):
             return
         if owner.operation.name == SCATTER:  # (its updates: the product, un-permuted)
             stack.append(owner.operation.operands[-1])

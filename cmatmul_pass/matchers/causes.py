@@ -221,7 +221,9 @@ def ragged_dot_decline(op: ir.OpView, role: str) -> Decline:
         ' ("chlo.ragged_dot", as jax.export writes it)' if is_ragged_dot(op)
         else " (a call of a function that holds chlo.ragged_dot)")
     return Decline("ragged_dot", f"{role} {describe_op(op)}{inside}: a grouped matmul (jax.lax.ragged_dot, an MoE "
-                                 "block's expert matmul), which the pass does not rewrite yet")
+                                 "block's expert matmul) past ops the ring cannot apply block by block (a ring takes "
+                                 "a grouped matmul that reads the gathered value, or whose product it scatters, "
+                                 "through layout and elementwise ops only)")
 
 
 def computed_from(value: ir.Value, origin: ir.Value | None) -> tuple[bool, ir.OpView | None]:

@@ -299,6 +299,13 @@ def manual_computation_mesh(op: ir.Operation) -> str | None:
     return None
 
 
+def is_dot(op: ir.OpView | ir.Operation) -> bool:
+    """A matmul a ring can split: a ``dot_general``, or a grouped matmul (``ragged_dot``'s
+    composite, :class:`DotDims`)."""
+    operation = op.operation if isinstance(op, ir.OpView) else op
+    return operation.name == "stablehlo.dot_general" or ir_utils.is_grouped_dot(operation)
+
+
 def static_tensor(value: ir.Value, what: str) -> ir.RankedTensorType:
     t = ir_utils.ranked_tensor(value)
     if t is None or not ir_utils.is_static(t):
@@ -308,41 +315,89 @@ def static_tensor(value: ir.Value, what: str) -> ir.RankedTensorType:
 
 @dataclass(frozen=True)
 class DotDims:
-    """A dot_general's dimension numbers, read once: (batch, contracting) per operand and the ranks."""
+    """A dot_general's dimension numbers, read once: (batch, contracting) per operand and the ranks.
+
+    A grouped matmul (``ir_utils.is_grouped_dot``) also has ``ragged``, the lhs dim whose rows
+    the group sizes assign to groups in order, in one of two forms: ragged rows against one rhs
+    matrix per group (``ragged_dot``: ``group`` is the rhs's group dim, which the result does not
+    have), or ragged rows contracted group by group (``ragged_dot``'s weight gradient: the result
+    leads with one matrix per group, ``leading`` = 1)."""
 
     batch: tuple[tuple[int, ...], tuple[int, ...]]
     contracting: tuple[tuple[int, ...], tuple[int, ...]]
     ranks: tuple[int, int]
+    ragged: tuple[int, ...] = ()
+    group: tuple[int, ...] = ()
+    leading: int = 0
 
     @classmethod
     def of(cls, dot: ir.OpView, info: ModuleInfo | None = None) -> "DotDims":
-        """Declines a dot whose operands are not statically shaped tensors.  ``info`` caches them
-        per distinct attribute and operand types (the matchers read many dots)."""
+        """Declines a dot whose operands are not statically shaped tensors, and a grouped matmul
+        other than one whose ragged dim is an lhs row dim (the form ``jax.lax.ragged_dot`` and
+        an MoE block's expert matmuls take).  ``info`` caches them per distinct attribute and
+        operand types (the matchers read many dots)."""
         op = dot.operation
-        attr = op.attributes["dot_dimension_numbers"]
-        lhs, rhs = op.operands
+        grouped = ir_utils.is_grouped_dot(op)
+        attr = ir_utils.grouped_numbers_attr(op) if grouped else op.attributes["dot_dimension_numbers"]
+        lhs, rhs = op.operands[0], op.operands[1]
         key = (attr, lhs.type, rhs.type)  # (uniqued: equal exactly when the same objects)
         found = info.dot_numbers.get(key) if info is not None else None
         if found is not None:
             return found
-        d = hlo.DotDimensionNumbers(attr)
-        numbers = (
-            (tuple(d.lhs_batching_dimensions), tuple(d.rhs_batching_dimensions)),
-            (tuple(d.lhs_contracting_dimensions), tuple(d.rhs_contracting_dimensions)),
-        )
         lhs_t, rhs_t = (static_tensor(v, "a dot operand") for v in (lhs, rhs))
-        found = cls(*numbers, (lhs_t.rank, rhs_t.rank))
+        if grouped:
+            found = cls._grouped(dot, lhs_t.rank, rhs_t.rank)
+        else:
+            d = hlo.DotDimensionNumbers(attr)
+            found = cls((tuple(d.lhs_batching_dimensions), tuple(d.rhs_batching_dimensions)),
+                        (tuple(d.lhs_contracting_dimensions), tuple(d.rhs_contracting_dimensions)),
+                        (lhs_t.rank, rhs_t.rank))
         if info is not None:  # (a dynamic shape declined above: never kept)
             info.dot_numbers[key] = found
         return found
 
+    @classmethod
+    def _grouped(cls, dot: ir.OpView, lhs_rank: int, rhs_rank: int) -> "DotDims":
+        numbers = ir_utils.ragged_numbers(dot)
+        if numbers is None:
+            raise Decline("ragged_dot", f"{describe_op(dot)}: a grouped matmul whose dimension numbers the pass "
+                                        "cannot read")
+        lhs_batch, rhs_batch, lhs_contracting, rhs_contracting, ragged, group = numbers
+        contracted = len(ragged) == 1 and ragged[0] in lhs_contracting and not group
+        if len(ragged) != 1 or ragged[0] in lhs_batch or not (contracted or len(group) == 1) or lhs_batch:
+            raise Decline("ragged_dot", f"{describe_op(dot)}: a grouped matmul with batch dims or ragged along a "
+                                        "batch dim, which the pass does not rewrite")
+        return cls((lhs_batch, rhs_batch), (lhs_contracting, rhs_contracting), (lhs_rank, rhs_rank), ragged, group,
+                   1 if contracted else 0)
+
     def free(self, operand_index: int) -> list[int]:
         batch, contracting = self.batch[operand_index], self.contracting[operand_index]
-        return [d for d in range(self.ranks[operand_index]) if d not in batch and d not in contracting]
+        group = self.group if operand_index == 1 else ()
+        return [d for d in range(self.ranks[operand_index]) if d not in batch and d not in contracting
+                and d not in group]
+
+    def grouped_by(self, operand_index: int, dim: int) -> tuple[str, str] | None:
+        """(which dim, why) a grouped matmul's ``dim`` of an operand cannot be cut into blocks, or None: the
+        ragged rows belong to groups by their position, the group dim picks each row's matrix."""
+        if operand_index == 0 and dim in self.ragged or operand_index == 1 and self.leading and dim in self.contracting[1]:
+            return "ragged row dim", "the group sizes give each group its rows by position, which a block of rows cannot know"
+        if operand_index == 1 and dim in self.group:
+            return "group dim", "each block of groups would need its own group sizes and rows"
+        if self.group and dim in self.batch[operand_index]:
+            return "batch dim", "its group sizes are per batch element"
+        return None
+
+    def grouped_decline(self, operand_index: int, dim: int, what: str, dot: ir.OpView) -> None:
+        """Decline (``ragged_dot``) a ring of a grouped matmul's ``dim`` :meth:`grouped_by` names;
+        ``what``: the ring's dim, in words ("the gathered dim")."""
+        found = self.grouped_by(operand_index, dim)
+        if found is not None:
+            raise Decline("ragged_dot", f"{what} is the {found[0]} of {describe_op(dot)}, a grouped matmul "
+                                        f"({found[1]}): its ring goes along a free or contracting dim")
 
     def free_result_offset(self, operand_index: int) -> int:
-        """Where an operand's free dims start in the dot result ([batch..., lhs free..., rhs free...])."""
-        offset = len(self.batch[0])
+        """Where an operand's free dims start in the dot result ([groups, batch..., lhs free..., rhs free...])."""
+        offset = self.leading + len(self.batch[0])
         if operand_index == 1:
             offset += len(self.free(0))
         return offset
@@ -350,8 +405,12 @@ class DotDims:
     def result_dim_source(self, result_dim: int) -> tuple[str, int, int]:
         """Which operand dim a dot result dim comes from: ``(role, operand_index, operand_dim)``.
 
-        ``role`` is ``"batch"`` (then ``operand_index`` is 0, the lhs) or ``"free"``.
+        ``role`` is ``"batch"`` (then ``operand_index`` is 0, the lhs) or ``"free"``; a grouped
+        matmul's leading group dim: ``("group", 0, ragged dim)`` (:meth:`grouped_by` declines it).
         """
+        if result_dim < self.leading:
+            return "group", 0, self.ragged[0]
+        result_dim -= self.leading
         batch = self.batch[0]
         if result_dim < len(batch):
             return "batch", 0, batch[result_dim]

@@ -39,6 +39,7 @@ from .common import (
     ModuleInfo,
     collective_ring,
     describe_op,
+    is_dot,
     replica_groups,
     static_tensor,
 )
@@ -254,7 +255,7 @@ def first_dot(value: ir.Value) -> ir.OpView | None:
             continue
         seen.add(owner.operation)
         name = owner.operation.name
-        if name == "stablehlo.dot_general":
+        if is_dot(owner):
             return owner
         if is_layout_op(owner) or is_elementwise(owner) or name in (
                 "stablehlo.collective_permute", "stablehlo.optimization_barrier", "stablehlo.dynamic_slice",
@@ -377,7 +378,7 @@ def _trace_chain(
         if isinstance(owner, ir.Block):
             raise Decline("producer_not_dot", f"the scattered value is region argument #{value.arg_number}, computed "
                                               "outside this shard_map region, not a dot_general result")
-        if owner.operation.name == "stablehlo.dot_general":
+        if is_dot(owner):
             break
         if owner.operation.name in STEP_ELEMENTWISE:  # a scale, a bias or a mask on each
             # device's product, before the sum
@@ -450,7 +451,7 @@ def _single_use_product(value: ir.Value, depth: int) -> bool:
     if depth > 16 or isinstance(value.owner, ir.Block) or len(list(value.uses)) != 1:
         return False
     owner = value.owner
-    if owner.operation.name == "stablehlo.dot_general":
+    if is_dot(owner):
         return True
     if is_layout_op(owner) or is_elementwise(owner):
         return any(_single_use_product(v, depth + 1) for v in owner.operation.operands)
@@ -459,7 +460,7 @@ def _single_use_product(value: ir.Value, depth: int) -> bool:
 
 def _sum_leaves(op: ir.OpView, adds: list[ir.OpView], dim: int) -> list[ir.OpView]:
     """The dots of a tree of single-use adds (or the dot itself); ``dim``: the scattered dim there."""
-    if op.operation.name == "stablehlo.dot_general":
+    if is_dot(op):
         return [op]
     if op.operation.name not in ("stablehlo.add", SHARDING_CONSTRAINT):
         raise not_blockwise(op)
@@ -467,8 +468,8 @@ def _sum_leaves(op: ir.OpView, adds: list[ir.OpView], dim: int) -> list[ir.OpVie
     dots = []
     for value in op.operation.operands:
         _single_use(value)
-        if isinstance(value.owner, ir.Block) or value.owner.operation.name not in (
-                "stablehlo.dot_general", "stablehlo.add", SHARDING_CONSTRAINT):
+        if isinstance(value.owner, ir.Block) or not (is_dot(value.owner) or value.owner.operation.name in (
+                "stablehlo.add", SHARDING_CONSTRAINT)):
             raise _added(op, value, dim)
         dots += _sum_leaves(value.owner, adds, dim)
     return dots

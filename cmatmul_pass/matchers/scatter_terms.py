@@ -15,7 +15,7 @@ from .._jax_private import ir
 from ..errors import Decline
 from ..ring import Ring
 from . import causes
-from .common import DotDims, ModuleInfo, collective_ring, describe_op
+from .common import DotDims, ModuleInfo, collective_ring, describe_op, is_dot
 
 
 SHARDING_CONSTRAINT = "sdy.sharding_constraint"
@@ -65,7 +65,7 @@ def operand_side(value: ir.Value) -> str:
 def product_of(op: ir.OpView) -> ir.Value | None:
     """The dot_general result ``op`` is computed from, if one is (for saying what a value is)."""
     for result in op.operation.results:  # a loop's, a call's: several
-        dot = causes.find_near(result, False, lambda o: o.operation.name == "stablehlo.dot_general")
+        dot = causes.find_near(result, False, is_dot)
         if dot is not None:  # the dot, or a call of a function holding one (its results: several)
             return dot.operation.results[0]
     return None
@@ -101,6 +101,11 @@ def dot_term(dot: ir.OpView, dim: int, rs: ir.OpView, info: ModuleInfo, ring: Ri
         raise Decline("other_block", "the dot is in a different block from the reduce_scatter")
     dims = DotDims.of(dot, info)
     role, index, operand_dim = dims.result_dim_source(dim)
+    if role == "group":
+        raise Decline("ragged_dot", f"the scattered dim is the group dim of {describe_op(dot)}'s result (a grouped "
+                                    "matmul's one matrix per group, summed from each group's rows): its ring goes "
+                                    "along a free dim")
+    dims.grouped_decline(index, operand_dim, "the scattered dim", dot)
     other_dim = dims.batch[1][dims.batch[0].index(operand_dim)] if role == "batch" else None
     term = Term(dot, dim, index, operand_dim, other_dim)
     for i, sliced_dim in term.sliced():

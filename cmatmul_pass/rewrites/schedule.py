@@ -162,7 +162,7 @@ class Annotator:
         group_ids, next_id = {}, max(used_groups) + 1
         for mark, ops in members.items():
             kinds = [op.operation.name for op in ops]
-            if ASYNC_COLLECTIVES & set(kinds) and "stablehlo.dot_general" in kinds:
+            if ASYNC_COLLECTIVES & set(kinds) and ("stablehlo.dot_general" in kinds or any(map(ir_utils.is_grouped_dot, ops))):
                 group_ids[mark] = str(next_id)
                 next_id += 1
         functions: dict = {}
