@@ -290,6 +290,33 @@ def fsdp_tp_hidden(up: bool = True, grad: bool = False, sizes: tuple[int, int, i
     return build
 
 
+def moe_fsdp_grad() -> str:
+    """A training step (value_and_grad of a mean-square loss over the expert weights) of an MoE
+    block with FSDP'd experts, exported for GPU (``jax.export``: each ``ragged_dot`` a composite):
+    top-1 routing, the tokens sorted by expert, a SwiGLU expert FFN of grouped matmuls over the
+    expert weights gathered over 'data' (gate and up along their columns, down along its rows),
+    the tokens un-sorted."""
+    mesh = mesh_1d(name="data")
+    experts, hidden, ffn, tokens = 4, 64, 128, 256
+
+    def block(x, router, w_gate, w_up, w_down):
+        ids = jnp.argmax(x @ router, axis=-1)
+        order = jnp.argsort(ids)
+        sizes = jnp.bincount(ids, length=experts).astype(jnp.int32)
+        xs = x[order]
+        gate = jax.lax.ragged_dot(xs, gather(w_gate, "data", 2), sizes)
+        h = jax.nn.silu(gate) * jax.lax.ragged_dot(xs, gather(w_up, "data", 2), sizes)
+        return jax.lax.ragged_dot(h, gather(w_down, "data", 1), sizes)[jnp.argsort(order)]
+
+    specs = (P("data"), P(), P(None, None, "data"), P(None, None, "data"), P(None, "data", None))
+    f = jax.shard_map(block, mesh=mesh, in_specs=specs, out_specs=P("data"))
+    step = jax.value_and_grad(lambda *a: jnp.mean(f(*a) ** 2), argnums=(2, 3, 4))
+    shapes = [(tokens, hidden), (hidden, experts), (experts, hidden, ffn), (experts, hidden, ffn),
+              (experts, ffn, hidden)]
+    args = [arg(mesh, shape, spec) for shape, spec in zip(shapes, specs)]
+    return jax.export.export(jax.jit(step), platforms=["cuda"])(*args).mlir_module()
+
+
 def lm_fsdp_tp_scan() -> str:
     """A training step (value_and_grad of the mean cross-entropy loss) of a 2-layer language model on a
     2x4 (data, model) mesh, written as a JAX user would: every weight FSDP-sharded over 'data' and
@@ -490,6 +517,14 @@ SAMPLES_LIST = [
            "(ring_pairs: the two rings predicted faster than the gather's ring over both dots and the scatter plain).",
            fsdp_tp_hidden(grad=True, sizes=(2048, 1024, 4096)), "rewritten 6",
            ["CHECK-NOT: stablehlo.reduce_scatter", "CHECK: stablehlo.collective_permute"]),
+    Sample("moe_fsdp_grad", "a training step of an MoE block with FSDP'd expert weights, exported for GPU (each "
+           "ragged_dot a stablehlo.composite): the three expert weights' gathers ring with their grouped matmuls (gate "
+           "and up along their columns, down along its rows), and the three weight gradients (grouped matmuls "
+           "contracting each expert's tokens) scatter in rings along their columns; each ring step a grouped matmul "
+           "of blocks whose decomposition pads them and calls the original's.",
+           moe_fsdp_grad, "rewritten 6",
+           ["CHECK-NOT: stablehlo.all_gather", "CHECK-NOT: stablehlo.reduce_scatter",
+            'CHECK: stablehlo.composite "chlo.ragged_dot"', "CHECK: stablehlo.collective_permute"]),
     Sample("fsdp_tp_grad", "value_and_grad of fsdp_tp: every collective over 'model' rewritten, forward and "
            "backward; the weight gathers over 'data' the activations' rings took are prefetchable or lost.",
            fsdp_tp(True), "rewritten 14",

@@ -329,14 +329,15 @@ class Builder:
         (XLA's dot merger merges only dots that share an operand) and wait for all of them."""
         return list(self.create("stablehlo.optimization_barrier", [v.type for v in values], list(values)).results)
 
-    def dot_like(self, template: ir.OpView, result_type: ir.Type, lhs: ir.Value, rhs: ir.Value, *_) -> ir.Value:
+    def dot_like(self, template: ir.OpView, result_type: ir.Type, lhs: ir.Value, rhs: ir.Value,
+                 *rest: ir.Value) -> ir.Value:
         """A dot_general with every attribute of ``template`` (dims, precision, algorithm, ...),
         except the pass's own transient marks (``_cmatmul_*``); a grouped matmul of a template
-        that is one (:func:`.grouped.grouped_dot`: its group sizes, the template's)."""
+        that is one (:func:`.grouped.grouped_dot`), of group sizes ``rest`` (none: the template's)."""
         if ir_utils.is_grouped_dot(template):
             from .grouped import grouped_dot  # (grouped builds on this module)
 
-            return grouped_dot(template, result_type, lhs, rhs, self.loc)
+            return grouped_dot(template, result_type, lhs, rhs, self.loc, rest)
         key = ("dot attributes", template.operation)  # (a site's rounds repeat its few dots)
         attrs = self._site.get(key)
         if attrs is None:

@@ -27,15 +27,15 @@ from .builders import TRANSIENT_MARK_PREFIX, zeros_attr
 
 
 def grouped_dot(template: ir.OpView, result_type: ir.Type, lhs: ir.Value, rhs: ir.Value,
-                loc: ir.Location) -> ir.Value:
+                loc: ir.Location, sizes: tuple[ir.Value, ...] = ()) -> ir.Value:
     """At the current insertion point: ``template``'s grouped matmul of the blocks ``lhs`` and
-    ``rhs`` (its group sizes, the template's), of ``result_type``."""
+    ``rhs`` with group sizes ``sizes`` (none given: the template's), of ``result_type``."""
     op = template.operation
     attributes = {name: value for name, value in op.attributes.items() if not name.startswith(TRANSIENT_MARK_PREFIX)}
     if op.name == "stablehlo.composite":
         decomposition = _block_decomposition(op, lhs.type, rhs.type, result_type)
         attributes["decomposition"] = ir.FlatSymbolRefAttr.get(decomposition)
-    return ir.Operation.create(op.name, results=[result_type], operands=[lhs, rhs, *list(op.operands)[2:]],
+    return ir.Operation.create(op.name, results=[result_type], operands=[lhs, rhs, *(sizes or list(op.operands)[2:])],
                                attributes=attributes, loc=loc).result
 
 
