@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--examples", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kind", action="append",
-                        help="only programs of this kind (repeatable): ag, rs, psum, ..., ag_norm, adversarial")
+                        help="only programs of this kind (repeatable): ag, rs, psum, ..., ag_norm, adversarial, moe "
+                             "(tools/fuzz_moe.py)")
     parser.add_argument("--norm", action="store_true", help="a norm's backward wherever the kind takes one (rs, psum)")
     parser.add_argument("--two-stage", action="store_true",
                         help="only scatters of a psum over another mesh axis (a reduction in two stages)")
@@ -69,6 +70,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="adversarial: rewrite under every variant of the default campaign, not only the "
                              "default options and 'uni' (policy all, psums split)")
     args = parser.parse_args(argv)
+    if "moe" in (args.kind or ()):
+        status = moe(args)
+        args.kind = [k for k in args.kind if k != "moe"]
+        if not args.kind:
+            return status
     if args.adversarial or "adversarial" in (args.kind or ()):
         status = adversarial(args)
         args.kind = [k for k in args.kind or () if k != "adversarial"]
@@ -104,6 +110,30 @@ def main(argv: list[str] | None = None) -> int:
     for spec, variant, message in tally.crashes + tally.mismatches + tally.differed:
         print(f"--- {variant}: {spec}\n{message}")
     return 1 if status or tally.crashes or tally.mismatches or tally.differed else 0
+
+
+def moe(args) -> int:
+    """The MoE campaign (tools/fuzz_moe.py): ``args.examples`` MoE blocks, every variant."""
+    from tools import fuzz_moe
+
+    tally = fuzz_programs.Tally()
+
+    @seed(args.seed)
+    @settings(max_examples=args.examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(fuzz_moe.moe_specs())
+    def campaign(spec):
+        try:
+            fuzz_moe.check(spec, tally)
+        except Exception as exc:  # noqa: BLE001 - lowering itself failed: a generator bug, report it
+            tally.crashes.append((spec, "lower", f"{type(exc).__name__}: {exc}"))
+        if tally.programs % 20 == 0:
+            print(f"  ... {tally.programs} programs", flush=True)
+
+    campaign()
+    print(tally.summary())
+    for spec, variant, message in tally.crashes + tally.mismatches:
+        print(f"--- {variant}: {spec}\n{message}")
+    return 1 if tally.crashes or tally.mismatches else 0
 
 
 def adversarial(args) -> int:

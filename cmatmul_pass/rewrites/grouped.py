@@ -16,7 +16,8 @@ template's name, attributes and version whose ``decomposition`` (what a backend 
 grouped matmul runs: XLA:CPU, where ``check`` runs it) pads the blocks with zeros at their high
 end to the template's operand shapes, calls the template's decomposition and slices the block's
 result from the low corner: zero columns and rows give only the result columns and rows sliced
-away, and zero products in a contracted dim add nothing.
+away, and zero products in a contracted dim add nothing. Where the ring asks for a wider result
+type than the template's (a partial sum accumulated in f32), the block's result is converted to it.
 """
 
 from __future__ import annotations
@@ -60,7 +61,11 @@ def _block_decomposition(op: ir.Operation, lhs_type: ir.Type, rhs_type: ir.Type,
     with ir.InsertionPoint(entry), loc:
         padded = [_pad_to(arg, ir.RankedTensorType(t)) for arg, t in zip(list(entry.arguments)[:2], full[:2])]
         whole = ir_utils.call(original, padded + list(entry.arguments)[2:], [full_result], loc).result
-        ir_utils.function_return([_corner(whole, ir.RankedTensorType(result_type))], loc)
+        part = ir.RankedTensorType(result_type)
+        block = _corner(whole, ir.RankedTensorType.get(part.shape, ir.RankedTensorType(full_result).element_type))
+        if block.type != result_type:  # a ring accumulating in a wider type than the template's result
+            block = ir.Operation.create("stablehlo.convert", results=[result_type], operands=[block]).result
+        ir_utils.function_return([block], loc)
     return name
 
 

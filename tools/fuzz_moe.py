@@ -1,0 +1,174 @@
+"""The MoE kind of the differential fuzzer (``fuzz.py --kind moe``): MoE blocks whose expert
+weights are FSDP-sharded and gathered before their grouped matmuls (``jax.lax.ragged_dot``).
+
+A :class:`MoeSpec` draws the lowering's form (``chlo.ragged_dot`` lowered for cuda, the
+composite ``jax.export`` writes, or jax's CPU lowering, dense masked dots), the ring size, the
+experts and top-k (each token's k experts, weighted by the router's softmax), routing skewed so
+some experts get no tokens, a shared expert (a dense FFN over every token, its weights gathered
+too), the dim each expert weight is sharded and gathered along (its columns, its rows, or the
+experts: the group dim, which the pass must decline), the element type, and the forward or its
+training step (``value_and_grad`` over the weights: the gradients scattered back).
+:func:`check` rewrites it under every variant of the default campaign and checks each result:
+verification, the permute rings, every column or row gather (and, in the forward of the GPU
+forms, no site along the experts) as expected under policy all with ``uni``, numerics against
+the original on CPU (``cpu_copy``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import strategies as st
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import cmatmul_pass
+from cmatmul_pass import execute, ir_utils
+from tools.fuzz_programs import VARIANTS, Tally, ring_property_holds
+
+#: the dims an expert weight [experts, in, out] is sharded and gathered along
+ALONG = {"cols": 2, "rows": 1, "experts": 0}
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    form: str  # "gpu" (chlo.ragged_dot) | "export" (its composite) | "cpu" (dense masked dots)
+    ring: int
+    experts: int
+    top_k: int
+    tokens: int  # per device
+    hidden: int
+    ffn: int
+    along: tuple[str, str, str]  # gate, up, down: ALONG's keys
+    skew: bool  # the router favours the first experts: the last get no tokens
+    shared: bool  # a shared expert: a dense SwiGLU over every token, its weights gathered along their columns
+    dtype: str  # "f32" | "bf16"
+    grad: bool
+
+    kind = "moe"
+
+    def expected(self, result) -> list[str]:
+        """What the oracle finds wrong with ``result`` (the forward of a GPU form, policy all,
+        uni): every gather along columns or rows a ring, every one along the experts declined
+        ``ragged_dot``, nothing declined for another reason."""
+        gathers = [s for s in result.report.sites if s.kind == "all_gather_dot"]
+        rings = sum(1 for s in gathers if s.rewritten)
+        along_experts = sum(1 for s in gathers if s.reason_code == "ragged_dot")
+        wanted = sum(1 for a in self.along if a != "experts") + 3 * self.shared
+        other = [s.summary_line() for s in result.report.declined if s.reason_code != "ragged_dot"]
+        wrong = [f"{rings} gather rings, {wanted} expected"] if rings != wanted else []
+        if along_experts != self.along.count("experts"):
+            wrong.append(f"{along_experts} gathers along the experts declined, {self.along.count('experts')} expected")
+        if other:
+            wrong.append(f"declined for another reason: {other}")
+        return wrong + ([str([s.summary_line() for s in result.report.sites])] if wrong else [])
+
+
+@st.composite
+def moe_specs(draw) -> MoeSpec:
+    experts, ring = draw(st.sampled_from([2, 4, 8])), draw(st.sampled_from([2, 4, 8]))
+    along = tuple(draw(st.sampled_from(["cols", "cols", "rows", "experts"])) for _ in range(3))
+    if "experts" in along:  # the experts sharded over the ring
+        experts = max(experts, ring)
+    return MoeSpec(
+        form=draw(st.sampled_from(["gpu", "export", "cpu"])),
+        ring=ring,
+        experts=experts,
+        top_k=draw(st.sampled_from([1, 1, 2])) if experts > 1 else 1,
+        tokens=draw(st.sampled_from([8, 16, 24])),
+        hidden=draw(st.sampled_from([8, 16])),
+        ffn=draw(st.sampled_from([16, 32])),
+        along=along,
+        skew=draw(st.booleans()),
+        shared=draw(st.booleans()),
+        dtype=draw(st.sampled_from(["f32", "f32", "bf16"])),
+        grad=draw(st.booleans()),
+    )
+
+
+def _weight_spec(along: str) -> P:
+    parts = [None, None, None]
+    parts[ALONG[along]] = "data"
+    return P(*parts)
+
+
+def lower(spec: MoeSpec) -> str:
+    mesh = Mesh(np.array(jax.devices("cpu")[: spec.ring]), ("data",))
+    dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16}[spec.dtype]
+    k = spec.top_k
+
+    def gathered(w, along):
+        return jax.lax.all_gather(w, "data", axis=ALONG[along], tiled=True)
+
+    def block(x, router, w_gate, w_up, w_down, *shared):
+        logits = (x @ router).astype(jnp.float32)
+        if spec.skew:  # the last half of the experts never chosen: their groups are empty
+            logits = logits + jnp.where(jnp.arange(spec.experts) < max(spec.experts // 2, k), 0.0, -1e4)
+        weights, ids = jax.lax.top_k(jax.nn.softmax(logits), k)
+        flat = ids.reshape(-1)
+        order = jnp.argsort(flat)
+        sizes = jnp.bincount(flat, length=spec.experts).astype(jnp.int32)
+        xs = x[order // k]
+        gate = jax.lax.ragged_dot(xs, gathered(w_gate, spec.along[0]), sizes)
+        h = (jax.nn.silu(gate) * jax.lax.ragged_dot(xs, gathered(w_up, spec.along[1]), sizes)).astype(dtype)
+        y = jax.lax.ragged_dot(h, gathered(w_down, spec.along[2]), sizes)[jnp.argsort(order)]
+        y = jnp.sum(y.reshape(-1, k, spec.hidden) * weights[..., None].astype(y.dtype), axis=1).astype(dtype)
+        if shared:
+            s_gate, s_up, s_down = shared
+            def col(w):
+                return jax.lax.all_gather(w, "data", axis=1, tiled=True)
+            hs = (jax.nn.silu(x @ col(s_gate)) * (x @ col(s_up))).astype(dtype)
+            y = y + hs @ jax.lax.all_gather(s_down, "data", axis=0, tiled=True)
+        return y
+
+    e, hd, f = spec.experts, spec.hidden, spec.ffn
+    shapes = [(spec.tokens * spec.ring, hd), (hd, e), (e, hd, f), (e, hd, f), (e, f, hd)]
+    specs = [P("data"), P(), *(_weight_spec(a) for a in spec.along)]
+    if spec.shared:
+        shapes += [(hd, f), (hd, f), (f, hd)]
+        specs += [P(None, "data"), P(None, "data"), P("data", None)]
+    fn = jax.shard_map(block, mesh=mesh, in_specs=tuple(specs), out_specs=P("data"), check_vma=False)
+    if spec.grad:
+        inner = fn
+
+        def fn(*a):
+            return jax.value_and_grad(lambda *w: jnp.mean(inner(a[0], a[1], *w).astype(jnp.float32) ** 2),
+                                      argnums=tuple(range(len(a) - 2)))(*a[2:])
+    structs = [jax.ShapeDtypeStruct(s, dtype, sharding=NamedSharding(mesh, sp)) for s, sp in zip(shapes, specs)]
+    jitted = jax.jit(fn)
+    if spec.form == "gpu":
+        return jitted.trace(*structs).lower(lowering_platforms=("cuda",)).as_text()
+    if spec.form == "export":
+        return jax.export.export(jitted, platforms=["cuda"])(*structs).mlir_module()
+    return jitted.lower(*structs).as_text()
+
+
+def check(spec: MoeSpec, tally: Tally | None = None, variants=VARIANTS) -> Tally:
+    """Rewrite ``spec``'s program under every variant; record and assert the oracle's verdicts."""
+    tally = tally or Tally()
+    tally.programs += 1
+    tally.dtypes[spec.dtype] += 1
+    text = lower(spec)
+    reference = execute.Reference.of(ir_utils.parse(text), devices=jax.devices("cpu")[: spec.ring])
+    for name, options in variants.items():
+        tally.runs += 1
+        try:
+            result = cmatmul_pass.rewrite(text, options)
+            result.module.operation.verify()
+            groups = [frozenset(tuple(sorted(g)) for g in s.replica_groups) for s in result.report.rewritten]
+            assert ring_property_holds(result.module, groups), "a permute is not one cycle per group"
+            if name == "uni" and spec.form != "cpu" and not spec.grad:
+                wrong = spec.expected(result)
+                assert not wrong, "; ".join(wrong)
+            outcome = reference.check(result.module)
+        except Exception as exc:  # noqa: BLE001 - every failure is recorded with its program
+            tally.crashes.append((spec, name, f"{type(exc).__name__}: {exc}"))
+            continue
+        tally.sites_rewritten += len(result.report.rewritten)
+        tally.sites_shared += sum(1 for s in result.report.rewritten if s.shared_ring)
+        tally.declined.update(s.reason_code for s in result.report.declined)
+        if not outcome.ok:
+            tally.mismatches.append((spec, name, outcome.format()))
+    return tally
