@@ -377,11 +377,13 @@ class SiteWalk:
             new, outer, choice = merged
             merged_away.update(j for j in range(index + 1, len(gathers)) if gathers[j].operation == outer.operation)
             where = ir_utils.render_location(outer.location, self.source)
+            first = ir_utils.render_location(op.location, self.source)
             outer.operation.erase()
             op.operation.erase()
             self.apply_moved(self.match_gather(new), site,
                              f"merged with the second stage at {where}: one gather over both stages' groups",
                              *([choice.note] if choice else []))
+            report.sites[-1].first_stage = first
             if choice and report.sites[-1].cost:  # the options' times beside the merged ring's
                 report.sites[-1].cost["two_stage"] = choice.pricing.to_dict()
             return

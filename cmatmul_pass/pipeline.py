@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from . import compile_budget, cost, ir_utils, program_cost, replay
+from . import compile_budget, cost, ir_utils, program_cost, replay, step_guard
 from ._jax_private import hlo, ir, make_context, module_to_bytecode, module_to_hlo_text
 from .analysis.deadlock import misplaced
 from .attempts import MAX_TRIES, MOTION, SITE, Attempts, Bans
@@ -259,11 +259,13 @@ def _rewrite(module: ir.Module, options: Options, source: str, again: Callable[[
     reading = ir_utils.READING.set(source)  # messages built deep in the matchers name this file
     rendered = ir_utils.RENDERED.set({})  # (and render the same locations again and again)
     bans = Bans()
+    declined: dict[str, str] = {}  # places the whole step's prediction declines (step_guard)
+    guard = _StepGuard(options, lambda: _program(pristine(), options, source, graph=True))
     try:
         program = _program(module, options, source)  # the input's regions and collectives, for layer names
-        for _ in range(MAX_TRIES):
+        for _ in range(MAX_TRIES + step_guard.ROUNDS + 1):
             try:
-                with _no_cyclic_gc():
+                with _no_cyclic_gc(), step_guard.declining(declined):
                     result, undone = _run(module, options, source, verify_each=False, bans=bans)
             except Exception as exc:  # noqa: BLE001 - a bug of the pass, never a traceback for the user
                 if isinstance(exc, CmatmulError) and not isinstance(exc, InternalError):
@@ -273,7 +275,8 @@ def _rewrite(module: ir.Module, options: Options, source: str, again: Callable[[
                 # next try leaves it as written (cmatmul_pass.attempts).
                 failure = _internal(exc)
                 try:
-                    _run(again(), options, source, verify_each=True, bans=bans)
+                    with step_guard.declining(declined):
+                        _run(again(), options, source, verify_each=True, bans=bans)
                 except Exception as pinpointed:  # noqa: BLE001
                     failure = _internal(pinpointed)
                 key = getattr(failure, "key", None)
@@ -285,9 +288,14 @@ def _rewrite(module: ir.Module, options: Options, source: str, again: Callable[[
                 module = again()
                 continue
             if not undone:
+                losers = guard.losers(result.report)
+                if losers:  # the step predicted slower: again, with the places that slow it as written
+                    declined = {**declined, **losers}
+                    module = again()
+                    continue
                 if not result.report.rewritten:  # nothing rewritten: the output is the input, as it was
                     result.module = again()      # (no scan body inlined, nothing moved)
-                _predict(program, result.report, lambda: _program(pristine(), options, source, graph=True))
+                _predict(program, result.report, guard.scheduled)
                 _compile_figure(result, pristine, options)
                 return result
             for key, why in undone.items():  # moved, then no ring where it went: not moved next time
@@ -366,6 +374,33 @@ def _compile_figure(result: RewriteResult, pristine: Callable[[], ir.Module], op
                 "predicted_ratio": round(compile_budget.compile_ratio(original, rewritten), 3), "budget": budget}
 
     result.report.compile = figure
+
+
+class _StepGuard:
+    """The whole step's answer under policy auto (:mod:`.step_guard`): the input's schedule,
+    made once when first needed, and the places each try's rings slow it at."""
+
+    def __init__(self, options: Options, schedule: Callable[[], "program_cost.Program | str"]):
+        self.active = options.policy == "auto"
+        self._schedule = schedule
+        self._program: "program_cost.Program | str | None" = None
+        self.rounds = 0
+
+    def scheduled(self) -> "program_cost.Program | str":
+        if self._program is None:
+            self._program = self._schedule()
+        return self._program
+
+    def losers(self, report: Report) -> dict[str, str]:
+        """The places to decline next try (none: this try's answer stands)."""
+        if not self.active or not report.rewritten or isinstance(self.scheduled(), str):
+            return {}
+        self.rounds += 1
+        try:
+            return step_guard.losing_places(self.scheduled(), report, self.rounds)
+        except Exception as exc:  # noqa: BLE001 - the sites' own predictions stand where the step's cannot be made
+            self._program = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+            return {}
 
 
 def _program(module: ir.Module, options: Options, source: str, graph: bool = False) -> "program_cost.Program | str":

@@ -38,6 +38,8 @@ from .profiles import Hardware
 from .report import Report, SiteReport, tensor_bytes
 
 FREE, DOT, COLLECTIVE, BLOCK = range(4)
+#: an instance's "ring" time meaning its collective is gone (merged into another site's ring)
+GONE = -1.0
 #: the anchor op of each site kind (SiteReport.kind)
 ANCHORS = {"all_gather_dot": "stablehlo.all_gather", "dot_reduce_scatter": "stablehlo.reduce_scatter",
            "dot_all_reduce": "stablehlo.all_reduce"}
@@ -286,7 +288,7 @@ def _span(graph: _Graph, rings: dict[int, float]) -> float:
             i = stack.pop()
             kind = kinds[i]
             if instance[i] >= 0 and instance[i] in rings:
-                kind = BLOCK
+                kind = FREE if rings[instance[i]] == GONE else BLOCK
             if kind == FREE:
                 finish[i] = ready[i]
                 done(i)
@@ -487,25 +489,37 @@ def _ring_of(program: Program, inst: int, sites: list[SiteReport]) -> float | No
     return total if any_rewritten else None
 
 
-def predict(program: Program, report: Report) -> ProgramPrediction:
-    """The step before and after (see the module's docstring)."""
+def _rewritten(program: Program, report: Report) -> tuple[dict, dict[int, float], dict[str, set[int]]]:
+    """(each instance's sites, each rewritten instance's ring seconds, the rewritten instances
+    of each place in the source)."""
     matched = match(program, report)
     rings = {i: t for i, sites in matched.items() if (t := _ring_of(program, i, sites)) is not None}
-    placed = {id(site) for i in rings for site in matched[i]}
-    unplaced = sum(1 for s in report.rewritten if id(s) not in placed and _ring_seconds(s) is not None)
-    before = program.span({})
-    after = program.span(rings) if rings else before
     by_place: dict[str, set[int]] = {}
     for i in rings:
         for site in matched[i]:
             if site.rewritten:
                 by_place.setdefault(site.location, set()).add(i)
+    merged = {s.first_stage: s.location for s in report.rewritten if s.first_stage}
+    for i, inst in enumerate(program.instances):  # a merged two-stage gather's first stage: gone
+        if inst.key[1] == "stablehlo.all_gather" and inst.key[0] in merged and i not in rings:
+            rings[i] = GONE
+            by_place.setdefault(merged[inst.key[0]], set()).add(i)
+    return matched, rings, by_place
+
+
+def predict(program: Program, report: Report) -> ProgramPrediction:
+    """The step before and after (see the module's docstring)."""
+    matched, rings, by_place = _rewritten(program, report)
+    placed = {id(site) for i in rings for site in matched.get(i, ())}
+    unplaced = sum(1 for s in report.rewritten if id(s) not in placed and _ring_seconds(s) is not None)
+    before = program.span({})
+    after = program.span(rings) if rings else before
     places = []
     if rings and after != before:
         sign = 1.0 if after < before else -1.0
 
         def alone(location: str) -> float:  # the place's sites' own predicted change, summed
-            return sum(_site_change(site) for i in by_place[location] for site in matched[i])
+            return sum(_site_change(site) for i in by_place[location] for site in matched.get(i, ()))
 
         for location in sorted(by_place, key=lambda loc: -sign * alone(loc))[:PLACES_MEASURED]:
             kept = {i: t for i, t in rings.items() if i not in by_place[location]}
@@ -513,6 +527,17 @@ def predict(program: Program, report: Report) -> ProgramPrediction:
         places = sorted((p for p in places if sign * p[1] > 0), key=lambda p: -sign * p[1])[:PLACES_SHOWN]
     return ProgramPrediction(program.hw.name, program.partitions, before, after, places, program.unknown_trips,
                              unplaced)
+
+
+def step_changes(program: Program, report: Report) -> tuple[float, float, dict[str, float]]:
+    """(the step before, after, and for every place with rewritten sites the step's time with
+    that place's sites as written less ``after``: negative where the place's rings slow it)."""
+    _, rings, by_place = _rewritten(program, report)
+    before = program.span({})
+    after = program.span(rings) if rings else before
+    changes = {location: program.span({i: t for i, t in rings.items() if i not in mine}) - after
+               for location, mine in by_place.items()} if after > before else {}
+    return before, after, changes
 
 
 def _site_change(site: SiteReport) -> float:

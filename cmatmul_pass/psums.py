@@ -8,7 +8,7 @@ import contextlib
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from . import cost
+from . import cost, step_guard
 from .matchers import DeclinedSite, ModuleInfo, ReduceScatterSite
 from .matchers.all_gather import reaches_a_dot_row_wise
 from .matchers.all_reduce import DOT_ALL_REDUCE, AllReduceSite
@@ -52,6 +52,7 @@ def decide_all_reduce(site, ctx: RewriteContext, source: str, options: Options, 
                         "picked": picked, "prediction": described}
     if tie:
         entry.all_reduce["tie_to_split"] = onward
+    declined = declined or step_guard.verdict(entry)
     if budget is not None and not declined:
         chunks, declined = _within_budget(budget, shape, prediction, strategy, chunks, options, entry)
     if declined:

@@ -176,6 +176,12 @@ REASONS: dict[str, Reason] = {r.code: r for r in (
            "use `--policy all`, another `--variant` (the reason names one that would pass, if any), "
            "or a `--hardware` profile that describes your machine",
            ("hlo_samples/sp_mlp.mlir", "--policy", "auto")),
+    Reason("step", "`--policy auto`: the site's own prediction pays, but the whole step's schedule is predicted "
+                   "slower with its place's rings than without (its collective already runs beside other work, "
+                   "which the ring, holding both streams, would delay)",
+           "nothing to gain on `--hardware` by the cost model; `--policy all` rewrites it anyway (measure with "
+           "`cmatmul_pass.jit(variant=\"measure\")` or `bench` on the machine)",
+           ("hlo_samples/ag_gqa_grad.mlir", "--policy", "auto", "--hardware", "h100:bandwidth=1e8,bf16=1e9,step=1e-9")),
     Reason("min_bytes", "the site moves fewer bytes per device than `--min-bytes`",
            "lower `--min-bytes` (0, the default, rewrites every size)",
            ("hlo_samples/sp_mlp.mlir", "--min-bytes", "1000000")),

@@ -78,6 +78,9 @@ class SiteReport:
     # loop, carried past row-wise ops): the reason code it was declined for where it stood; None
     # for any other
     moved_from: str | None = None
+    #: a two-stage gather merged into this site's ring: where its first stage stood (that
+    #: collective is gone too)
+    first_stage: str | None = None
     #: which of the sites a model repeats at this location this one is, where the module says:
     #: "layer 2 of 4" (the k-th shard_map region at one place; a backward's counted from the end)
     #: or "each of the 4 trips of the loop at f.py:9:3" (cmatmul_pass.program_cost.annotate)

@@ -16,7 +16,7 @@ import math
 from collections import Counter
 from collections.abc import Callable
 
-from . import cost, ir_utils
+from . import cost, ir_utils, step_guard
 from ._jax_private import ir
 from .errors import InternalError
 from .matchers import AllGatherSite, DeclinedSite, ReduceScatterSite, Site
@@ -62,7 +62,7 @@ def apply_site(
             predictions[pattern.key] = cached
     shape, prediction, described = cached
     entry.cost = {k: dict(v) if isinstance(v, dict) else v for k, v in described.items()}  # each entry its own
-    declined = policy_verdict(options, shape, prediction)
+    declined = policy_verdict(options, shape, prediction) or step_guard.verdict(entry)
     if declined:
         entry.reason_code, entry.reason = declined
         return entry

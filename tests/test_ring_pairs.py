@@ -88,7 +88,7 @@ def test_over_the_same_groups_the_pair_is_an_all_reduce_and_the_gather_keeps_the
 
 def test_training_parity_through_the_decorator():
     """A training step of the block under the default policy on a profile where both rings pay
-    (A100): loss and updated weights as jax.jit's."""
+    and the whole step gains (A100 links at 50 GB/s): loss and updated weights as jax.jit's."""
     mesh = mesh_2x4()
     tokens, hidden, ffn = 1024, 256, 1024
 
@@ -107,7 +107,8 @@ def test_training_parity_through_the_decorator():
     rng = np.random.default_rng(0)
     args = [jax.device_put(rng.normal(size=s).astype(np.float32), NamedSharding(mesh, sp))
             for s, sp in zip([(tokens, hidden), (hidden, ffn), (ffn, hidden)], specs)]
-    step = cmatmul_pass.jit(train_step, policy="auto", hardware="a100", compile_budget=None)
+    step = cmatmul_pass.jit(train_step, policy="auto", hardware="a100:bandwidth=5e10",
+                            compile_budget=None)
     mine, base = step(*args), jax.jit(train_step)(*args)
     for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(base)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
