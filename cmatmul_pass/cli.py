@@ -487,7 +487,9 @@ def cmd_explain(args) -> int:
                   f"its dot; competes for it with {site.slack['competes_with']}")
         if site.all_reduce:
             _explain_all_reduce(site)
-        if site.rewritten and site.all_reduce.get("strategy") == "chunk":
+        if site.all_to_all:
+            _explain_all_to_all(site)
+        if site.rewritten and (site.all_reduce.get("strategy") == "chunk" or site.all_to_all):
             for note in site.notes:
                 print(f"  note: {note}")
         elif site.rewritten:
@@ -558,6 +560,23 @@ def cmd_explain(args) -> int:
     if report.program_line():
         print(report.program_line())
     return 0
+
+
+def _explain_all_to_all(site) -> None:
+    """An all_to_all pair's lines: its combine, the dim chunked, each chunk count's prediction."""
+    from .cost import readable_seconds
+
+    a = site.all_to_all
+    how = "the dispatch's concat dim, the combine's split dim" if a["exchanged"] else "exchanged by neither"
+    print(f"  pair: combined by the all_to_all at {a['combine']}; chunked along dim {a['dim']} ({how}; the "
+          f"combine's dim {a['combine_dim']})")
+    p = a["prediction"]
+    if p:
+        times = ", ".join(f"{k} chunks {readable_seconds(s)} ({p['serial_s'] / s:.2f}x)"
+                          for k, s in p["chunks_s"].items())
+        print(f"  predicted on {p['hardware']}: dispatch {readable_seconds(p['dispatch_s'])} + matmuls "
+              f"{readable_seconds(p['compute_s'])} + combine {readable_seconds(p['combine_s'])} = "
+              f"{readable_seconds(p['serial_s'])}; {times}")
 
 
 def _explain_all_reduce(site) -> None:

@@ -45,6 +45,8 @@ from .rewrites.sink import feeds_a_loop, hoist_plan
 from .rewrites.sink import plan as sink_plan
 from .rewrites.sink import sink as sink_gather
 from .psums import decide_all_reduce, say_where_gathers_went
+from .exchanges import decide_all_to_all
+from .matchers.all_to_all import combine_of
 from .sites import VERDICTS, apply_site, dot_flops, site_shape
 
 if TYPE_CHECKING:
@@ -180,6 +182,27 @@ class SiteWalk:
         _say_prefetchable(self.report, deferred, gathered)
         if carried is not None:
             say_where_gathers_went(self.report, carried, gathered)
+        self.phase += 1
+        self._exchanges(found.get("stablehlo.all_to_all", []))
+
+    def _exchanges(self, all_to_alls: list) -> None:
+        """Each all_to_all as a pair's dispatch: chunked with its combine, or reported declined
+        (a pair's combine is no site of its own)."""
+        skipped: set[int] = set()  # indices of the pairs' combines (erased where the pair was chunked)
+        for index, op in enumerate(all_to_alls):
+            if index in skipped:
+                continue
+            combine = combine_of(op)
+            if combine is not None:
+                skipped.update(j for j in range(index + 1, len(all_to_alls))
+                               if all_to_alls[j].operation == combine.operation)
+            with self.attempts.on(op):
+                if self.left_as_written(op):
+                    continue
+                since, place = len(self.report.sites), self.place_of(op)
+                self.report.sites.append(decide_all_to_all(op, self.info, self.ctx, self.options, self.hw,
+                                                           self.source))
+                self.tag(place, since)
 
     def _ring_moved(self, site: ReduceScatterSite, note: str) -> str | None:
         """stages.swap_reductions' ring: the moved scatter's site rewritten, or why not."""
@@ -383,7 +406,7 @@ class SiteWalk:
             self.apply_moved(self.match_gather(new), site,
                              f"merged with the second stage at {where}: one gather over both stages' groups",
                              *([choice.note] if choice else []))
-            report.sites[-1].first_stage = first
+            report.sites[-1].absorbs.append(first)
             if choice and report.sites[-1].cost:  # the options' times beside the merged ring's
                 report.sites[-1].cost["two_stage"] = choice.pricing.to_dict()
             return

@@ -42,7 +42,7 @@ FREE, DOT, COLLECTIVE, BLOCK = range(4)
 GONE = -1.0
 #: the anchor op of each site kind (SiteReport.kind)
 ANCHORS = {"all_gather_dot": "stablehlo.all_gather", "dot_reduce_scatter": "stablehlo.reduce_scatter",
-           "dot_all_reduce": "stablehlo.all_reduce"}
+           "dot_all_reduce": "stablehlo.all_reduce", "all_to_all_chunk": "stablehlo.all_to_all"}
 #: ops whose body the schedule walks in place of the op (their block arguments are its operands)
 INLINE = frozenset({"sdy.manual_computation", "sdy.named_computation"})
 TERMINATORS = frozenset({"func.return", "stablehlo.return", "sdy.return"})
@@ -435,6 +435,9 @@ def _ring_seconds(site: SiteReport) -> float | None:
     """A rewritten site's time beyond its dots' compute (what its collective becomes)."""
     if not site.rewritten:
         return None
+    if site.all_to_all:
+        p = site.all_to_all["prediction"]
+        return max(p["chunks_s"][str(site.all_to_all["chunks"])] - p["compute_s"], 0.0)
     if site.all_reduce:
         p = site.all_reduce.get("prediction") or {}
         if not p:
@@ -499,11 +502,11 @@ def _rewritten(program: Program, report: Report) -> tuple[dict, dict[int, float]
         for site in matched[i]:
             if site.rewritten:
                 by_place.setdefault(site.location, set()).add(i)
-    merged = {s.first_stage: s.location for s in report.rewritten if s.first_stage}
-    for i, inst in enumerate(program.instances):  # a merged two-stage gather's first stage: gone
-        if inst.key[1] == "stablehlo.all_gather" and inst.key[0] in merged and i not in rings:
+    absorbed = {where: s.location for s in report.rewritten for where in s.absorbs}
+    for i, inst in enumerate(program.instances):  # a merged two-stage gather's first stage, ...: gone
+        if inst.key[0] in absorbed and i not in rings:
             rings[i] = GONE
-            by_place.setdefault(merged[inst.key[0]], set()).add(i)
+            by_place.setdefault(absorbed[inst.key[0]], set()).add(i)
     return matched, rings, by_place
 
 

@@ -171,6 +171,20 @@ REASONS: dict[str, Reason] = {r.code: r for r in (
                          "as written and rewrote the others",
            "a cmatmul_pass bug: please report it with the module (`--report-json` names the failure); the rest of "
            "the module is rewritten and checked as usual"),
+    # ---- all_to_all pairs
+    Reason("a2a_unpaired", "an all_to_all whose values reach no single all_to_all over the same devices (a lone "
+                           "exchange, or several after it)",
+           "nothing to chunk it with: the pass overlaps an all_to_all pair (an MoE block's dispatch and combine, "
+           "Ulysses' exchange and its return) with the ops between them"),
+    Reason("a2a_region", "an op between the two all_to_alls mixes the rows the chunks would keep apart (a reduce or "
+                         "a contraction over them, a reshape merging them), is read outside the pair, or reads a "
+                         "value that a chunk could only take strided over the devices' rows",
+           "keep the ops between the exchanges per row of a dim the exchanges do not split (the capacity of an MoE "
+           "dispatch, the batch): the reason names the op",
+           ("hlo_samples/neg_a2a_region.mlir",)),
+    Reason("a2a_no_dim", "no dim of the exchanged value divides into 2, 4 or 8 chunks (or `--chunks`) that both "
+                         "exchanges keep whole",
+           "pad the capacity (or the dim the ops keep apart) to a multiple of the chunk count"),
     # ---- the options' verdict
     Reason("policy", "`--policy auto`: the cost model predicts too small a gain on `--hardware`",
            "use `--policy all`, another `--variant` (the reason names one that would pass, if any), "

@@ -71,6 +71,9 @@ class SiteReport:
     # a dot → all_reduce site: {strategy: split/chunk, dim, chunks, gathers: [where each gather
     # of its rows went], prediction: cost.AllReducePrediction.to_dict()}; empty for other kinds
     all_reduce: dict = field(default_factory=dict)
+    # an all_to_all pair (kind all_to_all_chunk): {dim, combine, combine_dim, exchanged, chunks,
+    # prediction: exchanges.predict's seconds}; empty for other kinds
+    all_to_all: dict = field(default_factory=dict)
     # a gather another collective competed with for its dot (analysis.slack): {early, hiding_flops,
     # competes_with: that collective's location}; empty where none did
     slack: dict = field(default_factory=dict)
@@ -78,9 +81,9 @@ class SiteReport:
     # loop, carried past row-wise ops): the reason code it was declined for where it stood; None
     # for any other
     moved_from: str | None = None
-    #: a two-stage gather merged into this site's ring: where its first stage stood (that
-    #: collective is gone too)
-    first_stage: str | None = None
+    #: other collectives of the input this site replaces, where they stood (a two-stage gather's
+    #: first stage merged into its ring; an all_to_all pair's combine): gone with the site's own
+    absorbs: list[str] = field(default_factory=list)
     #: which of the sites a model repeats at this location this one is, where the module says:
     #: "layer 2 of 4" (the k-th shard_map region at one place; a backward's counted from the end)
     #: or "each of the 4 trips of the loop at f.py:9:3" (cmatmul_pass.program_cost.annotate)
@@ -97,6 +100,10 @@ class SiteReport:
             dots = f", {len(self.consumers)} dots" if len(self.consumers) > 1 else ""
             kept = f", assembles the gathered value for {len(self.assembled_for)} other reader(s)" if self.assembled_for else ""
             shared = f", calls the shared ring {self.shared_ring}" if self.shared_ring else ""
+            if self.kind == "all_to_all_chunk":
+                a = self.all_to_all
+                return (f"{self.place}: {self.kind}: rewritten{ring} (chunk: {a['chunks']} all_to_all pairs along "
+                        f"{'the exchanged ' if a['exchanged'] else ''}dim {a['dim']})")
             if self.all_reduce.get("strategy") == "chunk":
                 return f"{self.place}: {self.kind}: rewritten{ring} (chunk: {self.all_reduce['chunks']} all_reduces along dim {self.all_reduce['dim']})"
             if self.all_reduce:

@@ -109,7 +109,7 @@ def test_a_merged_two_stage_gather_counts_its_first_stage_gone():
 
     result = cmatmul_pass.rewrite(two_stage(128, 1024, 2048, jnp.float64), cmatmul_pass.Options(policy="auto"))
     (site,) = result.report.rewritten
-    assert site.ring_size == 8 and site.first_stage and site.first_stage != site.location
+    assert site.ring_size == 8 and len(site.absorbs) == 1 and site.absorbs[0] != site.location
     before, after = predicted(result)
     merged = site.cost["overlapped_s"][site.cost["variant"]]  # the dot and both stages' transfer
     assert after < before and after == pytest.approx(merged, rel=0.02)

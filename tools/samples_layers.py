@@ -317,6 +317,37 @@ def moe_fsdp_grad() -> str:
     return jax.export.export(jax.jit(step), platforms=["cuda"])(*args).mlir_module()
 
 
+def moe_expert_parallel(grad: bool = False, mixing: bool = False) -> Callable[[], str]:
+    """An expert-parallel MoE block on 8 devices over 'expert' (16 experts, 2 per device): top-1
+    routing into 16 capacity slots (one-hot dispatch and combine einsums), the slots exchanged
+    (``all_to_all``: split along the experts, concatenated along the capacity), a GELU FFN per
+    local expert (batched einsums), exchanged back. ``grad``: value_and_grad over the tokens and
+    the expert weights; ``mixing``: each expert's hidden activations centred over its slots
+    between the exchanges (a reduce over the capacity)."""
+    def build() -> str:
+        mesh = mesh_1d(name="expert")
+        experts, capacity, hidden, ffn, tokens = 16, 16, 32, 64, 256
+
+        def block(x, router, w1, w2):
+            ids = jnp.argmax(x @ router, -1)
+            onehot = jax.nn.one_hot(ids, experts, dtype=x.dtype)
+            slot = ((jnp.cumsum(onehot, 0) - 1) * onehot).sum(-1).astype(jnp.int32)
+            disp = onehot[:, :, None] * jax.nn.one_hot(slot, capacity, dtype=x.dtype)[:, None, :]
+            y = jax.lax.all_to_all(jnp.einsum("tec,th->ech", disp, x), "expert", 0, 1, tiled=True)
+            h = jnp.einsum("ech,ehf->ecf", y, w1)
+            h = h - jnp.mean(h, axis=1, keepdims=True) if mixing else jax.nn.gelu(h)
+            back = jax.lax.all_to_all(jnp.einsum("ecf,efh->ech", h, w2), "expert", 1, 0, tiled=True)
+            return jnp.einsum("tec,ech->th", disp, back)
+
+        specs = (P("expert"), P(), P("expert"), P("expert"))
+        f = jax.shard_map(block, mesh=mesh, in_specs=specs, out_specs=P("expert"))
+        fn = jax.value_and_grad(lambda *a: jnp.mean(f(*a) ** 2), argnums=(0, 2, 3)) if grad else f
+        shapes = [(tokens, hidden), (hidden, experts), (experts, hidden, ffn), (experts, ffn, hidden)]
+        return lower(fn, *(arg(mesh, shape, spec) for shape, spec in zip(shapes, specs)))
+
+    return build
+
+
 def lm_fsdp_tp_scan() -> str:
     """A training step (value_and_grad of the mean cross-entropy loss) of a 2-layer language model on a
     2x4 (data, model) mesh, written as a JAX user would: every weight FSDP-sharded over 'data' and
@@ -525,6 +556,14 @@ SAMPLES_LIST = [
            moe_fsdp_grad, "rewritten 6",
            ["CHECK-NOT: stablehlo.all_gather", "CHECK-NOT: stablehlo.reduce_scatter",
             'CHECK: stablehlo.composite "chlo.ragged_dot"', "CHECK: stablehlo.collective_permute"]),
+    Sample("moe_ep_a2a_grad", "a training step of an expert-parallel MoE block (capacity-padded): the dispatch "
+           "all_to_all, the local experts' GELU FFN and the combine all_to_all are cut into chunks along the capacity "
+           "(the dispatch's concat dim, the combine's split dim), each chunk's exchanges beside another chunk's "
+           "matmuls; the values the backward reads are reassembled after the pair; the backward's pair (the "
+           "cotangent exchanged back and forth) is chunked too, its weight gradients (contracting the capacity) "
+           "summed over the chunks.",
+           moe_expert_parallel(grad=True), "rewritten 2",
+           ['CHECK: "stablehlo.all_to_all"', "CHECK: stablehlo.concatenate"]),
     Sample("fsdp_tp_grad", "value_and_grad of fsdp_tp: every collective over 'model' rewritten, forward and "
            "backward; the weight gathers over 'data' the activations' rings took are prefetchable or lost.",
            fsdp_tp(True), "rewritten 14",

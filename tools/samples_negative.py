@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from tools.samples_common import Sample, arg, gather, lower, mesh_1d, mesh_2x4, scatter, smap, under_legacy_partitioner
 from tools.samples_gather import mesh2x4_model, partial_manual
 from tools.samples_scatter import rs_on, rs_padded
-from tools.samples_layers import feature_norm_before_dot
+from tools.samples_layers import feature_norm_before_dot, moe_expert_parallel
 
 
 # ---------------------------------------------------------------- negative samples
@@ -275,6 +275,11 @@ SAMPLES_LIST = [
            "along the tokens: the grouped matmul's ragged rows, which its group sizes assign to experts by position, "
            "cannot be cut into blocks.",
            ragged_dot_scatter, "unchanged ragged_dot", NEG_RS),
+    Sample("neg_a2a_region", "an expert-parallel MoE block whose hidden activations are centred over each expert's "
+           "slots between the dispatch and the combine all_to_all: a reduce over the capacity, the dim the chunks "
+           "would keep apart (its features are contracted by the experts' matmuls).",
+           moe_expert_parallel(mixing=True), "unchanged a2a_region",
+           ['CHECK: "stablehlo.all_to_all"', "CHECK-NOT: stablehlo.concatenate"]),
     Sample("neg_reshard", "all_gather of the rows, then each device's slice of the features: a reshard (an all_to_all "
            "in disguise), not a matmul input.",
            reshard_by_gather, "unchanged reshard", NEG),

@@ -190,7 +190,10 @@ def check_partition_mode(op: ir.OpView, info: ModuleInfo) -> None:
     if info.num_replicas != 1:
         raise Decline("replicas", f"the module has mhlo.num_replicas = {info.num_replicas}; only 1 replica is supported")
     attrs = op.attributes
-    if "channel_handle" not in attrs or "use_global_device_ids" not in attrs:
+    # an all_to_all has no use_global_device_ids: with a channel its groups are partition ids
+    # (XLA's cross-partition mode), as jax lowers it inside shard_map
+    global_ids = "use_global_device_ids" in attrs or op.operation.name == "stablehlo.all_to_all"
+    if "channel_handle" not in attrs or not global_ids:
         raise Decline(
             "cross_replica",
             "collective without channel_handle + use_global_device_ids groups replicas, not partitions",
