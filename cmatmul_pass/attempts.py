@@ -32,7 +32,7 @@ MAX_TRIES = 8
 MOTION, SITE = "motion", "site"
 #: the site kind a collective's entry has, by op name
 KINDS = {"stablehlo.all_gather": "all_gather_dot", "stablehlo.reduce_scatter": "dot_reduce_scatter",
-         "stablehlo.all_reduce": "dot_all_reduce"}
+         "stablehlo.all_reduce": "dot_all_reduce", "stablehlo.all_to_all": "all_to_all_chunk"}
 
 
 @dataclass

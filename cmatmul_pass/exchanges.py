@@ -7,7 +7,8 @@ other) against ``k`` chunks pipelined on two streams: chunk ``j+1``'s dispatch a
 ``1/k`` of the bytes plus one ``step`` of synchronisation, each chunk's matmuls ``1/k`` of the
 FLOPs at the profile's rate.  ``k`` is the fastest of 2, 4 and 8 that divide the dim
 (``--chunks`` fixes it; on a machine no profile describes, 2, as for psums).  Under ``--policy
-auto`` a pair is left as written where no ``k`` beats the serial time by the margin (``policy``).
+auto`` a pair is left as written where its ``k`` does not beat the serial time by the margin
+(``policy``; on an undescribed machine, by the fallback profile's numbers).
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def decide_all_to_all(op, info: ModuleInfo, ctx: RewriteContext, options, hw: co
         entry.reason_code, entry.reason = "min_bytes", f"moves {entry.bytes_moved} B per device, under --min-bytes " \
                                                        f"{options.min_bytes}"
         return entry
-    if options.policy == "auto" and not hw.assumed and speedup < 1 + options.margin:
+    if options.policy == "auto" and speedup < 1 + options.margin:
         entry.reason_code = "policy"
         entry.reason = (f"predicted speed-up {speedup:.3f}x ({chunks} chunks) on {hw.name} is under "
                         f"1 + {options.margin:g}")

@@ -1,7 +1,8 @@
 """The MoE kind of the differential fuzzer, the fixed-seed slice CI runs (``tools/fuzz.py --kind
 moe`` runs a campaign): MoE blocks of grouped matmuls over FSDP-gathered expert weights, in the
 three forms a lowering takes, top-1 and top-2, skewed routing (empty experts), a shared expert,
-bf16 and f32, forward and training step, under every variant; and the programs campaigns found."""
+bf16 and f32, forward and training step, under every variant; expert-parallel blocks exchanging
+capacity-padded slots (all_to_all pairs); and the programs campaigns found."""
 
 from hypothesis import HealthCheck, given, settings
 
@@ -53,3 +54,19 @@ def test_the_oracle_catches_a_grouped_block_with_the_wrong_group_sizes(monkeypat
                             along=("cols", "cols", "rows"), skew=True, shared=False, dtype="f32", grad=False)
     tally = fuzz_moe.check(spec, variants={"uni": fuzz_programs.VARIANTS["uni"]})
     assert len(tally.mismatches) == 1, (tally.crashes, tally.mismatches)
+
+
+@settings(max_examples=3, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(fuzz_moe.ep_specs())
+def test_random_expert_parallel_blocks(spec):
+    run(spec, {name: fuzz_programs.VARIANTS[name] for name in ("uni", "auto")})
+
+
+def test_an_expert_parallel_training_step_with_silu_calls_chunks_both_pairs():
+    """``jax.nn.silu`` under value_and_grad lowers to calls of private functions (its custom_jvp's
+    rule, three results): applied per chunk from their bodies; the forward's and the backward's
+    pairs chunked, a per-row mask read at each chunk's rows, top-2, bf16."""
+    spec = fuzz_moe.EpSpec(ring=4, experts_per_device=2, capacity=8, top_k=2, tokens=8, hidden=8, ffn=16,
+                           between="silu_mask", dtype="bf16", grad=True)
+    tally = run(spec, {"uni": fuzz_programs.VARIANTS["uni"]})
+    assert tally.sites_rewritten == 2

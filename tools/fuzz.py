@@ -120,7 +120,7 @@ def moe(args) -> int:
 
     @seed(args.seed)
     @settings(max_examples=args.examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(fuzz_moe.moe_specs())
+    @given(fuzz_moe.any_moe_specs())
     def campaign(spec):
         try:
             fuzz_moe.check(spec, tally)

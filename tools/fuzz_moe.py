@@ -1,5 +1,6 @@
 """The MoE kind of the differential fuzzer (``fuzz.py --kind moe``): MoE blocks whose expert
-weights are FSDP-sharded and gathered before their grouped matmuls (``jax.lax.ragged_dot``).
+weights are FSDP-sharded and gathered before their grouped matmuls (``jax.lax.ragged_dot``), and
+expert-parallel blocks exchanging capacity-padded slots with ``all_to_all`` (:class:`EpSpec`).
 
 A :class:`MoeSpec` draws the lowering's form (``chlo.ragged_dot`` lowered for cuda, the
 composite ``jax.export`` writes, or jax's CPU lowering, dense masked dots), the ring size, the
@@ -64,6 +65,98 @@ class MoeSpec:
         if other:
             wrong.append(f"declined for another reason: {other}")
         return wrong + ([str([s.summary_line() for s in result.report.sites])] if wrong else [])
+
+
+@dataclass(frozen=True)
+class EpSpec:
+    """An expert-parallel MoE block: top-k routing into capacity slots (one-hot dispatch and
+    combine einsums), the slots exchanged over the ring (``all_to_all``), each local expert's
+    FFN, exchanged back. ``between``: what stands between the two matmuls: an activation, the
+    activation times a per-row mask (a side operand along the exchanged capacity), or a mean
+    over the capacity (the near miss, to be declined ``a2a_region``)."""
+
+    ring: int
+    experts_per_device: int
+    capacity: int
+    top_k: int
+    tokens: int  # per device
+    hidden: int
+    ffn: int
+    between: str  # "gelu" | "silu_mask" | "mean"
+    dtype: str
+    grad: bool  # value_and_grad over the tokens and the weights: the backward's pair too
+
+    kind = "moe-ep"
+
+    def expected(self, result) -> list[str]:
+        """What the oracle finds wrong with ``result`` (policy all, uni): the forward's pair
+        chunked, or declined a2a_region for the mean."""
+        pairs = [s for s in result.report.sites if s.kind == "all_to_all_chunk"]
+        if not pairs:
+            return ["no all_to_all pair reported"]
+        first = pairs[0]
+        if self.between == "mean":
+            ok = not first.rewritten and first.reason_code == "a2a_region"
+        else:
+            ok = first.rewritten
+        return [] if ok else [f"the forward's pair: {first.summary_line()}"]
+
+
+@st.composite
+def ep_specs(draw) -> EpSpec:
+    return EpSpec(
+        ring=draw(st.sampled_from([2, 4, 8])),
+        experts_per_device=draw(st.sampled_from([1, 2])),
+        capacity=draw(st.sampled_from([4, 8, 16])),
+        top_k=draw(st.sampled_from([1, 1, 2])),
+        tokens=draw(st.sampled_from([8, 16])),
+        hidden=draw(st.sampled_from([8, 16])),
+        ffn=draw(st.sampled_from([16, 32])),
+        between=draw(st.sampled_from(["gelu", "silu_mask", "silu_mask", "mean"])),
+        dtype=draw(st.sampled_from(["f32", "f32", "bf16"])),
+        grad=draw(st.booleans()),
+    )
+
+
+def lower_ep(spec: EpSpec) -> str:
+    mesh = Mesh(np.array(jax.devices("cpu")[: spec.ring]), ("expert",))
+    dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16}[spec.dtype]
+    experts, capacity = spec.experts_per_device * spec.ring, spec.capacity
+
+    def block(x, router, w1, w2, mask):
+        _, ids = jax.lax.top_k(x @ router, spec.top_k)
+        onehot = jax.nn.one_hot(ids, experts, dtype=x.dtype).sum(1)  # [T, E]: each token's k experts
+        slot = ((jnp.cumsum(onehot, 0) - 1) * onehot).astype(jnp.int32)
+        disp = onehot[:, :, None] * jax.nn.one_hot(slot, capacity, dtype=x.dtype)  # [T, E, C] (overflow dropped)
+        y = jax.lax.all_to_all(jnp.einsum("tec,th->ech", disp, x), "expert", 0, 1, tiled=True)
+        h = jnp.einsum("ech,ehf->ecf", y, w1)
+        if spec.between == "gelu":
+            h = jax.nn.gelu(h)
+        elif spec.between == "silu_mask":
+            h = jax.nn.silu(h) * mask
+        else:
+            h = h - jnp.mean(h, axis=1, keepdims=True)
+        back = jax.lax.all_to_all(jnp.einsum("ecf,efh->ech", h, w2), "expert", 1, 0, tiled=True)
+        return jnp.einsum("tec,ech->th", disp, back)
+
+    specs = (P("expert"), P(), P("expert"), P("expert"), P("expert"))
+    fn = jax.shard_map(block, mesh=mesh, in_specs=specs, out_specs=P("expert"), check_vma=False)
+    if spec.grad:
+        inner = fn
+
+        def fn(x, router, w1, w2, mask):
+            return jax.value_and_grad(lambda a, b, c: jnp.mean(inner(a, router, b, c, mask).astype(jnp.float32) ** 2),
+                                      argnums=(0, 1, 2))(x, w1, w2)
+    shapes = [(spec.tokens * spec.ring, spec.hidden), (spec.hidden, experts), (experts, spec.hidden, spec.ffn),
+              (experts, spec.ffn, spec.hidden), (experts, spec.ring * capacity, spec.ffn)]
+    structs = [jax.ShapeDtypeStruct(sh, dtype, sharding=NamedSharding(mesh, sp)) for sh, sp in zip(shapes, specs)]
+    return jax.jit(fn).lower(*structs).as_text()
+
+
+@st.composite
+def any_moe_specs(draw):
+    """Either shape: FSDP'd grouped matmuls (:class:`MoeSpec`) or expert parallelism (:class:`EpSpec`)."""
+    return draw(st.one_of(moe_specs(), ep_specs()))
 
 
 @st.composite
@@ -150,7 +243,8 @@ def check(spec: MoeSpec, tally: Tally | None = None, variants=VARIANTS) -> Tally
     tally = tally or Tally()
     tally.programs += 1
     tally.dtypes[spec.dtype] += 1
-    text = lower(spec)
+    ep = isinstance(spec, EpSpec)
+    text = lower_ep(spec) if ep else lower(spec)
     reference = execute.Reference.of(ir_utils.parse(text), devices=jax.devices("cpu")[: spec.ring])
     for name, options in variants.items():
         tally.runs += 1
@@ -159,7 +253,7 @@ def check(spec: MoeSpec, tally: Tally | None = None, variants=VARIANTS) -> Tally
             result.module.operation.verify()
             groups = [frozenset(tuple(sorted(g)) for g in s.replica_groups) for s in result.report.rewritten]
             assert ring_property_holds(result.module, groups), "a permute is not one cycle per group"
-            if name == "uni" and spec.form != "cpu" and not spec.grad:
+            if name == "uni" and (ep or (spec.form != "cpu" and not spec.grad)):
                 wrong = spec.expected(result)
                 assert not wrong, "; ".join(wrong)
             outcome = reference.check(result.module)

@@ -23,21 +23,18 @@ Side conditions, each checked here (a site failing one is declined, saying which
 
 1. the two collectives are over the same device groups, in one block, the combine reached from
    the dispatch's result only through ``R`` (``a2a_unpaired`` otherwise);
-2. every op of ``R`` (every op reading, directly or not, the dispatch's result before the
-   combine) has one result and carries the tracked dim to one dim of its result, index for
-   index: elementwise ops, ``convert``, ``select``, ``compare``, ``transpose``, a ``reshape``
-   keeping the dim whole, a ``slice`` or ``reduce`` along other dims, a ``broadcast_in_dim``
-   along it, a ``dot_general`` where it is a free or batch dim; or a ``dot_general`` contracting
-   it (a weight's gradient in a training step's backward), each chunk's product a partial sum,
-   added up over the chunks, read before the pair's end only by a transpose, reshape or negate
-   (linear: applied to each share) (``a2a_region``);
+2. ``R`` (every op reading, directly or not, the dispatch's result before the combine) is
+   separable along the dim, or additive over it where nothing reads the sum before the pair's
+   end (a weight's gradient: each chunk's product a partial sum, added up after the last):
+   :mod:`..analysis.separable` proves it op by op (``a2a_region`` naming the op otherwise);
 3. a value of the pair read outside it (a residual a training step saves for its backward) is
    read after the combine: the rewrite reassembles it there from the chunks, in the original's
    order (``a2a_region`` where a reader stands before the combine);
 4. an operand of an ``R`` op not computed from the dispatch (a weight, a mask, a residual the
-   forward saved) that spans the tracked dim is read per chunk at the chunk's rows: a slice
-   (free), or along the exchanged dim each device's rows of the chunk, device-major, as the
-   dispatch lays them out; a broadcast not along the dim is rebuilt at the chunk's size;
+   forward saved) that spans the tracked dim is read per chunk at the chunk's rows (the
+   analysis' ``SLICE``): a slice (free), or along the exchanged dim each device's rows of the
+   chunk, device-major, as the dispatch lays them out; a broadcast not along the dim is rebuilt
+   at the chunk's size;
 5. ``d``'s size divides into the chunks (``a2a_no_dim`` where no dim does).
 
 Nothing moves into control flow: the ``k`` pairs stand where the pair stood, every device runs
@@ -46,42 +43,16 @@ them in the same order, so no device-variance condition arises.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from .. import ir_utils
-from .._jax_private import hlo, ir
+from .._jax_private import ir
 from ..errors import Decline
-from ..layout import ELEMENTWISE_OPS
+from ..analysis.separable import SLICE, NotSeparable, Step, track
 from ..ring import Ring
 from .common import DeclinedSite, ManualRegion, ModuleInfo, collective_ring
 
 ALL_TO_ALL = "all_to_all_chunk"
 A2A = "stablehlo.all_to_all"
-#: ops applied index for index along every dim (operands of the result's shape)
-POINTWISE = ELEMENTWISE_OPS | frozenset(f"stablehlo.{n}" for n in (
-    "convert", "select", "compare", "clamp", "and", "or", "xor", "not", "remainder", "atan2", "exponential_minus_one",
-    "log_plus_one", "round_nearest_even", "round_nearest_afz", "is_finite", "cbrt", "tan", "real", "imag"))
-#: ops a partial sum over the chunks may pass through, each chunk's share alone (linear in it)
-LINEAR = frozenset({"stablehlo.transpose", "stablehlo.reshape", "stablehlo.negate"})
-#: a side operand's plan: read whole, sliced along a dim per chunk, or rebuilt (a broadcast) at the chunk's size
-WHOLE, SLICE, REBUILD = "whole", "slice", "rebuild"
-
-
-@dataclass(frozen=True, eq=False)
-class Step:
-    """One op of ``R``: the tracked dim of its result, and per operand None (on the path) or a
-    side operand's plan ``(WHOLE | SLICE | REBUILD, dim)``."""
-
-    op: ir.OpView
-    out_dim: int | None  # None: a dot contracting the tracked dim (a weight's gradient): summed over the chunks
-    sides: tuple[tuple[str, int] | None, ...]
-
-    @property
-    def sums(self) -> bool:
-        return self.out_dim is None
-
-
 @dataclass(frozen=True, eq=False)
 class AllToAllSite:
     dispatch: ir.OpView
@@ -198,9 +169,13 @@ def _match(dispatch: ir.OpView, ring: Ring, region: ManualRegion, counts) -> All
         if dim == split or not any(x.shape[dim] % k == 0 for k in counts if k > 1):
             continue
         try:
-            steps, out_dim = _track(dispatch, ops, combine, dim, exchanged=dim == concat)
-        except Decline as d:
-            reasons.append((dim, d))
+            steps, dims = track(dispatch.operation.results[0], dim, ops)
+        except NotSeparable as e:
+            reasons.append((dim, Decline("dynamic_shape" if e.dynamic else "a2a_region", str(e))))
+            continue
+        out_dim = dims.get(combine.operation.operands[0])
+        if out_dim is None:
+            reasons.append((dim, Decline("a2a_region", "the all_to_all after it reads a sum over the chunked dim")))
             continue
         exchanged = dim == concat
         if exchanged and out_dim != c_split:
@@ -222,132 +197,3 @@ def _match(dispatch: ir.OpView, ring: Ring, region: ManualRegion, counts) -> All
     raise Decline(code, "; ".join(f"along dim {dim}: {d.message}" for dim, d in reasons))
 
 
-def _track(dispatch: ir.OpView, ops: list[ir.OpView], combine: ir.OpView, dim: int,
-           exchanged: bool) -> tuple[list[Step], int]:
-    """Each op's step with ``dim`` of the dispatch's result tracked through ``ops``; the dim it
-    reaches in the combine's operand."""
-    dims: dict[ir.Value, int] = {dispatch.operation.results[0]: dim}
-    partial: set = set()  # dots' results summed over the chunks: whole only after the last
-    steps = []
-    for op in ops:
-        if any(v in partial for v in op.operation.operands):
-            if op.operation.name not in LINEAR or len(op.operation.operands) != 1:  # sum(f(p_j)) = f(sum(p_j))
-                raise Decline("a2a_region", f"{_where(op)} reads a sum over the chunked dim before its last chunk")
-            steps.append(Step(op, None, (None,)))
-            partial.add(op.result)
-            continue
-        on_path = [dims.get(v) for v in op.operation.operands]
-        steps.append(_step(op, on_path, exchanged))
-        if steps[-1].sums:
-            partial.add(op.result)
-        else:
-            dims[op.result] = steps[-1].out_dim
-    out = dims.get(combine.operation.operands[0])
-    if out is None:
-        raise Decline("a2a_unpaired", "the all_to_all after it does not read the ops' result")
-    return steps, out
-
-
-def _where(op: ir.OpView) -> str:
-    return f"the {op.operation.name} at {ir_utils.render_location(op.location)}"
-
-
-def _step(op: ir.OpView, on_path: list[int | None], exchanged: bool) -> Step:
-    name = op.operation.name
-    if len(op.operation.results) != 1:
-        raise Decline("a2a_region", f"{_where(op)} between the exchanges has {len(op.operation.results)} results")
-    result = ir_utils.ranked_tensor(op.result)
-    if result is None or not ir_utils.is_static(result):
-        raise Decline("dynamic_shape", f"{_where(op)} between the exchanges is dynamically shaped")
-    tracked = [d for d in on_path if d is not None]
-    if name in POINTWISE:
-        if len(set(tracked)) != 1 or any(ir.RankedTensorType(v.type).rank != result.rank
-                                         for v in op.operation.operands):
-            raise Decline("a2a_region", f"{_where(op)} reads the exchanged values along different dims")
-        d = tracked[0]
-        return Step(op, d, tuple(None if p is not None else _side(op, i, d, exchanged) for i, p in enumerate(on_path)))
-    if len(tracked) != 1 and name != "stablehlo.dot_general":
-        raise Decline("a2a_region", f"{_where(op)} reads {len(tracked)} exchanged values")
-    if name in ("stablehlo.reduce",):
-        (d,) = tracked
-        if on_path[0] is None or len(op.operation.operands) != 2:
-            raise Decline("a2a_region", f"{_where(op)} reduces several values")
-        reduced = ir_utils.i64s(op, "dimensions")
-        if d in reduced:
-            raise Decline("a2a_region", f"{_where(op)} reduces over the chunked dim {d}")
-        return Step(op, d - sum(1 for r in reduced if r < d), (None, (WHOLE, 0)))
-    if name == "stablehlo.transpose":
-        return Step(op, ir_utils.i64s(op, "permutation").index(tracked[0]), (None,))
-    if name == "stablehlo.slice":  # along other dims (q, k and v from one exchanged value)
-        d = tracked[0]
-        size = ir.RankedTensorType(op.operation.operands[0].type).shape[d]
-        if (ir_utils.i64s(op, "start_indices")[d], ir_utils.i64s(op, "limit_indices")[d],
-                ir_utils.i64s(op, "strides")[d]) != (0, size, 1):
-            raise Decline("a2a_region", f"{_where(op)} slices the chunked dim {d}")
-        return Step(op, d, (None,))
-    if name == "stablehlo.broadcast_in_dim":
-        out = ir_utils.i64s(op, "broadcast_dimensions")[tracked[0]]
-        if result.shape[out] != ir.RankedTensorType(op.operation.operands[0].type).shape[tracked[0]]:
-            raise Decline("a2a_region", f"{_where(op)} broadcasts the chunked dim")
-        return Step(op, out, (None,))
-    if name == "stablehlo.reshape":
-        src = ir.RankedTensorType(op.operation.operands[0].type).shape
-        d = tracked[0]
-        for t in range(result.rank):
-            if result.shape[t] == src[d] and math.prod(result.shape[:t]) == math.prod(src[:d]):
-                return Step(op, t, (None,))
-        raise Decline("a2a_region", f"{_where(op)} reshapes {list(src)} into {list(result.shape)}, merging or "
-                                    f"splitting the chunked dim {d}")
-    if name == "stablehlo.dot_general":
-        return _dot_step(op, on_path, exchanged)
-    raise Decline("a2a_region", f"{_where(op)} between the exchanges is not an op the chunks can apply alone")
-
-
-def _side(op: ir.OpView, index: int, dim: int, exchanged: bool) -> tuple[str, int]:
-    """How each chunk reads the side operand ``index`` of a pointwise op (condition 4)."""
-    value = op.operation.operands[index]
-    producer = value.owner
-    producer = producer.opview if isinstance(producer, ir.Operation) else producer
-    if isinstance(producer, ir.OpView) and producer.operation.name == "stablehlo.broadcast_in_dim" \
-            and dim not in ir_utils.i64s(producer, "broadcast_dimensions"):
-        return (REBUILD, dim)
-    return (SLICE, dim)
-
-
-def _dot_step(op: ir.OpView, on_path: list[int | None], exchanged: bool) -> Step:
-    numbers = hlo.DotDimensionNumbers(op.operation.attributes["dot_dimension_numbers"])
-    batch = (numbers.lhs_batching_dimensions, numbers.rhs_batching_dimensions)
-    contracting = (numbers.lhs_contracting_dimensions, numbers.rhs_contracting_dimensions)
-    ranks = [ir.RankedTensorType(v.type).rank for v in op.operation.operands[:2]]
-    free = [[d for d in range(ranks[s]) if d not in batch[s] and d not in contracting[s]] for s in (0, 1)]
-    outs, sides = [], []
-    for s, d in enumerate(on_path[:2]):
-        if d is None:
-            continue
-        if d in contracting[s]:  # a partial product per chunk, summed over them (a weight's gradient)
-            other = contracting[1 - s][list(contracting[s]).index(d)]
-            if on_path[1 - s] is None:
-                sides.append((1 - s, (SLICE, other)))
-            elif on_path[1 - s] != other:
-                raise Decline("a2a_region", f"{_where(op)} reads both operands chunked along unmatched dims")
-            outs.append(None)
-            continue
-        if d in batch[s]:
-            b = list(batch[s]).index(d)
-            outs.append(b)
-            other = batch[1 - s][b]
-            if on_path[1 - s] is None:
-                sides.append((1 - s, (SLICE, other)))
-            elif on_path[1 - s] != other:
-                raise Decline("a2a_region", f"{_where(op)} reads both operands chunked along unmatched dims")
-        else:
-            outs.append(len(batch[0]) + (0 if s == 0 else len(free[0])) + free[s].index(d))
-            if on_path[1 - s] is not None:
-                raise Decline("a2a_region", f"{_where(op)} multiplies two chunked values along a free dim")
-            sides.append((1 - s, (WHOLE, 0)))
-    if len(set(outs)) != 1:
-        raise Decline("a2a_region", f"{_where(op)} reads both operands chunked along unmatched dims")
-    plans: list = [None] * len(op.operation.operands)
-    for s, plan in sides:
-        plans[s] = plan
-    return Step(op, outs[0], tuple(plans))

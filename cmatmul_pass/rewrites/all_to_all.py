@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from .._jax_private import hlo, ir
 from .. import ir_utils
-from ..matchers.all_to_all import REBUILD, SLICE, AllToAllSite
+from ..analysis.separable import REBUILD, SLICE
+from ..matchers.all_to_all import AllToAllSite
 from .builders import Builder, erase_dead
 from .schedule import Applied, RewriteContext, ScheduleStats
 
@@ -61,8 +62,9 @@ def chunk_all_to_all(site: AllToAllSite, ctx: RewriteContext, chunks: int) -> Ap
             part = b.slice(x, site.dim, j * width, width)
             return _exchange(dispatch, part, _chunk_type(dispatch.operation.results[0], site.dim, chunks), channels[-1])
 
-        dims = {dispatch.operation.results[0]: site.dim, **{step.op.result: step.out_dim for step in site.steps}}
-        partial = [step.op.result for step in site.steps if step.sums]  # each a sum over the chunks
+        dims = {dispatch.operation.results[0]: site.dim,
+                **{r: step.out_dim for step in site.steps for r in step.op.operation.results}}
+        partial = [step.op.operation.results[0] for step in site.steps if step.sums]  # each a sum over the chunks
         kept_sums: dict = {value: [] for value in partial}
         kept: dict = {value: [] for value in site.escapes}  # each escaping value's chunks
         arrived = send(0)
@@ -70,7 +72,7 @@ def chunk_all_to_all(site: AllToAllSite, ctx: RewriteContext, chunks: int) -> Ap
             following = send(j + 1) if j + 1 < chunks else None
             env = {dispatch.operation.results[0]: arrived}
             for step in site.steps:
-                env[step.op.result] = _apply(step, env, j, chunks, site, b)
+                env.update(zip(step.op.operation.results, _apply(step, env, j, chunks, site, b)))
             for value, parts in (*kept.items(), *kept_sums.items()):
                 parts.append(env[value])
             done = env[combine.operation.operands[0]]
@@ -145,13 +147,32 @@ def _apply(step, env: dict, j: int, chunks: int, site: AllToAllSite, b: Builder)
             operands.append(rebuilt.results[0])
         else:
             operands.append(value)
+    if step.body:  # a pointwise function's body on the chunk, at the call's place
+        return _inlined(step, operands, chunks)
     op = step.op.operation.clone()
     for i, v in enumerate(operands):
         op.operands[i] = v
     if not step.sums:  # (a partial product has the whole product's type)
-        op.results[0].set_type(_chunk_type(step.op.result, step.out_dim, chunks))
+        op.results[0].set_type(_chunk_type(step.op.operation.results[0], step.out_dim, chunks))
     if op.name == "stablehlo.slice":  # whole along the tracked dim (the matcher's condition): the chunk's end
         limits = ir_utils.i64s(op, "limit_indices")
         limits[step.out_dim] //= chunks
         op.attributes["limit_indices"] = ir.DenseI64ArrayAttr.get(limits)
-    return op.results[0]
+    return [op.results[0]]
+
+
+def _inlined(step, operands: list[ir.Value], chunks: int) -> list[ir.Value]:
+    """The body of the pointwise function ``step`` calls, cloned on the chunk's ``operands``:
+    every value of the call's shape at the chunk's (scalars as they are)."""
+    callee_block = step.body[0].operation.block
+    mapping = dict(zip(callee_block.arguments, operands))
+    for inner in step.body:
+        clone = inner.operation.clone()
+        for i, v in enumerate(inner.operation.operands):
+            clone.operands[i] = mapping.get(v, v)
+        for old, new in zip(inner.operation.results, clone.results):
+            if ir.RankedTensorType(old.type).rank:
+                new.set_type(_chunk_type(old, step.out_dim, chunks))
+            mapping[old] = new
+    returned = list(callee_block.operations)[-1].operation.operands
+    return [mapping.get(v, v) for v in returned]
