@@ -108,5 +108,6 @@ def decide_all_to_all(op, info: ModuleInfo, ctx: RewriteContext, options, hw: co
     entry.rewritten = True
     entry.channel_handles = list(applied.channel_handles)
     entry.notes = applied.notes
-    entry.schedule = {"variant": f"chunk{chunks}", "rounds": chunks, "streams_annotated": False}
+    entry.schedule = {"variant": f"chunk{chunks}", "directions": 0, "rounds": chunks, "loop_trips": 0,
+                      "rounds_per_trip": 0, "peeled_rounds": chunks, "permutes": 0, "streams_annotated": False}
     return entry

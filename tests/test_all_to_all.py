@@ -259,3 +259,15 @@ def test_the_default_chunks_a_production_moe_block_where_it_pays():
     assert result.report.program["after_s"] < result.report.program["before_s"]
     (small,) = pairs(cmatmul_pass.rewrite(moe_program(), cmatmul_pass.Options(policy="auto")))
     assert not small.rewritten and small.reason_code == "policy", small.summary_line()
+
+
+def test_the_performance_page_holds_the_moe_predictions():
+    """docs/performance.md's expert-parallel table is what tools/moe_predictions.py prints."""
+    from pathlib import Path
+
+    from tools import moe_predictions
+
+    lines = moe_predictions.rows("h100", 4096)
+    assert len(lines) == 2 + 2 * len(moe_predictions.MODELS)
+    page = (Path(__file__).resolve().parents[1] / "docs" / "performance.md").read_text()
+    assert "\n".join(lines) in page

@@ -323,6 +323,8 @@ def test_the_model_counts_the_trips_the_rewrite_emits():
         for name, (bidirectional, unroll) in cost.VARIANTS.items():
             options = variant_options(name, all_reduce="split")  # every psum a ring too
             for site in cmatmul_pass.rewrite(text, options, source=path.name).report.rewritten:
+                if site.all_to_all:  # chunks, no ring
+                    continue
                 shape = cost.SiteShape.from_dict(site.cost["site"])
                 assert cost.loop_trips(shape, bidirectional, unroll) == site.schedule["loop_trips"], (path.name, name)
                 checked += 1
