@@ -567,7 +567,8 @@ def _explain_all_to_all(site) -> None:
     from .cost import readable_seconds
 
     a = site.all_to_all
-    how = "the dispatch's concat dim, the combine's split dim" if a["exchanged"] else "exchanged by neither"
+    how = {"exchanged": "the dispatch's concat dim, the combine's split dim",
+           "split": "the dispatch's split dim, the combine's concat dim"}.get(a["mode"], "exchanged by neither")
     print(f"  pair: combined by the all_to_all at {a['combine']}; chunked along dim {a['dim']} ({how}; the "
           f"combine's dim {a['combine_dim']})")
     p = a["prediction"]

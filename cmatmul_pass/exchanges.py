@@ -79,10 +79,10 @@ def decide_all_to_all(op, info: ModuleInfo, ctx: RewriteContext, options, hw: co
         return entry
     counts = site.chunk_counts([options.chunks] if options.chunks else CHUNK_COUNTS)
     entry.collective_dim = site.dim
-    entry.dim_role = "exchanged" if site.exchanged else "free"
+    entry.dim_role = site.mode
     entry.absorbs = [ir_utils.render_location(site.combine.location, source)]
     entry.all_to_all = {"dim": site.dim, "combine": entry.absorbs[0], "combine_dim": site.out_dim,
-                        "exchanged": site.exchanged, "chunks": None, "prediction": {}}
+                        "mode": site.mode, "chunks": None, "prediction": {}}
     if not counts:
         entry.reason_code = "a2a_no_dim"
         entry.reason = f"dim {site.dim} does not divide into {options.chunks} chunks (--chunks)"

@@ -103,7 +103,7 @@ class SiteReport:
             if self.kind == "all_to_all_chunk":
                 a = self.all_to_all
                 return (f"{self.place}: {self.kind}: rewritten{ring} (chunk: {a['chunks']} all_to_all pairs along "
-                        f"{'the exchanged ' if a['exchanged'] else ''}dim {a['dim']})")
+                        f"{'' if a['mode'] == 'free' else 'the ' + a['mode'] + ' '}dim {a['dim']})")
             if self.all_reduce.get("strategy") == "chunk":
                 return f"{self.place}: {self.kind}: rewritten{ring} (chunk: {self.all_reduce['chunks']} all_reduces along dim {self.all_reduce['dim']})"
             if self.all_reduce:

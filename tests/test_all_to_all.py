@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import cmatmul_pass
 from cmatmul_pass import exchanges, ir_utils
+from cmatmul_pass._jax_private import ir
 from tests.conftest import assert_same_numbers
 
 ALL = cmatmul_pass.Options(policy="all")
@@ -68,7 +69,7 @@ def test_an_expert_parallel_moe_block_chunks_its_dispatch_and_combine(dtype):
     text = moe_program(dtype=dtype)
     result = cmatmul_pass.rewrite(text, ALL)
     (site,) = pairs(result)
-    assert site.rewritten and site.all_to_all["exchanged"] and site.all_to_all["dim"] == 1, site.summary_line()
+    assert site.rewritten and site.all_to_all["mode"] == "exchanged" and site.all_to_all["dim"] == 1, site.summary_line()
     k = site.all_to_all["chunks"]
     found = ir_utils.ops_named(result.module, "stablehlo.all_to_all", "stablehlo.dot_general")
     assert len(found["stablehlo.all_to_all"]) == 2 * k
@@ -141,7 +142,18 @@ def test_ulysses_attention_chunks_along_the_batch():
     text = ulysses_program()
     result = cmatmul_pass.rewrite(text, ALL)
     (site,) = pairs(result)
-    assert site.rewritten and not site.all_to_all["exchanged"] and site.all_to_all["dim"] == 1, site.summary_line()
+    assert site.rewritten and site.all_to_all["mode"] == "free" and site.all_to_all["dim"] == 1, site.summary_line()
+    assert_same_numbers(text, result)
+
+
+def test_ulysses_attention_of_one_sequence_chunks_along_the_heads():
+    """Batch 1 (long-context training): the heads are the dispatch's split dim, and the combine's
+    concat dim: each chunk takes a slice of every destination's heads, the chunks' outputs
+    interleave back into the heads' order."""
+    text = ulysses_program(batch=1)
+    result = cmatmul_pass.rewrite(text, ALL)
+    (site,) = pairs(result)
+    assert site.rewritten and site.all_to_all["mode"] == "split" and site.all_to_all["dim"] == 3, site.summary_line()
     assert_same_numbers(text, result)
 
 
@@ -155,14 +167,25 @@ def test_a_lone_exchange_has_no_pair():
     assert not site.rewritten and site.reason_code == "a2a_unpaired", site.summary_line()
 
 
-def test_a_reduction_over_the_capacity_between_the_exchanges_is_declined():
-    """Normalising each expert's tokens by their mean over the capacity mixes the rows the chunks
-    keep apart: declined, naming the reduce (the twin, the activation, is chunked above)."""
+def test_a_reduction_over_the_capacity_chunks_along_the_experts():
+    """Each expert's activations centred over its slots: the capacity's rows are mixed, but each
+    local expert is apart from the others (a batch dim of the matmuls, the mean within it): the
+    pair is chunked along the experts (the dispatch's split dim, the combine's concat dim)."""
     text = moe_program(between=lambda h, extra: h - jnp.mean(h, axis=1, keepdims=True))
     result = cmatmul_pass.rewrite(text, ALL)
     (site,) = pairs(result)
+    assert site.rewritten and site.all_to_all["mode"] == "split" and site.all_to_all["dim"] == 0, site.summary_line()
+    assert_same_numbers(text, result)
+
+
+def test_a_reduction_over_the_experts_and_the_capacity_is_declined():
+    """Centred over every local expert's slots at once: no dim is kept apart (the hidden dim is
+    contracted, the experts and the capacity reduced): declined, naming the reduce."""
+    text = moe_program(between=lambda h, extra: h - jnp.mean(h, axis=(0, 1), keepdims=True))
+    result = cmatmul_pass.rewrite(text, ALL)
+    (site,) = pairs(result)
     assert not site.rewritten and site.reason_code == "a2a_region", site.summary_line()
-    assert "reduces over the chunked dim 1" in site.reason
+    assert "reduces over the chunked dim 1" in site.reason and "reduces over the chunked dim 0" in site.reason
     assert result.text == ir_utils.print_module(ir_utils.parse(text))
 
 
@@ -207,7 +230,7 @@ def test_a_side_operand_along_the_exchanged_dim_is_read_at_each_chunks_rows(spec
     text = moe_program(between=masked, extra_spec=spec)
     result = cmatmul_pass.rewrite(text, ALL)
     (site,) = pairs(result)
-    assert site.rewritten and site.all_to_all["exchanged"], site.summary_line()
+    assert site.rewritten and site.all_to_all["mode"] == "exchanged", site.summary_line()
     assert_same_numbers(text, result)
 
 
@@ -216,9 +239,11 @@ def test_the_oracle_catches_rows_read_in_the_wrong_order(monkeypatch):
     from cmatmul_pass.execute import check_numerics
     from cmatmul_pass.rewrites import all_to_all as rewrite
 
-    real = rewrite._rows
-    monkeypatch.setattr(rewrite, "_rows", lambda value, dim, j, chunks, site, b: real(
-        value, dim, j, chunks, type("Free", (), {"exchanged": False, "ring": site.ring})(), b))
+    def contiguous(value, dim, j, chunks, n, b):
+        width = ir.RankedTensorType(value.type).shape[dim] // chunks
+        return b.slice(value, dim, j * width, width)
+
+    monkeypatch.setattr(rewrite, "_strided_rows", contiguous)
     text = moe_program(between=lambda h, extra: jax.nn.gelu(h) * extra)
     result = cmatmul_pass.rewrite(text, ALL)
     assert pairs(result)[0].rewritten

@@ -322,8 +322,8 @@ def moe_expert_parallel(grad: bool = False, mixing: bool = False) -> Callable[[]
     routing into 16 capacity slots (one-hot dispatch and combine einsums), the slots exchanged
     (``all_to_all``: split along the experts, concatenated along the capacity), a GELU FFN per
     local expert (batched einsums), exchanged back. ``grad``: value_and_grad over the tokens and
-    the expert weights; ``mixing``: each expert's hidden activations centred over its slots
-    between the exchanges (a reduce over the capacity)."""
+    the expert weights; ``mixing``: the hidden activations centred over every local expert's
+    slots at once between the exchanges (a reduce over the experts and the capacity)."""
     def build() -> str:
         mesh = mesh_1d(name="expert")
         experts, capacity, hidden, ffn, tokens = 16, 16, 32, 64, 256
@@ -335,7 +335,7 @@ def moe_expert_parallel(grad: bool = False, mixing: bool = False) -> Callable[[]
             disp = onehot[:, :, None] * jax.nn.one_hot(slot, capacity, dtype=x.dtype)[:, None, :]
             y = jax.lax.all_to_all(jnp.einsum("tec,th->ech", disp, x), "expert", 0, 1, tiled=True)
             h = jnp.einsum("ech,ehf->ecf", y, w1)
-            h = h - jnp.mean(h, axis=1, keepdims=True) if mixing else jax.nn.gelu(h)
+            h = h - jnp.mean(h, axis=(0, 1), keepdims=True) if mixing else jax.nn.gelu(h)
             back = jax.lax.all_to_all(jnp.einsum("ecf,efh->ech", h, w2), "expert", 1, 0, tiled=True)
             return jnp.einsum("tec,ech->th", disp, back)
 

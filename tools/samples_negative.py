@@ -275,9 +275,9 @@ SAMPLES_LIST = [
            "along the tokens: the grouped matmul's ragged rows, which its group sizes assign to experts by position, "
            "cannot be cut into blocks.",
            ragged_dot_scatter, "unchanged ragged_dot", NEG_RS),
-    Sample("neg_a2a_region", "an expert-parallel MoE block whose hidden activations are centred over each expert's "
-           "slots between the dispatch and the combine all_to_all: a reduce over the capacity, the dim the chunks "
-           "would keep apart (its features are contracted by the experts' matmuls).",
+    Sample("neg_a2a_region", "an expert-parallel MoE block whose hidden activations are centred over every local "
+           "expert's slots at once between the dispatch and the combine all_to_all: a reduce over the experts and "
+           "the capacity, the dims chunks would keep apart (the features are contracted by the experts' matmuls).",
            moe_expert_parallel(mixing=True), "unchanged a2a_region",
            ['CHECK: "stablehlo.all_to_all"', "CHECK-NOT: stablehlo.concatenate"]),
     Sample("neg_reshard", "all_gather of the rows, then each device's slice of the features: a reshard (an all_to_all "

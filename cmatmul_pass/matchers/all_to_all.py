@@ -17,7 +17,13 @@ where ``d'`` is the dim ``R`` carries ``d`` to, and either
   device's rows for the local experts, device-major) and ``d'`` the combine's split dim: the
   dispatch of chunk ``j`` brings every device's chunk-``j`` rows, in device order, and the
   combine sends each device back exactly those, so its result is chunk ``j`` of the original's
-  along ``d'``.
+  along ``d'``; or
+* (**split**) ``d`` is the dispatch's split dim (Ulysses' heads, ``n`` blocks of ``m``, one per
+  destination) and ``d'`` the combine's concat dim: chunk ``j`` is the ``j``-th ``m/k`` of every
+  destination's block (a strided slice of ``x``), which brings each device the ``j``-th ``m/k``
+  of its own block (a contiguous chunk between the exchanges), and the combine returns every
+  device's ``j``-th ``m/k`` of its block, device-major: the chunks' results interleave into the
+  original's along ``d'``.
 
 Side conditions, each checked here (a site failing one is declined, saying which):
 
@@ -52,6 +58,7 @@ from ..ring import Ring
 from .common import DeclinedSite, ManualRegion, ModuleInfo, collective_ring
 
 ALL_TO_ALL = "all_to_all_chunk"
+FREE, EXCHANGED, SPLIT = "free", "exchanged", "split"
 A2A = "stablehlo.all_to_all"
 @dataclass(frozen=True, eq=False)
 class AllToAllSite:
@@ -61,7 +68,7 @@ class AllToAllSite:
     #: the tracked dim: of the dispatch's operand (and result), of the combine's operand (and result)
     dim: int
     out_dim: int
-    exchanged: bool  # d is the dispatch's concat dim, d' the combine's split dim
+    mode: str  # FREE, EXCHANGED (d the dispatch's concat dim) or SPLIT (d its split dim): module docstring
     ring: Ring
     region: ManualRegion
     #: values of the pair read after it (a training step's residuals): reassembled whole from the chunks
@@ -73,12 +80,17 @@ class AllToAllSite:
     def anchor(self) -> ir.OpView:
         return self.dispatch
 
+    @property
+    def exchanged(self) -> bool:
+        return self.mode == EXCHANGED
+
     def chunk_counts(self, counts) -> list[int]:
-        """Those of ``counts`` the tracked dim divides into (every sliced operand's too: along
-        the exchanged dim, each device's rows of it)."""
+        """Those of ``counts`` the tracked dim divides into (split: each destination's block of
+        it), every sliced operand's too (exchanged: each device's rows of it)."""
         size = ir.RankedTensorType(self.dispatch.operation.operands[0].type).shape[self.dim]
-        per = self.ring.size if self.exchanged else 1
-        return [k for k in counts if k > 1 and size % k == 0 and all(
+        n = self.ring.size
+        per = n if self.mode == EXCHANGED else 1
+        return [k for k in counts if k > 1 and size % (k * (n if self.mode == SPLIT else 1)) == 0 and all(
             ir.RankedTensorType(s.op.operation.operands[i].type).shape[plan[1]] % (k * per) == 0
             for s in self.steps for i, plan in enumerate(s.sides) if plan and plan[0] == SLICE)]
 
@@ -165,8 +177,9 @@ def _match(dispatch: ir.OpView, ring: Ring, region: ManualRegion, counts) -> All
     split, concat = _attr(dispatch, "split_dimension"), _attr(dispatch, "concat_dimension")
     c_split, c_concat = _attr(combine, "split_dimension"), _attr(combine, "concat_dimension")
     reasons = []
-    for dim in sorted(range(x.rank), key=lambda d: (d != concat, -x.shape[d])):  # the capacity first
-        if dim == split or not any(x.shape[dim] % k == 0 for k in counts if k > 1):
+    # the capacity first, then free dims (largest first), then the split dim (strided chunks)
+    for dim in sorted(range(x.rank), key=lambda d: (0 if d == concat else 2 if d == split else 1, -x.shape[d])):
+        if not any(x.shape[dim] % (k * (ring.size if dim == split else 1)) == 0 for k in counts if k > 1):
             continue
         try:
             steps, dims = track(dispatch.operation.results[0], dim, ops)
@@ -177,22 +190,24 @@ def _match(dispatch: ir.OpView, ring: Ring, region: ManualRegion, counts) -> All
         if out_dim is None:
             reasons.append((dim, Decline("a2a_region", "the all_to_all after it reads a sum over the chunked dim")))
             continue
-        exchanged = dim == concat
-        if exchanged and out_dim != c_split:
-            reasons.append((dim, Decline("a2a_no_dim", f"dim {dim}, the exchange's concat dim, reaches the all_to_all "
-                                                       f"after as its dim {out_dim}, not its split dim {c_split}")))
+        mode = EXCHANGED if dim == concat else SPLIT if dim == split else FREE
+        wanted = {EXCHANGED: (c_split, "split"), SPLIT: (c_concat, "concat")}.get(mode)
+        if wanted is not None and out_dim != wanted[0]:
+            reasons.append((dim, Decline("a2a_no_dim", f"dim {dim}, the exchange's {'concat' if mode == EXCHANGED else 'split'} "
+                                                       f"dim, reaches the all_to_all after as its dim {out_dim}, not its "
+                                                       f"{wanted[1]} dim {wanted[0]}")))
             continue
-        if not exchanged and out_dim in (c_split, c_concat):
+        if mode == FREE and out_dim in (c_split, c_concat):
             reasons.append((dim, Decline("a2a_no_dim", f"dim {dim} reaches the all_to_all after as its "
                                                        f"{'split' if out_dim == c_split else 'concat'} dim")))
             continue
-        site = AllToAllSite(dispatch, combine, tuple(steps), dim, out_dim, exchanged, ring, region, escapes)
+        site = AllToAllSite(dispatch, combine, tuple(steps), dim, out_dim, mode, ring, region, escapes)
         if site.chunk_counts(counts):
             return site
         reasons.append((dim, Decline("a2a_no_dim", f"dim {dim} does not divide into {', '.join(map(str, counts))} "
                                                    "chunks with every operand sliced along it")))
     if not reasons:
-        raise Decline("a2a_no_dim", f"no dim of the exchanged {list(x.shape)} but its split dim divides into chunks")
+        raise Decline("a2a_no_dim", f"no dim of the exchanged {list(x.shape)} divides into chunks")
     code = next((d.code for _, d in reasons if d.code == "a2a_region"), reasons[0][1].code)
     raise Decline(code, "; ".join(f"along dim {dim}: {d.message}" for dim, d in reasons))
 

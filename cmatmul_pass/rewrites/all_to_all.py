@@ -18,7 +18,9 @@ combine after them, so a scheduler that runs collectives asynchronously (XLA's o
 each exchange with a neighbouring chunk's matmuls.  Each op of ``R`` is cloned per chunk with
 its own attributes, regions and location, its result the chunk's share of the tracked dim;
 each side operand is read whole, sliced, or (a broadcast) rebuilt at the chunk's size, as the
-site says (along the exchanged dim, each device's rows of the chunk).  A dot contracting the
+site says (along the exchanged dim, each device's rows of the chunk).  Along the dispatch's
+split dim each chunk takes the chunk's share of every destination's block (a strided slice), and
+the combines' results interleave back in the same order.  A dot contracting the
 tracked dim (a weight's gradient) gives a partial product per chunk, added up after the last.
 A value of the pair read after it (a residual a training step saves) is reassembled
 from its chunks in the original's order, after the last combine.
@@ -29,7 +31,7 @@ from __future__ import annotations
 from .._jax_private import hlo, ir
 from .. import ir_utils
 from ..analysis.separable import REBUILD, SLICE
-from ..matchers.all_to_all import AllToAllSite
+from ..matchers.all_to_all import EXCHANGED, SPLIT, AllToAllSite
 from .builders import Builder, erase_dead
 from .schedule import Applied, RewriteContext, ScheduleStats
 
@@ -59,7 +61,8 @@ def chunk_all_to_all(site: AllToAllSite, ctx: RewriteContext, chunks: int) -> Ap
     with ir.InsertionPoint(combine.operation):
         def send(j: int) -> ir.Value:
             channels.append(ctx.take_channel())
-            part = b.slice(x, site.dim, j * width, width)
+            part = (_strided_rows(x, site.dim, j, chunks, site.ring.size, b) if site.mode == SPLIT
+                    else b.slice(x, site.dim, j * width, width))
             return _exchange(dispatch, part, _chunk_type(dispatch.operation.results[0], site.dim, chunks), channels[-1])
 
         dims = {dispatch.operation.results[0]: site.dim,
@@ -80,9 +83,10 @@ def chunk_all_to_all(site: AllToAllSite, ctx: RewriteContext, chunks: int) -> Ap
             pieces.append(_exchange(combine, done, _chunk_type(combine.operation.results[0], site.out_dim, chunks),
                                     channels[-1]))
             arrived = following
-        result = b.at(combine.location).concatenate(pieces, site.out_dim)
-        wholes = {value: _reassembled(parts, dims[value], site, b) for value, parts in kept.items()
-                  if dims[value] is not None}
+        result = (_interleaved(pieces, site.out_dim, site.ring.size, b.at(combine.location)) if site.mode == SPLIT
+                  else b.at(combine.location).concatenate(pieces, site.out_dim))
+        wholes = {value: _interleaved(parts, dims[value], site.ring.size, b) if site.exchanged
+                  else b.concatenate(parts, dims[value]) for value, parts in kept.items() if dims[value] is not None}
         for value, parts in kept_sums.items():  # partial products added up, in chunk order
             total = parts[0]
             for part in parts[1:]:
@@ -94,17 +98,13 @@ def chunk_all_to_all(site: AllToAllSite, ctx: RewriteContext, chunks: int) -> Ap
         value.replace_all_uses_with(whole)
     erase_dead([step.op for step in reversed(site.steps)] + [dispatch])
     stats = ScheduleStats(rounds=chunks, peeled=chunks)
-    how = "exchanged dim" if site.exchanged else "dim"
+    how = {EXCHANGED: "the exchanged dim", SPLIT: "the split dim"}.get(site.mode, "dim")
     return Applied(channels, 1, stats, 0, [f"chunked into {chunks} all_to_all pairs along {how} {site.dim}"])
 
 
-def _reassembled(parts: list[ir.Value], dim: int, site: AllToAllSite, b: Builder) -> ir.Value:
-    """A value of the pair whole again from its chunks along ``dim``: concatenated, or, along the
-    exchanged dim (each chunk holds every device's rows of that chunk, device-major), each
-    chunk's rows put back between the devices' (``[n, w]`` per chunk, concatenated along ``w``)."""
-    if not site.exchanged:
-        return b.concatenate(parts, dim)
-    n = site.ring.size
+def _interleaved(parts: list[ir.Value], dim: int, n: int, b: Builder) -> ir.Value:
+    """The whole of a value whose chunks each hold the chunk's rows of every device's block
+    along ``dim``, device-major: ``[n, w]`` per chunk, concatenated along ``w``."""
     t = ir.RankedTensorType(parts[0].type)
     shape = list(t.shape)
     split = shape[:dim] + [n, shape[dim] // n] + shape[dim + 1:]
@@ -115,14 +115,11 @@ def _reassembled(parts: list[ir.Value], dim: int, site: AllToAllSite, b: Builder
     return b.create("stablehlo.reshape", [ir.RankedTensorType.get(whole, t.element_type)], [joined]).result
 
 
-def _rows(value: ir.Value, dim: int, j: int, chunks: int, site: AllToAllSite, b: Builder) -> ir.Value:
-    """Chunk ``j``'s rows of a side operand along ``dim``: a slice, or along the exchanged dim
-    each device's rows of the chunk, device-major (``[n, C]`` sliced along ``C``)."""
+def _strided_rows(value: ir.Value, dim: int, j: int, chunks: int, n: int, b: Builder) -> ir.Value:
+    """Chunk ``j`` of each of the ``n`` blocks of ``value`` along ``dim``, device-major (``[n, m]``
+    sliced along ``m``)."""
     t = ir.RankedTensorType(value.type)
-    if not site.exchanged:
-        width = t.shape[dim] // chunks
-        return b.slice(value, dim, j * width, width)
-    n, shape = site.ring.size, list(t.shape)
+    shape = list(t.shape)
     rows = shape[dim] // n
     width = rows // chunks
     split = b.create("stablehlo.reshape", [ir.RankedTensorType.get(shape[:dim] + [n, rows] + shape[dim + 1:],
@@ -130,6 +127,15 @@ def _rows(value: ir.Value, dim: int, j: int, chunks: int, site: AllToAllSite, b:
     part = b.slice(split, dim + 1, j * width, width)
     return b.create("stablehlo.reshape", [ir.RankedTensorType.get(shape[:dim] + [n * width] + shape[dim + 1:],
                                                                    t.element_type)], [part]).result
+
+
+def _rows(value: ir.Value, dim: int, j: int, chunks: int, site: AllToAllSite, b: Builder) -> ir.Value:
+    """Chunk ``j``'s rows of a side operand between the exchanges along ``dim``: a slice, or
+    along the exchanged dim each device's rows of the chunk, device-major."""
+    if site.exchanged:
+        return _strided_rows(value, dim, j, chunks, site.ring.size, b)
+    width = ir.RankedTensorType(value.type).shape[dim] // chunks
+    return b.slice(value, dim, j * width, width)
 
 
 def _apply(step, env: dict, j: int, chunks: int, site: AllToAllSite, b: Builder) -> ir.Value:
