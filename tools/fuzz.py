@@ -92,24 +92,31 @@ def main(argv: list[str] | None = None) -> int:
     if args.gather_norm:
         args.kind = ["ag_norm"]
     tally = fuzz_programs.Tally()
+    _campaign(args, fuzz_programs.specs(tuple(args.kind or ()), args.norm or None, args.two_stage, args.pad),
+              fuzz_programs.check, tally, every=50)
+    return 1 if status or tally.crashes or tally.mismatches or tally.differed else 0
+
+
+def _campaign(args, strategy, check, tally, every: int) -> None:
+    """``args.examples`` programs drawn from ``strategy`` (seeded), each ``check``ed into
+    ``tally``; the summary and every failure printed."""
     start = time.perf_counter()
 
     @seed(args.seed)
     @settings(max_examples=args.examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(fuzz_programs.specs(tuple(args.kind or ()), args.norm or None, args.two_stage, args.pad))
+    @given(strategy)
     def campaign(spec):
         try:
-            fuzz_programs.check(spec, tally)
+            check(spec, tally)
         except Exception as exc:  # noqa: BLE001 - lowering itself failed: a generator bug, report it
             tally.crashes.append((spec, "lower", f"{type(exc).__name__}: {exc}"))
-        if tally.programs % 50 == 0:
+        if tally.programs % every == 0:
             print(f"  ... {tally.programs} programs, {time.perf_counter() - start:.0f} s", flush=True)
 
     campaign()
     print(tally.summary())
     for spec, variant, message in tally.crashes + tally.mismatches + tally.differed:
         print(f"--- {variant}: {spec}\n{message}")
-    return 1 if status or tally.crashes or tally.mismatches or tally.differed else 0
 
 
 def moe(args) -> int:
@@ -117,22 +124,7 @@ def moe(args) -> int:
     from tools import fuzz_moe
 
     tally = fuzz_programs.Tally()
-
-    @seed(args.seed)
-    @settings(max_examples=args.examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(fuzz_moe.any_moe_specs())
-    def campaign(spec):
-        try:
-            fuzz_moe.check(spec, tally)
-        except Exception as exc:  # noqa: BLE001 - lowering itself failed: a generator bug, report it
-            tally.crashes.append((spec, "lower", f"{type(exc).__name__}: {exc}"))
-        if tally.programs % 20 == 0:
-            print(f"  ... {tally.programs} programs", flush=True)
-
-    campaign()
-    print(tally.summary())
-    for spec, variant, message in tally.crashes + tally.mismatches:
-        print(f"--- {variant}: {spec}\n{message}")
+    _campaign(args, fuzz_moe.any_moe_specs(), fuzz_moe.check, tally, every=20)
     return 1 if tally.crashes or tally.mismatches else 0
 
 

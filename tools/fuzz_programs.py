@@ -768,6 +768,16 @@ class Tally:
         )
 
 
+def rewrite_checked(text: str, options) -> "cmatmul_pass.RewriteResult":
+    """``text`` rewritten under ``options``: the module verifies, and its permutes form the
+    rewritten sites' rings (AssertionError otherwise)."""
+    result = cmatmul_pass.rewrite(text, options)
+    result.module.operation.verify()
+    groups = [frozenset(tuple(sorted(g)) for g in s.replica_groups) for s in result.report.rewritten]
+    assert ring_property_holds(result.module, groups), "a permute is not one cycle per group"
+    return result
+
+
 def ring_property_holds(module, site_groups: list[frozenset]) -> bool:
     """Every collective_permute's pairs form exactly one directed cycle per replica group of one
     rewritten site (``site_groups``: each site's groups; a 2-D program rings over two axes)."""
@@ -796,10 +806,7 @@ def check(spec: Spec, tally: Tally | None = None, variants=VARIANTS) -> Tally:
     for name, options in variants.items():
         tally.runs += 1
         try:
-            result = cmatmul_pass.rewrite(text, options)
-            result.module.operation.verify()
-            groups = [frozenset(tuple(sorted(g)) for g in s.replica_groups) for s in result.report.rewritten]
-            assert ring_property_holds(result.module, groups), "a permute is not one cycle per group"
+            result = rewrite_checked(text, options)
             if spec.expect_rewrite() and options.assemble:
                 allowed = spec.may_decline_under(options)
                 unexpected = [s for s in result.report.declined if s.reason_code not in allowed]
