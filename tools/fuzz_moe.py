@@ -258,9 +258,5 @@ def check(spec: MoeSpec, tally: Tally | None = None, variants=VARIANTS) -> Tally
         except Exception as exc:  # noqa: BLE001 - every failure is recorded with its program
             tally.crashes.append((spec, name, f"{type(exc).__name__}: {exc}"))
             continue
-        tally.sites_rewritten += len(result.report.rewritten)
-        tally.sites_shared += sum(1 for s in result.report.rewritten if s.shared_ring)
-        tally.declined.update(s.reason_code for s in result.report.declined)
-        if not outcome.ok:
-            tally.mismatches.append((spec, name, outcome.format()))
+        tally.record(spec, name, result, outcome)
     return tally

@@ -756,6 +756,14 @@ class Tally:
     mismatches: list = field(default_factory=list)
     crashes: list = field(default_factory=list)
 
+    def record(self, spec, variant: str, result, outcome) -> None:
+        """A run's sites rewritten, shared and declined, and its mismatch if any."""
+        self.sites_rewritten += len(result.report.rewritten)
+        self.sites_shared += sum(1 for s in result.report.rewritten if s.shared_ring)
+        self.declined.update(s.reason_code for s in result.report.declined)
+        if not outcome.ok:
+            self.mismatches.append((spec, variant, outcome.format()))
+
     def summary(self) -> str:
         reasons = ", ".join(f"{code} {count}" for code, count in sorted(self.declined.items())) or "none"
         dtypes = ", ".join(f"{name} {count}" for name, count in sorted(self.dtypes.items()))
@@ -820,8 +828,7 @@ def check(spec: Spec, tally: Tally | None = None, variants=VARIANTS) -> Tally:
         except Exception as exc:  # noqa: BLE001 - every failure is recorded with its program
             tally.crashes.append((spec, name, f"{type(exc).__name__}: {exc}"))
             continue
-        tally.sites_rewritten += len(result.report.rewritten)
-        tally.sites_shared += sum(1 for s in result.report.rewritten if s.shared_ring)
+        tally.record(spec, name, result, outcome)
         tally.layer_calls += sum(map(len, result.report.layers.values()))
         tally.layer_checks += len(result.report.layer_checks)
         tally.trimmed += len(result.report.trimmed)
@@ -830,7 +837,4 @@ def check(spec: Spec, tally: Tally | None = None, variants=VARIANTS) -> Tally:
             tally.differed.append((spec, name, "a group's last region (or a trimmed one) came out unlike its first: "
                                    + "; ".join(f"{c['first']} vs {c['last']}{' (trimmed)' if c.get('trimmed') else ''}"
                                                for c in differed)))
-        tally.declined.update(s.reason_code for s in result.report.declined)
-        if not outcome.ok:
-            tally.mismatches.append((spec, name, outcome.format()))
     return tally
