@@ -86,6 +86,17 @@ def test_every_chunk_count_computes_the_original(chunks):
     assert_same_numbers(text, result)
 
 
+def test_streams_annotated_group_each_next_dispatch_with_this_chunks_matmuls():
+    text = moe_program()
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(policy="all", chunks=4, annotate_streams=True))
+    (site,) = pairs(result)
+    assert site.rewritten
+    found = ir_utils.ops_named(result.module, "stablehlo.all_to_all", "stablehlo.dot_general")
+    grouped = [op for op in found["stablehlo.all_to_all"] if "mhlo.frontend_attributes" in op.operation.attributes]
+    assert len(grouped) == 3  # chunks 1..3's dispatches, beside chunks 0..2's matmuls
+    assert_same_numbers(text, result)
+
+
 def test_the_training_step_chunks_its_backward_pairs_too():
     """value_and_grad over the tokens and the expert weights: the forward pair is chunked, its
     values the backward reads reassembled; the backward exchanges the cotangents back and forth

@@ -15,7 +15,8 @@ becomes, for ``k`` chunks of the tracked dim::
 
 in that order: chunk ``j+1``'s dispatch is issued before chunk ``j``'s ops, chunk ``j``'s
 combine after them, so a scheduler that runs collectives asynchronously (XLA's on GPU) overlaps
-each exchange with a neighbouring chunk's matmuls.  Each op of ``R`` is cloned per chunk with
+each exchange with a neighbouring chunk's matmuls (with ``--annotate-streams``, chunk ``j+1``'s
+dispatch and chunk ``j``'s matmuls share a scheduling group).  Each op of ``R`` is cloned per chunk with
 its own attributes, regions and location, its result the chunk's share of the tracked dim;
 each side operand is read whole, sliced, or (a broadcast) rebuilt at the chunk's size, as the
 site says (along the exchanged dim, each device's rows of the chunk).  Along the dispatch's
@@ -76,6 +77,10 @@ def chunk_all_to_all(site: AllToAllSite, ctx: RewriteContext, chunks: int) -> Ap
             env = {dispatch.operation.results[0]: arrived}
             for step in site.steps:
                 env.update(zip(step.op.operation.results, _apply(step, env, j, chunks, site, b)))
+            dots = [env[step.op.operation.results[0]].owner for step in site.steps
+                    if step.op.operation.name == "stablehlo.dot_general"]
+            if following is not None:  # (--annotate-streams) the next chunk's dispatch beside these dots
+                ctx.annotator.group(following.owner, dots)
             for value, parts in (*kept.items(), *kept_sums.items()):
                 parts.append(env[value])
             done = env[combine.operation.operands[0]]

@@ -35,7 +35,7 @@ STREAM_ANNOTATION = "_xla_stream_annotation"
 SCHEDULING_GROUP = "_scheduling_group_id"
 FRONTEND_ATTRIBUTES = "mhlo.frontend_attributes"
 #: collectives XLA runs as async start/done pairs, which a scheduling group may hold one of
-ASYNC_COLLECTIVES = frozenset({"stablehlo.collective_permute", "stablehlo.all_reduce"})
+ASYNC_COLLECTIVES = frozenset({"stablehlo.collective_permute", "stablehlo.all_reduce", "stablehlo.all_to_all"})
 
 
 @dataclass(frozen=True)
