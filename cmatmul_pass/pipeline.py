@@ -263,7 +263,7 @@ def _rewrite(module: ir.Module, options: Options, source: str, again: Callable[[
     guard = _StepGuard(options, lambda: _program(pristine(), options, source, graph=True))
     try:
         program = _program(module, options, source)  # the input's regions and collectives, for layer names
-        for _ in range(MAX_TRIES + step_guard.ROUNDS + 1):
+        for _ in range(MAX_TRIES + 2 * (step_guard.ROUNDS + 2)):  # a guard round may undo motions: a try more
             try:
                 with _no_cyclic_gc(), step_guard.declining(declined):
                     result, undone = _run(module, options, source, verify_each=False, bans=bans)
