@@ -141,10 +141,10 @@ REASONS: dict[str, Reason] = {r.code: r for r in (
                      "keeps whole",
            "pick a `--chunks` K that divides the rows, or use `--all-reduce split`",
            ("hlo_samples/ar_megatron_mlp.mlir", "--all-reduce", "chunk", "--chunks", "3")),
-    Reason("chunked", "the psum is already in row chunks: its all_reduce is one of several whose sums are "
-                      "concatenated (the chunk strategy's output, or chunked by hand), each already overlapping "
-                      "the next chunk's dot",
-           "none needed (a second run of the pass leaves its own chunks); for a ring instead, psum the whole "
+    Reason("chunked", "the psum (or all_to_all pair) is already in chunks: its collective is one of several whose "
+                      "results are concatenated (the chunk strategy's output, or chunked by hand), each already "
+                      "overlapping a neighbouring chunk's compute",
+           "none needed (a second run of the pass leaves its own chunks); for a psum's ring instead, psum the whole "
            "product once and use `--all-reduce split`",
            ("hlo_samples/neg_ar_chunked.mlir",)),
     Reason("varies", "a row-wise op after a split psum reads a value that may differ between the group's devices: "

@@ -77,6 +77,19 @@ def test_an_expert_parallel_moe_block_chunks_its_dispatch_and_combine(dtype):
     assert_same_numbers(text, result)
 
 
+@pytest.mark.parametrize("mode", ["exchanged", "split", "free"])
+def test_a_second_run_leaves_the_chunks(mode):
+    """The chunked pairs (each chunk a pair of its own, their results concatenated or
+    interleaved) are declined 'chunked' by a second run, which changes nothing."""
+    text = {"exchanged": moe_program(), "free": ulysses_program(),
+            "split": ulysses_program(batch=1)}[mode]
+    once = cmatmul_pass.rewrite(text, ALL)
+    assert pairs(once)[0].rewritten and pairs(once)[0].all_to_all["mode"] == mode
+    twice = cmatmul_pass.rewrite(once.text, ALL)
+    assert not twice.report.rewritten and twice.text == once.text
+    assert {s.reason_code for s in pairs(twice)} == {"chunked"}, [s.summary_line() for s in twice.report.sites]
+
+
 @pytest.mark.parametrize("chunks", [2, 4, 8])
 def test_every_chunk_count_computes_the_original(chunks):
     text = moe_program()

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .. import ir_utils
 from .._jax_private import ir
 from ..errors import Decline
 from ..analysis.separable import SLICE, NotSeparable, Step, track
@@ -168,8 +169,34 @@ def _escapes(dispatch: ir.OpView, ops: list[ir.OpView], combine: ir.OpView) -> t
     return tuple(escaping)
 
 
+def _chunk_of_several(combine: ir.OpView) -> bool:
+    """Is ``combine``'s result (through a reshape) concatenated with another all_to_all's (a pair
+    already chunked: this pass's output, or chunks written by hand)?"""
+    def through_reshape(value: ir.Value) -> list[ir.Value]:
+        users = ir_utils.users(value)
+        return [value] + [u.operation.results[0] for u in users if u.operation.name == "stablehlo.reshape"]
+
+    def from_exchange(value: ir.Value) -> bool:
+        owner = value.owner
+        owner = owner.operation if isinstance(owner, ir.OpView) else owner
+        if isinstance(owner, ir.Operation) and owner.name == "stablehlo.reshape":
+            owner = owner.operands[0].owner
+            owner = owner.operation if isinstance(owner, ir.OpView) else owner
+        return isinstance(owner, ir.Operation) and owner.name == A2A and owner != combine.operation
+
+    for value in through_reshape(combine.operation.results[0]):
+        for user in ir_utils.users(value):
+            if user.operation.name == "stablehlo.concatenate" and any(
+                    from_exchange(v) for v in user.operation.operands if v != value):
+                return True
+    return False
+
+
 def _match(dispatch: ir.OpView, ring: Ring, region: ManualRegion, counts) -> AllToAllSite:
     ops, combine = _region(dispatch)
+    if _chunk_of_several(combine):
+        raise Decline("chunked", "the pair is one of several chunks whose results are concatenated (a chunked pair's "
+                                 "output, or chunks written by hand), each already beside a neighbouring chunk's ops")
     if combine.operation.attributes["replica_groups"] != dispatch.operation.attributes["replica_groups"]:
         raise Decline("a2a_unpaired", "the all_to_all after it exchanges over other device groups")
     escapes = _escapes(dispatch, ops, combine)
