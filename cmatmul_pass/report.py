@@ -188,6 +188,9 @@ class Report:
             most = "gain" if after < before else "loss"
             line += f"; most of the {most}: " + ", ".join(f"{loc} ({text})" for (loc, _), text in zip(places, texts[2:]))
         notes = []
+        stepped = sum(1 for site in self.sites if site.reason_code == "step")
+        if stepped:
+            notes.append(f"{stepped} site(s) left as written by the step's answer [step]")
         if p.get("unknown_trips"):
             notes.append(f"{p['unknown_trips']} loop(s) of unknown trip count counted once")
         if p.get("unplaced"):

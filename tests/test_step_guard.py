@@ -41,6 +41,7 @@ def test_a_megatron_step_the_sites_would_slow_keeps_their_psums(megatron_8b, mon
     stepped = [s for s in result.report.sites if s.reason_code == "step"]
     assert stepped and result.report.rewritten and after < before, result.report.summary()
     assert all("this place's rings add" in s.reason and "predicted" in s.reason for s in stepped)
+    assert f"{len(stepped)} site(s) left as written by the step's answer" in result.report.program_line()
     with monkeypatch.context() as m:
         without_guard(m)
         unguarded = cmatmul_pass.rewrite(megatron_8b, AUTO)
