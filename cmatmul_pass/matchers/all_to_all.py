@@ -211,7 +211,7 @@ def _match(dispatch: ir.OpView, ring: Ring, region: ManualRegion, counts) -> All
         try:
             steps, dims = track(dispatch.operation.results[0], dim, ops)
         except NotSeparable as e:
-            reasons.append((dim, Decline("dynamic_shape" if e.dynamic else "a2a_region", str(e))))
+            reasons.append((dim, Decline("dynamic_shape", str(e)) if e.dynamic else Decline("a2a_region", str(e))))
             continue
         out_dim = dims.get(combine.operation.operands[0])
         if out_dim is None:
