@@ -70,3 +70,9 @@ def test_an_expert_parallel_training_step_with_silu_calls_chunks_both_pairs():
                            between="silu_mask", dtype="bf16", grad=True)
     tally = run(spec, {"uni": fuzz_programs.VARIANTS["uni"]})
     assert tally.sites_rewritten == 2
+
+
+@settings(max_examples=2, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(fuzz_moe.ulysses_specs())
+def test_random_ulysses_attention(spec):
+    run(spec, {name: fuzz_programs.VARIANTS[name] for name in ("uni", "auto")})

@@ -1,6 +1,7 @@
 """The MoE kind of the differential fuzzer (``fuzz.py --kind moe``): MoE blocks whose expert
 weights are FSDP-sharded and gathered before their grouped matmuls (``jax.lax.ragged_dot``), and
-expert-parallel blocks exchanging capacity-padded slots with ``all_to_all`` (:class:`EpSpec`).
+expert-parallel blocks exchanging capacity-padded slots with ``all_to_all`` (:class:`EpSpec`), and
+Ulysses attention's exchanges (:class:`UlyssesSpec`).
 
 A :class:`MoeSpec` draws the lowering's form (``chlo.ragged_dot`` lowered for cuda, the
 composite ``jax.export`` writes, or jax's CPU lowering, dense masked dots), the ring size, the
@@ -154,10 +155,70 @@ def lower_ep(spec: EpSpec) -> str:
     return jax.jit(fn).lower(*structs).as_text()
 
 
+@dataclass(frozen=True)
+class UlyssesSpec:
+    """Ulysses attention: q, k, v stacked, exchanged from sequence-sharded to head-sharded, softmax
+    attention per head (causal or not), exchanged back; the pair chunks along the batch, or at
+    batch 1 along the heads."""
+
+    ring: int
+    batch: int
+    seq: int  # per device
+    heads_per_device: int
+    dim: int
+    causal: bool
+    dtype: str
+    grad: bool  # value_and_grad over the stacked q, k, v
+
+    kind = "ulysses"
+
+    def expected(self, result) -> list[str]:
+        pairs = [s for s in result.report.sites if s.kind == "all_to_all_chunk"]
+        if not pairs or not pairs[0].rewritten:
+            return [f"the forward's pair: {[s.summary_line() for s in result.report.sites]}"]
+        return []
+
+
+@st.composite
+def ulysses_specs(draw) -> UlyssesSpec:
+    ring = draw(st.sampled_from([2, 4, 8]))
+    batch = draw(st.sampled_from([1, 2]))
+    return UlyssesSpec(ring=ring, batch=batch, seq=draw(st.sampled_from([4, 8])),
+                       heads_per_device=draw(st.sampled_from([2, 4])) if batch == 1 else draw(st.sampled_from([1, 2])),
+                       dim=draw(st.sampled_from([4, 8])), causal=draw(st.booleans()),
+                       dtype=draw(st.sampled_from(["f32", "f32", "bf16"])), grad=draw(st.booleans()))
+
+
+def lower_ulysses(spec: UlyssesSpec) -> str:
+    mesh = Mesh(np.array(jax.devices("cpu")[: spec.ring]), ("seq",))
+    dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16}[spec.dtype]
+    total = spec.seq * spec.ring
+
+    def attention(qkv):
+        qkv = jax.lax.all_to_all(qkv, "seq", 3, 2, tiled=True)  # [3, B, S, H/n, D]
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(spec.dim)
+        if spec.causal:  # an additive bias (jnp.where on the scores lowers to a call the pair does not look into)
+            s = s + jnp.where(jnp.arange(total)[:, None] >= jnp.arange(total)[None, :], 0.0, -1e9)
+        o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1).astype(dtype), v)
+        return jax.lax.all_to_all(o, "seq", 1, 2, tiled=True)  # [B, S/n, H, D]
+
+    spec_in = P(None, None, "seq")
+    fn = jax.shard_map(attention, mesh=mesh, in_specs=(spec_in,), out_specs=P(None, "seq"), check_vma=False)
+    if spec.grad:
+        inner = fn
+
+        def fn(qkv):
+            return jax.value_and_grad(lambda a: jnp.mean(inner(a).astype(jnp.float32) ** 2))(qkv)
+    shape = (3, spec.batch, total, spec.heads_per_device * spec.ring, spec.dim)
+    return jax.jit(fn).lower(jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec_in))).as_text()
+
+
 @st.composite
 def any_moe_specs(draw):
-    """Either shape: FSDP'd grouped matmuls (:class:`MoeSpec`) or expert parallelism (:class:`EpSpec`)."""
-    return draw(st.one_of(moe_specs(), ep_specs()))
+    """Any shape: FSDP'd grouped matmuls (:class:`MoeSpec`), expert parallelism (:class:`EpSpec`),
+    Ulysses attention's exchanges (:class:`UlyssesSpec`)."""
+    return draw(st.one_of(moe_specs(), ep_specs(), ulysses_specs()))
 
 
 @st.composite
@@ -244,8 +305,8 @@ def check(spec: MoeSpec, tally: Tally | None = None, variants=VARIANTS) -> Tally
     tally = tally or Tally()
     tally.programs += 1
     tally.dtypes[spec.dtype] += 1
-    ep = isinstance(spec, EpSpec)
-    text = lower_ep(spec) if ep else lower(spec)
+    ep = isinstance(spec, (EpSpec, UlyssesSpec))
+    text = lower_ulysses(spec) if isinstance(spec, UlyssesSpec) else lower_ep(spec) if ep else lower(spec)
     reference = execute.Reference.of(ir_utils.parse(text), devices=jax.devices("cpu")[: spec.ring])
     for name, options in variants.items():
         tally.runs += 1
