@@ -31,7 +31,7 @@ from .matchers import (
     match_all_gather,
     match_reduce_scatter,
 )
-from .matchers.all_gather import reaches_a_dot_row_wise
+from .matchers.gather_rows import reaches_a_dot_row_wise
 from .matchers.all_reduce import match_all_reduce
 from .matchers.common import collective_ring
 from .report import Report, SiteReport, tensor_bytes
@@ -530,7 +530,7 @@ def _say_prefetchable(report: Report, deferred: dict[int, _Deferred], gathered: 
 MOVABLE_DECLINES = frozenset({"layout", "user_not_dot"})
 
 
-#: the note of a gather rung with the row-wise ops before its dots (matchers.all_gather._row_dag)
+#: the note of a gather rung with the row-wise ops before its dots (matchers.gather_rows.row_dag)
 RINGED_WITH_ROW_OPS = "rung with the row-wise ops before its dots applied to each block it receives"
 
 
@@ -557,7 +557,7 @@ def _move_gather(site: Site, info: ModuleInfo, variance: Variance, ctx: RewriteC
 @dataclass
 class _RingedInstead:
     """A gather :func:`_move_gather` could not move past the row-wise ops before its dots (``why``),
-    matched as a ring applying them to each block it receives (:func:`.matchers.all_gather._row_dag`)."""
+    matched as a ring applying them to each block it receives (:func:`.matchers.gather_rows.row_dag`)."""
 
     site: AllGatherSite
     why: str

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from . import cost, step_guard
 from .matchers import DeclinedSite, ModuleInfo, ReduceScatterSite
-from .matchers.all_gather import reaches_a_dot_row_wise
+from .matchers.gather_rows import reaches_a_dot_row_wise
 from .matchers.all_reduce import DOT_ALL_REDUCE, AllReduceSite
 from .report import Report, SiteReport
 from .rewrites.dot_all_reduce import chunk_all_reduce, chunk_dims_ok, split_all_reduce
