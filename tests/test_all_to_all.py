@@ -119,6 +119,8 @@ def test_the_training_step_chunks_its_backward_pairs_too():
     result = cmatmul_pass.rewrite(text, ALL)
     chunked = [s for s in pairs(result) if s.rewritten]
     assert len(chunked) >= 2, [s.summary_line() for s in result.report.sites]
+    adds = ir_utils.ops_named(result.module, "stablehlo.add")["stablehlo.add"]
+    assert all(list(op.operation.results[0].uses) for op in adds)  # partial sums added only where read
     assert_same_numbers(text, result)
 
 

@@ -68,9 +68,9 @@ def chunk_all_to_all(site: AllToAllSite, ctx: RewriteContext, chunks: int) -> Ap
 
         dims = {dispatch.operation.results[0]: site.dim,
                 **{r: step.out_dim for step in site.steps for r in step.op.operation.results}}
-        partial = [step.op.operation.results[0] for step in site.steps if step.sums]  # each a sum over the chunks
-        kept_sums: dict = {value: [] for value in partial}
-        kept: dict = {value: [] for value in site.escapes}  # each escaping value's chunks
+        # each escaping value's chunks: a partial product's to be added up, any other's reassembled
+        kept_sums: dict = {value: [] for value in site.escapes if dims[value] is None}
+        kept: dict = {value: [] for value in site.escapes if dims[value] is not None}
         arrived = send(0)
         for j in range(chunks):
             following = send(j + 1) if j + 1 < chunks else None
@@ -91,7 +91,7 @@ def chunk_all_to_all(site: AllToAllSite, ctx: RewriteContext, chunks: int) -> Ap
         result = (_interleaved(pieces, site.out_dim, site.ring.size, b.at(combine.location)) if site.mode == SPLIT
                   else b.at(combine.location).concatenate(pieces, site.out_dim))
         wholes = {value: _interleaved(parts, dims[value], site.ring.size, b) if site.exchanged
-                  else b.concatenate(parts, dims[value]) for value, parts in kept.items() if dims[value] is not None}
+                  else b.concatenate(parts, dims[value]) for value, parts in kept.items()}
         for value, parts in kept_sums.items():  # partial products added up, in chunk order
             total = parts[0]
             for part in parts[1:]:
