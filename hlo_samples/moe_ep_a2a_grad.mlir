@@ -244,13 +244,11 @@
 // GOLDEN-NEXT: %115 = stablehlo.dot_general %109, %arg6, batching_dims = [0] x [0], contracting_dims = [2] x [2], precision = [DEFAULT, DEFAULT] : (tensor<2x64x64xf32>, tensor<2x32x64xf32>) -> tensor<2x64x32xf32>
 // GOLDEN-NEXT: %116 = "stablehlo.all_to_all"(%115) <{channel_handle = #stablehlo.channel_handle<handle = 9, type = 1>, concat_dimension = 0 : i64, replica_groups = dense<{{\[\[}}0, 1, 2, 3, 4, 5, 6, 7]]> : tensor<1x8xi64>, split_count = 8 : i64, split_dimension = 1 : i64}> : (tensor<2x64x32xf32>) -> tensor<16x8x32xf32>
 // GOLDEN-NEXT: %117 = stablehlo.concatenate %74, %116, dim = 1 : (tensor<16x8x32xf32>, tensor<16x8x32xf32>) -> tensor<16x16x32xf32>
-// GOLDEN-NEXT: %118 = stablehlo.add %36, %78 : tensor<2x32x64xf32>
-// GOLDEN-NEXT: %119 = stablehlo.add %37, %79 : tensor<2x64x32xf32>
-// GOLDEN-NEXT: %120 = stablehlo.add %71, %113 : tensor<2x64x32xf32>
-// GOLDEN-NEXT: %121 = stablehlo.add %72, %114 : tensor<2x32x64xf32>
-// GOLDEN-NEXT: %122 = stablehlo.dot_general %117, %arg5, contracting_dims = [0, 1] x [1, 2], precision = [DEFAULT, DEFAULT] : (tensor<16x16x32xf32>, tensor<32x16x16xf32>) -> tensor<32x32xf32>
-// GOLDEN-NEXT: %123 = stablehlo.transpose %122, dims = [1, 0] : (tensor<32x32xf32>) -> tensor<32x32xf32>
-// GOLDEN-NEXT: sdy.return %123, %121, %119 : tensor<32x32xf32>, tensor<2x32x64xf32>, tensor<2x64x32xf32>
+// GOLDEN-NEXT: %118 = stablehlo.add %37, %79 : tensor<2x64x32xf32>
+// GOLDEN-NEXT: %119 = stablehlo.add %72, %114 : tensor<2x32x64xf32>
+// GOLDEN-NEXT: %120 = stablehlo.dot_general %117, %arg5, contracting_dims = [0, 1] x [1, 2], precision = [DEFAULT, DEFAULT] : (tensor<16x16x32xf32>, tensor<32x16x16xf32>) -> tensor<32x32xf32>
+// GOLDEN-NEXT: %121 = stablehlo.transpose %120, dims = [1, 0] : (tensor<32x32xf32>) -> tensor<32x32xf32>
+// GOLDEN-NEXT: sdy.return %121, %119, %118 : tensor<32x32xf32>, tensor<2x32x64xf32>, tensor<2x64x32xf32>
 // GOLDEN-NEXT: } : (tensor<256x32xf32>, tensor<256x16x16xf32>, tensor<16x32x64xf32>, tensor<16x128x32xf32>, tensor<16x128x64xf32>, tensor<8xf32>, tensor<8xf32>, tensor<16x128x64xf32>, tensor<16x128x64xf32>, tensor<8xf32>, tensor<16x128x64xf32>, tensor<16x128x64xf32>, tensor<16x64x32xf32>, tensor<16x128x64xf32>) -> (tensor<256x32xf32>, tensor<16x32x64xf32>, tensor<16x64x32xf32>)
 // GOLDEN-NEXT: return %11, %20#0, %20#1, %20#2 : tensor<f32>, tensor<256x32xf32>, tensor<16x32x64xf32>, tensor<16x64x32xf32>
 // GOLDEN-NEXT: }
