@@ -489,7 +489,9 @@ def cmd_explain(args) -> int:
             _explain_all_reduce(site)
         if site.all_to_all:
             _explain_all_to_all(site)
-        if site.rewritten and (site.all_reduce.get("strategy") == "chunk" or site.all_to_all):
+        if site.attention.get("prediction"):
+            _explain_attention(site)
+        if site.rewritten and (site.all_reduce.get("strategy") == "chunk" or site.all_to_all or site.attention):
             for note in site.notes:
                 print(f"  note: {note}")
         elif site.rewritten:
@@ -513,6 +515,8 @@ def cmd_explain(args) -> int:
                 print(f"  dot: {dot['location']} ({dot['operand']} operand, {dot['dim_role']} dim{through})")
             for reader in site.assembled_for:
                 print(f"  assembles the gathered value for: {reader}")
+            if site.attention.get("two_rings") and reasons.hint(site.attention["two_rings"]):
+                print(f"  to have it rewritten: {reasons.hint(site.attention['two_rings'])}")
         else:
             # a site moved first (sunk into a loop, hoisted, merged), then declined: say so
             moved = site.moved_from is not None
@@ -560,6 +564,20 @@ def cmd_explain(args) -> int:
     if report.program_line():
         print(report.program_line())
     return 0
+
+
+def _explain_attention(site) -> None:
+    """An attention's lines: V's gather, the blocks, the memory before and after, the prediction."""
+    from .cost import readable_seconds
+
+    a = site.attention
+    m, p = a["memory"], a["prediction"]
+    print(f"  attention: V gathered at {a['values']}; {a['blocks']} blocks of {a['block_keys']} keys, online softmax")
+    print(f"  memory per device: scores {m['scores_before']} B -> {m['scores_after']} B a block; keys and values "
+          f"{m['keys_values_before']} B -> {m['keys_values_after']} B (a block held, the next in flight)")
+    print(f"  predicted on {p['hardware']}: gathers {readable_seconds(p['gathers_s'])} + matmuls "
+          f"{readable_seconds(p['compute_s'])} = {readable_seconds(p['serial_s'])}; ring ({p['variant']}) "
+          f"{readable_seconds(p['ring_s'])} ({p['speedup']:.2f}x)")
 
 
 def _explain_all_to_all(site) -> None:

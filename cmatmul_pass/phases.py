@@ -46,6 +46,8 @@ from .rewrites.sink import plan as sink_plan
 from .rewrites.sink import sink as sink_gather
 from .psums import decide_all_reduce, say_where_gathers_went
 from .exchanges import decide_all_to_all
+from .attention import decide_attention
+from .matchers.attention import match_attention
 from .matchers.all_to_all import combine_of
 from .sites import VERDICTS, apply_site, dot_flops, site_shape
 
@@ -176,14 +178,47 @@ class SiteWalk:
         not_sunk: dict[int, str] = {}  # a gather feeding a loop that could not take it -> why
         if found["stablehlo.while"]:
             gathers = self._sink(gathers, sunk_from, not_sunk)
+        self.phase += 1
+        gathers, kept_two_rings = self._attention(gathers)
         gathers, deferred = _order_by_slack(gathers, self.info, self.options, self.source)
         self.phase += 1
         gathered = self._gathers(gathers, deferred, optional, sunk_from, not_sunk)
+        _say_why_two_rings(self.report, kept_two_rings)
         _say_prefetchable(self.report, deferred, gathered)
         if carried is not None:
             say_where_gathers_went(self.report, carried, gathered)
         self.phase += 1
         self._exchanges(found.get("stablehlo.all_to_all", []))
+
+    def _attention(self, gathers: list) -> tuple[list, dict[str, tuple[str, str]]]:
+        """Each attention over gathered K and V ringed with an online softmax (its two gathers
+        then leave the gathers' phase); returns the gathers left and, by the keys' gather's
+        location, why each attention the pass found was not (its gathers get rings of their own)."""
+        taken: set[int] = set()  # indices into gathers
+        why: dict[str, tuple[str, str]] = {}
+        for index, op in enumerate(gathers):
+            if index in taken:
+                continue
+            site = match_attention(op, self.info)
+            if site is None:
+                continue
+            where = ir_utils.render_location(op.location, self.source)
+            if isinstance(site, DeclinedSite):
+                why[where] = (site.code, f"ring attention: {site.message} [{site.code}]")
+                continue
+            with self.attempts.on(op):
+                if self.attempts.left(op, ir_utils.enclosing_func_name(op)) is not None:
+                    continue
+                values = next(i for i, g in enumerate(gathers) if g.operation == site.values.operation)
+                since, place = len(self.report.sites), self.place_of(op)
+                entry = decide_attention(site, self.info, self.ctx, self.options, self.hw, self.source)
+                if not entry.rewritten:
+                    why[where] = (entry.reason_code, f"ring attention: {entry.reason} [{entry.reason_code}]")
+                    continue
+                self.report.sites.append(entry)
+                self.tag(place, since)
+                taken.update((index, values))
+        return [g for i, g in enumerate(gathers) if i not in taken], why
 
     def _exchanges(self, all_to_alls: list) -> None:
         """Each all_to_all as a pair's dispatch: chunked with its combine, or reported declined
@@ -496,6 +531,16 @@ def _order_by_slack(gathers: list, info: ModuleInfo, options: Options, source: s
     moved = {key for key, d in deferred.items() if d.moved}
     order = [op for op in gathers if id(op) not in moved] + [op for op in gathers if id(op) in moved]
     return order, deferred
+
+
+def _say_why_two_rings(report: Report, why: dict[str, tuple[str, str]]) -> None:
+    """Each attention left with its gathers: the keys' gather's entries say why (a note, and
+    the reason code in ``attention["two_rings"]``)."""
+    for entry in report.sites:
+        if entry.location in why and entry.kind == "all_gather_dot":
+            code, note = why[entry.location]
+            entry.notes.append(note)
+            entry.attention = {"two_rings": code}
 
 
 def _say_prefetchable(report: Report, deferred: dict[int, _Deferred], gathered: dict) -> None:

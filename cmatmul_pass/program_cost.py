@@ -42,7 +42,8 @@ FREE, DOT, COLLECTIVE, BLOCK = range(4)
 GONE = -1.0
 #: the anchor op of each site kind (SiteReport.kind)
 ANCHORS = {"all_gather_dot": "stablehlo.all_gather", "dot_reduce_scatter": "stablehlo.reduce_scatter",
-           "dot_all_reduce": "stablehlo.all_reduce", "all_to_all_chunk": "stablehlo.all_to_all"}
+           "dot_all_reduce": "stablehlo.all_reduce", "all_to_all_chunk": "stablehlo.all_to_all",
+           "ring_attention": "stablehlo.all_gather"}
 #: ops whose body the schedule walks in place of the op (their block arguments are its operands)
 INLINE = frozenset({"sdy.manual_computation", "sdy.named_computation"})
 TERMINATORS = frozenset({"func.return", "stablehlo.return", "sdy.return"})
@@ -435,6 +436,9 @@ def _ring_seconds(site: SiteReport) -> float | None:
     """A rewritten site's time beyond its dots' compute (what its collective becomes)."""
     if not site.rewritten:
         return None
+    if site.attention.get("prediction"):
+        p = site.attention["prediction"]
+        return max(p["ring_s"] - p["compute_s"], 0.0)
     if site.all_to_all:
         p = site.all_to_all["prediction"]
         return max(p["chunks_s"][str(site.all_to_all["chunks"])] - p["compute_s"], 0.0)

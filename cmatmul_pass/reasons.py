@@ -185,6 +185,21 @@ REASONS: dict[str, Reason] = {r.code: r for r in (
     Reason("a2a_no_dim", "no dim of the exchanged value divides into 2, 4 or 8 chunks (or `--chunks`) that both "
                          "exchanges keep whole",
            "pad the capacity (or the dim the ops keep apart) to a multiple of the chunk count"),
+    # ---- attention over gathered keys and values
+    Reason("attn_region", "an attention's gathered K or V is read by something other than its matmul (through ops "
+                          "that keep the sequence apart), or V comes from another gather than K's groups",
+           "read the gathered keys and values only in the attention (a mask from positions, not from the keys); "
+           "its two gathers get rings of their own meanwhile"),
+    Reason("attn_softmax", "the softmax over the gathered sequence is not `max`, `exp(s - max)`, `sum`, divide, "
+                           "or the probabilities reach `P·V` through an op that is not linear in them",
+           "write the softmax as `jax.nn.softmax` (or `exp(s - max) / sum`) over the keys' axis, with masks and "
+           "scales applied to the scores before it; the reason names the op",
+           ("hlo_samples/neg_attn_softmax.mlir", "--policy", "all")),
+    Reason("attn_residual", "a value of the attention (the probabilities, the scores, the gathered K or V) is also "
+                            "read after it: a training step's forward saving residuals for its backward",
+           "the online softmax never holds the whole probability matrix its backward reads; the attention keeps "
+           "two rings (scores, then `P·V`). Wrap the attention in `jax.checkpoint` so the backward recomputes it",
+           ("hlo_samples/attn_cp_grad.mlir", "--policy", "all")),
     # ---- the options' verdict
     Reason("policy", "`--policy auto`: the cost model predicts too small a gain on `--hardware`",
            "use `--policy all`, another `--variant` (the reason names one that would pass, if any), "

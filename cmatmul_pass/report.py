@@ -74,6 +74,10 @@ class SiteReport:
     # an all_to_all pair (kind all_to_all_chunk): {dim, combine, combine_dim, exchanged, chunks,
     # prediction: exchanges.predict's seconds}; empty for other kinds
     all_to_all: dict = field(default_factory=dict)
+    # an attention ringed with an online softmax (kind ring_attention): {values: V's gather,
+    # blocks, block_keys, memory: attention.memory's bytes, prediction: attention.predict's seconds};
+    # on the keys' gather of an attention left with two rings: {two_rings: the reason code}
+    attention: dict = field(default_factory=dict)
     # a gather another collective competed with for its dot (analysis.slack): {early, hiding_flops,
     # competes_with: that collective's location}; empty where none did
     slack: dict = field(default_factory=dict)
@@ -104,6 +108,10 @@ class SiteReport:
                 a = self.all_to_all
                 return (f"{self.place}: {self.kind}: rewritten{ring} (chunk: {a['chunks']} all_to_all pairs along "
                         f"{'' if a['mode'] == 'free' else 'the ' + a['mode'] + ' '}dim {a['dim']})")
+            if self.kind == "ring_attention":
+                a = self.attention
+                return (f"{self.place}: {self.kind}: rewritten{ring} (one ring of {a['blocks']} blocks of "
+                        f"{a['block_keys']} keys and values, online softmax; V gathered at {a['values']})")
             if self.all_reduce.get("strategy") == "chunk":
                 return f"{self.place}: {self.kind}: rewritten{ring} (chunk: {self.all_reduce['chunks']} all_reduces along dim {self.all_reduce['dim']})"
             if self.all_reduce:

@@ -28,13 +28,13 @@ ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "hlo_samples"
 sys.path.insert(0, str(ROOT))
 
-from tools import samples_gather, samples_layers, samples_megatron, samples_negative, samples_scatter  # noqa: E402
+from tools import samples_attention, samples_gather, samples_layers, samples_megatron, samples_negative, samples_scatter  # noqa: E402
 from tools.golden import GOLDEN_END, GOLDEN_PREFIX, begin_marker  # noqa: E402
 from tools.samples_common import Sample  # noqa: E402
 
 #: every sample, family by family
 SAMPLES_LIST = [*samples_gather.SAMPLES_LIST, *samples_scatter.SAMPLES_LIST, *samples_layers.SAMPLES_LIST,
-                *samples_megatron.SAMPLES_LIST, *samples_negative.SAMPLES_LIST]
+                *samples_megatron.SAMPLES_LIST, *samples_negative.SAMPLES_LIST, *samples_attention.SAMPLES_LIST]
 
 
 def render(sample: Sample, module_text: str, lowered_by: str | None = None) -> str:

@@ -157,26 +157,61 @@ SCALAR_OPS = frozenset({"stablehlo.constant", "stablehlo.broadcast_in_dim", "fun
 
 
 def _call_step(op: ir.OpView, on_path: list[int | None]) -> Step:
-    """A call of a private function whose body is pointwise over one shape (every argument and
-    result of it, every value a scalar or of it): per chunk, its body applied to the chunks."""
+    """A call of a private function whose body is pointwise over one shape (every result and
+    every value of the body a scalar or of it; an argument of a smaller shape read only by
+    ``broadcast_in_dim``s into it: ``jnp.where(mask, x, -inf)``'s ``@_where``): per chunk, its
+    body applied to the chunks, a smaller argument read at the rows its broadcasts carry along
+    the tracked dim (whole where they do not reach it)."""
     callee = ir_utils.Symbols(op).callee(op)
-    shapes = {tuple(t.shape) for v in (*op.operation.operands, *op.operation.results)
-              if (t := ir_utils.ranked_tensor(v)) is not None}
+    results = {tuple(t.shape) for v in op.operation.results if (t := ir_utils.ranked_tensor(v)) is not None}
     tracked = {d for d in on_path if d is not None}
-    if callee is None or len(shapes) != 1 or len(tracked) != 1 or \
-            len(callee.regions[0].blocks) != 1:
+    if callee is None or len(results) != 1 or len(tracked) != 1 or len(callee.regions[0].blocks) != 1 or \
+            any(ir.RankedTensorType(op.operation.operands[i].type).shape != list(next(iter(results)))
+                for i, p in enumerate(on_path) if p is not None):
         raise NotSeparable(f"{_where(op)} calls a function the rows cannot go through apart")
-    body = list(callee.regions[0].blocks[0].operations)
+    full = list(next(iter(results)))
+    block = callee.regions[0].blocks[0]
+    body = list(block.operations)
+    broadcast_args = set()  # (the broadcasts of a smaller argument)
     for inner in body:
         name = inner.operation.name
         scalar = all(ir.RankedTensorType(v.type).rank == 0 for v in inner.operation.operands)
-        if name not in POINTWISE and not (name in SCALAR_OPS and (name != "stablehlo.broadcast_in_dim" or scalar)):
+        widened = name == "stablehlo.broadcast_in_dim" and inner.operation.operands[0] in list(block.arguments)
+        if widened:
+            broadcast_args.add(inner.operation)
+        if name not in POINTWISE and not (name in SCALAR_OPS and (name != "stablehlo.broadcast_in_dim" or scalar
+                                                                  or widened)):
             raise NotSeparable(f"{_where(op)} calls a function holding {name}: not pointwise")
-        if any(ir.RankedTensorType(r.type).rank not in (0, len(next(iter(shapes)))) for r in inner.operation.results):
+        if any(ir.RankedTensorType(r.type).rank and ir.RankedTensorType(r.type).shape != full
+               for r in inner.operation.results):
             raise NotSeparable(f"{_where(op)} calls a function computing another shape")
     (d,) = tracked
-    sides = tuple(None if p is not None else _side(op, i, d) for i, p in enumerate(on_path))
-    return Step(op, d, sides, tuple(body[:-1]))
+    sides = []
+    for i, p in enumerate(on_path):
+        arg_t = ir.RankedTensorType(block.arguments[i].type)
+        if p is not None:
+            sides.append(None)
+        elif arg_t.shape == full:
+            sides.append(_side(op, i, d))
+        elif arg_t.rank == 0:
+            sides.append((WHOLE, 0))
+        else:
+            sides.append(_widened_side(op, block.arguments[i], broadcast_args, d, full))
+    return Step(op, d, tuple(sides), tuple(body[:-1]))
+
+
+def _widened_side(op: ir.OpView, argument: ir.Value, broadcasts: set, d: int, full: list[int]) -> tuple[str, int]:
+    """How the rows read a function's argument smaller than its shape, which only broadcasts
+    widen: at the rows of the argument's dim they carry to ``d`` (whole where none does, or it
+    is of size 1)."""
+    users = [u.owner.operation if isinstance(u.owner, ir.OpView) else u.owner for u in argument.uses]
+    maps = {tuple(ir_utils.i64s(u, "broadcast_dimensions")) for u in users if u in broadcasts}
+    if len(maps) != 1 or any(u not in broadcasts for u in users):
+        raise NotSeparable(f"{_where(op)} calls a function reading a smaller argument other than by one broadcast")
+    (dims,) = maps
+    if d not in dims or ir.RankedTensorType(argument.type).shape[dims.index(d)] != full[d]:
+        return (WHOLE, 0)
+    return (SLICE, dims.index(d))
 
 
 def _side(op: ir.OpView, index: int, dim: int) -> tuple[str, int]:

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from .._jax_private import hlo, ir
 from .. import ir_utils
-from ..analysis.separable import REBUILD, SLICE
 from ..matchers.all_to_all import EXCHANGED, SPLIT, AllToAllSite
+from .blockwise import apply_step
 from .builders import Builder, erase_dead
 from .schedule import Applied, RewriteContext, ScheduleStats
 
@@ -143,47 +143,6 @@ def _rows(value: ir.Value, dim: int, j: int, chunks: int, site: AllToAllSite, b:
     return b.slice(value, dim, j * width, width)
 
 
-def _apply(step, env: dict, j: int, chunks: int, site: AllToAllSite, b: Builder) -> ir.Value:
+def _apply(step, env: dict, j: int, chunks: int, site: AllToAllSite, b: Builder) -> list[ir.Value]:
     """``step``'s op on chunk ``j``: a clone reading the chunk's operands."""
-    operands = []
-    for value, plan in zip(step.op.operation.operands, step.sides):
-        if plan is None:
-            operands.append(env[value])
-        elif plan[0] == SLICE:
-            operands.append(_rows(value, plan[1], j, chunks, site, b.at(step.op.location)))
-        elif plan[0] == REBUILD:
-            producer = value.owner.opview if isinstance(value.owner, ir.Operation) else value.owner
-            rebuilt = producer.operation.clone()
-            rebuilt.results[0].set_type(_chunk_type(value, plan[1], chunks))
-            operands.append(rebuilt.results[0])
-        else:
-            operands.append(value)
-    if step.body:  # a pointwise function's body on the chunk, at the call's place
-        return _inlined(step, operands, chunks)
-    op = step.op.operation.clone()
-    for i, v in enumerate(operands):
-        op.operands[i] = v
-    if not step.sums:  # (a partial product has the whole product's type)
-        op.results[0].set_type(_chunk_type(step.op.operation.results[0], step.out_dim, chunks))
-    if op.name == "stablehlo.slice":  # whole along the tracked dim (the matcher's condition): the chunk's end
-        limits = ir_utils.i64s(op, "limit_indices")
-        limits[step.out_dim] //= chunks
-        op.attributes["limit_indices"] = ir.DenseI64ArrayAttr.get(limits)
-    return [op.results[0]]
-
-
-def _inlined(step, operands: list[ir.Value], chunks: int) -> list[ir.Value]:
-    """The body of the pointwise function ``step`` calls, cloned on the chunk's ``operands``:
-    every value of the call's shape at the chunk's (scalars as they are)."""
-    callee_block = step.body[0].operation.block
-    mapping = dict(zip(callee_block.arguments, operands))
-    for inner in step.body:
-        clone = inner.operation.clone()
-        for i, v in enumerate(inner.operation.operands):
-            clone.operands[i] = mapping.get(v, v)
-        for old, new in zip(inner.operation.results, clone.results):
-            if ir.RankedTensorType(old.type).rank:
-                new.set_type(_chunk_type(old, step.out_dim, chunks))
-            mapping[old] = new
-    returned = list(callee_block.operations)[-1].operation.operands
-    return [mapping.get(v, v) for v in returned]
+    return apply_step(step, env, chunks, lambda value, dim, at: _rows(value, dim, j, chunks, site, at), b)

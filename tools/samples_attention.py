@@ -1,0 +1,86 @@
+"""Context-parallel attention programs, written as public JAX code writes them: the sequence
+sharded over a mesh axis, K and V all-gathered along it before ordinary attention (causal or
+not, grouped-query heads, segment ids, bf16 inputs with an f32 softmax), forward and training
+step.  The samples of tools/gen_samples.py and the attention tests draw them."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from tools.samples_common import Sample, arg, gather, lower, mesh_1d, smap
+
+AXIS = "context"
+
+
+def attention(q, k, v, *, causal=True, segments=None, softmax=jax.nn.softmax, after=None):
+    """One device's attention: q ``[b, s_local, heads, d]``, k and v ``[b, s_local, kv_heads, d]``,
+    the keys and values gathered over the context axis; ``segments``: (the queries' ids, the
+    keys' ids gathered) masking across documents; ``after``: an op applied to the probabilities."""
+    kg, vg = gather(k, AXIS, 1), gather(v, AXIS, 1)
+    repeat = q.shape[2] // kg.shape[2]
+    kg, vg = jnp.repeat(kg, repeat, axis=2), jnp.repeat(vg, repeat, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, kg).astype(jnp.float32) / np.sqrt(q.shape[-1]).astype(np.float32)
+    mask = None
+    if causal:
+        s_local = q.shape[1]
+        q_pos = jax.lax.axis_index(AXIS) * s_local + jnp.arange(s_local)
+        mask = q_pos[:, None] >= jnp.arange(kg.shape[1])[None, :]
+    if segments is not None:
+        q_seg, k_seg = segments
+        same = q_seg[:, None, :, None] == k_seg[:, None, None, :]
+        mask = same if mask is None else same & mask[None, None]
+    if mask is not None:
+        s = jnp.where(mask, s, -jnp.inf)
+    p = softmax(s, axis=-1)
+    if after is not None:
+        p = after(p)
+    return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), vg)
+
+
+def cp_attention(causal=True, heads=4, kv_heads=2, dtype=jnp.bfloat16, segments=False, grad=False, remat=False,
+                 n=8, batch=2, seq=64, head_dim=16, **kw):
+    """The lowered program: forward, or (``grad``) value_and_grad of a squared-output loss in
+    q, k and v (``remat``: the attention under jax.checkpoint)."""
+    mesh = mesh_1d(n, AXIS)
+    spec = P(None, AXIS)
+
+    def local(q, k, v, seg):
+        segs = (seg, gather(seg, AXIS, 1)) if segments else None
+        return attention(q, k, v, causal=causal, segments=segs, **kw)
+
+    body = jax.checkpoint(local) if remat else local
+    f = smap(body, mesh=mesh, in_specs=(spec, spec, spec, spec), out_specs=spec)
+    args = [arg(mesh, (batch, seq, heads, head_dim), spec, dtype), arg(mesh, (batch, seq, kv_heads, head_dim), spec, dtype),
+            arg(mesh, (batch, seq, kv_heads, head_dim), spec, dtype), arg(mesh, (batch, seq), spec, jnp.int32)]
+    if grad:
+        def loss(q, k, v, seg):
+            return jnp.sum(jnp.square(f(q, k, v, seg).astype(jnp.float32)))
+
+        return lower(jax.value_and_grad(loss, argnums=(0, 1, 2)), *args)
+    return lower(f, *args)
+
+
+SAMPLES_LIST = [
+    Sample("attn_cp", "context-parallel causal attention with grouped-query heads (4 query heads, 2 KV heads), bf16 "
+           "inputs and an f32 softmax, K and V all-gathered over the sequence: one ring of K and V blocks with an "
+           "online softmax (running max, sum and output per query row), the causal mask read at each block's "
+           "columns; the scores never whole.",
+           cp_attention, "rewritten 1",
+           ["CHECK-NOT: stablehlo.all_gather", "CHECK: stablehlo.while", "CHECK: stablehlo.collective_permute",
+            "CHECK: stablehlo.collective_permute", "CHECK: stablehlo.exponential",
+            "CHECK-NOT: stablehlo.all_gather"]),
+    Sample("attn_cp_grad", "value_and_grad of attn_cp: the forward's probabilities and gathered K and V are the "
+           "backward's residuals, which an online softmax never holds whole: the attention keeps two rings "
+           "(scores with K's blocks, P·V with V's), the keys' gather saying why [attn_residual]; the backward's "
+           "gradient scatters ring too.",
+           lambda: cp_attention(grad=True), "rewritten 4",
+           ["CHECK-NOT: stablehlo.all_gather", "CHECK-NOT: stablehlo.reduce_scatter"]),
+    Sample("neg_attn_softmax", "attention over gathered K and V whose probabilities go through a square root "
+           "before P·V: not linear in them, so the division by the row sum cannot wait for the ring's end "
+           "[attn_softmax]; the scores and P·V keep a ring each.",
+           lambda: cp_attention(after=jnp.sqrt), "rewritten 2",
+           ["CHECK-NOT: stablehlo.all_gather", "CHECK: stablehlo.sqrt"]),
+]
