@@ -491,7 +491,8 @@ def cmd_explain(args) -> int:
             _explain_all_to_all(site)
         if site.attention.get("prediction"):
             _explain_attention(site)
-        if site.rewritten and (site.all_reduce.get("strategy") == "chunk" or site.all_to_all or site.attention):
+        if site.rewritten and (site.all_reduce.get("strategy") == "chunk" or site.all_to_all
+                               or site.attention.get("prediction")):
             for note in site.notes:
                 print(f"  note: {note}")
         elif site.rewritten:

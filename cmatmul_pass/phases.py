@@ -4,7 +4,8 @@ Order matters: a scatter of a psum over another mesh axis moves before the psum 
 psums are decided next (a split one leaves a scatter, ringed at once, and a gather carried
 forward to where its value is read whole); then the scatters (a stacked gradient's scatter
 hoisted into its loop where it can be); then the gathers of stacked weights sink into the loops
-that read a layer a trip; last the gathers, in slack order (:mod:`.analysis.slack`), each merged
+that read a layer a trip; then attentions over gathered K and V become one ring each with an
+online softmax (:mod:`.attention`); last the gathers, in slack order (:mod:`.analysis.slack`), each merged
 with its second stage, moved to its dots past row-wise ops, or ringed where it stands.  Every
 collective is worked on inside :meth:`.attempts.Attempts.on`, so a failure names it.
 """

@@ -174,37 +174,50 @@ def _broadcast_back(value: ir.Value, shape: list[int], dim: int) -> tuple[list[i
 
 def _path(gather: ir.OpView, dim: int, end: ir.OpView) -> list[Step]:
     """The steps from ``gather``'s result to ``end`` (a matmul), every value on the way read only
-    on it; Decline otherwise."""
-    block = gather.operation.block
-    ops, frontier, seen = [], [gather.operation.results[0]], set()
+    on it; Decline naming the first other reader otherwise."""
+    block, start = gather.operation.block, gather.operation.results[0]
+    on_path, frontier = set(), [v for v in end.operation.operands[:2]]  # the ops between them
     while frontier:
         value = frontier.pop()
+        owner = value.owner
+        if value == start or not isinstance(owner, (ir.Operation, ir.OpView)):
+            continue
+        owner = _opview(owner).operation
+        if owner.block == block and owner not in on_path and owner.name not in (DOT, AG):
+            on_path.add(owner)
+            frontier.extend(owner.operands)
+    ops = [o for o in map(_opview, block.operations) if o.operation in on_path and _reads_from(o, start, on_path)]
+    on_path = {o.operation for o in ops}  # (not the other operand's: the queries')
+    for value in [start] + [r for o in ops for r in o.operation.results]:
         for reader in _readers(value):
-            if reader.operation == end.operation:
+            if reader.operation == end.operation or reader.operation in on_path:
                 continue
             if not len(reader.operation.results):
-                raise Decline("attn_residual", f"{describe_op(reader)} returns the gathered value (a training "
-                                               "step's residual for its backward)")
+                raise Decline("attn_residual", f"{describe_op(reader)} returns a value of the attention's K or V "
+                                               "path (a training step's residual for its backward)")
             if reader.operation.name == DOT:
                 raise Decline("attn_residual", f"{describe_op(reader)} also reads the gathered value (a training "
                                                "step's backward reads K and V again)")
-            if reader.operation.block != block or reader.operation.name == AG:
-                raise Decline("attn_region", f"{describe_op(reader)} reads the gathered value besides the "
-                                             f"attention's matmul")
-            if reader.operation not in seen:
-                seen.add(reader.operation)
-                ops.append(reader)
-                frontier.extend(reader.operation.results)
-    ops = [o for o in map(_opview, block.operations) if o.operation in seen]
+            raise Decline("attn_region", f"{describe_op(reader)} reads the gathered value besides the attention's "
+                                         "matmul")
     try:
-        steps, dims = track(gather.operation.results[0], dim, ops)
+        steps, _ = track(start, dim, ops)
     except NotSeparable as e:
         raise Decline("attn_region", str(e))
-    for step in steps:
-        for r in step.op.operation.results:
-            if any(u.operation != end.operation and u.operation not in seen for u in _readers(r)):
-                raise Decline("attn_region", f"{describe_op(step.op)}'s value is read besides the attention")
     return steps
+
+
+def _reads_from(op: ir.OpView, start: ir.Value, on_path: set) -> bool:
+    """Does ``op`` read ``start``, directly or through ops of ``on_path``?"""
+    frontier = list(op.operation.operands)
+    while frontier:
+        value = frontier.pop()
+        if value == start:
+            return True
+        owner = value.owner
+        if isinstance(owner, (ir.Operation, ir.OpView)) and _opview(owner).operation in on_path:
+            frontier.extend(_opview(owner).operation.operands)
+    return False
 
 
 def _tracked_chain(start: ir.Value, dim: int, stop) -> tuple[list[Step], ir.Value, int]:
@@ -266,8 +279,14 @@ def _scores_of(keys: ir.OpView, dim: int, dot: ir.OpView, seen: set) -> tuple[ir
     """(``dot``, the gathered dim of its result, its keys operand) when ``dot`` reads the keys
     along a free dim and its result reaches a max over that dim; else None."""
     block = keys.operation.block
-    ops = [o for o in map(_opview, block.operations) if o.operation in seen and o.operation.name != DOT
-           and len(o.operation.results)]
+    feeding, frontier = set(), list(dot.operation.operands[:2])  # the ops of ``seen`` the dot reads
+    while frontier:
+        owner = frontier.pop().owner
+        if isinstance(owner, (ir.Operation, ir.OpView)) and _opview(owner).operation in seen and \
+                _opview(owner).operation not in feeding:
+            feeding.add(_opview(owner).operation)
+            frontier.extend(_opview(owner).operation.operands)
+    ops = [o for o in map(_opview, block.operations) if o.operation in feeding]
     try:
         _, dims = track(keys.operation.results[0], dim, ops)
     except NotSeparable:
