@@ -19,7 +19,7 @@ from . import cost, ir_utils, step_guard
 from ._jax_private import ir
 from .matchers import DeclinedSite, ModuleInfo
 from .matchers.attention import AttentionSite
-from .report import SiteReport, describe_shard, tensor_bytes
+from .report import SiteReport, collective_entry, tensor_bytes
 from .rewrites.ring_attention import rewrite_ring_attention
 from .rewrites.schedule import RewriteContext
 from .sites import dot_flops, guarded
@@ -62,13 +62,7 @@ def memory(site: AttentionSite) -> dict:
 def decide_attention(site: AttentionSite | DeclinedSite, info: ModuleInfo, ctx: RewriteContext, options,
                      hw: cost.Hardware, source: str) -> SiteReport:
     """``site``'s entry, ringed where the options and the cost model say so."""
-    op = site.anchor
-    entry = SiteReport(kind=site.kind, location=ir_utils.render_location(op.location, source),
-                       function=ir_utils.enclosing_func_name(op), rewritten=False)
-    if site.ring is not None:
-        entry.ring_size = site.ring.size
-        entry.replica_groups = [list(g) for g in site.ring.groups]
-    describe_shard(entry, op.operation.operands[0], None)
+    entry = collective_entry(site.kind, site.anchor, site.ring, source)
     if isinstance(site, DeclinedSite):
         entry.reason, entry.reason_code = site.message, site.code
         return entry

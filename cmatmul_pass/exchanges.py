@@ -17,7 +17,7 @@ from . import cost, ir_utils, step_guard
 from ._jax_private import ir
 from .matchers import DeclinedSite, ModuleInfo
 from .matchers.all_to_all import AllToAllSite, match_all_to_all
-from .report import SiteReport, describe_shard, tensor_bytes
+from .report import SiteReport, collective_entry, tensor_bytes
 from .rewrites.all_to_all import chunk_all_to_all
 from .rewrites.schedule import RewriteContext
 from .sites import dot_flops, guarded
@@ -66,12 +66,7 @@ def decide_all_to_all(op, info: ModuleInfo, ctx: RewriteContext, options, hw: co
     """``op``'s entry (a pair's dispatch), chunked with its combine where the options and the
     cost model say so."""
     site = match_all_to_all(op, info)
-    entry = SiteReport(kind=site.kind, location=ir_utils.render_location(op.location, source),
-                       function=ir_utils.enclosing_func_name(op), rewritten=False)
-    if site.ring is not None:
-        entry.ring_size = site.ring.size
-        entry.replica_groups = [list(g) for g in site.ring.groups]
-    describe_shard(entry, op.operation.operands[0], None)
+    entry = collective_entry(site.kind, op, site.ring, source)
     if entry.ring_size and entry.bytes_per_step is not None:  # what leaves each device
         entry.bytes_moved = (entry.ring_size - 1) * entry.bytes_per_step // entry.ring_size
     if isinstance(site, DeclinedSite):

@@ -308,6 +308,18 @@ def tensor_bytes(t: ir.RankedTensorType) -> int:
     return -(-count * element_bits(t.element_type) // 8)
 
 
+def collective_entry(kind: str, op: ir.OpView, ring, source: str) -> SiteReport:
+    """A not-yet-rewritten entry for the collective ``op`` of a site of ``kind`` over ``ring``
+    (None: unknown): its place, its groups and its operand's shape and bytes."""
+    entry = SiteReport(kind=kind, location=ir_utils.render_location(op.location, source),
+                       function=ir_utils.enclosing_func_name(op), rewritten=False)
+    if ring is not None:
+        entry.ring_size = ring.size
+        entry.replica_groups = [list(g) for g in ring.groups]
+    describe_shard(entry, op.operation.operands[0], None)
+    return entry
+
+
 def describe_shard(site: SiteReport, shard: ir.Value, ring_size: int | None) -> None:
     """Fill the shape/dtype/bytes fields from the value a ring passes around."""
     facts = _shard_facts(shard.type)

@@ -89,20 +89,25 @@ def test_a_softmax_over_the_queries_is_no_ring_attention():
     assert sum(s.rewritten for s in result.report.sites) == 2  # the scores' ring and P·V's
 
 
-def test_a_mask_reading_the_gathered_keys_is_declined():
+def masked_attention(mask, batch=2) -> str:
+    """Attention over gathered K and V whose scores ``mask(s, kg, q)`` masks (f32, 2 KV heads)."""
     mesh = mesh_1d(8, AXIS)
     spec = P(None, AXIS)
 
     def local(q, k, v):
         kg, vg = gather(k, AXIS, 1), gather(v, AXIS, 1)
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, kg)
-        padded = jnp.all(kg == 0, axis=(2, 3))  # keys that are all zero: padding, read from the keys
-        s = jnp.where(padded[:, None, None, :], -jnp.inf, s)
+        s = mask(jnp.einsum("bqhd,bkhd->bhqk", q, kg), kg, q)
         return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), vg)
 
     f = smap(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
-    text = lower(f, *[arg(mesh, (2, 64, 2, 8), spec)] * 3)
-    result = rewritten(text)
+    return lower(f, *[arg(mesh, (batch, 64, 2, 8), spec)] * 3)
+
+
+def test_a_mask_reading_the_gathered_keys_is_declined():
+    def padding(s, kg, q):  # keys that are all zero: padding, read from the keys themselves
+        return jnp.where(jnp.all(kg == 0, axis=(2, 3))[:, None, None, :], -jnp.inf, s)
+
+    result = rewritten(masked_attention(padding))
     assert not attention_sites(result)
     assert [s.attention["two_rings"] for s in result.report.sites if s.attention] == ["attn_region"]
 
@@ -143,20 +148,13 @@ def test_training_parity_through_the_decorator():
 def test_a_fully_masked_row_stays_nan_and_a_late_first_key_is_exact():
     # queries whose every key is masked give NaN as the original does; a row whose first visible
     # key is in the last block gets no NaN from the earlier, fully masked blocks
-    mesh = mesh_1d(8, AXIS)
-    spec = P(None, AXIS)
-
-    def local(q, k, v):
-        kg, vg = gather(k, AXIS, 1), gather(v, AXIS, 1)
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, kg)
+    def late(s, kg, q):
         keys = jnp.arange(kg.shape[1])
         row = jnp.arange(q.shape[1]) + jax.lax.axis_index(AXIS) * q.shape[1]
         visible = (keys[None, :] >= kg.shape[1] - 1 - (row[:, None] % 9)) & (row[:, None] % 9 != 8)
-        s = jnp.where(visible, s, -jnp.inf)
-        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), vg)
+        return jnp.where(visible, s, -jnp.inf)
 
-    f = smap(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
-    text = lower(f, *[arg(mesh, (1, 64, 2, 8), spec)] * 3)
+    text = masked_attention(late, batch=1)
     result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(policy="all"))
     assert attention_sites(result)
     rng = np.random.default_rng(1)
