@@ -53,6 +53,16 @@ def test_attention_over_gathered_keys_is_one_ring(causal, kv_heads, dtype, segme
 
 
 
+@pytest.mark.parametrize("causal,dtype,segments", [(True, jnp.bfloat16, False), (False, jnp.float32, False),
+                                                   (True, jnp.bfloat16, True)])
+def test_dot_product_attention_is_one_ring(causal, dtype, segments):
+    # jax.nn.dot_product_attention's XLA form: grouped heads without a repeat, the softmax in a
+    # transposed layout, the mask applied by a jnp.where that transposes the scores
+    result = rewritten(cp_attention(dpa=True, causal=causal, dtype=dtype, segments=segments))
+    (site,) = attention_sites(result)
+    assert site.rewritten
+
+
 @pytest.mark.parametrize("variant", ["uni", "unroll2", "full", "bidi", "bidi-unroll2", "bidi-full"])
 def test_every_variant(variant):
     result = rewritten(cp_attention(kv_heads=1, seq=48, n=6), variant=variant)

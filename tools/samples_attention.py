@@ -15,14 +15,12 @@ from tools.samples_common import Sample, arg, gather, lower, mesh_1d, smap
 AXIS = "context"
 
 
-def attention(q, k, v, *, causal=True, segments=None, softmax=jax.nn.softmax, after=None):
+def attention(q, k, v, *, causal=True, segments=None, softmax=jax.nn.softmax, after=None, dpa=False):
     """One device's attention: q ``[b, s_local, heads, d]``, k and v ``[b, s_local, kv_heads, d]``,
     the keys and values gathered over the context axis; ``segments``: (the queries' ids, the
-    keys' ids gathered) masking across documents; ``after``: an op applied to the probabilities."""
+    keys' ids gathered) masking across documents; ``after``: an op applied to the probabilities;
+    ``dpa``: ``jax.nn.dot_product_attention``'s XLA implementation instead of the einsums."""
     kg, vg = gather(k, AXIS, 1), gather(v, AXIS, 1)
-    repeat = q.shape[2] // kg.shape[2]
-    kg, vg = jnp.repeat(kg, repeat, axis=2), jnp.repeat(vg, repeat, axis=2)
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, kg).astype(jnp.float32) / np.sqrt(q.shape[-1]).astype(np.float32)
     mask = None
     if causal:
         s_local = q.shape[1]
@@ -32,6 +30,11 @@ def attention(q, k, v, *, causal=True, segments=None, softmax=jax.nn.softmax, af
         q_seg, k_seg = segments
         same = q_seg[:, None, :, None] == k_seg[:, None, None, :]
         mask = same if mask is None else same & mask[None, None]
+    if dpa:
+        return jax.nn.dot_product_attention(q, kg, vg, mask=mask, implementation="xla")
+    repeat = q.shape[2] // kg.shape[2]
+    kg, vg = jnp.repeat(kg, repeat, axis=2), jnp.repeat(vg, repeat, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, kg).astype(jnp.float32) / np.sqrt(q.shape[-1]).astype(np.float32)
     if mask is not None:
         s = jnp.where(mask, s, -jnp.inf)
     p = softmax(s, axis=-1)

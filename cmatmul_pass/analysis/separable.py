@@ -157,61 +157,64 @@ SCALAR_OPS = frozenset({"stablehlo.constant", "stablehlo.broadcast_in_dim", "fun
 
 
 def _call_step(op: ir.OpView, on_path: list[int | None]) -> Step:
-    """A call of a private function whose body is pointwise over one shape (every result and
-    every value of the body a scalar or of it; an argument of a smaller shape read only by
-    ``broadcast_in_dim``s into it: ``jnp.where(mask, x, -inf)``'s ``@_where``): per chunk, its
-    body applied to the chunks, a smaller argument read at the rows its broadcasts carry along
-    the tracked dim (whole where they do not reach it)."""
+    """A call of a private function whose body is pointwise over one shape, the call's result's
+    (every value a scalar, a splat of one, or of that shape; an argument of another shape read
+    only by one ``broadcast_in_dim`` or ``transpose`` into it: ``jnp.where(mask, x, -inf)``'s
+    ``@_where``, which may also transpose ``x``): per chunk, its body applied to the chunks, an
+    argument read at the rows its broadcast or transpose carries to the result's tracked dim
+    (whole where none does, or that dim is of size 1 in it)."""
     callee = ir_utils.Symbols(op).callee(op)
     results = {tuple(t.shape) for v in op.operation.results if (t := ir_utils.ranked_tensor(v)) is not None}
     tracked = {d for d in on_path if d is not None}
-    if callee is None or len(results) != 1 or len(tracked) != 1 or len(callee.regions[0].blocks) != 1 or \
-            any(ir.RankedTensorType(op.operation.operands[i].type).shape != list(next(iter(results)))
-                for i, p in enumerate(on_path) if p is not None):
+    if callee is None or len(results) != 1 or len(tracked) != 1 or len(callee.regions[0].blocks) != 1:
         raise NotSeparable(f"{_where(op)} calls a function the rows cannot go through apart")
     full = list(next(iter(results)))
     block = callee.regions[0].blocks[0]
     body = list(block.operations)
-    broadcast_args = set()  # (the broadcasts of a smaller argument)
-    for inner in body:
-        name = inner.operation.name
-        scalar = all(ir.RankedTensorType(v.type).rank == 0 for v in inner.operation.operands)
-        widened = name == "stablehlo.broadcast_in_dim" and inner.operation.operands[0] in list(block.arguments)
-        if widened:
-            broadcast_args.add(inner.operation)
-        if name not in POINTWISE and not (name in SCALAR_OPS and (name != "stablehlo.broadcast_in_dim" or scalar
-                                                                  or widened)):
-            raise NotSeparable(f"{_where(op)} calls a function holding {name}: not pointwise")
-        if any(ir.RankedTensorType(r.type).rank and ir.RankedTensorType(r.type).shape != full
-               for r in inner.operation.results):
-            raise NotSeparable(f"{_where(op)} calls a function computing another shape")
-    (d,) = tracked
+    arguments = list(block.arguments)
+    maps: dict[int, set] = {i: set() for i in range(len(arguments))}  # argument -> {its dims' places in the result}
+    splats: set = set()
+    for inner in body[:-1]:
+        name, operands = inner.operation.name, list(inner.operation.operands)
+        shapes = [ir.RankedTensorType(r.type).shape for r in inner.operation.results]
+        if name in ("stablehlo.broadcast_in_dim", "stablehlo.transpose") and operands[0] in arguments \
+                and shapes == [full] and ir.RankedTensorType(operands[0].type).rank:
+            places = (ir_utils.i64s(inner, "broadcast_dimensions") if name == "stablehlo.broadcast_in_dim" else
+                      [ir_utils.i64s(inner, "permutation").index(a) for a in range(len(full))])
+            maps[arguments.index(operands[0])].add(tuple(places))
+            continue
+        if name == "stablehlo.broadcast_in_dim" and (ir.RankedTensorType(operands[0].type).rank == 0
+                                                     or operands[0] in splats):
+            splats.add(inner.operation.results[0])
+            continue
+        if name not in POINTWISE and name != "stablehlo.constant" or any(
+                shape and shape != full for shape in shapes) or any(
+                ir.RankedTensorType(v.type).rank and ir.RankedTensorType(v.type).shape != full for v in operands):
+            raise NotSeparable(f"{_where(op)} calls a function holding {name} of another shape or not pointwise")
+        for v in operands:
+            if v in arguments and ir.RankedTensorType(v.type).rank:
+                maps[arguments.index(v)].add(tuple(range(len(full))))
+    if any(len(found) > 1 for found in maps.values()):
+        raise NotSeparable(f"{_where(op)} calls a function reading an argument in two layouts")
+    outs = {maps[i] and next(iter(maps[i]))[d] for i, d in enumerate(on_path) if d is not None}
+    if len(outs) != 1 or None in outs or set() in outs:
+        raise NotSeparable(f"{_where(op)} calls a function that moves the chunked dim apart")
+    (out,) = outs
     sides = []
     for i, p in enumerate(on_path):
-        arg_t = ir.RankedTensorType(block.arguments[i].type)
+        arg_t = ir.RankedTensorType(arguments[i].type)
+        places = next(iter(maps[i])) if maps[i] else ()
         if p is not None:
             sides.append(None)
-        elif arg_t.shape == full:
-            sides.append(_side(op, i, d))
-        elif arg_t.rank == 0:
+        elif arg_t.rank == 0 or out not in places:
             sides.append((WHOLE, 0))
+        elif arg_t.shape == full and places == tuple(range(len(full))):
+            sides.append(_side(op, i, out))
+        elif arg_t.shape[places.index(out)] == full[out]:
+            sides.append((SLICE, places.index(out)))
         else:
-            sides.append(_widened_side(op, block.arguments[i], broadcast_args, d, full))
-    return Step(op, d, tuple(sides), tuple(body[:-1]))
-
-
-def _widened_side(op: ir.OpView, argument: ir.Value, broadcasts: set, d: int, full: list[int]) -> tuple[str, int]:
-    """How the rows read a function's argument smaller than its shape, which only broadcasts
-    widen: at the rows of the argument's dim they carry to ``d`` (whole where none does, or it
-    is of size 1)."""
-    users = [u.owner.operation if isinstance(u.owner, ir.OpView) else u.owner for u in argument.uses]
-    maps = {tuple(ir_utils.i64s(u, "broadcast_dimensions")) for u in users if u in broadcasts}
-    if len(maps) != 1 or any(u not in broadcasts for u in users):
-        raise NotSeparable(f"{_where(op)} calls a function reading a smaller argument other than by one broadcast")
-    (dims,) = maps
-    if d not in dims or ir.RankedTensorType(argument.type).shape[dims.index(d)] != full[d]:
-        return (WHOLE, 0)
-    return (SLICE, dims.index(d))
+            sides.append((WHOLE, 0))
+    return Step(op, out, tuple(sides), tuple(body[:-1]))
 
 
 def _side(op: ir.OpView, index: int, dim: int) -> tuple[str, int]:

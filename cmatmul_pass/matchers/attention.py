@@ -75,7 +75,12 @@ class AttentionSite:
     scores: ir.OpView  # the scores matmul
     score_dim: int  # the gathered dim in its result
     score_steps: tuple[Step, ...]  # f: the scores → s
-    softmax_dim: int  # the gathered dim in s
+    #: transposes of s before the subtraction (jax.nn.dot_product_attention's layout), the
+    #: exponentials, sum and probabilities in their layout
+    layout: tuple[ir.OpView, ...]
+    softmax_dim: int  # the gathered dim in s after them
+    #: the transpose taking a statistic of the max's layout to the sum's (None: the same)
+    stat_permutation: tuple[int, ...] | None
     row_max: ir.OpView  # reduce max
     max_init: float
     max_steps: tuple[ir.OpView, ...]  # g (maximum with constants)
@@ -147,9 +152,11 @@ def _reduce(op: ir.OpView, body_op: str, dim: int) -> float:
     return init
 
 
-def _broadcast_back(value: ir.Value, shape: list[int], dim: int) -> tuple[list[ir.OpView], ir.OpView]:
-    """The broadcasts (and reshapes) taking a row statistic ``value`` back to ``shape`` along
-    ``dim`` alone, and the one op reading the result; Decline otherwise."""
+def _broadcast_back(value: ir.Value, shape: list[int], dim: int,
+                    order: list[int] | None = None) -> tuple[list[ir.OpView], ir.OpView]:
+    """The broadcasts and transposes taking a row statistic ``value`` back to ``shape`` along
+    ``dim`` alone (its dims landing at ``order``: by default those of ``shape`` but ``dim``, in
+    order), and the one op reading the result; Decline otherwise."""
     chain, rank = [], ir.RankedTensorType(value.type).rank
     # which dim of the current value each of the statistic's dims is
     where = list(range(rank))
@@ -160,16 +167,31 @@ def _broadcast_back(value: ir.Value, shape: list[int], dim: int) -> tuple[list[i
         if name == "stablehlo.broadcast_in_dim":
             mapping = ir_utils.i64s(op, "broadcast_dimensions")
             where = [mapping[w] for w in where]
-        elif name == "stablehlo.reshape" and ir.RankedTensorType(op.result.type).rank == \
-                ir.RankedTensorType(current.type).rank:
-            pass
+        elif name == "stablehlo.transpose":
+            permutation = ir_utils.i64s(op, "permutation")
+            where = [permutation.index(w) for w in where]
         else:
             raise Decline("attn_softmax", f"{describe_op(op)} stands between a row statistic and its use")
         chain.append(op)
         current = op.operation.results[0]
-    if where != [d for d in range(len(shape)) if d != dim]:
+    if where != (order if order is not None else [d for d in range(len(shape)) if d != dim]):
         raise Decline("attn_softmax", "a row statistic is broadcast back along other dims than the gathered one")
     return chain, _only_reader(current, "a broadcast row statistic")
+
+
+def _layout(first: ir.OpView, rank: int, end: ir.OpView) -> tuple[list[ir.OpView], list[int]]:
+    """The transposes from ``first`` (the scores' reader besides the max) to ``end`` (each the one
+    reader of the value before it) and where each dim of the scores stands after them; Decline
+    where another op stands between."""
+    chain, where, op = [], list(range(rank)), first
+    while op.operation != end.operation:
+        if op.operation.name != "stablehlo.transpose":
+            raise Decline("attn_softmax", f"{describe_op(op)} stands between the scores and their subtraction")
+        permutation = ir_utils.i64s(op, "permutation")
+        where = [permutation.index(w) for w in where]
+        chain.append(op)
+        op = _only_reader(op.result, "the scores on their way to the subtraction")
+    return chain, where
 
 
 def _path(gather: ir.OpView, dim: int, end: ir.OpView) -> list[Step]:
@@ -306,6 +328,13 @@ def _scores_of(keys: ir.OpView, dim: int, dot: ir.OpView, seen: set) -> tuple[ir
 def _reaches_row_max(scores: ir.Value, dim: int) -> bool:
     """Do ``scores`` reach a max over ``dim`` through a few ops of their shape (a scale, a mask):
     an attention's softmax, which :func:`_match` then proves or declines."""
+    try:  # through the ops the rows go through apart (a scale, a mask, a transposing jnp.where)
+        _, value, at = _tracked_chain(scores, dim, lambda r: r.operation.name == "stablehlo.reduce")
+        if any(r.operation.name == "stablehlo.reduce" and ir_utils.i64s(r, "dimensions") == [at]
+               and _reduce_kind(r) == "stablehlo.maximum" for r in _readers(value)):
+            return True
+    except Decline:
+        pass
     shape = ir.RankedTensorType(scores.type).shape
     frontier, seen = [scores], 0
     while frontier and seen < 16:
@@ -333,10 +362,20 @@ def _match(keys: ir.OpView, ring: Ring, region: ManualRegion, scores: ir.OpView,
     score_steps, s, sd = _tracked_chain(scores.result, score_dim, lambda r: False)
     readers = _readers(s)
     row_max = next((r for r in readers if r.operation.name == "stablehlo.reduce"), None)
-    subtract = next((r for r in readers if r.operation.name == "stablehlo.subtract"), None)
-    if len(readers) != 2 or row_max is None or subtract is None or subtract.operation.operands[0] != s:
+    others = [r for r in readers if r.operation != (row_max.operation if row_max else None)]
+    if len(readers) != 2 or row_max is None:
         raise Decline("attn_softmax", "the scores are read by other ops than the softmax's max and subtraction")
+    subtract = others[0]
+    while subtract.operation.name == "stablehlo.transpose":  # (jax.nn.dot_product_attention's softmax)
+        subtract = _only_reader(subtract.result, "the transposed scores")
+    if subtract.operation.name != "stablehlo.subtract":
+        raise Decline("attn_softmax", f"{describe_op(subtract)} reads the scores, not the softmax's subtraction")
     shape = ir.RankedTensorType(s.type).shape
+    transposes, where = _layout(others[0], len(shape), subtract)
+    shifted = transposes[-1].result if transposes else s
+    if subtract.operation.operands[0] != shifted:
+        raise Decline("attn_softmax", "the row max is subtracted from the scores, not the scores from it")
+    shape2, sd2 = ir.RankedTensorType(shifted.type).shape, where[sd]
     max_init = _reduce(row_max, "stablehlo.maximum", sd)
     # g: maximum with constants (jax.nn.softmax's initial -inf)
     max_steps, stat = [], row_max.result
@@ -349,7 +388,7 @@ def _match(keys: ir.OpView, ring: Ring, region: ManualRegion, scores: ir.OpView,
             raise Decline("attn_softmax", f"{describe_op(reader)} takes the row max's maximum with a non-constant")
         max_steps.append(reader)
         stat = reader.result
-    max_broadcast, user = _broadcast_back(stat, shape, sd)
+    max_broadcast, user = _broadcast_back(stat, shape2, sd2, [where[d] for d in range(len(shape)) if d != sd])
     if user.operation != subtract.operation or subtract.operation.operands[1] != \
             (max_broadcast[-1].result if max_broadcast else stat):
         raise Decline("attn_softmax", "the row max is not subtracted from the scores")
@@ -361,13 +400,13 @@ def _match(keys: ir.OpView, ring: Ring, region: ManualRegion, scores: ir.OpView,
     divide = next((r for r in readers if r.operation.name == "stablehlo.divide"), None)
     if len(readers) != 2 or row_sum is None or divide is None or divide.operation.operands[0] != exp.result:
         raise Decline("attn_softmax", "the exponentials are read by other ops than the softmax's sum and divide")
-    if _reduce(row_sum, "stablehlo.add", sd) != 0.0:
+    if _reduce(row_sum, "stablehlo.add", sd2) != 0.0:
         raise Decline("attn_softmax", f"{describe_op(row_sum)} sums from a nonzero init")
-    sum_broadcast, user = _broadcast_back(row_sum.result, shape, sd)
+    sum_broadcast, user = _broadcast_back(row_sum.result, shape2, sd2)
     if user.operation != divide.operation or divide.operation.operands[1] != \
             (sum_broadcast[-1].result if sum_broadcast else row_sum.result):
         raise Decline("attn_softmax", "the exponentials are not divided by their sum")
-    prob_steps, p, pd = _tracked_chain(divide.result, sd, lambda r: False)
+    prob_steps, p, pd = _tracked_chain(divide.result, sd2, lambda r: False)
     for step in prob_steps:
         name = step.op.operation.name
         if name not in ("stablehlo.convert", "stablehlo.multiply") or \
@@ -383,7 +422,11 @@ def _match(keys: ir.OpView, ring: Ring, region: ManualRegion, scores: ir.OpView,
                                       "gathered one")
     values, value_steps = _values(pv, 1 - side, numbers.contracting[1 - side][0], keys, ring)
     ops = [*key_steps, *value_steps]
-    site_ops = [step.op for step in ops] + [scores] + [step.op for step in score_steps] + [
+    rank = len(shape)
+    inverse = [where.index(j) for j in range(rank)]
+    by_max, by_sum = [d for d in range(rank) if d != sd], [inverse[j] for j in range(rank) if j != sd2]
+    permutation = tuple(by_max.index(d) for d in by_sum)
+    site_ops = [step.op for step in ops] + [scores] + [step.op for step in score_steps] + list(transposes) + [
         row_max, *max_steps, *max_broadcast, subtract, exp, row_sum, *sum_broadcast, divide] + \
         [step.op for step in prob_steps]
     inside = {o.operation for o in site_ops} | {pv.operation}
@@ -394,7 +437,8 @@ def _match(keys: ir.OpView, ring: Ring, region: ManualRegion, scores: ir.OpView,
                                                "training step's residual: its backward reads the whole "
                                                "probability matrix)")
     return AttentionSite(keys, values, dim, ring, region, tuple(key_steps), tuple(value_steps), scores, score_dim,
-                         tuple(score_steps), sd, row_max, max_init, tuple(max_steps), tuple(max_broadcast), subtract, exp,
+                         tuple(score_steps), tuple(transposes), sd2,
+                         None if permutation == tuple(range(rank - 1)) else permutation, row_max, max_init, tuple(max_steps), tuple(max_broadcast), subtract, exp,
                          row_sum, tuple(sum_broadcast), divide, tuple(prob_steps), pv, side, tuple(site_ops),
                          ir.RankedTensorType(keys.operation.operands[0].type).shape[dim])
 

@@ -56,16 +56,29 @@ def apply_step(step: Step, env: dict, parts: int, rows: Callable[[ir.Value, int,
 
 def _inlined(step: Step, operands: list[ir.Value], parts: int) -> list[ir.Value]:
     """The body of the pointwise function ``step`` calls, cloned on the block's ``operands``:
-    every value of the call's shape at the block's (scalars, and a smaller argument's value
-    before its broadcast, as they are)."""
+    every value of the call's shape at the block's (scalars, and an argument of another shape
+    before its broadcast or transpose, as they are; a splat of a scalar rebuilt at its size)."""
     callee_block = step.body[0].operation.block
     mapping = dict(zip(callee_block.arguments, operands))
     full = ir.RankedTensorType(step.op.operation.results[0].type).shape
+    scalar_of: dict = {}  # a splat in the body -> the scalar it holds
     for inner in step.body:
+        results = inner.operation.results
+        source = inner.operation.operands[0] if len(inner.operation.operands) else None
+        if inner.operation.name == "stablehlo.broadcast_in_dim" and (
+                ir.RankedTensorType(source.type).rank == 0 or source in scalar_of):
+            scalar = scalar_of.get(source, source)
+            scalar_of[results[0]] = scalar
+            t = block_type(results[0], step.out_dim, parts) if ir.RankedTensorType(results[0].type).shape == full \
+                else results[0].type
+            mapping[results[0]] = ir.Operation.create(
+                "stablehlo.broadcast_in_dim", results=[t], operands=[mapping.get(scalar, scalar)],
+                attributes={"broadcast_dimensions": ir.DenseI64ArrayAttr.get([])}, loc=inner.location).results[0]
+            continue
         clone = inner.operation.clone()
         for i, v in enumerate(inner.operation.operands):
             clone.operands[i] = mapping.get(v, v)
-        for old, new in zip(inner.operation.results, clone.results):
+        for old, new in zip(results, clone.results):
             if ir.RankedTensorType(old.type).shape == full and full:
                 new.set_type(block_type(old, step.out_dim, parts))
             mapping[old] = new

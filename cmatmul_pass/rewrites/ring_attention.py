@@ -30,6 +30,7 @@ scores matmul, its V permute with its ``P·V``.
 
 from __future__ import annotations
 
+from .. import ir_utils
 from .._jax_private import hlo, ir
 from ..matchers.attention import AttentionSite
 from ..ring_plan import gather_signatures, gather_streams
@@ -71,7 +72,8 @@ class _Block:
         element = pv_t.element_type
         wide = isinstance(element, ir.FloatType) and ir.FloatType(element).width < 32
         self.out_t = ir.RankedTensorType.get(pv_t.shape, ir.F32Type.get() if wide else element)
-        self.f32_stat = ir.RankedTensorType.get(self.stat_t.shape, self.out_t.element_type)
+        self.f32_stat = ir.RankedTensorType.get(ir.RankedTensorType(site.row_sum.result.type).shape,
+                                                self.out_t.element_type)
         numbers = hlo.DotDimensionNumbers(site.pv.operation.attributes["dot_dimension_numbers"])
         side = site.pv_operand
         batch = list((numbers.lhs_batching_dimensions, numbers.rhs_batching_dimensions)[side])
@@ -113,9 +115,14 @@ class _Block:
         env[site.scores.result] = scores
         for step in site.score_steps:
             env.update(zip(step.op.operation.results, apply_step(step, env, n, rows, self.b)))
-        s = env[site.subtract.operation.operands[0]]
+        s = env[site.row_max.operation.operands[0]]
         b = self.b.at(site.row_max.location)
         m_new = b.create("stablehlo.maximum", [m.type], [m, _clone(site.row_max, [s])]).result
+        for op in site.layout:  # the scores in the layout the softmax subtracts in
+            permutation = ir_utils.i64s(op, "permutation")
+            shape = ir.RankedTensorType(s.type).shape
+            s = _clone(op, [s], ir.RankedTensorType.get([shape[d] for d in permutation],
+                                                        ir.RankedTensorType(s.type).element_type))
         reference, previous, chain = m_new, m, site.row_max.result
         for op in site.max_steps:  # g, on both the new and the previous running max
             reference = _clone(op, [reference if v == chain else v for v in op.operation.operands])
@@ -131,6 +138,11 @@ class _Block:
                    ir.RankedTensorType(s.type))
         correction = b.create("stablehlo.exponential", [m.type], [
             b.create("stablehlo.subtract", [m.type], [previous, reference]).result]).result
+        if site.stat_permutation is not None:  # (the max's layout to the sum's)
+            shape = ir.RankedTensorType(correction.type).shape
+            correction = b.create("stablehlo.transpose", [ir.RankedTensorType.get(
+                [shape[d] for d in site.stat_permutation], ir.RankedTensorType(correction.type).element_type)],
+                [correction], {"permutation": ir.DenseI64ArrayAttr.get(list(site.stat_permutation))}).result
         correction = b.convert(correction, self.f32_stat.element_type)
         block_sum = b.convert(_clone(site.row_sum, [e]), self.f32_stat.element_type)
         l_new = b.add(b.mul(l, correction), block_sum)
