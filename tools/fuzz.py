@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kind", action="append",
                         help="only programs of this kind (repeatable): ag, rs, psum, ..., ag_norm, adversarial, moe "
-                             "(tools/fuzz_moe.py)")
+                             "(tools/fuzz_moe.py), attention (tools/fuzz_attention.py)")
     parser.add_argument("--norm", action="store_true", help="a norm's backward wherever the kind takes one (rs, psum)")
     parser.add_argument("--two-stage", action="store_true",
                         help="only scatters of a psum over another mesh axis (a reduction in two stages)")
@@ -70,6 +70,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="adversarial: rewrite under every variant of the default campaign, not only the "
                              "default options and 'uni' (policy all, psums split)")
     args = parser.parse_args(argv)
+    if "attention" in (args.kind or ()):
+        status = attention(args)
+        args.kind = [k for k in args.kind if k != "attention"]
+        if not args.kind:
+            return status
     if "moe" in (args.kind or ()):
         status = moe(args)
         args.kind = [k for k in args.kind if k != "moe"]
@@ -125,6 +130,16 @@ def moe(args) -> int:
 
     tally = fuzz_programs.Tally()
     _campaign(args, fuzz_moe.any_moe_specs(), fuzz_moe.check, tally, every=20)
+    return 1 if tally.crashes or tally.mismatches else 0
+
+
+def attention(args) -> int:
+    """The attention campaign (tools/fuzz_attention.py): ``args.examples`` context-parallel
+    attentions, every variant."""
+    from tools import fuzz_attention
+
+    tally = fuzz_programs.Tally()
+    _campaign(args, fuzz_attention.attention_specs(), fuzz_attention.check, tally, every=20)
     return 1 if tally.crashes or tally.mismatches else 0
 
 

@@ -15,11 +15,13 @@ from tools.samples_common import Sample, arg, gather, lower, mesh_1d, smap
 AXIS = "context"
 
 
-def attention(q, k, v, *, causal=True, segments=None, softmax=jax.nn.softmax, after=None, dpa=False):
+def attention(q, k, v, *, causal=True, segments=None, softmax=jax.nn.softmax, after=None, dpa=False,
+              key_padding=False):
     """One device's attention: q ``[b, s_local, heads, d]``, k and v ``[b, s_local, kv_heads, d]``,
     the keys and values gathered over the context axis; ``segments``: (the queries' ids, the
     keys' ids gathered) masking across documents; ``after``: an op applied to the probabilities;
-    ``dpa``: ``jax.nn.dot_product_attention``'s XLA implementation instead of the einsums."""
+    ``dpa``: ``jax.nn.dot_product_attention``'s XLA implementation instead of the einsums;
+    ``key_padding``: keys that are all zero masked, a mask read from the gathered keys."""
     kg, vg = gather(k, AXIS, 1), gather(v, AXIS, 1)
     mask = None
     if causal:
@@ -30,6 +32,9 @@ def attention(q, k, v, *, causal=True, segments=None, softmax=jax.nn.softmax, af
         q_seg, k_seg = segments
         same = q_seg[:, None, :, None] == k_seg[:, None, None, :]
         mask = same if mask is None else same & mask[None, None]
+    if key_padding:
+        real = ~jnp.all(kg == 0, axis=(2, 3))[:, None, None, :]
+        mask = real if mask is None else real & mask
     if dpa:
         return jax.nn.dot_product_attention(q, kg, vg, mask=mask, implementation="xla")
     repeat = q.shape[2] // kg.shape[2]

@@ -1,0 +1,108 @@
+"""The attention kind of the differential fuzzer (``fuzz.py --kind attention``): context-parallel
+attention over all-gathered K and V (tools/samples_attention.py), which the pass turns into one
+ring with an online softmax.
+
+An :class:`AttentionSpec` draws the ring size, batch, sequence per device, query and KV heads
+(multi-head, grouped-query, multi-query), head size, a causal mask, segment ids, the einsum form
+or ``jax.nn.dot_product_attention``'s XLA form, the element type, the forward or its training
+step (with or without ``jax.checkpoint`` around the attention), and the near misses the matcher
+must decline: a square root on the probabilities (``attn_softmax``) and a padding mask read from
+the gathered keys (``attn_region``).  :func:`check` rewrites each program under every variant
+of the default campaign; under ``uni`` the oracle (:meth:`AttentionSpec.expected`) asks for one
+ring attention where the spec is legal (the forward's, where a training step rematerialises it),
+none and the right reason on the keys' gather otherwise; every result is run against the
+original on CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from hypothesis import strategies as st
+
+from cmatmul_pass import execute, ir_utils
+from tools.fuzz_programs import VARIANTS, Tally, rewrite_checked
+from tools.samples_attention import cp_attention
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    ring: int
+    batch: int
+    seq: int  # per device
+    heads: int
+    kv_heads: int
+    head_dim: int
+    causal: bool
+    segments: bool
+    dpa: bool  # jax.nn.dot_product_attention (implementation="xla") instead of the einsums
+    dtype: str  # "f32" | "bf16"
+    grad: bool
+    remat: bool  # (with grad) the attention under jax.checkpoint
+    near_miss: str  # "" | "sqrt" (attn_softmax) | "key_padding" (attn_region)
+
+    kind = "attention"
+
+    def declined_as(self) -> set[str]:
+        """The reasons the keys' gathers may give (each attention's first failing condition);
+        none where one ring attention is expected."""
+        reasons = {"sqrt": {"attn_softmax"}, "key_padding": {"attn_region"}}.get(self.near_miss, set())
+        if reasons and self.grad:  # (the training step's residuals, or its recompute's)
+            reasons.add("attn_residual")
+        return reasons or ({"attn_residual"} if self.grad and not self.remat else set())
+
+    def expected(self, result) -> list[str]:
+        """What the oracle finds wrong with ``result`` (policy all, uni)."""
+        rings = [s for s in result.report.sites if s.kind == "ring_attention" and s.rewritten]
+        why = {s.attention["two_rings"] for s in result.report.sites if s.attention.get("two_rings")}
+        wanted = self.declined_as()
+        if not wanted and len(rings) != 1:
+            return [f"{len(rings)} ring attentions, 1 expected: {[s.summary_line() for s in result.report.sites]}"]
+        if wanted and (rings or not why or not why <= wanted):
+            return [f"{len(rings)} ring attentions and reasons {sorted(why)}, one of {sorted(wanted)} expected"]
+        return []
+
+    def lower(self) -> str:
+        after = jnp.sqrt if self.near_miss == "sqrt" else None
+        return cp_attention(causal=self.causal, heads=self.heads, kv_heads=self.kv_heads,
+                            dtype={"f32": jnp.float32, "bf16": jnp.bfloat16}[self.dtype], segments=self.segments,
+                            grad=self.grad, remat=self.remat, n=self.ring, batch=self.batch, seq=self.seq * self.ring,
+                            head_dim=self.head_dim, after=after, dpa=self.dpa,
+                            key_padding=self.near_miss == "key_padding")
+
+
+@st.composite
+def attention_specs(draw) -> AttentionSpec:
+    kv_heads = draw(st.sampled_from([1, 2]))
+    grad = draw(st.booleans())
+    dpa = draw(st.booleans())
+    return AttentionSpec(ring=draw(st.sampled_from([2, 4, 8])), batch=draw(st.sampled_from([1, 2])),
+                         seq=draw(st.sampled_from([4, 8])), heads=kv_heads * draw(st.sampled_from([1, 2])),
+                         kv_heads=kv_heads, head_dim=draw(st.sampled_from([4, 8])), causal=draw(st.booleans()),
+                         segments=draw(st.booleans()), dpa=dpa, dtype=draw(st.sampled_from(["f32", "bf16"])),
+                         grad=grad, remat=grad and draw(st.booleans()),
+                         near_miss=draw(st.sampled_from(["", "", "", "key_padding"] + ([] if dpa else ["sqrt"]))))
+
+
+def check(spec: AttentionSpec, tally: Tally | None = None, variants=VARIANTS) -> Tally:
+    """Rewrite ``spec``'s program under every variant; record and assert the oracle's verdicts."""
+    tally = tally or Tally()
+    tally.programs += 1
+    tally.dtypes[spec.dtype] += 1
+    text = spec.lower()
+    reference = execute.Reference.of(ir_utils.parse(text), devices=jax.devices("cpu")[: spec.ring])
+    for name, options in variants.items():
+        tally.runs += 1
+        try:
+            result = rewrite_checked(text, options)
+            if name == "uni":
+                wrong = spec.expected(result)
+                assert not wrong, "; ".join(wrong)
+            outcome = reference.check(result.module)
+        except Exception as exc:  # noqa: BLE001 - every failure is recorded with its program
+            tally.crashes.append((spec, name, f"{type(exc).__name__}: {exc}"))
+            continue
+        tally.record(spec, name, result, outcome)
+    return tally
