@@ -5,7 +5,8 @@ The cost model prices the attention as written (K's and V's gathers, then the sc
 ``P·V`` matmuls over the whole sequence: one after the other) against the ring: ``n`` blocks,
 each round's K and V blocks in flight while the previous block's two matmuls compute (a
 bidirectional ring: a block from each side per round, the two sides' transfers concurrent).
-The elementwise softmax is not priced (the same work either way).  Under ``--policy auto`` an
+The elementwise softmax is not priced (the same work either way).  ``--variant auto`` takes the
+faster of the one-directional and the bidirectional ring (the first on a tie).  Under ``--policy auto`` an
 attention is left with its gathers where the ring does not beat that by the margin; its memory
 figures (the scores' and probabilities' largest value, and K and V as the attention holds them)
 are reported either way.
@@ -45,18 +46,19 @@ def predict(site: AttentionSite, hw: cost.Hardware, variant: str) -> dict:
             "speedup": serial / ring if ring else 1.0, "hardware": hw.name, "variant": variant}
 
 
-def memory(site: AttentionSite) -> dict:
+def memory(site: AttentionSite, variant: str) -> dict:
     """Per device, bytes: the largest score-shaped value (scores, exponentials, probabilities)
     and the keys and values the attention holds, as written and in the ring (a block each,
-    and the next block in flight)."""
+    and the next block in flight, per direction)."""
     n = site.ring.size
+    streams = 2 if variant in BIDIRECTIONAL and n > 2 else 1
     scores = max(tensor_bytes(ir_utils.ranked_tensor(r)) for op in site.ops
                  if op.operation.name != "stablehlo.reduce" for r in op.operation.results
                  if ir_utils.ranked_tensor(r) is not None and
                  ir.RankedTensorType(r.type).rank == ir.RankedTensorType(site.scores.result.type).rank)
     gathered = sum(tensor_bytes(ir_utils.ranked_tensor(g.operation.results[0])) for g in (site.keys, site.values))
     return {"scores_before": scores, "scores_after": scores // n, "keys_values_before": gathered,
-            "keys_values_after": 2 * gathered // n}
+            "keys_values_after": 2 * streams * gathered // n}
 
 
 def decide_attention(site: AttentionSite | DeclinedSite, info: ModuleInfo, ctx: RewriteContext, options,
@@ -69,10 +71,13 @@ def decide_attention(site: AttentionSite | DeclinedSite, info: ModuleInfo, ctx: 
     entry.collective_dim = site.dim
     entry.dim_role = "free"
     entry.bytes_moved = 2 * (site.ring.size - 1) * (entry.bytes_per_step or 0)
-    variant = "uni" if options.variant == "auto" else options.variant
+    variant = options.variant
+    if variant == "auto":  # the faster of one direction and both (a ring of 2 has one), uni on a tie
+        variant = max(("uni", "bidi") if site.ring.size > 2 else ("uni",),
+                      key=lambda v: (round(predict(site, hw, v)["speedup"], 3), v == "uni"))
     entry.absorbs = [ir_utils.render_location(site.values.location, source)]
     entry.attention = {"values": entry.absorbs[0], "blocks": site.ring.size, "block_keys": site.block,
-                       "memory": memory(site), "prediction": predict(site, hw, variant)}
+                       "memory": memory(site, variant), "prediction": predict(site, hw, variant)}
     speedup = entry.attention["prediction"]["speedup"]
     if options.min_bytes and entry.bytes_moved < options.min_bytes:
         entry.reason_code, entry.reason = "min_bytes", f"moves {entry.bytes_moved} B per device, under --min-bytes " \
