@@ -36,7 +36,7 @@ def attention_sites(result):
 ])
 def test_attention_over_gathered_keys_is_one_ring(causal, kv_heads, dtype, segments):
     text = cp_attention(causal=causal, kv_heads=kv_heads, dtype=dtype, segments=segments)
-    result = rewritten(text)
+    result = rewritten(text, variant="uni")
     (site,) = attention_sites(result)
     assert site.rewritten and site.attention["blocks"] == 8
     # the scores' memory: a block of the keys at a time
@@ -47,7 +47,15 @@ def test_attention_over_gathered_keys_is_one_ring(causal, kv_heads, dtype, segme
     # what is left gathered: the keys' segment ids (a mask's operand, read a block at a time)
     assert [ir.RankedTensorType(g.operation.results[0].type).element_type for g in gathers] == \
         ([ir.IntegerType.get_signless(32, out.context)] if segments else [])
+    # one loop: K's and V's permutes in its body
     assert len(ir_utils.ops_named(out.operation, "stablehlo.collective_permute")["stablehlo.collective_permute"]) == 2
+
+
+def test_auto_takes_the_faster_direction():
+    # toy sizes: the transfers dominate, so both directions; 32k tokens: the matmuls do, one
+    (site,) = attention_sites(rewritten(cp_attention()))
+    assert site.schedule["variant"] == "bidi" and site.schedule["directions"] == 2
+    assert site.attention["memory"]["keys_values_after"] == 4 * site.attention["memory"]["keys_values_before"] // 8
 
 
 
@@ -192,6 +200,7 @@ def test_the_default_rings_a_long_context_attention():
     result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(policy="auto", hardware="h100"))
     (site,) = attention_sites(result)
     assert site.rewritten and site.attention["prediction"]["speedup"] > 1.02
+    assert site.schedule["variant"] == "uni"  # the matmuls hide either direction's transfers
     memory = site.attention["memory"]
     assert memory["scores_before"] == 16 * 2**30 and memory["scores_after"] == 2 * 2**30
     # at toy sizes the gathers are cheaper than the ring's steps: left with them
