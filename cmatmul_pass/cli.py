@@ -492,7 +492,7 @@ def cmd_explain(args) -> int:
         if site.attention.get("prediction"):
             _explain_attention(site)
         if site.rewritten and (site.all_reduce.get("strategy") == "chunk" or site.all_to_all
-                               or site.attention.get("prediction")):
+                               or site.attention.get("prediction") or site.all_reduce.get("picked") == "summed value"):
             for note in site.notes:
                 print(f"  note: {note}")
         elif site.rewritten:
@@ -607,6 +607,12 @@ def _explain_all_reduce(site) -> None:
 
     a = site.all_reduce
     p = a["prediction"]
+    if not p:  # a psum split only for its matmuls' gather ring (psums.split_summed_value): its note says why
+        print(f"  all_reduce: split along dim {a['dim']} (the summed value is no matmul's: its reduce-scatter stays a "
+              "collective)")
+        for how in a["gathers"]:
+            print(f"  gathered: {how}")
+        return
     times = durations(p["serial_s"], p["all_reduce_s"], p["split_s"],
                       *([p["chunk_s"][str(p["chunks"])]] if p.get("chunks") else []))
     chunks = f", {p['chunks']} chunks: {times[3]} ({p['speedup']['chunk']:.2f}x)" if p.get("chunks") else ""

@@ -45,7 +45,7 @@ from .rewrites.sink import hoist as hoist_scatter
 from .rewrites.sink import feeds_a_loop, hoist_plan
 from .rewrites.sink import plan as sink_plan
 from .rewrites.sink import sink as sink_gather
-from .psums import decide_all_reduce, say_where_gathers_went
+from .psums import decide_all_reduce, say_where_gathers_went, split_summed_value
 from .exchanges import decide_all_to_all
 from .attention import decide_attention
 from .matchers.attention import match_attention
@@ -82,6 +82,8 @@ class SiteWalk:
         self.competing: set = set()
         #: gathers left plain for a scatter's ring (their op -> the scatter's location, their slack)
         self.prefetched: dict = {}
+        #: psums split only for their matmuls' gather rings: report index -> (the psum's key, its Seed)
+        self.summed_splits: dict[int, tuple] = {}
         #: the compile budget sites are built within (policy auto), or None
         self.budget = (CompileBudget(program_weight(module), options.compile_budget, module)
                        if options.policy == "auto" and options.compile_budget is not None else None)
@@ -188,6 +190,7 @@ class SiteWalk:
         _say_prefetchable(self.report, deferred, gathered)
         if carried is not None:
             say_where_gathers_went(self.report, carried, gathered)
+            self._summed_splits_ringed(carried, gathered)
         self.phase += 1
         self._exchanges(found.get("stablehlo.all_to_all", []))
 
@@ -264,8 +267,16 @@ class SiteWalk:
                 if self.left_as_written(op):
                     continue
                 since, place = len(self.report.sites), self.place_of(op)
-                entry, seed = decide_all_reduce(match_all_reduce(op, self.info), self.ctx, self.source, self.options,
-                                          self.hw, self.apply, self.info, self.predictions, self.budget_of(op))
+                site = match_all_reduce(op, self.info)
+                if isinstance(site, DeclinedSite) and site.code == "producer_not_dot":  # an incoming cotangent
+                    key = self.attempts.key(op)  # (asked before the split erases the op)
+                    entry, seed = split_summed_value(site, self.info, self.ctx, self.source, self.options, self.hw,
+                                                     self.attempts.may_move(op))
+                    if seed is not None:
+                        self.summed_splits[len(self.report.sites)] = (key, seed)
+                else:
+                    entry, seed = decide_all_reduce(site, self.ctx, self.source, self.options, self.hw, self.apply,
+                                                    self.info, self.predictions, self.budget_of(op))
                 if seed is not None:
                     seed.site = len(self.report.sites)
                     seeds.append(seed)
@@ -278,6 +289,21 @@ class SiteWalk:
         left = [op for op in carried.left + [m.all_gather for m in carried.materialised if not m.feeds_dot]
                 if reaches_a_dot_row_wise(op)]
         return carried, gathers + left, {id(op) for op in left}
+
+    def _summed_splits_ringed(self, carried, gathered: dict) -> None:
+        """A psum split only for its matmuls' gather ring (:func:`.psums.split_summed_value`) is a
+        motion: where none of the gathers it left was ringed, the next try keeps the psum."""
+        for index, (key, seed) in self.summed_splits.items():
+            gathers = [id(seed.all_gather)] + [id(m.all_gather) for m in carried.materialised if index in m.seeds]
+            entries = [self.report.sites[gathered[g]] for g in gathers if g in gathered]
+            if not entries:  # (a motion with no site would never be undone)
+                split = self.report.sites[index]
+                entries = [SiteReport(kind=split.kind, location=split.location, function=split.function,
+                                      rewritten=False, reason="no gather it left reaches a matmul's ring",
+                                      reason_code="user_not_dot")]
+            with self.attempts.on_behalf(key):
+                for entry in entries:
+                    self.attempts.moved(entry)
 
     def _scatter(self, op: ir.OpView, not_swapped: dict) -> None:
         """One scatter: hoisted into the loop that assembles its operand, or ringed where it is."""

@@ -8,12 +8,14 @@ import contextlib
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from . import cost, step_guard
+from . import cost, ir_utils, step_guard
 from .matchers import DeclinedSite, ModuleInfo, ReduceScatterSite
 from .matchers.gather_rows import reaches_a_dot_row_wise
 from .matchers.all_reduce import DOT_ALL_REDUCE, AllReduceSite
-from .report import Report, SiteReport
-from .rewrites.dot_all_reduce import chunk_all_reduce, chunk_dims_ok, split_all_reduce
+from .matchers.common import collective_ring
+from .matchers.scatter_terms import region_is_sum
+from .report import Report, SiteReport, tensor_bytes
+from .rewrites.dot_all_reduce import chunk_all_reduce, chunk_dims_ok, split_all_reduce, split_sum
 from .rewrites.schedule import RewriteContext
 from .rewrites.sequence_parallel import Seed
 from .sites import describe_site, guarded, scatter_shape
@@ -77,6 +79,76 @@ def decide_all_reduce(site, ctx: RewriteContext, source: str, options: Options, 
     ringed = apply(ring_site, replace(options, policy="all", min_bytes=0))  # decided above
     ringed.kind, ringed.all_reduce, ringed.notes = DOT_ALL_REDUCE, entry.all_reduce, entry.notes + ringed.notes
     return ringed, Seed(all_gather, site.ring, site.region, site.dim, -1)
+
+
+def split_summed_value(site: DeclinedSite, info: ModuleInfo, ctx: RewriteContext, source: str, options: Options,
+                       hw: cost.Hardware, banned: str | None) -> tuple[SiteReport, Seed | None]:
+    """A psum whose summed value no matmul produces (declined ``producer_not_dot``: an incoming
+    cotangent summed over the tensor axis, as ``psum``'s transpose under ``check_vma=False``
+    gives) but whose value matmuls read, directly or through row-wise ops: split, its
+    all_gather carried to those matmuls' gather ring.  The identity::
+
+        all_reduce(x) = all_gather(reduce_scatter(x))   along any dim D the group size divides
+
+    (a sum is a sum of its blocks, each device keeping one and gathering the rest).  The
+    reduce_scatter stays a collective (no product to ring it with); the gather's ring hides the
+    other half of the transfer behind the matmuls.  Side conditions: a sum over one operand of a
+    static shape (else the decline stands); every reader of the value a ``dot_general``, through
+    layout ops at most (a statistic's psum, whose value a norm reads, stays); ``D``, the lowest dim the group size divides; ``--all-reduce auto`` or
+    ``split``; under ``--policy auto`` the reduce_scatter alone predicted faster than the
+    all_reduce by the margin (the all_gather hidden: where its ring does not form, the next try
+    keeps the psum as written, ``banned`` saying why).  Returns the entry and the gather to carry."""
+    entry = describe_site(site, source)
+    op = site.anchor
+    t = ir_utils.ranked_tensor(op.operation.results[0])
+    n = site.ring.size if site.ring is not None else 0
+    dims = [d for d in range(t.rank) if t.shape[d] % n == 0] if n > 1 and t is not None and ir_utils.is_static(t) \
+        else []
+    if site.code != "producer_not_dot" or options.all_reduce_strategy not in ("auto", "split") or not dims or \
+            len(op.operation.operands) != 1 or not region_is_sum(op) or not _read_by_matmuls(op.operation.results[0]):
+        return entry, None
+    if banned:
+        entry.reason += f"; not split for its matmuls' gather ring: {banned}"
+        return entry, None
+    nbytes = tensor_bytes(t)
+    if nbytes * (n - 1) // n < options.min_bytes:
+        entry.reason += f"; moves {nbytes * (n - 1) // n} B per device, under --min-bytes {options.min_bytes}"
+        return entry, None
+    all_reduce_s = hw.all_reduce_seconds(nbytes, n)
+    scatter_s = cost.gather_seconds(nbytes / n, n, hw)
+    speedup = all_reduce_s / scatter_s
+    declined = step_guard.verdict(entry)
+    if options.policy == "auto" and speedup < 1 + options.margin:
+        declined = ("policy", f"the reduce-scatter a split leaves ({cost.readable_seconds(scatter_s)}) is predicted "
+                              f"{speedup:.3f}x the all_reduce's speed ({cost.readable_seconds(all_reduce_s)}) on "
+                              f"{hw.name}, under 1 + {options.margin:g}")
+    if declined:
+        entry.reason_code, entry.reason = declined
+        return entry, None
+    dim = dims[0]
+    _, region = collective_ring(op, info)  # (the ring's: matched before the decline)
+    _, all_gather = guarded(entry, split_sum, op, dim, ir_utils.with_dim(t, dim, t.shape[dim] // n), ctx.take_channel)
+    entry.rewritten, entry.reason, entry.reason_code = True, "", ""
+    entry.collective_dim = dim
+    entry.all_reduce = {"strategy": "split", "dim": dim, "chunks": None, "gathers": [], "picked": "summed value",
+                        "prediction": {}}
+    entry.notes.append(f"split into a reduce-scatter and an all_gather along dim {dim}: no matmul produces the summed "
+                       f"value, so the reduce-scatter stays a collective ({cost.readable_seconds(scatter_s)}, against "
+                       f"the all_reduce's {cost.readable_seconds(all_reduce_s)}); the gather goes to the matmuls "
+                       "that read it, as their ring")
+    return entry, Seed(all_gather, site.ring, region, dim, -1)
+
+
+#: ops between a split psum's value and its matmuls (psums.split_summed_value)
+_LAYOUT = frozenset({"stablehlo.reshape", "stablehlo.transpose", "stablehlo.convert"})
+
+
+def _read_by_matmuls(value) -> bool:
+    """Is every reader of ``value`` a ``dot_general``, directly or through layout ops (one at least)?"""
+    readers = ir_utils.users(value)
+    return bool(readers) and all(
+        r.operation.name == "stablehlo.dot_general" and not ir_utils.is_grouped_dot(r)
+        or r.operation.name in _LAYOUT and _read_by_matmuls(r.operation.results[0]) for r in readers)
 
 
 def _within_budget(budget: tuple, shape: cost.SiteShape, prediction: cost.AllReducePrediction, strategy: str,

@@ -110,7 +110,8 @@ REASONS: dict[str, Reason] = {r.code: r for r in (
     Reason("producer_not_dot", "the scattered or summed value is not a dot_general's (or a sum of dots')",
            "scatter or psum the matmul's result itself; a per-row op along the scattered dim goes after the "
            "collective. A sum of what no matmul computes in this block (a loss, a norm's statistics, a loop's "
-           "carry) has no ring: it stays as written",
+           "carry) has no ring: it stays as written; where matmuls alone read such a psum (an incoming "
+           "cotangent), it is split and its gather rings with them, unless that ring is declined (then it says so)",
            ("hlo_samples/neg_rs_producer_not_dot.mlir",)),
     Reason("ragged_dot", "the ring would cut a grouped matmul (`jax.lax.ragged_dot`: `chlo.ragged_dot`, an MoE "
                          "block's expert matmul) along its ragged rows (the tokens, which the group sizes assign to "

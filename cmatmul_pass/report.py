@@ -114,6 +114,10 @@ class SiteReport:
                         f"{a['block_keys']} keys and values, online softmax; V gathered at {a['values']})")
             if self.all_reduce.get("strategy") == "chunk":
                 return f"{self.place}: {self.kind}: rewritten{ring} (chunk: {self.all_reduce['chunks']} all_reduces along dim {self.all_reduce['dim']})"
+            if self.all_reduce.get("picked") == "summed value":  # (psums.split_summed_value)
+                gathers = "; ".join(self.all_reduce["gathers"]) or "none left"
+                return (f"{self.place}: {self.kind}: rewritten{ring} (split along dim {self.all_reduce['dim']}: a "
+                        f"reduce-scatter, no matmul producing the summed value; gathered {gathers})")
             if self.all_reduce:
                 gathers = "; ".join(self.all_reduce["gathers"]) or "none left"
                 shared += f"; split: reduce-scatter ring along dim {self.all_reduce['dim']}, gathered {gathers}"

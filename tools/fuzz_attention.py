@@ -22,8 +22,7 @@ import jax
 import jax.numpy as jnp
 from hypothesis import strategies as st
 
-from cmatmul_pass import execute, ir_utils
-from tools.fuzz_programs import VARIANTS, Tally, rewrite_checked
+from tools.fuzz_programs import VARIANTS, Tally, check_variants
 from tools.samples_attention import cp_attention
 
 
@@ -88,21 +87,5 @@ def attention_specs(draw) -> AttentionSpec:
 
 def check(spec: AttentionSpec, tally: Tally | None = None, variants=VARIANTS) -> Tally:
     """Rewrite ``spec``'s program under every variant; record and assert the oracle's verdicts."""
-    tally = tally or Tally()
-    tally.programs += 1
-    tally.dtypes[spec.dtype] += 1
-    text = spec.lower()
-    reference = execute.Reference.of(ir_utils.parse(text), devices=jax.devices("cpu")[: spec.ring])
-    for name, options in variants.items():
-        tally.runs += 1
-        try:
-            result = rewrite_checked(text, options)
-            if name == "uni":
-                wrong = spec.expected(result)
-                assert not wrong, "; ".join(wrong)
-            outcome = reference.check(result.module)
-        except Exception as exc:  # noqa: BLE001 - every failure is recorded with its program
-            tally.crashes.append((spec, name, f"{type(exc).__name__}: {exc}"))
-            continue
-        tally.record(spec, name, result, outcome)
-    return tally
+    return check_variants(spec, spec.lower(), jax.devices("cpu")[: spec.ring], tally or Tally(), variants,
+                          lambda name, result: spec.expected(result) if name == "uni" else [])

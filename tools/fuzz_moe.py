@@ -26,8 +26,7 @@ import numpy as np
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from cmatmul_pass import execute, ir_utils
-from tools.fuzz_programs import VARIANTS, Tally, rewrite_checked
+from tools.fuzz_programs import VARIANTS, Tally, check_variants
 
 #: the dims an expert weight [experts, in, out] is sharded and gathered along
 ALONG = {"cols": 2, "rows": 1, "experts": 0}
@@ -302,22 +301,10 @@ def lower(spec: MoeSpec) -> str:
 
 def check(spec: MoeSpec, tally: Tally | None = None, variants=VARIANTS) -> Tally:
     """Rewrite ``spec``'s program under every variant; record and assert the oracle's verdicts."""
-    tally = tally or Tally()
-    tally.programs += 1
-    tally.dtypes[spec.dtype] += 1
     ep = isinstance(spec, (EpSpec, UlyssesSpec))
     text = lower_ulysses(spec) if isinstance(spec, UlyssesSpec) else lower_ep(spec) if ep else lower(spec)
-    reference = execute.Reference.of(ir_utils.parse(text), devices=jax.devices("cpu")[: spec.ring])
-    for name, options in variants.items():
-        tally.runs += 1
-        try:
-            result = rewrite_checked(text, options)
-            if name == "uni" and (ep or (spec.form != "cpu" and not spec.grad)):
-                wrong = spec.expected(result)
-                assert not wrong, "; ".join(wrong)
-            outcome = reference.check(result.module)
-        except Exception as exc:  # noqa: BLE001 - every failure is recorded with its program
-            tally.crashes.append((spec, name, f"{type(exc).__name__}: {exc}"))
-            continue
-        tally.record(spec, name, result, outcome)
-    return tally
+
+    def expected(name, result) -> list[str]:
+        return spec.expected(result) if name == "uni" and (ep or (spec.form != "cpu" and not spec.grad)) else []
+
+    return check_variants(spec, text, jax.devices("cpu")[: spec.ring], tally or Tally(), variants, expected)

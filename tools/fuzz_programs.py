@@ -786,6 +786,28 @@ def rewrite_checked(text: str, options) -> "cmatmul_pass.RewriteResult":
     return result
 
 
+def check_variants(spec, text: str, devices, tally: "Tally", variants: dict, expected) -> "Tally":
+    """``text`` (``spec``'s program, for ``len(devices)`` partitions) rewritten under each of
+    ``variants``, checked (:func:`rewrite_checked`), ``expected(name, result)``'s list of what is
+    wrong asserted empty, and run against the original on ``devices``: each run recorded in
+    ``tally``, a failure as a crash with its program."""
+    tally.programs += 1
+    tally.dtypes[spec.dtype] += 1
+    reference = execute.Reference.of(ir_utils.parse(text), devices=devices)
+    for name, options in variants.items():
+        tally.runs += 1
+        try:
+            result = rewrite_checked(text, options)
+            wrong = expected(name, result)
+            assert not wrong, "; ".join(wrong)
+            outcome = reference.check(result.module)
+        except Exception as exc:  # noqa: BLE001 - every failure is recorded with its program
+            tally.crashes.append((spec, name, f"{type(exc).__name__}: {exc}"))
+            continue
+        tally.record(spec, name, result, outcome)
+    return tally
+
+
 def ring_property_holds(module, site_groups: list[frozenset]) -> bool:
     """Every collective_permute's pairs form exactly one directed cycle per replica group of one
     rewritten site (``site_groups``: each site's groups; a 2-D program rings over two axes)."""

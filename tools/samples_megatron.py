@@ -57,6 +57,18 @@ def megatron_mlp_grad() -> str:
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*megatron_args(mesh)).as_text()
 
 
+def megatron_mlp_grad_unchecked() -> str:
+    """value_and_grad of the Megatron MLP with check_vma off (``smap``): psum's transpose is a psum,
+    so the backward sums the incoming cotangent over 'model' before its two matmuls read it."""
+    mesh = mesh_1d()
+    f = smap(megatron_mlp_body, mesh=mesh, in_specs=MEGATRON_SPECS, out_specs=P())
+
+    def loss(x, w1, w2):
+        return jnp.mean(f(x, w1, w2) ** 2)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*megatron_args(mesh)).as_text()
+
+
 def residual_stack(norm, blocks=2):
     def body(x, *weights):
         for i in range(0, len(weights), 2):
@@ -198,6 +210,13 @@ SAMPLES_LIST = [
            "the input gradient, both split into reduce-scatter rings.",
            megatron_mlp_grad, "rewritten 2", ["CHECK-NOT: stablehlo.all_reduce", "CHECK: stablehlo.while",
                                               "CHECK: stablehlo.while", "CHECK-NOT: stablehlo.all_reduce"], main_args=SPLIT_ARGS),
+    Sample("ar_megatron_grad_unchecked", "value_and_grad of the Megatron MLP under check_vma=False: psum's "
+           "transpose is a psum, so the backward sums the incoming cotangent before its two matmuls (the input "
+           "gradient's and w2's) read it. No matmul produces that sum: it is split into a reduce-scatter, which stays "
+           "a collective, and an all_gather that becomes the two matmuls' ring; the forward's psum and the input "
+           "gradient's psum are split into reduce-scatter rings.",
+           megatron_mlp_grad_unchecked, "rewritten 4",
+           ['CHECK: "stablehlo.reduce_scatter"', "CHECK-NOT: stablehlo.all_reduce"], main_args=SPLIT_ARGS),
     Sample("ar_megatron_ln_stack", "two pre-LN residual Megatron MLP blocks: block 1's psum rows carried through the "
            "residual add and block 2's layer norm into block 2's gather ring; the output gathered once.",
            megatron_ln_stack, "rewritten 3",

@@ -52,20 +52,27 @@ def chunk_dims_ok(site: AllReduceSite, chunks: int) -> bool:
 def split_all_reduce(site: AllReduceSite, take_channel) -> tuple[ir.OpView, ir.OpView]:
     """Replace the all_reduce by ``all_gather(reduce_scatter(operand))`` along ``site.dim``, built
     where it stood; returns (reduce_scatter, all_gather)."""
-    ar = site.all_reduce
+    rs, ag = split_sum(site.all_reduce, site.dim, site.block_type, take_channel)
+    move_after(site.moved, ag.operation)
+    return rs, ag
+
+
+def split_sum(ar: ir.OpView, dim: int, block_type: ir.RankedTensorType, take_channel) -> tuple[ir.OpView, ir.OpView]:
+    """``all_reduce(sum) = all_gather ∘ reduce_scatter(sum)`` along ``dim`` (``block_type``: one
+    device's block), over the all_reduce's groups, built where it stood; returns (reduce_scatter,
+    all_gather)."""
     loc = ar.location
     groups = ar.attributes["replica_groups"]
     with ir.InsertionPoint(ar.operation):
-        rs = hlo.ReduceScatterOp(site.block_type, ar.operation.operands[0], site.dim, groups,
+        rs = hlo.ReduceScatterOp(block_type, ar.operation.operands[0], dim, groups,
                                  channel_handle=hlo.ChannelHandle.get(take_channel(), 1),
                                  use_global_device_ids=True, loc=loc)
         sum_region(rs, loc)
-        ag = hlo.AllGatherOp([ar.result.type], [rs.result], site.dim, groups,
+        ag = hlo.AllGatherOp([ar.result.type], [rs.result], dim, groups,
                              channel_handle=hlo.ChannelHandle.get(take_channel(), 1),
                              use_global_device_ids=True, loc=loc)
     ar.result.replace_all_uses_with(ag.results[0])
     ar.operation.erase()
-    move_after(site.moved, ag.operation)
     return rs, ag
 
 
