@@ -19,6 +19,7 @@ import math
 from . import cost, ir_utils, step_guard
 from ._jax_private import ir
 from .matchers import DeclinedSite, ModuleInfo
+from .analysis.separable import SLICE
 from .matchers.attention import AttentionSite
 from .report import SiteReport, collective_entry, tensor_bytes
 from .rewrites.ring_attention import rewrite_ring_attention
@@ -49,7 +50,8 @@ def predict(site: AttentionSite, hw: cost.Hardware, variant: str) -> dict:
 def memory(site: AttentionSite, variant: str) -> dict:
     """Per device, bytes: the largest score-shaped value (scores, exponentials, probabilities)
     and the keys and values the attention holds, as written and in the ring (a block each,
-    and the next block in flight, per direction)."""
+    and the next block in flight, per direction); and the side operands the ring reads a block
+    at a time but holds whole (a mask, a bias: ``held_whole``)."""
     n = site.ring.size
     streams = 2 if variant in BIDIRECTIONAL and n > 2 else 1
     scores = max(tensor_bytes(ir_utils.ranked_tensor(r)) for op in site.ops
@@ -57,8 +59,12 @@ def memory(site: AttentionSite, variant: str) -> dict:
                  if ir_utils.ranked_tensor(r) is not None and
                  ir.RankedTensorType(r.type).rank == ir.RankedTensorType(site.scores.result.type).rank)
     gathered = sum(tensor_bytes(ir_utils.ranked_tensor(g.operation.results[0])) for g in (site.keys, site.values))
+    # what the ring reads a block at a time but holds whole (a mask, a bias): the same either way
+    sides = {value for step in (*site.score_steps, *site.prob_steps)
+             for value, plan in zip(step.op.operation.operands, step.sides) if plan and plan[0] == SLICE}
     return {"scores_before": scores, "scores_after": scores // n, "keys_values_before": gathered,
-            "keys_values_after": 2 * streams * gathered // n}
+            "keys_values_after": 2 * streams * gathered // n,
+            "held_whole": sum(tensor_bytes(ir_utils.ranked_tensor(v)) for v in sides)}
 
 
 def decide_attention(site: AttentionSite | DeclinedSite, info: ModuleInfo, ctx: RewriteContext, options,
