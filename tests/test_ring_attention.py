@@ -206,3 +206,20 @@ def test_the_default_rings_a_long_context_attention():
     assert memory["scores_before"] == 16 * 2**30 and memory["scores_after"] == 2 * 2**30
     # at toy sizes the gathers are cheaper than the ring's steps: left with them
     assert not attention_sites(cmatmul_pass.rewrite(cp_attention(), cmatmul_pass.Options(policy="auto")))
+
+
+def test_streams_annotated():
+    # each round's K permute shares a scheduling group with its scores matmul, its V permute with P·V
+    result = rewritten(cp_attention(), variant="bidi", annotate_streams=True)
+
+    def group(op):
+        attrs = op.operation.attributes
+        if "mhlo.frontend_attributes" not in attrs:
+            return None
+        entries = ir.DictAttr(attrs["mhlo.frontend_attributes"])
+        return ir.StringAttr(entries["_scheduling_group_id"]).value if "_scheduling_group_id" in entries else None
+
+    ops = ir_utils.walk(result.module.operation)
+    permutes = {group(op) for op in ops if op.operation.name == "stablehlo.collective_permute"} - {None}
+    dots = {group(op) for op in ops if op.operation.name == "func.call"} - {None}
+    assert permutes and permutes <= dots
