@@ -22,6 +22,7 @@ from .matchers import DeclinedSite, ModuleInfo
 from .analysis.separable import SLICE
 from .matchers.attention import AttentionSite
 from .report import SiteReport, collective_entry, tensor_bytes
+from .rewrites.block_operands import leaves
 from .rewrites.ring_attention import rewrite_ring_attention
 from .rewrites.schedule import RewriteContext
 from .sites import dot_flops, guarded
@@ -60,8 +61,9 @@ def memory(site: AttentionSite, variant: str) -> dict:
                  ir.RankedTensorType(r.type).rank == ir.RankedTensorType(site.scores.result.type).rank)
     gathered = sum(tensor_bytes(ir_utils.ranked_tensor(g.operation.results[0])) for g in (site.keys, site.values))
     # what the ring reads a block at a time but holds whole (a mask, a bias): the same either way
-    sides = {value for step in (*site.score_steps, *site.prob_steps)
-             for value, plan in zip(step.op.operation.operands, step.sides) if plan and plan[0] == SLICE}
+    sides = {leaf for step in (*site.score_steps, *site.prob_steps)
+             for value, plan in zip(step.op.operation.operands, step.sides) if plan and plan[0] == SLICE
+             for leaf in leaves(value, plan[1])}  # (a mask from positions is recomputed per block: none)
     return {"scores_before": scores, "scores_after": scores // n, "keys_values_before": gathered,
             "keys_values_after": 2 * streams * gathered // n,
             "held_whole": sum(tensor_bytes(ir_utils.ranked_tensor(v)) for v in sides)}

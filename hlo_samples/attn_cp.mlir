@@ -56,55 +56,61 @@
 // GOLDEN-NEXT: %24:6 = stablehlo.while(%iterArg = %c, %iterArg_14 = %arg4, %iterArg_15 = %arg5, %iterArg_16 = %23, %iterArg_17 = %cst_1, %iterArg_18 = %cst) : tensor<ui32>, tensor<2x8x2x16xbf16>, tensor<2x8x2x16xbf16>, tensor<2x4x8xf32>, tensor<2x4x8xf32>, tensor<2x4x16x8xf32>
 // GOLDEN-NEXT: cond {
 // GOLDEN-NEXT: %c_19 = stablehlo.constant dense<7> : tensor<ui32>
-// GOLDEN-NEXT: %64 = stablehlo.compare LT, %iterArg, %c_19, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %64 : tensor<i1>
+// GOLDEN-NEXT: %71 = stablehlo.compare LT, %iterArg, %c_19, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %71 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<0> : tensor<ui32>
-// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_21 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %cst_22 = stablehlo.constant dense<0.000000e+00> : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %64 = "stablehlo.collective_permute"(%iterArg_14) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x16xbf16>
-// GOLDEN-NEXT: %65 = "stablehlo.collective_permute"(%iterArg_15) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x16xbf16>
-// GOLDEN-NEXT: %66 = stablehlo.add %3, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %67 = stablehlo.remainder %66, %c_21 : tensor<ui32>
-// GOLDEN-NEXT: %68 = stablehlo.broadcast_in_dim %iterArg_14, dims = [0, 1, 2, 4] : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x2x16xbf16>
-// GOLDEN-NEXT: %69 = stablehlo.reshape %68 : (tensor<2x8x2x2x16xbf16>) -> tensor<2x8x4x16xbf16>
-// GOLDEN-NEXT: %70 = stablehlo.broadcast_in_dim %iterArg_15, dims = [0, 1, 2, 4] : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x2x16xbf16>
-// GOLDEN-NEXT: %71 = stablehlo.reshape %70 : (tensor<2x8x2x2x16xbf16>) -> tensor<2x8x4x16xbf16>
-// GOLDEN-NEXT: %72 = stablehlo.dot_general %arg3, %69, batching_dims = [0, 2] x [0, 2], contracting_dims = [3] x [3], precision = [DEFAULT, DEFAULT] : (tensor<2x8x4x16xbf16>, tensor<2x8x4x16xbf16>) -> tensor<2x4x8x8xbf16>
-// GOLDEN-NEXT: %73 = stablehlo.convert %72 : (tensor<2x4x8x8xbf16>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %74 = stablehlo.broadcast_in_dim %cst_4, dims = [] : (tensor<f32>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %75 = stablehlo.divide %73, %74 : tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %76 = stablehlo.multiply %67, %c_21 : tensor<ui32>
-// GOLDEN-NEXT: %77 = stablehlo.dynamic_slice %21, %c_19, %76, sizes = [8, 8] : (tensor<8x64xi1>, tensor<ui32>, tensor<ui32>) -> tensor<8x8xi1>
-// GOLDEN-NEXT: %78 = stablehlo.convert %cst_8 : tensor<f32>
-// GOLDEN-NEXT: %79 = stablehlo.broadcast_in_dim %77, dims = [2, 3] : (tensor<8x8xi1>) -> tensor<2x4x8x8xi1>
-// GOLDEN-NEXT: %80 = stablehlo.broadcast_in_dim %78, dims = [] : (tensor<f32>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %81 = stablehlo.select %79, %75, %80 : tensor<2x4x8x8xi1>, tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %82 = stablehlo.reduce(%81 init: %cst_9) applies stablehlo.maximum across dimensions = [3] : (tensor<2x4x8x8xf32>, tensor<f32>) -> tensor<2x4x8xf32>
-// GOLDEN-NEXT: %83 = stablehlo.maximum %iterArg_16, %82 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %84 = stablehlo.maximum %22, %83 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %85 = stablehlo.maximum %22, %iterArg_16 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %cst_23 = stablehlo.constant dense<0xFF800000> : tensor<f32>
-// GOLDEN-NEXT: %86 = stablehlo.broadcast_in_dim %cst_23, dims = [] : (tensor<f32>) -> tensor<2x4x8xf32>
-// GOLDEN-NEXT: %87 = stablehlo.compare EQ, %84, %86 : (tensor<2x4x8xf32>, tensor<2x4x8xf32>) -> tensor<2x4x8xi1>
-// GOLDEN-NEXT: %88 = stablehlo.select %87, %cst_22, %84 : tensor<2x4x8xi1>, tensor<2x4x8xf32>
-// GOLDEN-NEXT: %89 = stablehlo.broadcast_in_dim %88, dims = [0, 1, 2] : (tensor<2x4x8xf32>) -> tensor<2x4x8x1xf32>
-// GOLDEN-NEXT: %90 = stablehlo.broadcast_in_dim %89, dims = [0, 1, 2, 3] : (tensor<2x4x8x1xf32>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %91 = stablehlo.subtract %81, %90 : tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %92 = stablehlo.exponential %91 : tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %93 = stablehlo.subtract %85, %88 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %94 = stablehlo.exponential %93 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %95 = stablehlo.reduce(%92 init: %cst_11) applies stablehlo.add across dimensions = [3] : (tensor<2x4x8x8xf32>, tensor<f32>) -> tensor<2x4x8xf32>
-// GOLDEN-NEXT: %96 = stablehlo.multiply %iterArg_17, %94 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %97 = stablehlo.add %96, %95 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %98 = stablehlo.convert %92 : (tensor<2x4x8x8xf32>) -> tensor<2x4x8x8xbf16>
-// GOLDEN-NEXT: %99 = stablehlo.dot_general %71, %98, batching_dims = [0, 2] x [0, 1], contracting_dims = [1] x [3], precision = [DEFAULT, DEFAULT] : (tensor<2x8x4x16xbf16>, tensor<2x4x8x8xbf16>) -> tensor<2x4x16x8xf32>
-// GOLDEN-NEXT: %100 = stablehlo.broadcast_in_dim %94, dims = [0, 1, 3] : (tensor<2x4x8xf32>) -> tensor<2x4x16x8xf32>
-// GOLDEN-NEXT: %101 = stablehlo.multiply %iterArg_18, %100 : tensor<2x4x16x8xf32>
-// GOLDEN-NEXT: %102 = stablehlo.add %101, %99 : tensor<2x4x16x8xf32>
-// GOLDEN-NEXT: %103 = stablehlo.add %iterArg, %c_20 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %103, %64, %65, %83, %97, %102 : tensor<ui32>, tensor<2x8x2x16xbf16>, tensor<2x8x2x16xbf16>, tensor<2x4x8xf32>, tensor<2x4x8xf32>, tensor<2x4x16x8xf32>
+// GOLDEN-NEXT: %c_19 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_20 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %cst_21 = stablehlo.constant dense<0.000000e+00> : tensor<2x4x8xf32>
+// GOLDEN-NEXT: %71 = "stablehlo.collective_permute"(%iterArg_14) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x16xbf16>
+// GOLDEN-NEXT: %72 = "stablehlo.collective_permute"(%iterArg_15) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x16xbf16>
+// GOLDEN-NEXT: %73 = stablehlo.add %3, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %74 = stablehlo.remainder %73, %c_20 : tensor<ui32>
+// GOLDEN-NEXT: %75 = stablehlo.broadcast_in_dim %iterArg_14, dims = [0, 1, 2, 4] : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x2x16xbf16>
+// GOLDEN-NEXT: %76 = stablehlo.reshape %75 : (tensor<2x8x2x2x16xbf16>) -> tensor<2x8x4x16xbf16>
+// GOLDEN-NEXT: %77 = stablehlo.broadcast_in_dim %iterArg_15, dims = [0, 1, 2, 4] : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x2x16xbf16>
+// GOLDEN-NEXT: %78 = stablehlo.reshape %77 : (tensor<2x8x2x2x16xbf16>) -> tensor<2x8x4x16xbf16>
+// GOLDEN-NEXT: %79 = stablehlo.dot_general %arg3, %76, batching_dims = [0, 2] x [0, 2], contracting_dims = [3] x [3], precision = [DEFAULT, DEFAULT] : (tensor<2x8x4x16xbf16>, tensor<2x8x4x16xbf16>) -> tensor<2x4x8x8xbf16>
+// GOLDEN-NEXT: %80 = stablehlo.convert %79 : (tensor<2x4x8x8xbf16>) -> tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %81 = stablehlo.broadcast_in_dim %cst_4, dims = [] : (tensor<f32>) -> tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %82 = stablehlo.divide %80, %81 : tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %83 = stablehlo.multiply %74, %c_20 : tensor<ui32>
+// GOLDEN-NEXT: %84 = stablehlo.broadcast_in_dim %16, dims = [0, 1] : (tensor<8x1xi32>) -> tensor<8x8xi32>
+// GOLDEN-NEXT: %85 = stablehlo.iota dim = 0 : tensor<8xi32>
+// GOLDEN-NEXT: %86 = stablehlo.convert %83 : (tensor<ui32>) -> tensor<i32>
+// GOLDEN-NEXT: %87 = stablehlo.broadcast_in_dim %86, dims = [] : (tensor<i32>) -> tensor<8xi32>
+// GOLDEN-NEXT: %88 = stablehlo.add %85, %87 : tensor<8xi32>
+// GOLDEN-NEXT: %89 = stablehlo.broadcast_in_dim %88, dims = [1] : (tensor<8xi32>) -> tensor<1x8xi32>
+// GOLDEN-NEXT: %90 = stablehlo.broadcast_in_dim %89, dims = [0, 1] : (tensor<1x8xi32>) -> tensor<8x8xi32>
+// GOLDEN-NEXT: %91 = stablehlo.compare GE, %84, %90, SIGNED : (tensor<8x8xi32>, tensor<8x8xi32>) -> tensor<8x8xi1>
+// GOLDEN-NEXT: %92 = stablehlo.convert %cst_8 : tensor<f32>
+// GOLDEN-NEXT: %93 = stablehlo.broadcast_in_dim %91, dims = [2, 3] : (tensor<8x8xi1>) -> tensor<2x4x8x8xi1>
+// GOLDEN-NEXT: %94 = stablehlo.broadcast_in_dim %92, dims = [] : (tensor<f32>) -> tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %95 = stablehlo.select %93, %82, %94 : tensor<2x4x8x8xi1>, tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %96 = stablehlo.reduce(%95 init: %cst_9) applies stablehlo.maximum across dimensions = [3] : (tensor<2x4x8x8xf32>, tensor<f32>) -> tensor<2x4x8xf32>
+// GOLDEN-NEXT: %97 = stablehlo.maximum %iterArg_16, %96 : tensor<2x4x8xf32>
+// GOLDEN-NEXT: %98 = stablehlo.maximum %22, %97 : tensor<2x4x8xf32>
+// GOLDEN-NEXT: %99 = stablehlo.maximum %22, %iterArg_16 : tensor<2x4x8xf32>
+// GOLDEN-NEXT: %cst_22 = stablehlo.constant dense<0xFF800000> : tensor<f32>
+// GOLDEN-NEXT: %100 = stablehlo.broadcast_in_dim %cst_22, dims = [] : (tensor<f32>) -> tensor<2x4x8xf32>
+// GOLDEN-NEXT: %101 = stablehlo.compare EQ, %98, %100 : (tensor<2x4x8xf32>, tensor<2x4x8xf32>) -> tensor<2x4x8xi1>
+// GOLDEN-NEXT: %102 = stablehlo.select %101, %cst_21, %98 : tensor<2x4x8xi1>, tensor<2x4x8xf32>
+// GOLDEN-NEXT: %103 = stablehlo.broadcast_in_dim %102, dims = [0, 1, 2] : (tensor<2x4x8xf32>) -> tensor<2x4x8x1xf32>
+// GOLDEN-NEXT: %104 = stablehlo.broadcast_in_dim %103, dims = [0, 1, 2, 3] : (tensor<2x4x8x1xf32>) -> tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %105 = stablehlo.subtract %95, %104 : tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %106 = stablehlo.exponential %105 : tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %107 = stablehlo.subtract %99, %102 : tensor<2x4x8xf32>
+// GOLDEN-NEXT: %108 = stablehlo.exponential %107 : tensor<2x4x8xf32>
+// GOLDEN-NEXT: %109 = stablehlo.reduce(%106 init: %cst_11) applies stablehlo.add across dimensions = [3] : (tensor<2x4x8x8xf32>, tensor<f32>) -> tensor<2x4x8xf32>
+// GOLDEN-NEXT: %110 = stablehlo.multiply %iterArg_17, %108 : tensor<2x4x8xf32>
+// GOLDEN-NEXT: %111 = stablehlo.add %110, %109 : tensor<2x4x8xf32>
+// GOLDEN-NEXT: %112 = stablehlo.convert %106 : (tensor<2x4x8x8xf32>) -> tensor<2x4x8x8xbf16>
+// GOLDEN-NEXT: %113 = stablehlo.dot_general %78, %112, batching_dims = [0, 2] x [0, 1], contracting_dims = [1] x [3], precision = [DEFAULT, DEFAULT] : (tensor<2x8x4x16xbf16>, tensor<2x4x8x8xbf16>) -> tensor<2x4x16x8xf32>
+// GOLDEN-NEXT: %114 = stablehlo.broadcast_in_dim %108, dims = [0, 1, 3] : (tensor<2x4x8xf32>) -> tensor<2x4x16x8xf32>
+// GOLDEN-NEXT: %115 = stablehlo.multiply %iterArg_18, %114 : tensor<2x4x16x8xf32>
+// GOLDEN-NEXT: %116 = stablehlo.add %115, %113 : tensor<2x4x16x8xf32>
+// GOLDEN-NEXT: %117 = stablehlo.add %iterArg, %c_19 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %117, %71, %72, %97, %111, %116 : tensor<ui32>, tensor<2x8x2x16xbf16>, tensor<2x8x2x16xbf16>, tensor<2x4x8xf32>, tensor<2x4x8xf32>, tensor<2x4x16x8xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: %25 = stablehlo.broadcast_in_dim %24#1, dims = [0, 1, 2, 4] : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x2x16xbf16>
 // GOLDEN-NEXT: %26 = stablehlo.reshape %25 : (tensor<2x8x2x2x16xbf16>) -> tensor<2x8x4x16xbf16>
@@ -115,38 +121,45 @@
 // GOLDEN-NEXT: %31 = stablehlo.broadcast_in_dim %cst_4, dims = [] : (tensor<f32>) -> tensor<2x4x8x8xf32>
 // GOLDEN-NEXT: %32 = stablehlo.divide %30, %31 : tensor<2x4x8x8xf32>
 // GOLDEN-NEXT: %33 = stablehlo.multiply %6, %c_0 : tensor<ui32>
-// GOLDEN-NEXT: %34 = stablehlo.dynamic_slice %21, %c, %33, sizes = [8, 8] : (tensor<8x64xi1>, tensor<ui32>, tensor<ui32>) -> tensor<8x8xi1>
-// GOLDEN-NEXT: %35 = stablehlo.convert %cst_8 : tensor<f32>
-// GOLDEN-NEXT: %36 = stablehlo.broadcast_in_dim %34, dims = [2, 3] : (tensor<8x8xi1>) -> tensor<2x4x8x8xi1>
-// GOLDEN-NEXT: %37 = stablehlo.broadcast_in_dim %35, dims = [] : (tensor<f32>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %38 = stablehlo.select %36, %32, %37 : tensor<2x4x8x8xi1>, tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %39 = stablehlo.reduce(%38 init: %cst_9) applies stablehlo.maximum across dimensions = [3] : (tensor<2x4x8x8xf32>, tensor<f32>) -> tensor<2x4x8xf32>
-// GOLDEN-NEXT: %40 = stablehlo.maximum %24#3, %39 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %41 = stablehlo.maximum %22, %40 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %42 = stablehlo.maximum %22, %24#3 : tensor<2x4x8xf32>
+// GOLDEN-NEXT: %34 = stablehlo.broadcast_in_dim %16, dims = [0, 1] : (tensor<8x1xi32>) -> tensor<8x8xi32>
+// GOLDEN-NEXT: %35 = stablehlo.iota dim = 0 : tensor<8xi32>
+// GOLDEN-NEXT: %36 = stablehlo.convert %33 : (tensor<ui32>) -> tensor<i32>
+// GOLDEN-NEXT: %37 = stablehlo.broadcast_in_dim %36, dims = [] : (tensor<i32>) -> tensor<8xi32>
+// GOLDEN-NEXT: %38 = stablehlo.add %35, %37 : tensor<8xi32>
+// GOLDEN-NEXT: %39 = stablehlo.broadcast_in_dim %38, dims = [1] : (tensor<8xi32>) -> tensor<1x8xi32>
+// GOLDEN-NEXT: %40 = stablehlo.broadcast_in_dim %39, dims = [0, 1] : (tensor<1x8xi32>) -> tensor<8x8xi32>
+// GOLDEN-NEXT: %41 = stablehlo.compare GE, %34, %40, SIGNED : (tensor<8x8xi32>, tensor<8x8xi32>) -> tensor<8x8xi1>
+// GOLDEN-NEXT: %42 = stablehlo.convert %cst_8 : tensor<f32>
+// GOLDEN-NEXT: %43 = stablehlo.broadcast_in_dim %41, dims = [2, 3] : (tensor<8x8xi1>) -> tensor<2x4x8x8xi1>
+// GOLDEN-NEXT: %44 = stablehlo.broadcast_in_dim %42, dims = [] : (tensor<f32>) -> tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %45 = stablehlo.select %43, %32, %44 : tensor<2x4x8x8xi1>, tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %46 = stablehlo.reduce(%45 init: %cst_9) applies stablehlo.maximum across dimensions = [3] : (tensor<2x4x8x8xf32>, tensor<f32>) -> tensor<2x4x8xf32>
+// GOLDEN-NEXT: %47 = stablehlo.maximum %24#3, %46 : tensor<2x4x8xf32>
+// GOLDEN-NEXT: %48 = stablehlo.maximum %22, %47 : tensor<2x4x8xf32>
+// GOLDEN-NEXT: %49 = stablehlo.maximum %22, %24#3 : tensor<2x4x8xf32>
 // GOLDEN-NEXT: %cst_13 = stablehlo.constant dense<0xFF800000> : tensor<f32>
-// GOLDEN-NEXT: %43 = stablehlo.broadcast_in_dim %cst_13, dims = [] : (tensor<f32>) -> tensor<2x4x8xf32>
-// GOLDEN-NEXT: %44 = stablehlo.compare EQ, %41, %43 : (tensor<2x4x8xf32>, tensor<2x4x8xf32>) -> tensor<2x4x8xi1>
-// GOLDEN-NEXT: %45 = stablehlo.select %44, %cst_1, %41 : tensor<2x4x8xi1>, tensor<2x4x8xf32>
-// GOLDEN-NEXT: %46 = stablehlo.broadcast_in_dim %45, dims = [0, 1, 2] : (tensor<2x4x8xf32>) -> tensor<2x4x8x1xf32>
-// GOLDEN-NEXT: %47 = stablehlo.broadcast_in_dim %46, dims = [0, 1, 2, 3] : (tensor<2x4x8x1xf32>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %48 = stablehlo.subtract %38, %47 : tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %49 = stablehlo.exponential %48 : tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %50 = stablehlo.subtract %42, %45 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %51 = stablehlo.exponential %50 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %52 = stablehlo.reduce(%49 init: %cst_11) applies stablehlo.add across dimensions = [3] : (tensor<2x4x8x8xf32>, tensor<f32>) -> tensor<2x4x8xf32>
-// GOLDEN-NEXT: %53 = stablehlo.multiply %24#4, %51 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %54 = stablehlo.add %53, %52 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %55 = stablehlo.convert %49 : (tensor<2x4x8x8xf32>) -> tensor<2x4x8x8xbf16>
-// GOLDEN-NEXT: %56 = stablehlo.dot_general %28, %55, batching_dims = [0, 2] x [0, 1], contracting_dims = [1] x [3], precision = [DEFAULT, DEFAULT] : (tensor<2x8x4x16xbf16>, tensor<2x4x8x8xbf16>) -> tensor<2x4x16x8xf32>
-// GOLDEN-NEXT: %57 = stablehlo.broadcast_in_dim %51, dims = [0, 1, 3] : (tensor<2x4x8xf32>) -> tensor<2x4x16x8xf32>
-// GOLDEN-NEXT: %58 = stablehlo.multiply %24#5, %57 : tensor<2x4x16x8xf32>
-// GOLDEN-NEXT: %59 = stablehlo.add %58, %56 : tensor<2x4x16x8xf32>
-// GOLDEN-NEXT: %60 = stablehlo.broadcast_in_dim %54, dims = [0, 1, 3] : (tensor<2x4x8xf32>) -> tensor<2x4x16x8xf32>
-// GOLDEN-NEXT: %61 = stablehlo.divide %59, %60 : tensor<2x4x16x8xf32>
-// GOLDEN-NEXT: %62 = stablehlo.convert %61 : (tensor<2x4x16x8xf32>) -> tensor<2x4x16x8xbf16>
-// GOLDEN-NEXT: %63 = stablehlo.transpose %62, dims = [0, 3, 1, 2] : (tensor<2x4x16x8xbf16>) -> tensor<2x8x4x16xbf16>
-// GOLDEN-NEXT: sdy.return %63 : tensor<2x8x4x16xbf16>
+// GOLDEN-NEXT: %50 = stablehlo.broadcast_in_dim %cst_13, dims = [] : (tensor<f32>) -> tensor<2x4x8xf32>
+// GOLDEN-NEXT: %51 = stablehlo.compare EQ, %48, %50 : (tensor<2x4x8xf32>, tensor<2x4x8xf32>) -> tensor<2x4x8xi1>
+// GOLDEN-NEXT: %52 = stablehlo.select %51, %cst_1, %48 : tensor<2x4x8xi1>, tensor<2x4x8xf32>
+// GOLDEN-NEXT: %53 = stablehlo.broadcast_in_dim %52, dims = [0, 1, 2] : (tensor<2x4x8xf32>) -> tensor<2x4x8x1xf32>
+// GOLDEN-NEXT: %54 = stablehlo.broadcast_in_dim %53, dims = [0, 1, 2, 3] : (tensor<2x4x8x1xf32>) -> tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %55 = stablehlo.subtract %45, %54 : tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %56 = stablehlo.exponential %55 : tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %57 = stablehlo.subtract %49, %52 : tensor<2x4x8xf32>
+// GOLDEN-NEXT: %58 = stablehlo.exponential %57 : tensor<2x4x8xf32>
+// GOLDEN-NEXT: %59 = stablehlo.reduce(%56 init: %cst_11) applies stablehlo.add across dimensions = [3] : (tensor<2x4x8x8xf32>, tensor<f32>) -> tensor<2x4x8xf32>
+// GOLDEN-NEXT: %60 = stablehlo.multiply %24#4, %58 : tensor<2x4x8xf32>
+// GOLDEN-NEXT: %61 = stablehlo.add %60, %59 : tensor<2x4x8xf32>
+// GOLDEN-NEXT: %62 = stablehlo.convert %56 : (tensor<2x4x8x8xf32>) -> tensor<2x4x8x8xbf16>
+// GOLDEN-NEXT: %63 = stablehlo.dot_general %28, %62, batching_dims = [0, 2] x [0, 1], contracting_dims = [1] x [3], precision = [DEFAULT, DEFAULT] : (tensor<2x8x4x16xbf16>, tensor<2x4x8x8xbf16>) -> tensor<2x4x16x8xf32>
+// GOLDEN-NEXT: %64 = stablehlo.broadcast_in_dim %58, dims = [0, 1, 3] : (tensor<2x4x8xf32>) -> tensor<2x4x16x8xf32>
+// GOLDEN-NEXT: %65 = stablehlo.multiply %24#5, %64 : tensor<2x4x16x8xf32>
+// GOLDEN-NEXT: %66 = stablehlo.add %65, %63 : tensor<2x4x16x8xf32>
+// GOLDEN-NEXT: %67 = stablehlo.broadcast_in_dim %61, dims = [0, 1, 3] : (tensor<2x4x8xf32>) -> tensor<2x4x16x8xf32>
+// GOLDEN-NEXT: %68 = stablehlo.divide %66, %67 : tensor<2x4x16x8xf32>
+// GOLDEN-NEXT: %69 = stablehlo.convert %68 : (tensor<2x4x16x8xf32>) -> tensor<2x4x16x8xbf16>
+// GOLDEN-NEXT: %70 = stablehlo.transpose %69, dims = [0, 3, 1, 2] : (tensor<2x4x16x8xbf16>) -> tensor<2x8x4x16xbf16>
+// GOLDEN-NEXT: sdy.return %70 : tensor<2x8x4x16xbf16>
 // GOLDEN-NEXT: } : (tensor<2x64x4x16xbf16>, tensor<2x64x2x16xbf16>, tensor<2x64x2x16xbf16>) -> tensor<2x64x4x16xbf16>
 // GOLDEN-NEXT: return %0 : tensor<2x64x4x16xbf16>
 // GOLDEN-NEXT: }

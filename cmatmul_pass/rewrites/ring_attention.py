@@ -35,6 +35,7 @@ from .._jax_private import hlo, ir
 from ..matchers.attention import AttentionSite
 from ..ring_plan import gather_signatures, gather_streams
 from .all_gather_dot import RECEIVE_FROM_NEXT
+from .block_operands import block as block_of
 from .blockwise import apply_step, block_type
 from .builders import Builder, erase_dead
 from .schedule import Applied, RewriteContext, Round, ScheduleStats, emit_rounds, ring_position
@@ -99,9 +100,11 @@ class _Block:
         m, l, o = state
         env = {site.keys.operation.results[0]: keys, site.values.operation.results[0]: values}
 
+        memo: dict = {}
+
         def rows(value: ir.Value, dim: int, at: Builder) -> ir.Value:  # block k's columns of a side operand
             width = ir.RankedTensorType(value.type).shape[dim] // n
-            return at.dynamic_slice(value, dim, at.scaled(k, width), width)
+            return block_of(value, dim, n, at.scaled(k, width), at, memo)  # (a mask: recomputed, not sliced)
 
         for step in (*site.key_steps, *site.value_steps):
             env.update(zip(step.op.operation.results, apply_step(step, env, n, rows, self.b)))
