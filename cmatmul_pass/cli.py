@@ -576,8 +576,8 @@ def _explain_attention(site) -> None:
     print(f"  attention: V gathered at {a['values']}; {a['blocks']} blocks of {a['block_keys']} keys, online softmax")
     print(f"  memory per device: scores {m['scores_before']} B -> {m['scores_after']} B a block; keys and values "
           f"{m['keys_values_before']} B -> {m['keys_values_after']} B (a block held, the next in flight, per "
-          "direction)" + (f"; read a block at a time, held whole: {m['held_whole']} B (gathered segment ids, a bias)"
-                          if m.get("held_whole") else ""))
+          "direction)" + (f"; read a block at a time, held whole: {m['held_whole']} B (gathered segment ids, "
+                          "a bias)" if m.get("held_whole") else ""))
     print(f"  predicted on {p['hardware']}: gathers {readable_seconds(p['gathers_s'])} + matmuls "
           f"{readable_seconds(p['compute_s'])} = {readable_seconds(p['serial_s'])}; ring ({p['variant']}) "
           f"{readable_seconds(p['ring_s'])} ({p['speedup']:.2f}x)")
