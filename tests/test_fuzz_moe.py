@@ -2,7 +2,7 @@
 moe`` runs a campaign): MoE blocks of grouped matmuls over FSDP-gathered expert weights, in the
 three forms a lowering takes, top-1 and top-2, skewed routing (empty experts), a shared expert,
 bf16 and f32, forward and training step, under every variant; expert-parallel blocks exchanging
-capacity-padded slots (all_to_all pairs); and the programs campaigns found."""
+capacity-padded slots (all_to_all pairs); and pinned programs."""
 
 from hypothesis import HealthCheck, given, settings
 
