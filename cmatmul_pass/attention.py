@@ -34,10 +34,11 @@ BIDIRECTIONAL = ("bidi", "bidi-unroll2", "bidi-full")
 def predict(site: AttentionSite, hw: cost.Hardware, variant: str) -> dict:
     """The attention as written and as a ring (seconds), and the speed-up."""
     n = site.ring.size
-    shard = sum(tensor_bytes(ir_utils.ranked_tensor(g.operation.operands[0])) for g in (site.keys, site.values))
+    shards = [tensor_bytes(ir_utils.ranked_tensor(g.operation.operands[0])) for g in (site.keys, site.values)]
+    shard = sum(shards)
     element = str(ir.RankedTensorType(site.scores.operation.operands[0].type).element_type)
     compute = sum(dot_flops(d) for d in (site.scores, site.pv)) / hw.throughput(element)
-    gathers = 2 * hw.step + (n - 1) * shard / hw.bandwidth
+    gathers = sum(cost.gather_seconds(b, n, hw) for b in shards)
     serial = gathers + compute
     per_block, transfer = compute / n, shard / hw.bandwidth + hw.step
     if variant in BIDIRECTIONAL and n > 2:
@@ -80,12 +81,13 @@ def decide_attention(site: AttentionSite | DeclinedSite, info: ModuleInfo, ctx: 
     entry.dim_role = "free"
     entry.bytes_moved = 2 * (site.ring.size - 1) * (entry.bytes_per_step or 0)
     variant = options.variant
-    if variant == "auto":  # the faster of one direction and both (a ring of 2 has one), uni on a tie
-        variant = max(("uni", "bidi") if site.ring.size > 2 else ("uni",),
-                      key=lambda v: (round(predict(site, hw, v)["speedup"], 3), v == "uni"))
+    candidates = (("uni", "bidi") if site.ring.size > 2 else ("uni",)) if variant == "auto" else (variant,)
+    predictions = {v: predict(site, hw, v) for v in candidates}
+    # auto: the faster of one direction and both (a ring of 2 has one), uni on a tie
+    variant = max(candidates, key=lambda v: (round(predictions[v]["speedup"], 3), v == "uni"))
     entry.absorbs = [ir_utils.render_location(site.values.location, source)]
     entry.attention = {"values": entry.absorbs[0], "blocks": site.ring.size, "block_keys": site.block,
-                       "memory": memory(site, variant), "prediction": predict(site, hw, variant)}
+                       "memory": memory(site, variant), "prediction": predictions[variant]}
     speedup = entry.attention["prediction"]["speedup"]
     if options.min_bytes and entry.bytes_moved < options.min_bytes:
         entry.reason_code, entry.reason = "min_bytes", f"moves {entry.bytes_moved} B per device, under --min-bytes " \

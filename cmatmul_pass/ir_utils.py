@@ -222,19 +222,34 @@ def dense_ints(attr: ir.Attribute) -> np.ndarray:
     return np.array(ir.DenseIntElementsAttr(attr), dtype=np.int64)
 
 
+def producer(value: ir.Value) -> ir.OpView | None:
+    """The op defining ``value``; None for a block argument."""
+    owner = value.owner
+    if isinstance(owner, ir.Operation):
+        return owner.opview
+    return owner if isinstance(owner, ir.OpView) else None
+
+
+def splat_attribute(value: ir.Value) -> ir.Attribute | None:
+    """The element a splat constant (or a broadcast of one) holds everywhere; None for any other value."""
+    owner = producer(value)
+    if owner is None:
+        return None
+    if owner.operation.name == "stablehlo.broadcast_in_dim":
+        return splat_attribute(owner.operation.operands[0])
+    if owner.operation.name != "stablehlo.constant":
+        return None
+    attr = owner.attributes["value"]
+    if not isinstance(attr, ir.DenseElementsAttr) or not attr.is_splat:
+        return None
+    return attr.get_splat_value()
+
+
 def is_zero_splat(value: ir.Value) -> bool:
     """Is ``value`` zero everywhere: a splat constant of a float or integer zero, or a broadcast of one?"""
-    owner = value.owner
-    if isinstance(owner, ir.Block):
+    splat = splat_attribute(value)
+    if splat is None:
         return False
-    if owner.operation.name == "stablehlo.broadcast_in_dim":
-        return is_zero_splat(owner.operation.operands[0])
-    if owner.operation.name != "stablehlo.constant":
-        return False
-    attr = ir.DenseElementsAttr(owner.attributes["value"])
-    if not attr.is_splat:
-        return False
-    splat = attr.get_splat_value()
     try:
         return float(ir.FloatAttr(splat).value) == 0.0
     except ValueError:

@@ -395,9 +395,8 @@ def _trip_count(loop: ir.Operation) -> int | None:
 
 def _owner(value: ir.Value) -> ir.Operation | None:
     """The op defining ``value``; None for a block argument."""
-    if isinstance(value, ir.BlockArgument):
-        return None
-    return getattr(value.owner, "operation", value.owner)
+    owner = ir_utils.producer(value)
+    return owner.operation if owner is not None else None
 
 
 def _constant(value: ir.Value) -> int | None:

@@ -121,21 +121,12 @@ def _only_reader(value: ir.Value, what: str) -> ir.OpView:
 
 
 def _constant(value: ir.Value) -> float | None:
-    """The scalar a splat constant (or a broadcast of a scalar constant) holds, else None."""
-    op = value.owner
-    op = _opview(op) if isinstance(op, (ir.Operation, ir.OpView)) else None
-    if op is None:
+    """The float a splat constant (or a broadcast of one) holds, else None."""
+    splat = ir_utils.splat_attribute(value)
+    try:
+        return float(ir.FloatAttr(splat).value) if splat is not None else None
+    except (TypeError, ValueError):
         return None
-    if op.operation.name == "stablehlo.broadcast_in_dim":
-        return _constant(op.operation.operands[0])
-    if op.operation.name == "stablehlo.constant":
-        attr = op.operation.attributes["value"]
-        if isinstance(attr, ir.DenseElementsAttr) and attr.is_splat:
-            try:
-                return float(ir.FloatAttr(attr.get_splat_value()).value)
-            except (TypeError, ValueError):
-                return None
-    return None
 
 
 def _reduce(op: ir.OpView, body_op: str, dim: int) -> float:
@@ -201,10 +192,10 @@ def _path(gather: ir.OpView, dim: int, end: ir.OpView) -> list[Step]:
     on_path, frontier = set(), [v for v in end.operation.operands[:2]]  # the ops between them
     while frontier:
         value = frontier.pop()
-        owner = value.owner
-        if value == start or not isinstance(owner, (ir.Operation, ir.OpView)):
+        owner = ir_utils.producer(value)
+        if value == start or owner is None:
             continue
-        owner = _opview(owner).operation
+        owner = owner.operation
         if owner.block == block and owner not in on_path and owner.name not in (DOT, AG):
             on_path.add(owner)
             frontier.extend(owner.operands)
@@ -236,9 +227,9 @@ def _reads_from(op: ir.OpView, start: ir.Value, on_path: set) -> bool:
         value = frontier.pop()
         if value == start:
             return True
-        owner = value.owner
-        if isinstance(owner, (ir.Operation, ir.OpView)) and _opview(owner).operation in on_path:
-            frontier.extend(_opview(owner).operation.operands)
+        owner = ir_utils.producer(value)
+        if owner is not None and owner.operation in on_path:
+            frontier.extend(owner.operation.operands)
     return False
 
 
@@ -251,7 +242,7 @@ def _tracked_chain(start: ir.Value, dim: int, stop) -> tuple[list[Step], ir.Valu
         if len(readers) != 1 or stop(readers[0]):
             return steps, value, d
         op = readers[0]
-        if op.operation.name == DOT or op.operation.block != _opview(start.owner).operation.block:
+        if op.operation.name == DOT or op.operation.block != ir_utils.producer(start).operation.block:
             return steps, value, d
         try:
             found, dims = track(value, d, [op])
@@ -303,11 +294,10 @@ def _scores_of(keys: ir.OpView, dim: int, dot: ir.OpView, seen: set) -> tuple[ir
     block = keys.operation.block
     feeding, frontier = set(), list(dot.operation.operands[:2])  # the ops of ``seen`` the dot reads
     while frontier:
-        owner = frontier.pop().owner
-        if isinstance(owner, (ir.Operation, ir.OpView)) and _opview(owner).operation in seen and \
-                _opview(owner).operation not in feeding:
-            feeding.add(_opview(owner).operation)
-            frontier.extend(_opview(owner).operation.operands)
+        owner = ir_utils.producer(frontier.pop())
+        if owner is not None and owner.operation in seen and owner.operation not in feeding:
+            feeding.add(owner.operation)
+            frontier.extend(owner.operation.operands)
     ops = [o for o in map(_opview, block.operations) if o.operation in feeding]
     try:
         _, dims = track(keys.operation.results[0], dim, ops)
@@ -447,11 +437,9 @@ def _values(pv: ir.OpView, side: int, dim: int, keys: ir.OpView, ring: Ring) -> 
     """The all_gather of V reaching ``pv``'s operand ``side`` with its gathered dim at ``dim``, and its steps."""
     block, found, frontier, seen = pv.operation.block, [], [pv.operation.operands[side]], set()
     while frontier:
-        value = frontier.pop()
-        owner = value.owner
-        if not isinstance(owner, (ir.Operation, ir.OpView)):
+        owner = ir_utils.producer(frontier.pop())
+        if owner is None:
             continue
-        owner = _opview(owner)
         if owner.operation in seen or owner.operation.block != block:
             continue
         seen.add(owner.operation)

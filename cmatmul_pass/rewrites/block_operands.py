@@ -21,17 +21,11 @@ from __future__ import annotations
 from .. import ir_utils
 from .._jax_private import ir
 from ..analysis.separable import POINTWISE
+from ..layout import block_of as layout_block
 from .builders import Builder
 
 #: values a block is recomputed through; anything else is sliced where it stands
 _THROUGH = POINTWISE | {"stablehlo.broadcast_in_dim", "stablehlo.iota", "stablehlo.constant"}
-
-
-def _producer(value: ir.Value) -> ir.OpView | None:
-    owner = value.owner
-    if isinstance(owner, ir.Operation):
-        return owner.opview
-    return owner if isinstance(owner, ir.OpView) else None
 
 
 def _splat(op: ir.OpView) -> bool:
@@ -42,7 +36,7 @@ def _splat(op: ir.OpView) -> bool:
 def leaves(value: ir.Value, dim: int) -> set[ir.Value]:
     """The values :func:`block` slices to recompute ``value``'s block along ``dim`` (``value``
     itself where it is not recomputed)."""
-    op = _producer(value)
+    op = ir_utils.producer(value)
     if op is None or op.operation.name not in _THROUGH or len(op.operation.results) != 1 or \
             op.operation.name == "stablehlo.constant" and not _splat(op):
         return {value}
@@ -83,7 +77,7 @@ def block(value: ir.Value, dim: int, parts: int, start: ir.Value, b: Builder, me
     t = ir.RankedTensorType(value.type)
     width = t.shape[dim] // parts
     out_t = ir_utils.with_dim(t, dim, width)
-    op = _producer(value)
+    op = ir_utils.producer(value)
     if value in leaves(value, dim):
         made = b.dynamic_slice(value, dim, start, width)
     elif op.operation.name == "stablehlo.iota":
@@ -93,8 +87,7 @@ def block(value: ir.Value, dim: int, parts: int, start: ir.Value, b: Builder, me
             made = b.add(made, b.create("stablehlo.broadcast_in_dim", [out_t], [offset],
                                         {"broadcast_dimensions": ir.DenseI64ArrayAttr.get([])}).result)
     elif op.operation.name == "stablehlo.constant":
-        splat = ir.DenseElementsAttr(op.operation.attributes["value"]).get_splat_value()
-        made = b.constant_of(ir.DenseElementsAttr.get_splat(out_t, splat))
+        made = layout_block(op, dim, parts, b.loc)
     elif op.operation.name == "stablehlo.broadcast_in_dim":
         source = op.operation.operands[0]
         mapped = _mapped(op, dim)
