@@ -146,20 +146,27 @@ def test_training_parity_through_the_decorator():
     assert any(s.rewritten for s in step.report.sites if s.kind == "all_to_all_chunk")
 
 
-def ulysses_program(batch=2, seq=64, heads=16, dim=8) -> str:
-    """Ulysses attention: q, k, v stacked, exchanged from sequence-sharded to head-sharded (split
-    the heads, concatenate the sequence), softmax attention per head, exchanged back."""
-    m = mesh(names=("seq",))
-
+def ulysses_attention(dim):
+    """One device's Ulysses attention over 'seq': q, k, v stacked ``[3, B, S/n, H, D]``."""
     def attention(qkv):
         qkv = jax.lax.all_to_all(qkv, "seq", 3, 2, tiled=True)  # [3, B, S, H/n, D]
         q, k, v = qkv[0], qkv[1], qkv[2]
         p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(dim), axis=-1)
         o = jnp.einsum("bhqk,bkhd->bqhd", p, v)
         return jax.lax.all_to_all(o, "seq", 1, 2, tiled=True)  # [B, S/n, H, D]
+    return attention
 
-    f = jax.shard_map(attention, mesh=m, in_specs=(P(None, None, "seq"),), out_specs=P(None, "seq"), check_vma=False)
-    return lower(f, [(3, batch, seq, heads, dim)], (P(None, None, "seq"),), m)
+
+def ulysses_program(batch=2, seq=64, heads=16, dim=8, grad=False) -> str:
+    """Ulysses attention: q, k, v stacked, exchanged from sequence-sharded to head-sharded (split
+    the heads, concatenate the sequence), softmax attention per head, exchanged back. ``grad``:
+    value_and_grad of a mean-square loss in the stacked q, k, v (their gradients stacked back by
+    pads along the stack's dim before the backward's exchange)."""
+    m = mesh(names=("seq",))
+    f = jax.shard_map(ulysses_attention(dim), mesh=m, in_specs=(P(None, None, "seq"),), out_specs=P(None, "seq"),
+                      check_vma=False)
+    fn = jax.value_and_grad(lambda qkv: jnp.mean(f(qkv) ** 2)) if grad else f
+    return lower(fn, [(3, batch, seq, heads, dim)], (P(None, None, "seq"),), m)
 
 
 def test_ulysses_attention_chunks_along_the_batch():
@@ -183,7 +190,68 @@ def test_ulysses_attention_of_one_sequence_chunks_along_the_heads():
     assert_same_numbers(text, result)
 
 
+@pytest.mark.parametrize("batch,mode,dim", [(2, "free", 0), (1, "split", 2)], ids=["batch", "heads"])
+def test_a_ulysses_training_step_chunks_its_backward_pair(batch, mode, dim):
+    """The backward exchanges the output's cotangent to head-sharded, runs attention's VJP per
+    head and stacks dq, dk, dv (pads along the stack's dim, none along the chunked one) before
+    exchanging them back: chunked like the forward (along the batch; at batch 1 the heads)."""
+    text = ulysses_program(batch=batch, seq=32, grad=True)
+    result = cmatmul_pass.rewrite(text, ALL)
+    assert len(pairs(result)) == 2 and all(s.rewritten for s in pairs(result)), \
+        [s.summary_line() for s in result.report.sites]
+    backward = pairs(result)[1]
+    assert backward.all_to_all["mode"] == mode and backward.all_to_all["dim"] == dim, backward.summary_line()
+    assert "stablehlo.pad" in ir_utils.ops_named(result.module, "stablehlo.pad")
+    assert_same_numbers(text, result)
+
+
+def test_ulysses_training_parity_through_the_decorator():
+    """A step of gradient descent on the stacked q, k, v through cmatmul_pass.jit: both pairs
+    chunked, loss and update as jax.jit's."""
+    m = mesh(names=("seq",))
+    f = jax.shard_map(ulysses_attention(8), mesh=m, in_specs=(P(None, None, "seq"),), out_specs=P(None, "seq"),
+                      check_vma=False)
+
+    def train_step(qkv):
+        loss, g = jax.value_and_grad(lambda a: jnp.mean(f(a) ** 2))(qkv)
+        return loss, qkv - 0.1 * g
+
+    qkv = jax.device_put(np.random.default_rng(1).normal(size=(3, 2, 32, 16, 8)).astype(np.float32),
+                         NamedSharding(m, P(None, None, "seq")))
+    step = cmatmul_pass.jit(train_step, policy="all")
+    mine, base = step(qkv), jax.jit(train_step)(qkv)
+    for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(base)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+    assert sum(s.rewritten for s in step.report.sites if s.kind == "all_to_all_chunk") == 2
+
+
 # ------------------------------------------------------------------ near misses and their twins
+def test_a_pad_of_another_dim_is_chunked_a_pad_of_the_chunked_dim_is_not():
+    """Between the exchanges, a pad along the hidden dim (sliced back, the padding read) keeps the
+    capacity's rows apart: chunked along the capacity. The same pad along the capacity shifts
+    every row into its neighbour's place, across chunks: the capacity is not chunked; the experts
+    (a batch dim of both matmuls, the pad's unpadded dim) are, the numbers as the original's."""
+    def along(axis):  # lax.pad (jnp.pad lowers to a call of a function of its own)
+        def between(h, extra):
+            widths = [(0, 0, 0)] * 3
+            widths[axis] = (1, 0, 0)
+            return jax.nn.gelu(jax.lax.pad(h, jnp.float32(0.5), widths)[
+                tuple(slice(None, -1) if a == axis else slice(None) for a in range(3))])
+        return between
+
+    legal = moe_program(between=along(2))
+    result = cmatmul_pass.rewrite(legal, ALL)
+    (site,) = pairs(result)
+    assert site.rewritten and site.all_to_all["mode"] == "exchanged" and site.all_to_all["dim"] == 1, \
+        site.summary_line()
+    assert_same_numbers(legal, result)
+    shifted = moe_program(between=along(1))
+    result = cmatmul_pass.rewrite(shifted, ALL)
+    (site,) = pairs(result)
+    assert site.rewritten and site.all_to_all["dim"] == 0, site.summary_line()
+    assert_same_numbers(shifted, result)
+
+
 def test_a_lone_exchange_has_no_pair():
     m = mesh()
     f = jax.shard_map(lambda x, w: jax.lax.all_to_all(x, "expert", 0, 1, tiled=True) @ w, mesh=m,

@@ -46,6 +46,8 @@ def test_a_side_operand_is_read_at_the_rows():
     (lambda h: h.reshape(-1), "merging or splitting the chunked dim 0"),
     (lambda h: jnp.sort(h, axis=0), "stablehlo.sort"),
     (lambda h: jax.lax.reduce_window(h, 0.0, jax.lax.add, (2, 1), (1, 1), "SAME"), "not an op the rows can go"),
+    (lambda h: jax.lax.pad(h, 0.0, [(1, 0, 0), (0, 0, 0)]), "pads the chunked dim 0"),
+    (lambda h: jax.lax.pad(h, 0.0, [(0, 0, 1), (0, 0, 0)]), "pads the chunked dim 0"),
 ])
 def test_ops_mixing_the_rows_are_not_separable(fn, says):
     with pytest.raises(separable.NotSeparable, match=says):
@@ -59,3 +61,11 @@ def test_a_contraction_over_the_rows_is_a_partial_sum_read_by_nothing_but_linear
     assert [s.sums for s in steps] == [True, True]
     with pytest.raises(separable.NotSeparable, match="reads a sum over the chunked dim"):
         tracked(lambda g, x: x.T @ g + 1.0, (8, 4), (8, 3), dim=0)
+
+
+def test_a_pad_of_other_dims_keeps_the_rows_apart():
+    """jnp.stack's VJP places each gradient in its stack with a pad of a new leading dim: the
+    rows keep their dim, the padding value read whole."""
+    (steps, dims), _ = tracked(lambda h: jax.lax.pad(h[None], 0.0, [(1, 1, 0), (0, 0, 0), (2, 0, 1)]), (8, 4), dim=0)
+    assert [s.op.operation.name for s in steps] == ["stablehlo.broadcast_in_dim", "stablehlo.pad"]
+    assert steps[-1].out_dim == 1 and steps[-1].sides == (None, (separable.WHOLE, 0))

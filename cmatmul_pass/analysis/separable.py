@@ -16,7 +16,8 @@ on. :func:`track` proves it op by op or says which op breaks it:
   rule): the same dim; an operand not computed from ``v`` is read at the same rows (a
   :data:`SLICE`), or, a broadcast not along the dim, rebuilt at the rows' size (:data:`REBUILD`);
 * ``transpose``, a ``reshape`` keeping the dim whole, a ``slice`` along other dims, a ``reduce``
-  over other dims, a ``broadcast_in_dim`` carrying it: the dim they map it to;
+  over other dims, a ``broadcast_in_dim`` carrying it, a ``pad`` of other dims (``jnp.stack`` of
+  gradients): the dim they map it to;
 * ``dot_general`` with the dim free (the other operand read whole) or batched (the other
   operand's batch dim read at the same rows);
 * ``dot_general`` contracting the dim (a weight's gradient): not separable but *additive*: over
@@ -147,6 +148,13 @@ def _step(op: ir.OpView, on_path: list[int | None]) -> Step:
                 return Step(op, t, (None,))
         raise NotSeparable(f"{_where(op)} reshapes {list(src)} into {list(result.shape)}, merging or "
                                     f"splitting the chunked dim {d}")
+    if name == "stablehlo.pad":  # zero padding along the tracked dim (a stacked gradient's place in its stack)
+        d = tracked[0]
+        if on_path[0] is None:
+            raise NotSeparable(f"{_where(op)} pads with an exchanged value")
+        if any(ir_utils.i64s(op, key)[d] for key in ("edge_padding_low", "edge_padding_high", "interior_padding")):
+            raise NotSeparable(f"{_where(op)} pads the chunked dim {d}")
+        return Step(op, d, (None, (WHOLE, 0)))
     if name == "stablehlo.dot_general":
         return _dot_step(op, on_path)
     raise NotSeparable(f"{_where(op)} is not an op the rows can go through apart")
