@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import cmatmul_pass
 from cmatmul_pass import ir_utils
 from cmatmul_pass._jax_private import ir
-from tools.samples_attention import AXIS, attention, cp_attention
+from tools.samples_attention import AXIS, attention, cp_attention, dropout
 from tools.samples_common import arg, gather, lower, mesh_1d, smap
 
 
@@ -97,6 +97,30 @@ def test_a_linear_op_on_the_probabilities_is_ringed_but_not_a_nonlinear_one():
     keys = [s for s in result.report.sites if s.attention.get("two_rings")]
     assert [s.attention["two_rings"] for s in keys] == ["attn_softmax"]
     assert all(s.rewritten for s in result.report.sites)
+
+
+@pytest.mark.parametrize("where", [True, False], ids=["where", "multiply"])
+def test_dropout_with_a_device_varying_key_is_one_ring(where):
+    """The mask is computed as the original computes it (before the ring, each device its own)
+    and read a block of keys at a time; a select between the probabilities and zero and a
+    division by the keep rate are linear in them, so the division by the row sum still waits
+    for the ring's end. The numbers as the original's."""
+    (site,) = attention_sites(rewritten(cp_attention(after=dropout(where=where), dtype=jnp.float32)))
+    assert site.rewritten
+
+
+@pytest.mark.parametrize("after,says", [
+    (dropout(keep_value=0.5), "func.call at"),  # dropped entries set to a constant: affine, not linear
+    (lambda p: 0.01 / (p * 2.0), "stablehlo.divide at"),  # the probabilities a divisor
+    (lambda p: p * p, "2 ops read the probabilities"),  # a product of two of them
+    (lambda p: p + 1e-3, "stablehlo.add at"),  # a bias
+], ids=["where-nonzero", "divisor", "square", "bias"])
+def test_an_op_on_the_probabilities_that_is_not_linear_keeps_two_rings(after, says):
+    result = rewritten(cp_attention(after=after, causal=False, dtype=jnp.float32))
+    assert not attention_sites(result)
+    keys = [s for s in result.report.sites if s.attention]
+    assert [s.attention["two_rings"] for s in keys] == ["attn_softmax"]
+    assert any(says in note for note in keys[0].notes), keys[0].notes
 
 
 def test_a_softmax_over_the_queries_is_no_ring_attention():

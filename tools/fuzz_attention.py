@@ -5,7 +5,8 @@ ring with an online softmax.
 An :class:`AttentionSpec` draws the ring size, batch, sequence per device, query and KV heads
 (multi-head, grouped-query, multi-query), head size, a causal mask, segment ids, the einsum form
 or ``jax.nn.dot_product_attention``'s XLA form, the element type, the forward or its training
-step (with or without ``jax.checkpoint`` around the attention), and the near misses the matcher
+step (with or without ``jax.checkpoint`` around the attention), a dropout of the probabilities
+with a device-varying key (the einsum form), and the near misses the matcher
 must decline: a square root on the probabilities (``attn_softmax``) and a padding mask read from
 the gathered keys (``attn_region``).  :func:`check` rewrites each program under every variant
 of the default campaign; under ``uni`` the oracle (:meth:`AttentionSpec.expected`) asks for one
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 from hypothesis import strategies as st
 
 from tools.fuzz_programs import VARIANTS, Tally, check_variants
-from tools.samples_attention import cp_attention
+from tools.samples_attention import cp_attention, dropout
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class AttentionSpec:
     grad: bool
     remat: bool  # (with grad) the attention under jax.checkpoint
     near_miss: str  # "" | "sqrt" (attn_softmax) | "key_padding" (attn_region)
+    dropout: bool = False  # (the einsum form) a dropout of the probabilities, each device's own mask
 
     kind = "attention"
 
@@ -64,7 +66,7 @@ class AttentionSpec:
         return []
 
     def lower(self) -> str:
-        after = jnp.sqrt if self.near_miss == "sqrt" else None
+        after = jnp.sqrt if self.near_miss == "sqrt" else dropout() if self.dropout else None
         return cp_attention(causal=self.causal, heads=self.heads, kv_heads=self.kv_heads,
                             dtype={"f32": jnp.float32, "bf16": jnp.bfloat16}[self.dtype], segments=self.segments,
                             grad=self.grad, remat=self.remat, n=self.ring, batch=self.batch, seq=self.seq * self.ring,
@@ -82,7 +84,9 @@ def attention_specs(draw) -> AttentionSpec:
                          kv_heads=kv_heads, head_dim=draw(st.sampled_from([4, 8])), causal=draw(st.booleans()),
                          segments=draw(st.booleans()), dpa=dpa, dtype=draw(st.sampled_from(["f32", "bf16"])),
                          grad=grad, remat=grad and draw(st.booleans()),
-                         near_miss=draw(st.sampled_from(["", "", "", "key_padding"] + ([] if dpa else ["sqrt"]))))
+                         near_miss=(near_miss := draw(st.sampled_from(["", "", "", "key_padding"]
+                                                                      + ([] if dpa else ["sqrt"])))),
+                         dropout=not dpa and near_miss != "sqrt" and draw(st.booleans()))
 
 
 def check(spec: AttentionSpec, tally: Tally | None = None, variants=VARIANTS) -> Tally:

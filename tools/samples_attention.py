@@ -48,6 +48,19 @@ def attention(q, k, v, *, causal=True, segments=None, softmax=jax.nn.softmax, af
     return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), vg)
 
 
+def dropout(keep_value=None, where=True, rate=0.25):
+    """Dropout of the probabilities, the key folded with the device's index (each device its own
+    mask): ``jnp.where(keep, p / (1 - rate), 0)``, or (``where=False``) ``p * keep / (1 - rate)``;
+    ``keep_value``: what dropped entries take instead of zero (not linear in ``p`` then)."""
+    def drop(p):
+        key = jax.random.fold_in(jax.random.key(0), jax.lax.axis_index(AXIS))
+        keep = jax.random.bernoulli(key, 1 - rate, p.shape)
+        if not where:
+            return p * keep.astype(p.dtype) / (1 - rate)
+        return jnp.where(keep, p / (1 - rate), 0.0 if keep_value is None else keep_value)
+    return drop
+
+
 def cp_attention(causal=True, heads=4, kv_heads=2, dtype=jnp.bfloat16, segments=False, grad=False, remat=False,
                  n=8, batch=2, seq=64, head_dim=16, **kw):
     """The lowered program: forward, or (``grad``) value_and_grad of a squared-output loss in

@@ -7,7 +7,7 @@ The program, for scores ``s = f(Q·Kᵀ)`` (``f`` pointwise: a scale, a bias, a 
     M = g(max_c(s))            // max over the gathered dim, from the reduce's init c; g: maximum(·, c')
     e = exp(s - M)
     L = Σ e
-    O = (h(e / L)) · V         // h: linear pointwise (a convert, a dropout's multiply)
+    O = (h(e / L)) · V         // h: elementwise linear (a convert; a dropout's mask and 1/keep)
 
 With the gathered dim cut into the ring's ``n`` blocks ``s_k`` (block ``k`` of the keys: the
 ``k``-th device's shard, in group order), the identity the ring rests on is the online softmax:
@@ -37,8 +37,10 @@ saying why on the keys' gather):
    constant init, ``g`` a chain of ``maximum`` with constants, the max and sum broadcast back
    along the gathered dim only, ``exp`` of the difference, an add reduce from 0, a divide
    (``attn_softmax``);
-4. the probabilities reach ``P·V`` through a linear chain (converts, multiplies by side operands
-   at the block's columns), and ``P·V`` contracts exactly the gathered dim against ``V``'s;
+4. the probabilities reach ``P·V`` through an elementwise linear chain (converts, multiplies and
+   divides by side operands read at the block's columns, a select between them and zero: a
+   dropout, whose mask, device-varying or not, is computed as in the original and read a block
+   at a time), and ``P·V`` contracts exactly the gathered dim against ``V``'s;
 5. no value between the gathers and ``P·V``'s result is read elsewhere (a training step's
    residuals: ``attn_residual``; its backward needs the whole probability matrix).
 
@@ -109,6 +111,53 @@ def _opview(op) -> ir.OpView:
     return op.opview if isinstance(op, ir.Operation) else op
 
 
+#: what a value is to the linearity check: linear in the probabilities, zero everywhere, or free of them
+LIN, ZERO, FREE = "linear", "zero", "free"
+
+
+def _linear(step: Step) -> bool:
+    """Is ``step`` (a separable op on the probabilities' path) elementwise linear in them,
+    ``h(x)_i = a_i · x_i`` with ``a`` free of them, so that ``h(α·x) = α·h(x)`` for the online
+    softmax's per-row rescales ``α``? A convert, a multiply or divide by another value (a
+    dropout's mask and ``1/keep``), a select between them and zero (``jnp.where(keep, p, 0)``),
+    and a call of a pointwise function built of those (jnp.where's ``@_where``)."""
+    op = step.op.operation
+    classes = [LIN if plan is None else ZERO if ir_utils.is_zero_splat(v) else FREE
+               for v, plan in zip(op.operands, step.sides)]
+    if not step.body:
+        return _linear_class(op.name, classes) == LIN
+    block = step.body[0].operation.block
+    of = dict(zip(block.arguments, classes))
+    for inner in step.body:
+        if inner.operation.name == "stablehlo.constant":
+            of[inner.result] = ZERO if ir_utils.is_zero_splat(inner.result) else FREE
+            continue
+        of[inner.operation.results[0]] = _linear_class(inner.operation.name,
+                                                       [of.get(v, FREE) for v in inner.operation.operands])
+    returned = list(block.operations)[-1].operation.operands
+    return [of.get(v, FREE) for v in returned] == [LIN]
+
+
+def _linear_class(name: str, operands: list[str]) -> str | None:
+    """The class of a pointwise op's result from its operands' (None: not linear in the probabilities)."""
+    if LIN not in operands:
+        return ZERO if operands and all(c == ZERO for c in operands) and name in (
+            "stablehlo.broadcast_in_dim", "stablehlo.convert") else FREE
+    if None in operands:
+        return None
+    if name in ("stablehlo.convert", "stablehlo.negate", "stablehlo.broadcast_in_dim"):
+        return LIN
+    if name == "stablehlo.multiply":
+        return LIN if operands.count(LIN) == 1 else None
+    if name == "stablehlo.divide":
+        return LIN if operands[0] == LIN and operands[1] != LIN else None
+    if name == "stablehlo.select":  # (predicate, on true, on false)
+        return LIN if operands[0] != LIN and set(operands[1:]) <= {LIN, ZERO} else None
+    if name in ("stablehlo.add", "stablehlo.subtract"):
+        return LIN if set(operands) <= {LIN, ZERO} else None
+    return None
+
+
 def _readers(value: ir.Value) -> list[ir.OpView]:
     return [_opview(u.owner) for u in value.uses]
 
@@ -116,7 +165,7 @@ def _readers(value: ir.Value) -> list[ir.OpView]:
 def _only_reader(value: ir.Value, what: str) -> ir.OpView:
     readers = _readers(value)
     if len(readers) != 1:
-        raise Decline("attn_softmax", f"{what} is read by {len(readers)} ops, not by one")
+        raise Decline("attn_softmax", f"{len(readers)} ops read {what}, not one")
     return readers[0]
 
 
@@ -398,9 +447,7 @@ def _match(keys: ir.OpView, ring: Ring, region: ManualRegion, scores: ir.OpView,
         raise Decline("attn_softmax", "the exponentials are not divided by their sum")
     prob_steps, p, pd = _tracked_chain(divide.result, sd2, lambda r: False)
     for step in prob_steps:
-        name = step.op.operation.name
-        if name not in ("stablehlo.convert", "stablehlo.multiply") or \
-                name == "stablehlo.multiply" and sum(plan is None for plan in step.sides) != 1:
+        if not _linear(step):
             raise Decline("attn_softmax", f"{describe_op(step.op)} between the probabilities and P·V is not linear")
     pv = _only_reader(p, "the probabilities")
     if pv.operation.name != DOT or ir_utils.is_grouped_dot(pv):
