@@ -123,6 +123,35 @@ def test_an_op_on_the_probabilities_that_is_not_linear_keeps_two_rings(after, sa
     assert any(says in note for note in keys[0].notes), keys[0].notes
 
 
+@pytest.mark.parametrize("positions", ["gathered", "table"])
+def test_a_zig_zag_layout_is_one_ring(positions):
+    """Load-balanced context parallelism: device p holds chunks p and 2n-1-p of 2n, the causal
+    mask compares positions: the keys' gathered with them (read a block at a time) or looked up
+    in a constant zig-zag table (read at the block's columns). One ring, the original's numbers."""
+    n, seq = 8, 128
+    chunk = seq // (2 * n)
+    order = np.concatenate([np.r_[p * chunk:(p + 1) * chunk, (2 * n - 1 - p) * chunk:(2 * n - p) * chunk]
+                            for p in range(n)]).astype(np.int32)
+    mesh = mesh_1d(n, AXIS)
+    spec = P(None, AXIS)
+
+    def local(q, k, v, pos):
+        kg, vg = gather(k, AXIS, 1), gather(v, AXIS, 1)
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, kg) / np.sqrt(q.shape[-1])
+        if positions == "gathered":
+            mask = pos[:, None, :, None] >= gather(pos, AXIS, 1)[:, None, None, :]
+        else:
+            table = jnp.asarray(order)
+            mask = jax.lax.dynamic_slice(table, (jax.lax.axis_index(AXIS) * 2 * chunk,), (2 * chunk,))[:, None] \
+                >= table[None, :]
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1), vg)
+
+    f = smap(local, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec)
+    text = lower(f, *[arg(mesh, (2, seq, 2, 8), spec)] * 3, arg(mesh, (2, seq), spec, jnp.int32))
+    (site,) = attention_sites(rewritten(text))
+    assert site.rewritten and site.ring_size == n
+
+
 def test_a_softmax_over_the_queries_is_no_ring_attention():
     def over_queries(s, axis):
         return jax.nn.softmax(s, axis=-2)
