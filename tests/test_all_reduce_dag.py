@@ -114,7 +114,7 @@ def check(text: str, options: cmatmul_pass.Options, layers: int = 1, gain_traine
         assert all_reduces(module) == all_reduces(original) - len(rewritten) - summed
         assert len(ir_utils.ops_named(module, "stablehlo.reduce_scatter")["stablehlo.reduce_scatter"]) == summed
         piece = None
-    # the norm backward's row statistics are no longer taken over the whole product...
+    # the norm backward's row statistics are not taken over the whole product...
     assert reduces(module, [ROWS, HIDDEN], [1]) == full_rows - layers * len(hidden)
     # ...but over a piece of its rows (a chunk; a ring's block or half-block)
     pieces = [r for r in ir_utils.ops_named(module, "stablehlo.reduce")["stablehlo.reduce"]

@@ -88,9 +88,9 @@ def test_a_scatter_of_a_psum_over_the_same_devices_says_so():
 
 @pytest.mark.parametrize("variant", ["auto", "bidi-full"])
 def test_lost_to_ring_does_not_depend_on_the_ring_variant(variant):
-    """lost_to_ring's hint said a bidirectional variant 'can often serve both collectives': which
-    collective gets the ring is decided by slack before any variant applies, and bidi-full leaves
-    the same sites lost_to_ring in both samples; the hint no longer says so."""
+    """Which collective gets the ring is decided by slack before any variant applies: bidi-full
+    leaves the same sites lost_to_ring in both samples, and lost_to_ring's hint does not offer a
+    bidirectional variant as serving both collectives."""
     from cmatmul_pass.reasons import REASONS
 
     for name, line in (("fsdp_tp", "218:12"), ("fsdp_tp_grad", "524:13")):

@@ -6,7 +6,7 @@ tiled/untiled, f32/bf16/f16/f64/complex64/int32, several consumers and non-dot r
 SP MLP blocks, matmuls of two gathered operands, partial-manual regions — each rewritten under
 every pass variant: the result must verify, its permutes must form the groups' rings, every site
 must be rewritten (but for the declines a kind allows), and it must compute the original's numbers.
-Fixed programs pin what campaigns found, and the targeted kinds' shapes (norms' backwards before a
+Fixed programs pin shapes the oracle must pass, and the targeted kinds' shapes (norms' backwards before a
 scatter or psum; a norm of gathered rows whose raw rows are read elsewhere, ``--gather-norm``).
 """
 

@@ -78,7 +78,7 @@ HOIST = ("dus_slot", "second_carry", "hoist_trips")
 #: classes whose condition is a loop's trip count or a branch's predicate (what runs, not what is read)
 CONTROL = ("sink_trips", "cond_scan", "hoist_trips", "nested_loops")
 MESHES = [(8,), (2, 4), (4, 2)]
-#: the option sets each program is rewritten under (names of tools.fuzz_programs.VARIANTS, or
+#: the option sets each program is rewritten under (names of tools.fuzz_oracle.VARIANTS, or
 #: "default": ``Options()``, "policy-auto": ``Options(policy="auto")``); workers run under
 #: ``CMATMUL_PASS_POLICY=all`` unless told otherwise (as the suite does), so "default" rewrites every
 #: legal site; ``fuzz.py --kind adversarial --all-variants`` takes every variant and "policy-auto"
@@ -460,7 +460,7 @@ def moved(kind: str, report, options) -> bool | None:
 def option_sets(names) -> dict:
     from cmatmul_pass import Options
 
-    from tools.fuzz_programs import VARIANTS
+    from tools.fuzz_oracle import VARIANTS
 
     made = {"default": Options, "policy-auto": lambda: Options(policy="auto")}
     return {name: made[name]() if name in made else VARIANTS[name] for name in names}
@@ -493,7 +493,7 @@ def check(spec: Spec, names=OPTION_SETS, emit=lambda event: None) -> dict:
     import cmatmul_pass
     from cmatmul_pass import execute, ir_utils
 
-    from tools.fuzz_programs import ring_property_holds
+    from tools.fuzz_oracle import ring_property_holds
 
     kind = motion_kind(spec)
     results = {}

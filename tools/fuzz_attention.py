@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from hypothesis import strategies as st
 
-from tools.fuzz_programs import VARIANTS, Tally, check_variants
+from tools.fuzz_oracle import VARIANTS, Tally, check_variants
 from tools.samples_attention import cp_attention, dropout
 
 

@@ -26,7 +26,7 @@ import numpy as np
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from tools.fuzz_programs import VARIANTS, Tally, check_variants
+from tools.fuzz_oracle import VARIANTS, Tally, check_variants
 
 #: the dims an expert weight [experts, in, out] is sharded and gathered along
 ALONG = {"cols": 2, "rows": 1, "experts": 0}
