@@ -35,6 +35,7 @@ one file bench/ holds; partial runs and the profile go to build/bench/ unless ``
     python tools/bench.py --only-pass-cost [--layers 1 4 8 16 32] [--repeats 5]   # 1. alone, both models
     python tools/bench.py --only-pass-cost --platform gpu   # the same compiled for 8 GPUs (a lent GPU)
     python tools/bench.py --only-warm [--layers 1 4 8 16 32]   # the pass warm, where its fixed cost goes
+    python tools/bench.py --only-compile [--compile-layers 4 32]   # XLA's compile times alone
 
 The programs and the options they are rewritten under are in tools/bench_models.py, the
 measurements in tools/bench_measure.py; this module has the targets, the command line and the record.
@@ -171,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--only-warm", action="store_true",
                         help="only the pass warm in one process at each --layers, both paths, and its share spent "
                              "building rings (default out: build/bench/results_warm.json)")
+    parser.add_argument("--only-compile", action="store_true",
+                        help="only XLA's compile times at --compile-layers, on a machine running nothing else "
+                             "(default out: build/bench/results_compile.json)")
     parser.add_argument("--platform", choices=("cpu", "gpu"), default="cpu",
                         help="gpu (with --only-pass-cost): lower and compile for 8 GPUs, a topology mocked on this "
                              "machine's one (tools/gpu_topology.py), what a GPU user's jax.jit spends before the first "
@@ -219,6 +223,11 @@ def main(argv: list[str] | None = None) -> int:
         results["pass_cost"] = pass_cost(args.layers, args.repeats)
         results["megatron"] = megatron(args)
         write_results(args.out or SCRATCH / "results_megatron.json", results)
+        return 0
+    if args.only_compile:
+        print("XLA's compile time, rewritten / original (median of 3 rounds)", flush=True)
+        results["compile"] = compile_time([n for n in args.compile_layers if n], 3)
+        write_results(args.out or SCRATCH / "results_compile.json", results)
         return 0
     print("1. pass cost", flush=True)
     results["pass_cost"] = pass_cost(args.layers, args.repeats)
