@@ -603,14 +603,18 @@ def _explain_all_to_all(site) -> None:
 
 def _explain_all_reduce(site) -> None:
     """A dot → all_reduce site: the strategy, the cost model's view of it, where its gathers went."""
-    from .cost import TIE
+    from .cost import TIE, readable_seconds
     from .report import durations
 
     a = site.all_reduce
     p = a["prediction"]
-    if not p:  # a psum split only for its matmuls' gather ring (psums.split_summed_value): its note says why
+    if a.get("picked") == "summed value":  # a psum split only for its matmuls' gather ring (psums.split_summed_value)
         print(f"  all_reduce: split along dim {a['dim']} (the summed value is no matmul's: its reduce-scatter stays a "
               "collective)")
+        if p:
+            print(f"  predicted on {p['hardware']}: the all_reduce {readable_seconds(p['all_reduce_s'])}; split "
+                  f"{readable_seconds(p['split_s'])} (its reduce-scatter {readable_seconds(p['scatter_s'])}, the "
+                  f"rest what the gathers' rings leave exposed; {p['speedup']['split']:.2f}x)")
         for how in a["gathers"]:
             print(f"  gathered: {how}")
         return

@@ -304,6 +304,7 @@ class SiteWalk:
             with self.attempts.on_behalf(key):
                 for entry in entries:
                     self.attempts.moved(entry)
+            _count_gather_rings(self.report.sites[index], entries)
 
     def _scatter(self, op: ir.OpView, not_swapped: dict) -> None:
         """One scatter: hoisted into the loop that assembles its operand, or ringed where it is."""
@@ -743,3 +744,17 @@ def _hoist_scatter(site: Site, ctx: RewriteContext, options: Options, variance: 
     if where is None or isinstance(where, str):
         return where
     return hoist_scatter(where, ctx.take_channel)
+
+
+def _count_gather_rings(split: SiteReport, gathers: list[SiteReport]) -> None:
+    """A psum split for its matmuls' gather rings: its predicted time, the reduce-scatter's plus
+    what each ring of the gathers it left leaves exposed beyond its dots (the step's schedule
+    takes the psum's place as that)."""
+    p = split.all_reduce.get("prediction")
+    if not p or "scatter_s" not in p:
+        return
+    rings = [g for g in gathers if g.rewritten and g.cost and g.cost.get("variant") in g.cost.get("overlapped_s", {})]
+    exposed = sum(max(g.cost["overlapped_s"][g.cost["variant"]] - g.cost["compute_s"], 0.0) for g in rings)
+    p["split_s"] = p["scatter_s"] + exposed
+    p["speedup"] = {"split": p["all_reduce_s"] / p["split_s"]}
+    split.all_reduce["rings"] = [g.location for g in rings]  # (counted here, not as gathers of the step)

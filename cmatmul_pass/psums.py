@@ -130,8 +130,12 @@ def split_summed_value(site: DeclinedSite, info: ModuleInfo, ctx: RewriteContext
     _, all_gather = guarded(entry, split_sum, op, dim, ir_utils.with_dim(t, dim, t.shape[dim] // n), ctx.take_channel)
     entry.rewritten, entry.reason, entry.reason_code = True, "", ""
     entry.collective_dim = dim
+    # the step's schedule (program_cost) takes the psum as its reduce-scatter; the gathers' rings,
+    # once decided, add what they leave exposed (Phases._summed_splits_ringed)
     entry.all_reduce = {"strategy": "split", "dim": dim, "chunks": None, "gathers": [], "picked": "summed value",
-                        "prediction": {}}
+                        "prediction": {"hardware": hw.name, "serial_s": all_reduce_s, "all_reduce_s": all_reduce_s,
+                                       "scatter_s": scatter_s, "split_s": scatter_s,
+                                       "speedup": {"split": speedup}}}
     entry.notes.append(f"split into a reduce-scatter and an all_gather along dim {dim}: no matmul produces the summed "
                        f"value, so the reduce-scatter stays a collective ({cost.readable_seconds(scatter_s)}, against "
                        f"the all_reduce's {cost.readable_seconds(all_reduce_s)}); the gather goes to the matmuls "

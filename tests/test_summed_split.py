@@ -7,6 +7,7 @@ nowhere (the motion undone), or where the options keep psums."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import PartitionSpec as P
 
 import cmatmul_pass
@@ -44,6 +45,22 @@ def test_a_summed_cotangent_read_by_two_matmuls_is_split_for_their_ring():
     assert ring.rewritten and len(ring.consumers) == 2
     assert count(result, "stablehlo.all_reduce") == 0 and count(result, "stablehlo.reduce_scatter") == 1
     assert count(result, "stablehlo.all_gather") == 0
+
+
+def test_the_step_prices_the_split_as_its_reduce_scatter_and_the_rings_exposed_time():
+    """The whole step's schedule takes the split psum's place as its reduce-scatter plus what the
+    gather's ring leaves exposed beyond its dots, not as the psum it was."""
+    result = rewritten(summed_then(lambda g, w1, w2: (g @ w1, g @ w2), rows=4096))
+    (split,) = [s for s in result.report.sites if s.kind == "dot_all_reduce"]
+    (ring,) = [s for s in result.report.sites if s.kind == "all_gather_dot"]
+    p, c = split.all_reduce["prediction"], ring.cost
+    exposed = max(c["overlapped_s"][c["variant"]] - c["compute_s"], 0.0)
+    assert p["split_s"] == p["scatter_s"] + exposed and p["scatter_s"] < p["all_reduce_s"]
+    assert p["speedup"]["split"] == p["all_reduce_s"] / p["split_s"]
+    program = result.report.program
+    assert program["unplaced"] == 0
+    # the psum was the step's only collective: the step gains what the split saves
+    assert program["before_s"] - program["after_s"] == pytest.approx(p["all_reduce_s"] - p["split_s"], rel=1e-6)
 
 
 def test_a_statistic_read_by_a_norm_is_not_split():
