@@ -145,7 +145,7 @@ def _linear_class(name: str, operands: list[str]) -> str | None:
             "stablehlo.broadcast_in_dim", "stablehlo.convert") else FREE
     if None in operands:
         return None
-    if name in ("stablehlo.convert", "stablehlo.negate", "stablehlo.broadcast_in_dim"):
+    if name in ("stablehlo.convert", "stablehlo.negate"):  # (not a broadcast: the rows' rescale is per element)
         return LIN
     if name == "stablehlo.multiply":
         return LIN if operands.count(LIN) == 1 else None
