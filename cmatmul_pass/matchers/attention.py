@@ -150,7 +150,7 @@ def _linear_class(name: str, operands: list[str]) -> str | None:
     if name == "stablehlo.multiply":
         return LIN if operands.count(LIN) == 1 else None
     if name == "stablehlo.divide":
-        return LIN if operands[0] == LIN and operands[1] != LIN else None
+        return LIN if operands == [LIN, FREE] else None  # (by zero: infinities the rescale would turn to NaN)
     if name == "stablehlo.select":  # (predicate, on true, on false)
         return LIN if operands[0] != LIN and set(operands[1:]) <= {LIN, ZERO} else None
     if name in ("stablehlo.add", "stablehlo.subtract"):
