@@ -226,17 +226,19 @@ def test_ulysses_training_parity_through_the_decorator():
 
 
 # ------------------------------------------------------------------ near misses and their twins
-def test_a_pad_of_another_dim_is_chunked_a_pad_of_the_chunked_dim_is_not():
+@pytest.mark.parametrize("form", ["lax", "jnp"])
+def test_a_pad_of_another_dim_is_chunked_a_pad_of_the_chunked_dim_is_not(form):
     """Between the exchanges, a pad along the hidden dim (sliced back, the padding read) keeps the
     capacity's rows apart: chunked along the capacity. The same pad along the capacity shifts
     every row into its neighbour's place, across chunks: the capacity is not chunked; the experts
     (a batch dim of both matmuls, the pad's unpadded dim) are, the numbers as the original's."""
-    def along(axis):  # lax.pad (jnp.pad lowers to a call of a function of its own)
+    def along(axis):  # lax.pad, or jnp.pad (a call of a function of its own, @_pad)
         def between(h, extra):
             widths = [(0, 0, 0)] * 3
             widths[axis] = (1, 0, 0)
-            return jax.nn.gelu(jax.lax.pad(h, jnp.float32(0.5), widths)[
-                tuple(slice(None, -1) if a == axis else slice(None) for a in range(3))])
+            padded = jax.lax.pad(h, jnp.float32(0.5), widths) if form == "lax" else \
+                jnp.pad(h, [w[:2] for w in widths], constant_values=0.5)
+            return jax.nn.gelu(padded[tuple(slice(None, -1) if a == axis else slice(None) for a in range(3))])
         return between
 
     legal = moe_program(between=along(2))

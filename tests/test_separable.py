@@ -69,3 +69,12 @@ def test_a_pad_of_other_dims_keeps_the_rows_apart():
     (steps, dims), _ = tracked(lambda h: jax.lax.pad(h[None], 0.0, [(1, 1, 0), (0, 0, 0), (2, 0, 1)]), (8, 4), dim=0)
     assert [s.op.operation.name for s in steps] == ["stablehlo.broadcast_in_dim", "stablehlo.pad"]
     assert steps[-1].out_dim == 1 and steps[-1].sides == (None, (separable.WHOLE, 0))
+
+
+def test_jnp_pad_of_other_dims_keeps_the_rows_apart_but_not_of_the_tracked_one():
+    """jnp.pad lowers to a call of @_pad (a pad of its argument by a scalar): looked into like a
+    pointwise function, separable where it pads other dims only."""
+    (steps, dims), _ = tracked(lambda h: jnp.pad(h, ((0, 0), (1, 2)), constant_values=0.5) * 2.0, (8, 4), dim=0)
+    assert steps[0].op.operation.name == "func.call" and steps[0].out_dim == 0 and steps[0].body
+    with pytest.raises(separable.NotSeparable, match="padding the chunked dim 0"):
+        tracked(lambda h: jnp.pad(h, ((1, 0), (0, 0))), (8, 4), dim=0)

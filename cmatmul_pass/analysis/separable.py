@@ -168,7 +168,8 @@ def _call_step(op: ir.OpView, on_path: list[int | None]) -> Step:
     """A call of a private function whose body is pointwise over one shape, the call's result's
     (every value a scalar, a splat of one, or of that shape; an argument of another shape read
     only by one ``broadcast_in_dim`` or ``transpose`` into it: ``jnp.where(mask, x, -inf)``'s
-    ``@_where``, which may also transpose ``x``): per chunk, its body applied to the chunks, an
+    ``@_where``, which may also transpose ``x``; or by a ``pad`` of other dims than the tracked
+    one: ``jnp.pad``'s ``@_pad``): per chunk, its body applied to the chunks, an
     argument read at the rows its broadcast or transpose carries to the result's tracked dim
     (whole where none does, or that dim is of size 1 in it)."""
     callee = ir_utils.Symbols(op).callee(op)
@@ -182,9 +183,15 @@ def _call_step(op: ir.OpView, on_path: list[int | None]) -> Step:
     arguments = list(block.arguments)
     maps: dict[int, set] = {i: set() for i in range(len(arguments))}  # argument -> {its dims' places in the result}
     splats: set = set()
+    pads = []  # (jnp.pad's @_pad) an argument padded into the result's shape: none along the tracked dim
     for inner in body[:-1]:
         name, operands = inner.operation.name, list(inner.operation.operands)
         shapes = [ir.RankedTensorType(r.type).shape for r in inner.operation.results]
+        if name == "stablehlo.pad" and operands[0] in arguments and shapes == [full] and \
+                ir.RankedTensorType(operands[1].type).rank == 0:
+            maps[arguments.index(operands[0])].add(tuple(range(len(full))))
+            pads.append(inner)
+            continue
         if name in ("stablehlo.broadcast_in_dim", "stablehlo.transpose") and operands[0] in arguments \
                 and shapes == [full] and ir.RankedTensorType(operands[0].type).rank:
             places = (ir_utils.i64s(inner, "broadcast_dimensions") if name == "stablehlo.broadcast_in_dim" else
@@ -208,6 +215,9 @@ def _call_step(op: ir.OpView, on_path: list[int | None]) -> Step:
     if len(outs) != 1 or None in outs or set() in outs:
         raise NotSeparable(f"{_where(op)} calls a function that moves the chunked dim apart")
     (out,) = outs
+    if any(ir_utils.i64s(pad, key)[out] for pad in pads
+           for key in ("edge_padding_low", "edge_padding_high", "interior_padding")):
+        raise NotSeparable(f"{_where(op)} calls a function padding the chunked dim {out}")
     sides = []
     for i, p in enumerate(on_path):
         arg_t = ir.RankedTensorType(arguments[i].type)
