@@ -152,12 +152,17 @@ def _step(op: ir.OpView, on_path: list[int | None]) -> Step:
         d = tracked[0]
         if on_path[0] is None:
             raise NotSeparable(f"{_where(op)} pads with an exchanged value")
-        if any(ir_utils.i64s(op, key)[d] for key in ("edge_padding_low", "edge_padding_high", "interior_padding")):
+        if _pads(op, d):
             raise NotSeparable(f"{_where(op)} pads the chunked dim {d}")
         return Step(op, d, (None, (WHOLE, 0)))
     if name == "stablehlo.dot_general":
         return _dot_step(op, on_path)
     raise NotSeparable(f"{_where(op)} is not an op the rows can go through apart")
+
+
+def _pads(pad: ir.OpView, dim: int) -> bool:
+    """Does the ``stablehlo.pad`` ``pad`` pad ``dim`` (at either edge or between its elements)?"""
+    return any(ir_utils.i64s(pad, key)[dim] for key in ("edge_padding_low", "edge_padding_high", "interior_padding"))
 
 
 #: what a pointwise function's body may hold besides pointwise ops: scalars and their splats
@@ -215,8 +220,7 @@ def _call_step(op: ir.OpView, on_path: list[int | None]) -> Step:
     if len(outs) != 1 or None in outs or set() in outs:
         raise NotSeparable(f"{_where(op)} calls a function that moves the chunked dim apart")
     (out,) = outs
-    if any(ir_utils.i64s(pad, key)[out] for pad in pads
-           for key in ("edge_padding_low", "edge_padding_high", "interior_padding")):
+    if any(_pads(pad, out) for pad in pads):
         raise NotSeparable(f"{_where(op)} calls a function padding the chunked dim {out}")
     sides = []
     for i, p in enumerate(on_path):
