@@ -46,6 +46,7 @@ from .rewrites.sink import feeds_a_loop, hoist_plan
 from .rewrites.sink import plan as sink_plan
 from .rewrites.sink import sink as sink_gather
 from .psums import decide_all_reduce, say_where_gathers_went, split_summed_value
+from .program_cost import ring_seconds
 from .exchanges import decide_all_to_all
 from .attention import decide_attention
 from .matchers.attention import match_attention
@@ -753,8 +754,7 @@ def _count_gather_rings(split: SiteReport, gathers: list[SiteReport]) -> None:
     p = split.all_reduce.get("prediction")
     if not p or "scatter_s" not in p:
         return
-    rings = [g for g in gathers if g.rewritten and g.cost and g.cost.get("variant") in g.cost.get("overlapped_s", {})]
-    exposed = sum(max(g.cost["overlapped_s"][g.cost["variant"]] - g.cost["compute_s"], 0.0) for g in rings)
-    p["split_s"] = p["scatter_s"] + exposed
+    rings = [(g.location, t) for g in gathers if (t := ring_seconds(g)) is not None]
+    p["split_s"] = p["scatter_s"] + sum(t for _, t in rings)
     p["speedup"] = {"split": p["all_reduce_s"] / p["split_s"]}
-    split.all_reduce["rings"] = [g.location for g in rings]  # (counted here, not as gathers of the step)
+    split.all_reduce["rings"] = [where for where, _ in rings]  # (counted here, not as gathers of the step)

@@ -431,7 +431,7 @@ class ProgramPrediction:
         return {**asdict(self), "places": [list(p) for p in self.places]}
 
 
-def _ring_seconds(site: SiteReport) -> float | None:
+def ring_seconds(site: SiteReport) -> float | None:
     """A rewritten site's time beyond its dots' compute (what its collective becomes)."""
     if not site.rewritten:
         return None
@@ -486,7 +486,7 @@ def _ring_of(program: Program, inst: int, sites: list[SiteReport]) -> float | No
     total, any_rewritten = 0.0, False
     runs = program.instances[inst].runs
     for site in sites:
-        t = _ring_seconds(site)
+        t = ring_seconds(site)
         if t is None:
             continue
         any_rewritten = True
@@ -520,7 +520,7 @@ def predict(program: Program, report: Report) -> ProgramPrediction:
     # the gather rings a psum split for them (psums.split_summed_value) counts in its own time
     split_for = {loc for s in report.rewritten if s.all_reduce.get("picked") == "summed value"
                  for loc in s.all_reduce.get("rings", ())}
-    unplaced = sum(1 for s in report.rewritten if id(s) not in placed and _ring_seconds(s) is not None
+    unplaced = sum(1 for s in report.rewritten if id(s) not in placed and ring_seconds(s) is not None
                    and not (s.kind == "all_gather_dot" and s.location in split_for))
     before = program.span({})
     after = program.span(rings) if rings else before
