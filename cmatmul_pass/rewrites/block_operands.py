@@ -33,28 +33,34 @@ def _splat(op: ir.OpView) -> bool:
     return isinstance(attr, ir.DenseElementsAttr) and attr.is_splat
 
 
-def leaves(value: ir.Value, dim: int) -> set[ir.Value]:
-    """The values :func:`block` slices to recompute ``value``'s block along ``dim`` (``value``
-    itself where it is not recomputed)."""
+def _sliced(value: ir.Value) -> bool:
+    """Is ``value`` a leaf, sliced where it stands rather than recomputed through its producer
+    (an op not in ``_THROUGH``, a constant that is no splat, a pointwise op reading an operand of
+    another rank that is no scalar)?"""
     op = ir_utils.producer(value)
     if op is None or op.operation.name not in _THROUGH or len(op.operation.results) != 1 or \
             op.operation.name == "stablehlo.constant" and not _splat(op):
+        return True
+    if op.operation.name in ("stablehlo.iota", "stablehlo.constant", "stablehlo.broadcast_in_dim"):
+        return False
+    rank = ir.RankedTensorType(value.type).rank
+    return any(ir.RankedTensorType(v.type).rank not in (0, rank) for v in op.operation.operands)
+
+
+def leaves(value: ir.Value, dim: int) -> set[ir.Value]:
+    """The values :func:`block` slices to recompute ``value``'s block along ``dim`` (``value``
+    itself where it is not recomputed)."""
+    if _sliced(value):
         return {value}
+    op = ir_utils.producer(value)
     name = op.operation.name
     if name in ("stablehlo.iota", "stablehlo.constant"):
         return set()
     if name == "stablehlo.broadcast_in_dim":
-        source = op.operation.operands[0]
         mapped = _mapped(op, dim)
-        return leaves(source, mapped) if mapped is not None else set()
+        return leaves(op.operation.operands[0], mapped) if mapped is not None else set()
     rank = ir.RankedTensorType(value.type).rank
-    found: set = set()
-    for operand in op.operation.operands:
-        if ir.RankedTensorType(operand.type).rank == rank:
-            found |= leaves(operand, dim)
-        elif ir.RankedTensorType(operand.type).rank:
-            return {value}
-    return found
+    return set().union(*(leaves(v, dim) for v in op.operation.operands if ir.RankedTensorType(v.type).rank == rank))
 
 
 def _mapped(op: ir.OpView, dim: int) -> int | None:
@@ -78,7 +84,7 @@ def block(value: ir.Value, dim: int, parts: int, start: ir.Value, b: Builder, me
     width = t.shape[dim] // parts
     out_t = ir_utils.with_dim(t, dim, width)
     op = ir_utils.producer(value)
-    if value in leaves(value, dim):
+    if _sliced(value):
         made = b.dynamic_slice(value, dim, start, width)
     elif op.operation.name == "stablehlo.iota":
         made = b.create("stablehlo.iota", [out_t], [], {"iota_dimension": op.operation.attributes["iota_dimension"]}).result
