@@ -348,3 +348,32 @@ def test_a_trip_count_the_same_on_each_group_only_is_not_enough():
                             jax.ShapeDtypeStruct((L, H, H), jnp.float32, sharding=NamedSharding(mesh, spec))]))
     (site,) = result.report.sites
     assert not site.rewritten and "a loop whose trip count may differ between the devices" in site.reason
+
+
+def called_gain_program(twin: bool):
+    """A norm-and-projection function (a private function: ``jax.jit`` inside the region) called
+    twice, its gain a function argument: the second call passes a gain scaled by the device's
+    axis index (``twin``: by 2, the same on every device)."""
+    proj = jax.jit(lambda x, w1, gain: (
+        lambda h: h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6) * gain)(
+            jax.lax.all_gather(x, "model", axis=0, tiled=True)) @ w1)
+
+    def body(x, w1, gain):
+        other = gain * (2.0 if twin else 1.0 + jax.lax.axis_index("model"))
+        return proj(x, w1, gain) + proj(x, w1, other)
+
+    f = jax.shard_map(body, mesh=MESH, in_specs=(P("model"), P(), P()), out_specs=P(), check_vma=False)
+    return f, [jax.ShapeDtypeStruct((64, H), jnp.float32, sharding=NamedSharding(MESH, P("model"))),
+               jax.ShapeDtypeStruct((H, H), jnp.float32), jax.ShapeDtypeStruct((H,), jnp.float32)]
+
+
+def test_a_function_argument_is_identical_only_where_every_call_passes_one_that_is():
+    """A private function's gain is the same on every device only where each of its calls passes
+    one that is: with one call passing a device-varying gain, the gather in the function is not
+    moved past the gain (its ring applies the norm per block instead); its twin moves it."""
+    program = called_gain_program(twin=False)
+    assert "func.call" in jax.jit(program[0]).lower(*program[1]).as_text()
+    result = rewritten(program)
+    assert not any(n.startswith("moved to its dot") for s in result.report.sites for n in s.notes), notes(result)
+    twin = rewritten(called_gain_program(twin=True))
+    assert any(n.startswith("moved to its dot past") for s in twin.report.sites for n in s.notes), notes(twin)

@@ -16,7 +16,13 @@ the ring's; any pure op computed only from such values; and, seen through contro
 - a ``case``/``if`` result when its index (predicate) is identical and every branch
   returns an identical value;
 - a ``func.call``'s (or ``stablehlo.composite``'s, through its decomposition) result when
-  the callee returns an identical value given which of its arguments are.
+  the callee returns an identical value given which of its arguments are;
+- an argument of a manual computation sharded along the group's axes that an earlier one
+  returned with the same sharding (a forward's residual read by its backward): when the value
+  returned there is identical (each device reads back its own);
+- a private function's argument (a scan's body, a remat'd layer) when the function is only
+  called and every call passes an identical value (asked where each call stands; where the
+  question comes through known calls, :meth:`Variance.identical_in`, their operands decide).
 
 Everything else — ``partition_id``, a collective permute, a reduce_scatter, an ``rng``, a
 ``custom_call``, a call of a function the module does not hold, anything the analysis cannot
@@ -88,6 +94,8 @@ class Variance:
         self._calls: dict[tuple, bool] = {}  # (callee, its arguments' facts, result, groups) -> answer
         self._functions: dict[str, ir.Operation] | None = None
         self._evaluators: dict[int, by_partition.ByPartition] = {}
+        self._args: dict[tuple, bool] = {}  # (function, argument, groups) -> answer over its calls
+        self._callers: dict[str, list[ir.Operation] | None] | None = None  # function -> its calls (None: unknown)
 
     def forget(self) -> None:
         """Drop the answers about values (call it before the questions of a rewrite that follows
@@ -97,6 +105,8 @@ class Variance:
         self._calls.clear()
         self._functions = None
         self._evaluators.clear()
+        self._args.clear()
+        self._callers = None
 
     def _by_partition(self, count: int) -> "by_partition.ByPartition":
         if count not in self._evaluators:
@@ -211,15 +221,53 @@ class Variance:
         parent = block.owner
         if parent is not None and parent.name == WHILE:
             return [], ir.BlockArgument(value).arg_number in self._loop(parent, ring, scope).carried
+        if parent is not None and parent.operation.name == "func.func":  # (unless the scope binds it)
+            return [], self._passed(parent.operation, ir.BlockArgument(value).arg_number, ring)
         if parent is None or parent.name != "sdy.manual_computation":
-            return [], False  # a function's argument (unless the scope binds it) or a region's: not known
+            return [], False  # a region's argument: not known
         index = ir.BlockArgument(value).arg_number
         sharding = sdy.TensorShardingAttr(sdy.TensorShardingPerValueAttr(parent.attributes["in_shardings"]).shardings[index])
         if self._names_varying_axis(sharding, parent, ring):
-            return [], False
+            returned = _returned_alike(parent, index, sharding)
+            return ([], False) if returned is None else all_of([returned], scope.memo)
         if _nested(parent):  # the value entering a nested region must itself be identical
             return all_of([parent.operands[index]], scope.memo)
         return [], True
+
+    def _passed(self, function: ir.Operation, index: int, ring: Ring) -> bool:
+        """A function's argument ``index``, wherever it is called: identical when the function is
+        private, only called (a ``func.call``, a composite's decomposition) and every call passes an
+        identical value (each call's operands asked where the call stands, unbound)."""
+        key = (ir_utils.symbol_name(function), index, ring.groups)
+        if key not in self._args:
+            self._args[key] = False  # a recursion meets this: not proven
+            calls = self._calls_of(function)
+            self._args[key] = bool(calls) and all(
+                index < len(call.operands) and self._decide(call.operands[index], ring, self._root(ring))
+                for call in calls)
+        return self._args[key]
+
+    def _calls_of(self, function: ir.Operation) -> list[ir.Operation]:
+        """The calls of ``function`` (func.call, composite), or none where it is public or named by
+        another op (a custom_call's called computations: what passes its arguments is unknown)."""
+        if self._callers is None:
+            module = function
+            while module.parent is not None:
+                module = module.parent
+            found = ir_utils.ops_named(module, "func.call", "stablehlo.composite", "stablehlo.custom_call")
+            self._callers = {}
+            for name, attr in (("func.call", "callee"), ("stablehlo.composite", "decomposition")):
+                for op in found[name]:
+                    if attr in op.operation.attributes:
+                        callee = ir.FlatSymbolRefAttr(op.operation.attributes[attr]).value
+                        self._callers.setdefault(callee, []).append(op.operation)
+            for op in found["stablehlo.custom_call"]:
+                if "called_computations" in op.operation.attributes:
+                    for ref in ir.ArrayAttr(op.operation.attributes["called_computations"]):
+                        self._callers[ir.FlatSymbolRefAttr(ref).value] = None
+        if not ir_utils.is_private(function):
+            return []
+        return self._callers.get(ir_utils.symbol_name(function)) or []
 
     def _branches(self, op: ir.Operation, k: int, scope: _Scope) -> tuple[list[ir.Value], bool]:
         """A case's (if's) result ``k``: its index and every branch's returned value."""
@@ -348,6 +396,24 @@ def _everyone(ring: Ring) -> Ring:
     if len(ring.groups) == 1:
         return ring
     return Ring((tuple(sorted(p for group in ring.groups for p in group)),), ring.num_partitions)
+
+
+def _returned_alike(region: ir.Operation, index: int, sharding) -> ir.Value | None:
+    """Where argument ``index`` of the manual computation ``region`` (its in-sharding ``sharding``)
+    is what an earlier manual computation of its block returned with the same sharding, over the
+    same mesh axes (a forward's residual read by its backward): the value that one returned, of
+    which each device reads back its own; else None."""
+    operand = region.operands[index]
+    source = operand.owner
+    if (isinstance(source, ir.Block) or source.operation.name != "sdy.manual_computation"
+            or source.operation.block != region.operation.block or _nested(region) or _nested(source.operation)):
+        return None
+    source = source.operation
+    k = ir.OpResult(operand).result_number
+    out = sdy.TensorShardingAttr(sdy.TensorShardingPerValueAttr(source.attributes["out_shardings"]).shardings[k])
+    if str(out) != str(sharding) or str(source.attributes["manual_axes"]) != str(region.attributes["manual_axes"]):
+        return None
+    return _terminator(source.regions[0].blocks[0]).operands[k]
 
 
 def _terminator(block: ir.Block) -> ir.Operation:
