@@ -22,7 +22,9 @@ On the scatter side the ops between the dots and the scatter may form a DAG (a n
 backward reads the product twice): :data:`ROW_OPS` (a reduce over other dims, a broadcast
 back over the row) join the elementwise and layout ops there, and :func:`apply_dag` applies
 such a path to one block, each step reading its operands' blocks; a step that
-:attr:`~LayoutStep.sums_rows` gives its block's share of a sum over the ring dim.
+:attr:`~LayoutStep.sums_rows` gives its block's share of a sum over the ring dim, and one that
+:attr:`~LayoutStep.assembles` gives its block of a reduce over other dims read beside the
+scatter (the ring puts each block in its place of the whole result).
 """
 
 from __future__ import annotations
@@ -186,6 +188,10 @@ class LayoutStep:
     in_dim: int
     out_dim: int | None  # None: a sum over the ring dim (:attr:`sums_rows`)
     sources: tuple[ir.OpView | Sliced | None, ...] = ()
+    #: a reduce over other dims than the ring dim, read beside the scatter (a norm gain's gradient
+    #: where the features are scattered): each block gives its block of the result, which the ring
+    #: puts in place (:attr:`~LayoutStep.out_dim`: the ring dim in the result)
+    assembles: bool = False
 
     @property
     def slices(self) -> bool:
@@ -202,6 +208,12 @@ class LayoutStep:
         applied to a block it gives that block's share of the sum (:meth:`apply`), which the ring
         adds up over the blocks it computes."""
         return self.out_dim is None
+
+    @property
+    def handed_over(self) -> bool:
+        """Is the step's result the ring's to hand over once every block is done (a sum over the
+        rows, an assembled reduce), read beside the scatter?"""
+        return self.sums_rows or self.assembles
 
     def valid_for(self, parts: int) -> bool:
         """Do the same dims still map ``parts`` blocks (finer blocks, for split rings)?"""

@@ -37,8 +37,10 @@ from .matchers.all_reduce import match_all_reduce
 from .matchers.common import collective_ring
 from .report import Report, SiteReport, tensor_bytes
 from .rewrites.pad_motion import CroppedGather, PaddedProduct, cropped_gather, move_crop, move_pad, padded_product
+from .rewrites.gathered_sums import gathered_sums, move_sums
 from .rewrites.schedule import RewriteContext
-from .rewrites.sequence_parallel import Seed, carry_forward, move_gather_forward
+from .rewrites.statistic_terms import StatisticTerms, split_terms, statistic_terms
+from .rewrites.sequence_parallel import STATISTIC_SHARE, Seed, carry_forward, move_gather_forward
 from .rewrites.sink import Hoisted, Sunk
 from .rewrites import stages
 from .rewrites.sink import hoist as hoist_scatter
@@ -316,10 +318,12 @@ class SiteWalk:
         site, paired = ring_pairs.resolve(op, site, self.info, self.hw, self.options)
         banned = self.attempts.may_move(op)
         unpadded = self._unpad(op, site, banned)
-        if unpadded is None:
+        unspread = self._unspread(op, site, banned) if unpadded == "" else ""
+        if unpadded is None or unspread is None:
             self.tag(place, since)
             return
-        hoisted = None if unpadded else banned or _hoist_scatter(site, self.ctx, self.options, self.variance)
+        hoisted = (None if unpadded or unspread else
+                   banned or _hoist_scatter(site, self.ctx, self.options, self.variance))
         if isinstance(hoisted, Hoisted):  # each layer's block scattered in the loop, ringed with its dot
             where = ir_utils.render_location(hoisted.loop.location, self.source)
             for scattered in hoisted.reduce_scatters:
@@ -332,6 +336,8 @@ class SiteWalk:
             entry.reason += f"; not hoisted into the loop: {hoisted}"
         if unpadded:
             entry.reason += f"; its zero padding not moved onto the matmul's operand: {unpadded}"
+        if unspread:
+            entry.reason += f"; the sums over the scattered dim it spreads back not taken out: {unspread}"
         if paired is not None and paired.how == "kept":
             entry.reason += f"; {ring_pairs.describe(paired, ir_utils.render_location(paired.gather.location, self.source))}"
         elif paired is not None:
@@ -361,6 +367,24 @@ class SiteWalk:
         self.apply_moved(match_reduce_scatter(op, self.info), site,
                          f"the zero padding of its product (at {where}) moved onto the matmul's operand, the pad "
                          "rows masked back to zero: pad(a·b, 0) = select(m, pad(a, 0)·b, 0)")
+        return None
+
+    def _unspread(self, op: ir.OpView, site: Site, banned: str | None) -> str | None:
+        """A scatter whose operand spreads sums over the scattered dim back over it (a norm's
+        backward over gathered features): those terms taken out after the scatter and the scatter
+        ringed (:mod:`.rewrites.statistic_terms`; None).  Else why not ("" where none stands)."""
+        if not isinstance(site, DeclinedSite) or site.code != "producer_not_dot" or site.ring is None:
+            return ""
+        ring, region = collective_ring(op, self.info)
+        self.variance.forget()  # (earlier rewrites may have erased ops it remembers)
+        plan = statistic_terms(op, self.variance, ring)
+        if not isinstance(plan, StatisticTerms) or banned:
+            return plan if isinstance(plan, str) else banned if plan else ""
+        sums = ", ".join(ir_utils.render_location(s.location, self.source) for s in plan.sums)
+        split_terms(plan, ring, region, self.ctx.constants, self.ctx.take_channel)
+        self.apply_moved(match_reduce_scatter(op, self.info), site,
+                         f"the sums over the scattered dim it spreads back (at {sums}) all_reduced after the scatter, "
+                         "their terms added to its own block: RS(A + L(spread(s))) = RS(A) + L(spread(psum(s)))[own]")
         return None
 
     def _uncrop(self, op: ir.OpView, site: Site, banned: str | None) -> str | None:
@@ -480,7 +504,8 @@ class SiteWalk:
         moved = (may_move or _move_gather(site, self.info, self.variance, self.ctx, self.source, options)
                  if not uncropped else None)
         if isinstance(moved, _RingedInstead):  # the move refused: the ring applies the ops per block
-            self.apply_moved(moved.site, site, f"{RINGED_WITH_ROW_OPS}, not moved past them: {moved.why}", motion=False)
+            self.apply_moved(moved.site, site, f"{RINGED_WITH_ROW_OPS}, not moved past them: {moved.why}",
+                             motion=moved.motion)
             return
         unmoved = moved if isinstance(moved, str) else None  # why the row-wise ops were not moved past
         moved = None if unmoved else moved
@@ -625,6 +650,14 @@ def _move_gather(site: Site, info: ModuleInfo, variance: Variance, ctx: RewriteC
         ringed = match_all_gather(site.anchor, info, assemble=options.assemble, dag_alone=True)
         if isinstance(ringed, AllGatherSite):
             return _RingedInstead(ringed, moved)
+        variance.forget()  # (the move's questions may name values a rewrite since erased)
+        sums = gathered_sums(site.anchor, variance, ring)
+        summed = sum(tensor_bytes(ir.RankedTensorType(s.reduce.result.type)) for s in sums)
+        if sums and 2 * summed * STATISTIC_SHARE <= tensor_bytes(ir.RankedTensorType(site.anchor.result.type)):
+            # a norm's statistic over the gathered dim: summed from the shards first, then that ring
+            note = move_sums(site.anchor, sums, ctx.take_channel)
+            ringed = match_all_gather(site.anchor, info, assemble=options.assemble, dag_alone=True)
+            return _RingedInstead(ringed, f"{moved}; {note}", motion=True)
     return moved
 
 
@@ -633,8 +666,9 @@ class _RingedInstead:
     """A gather :func:`_move_gather` could not move past the row-wise ops before its dots (``why``),
     matched as a ring applying them to each block it receives (:func:`.matchers.gather_rows.row_dag`)."""
 
-    site: AllGatherSite
+    site: Site  # (declined where a motion made for it, ``motion``, left no ring: the motion is undone)
     why: str
+    motion: bool = False
 
 
 @dataclass

@@ -242,10 +242,36 @@ def test_a_hand_written_norm_backward_of_a_row_parallel_product(variant):
     assert outcome.ok, outcome.format()
 
 
+@pytest.mark.parametrize("variant", ["uni", "bidi", "full"])
+def test_a_sum_over_the_scattered_rows_spread_back_is_summed_after_the_ring(variant):
+    """``y - mean_rows(y)`` scattered along the rows: no block of the product gives the mean, but the
+    scatter of it is the mean of the summed product, so the mean's sum is all_reduced after the
+    ring and subtracted from the device's own block (:mod:`cmatmul_pass.rewrites.statistic_terms`)."""
+    text = scatter_program(lambda y, r: y - jnp.mean(y, axis=0, keepdims=True))
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant=variant))
+    (site,) = result.report.sites
+    assert site.rewritten and site.moved_from == "producer_not_dot", site.summary_line()
+    assert "all_reduced after the scatter" in site.notes[0], site.notes
+    found = ir_utils.ops_named(result.module, "stablehlo.all_reduce", "stablehlo.reduce_scatter")
+    assert not found["stablehlo.reduce_scatter"]
+    assert [list(ir_utils.ranked_tensor(op.result).shape) for op in found["stablehlo.all_reduce"]] == [[32]]
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()
+
+
 @pytest.mark.parametrize("prepare, code, says", [
-    # a sum over the scattered rows spread back over them: no block of the product gives it
-    (lambda y, r: y - jnp.mean(y, axis=0, keepdims=True), "producer_not_dot",
-     "spreads a value computed from the product along the scattered dim 0"),
+    # a sum over the scattered rows spread back with a constant added: counted once per device
+    (lambda y, r: y - (jnp.mean(y, axis=0, keepdims=True) + 1.0), "producer_not_dot",
+     "which adds a value the same on every device to a sum over the scattered dim"),
+    # spread back and scaled by a value that differs between devices
+    (lambda y, r: y - jnp.mean(y, axis=0, keepdims=True) * (jnp.ones_like(y) + jax.lax.axis_index("model")),
+     "producer_not_dot", "which may differ between devices: the scatter's sum of the devices' terms"),
+    # a statistic that is no sum (a max over the scattered rows), spread back
+    (lambda y, r: y - jnp.max(y, axis=0, keepdims=True), "producer_not_dot",
+     "not linear in sums over the scattered dim"),
+    # spread back through a product of two sums: not linear in them
+    (lambda y, r: y - jnp.mean(y, axis=0, keepdims=True) * jnp.sum(y, axis=0, keepdims=True), "producer_not_dot",
+     "a product of two values that may differ between devices"),
     # not linear in the product: left as written, the message naming what reads the product twice
     (lambda y, r: y * jnp.sum(y, axis=-1, keepdims=True), "producer_not_dot", "nor are the ops from the dot to the scatter linear in the product"),
     # an op no block gives, on the way from a norm's backward (which alone the ring would apply)
@@ -273,6 +299,13 @@ def test_what_the_ring_cannot_apply_per_block_stays_declined(prepare, code, says
     # twice in a row (the second call's rings shared), a ring of 7, the batch dim scattered
     dict(mesh_shape=(7,), devices=(1, 2, 4, 5, 7, 0, 3), axes=("x",), dim="b", side=1, batch=True, tiled=False,
          dtype="f32", consumers=1, partial_manual=False, sizes=(2, 4, 4, 2), repeat=2),
+    # the norm over the scattered dim (spread sums taken out), a sum of two products in a partially
+    # manual region, bf16, its gain's gradient (a sum over the other dims) put together block by block
+    dict(mesh_shape=(2, 4), devices=(3, 1, 0, 2, 7, 5, 4, 6), axes=("y",), dim="n", side=1, batch=True, tiled=True,
+         dtype="bf16", consumers=2, partial_manual=True, sizes=(2, 3, 4, 2), scale=True, spread=True),
+    # the same twice in a row on a ring of 7, the batch dim scattered, the gain frozen
+    dict(mesh_shape=(7,), devices=(1, 2, 4, 5, 7, 0, 3), axes=("x",), dim="b", side=0, batch=True, tiled=True,
+         dtype="f32", consumers=1, partial_manual=False, sizes=(2, 4, 4, 2), repeat=2, spread=True, gain=False),
 ])
 def test_fuzz_programs_with_a_norm_backward_before_the_scatter(spec):
     from tools import fuzz_programs
@@ -301,8 +334,8 @@ def test_a_sum_over_the_rows_beside_the_scatter_is_added_up_block_by_block(varia
 @pytest.mark.parametrize("beside, says", [
     # a max over the rows is no sum the ring could add up block by block
     (lambda y: jnp.max(y, axis=0), "other than by a sum from zero"),
-    # a sum over the columns keeps the rows: the whole product's rows are needed beside the scatter
-    (lambda y: jnp.sum(y, axis=1), "over other dims than the scattered dim 0"),
+    # a running sum over the rows needs them all, in order
+    (lambda y: jnp.cumsum(y, axis=0), "the full unscattered product is needed elsewhere"),
 ])
 def test_the_product_needed_whole_beside_the_scatter_stays_declined(beside, says):
     text = scatter_program(lambda y, r: (y * 2.0, beside(y)), beside=True)
@@ -311,3 +344,15 @@ def test_the_product_needed_whole_beside_the_scatter_stays_declined(beside, says
     assert not site.rewritten and site.reason_code == "multiple_users", site.summary_line()
     assert says in site.reason, site.reason
     assert result.text == ir_utils.print_module(ir_utils.parse(text))
+
+
+@pytest.mark.parametrize("variant", ["uni", "bidi-unroll2"])
+def test_a_sum_over_other_dims_beside_the_scatter_is_put_together_block_by_block(variant):
+    """A sum over the columns read beside a row scatter keeps the rows: each block the ring
+    computes gives that block of it, put in its place (the device's own product's, returned)."""
+    text = scatter_program(lambda y, r: (y * 2.0, jnp.sum(y, axis=1)), beside=True)
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant=variant))
+    (site,) = result.report.sites
+    assert site.rewritten, site.summary_line()
+    outcome = execute.check_numerics(ir_utils.parse(text), result.module)
+    assert outcome.ok, outcome.format()

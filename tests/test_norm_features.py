@@ -2,8 +2,11 @@
 them, normalised over them (RMS norm, layer norm) and fed to matmuls contracting over them.  The
 norm's statistic is a sum over the gathered dim, so each device sums its own features, an
 all_reduce adds the shares, the shard is normalised, and the gather becomes the dots'
-contracting-dim ring.  Each precondition has a program that breaks it (left as written) beside
-its legal twin (rewritten), and every rewritten program is compared with the original."""
+contracting-dim ring.  In the backward the input gradient's scatter along the features reads the
+norm's backward, which spreads sums over the features back over them: those sums are
+all_reduced after the scatter's ring and their terms added to each device's own block.  Each
+precondition has a program that breaks it (left as written) beside its legal twin (rewritten),
+and every rewritten program is compared with the original."""
 
 import jax
 import jax.numpy as jnp
@@ -87,14 +90,46 @@ def test_training_parity_through_the_decorator(kind):
     moved = [s for s in step.report.sites if s.kind == "all_gather_dot" and s.rewritten
              and any("sums over the gathered dim" in n for n in s.notes)]
     assert len(moved) == 1, "\n".join(s.summary_line() for s in step.report.sites)
+    # the backward's input gradient: the norm's backward spreads a sum over the features back over
+    # them before the scatter; the sums are all_reduced after its ring
+    (dx,) = [s for s in step.report.sites if s.kind == "dot_reduce_scatter"]
+    assert dx.rewritten and "all_reduced after the scatter" in dx.notes[0], dx.summary_line()
 
 
-def test_a_residual_of_the_gathered_rows_keeps_the_gather():
-    """Differentiated without remat, the forward returns the gathered rows for the backward: moved,
-    they would cross the wire twice (once for the ring, once whole), so the gather stays."""
-    text = program(normed("rms"), dtype=jnp.float32, grad=True)
-    site = gather_site(cmatmul_pass.rewrite(text))
-    assert not site.rewritten and "gathered whole for sdy.return" in site.reason, site.summary_line()
+@pytest.mark.parametrize("kind, sums", [("rms", 1), ("layer", 2)])
+def test_a_residual_of_the_gathered_rows_is_assembled_by_the_ring(kind, sums):
+    """Differentiated without remat, the forward returns the gathered rows for the backward, so
+    the gather cannot move past the norm (the rows would cross the wire twice): the norm's sums
+    over the gathered features are computed from the shard and added up by an all_reduce, the
+    ring applies the rest of the norm to each block it receives and assembles the raw rows.  The
+    backward's input-gradient scatter rings too: its spread sums read the forward's residuals,
+    which the backward region's arguments carry (each device reads back what it returned)."""
+    text = program(normed(kind), dtype=jnp.float32, grad=True)
+    result = cmatmul_pass.rewrite(text)
+    site = gather_site(result)
+    assert site.rewritten and "assembles the gathered value" in site.summary_line(), site.summary_line()
+    assert f"{sums} sum(s) over the gathered dim" in site.notes[0], site.notes
+    (dx,) = [s for s in result.report.sites if s.kind == "dot_reduce_scatter"]
+    assert dx.rewritten, dx.summary_line()
+    assert_same_numbers(text, result)
+
+
+def test_a_sum_of_a_device_varying_value_stays_before_the_ring():
+    """The statistic sums the gathered rows scaled by the device's own factor: the shards' sums
+    would each be scaled by their own device's, not the reader's, so the sum is not moved and the
+    gather stays (its legal twin: the test above)."""
+    def body(x, g, b, w):
+        h = gathered(x)
+        ms = jnp.mean(h * h * (1.0 + jax.lax.axis_index("model")), axis=-1, keepdims=True)
+        return (h * jax.lax.rsqrt(ms + 1e-6) * g) @ w, h
+
+    f = jax.shard_map(body, mesh=MESH, in_specs=SPECS, out_specs=(P(None, "model"), P()), check_vma=False)
+    shapes = [(32, 64), (64,), (64,), (64, 128)]
+    args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(MESH, sp)) for s, sp in zip(shapes, SPECS)]
+    text = jax.jit(f).lower(*args).as_text()
+    result = cmatmul_pass.rewrite(text)
+    assert not gather_site(result).rewritten, gather_site(result).summary_line()
+    assert result.text == ir_utils.print_module(ir_utils.parse(text))
 
 
 def test_a_sum_from_a_nonzero_start_stays():
@@ -106,13 +141,17 @@ def test_a_sum_from_a_nonzero_start_stays():
     assert "gathered whole for stablehlo.reduce" in site.reason
 
 
-def test_a_gain_that_differs_between_devices_stays():
-    """Each device scales all the rows it gathered by its own gain; moved, a device's features
-    would arrive scaled by the sender's.  The legal twin is the replicated gain (the first test)."""
+def test_a_gain_that_differs_between_devices_is_applied_per_block_not_moved():
+    """Each device scales all the rows it gathered by its own gain: moved before the gather, a
+    device's features would arrive scaled by the sender's, so the norm does not move; the ring
+    applies it to each block it receives with the device's own gain's block, its statistic
+    summed from the shards first (the legal twin of the move: the first test)."""
     text = program(normed("rms", lambda g: g * (1.0 + jax.lax.axis_index("model"))))
     result = cmatmul_pass.rewrite(text)
-    assert not gather_site(result).rewritten
-    assert result.text == ir_utils.print_module(ir_utils.parse(text))
+    site = gather_site(result)
+    assert site.rewritten and not any(n.startswith("moved to its dot") for n in site.notes), site.notes
+    assert "1 sum(s) over the gathered dim" in site.notes[0], site.notes
+    assert_same_numbers(text, result)
 
 
 @pytest.mark.parametrize("hidden, moves", [(8, False), (16, True), (64, True)])
@@ -142,4 +181,53 @@ def test_the_statistic_read_elsewhere_is_the_summed_one():
     text = jax.jit(f).lower(*args).as_text()
     result = cmatmul_pass.rewrite(text)
     assert gather_site(result).rewritten
+    assert_same_numbers(text, result)
+
+
+def scan_step(kind, dtype):
+    """A training step over a scan of two remat'd layers: features-sharded activations gathered,
+    normed (f32 statistics), projected up (column-parallel), gelu, projected down (row-parallel)
+    and scattered back along the features, a residual add; value_and_grad of a mean square."""
+    def layer(x, p):
+        g, b, w1, w2 = p
+        h = feature_norm(gathered(x), g, b, kind)
+        return x + jax.lax.psum_scatter(jax.nn.gelu(h @ w1) @ w2, "model", scatter_dimension=1, tiled=True), None
+
+    specs = (P(None, "model"), P(), P(), P(None, None, "model"), P(None, "model", None))
+    f = jax.shard_map(lambda x, *p: jax.lax.scan(jax.checkpoint(layer), x, p)[0], mesh=MESH, in_specs=specs,
+                      out_specs=P(None, "model"), check_vma=False)
+    shapes = [((32, 64), dtype), ((2, 64), jnp.float32), ((2, 64), jnp.float32), ((2, 64, 128), dtype),
+              ((2, 128, 64), dtype)]
+    rng = np.random.default_rng(1)
+    args = [jax.device_put((rng.normal(size=s) * (0.2 if len(s) == 3 else 1.0)).astype(t), NamedSharding(MESH, sp))
+            for (s, t), sp in zip(shapes, specs)]
+    return jax.value_and_grad(lambda *a: jnp.mean(f(*a).astype(jnp.float32) ** 2), argnums=(0, 1, 2, 3, 4)), args
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_a_scan_of_remat_layers_rings_its_gathers_and_scatters_forward_and_backward(kind):
+    """Every collective of the step but the psums of whole-loop gradients is rewritten, in each
+    trip: the forward's gather (the norm on the shard, its gain a scan argument), the down
+    projection's scatter, the backward's gather of the recomputed rows (the norm's statistic
+    summed from the shards, the rows assembled for the norm's backward), the backward's gather of
+    the output gradient and the input gradient's scatter (the norm's spread sums taken out); loss
+    and gradients as jax.jit's."""
+    grad, args = scan_step(kind, jnp.float32)
+    step = cmatmul_pass.jit(grad)
+    mine, base = step(*args), jax.jit(grad)(*args)
+    for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(base)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+    left = [s for s in step.report.sites if not s.rewritten and s.kind != "dot_all_reduce"]
+    assert not left, "\n".join(s.summary_line() for s in left)
+    scatters = [s for s in step.report.sites if s.kind == "dot_reduce_scatter"]
+    assert len(scatters) == 2 and all(s.rewritten for s in scatters)
+    assert sum(any("all_reduced after the scatter" in n for n in s.notes) for s in scatters) == 1
+
+
+def test_the_bf16_step_is_checked_against_its_own_error():
+    """bf16 activations and weights, f32 norms: the rewritten step's numbers as check judges them."""
+    grad, args = scan_step("rms", jnp.bfloat16)
+    text = jax.jit(grad).lower(*args).as_text()
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant="bidi"))
+    assert sum(s.rewritten for s in result.report.sites if s.kind == "dot_reduce_scatter") == 2
     assert_same_numbers(text, result)

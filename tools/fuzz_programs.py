@@ -87,6 +87,10 @@ class Spec:
     #: normed input the same on every device) before its psum, as ``value_and_grad`` of a pre-norm
     #: Megatron block puts it there; the split ring applies it per block, chunk per row chunk
     norm: bool = False
+    #: rs with ``norm``: the norm over the scattered dim alone (features sharded and gathered before
+    #: it: its backward spreads sums over the scattered dim back over it, which the pass takes out
+    #: of the scatter), the gain's gradient summed over the other dims
+    spread: bool = False
     #: psum with ``norm``: the residual's cotangent (the block's input) added to the norm's
     #: backward before the psum (affine in the product: ``psum(dy + norm_backward(...))``)
     cotangent: bool = False
@@ -171,8 +175,10 @@ class Spec:
         """Sites the pass must rewrite (anything else may be declined, never miscompiled)."""
         if self.kind == "ag":  # (a complex value's crop is not moved)
             return self.dim in ("m", "k", "b") and not (sum(self.crop) and self.dtype == "c64")
-        if self.kind == "rs":  # (a complex product's padding is not moved)
-            return self.dim in ("m", "n", "b") and not (sum(self.pad) and self.dtype == "c64")
+        if self.kind == "rs":  # (a complex product's padding is not moved; spread sums are taken out of a
+            # tiled scatter of the product itself, not of a reshape or a first stage's psum)
+            return (self.dim in ("m", "n", "b") and not (sum(self.pad) and self.dtype == "c64")
+                    and not (self.spread and (self.first or not self.tiled)))
         if self.kind == "ag_norm" and self.dim == "k":  # a norm over the gathered features: moved where
             # nothing else reads them, every device has the same gain, and the sums' all_reduces (a
             # value per row, each byte about twice on the wire) are at most 1/8 of the gathered bytes
@@ -245,7 +251,8 @@ def specs(draw, kinds: tuple[str, ...] | None = None, norm: bool | None = None, 
         norm=kind in ("rs", "psum") and dtype in ("f32", "bf16", "f16", "f64") and (norm or draw(st.booleans())),
     )
     if spec.norm:
-        spec = replace(spec, gain=draw(st.booleans()), cotangent=kind == "psum" and draw(st.booleans()))
+        spec = replace(spec, gain=draw(st.booleans()), cotangent=kind == "psum" and draw(st.booleans()),
+                       spread=kind == "rs" and draw(st.booleans()))
     if kind == "mlp" and draw(st.booleans()):  # a training step of chained layers (4 or more: a group and a trim)
         spec = replace(spec, chained=True, grad=True, repeat=draw(st.sampled_from([3, 4, 5])))
     others = [a for a in names if a not in axes]
@@ -425,7 +432,7 @@ def _scatter_program(spec: Spec):
         if spec.scale:
             prod = prod * jnp.asarray(3, prod.dtype)
         if spec.norm:
-            prod, gain = _norm_backward(prod, normed.astype(prod.dtype), d)
+            prod, gain = _norm_backward(prod, normed.astype(prod.dtype), d, spec.spread)
         if spec.first:
             prod = jax.lax.psum(prod, spec.first)
         if spec.tiled:
@@ -440,7 +447,8 @@ def _scatter_program(spec: Spec):
     if spec.norm:  # the normed input: the product's shape, the same on every device
         args.append(([glob[c] for c in out], P()))
     if spec.norm and spec.gain:
-        gain_rank = len(out)  # [devices, the product's dims but the rows]: each device's own sum
+        # [devices, the product's dims but the rows (or the rows alone)]: each device's own sum
+        gain_rank = 2 if spec.spread else len(out)
         return body, args, (_spec_at(len(out), d, axes), _spec_at(gain_rank, 0, contraction))
     return body, args, _spec_at(len(out), d, axes)
 
@@ -554,15 +562,16 @@ def _mlp_program(spec: Spec):
     return body, args, _spec_at(2, 0, axes)
 
 
-def _norm_backward(dy, x, d: int):
-    """An RMS norm's backward (of ``x``, normalised over every dim but ``d``) applied to ``dy``,
-    and the gain's gradient: what ``jax.grad`` puts between an SP layer's input-gradient dot and
-    its scatter, written on any dims."""
-    other = tuple(i for i in range(dy.ndim) if i != d)
+def _norm_backward(dy, x, d: int, spread: bool = False):
+    """An RMS norm's backward (of ``x``, normalised over every dim but ``d``; ``spread``: over ``d``
+    alone) applied to ``dy``, and the gain's gradient: what ``jax.grad`` puts between an SP layer's
+    (a features-sharded layer's) input-gradient dot and its scatter, written on any dims."""
+    rest = tuple(i for i in range(dy.ndim) if i != d)
+    other = (d,) if spread else rest
     count = math.prod(dy.shape[i] for i in other)
     rs = jax.lax.rsqrt(jnp.mean(x * x, axis=other, keepdims=True) + 1)
     dx = rs * dy - x * rs ** 3 / count * jnp.sum(dy * x, axis=other, keepdims=True)
-    return dx, jnp.sum(dy * x * rs, axis=d)
+    return dx, jnp.sum(dy * x * rs, axis=rest if spread else d)
 
 
 def _gather_norm_program(spec: Spec):

@@ -169,6 +169,24 @@ def feature_norm_before_dot(kind: str) -> Callable[[], str]:
     return build
 
 
+def feature_norm_grad(kind: str) -> Callable[[], str]:
+    """value_and_grad of :func:`feature_norm_before_dot`'s block, rematerialised (as a scan over
+    layers remats it), f32, the gain trained."""
+    def build() -> str:
+        mesh = mesh_1d()
+        specs = (P(None, "model"), P(), P(), P(None, "model"))
+
+        def body(x, g, b, w):
+            return feature_norm(gather(x, "model", 1), g, b, kind) @ w
+
+        f = smap(jax.checkpoint(body), mesh=mesh, in_specs=specs, out_specs=P(None, "model"))
+        loss = jax.value_and_grad(lambda *a: jnp.mean(f(*a) ** 2), argnums=(0, 1, 3))
+        args = [arg(mesh, (32, 64), specs[0]), arg(mesh, (64,), P()), arg(mesh, (64,), P()),
+                arg(mesh, (64, 128), specs[3])]
+        return jax.jit(loss).lower(*args).as_text()
+    return build
+
+
 def sp_rms_norm_before_dot() -> str:
     """A sequence-parallel MLP block whose gathered rows are RMS-normalised (with a replicated
     gain) before the up projection: the norm runs on the shard's rows, the gather moves to the dot."""
@@ -480,6 +498,19 @@ SAMPLES_LIST = [
            ['CHECK: "stablehlo.all_reduce"', "CHECK: }) : (tensor<32xf32>) -> tensor<32xf32>",
             'CHECK: "stablehlo.all_reduce"', "CHECK: }) : (tensor<32xf32>) -> tensor<32xf32>",
             "CHECK: stablehlo.while", "CHECK-NOT: stablehlo.all_gather"]),
+    Sample("rs_norm_features_grad", "value_and_grad of ag_rms_features_dot's block in f32, rematerialised, its "
+           "gain trained: the forward's gather moves past the norm and rings; the backward's input gradient, "
+           "scattered along the features after the norm's backward (which spreads a sum over the features back "
+           "over them), rings with the spread term taken out: its sum over the features is added up block by "
+           "block, all_reduced after the ring (32 floats) and its term added to the device's own block. The "
+           "backward's gather of the recomputed rows, which the norm's backward reads whole, rings with the norm "
+           "applied to each block it receives (the statistic summed from the shards first) and assembles them.",
+           feature_norm_grad("rms"), "rewritten 3",
+           ['CHECK: "stablehlo.all_reduce"', "CHECK: }) : (tensor<32xf32>) -> tensor<32xf32>",
+            "CHECK: stablehlo.while", "CHECK: stablehlo.while",
+            'CHECK: "stablehlo.all_reduce"', "CHECK: }) : (tensor<32xf32>) -> tensor<32xf32>",
+            "CHECK: stablehlo.dynamic_slice", "CHECK-SAME: sizes = [32, 8]",
+            "CHECK-NOT: stablehlo.reduce_scatter"]),
     Sample("rs_norm_backward", "value_and_grad of the RMS-norm-before-dot SP MLP, its gain trained: the input "
            "gradient's scatter follows the norm's backward of the cotangent (the product read twice: scaled per "
            "row, and summed over the row then scaled); the ring applies it to each 8-row block it computes, its "

@@ -117,7 +117,7 @@ def _match(rs: ir.OpView, ring: Ring, region: ManualRegion, info: ModuleInfo) ->
         raise Decline("shape", f"scattered dim {scatter_dim} is not {n}x the result's")
 
     try:
-        terms, adds, path = trace_product(rs, operand, scatter_dim, info, ring, dag=True)
+        terms, adds, path = trace_product(rs, operand, scatter_dim, info, ring, dag=True, assemble=True)
     except Decline as declined:
         raise _truer(declined, operand, scatter_dim, n, info) from None
     return ReduceScatterSite(rs, terms, adds, path, ring, region, scatter_dim, read_early(path, rs))
@@ -138,7 +138,7 @@ def read_early(path: tuple[LayoutStep, ...], rs: ir.OpView) -> tuple[ir.OpView, 
     moves, or the path reads one."""
     block = rs.operation.block
     found: dict[ir.Operation, ir.OpView] = {}
-    for sum_op in [step.op for step in path if step.sums_rows]:
+    for sum_op in [step.op for step in path if step.handed_over]:
         stack = [u.owner for u in sum_op.result.uses]
         while stack:
             op = ir_utils.ancestor_in(stack.pop(), block)
@@ -337,7 +337,7 @@ def _path_source(value: ir.Value, dim: int, n: int) -> ir.Value:
 
 def trace_product(
     anchor: ir.OpView, operand: ir.Value, dim: int, info: ModuleInfo, ring: Ring, dag: bool = False,
-    affine: bool = False,
+    affine: bool = False, assemble: bool = False,
 ) -> tuple[tuple[Term, ...], tuple[ir.OpView, ...], tuple[LayoutStep, ...]]:
     """The dots whose (summed) product a sum-collective ``anchor`` reduces, split into the ring's
     blocks along ``dim`` of ``operand``: (terms, the sum's adds root first, the path from the
@@ -349,14 +349,15 @@ def trace_product(
     reads the product twice), they are traced as a DAG (:func:`trace_dag`): then ``adds`` is
     empty, ``path`` holds every op computed from the products, producers first, and a step may
     read several earlier steps' results (:func:`~cmatmul_pass.layout.apply_dag` applies it);
-    ``affine``: the DAG may also add a value computed apart from the products (:func:`_linear`)."""
+    ``affine``: the DAG may also add a value computed apart from the products (:func:`_linear`);
+    ``assemble``: a reduce over other dims may be read beside the sum (:func:`trace_dag`)."""
     try:
         return _trace_chain(anchor, operand, dim, info, ring)
     except Decline as chain:
         if not dag or chain.code not in ("producer_not_dot", "multiple_users") or isinstance(chain, ScatterStep):
             raise
         try:
-            return trace_dag(anchor, operand, dim, info, ring, chain, affine)
+            return trace_dag(anchor, operand, dim, info, ring, chain, affine, assemble)
         except Nonlinear as nonlinear:
             if chain.code != "producer_not_dot":
                 raise Decline("producer_not_dot", nonlinear.message) from None

@@ -43,7 +43,7 @@ class Nonlinear(Decline):
 
 def trace_dag(
     anchor: ir.OpView, operand: ir.Value, dim: int, info: ModuleInfo, ring: Ring, chain: Decline,
-    affine: bool = False,
+    affine: bool = False, assemble: bool = False,
 ) -> tuple[tuple[Term, ...], tuple[ir.OpView, ...], tuple[LayoutStep, ...]]:
     """The ops from the dots to ``operand`` as a DAG (a norm's backward applied to the cotangent:
     ``dx = rs*g*dy - x*rs^3/n * sum_j(g*dy*x)``, the product read twice).  Valid block by block
@@ -61,11 +61,13 @@ def trace_dag(
     ``sum_i(x_i*rs_i*dy_i)`` over the rows), each a step that :attr:`~LayoutStep.sums_rows` (the
     ring adds up its blocks' shares).  ``chain``: the chain tracer's decline, raised where the
     DAG is no better (no dot in the cone; a nonlinear op, which ``chain`` names).  ``affine``:
-    an add of a path value and a value computed apart from the product is taken (:func:`_linear`)."""
+    an add of a path value and a value computed apart from the product is taken (:func:`_linear`).
+    ``assemble``: a branch may also end in a reduce over other dims than the ring dim (a norm
+    gain's gradient where the features are scattered), whose blocks the ring puts in place."""
     n = ring.size
     root = operand.owner
     block = anchor.operation.block
-    if isinstance(root, ir.Block) or len(list(operand.uses)) != 1 or root.operation.block != block:
+    if isinstance(root, ir.Block) or root.operation.block != block:
         raise chain
 
     reach = _cone(root, block, None)  # every op back from the scatter through the ops a product may pass
@@ -137,7 +139,7 @@ def trace_dag(
         steps[op.operation] = step
     for op in path_ops.values():
         if op.operation not in cone:
-            steps[op.operation] = _branch_step(op, dims, on_path, branches, n, affine)
+            steps[op.operation] = _branch_step(op, dims, on_path, branches, n, affine, assemble)
     for op in path_ops.values():  # what the ring reads beside the path: there before it
         for value in op.operation.operands:
             if not on_path(value):
@@ -207,9 +209,12 @@ def _branch(start: ir.OpView, reader: ir.OpView, block: ir.Block, ops: dict, bra
         stack += [u.owner for r in op.operation.results for u in r.uses]
 
 
-def _branch_step(op: ir.OpView, dims: dict, on_path, branches: dict, n: int, affine: bool = False) -> LayoutStep:
+def _branch_step(op: ir.OpView, dims: dict, on_path, branches: dict, n: int, affine: bool = False,
+                 assemble: bool = False) -> LayoutStep:
     """The step of a branch op, its ring dim taken forward from its path operands' (producers
-    come first); a reduce must sum the ring dim away, from zero."""
+    come first); a reduce must sum the ring dim away, from zero, or (``assemble``) reduce other
+    dims only, one value at a time: then each block gives its block of the result
+    (:attr:`~cmatmul_pass.layout.LayoutStep.assembles`)."""
     read = [v for v in op.operation.operands if on_path(v)]
     in_dims = {dims.get(v) for v in read}
     if None in in_dims or len(in_dims) != 1:
@@ -219,6 +224,12 @@ def _branch_step(op: ir.OpView, dims: dict, on_path, branches: dict, n: int, aff
     name = op.operation.name
     if name == "stablehlo.reduce":
         reduced = set(ir_utils.i64s(op, "dimensions"))
+        if in_dim not in reduced and assemble and len(op.operation.operands) == 2:
+            # each block of the ring dim reduced alone is that block of the result: assembled
+            out_dim = in_dim - sum(1 for d in reduced if d < in_dim)
+            dims[op.result] = out_dim
+            _cut(op, out_dim, n)
+            return LayoutStep(op, in_dim, out_dim, (None, op.operation.operands[1].owner), assembles=True)
         if in_dim not in reduced:
             raise Decline("multiple_users", f"{describe_op(op)} sums a value computed from the product over other "
                                             f"dims than the scattered dim {in_dim}, outside the ops that feed the "

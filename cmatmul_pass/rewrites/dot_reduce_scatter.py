@@ -29,6 +29,8 @@ ring computes, a chain or a DAG (a norm's backward reading the product twice:
 :func:`~cmatmul_pass.layout.apply_dag`), their per-row operands sliced to the block's rows.  A
 sum over the scattered rows read beside the scatter (a norm gain's gradient) is carried by the
 loop: each block adds its share, and the ops before the scatter that read the sum move after it.
+A reduce over other dims read beside the scatter (the gain's gradient where the scattered dim is
+the features) is carried the same way, each block put in its place along the ring dim.
 
 Bidirectional: each block is split in two halves along the scattered dim; the first
 half's partial sums travel to the previous position as above, the second half's to
@@ -68,7 +70,8 @@ def path_block(site, products, parts: int, block_of_sliced, add) -> tuple[ir.Val
     """One block of the value ``site``'s collective sums (a :class:`ReduceScatterSite`, an
     :class:`~cmatmul_pass.matchers.all_reduce.AllReduceSite`: ``terms``, ``adds``, ``path``), built
     at the current insertion point, and the block's shares of the path's sums over the rows
-    (:attr:`~cmatmul_pass.layout.LayoutStep.sums_rows`, in path order).  ``products``: each term's
+    (:attr:`~cmatmul_pass.layout.LayoutStep.sums_rows`) and its blocks of the reduces it assembles
+    (:attr:`~cmatmul_pass.layout.LayoutStep.assembles`), in path order.  ``products``: each term's
     block of its dot, in term order (made as it is read); ``block_of_sliced(operand, dim, width)``:
     that block of a value the path reads at the block's rows (asked once per operand, however many
     steps read it); ``add(a, b)``: an add of two products' blocks (a sum of dots)."""
@@ -93,7 +96,8 @@ def path_block(site, products, parts: int, block_of_sliced, add) -> tuple[ir.Val
     # a chain or a DAG (a norm's backward reading the product twice): every step reads its
     # operands' blocks
     apply_dag(site.path, blocks, parts, once)
-    return blocks[site.anchor.operation.operands[0]], [blocks[step.op.result] for step in site.path if step.sums_rows]
+    return blocks[site.anchor.operation.operands[0]], [blocks[step.op.result] for step in site.path
+                                                      if step.handed_over]
 
 
 def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> Applied:
@@ -141,7 +145,8 @@ def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> 
         dots.append(product.owner)
         return product
 
-    sums = [step for step in site.path if step.sums_rows]  # a gain's gradient: each block's share added up
+    # a gain's gradient: each block's share added up (a sum over the rows), or put in its place
+    sums = [step for step in site.path if step.handed_over]
 
     def piece(block: ir.Value, half: int, stream: int, dots: list) -> tuple[ir.Value, list[ir.Value]]:
         def block_of_sliced(operand: ir.Value, dim: int, width: int) -> ir.Value:
@@ -150,6 +155,14 @@ def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> 
 
         products = (term_piece(term, block, half, stream, dots) for term in site.terms)
         return path_block(site, products, parts, block_of_sliced, loop_b.at(rs.location).add)
+
+    def placed(step, total: ir.Value | None, share: ir.Value, block: ir.Value, half: int) -> ir.Value:
+        """An assembled reduce's block put in its place (the first into zeros)."""
+        compute = loop_b.at(step.op.location)
+        whole = ir.RankedTensorType(step.op.result.type)
+        width = whole.shape[step.out_dim] // parts
+        into = compute.zeros(whole) if total is None else total
+        return compute.dynamic_update_slice(into, share, step.out_dim, block_offset(compute, block, half, width))
 
     def round_fn(rnd: Round, accs: list[ir.Value]) -> list[ir.Value]:
         new = []
@@ -166,7 +179,8 @@ def rewrite_dot_reduce_scatter(site: ReduceScatterSite, ctx: RewriteContext) -> 
             mine, shares = piece(block, i, 1 + rnd.slot * len(shifts) + i, dots)
             ctx.annotator.group(received.owner if received is not None else None, dots)
             new.append(comm.add(received, mine) if rnd.signature else mine)
-            totals = [share if total is None else loop_b.at(step.op.location).add(total, share)
+            totals = [placed(step, total, share, block, i) if step.assembles else
+                      share if total is None else loop_b.at(step.op.location).add(total, share)
                       for step, total, share in zip(sums, totals, shares)]
         return new + totals
 
