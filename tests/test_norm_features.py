@@ -231,3 +231,20 @@ def test_the_bf16_step_is_checked_against_its_own_error():
     result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(variant="bidi"))
     assert sum(s.rewritten for s in result.report.sites if s.kind == "dot_reduce_scatter") == 2
     assert_same_numbers(text, result)
+
+
+def test_a_residual_that_differs_between_devices_keeps_the_scatter():
+    """The gathered rows scaled by the device's own factor before the norm: the backward reads
+    them as a residual (a region argument the forward returned), and they scale the spread sum's
+    term, so the devices' terms are not one term of the summed statistic: the input gradient's
+    scatter stays as written (its legal twin: test_a_residual_of_the_gathered_rows_...)."""
+    def body(x, g, b, w):
+        h = gathered(x) * (1.0 + jax.lax.axis_index("model"))
+        return (h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6) * g) @ w
+
+    text = program(body, dtype=jnp.float32, grad=True)
+    result = cmatmul_pass.rewrite(text)
+    (dx,) = [s for s in result.report.sites if s.kind == "dot_reduce_scatter"]
+    assert not dx.rewritten and "may differ between devices" in dx.reason, dx.summary_line()
+    assert "a product of two values" in dx.reason, dx.reason
+    assert_same_numbers(text, result)

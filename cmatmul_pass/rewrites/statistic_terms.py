@@ -113,17 +113,18 @@ def statistic_terms(rs: ir.OpView, variance: Variance, ring: Ring) -> StatisticT
     # an axis index say, is a scale like any other)
     sums: dict[ir.Operation, ir.OpView] = {}
     post: dict[ir.Operation, ir.OpView] = {}
-    first_why = None
+    failed: list[tuple[bool, str]] = []  # (whether it spreads a sum, why not), the spreads' that fail
     for key, spread in list(spreads.items()):
         found_sums, found_post = dict(sums), dict(post)
         why = _post_linear(spread.operation.operands[0], block, shape, dim, variance, ring, found_sums, found_post, {})
         if why:
-            first_why = first_why or f"{describe_op(spread)} spreads {why}"
+            failed.append((_reaches_sum(spread.operation.operands[0], block, shape, dim),
+                           f"{describe_op(spread)} spreads {why}"))
             del spreads[key]
         else:
             sums, post = found_sums, found_post
-    if not spreads:
-        return first_why
+    if not spreads:  # (say why a spread of a sum fails, before another varying value's)
+        return sorted(failed, key=lambda f: not f[0])[0][1]
     # forward from the spreads: the terms (each linear in the spread values it reads)
     on_b = set(spreads)
     terms = []
@@ -231,6 +232,21 @@ def _post_linear(value: ir.Value, block: ir.Block, shape: list[int], dim: int, v
             post[owner.operation] = owner
     memo[owner.operation] = why
     return why
+
+
+def _reaches_sum(value: ir.Value, block: ir.Block, shape: list[int], dim: int) -> bool:
+    """Is ``value`` computed (in ``block``) from a sum over the scattered dim?"""
+    seen: set = set()
+    stack = [value]
+    while stack:
+        owner = stack.pop().owner
+        if isinstance(owner, ir.Block) or owner.operation.block != block or owner.operation in seen:
+            continue
+        seen.add(owner.operation)
+        if owner.operation.name == "stablehlo.reduce" and _sums_dim(owner, shape, dim):
+            return True
+        stack += list(owner.operation.operands)
+    return False
 
 
 def _sums_dim(op: ir.OpView, shape: list[int], dim: int) -> bool:
