@@ -235,6 +235,30 @@ FEATURE_NORMS = {
 }
 
 
+#: the features gathered and normed over while the raw rows are read elsewhere too (returned, added
+#: after the dots) or the gain is each device's own: the norm's sums computed from the shards first,
+#: the ring applies the rest of the norm per block and assembles the raw rows
+FEATURE_NORMS_RINGED = {
+    "f32-rms-features-return": _ag_norm(
+        mesh_shape=(8,), devices=(5, 2, 7, 0, 3, 6, 1, 4), dim="k", sizes=(3, 4, 2, 1), gain_mode="rep"),
+    "f32-ln-features-device-gain-residual": _ag_norm(
+        mesh_shape=(8,), devices=(1, 3, 5, 7, 0, 2, 4, 6), dim="k", consumers=2, sizes=(3, 4, 2, 1), norm_kind="ln",
+        gain_mode="dev", bias=True, raw="residual"),
+    "bf16-rms-features-upcast-return": _ag_norm(
+        mesh_shape=(8,), devices=(1, 3, 5, 7, 0, 2, 4, 6), dim="k", batch=True, dtype="bf16", upcast=True,
+        sizes=(2, 4, 2, 2), gain_mode="rep"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FEATURE_NORMS_RINGED))
+def test_a_norm_over_the_gathered_features_read_elsewhere_rings_and_matches(name):
+    """Rewritten in every variant that assembles (not under --no-assemble: the raw rows are read
+    elsewhere), each result the original's numbers."""
+    tally = fuzz_programs.check(FEATURE_NORMS_RINGED[name])
+    assert not tally.crashes and not tally.mismatches, tally.crashes + tally.mismatches
+    assert tally.sites_rewritten == len(fuzz_programs.VARIANTS) - 1
+
+
 @pytest.mark.parametrize("name", sorted(GATHER_NORMS))
 def test_a_norm_of_the_gathered_rows_rings_and_matches(name):
     """Every gather rewritten with every dot through the norm in its ring, under every variant that
