@@ -248,3 +248,22 @@ def test_a_residual_that_differs_between_devices_keeps_the_scatter():
     assert not dx.rewritten and "may differ between devices" in dx.reason, dx.summary_line()
     assert "a product of two values" in dx.reason, dx.reason
     assert_same_numbers(text, result)
+
+
+def test_a_sum_reading_another_statistic_of_the_gathered_rows_stays():
+    """The rows centred by their max over the gathered features before the sum of squares: the
+    sum's other operand is computed from the gathered value by an op that is not moved (a max),
+    so the sum is not computed from the shards and the gather stays, the raw rows returned."""
+    def body(x, g, b, w):
+        h = gathered(x)
+        c = h - jnp.max(h, axis=-1, keepdims=True)
+        return (h * jax.lax.rsqrt(jnp.mean(c * c, axis=-1, keepdims=True) + 1e-6) * g) @ w, h
+
+    f = jax.shard_map(body, mesh=MESH, in_specs=SPECS, out_specs=(P(None, "model"), P()), check_vma=False)
+    shapes = [(32, 64), (64,), (64,), (64, 128)]
+    args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(MESH, sp)) for s, sp in zip(shapes, SPECS)]
+    text = jax.jit(f).lower(*args).as_text()
+    result = cmatmul_pass.rewrite(text)
+    site = gather_site(result)
+    assert not site.rewritten and site.reason_code == "layout", site.summary_line()
+    assert result.text == ir_utils.print_module(ir_utils.parse(text))

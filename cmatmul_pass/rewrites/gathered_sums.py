@@ -89,6 +89,12 @@ def gathered_sums(ag: ir.OpView, variance: Variance, ring: Ring) -> list[Gathere
         if cone is not None and all(_reads_alike(step, on, dim, variance, ring) for step in cone):
             sums.append(GatheredSum(op, cone))
     sums.sort(key=lambda s: LatestFirst(s.reduce), reverse=True)
+    kept: list[GatheredSum] = []
+    for s in sums:  # what a sum reads beside the gathered value is there before it, its earlier sums moved
+        beside = [v for op in s.ops for v in op.operation.operands if not on(v)]
+        if not any(_reads_gathered(v, ag, {k.reduce.operation for k in kept}) for v in beside):
+            kept.append(s)
+    sums = kept
     if sums and any(op.name in SIDE_EFFECTS for op in _readers_before(ag, sums[-1].reduce.operation)):
         return []  # (the gathered value's readers before the last sum move after it: none with an effect)
     return sums
@@ -159,6 +165,22 @@ def move_sums(ag: ir.OpView, sums: list[GatheredSum], take_channel) -> str:
     _sink_readers(ag, last)
     return (f"{len(sums)} sum(s) over the gathered dim ({names}) computed from the shard and added up by an "
             "all_reduce before the ring")
+
+
+def _reads_gathered(value: ir.Value, ag: ir.OpView, moved: set) -> bool:
+    """Is ``value`` computed from the gathered value other than through the sums of ``moved``?"""
+    seen: set = set()
+    stack = [value]
+    while stack:
+        owner = _owner(stack.pop())
+        if owner is None or owner in seen or owner in moved or owner.block != ag.operation.block:
+            continue
+        if owner == ag.operation:
+            return True
+        seen.add(owner)
+        if not owner.is_before_in_block(ag.operation):
+            stack += list(owner.operands) + ir_utils.captured(owner)
+    return False
 
 
 def _readers_before(ag: ir.OpView, last: ir.Operation) -> list[ir.Operation]:
