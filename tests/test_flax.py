@@ -168,3 +168,34 @@ def test_a_flax_model_trains_alike_under_cmatmul_pass_jit(build):
     assert sum(s.rewritten for s in psums) == 2 * LAYERS
     for declined in (s for s in psums if not s.rewritten):
         assert declined.reason_code == "producer_not_dot" and "normalization.py" in declined.location
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["residual", "remat"])
+@pytest.mark.parametrize("norm", [nn.LayerNorm, nn.RMSNorm], ids=["layer", "rms"])
+def test_a_flax_norm_over_gathered_features_rings_forward_and_backward(norm, remat):
+    """flax's LayerNorm (mean and mean of squares, a clamped variance) and RMSNorm over features
+    gathered along them, into a column-parallel projection; value_and_grad of a mean square:
+    the forward's gather, the backward's recomputed gather where remat'd, and the input gradient's
+    scatter are all rewritten (the norm's sums computed from the shards; its backward's spread
+    sums taken out of the scatter); loss and gradients as jax.jit's."""
+    mesh = jax.make_mesh((8,), ("model",))
+    layer = norm()
+    params = layer.init(jax.random.key(0), jnp.ones((4, 64)))
+
+    def body(x, p, w):
+        return layer.apply(p, jax.lax.all_gather(x, "model", axis=1, tiled=True)) @ w
+
+    specs = (P(None, "model"), P(), P(None, "model"))
+    f = jax.shard_map(jax.checkpoint(body) if remat else body, mesh=mesh, in_specs=specs,
+                      out_specs=P(None, "model"), check_vma=False)
+    grad = jax.value_and_grad(lambda x, p, w: jnp.mean(f(x, p, w) ** 2), argnums=(0, 1, 2))
+    rng = np.random.default_rng(0)
+    args = [jax.device_put(rng.normal(size=(32, 64)).astype(np.float32), NamedSharding(mesh, specs[0])),
+            jax.tree.map(lambda a: jax.device_put(a + 0.1, NamedSharding(mesh, P())), params),
+            jax.device_put(rng.normal(size=(64, 128)).astype(np.float32), NamedSharding(mesh, specs[2]))]
+    step = cmatmul_pass.jit(grad)
+    for a, b in zip(jax.tree.leaves(step(*args)), jax.tree.leaves(jax.jit(grad)(*args))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+    sites = [s for s in step.report.sites if s.kind in ("all_gather_dot", "dot_reduce_scatter")]
+    assert len(sites) == (3 if remat else 2) and all(s.rewritten for s in sites), \
+        "\n".join(s.summary_line() for s in sites)

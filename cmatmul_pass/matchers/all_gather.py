@@ -477,7 +477,7 @@ HOISTABLE = frozenset(f"stablehlo.{name}" for name in (
     "convert", "reshape", "transpose", "broadcast_in_dim", "slice", "dynamic_slice", "concatenate", "constant",
     "iota", "add", "subtract", "multiply", "divide", "negate", "abs", "maximum", "minimum", "select", "compare",
     "clamp", "pad", "reverse", "bitcast_convert", "sqrt", "rsqrt", "exponential", "tanh", "logistic",
-)) | {"sdy.sharding_constraint"}  # a hint on a value (partial-manual regions put one after every op)
+)) | {"sdy.sharding_constraint", "chlo.square"}  # (a hint: partial-manual regions put one after every op)
 #: the most ops one site moves (a bound on the walk, not a limit real weight preparation meets)
 HOIST_LIMIT = 32
 
