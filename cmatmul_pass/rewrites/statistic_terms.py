@@ -19,7 +19,8 @@ subtracts, negates, converts, or scales a value computed from ``b`` by one that 
 devices' values, each device's ``b`` is its own ``b_d``: ``sum_d L2(b_d)[own] = L2(sum_d b_d)[own]``
 when ``L2``'s scales are the same on every device, and ``sum_d spread(post(s_d)) =
 spread(post(sum_d s_d))`` when ``post`` (the ops from the sums to the spreads) is linear in the sums
-with scales the same on every device.  ``sum_d s_d`` is an ``all_reduce`` of one value per row; ``L2``
+with scales the same on every device.  ``sum_d s_d`` is an ``all_reduce`` of one value per row (the
+sums of one element type concatenated into one all_reduce); ``L2``
 is elementwise, so its own block reads each scale's own block.  ``V|b=0`` is the product's blocks
 under ops the scatter ring applies block by block (its sums over the scattered dim are added up
 block by block, then summed over the devices by that ``all_reduce``).
@@ -44,6 +45,7 @@ Made only where the scatter is then rewritten (:mod:`cmatmul_pass.attempts` undo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .. import ir_utils
@@ -264,7 +266,7 @@ def _sum_from_zero(op: ir.OpView) -> bool:
 def split_terms(plan: StatisticTerms, ring: Ring, region, constants: dict, take_channel) -> None:
     """Rewrite ``plan``'s scatter into the scatter of its operand with the spread values zero, plus
     the spread terms' own block computed from the all_reduced sums (the module's identity), built
-    after the scatter at its location; ``take_channel()``: a fresh channel for each sum's all_reduce."""
+    after the scatter at its location; ``take_channel()``: a fresh channel for each all_reduce."""
     rs, dim = plan.reduce_scatter, plan.dim
     root = rs.operation.operands[0]
     with ir.InsertionPoint(rs.operation):
@@ -272,8 +274,7 @@ def split_terms(plan: StatisticTerms, ring: Ring, region, constants: dict, take_
     rs.operation.operands[0] = kept[root]
     b = Builder(rs.location, constants)
     with ir.InsertionPoint.after(rs.operation):
-        summed = {op.result: sum_all_reduce(op.result, rs.attributes["replica_groups"], take_channel(),
-                                            op.location).result for op in plan.sums}
+        summed = _all_reduced(plan.sums, rs.attributes["replica_groups"], take_channel, b)
         for op in plan.post:
             clone = op.operation.clone()
             for i, operand in enumerate(op.operation.operands):
@@ -294,6 +295,25 @@ def split_terms(plan: StatisticTerms, ring: Ring, region, constants: dict, take_
     rs.result.replace_all_uses_with(total.result)
     total.operation.operands[0] = rs.result
     erase_dead(list(reversed(plan.terms)) + list(plan.spreads) + list(reversed(plan.post)))
+
+
+def _all_reduced(sums: tuple[ir.OpView, ...], groups: ir.Attribute, take_channel, b: Builder) -> dict:
+    """Each sum's result -> its all_reduce over ``groups``: one all_reduce where the sums have one
+    element type (each flattened, concatenated, and sliced back out: one latency, not several)."""
+    types = [ir.RankedTensorType(op.result.type) for op in sums]
+    if len(sums) == 1 or len({t.element_type for t in types}) != 1:
+        return {op.result: sum_all_reduce(op.result, groups, take_channel(), op.location).result for op in sums}
+    sizes = [math.prod(t.shape) for t in types]
+    flat = [op.result if t.rank == 1 else
+            b.create("stablehlo.reshape", [ir.RankedTensorType.get([size], t.element_type)], [op.result]).result
+            for op, t, size in zip(sums, types, sizes)]
+    total = sum_all_reduce(b.concatenate(flat, 0), groups, take_channel(), b.loc).result
+    out, start = {}, 0
+    for op, t, size in zip(sums, types, sizes):
+        piece = b.slice(total, 0, start, size)
+        out[op.result] = piece if t.rank == 1 else b.create("stablehlo.reshape", [t], [piece]).result
+        start += size
+    return out
 
 
 def _rebuild(terms, zero: set, blocks: dict, scale, result_type) -> dict:
