@@ -40,7 +40,7 @@ from .rewrites.pad_motion import CroppedGather, PaddedProduct, cropped_gather, m
 from .rewrites.gathered_sums import gathered_sums, move_sums
 from .rewrites.schedule import RewriteContext
 from .rewrites.statistic_terms import StatisticTerms, split_terms, statistic_terms
-from .rewrites.sequence_parallel import STATISTIC_SHARE, Seed, carry_forward, move_gather_forward
+from .rewrites.sequence_parallel import Seed, carry_forward, move_gather_forward, statistic_too_big
 from .rewrites.sink import Hoisted, Sunk
 from .rewrites import stages
 from .rewrites.sink import hoist as hoist_scatter
@@ -653,7 +653,7 @@ def _move_gather(site: Site, info: ModuleInfo, variance: Variance, ctx: RewriteC
         variance.forget()  # (the move's questions may name values a rewrite since erased)
         sums = gathered_sums(site.anchor, variance, ring)
         summed = sum(tensor_bytes(ir.RankedTensorType(s.reduce.result.type)) for s in sums)
-        if sums and 2 * summed * STATISTIC_SHARE <= tensor_bytes(ir.RankedTensorType(site.anchor.result.type)):
+        if sums and not statistic_too_big(summed, tensor_bytes(ir.RankedTensorType(site.anchor.result.type))):
             # a norm's statistic over the gathered dim: summed from the shards first, then that ring
             note = move_sums(site.anchor, sums, ctx.take_channel)
             ringed = match_all_gather(site.anchor, info, assemble=options.assemble, dag_alone=True)

@@ -56,6 +56,11 @@ class LatestFirst:
         return other.op.operation.is_before_in_block(self.op.operation)
 
 
+def producers_first(ops) -> tuple[ir.OpView, ...]:
+    """``ops`` (of one block) in block order."""
+    return tuple(sorted(ops, key=LatestFirst, reverse=True))
+
+
 def operand_side(value: ir.Value) -> str:
     """A value computed apart from the product, in words."""
     owner = value.owner
@@ -161,3 +166,9 @@ def region_is_sum(op: ir.OpView) -> bool:
         return False
     a, b = (strip_constraints(v) for v in total.owner.operation.operands)
     return (a == args[0] and b == args[1]) or (a == args[1] and b == args[0])
+
+
+def is_sum_from_zero(op: ir.OpView) -> bool:
+    """Is ``op`` (a ``reduce``) one sum of one value from a zero constant?"""
+    operands = list(op.operation.operands)
+    return len(operands) == 2 and region_is_sum(op) and ir_utils.is_zero_splat(operands[1])

@@ -36,7 +36,7 @@ from ..analysis.variance import Variance
 from ..errors import Decline
 from ..layout import block_of, invariant_source, is_elementwise
 from ..matchers.common import describe_op
-from ..matchers.scatter_terms import LatestFirst, region_is_sum
+from ..matchers.scatter_terms import LatestFirst, is_sum_from_zero, producers_first
 from ..ring import Ring
 from .builders import erase_dead
 from .dot_all_reduce import sum_all_reduce
@@ -80,17 +80,17 @@ def gathered_sums(ag: ir.OpView, variance: Variance, ring: Ring) -> list[Gathere
         return not isinstance(value.owner, ir.Block) and value.owner.operation in computed
 
     for op in reached.values():
-        if op.operation.name != "stablehlo.reduce" or len(op.operation.operands) != 2 or not on(op.operation.operands[0]):
+        if op.operation.name != "stablehlo.reduce" or not on(op.operation.operands[0]):
             continue
-        if dim not in ir_utils.i64s(op, "dimensions") or not region_is_sum(op) or not ir_utils.is_zero_splat(
-                op.operation.operands[1]):
+        if dim not in ir_utils.i64s(op, "dimensions") or not is_sum_from_zero(op):
             continue
         cone = _cone(op.operation.operands[0], ag, from_g)
-        if cone is not None and all(_reads_alike(step, on, dim, variance, ring) for step in cone):
+        if all(_reads_alike(step, on, dim, variance, ring) for step in cone):
             sums.append(GatheredSum(op, cone))
-    sums.sort(key=lambda s: LatestFirst(s.reduce), reverse=True)
+    # producers first; what a sum reads beside the gathered value is there before it once its
+    # earlier sums are moved
     kept: list[GatheredSum] = []
-    for s in sums:  # what a sum reads beside the gathered value is there before it, its earlier sums moved
+    for s in sorted(sums, key=lambda s: LatestFirst(s.reduce), reverse=True):
         beside = [v for op in s.ops for v in op.operation.operands if not on(v)]
         if not any(_reads_gathered(v, ag, {k.reduce.operation for k in kept}) for v in beside):
             kept.append(s)
@@ -100,9 +100,9 @@ def gathered_sums(ag: ir.OpView, variance: Variance, ring: Ring) -> list[Gathere
     return sums
 
 
-def _cone(value: ir.Value, ag: ir.OpView, from_g: dict) -> tuple[ir.OpView, ...] | None:
+def _cone(value: ir.Value, ag: ir.OpView, from_g: dict) -> tuple[ir.OpView, ...]:
     """The ops of ``from_g`` that ``value`` is computed from back to the gathered value, producers
-    first (None: it reads one computed from the gathered value by another op)."""
+    first (values computed apart from them: read beside, checked by the caller)."""
     found: dict[ir.Operation, ir.OpView] = {}
     stack = [value]
     while stack:
@@ -111,10 +111,10 @@ def _cone(value: ir.Value, ag: ir.OpView, from_g: dict) -> tuple[ir.OpView, ...]
         if isinstance(owner, ir.Block) or owner.operation == ag.operation or owner.operation in found:
             continue
         if owner.operation not in from_g:
-            continue  # computed apart from the gathered value (checked by the caller)
+            continue
         found[owner.operation] = owner
         stack += list(owner.operation.operands)
-    return tuple(sorted(found.values(), key=LatestFirst, reverse=True))
+    return producers_first(found.values())
 
 
 def _reads_alike(op: ir.OpView, on, dim: int, variance: Variance, ring: Ring) -> bool:

@@ -72,6 +72,12 @@ SHARDING_CONSTRAINT = "sdy.sharding_constraint"
 STATISTIC_SHARE = 8
 
 
+def statistic_too_big(summed: int, gathered: int) -> bool:
+    """Would all_reduces of ``summed`` bytes (each byte about twice on the wire) put more than
+    1/:data:`STATISTIC_SHARE` of the ``gathered`` bytes on the wire?"""
+    return 2 * summed * STATISTIC_SHARE > gathered
+
+
 @dataclass(eq=False)
 class Seed:
     """The all_gather a split left after the reduce-scatter ring, and the ring it gathers over."""
@@ -155,7 +161,7 @@ def move_gather_forward(seed: Seed, variance: Variance, take_channel, constants:
         return (f"moved past the row-wise ops to its dot, it would still be gathered whole for {where} (not a "
                 "dot), so the rows would cross the wire twice")
     summed, budget = sum(plan.summed().values()), sum(plan.budget().values())
-    if 2 * summed * STATISTIC_SHARE > budget:
+    if statistic_too_big(summed, budget):
         return (f"moved past the row-wise ops, their sums over the gathered dim would all_reduce {summed} B (each "
                 f"byte about twice on the wire), more than 1/{STATISTIC_SHARE} of the {budget} B the gather brings")
     if plan.over_budget(readers):
@@ -273,7 +279,7 @@ class _Plan:
                 gathered[root] = gathered.get(root, 0) + tensor_bytes(ir.RankedTensorType(value.type))
         budget = self.budget()
         return ({root for root, total in gathered.items() if total > budget.get(root, 0)}
-                | {root for root, total in self.summed().items() if 2 * total * STATISTIC_SHARE > budget.get(root, 0)})
+                | {root for root, total in self.summed().items() if statistic_too_big(total, budget.get(root, 0))})
 
     def budget(self) -> dict[int, int]:
         """Per component, the bytes its seeds' gathers move."""

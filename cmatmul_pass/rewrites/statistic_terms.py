@@ -51,8 +51,10 @@ from dataclasses import dataclass
 from .. import ir_utils
 from .._jax_private import hlo, ir
 from ..analysis.variance import Variance
+from ..errors import Decline
+from ..layout import invariant_source
 from ..matchers.common import describe_op
-from ..matchers.scatter_terms import LatestFirst, region_is_sum
+from ..matchers.scatter_terms import is_sum_from_zero, producers_first
 from ..ring import Ring
 from .builders import Builder, erase_dead
 from .dot_all_reduce import sum_all_reduce
@@ -130,7 +132,7 @@ def statistic_terms(rs: ir.OpView, variance: Variance, ring: Ring) -> StatisticT
     # forward from the spreads: the terms (each linear in the spread values it reads)
     on_b = set(spreads)
     terms = []
-    for op in _producers_first(seen.values()):
+    for op in producers_first(seen.values()):
         read = [not isinstance(v.owner, ir.Block) and v.owner.operation in on_b for v in op.operation.operands]
         if not any(read):
             continue
@@ -142,24 +144,22 @@ def statistic_terms(rs: ir.OpView, variance: Variance, ring: Ring) -> StatisticT
     if _zero_when_spreads_are(terms, spreads, root):
         return (f"{describe_op(root.owner)} is made only of spread sums over the scattered dim: no product is "
                 "left for a ring")
-    return StatisticTerms(rs, dim, _producers_first(sums.values()),
-                          _producers_first(post.values()),
-                          _producers_first(spreads.values()), tuple(terms))
-
-
-def _producers_first(ops) -> tuple[ir.OpView, ...]:
-    return tuple(sorted(ops, key=LatestFirst, reverse=True))
+    return StatisticTerms(rs, dim, producers_first(sums.values()),
+                          producers_first(post.values()),
+                          producers_first(spreads.values()), tuple(terms))
 
 
 def _spread(op: ir.OpView, block: ir.Block, shape: list[int], dim: int) -> bool:
     """Is ``op`` a broadcast onto ``shape`` along ``dim`` (one value for the dim's every element)?"""
-    if op.operation.block != block or op.operation.name != BROADCAST:
+    if op.operation.block != block or op.operation.name != BROADCAST or shape[dim] == 1:
         return False
-    if list(ir.RankedTensorType(op.result.type).shape) != shape or shape[dim] == 1:
+    if list(ir.RankedTensorType(op.result.type).shape) != shape:
         return False
-    dims = ir_utils.i64s(op, "broadcast_dimensions")
-    operand_shape = ir.RankedTensorType(op.operation.operands[0].type).shape
-    return dim not in dims or operand_shape[dims.index(dim)] == 1
+    try:
+        invariant_source(op, op.result, dim)  # (the broadcast's blocks along ``dim`` are all alike)
+    except Decline:
+        return False
+    return True
 
 
 def _term_linear(op: ir.OpView, read: list[bool], variance: Variance, ring: Ring) -> str | None:
@@ -207,25 +207,18 @@ def _post_linear(value: ir.Value, block: ir.Block, shape: list[int], dim: int, v
     if name == "stablehlo.reduce" and _sums_dim(owner, shape, dim):
         sums[owner.operation] = owner
         return None
-    if name not in POST_OPS or (name == "stablehlo.reduce" and not _sum_from_zero(owner)):
+    varying = ([] if name not in POST_OPS else  # (the reduce's init is its own: not asked)
+               [not variance.identical(v, ring) for v in operands[:1 if name == "stablehlo.reduce" else None]])
+    if name not in POST_OPS or (name == "stablehlo.reduce" and not is_sum_from_zero(owner)):
         why = f"{describe_op(owner)}, not linear in sums over the scattered dim"
+    elif name in ("stablehlo.add", "stablehlo.subtract") and not all(varying):
+        why = (f"{describe_op(owner)}, which adds a value the same on every device to a sum over the scattered "
+               "dim (the scatter would count it once per device)")
+    elif name == "stablehlo.multiply" and all(varying):
+        why = f"{describe_op(owner)}, a product of two values that may differ between devices"
+    elif name == "stablehlo.divide" and varying[1]:
+        why = f"{describe_op(owner)}, a division by a value that may differ between devices"
     else:
-        varying = [not variance.identical(v, ring) for v in operands]
-        if name == "stablehlo.reduce":
-            varying = varying[:1]
-        elif name in ("stablehlo.add", "stablehlo.subtract") and not all(varying):
-            why = (f"{describe_op(owner)}, which adds a value the same on every device to a sum over the scattered "
-                   "dim (the scatter would count it once per device)")
-            memo[owner.operation] = why
-            return why
-        elif name == "stablehlo.multiply" and all(varying):
-            why = f"{describe_op(owner)}, a product of two values that may differ between devices"
-            memo[owner.operation] = why
-            return why
-        elif name == "stablehlo.divide" and varying[1]:
-            why = f"{describe_op(owner)}, a division by a value that may differ between devices"
-            memo[owner.operation] = why
-            return why
         why = None
         for operand, varies in zip(operands, varying):
             if varies:
@@ -254,13 +247,8 @@ def _reaches_sum(value: ir.Value, block: ir.Block, shape: list[int], dim: int) -
 def _sums_dim(op: ir.OpView, shape: list[int], dim: int) -> bool:
     """Is ``op`` a sum from zero over ``dim`` of a value of ``shape``?"""
     operand = op.operation.operands[0]
-    return (_sum_from_zero(op) and list(ir.RankedTensorType(operand.type).shape) == shape
+    return (is_sum_from_zero(op) and list(ir.RankedTensorType(operand.type).shape) == shape
             and dim in ir_utils.i64s(op, "dimensions"))
-
-
-def _sum_from_zero(op: ir.OpView) -> bool:
-    operands = list(op.operation.operands)
-    return len(operands) == 2 and region_is_sum(op) and ir_utils.is_zero_splat(operands[1])
 
 
 def split_terms(plan: StatisticTerms, ring: Ring, region, constants: dict, take_channel) -> None:
