@@ -311,3 +311,27 @@ def test_a_gqa_transformer_on_feature_sharded_activations_rings_every_gather_and
     sites = [s for s in result.report.sites if s.kind in ("all_gather_dot", "dot_reduce_scatter")]
     assert len(sites) == 11 and all(s.rewritten for s in sites), "\n".join(s.summary_line() for s in sites)
     assert_same_numbers(text, result)
+
+
+@pytest.mark.parametrize("psum_first, rings", [(True, False), (False, True)])
+def test_a_collective_reading_the_rows_before_the_statistic_keeps_its_place(psum_first, rings):
+    """The gathered rows' readers before the norm's last sum move after it when the sums are
+    computed from the shards; a psum of them there (an op with an effect of its own: a
+    collective) is not moved, so neither are the sums and the gather stays.  Its legal twin, the
+    psum after the statistic, is left in place and the gather rings."""
+    def body(x, g, b, w):
+        h = gathered(x)
+        if psum_first:
+            t = jax.lax.psum(h[:, :1], "model")
+        ms = jnp.mean(h * h, axis=-1, keepdims=True)
+        if not psum_first:
+            t = jax.lax.psum(h[:, :1], "model")
+        return (h * jax.lax.rsqrt(ms + 1e-6) * g) @ w, h + t
+
+    f = jax.shard_map(body, mesh=MESH, in_specs=SPECS, out_specs=(P(None, "model"), P()), check_vma=False)
+    shapes = [(32, 64), (64,), (64,), (64, 128)]
+    args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(MESH, sp)) for s, sp in zip(shapes, SPECS)]
+    text = jax.jit(f).lower(*args).as_text()
+    result = cmatmul_pass.rewrite(text)
+    assert gather_site(result).rewritten is rings, gather_site(result).summary_line()
+    assert_same_numbers(text, result)
