@@ -250,24 +250,30 @@ class Variance:
     def _calls_of(self, function: ir.Operation) -> list[ir.Operation]:
         """The calls of ``function`` (func.call, composite), or none where it is public or named by
         another op (a custom_call's called computations: what passes its arguments is unknown)."""
-        if self._callers is None:
-            module = function
-            while module.parent is not None:
-                module = module.parent
-            found = ir_utils.ops_named(module, "func.call", "stablehlo.composite", "stablehlo.custom_call")
-            self._callers = {}
-            for name, attr in (("func.call", "callee"), ("stablehlo.composite", "decomposition")):
-                for op in found[name]:
-                    if attr in op.operation.attributes:
-                        callee = ir.FlatSymbolRefAttr(op.operation.attributes[attr]).value
-                        self._callers.setdefault(callee, []).append(op.operation)
-            for op in found["stablehlo.custom_call"]:
-                if "called_computations" in op.operation.attributes:
-                    for ref in ir.ArrayAttr(op.operation.attributes["called_computations"]):
-                        self._callers[ir.FlatSymbolRefAttr(ref).value] = None
         if not ir_utils.is_private(function):
             return []
-        return self._callers.get(ir_utils.symbol_name(function)) or []
+        return self._symbols(function)[1].get(ir_utils.symbol_name(function)) or []
+
+    def _symbols(self, op: ir.Operation) -> tuple[dict, dict]:
+        """The module's functions by name, and each function's calls by its name (None: named by an
+        op that is no call), from one walk of the module holding ``op`` (until :meth:`forget`)."""
+        if self._functions is None or self._callers is None:
+            module = op
+            while module.parent is not None:
+                module = module.parent
+            found = ir_utils.ops_named(module, "func.func", "func.call", "stablehlo.composite", "stablehlo.custom_call")
+            self._functions = {ir_utils.symbol_name(f): f.operation for f in found["func.func"]}
+            self._callers = {}
+            for name, attr in (("func.call", "callee"), ("stablehlo.composite", "decomposition")):
+                for call in found[name]:
+                    if attr in call.operation.attributes:
+                        callee = ir.FlatSymbolRefAttr(call.operation.attributes[attr]).value
+                        self._callers.setdefault(callee, []).append(call.operation)
+            for call in found["stablehlo.custom_call"]:
+                if "called_computations" in call.operation.attributes:
+                    for ref in ir.ArrayAttr(call.operation.attributes["called_computations"]):
+                        self._callers[ir.FlatSymbolRefAttr(ref).value] = None
+        return self._functions, self._callers
 
     def _branches(self, op: ir.Operation, k: int, scope: _Scope) -> tuple[list[ir.Value], bool]:
         """A case's (if's) result ``k``: its index and every branch's returned value."""
@@ -330,13 +336,7 @@ class Variance:
         attr = "decomposition" if op.name == "stablehlo.composite" else "callee"
         if attr not in op.attributes:
             return None
-        if self._functions is None:
-            module = op
-            while module.parent is not None:
-                module = module.parent
-            self._functions = {ir_utils.symbol_name(f): f.operation
-                               for f in ir_utils.ops_named(module, "func.func")["func.func"]}
-        return self._functions.get(ir.FlatSymbolRefAttr(op.attributes[attr]).value)
+        return self._symbols(op)[0].get(ir.FlatSymbolRefAttr(op.attributes[attr]).value)
 
     # ------------------------------------------------------------------ mesh axes
     def _names_varying_axis(self, sharding, manual_computation: ir.Operation, ring: Ring) -> bool:
