@@ -70,6 +70,12 @@ def memory(site: AttentionSite, variant: str) -> dict:
             "held_whole": sum(tensor_bytes(ir_utils.ranked_tensor(v)) for v in sides)}
 
 
+def too_big(nbytes: float, hw: cost.Hardware, what: str) -> str:
+    """The note of a site taken whatever its prediction: as written, it cannot run."""
+    return (f"taken whatever the prediction: {what} as written ({nbytes:.3g} B) exceed one device's memory on "
+            f"{hw.name} ({hw.memory:.3g} B)")
+
+
 def decide_attention(site: AttentionSite | DeclinedSite, info: ModuleInfo, ctx: RewriteContext, options,
                      hw: cost.Hardware, source: str) -> SiteReport:
     """``site``'s entry, ringed where the options and the cost model say so."""
@@ -93,11 +99,12 @@ def decide_attention(site: AttentionSite | DeclinedSite, info: ModuleInfo, ctx: 
         entry.reason_code, entry.reason = "min_bytes", f"moves {entry.bytes_moved} B per device, under --min-bytes " \
                                                        f"{options.min_bytes}"
         return entry
-    if options.policy == "auto" and speedup < 1 + options.margin:
+    largest = entry.attention["memory"]["scores_before"]
+    if options.policy == "auto" and speedup < 1 + options.margin and hw.holds(largest):
         entry.reason_code = "policy"
         entry.reason = f"predicted speed-up {speedup:.3f}x ({variant}) on {hw.name} is under 1 + {options.margin:g}"
         return entry
-    declined = step_guard.verdict(entry)
+    declined = step_guard.verdict(entry) if hw.holds(largest) else None
     if declined:
         entry.reason_code, entry.reason = declined
         return entry
@@ -105,7 +112,7 @@ def decide_attention(site: AttentionSite | DeclinedSite, info: ModuleInfo, ctx: 
     applied = guarded(entry, rewrite_ring_attention, site, ctx)
     entry.rewritten = True
     entry.channel_handles = list(applied.channel_handles)
-    entry.notes = applied.notes
+    entry.notes = applied.notes + ([] if hw.holds(largest) else [too_big(largest, hw, "the scores")])
     entry.schedule = {"variant": variant, "directions": applied.directions, "rounds": applied.stats.rounds,
                       "loop_trips": applied.stats.loop_trips, "rounds_per_trip": applied.stats.rounds_per_trip,
                       "peeled_rounds": applied.stats.peeled, "permutes": applied.permutes,

@@ -65,6 +65,13 @@ class Hardware:
     #: does not name): the numbers are :data:`FALLBACK_PROFILE`'s, and ``variant="auto"`` takes
     #: :func:`fallback_variant` instead of trusting them
     assumed: bool = False
+    #: one device's memory (bytes; 0: not known): a region whose single value as written is larger
+    #: cannot run as written, which ``--policy auto`` weighs above the predicted time
+    memory: float = 0.0
+
+    def holds(self, nbytes: float) -> bool:
+        """Whether one value of ``nbytes`` fits in a device's memory (True where it is not known)."""
+        return not self.memory or nbytes <= self.memory
 
     def all_reduce_seconds(self, nbytes: float, n: int) -> float:
         """One all_reduce of ``nbytes`` per device over ``n`` devices (no overlap)."""
@@ -179,7 +186,7 @@ PROFILES: dict[str, Hardware] = {
                                                                       (60129542144.0, 0.519)),
                                        "all_gather_dot/batch": ((6442450944.0, 0.468), (15032385536.0, 0.489),
                                                                 (60129542144.0, 0.591))},
-                     all_reduce_bandwidth=NVLS_ALL_REDUCE * 450e9),
+                     all_reduce_bandwidth=NVLS_ALL_REDUCE * 450e9, memory=80e9),
     # Calibrated on an H200 (tools/gpu_checks.sh calibrate + extras, jax 0.11.2;
     # tools/gpu_measurements/h200_calibrate_{70b,8b,3b}.json, merged by tools/gpu_profile.py): the straight-line
     # splits at each step's FLOPs, the gate and up dots merged at their own step (12.9, 30.1 and
@@ -205,17 +212,17 @@ PROFILES: dict[str, Hardware] = {
                                                                       (60129542144.0, 0.622)),
                                        "all_gather_dot/batch": ((6442450944.0, 0.453), (15032385536.0, 0.48),
                                                                 (60129542144.0, 0.624))},
-                     all_reduce_bandwidth=NVLS_ALL_REDUCE * 450e9),
+                     all_reduce_bandwidth=NVLS_ALL_REDUCE * 450e9, memory=141e9),
     # 312 TFLOP/s bf16 peak (~250 achieved), 19.5 f64 (~15.6); no f8 units: f8 dots run
     # converted, at bf16's rate.  NVLink 3: 300 GB/s per direction.
     "a100": Hardware("A100 SXM (NVLink 3)", {"bf16": 250e12, "f16": 250e12, "f32": 125e12, "f8": 250e12,
                                             "f64": 15.6e12, "i8": 500e12, "i32": 20e12, "default": 250e12},
-                     300e9),
+                     300e9, memory=80e9),
     # 197 TFLOP/s bf16 peak (~160 achieved); no f8 units (f8 at bf16's rate) and no f64 ones (f64
     # is emulated; no figure, so it is priced at the default and the report says so).  ICI ~50 GB/s
     # per direction per link (assumed; override it).
     "tpu-v5e": Hardware("TPU v5e (ICI)", {"bf16": 160e12, "f32": 40e12, "f8": 160e12, "i8": 320e12,
-                                          "default": 160e12}, 50e9, step=3e-6, loop_trip=1e-6),
+                                          "default": 160e12}, 50e9, step=3e-6, loop_trip=1e-6, memory=16e9),
 }
 
 
@@ -239,7 +246,7 @@ def _device_kind() -> str:
 
 
 #: the overrides that set one number of a profile
-SCALAR_OVERRIDES = ("bandwidth", "all_reduce_bandwidth", "step", "loop_trip", "split_efficiency")
+SCALAR_OVERRIDES = ("bandwidth", "all_reduce_bandwidth", "step", "loop_trip", "split_efficiency", "memory")
 #: the element types a dot's throughput can be overridden for (MLIR's names; ``f8``: every 8-bit
 #: float without an entry of its own, ``default``: a type the profile has no rate for)
 DTYPE_OVERRIDES = ("bf16", "f16", "f32", "f64", "f8", "f8E4M3FN", "f8E5M2", "f8E4M3FNUZ", "f8E5M2FNUZ",
@@ -297,7 +304,7 @@ def hardware(spec: str) -> Hardware:
                 raise CmatmulError(f"hardware override {item!r}: an overlap is a fraction from 0 to 1")
             hw = replace(hw, overlap={**hw.overlap, variant: number})
             continue
-        may_be_zero = key in ("step", "loop_trip")
+        may_be_zero = key in ("step", "loop_trip", "memory")
         if not math.isfinite(number) or number < 0 or (number == 0 and not may_be_zero):
             raise CmatmulError(f"hardware override {item!r}: {key} must be a {'non-negative' if may_be_zero else 'positive'} number")
         if key in SCALAR_OVERRIDES:
