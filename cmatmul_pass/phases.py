@@ -51,6 +51,7 @@ from .psums import decide_all_reduce, say_where_gathers_went, split_summed_value
 from .program_cost import ring_seconds
 from .exchanges import decide_all_to_all
 from .attention import decide_attention
+from .column_rings import column_phase, say_why
 from .matchers.attention import match_attention
 from .matchers.all_to_all import combine_of
 from .sites import VERDICTS, apply_site, dot_flops, site_shape
@@ -83,6 +84,7 @@ class SiteWalk:
         self.phase_of: dict[int, int] = {}
         self.phase = 0
         self.competing: set = set()
+        self.column_notes: dict[str, str] = {}  # a region over gathered columns left as written -> why
         #: gathers left plain for a scatter's ring (their op -> the scatter's location, their slack)
         self.prefetched: dict = {}
         #: psums split only for their matmuls' gather rings: report index -> (the psum's key, its Seed)
@@ -173,6 +175,8 @@ class SiteWalk:
         # loop reads the gathered value the gather's ring assembles).  Each collective
         # is matched against the IR as the earlier rewrites left it.
         # (the scatter rewrites erase reduce_scatters and dots, never an all_gather)
+        self.phase += 1  # (regions reading statistics over gathered columns back: attention's backward)
+        gathers, scatters = column_phase(self, gathers, scatters)
         self.phase += 1
         for op in scatters:
             with self.attempts.on(op):
@@ -190,6 +194,7 @@ class SiteWalk:
         self.phase += 1
         gathered = self._gathers(gathers, deferred, optional, sunk_from, not_sunk)
         _say_why_two_rings(self.report, kept_two_rings)
+        say_why(self.report, self.column_notes)
         _say_prefetchable(self.report, deferred, gathered)
         if carried is not None:
             say_where_gathers_went(self.report, carried, gathered)

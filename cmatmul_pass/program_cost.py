@@ -43,7 +43,7 @@ GONE = -1.0
 #: the anchor op of each site kind (SiteReport.kind)
 ANCHORS = {"all_gather_dot": "stablehlo.all_gather", "dot_reduce_scatter": "stablehlo.reduce_scatter",
            "dot_all_reduce": "stablehlo.all_reduce", "all_to_all_chunk": "stablehlo.all_to_all",
-           "ring_attention": "stablehlo.all_gather"}
+           "ring_attention": "stablehlo.all_gather", "column_passes": "stablehlo.all_gather"}
 #: ops whose body the schedule walks in place of the op (their block arguments are its operands)
 INLINE = frozenset({"sdy.manual_computation", "sdy.named_computation"})
 TERMINATORS = frozenset({"func.return", "stablehlo.return", "sdy.return"})

@@ -201,6 +201,12 @@ REASONS: dict[str, Reason] = {r.code: r for r in (
            "the online softmax never holds the whole probability matrix its backward reads; the attention keeps "
            "two rings (scores, then `P·V`). Wrap the attention in `jax.checkpoint` so the backward recomputes it",
            ("hlo_samples/attn_cp_grad.mlir", "--policy", "all")),
+    # ---- regions over gathered columns (attention's backward)
+    Reason("cols_region", "a region that gathers along a dim, takes statistics over it and reads them back "
+                          "(attention's backward) holds a value the passes cannot compute a block at a time: a "
+                          "column value read after the region or inside a loop, an op that is not separable along "
+                          "the dim, a statistic's row value computed by an op with effects",
+           "the reason names the op; the region's gathers and scatters get rings of their own meanwhile"),
     # ---- the options' verdict
     Reason("policy", "`--policy auto`: the cost model predicts too small a gain on `--hardware`",
            "use `--policy all`, another `--variant` (the reason names one that would pass, if any), "

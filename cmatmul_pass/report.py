@@ -76,7 +76,9 @@ class SiteReport:
     all_to_all: dict = field(default_factory=dict)
     # an attention ringed with an online softmax (kind ring_attention): {values: V's gather,
     # blocks, block_keys, memory: attention.memory's bytes, prediction: attention.predict's seconds};
-    # on the keys' gather of an attention left with two rings: {two_rings: the reason code}
+    # on the keys' gather of an attention left with two rings: {two_rings: the reason code};
+    # a region over gathered columns (kind column_passes): {passes, blocks, block_keys, statistics, merged,
+    # scattered, memory: column_rings.memory's bytes, prediction: column_rings.predict's seconds}
     attention: dict = field(default_factory=dict)
     # a gather another collective competed with for its dot (analysis.slack): {early, hiding_flops,
     # competes_with: that collective's location}; empty where none did
@@ -112,6 +114,12 @@ class SiteReport:
                 a = self.attention
                 return (f"{self.place}: {self.kind}: rewritten{ring} (one ring of {a['blocks']} blocks of "
                         f"{a['block_keys']} keys and values, online softmax; V gathered at {a['values']})")
+            if self.kind == "column_passes":
+                a = self.attention
+                return (f"{self.place}: {self.kind}: rewritten{ring} ({a['passes']} passes over {a['blocks']} "
+                        f"blocks of {a['block_keys']} columns: {a['statistics']} statistics, {a['merged']} merged "
+                        f"into their max's pass, {a['scattered']} scattered back; absorbs {len(self.absorbs)} "
+                        "collectives)")
             if self.all_reduce.get("strategy") == "chunk":
                 return f"{self.place}: {self.kind}: rewritten{ring} (chunk: {self.all_reduce['chunks']} all_reduces along dim {self.all_reduce['dim']})"
             if self.all_reduce.get("picked") == "summed value":  # (psums.split_summed_value)

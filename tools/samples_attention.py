@@ -99,6 +99,14 @@ SAMPLES_LIST = [
            "gradient scatters ring too.",
            lambda: cp_attention(grad=True), "rewritten 4",
            ["CHECK-NOT: stablehlo.all_gather", "CHECK-NOT: stablehlo.reduce_scatter"]),
+    Sample("attn_cp_remat_grad", "value_and_grad of attn_cp under jax.checkpoint: the forward is one ring with "
+           "an online softmax; the backward recomputes the scores from K and V gathered again and scatters dK and "
+           "dV back: two passes of rings over the K and V blocks, the first taking the scores' max and the sums "
+           "it rescales (the softmax's, and the gradient's sum of dP·e with 1/l² taken out of it), the second dQ "
+           "with dK and dV travelling home with their blocks; no score matrix whole.",
+           lambda: cp_attention(grad=True, remat=True), "rewritten 2",
+           ["CHECK-NOT: stablehlo.all_gather", "CHECK: stablehlo.while", "CHECK: stablehlo.maximum",
+            "CHECK: stablehlo.while", "CHECK: stablehlo.collective_permute", "CHECK-NOT: stablehlo.reduce_scatter"]),
     Sample("neg_attn_softmax", "attention over gathered K and V whose probabilities go through a square root "
            "before P·V: not linear in them, so the division by the row sum cannot wait for the ring's end "
            "[attn_softmax]; the scores and P·V keep a ring each.",

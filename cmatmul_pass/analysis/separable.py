@@ -100,6 +100,13 @@ def _where(op: ir.OpView) -> str:
     return f"the {op.operation.name} at {ir_utils.render_location(op.location)}"
 
 
+def step_of(op: ir.OpView, on_path: list[int | None]) -> Step:
+    """``op``'s step, ``on_path`` the tracked dim of each operand (None: not computed from the
+    tracked value); NotSeparable where ``op`` is not separable along it (a dot contracting it
+    gives a partial sum's step)."""
+    return _step(op, on_path)
+
+
 def _step(op: ir.OpView, on_path: list[int | None]) -> Step:
     name = op.operation.name
     if name == "func.call":

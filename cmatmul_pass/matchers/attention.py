@@ -125,20 +125,20 @@ def _linear(step: Step) -> bool:
     classes = [LIN if plan is None else ZERO if ir_utils.is_zero_splat(v) else FREE
                for v, plan in zip(op.operands, step.sides)]
     if not step.body:
-        return _linear_class(op.name, classes) == LIN
+        return linear_class(op.name, classes) == LIN
     block = step.body[0].operation.block
     of = dict(zip(block.arguments, classes))
     for inner in step.body:
         if inner.operation.name == "stablehlo.constant":
             of[inner.result] = ZERO if ir_utils.is_zero_splat(inner.result) else FREE
             continue
-        of[inner.operation.results[0]] = _linear_class(inner.operation.name,
+        of[inner.operation.results[0]] = linear_class(inner.operation.name,
                                                        [of.get(v, FREE) for v in inner.operation.operands])
     returned = list(block.operations)[-1].operation.operands
     return [of.get(v, FREE) for v in returned] == [LIN]
 
 
-def _linear_class(name: str, operands: list[str]) -> str | None:
+def linear_class(name: str, operands: list[str]) -> str | None:
     """The class of a pointwise op's result from its operands' (None: not linear in the probabilities)."""
     if LIN not in operands:
         return ZERO if operands and all(c == ZERO for c in operands) and name in (

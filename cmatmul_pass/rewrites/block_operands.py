@@ -73,10 +73,13 @@ def _mapped(op: ir.OpView, dim: int) -> int | None:
     return source if ir.RankedTensorType(op.operation.operands[0].type).shape[source] == full else None
 
 
-def block(value: ir.Value, dim: int, parts: int, start: ir.Value, b: Builder, memo: dict) -> ir.Value:
+def block(value: ir.Value, dim: int, parts: int, start: ir.Value, b: Builder, memo: dict,
+          resolve=None) -> ir.Value:
     """``value``'s block along ``dim`` (``1/parts`` of it, from index ``start``, a ui32 scalar),
     recomputed through its producers (module docstring), the leaves sliced; ``memo`` shares the
-    values one round builds."""
+    values one round builds; ``resolve`` (if given) maps each value read whole or sliced to the
+    one to read instead (a copy placed earlier)."""
+    resolve = resolve or (lambda v: v)
     key = (value, dim)
     if key in memo:
         return memo[key]
@@ -85,7 +88,7 @@ def block(value: ir.Value, dim: int, parts: int, start: ir.Value, b: Builder, me
     out_t = ir_utils.with_dim(t, dim, width)
     op = ir_utils.producer(value)
     if _sliced(value):
-        made = b.dynamic_slice(value, dim, start, width)
+        made = b.dynamic_slice(resolve(value), dim, start, width)
     elif op.operation.name == "stablehlo.iota":
         made = b.create("stablehlo.iota", [out_t], [], {"iota_dimension": op.operation.attributes["iota_dimension"]}).result
         if ir_utils.int_attr(op, "iota_dimension") == dim:
@@ -97,12 +100,13 @@ def block(value: ir.Value, dim: int, parts: int, start: ir.Value, b: Builder, me
     elif op.operation.name == "stablehlo.broadcast_in_dim":
         source = op.operation.operands[0]
         mapped = _mapped(op, dim)
-        inner = block(source, mapped, parts, start, b, memo) if mapped is not None else source
+        inner = block(source, mapped, parts, start, b, memo, resolve) if mapped is not None else resolve(source)
         made = b.create("stablehlo.broadcast_in_dim", [out_t], [inner],
                         {"broadcast_dimensions": op.operation.attributes["broadcast_dimensions"]}).result
     else:  # pointwise: its operands' blocks first (built before it, in order)
-        operands = [block(operand, dim, parts, start, b, memo) if ir.RankedTensorType(operand.type).rank == t.rank
-                    else operand for operand in op.operation.operands]
+        operands = [block(operand, dim, parts, start, b, memo, resolve)
+                    if ir.RankedTensorType(operand.type).rank == t.rank else resolve(operand)
+                    for operand in op.operation.operands]
         clone = op.operation.clone()
         for i, operand in enumerate(operands):
             clone.operands[i] = operand

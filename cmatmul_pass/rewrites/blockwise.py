@@ -40,6 +40,12 @@ def apply_step(step: Step, env: dict, parts: int, rows: Callable[[ir.Value, int,
             operands.append(rebuilt.results[0])
         else:
             operands.append(value)
+    return clone_on_block(step, operands, parts)
+
+
+def clone_on_block(step: Step, operands: list[ir.Value], parts: int) -> list[ir.Value]:
+    """``step``'s op cloned at the insertion point on ``operands`` (its operands' blocks and side
+    operands as the block reads them), its results the block's."""
     if step.body:  # a pointwise function's body on the block, at the call's place
         return _inlined(step, operands, parts)
     op = step.op.operation.clone()

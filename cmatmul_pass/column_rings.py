@@ -1,0 +1,186 @@
+"""Regions over gathered columns, decided and rewritten as passes of rings
+(:mod:`.analysis.column_passes`, :mod:`.rewrites.column_ring`): attention's backward, where K
+and V are gathered along the sequence, statistics of the scores are taken over it and dK and dV
+are scattered back.
+
+The cost model prices the region as written (its gathers, its matmuls over the whole sequence,
+its scatters: one after the other) against the passes: each pass ``n`` rounds, a round's block
+transfers (the shards the pass reads; the travelling partial sums of the last) in flight while
+the previous block's matmuls compute.  A pass recomputes the column values its statistics read,
+so the passes do more matmul work than the region as written (attention's backward: the scores
+and ``dO·Vᵀ`` twice); elementwise work is not priced.  Under ``--policy auto`` a region is left
+as written where the passes do not beat it by the margin; its memory figures (the largest
+column value, as written and a block of it) are reported either way.
+"""
+
+from __future__ import annotations
+
+from . import cost, ir_utils, step_guard
+from .attention import too_big
+from ._jax_private import ir
+from .analysis.column_passes import ColumnPlan, plan
+from .errors import Decline
+from .matchers import DeclinedSite, ModuleInfo
+from .matchers.common import collective_ring
+from .report import SiteReport, collective_entry, tensor_bytes
+from .rewrites.column_ring import check_inputs, insertion_point, rewrite_column_passes
+from .rewrites.schedule import RewriteContext
+from .sites import dot_flops, guarded
+
+KIND = "column_passes"
+
+
+def match_column_passes(op: ir.OpView, info: ModuleInfo) -> ColumnPlan | DeclinedSite | None:
+    """The passes of the region ``op`` (an all_gather) starts, declined with the reason, or None
+    where it is not such a region."""
+    try:
+        ring, region = collective_ring(op, info)
+        found = plan(op, ring, region)
+        if found is not None:
+            check_inputs(found, insertion_point(found))
+        return found
+    except Decline as e:
+        return DeclinedSite(KIND, op, e.code, e.message)
+
+
+def _pass_flops(p: ColumnPlan, pass_: int) -> float:
+    ops, stats, _ = p.needed(pass_)
+    return sum(dot_flops(o) for o in ops if o.operation.name == "stablehlo.dot_general") + \
+        sum(dot_flops(s.op) for s in stats if s.op.operation.name == "stablehlo.dot_general")
+
+
+def predict(p: ColumnPlan, hw: cost.Hardware) -> dict:
+    """The region as written and as passes (seconds), and the speed-up."""
+    n = p.ring.size
+    element = str(ir.RankedTensorType(p.gathers[0].operation.operands[0].type).element_type)
+    rate = hw.throughput(element)
+    shards = [tensor_bytes(ir_utils.ranked_tensor(g.operation.operands[0])) for g in p.gathers]
+    scattered = [tensor_bytes(ir_utils.ranked_tensor(s.operation.results[0])) for s in p.scatters]
+    compute = (sum(dot_flops(o) for o in p.column_ops if o.operation.name == "stablehlo.dot_general") +
+               sum(dot_flops(s.op) for s in p.statistics if s.op.operation.name == "stablehlo.dot_general")) / rate
+    serial = sum(cost.gather_seconds(b, n, hw) for b in shards + scattered) + compute
+    passes = 0.0
+    pass_compute = 0.0
+    for q in range(1, p.passes + 1):
+        flops = _pass_flops(p, q) / rate
+        pass_compute += flops
+        ops, stats, scatters = p.needed(q)
+        reads = {v for o in ops for v in o.operation.operands} | {v for s in stats for v in s.op.operation.operands}
+        moved = sum(b for g, b in zip(p.gathers, shards) if g.operation.results[0] in reads) + \
+            (sum(scattered) if scatters else 0)
+        per_block, transfer = flops / n, moved / hw.bandwidth + hw.step
+        passes += per_block + (n - 1) * max(per_block, transfer) + (transfer if scatters else 0.0)
+    # (compute_s: the matmuls as written, which the step's schedule already counts; the passes' own beyond)
+    return {"serial_s": serial, "ring_s": passes, "compute_s": compute, "passes_compute_s": pass_compute,
+            "speedup": serial / passes if passes else 1.0, "hardware": hw.name, "variant": "uni"}
+
+
+def memory(p: ColumnPlan) -> dict:
+    """Per device, bytes: the largest column value (the scores, the probabilities and their
+    gradients), as written and a block of it in the passes."""
+    largest = max((tensor_bytes(ir_utils.ranked_tensor(r)) for o in p.column_ops for r in o.operation.results
+                   if ir_utils.ranked_tensor(r) is not None), default=0)
+    return {"columns_before": largest, "columns_after": largest // p.ring.size}
+
+
+def decide_column_passes(site: ColumnPlan | DeclinedSite, info: ModuleInfo, ctx: RewriteContext, options,
+                         hw: cost.Hardware, source: str) -> SiteReport:
+    """``site``'s entry, rewritten where the options and the cost model say so."""
+    ring = site.ring
+    entry = collective_entry(KIND, site.anchor, ring, source)
+    if isinstance(site, DeclinedSite):
+        entry.reason, entry.reason_code = site.message, site.code
+        return entry
+    entry.collective_dim = ir_utils.int_attr(site.anchor, "all_gather_dim")
+    entry.dim_role = "free"
+    entry.bytes_moved = sum(2 * (ring.size - 1) * tensor_bytes(ir_utils.ranked_tensor(g.operation.operands[0]))
+                            for g in site.gathers)
+    entry.absorbs = [ir_utils.render_location(o.location, source) for o in (*site.gathers[1:], *site.scatters)]
+    prediction = predict(site, hw)
+    entry.attention = {"passes": site.passes, "blocks": ring.size, "block_keys": site.block,
+                       "memory": memory(site), "prediction": prediction,
+                       "statistics": len(site.statistics),
+                       "merged": sum(1 for s in site.statistics if s.online is not None),
+                       "scattered": len(site.scatters)}
+    if options.min_bytes and entry.bytes_moved < options.min_bytes:
+        entry.reason_code, entry.reason = "min_bytes", f"moves {entry.bytes_moved} B per device, under --min-bytes " \
+                                                       f"{options.min_bytes}"
+        return entry
+    largest = entry.attention["memory"]["columns_before"]
+    if options.policy == "auto" and prediction["speedup"] < 1 + options.margin and hw.holds(largest):
+        entry.reason_code = "policy"
+        entry.reason = (f"predicted speed-up {prediction['speedup']:.3f}x ({site.passes} passes) on {hw.name} is "
+                        f"under 1 + {options.margin:g}")
+        return entry
+    declined = step_guard.verdict(entry) if hw.holds(largest) else None
+    if declined:
+        entry.reason_code, entry.reason = declined
+        return entry
+    ctx.bidirectional = False
+    ctx.unroll = cost.VARIANTS[options.variant][1] if options.variant in cost.VARIANTS else 1
+    applied = guarded(entry, rewrite_column_passes, site, ctx)
+    entry.rewritten = True
+    entry.channel_handles = list(applied.channel_handles)
+    entry.notes = applied.notes + ([] if hw.holds(largest) else [too_big(largest, hw, "the column values")]) + ([f"variant {options.variant}: one direction (the passes' rings)"]
+                                   if options.variant in ("bidi", "bidi-unroll2", "bidi-full") else [])
+    entry.schedule = {"variant": "uni", "directions": 1, "rounds": applied.stats.rounds,
+                      "loop_trips": applied.stats.loop_trips, "rounds_per_trip": applied.stats.rounds_per_trip,
+                      "peeled_rounds": applied.stats.peeled, "permutes": applied.permutes,
+                      "streams_annotated": False}
+    return entry
+
+
+def column_phase(phases, gathers: list, scatters: list) -> tuple[list, list]:
+    """Each region over gathered columns that reads statistics back (attention's backward)
+    rewritten as passes of rings, before the scatters and gathers are matched one by one
+    (``phases``: the pass's :class:`~cmatmul_pass.phases.Phases`); returns the gathers and
+    scatters left.  A region left as written says why on its first gather's entry."""
+    taken: set[int] = set()  # indices into gathers and (offset by len(gathers)) scatters
+    why: dict[str, str] = {}
+    for index, op in enumerate(gathers):
+        if index in taken:
+            continue
+        site = match_column_passes(op, phases.info)
+        if site is None:
+            continue
+        with phases.attempts.on(op):
+            if phases.attempts.left(op, ir_utils.enclosing_func_name(op)) is not None:
+                continue
+            since, place = len(phases.report.sites), phases.place_of(op)
+            claimed = set() if isinstance(site, DeclinedSite) else \
+                {g.operation for g in site.gathers} | {s.operation for s in site.scatters}
+            # (asked before the rewrite erases them)
+            indices = {i for i, o in enumerate([*gathers, *scatters])
+                       if i not in taken and o.operation in claimed}
+            entry = decide_column_passes(site, phases.info, phases.ctx, phases.options, phases.hw, phases.source)
+            if not entry.rewritten:
+                why[entry.location] = f"column passes: {entry.reason} [{entry.reason_code}]"
+                continue
+            phases.report.sites.append(entry)
+            phases.tag(place, since)
+            taken |= indices
+    phases.column_notes.update(why)
+    return [g for i, g in enumerate(gathers) if i not in taken], \
+        [s for i, s in enumerate(scatters) if len(gathers) + i not in taken]
+
+
+def say_why(report, why: dict[str, str]) -> None:
+    """Each region left as written: its first gather's entries say why."""
+    for entry in report.sites:
+        if entry.location in why and entry.kind == "all_gather_dot":
+            entry.notes.append(why[entry.location])
+
+
+def explain_lines(site: SiteReport) -> list[str]:
+    """``explain``'s lines of a region rewritten as passes: the passes, the memory, the prediction."""
+    from .cost import readable_seconds
+
+    a = site.attention
+    m, p = a["memory"], a["prediction"]
+    return [f"  passes: {a['passes']} over {a['blocks']} blocks of {a['block_keys']} columns; {a['statistics']} "
+            f"statistics ({a['merged']} merged into their max's pass), {a['scattered']} scattered back; absorbs "
+            f"{', '.join(site.absorbs)}",
+            f"  memory per device: the largest column value {m['columns_before']} B -> {m['columns_after']} B a block",
+            f"  predicted on {p['hardware']}: as written {readable_seconds(p['serial_s'])} (matmuls "
+            f"{readable_seconds(p['compute_s'])}); passes {readable_seconds(p['ring_s'])} (matmuls "
+            f"{readable_seconds(p['passes_compute_s'])}) ({p['speedup']:.2f}x)"]

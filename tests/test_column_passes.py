@@ -1,0 +1,203 @@
+"""Regions over gathered columns as passes of rings: attention's backward (K and V gathered
+along the sequence, statistics of the scores over it, dK and dV scattered back) and any region of
+that shape (a contrastive loss over gathered keys).
+
+Each rewritten module is run against the original (check_numerics); each side condition of the
+plan has a program that breaks it next to its legal twin, and the merges (row factors, the
+online max) have programs where they do not apply and more passes are the answer."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import cmatmul_pass
+from cmatmul_pass import ir_utils
+from tools.samples_attention import AXIS, attention, cp_attention
+from tools.samples_common import arg, gather, lower, mesh_1d, smap
+
+
+def rewritten(text: str, **options):
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(policy="all", **options))
+    check = cmatmul_pass.check_numerics(ir_utils.parse(text), ir_utils.parse(result.text))
+    assert check.ok, check
+    return result
+
+
+def column_sites(result):
+    return [s for s in result.report.sites if s.kind == "column_passes"]
+
+
+def collectives(text: str, name: str) -> int:
+    return len(ir_utils.ops_named(ir_utils.parse(text).operation, name)[name])
+
+
+def notes(result) -> str:
+    return " ".join(n for s in result.report.sites for n in s.notes)
+
+
+@pytest.mark.parametrize("causal,kv_heads,dtype,segments", [
+    (True, 2, jnp.bfloat16, False),  # causal GQA, bf16 inputs, f32 softmax
+    (False, 4, jnp.float32, False),  # bidirectional, multi-head
+    (True, 1, jnp.float32, True),  # multi-query, documents packed: segment ids gathered too
+])
+def test_a_rematerialised_attention_backward_is_two_passes(causal, kv_heads, dtype, segments):
+    text = cp_attention(causal=causal, kv_heads=kv_heads, dtype=dtype, segments=segments, grad=True, remat=True)
+    result = rewritten(text, variant="uni")
+    (site,) = column_sites(result)
+    a = site.attention
+    # the max and the two sums it rescales in pass 1 (the softmax's sum, Σ dP·e with 1/l² taken out);
+    # dQ in pass 2 with dK and dV travelling home with their blocks
+    assert (a["passes"], a["statistics"], a["merged"], a["scattered"]) == (2, 4, 2, 2)
+    assert a["memory"]["columns_after"] * 8 == a["memory"]["columns_before"]
+    assert len(site.absorbs) == 3 + segments  # V's gather, the two scatters (the keys' segment ids' gather)
+    assert collectives(result.text, "stablehlo.reduce_scatter") == 0
+    # the forward's ring reads the keys' segment ids a block at a time from their gather
+    assert collectives(result.text, "stablehlo.all_gather") == segments
+
+
+def test_every_variant():
+    text = cp_attention(grad=True, remat=True, dtype=jnp.float32)
+    loops = {}
+    for variant in ("uni", "unroll2", "full"):
+        result = rewritten(text, variant=variant)
+        (site,) = column_sites(result)
+        loops[variant] = site.schedule["loop_trips"]
+    # 8 rounds a pass: 7 sending in a loop and the last peeled; unrolled by two: 3 trips; full: no loop
+    assert loops == {"uni": 7, "unroll2": 3, "full": 0}
+
+
+def test_training_parity_through_the_decorator():
+    mesh = mesh_1d(8, AXIS)
+    spec = P(None, AXIS)
+    body = jax.checkpoint(lambda q, k, v: attention(q, k, v, causal=True))
+    f = smap(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+
+    def train_step(q, k, v):
+        loss, grads = jax.value_and_grad(lambda *a: jnp.mean(f(*a) ** 2), argnums=(0, 1, 2))(q, k, v)
+        return loss, [x - 0.1 * g for x, g in zip((q, k, v), grads)]
+
+    rng = np.random.default_rng(0)
+    shapes = [(2, 64, 4, 8), (2, 64, 2, 8), (2, 64, 2, 8)]
+    args = [jax.device_put(rng.normal(size=s).astype(np.float32), NamedSharding(mesh, spec)) for s in shapes]
+    step = cmatmul_pass.jit(train_step, policy="all")
+    mine, base = step(*args), jax.jit(train_step)(*args)
+    for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(base)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+    assert [s.kind for s in step.report.sites if s.rewritten] == ["column_passes", "ring_attention"]
+
+
+def test_a_training_step_saving_the_probabilities_is_not_a_region():
+    # without remat the backward reads the forward's probabilities: no gather in the backward, and the
+    # forward's gathers scatter nothing back: no region (the attention keeps its two rings, as before)
+    result = rewritten(cp_attention(grad=True))
+    assert not column_sites(result) and "column passes" not in notes(result)
+
+
+# ---------------------------------------------------------------- any region of that shape
+
+def contrastive(temperature=0.1, *, returns_logits=False, nonzero_init=False, flipped=False, max_dims=1,
+                between=None, n=8, rows=16, dim=8) -> str:
+    """An InfoNCE loss over negatives all-gathered along the batch (each device's queries against
+    every device's keys) and its gradient, both inside the shard_map (the gather's transpose a
+    psum_scatter of dK): log-sum-exp over the gathered keys (``max_dims``: what the max reduces;
+    ``between``: an op on the row max before it is subtracted), the positive read with a one-hot
+    from positions (``flipped``: both reversed along the keys); ``nonzero_init``: a diagnostic sum
+    over the keys from 1; ``returns_logits``: the logits returned too."""
+    mesh = mesh_1d(n, AXIS)
+    spec = P(AXIS)
+
+    def loss_of(q, k):
+        kg = gather(k, AXIS, 0)
+        logits = q @ kg.T / temperature
+        top = jax.lax.stop_gradient(jnp.max(logits, axis=max_dims, keepdims=True))
+        top = top if between is None else between(top)
+        lse = jnp.log(jnp.sum(jnp.exp(logits - top), axis=1)) + top[:, 0]
+        labels = jax.lax.axis_index(AXIS) * q.shape[0] + jnp.arange(q.shape[0])
+        onehot = labels[:, None] == jnp.arange(kg.shape[0])[None, :]
+        if flipped:
+            onehot, scores = jnp.flip(onehot, axis=1), jnp.flip(logits, axis=1)
+        else:
+            scores = logits
+        loss = jnp.mean(lse - jnp.sum(jnp.where(onehot, scores, 0.0), axis=1))
+        if nonzero_init:
+            spread = jax.lax.reduce(jax.lax.stop_gradient(jnp.exp(logits - top)), np.float32(1.0), jax.lax.add, (1,))
+            loss = loss + 1e-3 * jnp.mean(spread)
+        return loss, logits
+
+    def local(q, k):
+        (loss, logits), (dq, dk) = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)(q, k)
+        return (loss[None], dq, dk, logits) if returns_logits else (loss[None], dq, dk)
+
+    f = smap(local, mesh=mesh, in_specs=(spec, spec), out_specs=(spec,) * (4 if returns_logits else 3))
+    return lower(f, arg(mesh, (n * rows, dim), spec), arg(mesh, (n * rows, dim), spec))
+
+
+def test_a_contrastive_loss_over_gathered_negatives_is_two_passes():
+    result = rewritten(contrastive())
+    (site,) = column_sites(result)
+    # forward and backward in one region: pass 1 the max and Σ exp(logits - max) (the loss's);
+    # pass 2 dq = Σ_J dlogits·K and dK scattered back
+    assert (site.attention["passes"], site.attention["merged"], site.attention["scattered"]) == (2, 1, 1)
+
+
+def test_a_column_value_read_after_the_region_is_declined():
+    bad, twin = contrastive(returns_logits=True), contrastive()
+    result = rewritten(bad)
+    assert not column_sites(result)
+    assert "column passes:" in notes(result) and "[cols_region]" in notes(result)
+    assert column_sites(rewritten(twin))
+
+
+def test_a_sum_from_a_nonzero_init_is_declined():
+    result = rewritten(contrastive(nonzero_init=True))
+    assert not column_sites(result)
+    assert "from a nonzero init" in notes(result)
+
+
+def test_a_reversal_along_the_columns_is_declined():
+    bad, twin = contrastive(flipped=True), contrastive()
+    result = rewritten(bad)
+    assert not column_sites(result)
+    assert "stablehlo.reverse" in notes(result) and "[cols_region]" in notes(result)
+    assert column_sites(rewritten(twin))
+
+
+def test_a_max_over_more_than_the_columns_takes_more_passes():
+    # the max over the rows too: exp(x - max) is not the online max's form (a row's rescale would need
+    # every row's), so the sum waits for the max's pass: three passes, the numbers as the original's
+    result = rewritten(contrastive(max_dims=(0, 1)))
+    (site,) = column_sites(result)
+    assert site.attention["merged"] == 0 and site.attention["passes"] == 3
+
+
+def test_a_max_through_a_device_varying_op_takes_more_passes():
+    # g(M) = M + the device's index is no chain of maxima with constants: no online max
+    result = rewritten(contrastive(between=lambda t: t + jax.lax.axis_index(AXIS).astype(t.dtype)))
+    (site,) = column_sites(result)
+    assert site.attention["merged"] == 0 and site.attention["passes"] == 3
+
+
+def test_a_row_value_from_a_callback_is_declined():
+    # a host callback on the row max before it is read back: an op with effects is not recomputed
+    def host(t):
+        return jax.pure_callback(lambda x: np.asarray(x), jax.ShapeDtypeStruct(t.shape, t.dtype), t)
+
+    result = cmatmul_pass.rewrite(contrastive(between=host), cmatmul_pass.Options(policy="all"))
+    assert not column_sites(result)
+    assert "only plain ops are recomputed" in notes(result)
+
+
+# ---------------------------------------------------------------- the default
+
+def test_the_default_takes_the_passes_only_where_the_columns_do_not_fit():
+    text = cp_attention(grad=True, remat=True)
+    # at toy sizes the extra matmuls of the passes cost more than the transfers they hide
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(policy="auto"))
+    assert not column_sites(result) and "column passes: predicted speed-up" in notes(result)
+    # on a device whose memory cannot hold one score matrix, the region as written cannot run
+    small = cmatmul_pass.rewrite(text, cmatmul_pass.Options(policy="auto", hardware="h100:memory=4096"))
+    (site,) = column_sites(small)
+    assert any("taken whatever the prediction" in n for n in site.notes)
+    assert [s.kind for s in small.report.sites if s.rewritten] == ["column_passes", "ring_attention"]
