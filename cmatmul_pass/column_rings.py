@@ -126,7 +126,7 @@ def decide_column_passes(site: ColumnPlan | DeclinedSite, info: ModuleInfo, ctx:
     entry.schedule = {"variant": "uni", "directions": 1, "rounds": applied.stats.rounds,
                       "loop_trips": applied.stats.loop_trips, "rounds_per_trip": applied.stats.rounds_per_trip,
                       "peeled_rounds": applied.stats.peeled, "permutes": applied.permutes,
-                      "streams_annotated": False}
+                      "streams_annotated": ctx.annotator.enabled}
     return entry
 
 

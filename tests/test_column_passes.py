@@ -201,3 +201,57 @@ def test_the_default_takes_the_passes_only_where_the_columns_do_not_fit():
     (site,) = column_sites(small)
     assert any("taken whatever the prediction" in n for n in site.notes)
     assert [s.kind for s in small.report.sites if s.rewritten] == ["column_passes", "ring_attention"]
+
+
+def test_the_default_at_long_context():
+    # 32 query heads, 8 KV heads of 128, bf16, over 8 H100s (docs/patterns.md's figures)
+    def sites(seq):
+        text = cp_attention(grad=True, remat=True, batch=1, seq=seq, heads=32, kv_heads=8, head_dim=128)
+        return cmatmul_pass.rewrite(text, cmatmul_pass.Options(policy="auto", hardware="h100"))
+
+    short = sites(32768)  # 16 GiB a score matrix: the passes' extra matmuls cost more than they hide
+    assert not column_sites(short)
+    assert "column passes: predicted speed-up 0.754x" in notes(short)
+    (site,) = column_sites(sites(131072))  # 256 GiB: as written it cannot run on one H100
+    assert site.attention["memory"]["columns_before"] == 256 * 2**30
+    assert any("taken whatever the prediction" in n for n in site.notes)
+
+
+def test_streams_annotated():
+    text = cp_attention(grad=True, remat=True, dtype=jnp.float32)
+    result = rewritten(text, variant="uni", annotate_streams=True)
+    (site,) = column_sites(result)
+    assert site.schedule["streams_annotated"]
+    out = result.text
+    # the passes' matmuls outlined onto compute streams, permutes grouped with them
+    assert "_xla_stream_annotation" in out and "_scheduling_group_id" in out
+
+
+def test_two_rematerialised_layers():
+    # two attention layers in a row: each backward region its own passes (identical layers: replayed)
+    mesh = mesh_1d(8, AXIS)
+    spec = P(None, AXIS)
+    body = jax.checkpoint(lambda q, k, v: attention(q, k, v, causal=True))
+    f = smap(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+
+    def loss(q, k, v):
+        h = f(q, k, v)
+        return jnp.sum(jnp.square(f(h, k, v)))
+
+    args = [arg(mesh, (2, 64, 2, 8), spec), arg(mesh, (2, 64, 2, 8), spec), arg(mesh, (2, 64, 2, 8), spec)]
+    result = rewritten(lower(jax.value_and_grad(loss, argnums=(0, 1, 2)), *args))
+    assert len(column_sites(result)) == 2
+
+
+def test_dot_product_attention_backward_is_declined_with_its_reason():
+    result = rewritten(cp_attention(grad=True, remat=True, dpa=True, dtype=jnp.float32))
+    assert not column_sites(result)
+    assert "column passes:" in notes(result) and "[cols_region]" in notes(result)
+
+
+def test_an_op_on_the_probabilities_that_is_not_linear_takes_three_passes():
+    # sqrt(p) before P·V: its gradient's sum over the keys is not linear in the exponentials, so
+    # it waits for the max's pass (the online merge's linearity check, each op on the way)
+    result = rewritten(cp_attention(grad=True, remat=True, after=jnp.sqrt, dtype=jnp.float32))
+    (site,) = column_sites(result)
+    assert site.attention["passes"] == 3 and site.attention["merged"] == 1

@@ -298,7 +298,9 @@ class _Planner:
         operands = [v for v in op.operation.operands[:2] if v in self.r.dims] if op.operation.name == DOT \
             else [op.operation.operands[0]]
         summand = list(op.operation.operands).index(operands[0])
-        plain = max(self._level_of(v, frozenset()) for v in operands) + 1
+        # (a dot's other operand, a row value, and a reduce's init: known before the pass)
+        sides = max((self.lvl(v) for v in op.operation.operands if v not in self.r.dims), default=0)
+        plain = max([self._level_of(v, frozenset()) for v in operands] + [sides]) + 1
         if combine != "stablehlo.add":
             return Statistic(op, combine, plain, summand=summand)
         # row factors on the summand's way (one summand's: a dot's other column operand keeps its own)
@@ -307,7 +309,7 @@ class _Planner:
             skipped, factors = self._factors(v, op)
             if factors:
                 others = [self._level_of(w, frozenset()) for w in operands if w != v]
-                level = max([self._level_of(v, skipped)] + others) + 1
+                level = max([self._level_of(v, skipped), sides] + others) + 1
                 candidates.append(Statistic(op, combine, level, skipped, factors,
                                             summand=list(op.operation.operands).index(v)))
         candidates += [c for c in map(lambda c: self._online(c, operands), list(candidates)) if c is not None]
@@ -386,7 +388,7 @@ class _Planner:
         if found is None:
             return None
         online, top_level = found
-        others = [w for w in operands if w != summand]
+        others = [w for w in stat.op.operation.operands if w != summand]
         linear = self._linear(summand, online.exp.result, stat.skipped, top_level)
         if not linear or any(self._level_of(w, frozenset()) >= top_level for w in others):
             return None
@@ -477,7 +479,8 @@ class _Planner:
                     for o in op.operation.operands if ir.RankedTensorType(o.type).rank):
                 result = None
             else:
-                result = linear_class(op.operation.name, [cls(o) for o in op.operation.operands])
+                classes = [cls(o) for o in op.operation.operands]  # (an operand not linear: neither is this)
+                result = None if None in classes else linear_class(op.operation.name, classes)
             memo[w] = result
             return result
 

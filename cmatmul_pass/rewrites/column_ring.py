@@ -189,10 +189,12 @@ class _Emitter:
         def round_fn(rnd: Round, carried: list[ir.Value]) -> list[ir.Value]:
             held, state = carried[:len(gathers)], carried[len(gathers):]
             received = list(held)
+            permutes = []
             if rnd.signature == "send":
                 for i, v in enumerate(held):
                     self.channels.append(self.ctx.take_channel())
                     received[i] = comm.collective_permute(v, pairs, self.channels[-1])
+                    permutes.append(received[i].owner)
             k = ring_position(b, self.position, rnd, n, shift=stream.shift, ring=plan.ring, region=plan.region)
             blocks = _Blocks(self, {g.operation.results[0]: h for g, h in zip(gathers, held)}, k)
             new = list(state)
@@ -215,6 +217,8 @@ class _Emitter:
                 total = b.add(state[at], b.convert(update, ir.RankedTensorType(state[at].type).element_type))
                 self.channels.append(self.ctx.take_channel())
                 new[at] = comm.collective_permute(total, pairs, self.channels[-1])
+                permutes.append(new[at].owner)
+            self._annotate(rnd, permutes, blocks.dots)
             return received + new
 
         signatures = ["send"] * (n - 1) + ["last"]
@@ -227,6 +231,17 @@ class _Emitter:
         for s, acc in zip(scatters, out[len(stats):]):
             results[s.operation.results[0]] = b.convert(acc, ir.RankedTensorType(s.operation.results[0].type).element_type)
         return results
+
+    def _annotate(self, rnd: Round, permutes: list, dots: list) -> None:
+        """With ``--annotate-streams``: the round's dots on its slot's compute stream, each permute
+        grouped with a share of them (a round's transfers beside its matmuls)."""
+        annotator = self.ctx.annotator
+        if not annotator.enabled:
+            return
+        for dot in dots:
+            annotator.mark(dot, 1 + rnd.slot)
+        for i, permute in enumerate(permutes):
+            annotator.group(permute, dots[i::len(permutes)])
 
     # ---------------------------------------------------------------- statistics
     def _initial(self, s: Statistic) -> ir.Value:
@@ -304,6 +319,7 @@ class _Blocks:
         self.start = emitter.b.scaled(k, self.plan.block)
         self.memo: dict = {}
         self.sides: dict = {}
+        self.dots: list = []  # the round's matmuls, for stream annotation
 
     def partial(self, s: Statistic, reference: ir.Value | None = None) -> ir.Value:
         """``s`` over this block (a merged sum: its exponential against ``reference``)."""
@@ -328,6 +344,8 @@ class _Blocks:
         clone = s.op.operation.clone()
         for i, v in enumerate(operands):
             clone.operands[i] = v
+        if clone.name == "stablehlo.dot_general":
+            self.dots.append(clone)
         return clone.results[0]
 
     def _spans(self, s: Statistic, v: ir.Value) -> bool:
@@ -372,6 +390,8 @@ class _Blocks:
             else:
                 operands.append(self.e.row(value))
         results = clone_on_block(step, operands, self.e.n)
+        if op.operation.name == "stablehlo.dot_general":
+            self.dots.append(results[0].owner)
         for r, made in zip(op.operation.results, results):
             self.memo[(r, variant)] = made
         return self.memo[key]

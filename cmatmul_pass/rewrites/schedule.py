@@ -124,6 +124,11 @@ class Annotator:
             value.owner.attributes[_STREAM_MARK] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), stream)
         return value
 
+    def mark(self, dot: ir.OpView | ir.Operation, stream: int) -> None:
+        """Mark a dot already built (a region's op cloned on a block) for compute stream ``stream``."""
+        if self.enabled:
+            dot.operation.attributes[_STREAM_MARK] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), stream)
+
     def group(self, permute: ir.OpView | ir.Operation | None, dots: Sequence[ir.OpView | ir.Operation]) -> None:
         """Mark a permute and the dots it overlaps as one scheduling group.
 
