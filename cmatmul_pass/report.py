@@ -211,6 +211,11 @@ class Report:
         stepped = sum(1 for site in self.sites if site.reason_code == "step")
         if stepped:
             notes.append(f"{stepped} site(s) left as written by the step's answer [step]")
+        too_big = sum(1 for site in self.rewritten if any(n.startswith("taken whatever the prediction")
+                                                          for n in site.notes))
+        if too_big:
+            notes.append(f"as written the step cannot run: {too_big} site(s) hold a value larger than one "
+                         "device's memory")
         if p.get("unknown_trips"):
             notes.append(f"{p['unknown_trips']} loop(s) of unknown trip count counted once")
         if p.get("unplaced"):

@@ -12,7 +12,7 @@ the gathered keys (``attn_region``).  :func:`check` rewrites each program under 
 of the default campaign; under ``uni`` the oracle (:meth:`AttentionSpec.expected`) asks for one
 ring attention where the spec is legal (the forward's, where a training step rematerialises it),
 none and the right reason on the keys' gather otherwise, and one region of passes for a
-rematerialised training step's backward (the einsum form); every result is run against the
+rematerialised training step's backward; every result is run against the
 original on CPU.
 """
 
@@ -64,14 +64,10 @@ class AttentionSpec:
             return [f"{len(rings)} ring attentions, 1 expected: {[s.summary_line() for s in result.report.sites]}"]
         if wanted and (rings or not why or not why <= wanted):
             return [f"{len(rings)} ring attentions and reasons {sorted(why)}, one of {sorted(wanted)} expected"]
-        # a rematerialised backward: passes over the K and V blocks (dot_product_attention's declined:
-        # its mask's transpose is a jnp.where transposing its result, which separability does not read)
+        # a rematerialised backward: passes over the K and V blocks
         passes = [s for s in result.report.sites if s.kind == "column_passes" and s.rewritten]
-        if len(passes) != (self.grad and self.remat and not self.dpa):
+        if len(passes) != (self.grad and self.remat):
             return [f"{len(passes)} column passes sites: {[s.summary_line() for s in result.report.sites]}"]
-        if self.grad and self.remat and self.dpa and not any("[cols_region]" in n for s in result.report.sites
-                                                              for n in s.notes):
-            return ["dot_product_attention's backward not declined with cols_region"]
         return []
 
     def lower(self) -> str:

@@ -193,6 +193,12 @@ def _call_step(op: ir.OpView, on_path: list[int | None]) -> Step:
     block = callee.regions[0].blocks[0]
     body = list(block.operations)
     arguments = list(block.arguments)
+    # a function whose one result is a transpose of a pointwise value (jnp.where's transpose in
+    # jax.nn.dot_product_attention's backward): the body before it is read at that value's shape
+    permutation = result_permutation(body)
+    if permutation is not None:
+        full = [full[permutation.index(d)] for d in range(len(full))]
+        body = body[:-2] + body[-1:]
     maps: dict[int, set] = {i: set() for i in range(len(arguments))}  # argument -> {its dims' places in the result}
     splats: set = set()
     pads = []  # (jnp.pad's @_pad) an argument padded into the result's shape: none along the tracked dim
@@ -229,6 +235,7 @@ def _call_step(op: ir.OpView, on_path: list[int | None]) -> Step:
     (out,) = outs
     if any(_pads(pad, out) for pad in pads):
         raise NotSeparable(f"{_where(op)} calls a function padding the chunked dim {out}")
+    result_out = out if permutation is None else permutation.index(out)
     sides = []
     for i, p in enumerate(on_path):
         arg_t = ir.RankedTensorType(arguments[i].type)
@@ -243,7 +250,19 @@ def _call_step(op: ir.OpView, on_path: list[int | None]) -> Step:
             sides.append((SLICE, places.index(out)))
         else:
             sides.append((WHOLE, 0))
-    return Step(op, out, tuple(sides), tuple(body[:-1]))
+    return Step(op, result_out, tuple(sides), tuple(list(block.operations)[:-1]))
+
+
+def result_permutation(body: list) -> list[int] | None:
+    """The permutation of a function body's last op before its return where that op is a
+    ``transpose`` of a value the body computes (not of an argument) and is what it returns alone."""
+    if len(body) < 2:
+        return None
+    tail, returned = body[-2], list(body[-1].operation.operands)
+    if tail.operation.name != "stablehlo.transpose" or returned != [tail.operation.results[0]] or \
+            isinstance(tail.operation.operands[0].owner, ir.Block):
+        return None
+    return ir_utils.i64s(tail, "permutation")
 
 
 def _side(op: ir.OpView, index: int, dim: int) -> tuple[str, int]:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from .. import ir_utils
 from .._jax_private import ir
-from ..analysis.separable import REBUILD, SLICE, Step
+from ..analysis.separable import REBUILD, SLICE, Step, result_permutation
 from .builders import Builder
 
 
@@ -67,15 +67,22 @@ def _inlined(step: Step, operands: list[ir.Value], parts: int) -> list[ir.Value]
     callee_block = step.body[0].operation.block
     mapping = dict(zip(callee_block.arguments, operands))
     full = ir.RankedTensorType(step.op.operation.results[0].type).shape
+    dim = step.out_dim
+    body = list(step.body)
+    permutation = result_permutation(body + [list(callee_block.operations)[-1]])
+    tail = None
+    if permutation is not None:  # (the body read at the transposed value's shape, its transpose last)
+        tail, body = body[-1], body[:-1]
+        full, dim = [full[permutation.index(d)] for d in range(len(full))], permutation[dim]
     scalar_of: dict = {}  # a splat in the body -> the scalar it holds
-    for inner in step.body:
+    for inner in body:
         results = inner.operation.results
         source = inner.operation.operands[0] if len(inner.operation.operands) else None
         if inner.operation.name == "stablehlo.broadcast_in_dim" and (
                 ir.RankedTensorType(source.type).rank == 0 or source in scalar_of):
             scalar = scalar_of.get(source, source)
             scalar_of[results[0]] = scalar
-            t = block_type(results[0], step.out_dim, parts) if ir.RankedTensorType(results[0].type).shape == full \
+            t = block_type(results[0], dim, parts) if ir.RankedTensorType(results[0].type).shape == full \
                 else results[0].type
             mapping[results[0]] = ir.Operation.create(
                 "stablehlo.broadcast_in_dim", results=[t], operands=[mapping.get(scalar, scalar)],
@@ -86,7 +93,12 @@ def _inlined(step: Step, operands: list[ir.Value], parts: int) -> list[ir.Value]
             clone.operands[i] = mapping.get(v, v)
         for old, new in zip(results, clone.results):
             if ir.RankedTensorType(old.type).shape == full and full:
-                new.set_type(block_type(old, step.out_dim, parts))
+                new.set_type(block_type(old, dim, parts))
             mapping[old] = new
+    if tail is not None:
+        clone = tail.operation.clone()
+        clone.operands[0] = mapping[tail.operation.operands[0]]
+        clone.results[0].set_type(block_type(tail.operation.results[0], step.out_dim, parts))
+        mapping[tail.operation.results[0]] = clone.results[0]
     returned = list(callee_block.operations)[-1].operation.operands
     return [mapping.get(v, v) for v in returned]
