@@ -30,6 +30,47 @@ from .sites import dot_flops, guarded
 KIND = "column_passes"
 
 
+def inline_statistic_calls(found: dict[str, list]) -> list[str]:
+    """A private function taking statistics (a reduce inside: ``jax.nn.log_softmax``, a
+    ``custom_jvp``, holds its max and sum in functions of its own) called on a value computed from
+    an all_gather in a block that also scatters back is inlined there, as XLA inlines it: the
+    region's ops then share the block its passes are planned in.  Only functions of pure ops and no
+    collectives.  To run before the pipeline collects the module's collectives; returns the names of
+    the functions inlined."""
+    from .rewrites.column_ring import _HOISTABLE
+    from .rewrites.sink import _Functions, inline
+
+    scatters, gathers = found.get("stablehlo.reduce_scatter", []), found.get("stablehlo.all_gather", [])
+    homes = {s.operation.parent for s in scatters} & {g.operation.parent for g in gathers}
+    calls = [c for c in found.get("func.call", []) if c.operation.parent in homes]
+    if not calls:
+        return []
+    functions, names = _Functions(calls[0]), []
+    for call in calls:
+        f = functions.private(call)
+        if f is None or functions.holds_collectives(f):
+            continue
+        body = [o.operation.name for o in f.regions[0].blocks[0].operations][:-1]
+        if "stablehlo.reduce" not in body or not set(body) <= _HOISTABLE or not _from_gather(call):
+            continue
+        names.append(inline(call, functions, f))
+    return list(dict.fromkeys(names))
+
+
+def _from_gather(call: ir.OpView, limit: int = 256) -> bool:
+    """Is an operand of ``call`` computed, in its block, from an all_gather (at most ``limit`` ops back)?"""
+    seen, frontier = set(), list(call.operation.operands)
+    while frontier and len(seen) < limit:
+        op = ir_utils.producer(frontier.pop())
+        if op is None or op.operation in seen or op.operation.block != call.operation.block:
+            continue
+        if op.operation.name == "stablehlo.all_gather":
+            return True
+        seen.add(op.operation)
+        frontier.extend(op.operation.operands)
+    return False
+
+
 def match_column_passes(op: ir.OpView, info: ModuleInfo) -> ColumnPlan | DeclinedSite | None:
     """The passes of the region ``op`` (an all_gather) starts, declined with the reason, or None
     where it is not such a region."""

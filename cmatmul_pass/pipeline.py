@@ -18,6 +18,7 @@ from .report import Report, SiteReport, forget_types
 from .rewrites.builders import shared_per_block
 from .rewrites.schedule import Annotator, RewriteContext
 from .rewrites.sink import inline_scan_bodies
+from .column_rings import inline_statistic_calls
 from .sharing import RingLibrary
 from .phases import SiteWalk
 from .sites import forget_dots
@@ -328,6 +329,9 @@ def _run(module: ir.Module, options: Options, source: str, *, verify_each: bool,
         found, layers = replay.walk(module, names, replayable, options.all_reduce_strategy != "split")
         # jax 0.10's scan bodies in functions holding collectives: inline, as later jax lowers them
         if found["stablehlo.while"] and inline_scan_bodies(found):
+            found = ir_utils.ops_named(module, *names)
+        # jax.nn.log_softmax's function between a gather and its statistics: inline, as XLA does
+        if found["stablehlo.reduce_scatter"] and inline_statistic_calls(found):
             found = ir_utils.ops_named(module, *names)
         info = ModuleInfo.of(module, found["func.call"])
         channels = ChannelAllocator(module, found)

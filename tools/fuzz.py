@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kind", action="append",
                         help="only programs of this kind (repeatable): ag, rs, psum, ..., ag_norm, adversarial, moe "
-                             "(tools/fuzz_moe.py), attention (tools/fuzz_attention.py)")
+                             "(tools/fuzz_moe.py), attention (tools/fuzz_attention.py), columns (tools/fuzz_columns.py)")
     parser.add_argument("--norm", action="store_true", help="a norm's backward wherever the kind takes one (rs, psum)")
     parser.add_argument("--two-stage", action="store_true",
                         help="only scatters of a psum over another mesh axis (a reduction in two stages)")
@@ -73,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     if "attention" in (args.kind or ()):
         status = attention(args)
         args.kind = [k for k in args.kind if k != "attention"]
+        if not args.kind:
+            return status
+    if "columns" in (args.kind or ()):
+        status = columns(args)
+        args.kind = [k for k in args.kind if k != "columns"]
         if not args.kind:
             return status
     if "moe" in (args.kind or ()):
@@ -140,6 +145,16 @@ def attention(args) -> int:
 
     tally = fuzz_programs.Tally()
     _campaign(args, fuzz_attention.attention_specs(), fuzz_attention.check, tally, every=20)
+    return 1 if tally.crashes or tally.mismatches else 0
+
+
+def columns(args) -> int:
+    """The columns campaign (tools/fuzz_columns.py): ``args.examples`` contrastive losses over
+    gathered negatives with their gradients, every variant."""
+    from tools import fuzz_columns
+
+    tally = fuzz_programs.Tally()
+    _campaign(args, fuzz_columns.columns_specs(), fuzz_columns.check, tally, every=20)
     return 1 if tally.crashes or tally.mismatches else 0
 
 
