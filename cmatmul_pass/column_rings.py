@@ -37,7 +37,7 @@ def inline_statistic_calls(found: dict[str, list]) -> list[str]:
     region's ops then share the block its passes are planned in.  Only functions of pure ops and no
     collectives.  To run before the pipeline collects the module's collectives; returns the names of
     the functions inlined."""
-    from .rewrites.column_ring import _HOISTABLE
+    from .rewrites.column_ring import PURE
     from .rewrites.sink import _Functions, inline
 
     scatters, gathers = found.get("stablehlo.reduce_scatter", []), found.get("stablehlo.all_gather", [])
@@ -51,7 +51,7 @@ def inline_statistic_calls(found: dict[str, list]) -> list[str]:
         if f is None or functions.holds_collectives(f):
             continue
         body = [o.operation.name for o in f.regions[0].blocks[0].operations][:-1]
-        if "stablehlo.reduce" not in body or not set(body) <= _HOISTABLE or not _from_gather(call):
+        if "stablehlo.reduce" not in body or not set(body) <= PURE or not _from_gather(call):
             continue
         names.append(inline(call, functions, f))
     return list(dict.fromkeys(names))
@@ -162,8 +162,11 @@ def decide_column_passes(site: ColumnPlan | DeclinedSite, info: ModuleInfo, ctx:
     applied = guarded(entry, rewrite_column_passes, site, ctx)
     entry.rewritten = True
     entry.channel_handles = list(applied.channel_handles)
-    entry.notes = applied.notes + ([] if hw.holds(largest) else [too_big(largest, hw, "the column values")]) + ([f"variant {options.variant}: one direction (the passes' rings)"]
-                                   if options.variant in ("bidi", "bidi-unroll2", "bidi-full") else [])
+    entry.notes = list(applied.notes)
+    if not hw.holds(largest):
+        entry.notes.append(too_big(largest, hw, "the column values"))
+    if options.variant in ("bidi", "bidi-unroll2", "bidi-full"):
+        entry.notes.append(f"variant {options.variant}: one direction (the passes' rings)")
     entry.schedule = {"variant": "uni", "directions": 1, "rounds": applied.stats.rounds,
                       "loop_trips": applied.stats.loop_trips, "rounds_per_trip": applied.stats.rounds_per_trip,
                       "peeled_rounds": applied.stats.peeled, "permutes": applied.permutes,

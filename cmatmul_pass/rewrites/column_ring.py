@@ -37,7 +37,7 @@ from .builders import Builder, erase_dead
 from .schedule import Applied, RewriteContext, Round, ScheduleStats, emit_rounds, ring_position
 
 #: ops an input of the region computed after its first result is read may be copied earlier through
-_HOISTABLE = POINTWISE | frozenset(f"stablehlo.{n}" for n in (
+PURE = POINTWISE | frozenset(f"stablehlo.{n}" for n in (
     "constant", "iota", "broadcast_in_dim", "reshape", "transpose", "slice", "concatenate", "pad", "reduce",
     "dot_general", "partition_id", "replica_id"))
 
@@ -45,9 +45,9 @@ _HOISTABLE = POINTWISE | frozenset(f"stablehlo.{n}" for n in (
 def _hoistable(op: ir.OpView) -> bool:
     """Can ``op`` be copied earlier: a pure op, or a call of a function of pure ops (jnp.where's ``@_where``)?"""
     if op.operation.name != "func.call":
-        return op.operation.name in _HOISTABLE
+        return op.operation.name in PURE
     callee = ir_utils.Symbols(op).callee(op)
-    return callee is not None and all(inner.operation.name in _HOISTABLE | {"func.return"}
+    return callee is not None and all(inner.operation.name in PURE | {"func.return"}
                                       for block in callee.regions[0].blocks for inner in block.operations)
 
 
