@@ -259,3 +259,56 @@ def test_an_op_on_the_probabilities_that_is_not_linear_takes_three_passes():
     result = rewritten(cp_attention(grad=True, remat=True, after=jnp.sqrt, dtype=jnp.float32))
     (site,) = column_sites(result)
     assert site.attention["passes"] == 3 and site.attention["merged"] == 1
+
+
+def late_masked_step() -> str:
+    """A rematerialised attention's value_and_grad whose rows see keys only in the last block: the
+    backward's running max is -inf for a row until its last block."""
+    mesh = mesh_1d(8, AXIS)
+    spec = P(None, AXIS)
+
+    def local(q, k, v):
+        kg, vg = gather(k, AXIS, 1), gather(v, AXIS, 1)
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, kg)
+        keys = jnp.arange(kg.shape[1])
+        row = jnp.arange(q.shape[1]) + jax.lax.axis_index(AXIS) * q.shape[1]
+        visible = keys[None, :] >= kg.shape[1] - 1 - (row[:, None] % 9)
+        p = jax.nn.softmax(jnp.where(visible, s, -jnp.inf), axis=-1)
+        return jnp.einsum("bhqk,bkhd->bqhd", p, vg)
+
+    f = smap(jax.checkpoint(local), mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+    step = jax.value_and_grad(lambda q, k, v: jnp.sum(jnp.square(f(q, k, v))), argnums=(0, 1, 2))
+    return lower(step, *[arg(mesh, (1, 64, 2, 8), spec)] * 3)
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+def test_a_late_first_key_is_exact_and_the_guard_is_what_makes_it(guarded, monkeypatch):
+    # the online max's reference taken as 0 while a row's max is -inf: without it (the mutant) the
+    # first rescale is exp(-inf + inf) and the row's sums turn NaN where the original has none
+    text = late_masked_step()
+    if not guarded:
+        from cmatmul_pass.rewrites import column_ring
+
+        def unguarded(self, s, m):
+            for op in s.online.g:
+                chain = s.online.top.result
+                m = column_ring._binary(self.b, op.operation.name,
+                                        *[m if v == chain else self.outside(v) for v in op.operation.operands])
+            return m
+        monkeypatch.setattr(column_ring._Emitter, "_reference", unguarded)
+    result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(policy="all"))
+    assert column_sites(result)
+    rng = np.random.default_rng(2)
+    data = [rng.normal(size=(1, 64, 2, 8)).astype(np.float32) for _ in range(3)]
+    from cmatmul_pass import execute
+
+    devices = execute.cpu_devices(8)
+    want, got = (execute.run(ir_utils.parse(t), data, devices) for t in (text, result.text))
+    want, got = [np.concatenate(w, axis=1) if np.ndim(w[0]) else np.asarray(w) for w in want], \
+        [np.concatenate(g, axis=1) if np.ndim(g[0]) else np.asarray(g) for g in got]
+    assert not any(np.isnan(w).any() for w in want)
+    if not guarded:
+        assert any(np.isnan(g).any() for g in got)
+        return
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g, w, rtol=2e-4, atol=1e-5)
