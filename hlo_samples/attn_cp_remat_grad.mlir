@@ -229,20 +229,20 @@
 // GOLDEN-NEXT: %cst_20 = stablehlo.constant dense<0.000000e+00> : tensor<bf16>
 // GOLDEN-NEXT: %cst_21 = stablehlo.constant dense<0.000000e+00> : tensor<bf16>
 // GOLDEN-NEXT: %44 = stablehlo.broadcast_in_dim %cst_13, dims = [] : (tensor<f32>) -> tensor<2x4x8xf32>
-// GOLDEN-NEXT: %45:6 = stablehlo.while(%iterArg = %c, %iterArg_29 = %24#1, %iterArg_30 = %24#2, %iterArg_31 = %44, %iterArg_32 = %cst_4, %iterArg_33 = %cst_4) : tensor<ui32>, tensor<2x8x2x16xbf16>, tensor<2x8x2x16xbf16>, tensor<2x4x8xf32>, tensor<2x4x8xf32>, tensor<2x4x8xf32>
+// GOLDEN-NEXT: %45:6 = stablehlo.while(%iterArg = %c, %iterArg_27 = %24#1, %iterArg_28 = %24#2, %iterArg_29 = %44, %iterArg_30 = %cst_4, %iterArg_31 = %cst_4) : tensor<ui32>, tensor<2x8x2x16xbf16>, tensor<2x8x2x16xbf16>, tensor<2x4x8xf32>, tensor<2x4x8xf32>, tensor<2x4x8xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_34 = stablehlo.constant dense<7> : tensor<ui32>
-// GOLDEN-NEXT: %177 = stablehlo.compare LT, %iterArg, %c_34, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: %c_32 = stablehlo.constant dense<7> : tensor<ui32>
+// GOLDEN-NEXT: %177 = stablehlo.compare LT, %iterArg, %c_32, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %177 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_34 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_35 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %cst_36 = stablehlo.constant dense<0.000000e+00> : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %177 = "stablehlo.collective_permute"(%iterArg_29) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x16xbf16>
-// GOLDEN-NEXT: %178 = "stablehlo.collective_permute"(%iterArg_30) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x16xbf16>
+// GOLDEN-NEXT: %c_32 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_33 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %cst_34 = stablehlo.constant dense<0.000000e+00> : tensor<2x4x8xf32>
+// GOLDEN-NEXT: %177 = "stablehlo.collective_permute"(%iterArg_27) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x16xbf16>
+// GOLDEN-NEXT: %178 = "stablehlo.collective_permute"(%iterArg_28) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x16xbf16>
 // GOLDEN-NEXT: %179 = stablehlo.add %20, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %180 = stablehlo.remainder %179, %c_35 : tensor<ui32>
-// GOLDEN-NEXT: %181 = stablehlo.multiply %180, %c_35 : tensor<ui32>
+// GOLDEN-NEXT: %180 = stablehlo.remainder %179, %c_33 : tensor<ui32>
+// GOLDEN-NEXT: %181 = stablehlo.multiply %180, %c_33 : tensor<ui32>
 // GOLDEN-NEXT: %182 = stablehlo.broadcast_in_dim %33, dims = [0, 1] : (tensor<8x1xi32>) -> tensor<8x8xi32>
 // GOLDEN-NEXT: %183 = stablehlo.iota dim = 0 : tensor<8xi32>
 // GOLDEN-NEXT: %184 = stablehlo.convert %181 : (tensor<ui32>) -> tensor<i32>
@@ -251,7 +251,7 @@
 // GOLDEN-NEXT: %187 = stablehlo.broadcast_in_dim %186, dims = [1] : (tensor<8xi32>) -> tensor<1x8xi32>
 // GOLDEN-NEXT: %188 = stablehlo.broadcast_in_dim %187, dims = [0, 1] : (tensor<1x8xi32>) -> tensor<8x8xi32>
 // GOLDEN-NEXT: %189 = stablehlo.compare GE, %182, %188, SIGNED : (tensor<8x8xi32>, tensor<8x8xi32>) -> tensor<8x8xi1>
-// GOLDEN-NEXT: %190 = stablehlo.broadcast_in_dim %iterArg_29, dims = [0, 1, 2, 4] : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x2x16xbf16>
+// GOLDEN-NEXT: %190 = stablehlo.broadcast_in_dim %iterArg_27, dims = [0, 1, 2, 4] : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x2x16xbf16>
 // GOLDEN-NEXT: %191 = stablehlo.reshape %190 : (tensor<2x8x2x2x16xbf16>) -> tensor<2x8x4x16xbf16>
 // GOLDEN-NEXT: %192 = stablehlo.dot_general %24#0, %191, batching_dims = [0, 2] x [0, 2], contracting_dims = [3] x [3], precision = [DEFAULT, DEFAULT] : (tensor<2x8x4x16xbf16>, tensor<2x8x4x16xbf16>) -> tensor<2x4x8x8xbf16>
 // GOLDEN-NEXT: %193 = stablehlo.convert %192 : (tensor<2x4x8x8xbf16>) -> tensor<2x4x8x8xf32>
@@ -262,17 +262,17 @@
 // GOLDEN-NEXT: %198 = stablehlo.broadcast_in_dim %196, dims = [] : (tensor<f32>) -> tensor<2x4x8x8xf32>
 // GOLDEN-NEXT: %199 = stablehlo.select %197, %195, %198 : tensor<2x4x8x8xi1>, tensor<2x4x8x8xf32>
 // GOLDEN-NEXT: %200 = stablehlo.reduce(%199 init: %cst_13) applies stablehlo.maximum across dimensions = [3] : (tensor<2x4x8x8xf32>, tensor<f32>) -> tensor<2x4x8xf32>
-// GOLDEN-NEXT: %201 = stablehlo.maximum %iterArg_31, %200 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %202 = stablehlo.maximum %40, %iterArg_31 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %cst_37 = stablehlo.constant dense<0xFF800000> : tensor<f32>
-// GOLDEN-NEXT: %203 = stablehlo.broadcast_in_dim %cst_37, dims = [] : (tensor<f32>) -> tensor<2x4x8xf32>
+// GOLDEN-NEXT: %201 = stablehlo.maximum %iterArg_29, %200 : tensor<2x4x8xf32>
+// GOLDEN-NEXT: %202 = stablehlo.maximum %40, %iterArg_29 : tensor<2x4x8xf32>
+// GOLDEN-NEXT: %cst_35 = stablehlo.constant dense<0xFF800000> : tensor<f32>
+// GOLDEN-NEXT: %203 = stablehlo.broadcast_in_dim %cst_35, dims = [] : (tensor<f32>) -> tensor<2x4x8xf32>
 // GOLDEN-NEXT: %204 = stablehlo.compare EQ, %202, %203 : (tensor<2x4x8xf32>, tensor<2x4x8xf32>) -> tensor<2x4x8xi1>
-// GOLDEN-NEXT: %205 = stablehlo.select %204, %cst_36, %202 : tensor<2x4x8xi1>, tensor<2x4x8xf32>
+// GOLDEN-NEXT: %205 = stablehlo.select %204, %cst_34, %202 : tensor<2x4x8xi1>, tensor<2x4x8xf32>
 // GOLDEN-NEXT: %206 = stablehlo.maximum %40, %201 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %cst_38 = stablehlo.constant dense<0xFF800000> : tensor<f32>
-// GOLDEN-NEXT: %207 = stablehlo.broadcast_in_dim %cst_38, dims = [] : (tensor<f32>) -> tensor<2x4x8xf32>
+// GOLDEN-NEXT: %cst_36 = stablehlo.constant dense<0xFF800000> : tensor<f32>
+// GOLDEN-NEXT: %207 = stablehlo.broadcast_in_dim %cst_36, dims = [] : (tensor<f32>) -> tensor<2x4x8xf32>
 // GOLDEN-NEXT: %208 = stablehlo.compare EQ, %206, %207 : (tensor<2x4x8xf32>, tensor<2x4x8xf32>) -> tensor<2x4x8xi1>
-// GOLDEN-NEXT: %209 = stablehlo.select %208, %cst_36, %206 : tensor<2x4x8xi1>, tensor<2x4x8xf32>
+// GOLDEN-NEXT: %209 = stablehlo.select %208, %cst_34, %206 : tensor<2x4x8xi1>, tensor<2x4x8xf32>
 // GOLDEN-NEXT: %210 = stablehlo.subtract %205, %209 : tensor<2x4x8xf32>
 // GOLDEN-NEXT: %211 = stablehlo.exponential %210 : tensor<2x4x8xf32>
 // GOLDEN-NEXT: %212 = stablehlo.broadcast_in_dim %209, dims = [0, 1, 2] : (tensor<2x4x8xf32>) -> tensor<2x4x8x8xf32>
@@ -280,22 +280,22 @@
 // GOLDEN-NEXT: %214 = stablehlo.exponential %213 : tensor<2x4x8x8xf32>
 // GOLDEN-NEXT: %215 = stablehlo.reduce(%214 init: %cst_15) applies stablehlo.add across dimensions = [3] : (tensor<2x4x8x8xf32>, tensor<f32>) -> tensor<2x4x8xf32>
 // GOLDEN-NEXT: %216 = stablehlo.broadcast_in_dim %211, dims = [0, 1, 2] : (tensor<2x4x8xf32>) -> tensor<2x4x8xf32>
-// GOLDEN-NEXT: %217 = stablehlo.multiply %iterArg_32, %216 : tensor<2x4x8xf32>
+// GOLDEN-NEXT: %217 = stablehlo.multiply %iterArg_30, %216 : tensor<2x4x8xf32>
 // GOLDEN-NEXT: %218 = stablehlo.add %217, %215 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %219 = stablehlo.maximum %40, %iterArg_31 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %cst_39 = stablehlo.constant dense<0xFF800000> : tensor<f32>
-// GOLDEN-NEXT: %220 = stablehlo.broadcast_in_dim %cst_39, dims = [] : (tensor<f32>) -> tensor<2x4x8xf32>
+// GOLDEN-NEXT: %219 = stablehlo.maximum %40, %iterArg_29 : tensor<2x4x8xf32>
+// GOLDEN-NEXT: %cst_37 = stablehlo.constant dense<0xFF800000> : tensor<f32>
+// GOLDEN-NEXT: %220 = stablehlo.broadcast_in_dim %cst_37, dims = [] : (tensor<f32>) -> tensor<2x4x8xf32>
 // GOLDEN-NEXT: %221 = stablehlo.compare EQ, %219, %220 : (tensor<2x4x8xf32>, tensor<2x4x8xf32>) -> tensor<2x4x8xi1>
-// GOLDEN-NEXT: %222 = stablehlo.select %221, %cst_36, %219 : tensor<2x4x8xi1>, tensor<2x4x8xf32>
+// GOLDEN-NEXT: %222 = stablehlo.select %221, %cst_34, %219 : tensor<2x4x8xi1>, tensor<2x4x8xf32>
 // GOLDEN-NEXT: %223 = stablehlo.maximum %40, %201 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %cst_40 = stablehlo.constant dense<0xFF800000> : tensor<f32>
-// GOLDEN-NEXT: %224 = stablehlo.broadcast_in_dim %cst_40, dims = [] : (tensor<f32>) -> tensor<2x4x8xf32>
+// GOLDEN-NEXT: %cst_38 = stablehlo.constant dense<0xFF800000> : tensor<f32>
+// GOLDEN-NEXT: %224 = stablehlo.broadcast_in_dim %cst_38, dims = [] : (tensor<f32>) -> tensor<2x4x8xf32>
 // GOLDEN-NEXT: %225 = stablehlo.compare EQ, %223, %224 : (tensor<2x4x8xf32>, tensor<2x4x8xf32>) -> tensor<2x4x8xi1>
-// GOLDEN-NEXT: %226 = stablehlo.select %225, %cst_36, %223 : tensor<2x4x8xi1>, tensor<2x4x8xf32>
+// GOLDEN-NEXT: %226 = stablehlo.select %225, %cst_34, %223 : tensor<2x4x8xi1>, tensor<2x4x8xf32>
 // GOLDEN-NEXT: %227 = stablehlo.subtract %222, %226 : tensor<2x4x8xf32>
 // GOLDEN-NEXT: %228 = stablehlo.exponential %227 : tensor<2x4x8xf32>
 // GOLDEN-NEXT: %229 = stablehlo.broadcast_in_dim %226, dims = [0, 1, 2] : (tensor<2x4x8xf32>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %230 = stablehlo.broadcast_in_dim %iterArg_30, dims = [0, 1, 2, 4] : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x2x16xbf16>
+// GOLDEN-NEXT: %230 = stablehlo.broadcast_in_dim %iterArg_28, dims = [0, 1, 2, 4] : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x2x16xbf16>
 // GOLDEN-NEXT: %231 = stablehlo.reshape %230 : (tensor<2x8x2x2x16xbf16>) -> tensor<2x8x4x16xbf16>
 // GOLDEN-NEXT: %232 = stablehlo.dot_general %42, %231, batching_dims = [0, 1] x [0, 2], contracting_dims = [2] x [3], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16x8xbf16>, tensor<2x8x4x16xbf16>) -> tensor<2x4x8x8xbf16>
 // GOLDEN-NEXT: %233 = stablehlo.convert %232 : (tensor<2x4x8x8xbf16>) -> tensor<2x4x8x8xf32>
@@ -304,9 +304,9 @@
 // GOLDEN-NEXT: %236 = stablehlo.multiply %233, %235 : tensor<2x4x8x8xf32>
 // GOLDEN-NEXT: %237 = stablehlo.reduce(%236 init: %cst_17) applies stablehlo.add across dimensions = [3] : (tensor<2x4x8x8xf32>, tensor<f32>) -> tensor<2x4x8xf32>
 // GOLDEN-NEXT: %238 = stablehlo.broadcast_in_dim %228, dims = [0, 1, 2] : (tensor<2x4x8xf32>) -> tensor<2x4x8xf32>
-// GOLDEN-NEXT: %239 = stablehlo.multiply %iterArg_33, %238 : tensor<2x4x8xf32>
+// GOLDEN-NEXT: %239 = stablehlo.multiply %iterArg_31, %238 : tensor<2x4x8xf32>
 // GOLDEN-NEXT: %240 = stablehlo.add %239, %237 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %241 = stablehlo.add %iterArg, %c_34 : tensor<ui32>
+// GOLDEN-NEXT: %241 = stablehlo.add %iterArg, %c_32 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %241, %177, %178, %201, %218, %240 : tensor<ui32>, tensor<2x8x2x16xbf16>, tensor<2x8x2x16xbf16>, tensor<2x4x8xf32>, tensor<2x4x8xf32>, tensor<2x4x8xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: %46 = stablehlo.multiply %23, %c_2 : tensor<ui32>
@@ -384,19 +384,19 @@
 // GOLDEN-NEXT: %114 = stablehlo.reshape %113 : (tensor<2x4x8xf32>) -> tensor<2x4x8x1xf32>
 // GOLDEN-NEXT: %115 = stablehlo.negate %114 : tensor<2x4x8x1xf32>
 // GOLDEN-NEXT: %116 = stablehlo.reduce(%115 init: %cst_18) applies stablehlo.add across dimensions = [3] : (tensor<2x4x8x1xf32>, tensor<f32>) -> tensor<2x4x8xf32>
-// GOLDEN-NEXT: %117:6 = stablehlo.while(%iterArg = %c, %iterArg_29 = %24#1, %iterArg_30 = %24#2, %iterArg_31 = %cst_3, %iterArg_32 = %cst_5, %iterArg_33 = %cst_5) : tensor<ui32>, tensor<2x8x2x16xbf16>, tensor<2x8x2x16xbf16>, tensor<2x4x8x16xf32>, tensor<2x8x2x16xf32>, tensor<2x8x2x16xf32>
+// GOLDEN-NEXT: %117:6 = stablehlo.while(%iterArg = %c, %iterArg_27 = %24#1, %iterArg_28 = %24#2, %iterArg_29 = %cst_3, %iterArg_30 = %cst_5, %iterArg_31 = %cst_5) : tensor<ui32>, tensor<2x8x2x16xbf16>, tensor<2x8x2x16xbf16>, tensor<2x4x8x16xf32>, tensor<2x8x2x16xf32>, tensor<2x8x2x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_34 = stablehlo.constant dense<7> : tensor<ui32>
-// GOLDEN-NEXT: %177 = stablehlo.compare LT, %iterArg, %c_34, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: %c_32 = stablehlo.constant dense<7> : tensor<ui32>
+// GOLDEN-NEXT: %177 = stablehlo.compare LT, %iterArg, %c_32, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
 // GOLDEN-NEXT: stablehlo.return %177 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_34 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_35 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %177 = "stablehlo.collective_permute"(%iterArg_29) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x16xbf16>
-// GOLDEN-NEXT: %178 = "stablehlo.collective_permute"(%iterArg_30) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x16xbf16>
+// GOLDEN-NEXT: %c_32 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_33 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %177 = "stablehlo.collective_permute"(%iterArg_27) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x16xbf16>
+// GOLDEN-NEXT: %178 = "stablehlo.collective_permute"(%iterArg_28) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x16xbf16>
 // GOLDEN-NEXT: %179 = stablehlo.add %20, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %180 = stablehlo.remainder %179, %c_35 : tensor<ui32>
-// GOLDEN-NEXT: %181 = stablehlo.multiply %180, %c_35 : tensor<ui32>
+// GOLDEN-NEXT: %180 = stablehlo.remainder %179, %c_33 : tensor<ui32>
+// GOLDEN-NEXT: %181 = stablehlo.multiply %180, %c_33 : tensor<ui32>
 // GOLDEN-NEXT: %182 = stablehlo.broadcast_in_dim %33, dims = [0, 1] : (tensor<8x1xi32>) -> tensor<8x8xi32>
 // GOLDEN-NEXT: %183 = stablehlo.iota dim = 0 : tensor<8xi32>
 // GOLDEN-NEXT: %184 = stablehlo.convert %181 : (tensor<ui32>) -> tensor<i32>
@@ -405,7 +405,7 @@
 // GOLDEN-NEXT: %187 = stablehlo.broadcast_in_dim %186, dims = [1] : (tensor<8xi32>) -> tensor<1x8xi32>
 // GOLDEN-NEXT: %188 = stablehlo.broadcast_in_dim %187, dims = [0, 1] : (tensor<1x8xi32>) -> tensor<8x8xi32>
 // GOLDEN-NEXT: %189 = stablehlo.compare GE, %182, %188, SIGNED : (tensor<8x8xi32>, tensor<8x8xi32>) -> tensor<8x8xi1>
-// GOLDEN-NEXT: %190 = stablehlo.broadcast_in_dim %iterArg_29, dims = [0, 1, 2, 4] : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x2x16xbf16>
+// GOLDEN-NEXT: %190 = stablehlo.broadcast_in_dim %iterArg_27, dims = [0, 1, 2, 4] : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x2x16xbf16>
 // GOLDEN-NEXT: %191 = stablehlo.reshape %190 : (tensor<2x8x2x2x16xbf16>) -> tensor<2x8x4x16xbf16>
 // GOLDEN-NEXT: %192 = stablehlo.dot_general %24#0, %191, batching_dims = [0, 2] x [0, 2], contracting_dims = [3] x [3], precision = [DEFAULT, DEFAULT] : (tensor<2x8x4x16xbf16>, tensor<2x8x4x16xbf16>) -> tensor<2x4x8x8xbf16>
 // GOLDEN-NEXT: %193 = stablehlo.convert %192 : (tensor<2x4x8x8xbf16>) -> tensor<2x4x8x8xf32>
@@ -415,7 +415,7 @@
 // GOLDEN-NEXT: %197 = stablehlo.broadcast_in_dim %189, dims = [2, 3] : (tensor<8x8xi1>) -> tensor<2x4x8x8xi1>
 // GOLDEN-NEXT: %198 = stablehlo.broadcast_in_dim %196, dims = [] : (tensor<f32>) -> tensor<2x4x8x8xf32>
 // GOLDEN-NEXT: %199 = stablehlo.select %197, %195, %198 : tensor<2x4x8x8xi1>, tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %200 = stablehlo.broadcast_in_dim %iterArg_30, dims = [0, 1, 2, 4] : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x2x16xbf16>
+// GOLDEN-NEXT: %200 = stablehlo.broadcast_in_dim %iterArg_28, dims = [0, 1, 2, 4] : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x2x16xbf16>
 // GOLDEN-NEXT: %201 = stablehlo.reshape %200 : (tensor<2x8x2x2x16xbf16>) -> tensor<2x8x4x16xbf16>
 // GOLDEN-NEXT: %202 = stablehlo.dot_general %42, %201, batching_dims = [0, 1] x [0, 2], contracting_dims = [2] x [3], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16x8xbf16>, tensor<2x8x4x16xbf16>) -> tensor<2x4x8x8xbf16>
 // GOLDEN-NEXT: %203 = stablehlo.convert %202 : (tensor<2x4x8x8xbf16>) -> tensor<2x4x8x8xf32>
@@ -427,15 +427,15 @@
 // GOLDEN-NEXT: %209 = stablehlo.subtract %199, %208 : tensor<2x4x8x8xf32>
 // GOLDEN-NEXT: %210 = stablehlo.exponential %209 : tensor<2x4x8x8xf32>
 // GOLDEN-NEXT: %211 = stablehlo.multiply %207, %210 : tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %cst_36 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %212 = stablehlo.broadcast_in_dim %cst_36, dims = [] : (tensor<f32>) -> tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %cst_34 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %212 = stablehlo.broadcast_in_dim %cst_34, dims = [] : (tensor<f32>) -> tensor<2x4x8x8xf32>
 // GOLDEN-NEXT: %213 = stablehlo.select %197, %211, %212 : tensor<2x4x8x8xi1>, tensor<2x4x8x8xf32>
 // GOLDEN-NEXT: %214 = stablehlo.broadcast_in_dim %cst_19, dims = [] : (tensor<f32>) -> tensor<2x4x8x8xf32>
 // GOLDEN-NEXT: %215 = stablehlo.divide %213, %214 : tensor<2x4x8x8xf32>
 // GOLDEN-NEXT: %216 = stablehlo.convert %215 : (tensor<2x4x8x8xf32>) -> tensor<2x4x8x8xbf16>
 // GOLDEN-NEXT: %217 = stablehlo.dot_general %216, %191, batching_dims = [0, 1] x [0, 2], contracting_dims = [3] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x4x8x8xbf16>, tensor<2x8x4x16xbf16>) -> tensor<2x4x8x16xbf16>
 // GOLDEN-NEXT: %218 = stablehlo.convert %217 : (tensor<2x4x8x16xbf16>) -> tensor<2x4x8x16xf32>
-// GOLDEN-NEXT: %219 = stablehlo.add %iterArg_31, %218 : tensor<2x4x8x16xf32>
+// GOLDEN-NEXT: %219 = stablehlo.add %iterArg_29, %218 : tensor<2x4x8x16xf32>
 // GOLDEN-NEXT: %220 = stablehlo.broadcast_in_dim %108, dims = [0, 1, 2, 3] : (tensor<2x4x8x1xf32>) -> tensor<2x4x8x8xf32>
 // GOLDEN-NEXT: %221 = stablehlo.divide %210, %220 : tensor<2x4x8x8xf32>
 // GOLDEN-NEXT: %222 = stablehlo.convert %221 : (tensor<2x4x8x8xf32>) -> tensor<2x4x8x8xbf16>
@@ -444,16 +444,16 @@
 // GOLDEN-NEXT: %225 = stablehlo.reshape %224 : (tensor<2x8x4x16xbf16>) -> tensor<2x8x2x2x16xbf16>
 // GOLDEN-NEXT: %226 = stablehlo.reduce(%225 init: %cst_20) applies stablehlo.add across dimensions = [3] : (tensor<2x8x2x2x16xbf16>, tensor<bf16>) -> tensor<2x8x2x16xbf16>
 // GOLDEN-NEXT: %227 = stablehlo.convert %226 : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x16xf32>
-// GOLDEN-NEXT: %228 = stablehlo.add %iterArg_32, %227 : tensor<2x8x2x16xf32>
+// GOLDEN-NEXT: %228 = stablehlo.add %iterArg_30, %227 : tensor<2x8x2x16xf32>
 // GOLDEN-NEXT: %229 = "stablehlo.collective_permute"(%228) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x2x16xf32>) -> tensor<2x8x2x16xf32>
 // GOLDEN-NEXT: %230 = stablehlo.dot_general %216, %24#0, batching_dims = [0, 1] x [0, 2], contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x4x8x8xbf16>, tensor<2x8x4x16xbf16>) -> tensor<2x4x8x16xbf16>
 // GOLDEN-NEXT: %231 = stablehlo.transpose %230, dims = [0, 2, 1, 3] : (tensor<2x4x8x16xbf16>) -> tensor<2x8x4x16xbf16>
 // GOLDEN-NEXT: %232 = stablehlo.reshape %231 : (tensor<2x8x4x16xbf16>) -> tensor<2x8x2x2x16xbf16>
 // GOLDEN-NEXT: %233 = stablehlo.reduce(%232 init: %cst_21) applies stablehlo.add across dimensions = [3] : (tensor<2x8x2x2x16xbf16>, tensor<bf16>) -> tensor<2x8x2x16xbf16>
 // GOLDEN-NEXT: %234 = stablehlo.convert %233 : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x16xf32>
-// GOLDEN-NEXT: %235 = stablehlo.add %iterArg_33, %234 : tensor<2x8x2x16xf32>
+// GOLDEN-NEXT: %235 = stablehlo.add %iterArg_31, %234 : tensor<2x8x2x16xf32>
 // GOLDEN-NEXT: %236 = "stablehlo.collective_permute"(%235) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x2x16xf32>) -> tensor<2x8x2x16xf32>
-// GOLDEN-NEXT: %237 = stablehlo.add %iterArg, %c_34 : tensor<ui32>
+// GOLDEN-NEXT: %237 = stablehlo.add %iterArg, %c_32 : tensor<ui32>
 // GOLDEN-NEXT: stablehlo.return %237, %177, %178, %219, %229, %236 : tensor<ui32>, tensor<2x8x2x16xbf16>, tensor<2x8x2x16xbf16>, tensor<2x4x8x16xf32>, tensor<2x8x2x16xf32>, tensor<2x8x2x16xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: %118 = stablehlo.broadcast_in_dim %33, dims = [0, 1] : (tensor<8x1xi32>) -> tensor<8x8xi32>
@@ -516,8 +516,6 @@
 // GOLDEN-NEXT: %174 = stablehlo.convert %172 : (tensor<2x8x2x16xf32>) -> tensor<2x8x2x16xbf16>
 // GOLDEN-NEXT: %175 = stablehlo.convert %155 : (tensor<2x4x8x16xf32>) -> tensor<2x4x8x16xbf16>
 // GOLDEN-NEXT: %176 = stablehlo.transpose %175, dims = [0, 2, 1, 3] : (tensor<2x4x8x16xbf16>) -> tensor<2x8x4x16xbf16>
-// GOLDEN-NEXT: %cst_27 = stablehlo.constant dense<0.000000e+00> : tensor<bf16>
-// GOLDEN-NEXT: %cst_28 = stablehlo.constant dense<0.000000e+00> : tensor<bf16>
 // GOLDEN-NEXT: sdy.return %176, %174, %173 : tensor<2x8x4x16xbf16>, tensor<2x8x2x16xbf16>, tensor<2x8x2x16xbf16>
 // GOLDEN-NEXT: } : (tensor<2x64x4x16xbf16>, tensor<2x64x4x16xbf16>, tensor<2x64x2x16xbf16>, tensor<2x64x2x16xbf16>) -> (tensor<2x64x4x16xbf16>, tensor<2x64x2x16xbf16>, tensor<2x64x2x16xbf16>)
 // GOLDEN-NEXT: return %9, %17#0, %17#1, %17#2 : tensor<f32>, tensor<2x64x4x16xbf16>, tensor<2x64x2x16xbf16>, tensor<2x64x2x16xbf16>

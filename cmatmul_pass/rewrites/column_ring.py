@@ -506,6 +506,8 @@ def rewrite_column_passes(plan: ColumnPlan, ctx: RewriteContext) -> Applied:
     erase_dead([*plan.scatters, *(s.op for s in plan.statistics), *reversed(plan.column_ops),
                 *reversed(plan.row_ops), *plan.gathers])
     erase_dead(list(reversed(emitter.clones)))
+    # the inputs copied before the passes, where the region alone read them (users first)
+    erase_dead(list(dict.fromkeys(ir_utils.producer(v).operation for v in reversed(list(emitter.hoisted)))))
     stats = sum(1 for s in plan.statistics)
     merged = sum(1 for s in plan.statistics if s.online is not None)
     return Applied(emitter.channels, 1, emitter.stats, emitter.sends,
