@@ -516,8 +516,9 @@ def cmd_explain(args) -> int:
                 print(f"  dot: {dot['location']} ({dot['operand']} operand, {dot['dim_role']} dim{through})")
             for reader in site.assembled_for:
                 print(f"  assembles the gathered value for: {reader}")
-            if site.attention.get("two_rings") and reasons.hint(site.attention["two_rings"]):
-                print(f"  to have it rewritten: {reasons.hint(site.attention['two_rings'])}")
+            for why in ("two_rings", "passes_declined"):  # (an attention's two rings, a region's passes)
+                if site.attention.get(why) and reasons.hint(site.attention[why]):
+                    print(f"  to have it rewritten: {reasons.hint(site.attention[why])}")
         else:
             # a site moved first (sunk into a loop, hoisted, merged), then declined: say so
             moved = site.moved_from is not None

@@ -180,7 +180,7 @@ def column_phase(phases, gathers: list, scatters: list) -> tuple[list, list]:
     (``phases``: the pass's :class:`~cmatmul_pass.phases.Phases`); returns the gathers and
     scatters left.  A region left as written says why on its first gather's entry."""
     taken: set[int] = set()  # indices into gathers and (offset by len(gathers)) scatters
-    why: dict[str, str] = {}
+    why: dict[str, tuple[str, str]] = {}
     for index, op in enumerate(gathers):
         if index in taken:
             continue
@@ -198,7 +198,7 @@ def column_phase(phases, gathers: list, scatters: list) -> tuple[list, list]:
                        if i not in taken and o.operation in claimed}
             entry = decide_column_passes(site, phases.info, phases.ctx, phases.options, phases.hw, phases.source)
             if not entry.rewritten:
-                why[entry.location] = f"column passes: {entry.reason} [{entry.reason_code}]"
+                why[entry.location] = (entry.reason_code, f"column passes: {entry.reason} [{entry.reason_code}]")
                 continue
             phases.report.sites.append(entry)
             phases.tag(place, since)
@@ -208,11 +208,14 @@ def column_phase(phases, gathers: list, scatters: list) -> tuple[list, list]:
         [s for i, s in enumerate(scatters) if len(gathers) + i not in taken]
 
 
-def say_why(report, why: dict[str, str]) -> None:
-    """Each region left as written: its first gather's entries say why."""
+def say_why(report, why: dict[str, tuple[str, str]]) -> None:
+    """Each region left as written: its first gather's entries say why (a note, and the reason
+    code in ``attention["passes_declined"]``)."""
     for entry in report.sites:
         if entry.location in why and entry.kind == "all_gather_dot":
-            entry.notes.append(why[entry.location])
+            code, note = why[entry.location]
+            entry.notes.append(note)
+            entry.attention = {**entry.attention, "passes_declined": code}
 
 
 def explain_lines(site: SiteReport) -> list[str]:

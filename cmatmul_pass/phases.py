@@ -84,7 +84,7 @@ class SiteWalk:
         self.phase_of: dict[int, int] = {}
         self.phase = 0
         self.competing: set = set()
-        self.column_notes: dict[str, str] = {}  # a region over gathered columns left as written -> why
+        self.column_notes: dict[str, tuple[str, str]] = {}  # a region over gathered columns left as written -> why
         #: gathers left plain for a scatter's ring (their op -> the scatter's location, their slack)
         self.prefetched: dict = {}
         #: psums split only for their matmuls' gather rings: report index -> (the psum's key, its Seed)

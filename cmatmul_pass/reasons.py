@@ -206,7 +206,8 @@ REASONS: dict[str, Reason] = {r.code: r for r in (
                           "(attention's backward) holds a value the passes cannot compute a block at a time: a "
                           "column value read after the region or inside a loop, an op that is not separable along "
                           "the dim, a statistic's row value computed by an op with effects",
-           "the reason names the op; the region's gathers and scatters get rings of their own meanwhile"),
+           "the reason names the op; the region's gathers and scatters get rings of their own meanwhile",
+           ("hlo_samples/neg_cols_region.mlir", "--policy", "all")),
     # ---- the options' verdict
     Reason("policy", "`--policy auto`: the cost model predicts too small a gain on `--hardware`",
            "use `--policy all`, another `--variant` (the reason names one that would pass, if any), "

@@ -76,7 +76,8 @@ class SiteReport:
     all_to_all: dict = field(default_factory=dict)
     # an attention ringed with an online softmax (kind ring_attention): {values: V's gather,
     # blocks, block_keys, memory: attention.memory's bytes, prediction: attention.predict's seconds};
-    # on the keys' gather of an attention left with two rings: {two_rings: the reason code};
+    # on the keys' gather of an attention left with two rings: {two_rings: the reason code}; on the
+    # first gather of a region over gathered columns left as written: {passes_declined: the reason code};
     # a region over gathered columns (kind column_passes): {passes, blocks, block_keys, statistics, merged,
     # scattered, memory: column_rings.memory's bytes, prediction: column_rings.predict's seconds}
     attention: dict = field(default_factory=dict)

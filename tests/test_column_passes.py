@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import cmatmul_pass
 from cmatmul_pass import ir_utils
-from tools.samples_attention import AXIS, attention, cp_attention
+from tools.samples_attention import AXIS, attention, contrastive, cp_attention
 from tools.samples_common import arg, gather, lower, mesh_1d, smap
 
 
@@ -76,43 +76,6 @@ def test_a_training_step_saving_the_probabilities_is_not_a_region():
 
 
 # ---------------------------------------------------------------- any region of that shape
-
-def contrastive(temperature=0.1, *, returns_logits=False, nonzero_init=False, flipped=False, max_dims=1,
-                between=None, n=8, rows=16, dim=8) -> str:
-    """An InfoNCE loss over negatives all-gathered along the batch (each device's queries against
-    every device's keys) and its gradient, both inside the shard_map (the gather's transpose a
-    psum_scatter of dK): log-sum-exp over the gathered keys (``max_dims``: what the max reduces;
-    ``between``: an op on the row max before it is subtracted), the positive read with a one-hot
-    from positions (``flipped``: both reversed along the keys); ``nonzero_init``: a diagnostic sum
-    over the keys from 1; ``returns_logits``: the logits returned too."""
-    mesh = mesh_1d(n, AXIS)
-    spec = P(AXIS)
-
-    def loss_of(q, k):
-        kg = gather(k, AXIS, 0)
-        logits = q @ kg.T / temperature
-        top = jax.lax.stop_gradient(jnp.max(logits, axis=max_dims, keepdims=True))
-        top = top if between is None else between(top)
-        lse = jnp.log(jnp.sum(jnp.exp(logits - top), axis=1)) + top[:, 0]
-        labels = jax.lax.axis_index(AXIS) * q.shape[0] + jnp.arange(q.shape[0])
-        onehot = labels[:, None] == jnp.arange(kg.shape[0])[None, :]
-        if flipped:
-            onehot, scores = jnp.flip(onehot, axis=1), jnp.flip(logits, axis=1)
-        else:
-            scores = logits
-        loss = jnp.mean(lse - jnp.sum(jnp.where(onehot, scores, 0.0), axis=1))
-        if nonzero_init:
-            spread = jax.lax.reduce(jax.lax.stop_gradient(jnp.exp(logits - top)), np.float32(1.0), jax.lax.add, (1,))
-            loss = loss + 1e-3 * jnp.mean(spread)
-        return loss, logits
-
-    def local(q, k):
-        (loss, logits), (dq, dk) = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)(q, k)
-        return (loss[None], dq, dk, logits) if returns_logits else (loss[None], dq, dk)
-
-    f = smap(local, mesh=mesh, in_specs=(spec, spec), out_specs=(spec,) * (4 if returns_logits else 3))
-    return lower(f, arg(mesh, (n * rows, dim), spec), arg(mesh, (n * rows, dim), spec))
-
 
 def test_a_contrastive_loss_over_gathered_negatives_is_two_passes():
     result = rewritten(contrastive())

@@ -1,7 +1,8 @@
 """Context-parallel attention programs, written as public JAX code writes them: the sequence
 sharded over a mesh axis, K and V all-gathered along it before ordinary attention (causal or
 not, grouped-query heads, segment ids, bf16 inputs with an f32 softmax), forward and training
-step.  The samples of tools/gen_samples.py and the attention tests draw them."""
+step; and a contrastive loss over negatives gathered the same way, with its gradient.  The samples
+of tools/gen_samples.py and the attention and column-passes tests draw them."""
 
 from __future__ import annotations
 
@@ -84,6 +85,43 @@ def cp_attention(causal=True, heads=4, kv_heads=2, dtype=jnp.bfloat16, segments=
     return lower(f, *args)
 
 
+def contrastive(temperature=0.1, *, returns_logits=False, nonzero_init=False, flipped=False, max_dims=1,
+                between=None, n=8, rows=16, dim=8) -> str:
+    """An InfoNCE loss over negatives all-gathered along the batch (each device's queries against
+    every device's keys) and its gradient, both inside the shard_map (the gather's transpose a
+    psum_scatter of dK): log-sum-exp over the gathered keys (``max_dims``: what the max reduces;
+    ``between``: an op on the row max before it is subtracted), the positive read with a one-hot
+    from positions (``flipped``: both reversed along the keys); ``nonzero_init``: a diagnostic sum
+    over the keys from 1; ``returns_logits``: the logits returned too."""
+    mesh = mesh_1d(n, AXIS)
+    spec = P(AXIS)
+
+    def loss_of(q, k):
+        kg = gather(k, AXIS, 0)
+        logits = q @ kg.T / temperature
+        top = jax.lax.stop_gradient(jnp.max(logits, axis=max_dims, keepdims=True))
+        top = top if between is None else between(top)
+        lse = jnp.log(jnp.sum(jnp.exp(logits - top), axis=1)) + top[:, 0]
+        labels = jax.lax.axis_index(AXIS) * q.shape[0] + jnp.arange(q.shape[0])
+        onehot = labels[:, None] == jnp.arange(kg.shape[0])[None, :]
+        if flipped:
+            onehot, scores = jnp.flip(onehot, axis=1), jnp.flip(logits, axis=1)
+        else:
+            scores = logits
+        loss = jnp.mean(lse - jnp.sum(jnp.where(onehot, scores, 0.0), axis=1))
+        if nonzero_init:
+            spread = jax.lax.reduce(jax.lax.stop_gradient(jnp.exp(logits - top)), np.float32(1.0), jax.lax.add, (1,))
+            loss = loss + 1e-3 * jnp.mean(spread)
+        return loss, logits
+
+    def local(q, k):
+        (loss, logits), (dq, dk) = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)(q, k)
+        return (loss[None], dq, dk, logits) if returns_logits else (loss[None], dq, dk)
+
+    f = smap(local, mesh=mesh, in_specs=(spec, spec), out_specs=(spec,) * (4 if returns_logits else 3))
+    return lower(f, arg(mesh, (n * rows, dim), spec), arg(mesh, (n * rows, dim), spec))
+
+
 SAMPLES_LIST = [
     Sample("attn_cp", "context-parallel causal attention with grouped-query heads (4 query heads, 2 KV heads), bf16 "
            "inputs and an f32 softmax, K and V all-gathered over the sequence: one ring of K and V blocks with an "
@@ -107,6 +145,18 @@ SAMPLES_LIST = [
            lambda: cp_attention(grad=True, remat=True), "rewritten 2",
            ["CHECK-NOT: stablehlo.all_gather", "CHECK: stablehlo.while", "CHECK: stablehlo.maximum",
             "CHECK: stablehlo.while", "CHECK: stablehlo.collective_permute", "CHECK-NOT: stablehlo.reduce_scatter"]),
+    Sample("contrastive_grad", "an InfoNCE loss over negatives all-gathered along the batch and its gradient, "
+           "both inside the shard_map (the gather's transpose a psum_scatter of dK): the log-sum-exp over the "
+           "gathered keys is a max and a sum, read back by the gradient; two passes of rings over the key "
+           "blocks, the max and the sum it rescales, then dQ with dK travelling home with its blocks.",
+           contrastive, "rewritten 1",
+           ["CHECK-NOT: stablehlo.all_gather", "CHECK: stablehlo.while", "CHECK: stablehlo.while",
+            "CHECK-NOT: stablehlo.reduce_scatter"]),
+    Sample("neg_cols_region", "contrastive_grad returning its logits too: a value spanning the gathered keys is read "
+           "after the region, so its passes would have to hold it whole [cols_region]; the gather and the scatter "
+           "keep rings of their own.",
+           lambda: contrastive(returns_logits=True), "rewritten 2",
+           ["CHECK-NOT: stablehlo.all_gather", "CHECK-NOT: stablehlo.reduce_scatter"]),
     Sample("neg_attn_softmax", "attention over gathered K and V whose probabilities go through a square root "
            "before P·V: not linear in them, so the division by the row sum cannot wait for the ring's end "
            "[attn_softmax]; the scores and P·V keep a ring each.",
