@@ -150,8 +150,10 @@ def decide_column_passes(site: ColumnPlan | DeclinedSite, info: ModuleInfo, ctx:
     largest = entry.attention["memory"]["columns_before"]
     if options.policy == "auto" and prediction["speedup"] < 1 + options.margin and hw.holds(largest):
         entry.reason_code = "policy"
+        m = entry.attention["memory"]
         entry.reason = (f"predicted speed-up {prediction['speedup']:.3f}x ({site.passes} passes) on {hw.name} is "
-                        f"under 1 + {options.margin:g}")
+                        f"under 1 + {options.margin:g} (the largest column value {m['columns_before']:.3g} B as "
+                        f"written, {m['columns_after']:.3g} B in the passes)")
         return entry
     declined = step_guard.verdict(entry) if hw.holds(largest) else None
     if declined:

@@ -148,13 +148,14 @@ def test_the_default_takes_the_passes_only_where_the_columns_do_not_fit():
 
 def test_the_default_at_long_context():
     # 32 query heads, 8 KV heads of 128, bf16, over 8 H100s (docs/patterns.md's figures)
-    def sites(seq):
+    def sites(seq, hardware="h100"):
         text = cp_attention(grad=True, remat=True, batch=1, seq=seq, heads=32, kv_heads=8, head_dim=128)
-        return cmatmul_pass.rewrite(text, cmatmul_pass.Options(policy="auto", hardware="h100"))
+        return cmatmul_pass.rewrite(text, cmatmul_pass.Options(policy="auto", hardware=hardware))
 
     short = sites(32768)  # 16 GiB a score matrix: the passes' extra matmuls cost more than they hide
     assert not column_sites(short)
-    assert "column passes: predicted speed-up 0.754x" in notes(short)
+    assert "column passes: predicted speed-up 0.754x" in notes(short) and "1.72e+10 B as written" in notes(short)
+    assert column_sites(sites(32768, "h100:memory=4e9"))  # a memory budget of 4 GB takes them
     long = sites(131072)  # 256 GiB: as written it cannot run on one H100
     (site,) = column_sites(long)
     assert site.attention["memory"]["columns_before"] == 256 * 2**30
