@@ -256,3 +256,22 @@ def test_a_late_first_key_is_exact_and_the_guard_is_what_makes_it(guarded, monke
         return
     for w, g in zip(want, got):
         np.testing.assert_allclose(g, w, rtol=2e-4, atol=1e-5)
+
+
+def test_a_scan_over_rematerialised_attention_layers():
+    # the backward's region inside the backward scan's loop body, rewritten there (every trip the same)
+    mesh = mesh_1d(8, AXIS)
+    spec = P(None, AXIS)
+
+    def layer(h, w):
+        q, k, v = (jnp.einsum("bshd,de->bshe", h, w[i]) for i in range(3))
+        return h + attention(q, k, v, causal=True)
+
+    def model(h, ws):
+        return jax.lax.scan(lambda h, w: (jax.checkpoint(layer)(h, w), None), h, ws)[0]
+
+    f = smap(model, mesh=mesh, in_specs=(spec, P()), out_specs=spec)
+    step = jax.value_and_grad(lambda h, ws: jnp.sum(jnp.square(f(h, ws))), argnums=(0, 1))
+    result = rewritten(lower(step, arg(mesh, (2, 64, 2, 8), spec), arg(mesh, (2, 3, 8, 8), P())))
+    (site,) = column_sites(result)
+    assert site.layer and "each of the 2 trips" in site.layer
