@@ -18,7 +18,7 @@ from __future__ import annotations
 from . import cost, ir_utils, step_guard
 from .attention import too_big
 from ._jax_private import ir
-from .analysis.column_passes import ColumnPlan, plan
+from .analysis.column_passes import BlockColumns, ColumnPlan, plan
 from .errors import Decline
 from .matchers import DeclinedSite, ModuleInfo
 from .matchers.common import collective_ring
@@ -45,15 +45,22 @@ def inline_statistic_calls(found: dict[str, list]) -> list[str]:
     calls = [c for c in found.get("func.call", []) if c.operation.parent in homes]
     if not calls:
         return []
-    functions, names = _Functions(calls[0]), []
+    module = calls[0].operation
+    while module.parent is not None:
+        module = module.parent
+    by_name = {ir_utils.symbol_name(f): f for f in module.regions[0].blocks[0].operations
+               if f.operation.name == "func.func"}
+    functions, names = None, []
     for call in calls:
-        f = functions.private(call)
-        if f is None or functions.holds_collectives(f):
+        f = by_name.get(ir.FlatSymbolRefAttr(call.operation.attributes["callee"]).value)
+        if f is None or not ir_utils.is_private(f) or len(f.regions[0].blocks) != 1:
             continue
         body = [o.operation.name for o in f.regions[0].blocks[0].operations][:-1]
+        # (PURE: no collective either)
         if "stablehlo.reduce" not in body or not set(body) <= PURE or not _from_gather(call):
             continue
-        names.append(inline(call, functions, f))
+        functions = functions or _Functions(call)
+        names.append(inline(call, functions, functions.private(call)))
     return list(dict.fromkeys(names))
 
 
@@ -71,12 +78,13 @@ def _from_gather(call: ir.OpView, limit: int = 256) -> bool:
     return False
 
 
-def match_column_passes(op: ir.OpView, info: ModuleInfo) -> ColumnPlan | DeclinedSite | None:
-    """The passes of the region ``op`` (an all_gather) starts, declined with the reason, or None
-    where it is not such a region."""
+def match_column_passes(op: ir.OpView, info: ModuleInfo, columns: BlockColumns | None = None
+                        ) -> ColumnPlan | DeclinedSite | None:
+    """The passes of the region ``op`` (an all_gather) is in, declined with the reason, or None
+    where it is not such a region (``columns``: its block's walk, where one is at hand)."""
     try:
         ring, region = collective_ring(op, info)
-        found = plan(op, ring, region)
+        found = plan(op, ring, region, columns)
         if found is not None:
             check_inputs(found, insertion_point(found))
         return found
@@ -183,10 +191,23 @@ def column_phase(phases, gathers: list, scatters: list) -> tuple[list, list]:
     scatters left.  A region left as written says why on its first gather's entry."""
     taken: set[int] = set()  # indices into gathers and (offset by len(gathers)) scatters
     why: dict[str, tuple[str, str]] = {}
+    if not scatters:
+        return gathers, scatters
+    walks: dict = {}  # BlockColumns.key -> the block's walk, until a rewrite changes the block
+    worth: dict = {}  # a key -> whether its block takes a max over the gathered length at all
     for index, op in enumerate(gathers):
         if index in taken:
             continue
-        site = match_column_passes(op, phases.info)
+        key = BlockColumns.key(op)
+        if key[2] is None or len(op.operation.operands) != 1:
+            continue
+        if key not in worth:
+            worth[key] = BlockColumns.worth_walking(op)
+        if not worth[key]:
+            continue
+        if key not in walks:
+            walks[key] = BlockColumns(op)
+        site = match_column_passes(op, phases.info, walks[key])
         if site is None:
             continue
         with phases.attempts.on(op):
@@ -205,6 +226,8 @@ def column_phase(phases, gathers: list, scatters: list) -> tuple[list, list]:
             phases.report.sites.append(entry)
             phases.tag(place, since)
             taken |= indices
+            walks = {k: w for k, w in walks.items() if k[0] != key[0]}
+            worth = {k: w for k, w in worth.items() if k[0] != key[0]}
     phases.column_notes.update(why)
     return [g for i, g in enumerate(gathers) if i not in taken], \
         [s for i, s in enumerate(scatters) if len(gathers) + i not in taken]

@@ -46,7 +46,8 @@ the region (``cols_region``: a residual, a loop, a non-separable op); a side ope
 row ops read back are pure, single-result ops without regions (``cols_region``); sums start from
 zero (``cols_region``).  The region is taken only where a column value reads a statistic (at
 least two passes without the merges) and something is scattered back: one pass is the
-gather and scatter rings' work.
+gather and scatter rings' work) — and where it takes a max over ``J`` (a softmax's, a
+log-sum-exp's: a norm's sums over gathered features are the norm motions' to take, in one ring).
 """
 
 from __future__ import annotations
@@ -60,9 +61,8 @@ from ..matchers.attention import FREE, LIN, ZERO, linear_class
 from .separable import REBUILD, SLICE, NotSeparable, Step, step_of
 
 AG, RS, DOT = "stablehlo.all_gather", "stablehlo.reduce_scatter", "stablehlo.dot_general"
-#: a statistic's reduce ops: how partial statistics of two blocks combine
-COMBINE = {"stablehlo.add": "stablehlo.add", "stablehlo.maximum": "stablehlo.maximum",
-           "stablehlo.minimum": "stablehlo.minimum"}
+#: a statistic's reduce ops (each combines two blocks' partial statistics too)
+COMBINE = frozenset({"stablehlo.add", "stablehlo.maximum", "stablehlo.minimum"})
 #: ops a summand passes to its sum keeping it linear in it (one operand on the way)
 _THROUGH = frozenset({"stablehlo.multiply", "stablehlo.divide", "stablehlo.convert", "stablehlo.negate",
                       "stablehlo.select"})
@@ -126,23 +126,19 @@ class ColumnPlan:
         wanted: set = set()
         frontier = [v for s in stats for v in s.op.operation.operands if v in self.dims]
         frontier += [s.operation.operands[0] for s in scatters]
-        skipped = {o for s in stats for o in s.skipped}
-        while frontier:
-            v = frontier.pop()
-            op = ir_utils.producer(v)
+        while frontier:  # (a left-out factor's op included: the pass may read past it or not)
+            op = ir_utils.producer(frontier.pop())
             if op is None or op.operation in wanted or op.operation not in self.steps:
                 continue
             wanted.add(op.operation)
             frontier.extend(w for w in op.operation.operands if w in self.dims)
-            if op.operation in skipped:
-                continue
         ops = [o for o in self.column_ops if o.operation in wanted]
         return ops, stats, scatters
 
 
 def _combine(op: ir.OpView) -> str | None:
     body = [o.operation.name for o in op.operation.regions[0].blocks[0].operations]
-    return COMBINE.get(body[0]) if len(body) == 2 else None
+    return body[0] if len(body) == 2 and body[0] in COMBINE else None
 
 
 def _same_devices(a: ir.OpView, b: ir.OpView) -> bool:
@@ -150,17 +146,11 @@ def _same_devices(a: ir.OpView, b: ir.OpView) -> bool:
 
 
 class _Region:
-    """The column values, statistics and scatters reached from one gather (and the gathers its
-    column ops meet), in one program-order walk of the block."""
+    """One region: the column values, statistics and scatters one group of gathers reaches."""
 
-    def __init__(self, gather: ir.OpView):
-        self.gather = gather
-        self.block = gather.operation.block
-        dim = ir_utils.int_attr(gather, "all_gather_dim")
-        self.shard = ir.RankedTensorType(gather.operation.operands[0].type).shape[dim]
-        self.ops = [_opview(o) for o in self.block.operations]
-        self.order = {o.operation: i for i, o in enumerate(self.ops)}
-        self.dims: dict = {}
+    def __init__(self, block: ir.Block, ops: list, shard: int, position: dict):
+        self.block, self.ops, self.shard, self.position = block, ops, shard, position
+        self.dims: dict = {}  # column value -> its J
         self.steps: dict = {}
         self.column_ops: list = []
         self.stats: list[ir.OpView] = []
@@ -168,61 +158,102 @@ class _Region:
         self.gathers: list[ir.OpView] = []
         self.problem: str | None = None
 
+
+class BlockColumns:
+    """Every region of one block, for the all_gathers over one group of devices with one shard
+    length, found in one program-order walk (gathers joined where one op reads both's values)."""
+
+    def __init__(self, gather: ir.OpView):
+        self.gather = gather
+        self.block = gather.operation.block
+        dim = ir_utils.int_attr(gather, "all_gather_dim")
+        self.shard = ir.RankedTensorType(gather.operation.operands[0].type).shape[dim]
+        self.ops = [_opview(o) for o in self.block.operations]
+        self.position = {o.operation: i for i, o in enumerate(self.ops)}
+        self.regions: dict = {}  # a gather (operation) -> its region
+        self._walk()
+
+    @staticmethod
+    def worth_walking(gather: ir.OpView) -> bool:
+        """Does ``gather``'s block hold a max reduce over a dim of the gathered length (no region
+        without one is taken: :func:`plan`)?"""
+        dim = ir_utils.int_attr(gather, "all_gather_dim")
+        length = ir.RankedTensorType(gather.operation.results[0].type).shape[dim]
+        for op in gather.operation.block.operations:
+            if op.operation.name == "stablehlo.reduce" and _combine(op) == "stablehlo.maximum":
+                shape = ir.RankedTensorType(op.operation.operands[0].type).shape
+                if any(shape[d] == length for d in ir_utils.i64s(op, "dimensions")):
+                    return True
+        return False
+
+    @staticmethod
+    def key(gather: ir.OpView) -> tuple:
+        """What a block's walk is shared by: the block (its op), the devices, the shard length."""
+        dim = ir_utils.int_attr(gather, "all_gather_dim")
+        shard = ir.RankedTensorType(gather.operation.operands[0].type).shape[dim] if dim is not None else None
+        return gather.operation.parent, str(gather.operation.attributes["replica_groups"]), shard
+
+    def region(self, gather: ir.OpView) -> _Region:
+        return self.regions[gather.operation]
+
     def _candidate(self, op: ir.OpView) -> bool:
         if op.operation.name != AG or len(op.operation.operands) != 1 or not _same_devices(op, self.gather):
             return False
         d = ir_utils.int_attr(op, "all_gather_dim")
         return d is not None and ir.RankedTensorType(op.operation.operands[0].type).shape[d] == self.shard
 
-    def walk(self) -> None:
-        """Column values from every candidate gather; the region is the one the first gather's
-        column values reach (gathers joined where one op reads both)."""
+    def _walk(self) -> None:
         component = {}  # gather operation -> its representative
         owner: dict = {}  # column value -> gather operation
+        dims: dict = {}
+        steps: dict = {}
 
         def find(g):
             while component[g] is not g:
                 g = component[g]
             return g
 
-        found: list = []  # (op, kind, gathers it joins)
+        found: list = []  # (op, kind, a gather it reaches)
         for op in self.ops:
             if self._candidate(op):
                 component[op.operation] = op.operation
-                self.dims[op.operation.results[0]] = ir_utils.int_attr(op, "all_gather_dim")
+                dims[op.operation.results[0]] = ir_utils.int_attr(op, "all_gather_dim")
                 owner[op.operation.results[0]] = op.operation
-                found.append((op, "gather", {op.operation}))
+                found.append((op, "gather", op.operation))
                 continue
-            on_path = [self.dims.get(v) for v in op.operation.operands]
+            on_path = [dims.get(v) for v in op.operation.operands]
             if all(d is None for d in on_path):
                 continue
-            gathers = {find(owner[v]) for v in op.operation.operands if v in self.dims}
+            gathers = {find(owner[v]) for v in op.operation.operands if v in dims}
             first = next(iter(gathers))
             for g in gathers:
                 component[g] = first
             kind, step = self._classify(op, on_path)
-            found.append((op, kind, gathers))
+            found.append((op, kind, first))
             if kind == "column":
-                self.steps[op.operation] = step
+                steps[op.operation] = step
                 for r in op.operation.results:
-                    self.dims[r] = step.out_dim
+                    dims[r] = step.out_dim
                     owner[r] = first
-        mine = find(self.gather.operation)
-        for op, kind, gathers in found:
-            if find(next(iter(gathers))) is not mine:
-                continue
+        regions: dict = {}
+        for op, kind, g in found:
+            if find(g) not in regions:
+                regions[find(g)] = _Region(self.block, self.ops, self.shard, self.position)
+            region = regions[find(g)]
             if kind == "gather":
-                self.gathers.append(op)
+                region.gathers.append(op)
+                self.regions[op.operation] = region
             elif kind == "column":
-                self.column_ops.append(op)
+                region.column_ops.append(op)
+                region.steps[op.operation] = steps[op.operation]
             elif kind == "statistic":
-                self.stats.append(op)
+                region.stats.append(op)
             elif kind == "scatter":
-                self.scatters.append(op)
-            elif self.problem is None:
-                self.problem = kind
-        # values of other regions' gathers are not this region's
-        self.dims = {v: d for v, d in self.dims.items() if find(owner[v]) is mine}
+                region.scatters.append(op)
+            elif region.problem is None:
+                region.problem = kind
+        for v, d in dims.items():
+            regions[find(owner[v])].dims[v] = d
 
     def _classify(self, op: ir.OpView, on_path: list) -> tuple[str, Step | None]:
         name = op.operation.name
@@ -255,10 +286,6 @@ class _Region:
             return str(e), None
 
 
-def _reads(op: ir.OpView) -> list[ir.Value]:
-    return list(op.operation.operands)
-
-
 class _Planner:
     """Levels, merges and passes of one region (module docstring)."""
 
@@ -277,7 +304,9 @@ class _Planner:
 
     def run(self) -> None:
         r = self.r
-        for op in r.ops:
+        # (the region's ops lie between its first gather and its last op: only those are read back)
+        span = [r.position[o.operation] for o in (*r.gathers, *r.column_ops, *r.stats, *r.scatters)]
+        for op in r.ops[min(span):max(span) + 1]:
             o = op.operation
             if o in self.stats:
                 plan = self._statistic(op)
@@ -516,13 +545,13 @@ def _carried(op: ir.OpView, places: list) -> list:
     return [None if p is None else where.get(p) for p in places]
 
 
-def plan(gather: ir.OpView, ring=None, manual=None) -> ColumnPlan | None:
-    """The passes of the region ``gather`` starts (module docstring); None where it is not one
-    this rewrite takes (no statistic read back, nothing scattered); Decline(``cols_region``) where it
-    is but a side condition fails."""
-    region = _Region(gather)
-    region.walk()
-    if not region.stats or not region.scatters:
+def plan(gather: ir.OpView, ring=None, manual=None, columns: BlockColumns | None = None) -> ColumnPlan | None:
+    """The passes of the region ``gather`` is in (module docstring; ``columns``: its block's walk,
+    where one is at hand); None where it is not one this rewrite takes (no statistic read back,
+    nothing scattered); Decline(``cols_region``) where it is but a side condition fails."""
+    region = (columns or BlockColumns(gather)).region(gather)
+    if not region.scatters or not any(_combine(op) == "stablehlo.maximum" for op in region.stats
+                                      if op.operation.name == "stablehlo.reduce"):
         return None
     planner = _Planner(region)
     planner.run()
@@ -546,12 +575,14 @@ def plan(gather: ir.OpView, ring=None, manual=None) -> ColumnPlan | None:
         for r in op.operation.results:
             if any(_opview(u.owner).operation.block != region.block for u in r.uses):
                 raise Decline("cols_region", f"{_where(op)}'s value is read inside another op's region")
-    for op in region.column_ops:
-        step = region.steps[op.operation]
-        for value, side in zip(op.operation.operands, step.sides):
-            if side is not None and side[0] in (SLICE, REBUILD) and not _spanning_ok(value, side[1], planner.row):
-                raise Decline("cols_region", f"{_where(op)} reads a value spanning the gathered dim that is "
-                                             "computed from the region's statistics otherwise than by a broadcast")
+    spanning = [(op, value, side[1]) for op in region.column_ops
+                for value, side in zip(op.operation.operands, region.steps[op.operation].sides)
+                if side is not None and side[0] in (SLICE, REBUILD)]
+    spanning += [(op, value, dim) for op in region.stats for value, dim in _contracted_sides(op, region.dims)]
+    for op, value, dim in spanning:
+        if not _spanning_ok(value, dim, planner.row):
+            raise Decline("cols_region", f"{_where(op)} reads a value spanning the gathered dim that is "
+                                         "computed from the region's statistics otherwise than by a broadcast")
     return ColumnPlan(tuple(region.gathers), dict(region.dims), dict(region.steps), tuple(region.column_ops),
                       tuple(stats), tuple(needed), tuple(region.scatters), passes, dict(planner.level),
                       frozenset(planner.row), region.shard, ring, manual)
@@ -571,6 +602,19 @@ def _read_back(planner: _Planner, region: _Region) -> list[ir.OpView]:
         wanted.add(op.operation)
         frontier.extend(op.operation.operands)
     return [o for o in planner.row_ops if o.operation in wanted]
+
+
+def _contracted_sides(stat: ir.OpView, dims: dict) -> list[tuple[ir.Value, int]]:
+    """A dot statistic's operand that is no column value, and its dim contracted against J."""
+    if stat.operation.name != DOT:
+        return []
+    numbers = hlo.DotDimensionNumbers(stat.operation.attributes["dot_dimension_numbers"])
+    contracting = (list(numbers.lhs_contracting_dimensions), list(numbers.rhs_contracting_dimensions))
+    operands = list(stat.operation.operands[:2])
+    if all(v in dims for v in operands):
+        return []
+    c = 0 if operands[0] in dims else 1
+    return [(operands[1 - c], contracting[1 - c][contracting[c].index(dims[operands[c]])])]
 
 
 def _spanning_ok(value: ir.Value, dim: int, row: set) -> bool:
