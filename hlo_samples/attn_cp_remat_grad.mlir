@@ -229,85 +229,72 @@
 // GOLDEN-NEXT: %cst_20 = stablehlo.constant dense<0.000000e+00> : tensor<bf16>
 // GOLDEN-NEXT: %cst_21 = stablehlo.constant dense<0.000000e+00> : tensor<bf16>
 // GOLDEN-NEXT: %44 = stablehlo.broadcast_in_dim %cst_13, dims = [] : (tensor<f32>) -> tensor<2x4x8xf32>
-// GOLDEN-NEXT: %45:6 = stablehlo.while(%iterArg = %c, %iterArg_27 = %24#1, %iterArg_28 = %24#2, %iterArg_29 = %44, %iterArg_30 = %cst_4, %iterArg_31 = %cst_4) : tensor<ui32>, tensor<2x8x2x16xbf16>, tensor<2x8x2x16xbf16>, tensor<2x4x8xf32>, tensor<2x4x8xf32>, tensor<2x4x8xf32>
+// GOLDEN-NEXT: %45:6 = stablehlo.while(%iterArg = %c, %iterArg_25 = %24#1, %iterArg_26 = %24#2, %iterArg_27 = %44, %iterArg_28 = %cst_4, %iterArg_29 = %cst_4) : tensor<ui32>, tensor<2x8x2x16xbf16>, tensor<2x8x2x16xbf16>, tensor<2x4x8xf32>, tensor<2x4x8xf32>, tensor<2x4x8xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_32 = stablehlo.constant dense<7> : tensor<ui32>
-// GOLDEN-NEXT: %177 = stablehlo.compare LT, %iterArg, %c_32, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %177 : tensor<i1>
+// GOLDEN-NEXT: %c_30 = stablehlo.constant dense<7> : tensor<ui32>
+// GOLDEN-NEXT: %166 = stablehlo.compare LT, %iterArg, %c_30, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %166 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_32 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_33 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %cst_34 = stablehlo.constant dense<0.000000e+00> : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %177 = "stablehlo.collective_permute"(%iterArg_27) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x16xbf16>
-// GOLDEN-NEXT: %178 = "stablehlo.collective_permute"(%iterArg_28) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x16xbf16>
-// GOLDEN-NEXT: %179 = stablehlo.add %20, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %180 = stablehlo.remainder %179, %c_33 : tensor<ui32>
-// GOLDEN-NEXT: %181 = stablehlo.multiply %180, %c_33 : tensor<ui32>
-// GOLDEN-NEXT: %182 = stablehlo.broadcast_in_dim %33, dims = [0, 1] : (tensor<8x1xi32>) -> tensor<8x8xi32>
-// GOLDEN-NEXT: %183 = stablehlo.iota dim = 0 : tensor<8xi32>
-// GOLDEN-NEXT: %184 = stablehlo.convert %181 : (tensor<ui32>) -> tensor<i32>
-// GOLDEN-NEXT: %185 = stablehlo.broadcast_in_dim %184, dims = [] : (tensor<i32>) -> tensor<8xi32>
-// GOLDEN-NEXT: %186 = stablehlo.add %183, %185 : tensor<8xi32>
-// GOLDEN-NEXT: %187 = stablehlo.broadcast_in_dim %186, dims = [1] : (tensor<8xi32>) -> tensor<1x8xi32>
-// GOLDEN-NEXT: %188 = stablehlo.broadcast_in_dim %187, dims = [0, 1] : (tensor<1x8xi32>) -> tensor<8x8xi32>
-// GOLDEN-NEXT: %189 = stablehlo.compare GE, %182, %188, SIGNED : (tensor<8x8xi32>, tensor<8x8xi32>) -> tensor<8x8xi1>
-// GOLDEN-NEXT: %190 = stablehlo.broadcast_in_dim %iterArg_27, dims = [0, 1, 2, 4] : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x2x16xbf16>
-// GOLDEN-NEXT: %191 = stablehlo.reshape %190 : (tensor<2x8x2x2x16xbf16>) -> tensor<2x8x4x16xbf16>
-// GOLDEN-NEXT: %192 = stablehlo.dot_general %24#0, %191, batching_dims = [0, 2] x [0, 2], contracting_dims = [3] x [3], precision = [DEFAULT, DEFAULT] : (tensor<2x8x4x16xbf16>, tensor<2x8x4x16xbf16>) -> tensor<2x4x8x8xbf16>
-// GOLDEN-NEXT: %193 = stablehlo.convert %192 : (tensor<2x4x8x8xbf16>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %194 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %195 = stablehlo.divide %193, %194 : tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %196 = stablehlo.convert %cst_12 : tensor<f32>
-// GOLDEN-NEXT: %197 = stablehlo.broadcast_in_dim %189, dims = [2, 3] : (tensor<8x8xi1>) -> tensor<2x4x8x8xi1>
-// GOLDEN-NEXT: %198 = stablehlo.broadcast_in_dim %196, dims = [] : (tensor<f32>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %199 = stablehlo.select %197, %195, %198 : tensor<2x4x8x8xi1>, tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %200 = stablehlo.reduce(%199 init: %cst_13) applies stablehlo.maximum across dimensions = [3] : (tensor<2x4x8x8xf32>, tensor<f32>) -> tensor<2x4x8xf32>
-// GOLDEN-NEXT: %201 = stablehlo.maximum %iterArg_29, %200 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %202 = stablehlo.maximum %40, %iterArg_29 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %cst_35 = stablehlo.constant dense<0xFF800000> : tensor<f32>
-// GOLDEN-NEXT: %203 = stablehlo.broadcast_in_dim %cst_35, dims = [] : (tensor<f32>) -> tensor<2x4x8xf32>
-// GOLDEN-NEXT: %204 = stablehlo.compare EQ, %202, %203 : (tensor<2x4x8xf32>, tensor<2x4x8xf32>) -> tensor<2x4x8xi1>
-// GOLDEN-NEXT: %205 = stablehlo.select %204, %cst_34, %202 : tensor<2x4x8xi1>, tensor<2x4x8xf32>
-// GOLDEN-NEXT: %206 = stablehlo.maximum %40, %201 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %cst_36 = stablehlo.constant dense<0xFF800000> : tensor<f32>
-// GOLDEN-NEXT: %207 = stablehlo.broadcast_in_dim %cst_36, dims = [] : (tensor<f32>) -> tensor<2x4x8xf32>
-// GOLDEN-NEXT: %208 = stablehlo.compare EQ, %206, %207 : (tensor<2x4x8xf32>, tensor<2x4x8xf32>) -> tensor<2x4x8xi1>
-// GOLDEN-NEXT: %209 = stablehlo.select %208, %cst_34, %206 : tensor<2x4x8xi1>, tensor<2x4x8xf32>
-// GOLDEN-NEXT: %210 = stablehlo.subtract %205, %209 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %211 = stablehlo.exponential %210 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %212 = stablehlo.broadcast_in_dim %209, dims = [0, 1, 2] : (tensor<2x4x8xf32>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %213 = stablehlo.subtract %199, %212 : tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %214 = stablehlo.exponential %213 : tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %215 = stablehlo.reduce(%214 init: %cst_15) applies stablehlo.add across dimensions = [3] : (tensor<2x4x8x8xf32>, tensor<f32>) -> tensor<2x4x8xf32>
-// GOLDEN-NEXT: %216 = stablehlo.broadcast_in_dim %211, dims = [0, 1, 2] : (tensor<2x4x8xf32>) -> tensor<2x4x8xf32>
-// GOLDEN-NEXT: %217 = stablehlo.multiply %iterArg_30, %216 : tensor<2x4x8xf32>
+// GOLDEN-NEXT: %c_30 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_31 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %cst_32 = stablehlo.constant dense<0.000000e+00> : tensor<2x4x8xf32>
+// GOLDEN-NEXT: %166 = "stablehlo.collective_permute"(%iterArg_25) <{channel_handle = #stablehlo.channel_handle<handle = 2, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x16xbf16>
+// GOLDEN-NEXT: %167 = "stablehlo.collective_permute"(%iterArg_26) <{channel_handle = #stablehlo.channel_handle<handle = 3, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x16xbf16>
+// GOLDEN-NEXT: %168 = stablehlo.add %20, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %169 = stablehlo.remainder %168, %c_31 : tensor<ui32>
+// GOLDEN-NEXT: %170 = stablehlo.multiply %169, %c_31 : tensor<ui32>
+// GOLDEN-NEXT: %171 = stablehlo.broadcast_in_dim %33, dims = [0, 1] : (tensor<8x1xi32>) -> tensor<8x8xi32>
+// GOLDEN-NEXT: %172 = stablehlo.iota dim = 0 : tensor<8xi32>
+// GOLDEN-NEXT: %173 = stablehlo.convert %170 : (tensor<ui32>) -> tensor<i32>
+// GOLDEN-NEXT: %174 = stablehlo.broadcast_in_dim %173, dims = [] : (tensor<i32>) -> tensor<8xi32>
+// GOLDEN-NEXT: %175 = stablehlo.add %172, %174 : tensor<8xi32>
+// GOLDEN-NEXT: %176 = stablehlo.broadcast_in_dim %175, dims = [1] : (tensor<8xi32>) -> tensor<1x8xi32>
+// GOLDEN-NEXT: %177 = stablehlo.broadcast_in_dim %176, dims = [0, 1] : (tensor<1x8xi32>) -> tensor<8x8xi32>
+// GOLDEN-NEXT: %178 = stablehlo.compare GE, %171, %177, SIGNED : (tensor<8x8xi32>, tensor<8x8xi32>) -> tensor<8x8xi1>
+// GOLDEN-NEXT: %179 = stablehlo.broadcast_in_dim %iterArg_25, dims = [0, 1, 2, 4] : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x2x16xbf16>
+// GOLDEN-NEXT: %180 = stablehlo.reshape %179 : (tensor<2x8x2x2x16xbf16>) -> tensor<2x8x4x16xbf16>
+// GOLDEN-NEXT: %181 = stablehlo.dot_general %24#0, %180, batching_dims = [0, 2] x [0, 2], contracting_dims = [3] x [3], precision = [DEFAULT, DEFAULT] : (tensor<2x8x4x16xbf16>, tensor<2x8x4x16xbf16>) -> tensor<2x4x8x8xbf16>
+// GOLDEN-NEXT: %182 = stablehlo.convert %181 : (tensor<2x4x8x8xbf16>) -> tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %183 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %184 = stablehlo.divide %182, %183 : tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %185 = stablehlo.convert %cst_12 : tensor<f32>
+// GOLDEN-NEXT: %186 = stablehlo.broadcast_in_dim %178, dims = [2, 3] : (tensor<8x8xi1>) -> tensor<2x4x8x8xi1>
+// GOLDEN-NEXT: %187 = stablehlo.broadcast_in_dim %185, dims = [] : (tensor<f32>) -> tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %188 = stablehlo.select %186, %184, %187 : tensor<2x4x8x8xi1>, tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %189 = stablehlo.reduce(%188 init: %cst_13) applies stablehlo.maximum across dimensions = [3] : (tensor<2x4x8x8xf32>, tensor<f32>) -> tensor<2x4x8xf32>
+// GOLDEN-NEXT: %190 = stablehlo.maximum %iterArg_27, %189 : tensor<2x4x8xf32>
+// GOLDEN-NEXT: %191 = stablehlo.maximum %40, %iterArg_27 : tensor<2x4x8xf32>
+// GOLDEN-NEXT: %cst_33 = stablehlo.constant dense<0xFF800000> : tensor<f32>
+// GOLDEN-NEXT: %192 = stablehlo.broadcast_in_dim %cst_33, dims = [] : (tensor<f32>) -> tensor<2x4x8xf32>
+// GOLDEN-NEXT: %193 = stablehlo.compare EQ, %191, %192 : (tensor<2x4x8xf32>, tensor<2x4x8xf32>) -> tensor<2x4x8xi1>
+// GOLDEN-NEXT: %194 = stablehlo.select %193, %cst_32, %191 : tensor<2x4x8xi1>, tensor<2x4x8xf32>
+// GOLDEN-NEXT: %195 = stablehlo.maximum %40, %190 : tensor<2x4x8xf32>
+// GOLDEN-NEXT: %cst_34 = stablehlo.constant dense<0xFF800000> : tensor<f32>
+// GOLDEN-NEXT: %196 = stablehlo.broadcast_in_dim %cst_34, dims = [] : (tensor<f32>) -> tensor<2x4x8xf32>
+// GOLDEN-NEXT: %197 = stablehlo.compare EQ, %195, %196 : (tensor<2x4x8xf32>, tensor<2x4x8xf32>) -> tensor<2x4x8xi1>
+// GOLDEN-NEXT: %198 = stablehlo.select %197, %cst_32, %195 : tensor<2x4x8xi1>, tensor<2x4x8xf32>
+// GOLDEN-NEXT: %199 = stablehlo.subtract %194, %198 : tensor<2x4x8xf32>
+// GOLDEN-NEXT: %200 = stablehlo.exponential %199 : tensor<2x4x8xf32>
+// GOLDEN-NEXT: %201 = stablehlo.broadcast_in_dim %198, dims = [0, 1, 2] : (tensor<2x4x8xf32>) -> tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %202 = stablehlo.subtract %188, %201 : tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %203 = stablehlo.exponential %202 : tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %204 = stablehlo.reduce(%203 init: %cst_15) applies stablehlo.add across dimensions = [3] : (tensor<2x4x8x8xf32>, tensor<f32>) -> tensor<2x4x8xf32>
+// GOLDEN-NEXT: %205 = stablehlo.broadcast_in_dim %200, dims = [0, 1, 2] : (tensor<2x4x8xf32>) -> tensor<2x4x8xf32>
+// GOLDEN-NEXT: %206 = stablehlo.multiply %iterArg_28, %205 : tensor<2x4x8xf32>
+// GOLDEN-NEXT: %207 = stablehlo.add %206, %204 : tensor<2x4x8xf32>
+// GOLDEN-NEXT: %208 = stablehlo.broadcast_in_dim %iterArg_26, dims = [0, 1, 2, 4] : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x2x16xbf16>
+// GOLDEN-NEXT: %209 = stablehlo.reshape %208 : (tensor<2x8x2x2x16xbf16>) -> tensor<2x8x4x16xbf16>
+// GOLDEN-NEXT: %210 = stablehlo.dot_general %42, %209, batching_dims = [0, 1] x [0, 2], contracting_dims = [2] x [3], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16x8xbf16>, tensor<2x8x4x16xbf16>) -> tensor<2x4x8x8xbf16>
+// GOLDEN-NEXT: %211 = stablehlo.convert %210 : (tensor<2x4x8x8xbf16>) -> tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %212 = stablehlo.subtract %188, %201 : tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %213 = stablehlo.exponential %212 : tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %214 = stablehlo.multiply %211, %213 : tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %215 = stablehlo.reduce(%214 init: %cst_17) applies stablehlo.add across dimensions = [3] : (tensor<2x4x8x8xf32>, tensor<f32>) -> tensor<2x4x8xf32>
+// GOLDEN-NEXT: %216 = stablehlo.broadcast_in_dim %200, dims = [0, 1, 2] : (tensor<2x4x8xf32>) -> tensor<2x4x8xf32>
+// GOLDEN-NEXT: %217 = stablehlo.multiply %iterArg_29, %216 : tensor<2x4x8xf32>
 // GOLDEN-NEXT: %218 = stablehlo.add %217, %215 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %219 = stablehlo.maximum %40, %iterArg_29 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %cst_37 = stablehlo.constant dense<0xFF800000> : tensor<f32>
-// GOLDEN-NEXT: %220 = stablehlo.broadcast_in_dim %cst_37, dims = [] : (tensor<f32>) -> tensor<2x4x8xf32>
-// GOLDEN-NEXT: %221 = stablehlo.compare EQ, %219, %220 : (tensor<2x4x8xf32>, tensor<2x4x8xf32>) -> tensor<2x4x8xi1>
-// GOLDEN-NEXT: %222 = stablehlo.select %221, %cst_34, %219 : tensor<2x4x8xi1>, tensor<2x4x8xf32>
-// GOLDEN-NEXT: %223 = stablehlo.maximum %40, %201 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %cst_38 = stablehlo.constant dense<0xFF800000> : tensor<f32>
-// GOLDEN-NEXT: %224 = stablehlo.broadcast_in_dim %cst_38, dims = [] : (tensor<f32>) -> tensor<2x4x8xf32>
-// GOLDEN-NEXT: %225 = stablehlo.compare EQ, %223, %224 : (tensor<2x4x8xf32>, tensor<2x4x8xf32>) -> tensor<2x4x8xi1>
-// GOLDEN-NEXT: %226 = stablehlo.select %225, %cst_34, %223 : tensor<2x4x8xi1>, tensor<2x4x8xf32>
-// GOLDEN-NEXT: %227 = stablehlo.subtract %222, %226 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %228 = stablehlo.exponential %227 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %229 = stablehlo.broadcast_in_dim %226, dims = [0, 1, 2] : (tensor<2x4x8xf32>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %230 = stablehlo.broadcast_in_dim %iterArg_28, dims = [0, 1, 2, 4] : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x2x16xbf16>
-// GOLDEN-NEXT: %231 = stablehlo.reshape %230 : (tensor<2x8x2x2x16xbf16>) -> tensor<2x8x4x16xbf16>
-// GOLDEN-NEXT: %232 = stablehlo.dot_general %42, %231, batching_dims = [0, 1] x [0, 2], contracting_dims = [2] x [3], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16x8xbf16>, tensor<2x8x4x16xbf16>) -> tensor<2x4x8x8xbf16>
-// GOLDEN-NEXT: %233 = stablehlo.convert %232 : (tensor<2x4x8x8xbf16>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %234 = stablehlo.subtract %199, %229 : tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %235 = stablehlo.exponential %234 : tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %236 = stablehlo.multiply %233, %235 : tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %237 = stablehlo.reduce(%236 init: %cst_17) applies stablehlo.add across dimensions = [3] : (tensor<2x4x8x8xf32>, tensor<f32>) -> tensor<2x4x8xf32>
-// GOLDEN-NEXT: %238 = stablehlo.broadcast_in_dim %228, dims = [0, 1, 2] : (tensor<2x4x8xf32>) -> tensor<2x4x8xf32>
-// GOLDEN-NEXT: %239 = stablehlo.multiply %iterArg_31, %238 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %240 = stablehlo.add %239, %237 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %241 = stablehlo.add %iterArg, %c_32 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %241, %177, %178, %201, %218, %240 : tensor<ui32>, tensor<2x8x2x16xbf16>, tensor<2x8x2x16xbf16>, tensor<2x4x8xf32>, tensor<2x4x8xf32>, tensor<2x4x8xf32>
+// GOLDEN-NEXT: %219 = stablehlo.add %iterArg, %c_30 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %219, %166, %167, %190, %207, %218 : tensor<ui32>, tensor<2x8x2x16xbf16>, tensor<2x8x2x16xbf16>, tensor<2x4x8xf32>, tensor<2x4x8xf32>, tensor<2x4x8xf32>
 // GOLDEN-NEXT: }
 // GOLDEN-NEXT: %46 = stablehlo.multiply %23, %c_2 : tensor<ui32>
 // GOLDEN-NEXT: %47 = stablehlo.broadcast_in_dim %33, dims = [0, 1] : (tensor<8x1xi32>) -> tensor<8x8xi32>
@@ -349,174 +336,161 @@
 // GOLDEN-NEXT: %81 = stablehlo.broadcast_in_dim %76, dims = [0, 1, 2] : (tensor<2x4x8xf32>) -> tensor<2x4x8xf32>
 // GOLDEN-NEXT: %82 = stablehlo.multiply %45#4, %81 : tensor<2x4x8xf32>
 // GOLDEN-NEXT: %83 = stablehlo.add %82, %80 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %84 = stablehlo.maximum %40, %45#3 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %cst_24 = stablehlo.constant dense<0xFF800000> : tensor<f32>
-// GOLDEN-NEXT: %85 = stablehlo.broadcast_in_dim %cst_24, dims = [] : (tensor<f32>) -> tensor<2x4x8xf32>
-// GOLDEN-NEXT: %86 = stablehlo.compare EQ, %84, %85 : (tensor<2x4x8xf32>, tensor<2x4x8xf32>) -> tensor<2x4x8xi1>
-// GOLDEN-NEXT: %87 = stablehlo.select %86, %cst_4, %84 : tensor<2x4x8xi1>, tensor<2x4x8xf32>
-// GOLDEN-NEXT: %88 = stablehlo.maximum %40, %66 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %cst_25 = stablehlo.constant dense<0xFF800000> : tensor<f32>
-// GOLDEN-NEXT: %89 = stablehlo.broadcast_in_dim %cst_25, dims = [] : (tensor<f32>) -> tensor<2x4x8xf32>
-// GOLDEN-NEXT: %90 = stablehlo.compare EQ, %88, %89 : (tensor<2x4x8xf32>, tensor<2x4x8xf32>) -> tensor<2x4x8xi1>
-// GOLDEN-NEXT: %91 = stablehlo.select %90, %cst_4, %88 : tensor<2x4x8xi1>, tensor<2x4x8xf32>
-// GOLDEN-NEXT: %92 = stablehlo.subtract %87, %91 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %93 = stablehlo.exponential %92 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %94 = stablehlo.broadcast_in_dim %91, dims = [0, 1, 2] : (tensor<2x4x8xf32>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %95 = stablehlo.broadcast_in_dim %45#2, dims = [0, 1, 2, 4] : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x2x16xbf16>
-// GOLDEN-NEXT: %96 = stablehlo.reshape %95 : (tensor<2x8x2x2x16xbf16>) -> tensor<2x8x4x16xbf16>
-// GOLDEN-NEXT: %97 = stablehlo.dot_general %42, %96, batching_dims = [0, 1] x [0, 2], contracting_dims = [2] x [3], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16x8xbf16>, tensor<2x8x4x16xbf16>) -> tensor<2x4x8x8xbf16>
-// GOLDEN-NEXT: %98 = stablehlo.convert %97 : (tensor<2x4x8x8xbf16>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %99 = stablehlo.subtract %64, %94 : tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %100 = stablehlo.exponential %99 : tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %101 = stablehlo.multiply %98, %100 : tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %102 = stablehlo.reduce(%101 init: %cst_17) applies stablehlo.add across dimensions = [3] : (tensor<2x4x8x8xf32>, tensor<f32>) -> tensor<2x4x8xf32>
-// GOLDEN-NEXT: %103 = stablehlo.broadcast_in_dim %93, dims = [0, 1, 2] : (tensor<2x4x8xf32>) -> tensor<2x4x8xf32>
-// GOLDEN-NEXT: %104 = stablehlo.multiply %45#5, %103 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %105 = stablehlo.add %104, %102 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %106 = stablehlo.maximum %40, %66 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %107 = stablehlo.broadcast_in_dim %106, dims = [0, 1, 2] : (tensor<2x4x8xf32>) -> tensor<2x4x8x1xf32>
-// GOLDEN-NEXT: %108 = stablehlo.broadcast_in_dim %83, dims = [0, 1, 2] : (tensor<2x4x8xf32>) -> tensor<2x4x8x1xf32>
-// GOLDEN-NEXT: %109 = stablehlo.multiply %108, %108 : tensor<2x4x8x1xf32>
-// GOLDEN-NEXT: %110 = stablehlo.divide %41, %109 : tensor<2x4x8x1xf32>
-// GOLDEN-NEXT: %111 = stablehlo.reshape %110 : (tensor<2x4x8x1xf32>) -> tensor<2x4x8xf32>
-// GOLDEN-NEXT: %112 = stablehlo.broadcast_in_dim %111, dims = [0, 1, 2] : (tensor<2x4x8xf32>) -> tensor<2x4x8xf32>
-// GOLDEN-NEXT: %113 = stablehlo.multiply %105, %112 : tensor<2x4x8xf32>
-// GOLDEN-NEXT: %114 = stablehlo.reshape %113 : (tensor<2x4x8xf32>) -> tensor<2x4x8x1xf32>
-// GOLDEN-NEXT: %115 = stablehlo.negate %114 : tensor<2x4x8x1xf32>
-// GOLDEN-NEXT: %116 = stablehlo.reduce(%115 init: %cst_18) applies stablehlo.add across dimensions = [3] : (tensor<2x4x8x1xf32>, tensor<f32>) -> tensor<2x4x8xf32>
-// GOLDEN-NEXT: %117:6 = stablehlo.while(%iterArg = %c, %iterArg_27 = %24#1, %iterArg_28 = %24#2, %iterArg_29 = %cst_3, %iterArg_30 = %cst_5, %iterArg_31 = %cst_5) : tensor<ui32>, tensor<2x8x2x16xbf16>, tensor<2x8x2x16xbf16>, tensor<2x4x8x16xf32>, tensor<2x8x2x16xf32>, tensor<2x8x2x16xf32>
+// GOLDEN-NEXT: %84 = stablehlo.broadcast_in_dim %45#2, dims = [0, 1, 2, 4] : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x2x16xbf16>
+// GOLDEN-NEXT: %85 = stablehlo.reshape %84 : (tensor<2x8x2x2x16xbf16>) -> tensor<2x8x4x16xbf16>
+// GOLDEN-NEXT: %86 = stablehlo.dot_general %42, %85, batching_dims = [0, 1] x [0, 2], contracting_dims = [2] x [3], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16x8xbf16>, tensor<2x8x4x16xbf16>) -> tensor<2x4x8x8xbf16>
+// GOLDEN-NEXT: %87 = stablehlo.convert %86 : (tensor<2x4x8x8xbf16>) -> tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %88 = stablehlo.subtract %64, %77 : tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %89 = stablehlo.exponential %88 : tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %90 = stablehlo.multiply %87, %89 : tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %91 = stablehlo.reduce(%90 init: %cst_17) applies stablehlo.add across dimensions = [3] : (tensor<2x4x8x8xf32>, tensor<f32>) -> tensor<2x4x8xf32>
+// GOLDEN-NEXT: %92 = stablehlo.broadcast_in_dim %76, dims = [0, 1, 2] : (tensor<2x4x8xf32>) -> tensor<2x4x8xf32>
+// GOLDEN-NEXT: %93 = stablehlo.multiply %45#5, %92 : tensor<2x4x8xf32>
+// GOLDEN-NEXT: %94 = stablehlo.add %93, %91 : tensor<2x4x8xf32>
+// GOLDEN-NEXT: %95 = stablehlo.maximum %40, %66 : tensor<2x4x8xf32>
+// GOLDEN-NEXT: %96 = stablehlo.broadcast_in_dim %95, dims = [0, 1, 2] : (tensor<2x4x8xf32>) -> tensor<2x4x8x1xf32>
+// GOLDEN-NEXT: %97 = stablehlo.broadcast_in_dim %83, dims = [0, 1, 2] : (tensor<2x4x8xf32>) -> tensor<2x4x8x1xf32>
+// GOLDEN-NEXT: %98 = stablehlo.multiply %97, %97 : tensor<2x4x8x1xf32>
+// GOLDEN-NEXT: %99 = stablehlo.divide %41, %98 : tensor<2x4x8x1xf32>
+// GOLDEN-NEXT: %100 = stablehlo.reshape %99 : (tensor<2x4x8x1xf32>) -> tensor<2x4x8xf32>
+// GOLDEN-NEXT: %101 = stablehlo.broadcast_in_dim %100, dims = [0, 1, 2] : (tensor<2x4x8xf32>) -> tensor<2x4x8xf32>
+// GOLDEN-NEXT: %102 = stablehlo.multiply %94, %101 : tensor<2x4x8xf32>
+// GOLDEN-NEXT: %103 = stablehlo.reshape %102 : (tensor<2x4x8xf32>) -> tensor<2x4x8x1xf32>
+// GOLDEN-NEXT: %104 = stablehlo.negate %103 : tensor<2x4x8x1xf32>
+// GOLDEN-NEXT: %105 = stablehlo.reduce(%104 init: %cst_18) applies stablehlo.add across dimensions = [3] : (tensor<2x4x8x1xf32>, tensor<f32>) -> tensor<2x4x8xf32>
+// GOLDEN-NEXT: %106:6 = stablehlo.while(%iterArg = %c, %iterArg_25 = %24#1, %iterArg_26 = %24#2, %iterArg_27 = %cst_3, %iterArg_28 = %cst_5, %iterArg_29 = %cst_5) : tensor<ui32>, tensor<2x8x2x16xbf16>, tensor<2x8x2x16xbf16>, tensor<2x4x8x16xf32>, tensor<2x8x2x16xf32>, tensor<2x8x2x16xf32>
 // GOLDEN-NEXT: cond {
-// GOLDEN-NEXT: %c_32 = stablehlo.constant dense<7> : tensor<ui32>
-// GOLDEN-NEXT: %177 = stablehlo.compare LT, %iterArg, %c_32, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
-// GOLDEN-NEXT: stablehlo.return %177 : tensor<i1>
+// GOLDEN-NEXT: %c_30 = stablehlo.constant dense<7> : tensor<ui32>
+// GOLDEN-NEXT: %166 = stablehlo.compare LT, %iterArg, %c_30, UNSIGNED : (tensor<ui32>, tensor<ui32>) -> tensor<i1>
+// GOLDEN-NEXT: stablehlo.return %166 : tensor<i1>
 // GOLDEN-NEXT: } do {
-// GOLDEN-NEXT: %c_32 = stablehlo.constant dense<1> : tensor<ui32>
-// GOLDEN-NEXT: %c_33 = stablehlo.constant dense<8> : tensor<ui32>
-// GOLDEN-NEXT: %177 = "stablehlo.collective_permute"(%iterArg_27) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x16xbf16>
-// GOLDEN-NEXT: %178 = "stablehlo.collective_permute"(%iterArg_28) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x16xbf16>
-// GOLDEN-NEXT: %179 = stablehlo.add %20, %iterArg : tensor<ui32>
-// GOLDEN-NEXT: %180 = stablehlo.remainder %179, %c_33 : tensor<ui32>
-// GOLDEN-NEXT: %181 = stablehlo.multiply %180, %c_33 : tensor<ui32>
-// GOLDEN-NEXT: %182 = stablehlo.broadcast_in_dim %33, dims = [0, 1] : (tensor<8x1xi32>) -> tensor<8x8xi32>
-// GOLDEN-NEXT: %183 = stablehlo.iota dim = 0 : tensor<8xi32>
-// GOLDEN-NEXT: %184 = stablehlo.convert %181 : (tensor<ui32>) -> tensor<i32>
-// GOLDEN-NEXT: %185 = stablehlo.broadcast_in_dim %184, dims = [] : (tensor<i32>) -> tensor<8xi32>
-// GOLDEN-NEXT: %186 = stablehlo.add %183, %185 : tensor<8xi32>
-// GOLDEN-NEXT: %187 = stablehlo.broadcast_in_dim %186, dims = [1] : (tensor<8xi32>) -> tensor<1x8xi32>
-// GOLDEN-NEXT: %188 = stablehlo.broadcast_in_dim %187, dims = [0, 1] : (tensor<1x8xi32>) -> tensor<8x8xi32>
-// GOLDEN-NEXT: %189 = stablehlo.compare GE, %182, %188, SIGNED : (tensor<8x8xi32>, tensor<8x8xi32>) -> tensor<8x8xi1>
-// GOLDEN-NEXT: %190 = stablehlo.broadcast_in_dim %iterArg_27, dims = [0, 1, 2, 4] : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x2x16xbf16>
-// GOLDEN-NEXT: %191 = stablehlo.reshape %190 : (tensor<2x8x2x2x16xbf16>) -> tensor<2x8x4x16xbf16>
-// GOLDEN-NEXT: %192 = stablehlo.dot_general %24#0, %191, batching_dims = [0, 2] x [0, 2], contracting_dims = [3] x [3], precision = [DEFAULT, DEFAULT] : (tensor<2x8x4x16xbf16>, tensor<2x8x4x16xbf16>) -> tensor<2x4x8x8xbf16>
-// GOLDEN-NEXT: %193 = stablehlo.convert %192 : (tensor<2x4x8x8xbf16>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %194 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %195 = stablehlo.divide %193, %194 : tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %196 = stablehlo.convert %cst_12 : tensor<f32>
-// GOLDEN-NEXT: %197 = stablehlo.broadcast_in_dim %189, dims = [2, 3] : (tensor<8x8xi1>) -> tensor<2x4x8x8xi1>
-// GOLDEN-NEXT: %198 = stablehlo.broadcast_in_dim %196, dims = [] : (tensor<f32>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %199 = stablehlo.select %197, %195, %198 : tensor<2x4x8x8xi1>, tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %200 = stablehlo.broadcast_in_dim %iterArg_28, dims = [0, 1, 2, 4] : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x2x16xbf16>
-// GOLDEN-NEXT: %201 = stablehlo.reshape %200 : (tensor<2x8x2x2x16xbf16>) -> tensor<2x8x4x16xbf16>
-// GOLDEN-NEXT: %202 = stablehlo.dot_general %42, %201, batching_dims = [0, 1] x [0, 2], contracting_dims = [2] x [3], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16x8xbf16>, tensor<2x8x4x16xbf16>) -> tensor<2x4x8x8xbf16>
-// GOLDEN-NEXT: %203 = stablehlo.convert %202 : (tensor<2x4x8x8xbf16>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %204 = stablehlo.broadcast_in_dim %108, dims = [0, 1, 2, 3] : (tensor<2x4x8x1xf32>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %205 = stablehlo.divide %203, %204 : tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %206 = stablehlo.broadcast_in_dim %116, dims = [0, 1, 2] : (tensor<2x4x8xf32>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %207 = stablehlo.add %205, %206 : tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %208 = stablehlo.broadcast_in_dim %107, dims = [0, 1, 2, 3] : (tensor<2x4x8x1xf32>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %209 = stablehlo.subtract %199, %208 : tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %210 = stablehlo.exponential %209 : tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %211 = stablehlo.multiply %207, %210 : tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %cst_34 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %212 = stablehlo.broadcast_in_dim %cst_34, dims = [] : (tensor<f32>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %213 = stablehlo.select %197, %211, %212 : tensor<2x4x8x8xi1>, tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %214 = stablehlo.broadcast_in_dim %cst_19, dims = [] : (tensor<f32>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %215 = stablehlo.divide %213, %214 : tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %216 = stablehlo.convert %215 : (tensor<2x4x8x8xf32>) -> tensor<2x4x8x8xbf16>
-// GOLDEN-NEXT: %217 = stablehlo.dot_general %216, %191, batching_dims = [0, 1] x [0, 2], contracting_dims = [3] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x4x8x8xbf16>, tensor<2x8x4x16xbf16>) -> tensor<2x4x8x16xbf16>
-// GOLDEN-NEXT: %218 = stablehlo.convert %217 : (tensor<2x4x8x16xbf16>) -> tensor<2x4x8x16xf32>
-// GOLDEN-NEXT: %219 = stablehlo.add %iterArg_29, %218 : tensor<2x4x8x16xf32>
-// GOLDEN-NEXT: %220 = stablehlo.broadcast_in_dim %108, dims = [0, 1, 2, 3] : (tensor<2x4x8x1xf32>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %221 = stablehlo.divide %210, %220 : tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %222 = stablehlo.convert %221 : (tensor<2x4x8x8xf32>) -> tensor<2x4x8x8xbf16>
-// GOLDEN-NEXT: %223 = stablehlo.dot_general %42, %222, batching_dims = [0, 1] x [0, 1], contracting_dims = [3] x [2], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16x8xbf16>, tensor<2x4x8x8xbf16>) -> tensor<2x4x16x8xbf16>
-// GOLDEN-NEXT: %224 = stablehlo.transpose %223, dims = [0, 3, 1, 2] : (tensor<2x4x16x8xbf16>) -> tensor<2x8x4x16xbf16>
-// GOLDEN-NEXT: %225 = stablehlo.reshape %224 : (tensor<2x8x4x16xbf16>) -> tensor<2x8x2x2x16xbf16>
-// GOLDEN-NEXT: %226 = stablehlo.reduce(%225 init: %cst_20) applies stablehlo.add across dimensions = [3] : (tensor<2x8x2x2x16xbf16>, tensor<bf16>) -> tensor<2x8x2x16xbf16>
-// GOLDEN-NEXT: %227 = stablehlo.convert %226 : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x16xf32>
-// GOLDEN-NEXT: %228 = stablehlo.add %iterArg_30, %227 : tensor<2x8x2x16xf32>
-// GOLDEN-NEXT: %229 = "stablehlo.collective_permute"(%228) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x2x16xf32>) -> tensor<2x8x2x16xf32>
-// GOLDEN-NEXT: %230 = stablehlo.dot_general %216, %24#0, batching_dims = [0, 1] x [0, 2], contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x4x8x8xbf16>, tensor<2x8x4x16xbf16>) -> tensor<2x4x8x16xbf16>
-// GOLDEN-NEXT: %231 = stablehlo.transpose %230, dims = [0, 2, 1, 3] : (tensor<2x4x8x16xbf16>) -> tensor<2x8x4x16xbf16>
-// GOLDEN-NEXT: %232 = stablehlo.reshape %231 : (tensor<2x8x4x16xbf16>) -> tensor<2x8x2x2x16xbf16>
-// GOLDEN-NEXT: %233 = stablehlo.reduce(%232 init: %cst_21) applies stablehlo.add across dimensions = [3] : (tensor<2x8x2x2x16xbf16>, tensor<bf16>) -> tensor<2x8x2x16xbf16>
-// GOLDEN-NEXT: %234 = stablehlo.convert %233 : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x16xf32>
-// GOLDEN-NEXT: %235 = stablehlo.add %iterArg_31, %234 : tensor<2x8x2x16xf32>
-// GOLDEN-NEXT: %236 = "stablehlo.collective_permute"(%235) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x2x16xf32>) -> tensor<2x8x2x16xf32>
-// GOLDEN-NEXT: %237 = stablehlo.add %iterArg, %c_32 : tensor<ui32>
-// GOLDEN-NEXT: stablehlo.return %237, %177, %178, %219, %229, %236 : tensor<ui32>, tensor<2x8x2x16xbf16>, tensor<2x8x2x16xbf16>, tensor<2x4x8x16xf32>, tensor<2x8x2x16xf32>, tensor<2x8x2x16xf32>
+// GOLDEN-NEXT: %c_30 = stablehlo.constant dense<1> : tensor<ui32>
+// GOLDEN-NEXT: %c_31 = stablehlo.constant dense<8> : tensor<ui32>
+// GOLDEN-NEXT: %166 = "stablehlo.collective_permute"(%iterArg_25) <{channel_handle = #stablehlo.channel_handle<handle = 4, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x16xbf16>
+// GOLDEN-NEXT: %167 = "stablehlo.collective_permute"(%iterArg_26) <{channel_handle = #stablehlo.channel_handle<handle = 5, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x16xbf16>
+// GOLDEN-NEXT: %168 = stablehlo.add %20, %iterArg : tensor<ui32>
+// GOLDEN-NEXT: %169 = stablehlo.remainder %168, %c_31 : tensor<ui32>
+// GOLDEN-NEXT: %170 = stablehlo.multiply %169, %c_31 : tensor<ui32>
+// GOLDEN-NEXT: %171 = stablehlo.broadcast_in_dim %33, dims = [0, 1] : (tensor<8x1xi32>) -> tensor<8x8xi32>
+// GOLDEN-NEXT: %172 = stablehlo.iota dim = 0 : tensor<8xi32>
+// GOLDEN-NEXT: %173 = stablehlo.convert %170 : (tensor<ui32>) -> tensor<i32>
+// GOLDEN-NEXT: %174 = stablehlo.broadcast_in_dim %173, dims = [] : (tensor<i32>) -> tensor<8xi32>
+// GOLDEN-NEXT: %175 = stablehlo.add %172, %174 : tensor<8xi32>
+// GOLDEN-NEXT: %176 = stablehlo.broadcast_in_dim %175, dims = [1] : (tensor<8xi32>) -> tensor<1x8xi32>
+// GOLDEN-NEXT: %177 = stablehlo.broadcast_in_dim %176, dims = [0, 1] : (tensor<1x8xi32>) -> tensor<8x8xi32>
+// GOLDEN-NEXT: %178 = stablehlo.compare GE, %171, %177, SIGNED : (tensor<8x8xi32>, tensor<8x8xi32>) -> tensor<8x8xi1>
+// GOLDEN-NEXT: %179 = stablehlo.broadcast_in_dim %iterArg_25, dims = [0, 1, 2, 4] : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x2x16xbf16>
+// GOLDEN-NEXT: %180 = stablehlo.reshape %179 : (tensor<2x8x2x2x16xbf16>) -> tensor<2x8x4x16xbf16>
+// GOLDEN-NEXT: %181 = stablehlo.dot_general %24#0, %180, batching_dims = [0, 2] x [0, 2], contracting_dims = [3] x [3], precision = [DEFAULT, DEFAULT] : (tensor<2x8x4x16xbf16>, tensor<2x8x4x16xbf16>) -> tensor<2x4x8x8xbf16>
+// GOLDEN-NEXT: %182 = stablehlo.convert %181 : (tensor<2x4x8x8xbf16>) -> tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %183 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %184 = stablehlo.divide %182, %183 : tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %185 = stablehlo.convert %cst_12 : tensor<f32>
+// GOLDEN-NEXT: %186 = stablehlo.broadcast_in_dim %178, dims = [2, 3] : (tensor<8x8xi1>) -> tensor<2x4x8x8xi1>
+// GOLDEN-NEXT: %187 = stablehlo.broadcast_in_dim %185, dims = [] : (tensor<f32>) -> tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %188 = stablehlo.select %186, %184, %187 : tensor<2x4x8x8xi1>, tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %189 = stablehlo.broadcast_in_dim %iterArg_26, dims = [0, 1, 2, 4] : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x2x16xbf16>
+// GOLDEN-NEXT: %190 = stablehlo.reshape %189 : (tensor<2x8x2x2x16xbf16>) -> tensor<2x8x4x16xbf16>
+// GOLDEN-NEXT: %191 = stablehlo.dot_general %42, %190, batching_dims = [0, 1] x [0, 2], contracting_dims = [2] x [3], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16x8xbf16>, tensor<2x8x4x16xbf16>) -> tensor<2x4x8x8xbf16>
+// GOLDEN-NEXT: %192 = stablehlo.convert %191 : (tensor<2x4x8x8xbf16>) -> tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %193 = stablehlo.broadcast_in_dim %97, dims = [0, 1, 2, 3] : (tensor<2x4x8x1xf32>) -> tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %194 = stablehlo.divide %192, %193 : tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %195 = stablehlo.broadcast_in_dim %105, dims = [0, 1, 2] : (tensor<2x4x8xf32>) -> tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %196 = stablehlo.add %194, %195 : tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %197 = stablehlo.broadcast_in_dim %96, dims = [0, 1, 2, 3] : (tensor<2x4x8x1xf32>) -> tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %198 = stablehlo.subtract %188, %197 : tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %199 = stablehlo.exponential %198 : tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %200 = stablehlo.multiply %196, %199 : tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %cst_32 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %201 = stablehlo.broadcast_in_dim %cst_32, dims = [] : (tensor<f32>) -> tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %202 = stablehlo.select %186, %200, %201 : tensor<2x4x8x8xi1>, tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %203 = stablehlo.broadcast_in_dim %cst_19, dims = [] : (tensor<f32>) -> tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %204 = stablehlo.divide %202, %203 : tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %205 = stablehlo.convert %204 : (tensor<2x4x8x8xf32>) -> tensor<2x4x8x8xbf16>
+// GOLDEN-NEXT: %206 = stablehlo.dot_general %205, %180, batching_dims = [0, 1] x [0, 2], contracting_dims = [3] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x4x8x8xbf16>, tensor<2x8x4x16xbf16>) -> tensor<2x4x8x16xbf16>
+// GOLDEN-NEXT: %207 = stablehlo.convert %206 : (tensor<2x4x8x16xbf16>) -> tensor<2x4x8x16xf32>
+// GOLDEN-NEXT: %208 = stablehlo.add %iterArg_27, %207 : tensor<2x4x8x16xf32>
+// GOLDEN-NEXT: %209 = stablehlo.broadcast_in_dim %97, dims = [0, 1, 2, 3] : (tensor<2x4x8x1xf32>) -> tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %210 = stablehlo.divide %199, %209 : tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %211 = stablehlo.convert %210 : (tensor<2x4x8x8xf32>) -> tensor<2x4x8x8xbf16>
+// GOLDEN-NEXT: %212 = stablehlo.dot_general %42, %211, batching_dims = [0, 1] x [0, 1], contracting_dims = [3] x [2], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16x8xbf16>, tensor<2x4x8x8xbf16>) -> tensor<2x4x16x8xbf16>
+// GOLDEN-NEXT: %213 = stablehlo.transpose %212, dims = [0, 3, 1, 2] : (tensor<2x4x16x8xbf16>) -> tensor<2x8x4x16xbf16>
+// GOLDEN-NEXT: %214 = stablehlo.reshape %213 : (tensor<2x8x4x16xbf16>) -> tensor<2x8x2x2x16xbf16>
+// GOLDEN-NEXT: %215 = stablehlo.reduce(%214 init: %cst_20) applies stablehlo.add across dimensions = [3] : (tensor<2x8x2x2x16xbf16>, tensor<bf16>) -> tensor<2x8x2x16xbf16>
+// GOLDEN-NEXT: %216 = stablehlo.convert %215 : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x16xf32>
+// GOLDEN-NEXT: %217 = stablehlo.add %iterArg_28, %216 : tensor<2x8x2x16xf32>
+// GOLDEN-NEXT: %218 = "stablehlo.collective_permute"(%217) <{channel_handle = #stablehlo.channel_handle<handle = 6, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x2x16xf32>) -> tensor<2x8x2x16xf32>
+// GOLDEN-NEXT: %219 = stablehlo.dot_general %205, %24#0, batching_dims = [0, 1] x [0, 2], contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x4x8x8xbf16>, tensor<2x8x4x16xbf16>) -> tensor<2x4x8x16xbf16>
+// GOLDEN-NEXT: %220 = stablehlo.transpose %219, dims = [0, 2, 1, 3] : (tensor<2x4x8x16xbf16>) -> tensor<2x8x4x16xbf16>
+// GOLDEN-NEXT: %221 = stablehlo.reshape %220 : (tensor<2x8x4x16xbf16>) -> tensor<2x8x2x2x16xbf16>
+// GOLDEN-NEXT: %222 = stablehlo.reduce(%221 init: %cst_21) applies stablehlo.add across dimensions = [3] : (tensor<2x8x2x2x16xbf16>, tensor<bf16>) -> tensor<2x8x2x16xbf16>
+// GOLDEN-NEXT: %223 = stablehlo.convert %222 : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x16xf32>
+// GOLDEN-NEXT: %224 = stablehlo.add %iterArg_29, %223 : tensor<2x8x2x16xf32>
+// GOLDEN-NEXT: %225 = "stablehlo.collective_permute"(%224) <{channel_handle = #stablehlo.channel_handle<handle = 7, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x2x16xf32>) -> tensor<2x8x2x16xf32>
+// GOLDEN-NEXT: %226 = stablehlo.add %iterArg, %c_30 : tensor<ui32>
+// GOLDEN-NEXT: stablehlo.return %226, %166, %167, %208, %218, %225 : tensor<ui32>, tensor<2x8x2x16xbf16>, tensor<2x8x2x16xbf16>, tensor<2x4x8x16xf32>, tensor<2x8x2x16xf32>, tensor<2x8x2x16xf32>
 // GOLDEN-NEXT: }
-// GOLDEN-NEXT: %118 = stablehlo.broadcast_in_dim %33, dims = [0, 1] : (tensor<8x1xi32>) -> tensor<8x8xi32>
-// GOLDEN-NEXT: %119 = stablehlo.iota dim = 0 : tensor<8xi32>
-// GOLDEN-NEXT: %120 = stablehlo.convert %46 : (tensor<ui32>) -> tensor<i32>
-// GOLDEN-NEXT: %121 = stablehlo.broadcast_in_dim %120, dims = [] : (tensor<i32>) -> tensor<8xi32>
-// GOLDEN-NEXT: %122 = stablehlo.add %119, %121 : tensor<8xi32>
-// GOLDEN-NEXT: %123 = stablehlo.broadcast_in_dim %122, dims = [1] : (tensor<8xi32>) -> tensor<1x8xi32>
-// GOLDEN-NEXT: %124 = stablehlo.broadcast_in_dim %123, dims = [0, 1] : (tensor<1x8xi32>) -> tensor<8x8xi32>
-// GOLDEN-NEXT: %125 = stablehlo.compare GE, %118, %124, SIGNED : (tensor<8x8xi32>, tensor<8x8xi32>) -> tensor<8x8xi1>
-// GOLDEN-NEXT: %126 = stablehlo.broadcast_in_dim %117#1, dims = [0, 1, 2, 4] : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x2x16xbf16>
-// GOLDEN-NEXT: %127 = stablehlo.reshape %126 : (tensor<2x8x2x2x16xbf16>) -> tensor<2x8x4x16xbf16>
-// GOLDEN-NEXT: %128 = stablehlo.dot_general %24#0, %127, batching_dims = [0, 2] x [0, 2], contracting_dims = [3] x [3], precision = [DEFAULT, DEFAULT] : (tensor<2x8x4x16xbf16>, tensor<2x8x4x16xbf16>) -> tensor<2x4x8x8xbf16>
-// GOLDEN-NEXT: %129 = stablehlo.convert %128 : (tensor<2x4x8x8xbf16>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %130 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %131 = stablehlo.divide %129, %130 : tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %132 = stablehlo.convert %cst_12 : tensor<f32>
-// GOLDEN-NEXT: %133 = stablehlo.broadcast_in_dim %125, dims = [2, 3] : (tensor<8x8xi1>) -> tensor<2x4x8x8xi1>
-// GOLDEN-NEXT: %134 = stablehlo.broadcast_in_dim %132, dims = [] : (tensor<f32>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %135 = stablehlo.select %133, %131, %134 : tensor<2x4x8x8xi1>, tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %136 = stablehlo.broadcast_in_dim %117#2, dims = [0, 1, 2, 4] : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x2x16xbf16>
-// GOLDEN-NEXT: %137 = stablehlo.reshape %136 : (tensor<2x8x2x2x16xbf16>) -> tensor<2x8x4x16xbf16>
-// GOLDEN-NEXT: %138 = stablehlo.dot_general %42, %137, batching_dims = [0, 1] x [0, 2], contracting_dims = [2] x [3], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16x8xbf16>, tensor<2x8x4x16xbf16>) -> tensor<2x4x8x8xbf16>
-// GOLDEN-NEXT: %139 = stablehlo.convert %138 : (tensor<2x4x8x8xbf16>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %140 = stablehlo.broadcast_in_dim %108, dims = [0, 1, 2, 3] : (tensor<2x4x8x1xf32>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %141 = stablehlo.divide %139, %140 : tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %142 = stablehlo.broadcast_in_dim %116, dims = [0, 1, 2] : (tensor<2x4x8xf32>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %143 = stablehlo.add %141, %142 : tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %144 = stablehlo.broadcast_in_dim %107, dims = [0, 1, 2, 3] : (tensor<2x4x8x1xf32>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %145 = stablehlo.subtract %135, %144 : tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %146 = stablehlo.exponential %145 : tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %147 = stablehlo.multiply %143, %146 : tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %cst_26 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
-// GOLDEN-NEXT: %148 = stablehlo.broadcast_in_dim %cst_26, dims = [] : (tensor<f32>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %149 = stablehlo.select %133, %147, %148 : tensor<2x4x8x8xi1>, tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %150 = stablehlo.broadcast_in_dim %cst_19, dims = [] : (tensor<f32>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %151 = stablehlo.divide %149, %150 : tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %152 = stablehlo.convert %151 : (tensor<2x4x8x8xf32>) -> tensor<2x4x8x8xbf16>
-// GOLDEN-NEXT: %153 = stablehlo.dot_general %152, %127, batching_dims = [0, 1] x [0, 2], contracting_dims = [3] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x4x8x8xbf16>, tensor<2x8x4x16xbf16>) -> tensor<2x4x8x16xbf16>
-// GOLDEN-NEXT: %154 = stablehlo.convert %153 : (tensor<2x4x8x16xbf16>) -> tensor<2x4x8x16xf32>
-// GOLDEN-NEXT: %155 = stablehlo.add %117#3, %154 : tensor<2x4x8x16xf32>
-// GOLDEN-NEXT: %156 = stablehlo.broadcast_in_dim %108, dims = [0, 1, 2, 3] : (tensor<2x4x8x1xf32>) -> tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %157 = stablehlo.divide %146, %156 : tensor<2x4x8x8xf32>
-// GOLDEN-NEXT: %158 = stablehlo.convert %157 : (tensor<2x4x8x8xf32>) -> tensor<2x4x8x8xbf16>
-// GOLDEN-NEXT: %159 = stablehlo.dot_general %42, %158, batching_dims = [0, 1] x [0, 1], contracting_dims = [3] x [2], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16x8xbf16>, tensor<2x4x8x8xbf16>) -> tensor<2x4x16x8xbf16>
-// GOLDEN-NEXT: %160 = stablehlo.transpose %159, dims = [0, 3, 1, 2] : (tensor<2x4x16x8xbf16>) -> tensor<2x8x4x16xbf16>
-// GOLDEN-NEXT: %161 = stablehlo.reshape %160 : (tensor<2x8x4x16xbf16>) -> tensor<2x8x2x2x16xbf16>
-// GOLDEN-NEXT: %162 = stablehlo.reduce(%161 init: %cst_20) applies stablehlo.add across dimensions = [3] : (tensor<2x8x2x2x16xbf16>, tensor<bf16>) -> tensor<2x8x2x16xbf16>
-// GOLDEN-NEXT: %163 = stablehlo.convert %162 : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x16xf32>
-// GOLDEN-NEXT: %164 = stablehlo.add %117#4, %163 : tensor<2x8x2x16xf32>
-// GOLDEN-NEXT: %165 = "stablehlo.collective_permute"(%164) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x2x16xf32>) -> tensor<2x8x2x16xf32>
-// GOLDEN-NEXT: %166 = stablehlo.dot_general %152, %24#0, batching_dims = [0, 1] x [0, 2], contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x4x8x8xbf16>, tensor<2x8x4x16xbf16>) -> tensor<2x4x8x16xbf16>
-// GOLDEN-NEXT: %167 = stablehlo.transpose %166, dims = [0, 2, 1, 3] : (tensor<2x4x8x16xbf16>) -> tensor<2x8x4x16xbf16>
-// GOLDEN-NEXT: %168 = stablehlo.reshape %167 : (tensor<2x8x4x16xbf16>) -> tensor<2x8x2x2x16xbf16>
-// GOLDEN-NEXT: %169 = stablehlo.reduce(%168 init: %cst_21) applies stablehlo.add across dimensions = [3] : (tensor<2x8x2x2x16xbf16>, tensor<bf16>) -> tensor<2x8x2x16xbf16>
-// GOLDEN-NEXT: %170 = stablehlo.convert %169 : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x16xf32>
-// GOLDEN-NEXT: %171 = stablehlo.add %117#5, %170 : tensor<2x8x2x16xf32>
-// GOLDEN-NEXT: %172 = "stablehlo.collective_permute"(%171) <{channel_handle = #stablehlo.channel_handle<handle = 9, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x2x16xf32>) -> tensor<2x8x2x16xf32>
-// GOLDEN-NEXT: %173 = stablehlo.convert %165 : (tensor<2x8x2x16xf32>) -> tensor<2x8x2x16xbf16>
-// GOLDEN-NEXT: %174 = stablehlo.convert %172 : (tensor<2x8x2x16xf32>) -> tensor<2x8x2x16xbf16>
-// GOLDEN-NEXT: %175 = stablehlo.convert %155 : (tensor<2x4x8x16xf32>) -> tensor<2x4x8x16xbf16>
-// GOLDEN-NEXT: %176 = stablehlo.transpose %175, dims = [0, 2, 1, 3] : (tensor<2x4x8x16xbf16>) -> tensor<2x8x4x16xbf16>
-// GOLDEN-NEXT: sdy.return %176, %174, %173 : tensor<2x8x4x16xbf16>, tensor<2x8x2x16xbf16>, tensor<2x8x2x16xbf16>
+// GOLDEN-NEXT: %107 = stablehlo.broadcast_in_dim %33, dims = [0, 1] : (tensor<8x1xi32>) -> tensor<8x8xi32>
+// GOLDEN-NEXT: %108 = stablehlo.iota dim = 0 : tensor<8xi32>
+// GOLDEN-NEXT: %109 = stablehlo.convert %46 : (tensor<ui32>) -> tensor<i32>
+// GOLDEN-NEXT: %110 = stablehlo.broadcast_in_dim %109, dims = [] : (tensor<i32>) -> tensor<8xi32>
+// GOLDEN-NEXT: %111 = stablehlo.add %108, %110 : tensor<8xi32>
+// GOLDEN-NEXT: %112 = stablehlo.broadcast_in_dim %111, dims = [1] : (tensor<8xi32>) -> tensor<1x8xi32>
+// GOLDEN-NEXT: %113 = stablehlo.broadcast_in_dim %112, dims = [0, 1] : (tensor<1x8xi32>) -> tensor<8x8xi32>
+// GOLDEN-NEXT: %114 = stablehlo.compare GE, %107, %113, SIGNED : (tensor<8x8xi32>, tensor<8x8xi32>) -> tensor<8x8xi1>
+// GOLDEN-NEXT: %115 = stablehlo.broadcast_in_dim %106#1, dims = [0, 1, 2, 4] : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x2x16xbf16>
+// GOLDEN-NEXT: %116 = stablehlo.reshape %115 : (tensor<2x8x2x2x16xbf16>) -> tensor<2x8x4x16xbf16>
+// GOLDEN-NEXT: %117 = stablehlo.dot_general %24#0, %116, batching_dims = [0, 2] x [0, 2], contracting_dims = [3] x [3], precision = [DEFAULT, DEFAULT] : (tensor<2x8x4x16xbf16>, tensor<2x8x4x16xbf16>) -> tensor<2x4x8x8xbf16>
+// GOLDEN-NEXT: %118 = stablehlo.convert %117 : (tensor<2x4x8x8xbf16>) -> tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %119 = stablehlo.broadcast_in_dim %cst_11, dims = [] : (tensor<f32>) -> tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %120 = stablehlo.divide %118, %119 : tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %121 = stablehlo.convert %cst_12 : tensor<f32>
+// GOLDEN-NEXT: %122 = stablehlo.broadcast_in_dim %114, dims = [2, 3] : (tensor<8x8xi1>) -> tensor<2x4x8x8xi1>
+// GOLDEN-NEXT: %123 = stablehlo.broadcast_in_dim %121, dims = [] : (tensor<f32>) -> tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %124 = stablehlo.select %122, %120, %123 : tensor<2x4x8x8xi1>, tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %125 = stablehlo.broadcast_in_dim %106#2, dims = [0, 1, 2, 4] : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x2x16xbf16>
+// GOLDEN-NEXT: %126 = stablehlo.reshape %125 : (tensor<2x8x2x2x16xbf16>) -> tensor<2x8x4x16xbf16>
+// GOLDEN-NEXT: %127 = stablehlo.dot_general %42, %126, batching_dims = [0, 1] x [0, 2], contracting_dims = [2] x [3], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16x8xbf16>, tensor<2x8x4x16xbf16>) -> tensor<2x4x8x8xbf16>
+// GOLDEN-NEXT: %128 = stablehlo.convert %127 : (tensor<2x4x8x8xbf16>) -> tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %129 = stablehlo.broadcast_in_dim %97, dims = [0, 1, 2, 3] : (tensor<2x4x8x1xf32>) -> tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %130 = stablehlo.divide %128, %129 : tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %131 = stablehlo.broadcast_in_dim %105, dims = [0, 1, 2] : (tensor<2x4x8xf32>) -> tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %132 = stablehlo.add %130, %131 : tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %133 = stablehlo.broadcast_in_dim %96, dims = [0, 1, 2, 3] : (tensor<2x4x8x1xf32>) -> tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %134 = stablehlo.subtract %124, %133 : tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %135 = stablehlo.exponential %134 : tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %136 = stablehlo.multiply %132, %135 : tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %cst_24 = stablehlo.constant dense<0.000000e+00> : tensor<f32>
+// GOLDEN-NEXT: %137 = stablehlo.broadcast_in_dim %cst_24, dims = [] : (tensor<f32>) -> tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %138 = stablehlo.select %122, %136, %137 : tensor<2x4x8x8xi1>, tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %139 = stablehlo.broadcast_in_dim %cst_19, dims = [] : (tensor<f32>) -> tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %140 = stablehlo.divide %138, %139 : tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %141 = stablehlo.convert %140 : (tensor<2x4x8x8xf32>) -> tensor<2x4x8x8xbf16>
+// GOLDEN-NEXT: %142 = stablehlo.dot_general %141, %116, batching_dims = [0, 1] x [0, 2], contracting_dims = [3] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x4x8x8xbf16>, tensor<2x8x4x16xbf16>) -> tensor<2x4x8x16xbf16>
+// GOLDEN-NEXT: %143 = stablehlo.convert %142 : (tensor<2x4x8x16xbf16>) -> tensor<2x4x8x16xf32>
+// GOLDEN-NEXT: %144 = stablehlo.add %106#3, %143 : tensor<2x4x8x16xf32>
+// GOLDEN-NEXT: %145 = stablehlo.broadcast_in_dim %97, dims = [0, 1, 2, 3] : (tensor<2x4x8x1xf32>) -> tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %146 = stablehlo.divide %135, %145 : tensor<2x4x8x8xf32>
+// GOLDEN-NEXT: %147 = stablehlo.convert %146 : (tensor<2x4x8x8xf32>) -> tensor<2x4x8x8xbf16>
+// GOLDEN-NEXT: %148 = stablehlo.dot_general %42, %147, batching_dims = [0, 1] x [0, 1], contracting_dims = [3] x [2], precision = [DEFAULT, DEFAULT] : (tensor<2x4x16x8xbf16>, tensor<2x4x8x8xbf16>) -> tensor<2x4x16x8xbf16>
+// GOLDEN-NEXT: %149 = stablehlo.transpose %148, dims = [0, 3, 1, 2] : (tensor<2x4x16x8xbf16>) -> tensor<2x8x4x16xbf16>
+// GOLDEN-NEXT: %150 = stablehlo.reshape %149 : (tensor<2x8x4x16xbf16>) -> tensor<2x8x2x2x16xbf16>
+// GOLDEN-NEXT: %151 = stablehlo.reduce(%150 init: %cst_20) applies stablehlo.add across dimensions = [3] : (tensor<2x8x2x2x16xbf16>, tensor<bf16>) -> tensor<2x8x2x16xbf16>
+// GOLDEN-NEXT: %152 = stablehlo.convert %151 : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x16xf32>
+// GOLDEN-NEXT: %153 = stablehlo.add %106#4, %152 : tensor<2x8x2x16xf32>
+// GOLDEN-NEXT: %154 = "stablehlo.collective_permute"(%153) <{channel_handle = #stablehlo.channel_handle<handle = 8, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x2x16xf32>) -> tensor<2x8x2x16xf32>
+// GOLDEN-NEXT: %155 = stablehlo.dot_general %141, %24#0, batching_dims = [0, 1] x [0, 2], contracting_dims = [2] x [1], precision = [DEFAULT, DEFAULT] : (tensor<2x4x8x8xbf16>, tensor<2x8x4x16xbf16>) -> tensor<2x4x8x16xbf16>
+// GOLDEN-NEXT: %156 = stablehlo.transpose %155, dims = [0, 2, 1, 3] : (tensor<2x4x8x16xbf16>) -> tensor<2x8x4x16xbf16>
+// GOLDEN-NEXT: %157 = stablehlo.reshape %156 : (tensor<2x8x4x16xbf16>) -> tensor<2x8x2x2x16xbf16>
+// GOLDEN-NEXT: %158 = stablehlo.reduce(%157 init: %cst_21) applies stablehlo.add across dimensions = [3] : (tensor<2x8x2x2x16xbf16>, tensor<bf16>) -> tensor<2x8x2x16xbf16>
+// GOLDEN-NEXT: %159 = stablehlo.convert %158 : (tensor<2x8x2x16xbf16>) -> tensor<2x8x2x16xf32>
+// GOLDEN-NEXT: %160 = stablehlo.add %106#5, %159 : tensor<2x8x2x16xf32>
+// GOLDEN-NEXT: %161 = "stablehlo.collective_permute"(%160) <{channel_handle = #stablehlo.channel_handle<handle = 9, type = 1>, source_target_pairs = dense<{{\[\[}}0, 7], [1, 0], [2, 1], [3, 2], [4, 3], [5, 4], [6, 5], [7, 6]]> : tensor<8x2xi64>}> : (tensor<2x8x2x16xf32>) -> tensor<2x8x2x16xf32>
+// GOLDEN-NEXT: %162 = stablehlo.convert %154 : (tensor<2x8x2x16xf32>) -> tensor<2x8x2x16xbf16>
+// GOLDEN-NEXT: %163 = stablehlo.convert %161 : (tensor<2x8x2x16xf32>) -> tensor<2x8x2x16xbf16>
+// GOLDEN-NEXT: %164 = stablehlo.convert %144 : (tensor<2x4x8x16xf32>) -> tensor<2x4x8x16xbf16>
+// GOLDEN-NEXT: %165 = stablehlo.transpose %164, dims = [0, 2, 1, 3] : (tensor<2x4x8x16xbf16>) -> tensor<2x8x4x16xbf16>
+// GOLDEN-NEXT: sdy.return %165, %163, %162 : tensor<2x8x4x16xbf16>, tensor<2x8x2x16xbf16>, tensor<2x8x2x16xbf16>
 // GOLDEN-NEXT: } : (tensor<2x64x4x16xbf16>, tensor<2x64x4x16xbf16>, tensor<2x64x2x16xbf16>, tensor<2x64x2x16xbf16>) -> (tensor<2x64x4x16xbf16>, tensor<2x64x2x16xbf16>, tensor<2x64x2x16xbf16>)
 // GOLDEN-NEXT: return %9, %17#0, %17#1, %17#2 : tensor<f32>, tensor<2x64x4x16xbf16>, tensor<2x64x2x16xbf16>, tensor<2x64x2x16xbf16>
 // GOLDEN-NEXT: }

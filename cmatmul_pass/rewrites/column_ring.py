@@ -95,7 +95,6 @@ class _Emitter:
         self.rows: dict = {}  # a row value of the region -> its value in the rewritten program
         self.hoisted: dict = {}
         self.order = {o: i for i, o in enumerate(at.operation.block.operations)}
-        self.gathered = {g.operation.results[0]: g for g in plan.gathers}
         self.channels: list[int] = []
         self.stats = ScheduleStats()
         self.sends = 0
@@ -204,10 +203,14 @@ class _Emitter:
                     if s.op.operation in tops:
                         before[s.op.operation] = state[i]
                     new[i] = self._fold(s, state[i], blocks.partial(s))
+            rescaled: dict = {}  # a max (its operation) -> its rescale and reference this round
             for i, s in enumerate(stats):
                 if s.online is not None:
-                    j = next(j for j, t in enumerate(stats) if t.op.operation == s.online.top.operation)
-                    alpha, reference = self._rescale(s, before[s.online.top.operation], new[j])
+                    top = s.online.top.operation
+                    if top not in rescaled:
+                        j = next(j for j, t in enumerate(stats) if t.op.operation == top)
+                        rescaled[top] = self._rescale(s, before[top], new[j])
+                    alpha, reference = rescaled[top]
                     partial = blocks.partial(s, reference)
                     scaled = b.mul(state[i], self._spread(s, alpha, state[i]))
                     new[i] = b.add(scaled, b.convert(partial, ir.RankedTensorType(state[i].type).element_type))
@@ -324,14 +327,17 @@ class _Blocks:
     def partial(self, s: Statistic, reference: ir.Value | None = None) -> ir.Value:
         """``s`` over this block (a merged sum: its exponential against ``reference``)."""
         override = {}
-        if reference is not None:
-            x = s.online.subtract.operation.operands[0]
-            j = self.plan.dims[x]
-            t = block_type(x, j, self.e.n)
-            override[s.online.subtract.operation.operands[1]] = self.e.b.create(
-                "stablehlo.broadcast_in_dim", [ir.RankedTensorType.get(t.shape, ir.RankedTensorType(
-                    reference.type).element_type)], [reference],
-                {"broadcast_dimensions": ir.DenseI64ArrayAttr.get([d for d in range(t.rank) if d != j])}).result
+        if reference is not None:  # (one broadcast of the reference for the sums that share it)
+            shifted = s.online.subtract.operation.operands[1]
+            if ("reference", shifted, reference) not in self.sides:
+                x = s.online.subtract.operation.operands[0]
+                j = self.plan.dims[x]
+                t = block_type(x, j, self.e.n)
+                self.sides[("reference", shifted, reference)] = self.e.b.create(
+                    "stablehlo.broadcast_in_dim", [ir.RankedTensorType.get(t.shape, ir.RankedTensorType(
+                        reference.type).element_type)], [reference],
+                    {"broadcast_dimensions": ir.DenseI64ArrayAttr.get([d for d in range(t.rank) if d != j])}).result
+            override[shifted] = self.sides[("reference", shifted, reference)]
         variant = (s.skipped, reference)
         operands = []
         for v in s.op.operation.operands:
