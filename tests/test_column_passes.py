@@ -275,3 +275,15 @@ def test_a_scan_over_rematerialised_attention_layers():
     result = rewritten(lower(step, arg(mesh, (2, 64, 2, 8), spec), arg(mesh, (2, 3, 8, 8), P())))
     (site,) = column_sites(result)
     assert site.layer and "each of the 2 trips" in site.layer
+
+
+def test_context_parallel_within_a_data_parallel_mesh():
+    # a 2×4 mesh: the sequence over 'context' (two groups of four), the batch over 'data'
+    mesh = jax.make_mesh((2, 4), ("data", AXIS))
+    spec = P("data", AXIS)
+    f = smap(jax.checkpoint(lambda q, k, v: attention(q, k, v, causal=True)), mesh=mesh, in_specs=(spec,) * 3,
+             out_specs=spec)
+    step = jax.value_and_grad(lambda q, k, v: jnp.sum(jnp.square(f(q, k, v))), argnums=(0, 1, 2))
+    result = rewritten(lower(step, *[arg(mesh, (2, 32, 2, 8), spec)] * 3))
+    (site,) = column_sites(result)
+    assert site.replica_groups == [[0, 1, 2, 3], [4, 5, 6, 7]]
