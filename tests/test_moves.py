@@ -102,9 +102,10 @@ def test_normalised_rows_first_read_whole_ring_with_the_norm_and_are_assembled(v
 def test_what_may_not_move_stays_as_it_was(body, why):
     text = lower(body, P("model", None))
     result = cmatmul_pass.rewrite(text, cmatmul_pass.Options(all_reduce="keep"))
-    gathers = [s for s in result.report.sites if s.kind == "all_gather_dot"]
-    assert len(gathers) == 1 and not gathers[0].rewritten
-    assert len(ir_utils.ops_named(result.module, "stablehlo.all_gather")["stablehlo.all_gather"]) == 1
+    assert not any(s.moved_from for s in result.report.sites)  # the gather is not moved past the softmax
+    # (the region, a max over the gathered rows read back and scattered along them, is the column
+    # passes': a ring of the row blocks per pass, tests/test_column_passes.py)
+    assert [s.kind for s in result.report.sites if s.rewritten] == ["column_passes"]
     outcome = execute.check_numerics(ir_utils.parse(text), result.module)
     assert outcome.ok, outcome.format()
 
