@@ -578,7 +578,7 @@ def plan(gather: ir.OpView, ring=None, manual=None, columns: BlockColumns | None
     spanning = [(op, value, side[1]) for op in region.column_ops
                 for value, side in zip(op.operation.operands, region.steps[op.operation].sides)
                 if side is not None and side[0] in (SLICE, REBUILD)]
-    spanning += [(op, value, dim) for op in region.stats for value, dim in _contracted_sides(op, region.dims)]
+    spanning += [(op, value, dim) for op in region.stats for value, dim in contracted_sides(op, region.dims)]
     for op, value, dim in spanning:
         if not _spanning_ok(value, dim, planner.row):
             raise Decline("cols_region", f"{_where(op)} reads a value spanning the gathered dim that is "
@@ -604,7 +604,7 @@ def _read_back(planner: _Planner, region: _Region) -> list[ir.OpView]:
     return [o for o in planner.row_ops if o.operation in wanted]
 
 
-def _contracted_sides(stat: ir.OpView, dims: dict) -> list[tuple[ir.Value, int]]:
+def contracted_sides(stat: ir.OpView, dims: dict) -> list[tuple[ir.Value, int]]:
     """A dot statistic's operand that is no column value, and its dim contracted against J."""
     if stat.operation.name != DOT:
         return []

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from .. import ir_utils
 from .._jax_private import hlo, ir
-from ..analysis.column_passes import ColumnPlan, Statistic
+from ..analysis.column_passes import ColumnPlan, Statistic, contracted_sides
 from ..analysis.separable import POINTWISE, REBUILD, SLICE
 from ..errors import Decline
 from ..ring_plan import gather_streams
@@ -339,12 +339,13 @@ class _Blocks:
                     {"broadcast_dimensions": ir.DenseI64ArrayAttr.get([d for d in range(t.rank) if d != j])}).result
             override[shifted] = self.sides[("reference", shifted, reference)]
         variant = (s.skipped, reference)
+        spanning = dict(contracted_sides(s.op, self.plan.dims))  # a dot's operand read at the block's columns
         operands = []
         for v in s.op.operation.operands:
             if v in self.plan.dims:
                 operands.append(self.column(v, variant if (s.skipped or override) else None, override))
-            elif s.op.operation.name == "stablehlo.dot_general" and self._spans(s, v):
-                operands.append(self._side(v, self._spanned(s, v)))
+            elif v in spanning:
+                operands.append(self._side(v, spanning[v]))
             else:
                 operands.append(self.e.row(v))
         clone = s.op.operation.clone()
@@ -353,18 +354,6 @@ class _Blocks:
         if clone.name == "stablehlo.dot_general":
             self.dots.append(clone)
         return clone.results[0]
-
-    def _spans(self, s: Statistic, v: ir.Value) -> bool:
-        return self._spanned(s, v) is not None
-
-    def _spanned(self, s: Statistic, v: ir.Value) -> int | None:
-        """The dim of a dot's non-column operand contracted against the column operand's J."""
-        numbers = hlo.DotDimensionNumbers(s.op.operation.attributes["dot_dimension_numbers"])
-        contracting = (list(numbers.lhs_contracting_dimensions), list(numbers.rhs_contracting_dimensions))
-        operands = list(s.op.operation.operands[:2])
-        col = 0 if operands[0] in self.plan.dims else 1
-        j = self.plan.dims[operands[col]]
-        return contracting[1 - col][contracting[col].index(j)] if v == operands[1 - col] else None
 
     def column(self, v: ir.Value, variant=None, override: dict | None = None) -> ir.Value:
         """Column value ``v``'s block (``variant``: a statistic's left-out factors and reference)."""
